@@ -1,0 +1,42 @@
+# Warnings as errors for our own code only (generated protobuf code is exempt).
+function(epd_warnings target)
+  target_compile_options(${target} PRIVATE
+    $<$<COMPILE_LANGUAGE:CXX>:-Wall -Wextra -Werror -Wno-unused-parameter -Wno-missing-field-initializers>)
+endfunction()
+
+# epd_library(<folder> SOURCES ... DEPS ...): one library per folder, epd_<folder> + epd::<folder>.
+function(epd_library name)
+  cmake_parse_arguments(ARG "" "" "SOURCES;PUBLIC_DEPS;PRIVATE_DEPS" ${ARGN})
+  if(NOT ARG_SOURCES)
+    # A folder whose code is all headers (or not written yet) is an interface library.
+    add_library(epd_${name} INTERFACE)
+    target_include_directories(epd_${name} INTERFACE ${EPD_ROOT})
+    target_link_libraries(epd_${name} INTERFACE ${ARG_PUBLIC_DEPS})
+    add_library(epd::${name} ALIAS epd_${name})
+    return()
+  endif()
+  add_library(epd_${name} STATIC ${ARG_SOURCES})
+  add_library(epd::${name} ALIAS epd_${name})
+  target_include_directories(epd_${name} PUBLIC ${EPD_ROOT})
+  target_link_libraries(epd_${name} PUBLIC ${ARG_PUBLIC_DEPS} PRIVATE ${ARG_PRIVATE_DEPS})
+  epd_warnings(epd_${name})
+endfunction()
+
+# epd_test(<name> SOURCES ... DEPS ... [LABELS unit|integration|gpu]): a GoogleTest binary.
+function(epd_test name)
+  cmake_parse_arguments(ARG "" "TIMEOUT" "SOURCES;DEPS;LABELS" ${ARGN})
+  if(EPD_UNIT_ONLY AND NOT "unit" IN_LIST ARG_LABELS)
+    return()
+  endif()
+  add_executable(${name} ${ARG_SOURCES})
+  set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  target_include_directories(${name} PRIVATE ${EPD_ROOT})
+  epd_warnings(${name})
+  if(NOT ARG_TIMEOUT)
+    set(ARG_TIMEOUT 300)
+  endif()
+  gtest_discover_tests(${name} DISCOVERY_TIMEOUT 120
+    PROPERTIES LABELS "${ARG_LABELS}" TIMEOUT ${ARG_TIMEOUT}
+    ENVIRONMENT "EPD_SOURCE_DIR=${EPD_ROOT};EPD_BINARY_DIR=${CMAKE_BINARY_DIR};UCX_NET_DEVICES=lo;UCX_WARN_UNUSED_ENV_VARS=n")
+endfunction()

@@ -1,0 +1,65 @@
+// The `epd` command: one entry point for operators and developers.
+#include <CLI/CLI.hpp>
+#include <iostream>
+#include <string>
+
+#include "services/version.h"
+
+namespace {
+
+int NotYetAvailable(const std::string& what) {
+  std::cerr << "epd " << what << ": not yet available in this build\n";
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"epd: Encoder-Prefill-Decode serving for DeepSeek-V4.1-Flash-architecture models"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", epd::services::kVersion);
+
+  auto* version = app.add_subcommand("version", "Print the version and build facts");
+
+  struct ServeFlags {
+    std::string model, data_dir = "./data";
+    int http_port = 8000, grpc_port = 50051;
+  } serve_flags;
+  auto* serve = app.add_subcommand(
+      "serve", "Start kvstore, router and one worker per pool on 127.0.0.1 with the demo model");
+  serve->add_option("--model", serve_flags.model, "Model directory (default: generate nano)");
+  serve->add_option("--http-port", serve_flags.http_port, "OpenAI HTTP port (default 8000)");
+  serve->add_option("--grpc-port", serve_flags.grpc_port, "gRPC port (default 50051)");
+  serve->add_option("--data-dir", serve_flags.data_dir, "Data folder (default ./data)");
+
+  std::string gen_preset = "nano", gen_out;
+  auto* gen = app.add_subcommand("gen-model", "Write a deterministic random checkpoint");
+  gen->add_option("--preset", gen_preset, "Model preset (nano)");
+  gen->add_option("--out", gen_out, "Output directory")->required();
+
+  std::string layout_config;
+  auto* layout = app.add_subcommand("kv-layout", "Print the per-token KV byte accounting");
+  layout->add_option("--config", layout_config, "Path to config.json")->required();
+
+  auto* generate = app.add_subcommand("generate", "Offline generation through the staged path");
+  generate->allow_extras();
+
+  auto* bench = app.add_subcommand("bench", "Drive a multi-turn agent workload at an endpoint");
+  bench->allow_extras();
+
+  CLI11_PARSE(app, argc, argv);
+
+  if (*version) {
+    std::cout << "epd " << epd::services::kVersion << "\n";
+#ifdef __VERSION__
+    std::cout << "compiler: " << __VERSION__ << "\n";
+#endif
+    return 0;
+  }
+  if (*serve) return NotYetAvailable("serve");
+  if (*gen) return NotYetAvailable("gen-model");
+  if (*layout) return NotYetAvailable("kv-layout");
+  if (*generate) return NotYetAvailable("generate");
+  if (*bench) return NotYetAvailable("bench");
+  return 0;
+}

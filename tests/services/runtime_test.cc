@@ -1,0 +1,64 @@
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "prometheus/counter.h"
+#include "services/runtime/metrics_server.h"
+#include "services/runtime/shutdown.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd::services {
+namespace {
+
+TEST(MetricsServerTest, ServesRegistryAndHealth) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  auto& fam = prometheus::BuildCounter()
+                  .Name("epd_test_requests_total")
+                  .Help("test counter")
+                  .Register(*registry);
+  fam.Add({{"pool", "decode"}}).Increment(3);
+  MetricsServer server(registry, "test");
+  auto port = server.Start("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok()) << port.status();
+  int status = 0;
+  auto body = epd::testing::HttpGet(*port, "/metrics", &status);
+  ASSERT_TRUE(body.has_value());
+  EXPECT_EQ(status, 200);
+  EXPECT_NE(body->find("epd_test_requests_total{pool=\"decode\"} 3"), std::string::npos) << *body;
+
+  auto health = epd::testing::HttpGet(*port, "/health", &status);
+  ASSERT_TRUE(health.has_value());
+  EXPECT_EQ(status, 200);
+  EXPECT_NE(health->find("\"status\":\"ok\""), std::string::npos);
+
+  server.SetHealth([] { return HealthReport{false, R"({"reason":"draining"})"}; });
+  health = epd::testing::HttpGet(*port, "/health", &status);
+  EXPECT_EQ(status, 503);
+  EXPECT_NE(health->find("draining"), std::string::npos);
+  server.Stop();
+  EXPECT_FALSE(epd::testing::HttpGet(*port, "/health").has_value());
+}
+
+TEST(MetricsServerTest, BusyPortIsAClearError) {
+  auto registry = std::make_shared<prometheus::Registry>();
+  MetricsServer a(registry, "a"), b(registry, "b");
+  auto port = a.Start("127.0.0.1", 0);
+  ASSERT_TRUE(port.ok());
+  auto again = b.Start("127.0.0.1", *port);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.status().message().find(std::to_string(*port)), std::string::npos);
+}
+
+TEST(ShutdownTest, RequestWakesWaiter) {
+  InstallShutdownHandlers();
+  std::thread t([] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    RequestShutdown();
+  });
+  EXPECT_TRUE(WaitForShutdown(std::chrono::seconds(10)));
+  t.join();
+  EXPECT_TRUE(ShutdownRequested());
+}
+
+}  // namespace
+}  // namespace epd::services
