@@ -1,0 +1,51 @@
+#pragma once
+
+// The nano demo model (DESIGN.md §8): a deterministic random checkpoint with the real
+// DeepSeek-V4.1-Flash architecture and exact checkpoint format (MODEL.md §2), small enough
+// for unit tests, plus its byte-level BPE tokenizer and Engram constants.
+//
+// `GenerateNanoModel(dir, seed)` writes into `dir`:
+//   config.json                    HF layout (top level + nested text_config), = configs/nano.json
+//   model.safetensors              one shard, native tensor names, official dtypes
+//   model.safetensors.index.json   {"metadata": {"total_size": N}, "weight_map": {name: file}}
+//   tokenizer.json                 the nano tokenizer (HF format)
+//   tokenizer_config.json          add_bos/add_eos false, bos/eos/pad token strings
+//   engram_constants.json          see model/engram_constants.h
+// Same seed -> byte-identical files.
+//
+// Thread-safety: all functions are reentrant.
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "nlohmann/json.hpp"
+
+namespace epd::model {
+
+inline constexpr uint64_t kNanoDefaultSeed = 20261130;
+
+// Training text of the nano tokenizer (model/nano_corpus.cc).
+std::string_view NanoCorpus();
+
+// The nano tokenizer.json text (trained deterministically on NanoCorpus()).
+// Ids: 0 BOS, 1 EOS, 2 PAD, 3..258 bytes, merged tokens, then the protocol tokens
+// <｜User｜> <｜Assistant｜> <think> </think> ｜DSML｜ <｜System｜> <｜latest_reminder｜>
+// <｜deepseek_image｜> at the end (vocab 2048).
+absl::StatusOr<std::string> NanoTokenizerJson();
+
+// The nano config.json (embedded copy of model/configs/nano.json).
+std::string_view NanoConfigJson();
+
+// Writes a random checkpoint for `config` (HF config.json layout with text_config) as
+// `out_dir/model.safetensors` + `out_dir/model.safetensors.index.json`. Weight scales follow
+// the golden generator (shared/golden/tools/v41_tiny_gen.py): small residual-branch gains so
+// the network stays well-conditioned. Errors name a missing/invalid config field.
+absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed, const std::string& out_dir);
+
+// Writes the whole nano model directory (see above). Creates `out_dir` if needed.
+absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed = kNanoDefaultSeed);
+
+}  // namespace epd::model
