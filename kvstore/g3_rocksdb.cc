@@ -1,0 +1,379 @@
+#include "kvstore/g3_rocksdb.h"
+
+#include <cstring>
+#include <vector>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "common/hash.h"
+#include "rocksdb/compaction_filter.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "rocksdb/slice.h"
+#include "rocksdb/table.h"
+#include "rocksdb/write_batch.h"
+
+namespace epd::kvstore {
+namespace {
+
+constexpr uint32_t kMagic = 0x4B445045;  // "EPDK" little-endian
+constexpr char kMetaCf[] = "meta";
+
+template <typename T>
+void StoreLe(uint8_t* p, T v) {
+  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
+}
+template <typename T>
+T LoadLe(const uint8_t* p) {
+  uint64_t v = 0;
+  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return static_cast<T>(v);
+}
+
+uint64_t Checksum(const uint8_t* header, std::span<const uint8_t> payload) {
+  const uint64_t seed = common::Xxh3_64(std::span<const uint8_t>(header, 24));
+  return common::Xxh3_64(payload, seed);
+}
+
+// Fills a header for `payload` written at `write_ms`.
+void EncodeHeader(uint8_t* h, int64_t write_ms, std::span<const uint8_t> payload) {
+  StoreLe<uint32_t>(h, kMagic);
+  StoreLe<uint16_t>(h + 4, kG3HeaderVersion);
+  StoreLe<uint16_t>(h + 6, static_cast<uint16_t>(kG3HeaderBytes));
+  StoreLe<int64_t>(h + 8, write_ms);
+  StoreLe<uint64_t>(h + 16, payload.size());
+  StoreLe<uint64_t>(h + 24, Checksum(h, payload));
+}
+
+// Parses the header's write time only (no checksum): for the compaction filter.
+bool HeaderWriteMs(const rocksdb::Slice& v, int64_t* write_ms) {
+  if (v.size() < kG3HeaderBytes) return false;
+  const auto* p = reinterpret_cast<const uint8_t*>(v.data());
+  if (LoadLe<uint32_t>(p) != kMagic) return false;
+  *write_ms = LoadLe<int64_t>(p + 8);
+  return true;
+}
+
+std::string EncodeMeta(int64_t write_ms, uint64_t bytes) {
+  std::string m(16, '\0');
+  StoreLe<int64_t>(reinterpret_cast<uint8_t*>(m.data()), write_ms);
+  StoreLe<uint64_t>(reinterpret_cast<uint8_t*>(m.data()) + 8, bytes);
+  return m;
+}
+
+// Drops values whose write time is older than the TTL when RocksDB compacts. Malformed values
+// are kept so that a read reports (and counts) them.
+class TtlFilter final : public rocksdb::CompactionFilter {
+ public:
+  TtlFilter(const common::Clock& clock, int64_t ttl_ms, bool meta)
+      : clock_(clock), ttl_ms_(ttl_ms), meta_(meta) {}
+  bool Filter(int, const rocksdb::Slice&, const rocksdb::Slice& value, std::string*,
+              bool*) const override {
+    int64_t write_ms = 0;
+    if (meta_) {
+      if (value.size() != 16) return false;
+      write_ms = LoadLe<int64_t>(reinterpret_cast<const uint8_t*>(value.data()));
+    } else if (!HeaderWriteMs(value, &write_ms)) {
+      return false;
+    }
+    return clock_.NowUnixMs() - write_ms >= ttl_ms_;
+  }
+  const char* Name() const override { return meta_ ? "epd.g3.ttl.meta" : "epd.g3.ttl.value"; }
+
+ private:
+  const common::Clock& clock_;
+  int64_t ttl_ms_;
+  bool meta_;
+};
+
+absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::InternalError(absl::StrCat("G3 RocksDB ", std::string(what), ": ", s.ToString()));
+}
+
+}  // namespace
+
+absl::Status G3Config::Validate() const {
+  if (path.empty()) return absl::InvalidArgumentError("G3 path is empty");
+  if (ttl_ms <= 0) return absl::InvalidArgumentError("G3 ttl must be > 0");
+  if (capacity_bytes == 0) return absl::InvalidArgumentError("G3 capacity_bytes must be > 0");
+  return absl::OkStatus();
+}
+
+G3RocksStore::G3RocksStore(const G3Config& config, const common::Clock& clock,
+                           KvMetrics& metrics)
+    : config_(config),
+      clock_(clock),
+      metrics_(metrics.tier(Tier::kG3)),
+      all_metrics_(metrics) {}
+
+G3RocksStore::~G3RocksStore() {
+  if (db_ != nullptr) {
+    if (meta_cf_ != nullptr) db_->DestroyColumnFamilyHandle(meta_cf_);
+    db_->Close();
+  }
+}
+
+absl::StatusOr<std::unique_ptr<G3RocksStore>> G3RocksStore::Open(const G3Config& config,
+                                                                 const common::Clock& clock,
+                                                                 KvMetrics& metrics) {
+  if (auto s = config.Validate(); !s.ok()) return s;
+  std::unique_ptr<G3RocksStore> store(new G3RocksStore(config, clock, metrics));
+  store->value_filter_ = std::make_unique<TtlFilter>(clock, config.ttl_ms, false);
+  store->meta_filter_ = std::make_unique<TtlFilter>(clock, config.ttl_ms, true);
+
+  rocksdb::DBOptions db_options;
+  db_options.create_if_missing = true;
+  db_options.create_missing_column_families = true;
+  db_options.IncreaseParallelism(2);
+  rocksdb::ColumnFamilyOptions value_options;
+  value_options.compression = rocksdb::kNoCompression;  // FP4/FP8 KV does not compress
+  value_options.compaction_filter = store->value_filter_.get();
+  value_options.write_buffer_size = 64ull << 20;
+  rocksdb::ColumnFamilyOptions meta_options;
+  meta_options.compaction_filter = store->meta_filter_.get();
+  std::vector<rocksdb::ColumnFamilyDescriptor> cfs{
+      {rocksdb::kDefaultColumnFamilyName, value_options}, {kMetaCf, meta_options}};
+  std::vector<rocksdb::ColumnFamilyHandle*> handles;
+  rocksdb::DB* raw = nullptr;
+  if (auto s = FromRocks(rocksdb::DB::Open(db_options, config.path, cfs, &handles, &raw),
+                         absl::StrCat("open ", config.path));
+      !s.ok()) {
+    return s;
+  }
+  store->db_.reset(raw);
+  // The default CF handle from Open must be destroyed like any other; keep the DB's own.
+  store->value_cf_ = raw->DefaultColumnFamily();
+  raw->DestroyColumnFamilyHandle(handles[0]);
+  store->meta_cf_ = handles[1];
+
+  // Rebuild the index from the meta column family.
+  {
+    absl::MutexLock lock(&store->mu_);
+    std::unique_ptr<rocksdb::Iterator> it(raw->NewIterator(rocksdb::ReadOptions(),
+                                                           store->meta_cf_));
+    for (it->SeekToFirst(); it->Valid(); it->Next()) {
+      if (it->key().size() != kBlockHashBytes || it->value().size() != 16) continue;
+      BlockHash key;
+      std::memcpy(key.data(), it->key().data(), key.size());
+      const auto* v = reinterpret_cast<const uint8_t*>(it->value().data());
+      Meta m{LoadLe<int64_t>(v), LoadLe<uint64_t>(v + 8)};
+      store->index_[key] = m;
+      store->by_time_.emplace(m.write_unix_ms, key);
+      store->bytes_ += m.bytes;
+    }
+    if (auto s = FromRocks(it->status(), "index scan"); !s.ok()) return s;
+    store->UpdateGaugesLocked();
+  }
+  spdlog::info("G3: opened {} with {} blocks ({} bytes)", config.path, store->stats().entries,
+               store->stats().bytes);
+  return store;
+}
+
+absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> value) {
+  if (value.size() > config_.max_value_bytes || value.size() > config_.capacity_bytes) {
+    all_metrics_.CountBadRequest("value_size");
+    return absl::InvalidArgumentError(absl::StrCat(
+        "G3 value of ", value.size(), " bytes exceeds the limit of ",
+        std::min<uint64_t>(config_.max_value_bytes, config_.capacity_bytes), " bytes"));
+  }
+  const int64_t now = clock_.NowUnixMs();
+  uint8_t header[kG3HeaderBytes];
+  EncodeHeader(header, now, value);
+  const rocksdb::Slice parts[2] = {
+      rocksdb::Slice(reinterpret_cast<const char*>(header), sizeof(header)),
+      rocksdb::Slice(reinterpret_cast<const char*>(value.data()), value.size())};
+  const rocksdb::Slice key_slice(reinterpret_cast<const char*>(key.data()), key.size());
+  const std::string meta = EncodeMeta(now, value.size());
+  rocksdb::WriteBatch batch;
+  if (auto s = FromRocks(batch.Put(value_cf_, rocksdb::SliceParts(&key_slice, 1),
+                                   rocksdb::SliceParts(parts, 2)),
+                         "batch");
+      !s.ok()) {
+    return s;
+  }
+  if (auto s = FromRocks(batch.Put(meta_cf_, key_slice, meta), "batch"); !s.ok()) return s;
+  rocksdb::WriteOptions wo;
+  wo.sync = config_.sync_writes;
+  if (auto s = FromRocks(db_->Write(wo, &batch), "put"); !s.ok()) {
+    all_metrics_.CountBadRequest("internal");
+    return s;
+  }
+  metrics_.puts->Increment();
+  metrics_.put_bytes->Increment(static_cast<double>(value.size()));
+  std::vector<BlockHash> victims;
+  {
+    absl::MutexLock lock(&mu_);
+    ForgetLocked(key);
+    index_[key] = Meta{now, value.size()};
+    by_time_.emplace(now, key);
+    bytes_ += value.size();
+    // Over capacity: the oldest-written values go first (the new one is the newest).
+    while (bytes_ > config_.capacity_bytes && !by_time_.empty()) {
+      const BlockHash victim = by_time_.begin()->second;
+      if (victim == key) break;
+      ForgetLocked(victim);
+      victims.push_back(victim);
+    }
+    UpdateGaugesLocked();
+  }
+  if (!victims.empty()) {
+    metrics_.evictions->Increment(static_cast<double>(victims.size()));
+    return DeleteKeys(victims);
+  }
+  return absl::OkStatus();
+}
+
+G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
+  GetResult r;
+  metrics_.gets->Increment();
+  metrics_.lookups->Increment();
+  const rocksdb::Slice key_slice(reinterpret_cast<const char*>(key.data()), key.size());
+  rocksdb::PinnableSlice stored;
+  rocksdb::ReadOptions ro;
+  ro.verify_checksums = true;
+  const rocksdb::Status s = db_->Get(ro, value_cf_, key_slice, &stored);
+  bool drop = false;
+  if (s.IsNotFound()) {
+    r.miss = MissReason::kAbsent;
+    absl::MutexLock lock(&mu_);
+    if (index_.contains(key)) {  // dropped by the compaction filter; forget it too
+      ForgetLocked(key);
+      UpdateGaugesLocked();
+    }
+  } else if (s.IsCorruption()) {
+    spdlog::warn("G3: RocksDB reports block {} corrupt: {}", common::ToHex(key), s.ToString());
+    r.miss = MissReason::kChecksum;
+    drop = true;
+  } else if (!s.ok()) {
+    spdlog::warn("G3: get failed: {}", s.ToString());
+    all_metrics_.CountBadRequest("internal");
+    r.miss = MissReason::kAbsent;
+  } else {
+    const auto* p = reinterpret_cast<const uint8_t*>(stored.data());
+    const size_t n = stored.size();
+    bool valid = n >= kG3HeaderBytes && LoadLe<uint32_t>(p) == kMagic &&
+                 LoadLe<uint16_t>(p + 4) == kG3HeaderVersion &&
+                 LoadLe<uint16_t>(p + 6) == kG3HeaderBytes &&
+                 LoadLe<uint64_t>(p + 16) == n - kG3HeaderBytes;
+    std::span<const uint8_t> payload;
+    if (valid) {
+      payload = std::span<const uint8_t>(p + kG3HeaderBytes, n - kG3HeaderBytes);
+      valid = LoadLe<uint64_t>(p + 24) == Checksum(p, payload);
+    }
+    if (!valid) {
+      spdlog::warn("G3: block {} failed its header/checksum check; dropped", common::ToHex(key));
+      r.miss = MissReason::kChecksum;
+      drop = true;
+    } else if (ExpiredAt(LoadLe<int64_t>(p + 8), clock_.NowUnixMs())) {
+      r.miss = MissReason::kExpired;
+      metrics_.ttl_expiries->Increment();
+      drop = true;
+    } else {
+      r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
+      r.miss = MissReason::kNone;
+      metrics_.hits->Increment();
+      metrics_.get_bytes->Increment(static_cast<double>(payload.size()));
+    }
+  }
+  if (r.miss == MissReason::kChecksum) metrics_.checksum_failures->Increment();
+  all_metrics_.CountMiss(Tier::kG3, r.miss);
+  if (drop) {
+    {
+      absl::MutexLock lock(&mu_);
+      ForgetLocked(key);
+      UpdateGaugesLocked();
+    }
+    (void)DeleteKeys({key});
+  }
+  return r;
+}
+
+bool G3RocksStore::Lookup(const BlockHash& key) {
+  metrics_.lookups->Increment();
+  const bool hit = Contains(key);
+  if (hit) metrics_.hits->Increment();
+  return hit;
+}
+
+bool G3RocksStore::Contains(const BlockHash& key) const {
+  absl::MutexLock lock(&mu_);
+  auto it = index_.find(key);
+  return it != index_.end() && !ExpiredAt(it->second.write_unix_ms, clock_.NowUnixMs());
+}
+
+absl::Status G3RocksStore::Delete(const BlockHash& key) {
+  {
+    absl::MutexLock lock(&mu_);
+    ForgetLocked(key);
+    UpdateGaugesLocked();
+  }
+  return DeleteKeys({key});
+}
+
+absl::Status G3RocksStore::DeleteKeys(const std::vector<BlockHash>& keys) {
+  rocksdb::WriteBatch batch;
+  for (const BlockHash& k : keys) {
+    const rocksdb::Slice ks(reinterpret_cast<const char*>(k.data()), k.size());
+    if (auto s = FromRocks(batch.Delete(value_cf_, ks), "batch"); !s.ok()) return s;
+    if (auto s = FromRocks(batch.Delete(meta_cf_, ks), "batch"); !s.ok()) return s;
+  }
+  return FromRocks(db_->Write(rocksdb::WriteOptions(), &batch), "delete");
+}
+
+G3RocksStore::SweepResult G3RocksStore::Sweep() {
+  SweepResult r;
+  std::vector<BlockHash> victims;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t now = clock_.NowUnixMs();
+    while (!by_time_.empty() && ExpiredAt(by_time_.begin()->first, now)) {
+      const BlockHash k = by_time_.begin()->second;
+      ForgetLocked(k);
+      victims.push_back(k);
+      ++r.expired;
+    }
+    while (bytes_ > config_.capacity_bytes && !by_time_.empty()) {
+      const BlockHash k = by_time_.begin()->second;
+      ForgetLocked(k);
+      victims.push_back(k);
+      ++r.evicted;
+    }
+    UpdateGaugesLocked();
+  }
+  if (r.expired > 0) metrics_.ttl_expiries->Increment(static_cast<double>(r.expired));
+  if (r.evicted > 0) metrics_.evictions->Increment(static_cast<double>(r.evicted));
+  if (!victims.empty()) {
+    if (auto s = DeleteKeys(victims); !s.ok()) spdlog::warn("G3 sweep: {}", std::string(s.message()));
+  }
+  return r;
+}
+
+absl::Status G3RocksStore::Flush() {
+  rocksdb::FlushOptions fo;
+  fo.wait = true;
+  if (auto s = FromRocks(db_->Flush(fo, value_cf_), "flush"); !s.ok()) return s;
+  return FromRocks(db_->Flush(fo, meta_cf_), "flush");
+}
+
+G3RocksStore::Stats G3RocksStore::stats() const {
+  absl::MutexLock lock(&mu_);
+  return Stats{index_.size(), bytes_, config_.capacity_bytes};
+}
+
+void G3RocksStore::ForgetLocked(const BlockHash& key) {
+  auto it = index_.find(key);
+  if (it == index_.end()) return;
+  by_time_.erase({it->second.write_unix_ms, key});
+  bytes_ -= it->second.bytes;
+  index_.erase(it);
+}
+
+void G3RocksStore::UpdateGaugesLocked() {
+  metrics_.bytes->Set(static_cast<double>(bytes_));
+  metrics_.entries->Set(static_cast<double>(index_.size()));
+  metrics_.capacity_bytes->Set(static_cast<double>(config_.capacity_bytes));
+}
+
+}  // namespace epd::kvstore

@@ -1,0 +1,132 @@
+#pragma once
+
+// G3: global KV blocks on SSD in RocksDB, keyed by chain hash (DESIGN §5).
+//
+// Every stored value is [32-byte header | payload]. The header is versioned and carries the
+// write time (from the injected Clock, so TTLs survive restarts and tests use a FakeClock) and an
+// xxHash3-64 checksum over header fields + payload. A value whose header or checksum does not
+// verify, or that RocksDB itself reports corrupt, is a miss (reason "checksum", counted in
+// epd_kv_checksum_failures_total{tier="g3"}), is deleted, and is never served.
+//
+// Expiry: a value older than ttl_ms (from its last put) is a miss ("expired") on read; Sweep()
+// deletes expired values and then the oldest-written values until the payload total fits the
+// capacity; a compaction filter also drops expired values whenever RocksDB compacts. Writes go
+// through the WAL (optionally fsynced), so a put acknowledged before a crash is served after it.
+//
+// A small "meta" column family (key -> write time, size) is written in the same atomic batch as
+// the value, so Open() rebuilds the in-memory index without reading values. Thread-safe.
+#include <cstdint>
+#include <memory>
+#include <set>
+#include <span>
+#include <string>
+#include <utility>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "kvstore/kv_metrics.h"
+#include "kvstore/types.h"
+
+namespace rocksdb {
+class DB;
+class ColumnFamilyHandle;
+class CompactionFilter;
+}  // namespace rocksdb
+
+namespace epd::kvstore {
+
+struct G3Config {
+  std::string path;                                  // RocksDB directory (created if missing)
+  int64_t ttl_ms = 72ll * 3600 * 1000;               // Default: 72 hours
+  uint64_t capacity_bytes = 100ull << 30;            // Default: 100 GiB of stored values
+  bool sync_writes = false;  // Default: off (WAL survives a process crash; on = power loss too)
+  uint64_t max_value_bytes = 256ull << 20;           // Default: 256 MiB per value
+  absl::Status Validate() const;
+};
+
+// Value header (little-endian): magic "EPDK" u32 | version u16 | header bytes u16 |
+// write_unix_ms i64 | payload bytes u64 | checksum u64.
+inline constexpr size_t kG3HeaderBytes = 32;
+inline constexpr uint16_t kG3HeaderVersion = 1;
+
+class G3RocksStore {
+ public:
+  // Opens (or creates) the DB and rebuilds the index. `clock` and `metrics` must outlive it.
+  static absl::StatusOr<std::unique_ptr<G3RocksStore>> Open(const G3Config& config,
+                                                            const common::Clock& clock,
+                                                            KvMetrics& metrics);
+  ~G3RocksStore();
+  G3RocksStore(const G3RocksStore&) = delete;
+  G3RocksStore& operator=(const G3RocksStore&) = delete;
+
+  // Stores `value` under `key` (replacing it; the TTL restarts). Returns once the WAL has it.
+  absl::Status Put(const BlockHash& key, std::span<const uint8_t> value);
+
+  struct GetResult {
+    std::string value;                      // the payload on a hit
+    MissReason miss = MissReason::kAbsent;  // kNone on a hit
+  };
+  // Counted get (lookups/hits/gets and misses by reason).
+  GetResult Get(const BlockHash& key);
+  // Counted probe from the index (no value read): present and not expired.
+  bool Lookup(const BlockHash& key);
+  // Uncounted presence check from the index.
+  bool Contains(const BlockHash& key) const;
+  absl::Status Delete(const BlockHash& key);
+
+  struct SweepResult {
+    uint64_t expired = 0;
+    uint64_t evicted = 0;
+  };
+  // Deletes expired values, then the oldest-written values while over capacity.
+  SweepResult Sweep();
+  // Flushes memtables to SST files (tests and shutdown).
+  absl::Status Flush();
+
+  struct Stats {
+    uint64_t entries = 0;
+    uint64_t bytes = 0;  // payload bytes of indexed values
+    uint64_t capacity_bytes = 0;
+  };
+  Stats stats() const;
+  const G3Config& config() const { return config_; }
+
+  // For tests that corrupt stored bytes: the DB and the value column family.
+  rocksdb::DB* RawDbForTesting() { return db_.get(); }
+  rocksdb::ColumnFamilyHandle* ValueCfForTesting() { return value_cf_; }
+
+ private:
+  struct Meta {
+    int64_t write_unix_ms = 0;
+    uint64_t bytes = 0;
+  };
+
+  G3RocksStore(const G3Config& config, const common::Clock& clock, KvMetrics& metrics);
+  absl::Status DeleteKeys(const std::vector<BlockHash>& keys);
+  void ForgetLocked(const BlockHash& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool ExpiredAt(int64_t write_ms, int64_t now_ms) const {
+    return now_ms - write_ms >= config_.ttl_ms;
+  }
+
+  const G3Config config_;
+  const common::Clock& clock_;
+  KvMetrics::TierMetrics& metrics_;
+  KvMetrics& all_metrics_;
+  std::unique_ptr<rocksdb::CompactionFilter> value_filter_;
+  std::unique_ptr<rocksdb::CompactionFilter> meta_filter_;
+  std::unique_ptr<rocksdb::DB> db_;
+  rocksdb::ColumnFamilyHandle* value_cf_ = nullptr;  // owned by db_ (default CF)
+  rocksdb::ColumnFamilyHandle* meta_cf_ = nullptr;   // owned here, destroyed before db_
+
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<BlockHash, Meta> index_ ABSL_GUARDED_BY(mu_);
+  std::set<std::pair<int64_t, BlockHash>> by_time_ ABSL_GUARDED_BY(mu_);
+  uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace epd::kvstore

@@ -1,0 +1,86 @@
+// epd-kvstore: the per-node KV store daemon (DESIGN §5). Serves Lookup/Get/Put/Pin/Stats over
+// gRPC, /metrics and /health over HTTP, sweeps TTLs periodically and drains on SIGTERM.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iostream>
+
+#include <spdlog/spdlog.h>
+
+#include "common/clock.h"
+#include "kvstore/kvstore.h"
+#include "kvstore/kvstore_service.h"
+#include "services/runtime/process.h"
+#include "services/runtime/shutdown.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"epd-kvstore: tiered KV store (G1 block pool, G2 SWA pool, G3 RocksDB)"};
+  epd::services::RuntimeOptions runtime_options;
+  epd::services::AddRuntimeFlags(app, &runtime_options);
+  epd::kvstore::KvStoreConfig config;
+  int grpc_port = 0;
+  int64_t swa_ttl_minutes = 10;
+  double global_ttl_hours = 72;
+  int sweep_interval_s = 60;
+  epd::kvstore::KvServiceOptions service_options;
+  app.add_option("--data-dir", config.data_dir, "Directory of the RocksDB tier (G3)")->required();
+  app.add_option("--grpc-port", grpc_port, "gRPC port (0 = any; published as \"grpc\")");
+  app.add_option("--swa-ttl-minutes", swa_ttl_minutes, "TTL of G2 SWA snapshots (default 10)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--swa-capacity-bytes", config.g2.capacity_bytes,
+                 "G2 capacity (default ~10% of host memory)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--global-ttl-hours", global_ttl_hours, "TTL of G3 global KV (default 72)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--g3-capacity-bytes", config.g3.capacity_bytes,
+                 "G3 cap on stored value bytes (default 100 GiB)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--g1-capacity-bytes", config.g1.capacity_bytes,
+                 "G1 host-arena block pool size (default 256 MiB; 0 disables G1)");
+  app.add_option("--block-bytes", config.g1.block_bytes,
+                 "G1 page size in bytes (default 56960 = 64 tokens x 890 B)")
+      ->check(CLI::PositiveNumber);
+  app.add_flag("--sync-writes", config.g3.sync_writes,
+               "fsync the RocksDB WAL on every put (survives power loss, slower)");
+  app.add_option("--sweep-interval-s", sweep_interval_s, "Seconds between TTL/capacity sweeps")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--debug-put-delay-ms", service_options.debug_put_delay_ms,
+                 "TEST ONLY: delay every put before storing it");
+  CLI11_PARSE(app, argc, argv);
+  config.g2.ttl_ms = swa_ttl_minutes * 60 * 1000;
+  config.g3.ttl_ms = static_cast<int64_t>(global_ttl_hours * 3600.0 * 1000.0);
+
+  epd::services::ProcessRuntime runtime("epd-kvstore", runtime_options);
+  if (auto s = runtime.Start(); !s.ok()) {
+    std::cerr << "epd-kvstore: " << s.message() << "\n";
+    return 1;
+  }
+  auto store = epd::kvstore::KvStore::Open(config, epd::common::SystemClock::Get(),
+                                           runtime.registry());
+  if (!store.ok()) {
+    spdlog::error("epd-kvstore: {}", std::string(store.status().message()));
+    return 1;
+  }
+  auto server = epd::kvstore::KvStoreServer::Start(**store, runtime_options.host, grpc_port,
+                                                   service_options);
+  if (!server.ok()) {
+    spdlog::error("epd-kvstore: {}", std::string(server.status().message()));
+    return 1;
+  }
+  spdlog::info("epd-kvstore: gRPC on {}:{}, data dir {}", runtime_options.host,
+               (*server)->port(), config.data_dir);
+  runtime.PublishPort("grpc", (*server)->port());
+
+  auto next_sweep = std::chrono::steady_clock::now() + std::chrono::seconds(sweep_interval_s);
+  while (!epd::services::WaitForShutdown(std::chrono::milliseconds(500))) {
+    if (std::chrono::steady_clock::now() >= next_sweep) {
+      (*store)->Sweep();
+      next_sweep = std::chrono::steady_clock::now() + std::chrono::seconds(sweep_interval_s);
+    }
+  }
+  spdlog::info("epd-kvstore: shutdown requested, draining");
+  (*server)->Shutdown(runtime_options.drain_timeout_ms);
+  server->reset();
+  store->reset();  // closes RocksDB cleanly
+  spdlog::info("epd-kvstore: stopped");
+  return 0;
+}

@@ -1,0 +1,65 @@
+#pragma once
+
+// gRPC adapter of KvStore (epd.v1.KvStore: Lookup/Get/Put/Pin/Stats) and a small server wrapper.
+// Bulk bytes travel inline in the messages for now; the UCX bulk path (kvstore/transfer/) plugs
+// into KvStore's two-phase puts without changing this control surface.
+// Thread-safe: gRPC calls handlers concurrently; KvStore is thread-safe.
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "epd/v1/kvstore.grpc.pb.h"
+#include "kvstore/kvstore.h"
+
+namespace grpc {
+class Server;
+}
+
+namespace epd::kvstore {
+
+struct KvServiceOptions {
+  // Test-only fault injection: every Put waits this long after receiving its request and before
+  // storing it, so a test can kill the daemon while a put is "in flight". Default: 0 (off).
+  int debug_put_delay_ms = 0;
+};
+
+v1::Tier ToProto(Tier tier);
+Tier FromProto(v1::Tier tier);
+
+class KvStoreServiceImpl final : public v1::KvStore::Service {
+ public:
+  // `store` must outlive the service.
+  KvStoreServiceImpl(KvStore& store, KvServiceOptions options = {});
+
+  grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
+  grpc::Status Get(grpc::ServerContext*, const v1::GetRequest*, v1::GetResponse*) override;
+  grpc::Status Put(grpc::ServerContext*, const v1::PutRequest*, v1::PutResponse*) override;
+  grpc::Status Pin(grpc::ServerContext*, const v1::PinRequest*, v1::PinResponse*) override;
+  grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
+
+ private:
+  KvStore& store_;
+  KvServiceOptions options_;
+};
+
+// Owns a gRPC server bound to host:port (port 0 = any) serving one KvStoreServiceImpl.
+class KvStoreServer {
+ public:
+  ~KvStoreServer();
+  // `store` must outlive the server. max_message_bytes bounds one request/response.
+  static absl::StatusOr<std::unique_ptr<KvStoreServer>> Start(KvStore& store,
+                                                              const std::string& host, int port,
+                                                              KvServiceOptions options = {},
+                                                              int max_message_bytes = 300 << 20);
+  int port() const { return port_; }
+  // Stops taking calls and waits for running ones up to `deadline_ms`.
+  void Shutdown(int deadline_ms);
+
+ private:
+  KvStoreServer() = default;
+  std::unique_ptr<KvStoreServiceImpl> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+};
+
+}  // namespace epd::kvstore
