@@ -1,0 +1,202 @@
+#include "kernels/cpu/numerics.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace epd::kernels::cpu {
+
+const float kE2M1Values[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
+                               -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
+
+void RoundBf16InPlace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
+}
+
+uint8_t EncodeE4M3(float x) {
+  if (std::isnan(x)) return 0x7f;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  float a = std::fabs(x);
+  if (a >= 448.f) return sign | 0x7e;  // saturate to 448 (S.1111.110)
+  // Exponent of a, at least the minimum normal exponent (-6); quantum = 2^(e-3).
+  int e;
+  if (a < 0x1p-6f) {
+    e = -6;
+  } else {
+    std::frexp(a, &e);
+    e -= 1;
+  }
+  const float quantum = std::ldexp(1.f, e - 3);
+  float m = std::nearbyint(a / quantum);  // exact division by a power of two; RNE
+  float v = m * quantum;
+  if (v > 448.f) v = 448.f;
+  // Re-encode v exactly.
+  if (v == 0.f) return sign;
+  if (v < 0x1p-6f) return sign | static_cast<uint8_t>(v / 0x1p-9f);  // subnormal: mantissa * 2^-9
+  int ev;
+  float fr = std::frexp(v, &ev);  // v = fr * 2^ev, fr in [0.5, 1)
+  int exp_field = ev - 1 + 7;
+  int mant = static_cast<int>((fr * 2.f - 1.f) * 8.f);
+  return sign | static_cast<uint8_t>((exp_field << 3) | mant);
+}
+
+float DecodeE4M3(uint8_t code) {
+  const float sign = (code & 0x80) ? -1.f : 1.f;
+  const int exp_field = (code >> 3) & 0xf;
+  const int mant = code & 0x7;
+  if (exp_field == 0xf && mant == 0x7) return std::nanf("");
+  if (exp_field == 0) return sign * std::ldexp(static_cast<float>(mant), -9);
+  return sign * std::ldexp(1.f + mant / 8.f, exp_field - 7);
+}
+
+float RoundE4M3(float x) { return DecodeE4M3(EncodeE4M3(x)); }
+
+float DecodeE8M0(uint8_t code) {
+  if (code == 255) return std::nanf("");
+  return std::ldexp(1.f, static_cast<int>(code) - 127);
+}
+
+uint8_t EncodeE8M0(float p) {
+  int e;
+  std::frexp(p, &e);
+  return static_cast<uint8_t>(std::clamp(e - 1 + 127, 0, 254));
+}
+
+float Pow2Ceil(float v) {
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  int exp = static_cast<int>((u >> 23) & 0xff);
+  if ((u & 0x7fffff) != 0) exp += 1;
+  // exp is the biased exponent of the result; subnormal inputs (exp field 0) give 2^-126 or less.
+  uint32_t r = static_cast<uint32_t>(std::clamp(exp, 1, 254)) << 23;
+  float f;
+  std::memcpy(&f, &r, 4);
+  return f;
+}
+
+uint8_t EncodeE2M1(float x) {
+  const uint8_t sign = std::signbit(x) ? 0x8 : 0x0;
+  const float a = std::fabs(x);
+  uint8_t c;
+  if (a <= 0.25f) c = 0;
+  else if (a < 0.75f) c = 1;
+  else if (a <= 1.25f) c = 2;
+  else if (a < 1.75f) c = 3;
+  else if (a <= 2.5f) c = 4;
+  else if (a < 3.5f) c = 5;
+  else if (a <= 5.f) c = 6;
+  else c = 7;
+  return sign | c;
+}
+
+void QuantizeFp8Row(const float* x, int64_t k, float* q, float* scales) {
+  const float inv448 = 1.f / 448.f;
+  for (int64_t b0 = 0, bi = 0; b0 < k; b0 += 32, ++bi) {
+    const int64_t n = std::min<int64_t>(32, k - b0);
+    float amax = 0.f;
+    for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[b0 + i]));
+    amax = std::max(amax, 1e-4f);
+    const float s = Pow2Ceil(amax * inv448);
+    scales[bi] = s;
+    for (int64_t i = 0; i < n; ++i) {
+      q[b0 + i] = RoundE4M3(std::clamp(x[b0 + i] / s, -448.f, 448.f));
+    }
+  }
+}
+
+void Fp8QuantDequantRow(float* x, int64_t k) {
+  float q[32], s;
+  for (int64_t b0 = 0; b0 < k; b0 += 32) {
+    const int64_t n = std::min<int64_t>(32, k - b0);
+    QuantizeFp8Row(x + b0, n, q, &s);
+    for (int64_t i = 0; i < n; ++i) x[b0 + i] = RoundBf16(q[i] * s);
+  }
+}
+
+namespace {
+
+float IndexScale(const float* x, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return Pow2Ceil(std::max(amax, 6.f * 0x1p-126f) * (1.f / 6.f));
+}
+
+float KvScale(const float* x, int64_t n) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  return RoundE4M3(std::max(amax, 6.f * 0x1p-9f) / 6.f);
+}
+
+}  // namespace
+
+void Fp4IndexQuantDequantRow(float* x, int64_t k) {
+  for (int64_t b0 = 0; b0 < k; b0 += 32) {
+    const int64_t n = std::min<int64_t>(32, k - b0);
+    const float s = IndexScale(x + b0, n);
+    for (int64_t i = 0; i < n; ++i) {
+      x[b0 + i] = RoundBf16(DecodeE2M1(EncodeE2M1(std::clamp(x[b0 + i] / s, -6.f, 6.f))) * s);
+    }
+  }
+}
+
+void Fp4KvQuantDequantRow(float* x, int64_t k) {
+  for (int64_t b0 = 0; b0 < k; b0 += 16) {
+    const int64_t n = std::min<int64_t>(16, k - b0);
+    const float s = KvScale(x + b0, n);
+    for (int64_t i = 0; i < n; ++i) {
+      x[b0 + i] = RoundBf16(DecodeE2M1(EncodeE2M1(std::clamp(x[b0 + i] / s, -6.f, 6.f))) * s);
+    }
+  }
+}
+
+int64_t PackedKvEntryBytes(int64_t dim) { return dim / 2 + dim / 16; }
+int64_t PackedIndexKeyBytes(int64_t dim) { return dim / 2 + dim / 32; }
+int64_t PackedSwaSlotBytes(int64_t dim) { return dim + dim / 32; }
+
+namespace {
+
+void PackFp4(const float* x, int64_t dim, int block, bool e4m3_scale, uint8_t* out) {
+  uint8_t* scale_out = out + dim / 2;
+  for (int64_t b0 = 0, bi = 0; b0 < dim; b0 += block, ++bi) {
+    const float s = e4m3_scale ? KvScale(x + b0, block) : IndexScale(x + b0, block);
+    scale_out[bi] = e4m3_scale ? EncodeE4M3(s) : EncodeE8M0(s);
+    for (int64_t i = 0; i < block; i += 2) {
+      uint8_t lo = EncodeE2M1(std::clamp(x[b0 + i] / s, -6.f, 6.f));
+      uint8_t hi = EncodeE2M1(std::clamp(x[b0 + i + 1] / s, -6.f, 6.f));
+      out[(b0 + i) / 2] = PackE2M1Pair(lo, hi);
+    }
+  }
+}
+
+void UnpackFp4(const uint8_t* in, int64_t dim, int block, bool e4m3_scale, float* out) {
+  const uint8_t* scale_in = in + dim / 2;
+  for (int64_t i = 0; i < dim; i += 2) {
+    const int64_t bi = i / block;
+    const float s = e4m3_scale ? DecodeE4M3(scale_in[bi]) : DecodeE8M0(scale_in[bi]);
+    out[i] = RoundBf16(DecodeE2M1(in[i / 2] & 0xf) * s);
+    out[i + 1] = RoundBf16(DecodeE2M1(in[i / 2] >> 4) * s);
+  }
+}
+
+}  // namespace
+
+void PackKvEntry(const float* x, int64_t dim, uint8_t* out) { PackFp4(x, dim, 16, true, out); }
+void UnpackKvEntry(const uint8_t* in, int64_t dim, float* out) { UnpackFp4(in, dim, 16, true, out); }
+void PackIndexKey(const float* x, int64_t dim, uint8_t* out) { PackFp4(x, dim, 32, false, out); }
+void UnpackIndexKey(const uint8_t* in, int64_t dim, float* out) {
+  UnpackFp4(in, dim, 32, false, out);
+}
+
+void PackSwaSlot(const float* x, int64_t dim, uint8_t* out) {
+  float q[32], s;
+  for (int64_t b0 = 0, bi = 0; b0 < dim; b0 += 32, ++bi) {
+    QuantizeFp8Row(x + b0, 32, q, &s);
+    for (int i = 0; i < 32; ++i) out[b0 + i] = EncodeE4M3(q[i]);
+    out[dim + bi] = EncodeE8M0(s);
+  }
+}
+
+void UnpackSwaSlot(const uint8_t* in, int64_t dim, float* out) {
+  for (int64_t i = 0; i < dim; ++i) out[i] = RoundBf16(DecodeE4M3(in[i]) * DecodeE8M0(in[dim + i / 32]));
+}
+
+}  // namespace epd::kernels::cpu

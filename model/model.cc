@@ -1,0 +1,679 @@
+#include "model/model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/numerics.h"
+#include "kernels/cpu/ops.h"
+
+namespace epd::model {
+namespace {
+
+namespace kc = kernels::cpu;
+using std::vector;
+
+inline float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
+
+}  // namespace
+
+Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramConstants engram,
+             kernels::Backend& backend, ModelOptions options)
+    : config_(std::move(config)),
+      roles_(config_.Roles()),
+      weights_(std::move(weights)),
+      engram_(std::move(engram)),
+      backend_(backend),
+      options_(options) {
+  const ModelConfig& c = config_;
+  freqs_plain_ = kc::RopeFrequencies(c.rope_head_dim, c.rope_theta, false, 1, 1, 1, 1);
+  freqs_yarn_ = kc::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
+                                    static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
+}
+
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend& backend,
+                                                   ModelOptions options) {
+  namespace fs = std::filesystem;
+  auto cfg = LoadModelConfig((fs::path(dir) / "config.json").string());
+  if (!cfg.ok()) return cfg.status();
+  auto store = TensorStore::Open(dir);
+  if (!store.ok()) return store.status();
+  std::shared_ptr<const TensorStore> shared(std::move(*store));
+  auto w = ModelWeights::Load(*cfg, shared);
+  if (!w.ok()) return w.status();
+  EngramConstants ek;
+  if (!cfg->engram_layer_ids.empty()) {
+    fs::path p = fs::path(dir) / "engram_constants.json";
+    std::ifstream in(p);
+    if (!in) return absl::NotFoundError(absl::StrCat("model: missing ", p.string()));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    auto k = ParseEngramConstantsJson(ss.str());
+    if (!k.ok()) return k.status();
+    if (absl::Status s = k->Validate(*cfg); !s.ok()) return s;
+    ek = std::move(*k);
+  }
+  return std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(ek), backend, options);
+}
+
+std::unique_ptr<SequenceState> Model::NewSequence() const {
+  const ModelConfig& c = config_;
+  auto s = std::make_unique<SequenceState>();
+  s->swa.assign(c.total_layers(), vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
+  for (int l : c.kv_source_layers) {
+    SequenceState::Source& src = s->sources[l];
+    src.ratio = c.compress_ratios[l];
+    if (src.ratio > 1) {
+      src.kv_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, 0.f);
+      src.score_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, -INFINITY);
+    }
+  }
+  return s;
+}
+
+void Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
+                     const int64_t* positions, bool inverse) const {
+  const vector<float>& f = roles_[l].compress_ratio > 0 ? freqs_yarn_ : freqs_plain_;
+  const int np = static_cast<int>(f.size());
+  vector<float> cs(rows * np), sn(rows * np);
+  for (int64_t r = 0; r < rows; ++r) kc::RopeCosSin(f, positions[r], cs.data() + r * np, sn.data() + r * np);
+  backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
+}
+
+void Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                      ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const LayerRole& role = roles_[l];
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t S = call.rows, D = c.dim, hd = c.head_dim, H = c.n_heads, W = c.window_size;
+  const int rd = c.rope_head_dim, nope = c.nope_head_dim();
+  vector<int64_t> pos(S);
+  for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
+
+  vector<float> qr(S * c.q_lora_rank), q(S * H * hd), kv(S * hd);
+  backend_.LinearQuant(x, S, A.wq_a, qr.data());
+  backend_.RmsNorm(qr.data(), A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr.data());
+  backend_.LinearQuant(qr.data(), S, A.wq_b, q.data());
+  RopeRows(l, q.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), false);
+  backend_.LinearQuant(x, S, A.wkv, kv.data());
+  backend_.RmsNorm(kv.data(), A.kv_norm.data(), S, hd, c.norm_eps, kv.data());
+  RopeRows(l, kv.data(), S, 1, static_cast<int>(hd), nope, pos.data(), false);
+  for (int64_t i = 0; i < S; ++i) kc::Fp8QuantDequantRow(kv.data() + i * hd, hd);
+
+  // Window part of the KV and of each row's list.
+  vector<float>& ring = state.swa[l];
+  vector<float> kv_all;
+  int64_t win_rows, win_len;
+  if (call.prefill) {
+    win_rows = S;
+    win_len = std::min(S, W);
+    kv_all.assign(kv.begin(), kv.end());
+  } else {
+    for (int64_t i = 0; i < S; ++i) std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
+    win_rows = W;
+    win_len = W;
+    kv_all.assign(ring.begin(), ring.end());
+  }
+  if (call.prefill) {
+    for (int64_t i = std::max<int64_t>(0, S - W); i < S; ++i) {
+      std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
+    }
+  }
+
+  // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
+  const int ratio = role.compress_ratio;
+  int64_t nk = 0;
+  const SequenceState::Source* src = nullptr;
+  if (ratio > 0) {
+    const int64_t T = call.start_pos + S;
+    nk = T / ratio;
+    if (role.is_kv_source) {
+      SequenceState::Source& s = state.sources[l];
+      vector<float> latents;
+      vector<int64_t> gpos;
+      if (ratio == 1) {
+        latents.resize(S * hd);
+        backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data());
+        backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data());
+        gpos = pos;
+      } else {
+        vector<float> kvf(S * hd), scf(S * hd);
+        backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data());
+        backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data());
+        for (int64_t i = 0; i < S; ++i) {
+          const int64_t slot = pos[i] % ratio;
+          std::copy_n(kvf.data() + i * hd, hd, s.kv_state.data() + slot * hd);
+          std::copy_n(scf.data() + i * hd, hd, s.score_state.data() + slot * hd);
+          if ((pos[i] + 1) % ratio != 0) continue;
+          vector<float> lat(hd);
+          for (int64_t ch = 0; ch < hd; ++ch) {
+            float mx = -INFINITY;
+            for (int r = 0; r < ratio; ++r) mx = std::max(mx, s.score_state[r * hd + ch]);
+            float sum = 0.f;
+            float e[8];
+            for (int r = 0; r < ratio; ++r) {
+              e[r] = std::exp(s.score_state[r * hd + ch] - mx);
+              sum += e[r];
+            }
+            float acc = 0.f;
+            for (int r = 0; r < ratio; ++r) acc += s.kv_state[r * hd + ch] * (e[r] / sum);
+            lat[ch] = kc::RoundBf16(acc);
+          }
+          backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data());
+          latents.insert(latents.end(), lat.begin(), lat.end());
+          gpos.push_back(pos[i] + 1 - ratio);
+        }
+      }
+      const int64_t ne = static_cast<int64_t>(gpos.size());
+      if (ne > 0) {
+        const int64_t ihd = c.index_head_dim;
+        vector<float> keys(ne * ihd);
+        backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data());
+        backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
+        RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(), false);
+        for (int64_t j = 0; j < ne; ++j) kc::Fp4IndexQuantDequantRow(keys.data() + j * ihd, ihd);
+        RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
+        for (int64_t j = 0; j < ne; ++j) kc::Fp4KvQuantDequantRow(latents.data() + j * hd, hd);
+        s.kv.insert(s.kv.end(), latents.begin(), latents.end());
+        s.keys.insert(s.keys.end(), keys.begin(), keys.end());
+        s.n += ne;
+        state.published_keys = l;
+      }
+    }
+    src = &state.sources.at(role.kv_source);
+    nk = std::min(nk, src->n);
+
+    if (role.is_index_source) {
+      const int64_t k = std::min<int64_t>(c.index_topk, nk);
+      call.topk_k = k;
+      call.topk.assign(S * k, -1);
+      if (nk > 0) {
+        const int keysrc = options_.stale_index_keys ? state.published_keys : role.index_key_source;
+        const SequenceState::Source& ks = state.sources.at(keysrc);
+        const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
+        const int64_t nkk = std::min(nk, ks.n);
+        vector<float> qi(S * nI * ihd), w(S * nI);
+        backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data());
+        RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd), static_cast<int>(ihd - rd),
+                 pos.data(), false);
+        for (int64_t i = 0; i < S * nI; ++i) kc::Fp4IndexQuantDequantRow(qi.data() + i * ihd, ihd);
+        backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data());
+        const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
+                                                std::pow(static_cast<double>(nI), -0.5));
+        for (float& v : w) v = kc::RoundBf16(v * wscale);
+        vector<float> score(nk);
+        if (role.is_candidate_source) {
+          call.cand.assign(S * nk, 0);
+          call.cand_cols = nk;
+        }
+        for (int64_t i = 0; i < S; ++i) {
+          const int64_t visible = (pos[i] + 1) / ratio;
+          for (int64_t t = 0; t < nk; ++t) {
+            if (t >= visible || t >= nkk) {
+              score[t] = -INFINITY;
+              continue;
+            }
+            const float* kt = ks.keys.data() + t * ihd;
+            float acc = 0.f;
+            for (int64_t h = 0; h < nI; ++h) {
+              const float* qh = qi.data() + (i * nI + h) * ihd;
+              float d = 0.f;
+              for (int64_t e = 0; e < ihd; ++e) d += qh[e] * kt[e];
+              const float s = std::max(kc::RoundBf16(d), 0.f);
+              acc += kc::RoundBf16(s * w[i * nI + h]);
+            }
+            score[t] = kc::RoundBf16(acc);
+          }
+          if (role.is_candidate_source) {
+            const int64_t bs = c.candidate_block_size;
+            const int64_t nb = (nk + bs - 1) / bs;
+            vector<float> bscore(nb, -INFINITY);
+            for (int64_t t = 0; t < nk; ++t) bscore[t / bs] = std::max(bscore[t / bs], score[t]);
+            if (visible > 0) bscore[(visible - 1) / bs] = INFINITY;
+            vector<int32_t> keep = kc::StableTopK(bscore.data(), nb, std::min<int64_t>(c.candidate_topk_blocks, nb));
+            uint8_t* m = call.cand.data() + i * nk;
+            for (int32_t b : keep) {
+              if (bscore[b] == -INFINITY) continue;
+              for (int64_t t = b * bs; t < std::min(nk, (b + 1) * bs); ++t) m[t] = 1;
+            }
+          }
+          if (role.uses_candidates && call.cand_cols > 0) {
+            const uint8_t* m = call.cand.data() + i * call.cand_cols;
+            for (int64_t t = 0; t < nk; ++t) {
+              if (t >= call.cand_cols || !m[t]) score[t] = -INFINITY;
+            }
+          }
+          vector<int32_t> sel = kc::StableTopK(score.data(), nk, k);
+          std::sort(sel.begin(), sel.end());
+          int32_t* dst = call.topk.data() + i * k;
+          for (int64_t j = 0; j < k; ++j) {
+            dst[j] = sel[j] >= visible ? -1 : static_cast<int32_t>(sel[j] + win_rows);
+          }
+        }
+      }
+      if (trace) trace->topk[l] = call.topk;
+    }
+  }
+
+  // Index lists and sparse attention.
+  const int64_t k = ratio > 0 ? call.topk_k : 0;
+  const int64_t list_len = win_len + k;
+  vector<int32_t> idx(S * list_len, -1);
+  for (int64_t i = 0; i < S; ++i) {
+    int32_t* li = idx.data() + i * list_len;
+    if (call.prefill) {
+      const int64_t base = std::max<int64_t>(0, i - W + 1);
+      for (int64_t j = 0; j < win_len; ++j) li[j] = base + j > i ? -1 : static_cast<int32_t>(base + j);
+    } else {
+      const int64_t p = pos[i];
+      for (int64_t j = 0; j < W; ++j) {
+        const int64_t slot = (p % W + 1 + j) % W;
+        li[j] = slot > p ? -1 : static_cast<int32_t>(slot);
+      }
+    }
+    for (int64_t j = 0; j < k; ++j) li[win_len + j] = call.topk[i * k + j];
+  }
+  if (ratio > 0 && nk > 0) kv_all.insert(kv_all.end(), src->kv.begin(), src->kv.begin() + nk * hd);
+
+  vector<float> o(S * H * hd);
+  kernels::SparseAttentionArgs args;
+  args.q = q.data();
+  args.kv = kv_all.data();
+  args.sink = A.attn_sink.data();
+  args.idx = idx.data();
+  args.rows = S;
+  args.heads = static_cast<int>(H);
+  args.head_dim = static_cast<int>(hd);
+  args.list_len = list_len;
+  args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+  args.out = o.data();
+  backend_.SparseAttention(args);
+  RopeRows(l, o.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), true);
+
+  // Grouped wo_a (bf16) then wo_b (FP8).
+  const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
+  vector<float> oa(S * G * R);
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin,
+                          oa.data() + (i * G + g) * R);
+    }
+  }
+  backend_.LinearQuant(oa.data(), S, A.wo_b, out);
+}
+
+void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>* experts) const {
+  const ModelConfig& c = config_;
+  const MoeWeights& M = weights_->layers[l].ffn;
+  const int64_t D = c.dim, E = M.n_experts, I = c.moe_inter_dim;
+  const float lim = c.swiglu_limit;
+  vector<float> z(rows * E);
+  backend_.LinearF32(x, rows, M.gate.data(), E, D, z.data());
+  if (experts) experts->assign(rows * M.top_k, -1);
+  vector<float> g(I), u(I), hbuf(I), y(D), acc(D);
+  auto run = [&](const ExpertWeights& ew, const float* xr, float weight, bool weighted) {
+    backend_.LinearQuant(xr, 1, ew.w1, g.data());
+    backend_.LinearQuant(xr, 1, ew.w3, u.data());
+    for (int64_t j = 0; j < I; ++j) {
+      const float uu = std::clamp(u[j], -lim, lim);
+      const float gg = std::min(g[j], lim);
+      const float silu = gg / (1.f + std::exp(-gg));
+      hbuf[j] = kc::RoundBf16(weighted ? silu * uu * weight : silu * uu);
+    }
+    backend_.LinearQuant(hbuf.data(), 1, ew.w2, y.data());
+    for (int64_t d = 0; d < D; ++d) acc[d] += y[d];
+  };
+  vector<float> s(E), biased(E);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * D;
+    for (int64_t e = 0; e < E; ++e) {
+      const float v = z[r * E + e];
+      const float sp = v > 20.f ? v : std::log1p(std::exp(v));
+      s[e] = std::sqrt(sp);
+      biased[e] = s[e] + M.gate_bias[e];
+    }
+    vector<int32_t> sel = kc::StableTopK(biased.data(), E, M.top_k);
+    vector<float> wts(sel.size());
+    float sum = 0.f;
+    for (size_t j = 0; j < sel.size(); ++j) {
+      wts[j] = s[sel[j]];
+      sum += wts[j];
+    }
+    for (size_t j = 0; j < sel.size(); ++j) {
+      if (sel.size() > 1) wts[j] = wts[j] / (sum + 1e-20f);
+      wts[j] *= c.route_scale;
+    }
+    if (experts) std::copy(sel.begin(), sel.end(), experts->begin() + r * M.top_k);
+    vector<size_t> order(sel.size());
+    for (size_t j = 0; j < order.size(); ++j) order[j] = j;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sel[a] < sel[b]; });
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (size_t j : order) run(M.experts[sel[j]], xr, wts[j], true);
+    for (const ExpertWeights& sh : M.shared) run(sh, xr, 1.f, false);
+    for (int64_t d = 0; d < D; ++d) out[r * D + d] = kc::RoundBf16(acc[d]);
+  }
+}
+
+void Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h) const {
+  const ModelConfig& c = config_;
+  const EngramWeights& E = *weights_->layers[l].engram;
+  const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
+  const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  vector<float> in(rows * nid * ehd), e(rows * (hc + 1) * D);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < nid; ++j) E.LookupRow(hash_ids[r * stride + j], in.data() + (r * nid + j) * ehd);
+  }
+  backend_.LinearQuant(in.data(), rows, E.wkv, e.data());
+  const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* er = e.data() + r * (hc + 1) * D;
+    const float* value = er + hc * D;
+    for (int64_t j = 0; j < hc; ++j) {
+      float* hj = h + (r * hc + j) * D;
+      const float* key = er + j * D;
+      const float* qw = E.q_weight.data() + j * D;
+      const float* kw = E.k_weight.data() + j * D;
+      double sh = 0, sk = 0;
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) {
+        sh += static_cast<double>(hj[d]) * hj[d];
+        sk += static_cast<double>(key[d]) * key[d];
+        dot += hj[d] * (qw[d] * kw[d]) * key[d];
+      }
+      const float rh = 1.f / std::sqrt(static_cast<float>(sh / D) + c.norm_eps);
+      const float rk = 1.f / std::sqrt(static_cast<float>(sk / D) + c.norm_eps);
+      dot = dot * rh * rk * inv_sqrt_d;
+      const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
+      const float gate = Sigmoid(sg * std::sqrt(std::max(std::fabs(dot), 1e-6f)));
+      for (int64_t d = 0; d < D; ++d) hj[d] = kc::RoundBf16(hj[d] + gate * value[d]);
+    }
+  }
+}
+
+vector<int64_t> Model::EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const {
+  const ModelConfig& c = config_;
+  const int nl = static_cast<int>(c.engram_layer_ids.size());
+  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  const int64_t S = static_cast<int64_t>(ids.size());
+  vector<int64_t> out(S * nl * per);
+  vector<int64_t> hist(state.engram_history);
+  const int nh = c.engram_max_ngram_size;
+  for (int64_t i = 0; i < S; ++i) {
+    hist.push_back(engram_.Compressed(ids[i]));
+    int64_t recent[16];
+    const int n = std::min<int>(nh, static_cast<int>(hist.size()));
+    for (int s = 0; s < n; ++s) recent[s] = hist[hist.size() - 1 - s];
+    for (int li = 0; li < nl; ++li) {
+      EngramHashRow(engram_, li, recent, n, nh, c.engram_n_heads, out.data() + (i * nl + li) * per);
+    }
+  }
+  return out;
+}
+
+void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state, ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const LayerWeights& L = weights_->layers[l];
+  const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
+  vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D), y(S * D);
+  for (int64_t i = 0; i < S; ++i) {
+    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
+                L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
+                aQ.data() + i * hc, aC.data() + i * hc * hc);
+    kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D);
+  }
+  backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data());
+  if (trace) trace->attn_in[l] = x;
+  Attention(l, x.data(), call, state, y.data(), trace);
+  if (trace) trace->attn_out[l] = y;
+  for (int64_t i = 0; i < S; ++i) {
+    kc::HcPost(y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D, aQ.data() + i * hc,
+               aC.data() + i * hc * hc, h + i * hc * D);
+    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
+                L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre + i * hc,
+                fQ.data() + i * hc, fC.data() + i * hc * hc);
+    kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc, x.data() + i * D);
+  }
+  backend_.RmsNorm(x.data(), L.ffn_norm.data(), S, D, c.norm_eps, x.data());
+  if (trace) trace->ffn_in[l] = x;
+  Moe(l, x.data(), S, y.data(), trace ? &trace->experts[l] : nullptr);
+  if (trace) trace->ffn_out[l] = y;
+  for (int64_t i = 0; i < S; ++i) {
+    kc::HcPost(y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D, fQ.data() + i * hc,
+               fC.data() + i * hc * hc, h + i * hc * D);
+  }
+}
+
+absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
+                                             bool all_logits, ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const int64_t S = static_cast<int64_t>(ids.size()), D = c.dim, hc = c.hc_mult, V = c.vocab_size;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= V) return absl::InvalidArgumentError(absl::StrCat("model: token id ", id, " out of range"));
+  }
+  Call call;
+  call.start_pos = state.pos;
+  call.rows = S;
+  call.prefill = state.pos == 0;
+  vector<float> h(S * hc * D), pre(S * hc, 0.f);
+  for (int64_t i = 0; i < S; ++i) {
+    for (int64_t j = 0; j < hc; ++j) std::copy_n(weights_->embed.data() + ids[i] * D, D, h.data() + (i * hc + j) * D);
+    pre[i * hc] = 1.f;
+  }
+  const int nel = static_cast<int>(c.engram_layer_ids.size());
+  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  vector<int64_t> hashes;
+  if (nel > 0) hashes = EngramHashes(state, ids);
+  if (trace) trace->engram_hash_ids = hashes;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  ForwardResult res;
+  res.main_hidden.assign(S * nt * D, 0.f);
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerRole& role = roles_[l];
+    if (role.has_engram) {
+      const int li = static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
+                                      c.engram_layer_ids.begin());
+      if (trace) trace->engram_in[l] = h;
+      Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h.data());
+      if (trace) trace->engram_out[l] = h;
+    }
+    if (role.is_dspark_target) {
+      const int64_t ti = std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
+                         c.dspark_target_layer_ids.begin();
+      for (int64_t i = 0; i < S; ++i) {
+        for (int64_t d = 0; d < D; ++d) {
+          float s = 0.f;
+          for (int64_t j = 0; j < hc; ++j) s += h[(i * hc + j) * D + d];
+          res.main_hidden[(i * nt + ti) * D + d] = kc::RoundBf16(s / static_cast<float>(hc));
+        }
+      }
+    }
+    Block(l, h.data(), pre.data(), call, state, trace);
+  }
+  vector<float> x(S * D);
+  for (int64_t i = 0; i < S; ++i) {
+    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+  }
+  backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data());
+  if (trace) trace->final_norm = x;
+  const int64_t first = all_logits ? 0 : S - 1;
+  res.rows = S - first;
+  res.logits.resize(res.rows * V);
+  backend_.LinearF32(x.data() + first * D, res.rows, weights_->head.data(), V, D, res.logits.data());
+  // Advance the state.
+  state.pos += S;
+  for (int32_t id : ids) state.engram_history.push_back(engram_.Compressed(id));
+  const size_t keep = static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1));
+  if (state.engram_history.size() > keep) {
+    state.engram_history.erase(state.engram_history.begin(), state.engram_history.end() - keep);
+  }
+  if (nt > 0) {
+    state.main_hidden.assign(res.main_hidden.end() - nt * D, res.main_hidden.end());
+    state.main_hidden_pos = state.pos - 1;
+  }
+  return res;
+}
+
+void Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos, float* kv) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[L].attn;
+  const int64_t hd = c.head_dim;
+  vector<int64_t> pos(rows);
+  for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
+  backend_.LinearQuant(main_x, rows, A.wkv, kv);
+  backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv);
+  RopeRows(L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos.data(), false);
+  for (int64_t i = 0; i < rows; ++i) kc::Fp8QuantDequantRow(kv + i * hd, hd);
+}
+
+void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows, int64_t start_pos) const {
+  const ModelConfig& c = config_;
+  const DSparkWeights& Dw = *weights_->dspark;
+  const int64_t D = c.dim, hd = c.head_dim, W = c.window_size;
+  vector<float> mx(rows * D), kv(rows * hd);
+  backend_.LinearQuant(main_hidden, rows, Dw.main_proj, mx.data());
+  backend_.RmsNorm(mx.data(), Dw.main_norm.data(), rows, D, c.norm_eps, mx.data());
+  for (int s = 0; s < c.n_mtp_layers; ++s) {
+    const int L = c.n_layers + s;
+    StageKv(L, mx.data(), rows, start_pos, kv.data());
+    for (int64_t i = std::max<int64_t>(0, rows - W); i < rows; ++i) {
+      std::copy_n(kv.data() + i * hd, hd, state.swa[L].data() + ((start_pos + i) % W) * hd);
+    }
+  }
+}
+
+absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<const int32_t> ids,
+                                             bool all_logits, ForwardTrace* trace) const {
+  if (state.pos != 0) return absl::FailedPreconditionError("model: Prefill needs a fresh sequence (start_pos 0)");
+  if (ids.empty()) return absl::InvalidArgumentError("model: empty prompt");
+  auto r = Forward(state, ids, all_logits, trace);
+  if (r.ok() && config_.n_mtp_layers > 0) {
+    DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), 0);
+  }
+  return r;
+}
+
+absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id, ForwardTrace* trace) const {
+  if (state.pos == 0) return absl::FailedPreconditionError("model: Decode before Prefill");
+  const int64_t pos = state.pos;
+  const int32_t ids[1] = {id};
+  auto r = Forward(state, ids, false, trace);
+  if (r.ok() && config_.n_mtp_layers > 0) DSparkSeed(state, r->main_hidden.data(), 1, pos);
+  return r;
+}
+
+absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
+                                         std::span<const int32_t> forced_ids) const {
+  const ModelConfig& c = config_;
+  if (c.n_mtp_layers == 0 || !weights_->dspark) return absl::FailedPreconditionError("model: no DSpark stages");
+  if (state.main_hidden_pos < 0) return absl::FailedPreconditionError("model: Draft before any forward");
+  if (last_token < 0 || last_token >= c.vocab_size) return absl::InvalidArgumentError("model: bad draft token");
+  const DSparkWeights& Dw = *weights_->dspark;
+  const int64_t B = c.dspark_block_size, D = c.dim, hc = c.hc_mult, V = c.vocab_size, hd = c.head_dim;
+  const int64_t H = c.n_heads, W = c.window_size, nope = c.nope_head_dim();
+  const int64_t pos = state.main_hidden_pos;
+  vector<int32_t> block(B, static_cast<int32_t>(c.dspark_noise_token_id));
+  block[0] = last_token;
+  vector<float> h(B * hc * D), pre(B * hc, 0.f);
+  for (int64_t i = 0; i < B; ++i) {
+    for (int64_t j = 0; j < hc; ++j) std::copy_n(weights_->embed.data() + block[i] * D, D, h.data() + (i * hc + j) * D);
+    pre[i * hc] = 1.f;
+  }
+  vector<int64_t> qpos(B);
+  for (int64_t i = 0; i < B; ++i) qpos[i] = pos + 1 + i;
+  for (int s = 0; s < c.n_mtp_layers; ++s) {
+    const int L = c.n_layers + s;
+    const LayerWeights& LW = weights_->layers[L];
+    const AttentionWeights& A = LW.attn;
+    vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D), y(B * D);
+    for (int64_t i = 0; i < B; ++i) {
+      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(), LW.hc_attn_scale.data(),
+                  LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
+                  aQ.data() + i * hc, aC.data() + i * hc * hc);
+      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+    }
+    backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data());
+    // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
+    vector<float> qr(B * c.q_lora_rank), q(B * H * hd), kv(B * hd);
+    backend_.LinearQuant(x.data(), B, A.wq_a, qr.data());
+    backend_.RmsNorm(qr.data(), A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr.data());
+    backend_.LinearQuant(qr.data(), B, A.wq_b, q.data());
+    RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope), qpos.data(), false);
+    StageKv(L, x.data(), B, pos + 1, kv.data());
+    vector<float> kv_all(state.swa[L]);
+    kv_all.insert(kv_all.end(), kv.begin(), kv.end());
+    const int64_t nring = std::min(W - 1, pos) + 1;
+    const int64_t list_len = nring + B;
+    vector<int32_t> idx(B * list_len);
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t j = 0; j < nring; ++j) idx[i * list_len + j] = static_cast<int32_t>(j);
+      for (int64_t j = 0; j < B; ++j) idx[i * list_len + nring + j] = static_cast<int32_t>(W + j);
+    }
+    vector<float> o(B * H * hd);
+    kernels::SparseAttentionArgs args;
+    args.q = q.data();
+    args.kv = kv_all.data();
+    args.sink = A.attn_sink.data();
+    args.idx = idx.data();
+    args.rows = B;
+    args.heads = static_cast<int>(H);
+    args.head_dim = static_cast<int>(hd);
+    args.list_len = list_len;
+    args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+    args.out = o.data();
+    backend_.SparseAttention(args);
+    RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope), qpos.data(), true);
+    const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
+    vector<float> oa(B * G * R);
+    for (int64_t i = 0; i < B; ++i) {
+      for (int64_t g = 0; g < G; ++g) {
+        backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin,
+                            oa.data() + (i * G + g) * R);
+      }
+    }
+    backend_.LinearQuant(oa.data(), B, A.wo_b, y.data());
+    for (int64_t i = 0; i < B; ++i) {
+      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D, aQ.data() + i * hc,
+                 aC.data() + i * hc * hc, h.data() + i * hc * D);
+      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(), LW.hc_ffn_scale.data(),
+                  LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre.data() + i * hc,
+                  fQ.data() + i * hc, fC.data() + i * hc * hc);
+      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc, x.data() + i * D);
+    }
+    backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data());
+    Moe(L, x.data(), B, y.data());
+    for (int64_t i = 0; i < B; ++i) {
+      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D, fQ.data() + i * hc,
+                 fC.data() + i * hc * hc, h.data() + i * hc * D);
+    }
+  }
+  vector<float> x(B * D), xn(B * D);
+  for (int64_t i = 0; i < B; ++i) {
+    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+  }
+  backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data());
+  DraftResult out;
+  out.logits.resize(B * V);
+  backend_.LinearF32(xn.data(), B, weights_->head.data(), V, D, out.logits.data());
+  const int64_t R = c.dspark_markov_rank;
+  out.ids.assign(B + 1, 0);
+  out.ids[0] = last_token;
+  out.confidence.resize(B);
+  vector<float> bias(V), cat(D + R);
+  for (int64_t i = 0; i < B; ++i) {
+    const float* e = Dw.markov_embed.data() + out.ids[i] * R;
+    backend_.LinearF32(e, 1, Dw.markov_head.data(), V, R, bias.data());
+    float* li = out.logits.data() + i * V;
+    for (int64_t v = 0; v < V; ++v) li[v] += bias[v];
+    out.ids[i + 1] = static_cast<int32_t>(std::max_element(li, li + V) - li);
+    if (static_cast<int64_t>(forced_ids.size()) > i) out.ids[i + 1] = forced_ids[i];
+    std::copy_n(x.data() + i * D, D, cat.data());
+    std::copy_n(e, R, cat.data() + D);
+    backend_.LinearF32(cat.data(), 1, Dw.confidence.data(), 1, D + R, &out.confidence[i]);
+  }
+  return out;
+}
+
+}  // namespace epd::model

@@ -1,0 +1,143 @@
+#pragma once
+
+// The V4.1 reference forward pass (MODEL.md §3) on a kernels::Backend.
+//
+// Model is immutable after construction and may be shared by threads; each call takes the
+// per-sequence SequenceState it mutates (one thread per state at a time). The Backend is used
+// from the calling thread (one call at a time per backend instance).
+//
+// Calls mirror the reference: Prefill (start_pos 0, the whole prompt in one shot; logits of every
+// position on request), Decode (one token at position state.pos), and the DSpark draft pass.
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+#include "model/config.h"
+#include "model/engram.h"
+#include "model/weights.h"
+
+namespace epd::model {
+
+struct ModelOptions {
+  // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default: true.
+  bool stale_index_keys = true;
+};
+
+// Per-sequence state kept between calls (bf16 values held as float; the packed byte forms are in
+// kernels/cpu/numerics.h).
+struct SequenceState {
+  int64_t pos = 0;  // tokens processed so far (next position)
+  // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window.
+  std::vector<std::vector<float>> swa;
+  struct Source {
+    int ratio = 0;
+    std::vector<float> kv;        // [n, head_dim] FP4-qdq compressed latents (RoPE applied)
+    std::vector<float> keys;      // [n, index_head_dim] FP4-qdq index keys
+    int64_t n = 0;
+    std::vector<float> kv_state;     // [ratio, head_dim] fp32 tail (ratio > 1)
+    std::vector<float> score_state;  // [ratio, head_dim] fp32, -inf when empty
+  };
+  std::map<int, Source> sources;  // by KV source layer
+  int published_keys = -1;        // layer whose index keys were published last (reference quirk)
+  std::vector<int64_t> engram_history;  // compressed ids of the last max_ngram-1 tokens, newest last
+  std::vector<float> main_hidden;       // [n_targets*dim] DSpark input of the last position
+  int64_t main_hidden_pos = -1;
+};
+
+// Optional capture of intermediates (for parity tests and debugging); all bf16 values as float.
+struct ForwardTrace {
+  std::map<int, std::vector<float>> attn_in, attn_out, ffn_in, ffn_out;  // [S, dim]
+  std::map<int, std::vector<float>> engram_in, engram_out;              // [S, hc, dim]
+  std::map<int, std::vector<int32_t>> topk;                              // [S, k]
+  std::map<int, std::vector<int32_t>> experts;                           // [S, top_k]
+  std::vector<int64_t> engram_hash_ids;  // [S, n_engram_layers, (max_ngram-1)*n_heads]
+  std::vector<float> final_norm;         // [S, dim]
+};
+
+struct ForwardResult {
+  int64_t rows = 0;              // rows of logits (S with all_logits, else 1)
+  std::vector<float> logits;     // [rows, vocab] fp32
+  std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
+};
+
+struct DraftResult {
+  std::vector<int32_t> ids;      // [block+1]: the input token then the drafts
+  std::vector<float> logits;     // [block, vocab] fp32, markov bias included
+  std::vector<float> confidence; // [block] raw projection
+};
+
+class Model {
+ public:
+  Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramConstants engram,
+        kernels::Backend& backend, ModelOptions options = {});
+
+  // Loads config.json, the safetensors checkpoint and engram_constants.json from `dir`.
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir,
+                                                                   kernels::Backend& backend,
+                                                                   ModelOptions options = {});
+
+  const ModelConfig& config() const { return config_; }
+  const std::vector<LayerRole>& roles() const { return roles_; }
+  const ModelWeights& weights() const { return *weights_; }
+
+  std::unique_ptr<SequenceState> NewSequence() const;
+
+  // Prefill at start_pos 0 (state must be fresh). Logits of every position if all_logits, else
+  // of the last. Also seeds the DSpark rings when the model has DSpark stages.
+  [[nodiscard]] absl::StatusOr<ForwardResult> Prefill(SequenceState& state,
+                                                      std::span<const int32_t> ids, bool all_logits,
+                                                      ForwardTrace* trace = nullptr) const;
+  // One decode step: token `id` at position state.pos. Returns its logits [vocab].
+  [[nodiscard]] absl::StatusOr<ForwardResult> Decode(SequenceState& state, int32_t id,
+                                                     ForwardTrace* trace = nullptr) const;
+  // DSpark draft pass after a decode step (uses state.main_hidden of position state.pos-1).
+  // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids.
+  [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
+                                                  std::span<const int32_t> forced_ids = {}) const;
+
+  // ---- Module entry points (tests, staged runners) ----
+  // Per-call scratch shared by the layers of one call (the reference's shared_attn singleton).
+  struct Call {
+    int64_t start_pos = 0;
+    int64_t rows = 0;
+    bool prefill = true;
+    std::vector<int32_t> topk;      // [rows, k] last published top-k (window offset applied)
+    int64_t topk_k = 0;
+    std::vector<uint8_t> cand;      // [rows, n_comp] candidate mask of the candidate source
+    int64_t cand_cols = 0;
+  };
+  // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
+  void Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                 ForwardTrace* trace = nullptr) const;
+  // MoE of layer l: x [rows, dim] -> out [rows, dim].
+  void Moe(int l, const float* x, int64_t rows, float* out, std::vector<int32_t>* experts = nullptr) const;
+  // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows, ids_per_row].
+  void Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows, float* h) const;
+  // Hash ids [rows, n_engram_layers, per_layer] for `ids` at positions state.pos.. (uses history).
+  std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
+
+ private:
+  absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
+                                        bool all_logits, ForwardTrace* trace) const;
+  void Block(int l, float* h, float* pre, Call& call, SequenceState& state, ForwardTrace* trace) const;
+  void RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
+                const int64_t* positions, bool inverse) const;
+  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows, int64_t start_pos) const;
+  void StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos, float* kv) const;
+
+  ModelConfig config_;
+  std::vector<LayerRole> roles_;
+  std::unique_ptr<ModelWeights> weights_;
+  EngramConstants engram_;
+  kernels::Backend& backend_;
+  ModelOptions options_;
+  std::vector<float> freqs_plain_, freqs_yarn_;
+};
+
+}  // namespace epd::model

@@ -1,0 +1,210 @@
+#include "model/weights.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/numerics.h"
+#include "spdlog/spdlog.h"
+
+namespace epd::model {
+namespace {
+
+namespace kc = kernels::cpu;
+
+#define EPD_ASSIGN(lhs, expr)          \
+  do {                                 \
+    auto _r = (expr);                  \
+    if (!_r.ok()) return _r.status();  \
+    lhs = std::move(*_r);              \
+  } while (0)
+
+class Loader {
+ public:
+  explicit Loader(const TensorStore& s) : s_(s) {}
+
+  absl::StatusOr<std::vector<float>> Bf16(const std::string& name, std::vector<int64_t> shape) {
+    auto v = s_.Get(name, DType::kBF16, shape);
+    if (!v.ok()) return v.status();
+    std::vector<float> out(v->numel());
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(v->data);
+    for (int64_t i = 0; i < v->numel(); ++i) {
+      uint16_t b;
+      std::memcpy(&b, p + i, 2);
+      out[i] = kc::Bf16BitsToF32(b);
+    }
+    return out;
+  }
+
+  absl::StatusOr<std::vector<float>> F32(const std::string& name, std::vector<int64_t> shape) {
+    auto v = s_.Get(name, DType::kF32, shape);
+    if (!v.ok()) return v.status();
+    std::vector<float> out(v->numel());
+    std::memcpy(out.data(), v->data, v->bytes);
+    return out;
+  }
+
+  absl::StatusOr<QuantWeight> Fp8(const std::string& prefix, int64_t out, int64_t in) {
+    auto w = s_.Get(prefix + ".weight", DType::kF8E4M3, {out, in});
+    if (!w.ok()) return w.status();
+    auto s = s_.Get(prefix + ".scale", DType::kF8E8M0, {(out + 31) / 32, (in + 31) / 32});
+    if (!s.ok()) return s.status();
+    QuantWeight q;
+    q.out = out;
+    q.in = in;
+    q.block_rows = 32;
+    q.block_cols = 32;
+    q.values.resize(out * in);
+    for (int64_t i = 0; i < out * in; ++i) q.values[i] = kc::DecodeE4M3(w->data[i]);
+    q.scales.resize(s->numel());
+    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kc::DecodeE8M0(s->data[i]);
+    return q;
+  }
+
+  absl::StatusOr<QuantWeight> Fp4(const std::string& prefix, int64_t out, int64_t in) {
+    auto w = s_.Get(prefix + ".weight", DType::kI8, {out, in / 2});
+    if (!w.ok()) return w.status();
+    auto s = s_.Get(prefix + ".scale", DType::kF8E8M0, {out, in / 32});
+    if (!s.ok()) return s.status();
+    QuantWeight q;
+    q.out = out;
+    q.in = in;
+    q.block_rows = 1;
+    q.block_cols = 32;
+    q.values.resize(out * in);
+    for (int64_t i = 0; i < out * in / 2; ++i) {
+      q.values[2 * i] = kc::DecodeE2M1(w->data[i] & 0xf);
+      q.values[2 * i + 1] = kc::DecodeE2M1(w->data[i] >> 4);
+    }
+    q.scales.resize(s->numel());
+    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kc::DecodeE8M0(s->data[i]);
+    return q;
+  }
+
+  // FP8 weight dequantized to its (bf16-exact) values: wo_a, as convert.py does.
+  absl::StatusOr<std::vector<float>> Fp8Dequant(const std::string& prefix, int64_t out, int64_t in) {
+    auto q = Fp8(prefix, out, in);
+    if (!q.ok()) return q.status();
+    std::vector<float> v(out * in);
+    for (int64_t o = 0; o < out; ++o) {
+      for (int64_t i = 0; i < in; ++i) {
+        v[o * in + i] = kc::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
+      }
+    }
+    return v;
+  }
+
+ private:
+  const TensorStore& s_;
+};
+
+absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int n_experts, int top_k,
+                     MoeWeights* m) {
+  m->n_experts = n_experts;
+  m->top_k = top_k;
+  EPD_ASSIGN(m->gate, ld.Bf16(p + "gate.weight", {n_experts, c.dim}));
+  EPD_ASSIGN(m->gate_bias, ld.F32(p + "gate.bias", {n_experts}));
+  m->experts.resize(n_experts);
+  for (int e = 0; e < n_experts; ++e) {
+    const std::string ep = absl::StrCat(p, "experts.", e, ".");
+    EPD_ASSIGN(m->experts[e].w1, ld.Fp4(ep + "w1", c.moe_inter_dim, c.dim));
+    EPD_ASSIGN(m->experts[e].w3, ld.Fp4(ep + "w3", c.moe_inter_dim, c.dim));
+    EPD_ASSIGN(m->experts[e].w2, ld.Fp4(ep + "w2", c.dim, c.moe_inter_dim));
+  }
+  if (c.n_shared_experts > 0) {
+    m->shared.resize(1);
+    const int64_t inter = c.moe_inter_dim * c.n_shared_experts;
+    EPD_ASSIGN(m->shared[0].w1, ld.Fp8(p + "shared_experts.w1", inter, c.dim));
+    EPD_ASSIGN(m->shared[0].w3, ld.Fp8(p + "shared_experts.w3", inter, c.dim));
+    EPD_ASSIGN(m->shared[0].w2, ld.Fp8(p + "shared_experts.w2", c.dim, inter));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+void EngramWeights::LookupRow(int64_t row, float* out) const {
+  const int64_t hd = table.shape[1];
+  const uint8_t* w = table.data + row * hd;
+  const uint8_t* s = table_scale.data + row * (hd / 32);
+  for (int64_t i = 0; i < hd; ++i) out[i] = kc::RoundBf16(kc::DecodeE4M3(w[i]) * kc::DecodeE8M0(s[i / 32]));
+}
+
+absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConfig& c,
+                                                                  std::shared_ptr<const TensorStore> store) {
+  auto mw = std::make_unique<ModelWeights>();
+  mw->store = store;
+  Loader ld(*store);
+  EPD_ASSIGN(mw->embed, ld.Bf16("embed.weight", {c.vocab_size, c.dim}));
+  EPD_ASSIGN(mw->head, ld.Bf16("head.weight", {c.vocab_size, c.dim}));
+  EPD_ASSIGN(mw->norm, ld.Bf16("norm.weight", {c.dim}));
+  const std::vector<LayerRole> roles = c.Roles();
+  mw->layers.resize(c.total_layers());
+  const int64_t hc = c.hc_mult, nmix = (2 + hc) * hc;
+  for (int l = 0; l < c.total_layers(); ++l) {
+    const LayerRole& r = roles[l];
+    const std::string p = r.is_dspark_stage ? absl::StrCat("mtp.", l - c.n_layers, ".") : absl::StrCat("layers.", l, ".");
+    LayerWeights& L = mw->layers[l];
+    AttentionWeights& A = L.attn;
+    EPD_ASSIGN(L.attn_norm, ld.Bf16(p + "attn_norm.weight", {c.dim}));
+    EPD_ASSIGN(L.ffn_norm, ld.Bf16(p + "ffn_norm.weight", {c.dim}));
+    EPD_ASSIGN(A.attn_sink, ld.F32(p + "attn.attn_sink", {c.n_heads}));
+    EPD_ASSIGN(A.q_norm, ld.Bf16(p + "attn.q_norm.weight", {c.q_lora_rank}));
+    EPD_ASSIGN(A.kv_norm, ld.Bf16(p + "attn.kv_norm.weight", {c.head_dim}));
+    EPD_ASSIGN(A.wq_a, ld.Fp8(p + "attn.wq_a", c.q_lora_rank, c.dim));
+    EPD_ASSIGN(A.wq_b, ld.Fp8(p + "attn.wq_b", int64_t{c.n_heads} * c.head_dim, c.q_lora_rank));
+    EPD_ASSIGN(A.wkv, ld.Fp8(p + "attn.wkv", c.head_dim, c.dim));
+    EPD_ASSIGN(A.wo_a, ld.Fp8Dequant(p + "attn.wo_a", c.o_groups * c.o_lora_rank,
+                                     int64_t{c.n_heads / c.o_groups} * c.head_dim));
+    EPD_ASSIGN(A.wo_b, ld.Fp8(p + "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank));
+    if (r.is_kv_source) {
+      EPD_ASSIGN(A.cmp_wkv, ld.Bf16(p + "attn.compressor.wkv.weight", {c.head_dim, c.dim}));
+      if (r.has_wgate) EPD_ASSIGN(A.cmp_wgate, ld.Bf16(p + "attn.compressor.wgate.weight", {c.head_dim, c.dim}));
+      EPD_ASSIGN(A.cmp_norm, ld.Bf16(p + "attn.compressor.norm.weight", {c.head_dim}));
+      EPD_ASSIGN(A.idx_wk, ld.Bf16(p + "attn.indexer.wk.weight", {c.index_head_dim, c.head_dim}));
+      EPD_ASSIGN(A.idx_k_norm, ld.Bf16(p + "attn.indexer.k_norm.weight", {c.index_head_dim}));
+    }
+    if (r.is_index_source) {
+      EPD_ASSIGN(A.idx_wq_b, ld.Fp8(p + "attn.indexer.wq_b", int64_t{c.index_n_heads} * c.index_head_dim,
+                                    c.q_lora_rank));
+      EPD_ASSIGN(A.idx_weights_proj, ld.Bf16(p + "attn.indexer.weights_proj.weight", {c.index_n_heads, c.dim}));
+    }
+    const int ne = r.is_dspark_stage ? c.dspark_n_routed_experts : c.n_routed_experts;
+    const int tk = r.is_dspark_stage ? c.dspark_n_activated_experts : c.n_activated_experts;
+    if (absl::Status s = LoadMoe(ld, p + "ffn.", c, ne, tk, &L.ffn); !s.ok()) return s;
+    EPD_ASSIGN(L.hc_attn_fn, ld.F32(p + "hc_attn_fn", {nmix, hc * c.dim}));
+    EPD_ASSIGN(L.hc_attn_base, ld.F32(p + "hc_attn_base", {nmix}));
+    EPD_ASSIGN(L.hc_attn_scale, ld.F32(p + "hc_attn_scale", {3}));
+    EPD_ASSIGN(L.hc_ffn_fn, ld.F32(p + "hc_ffn_fn", {nmix, hc * c.dim}));
+    EPD_ASSIGN(L.hc_ffn_base, ld.F32(p + "hc_ffn_base", {nmix}));
+    EPD_ASSIGN(L.hc_ffn_scale, ld.F32(p + "hc_ffn_scale", {3}));
+    if (r.has_engram) {
+      size_t ei = 0;
+      while (c.engram_layer_ids[ei] != l) ++ei;
+      auto e = std::make_unique<EngramWeights>();
+      const int64_t rows = c.engram_num_embeddings[ei];
+      EPD_ASSIGN(e->table, store->Get(p + "engram.embed.weight", DType::kF8E4M3, {rows, c.engram_head_dim}));
+      EPD_ASSIGN(e->table_scale,
+                 store->Get(p + "engram.embed.scale", DType::kF8E8M0, {rows, c.engram_head_dim / 32}));
+      const int64_t in = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads * c.engram_head_dim;
+      EPD_ASSIGN(e->wkv, ld.Fp8(p + "engram.wkv", (hc + 1) * c.dim, in));
+      EPD_ASSIGN(e->q_weight, ld.Bf16(p + "engram.q_weight", {hc, c.dim}));
+      EPD_ASSIGN(e->k_weight, ld.Bf16(p + "engram.k_weight", {hc, c.dim}));
+      L.engram = std::move(e);
+    }
+    spdlog::debug("loaded layer {} ({})", l, LayerModeName(r.mode));
+  }
+  if (c.n_mtp_layers > 0) {
+    auto d = std::make_unique<DSparkWeights>();
+    const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+    const std::string last = absl::StrCat("mtp.", c.n_mtp_layers - 1, ".");
+    EPD_ASSIGN(d->main_proj, ld.Fp8("mtp.0.main_proj", c.dim, nt * c.dim));
+    EPD_ASSIGN(d->main_norm, ld.Bf16("mtp.0.main_norm.weight", {c.dim}));
+    EPD_ASSIGN(d->norm, ld.Bf16(last + "norm.weight", {c.dim}));
+    EPD_ASSIGN(d->markov_embed, ld.Bf16(last + "markov_head.embed.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->markov_head, ld.Bf16(last + "markov_head.head.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->confidence, ld.Bf16(last + "confidence_head.proj.weight", {1, c.dim + c.dspark_markov_rank}));
+    mw->dspark = std::move(d);
+  }
+  spdlog::info("weights loaded: {} layers, {:.1f} MB checkpoint", c.total_layers(), store->total_bytes() / 1e6);
+  return mw;
+}
+
+}  // namespace epd::model
