@@ -1,0 +1,199 @@
+// Parity of the CPU reference forward pass with the golden set v41-tiny-a (official model.py run
+// on a tiny checkpoint), following the checks its README recommends.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "kernels/backend.h"
+#include "kernels/cpu/numerics.h"
+#include "model/model.h"
+#include "nlohmann/json.hpp"
+#include "tests/testing/subprocess.h"
+
+namespace epd::model {
+namespace {
+
+const char kDir[] = "tests/data/golden/v41-tiny-a/";
+
+std::string ReadText(const std::string& rel) {
+  std::ifstream in(testing::SourcePath(std::string(kDir) + rel), std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+std::vector<float> ReadF32(const std::string& rel) {
+  std::string s = ReadText(rel);
+  std::vector<float> v(s.size() / 4);
+  std::memcpy(v.data(), s.data(), v.size() * 4);
+  return v;
+}
+std::vector<int32_t> ReadI32(const std::string& rel) {
+  std::string s = ReadText(rel);
+  std::vector<int32_t> v(s.size() / 4);
+  std::memcpy(v.data(), s.data(), v.size() * 4);
+  return v;
+}
+std::vector<float> ReadBf16(const std::string& rel) {
+  std::string s = ReadText(rel);
+  std::vector<float> v(s.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t b;
+    std::memcpy(&b, s.data() + 2 * i, 2);
+    v[i] = kernels::cpu::Bf16BitsToF32(b);
+  }
+  return v;
+}
+double RelRms(const float* x, const float* g, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(x[i]) - g[i]) * (double(x[i]) - g[i]);
+    den += double(g[i]) * g[i];
+  }
+  return std::sqrt(num / n) / std::sqrt(den / n);
+}
+double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
+  EXPECT_EQ(x.size(), g.size());
+  return RelRms(x.data(), g.data(), std::min(x.size(), g.size()));
+}
+int Argmax(const float* v, int n) { return static_cast<int>(std::max_element(v, v + n) - v); }
+
+class GoldenParityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    backend_ = kernels::MakeCpuBackend().release();
+    auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
+    ASSERT_TRUE(cfg.ok()) << cfg.status();
+    auto store = TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
+    ASSERT_TRUE(w.ok()) << w.status();
+    auto k = ParseEngramConstantsJson(ReadText("manifest.json"));
+    ASSERT_TRUE(k.ok()) << k.status();
+    ASSERT_TRUE(k->Validate(*cfg).ok()) << k->Validate(*cfg);
+    model_ = new Model(std::move(*cfg), std::move(*w), std::move(*k), *backend_);
+    auto prompt = nlohmann::json::parse(ReadText("prompt.json"));
+    prompt_ = new std::vector<int32_t>(prompt["prompt_ids"].get<std::vector<int32_t>>());
+    auto man = nlohmann::json::parse(ReadText("manifest.json"));
+    generated_ = new std::vector<int32_t>(man["results"]["generated_ids"].get<std::vector<int32_t>>());
+    draft_ids_ = new std::vector<std::vector<int32_t>>(
+        man["results"]["dspark_output_ids"].get<std::vector<std::vector<int32_t>>>());
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+    delete prompt_;
+    delete generated_;
+    delete draft_ids_;
+  }
+  static kernels::Backend* backend_;
+  static Model* model_;
+  static std::vector<int32_t>* prompt_;
+  static std::vector<int32_t>* generated_;
+  static std::vector<std::vector<int32_t>>* draft_ids_;
+};
+kernels::Backend* GoldenParityTest::backend_ = nullptr;
+Model* GoldenParityTest::model_ = nullptr;
+std::vector<int32_t>* GoldenParityTest::prompt_ = nullptr;
+std::vector<int32_t>* GoldenParityTest::generated_ = nullptr;
+std::vector<std::vector<int32_t>>* GoldenParityTest::draft_ids_ = nullptr;
+
+TEST_F(GoldenParityTest, EngramHashIdsExact) {
+  auto state = model_->NewSequence();
+  std::vector<int32_t> ids = *prompt_;
+  ids.insert(ids.end(), generated_->begin(), generated_->end() - 1);
+  std::vector<int64_t> got = model_->EngramHashes(*state, ids);
+  std::vector<int32_t> want = ReadI32("debug/engram_hash_ids.bin");
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i) ASSERT_EQ(got[i], want[i]) << "at " << i;
+}
+
+TEST_F(GoldenParityTest, ModuleTeacherForcing) {
+  const ModelConfig& c = model_->config();
+  const int64_t P = static_cast<int64_t>(prompt_->size()), D = c.dim;
+  auto state = model_->NewSequence();
+  Model::Call call;
+  call.rows = P;
+  std::vector<int64_t> hashes = model_->EngramHashes(*state, *prompt_);
+  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string ls = std::to_string(l);
+    std::vector<float> x = ReadBf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
+    model_->Attention(l, x.data(), call, *state, out.data());
+    const double ar = RelRms(out, ReadBf16("debug/attn_out_layer" + ls + "_prefill.bin"));
+    EXPECT_LE(ar, 3e-3) << "attention layer " << l;
+    std::vector<float> f = ReadBf16("debug/ffn_in_layer" + ls + "_prefill.bin");
+    model_->Moe(l, f.data(), P, out.data());
+    const double mr = RelRms(out, ReadBf16("debug/ffn_out_layer" + ls + "_prefill.bin"));
+    EXPECT_LE(mr, 1e-3) << "MoE layer " << l;
+    std::printf("layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", l, ar, mr);
+  }
+  for (size_t li = 0; li < c.engram_layer_ids.size(); ++li) {
+    const int l = c.engram_layer_ids[li];
+    std::vector<float> in = ReadBf16("debug/engram_in_layer" + std::to_string(l) + "_prefill.bin");
+    std::vector<float> want = ReadBf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
+    std::vector<float> h = in;
+    model_->Engram(l, hashes.data() + li * per, static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data());
+    std::vector<float> d(h.size()), dw(h.size());
+    for (size_t i = 0; i < h.size(); ++i) {
+      d[i] = h[i] - in[i];
+      dw[i] = want[i] - in[i];
+    }
+    const double er = RelRms(d, dw);
+    EXPECT_LE(er, 1e-3) << "engram layer " << l;
+    std::printf("engram layer %d: delta rel_rms %.3g\n", l, er);
+  }
+}
+
+TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
+  const ModelConfig& c = model_->config();
+  const int64_t P = static_cast<int64_t>(prompt_->size()), V = c.vocab_size;
+  auto state = model_->NewSequence();
+  ForwardTrace trace;
+  auto pre = model_->Prefill(*state, *prompt_, /*all_logits=*/true, &trace);
+  ASSERT_TRUE(pre.ok()) << pre.status();
+  ASSERT_EQ(pre->rows, P);
+  const double f0 = RelRms(trace.ffn_in[0], ReadBf16("debug/ffn_in_layer0_prefill.bin"));
+  const double a1 = RelRms(trace.attn_in[1], ReadBf16("debug/attn_in_layer1_prefill.bin"));
+  EXPECT_LE(f0, 5e-4);
+  EXPECT_LE(a1, 1e-3);
+  for (int l = 0; l < c.n_layers; ++l) {
+    std::printf("free-running layer %d: attn_in %.3g ffn_in %.3g\n", l,
+                RelRms(trace.attn_in[l], ReadBf16("debug/attn_in_layer" + std::to_string(l) + "_prefill.bin")),
+                RelRms(trace.ffn_in[l], ReadBf16("debug/ffn_in_layer" + std::to_string(l) + "_prefill.bin")));
+  }
+  const std::vector<float> all = ReadF32("logits_prefill_all.bin");
+  const double pr = RelRms(pre->logits, all);
+  std::printf("prefill logits rel_rms %.4g\n", pr);
+  EXPECT_LE(pr, 0.06);
+  const std::vector<float> steps = ReadF32("logits_steps.bin");
+  EXPECT_EQ(Argmax(pre->logits.data() + (P - 1) * V, V), (*generated_)[0]);
+  const std::vector<float> dl = ReadF32("dspark_logits.bin"), dc = ReadF32("dspark_confidence.bin");
+  const int64_t B = c.dspark_block_size;
+  for (int s = 1; s <= 8; ++s) {
+    auto r = model_->Decode(*state, (*generated_)[s - 1]);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const double sr = RelRms(r->logits.data(), steps.data() + s * V, V);
+    std::printf("decode step %d: logits rel_rms %.4g\n", s, sr);
+    EXPECT_LE(sr, 0.06) << "step " << s;
+    EXPECT_EQ(Argmax(r->logits.data(), V), (*generated_)[s]) << "step " << s;
+    const std::vector<int32_t>& gd = (*draft_ids_)[s - 1];
+    std::vector<int32_t> forced(gd.begin() + 1, gd.end());
+    auto d = model_->Draft(*state, (*generated_)[s], forced);
+    ASSERT_TRUE(d.ok()) << d.status();
+    const float* g = dl.data() + (s - 1) * B * V;
+    const double d0 = RelRms(d->logits.data(), g, V);
+    const double dall = RelRms(d->logits.data(), g, B * V);
+    std::printf("  dspark row0 rel_rms %.4g, rows 0-4 %.4g, confidence %.4f vs %.4f\n", d0, dall,
+                d->confidence[0], dc[(s - 1) * B]);
+    EXPECT_LE(d0, 0.03) << "step " << s;
+    EXPECT_LE(dall, 0.06) << "step " << s;
+    EXPECT_EQ(d->ids[1], gd[1]) << "step " << s;
+    for (int64_t i = 0; i < B; ++i) EXPECT_NEAR(d->confidence[i], dc[(s - 1) * B + i], 0.25) << s << "," << i;
+  }
+}
+
+}  // namespace
+}  // namespace epd::model
