@@ -1,0 +1,198 @@
+#include "model/chat_format.h"
+
+#include <gtest/gtest.h>
+
+#include "model/nano_generator.h"
+#include "model/tokenizer.h"
+
+namespace epd::model {
+namespace {
+
+using json = nlohmann::json;
+
+const std::string kBos = "<｜begin▁of▁sentence｜>";
+const std::string kEos = "<｜end▁of▁sentence｜>";
+
+ChatMessage Msg(std::string role, std::string content, std::string reasoning = "") {
+  ChatMessage m;
+  m.role = std::move(role);
+  m.content = std::move(content);
+  m.reasoning_content = std::move(reasoning);
+  return m;
+}
+
+const std::string kWeatherCall =
+    "<｜DSML｜ calls>\n"
+    "<｜DSML｜ invoke name=\"get_weather\">\n"
+    "<｜DSML｜ parameter name=\"city\" string=\"true\">Paris</｜DSML｜ parameter>\n"
+    "<｜DSML｜ parameter name=\"days\" string=\"false\">3</｜DSML｜ parameter>\n"
+    "</｜DSML｜ invoke>\n"
+    "</｜DSML｜ calls>";
+
+TEST(ChatFormatTest, ChatModeSystemAndUser) {
+  auto s = RenderChat({Msg("system", "You are helpful."), Msg("user", "Hi")}, {}, {});
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s, kBos + "<｜System｜>You are helpful.<｜User｜>Hi<｜Assistant｜></think>");
+}
+
+TEST(ChatFormatTest, ThinkingModeWithEffortLine) {
+  ChatRenderOptions o;
+  o.thinking = true;
+  o.reasoning_effort = *ParseReasoningEffort("high");
+  auto s = RenderChat({Msg("user", "Hi")}, {}, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, kBos +
+                    "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough "
+                    "the reasoning)\n\n<｜User｜>Hi<｜Assistant｜><think>");
+  // Chat mode never writes the effort line.
+  o.thinking = false;
+  EXPECT_EQ(*RenderChat({Msg("user", "Hi")}, {}, o), kBos + "<｜User｜>Hi<｜Assistant｜></think>");
+}
+
+TEST(ChatFormatTest, EarlierTurnsDropReasoning) {
+  ChatRenderOptions o;
+  o.thinking = true;
+  auto s = RenderChat({Msg("user", "Q1"), Msg("assistant", "A1", "R1"), Msg("user", "Q2")}, {}, o);
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, kBos + "<｜User｜>Q1<｜Assistant｜></think>A1" + kEos + "<｜User｜>Q2<｜Assistant｜><think>");
+}
+
+TEST(ChatFormatTest, ToolLoopKeepsCurrentReasoningAndMergesResults) {
+  ChatRenderOptions o;
+  o.thinking = true;
+  ChatMessage call = Msg("assistant", "", "R");
+  call.tool_calls = {{"get_weather", R"({"city": "Paris", "days": 3})"}};
+  auto s = RenderChat({Msg("user", "Q"), call, Msg("tool", "sunny"), Msg("tool", "rainy")}, {}, o);
+  ASSERT_TRUE(s.ok()) << s.status();
+  EXPECT_EQ(*s, kBos + "<｜User｜>Q<｜Assistant｜><think>R</think>" + kWeatherCall + kEos +
+                    "<｜User｜><tool_result>sunny</tool_result><tool_result>rainy</tool_result>"
+                    "<｜Assistant｜><think>");
+  // Content before the calls is separated by a blank line; chat mode.
+  call.content = "Let me check.";
+  auto c = RenderChat({Msg("user", "Q"), call, Msg("tool", "sunny"), Msg("user", "and tomorrow?")}, {}, {});
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c, kBos + "<｜User｜>Q<｜Assistant｜></think>Let me check.\n\n" + kWeatherCall + kEos +
+                    "<｜User｜><tool_result>sunny</tool_result>\n\nand tomorrow?<｜Assistant｜></think>");
+}
+
+TEST(ChatFormatTest, MidConversationSystemTriggersAssistantHeader) {
+  auto s = RenderChat({Msg("user", "Q"), Msg("assistant", "A"), Msg("system", "Be brief.")}, {}, {});
+  ASSERT_TRUE(s.ok());
+  EXPECT_EQ(*s, kBos + "<｜User｜>Q<｜Assistant｜></think>A" + kEos + "<｜System｜>Be brief.<｜Assistant｜></think>");
+}
+
+TEST(ChatFormatTest, ToolsGoIntoTheSystemPrompt) {
+  json tool = json::parse(R"({"type": "function", "function": {"name": "get_weather",
+      "description": "Weather of a city", "parameters": {"type": "object",
+      "properties": {"city": {"type": "string"}}}}})");
+  auto s = RenderChat({Msg("system", "sys"), Msg("user", "Q")}, {tool}, {});
+  ASSERT_TRUE(s.ok());
+  EXPECT_TRUE(s->starts_with(kBos + "<｜System｜>sys\n\n## Tools\n\n")) << *s;
+  EXPECT_NE(s->find(tool["function"].dump() + "\n"), std::string::npos);
+  EXPECT_TRUE(s->ends_with("<｜User｜>Q<｜Assistant｜></think>"));
+}
+
+TEST(ChatFormatTest, RenderErrors) {
+  EXPECT_FALSE(RenderChat({Msg("robot", "x")}, {}, {}).ok());
+  EXPECT_FALSE(RenderChat({Msg("user", "Q"), Msg("tool", "orphan")}, {}, {}).ok());
+  ChatMessage bad = Msg("assistant", "");
+  bad.tool_calls = {{"f", "not json"}};
+  auto st = RenderChat({Msg("user", "Q"), bad}, {}, {});
+  ASSERT_FALSE(st.ok());
+  EXPECT_NE(st.status().message().find("not a JSON object"), std::string::npos);
+  ChatRenderOptions o;
+  o.reasoning_effort = 0;
+  EXPECT_FALSE(RenderChat({Msg("user", "Q")}, {}, o).ok());
+}
+
+TEST(ChatFormatTest, ReasoningEffortAliases) {
+  EXPECT_EQ(*ParseReasoningEffort("low"), 25);
+  EXPECT_EQ(*ParseReasoningEffort("medium"), 50);
+  EXPECT_EQ(*ParseReasoningEffort("high"), 75);
+  EXPECT_EQ(*ParseReasoningEffort("max"), 100);
+  EXPECT_EQ(*ParseReasoningEffort("60"), 60);
+  EXPECT_FALSE(ParseReasoningEffort("0").ok());
+  EXPECT_FALSE(ParseReasoningEffort("101").ok());
+  EXPECT_FALSE(ParseReasoningEffort("xhigh").ok());
+  EXPECT_FALSE(ParseReasoningEffort("5x").ok());
+}
+
+TEST(ChatFormatTest, ParsesReasoningContentAndToolCalls) {
+  auto p = ParseCompletion("R</think>Let me check.\n\n" + kWeatherCall + kEos + "junk", true);
+  ASSERT_TRUE(p.ok()) << p.status();
+  EXPECT_EQ(p->reasoning, "R");
+  EXPECT_EQ(p->content, "Let me check.");
+  EXPECT_TRUE(p->finished);
+  ASSERT_EQ(p->tool_calls.size(), 1u);
+  EXPECT_EQ(p->tool_calls[0].name, "get_weather");
+  EXPECT_EQ(json::parse(p->tool_calls[0].arguments), json::parse(R"({"city": "Paris", "days": 3})"));
+  // Unfinished reasoning; chat mode; plain content.
+  auto u = ParseCompletion("still thinking", true);
+  EXPECT_EQ(u->reasoning, "still thinking");
+  EXPECT_EQ(u->content, "");
+  EXPECT_FALSE(u->finished);
+  auto c = ParseCompletion("Hello!" + kEos, false);
+  EXPECT_EQ(c->content, "Hello!");
+  EXPECT_EQ(c->reasoning, "");
+  EXPECT_TRUE(c->tool_calls.empty());
+}
+
+TEST(ChatFormatTest, ToolCallsRoundTrip) {
+  std::vector<ToolCall> calls = {
+      {"search", R"({"query":"a \"quoted\" <b>","limit":5,"filters":{"lang":["en","fr"]},"exact":true})"},
+      {"noargs", "{}"}};
+  auto text = RenderToolCalls(calls);
+  ASSERT_TRUE(text.ok());
+  auto p = ParseCompletion(*text, false);
+  ASSERT_TRUE(p.ok()) << p.status();
+  ASSERT_EQ(p->tool_calls.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(p->tool_calls[i].name, calls[i].name);
+    EXPECT_EQ(json::parse(p->tool_calls[i].arguments), json::parse(calls[i].arguments));
+  }
+}
+
+TEST(ChatFormatTest, MalformedDsmlIsNamed) {
+  auto a = ParseCompletion("x<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n", false);
+  ASSERT_FALSE(a.ok());
+  EXPECT_NE(a.status().message().find("not terminated"), std::string::npos);
+  auto b = ParseCompletion(
+      "<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ parameter name=\"n\" string=\"false\">"
+      "{oops</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>",
+      false);
+  ASSERT_FALSE(b.ok());
+  EXPECT_NE(b.status().message().find("not JSON"), std::string::npos);
+}
+
+TEST(ChatFormatTest, OpenAiMessages) {
+  auto m = MessagesFromOpenAi(json::parse(R"([
+    {"role": "developer", "content": "sys"},
+    {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+    {"role": "assistant", "content": null, "tool_calls": [{"id": "1", "type": "function",
+      "function": {"name": "f", "arguments": "{\"x\": 1}"}}]},
+    {"role": "tool", "tool_call_id": "1", "content": "ok"}])"));
+  ASSERT_TRUE(m.ok()) << m.status();
+  ASSERT_EQ(m->size(), 4u);
+  EXPECT_EQ((*m)[0].role, "system");
+  EXPECT_EQ((*m)[1].content, "ab");
+  EXPECT_EQ((*m)[2].tool_calls[0], (ToolCall{"f", "{\"x\": 1}"}));
+  EXPECT_FALSE(MessagesFromOpenAi(json::parse(R"([{"content": "x"}])")).ok());
+  EXPECT_FALSE(MessagesFromOpenAi(json::parse(R"([{"role": "user", "content": [{"type": "image_url"}]}])")).ok());
+}
+
+TEST(ChatFormatTest, RenderedPromptTokenizesProtocolTokens) {
+  auto tok = Tokenizer::FromJson(*NanoTokenizerJson());
+  ASSERT_TRUE(tok.ok());
+  ChatRenderOptions o;
+  o.thinking = true;
+  auto s = RenderChat({Msg("system", "S"), Msg("user", "Hello")}, {}, o);
+  std::vector<int32_t> ids = (*tok)->Encode(*s);
+  EXPECT_EQ(ids.front(), 0);
+  EXPECT_EQ(ids[1], *(*tok)->TokenId("<｜System｜>"));
+  EXPECT_EQ(ids[ids.size() - 2], *(*tok)->TokenId("<｜Assistant｜>"));
+  EXPECT_EQ(ids.back(), *(*tok)->TokenId("<think>"));
+  EXPECT_EQ(*(*tok)->Decode(ids), *s);
+}
+
+}  // namespace
+}  // namespace epd::model
