@@ -26,6 +26,8 @@ KvMetrics::KvMetrics(prometheus::Registry& registry) {
   auto* bytes = gauge("epd_kv_bytes", "Payload bytes held, per tier");
   auto* entries = gauge("epd_kv_entries", "Entries held, per tier");
   auto* capacity = gauge("epd_kv_capacity_bytes", "Configured capacity, per tier");
+  puts_in_flight_ =
+      &gauge("epd_kv_puts_in_flight", "Put requests received and not yet answered")->Add({});
   bad_requests_ = counter("epd_kv_bad_requests_total", "Rejected requests, per reason");
   for (Tier t : {Tier::kG1, Tier::kG2, Tier::kG3}) {
     const std::string label(TierLabel(t));

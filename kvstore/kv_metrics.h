@@ -43,11 +43,14 @@ class KvMetrics {
   // epd_kv_bad_requests_total{reason}: reason is one of a small fixed set ("key_size",
   // "value_size", "tier", "capacity", "internal").
   void CountBadRequest(std::string_view reason);
+  // epd_kv_puts_in_flight: put RPCs received and not yet answered.
+  prometheus::Gauge& puts_in_flight() { return *puts_in_flight_; }
 
  private:
   static int Index(Tier t) { return t == Tier::kG2 ? 1 : (t == Tier::kG3 ? 2 : 0); }
 
   prometheus::Family<prometheus::Counter>* bad_requests_;
+  prometheus::Gauge* puts_in_flight_;
   TierMetrics tiers_[3];
 };
 

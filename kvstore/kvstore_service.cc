@@ -101,10 +101,13 @@ grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext*, const v1::GetRequest*
 
 grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest* req,
                                      v1::PutResponse* resp) {
+  prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
+  in_flight.Increment();
   if (options_.debug_put_delay_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_put_delay_ms));
   }
   auto s = store_.Put(FromProto(req->tier()), req->key(), AsSpan(req->value()));
+  in_flight.Decrement();
   if (!s.ok()) return ToGrpc(s);
   resp->set_stored(true);
   return grpc::Status::OK;

@@ -1,26 +1,123 @@
-// epd-router: the front door. This version runs the process runtime (/metrics, /health, drain);
-// the OpenAI HTTP API, gRPC API and scheduler grow here (issue: end-to-end serving).
+// epd-router: the front door. OpenAI-compatible HTTP (--http-port), gRPC epd.v1.Inference and
+// the worker registry (--grpc-port), /metrics and /health on --metrics-port, drain on SIGTERM.
+// Flow and choices: docs/router.md.
+#include <signal.h>
+
 #include <CLI/CLI.hpp>
+#include <cstdlib>
 #include <iostream>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
+#include "common/clock.h"
+#include "services/router/byte_text_codec.h"
+#include "services/router/dispatch.h"
+#include "services/router/grpc_api.h"
+#include "services/router/openai_http.h"
+#include "services/router/prefix_oracle.h"
+#include "services/router/registry.h"
+#include "services/router/router_core.h"
+#include "services/router/scheduler.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
+
+namespace {
+
+namespace r = epd::services::router;
+
+int Fail(const absl::Status& s) {
+  spdlog::error("epd-router: {}", std::string(s.message()));
+  std::cerr << "epd-router: " << s.message() << "\n";
+  return 1;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"epd-router: OpenAI HTTP + gRPC front end of epd"};
   epd::services::RuntimeOptions runtime_options;
   epd::services::AddRuntimeFlags(app, &runtime_options);
+  int http_port = 0, grpc_port = 0;
+  r::CoreOptions core_options;
+  r::RegistryOptions registry_options;
+  r::SchedulerOptions scheduler_options;
+  r::HttpOptions http_options;
+  app.add_option("--http-port", http_port, "OpenAI HTTP port (0 = any)");
+  app.add_option("--grpc-port", grpc_port, "gRPC port: Inference + WorkerRegistry (0 = any)");
+  app.add_option("--model", core_options.model, "Served model name")->capture_default_str();
+  app.add_option("--context-length", core_options.context_length,
+                 "Prompt + completion tokens per request")
+      ->capture_default_str();
+  app.add_option("--max-tokens-limit", core_options.max_tokens_limit,
+                 "Largest max_tokens a request may ask for")
+      ->capture_default_str();
+  app.add_option("--default-max-tokens", core_options.default_max_tokens,
+                 "max_tokens of a chat request that gives none")
+      ->capture_default_str();
+  app.add_option("--api-key", http_options.api_key,
+                 "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none)");
+  app.add_option("--http-threads", http_options.threads, "HTTP connection threads")
+      ->capture_default_str();
+  app.add_option("--heartbeat-interval-ms", registry_options.heartbeat_interval_ms,
+                 "Heartbeat interval told to workers")
+      ->capture_default_str();
+  app.add_option("--heartbeat-miss-limit", registry_options.heartbeat_miss_limit,
+                 "Missed heartbeats before a worker is forgotten")
+      ->capture_default_str();
+  app.add_option("--direct-decode-max-tokens", scheduler_options.direct_decode_max_tokens,
+                 "Uncached prompt tokens at or below which decode runs a request alone")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
+  if (http_options.api_key.empty()) {
+    if (const char* k = std::getenv("EPD_API_KEY")) http_options.api_key = k;
+  }
+  registry_options.models = {core_options.model};
 
+  signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not kill the process
   epd::services::ProcessRuntime runtime("epd-router", runtime_options);
-  if (auto s = runtime.Start(); !s.ok()) {
-    std::cerr << "epd-router: " << s.message() << "\n";
-    return 1;
+  if (auto s = runtime.Start(); !s.ok()) return Fail(s);
+  if (auto s = core_options.Validate(); !s.ok()) return Fail(s);
+  if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
+
+  auto& clock = epd::common::SystemClock::Get();
+  // TODO(lead): replace with the adapter over model/tokenizer.h + model/chat_format.h.
+  r::ByteTextCodec codec;
+  r::Registry registry(registry_options, clock, runtime.registry());
+  r::NoPrefixOracle oracle;
+  r::Scheduler scheduler(scheduler_options, registry, oracle, runtime.registry());
+  auto workers = r::NewGrpcWorkerClient();
+  r::RouterCore core(core_options, codec, registry, scheduler, *workers, clock, runtime.registry());
+
+  r::RouterGrpcServer grpc_server(core, http_options.api_key);
+  auto gport = grpc_server.Start(runtime_options.host, grpc_port);
+  if (!gport.ok()) return Fail(gport.status());
+  r::OpenAiHttpServer http_server(core, runtime.shared_registry(), http_options);
+  auto hport = http_server.Start(runtime_options.host, http_port);
+  if (!hport.ok()) return Fail(hport.status());
+  runtime.metrics_server().SetHealth([&core] {
+    bool serving = false;
+    // Liveness stays healthy without workers; readiness is the HTTP port's /health.
+    return epd::services::HealthReport{true, r::RouterHealthJson(core, &serving)};
+  });
+  runtime.PublishPort("grpc", *gport);
+  runtime.PublishPort("http", *hport);
+  spdlog::info("epd-router: model {} (context {}), OpenAI HTTP on http://{}:{}, gRPC on {}:{}",
+               core_options.model, core_options.context_length, runtime_options.host, *hport,
+               runtime_options.host, *gport);
+
+  const auto sweep = std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
+  while (!epd::services::WaitForShutdown(sweep)) registry.ExpireStale();
+
+  spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());
+  core.StartDraining();
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(runtime_options.drain_timeout_ms);
+  while (core.inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  while (!epd::services::WaitForShutdown(std::chrono::milliseconds(500))) {
-  }
-  spdlog::info("epd-router: shutdown requested, draining");
+  http_server.Stop();
+  grpc_server.Stop();
+  spdlog::info("epd-router: stopped");
   return 0;
 }

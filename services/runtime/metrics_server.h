@@ -47,6 +47,7 @@ class MetricsServer {
   std::string process_name_;
   std::unique_ptr<httplib::Server> server_;
   std::thread thread_;
+  std::shared_ptr<std::atomic<bool>> listening_done_;
   int port_ = 0;
   std::shared_ptr<HealthFn> health_;
 };

@@ -172,8 +172,15 @@ TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
   EXPECT_EQ(Argmax(pre->logits.data() + (P - 1) * V, V), (*generated_)[0]);
   const std::vector<float> dl = ReadF32("dspark_logits.bin"), dc = ReadF32("dspark_confidence.bin");
   const int64_t B = c.dspark_block_size;
+  const std::vector<int32_t> tk2 = ReadI32("debug/topk_idxs_layer2_decode.bin");
+  int topk2_equal = 0;
   for (int s = 1; s <= 8; ++s) {
-    auto r = model_->Decode(*state, (*generated_)[s - 1]);
+    ForwardTrace dt;
+    auto r = model_->Decode(*state, (*generated_)[s - 1], &dt);
+    ASSERT_TRUE(r.ok());
+    const int64_t k = c.index_topk;
+    topk2_equal += std::equal(dt.topk[2].begin(), dt.topk[2].end(), tk2.begin() + (s - 1) * k);
+
     ASSERT_TRUE(r.ok()) << r.status();
     const double sr = RelRms(r->logits.data(), steps.data() + s * V, V);
     std::printf("decode step %d: logits rel_rms %.4g\n", s, sr);
@@ -193,6 +200,10 @@ TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
     EXPECT_EQ(d->ids[1], gd[1]) << "step " << s;
     for (int64_t i = 0; i < B; ++i) EXPECT_NEAR(d->confidence[i], dc[(s - 1) * B + i], 0.25) << s << "," << i;
   }
+  // Odd positions use layer 2's own keys; even ones the stale layer-4 keys (reference quirk), whose
+  // inputs drift more. Measured: the 4 odd steps match exactly and the even ones overlap mostly.
+  std::printf("layer-2 decode top-k rows equal to golden: %d/8\n", topk2_equal);
+  EXPECT_GE(topk2_equal, 4);
 }
 
 }  // namespace

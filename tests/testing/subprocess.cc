@@ -1,6 +1,9 @@
 #include "tests/testing/subprocess.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -151,16 +154,25 @@ std::optional<int> WaitForPortFile(const std::string& path, const std::string& k
 }
 
 int PickFreePort() {
-  httplib::Server probe;
-  int port = probe.bind_to_any_port("127.0.0.1");
-  probe.stop();
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  int port = -1;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  close(fd);
   return port;
 }
 
 std::optional<std::string> HttpGet(int port, const std::string& path, int* status) {
   httplib::Client cli("127.0.0.1", port);
   cli.set_connection_timeout(5);
-  cli.set_read_timeout(30);
+  cli.set_read_timeout(10);
   auto res = cli.Get(path);
   if (!res) return std::nullopt;
   if (status) *status = res->status;

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The README's second command: install what is missing, build, and run the whole test suite, then
+# the unit tests once more under AddressSanitizer + UndefinedBehaviorSanitizer.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+bash deploy/install_deps.sh
+
+# Node client tests use the official `openai` npm package, pinned in tests/clients/package-lock.json.
+if [ -f tests/clients/package-lock.json ]; then
+  (cd tests/clients && npm ci --no-audit --no-fund --loglevel=error)
+fi
+
+echo "== build (RelWithDebInfo) =="
+bash deploy/build.sh
+echo "== tests =="
+(cd build && ctest --output-on-failure -j "${EPD_TEST_JOBS:-2}" --timeout 600)
+
+if [ "${EPD_SKIP_SANITIZERS:-0}" != 1 ]; then
+  echo "== unit tests under ASan + UBSan =="
+  EPD_BUILD_DIR=build-asan EPD_BUILD_TYPE=Debug bash deploy/build.sh -DEPD_SANITIZE=ON -DEPD_UNIT_ONLY=ON
+  (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+     ctest --output-on-failure -L unit -j "${EPD_TEST_JOBS:-2}" --timeout 600)
+fi
+echo "== all tests passed in $(( $(date +%s) - start )) s =="

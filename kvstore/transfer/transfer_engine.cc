@@ -1,0 +1,950 @@
+#include "kvstore/transfer/transfer_engine.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <span>
+
+#include "absl/strings/str_cat.h"
+#include "common/hash.h"
+#include "kvstore/transfer/manifest.h"
+#include "kvstore/transfer/transfer_metrics.h"
+#include "spdlog/spdlog.h"
+
+namespace epd::transfer {
+
+constexpr uint32_t kProtocolVersion = 1;
+
+struct ResourceCounters {
+  std::atomic<int64_t> registrations{0};
+  std::atomic<int64_t> allocations{0};
+  std::atomic<int64_t> allocated_bytes{0};
+  std::atomic<int64_t> live_transfers{0};
+  std::atomic<int64_t> wire_ops{0};
+};
+
+absl::string_view TransportLabel(TransportKind kind) {
+  switch (kind) {
+    case TransportKind::kLoopback: return "loopback";
+    case TransportKind::kTcp: return "tcp";
+    case TransportKind::kShm: return "shm";
+    case TransportKind::kRdma: return "rdma";
+  }
+  return "unknown";
+}
+
+absl::string_view StateName(TransferState state) {
+  switch (state) {
+    case TransferState::kOffered: return "offered";
+    case TransferState::kExpecting: return "expecting";
+    case TransferState::kTransferring: return "transferring";
+    case TransferState::kDone: return "done";
+    case TransferState::kFailed: return "failed";
+  }
+  return "unknown";
+}
+
+TransferBuffer::TransferBuffer(std::shared_ptr<ResourceCounters> counters, uint8_t* data,
+                               uint64_t size)
+    : counters_(std::move(counters)), data_(data), size_(size) {}
+
+TransferBuffer::~TransferBuffer() {
+  std::free(data_);
+  counters_->allocations.fetch_sub(1);
+  counters_->allocated_bytes.fetch_sub(static_cast<int64_t>(size_));
+}
+
+absl::Status EngineOptions::Validate() const {
+  if (config_fingerprint.empty())
+    return absl::InvalidArgumentError("EngineOptions.config_fingerprint is empty");
+  if (chunk_bytes == 0) return absl::InvalidArgumentError("EngineOptions.chunk_bytes is 0");
+  return absl::OkStatus();
+}
+
+struct TransferEngine::Peer {
+  enum class State { kHandshaking, kReady, kRefused, kDown };
+  PeerId id = 0;
+  bool outbound = false;
+  State state = State::kHandshaking;
+  std::string error;
+  TransportKind kind = TransportKind::kLoopback;
+};
+
+struct TransferEngine::PendingOffer {
+  PeerId peer = 0;
+  epd::v1::TransferOffer offer;
+  int64_t expires_ns = 0;
+};
+
+struct TransferEngine::Transfer {
+  TransferId id = 0;
+  bool sender = false;
+  PeerId peer = 0;
+  bool has_peer = false;
+  std::string request_id;
+  epd::v1::Manifest manifest;
+  std::unique_ptr<TransferBuffer> buffer;
+  uint64_t mem = 0;
+  std::vector<uint64_t> offsets;
+  std::vector<uint64_t> received;
+  std::vector<int64_t> segment_done_ns;
+  TransferState state = TransferState::kFailed;
+  absl::Status error;
+  int64_t deadline_ns = 0;
+  int64_t lease_ns = 0;
+  int64_t deadline_ms = 0;
+  int64_t claim_ns = 0;
+  int64_t ended_ns = 0;
+  uint64_t remote_id = 0;
+  int64_t ops = 0;
+  uint64_t bytes_done = 0;
+  uint64_t bytes_total = 0;
+  bool released = false;
+  bool forced_close = false;
+  bool collected = false;
+  TransportKind kind = TransportKind::kLoopback;
+
+  bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
+};
+
+absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
+    std::unique_ptr<Wire> wire, const EngineOptions& options, prometheus::Registry& registry,
+    const common::Clock& clock) {
+  if (absl::Status st = options.Validate(); !st.ok()) return st;
+  if (!wire) return absl::InvalidArgumentError("TransferEngine needs a wire");
+  std::unique_ptr<TransferEngine> engine(
+      new TransferEngine(std::move(wire), options, registry, clock));
+  if (absl::Status st = engine->wire_->Start(engine.get()); !st.ok()) return st;
+  engine->caps_ = engine->wire_->Capabilities();
+  engine->caps_.chunk_bytes = options.chunk_bytes;
+  engine->ticker_ = std::thread([e = engine.get()] { e->TickLoop(); });
+  return engine;
+}
+
+TransferEngine::TransferEngine(std::unique_ptr<Wire> wire, const EngineOptions& options,
+                               prometheus::Registry& registry, const common::Clock& clock)
+    : wire_(std::move(wire)),
+      options_(options),
+      clock_(clock),
+      metrics_(std::make_unique<TransferMetrics>(registry)),
+      counters_(std::make_shared<ResourceCounters>()) {}
+
+TransferEngine::~TransferEngine() { Shutdown(); }
+
+void TransferEngine::Shutdown() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (stopping_) return;
+    stopping_ = true;
+    for (auto& [id, t] : transfers_)
+      if (!t->terminal())
+        Fail(*t, absl::CancelledError("transfer engine shutting down"), "shutdown", true);
+  }
+  cv_.notify_all();
+  if (ticker_.joinable()) ticker_.join();
+  // Stop force-closes every connection and completes every pending operation, so afterwards no
+  // UCX operation references a buffer.
+  wire_->Stop();
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& [id, t] : transfers_) {
+    t->ops = 0;
+    TryRelease(*t);
+  }
+  transfers_.clear();
+  pending_offers_.clear();
+}
+
+TransportCapabilities TransferEngine::Capabilities() const { return caps_; }
+std::string TransferEngine::LocalAddress() const { return wire_->LocalAddress(); }
+
+TransportKind TransferEngine::KindOf(PeerId peer) const {
+  auto it = peers_.find(peer);
+  return it == peers_.end() ? TransportKind::kTcp : it->second->kind;
+}
+
+void TransferEngine::SendControl(PeerId peer, const epd::v1::TransferControl& msg) {
+  wire_->SendControl(peer, msg.SerializeAsString(), [](absl::Status) {});
+}
+
+absl::StatusOr<PeerId> TransferEngine::Connect(absl::string_view address, absl::Duration timeout) {
+  const auto give_up = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
+  absl::StatusOr<PeerId> peer = wire_->Connect(address, timeout);
+  if (!peer.ok()) return peer.status();
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stopping_) return absl::CancelledError("transfer engine shutting down");
+  auto& p = peers_[*peer];
+  if (!p) p = std::make_unique<Peer>();
+  p->id = *peer;
+  p->outbound = true;
+  p->kind = wire_->PeerKind(*peer);
+  epd::v1::TransferControl hello;
+  hello.mutable_hello()->set_protocol_version(kProtocolVersion);
+  hello.mutable_hello()->set_config_fingerprint(options_.config_fingerprint);
+  hello.mutable_hello()->set_cluster_token(options_.cluster_token);
+  hello.mutable_hello()->set_node_name(options_.node_name);
+  SendControl(*peer, hello);
+  const PeerId id = *peer;
+  const bool settled = cv_.wait_until(lock, give_up, [&] {
+    auto it = peers_.find(id);
+    return it == peers_.end() || it->second->state != Peer::State::kHandshaking;
+  });
+  auto it = peers_.find(id);
+  absl::Status result;
+  if (!settled) {
+    result = absl::DeadlineExceededError(absl::StrCat("connect to ", address,
+                                                      ": no handshake reply within ",
+                                                      absl::FormatDuration(timeout)));
+  } else if (it == peers_.end() || it->second->state == Peer::State::kDown) {
+    result = absl::UnavailableError(
+        absl::StrCat("connect to ", address, ": connection lost during handshake",
+                     it == peers_.end() ? "" : ": " + it->second->error));
+  } else if (it->second->state == Peer::State::kRefused) {
+    result = absl::FailedPreconditionError(
+        absl::StrCat("connect to ", address, " refused at handshake: ", it->second->error));
+  } else {
+    return id;
+  }
+  lock.unlock();
+  wire_->ClosePeer(id, result);
+  return result;
+}
+
+void TransferEngine::Disconnect(PeerId peer) {
+  wire_->ClosePeer(peer, absl::CancelledError("disconnected locally"));
+}
+
+absl::StatusOr<TransportKind> TransferEngine::PeerTransport(PeerId peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = peers_.find(peer);
+  if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
+  return it->second->kind;
+}
+
+absl::StatusOr<std::unique_ptr<TransferBuffer>> TransferEngine::Allocate(uint64_t bytes) {
+  const uint64_t rounded = std::max<uint64_t>(64, (bytes + 63) / 64 * 64);
+  void* p = std::aligned_alloc(64, rounded);
+  if (p == nullptr)
+    return absl::ResourceExhaustedError(absl::StrCat("cannot allocate ", bytes, " bytes"));
+  counters_->allocations.fetch_add(1);
+  counters_->allocated_bytes.fetch_add(static_cast<int64_t>(bytes));
+  return std::unique_ptr<TransferBuffer>(
+      new TransferBuffer(counters_, static_cast<uint8_t*>(p), bytes));
+}
+
+absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest manifest,
+                                                std::unique_ptr<TransferBuffer> payload,
+                                                const TransferOptions& options) {
+  if (!payload) return absl::InvalidArgumentError("Send: no payload buffer");
+  if (manifest.request_id().empty()) return absl::InvalidArgumentError("Send: empty request_id");
+  const uint64_t total = TotalBytes(manifest);
+  if (total != payload->size())
+    return absl::InvalidArgumentError(absl::StrCat("Send: manifest segments sum to ", total,
+                                                   " bytes but the payload holds ",
+                                                   payload->size()));
+  const std::vector<uint64_t> offsets = SegmentOffsets(manifest);
+  for (int i = 0; i < manifest.segments_size(); ++i) {
+    auto* s = manifest.mutable_segments(i);
+    s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+    s->set_checksum(common::Xxh3_64(
+        std::span<const uint8_t>(payload->data() + offsets[i], s->byte_length())));
+  }
+  uint64_t mem = 0;
+  if (total > 0) {
+    absl::StatusOr<uint64_t> reg = wire_->Register(payload->data(), total);
+    if (!reg.ok()) return reg.status();
+    mem = *reg;
+    counters_->registrations.fetch_add(1);
+    metrics_->registrations().Increment();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto pit = peers_.find(peer);
+  absl::Status bad;
+  if (stopping_) {
+    bad = absl::CancelledError("transfer engine shutting down");
+  } else if (pit == peers_.end() || pit->second->state != Peer::State::kReady) {
+    bad = absl::FailedPreconditionError(absl::StrCat("Send: peer ", peer, " is not connected"));
+  }
+  if (!bad.ok()) {
+    if (mem != 0) {
+      wire_->Deregister(mem);
+      counters_->registrations.fetch_sub(1);
+      metrics_->registrations().Decrement();
+    }
+    return bad;
+  }
+  const int64_t now = clock_.NowMonoNs();
+  auto t = std::make_unique<Transfer>();
+  t->id = next_id_++;
+  t->sender = true;
+  t->peer = peer;
+  t->has_peer = true;
+  t->request_id = manifest.request_id();
+  t->manifest = std::move(manifest);
+  t->buffer = std::move(payload);
+  t->mem = mem;
+  t->offsets = offsets;
+  t->state = TransferState::kOffered;
+  t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
+  t->deadline_ns = now + absl::ToInt64Nanoseconds(options.deadline);
+  t->lease_ns = now + absl::ToInt64Nanoseconds(options.lease);
+  t->bytes_total = total;
+  t->kind = pit->second->kind;
+  counters_->live_transfers.fetch_add(1);
+  metrics_->live_transfers().Increment();
+  epd::v1::TransferControl msg;
+  auto* offer = msg.mutable_offer();
+  offer->set_sender_transfer_id(t->id);
+  *offer->mutable_manifest() = t->manifest;
+  offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
+  offer->set_chunk_bytes(options_.chunk_bytes);
+  SendControl(peer, msg);
+  const TransferId id = t->id;
+  transfers_[id] = std::move(t);
+  return id;
+}
+
+absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
+                                                   std::unique_ptr<TransferBuffer> into,
+                                                   const TransferOptions& options) {
+  if (!into) return absl::InvalidArgumentError("Receive: no destination buffer");
+  if (expected.request_id().empty())
+    return absl::InvalidArgumentError("Receive: empty request_id");
+  const uint64_t total = TotalBytes(expected);
+  if (total != into->size())
+    return absl::InvalidArgumentError(absl::StrCat("Receive: expected manifest sums to ", total,
+                                                   " bytes but the buffer holds ", into->size()));
+  uint64_t mem = 0;
+  if (total > 0) {
+    absl::StatusOr<uint64_t> reg = wire_->Register(into->data(), total);
+    if (!reg.ok()) return reg.status();
+    mem = *reg;
+    counters_->registrations.fetch_add(1);
+    metrics_->registrations().Increment();
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (stopping_ || receiving_.contains(expected.request_id())) {
+    if (mem != 0) {
+      wire_->Deregister(mem);
+      counters_->registrations.fetch_sub(1);
+      metrics_->registrations().Decrement();
+    }
+    if (stopping_) return absl::CancelledError("transfer engine shutting down");
+    return absl::AlreadyExistsError(
+        absl::StrCat("Receive: request '", expected.request_id(), "' is already being received"));
+  }
+  const int64_t now = clock_.NowMonoNs();
+  auto t = std::make_unique<Transfer>();
+  t->id = next_id_++;
+  t->request_id = expected.request_id();
+  t->offsets = SegmentOffsets(expected);
+  t->received.assign(expected.segments_size(), 0);
+  t->segment_done_ns.assign(expected.segments_size(), 0);
+  t->manifest = std::move(expected);
+  t->buffer = std::move(into);
+  t->mem = mem;
+  t->state = TransferState::kExpecting;
+  t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
+  t->deadline_ns = now + absl::ToInt64Nanoseconds(options.deadline);
+  t->bytes_total = total;
+  counters_->live_transfers.fetch_add(1);
+  metrics_->live_transfers().Increment();
+  const TransferId id = t->id;
+  Transfer& ref = *t;
+  transfers_[id] = std::move(t);
+  receiving_[ref.request_id] = id;
+  auto pending = pending_offers_.find(ref.request_id);
+  if (pending != pending_offers_.end()) {
+    std::unique_ptr<PendingOffer> offer = std::move(pending->second);
+    pending_offers_.erase(pending);
+    AcceptOffer(ref, offer->peer, offer->offer);
+  }
+  return id;
+}
+
+void TransferEngine::Cancel(TransferId id, absl::string_view reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr || t->terminal()) return;
+  Fail(*t, absl::CancelledError(absl::StrCat("transfer of request '", t->request_id,
+                                             "' cancelled: ", reason)),
+       "cancelled", true);
+}
+
+absl::StatusOr<TransferStatus> TransferEngine::Status(TransferId id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = transfers_.find(id);
+  if (it == transfers_.end()) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+  const Transfer& t = *it->second;
+  TransferStatus s;
+  s.state = t.state;
+  s.error = t.error;
+  s.bytes_done = t.bytes_done;
+  s.bytes_total = t.bytes_total;
+  s.released = t.released;
+  s.transport = t.kind;
+  return s;
+}
+
+absl::Status TransferEngine::Wait(TransferId id, absl::Duration timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const bool ended = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), [&] {
+    Transfer* t = Find(id);
+    return t == nullptr || t->terminal();
+  });
+  Transfer* t = Find(id);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+  if (!ended)
+    return absl::DeadlineExceededError(absl::StrCat("Wait: transfer ", id, " still ",
+                                                    StateName(t->state), " after ",
+                                                    absl::FormatDuration(timeout)));
+  return t->state == TransferState::kDone ? absl::OkStatus() : t->error;
+}
+
+absl::StatusOr<ReceivedTransfer> TransferEngine::TakeReceived(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+  if (t->sender) return absl::FailedPreconditionError("TakeReceived on a send transfer");
+  if (t->state != TransferState::kDone)
+    return absl::FailedPreconditionError(absl::StrCat("TakeReceived: transfer ", id, " is ",
+                                                      StateName(t->state)));
+  if (!t->buffer) return absl::FailedPreconditionError("TakeReceived: already taken");
+  ReceivedTransfer out;
+  out.manifest = t->manifest;
+  out.buffer = std::move(t->buffer);
+  out.segment_offsets = t->offsets;
+  t->collected = true;
+  return out;
+}
+
+void TransferEngine::Forget(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return;
+  if (!t->terminal()) Fail(*t, absl::CancelledError("forgotten by its owner"), "cancelled", true);
+  // A completed receive nobody took: its bytes go now (the wire is done with them).
+  if (!t->sender && t->released) t->buffer.reset();
+  t->collected = true;
+}
+
+ResourceCounts TransferEngine::Resources() const {
+  ResourceCounts c;
+  c.registrations = counters_->registrations.load();
+  c.allocations = counters_->allocations.load();
+  c.allocated_bytes = counters_->allocated_bytes.load();
+  c.live_transfers = counters_->live_transfers.load();
+  c.wire_ops = counters_->wire_ops.load();
+  return c;
+}
+
+TransferEngine::Transfer* TransferEngine::Find(TransferId id) {
+  auto it = transfers_.find(id);
+  return it == transfers_.end() ? nullptr : it->second.get();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Wire events.
+
+void TransferEngine::OnControl(PeerId peer, std::string bytes) {
+  epd::v1::TransferControl msg;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!msg.ParseFromString(bytes)) {
+    spdlog::warn("transfer: unparsable control message from peer {}; closing it", peer);
+    wire_->ClosePeer(peer, absl::DataLossError("unparsable control message"));
+    return;
+  }
+  auto& p = peers_[peer];
+  if (!p) {
+    p = std::make_unique<Peer>();
+    p->id = peer;
+    p->kind = wire_->PeerKind(peer);
+  }
+  switch (msg.body_case()) {
+    case epd::v1::TransferControl::kHello:
+      HandleHello(peer, msg.hello());
+      return;
+    case epd::v1::TransferControl::kHelloReply:
+      if (p->state == Peer::State::kHandshaking) {
+        p->state = msg.hello_reply().accepted() ? Peer::State::kReady : Peer::State::kRefused;
+        p->error = msg.hello_reply().error();
+        cv_.notify_all();
+      }
+      return;
+    default:
+      break;
+  }
+  if (p->state != Peer::State::kReady) {
+    spdlog::warn("transfer: peer {} sent a transfer message before a successful handshake; "
+                 "closing it",
+                 peer);
+    wire_->ClosePeer(peer, absl::PermissionDeniedError("message before handshake"));
+    return;
+  }
+  switch (msg.body_case()) {
+    case epd::v1::TransferControl::kOffer: HandleOffer(peer, msg.offer()); break;
+    case epd::v1::TransferControl::kClaim: HandleClaim(peer, msg.claim()); break;
+    case epd::v1::TransferControl::kEnd: HandleEnd(peer, msg.end()); break;
+    default: break;
+  }
+}
+
+void TransferEngine::HandleHello(PeerId peer, const epd::v1::TransferHello& hello) {
+  Peer& p = *peers_[peer];
+  std::string error;
+  std::string reason;
+  if (hello.protocol_version() != kProtocolVersion) {
+    error = absl::StrCat("protocol_version differs (ours ", kProtocolVersion, ", theirs ",
+                         hello.protocol_version(), ")");
+    reason = "protocol_version";
+  } else if (hello.config_fingerprint() != options_.config_fingerprint) {
+    error = absl::StrCat("config_fingerprint differs (ours ", options_.config_fingerprint,
+                         ", theirs ", hello.config_fingerprint(), ")");
+    reason = "config_fingerprint";
+  } else if (hello.cluster_token() != options_.cluster_token) {
+    error = "cluster_token differs (values not logged)";
+    reason = "cluster_token";
+  }
+  epd::v1::TransferControl reply;
+  reply.mutable_hello_reply()->set_accepted(error.empty());
+  reply.mutable_hello_reply()->set_error(error);
+  if (error.empty()) {
+    p.state = Peer::State::kReady;
+    SendControl(peer, reply);
+    return;
+  }
+  p.state = Peer::State::kRefused;
+  p.error = error;
+  metrics_->AddHandshakeRefused(reason);
+  spdlog::warn("transfer: refusing connection from '{}' (peer {}): {}", hello.node_name(), peer,
+               error);
+  // Close only once the refusal has left, so the peer reads the reason.
+  wire_->SendControl(peer, reply.SerializeAsString(), [this, peer, error](absl::Status) {
+    wire_->ClosePeer(peer, absl::FailedPreconditionError("handshake refused: " + error));
+  });
+}
+
+void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer) {
+  const std::string& rid = offer.manifest().request_id();
+  auto it = receiving_.find(rid);
+  if (it != receiving_.end()) {
+    Transfer* t = Find(it->second);
+    if (t != nullptr && t->state == TransferState::kExpecting) {
+      AcceptOffer(*t, peer, offer);
+      return;
+    }
+  }
+  auto reject = [&](std::string error) {
+    epd::v1::TransferControl msg;
+    auto* end = msg.mutable_end();
+    end->set_sender_transfer_id(offer.sender_transfer_id());
+    end->set_request_id(rid);
+    end->set_ok(false);
+    end->set_error(std::move(error));
+    end->set_segment_index(-1);
+    SendControl(peer, msg);
+  };
+  if (it != receiving_.end() || pending_offers_.contains(rid)) {
+    reject(absl::StrCat("duplicate offer for request '", rid, "'"));
+    return;
+  }
+  if (static_cast<int>(pending_offers_.size()) >= options_.max_pending_offers) {
+    reject(absl::StrCat("receiver holds too many unclaimed offers (",
+                        options_.max_pending_offers, ")"));
+    return;
+  }
+  auto pending = std::make_unique<PendingOffer>();
+  pending->peer = peer;
+  pending->offer = offer;
+  pending->expires_ns = clock_.NowMonoNs() + static_cast<int64_t>(offer.lease_ms()) * 1'000'000;
+  pending_offers_[rid] = std::move(pending);
+}
+
+void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer) {
+  t.peer = peer;
+  t.has_peer = true;
+  t.remote_id = offer.sender_transfer_id();
+  t.kind = KindOf(peer);
+  if (std::optional<ManifestMismatch> mm = CompareManifests(t.manifest, offer.manifest())) {
+    metrics_->AddAccountingError(mm->segment_label);
+    spdlog::warn("transfer: {}", mm->message);
+    Fail(t, absl::FailedPreconditionError(mm->message), "accounting", true, mm->segment_index,
+         mm->field, true);
+    return;
+  }
+  t.manifest = offer.manifest();  // now with the sender's checksums
+  t.state = TransferState::kTransferring;
+  t.claim_ns = clock_.NowMonoNs();
+  epd::v1::TransferControl msg;
+  msg.mutable_claim()->set_sender_transfer_id(t.remote_id);
+  msg.mutable_claim()->set_receiver_transfer_id(t.id);
+  SendControl(peer, msg);
+  MaybeFinishReceive(t);
+}
+
+void TransferEngine::HandleClaim(PeerId peer, const epd::v1::TransferClaim& claim) {
+  Transfer* t = Find(claim.sender_transfer_id());
+  if (t == nullptr || !t->sender || t->peer != peer || t->state != TransferState::kOffered) {
+    // Too late (lease expired, cancelled): tell the receiver so it fails now, not at deadline.
+    epd::v1::TransferControl msg;
+    auto* end = msg.mutable_end();
+    end->set_sender_transfer_id(claim.sender_transfer_id());
+    end->set_receiver_transfer_id(claim.receiver_transfer_id());
+    end->set_from_sender(true);
+    end->set_ok(false);
+    end->set_error(t == nullptr ? "sender no longer holds this transfer"
+                                : absl::StrCat("sender's transfer is ", StateName(t->state),
+                                               t->error.ok() ? "" : ": " + t->error.ToString()));
+    SendControl(peer, msg);
+    return;
+  }
+  t->remote_id = claim.receiver_transfer_id();
+  t->state = TransferState::kTransferring;
+  t->claim_ns = clock_.NowMonoNs();
+  StartSending(*t);
+}
+
+void TransferEngine::StartSending(Transfer& t) {
+  const uint64_t chunk = options_.chunk_bytes;
+  for (int i = 0; i < t.manifest.segments_size(); ++i) {
+    const uint64_t len = t.manifest.segments(i).byte_length();
+    for (uint64_t off = 0; off < len; off += chunk) {
+      DataHeader h;
+      h.receiver_transfer_id = t.remote_id;
+      h.segment = static_cast<uint32_t>(i);
+      h.offset = off;
+      h.length = std::min(chunk, len - off);
+      ++t.ops;
+      counters_->wire_ops.fetch_add(1);
+      const TransferId id = t.id;
+      const uint64_t n = h.length;
+      wire_->SendData(t.peer, h, t.buffer->data() + t.offsets[i] + off, h.length, t.mem,
+                      [this, id, n, i](absl::Status st) {
+                        std::lock_guard<std::mutex> lock(mu_);
+                        counters_->wire_ops.fetch_sub(1);
+                        Transfer* tr = Find(id);
+                        if (tr == nullptr) return;
+                        --tr->ops;
+                        if (st.ok()) {
+                          tr->bytes_done += n;
+                        } else if (!tr->terminal()) {
+                          Fail(*tr,
+                               absl::UnavailableError(absl::StrCat(
+                                   "sending ", DescribeSegment(tr->manifest, i), " of request '",
+                                   tr->request_id, "' failed: ", st.message())),
+                               "wire", true, i);
+                        }
+                        TryRelease(*tr);
+                        cv_.notify_all();
+                      });
+    }
+  }
+}
+
+void TransferEngine::HandleEnd(PeerId peer, const epd::v1::TransferEnd& end) {
+  Transfer* t = nullptr;
+  if (end.from_sender()) {
+    if (end.receiver_transfer_id() != 0) {
+      t = Find(end.receiver_transfer_id());
+    } else {
+      auto pending = pending_offers_.find(end.request_id());
+      if (pending != pending_offers_.end() && pending->second->peer == peer) {
+        pending_offers_.erase(pending);
+        return;
+      }
+      auto it = receiving_.find(end.request_id());
+      if (it != receiving_.end()) t = Find(it->second);
+    }
+    if (t == nullptr || t->sender || !t->has_peer || t->peer != peer ||
+        t->remote_id != end.sender_transfer_id())
+      return;
+    Fail(*t,
+         absl::AbortedError(absl::StrCat("sender ended the transfer of request '", t->request_id,
+                                         "': ", end.error())),
+         "peer_ended", false);
+    return;
+  }
+  t = Find(end.sender_transfer_id());
+  if (t == nullptr || !t->sender || t->peer != peer || t->terminal()) return;
+  if (end.ok()) {
+    Complete(*t);
+    return;
+  }
+  const std::string msg = absl::StrCat("receiver rejected request '", t->request_id, "': ",
+                                       end.error());
+  Fail(*t, end.accounting_error() ? absl::FailedPreconditionError(msg) : absl::AbortedError(msg),
+       end.accounting_error() ? "rejected_accounting" : "rejected", false, end.segment_index(),
+       end.field());
+}
+
+DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t wire_length) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(h.receiver_transfer_id);
+  if (t == nullptr || t->sender || !t->has_peer || t->peer != peer ||
+      t->state != TransferState::kTransferring)
+    return {};
+  if (h.segment >= static_cast<uint32_t>(t->manifest.segments_size())) {
+    Fail(*t, absl::DataLossError(absl::StrCat("request '", t->request_id, "': chunk for segment ",
+                                              h.segment, " but the manifest has ",
+                                              t->manifest.segments_size())),
+         "bad_chunk", true);
+    return {};
+  }
+  const auto& seg = t->manifest.segments(h.segment);
+  const int si = static_cast<int>(h.segment);
+  std::string problem;
+  if (wire_length != h.length) {
+    problem = absl::StrCat("chunk at offset ", h.offset, " carries ", wire_length,
+                           " bytes but its header says ", h.length, " (truncated)");
+  } else if (h.offset + h.length > seg.byte_length() || h.offset + h.length < h.offset) {
+    problem = absl::StrCat("chunk [", h.offset, ", ", h.offset + h.length,
+                           ") lies beyond byte_length ", seg.byte_length());
+  } else if (t->received[si] + h.length > seg.byte_length()) {
+    problem = absl::StrCat("more bytes than byte_length ", seg.byte_length(), " (",
+                           t->received[si] + h.length, ")");
+  }
+  if (!problem.empty()) {
+    const std::string msg = absl::StrCat("accounting error in request '", t->request_id, "': ",
+                                         DescribeSegment(t->manifest, si), ": ", problem);
+    metrics_->AddAccountingError(SegmentKindLabel(seg.kind()));
+    spdlog::warn("transfer: {}", msg);
+    Fail(*t, absl::DataLossError(msg), "truncated", true, si, "byte_length", true);
+    return {};
+  }
+  ++t->ops;
+  counters_->wire_ops.fetch_add(1);
+  return {t->buffer->data() + t->offsets[si] + h.offset, t->mem};
+}
+
+void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_length,
+                               absl::Status status) {
+  std::lock_guard<std::mutex> lock(mu_);
+  counters_->wire_ops.fetch_sub(1);
+  Transfer* t = Find(h.receiver_transfer_id);
+  if (t == nullptr) return;
+  --t->ops;
+  if (t->state == TransferState::kTransferring) {
+    if (status.ok()) {
+      t->received[h.segment] += h.length;
+      t->bytes_done += h.length;
+      if (t->received[h.segment] == t->manifest.segments(h.segment).byte_length())
+        t->segment_done_ns[h.segment] = clock_.NowMonoNs();
+      MaybeFinishReceive(*t);
+    } else {
+      Fail(*t,
+           absl::UnavailableError(absl::StrCat("receiving ",
+                                               DescribeSegment(t->manifest, h.segment),
+                                               " of request '", t->request_id,
+                                               "' failed: ", status.message())),
+           "wire", true, h.segment);
+    }
+  }
+  TryRelease(*t);
+  cv_.notify_all();
+}
+
+void TransferEngine::MaybeFinishReceive(Transfer& t) {
+  if (t.state != TransferState::kTransferring || t.ops != 0) return;
+  for (int i = 0; i < t.manifest.segments_size(); ++i)
+    if (t.received[i] != t.manifest.segments(i).byte_length()) return;
+  for (int i = 0; i < t.manifest.segments_size(); ++i) {
+    const auto& s = t.manifest.segments(i);
+    const uint64_t got =
+        common::Xxh3_64(std::span<const uint8_t>(t.buffer->data() + t.offsets[i], s.byte_length()));
+    if (got != s.checksum()) {
+      const std::string msg = absl::StrCat(
+          "accounting error in request '", t.request_id, "': ", DescribeSegment(t.manifest, i),
+          " field checksum: manifest says ", s.checksum(), ", the received bytes hash to ", got);
+      metrics_->AddAccountingError(SegmentKindLabel(s.kind()));
+      spdlog::warn("transfer: {}", msg);
+      Fail(t, absl::DataLossError(msg), "checksum", true, i, "checksum", true);
+      return;
+    }
+  }
+  epd::v1::TransferControl msg;
+  auto* end = msg.mutable_end();
+  end->set_sender_transfer_id(t.remote_id);
+  end->set_receiver_transfer_id(t.id);
+  end->set_request_id(t.request_id);
+  end->set_ok(true);
+  SendControl(t.peer, msg);
+  Complete(t);
+}
+
+void TransferEngine::Complete(Transfer& t) {
+  t.state = TransferState::kDone;
+  t.ended_ns = clock_.NowMonoNs();
+  if (t.sender) t.bytes_done = t.bytes_total;
+  const absl::string_view transport = TransportLabel(t.kind);
+  const absl::string_view dir = t.sender ? "send" : "recv";
+  absl::flat_hash_map<absl::string_view, std::pair<uint64_t, int64_t>> per_kind;
+  for (int i = 0; i < t.manifest.segments_size(); ++i) {
+    auto& [bytes, done_ns] = per_kind[SegmentKindLabel(t.manifest.segments(i).kind())];
+    bytes += t.manifest.segments(i).byte_length();
+    const int64_t seg_done = t.sender ? t.ended_ns : std::max(t.segment_done_ns[i], t.claim_ns);
+    done_ns = std::max(done_ns, seg_done);
+  }
+  for (const auto& [kind, v] : per_kind) {
+    metrics_->AddBytes(kind, transport, dir, static_cast<double>(v.first));
+    metrics_->ObserveDuration(kind, transport, dir,
+                              static_cast<double>(std::max<int64_t>(0, v.second - t.claim_ns)) /
+                                  1e9);
+  }
+  if (!t.sender) receiving_.erase(t.request_id);
+  TryRelease(t);
+  cv_.notify_all();
+}
+
+void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view reason,
+                          bool tell_peer, int segment, std::string field, bool accounting) {
+  if (t.terminal()) return;
+  t.state = TransferState::kFailed;
+  t.error = std::move(error);
+  t.ended_ns = clock_.NowMonoNs();
+  const absl::string_view seg_label =
+      segment >= 0 && segment < t.manifest.segments_size()
+          ? SegmentKindLabel(t.manifest.segments(segment).kind())
+          : absl::string_view("all");
+  metrics_->AddFailure(seg_label, TransportLabel(t.kind), reason);
+  if (tell_peer && t.has_peer) {
+    epd::v1::TransferControl msg;
+    auto* end = msg.mutable_end();
+    end->set_from_sender(t.sender);
+    end->set_sender_transfer_id(t.sender ? t.id : t.remote_id);
+    end->set_receiver_transfer_id(t.sender ? t.remote_id : t.id);
+    end->set_request_id(t.request_id);
+    end->set_ok(false);
+    end->set_error(std::string(t.error.message()));
+    end->set_segment_index(segment);
+    end->set_field(field);
+    end->set_accounting_error(accounting);
+    SendControl(t.peer, msg);
+  }
+  if (!t.sender) {
+    auto it = receiving_.find(t.request_id);
+    if (it != receiving_.end() && it->second == t.id) receiving_.erase(it);
+  }
+  TryRelease(t);
+  cv_.notify_all();
+}
+
+void TransferEngine::TryRelease(Transfer& t) {
+  if (!t.terminal() || t.ops > 0 || t.released) return;
+  if (t.mem != 0) {
+    wire_->Deregister(t.mem);
+    t.mem = 0;
+    counters_->registrations.fetch_sub(1);
+    metrics_->registrations().Decrement();
+  }
+  // A successful receive keeps its bytes for TakeReceived; everything else frees them now.
+  if (t.sender || t.state == TransferState::kFailed) t.buffer.reset();
+  t.released = true;
+  counters_->live_transfers.fetch_sub(1);
+  metrics_->live_transfers().Decrement();
+}
+
+void TransferEngine::OnPeerDown(PeerId peer, absl::Status why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto pit = peers_.find(peer);
+  if (pit != peers_.end()) {
+    if (pit->second->state == Peer::State::kHandshaking) pit->second->error = why.ToString();
+    if (pit->second->state != Peer::State::kRefused) pit->second->state = Peer::State::kDown;
+  }
+  for (auto& [id, t] : transfers_) {
+    if (t->has_peer && t->peer == peer && !t->terminal())
+      Fail(*t,
+           absl::UnavailableError(absl::StrCat("peer of request '", t->request_id,
+                                               "' disconnected: ", why.message())),
+           "peer_down", false);
+  }
+  for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {
+    if (it->second->peer == peer) {
+      it = pending_offers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  cv_.notify_all();
+}
+
+void TransferEngine::TickLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, absl::ToChronoNanoseconds(options_.tick));
+    if (stopping_) break;
+    Tick();
+  }
+}
+
+void TransferEngine::Tick() {
+  const int64_t now = clock_.NowMonoNs();
+  std::vector<PeerId> to_close;
+  for (auto& [id, tp] : transfers_) {
+    Transfer& t = *tp;
+    if (!t.terminal()) {
+      if (t.sender && t.state == TransferState::kOffered && now >= t.lease_ns) {
+        Fail(t,
+             absl::DeadlineExceededError(absl::StrCat(
+                 "lease expired: the receiver never claimed request '", t.request_id,
+                 "'; the sender's copy was released")),
+             "lease_expired", true);
+      } else if (now >= t.deadline_ns) {
+        std::string detail;
+        if (!t.sender && t.state == TransferState::kTransferring) {
+          for (int i = 0; i < t.manifest.segments_size(); ++i) {
+            if (t.received[i] != t.manifest.segments(i).byte_length()) {
+              detail = absl::StrCat("; ", DescribeSegment(t.manifest, i), " has ", t.received[i],
+                                    " of ", t.manifest.segments(i).byte_length(), " bytes");
+              break;
+            }
+          }
+        }
+        Fail(t,
+             absl::DeadlineExceededError(absl::StrCat(
+                 "transfer of request '", t.request_id, "' exceeded its deadline of ",
+                 t.deadline_ms, " ms while ", StateName(t.state), detail)),
+             "deadline", true);
+      }
+    }
+    // Operations still in flight after the grace period: force-close the connection so the
+    // wire completes them and the memory is provably no longer in use.
+    if (t.terminal() && t.ops > 0 && !t.forced_close && t.has_peer &&
+        now >= t.ended_ns + absl::ToInt64Nanoseconds(options_.release_grace)) {
+      t.forced_close = true;
+      to_close.push_back(t.peer);
+    }
+  }
+  for (PeerId peer : to_close) {
+    spdlog::warn("transfer: force-closing peer {}: a finished transfer still has operations in "
+                 "flight",
+                 peer);
+    wire_->ClosePeer(peer, absl::AbortedError("transfer ended with operations in flight"));
+  }
+  for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {
+    if (now >= it->second->expires_ns) {
+      it = pending_offers_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  // Collect records nobody will ask about any more.
+  int terminal = 0;
+  for (auto it = transfers_.begin(); it != transfers_.end();) {
+    Transfer& t = *it->second;
+    if (t.terminal() && t.released && t.collected && t.ops == 0) {
+      it = transfers_.erase(it);
+      continue;
+    }
+    if (t.terminal()) ++terminal;
+    ++it;
+  }
+  for (auto it = transfers_.begin();
+       terminal > options_.max_terminal_records && it != transfers_.end(); ++it) {
+    if (it->second->terminal() && !it->second->collected) {
+      it->second->collected = true;
+      --terminal;
+    }
+  }
+}
+
+}  // namespace epd::transfer

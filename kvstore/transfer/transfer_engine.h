@@ -1,0 +1,128 @@
+#pragma once
+
+// TransferEngine: the KvTransport implementation shared by every wire. It owns the session state
+// machine (offer -> claim -> data -> end), manifests, checksums, deadlines, leases, the handshake
+// and the metrics; the Wire below it only moves bytes. See docs/transfer.md.
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "absl/container/flat_hash_map.h"
+#include "common/clock.h"
+#include "kvstore/transfer/kv_transport.h"
+#include "kvstore/transfer/wire.h"
+
+namespace prometheus {
+class Registry;
+}
+
+namespace epd::transfer {
+
+struct EngineOptions {
+  std::string config_fingerprint;   // must match the peer's (handshake)
+  std::string cluster_token;        // must match the peer's (handshake); never logged
+  std::string node_name = "epd";    // for logs. Default: "epd"
+  uint64_t chunk_bytes = 4ull << 20;  // data chunk size. Default: 4 MiB
+  // After a transfer ends with wire operations still in flight, wait this long for them to finish
+  // before force-closing the connection (which makes UCX complete them). Default: 500 ms.
+  absl::Duration release_grace = absl::Milliseconds(500);
+  // Unclaimed offers (arrived before the matching Receive) are kept at most this many. Default: 256
+  int max_pending_offers = 256;
+  // Terminal transfers not yet collected (Wait/TakeReceived/Forget). Default: 4096
+  int max_terminal_records = 4096;
+  absl::Duration tick = absl::Milliseconds(5);  // deadline/lease scan period. Default: 5 ms
+
+  absl::Status Validate() const;
+};
+
+class TransferMetrics;
+struct ResourceCounters;
+
+class TransferEngine final : public KvTransport, private WireHandler {
+ public:
+  // Starts the wire. `registry` and `clock` must outlive the engine.
+  static absl::StatusOr<std::unique_ptr<TransferEngine>> Create(std::unique_ptr<Wire> wire,
+                                                                const EngineOptions& options,
+                                                                prometheus::Registry& registry,
+                                                                const common::Clock& clock);
+  ~TransferEngine() override;
+
+  TransportCapabilities Capabilities() const override;
+  std::string LocalAddress() const override;
+  absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override;
+  void Disconnect(PeerId peer) override;
+  absl::StatusOr<TransportKind> PeerTransport(PeerId peer) const override;
+  absl::StatusOr<std::unique_ptr<TransferBuffer>> Allocate(uint64_t bytes) override;
+  absl::StatusOr<TransferId> Send(PeerId peer, epd::v1::Manifest manifest,
+                                  std::unique_ptr<TransferBuffer> payload,
+                                  const TransferOptions& options) override;
+  absl::StatusOr<TransferId> Receive(epd::v1::Manifest expected,
+                                     std::unique_ptr<TransferBuffer> into,
+                                     const TransferOptions& options) override;
+  void Cancel(TransferId id, absl::string_view reason) override;
+  absl::StatusOr<TransferStatus> Status(TransferId id) const override;
+  absl::Status Wait(TransferId id, absl::Duration timeout) override;
+  absl::StatusOr<ReceivedTransfer> TakeReceived(TransferId id) override;
+  void Forget(TransferId id) override;
+  ResourceCounts Resources() const override;
+
+  // Stops the wire (every transfer fails, every buffer is released). Called by the destructor.
+  void Shutdown();
+
+ private:
+  struct Transfer;
+  struct Peer;
+  struct PendingOffer;
+
+  TransferEngine(std::unique_ptr<Wire> wire, const EngineOptions& options,
+                 prometheus::Registry& registry, const common::Clock& clock);
+
+  // WireHandler (wire thread).
+  void OnControl(PeerId peer, std::string bytes) override;
+  DataSink OnDataBegin(PeerId peer, const DataHeader& header, uint64_t wire_length) override;
+  void OnDataEnd(PeerId peer, const DataHeader& header, uint64_t wire_length,
+                 absl::Status status) override;
+  void OnPeerDown(PeerId peer, absl::Status why) override;
+
+  // All below: mu_ held.
+  void HandleHello(PeerId peer, const epd::v1::TransferHello& hello);
+  void HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer);
+  void HandleClaim(PeerId peer, const epd::v1::TransferClaim& claim);
+  void HandleEnd(PeerId peer, const epd::v1::TransferEnd& end);
+  void AcceptOffer(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
+  void StartSending(Transfer& t);
+  void MaybeFinishReceive(Transfer& t);
+  // Fails `t` locally; tells the peer unless `tell_peer` is false.
+  void Fail(Transfer& t, absl::Status error, absl::string_view reason, bool tell_peer,
+            int segment = -1, std::string field = "", bool accounting = false);
+  void Complete(Transfer& t);
+  void SendControl(PeerId peer, const epd::v1::TransferControl& msg);
+  void TryRelease(Transfer& t);
+  void Tick();
+  void TickLoop();
+  TransportKind KindOf(PeerId peer) const;
+  Transfer* Find(TransferId id);
+
+  std::unique_ptr<Wire> wire_;
+  EngineOptions options_;
+  const common::Clock& clock_;
+  std::unique_ptr<TransferMetrics> metrics_;
+  std::shared_ptr<ResourceCounters> counters_;
+  TransportCapabilities caps_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;  // any transfer or peer changed state
+  TransferId next_id_ = 1;
+  std::map<TransferId, std::unique_ptr<Transfer>> transfers_;
+  absl::flat_hash_map<std::string, TransferId> receiving_;  // request_id -> receive transfer
+  absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
+  std::map<std::string, std::unique_ptr<PendingOffer>> pending_offers_;  // by request_id
+  bool stopping_ = false;
+  std::thread ticker_;
+};
+
+}  // namespace epd::transfer

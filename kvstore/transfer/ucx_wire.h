@@ -1,0 +1,55 @@
+#pragma once
+
+// The UCX Wire (UCX 1.13 UCP, active messages). Large chunks go by UCX rendezvous straight into
+// the receiver's buffer (shared memory: CMA/posix get; TCP: pipelined). One progress thread owns
+// the UCP worker; everything else talks to it through a command queue.
+//
+// Connection modes:
+//  - kListener: a ucp_listener on listen_ip:port; peers connect by sockaddr. UCX 1.13 then moves
+//    the bytes over TCP even on one host. Address: "ucx+tcp://IP:PORT".
+//  - kWorkerAddress: the worker address blob is exchanged out of band (here: inside our address
+//    string; in production over the gRPC control plane). Same-host peers get shared memory.
+//    Address: "ucx+addr:<hex>".
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "common/clock.h"
+#include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/wire.h"
+
+namespace epd::transfer {
+
+struct UcxOptions {
+  enum class Mode { kListener, kWorkerAddress };
+  Mode mode = Mode::kWorkerAddress;  // Default: worker-address exchange (shm on one host)
+  std::string listen_ip = "127.0.0.1";  // kListener. Default: 127.0.0.1
+  int listen_port = 0;                  // kListener; 0 = any. Default: 0
+  std::string tls;          // UCX_TLS for this context; empty = environment/UCX default
+  std::string net_devices;  // UCX_NET_DEVICES; empty = environment/UCX default (use "lo" in tests)
+  // How often UCX probes idle peers (dead-peer detection on shared memory). Default: 1 s.
+  absl::Duration keepalive = absl::Seconds(1);
+};
+
+std::unique_ptr<Wire> MakeUcxWire(const UcxOptions& options);
+
+// A KvTransport over UCX: MakeUcxWire + TransferEngine.
+absl::StatusOr<std::unique_ptr<TransferEngine>> MakeUcxTransport(const UcxOptions& ucx,
+                                                                 const EngineOptions& engine,
+                                                                 prometheus::Registry& registry,
+                                                                 const common::Clock& clock);
+
+struct SelfTestResult {
+  TransportKind transport = TransportKind::kTcp;
+  double bytes_per_second = 0;
+  uint64_t bytes = 0;
+};
+
+// Startup self-test: moves `bytes` between two UCX transports of this process built with
+// `ucx` and reports the bandwidth and the transport UCX chose. Logs spdlog::warn loudly when only
+// TCP is available, and sets epd_transfer_selftest_bandwidth_bytes_per_second{transport}.
+absl::StatusOr<SelfTestResult> RunBandwidthSelfTest(const UcxOptions& ucx, uint64_t bytes,
+                                                    prometheus::Registry& registry);
+
+}  // namespace epd::transfer

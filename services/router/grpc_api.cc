@@ -1,0 +1,284 @@
+#include "services/router/grpc_api.h"
+
+#include <random>
+
+#include <grpcpp/grpcpp.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "epd/v1/inference.grpc.pb.h"
+#include "epd/v1/worker.grpc.pb.h"
+#include "services/router/openai_http.h"
+#include "services/router/utf8.h"
+
+namespace epd::services::router {
+namespace {
+
+grpc::Status ToGrpc(const absl::Status& s) {
+  std::string msg(s.message());
+  if (const std::string p = ErrorParam(s); !p.empty()) msg = absl::StrCat(msg, " (param: ", p, ")");
+  return grpc::Status(static_cast<grpc::StatusCode>(s.code()), msg);
+}
+
+std::optional<PoolKind> FromProto(epd::v1::Pool p) {
+  switch (p) {
+    case epd::v1::POOL_ENCODER:
+      return PoolKind::kEncoder;
+    case epd::v1::POOL_PREFILL:
+      return PoolKind::kPrefill;
+    case epd::v1::POOL_DECODE:
+      return PoolKind::kDecode;
+    default:
+      return std::nullopt;
+  }
+}
+
+WorkerLoad LoadFromProto(const epd::v1::LoadFigures& l) {
+  return WorkerLoad{l.queue_depth(), l.free_kv_blocks(), l.batch_size(), l.running_requests()};
+}
+
+absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) {
+  GenerateSpec spec;
+  spec.model = req.model();
+  spec.sampling = req.sampling();
+  if (spec.sampling.top_p() == 0) spec.sampling.set_top_p(1);
+  if (spec.sampling.repetition_penalty() == 0) spec.sampling.set_repetition_penalty(1);
+  if (spec.sampling.max_tokens() < 0) {
+    return ApiError(absl::StatusCode::kInvalidArgument, "max_tokens must be >= 0", "max_tokens",
+                    "invalid_value");
+  }
+  switch (req.input_case()) {
+    case epd::v1::GenerateRequest::kPrompt:
+      spec.prompt_text = req.prompt();
+      break;
+    case epd::v1::GenerateRequest::kPromptIds:
+      spec.prompt_ids.emplace(req.prompt_ids().ids().begin(), req.prompt_ids().ids().end());
+      break;
+    case epd::v1::GenerateRequest::kChat: {
+      const auto& c = req.chat();
+      ChatRenderInput chat;
+      chat.thinking = c.thinking();
+      chat.reasoning_effort = c.reasoning_effort();
+      if (!c.tools_json().empty() && c.tool_choice() != "none") {
+        auto tools = nlohmann::json::parse(c.tools_json(), nullptr, false);
+        if (!tools.is_array()) {
+          return ApiError(absl::StatusCode::kInvalidArgument, "tools_json must be a JSON array",
+                          "tools_json", "invalid_value");
+        }
+        chat.tools_json = c.tools_json();
+        spec.parse_tools = !tools.empty();
+      }
+      for (int i = 0; i < c.messages_size(); ++i) {
+        const auto& m = c.messages(i);
+        ChatMessage msg{m.role(), m.content(), m.reasoning_content(), {}, m.tool_call_id(), ""};
+        if (!m.tool_calls_json().empty()) {
+          auto calls = nlohmann::json::parse(m.tool_calls_json(), nullptr, false);
+          if (!calls.is_array()) {
+            return ApiError(absl::StatusCode::kInvalidArgument,
+                            absl::StrCat("messages[", i, "].tool_calls_json must be a JSON array"),
+                            absl::StrCat("messages[", i, "].tool_calls_json"), "invalid_value");
+          }
+          for (const auto& tc : calls) {
+            if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object()) continue;
+            const auto& f = tc["function"];
+            ToolCall call{tc.value("id", ""), f.value("name", ""), "{}"};
+            if (f.contains("arguments")) {
+              call.arguments_json =
+                  f["arguments"].is_string() ? f["arguments"].get<std::string>() : f["arguments"].dump();
+            }
+            msg.tool_calls.push_back(std::move(call));
+          }
+        }
+        chat.messages.push_back(std::move(msg));
+      }
+      if (chat.messages.empty()) {
+        return ApiError(absl::StatusCode::kInvalidArgument, "chat.messages must not be empty",
+                        "messages", "invalid_value");
+      }
+      spec.chat = std::move(chat);
+      break;
+    }
+    default:
+      return ApiError(absl::StatusCode::kInvalidArgument,
+                      "one of prompt, prompt_ids or chat is required", "input",
+                      "missing_required_parameter");
+  }
+  return spec;
+}
+
+class InferenceImpl final : public epd::v1::Inference::Service {
+ public:
+  InferenceImpl(RouterCore& core, std::string api_key)
+      : core_(core), api_key_(std::move(api_key)) {}
+
+  grpc::Status Generate(grpc::ServerContext* ctx, const epd::v1::GenerateRequest* req,
+                        grpc::ServerWriter<epd::v1::GenerateResponse>* writer) override {
+    if (auto s = Authorize(ctx); !s.ok()) return s;
+    auto spec = SpecFromProto(*req);
+    if (!spec.ok()) return Reject(spec.status());
+    spec->request_id = req->request_id().empty() ? NewId() : req->request_id();
+    auto prepared = core_.Prepare(std::move(*spec));
+    if (!prepared.ok()) return Reject(prepared.status());
+
+    class Writer final : public StreamObserver {
+     public:
+      Writer(grpc::ServerContext* ctx, grpc::ServerWriter<epd::v1::GenerateResponse>* w,
+             std::string id)
+          : ctx_(ctx), w_(w), id_(std::move(id)) {}
+      bool OnDelta(const Delta& d) override {
+        if (ctx_->IsCancelled()) return false;
+        epd::v1::GenerateResponse r;
+        r.set_request_id(id_);
+        r.mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
+        r.set_text(d.content);
+        r.set_reasoning_text(d.reasoning);
+        return w_->Write(r);
+      }
+
+     private:
+      grpc::ServerContext* ctx_;
+      grpc::ServerWriter<epd::v1::GenerateResponse>* w_;
+      std::string id_;
+    } observer(ctx, writer, prepared->spec.request_id);
+
+    auto out = core_.Run(*prepared, &observer);
+    if (!out.ok()) return ToGrpc(out.status());
+    epd::v1::GenerateResponse last;
+    last.set_request_id(prepared->spec.request_id);
+    last.set_finish_reason(out->finish_reason);
+    auto* u = last.mutable_usage();
+    u->set_prompt_tokens(out->prompt_tokens);
+    u->set_cached_tokens(out->cached_tokens);
+    u->set_completion_tokens(out->completion_tokens);
+    u->set_total_tokens(out->prompt_tokens + out->completion_tokens);
+    if (!out->parsed.tool_calls.empty()) {
+      nlohmann::json arr = nlohmann::json::array();
+      for (const auto& c : out->parsed.tool_calls) {
+        arr.push_back({{"id", c.id},
+                       {"type", "function"},
+                       {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
+      }
+      last.set_tool_calls_json(arr.dump());
+    }
+    writer->Write(last);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListModels(grpc::ServerContext* ctx, const epd::v1::ListModelsRequest*,
+                          epd::v1::ListModelsResponse* resp) override {
+    if (auto s = Authorize(ctx); !s.ok()) return s;
+    auto* m = resp->add_models();
+    m->set_id(core_.options().model);
+    m->set_context_length(core_.options().context_length);
+    m->set_config_fingerprint(core_.registry().Fingerprint(core_.options().model));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Health(grpc::ServerContext*, const epd::v1::HealthRequest*,
+                      epd::v1::HealthResponse* resp) override {
+    bool serving = false;
+    resp->set_detail(RouterHealthJson(core_, &serving));
+    resp->set_serving(serving);
+    return grpc::Status::OK;
+  }
+
+ private:
+  grpc::Status Authorize(grpc::ServerContext* ctx) {
+    if (api_key_.empty()) return grpc::Status::OK;
+    const auto& md = ctx->client_metadata();
+    auto it = md.find("authorization");
+    if (it != md.end() && std::string(it->second.data(), it->second.size()) ==
+                              "Bearer " + api_key_) {
+      return grpc::Status::OK;
+    }
+    return Reject(ApiError(absl::StatusCode::kUnauthenticated, "Incorrect API key provided", "",
+                           "invalid_api_key"));
+  }
+
+  grpc::Status Reject(const absl::Status& s) {
+    core_.CountRejected(s);
+    return ToGrpc(s);
+  }
+
+  static std::string NewId() {
+    thread_local std::mt19937_64 rng{std::random_device{}()};
+    return absl::StrCat("gen-", absl::Hex(rng(), absl::kZeroPad16));
+  }
+
+  RouterCore& core_;
+  std::string api_key_;
+};
+
+class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
+ public:
+  explicit RegistryImpl(RouterCore& core) : core_(core) {}
+
+  grpc::Status Register(grpc::ServerContext*, const epd::v1::RegisterRequest* req,
+                        epd::v1::RegisterResponse* resp) override {
+    const auto pool = FromProto(req->pool());
+    Registry& reg = core_.registry();
+    resp->set_heartbeat_interval_ms(reg.options().heartbeat_interval_ms);
+    resp->set_heartbeat_miss_limit(reg.options().heartbeat_miss_limit);
+    if (!pool) {
+      resp->set_accepted(false);
+      resp->set_reason("pool must be encoder, prefill or decode");
+      return grpc::Status::OK;
+    }
+    WorkerInfo w;
+    w.id = req->worker_id();
+    w.pool = *pool;
+    w.control_address = req->control_address();
+    w.transfer_address = req->transfer_address();
+    w.fingerprint = req->config_fingerprint();
+    w.model = req->model();
+    absl::Status s = reg.Register(w);
+    resp->set_accepted(s.ok());
+    resp->set_reason(std::string(s.message()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const epd::v1::HeartbeatRequest* req,
+                         epd::v1::HeartbeatResponse* resp) override {
+    resp->set_known(core_.registry().Heartbeat(req->worker_id(), req->config_fingerprint(),
+                                               LoadFromProto(req->load()), req->draining()));
+    return grpc::Status::OK;
+  }
+
+ private:
+  RouterCore& core_;
+};
+
+}  // namespace
+
+RouterGrpcServer::RouterGrpcServer(RouterCore& core, std::string api_key)
+    : core_(core), api_key_(std::move(api_key)) {}
+
+RouterGrpcServer::~RouterGrpcServer() { Stop(); }
+
+absl::StatusOr<int> RouterGrpcServer::Start(const std::string& host, int port) {
+  inference_ = std::make_unique<InferenceImpl>(core_, api_key_);
+  registry_ = std::make_unique<RegistryImpl>(core_);
+  grpc::ServerBuilder builder;
+  int bound = 0;
+  builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
+                           &bound);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  builder.RegisterService(inference_.get());
+  builder.RegisterService(registry_.get());
+  server_ = builder.BuildAndStart();
+  if (!server_ || bound == 0) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot bind gRPC on ", host, ":", port));
+  }
+  return bound;
+}
+
+void RouterGrpcServer::Stop() {
+  if (!server_) return;
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  server_->Wait();
+  server_.reset();
+}
+
+}  // namespace epd::services::router

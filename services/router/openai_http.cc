@@ -1,0 +1,700 @@
+#include "services/router/openai_http.h"
+
+#include <httplib.h>
+
+#include <chrono>
+#include <random>
+
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "prometheus/text_serializer.h"
+#include "services/router/utf8.h"
+
+namespace epd::services::router {
+namespace {
+
+using json = nlohmann::json;
+
+absl::Status Bad(std::string message, std::string param, std::string code = "invalid_type") {
+  return ApiError(absl::StatusCode::kInvalidArgument, std::move(message), std::move(param),
+                  std::move(code));
+}
+
+int HttpStatus(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kOutOfRange:
+      return 400;
+    case absl::StatusCode::kUnauthenticated:
+      return 401;
+    case absl::StatusCode::kPermissionDenied:
+      return 403;
+    case absl::StatusCode::kNotFound:
+      return 404;
+    case absl::StatusCode::kResourceExhausted:
+      return 429;
+    case absl::StatusCode::kUnavailable:
+      return 503;
+    default:
+      return 500;
+  }
+}
+
+json ErrorJson(const absl::Status& s) {
+  const int status = HttpStatus(s);
+  const char* type = status == 401   ? "authentication_error"
+                     : status == 404 ? "invalid_request_error"
+                     : status < 500  ? "invalid_request_error"
+                                     : "server_error";
+  const std::string param = ErrorParam(s), code = ErrorCode(s);
+  return json{{"error",
+               {{"message", std::string(s.message())},
+                {"type", type},
+                {"param", param.empty() ? json(nullptr) : json(param)},
+                {"code", code.empty() ? json(nullptr) : json(code)}}}};
+}
+
+void SendError(httplib::Response& res, const absl::Status& s) {
+  res.status = HttpStatus(s);
+  res.set_content(ErrorJson(s).dump(), "application/json");
+}
+
+std::string NewRequestId(const char* prefix) {
+  thread_local std::mt19937_64 rng{std::random_device{}()};
+  char buf[17];
+  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
+  return absl::StrCat(prefix, buf);
+}
+
+int64_t UnixSeconds() {
+  return std::chrono::duration_cast<std::chrono::seconds>(
+             std::chrono::system_clock::now().time_since_epoch())
+      .count();
+}
+
+// Optional field helpers: absent and null are "not given".
+const json* Field(const json& obj, const char* key) {
+  auto it = obj.find(key);
+  if (it == obj.end() || it->is_null()) return nullptr;
+  return &*it;
+}
+
+absl::Status GetNumber(const json& obj, const char* key, double lo, double hi, double* out) {
+  const json* v = Field(obj, key);
+  if (!v) return absl::OkStatus();
+  if (!v->is_number()) return Bad(absl::StrCat("'", key, "' must be a number"), key);
+  const double x = v->get<double>();
+  if (x < lo || x > hi) {
+    return Bad(absl::StrCat("'", key, "' is ", x, "; it must be in [", lo, ", ", hi, "]"), key,
+               "invalid_value");
+  }
+  *out = x;
+  return absl::OkStatus();
+}
+
+absl::Status GetInt(const json& obj, const char* key, int64_t lo, int64_t hi, int64_t* out) {
+  const json* v = Field(obj, key);
+  if (!v) return absl::OkStatus();
+  if (!v->is_number_integer() && !v->is_number_unsigned()) {
+    return Bad(absl::StrCat("'", key, "' must be an integer"), key);
+  }
+  if (v->is_number_unsigned() && v->get<uint64_t>() > static_cast<uint64_t>(hi)) {
+    return Bad(absl::StrCat("'", key, "' is too large"), key, "invalid_value");
+  }
+  const int64_t x = v->get<int64_t>();
+  if (x < lo || x > hi) {
+    return Bad(absl::StrCat("'", key, "' is ", x, "; it must be in [", lo, ", ", hi, "]"), key,
+               "invalid_value");
+  }
+  *out = x;
+  return absl::OkStatus();
+}
+
+absl::Status GetBool(const json& obj, const char* key, bool* out) {
+  const json* v = Field(obj, key);
+  if (!v) return absl::OkStatus();
+  if (!v->is_boolean()) return Bad(absl::StrCat("'", key, "' must be a boolean"), key);
+  *out = v->get<bool>();
+  return absl::OkStatus();
+}
+
+// content: string, or an array of {"type":"text","text":...} parts.
+absl::Status MessageContent(const json& m, const std::string& param, std::string* out) {
+  const json* c = Field(m, "content");
+  if (!c) return absl::OkStatus();
+  if (c->is_string()) {
+    *out = c->get<std::string>();
+    return absl::OkStatus();
+  }
+  if (!c->is_array()) return Bad(param + " must be a string or an array of parts", param);
+  for (size_t i = 0; i < c->size(); ++i) {
+    const json& part = (*c)[i];
+    const std::string pp = absl::StrCat(param, "[", i, "]");
+    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+        !part["text"].is_string()) {
+      return Bad(pp + " must be a text part {\"type\":\"text\",\"text\":...}; other part types "
+                      "are not supported",
+                 pp, "invalid_value");
+    }
+    *out += part["text"].get<std::string>();
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseMessages(const json& body, ChatRenderInput* chat) {
+  const json* msgs = Field(body, "messages");
+  if (!msgs) return Bad("'messages' is required", "messages", "missing_required_parameter");
+  if (!msgs->is_array()) return Bad("'messages' must be an array", "messages");
+  if (msgs->empty()) return Bad("'messages' must not be empty", "messages", "invalid_value");
+  for (size_t i = 0; i < msgs->size(); ++i) {
+    const json& m = (*msgs)[i];
+    const std::string param = absl::StrCat("messages[", i, "]");
+    if (!m.is_object()) return Bad(param + " must be an object", param);
+    const json* role = Field(m, "role");
+    if (!role || !role->is_string()) return Bad(param + ".role must be a string", param + ".role");
+    ChatMessage msg;
+    msg.role = role->get<std::string>();
+    if (msg.role != "system" && msg.role != "developer" && msg.role != "user" &&
+        msg.role != "assistant" && msg.role != "tool") {
+      return Bad(absl::StrCat(param, ".role '", msg.role,
+                              "' is not one of system, developer, user, assistant, tool"),
+                 param + ".role", "invalid_value");
+    }
+    if (auto s = MessageContent(m, param + ".content", &msg.content); !s.ok()) return s;
+    if (msg.role != "assistant" && !Field(m, "content")) {
+      return Bad(param + ".content is required", param + ".content", "missing_required_parameter");
+    }
+    if (const json* r = Field(m, "reasoning_content")) {
+      if (!r->is_string()) return Bad(param + ".reasoning_content must be a string", param);
+      msg.reasoning_content = r->get<std::string>();
+    }
+    if (const json* n = Field(m, "name")) {
+      if (!n->is_string()) return Bad(param + ".name must be a string", param + ".name");
+      msg.name = n->get<std::string>();
+    }
+    if (msg.role == "tool") {
+      const json* id = Field(m, "tool_call_id");
+      if (id && !id->is_string()) {
+        return Bad(param + ".tool_call_id must be a string", param + ".tool_call_id");
+      }
+      if (id) msg.tool_call_id = id->get<std::string>();
+    }
+    if (const json* tcs = Field(m, "tool_calls")) {
+      const std::string tp = param + ".tool_calls";
+      if (msg.role != "assistant" || !tcs->is_array()) {
+        return Bad(tp + " must be an array on an assistant message", tp);
+      }
+      for (size_t k = 0; k < tcs->size(); ++k) {
+        const json& tc = (*tcs)[k];
+        const std::string kp = absl::StrCat(tp, "[", k, "]");
+        if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object() ||
+            !tc["function"].contains("name") || !tc["function"]["name"].is_string()) {
+          return Bad(kp + " must be {\"type\":\"function\",\"function\":{\"name\":...,"
+                          "\"arguments\":...}}",
+                     kp);
+        }
+        ToolCall call;
+        call.id = tc.value("id", "");
+        call.name = tc["function"]["name"].get<std::string>();
+        const json* args = Field(tc["function"], "arguments");
+        if (args && args->is_string()) {
+          call.arguments_json = args->get<std::string>();
+        } else if (args && args->is_object()) {
+          call.arguments_json = args->dump();
+        } else {
+          call.arguments_json = "{}";
+        }
+        msg.tool_calls.push_back(std::move(call));
+      }
+    }
+    if (msg.role == "assistant" && !Field(m, "content") && msg.tool_calls.empty()) {
+      return Bad(param + ".content is required unless tool_calls is given", param + ".content",
+                 "missing_required_parameter");
+    }
+    chat->messages.push_back(std::move(msg));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseTools(const json& body, GenerateSpec* spec) {
+  const json* tools = Field(body, "tools");
+  std::string choice = "auto";
+  if (const json* tc = Field(body, "tool_choice")) {
+    if (tc->is_string()) {
+      choice = tc->get<std::string>();
+      if (choice != "none" && choice != "auto" && choice != "required") {
+        return Bad("'tool_choice' must be none, auto, required or a function object",
+                   "tool_choice", "invalid_value");
+      }
+    } else if (tc->is_object()) {
+      choice = "function";
+    } else {
+      return Bad("'tool_choice' must be a string or an object", "tool_choice");
+    }
+  }
+  if (!tools) return absl::OkStatus();
+  if (!tools->is_array()) return Bad("'tools' must be an array", "tools");
+  for (size_t i = 0; i < tools->size(); ++i) {
+    const json& t = (*tools)[i];
+    const std::string param = absl::StrCat("tools[", i, "]");
+    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+        !t["function"].is_object() || !t["function"].contains("name") ||
+        !t["function"]["name"].is_string()) {
+      return Bad(param + " must be {\"type\":\"function\",\"function\":{\"name\":...}}", param);
+    }
+  }
+  if (!tools->empty() && choice != "none") {
+    spec->chat->tools_json = tools->dump();
+    spec->parse_tools = true;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseThinking(const json& body, ChatRenderInput* chat) {
+  std::optional<bool> thinking;
+  if (const json* t = Field(body, "thinking")) {
+    if (t->is_boolean()) {
+      thinking = t->get<bool>();
+    } else if (t->is_object() && t->contains("type") && (*t)["type"].is_string()) {
+      const std::string type = (*t)["type"].get<std::string>();
+      if (type != "enabled" && type != "disabled") {
+        return Bad("'thinking.type' must be enabled or disabled", "thinking", "invalid_value");
+      }
+      thinking = type == "enabled";
+    } else {
+      return Bad("'thinking' must be a boolean or {\"type\":\"enabled\"|\"disabled\"}",
+                 "thinking");
+    }
+  }
+  if (const json* k = Field(body, "chat_template_kwargs")) {
+    if (!k->is_object()) return Bad("'chat_template_kwargs' must be an object",
+                                    "chat_template_kwargs");
+    for (const char* key : {"thinking", "enable_thinking"}) {
+      if (const json* t = Field(*k, key)) {
+        if (!t->is_boolean()) {
+          return Bad(absl::StrCat("'chat_template_kwargs.", key, "' must be a boolean"),
+                     "chat_template_kwargs");
+        }
+        thinking = t->get<bool>();
+      }
+    }
+  }
+  if (const json* e = Field(body, "reasoning_effort")) {
+    if (!e->is_string()) return Bad("'reasoning_effort' must be a string", "reasoning_effort");
+    chat->reasoning_effort = e->get<std::string>();
+    if (!thinking) thinking = true;  // asking for an effort asks for thinking
+  }
+  chat->thinking = thinking.value_or(false);
+  return absl::OkStatus();
+}
+
+absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
+  auto& s = spec->sampling;
+  double x = 1.0;
+  if (auto st = GetNumber(body, "temperature", 0, 2, &x); !st.ok()) return st;
+  s.set_temperature(Field(body, "temperature") ? static_cast<float>(x) : 1.0f);
+  x = 1.0;
+  if (auto st = GetNumber(body, "top_p", 0, 1, &x); !st.ok()) return st;
+  s.set_top_p(static_cast<float>(x));
+  int64_t k = 0;
+  if (auto st = GetInt(body, "top_k", -1, 1 << 20, &k); !st.ok()) return st;
+  s.set_top_k(static_cast<int32_t>(std::max<int64_t>(k, 0)));
+  x = 0;
+  if (auto st = GetNumber(body, "min_p", 0, 1, &x); !st.ok()) return st;
+  s.set_min_p(static_cast<float>(x));
+  x = 1.0;
+  if (auto st = GetNumber(body, "repetition_penalty", 0.01, 10, &x); !st.ok()) return st;
+  s.set_repetition_penalty(static_cast<float>(x));
+  x = 0;
+  if (auto st = GetNumber(body, "frequency_penalty", -2, 2, &x); !st.ok()) return st;
+  s.set_frequency_penalty(static_cast<float>(x));
+  x = 0;
+  if (auto st = GetNumber(body, "presence_penalty", -2, 2, &x); !st.ok()) return st;
+  s.set_presence_penalty(static_cast<float>(x));
+  if (const json* seed = Field(body, "seed")) {
+    if (!seed->is_number_integer() && !seed->is_number_unsigned()) {
+      return Bad("'seed' must be an integer", "seed");
+    }
+    s.set_seed(seed->is_number_unsigned() ? seed->get<uint64_t>()
+                                          : static_cast<uint64_t>(seed->get<int64_t>()));
+  }
+  int64_t n = 1;
+  if (auto st = GetInt(body, "n", 1, 128, &n); !st.ok()) return st;
+  if (n != 1) return Bad("only n=1 is supported", "n", "unsupported_value");
+  bool logprobs = false;
+  if (chat) {
+    if (auto st = GetBool(body, "logprobs", &logprobs); !st.ok()) return st;
+  } else if (const json* lp = Field(body, "logprobs")) {
+    logprobs = !(lp->is_number_integer() && lp->get<int64_t>() == 0);
+  }
+  if (logprobs) return Bad("logprobs are not supported yet", "logprobs", "unsupported_parameter");
+  int64_t max_tokens = 0;
+  const char* max_key = "max_tokens";
+  if (chat && Field(body, "max_completion_tokens")) max_key = "max_completion_tokens";
+  if (auto st = GetInt(body, max_key, 1, INT32_MAX, &max_tokens); !st.ok()) return st;
+  if (!chat && max_tokens == 0 && !Field(body, "max_tokens")) max_tokens = 16;  // OpenAI default
+  s.set_max_tokens(static_cast<int32_t>(max_tokens));
+  if (const json* stop = Field(body, "stop")) {
+    if (stop->is_string()) {
+      s.add_stop(stop->get<std::string>());
+    } else if (stop->is_array()) {
+      if (stop->size() > 4) return Bad("'stop' may hold at most 4 strings", "stop", "invalid_value");
+      for (const auto& e : *stop) {
+        if (!e.is_string()) return Bad("'stop' must be a string or an array of strings", "stop");
+        s.add_stop(e.get<std::string>());
+      }
+    } else {
+      return Bad("'stop' must be a string or an array of strings", "stop");
+    }
+  }
+  return absl::OkStatus();
+}
+
+json UsageJson(const Outcome& o) {
+  return json{{"prompt_tokens", o.prompt_tokens},
+              {"completion_tokens", o.completion_tokens},
+              {"total_tokens", o.prompt_tokens + o.completion_tokens},
+              {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}}};
+}
+
+json ToolCallsJson(const std::vector<ToolCall>& calls, bool with_index) {
+  json arr = json::array();
+  for (size_t i = 0; i < calls.size(); ++i) {
+    json c = {{"id", calls[i].id},
+              {"type", "function"},
+              {"function", {{"name", calls[i].name}, {"arguments", calls[i].arguments_json}}}};
+    if (with_index) c["index"] = i;
+    arr.push_back(std::move(c));
+  }
+  return arr;
+}
+
+// Collects deltas for a non-streaming response.
+class Collector final : public StreamObserver {
+ public:
+  bool OnDelta(const Delta&) override { return true; }
+};
+
+// Writes deltas as SSE chunks; false once the client is gone.
+class SseWriter final : public StreamObserver {
+ public:
+  SseWriter(httplib::DataSink& sink, json base, bool chat)
+      : sink_(sink), base_(std::move(base)), chat_(chat) {}
+
+  bool Send(const json& j) { return Write(absl::StrCat("data: ", j.dump(), "\n\n")); }
+  bool Write(const std::string& s) {
+    if (broken_) return false;
+    if (!sink_.write(s.data(), s.size())) broken_ = true;
+    return !broken_;
+  }
+
+  json Chunk(json delta_or_text, json finish) const {
+    json j = base_;
+    json choice = {{"index", 0}, {"finish_reason", std::move(finish)}, {"logprobs", nullptr}};
+    if (chat_) {
+      choice["delta"] = std::move(delta_or_text);
+    } else {
+      choice["text"] = std::move(delta_or_text);
+    }
+    j["choices"] = json::array({std::move(choice)});
+    return j;
+  }
+
+  bool OnDelta(const Delta& d) override {
+    if (chat_) {
+      json delta = json::object();
+      if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
+      if (!d.content.empty()) delta["content"] = d.content;
+      if (delta.empty()) return !broken_;  // tokens held back (marker / tool block)
+      return Send(Chunk(std::move(delta), nullptr));
+    }
+    const std::string text = d.reasoning + d.content;
+    if (text.empty()) return !broken_;
+    return Send(Chunk(text, nullptr));
+  }
+
+ private:
+  httplib::DataSink& sink_;
+  json base_;
+  bool chat_;
+  bool broken_ = false;
+};
+
+bool ConstantTimeEquals(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= a[i] ^ b[i];
+  return diff == 0;
+}
+
+}  // namespace
+
+absl::StatusOr<GenerateSpec> ParseOpenAiRequest(const json& body, bool chat, bool* stream,
+                                                bool* include_usage) {
+  if (!body.is_object()) return Bad("the request body must be a JSON object", "");
+  GenerateSpec spec;
+  const json* model = Field(body, "model");
+  if (!model) return Bad("'model' is required", "model", "missing_required_parameter");
+  if (!model->is_string()) return Bad("'model' must be a string", "model");
+  spec.model = model->get<std::string>();
+  *stream = false;
+  *include_usage = false;
+  if (auto s = GetBool(body, "stream", stream); !s.ok()) return s;
+  if (const json* so = Field(body, "stream_options")) {
+    if (!so->is_object()) return Bad("'stream_options' must be an object", "stream_options");
+    if (auto s = GetBool(*so, "include_usage", include_usage); !s.ok()) return s;
+  }
+  if (chat) {
+    spec.chat.emplace();
+    if (auto s = ParseMessages(body, &*spec.chat); !s.ok()) return s;
+    if (auto s = ParseTools(body, &spec); !s.ok()) return s;
+    if (auto s = ParseThinking(body, &*spec.chat); !s.ok()) return s;
+  } else {
+    const json* prompt = Field(body, "prompt");
+    if (!prompt) return Bad("'prompt' is required", "prompt", "missing_required_parameter");
+    const json* p = prompt;
+    if (p->is_array() && p->size() == 1 && ((*p)[0].is_string() || (*p)[0].is_array())) {
+      p = &(*p)[0];
+    }
+    if (p->is_string()) {
+      spec.prompt_text = p->get<std::string>();
+    } else if (p->is_array() && !p->empty() && (*p)[0].is_number_integer()) {
+      std::vector<int32_t> ids;
+      for (const auto& e : *p) {
+        if (!e.is_number_integer()) return Bad("'prompt' token arrays must hold integers", "prompt");
+        const int64_t v = e.get<int64_t>();
+        if (v < 0 || v > INT32_MAX) return Bad("'prompt' holds an invalid token id", "prompt",
+                                                "invalid_value");
+        ids.push_back(static_cast<int32_t>(v));
+      }
+      spec.prompt_ids = std::move(ids);
+    } else {
+      return Bad("'prompt' must be a string, an array with one string, or an array of token ids",
+                 "prompt");
+    }
+    bool echo = false;
+    if (auto s = GetBool(body, "echo", &echo); !s.ok()) return s;
+    if (echo) return Bad("'echo' is not supported", "echo", "unsupported_parameter");
+    if (Field(body, "suffix")) return Bad("'suffix' is not supported", "suffix",
+                                          "unsupported_parameter");
+  }
+  if (auto s = ParseSampling(body, chat, &spec); !s.ok()) return s;
+  return spec;
+}
+
+std::string RouterHealthJson(RouterCore& core, bool* serving) {
+  Registry& reg = core.registry();
+  json pools = json::object();
+  for (int p = 0; p < kNumPools; ++p) {
+    const auto pool = static_cast<PoolKind>(p);
+    json workers = json::array();
+    for (const auto& w : reg.Workers(pool)) {
+      workers.push_back({{"id", w.id},
+                         {"address", w.control_address},
+                         {"queue_depth", w.load.queue_depth},
+                         {"running", w.load.running_requests},
+                         {"inflight", w.router_inflight},
+                         {"draining", w.draining}});
+    }
+    pools[PoolName(pool)] = {{"count", workers.size()}, {"workers", std::move(workers)}};
+  }
+  int decode = 0;
+  for (const auto& w : reg.Workers(PoolKind::kDecode)) decode += w.model == core.options().model;
+  *serving = decode > 0;
+  json j = {{"serving", *serving},
+            {"model", core.options().model},
+            {"config_fingerprint", reg.Fingerprint(core.options().model)},
+            {"pools", std::move(pools)},
+            {"inflight_requests", core.inflight()},
+            {"registration_refusals", reg.RecentRefusals()}};
+  return j.dump();
+}
+
+OpenAiHttpServer::OpenAiHttpServer(RouterCore& core, std::shared_ptr<prometheus::Registry> metrics,
+                                   HttpOptions options)
+    : core_(core), metrics_(std::move(metrics)), options_(std::move(options)) {}
+
+OpenAiHttpServer::~OpenAiHttpServer() { Stop(); }
+
+absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
+  if (server_) return absl::FailedPreconditionError("HTTP server already started");
+  server_ = std::make_unique<httplib::Server>();
+  const int threads = std::max(4, options_.threads);
+  server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
+  server_->set_payload_max_length(64u << 20);
+  Routes();
+  int bound = port;
+  if (port == 0) {
+    bound = server_->bind_to_any_port(host);
+    if (bound < 0) {
+      server_.reset();
+      return absl::UnavailableError("cannot bind HTTP server on " + host);
+    }
+  } else if (!server_->bind_to_port(host, port)) {
+    server_.reset();
+    return absl::UnavailableError(absl::StrCat("cannot bind HTTP server on ", host, ":", port,
+                                               " (port in use?)"));
+  }
+  thread_ = std::thread([this] { server_->listen_after_bind(); });
+  return bound;
+}
+
+void OpenAiHttpServer::Stop() {
+  if (!server_) return;
+  server_->stop();
+  if (thread_.joinable()) thread_.join();
+  server_.reset();
+}
+
+void OpenAiHttpServer::Routes() {
+  auto authorized = [this](const httplib::Request& req, httplib::Response& res) {
+    if (options_.api_key.empty()) return true;
+    const std::string header = req.get_header_value("Authorization");
+    const std::string_view prefix = "Bearer ";
+    if (header.size() > prefix.size() && header.compare(0, prefix.size(), prefix) == 0 &&
+        ConstantTimeEquals(std::string_view(header).substr(prefix.size()), options_.api_key)) {
+      return true;
+    }
+    absl::Status s = ApiError(absl::StatusCode::kUnauthenticated,
+                              header.empty() ? "Missing API key: send 'Authorization: Bearer <key>'"
+                                             : "Incorrect API key provided",
+                              "", "invalid_api_key");
+    core_.CountRejected(s);
+    SendError(res, s);
+    return false;
+  };
+
+  server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+    bool serving = false;
+    const std::string body = RouterHealthJson(core_, &serving);
+    res.status = serving ? 200 : 503;
+    res.set_content(body, "application/json");
+  });
+  server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
+    prometheus::TextSerializer serializer;
+    res.set_content(serializer.Serialize(metrics_->Collect()),
+                    "text/plain; version=0.0.4; charset=utf-8");
+  });
+  server_->Get("/v1/models", [this, authorized](const httplib::Request& req,
+                                                httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    json data = json::array();
+    data.push_back({{"id", core_.options().model},
+                    {"object", "model"},
+                    {"created", 0},
+                    {"owned_by", "epd"},
+                    {"max_model_len", core_.options().context_length}});
+    res.set_content(json{{"object", "list"}, {"data", std::move(data)}}.dump(),
+                    "application/json");
+  });
+
+  auto generate = [this, authorized](bool chat) {
+    return [this, authorized, chat](const httplib::Request& req, httplib::Response& res) {
+      if (!authorized(req, res)) return;
+      auto fail = [&](const absl::Status& s) {
+        core_.CountRejected(s);
+        SendError(res, s);
+      };
+      if (!IsValidUtf8(req.body)) {
+        return fail(Bad("the request body is not valid UTF-8", "", "invalid_utf8"));
+      }
+      json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+      if (body.is_discarded()) {
+        return fail(Bad("the request body is not valid JSON", "", "invalid_json"));
+      }
+      bool stream = false, include_usage = false;
+      auto spec = ParseOpenAiRequest(body, chat, &stream, &include_usage);
+      if (!spec.ok()) return fail(spec.status());
+      spec->request_id = NewRequestId(chat ? "chatcmpl-" : "cmpl-");
+      auto prepared = core_.Prepare(std::move(*spec));
+      if (!prepared.ok()) {
+        absl::Status s = prepared.status();
+        if (ErrorParam(s) == "max_tokens" && chat && Field(body, "max_completion_tokens")) {
+          s = ApiError(s.code(), std::string(s.message()), "max_completion_tokens", ErrorCode(s));
+        }
+        return fail(s);
+      }
+      bool serving = false;
+      for (const auto& w : core_.registry().Workers(PoolKind::kDecode)) {
+        serving |= w.model == prepared->spec.model && !w.draining;
+      }
+      if (!serving) {
+        return fail(ApiError(absl::StatusCode::kUnavailable,
+                             absl::StrCat("no live decode worker for model '",
+                                          prepared->spec.model, "'; try again later"),
+                             "", "no_workers"));
+      }
+      const std::string id = prepared->spec.request_id;
+      json base = {{"id", id},
+                   {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion")
+                                   : "text_completion"},
+                   {"created", UnixSeconds()},
+                   {"model", prepared->spec.model},
+                   {"system_fingerprint",
+                    core_.registry().Fingerprint(prepared->spec.model)}};
+      res.set_header("X-Request-Id", id);
+      if (!stream) {
+        Collector collector;
+        auto out = core_.Run(*prepared, &collector);
+        if (!out.ok()) return SendError(res, out.status());
+        json j = base;
+        json choice = {{"index", 0}, {"finish_reason", out->finish_reason}, {"logprobs", nullptr}};
+        if (chat) {
+          json msg = {{"role", "assistant"},
+                      {"content", out->parsed.content.empty() && !out->parsed.tool_calls.empty()
+                                      ? json(nullptr)
+                                      : json(out->parsed.content)}};
+          if (prepared->thinking) msg["reasoning_content"] = out->parsed.reasoning;
+          if (!out->parsed.tool_calls.empty()) {
+            msg["tool_calls"] = ToolCallsJson(out->parsed.tool_calls, false);
+          }
+          choice["message"] = std::move(msg);
+        } else {
+          choice["text"] = out->parsed.reasoning + out->parsed.content;
+        }
+        j["choices"] = json::array({std::move(choice)});
+        j["usage"] = UsageJson(*out);
+        res.set_content(j.dump(), "application/json");
+        return;
+      }
+      auto request = std::make_shared<PreparedRequest>(std::move(*prepared));
+      res.set_header("Cache-Control", "no-cache");
+      res.set_chunked_content_provider(
+          "text/event-stream",
+          [this, request, base, chat, include_usage](size_t, httplib::DataSink& sink) {
+            SseWriter writer(sink, base, chat);
+            if (chat) {
+              writer.Send(writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
+            }
+            auto out = core_.Run(*request, &writer);
+            if (out.ok()) {
+              json last_delta = json::object();
+              if (chat && !out->parsed.tool_calls.empty()) {
+                writer.Send(writer.Chunk(
+                    {{"tool_calls", ToolCallsJson(out->parsed.tool_calls, true)}}, nullptr));
+              }
+              writer.Send(writer.Chunk(chat ? json::object() : json(""), out->finish_reason));
+              if (include_usage) {
+                json u = base;
+                u["choices"] = json::array();
+                u["usage"] = UsageJson(*out);
+                writer.Send(u);
+              }
+            } else if (out.status().code() != absl::StatusCode::kCancelled) {
+              spdlog::warn("request {} failed: {}", request->spec.request_id,
+                           std::string(out.status().message()));
+              writer.Send(ErrorJson(out.status()));
+            }
+            writer.Write("data: [DONE]\n\n");
+            sink.done();
+            return true;
+          });
+    };
+  };
+  server_->Post("/v1/chat/completions", generate(true));
+  server_->Post("/v1/completions", generate(false));
+}
+
+}  // namespace epd::services::router

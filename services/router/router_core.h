@@ -1,0 +1,169 @@
+#pragma once
+
+// The request path shared by the OpenAI HTTP and gRPC front ends: validate and tokenize
+// (Prepare), then schedule, dispatch to the stages, detokenize, split reasoning / content / tool
+// calls, apply stop strings, and account metrics (Run).
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "common/clock.h"
+#include "epd/v1/inference.pb.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
+#include "prometheus/histogram.h"
+#include "prometheus/registry.h"
+#include "services/router/dispatch.h"
+#include "services/router/registry.h"
+#include "services/router/scheduler.h"
+#include "services/router/text_codec.h"
+
+namespace epd::services::router {
+
+struct CoreOptions {
+  std::string model = "epd-nano";  // Default: the nano model's served name
+  int context_length = 8192;       // Default: prompt + completion tokens per request
+  int max_tokens_limit = 4096;     // Default: largest max_tokens a request may ask for
+  int default_max_tokens = 1024;   // Default: when a chat request gives none (capped by context)
+  int max_attempts = 2;            // Default: a request is re-dispatched once if its decode
+                                   // worker is unreachable before any token was streamed
+  absl::Status Validate() const;
+};
+
+// Errors carry the OpenAI `param` and `code` as payloads; the status code maps to HTTP
+// (InvalidArgument 400, Unauthenticated 401, NotFound 404, Unavailable 503, other 500).
+absl::Status ApiError(absl::StatusCode code, std::string message, std::string param = "",
+                      std::string error_code = "");
+std::string ErrorParam(const absl::Status& s);
+std::string ErrorCode(const absl::Status& s);
+
+// A parsed front-end request, before tokenization.
+struct GenerateSpec {
+  std::string request_id;
+  std::string model;
+  std::optional<ChatRenderInput> chat;   // chat completions
+  std::string prompt_text;               // completions with a text prompt
+  std::optional<std::vector<int32_t>> prompt_ids;  // completions with ids
+  epd::v1::SamplingParams sampling;      // max_tokens 0 = default
+  bool parse_tools = false;              // split a DSML tool-call block into tool_calls
+};
+
+struct PreparedRequest {
+  GenerateSpec spec;
+  std::vector<int32_t> prompt_ids;
+  int32_t max_tokens = 0;
+  bool thinking = false;
+};
+
+// What one step of generation added. Text deltas are complete UTF-8.
+struct Delta {
+  std::string reasoning;
+  std::string content;
+  std::vector<int32_t> token_ids;
+};
+
+struct Outcome {
+  std::string finish_reason;  // stop | length | tool_calls
+  ParsedAssistant parsed;     // the whole output, split
+  std::vector<int32_t> token_ids;
+  int32_t prompt_tokens = 0;
+  int32_t cached_tokens = 0;
+  int32_t completion_tokens = 0;
+  std::string decode_worker;  // id of the decode worker that served it
+};
+
+// Receives deltas on the request's thread. Returning false means the client is gone: the
+// request is cancelled at every stage.
+class StreamObserver {
+ public:
+  virtual ~StreamObserver() = default;
+  virtual bool OnDelta(const Delta& delta) = 0;
+};
+
+// Thread-safe: Prepare and Run may be called concurrently for different requests.
+class RouterCore {
+ public:
+  RouterCore(CoreOptions options, const TextCodec& codec, Registry& registry,
+             Scheduler& scheduler, WorkerClient& client, const common::Clock& clock,
+             prometheus::Registry& metrics);
+
+  // Validates limits and tokenizes. Errors are ApiError with param/code.
+  absl::StatusOr<PreparedRequest> Prepare(GenerateSpec spec) const;
+  // Runs the request to the end. Cancelled when the observer gave up; Unavailable when no
+  // worker could serve it or its decode worker died (that worker is then removed).
+  absl::StatusOr<Outcome> Run(const PreparedRequest& request, StreamObserver* observer);
+
+  // Counts a request refused before Run (bad input, auth, unknown model) by its error code.
+  void CountRejected(const absl::Status& status);
+  const CoreOptions& options() const { return options_; }
+  const TextCodec& codec() const { return codec_; }
+  Registry& registry() { return registry_; }
+  int64_t inflight() const { return inflight_.load(); }
+  // After this, Prepare refuses new requests (Unavailable); running ones finish.
+  void StartDraining() { draining_ = true; }
+
+ private:
+  absl::StatusOr<Outcome> RunOnce(const PreparedRequest& request, const Plan& plan,
+                                  StreamObserver* observer, bool* streamed_any);
+  void CountOutcome(const std::string& outcome);
+
+  const CoreOptions options_;
+  const TextCodec& codec_;
+  Registry& registry_;
+  Scheduler& scheduler_;
+  WorkerClient& client_;
+  const common::Clock& clock_;
+  std::atomic<int64_t> inflight_{0};
+  std::atomic<bool> draining_{false};
+
+  prometheus::Family<prometheus::Counter>& requests_;
+  prometheus::Family<prometheus::Counter>& rejects_;
+  prometheus::Histogram& ttft_;
+  prometheus::Histogram& itl_;
+  prometheus::Histogram& e2e_;
+  prometheus::Counter& prompt_tokens_;
+  prometheus::Counter& cached_tokens_;
+  prometheus::Counter& generated_tokens_;
+  prometheus::Gauge& inflight_gauge_;
+};
+
+// Streams reasoning and content deltas from raw output text as it grows: text before the
+// think-end marker (thinking mode) is reasoning; a tool-call block is held back; a trailing
+// partial marker is held until it resolves. Not thread-safe.
+class AssistantSplitter {
+ public:
+  AssistantSplitter(AssistantMarkers markers, bool thinking, bool parse_tools);
+  Delta Push(std::string_view text);
+  // End of output: what is still held that is not a tool-call block.
+  Delta Finish();
+
+ private:
+  enum class State { kReasoning, kContent, kToolCalls };
+  AssistantMarkers markers_;
+  bool parse_tools_;
+  State state_;
+  std::string held_;
+};
+
+// Finds stop strings in streamed text, holding back a possible partial match. Not thread-safe.
+class StopMatcher {
+ public:
+  explicit StopMatcher(std::vector<std::string> stops);
+  // Appends text; returns what may be released. Sets *stopped once a stop string completes
+  // (the stop string and everything after it are dropped).
+  std::string Push(std::string_view text, bool* stopped);
+  std::string Flush();
+
+ private:
+  std::vector<std::string> stops_;
+  size_t max_len_ = 0;
+  std::string held_;
+};
+
+}  // namespace epd::services::router

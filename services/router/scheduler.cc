@@ -1,0 +1,48 @@
+#include "services/router/scheduler.h"
+
+#include "absl/strings/str_cat.h"
+
+namespace epd::services::router {
+
+Scheduler::Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle& oracle,
+                     prometheus::Registry& metrics)
+    : options_(options),
+      registry_(registry),
+      oracle_(oracle),
+      decisions_(prometheus::BuildCounter()
+                     .Name("epd_route_decisions_total")
+                     .Help("Requests by the chain of pools that served them (epd, pd, ed, d)")
+                     .Register(metrics)) {
+  for (const char* route : {"epd", "pd", "ed", "d"}) decisions_.Add({{"route", route}});
+}
+
+absl::StatusOr<Plan> Scheduler::Schedule(const std::string& model,
+                                         const std::vector<int32_t>& prompt_ids) {
+  Plan plan;
+  plan.fingerprint = registry_.Fingerprint(model);
+  const PrefixHint hint = plan.fingerprint.empty() ? PrefixHint{}
+                                                   : oracle_.Lookup(prompt_ids, plan.fingerprint);
+  plan.cached_tokens = std::min<int32_t>(hint.cached_tokens, prompt_ids.size());
+  auto decode = registry_.Pick(PoolKind::kDecode, model, hint.workers);
+  if (!decode) {
+    return absl::UnavailableError(
+        absl::StrCat("no live decode worker for model '", model, "'"));
+  }
+  plan.decode = std::move(*decode);
+  const int64_t uncached = static_cast<int64_t>(prompt_ids.size()) - plan.cached_tokens;
+  if (uncached > options_.direct_decode_max_tokens) {
+    plan.encoder = registry_.Pick(PoolKind::kEncoder, model, hint.workers);
+    plan.prefill = registry_.Pick(PoolKind::kPrefill, model, hint.workers);
+  }
+  plan.route = absl::StrCat(plan.encoder ? "e" : "", plan.prefill ? "p" : "", "d");
+  decisions_.Add({{"route", plan.route}}).Increment();
+  return plan;
+}
+
+void Scheduler::Release(const Plan& plan) {
+  registry_.Release(plan.decode.id);
+  if (plan.encoder) registry_.Release(plan.encoder->id);
+  if (plan.prefill) registry_.Release(plan.prefill->id);
+}
+
+}  // namespace epd::services::router

@@ -1,0 +1,51 @@
+#pragma once
+
+// Picks the workers of one request: a decode worker always, an encoder and a prefill worker when
+// those pools have live workers (the flow is in docs/router.md). Counts each decision in
+// epd_route_decisions_total{route}.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/registry.h"
+#include "services/router/prefix_oracle.h"
+#include "services/router/registry.h"
+
+namespace epd::services::router {
+
+struct SchedulerOptions {
+  // Uncached prompt tokens at or below which the decode worker runs the request alone instead
+  // of a hand-off chain. Default: 0 (always use every pool that has live workers).
+  int direct_decode_max_tokens = 0;
+};
+
+struct Plan {
+  std::optional<WorkerInfo> encoder;
+  std::optional<WorkerInfo> prefill;
+  WorkerInfo decode;
+  int32_t cached_tokens = 0;
+  std::string fingerprint;
+  std::string route;  // "epd" | "pd" | "ed" | "d"
+};
+
+// Thread-safe.
+class Scheduler {
+ public:
+  Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle& oracle,
+            prometheus::Registry& metrics);
+  // Unavailable when no decode worker of `model` is live.
+  absl::StatusOr<Plan> Schedule(const std::string& model, const std::vector<int32_t>& prompt_ids);
+  // Returns the plan's workers' load accounting (call once per successful Schedule).
+  void Release(const Plan& plan);
+
+ private:
+  SchedulerOptions options_;
+  Registry& registry_;
+  PrefixOracle& oracle_;
+  prometheus::Family<prometheus::Counter>& decisions_;
+};
+
+}  // namespace epd::services::router

@@ -1,0 +1,300 @@
+// epd-kvstore as a real process: SIGKILL + restart on the same data dir serves every
+// acknowledged block bit-identical and never a torn one; concurrent clients never lose or mix
+// values; /metrics carries the tier families; bad input is named and counted; SWA snapshots are
+// routed over two daemons by consistent hashing.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <atomic>
+#include <chrono>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvstore/kvstore_client.h"
+#include "tests/kvstore/test_util.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd::kvstore {
+namespace {
+
+using epd::testing::BinaryPath;
+using epd::testing::HttpGet;
+using epd::testing::Subprocess;
+using epd::testing::TempDir;
+using testing::Key;
+using testing::Payload;
+
+constexpr size_t kBlock = 64 * 890;
+
+struct Daemon {
+  Subprocess proc;
+  int grpc_port = 0;
+  int metrics_port = 0;
+  std::unique_ptr<KvStoreClient> client;
+  std::string target() const { return absl::StrCat("127.0.0.1:", grpc_port); }
+};
+
+// Starts epd-kvstore on `data_dir`; `tag` names its log and port file inside `dir`.
+void StartDaemon(const TempDir& dir, const std::string& data_dir, const std::string& tag,
+                 Daemon* d, std::vector<std::string> extra = {}) {
+  const std::string port_file = dir.File(tag + ".ports.json");
+  std::remove(port_file.c_str());
+  std::vector<std::string> argv{BinaryPath("epd-kvstore"), "--data-dir", data_dir,
+                                "--grpc-port", "0", "--metrics-port", "0", "--port-file",
+                                port_file, "--g1-capacity-bytes", std::to_string(64 * kBlock),
+                                "--swa-capacity-bytes", std::to_string(64 << 20)};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  d->proc = Subprocess::Start(argv, dir.File(tag + ".log"));
+  auto grpc = epd::testing::WaitForPortFile(port_file, "grpc", std::chrono::seconds(30));
+  ASSERT_TRUE(grpc.has_value()) << d->proc.ReadLog();
+  d->grpc_port = *grpc;
+  d->metrics_port = *epd::testing::WaitForPortFile(port_file, "metrics", std::chrono::seconds(5));
+  d->client = KvStoreClient::Create(d->target());
+}
+
+// Value of one exposition line "name{labels} value" (labels written exactly as exposed).
+double Scrape(int port, const std::string& series) {
+  auto body = HttpGet(port, "/metrics");
+  if (!body.has_value()) return -1;
+  const size_t at = body->find("\n" + series + " ");
+  if (at == std::string::npos) return -1;
+  return std::stod(body->substr(at + series.size() + 2));
+}
+
+std::string Value(int i) { return Payload(i, kBlock); }
+
+TEST(KvStoreDaemonTest, SigkillThenRestartServesEveryAcknowledgedBlockBitIdentical) {
+  TempDir dir;
+  const std::string data = dir.File("data");
+  Daemon d;
+  StartDaemon(dir, data, "run1", &d);
+  // 40 blocks acknowledged before any trouble (half via G3, half via G1 write-back/demotion).
+  for (int i = 0; i < 40; ++i) {
+    ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) << i;
+  }
+  // Writers keep putting while the daemon is SIGKILLed under them.
+  std::mutex mu;
+  std::vector<int> acked, attempted;
+  std::atomic<bool> stop{false};
+  std::vector<std::thread> writers;
+  for (int t = 0; t < 3; ++t) {
+    writers.emplace_back([&, t] {
+      auto client = KvStoreClient::Create(d.target());
+      for (int i = 1000 + t; !stop.load(); i += 3) {
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          attempted.push_back(i);
+        }
+        if (!client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) break;
+        std::lock_guard<std::mutex> lock(mu);
+        acked.push_back(i);
+      }
+    });
+  }
+  // Kill once the writers have made some progress.
+  for (int spins = 0; spins < 2000; ++spins) {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      if (acked.size() >= 60) break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  d.proc.Signal(SIGKILL);
+  ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
+  stop = true;
+  for (auto& w : writers) w.join();
+  ASSERT_GE(acked.size(), 10u);
+
+  Daemon d2;
+  StartDaemon(dir, data, "run2", &d2);
+  for (int i = 0; i < 40; ++i) {
+    auto g = d2.client->Get(Tier::kAuto, AsBytes(Key(i)));
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(g->found) << "acknowledged block " << i << " lost: " << MissReasonName(g->miss);
+    EXPECT_EQ(g->value, Value(i)) << i;
+  }
+  for (int i : acked) {
+    auto g = d2.client->Get(Tier::kG3, AsBytes(Key(i)));
+    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE(g->found) << "acknowledged block " << i << " lost";
+    EXPECT_EQ(g->value, Value(i)) << i;
+  }
+  // Puts without an ack are either wholly there or absent, never torn or corrupt.
+  for (int i : attempted) {
+    auto g = d2.client->Get(Tier::kG3, AsBytes(Key(i)));
+    ASSERT_TRUE(g.ok());
+    if (g->found) {
+      EXPECT_EQ(g->value, Value(i)) << i;
+    } else {
+      EXPECT_EQ(g->miss, MissReason::kAbsent) << i;
+    }
+  }
+  EXPECT_EQ(Scrape(d2.metrics_port, "epd_kv_checksum_failures_total{tier=\"g3\"}"), 0);
+}
+
+TEST(KvStoreDaemonTest, PutWhoseAckNeverArrivedIsAbsentAfterRestart) {
+  TempDir dir;
+  const std::string data = dir.File("data");
+  {
+    Daemon d;
+    StartDaemon(dir, data, "run1", &d);
+    ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(Key(1)), Value(1)).ok());
+    d.proc.Signal(SIGKILL);
+    ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
+  }
+  {
+    // This run holds every put for 30 s after receiving it: kill it with one in flight.
+    Daemon d;
+    StartDaemon(dir, data, "run2", &d, {"--debug-put-delay-ms", "30000"});
+    absl::Status put_status;
+    std::thread writer([&] {
+      put_status = d.client->Put(Tier::kG3, AsBytes(Key(2)), Value(2));
+    });
+    bool in_flight = false;
+    for (int i = 0; i < 400 && !in_flight; ++i) {
+      in_flight = Scrape(d.metrics_port, "epd_kv_puts_in_flight") == 1;
+      if (!in_flight) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    ASSERT_TRUE(in_flight) << "the put never reached the daemon";
+    d.proc.Signal(SIGKILL);
+    ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
+    writer.join();
+    EXPECT_FALSE(put_status.ok()) << "a put was acknowledged by a killed daemon";
+  }
+  Daemon d;
+  StartDaemon(dir, data, "run3", &d);
+  auto g1 = d.client->Get(Tier::kAuto, AsBytes(Key(1)));
+  ASSERT_TRUE(g1.ok());
+  ASSERT_TRUE(g1->found);
+  EXPECT_EQ(g1->value, Value(1));
+  auto g2 = d.client->Get(Tier::kAuto, AsBytes(Key(2)));
+  ASSERT_TRUE(g2.ok());
+  EXPECT_FALSE(g2->found);
+  EXPECT_EQ(g2->miss, MissReason::kAbsent);
+}
+
+TEST(KvStoreDaemonTest, ConcurrentClientsNeverLoseOrMixValues) {
+  TempDir dir;
+  Daemon d;
+  StartDaemon(dir, dir.File("data"), "run", &d);
+  constexpr int kThreads = 8;
+  constexpr int kOps = 60;
+  std::atomic<int> errors{0}, mixed{0};
+  auto shared = KvStoreClient::Create(d.target());
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      auto own = KvStoreClient::Create(d.target());
+      KvStoreClient* c = (t % 2 == 0) ? own.get() : shared.get();
+      for (int i = 0; i < kOps; ++i) {
+        const int same = i % 10;                 // keys every thread writes
+        const int mine = 10000 + t * 1000 + i;   // keys only this thread writes
+        const Tier tier = (i % 3 == 0) ? Tier::kG2 : Tier::kG3;
+        if (!c->Put(tier, AsBytes(Key(same)), Value(same)).ok()) ++errors;
+        if (!c->Put(tier, AsBytes(Key(mine)), Value(mine)).ok()) ++errors;
+        for (int k : {same, mine, 10000 + ((t + 1) % kThreads) * 1000 + i / 2}) {
+          auto g = c->Get(tier, AsBytes(Key(k)));
+          if (!g.ok()) {
+            ++errors;
+          } else if (g->found && g->value != Value(k)) {
+            ++mixed;
+          }
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(errors.load(), 0);
+  EXPECT_EQ(mixed.load(), 0);
+  // Nothing acknowledged was lost.
+  for (int t = 0; t < kThreads; ++t) {
+    for (int i = 0; i < kOps; ++i) {
+      const int k = 10000 + t * 1000 + i;
+      const Tier tier = (i % 3 == 0) ? Tier::kG2 : Tier::kG3;
+      auto g = d.client->Get(tier, AsBytes(Key(k)));
+      ASSERT_TRUE(g.ok());
+      ASSERT_TRUE(g->found) << k;
+      EXPECT_EQ(g->value, Value(k));
+    }
+  }
+}
+
+TEST(KvStoreDaemonTest, MetricsLookupPinStatsAndBadInput) {
+  TempDir dir;
+  Daemon d;
+  StartDaemon(dir, dir.File("data"), "run", &d);
+  std::vector<int32_t> tokens(64 * 4);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 7);
+  const auto chain = ChainHashes(tokens, 64, "fp");
+  for (int i = 0; i < 2; ++i) {
+    ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(chain[i]), Value(i)).ok());
+  }
+  ASSERT_TRUE(d.client->Put(Tier::kG2, AsBytes(chain[1]), "swa-snapshot").ok());
+  auto lookup = d.client->Lookup("fp", chain);
+  ASSERT_TRUE(lookup.ok()) << lookup.status();
+  EXPECT_EQ(lookup->cached_blocks, 2);
+  EXPECT_TRUE(lookup->swa_snapshot_present);
+  auto pinned = d.client->Pin(AsBytes(chain[0]), true);
+  ASSERT_TRUE(pinned.ok() && *pinned);
+  auto stats = d.client->Stats();
+  ASSERT_TRUE(stats.ok());
+  ASSERT_EQ(stats->size(), 3u);
+  EXPECT_EQ((*stats)[2].tier, Tier::kG3);
+  EXPECT_EQ((*stats)[2].entries, 2u);
+  EXPECT_EQ((*stats)[2].bytes, 2 * kBlock);
+
+  auto bad = d.client->Put(Tier::kG3, "short-key", "v");
+  EXPECT_EQ(bad.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(bad.message()).find("16 bytes"), std::string::npos) << bad;
+  auto miss = d.client->Get(Tier::kG3, AsBytes(chain[3]));
+  ASSERT_TRUE(miss.ok());  // the process stays up and answers
+  EXPECT_EQ(miss->miss, MissReason::kAbsent);
+
+  const int p = d.metrics_port;
+  EXPECT_EQ(Scrape(p, "epd_kv_bad_requests_total{reason=\"key_size\"}"), 1);
+  EXPECT_EQ(Scrape(p, "epd_kv_puts_total{tier=\"g3\"}"), 2);
+  EXPECT_EQ(Scrape(p, "epd_kv_puts_total{tier=\"g2\"}"), 1);
+  EXPECT_EQ(Scrape(p, "epd_kv_bytes{tier=\"g3\"}"), 2.0 * kBlock);
+  EXPECT_GE(Scrape(p, "epd_kv_lookups_total{tier=\"g1\"}"), 3);
+  EXPECT_GE(Scrape(p, "epd_kv_hits_total{tier=\"g1\"}"), 2);
+  EXPECT_EQ(Scrape(p, "epd_kv_misses_total{reason=\"absent\",tier=\"g3\"}"), 1);
+  for (const char* family : {"epd_kv_evictions_total{tier=\"g1\"}",
+                             "epd_kv_ttl_expiries_total{tier=\"g2\"}",
+                             "epd_kv_checksum_failures_total{tier=\"g3\"}",
+                             "epd_kv_gets_total{tier=\"g3\"}"}) {
+    EXPECT_GE(Scrape(p, family), 0) << family << " missing";
+  }
+}
+
+TEST(KvStoreDaemonTest, SwaSnapshotsAreShardedOverDaemonsByConsistentHashing) {
+  TempDir dir;
+  Daemon a, b;
+  StartDaemon(dir, dir.File("data-a"), "a", &a);
+  StartDaemon(dir, dir.File("data-b"), "b", &b);
+  ShardedSwaClient sharded({a.target(), b.target()});
+  std::map<std::string, int> owned;
+  for (int i = 0; i < 100; ++i) {
+    const std::string key(AsBytes(Key(i)));
+    ASSERT_TRUE(sharded.Put(key, Payload(i, 300)).ok());
+    const std::string owner = sharded.OwnerOf(key);
+    ++owned[owner];
+    KvStoreClient* owner_client = owner == a.target() ? a.client.get() : b.client.get();
+    KvStoreClient* other_client = owner == a.target() ? b.client.get() : a.client.get();
+    auto on_owner = owner_client->Get(Tier::kG2, key);
+    auto on_other = other_client->Get(Tier::kG2, key);
+    ASSERT_TRUE(on_owner.ok() && on_other.ok());
+    EXPECT_TRUE(on_owner->found);
+    EXPECT_FALSE(on_other->found);
+    auto routed = sharded.Get(key);
+    ASSERT_TRUE(routed.ok());
+    EXPECT_EQ(routed->value, Payload(i, 300));
+  }
+  EXPECT_GT(owned[a.target()], 25);
+  EXPECT_GT(owned[b.target()], 25);
+}
+
+}  // namespace
+}  // namespace epd::kvstore

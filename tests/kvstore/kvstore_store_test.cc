@@ -1,0 +1,119 @@
+// The composed KvStore (in process, real RocksDB): longest-prefix lookup over whole blocks,
+// G1 eviction demoting to G3, pins surviving pressure, SWA presence, tier routing, bad input.
+#include "kvstore/kvstore.h"
+
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "tests/kvstore/test_util.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd::kvstore {
+namespace {
+
+using testing::Bytes;
+using testing::MetricValue;
+using testing::Payload;
+
+constexpr size_t kBlock = 4096;
+
+class KvStoreTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    KvStoreConfig c;
+    c.data_dir = dir_.File("data");
+    c.g1.block_bytes = kBlock;
+    c.g1.capacity_bytes = 4 * kBlock;
+    c.g2.capacity_bytes = 1 << 20;
+    c.g2.ttl_ms = 60'000;
+    c.g1_write_through = false;
+    auto s = KvStore::Open(c, clock_, registry_);
+    ASSERT_TRUE(s.ok()) << s.status();
+    store_ = std::move(*s);
+  }
+  std::vector<BlockHash> Chain(int blocks, int salt = 0) {
+    std::vector<int32_t> tokens(blocks * 64);
+    std::iota(tokens.begin(), tokens.end(), salt);
+    return ChainHashes(tokens, 64, "fp");
+  }
+
+  epd::testing::TempDir dir_;
+  common::FakeClock clock_;
+  prometheus::Registry registry_;
+  std::unique_ptr<KvStore> store_;
+};
+
+TEST_F(KvStoreTest, LookupReturnsTheLongestCachedPrefixAndWhereItLives) {
+  const auto chain = Chain(6);
+  ASSERT_TRUE(store_->Put(Tier::kG1, AsBytes(chain[0]), Bytes(Payload(0, 100))).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(chain[1]), Bytes(Payload(1, 100))).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(chain[2]), Bytes(Payload(2, 100))).ok());
+  // chain[3] missing; chain[4] present must not count (prefix semantics).
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(chain[4]), Bytes(Payload(4, 100))).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG2, AsBytes(chain[2]), Bytes(Payload(9, 100))).ok());
+  auto r = store_->Lookup(chain);
+  EXPECT_EQ(r.cached_blocks, 3);
+  EXPECT_EQ(r.tiers, (std::vector<Tier>{Tier::kG1, Tier::kG3, Tier::kG3}));
+  EXPECT_TRUE(r.swa_snapshot_present);
+  clock_.AdvanceMs(60'000);
+  EXPECT_FALSE(store_->Lookup(chain).swa_snapshot_present);  // expired snapshot
+  EXPECT_EQ(store_->Lookup(Chain(3, 1)).cached_blocks, 0);    // other tokens: nothing
+  EXPECT_GE(MetricValue(registry_, "epd_kv_lookups_total", {{"tier", "g3"}}), 3);
+}
+
+TEST_F(KvStoreTest, G1EvictionDemotesToG3AndPinnedBlocksStay) {
+  const auto chain = Chain(10);
+  ASSERT_TRUE(store_->Put(Tier::kG1, AsBytes(chain[0]), Bytes(Payload(0, kBlock))).ok());
+  auto pinned = store_->Pin(AsBytes(chain[0]), true);
+  ASSERT_TRUE(pinned.ok() && *pinned);
+  for (int i = 1; i < 10; ++i) {
+    ASSERT_TRUE(store_->Put(Tier::kG1, AsBytes(chain[i]), Bytes(Payload(i, kBlock))).ok());
+  }
+  EXPECT_TRUE(store_->g1()->Contains(chain[0]));  // pinned: never evicted
+  for (int i = 1; i < 10; ++i) {
+    auto g = store_->Get(Tier::kAuto, AsBytes(chain[i]));
+    ASSERT_TRUE(g.ok());
+    ASSERT_TRUE(g->found) << i;
+    EXPECT_EQ(g->value, Payload(i, kBlock)) << i;
+  }
+  // The first blocks were evicted from G1 and demoted, so G3 holds them.
+  EXPECT_TRUE(store_->g3().Contains(chain[1]));
+  EXPECT_FALSE(store_->g3().Contains(chain[0]));
+  EXPECT_GE(MetricValue(registry_, "epd_kv_demotions_total", {{"tier", "g1"}}), 6);
+  auto unpinned = store_->Pin(AsBytes(chain[0]), false);
+  ASSERT_TRUE(unpinned.ok() && *unpinned);
+}
+
+TEST_F(KvStoreTest, PinLoadsABlockHeldOnlyInG3) {
+  const auto chain = Chain(1);
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(chain[0]), Bytes(Payload(0, 100))).ok());
+  EXPECT_FALSE(store_->g1()->Contains(chain[0]));
+  auto pinned = store_->Pin(AsBytes(chain[0]), true);
+  ASSERT_TRUE(pinned.ok() && *pinned);
+  EXPECT_TRUE(store_->g1()->Contains(chain[0]));
+  auto missing = store_->Pin(AsBytes(Chain(1, 5)[0]), true);
+  ASSERT_TRUE(missing.ok());
+  EXPECT_FALSE(*missing);
+}
+
+TEST_F(KvStoreTest, ExpiredSwaSnapshotIsAMissWithReasonExpired) {
+  ASSERT_TRUE(store_->Put(Tier::kG2, "snap", Bytes(Payload(1, 500))).ok());
+  clock_.AdvanceMs(60'000);
+  auto g = store_->Get(Tier::kG2, "snap");
+  ASSERT_TRUE(g.ok());
+  EXPECT_FALSE(g->found);
+  EXPECT_EQ(g->miss, MissReason::kExpired);
+  EXPECT_EQ(MissReasonName(g->miss), "expired");
+}
+
+TEST_F(KvStoreTest, MalformedKeysAreRejectedByNameAndCounted) {
+  auto s = store_->Put(Tier::kG3, "not-a-hash", Bytes(Payload(1, 10)));
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(s.message()).find("16 bytes"), std::string::npos) << s;
+  EXPECT_FALSE(store_->Get(Tier::kAuto, "xx").ok());
+  EXPECT_EQ(MetricValue(registry_, "epd_kv_bad_requests_total", {{"reason", "key_size"}}), 2);
+}
+
+}  // namespace
+}  // namespace epd::kvstore

@@ -1,0 +1,336 @@
+// The transfer engine over the in-process loopback wire: session state machine, handshake,
+// accounting, leases and every fault of the decorator. Fast and deterministic (FakeClock for
+// leases and deadlines).
+#include <gmock/gmock.h>
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "kvstore/transfer/fault_wire.h"
+#include "kvstore/transfer/loopback_wire.h"
+#include "kvstore/transfer/manifest.h"
+#include "kvstore/transfer/transfer_engine.h"
+#include "prometheus/registry.h"
+#include "tests/kvstore/transfer/transfer_testing.h"
+
+namespace epd::transfer {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::FillPayload;
+using testing::NanoRequest;
+
+double MetricSum(prometheus::Registry& registry, const std::string& name,
+                 const std::string& label = "", const std::string& value = "") {
+  double sum = 0;
+  for (const auto& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const auto& metric : family.metric) {
+      bool match = label.empty();
+      for (const auto& l : metric.label)
+        if (l.name == label && l.value == value) match = true;
+      if (match) sum += metric.counter.value;
+    }
+  }
+  return sum;
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void Make(FaultPlan plan = {}, std::string rx_fp = "fp", std::string rx_token = "tok",
+            uint64_t chunk = 64 << 10) {
+    net_ = MakeLoopbackNetwork();
+    EngineOptions o;
+    o.config_fingerprint = "fp";
+    o.cluster_token = "tok";
+    o.chunk_bytes = chunk;
+    auto tx = TransferEngine::Create(MakeFaultWire(MakeLoopbackWire(net_, "tx"), plan), o,
+                                     registry_, clock_);
+    ASSERT_TRUE(tx.ok()) << tx.status();
+    tx_ = std::move(*tx);
+    o.config_fingerprint = rx_fp;
+    o.cluster_token = rx_token;
+    auto rx = TransferEngine::Create(MakeLoopbackWire(net_, "rx"), o, registry_, clock_);
+    ASSERT_TRUE(rx.ok()) << rx.status();
+    rx_ = std::move(*rx);
+  }
+
+  PeerId ConnectOk() {
+    auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
+    EXPECT_TRUE(peer.ok()) << peer.status();
+    return peer.ok() ? *peer : 0;
+  }
+
+  epd::v1::Manifest Nano(const std::string& rid) {
+    return *BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
+                                  NanoRequest(rid, "fp"));
+  }
+
+  TransferId StartReceive(const epd::v1::Manifest& expected, TransferOptions opts = {}) {
+    auto buf = rx_->Allocate(TotalBytes(expected));
+    EXPECT_TRUE(buf.ok());
+    auto id = rx_->Receive(expected, std::move(*buf), opts);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return *id;
+  }
+
+  TransferId StartSend(PeerId peer, const epd::v1::Manifest& m, TransferOptions opts = {}) {
+    auto buf = tx_->Allocate(TotalBytes(m));
+    EXPECT_TRUE(buf.ok());
+    FillPayload(m, (*buf)->data(), 42);
+    auto id = tx_->Send(peer, m, std::move(*buf), opts);
+    EXPECT_TRUE(id.ok()) << id.status();
+    return *id;
+  }
+
+  // Advances the fake clock in steps until `id` is terminal on `t` (the engine ticks every 5 ms).
+  absl::Status WaitAdvancing(KvTransport& t, TransferId id, int64_t max_ms) {
+    for (int64_t ms = 0; ms <= max_ms; ms += 50) {
+      absl::Status st = t.Wait(id, absl::Milliseconds(20));
+      if (!absl::IsDeadlineExceeded(st) || st.message().find("Wait:") == std::string::npos)
+        return st;
+      clock_.AdvanceMs(50);
+    }
+    return t.Wait(id, absl::Seconds(1));
+  }
+
+  void ExpectAllReleased() {
+    for (KvTransport* t : {static_cast<KvTransport*>(tx_.get()), static_cast<KvTransport*>(rx_.get())}) {
+      ResourceCounts c;
+      for (int i = 0; i < 400; ++i) {
+        c = t->Resources();
+        if (c.registrations == 0 && c.allocations == 0 && c.live_transfers == 0 &&
+            c.wire_ops == 0)
+          break;
+        clock_.AdvanceMs(10);  // lets the release grace period pass
+        std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      }
+      EXPECT_EQ(c.registrations, 0);
+      EXPECT_EQ(c.allocations, 0);
+      EXPECT_EQ(c.allocated_bytes, 0);
+      EXPECT_EQ(c.live_transfers, 0);
+      EXPECT_EQ(c.wire_ops, 0);
+    }
+  }
+
+  common::FakeClock clock_;
+  prometheus::Registry registry_;
+  std::shared_ptr<LoopbackNetwork> net_;
+  std::unique_ptr<TransferEngine> tx_;
+  std::unique_ptr<TransferEngine> rx_;
+};
+
+TEST_F(EngineTest, NanoHandoffArrivesBitIdentical) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("req-1");
+  const TransferId rid = StartReceive(m);
+  const TransferId sid = StartSend(peer, m);
+  ASSERT_TRUE(rx_->Wait(rid, absl::Seconds(10)).ok());
+  ASSERT_TRUE(tx_->Wait(sid, absl::Seconds(10)).ok());
+  auto got = rx_->TakeReceived(rid);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+  for (const auto& s : got->manifest.segments()) EXPECT_NE(s.checksum(), 0u);
+  got->buffer.reset();
+  tx_->Forget(sid);
+  ExpectAllReleased();
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_bytes_total", "direction", "recv"),
+            static_cast<double>(TotalBytes(m)));
+}
+
+TEST_F(EngineTest, OfferBeforeReceiveIsHeldUntilClaimed) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("early");
+  const TransferId sid = StartSend(peer, m);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  EXPECT_EQ(tx_->Status(sid)->state, TransferState::kOffered);
+  const TransferId rid = StartReceive(m);
+  ASSERT_TRUE(rx_->Wait(rid, absl::Seconds(10)).ok());
+  ASSERT_TRUE(tx_->Wait(sid, absl::Seconds(10)).ok());
+  rx_->Forget(rid);
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
+TEST_F(EngineTest, HandshakeRefusesOtherFingerprint) {
+  Make({}, "other-fp");
+  auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
+  ASSERT_FALSE(peer.ok());
+  EXPECT_EQ(peer.status().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(peer.status().message(), HasSubstr("config_fingerprint differs"));
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_handshake_refused_total", "reason",
+                      "config_fingerprint"),
+            1);
+}
+
+TEST_F(EngineTest, HandshakeRefusesOtherClusterTokenWithoutLoggingIt) {
+  Make({}, "fp", "secret-b");
+  auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
+  ASSERT_FALSE(peer.ok());
+  EXPECT_THAT(peer.status().message(), HasSubstr("cluster_token differs"));
+  EXPECT_THAT(peer.status().message(), ::testing::Not(HasSubstr("secret-b")));
+}
+
+TEST_F(EngineTest, ManifestMismatchFailsBothSidesNamingTheField) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto expected = Nano("mm");
+  HandoffLayout four = NanoTestLayout(HandoffKind::kPrefillToDecode);
+  four.dspark_block_size = 4;
+  const auto offered = *BuildExpectedManifest(four, NanoRequest("mm", "fp"));
+  const TransferId rid = StartReceive(expected);
+  const TransferId sid = StartSend(peer, offered);
+  absl::Status rs = rx_->Wait(rid, absl::Seconds(5));
+  absl::Status ss = tx_->Wait(sid, absl::Seconds(5));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(rs.message(), HasSubstr("dspark_noise"));
+  EXPECT_THAT(rs.message(), HasSubstr("pos_end"));
+  EXPECT_EQ(ss.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(ss.message(), HasSubstr("dspark_noise"));
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_accounting_errors_total", "segment",
+                      "dspark_noise"),
+            1);
+  EXPECT_EQ(tx_->Status(sid)->bytes_done, 0u);  // not a byte was sent
+  rx_->Forget(rid);
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
+TEST_F(EngineTest, LeaseExpiresWhenNobodyClaims) {
+  Make();
+  const PeerId peer = ConnectOk();
+  TransferOptions opts;
+  opts.lease = absl::Seconds(2);
+  const TransferId sid = StartSend(peer, Nano("unclaimed"), opts);
+  absl::Status st = WaitAdvancing(*tx_, sid, 5000);
+  EXPECT_EQ(st.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(st.message(), HasSubstr("lease expired"));
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
+TEST_F(EngineTest, ReceiverCancelEndsSenderToo) {
+  Make(FaultPlan{FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1,
+                 absl::Milliseconds(30)});
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("cancel");
+  const TransferId rid = StartReceive(m);
+  const TransferId sid = StartSend(peer, m);
+  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  rx_->Cancel(rid, "client went away");
+  EXPECT_EQ(rx_->Wait(rid, absl::Seconds(5)).code(), absl::StatusCode::kCancelled);
+  absl::Status ss = tx_->Wait(sid, absl::Seconds(5));
+  EXPECT_FALSE(ss.ok());
+  EXPECT_THAT(ss.message(), HasSubstr("client went away"));
+  rx_->Forget(rid);
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
+struct FaultCase {
+  std::string name;
+  FaultPlan plan;
+  absl::StatusCode receiver_code;
+  std::string receiver_says;
+};
+
+class FaultTest : public EngineTest, public ::testing::WithParamInterface<FaultCase> {};
+
+TEST_P(FaultTest, EndsCleanlyOnBothSidesWithinDeadline) {
+  const FaultCase& c = GetParam();
+  Make(c.plan);
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("fault-" + c.name);
+  TransferOptions opts;
+  opts.deadline = absl::Seconds(3);
+  opts.lease = absl::Seconds(2);
+  const TransferId rid = StartReceive(m, opts);
+  const TransferId sid = StartSend(peer, m, opts);
+  absl::Status rs = WaitAdvancing(*rx_, rid, 4000);
+  absl::Status ss = WaitAdvancing(*tx_, sid, 4000);
+  EXPECT_EQ(rs.code(), c.receiver_code) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr(c.receiver_says));
+  EXPECT_FALSE(ss.ok());
+  rx_->Forget(rid);
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
+FaultPlan Plan(FaultPlan::Action a, FaultPlan::Target t, int nth, absl::Duration d = {}) {
+  FaultPlan p;
+  p.action = a;
+  p.target = t;
+  p.nth = nth;
+  p.delay = d;
+  p.corrupt_offset = 100;
+  return p;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Faults, FaultTest,
+    ::testing::Values(
+        FaultCase{"drop_data", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kData, 3),
+                  absl::StatusCode::kDeadlineExceeded, "has 0 of"},
+        // Control message 0 is the hello, 1 the offer: a dropped offer is never claimed.
+        FaultCase{"drop_offer", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kControl, 1),
+                  absl::StatusCode::kDeadlineExceeded, "while expecting"},
+        FaultCase{"delay_past_deadline",
+                  Plan(FaultPlan::Action::kDelay, FaultPlan::Target::kData, 0, absl::Seconds(600)),
+                  absl::StatusCode::kDeadlineExceeded, "exceeded its deadline"},
+        FaultCase{"truncate", Plan(FaultPlan::Action::kTruncate, FaultPlan::Target::kData, 5),
+                  absl::StatusCode::kDataLoss, "truncated"},
+        FaultCase{"corrupt", Plan(FaultPlan::Action::kCorrupt, FaultPlan::Target::kData, 7),
+                  absl::StatusCode::kDataLoss, "field checksum"},
+        FaultCase{"disconnect", Plan(FaultPlan::Action::kDisconnect, FaultPlan::Target::kData, 2),
+                  absl::StatusCode::kUnavailable, "disconnected"}),
+    [](const auto& info) { return info.param.name; });
+
+TEST_F(EngineTest, DelayWithinDeadlineStillSucceeds) {
+  Make(Plan(FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1, absl::Milliseconds(2)));
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("slow");
+  const TransferId rid = StartReceive(m);
+  const TransferId sid = StartSend(peer, m);
+  ASSERT_TRUE(rx_->Wait(rid, absl::Seconds(20)).ok());
+  ASSERT_TRUE(tx_->Wait(sid, absl::Seconds(20)).ok());
+  auto got = rx_->TakeReceived(rid);
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+}
+
+TEST_F(EngineTest, SenderWireDeathFailsReceiverAndReleasesEverything) {
+  Make(Plan(FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1, absl::Milliseconds(300)));
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("death");
+  const TransferId rid = StartReceive(m);
+  StartSend(peer, m);
+  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  tx_.reset();  // the whole sender goes away mid-transfer
+  absl::Status rs = rx_->Wait(rid, absl::Seconds(5));
+  EXPECT_TRUE(rs.code() == absl::StatusCode::kUnavailable ||
+              rs.code() == absl::StatusCode::kAborted)
+      << rs;
+  rx_->Forget(rid);
+  ResourceCounts c = rx_->Resources();
+  for (int i = 0; i < 200 && c.live_transfers != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    c = rx_->Resources();
+  }
+  EXPECT_EQ(c.registrations, 0);
+  EXPECT_EQ(c.allocations, 0);
+  EXPECT_EQ(c.live_transfers, 0);
+}
+
+TEST_F(EngineTest, SizeMismatchIsRefusedLocally) {
+  Make();
+  const PeerId peer = ConnectOk();
+  auto m = Nano("size");
+  auto buf = tx_->Allocate(TotalBytes(m) - 1);
+  auto id = tx_->Send(peer, m, std::move(*buf), {});
+  EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectAllReleased();
+}
+
+}  // namespace
+}  // namespace epd::transfer

@@ -1,0 +1,420 @@
+// RouterCore with in-process scripted workers: validation errors, streaming equals the final
+// result, cancellation reaches every stage, a dead decode worker fails only its request and is
+// dropped, re-dispatch before the first token, and the OpenAI request parser.
+#include <gtest/gtest.h>
+
+#include <deque>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/synchronization/mutex.h"
+#include "common/clock.h"
+#include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
+#include "services/router/byte_text_codec.h"
+#include "services/router/openai_http.h"
+#include "services/router/router_core.h"
+
+namespace epd::services::router {
+namespace {
+
+struct Script {
+  std::vector<epd::v1::SubmitResponse> messages;
+  absl::Status status;              // the stream's final status
+  bool block_until_cancel = false;  // after the messages, wait for Cancel
+};
+
+class ScriptedStream final : public JobStream {
+ public:
+  explicit ScriptedStream(Script s) : script_(std::move(s)) {}
+  bool Read(epd::v1::SubmitResponse* out) override {
+    absl::MutexLock lock(&mu_);
+    if (cancelled_) return false;
+    if (next_ < script_.messages.size()) {
+      *out = script_.messages[next_++];
+      return true;
+    }
+    if (script_.block_until_cancel) mu_.Await(absl::Condition(&cancelled_));
+    return false;
+  }
+  absl::Status Finish() override {
+    absl::MutexLock lock(&mu_);
+    return cancelled_ ? absl::CancelledError("cancelled") : script_.status;
+  }
+  void Cancel() override {
+    absl::MutexLock lock(&mu_);
+    if (!cancelled_) ++*cancels;
+    cancelled_ = true;
+  }
+  std::shared_ptr<int> cancels = std::make_shared<int>(0);
+
+ private:
+  absl::Mutex mu_;
+  Script script_;
+  size_t next_ = 0;
+  bool cancelled_ = false;
+};
+
+class ScriptedClient final : public WorkerClient {
+ public:
+  std::function<Script(const WorkerInfo&, const epd::v1::Job&)> script;
+  std::unique_ptr<JobStream> Submit(const WorkerInfo& w, const epd::v1::Job& job) override {
+    auto s = std::make_unique<ScriptedStream>(script(w, job));
+    absl::MutexLock lock(&mu);
+    jobs.push_back({w.id, job});
+    cancels[w.id] = s->cancels;
+    return s;
+  }
+  void Forget(const WorkerInfo& w) override {
+    absl::MutexLock lock(&mu);
+    forgotten.push_back(w.id);
+  }
+  int Cancels(const std::string& id) {
+    absl::MutexLock lock(&mu);
+    return cancels.count(id) ? *cancels[id] : 0;
+  }
+  absl::Mutex mu;
+  std::vector<std::pair<std::string, epd::v1::Job>> jobs;
+  std::map<std::string, std::shared_ptr<int>> cancels;
+  std::vector<std::string> forgotten;
+};
+
+epd::v1::SubmitResponse Tokens(const std::string& text, const std::string& finish = "") {
+  epd::v1::SubmitResponse r;
+  for (unsigned char c : text) r.add_token_ids(c);
+  r.set_finish_reason(finish);
+  return r;
+}
+
+// Emits `text` one byte per message.
+Script Bytes(const std::string& text, const std::string& finish = "stop") {
+  Script s;
+  for (size_t i = 0; i < text.size(); ++i) {
+    s.messages.push_back(Tokens(text.substr(i, 1), i + 1 == text.size() ? finish : ""));
+  }
+  return s;
+}
+
+class Recorder final : public StreamObserver {
+ public:
+  bool OnDelta(const Delta& d) override {
+    reasoning += d.reasoning;
+    content += d.content;
+    tokens += d.token_ids.size();
+    ++calls;
+    return calls < give_up_after;
+  }
+  std::string reasoning, content;
+  size_t tokens = 0;
+  int calls = 0;
+  int give_up_after = 1 << 30;
+};
+
+WorkerInfo Worker(const std::string& id, PoolKind pool) {
+  WorkerInfo w;
+  w.id = id;
+  w.pool = pool;
+  w.control_address = "addr-" + id;
+  w.transfer_address = "xfer-" + id;
+  w.fingerprint = "fp";
+  w.model = "m";
+  return w;
+}
+
+class RouterCoreTest : public ::testing::Test {
+ protected:
+  RouterCoreTest()
+      : registry_(RegistryOptions{}, clock_, metrics_),
+        scheduler_(SchedulerOptions{}, registry_, oracle_, metrics_),
+        core_(Options(), codec_, registry_, scheduler_, client_, clock_, metrics_) {}
+  static CoreOptions Options() {
+    CoreOptions o;
+    o.model = "m";
+    o.context_length = 64;
+    o.max_tokens_limit = 16;
+    o.default_max_tokens = 8;
+    return o;
+  }
+  GenerateSpec Completion(const std::string& prompt, int max_tokens = 0) {
+    GenerateSpec s;
+    s.request_id = "r1";
+    s.model = "m";
+    s.prompt_text = prompt;
+    s.sampling.set_max_tokens(max_tokens);
+    return s;
+  }
+  std::string Scrape() { return prometheus::TextSerializer().Serialize(metrics_.Collect()); }
+
+  common::FakeClock clock_;
+  prometheus::Registry metrics_;
+  ByteTextCodec codec_;
+  NoPrefixOracle oracle_;
+  ScriptedClient client_;
+  Registry registry_;
+  Scheduler scheduler_;
+  RouterCore core_;
+};
+
+TEST_F(RouterCoreTest, PrepareNamesTheParamAndCode) {
+  auto e = core_.Prepare(Completion(std::string(64, 'x')));
+  EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ErrorParam(e.status()), "prompt");
+  EXPECT_EQ(ErrorCode(e.status()), "context_length_exceeded");
+  e = core_.Prepare(Completion("hi", 17));
+  EXPECT_EQ(ErrorParam(e.status()), "max_tokens");
+  EXPECT_EQ(ErrorCode(e.status()), "max_tokens_exceeded");
+  e = core_.Prepare(Completion(std::string(50, 'x'), 15));
+  EXPECT_EQ(ErrorCode(e.status()), "context_length_exceeded");
+  EXPECT_EQ(ErrorParam(e.status()), "max_tokens");
+  auto spec = Completion("hi");
+  spec.model = "zzz";
+  EXPECT_EQ(core_.Prepare(spec).status().code(), absl::StatusCode::kNotFound);
+  spec = Completion("");
+  EXPECT_EQ(ErrorParam(core_.Prepare(spec).status()), "prompt");
+  spec = Completion("");
+  spec.prompt_ids = std::vector<int32_t>{1, 300};
+  EXPECT_EQ(ErrorParam(core_.Prepare(spec).status()), "prompt");
+  // Default max_tokens: min(default, context - prompt).
+  auto ok = core_.Prepare(Completion(std::string(60, 'x')));
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->max_tokens, 4);
+  EXPECT_EQ(core_.Prepare(Completion("hi"))->max_tokens, 8);
+}
+
+TEST_F(RouterCoreTest, NoWorkerIsUnavailable) {
+  auto req = core_.Prepare(Completion("hi"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ErrorCode(out.status()), "no_workers");
+}
+
+TEST_F(RouterCoreTest, StreamedDeltasEqualTheFinalParseAndUsageCounts) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  const std::string out_text = "ponder</think>Hi \xE4\xB8\x96!" +
+                               RenderDsmlToolCalls({{"", "f", R"({"x":1})"}});
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job& job) {
+    auto s = Bytes(out_text);
+    s.messages[0].set_cached_tokens(3);
+    return s;
+  };
+  GenerateSpec spec;
+  spec.request_id = "r";
+  spec.model = "m";
+  spec.chat.emplace();
+  spec.chat->thinking = true;
+  spec.chat->messages = {{.role = "user", .content = "q"}};
+  spec.parse_tools = true;
+  auto req = core_.Prepare(spec);
+  ASSERT_TRUE(req.ok());
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.reasoning, "ponder");
+  EXPECT_EQ(rec.content, "Hi \xE4\xB8\x96!");
+  EXPECT_EQ(out->parsed.reasoning, rec.reasoning);
+  EXPECT_EQ(out->parsed.content, rec.content);
+  ASSERT_EQ(out->parsed.tool_calls.size(), 1u);
+  EXPECT_EQ(out->parsed.tool_calls[0].id, "call_r_0");
+  EXPECT_EQ(out->finish_reason, "tool_calls");
+  EXPECT_EQ(out->completion_tokens, static_cast<int>(out_text.size()));
+  EXPECT_EQ(out->cached_tokens, 3);
+  EXPECT_EQ(out->prompt_tokens, static_cast<int>(req->prompt_ids.size()));
+  // The job carried the prompt and the sampling limits; decode ran alone and is final.
+  ASSERT_EQ(client_.jobs.size(), 1u);
+  const auto& job = client_.jobs[0].second;
+  EXPECT_TRUE(job.final_stage());
+  EXPECT_EQ(job.stage(), epd::v1::POOL_DECODE);
+  EXPECT_EQ(job.prompt_ids_size(), static_cast<int>(req->prompt_ids.size()));
+  EXPECT_EQ(job.sampling().max_tokens(), 8);
+  EXPECT_EQ(job.config_fingerprint(), "fp");
+  const std::string m = Scrape();
+  EXPECT_NE(m.find("epd_requests_total{outcome=\"ok\"} 1"), std::string::npos);
+  EXPECT_NE(m.find("epd_cached_tokens_total 3"), std::string::npos);
+  EXPECT_NE(m.find("epd_ttft_seconds_count 1"), std::string::npos);
+}
+
+TEST_F(RouterCoreTest, StopStringEndsTheRequestAndCancelsTheWorker) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("abc END more");
+    s.block_until_cancel = true;
+    return s;
+  };
+  auto spec = Completion("hi");
+  spec.sampling.add_stop("END");
+  auto req = core_.Prepare(spec);
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "abc ");
+  EXPECT_EQ(out->finish_reason, "stop");
+  EXPECT_EQ(client_.Cancels("d0"), 1);
+}
+
+TEST_F(RouterCoreTest, ObserverGivingUpCancelsEveryStage) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
+    Script s;
+    if (w.pool == PoolKind::kDecode) {
+      s = Bytes("0123456789");
+    }
+    s.block_until_cancel = true;  // side stages never hand off in this test
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  rec.give_up_after = 3;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kCancelled);
+  for (const char* id : {"e0", "p0", "d0"}) EXPECT_GE(client_.Cancels(id), 1) << id;
+  // The chain was wired: e0 -> p0 -> d0.
+  std::map<std::string, epd::v1::Job> jobs;
+  for (auto& [id, job] : client_.jobs) jobs[id] = job;
+  EXPECT_EQ(jobs["e0"].next_worker_id(), "p0");
+  EXPECT_EQ(jobs["e0"].next_transfer_address(), "xfer-p0");
+  EXPECT_EQ(jobs["p0"].prev_worker_id(), "e0");
+  EXPECT_EQ(jobs["p0"].next_worker_id(), "d0");
+  EXPECT_EQ(jobs["d0"].prev_worker_id(), "p0");
+  EXPECT_EQ(jobs["d0"].prev_transfer_address(), "xfer-p0");
+  EXPECT_TRUE(jobs["e0"].prev_worker_id().empty());
+  EXPECT_NE(Scrape().find("epd_requests_total{outcome=\"cancelled\"} 1"), std::string::npos);
+}
+
+TEST_F(RouterCoreTest, DecodeDeathMidGenerationFailsTheRequestAndDropsTheWorker) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("abc", "");
+    s.status = absl::UnavailableError("Socket closed");
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ErrorCode(out.status()), "worker_failed");
+  EXPECT_NE(out.status().message().find("mid-generation"), absl::string_view::npos);
+  EXPECT_EQ(rec.content, "abc");
+  EXPECT_EQ(registry_.Count(PoolKind::kDecode), 0);
+  EXPECT_EQ(client_.forgotten, std::vector<std::string>{"d0"});
+  EXPECT_EQ(client_.jobs.size(), 1u);  // tokens were streamed: no second attempt
+}
+
+TEST_F(RouterCoreTest, UnreachableWorkerBeforeAnyTokenIsRetriedElsewhere) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
+    if (client_.jobs.empty()) {  // the first pick is dead
+      Script s;
+      s.status = absl::UnavailableError("connection refused");
+      return s;
+    }
+    return Bytes("ok");
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "ok");
+  ASSERT_EQ(client_.jobs.size(), 2u);
+  EXPECT_NE(client_.jobs[0].first, client_.jobs[1].first);
+  EXPECT_EQ(registry_.Count(PoolKind::kDecode), 1);
+}
+
+TEST_F(RouterCoreTest, SideStageErrorFailsTheRequestAndCancelsDecode) {
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
+    Script s;
+    if (w.pool == PoolKind::kPrefill) {
+      epd::v1::SubmitResponse r;
+      r.set_error("manifest mismatch: entry_count");
+      s.messages.push_back(r);
+    } else {
+      s.block_until_cancel = true;  // decode waits for a hand-off that never comes
+    }
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(out.status().message().find("entry_count"), absl::string_view::npos);
+  EXPECT_EQ(client_.Cancels("d0"), 1);
+  EXPECT_EQ(registry_.Count(PoolKind::kPrefill), 1);  // a request error is not a dead worker
+}
+
+TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
+  using nlohmann::json;
+  bool stream = false, usage = false;
+  json body = {{"model", "m"},
+               {"messages",
+                {{{"role", "system"}, {"content", "s"}},
+                 {{"role", "user"}, {"content", {{{"type", "text"}, {"text", "a"}},
+                                                 {{"type", "text"}, {"text", "b"}}}}},
+                 {{"role", "assistant"},
+                  {"content", nullptr},
+                  {"tool_calls",
+                   {{{"id", "c"},
+                     {"type", "function"},
+                     {"function", {{"name", "f"}, {"arguments", "{}"}}}}}}},
+                 {{"role", "tool"}, {"tool_call_id", "c"}, {"content", "r"}}}},
+               {"stream", true},
+               {"stream_options", {{"include_usage", true}}},
+               {"max_completion_tokens", 5},
+               {"stop", {"x", "y"}},
+               {"seed", 7},
+               {"thinking", {{"type", "enabled"}}},
+               {"tools", {{{"type", "function"}, {"function", {{"name", "f"}}}}}}};
+  auto spec = ParseOpenAiRequest(body, true, &stream, &usage);
+  ASSERT_TRUE(spec.ok()) << spec.status();
+  EXPECT_TRUE(stream && usage);
+  EXPECT_EQ(spec->chat->messages[1].content, "ab");
+  EXPECT_EQ(spec->chat->messages[2].tool_calls[0].name, "f");
+  EXPECT_TRUE(spec->chat->thinking);
+  EXPECT_TRUE(spec->parse_tools);
+  EXPECT_EQ(spec->sampling.max_tokens(), 5);
+  EXPECT_EQ(spec->sampling.stop_size(), 2);
+  EXPECT_EQ(spec->sampling.seed(), 7u);
+
+  const auto param_of = [&](json b, bool chat = true) {
+    auto s = ParseOpenAiRequest(b, chat, &stream, &usage);
+    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << b.dump();
+    return ErrorParam(s.status());
+  };
+  const json base = {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "q"}}}}};
+  auto with = [&](const char* k, json v) {
+    json b = base;
+    b[k] = v;
+    return b;
+  };
+  EXPECT_EQ(param_of(json::array()), "");
+  EXPECT_EQ(param_of({{"messages", base["messages"]}}), "model");
+  EXPECT_EQ(param_of(with("model", 3)), "model");
+  EXPECT_EQ(param_of(with("messages", json::array())), "messages");
+  EXPECT_EQ(param_of(with("messages", {{{"role", "user"}}})), "messages[0].content");
+  EXPECT_EQ(param_of(with("stream", "yes")), "stream");
+  EXPECT_EQ(param_of(with("top_p", 1.5)), "top_p");
+  EXPECT_EQ(param_of(with("n", 2)), "n");
+  EXPECT_EQ(param_of(with("logprobs", true)), "logprobs");
+  EXPECT_EQ(param_of(with("stop", {1})), "stop");
+  EXPECT_EQ(param_of(with("tools", {{{"type", "web"}}})), "tools[0]");
+  EXPECT_EQ(param_of(with("tool_choice", "maybe")), "tool_choice");
+  EXPECT_EQ(param_of(with("reasoning_effort", 5)), "reasoning_effort");
+  EXPECT_EQ(param_of(with("max_tokens", 0)), "max_tokens");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", {1.5}}}, false), "prompt");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"echo", true}}, false), "echo");
+  // Completions: text, [text] and token ids.
+  auto c = ParseOpenAiRequest({{"model", "m"}, {"prompt", {"t"}}}, false, &stream, &usage);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(c->prompt_text, "t");
+  EXPECT_EQ(c->sampling.max_tokens(), 16);  // the OpenAI default for completions
+  c = ParseOpenAiRequest({{"model", "m"}, {"prompt", {1, 2}}}, false, &stream, &usage);
+  ASSERT_TRUE(c.ok());
+  EXPECT_EQ(*c->prompt_ids, (std::vector<int32_t>{1, 2}));
+}
+
+}  // namespace
+}  // namespace epd::services::router
