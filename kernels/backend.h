@@ -42,8 +42,8 @@ struct SparseAttentionArgs {
   int heads = 0;
   int head_dim = 0;
   int64_t list_len = 0;
-  float scale = 1.f;             // fp32 softmax scale
-  float* out = nullptr;          // [rows, heads, head_dim] bf16
+  float scale = 1.f;     // fp32 softmax scale
+  float* out = nullptr;  // [rows, heads, head_dim] bf16
 };
 
 class Backend {

@@ -36,23 +36,32 @@ absl::Status Get(const Json& obj, std::initializer_list<const char*> keys, bool 
   std::string key;
   const Json* v = Find(obj, keys, &key);
   if (v == nullptr) {
-    if (required) return absl::InvalidArgumentError(absl::StrCat("config: missing field '", KeyList(keys), "'"));
+    if (required)
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: missing field '", KeyList(keys), "'"));
     return absl::OkStatus();
   }
   if constexpr (std::is_same_v<T, bool>) {
-    if (!v->is_boolean()) return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a boolean"));
+    if (!v->is_boolean())
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: field '", key, "' must be a boolean"));
     *out = v->get<bool>();
   } else if constexpr (std::is_same_v<T, std::string>) {
-    if (!v->is_string()) return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a string"));
+    if (!v->is_string())
+      return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a string"));
     *out = v->get<std::string>();
   } else if constexpr (std::is_floating_point_v<T>) {
-    if (!v->is_number()) return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a number"));
+    if (!v->is_number())
+      return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a number"));
     *out = static_cast<T>(v->get<double>());
   } else {
-    if (!v->is_number_integer() && !(v->is_number_float() && std::floor(v->get<double>()) == v->get<double>())) {
-      return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be an integer"));
+    if (!v->is_number_integer() &&
+        !(v->is_number_float() && std::floor(v->get<double>()) == v->get<double>())) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: field '", key, "' must be an integer"));
     }
-    *out = static_cast<T>(v->is_number_integer() ? v->get<int64_t>() : static_cast<int64_t>(v->get<double>()));
+    *out = static_cast<T>(v->is_number_integer() ? v->get<int64_t>()
+                                                 : static_cast<int64_t>(v->get<double>()));
   }
   return absl::OkStatus();
 }
@@ -63,40 +72,51 @@ absl::Status GetList(const Json& obj, std::initializer_list<const char*> keys, b
   std::string key;
   const Json* v = Find(obj, keys, &key);
   if (v == nullptr) {
-    if (required) return absl::InvalidArgumentError(absl::StrCat("config: missing field '", KeyList(keys), "'"));
+    if (required)
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: missing field '", KeyList(keys), "'"));
     return absl::OkStatus();
   }
-  if (!v->is_array()) return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a list"));
+  if (!v->is_array())
+    return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a list"));
   out->clear();
   for (const Json& e : *v) {
     if (!e.is_number_integer()) {
-      return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must hold integers"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: field '", key, "' must hold integers"));
     }
     out->push_back(static_cast<T>(e.get<int64_t>()));
   }
   return absl::OkStatus();
 }
 
-#define EPD_CFG(expr)                    \
-  do {                                   \
-    absl::Status _s = (expr);            \
-    if (!_s.ok()) return _s;             \
+#define EPD_CFG(expr)         \
+  do {                        \
+    absl::Status _s = (expr); \
+    if (!_s.ok()) return _s;  \
   } while (0)
 
 absl::Status Bad(std::string_view field, std::string_view why) {
-  return absl::InvalidArgumentError(absl::StrCat("config: field '", std::string(field), "' ", std::string(why)));
+  return absl::InvalidArgumentError(
+      absl::StrCat("config: field '", std::string(field), "' ", std::string(why)));
 }
 
-bool Contains(const std::vector<int>& v, int x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+bool Contains(const std::vector<int>& v, int x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 
 }  // namespace
 
 std::string_view LayerModeName(LayerMode mode) {
   switch (mode) {
-    case LayerMode::kSwaOnly: return "swa_only";
-    case LayerMode::kFull: return "full";
-    case LayerMode::kReindex: return "reindex";
-    case LayerMode::kReuse: return "reuse";
+    case LayerMode::kSwaOnly:
+      return "swa_only";
+    case LayerMode::kFull:
+      return "full";
+    case LayerMode::kReindex:
+      return "reindex";
+    case LayerMode::kReuse:
+      return "reuse";
   }
   return "?";
 }
@@ -106,7 +126,8 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   if (root.is_discarded() || !root.is_object()) {
     return absl::InvalidArgumentError("config: not a valid JSON object");
   }
-  const Json& t = root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
+  const Json& t =
+      root.contains("text_config") && root["text_config"].is_object() ? root["text_config"] : root;
   ModelConfig c;
   EPD_CFG(Get(t, {"vocab_size"}, true, &c.vocab_size));
   EPD_CFG(Get(t, {"hidden_size", "dim"}, true, &c.dim));
@@ -143,11 +164,13 @@ absl::StatusOr<ModelConfig> ParseModelConfig(std::string_view json_text) {
   EPD_CFG(Get(t, {"sliding_window", "window_size"}, true, &c.window_size));
   EPD_CFG(GetList(t, {"compress_ratios"}, true, &c.compress_ratios));
   EPD_CFG(GetList(t, {"kv_source_layer_ids", "kv_source_layers"}, true, &c.kv_source_layers));
-  EPD_CFG(GetList(t, {"index_source_layer_ids", "index_source_layers"}, true, &c.index_source_layers));
+  EPD_CFG(
+      GetList(t, {"index_source_layer_ids", "index_source_layers"}, true, &c.index_source_layers));
   EPD_CFG(Get(t, {"index_n_heads"}, true, &c.index_n_heads));
   EPD_CFG(Get(t, {"index_head_dim"}, true, &c.index_head_dim));
   EPD_CFG(Get(t, {"index_topk"}, true, &c.index_topk));
-  EPD_CFG(Get(t, {"candidate_source_layer_id", "candidate_source_layer"}, true, &c.candidate_source_layer));
+  EPD_CFG(Get(t, {"candidate_source_layer_id", "candidate_source_layer"}, true,
+              &c.candidate_source_layer));
   EPD_CFG(Get(t, {"candidate_topk_blocks"}, true, &c.candidate_topk_blocks));
   EPD_CFG(Get(t, {"candidate_block_size"}, true, &c.candidate_block_size));
   EPD_CFG(Get(t, {"hc_mult"}, true, &c.hc_mult));
@@ -197,7 +220,8 @@ absl::StatusOr<ModelConfig> LoadModelConfig(const std::string& path) {
   std::stringstream ss;
   ss << in.rdbuf();
   auto c = ParseModelConfig(ss.str());
-  if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  if (!c.ok())
+    return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   if (absl::Status s = c->Validate(); !s.ok()) {
     return absl::Status(s.code(), absl::StrCat(path, ": ", s.message()));
   }
@@ -229,18 +253,21 @@ absl::Status ModelConfig::Validate() const {
     return Bad("qk_rope_head_dim", "must be even and < head_dim");
   }
   if (n_heads % o_groups != 0) return Bad("o_groups", "must divide num_attention_heads");
-  if (n_activated_experts > n_routed_experts) return Bad("num_experts_per_tok", "exceeds n_routed_experts");
+  if (n_activated_experts > n_routed_experts)
+    return Bad("num_experts_per_tok", "exceeds n_routed_experts");
   if (score_func != "sqrtsoftplus") return Bad("scoring_func", "only 'sqrtsoftplus' is supported");
-  if (weight_block_size != 32) return Bad("quantization_config.weight_block_size", "must be [32, 32]");
+  if (weight_block_size != 32)
+    return Bad("quantization_config.weight_block_size", "must be [32, 32]");
   if (dim % 32 != 0) return Bad("hidden_size", "must be a multiple of 32");
   if (head_dim % 32 != 0) return Bad("head_dim", "must be a multiple of 32");
   if (moe_inter_dim % 32 != 0) return Bad("moe_intermediate_size", "must be a multiple of 32");
   if (!(norm_eps >= 0.f)) return Bad("rms_norm_eps", "must be >= 0");
   if (rope_theta <= 0 || compress_rope_theta <= 0) return Bad("rope_theta", "must be > 0");
   if (static_cast<int>(compress_ratios.size()) != n_layers + n_mtp_layers) {
-    return Bad("compress_ratios", absl::StrCat("must have num_hidden_layers + num_nextn_predict_layers = ",
-                                               n_layers + n_mtp_layers, " entries (got ",
-                                               compress_ratios.size(), ")"));
+    return Bad(
+        "compress_ratios",
+        absl::StrCat("must have num_hidden_layers + num_nextn_predict_layers = ",
+                     n_layers + n_mtp_layers, " entries (got ", compress_ratios.size(), ")"));
   }
   for (size_t i = 0; i < compress_ratios.size(); ++i) {
     int r = compress_ratios[i];
@@ -251,9 +278,11 @@ absl::Status ModelConfig::Validate() const {
   }
   int prev = -1;
   for (int l : kv_source_layers) {
-    if (l < 0 || l >= n_layers) return Bad("kv_source_layer_ids", absl::StrCat("layer ", l, " out of range"));
+    if (l < 0 || l >= n_layers)
+      return Bad("kv_source_layer_ids", absl::StrCat("layer ", l, " out of range"));
     if (l <= prev) return Bad("kv_source_layer_ids", "must be strictly increasing");
-    if (compress_ratios[l] == 0) return Bad("kv_source_layer_ids", absl::StrCat("layer ", l, " has compress ratio 0"));
+    if (compress_ratios[l] == 0)
+      return Bad("kv_source_layer_ids", absl::StrCat("layer ", l, " has compress ratio 0"));
     if (!Contains(index_source_layers, l)) {
       return Bad("index_source_layer_ids", absl::StrCat("must include KV source layer ", l));
     }
@@ -261,19 +290,26 @@ absl::Status ModelConfig::Validate() const {
   }
   prev = -1;
   for (int l : index_source_layers) {
-    if (l < 0 || l >= n_layers) return Bad("index_source_layer_ids", absl::StrCat("layer ", l, " out of range"));
+    if (l < 0 || l >= n_layers)
+      return Bad("index_source_layer_ids", absl::StrCat("layer ", l, " out of range"));
     if (l <= prev) return Bad("index_source_layer_ids", "must be strictly increasing");
-    if (compress_ratios[l] == 0) return Bad("index_source_layer_ids", absl::StrCat("layer ", l, " has compress ratio 0"));
+    if (compress_ratios[l] == 0)
+      return Bad("index_source_layer_ids", absl::StrCat("layer ", l, " has compress ratio 0"));
     prev = l;
   }
-  // Every compressed layer needs an earlier (or own) KV source with the same ratio, and an index source.
+  // Every compressed layer needs an earlier (or own) KV source with the same ratio, and an index
+  // source.
   for (int l = 0; l < n_layers; ++l) {
     if (compress_ratios[l] == 0) continue;
     int src = -1, isrc = -1;
-    for (int s : kv_source_layers) if (s <= l) src = s;
-    for (int s : index_source_layers) if (s <= l) isrc = s;
-    if (src < 0) return Bad("kv_source_layer_ids", absl::StrCat("no KV source at or before layer ", l));
-    if (isrc < 0) return Bad("index_source_layer_ids", absl::StrCat("no index source at or before layer ", l));
+    for (int s : kv_source_layers)
+      if (s <= l) src = s;
+    for (int s : index_source_layers)
+      if (s <= l) isrc = s;
+    if (src < 0)
+      return Bad("kv_source_layer_ids", absl::StrCat("no KV source at or before layer ", l));
+    if (isrc < 0)
+      return Bad("index_source_layer_ids", absl::StrCat("no index source at or before layer ", l));
     if (compress_ratios[src] != compress_ratios[l]) {
       return Bad("compress_ratios", absl::StrCat("layer ", l, " ratio ", compress_ratios[l],
                                                  " differs from its KV source layer ", src));
@@ -295,7 +331,8 @@ absl::Status ModelConfig::Validate() const {
       return Bad("engram_num_embeddings", "must have one entry per engram_layer_ids entry");
     }
     for (int l : engram_layer_ids) {
-      if (l < 0 || l >= n_layers) return Bad("engram_layer_ids", absl::StrCat("layer ", l, " out of range"));
+      if (l < 0 || l >= n_layers)
+        return Bad("engram_layer_ids", absl::StrCat("layer ", l, " out of range"));
     }
     EPD_CFG(pos("engram_max_ngram_size", engram_max_ngram_size));
     EPD_CFG(pos("engram_n_heads", engram_n_heads));
@@ -314,7 +351,8 @@ absl::Status ModelConfig::Validate() const {
     }
     if (dspark_target_layer_ids.empty()) return Bad("dspark_target_layer_ids", "must not be empty");
     for (int l : dspark_target_layer_ids) {
-      if (l < 0 || l >= n_layers) return Bad("dspark_target_layer_ids", absl::StrCat("layer ", l, " out of range"));
+      if (l < 0 || l >= n_layers)
+        return Bad("dspark_target_layer_ids", absl::StrCat("layer ", l, " out of range"));
     }
     if (dspark_noise_token_id < 0 || dspark_noise_token_id >= vocab_size) {
       return Bad("dspark_noise_token_id", "out of vocabulary range");
@@ -340,7 +378,8 @@ std::vector<LayerRole> ModelConfig::Roles() const {
     r.is_index_source = Contains(index_source_layers, l);
     if (r.is_kv_source) last_kv = l;
     if (r.is_index_source) last_index = l;
-    r.mode = r.is_kv_source ? LayerMode::kFull : (r.is_index_source ? LayerMode::kReindex : LayerMode::kReuse);
+    r.mode = r.is_kv_source ? LayerMode::kFull
+                            : (r.is_index_source ? LayerMode::kReindex : LayerMode::kReuse);
     r.has_wgate = r.is_kv_source && r.compress_ratio > 1;
     r.is_candidate_source = l == candidate_source_layer;
     r.uses_candidates = r.is_index_source && !r.is_kv_source && l > candidate_source_layer;

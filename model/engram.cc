@@ -14,10 +14,12 @@ absl::Status EngramConstants::Validate(const ModelConfig& c) const {
   }
   for (size_t l = 0; l < nl; ++l) {
     if (multipliers[l].size() != static_cast<size_t>(c.engram_max_ngram_size)) {
-      return absl::InvalidArgumentError("engram constants: multipliers must have max_ngram entries");
+      return absl::InvalidArgumentError(
+          "engram constants: multipliers must have max_ngram entries");
     }
     if (primes[l].size() != no || offsets[l].size() != no * c.engram_n_heads) {
-      return absl::InvalidArgumentError("engram constants: primes/offsets sizes do not match the config");
+      return absl::InvalidArgumentError(
+          "engram constants: primes/offsets sizes do not match the config");
     }
     int64_t total = 0;
     for (const auto& hs : primes[l]) {
@@ -27,9 +29,9 @@ absl::Status EngramConstants::Validate(const ModelConfig& c) const {
       for (int64_t p : hs) total += p;
     }
     if (total != c.engram_num_embeddings[l]) {
-      return absl::InvalidArgumentError(absl::StrCat("engram constants: primes of layer ", c.engram_layer_ids[l],
-                                                     " sum to ", total, ", config engram_num_embeddings says ",
-                                                     c.engram_num_embeddings[l]));
+      return absl::InvalidArgumentError(
+          absl::StrCat("engram constants: primes of layer ", c.engram_layer_ids[l], " sum to ",
+                       total, ", config engram_num_embeddings says ", c.engram_num_embeddings[l]));
     }
   }
   if (!token_map.empty() && static_cast<int64_t>(token_map.size()) != c.vocab_size) {
@@ -40,15 +42,18 @@ absl::Status EngramConstants::Validate(const ModelConfig& c) const {
 
 absl::StatusOr<EngramConstants> ParseEngramConstantsJson(std::string_view text) {
   auto j = nlohmann::json::parse(text, nullptr, false);
-  if (j.is_discarded() || !j.is_object()) return absl::InvalidArgumentError("engram constants: bad JSON");
+  if (j.is_discarded() || !j.is_object())
+    return absl::InvalidArgumentError("engram constants: bad JSON");
   if (j.contains("engram") && j["engram"].is_object()) j = j["engram"];
   EngramConstants k;
   try {
     k.multipliers = j.at("multipliers").get<std::vector<std::vector<int64_t>>>();
     k.primes = j.at("primes").get<std::vector<std::vector<std::vector<int64_t>>>>();
     k.offsets = j.at("offsets").get<std::vector<std::vector<int64_t>>>();
-    if (j.contains("pad_compressed_id")) k.pad_compressed_id = j["pad_compressed_id"].get<int64_t>();
-    else if (j.contains("pad_id")) k.pad_compressed_id = j["pad_id"].get<int64_t>();
+    if (j.contains("pad_compressed_id"))
+      k.pad_compressed_id = j["pad_compressed_id"].get<int64_t>();
+    else if (j.contains("pad_id"))
+      k.pad_compressed_id = j["pad_id"].get<int64_t>();
     if (j.contains("token_map") && j["token_map"].is_array()) {
       k.token_map = j["token_map"].get<std::vector<int32_t>>();
     }

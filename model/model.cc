@@ -30,11 +30,13 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
       options_(options) {
   const ModelConfig& c = config_;
   freqs_plain_ = kc::RopeFrequencies(c.rope_head_dim, c.rope_theta, false, 1, 1, 1, 1);
-  freqs_yarn_ = kc::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
-                                    static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
+  freqs_yarn_ =
+      kc::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
+                          static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
 }
 
-absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kernels::Backend& backend,
+absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
+                                                   kernels::Backend& backend,
                                                    ModelOptions options) {
   namespace fs = std::filesystem;
   auto cfg = LoadModelConfig((fs::path(dir) / "config.json").string());
@@ -62,7 +64,8 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir, kerne
 std::unique_ptr<SequenceState> Model::NewSequence() const {
   const ModelConfig& c = config_;
   auto s = std::make_unique<SequenceState>();
-  s->swa.assign(c.total_layers(), vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
+  s->swa.assign(c.total_layers(),
+                vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
   for (int l : c.kv_source_layers) {
     SequenceState::Source& src = s->sources[l];
     src.ratio = c.compress_ratios[l];
@@ -79,7 +82,8 @@ void Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int o
   const vector<float>& f = roles_[l].compress_ratio > 0 ? freqs_yarn_ : freqs_plain_;
   const int np = static_cast<int>(f.size());
   vector<float> cs(rows * np), sn(rows * np);
-  for (int64_t r = 0; r < rows; ++r) kc::RopeCosSin(f, positions[r], cs.data() + r * np, sn.data() + r * np);
+  for (int64_t r = 0; r < rows; ++r)
+    kc::RopeCosSin(f, positions[r], cs.data() + r * np, sn.data() + r * np);
   backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
 }
 
@@ -112,7 +116,8 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
     win_len = std::min(S, W);
     kv_all.assign(kv.begin(), kv.end());
   } else {
-    for (int64_t i = 0; i < S; ++i) std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
+    for (int64_t i = 0; i < S; ++i)
+      std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
     win_rows = W;
     win_len = W;
     kv_all.assign(ring.begin(), ring.end());
@@ -173,7 +178,8 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
         vector<float> keys(ne * ihd);
         backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data());
         backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
-        RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(), false);
+        RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd),
+                 gpos.data(), false);
         for (int64_t j = 0; j < ne; ++j) kc::Fp4IndexQuantDequantRow(keys.data() + j * ihd, ihd);
         RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
         for (int64_t j = 0; j < ne; ++j) kc::Fp4KvQuantDequantRow(latents.data() + j * hd, hd);
@@ -197,8 +203,8 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
         const int64_t nkk = std::min(nk, ks.n);
         vector<float> qi(S * nI * ihd), w(S * nI);
         backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data());
-        RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd), static_cast<int>(ihd - rd),
-                 pos.data(), false);
+        RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
+                 static_cast<int>(ihd - rd), pos.data(), false);
         for (int64_t i = 0; i < S * nI; ++i) kc::Fp4IndexQuantDequantRow(qi.data() + i * ihd, ihd);
         backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data());
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
@@ -233,7 +239,8 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
             vector<float> bscore(nb, -INFINITY);
             for (int64_t t = 0; t < nk; ++t) bscore[t / bs] = std::max(bscore[t / bs], score[t]);
             if (visible > 0) bscore[(visible - 1) / bs] = INFINITY;
-            vector<int32_t> keep = kc::StableTopK(bscore.data(), nb, std::min<int64_t>(c.candidate_topk_blocks, nb));
+            vector<int32_t> keep =
+                kc::StableTopK(bscore.data(), nb, std::min<int64_t>(c.candidate_topk_blocks, nb));
             uint8_t* m = call.cand.data() + i * nk;
             for (int32_t b : keep) {
               if (bscore[b] == -INFINITY) continue;
@@ -266,7 +273,8 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
     int32_t* li = idx.data() + i * list_len;
     if (call.prefill) {
       const int64_t base = std::max<int64_t>(0, i - W + 1);
-      for (int64_t j = 0; j < win_len; ++j) li[j] = base + j > i ? -1 : static_cast<int32_t>(base + j);
+      for (int64_t j = 0; j < win_len; ++j)
+        li[j] = base + j > i ? -1 : static_cast<int32_t>(base + j);
     } else {
       const int64_t p = pos[i];
       for (int64_t j = 0; j < W; ++j) {
@@ -364,7 +372,8 @@ void Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows,
   const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
   vector<float> in(rows * nid * ehd), e(rows * (hc + 1) * D);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < nid; ++j) E.LookupRow(hash_ids[r * stride + j], in.data() + (r * nid + j) * ehd);
+    for (int64_t j = 0; j < nid; ++j)
+      E.LookupRow(hash_ids[r * stride + j], in.data() + (r * nid + j) * ehd);
   }
   backend_.LinearQuant(in.data(), rows, E.wkv, e.data());
   const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
@@ -393,7 +402,8 @@ void Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows,
   }
 }
 
-vector<int64_t> Model::EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const {
+vector<int64_t> Model::EngramHashes(const SequenceState& state,
+                                    std::span<const int32_t> ids) const {
   const ModelConfig& c = config_;
   const int nl = static_cast<int>(c.engram_layer_ids.size());
   const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
@@ -413,15 +423,17 @@ vector<int64_t> Model::EngramHashes(const SequenceState& state, std::span<const 
   return out;
 }
 
-void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state, ForwardTrace* trace) const {
+void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
+                  ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
   const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
-  vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D), y(S * D);
+  vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D),
+      y(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
-                L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
-                aQ.data() + i * hc, aC.data() + i * hc * hc);
+    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(),
+                L.hc_attn_scale.data(), L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
     kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data());
@@ -451,7 +463,8 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   const ModelConfig& c = config_;
   const int64_t S = static_cast<int64_t>(ids.size()), D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   for (int32_t id : ids) {
-    if (id < 0 || id >= V) return absl::InvalidArgumentError(absl::StrCat("model: token id ", id, " out of range"));
+    if (id < 0 || id >= V)
+      return absl::InvalidArgumentError(absl::StrCat("model: token id ", id, " out of range"));
   }
   Call call;
   call.start_pos = state.pos;
@@ -459,7 +472,8 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   call.prefill = state.pos == 0;
   vector<float> h(S * hc * D), pre(S * hc, 0.f);
   for (int64_t i = 0; i < S; ++i) {
-    for (int64_t j = 0; j < hc; ++j) std::copy_n(weights_->embed.data() + ids[i] * D, D, h.data() + (i * hc + j) * D);
+    for (int64_t j = 0; j < hc; ++j)
+      std::copy_n(weights_->embed.data() + ids[i] * D, D, h.data() + (i * hc + j) * D);
     pre[i * hc] = 1.f;
   }
   const int nel = static_cast<int>(c.engram_layer_ids.size());
@@ -473,15 +487,17 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   for (int l = 0; l < c.n_layers; ++l) {
     const LayerRole& role = roles_[l];
     if (role.has_engram) {
-      const int li = static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
-                                      c.engram_layer_ids.begin());
+      const int li =
+          static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
+                           c.engram_layer_ids.begin());
       if (trace) trace->engram_in[l] = h;
       Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h.data());
       if (trace) trace->engram_out[l] = h;
     }
     if (role.is_dspark_target) {
-      const int64_t ti = std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
-                         c.dspark_target_layer_ids.begin();
+      const int64_t ti =
+          std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
+          c.dspark_target_layer_ids.begin();
       for (int64_t i = 0; i < S; ++i) {
         for (int64_t d = 0; d < D; ++d) {
           float s = 0.f;
@@ -494,14 +510,16 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   }
   vector<float> x(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+              x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data());
   if (trace) trace->final_norm = x;
   const int64_t first = all_logits ? 0 : S - 1;
   res.rows = S - first;
   res.logits.resize(res.rows * V);
-  backend_.LinearF32(x.data() + first * D, res.rows, weights_->head.data(), V, D, res.logits.data());
+  backend_.LinearF32(x.data() + first * D, res.rows, weights_->head.data(), V, D,
+                     res.logits.data());
   // Advance the state.
   state.pos += S;
   for (int32_t id : ids) state.engram_history.push_back(engram_.Compressed(id));
@@ -528,7 +546,8 @@ void Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos,
   for (int64_t i = 0; i < rows; ++i) kc::Fp8QuantDequantRow(kv + i * hd, hd);
 }
 
-void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows, int64_t start_pos) const {
+void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
+                       int64_t start_pos) const {
   const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
   const int64_t D = c.dim, hd = c.head_dim, W = c.window_size;
@@ -546,7 +565,8 @@ void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t r
 
 absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<const int32_t> ids,
                                              bool all_logits, ForwardTrace* trace) const {
-  if (state.pos != 0) return absl::FailedPreconditionError("model: Prefill needs a fresh sequence (start_pos 0)");
+  if (state.pos != 0)
+    return absl::FailedPreconditionError("model: Prefill needs a fresh sequence (start_pos 0)");
   if (ids.empty()) return absl::InvalidArgumentError("model: empty prompt");
   auto r = Forward(state, ids, all_logits, trace);
   if (r.ok() && config_.n_mtp_layers > 0) {
@@ -555,7 +575,8 @@ absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<con
   return r;
 }
 
-absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id, ForwardTrace* trace) const {
+absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id,
+                                            ForwardTrace* trace) const {
   if (state.pos == 0) return absl::FailedPreconditionError("model: Decode before Prefill");
   const int64_t pos = state.pos;
   const int32_t ids[1] = {id};
@@ -567,18 +588,23 @@ absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id, Fo
 absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
                                          std::span<const int32_t> forced_ids) const {
   const ModelConfig& c = config_;
-  if (c.n_mtp_layers == 0 || !weights_->dspark) return absl::FailedPreconditionError("model: no DSpark stages");
-  if (state.main_hidden_pos < 0) return absl::FailedPreconditionError("model: Draft before any forward");
-  if (last_token < 0 || last_token >= c.vocab_size) return absl::InvalidArgumentError("model: bad draft token");
+  if (c.n_mtp_layers == 0 || !weights_->dspark)
+    return absl::FailedPreconditionError("model: no DSpark stages");
+  if (state.main_hidden_pos < 0)
+    return absl::FailedPreconditionError("model: Draft before any forward");
+  if (last_token < 0 || last_token >= c.vocab_size)
+    return absl::InvalidArgumentError("model: bad draft token");
   const DSparkWeights& Dw = *weights_->dspark;
-  const int64_t B = c.dspark_block_size, D = c.dim, hc = c.hc_mult, V = c.vocab_size, hd = c.head_dim;
+  const int64_t B = c.dspark_block_size, D = c.dim, hc = c.hc_mult, V = c.vocab_size,
+                hd = c.head_dim;
   const int64_t H = c.n_heads, W = c.window_size, nope = c.nope_head_dim();
   const int64_t pos = state.main_hidden_pos;
   vector<int32_t> block(B, static_cast<int32_t>(c.dspark_noise_token_id));
   block[0] = last_token;
   vector<float> h(B * hc * D), pre(B * hc, 0.f);
   for (int64_t i = 0; i < B; ++i) {
-    for (int64_t j = 0; j < hc; ++j) std::copy_n(weights_->embed.data() + block[i] * D, D, h.data() + (i * hc + j) * D);
+    for (int64_t j = 0; j < hc; ++j)
+      std::copy_n(weights_->embed.data() + block[i] * D, D, h.data() + (i * hc + j) * D);
     pre[i * hc] = 1.f;
   }
   vector<int64_t> qpos(B);
@@ -587,12 +613,14 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     const int L = c.n_layers + s;
     const LayerWeights& LW = weights_->layers[L];
     const AttentionWeights& A = LW.attn;
-    vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D), y(B * D);
+    vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D),
+        y(B * D);
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(), LW.hc_attn_scale.data(),
-                  LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
-                  aQ.data() + i * hc, aC.data() + i * hc * hc);
-      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
+                  LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                  c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
+      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+                x.data() + i * D);
     }
     backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data());
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
@@ -600,7 +628,8 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     backend_.LinearQuant(x.data(), B, A.wq_a, qr.data());
     backend_.RmsNorm(qr.data(), A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr.data());
     backend_.LinearQuant(qr.data(), B, A.wq_b, q.data());
-    RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope), qpos.data(), false);
+    RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope),
+             qpos.data(), false);
     StageKv(L, x.data(), B, pos + 1, kv.data());
     vector<float> kv_all(state.swa[L]);
     kv_all.insert(kv_all.end(), kv.begin(), kv.end());
@@ -624,7 +653,8 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
     args.out = o.data();
     backend_.SparseAttention(args);
-    RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope), qpos.data(), true);
+    RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope),
+             qpos.data(), true);
     const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
     vector<float> oa(B * G * R);
     for (int64_t i = 0; i < B; ++i) {
@@ -635,23 +665,25 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     }
     backend_.LinearQuant(oa.data(), B, A.wo_b, y.data());
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D, aQ.data() + i * hc,
-                 aC.data() + i * hc * hc, h.data() + i * hc * D);
-      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(), LW.hc_ffn_scale.data(),
-                  LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre.data() + i * hc,
-                  fQ.data() + i * hc, fC.data() + i * hc * hc);
-      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc, x.data() + i * D);
+      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
+                 aQ.data() + i * hc, aC.data() + i * hc * hc, h.data() + i * hc * D);
+      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
+                  LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                  c.norm_eps, pre.data() + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc);
+      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
+                x.data() + i * D);
     }
     backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data());
     Moe(L, x.data(), B, y.data());
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D, fQ.data() + i * hc,
-                 fC.data() + i * hc * hc, h.data() + i * hc * D);
+      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
+                 fQ.data() + i * hc, fC.data() + i * hc * hc, h.data() + i * hc * D);
     }
   }
   vector<float> x(B * D), xn(B * D);
   for (int64_t i = 0; i < B; ++i) {
-    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc, x.data() + i * D);
+    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+              x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data());
   DraftResult out;

@@ -25,7 +25,8 @@
 namespace epd::model {
 
 struct ModelOptions {
-  // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default: true.
+  // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default:
+  // true.
   bool stale_index_keys = true;
 };
 
@@ -37,23 +38,24 @@ struct SequenceState {
   std::vector<std::vector<float>> swa;
   struct Source {
     int ratio = 0;
-    std::vector<float> kv;        // [n, head_dim] FP4-qdq compressed latents (RoPE applied)
-    std::vector<float> keys;      // [n, index_head_dim] FP4-qdq index keys
+    std::vector<float> kv;    // [n, head_dim] FP4-qdq compressed latents (RoPE applied)
+    std::vector<float> keys;  // [n, index_head_dim] FP4-qdq index keys
     int64_t n = 0;
     std::vector<float> kv_state;     // [ratio, head_dim] fp32 tail (ratio > 1)
     std::vector<float> score_state;  // [ratio, head_dim] fp32, -inf when empty
   };
   std::map<int, Source> sources;  // by KV source layer
   int published_keys = -1;        // layer whose index keys were published last (reference quirk)
-  std::vector<int64_t> engram_history;  // compressed ids of the last max_ngram-1 tokens, newest last
-  std::vector<float> main_hidden;       // [n_targets*dim] DSpark input of the last position
+  std::vector<int64_t>
+      engram_history;              // compressed ids of the last max_ngram-1 tokens, newest last
+  std::vector<float> main_hidden;  // [n_targets*dim] DSpark input of the last position
   int64_t main_hidden_pos = -1;
 };
 
 // Optional capture of intermediates (for parity tests and debugging); all bf16 values as float.
 struct ForwardTrace {
   std::map<int, std::vector<float>> attn_in, attn_out, ffn_in, ffn_out;  // [S, dim]
-  std::map<int, std::vector<float>> engram_in, engram_out;              // [S, hc, dim]
+  std::map<int, std::vector<float>> engram_in, engram_out;               // [S, hc, dim]
   std::map<int, std::vector<int32_t>> topk;                              // [S, k]
   std::map<int, std::vector<int32_t>> experts;                           // [S, top_k]
   std::vector<int64_t> engram_hash_ids;  // [S, n_engram_layers, (max_ngram-1)*n_heads]
@@ -61,15 +63,15 @@ struct ForwardTrace {
 };
 
 struct ForwardResult {
-  int64_t rows = 0;              // rows of logits (S with all_logits, else 1)
-  std::vector<float> logits;     // [rows, vocab] fp32
+  int64_t rows = 0;                // rows of logits (S with all_logits, else 1)
+  std::vector<float> logits;       // [rows, vocab] fp32
   std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
 };
 
 struct DraftResult {
-  std::vector<int32_t> ids;      // [block+1]: the input token then the drafts
-  std::vector<float> logits;     // [block, vocab] fp32, markov bias included
-  std::vector<float> confidence; // [block] raw projection
+  std::vector<int32_t> ids;       // [block+1]: the input token then the drafts
+  std::vector<float> logits;      // [block, vocab] fp32, markov bias included
+  std::vector<float> confidence;  // [block] raw projection
 };
 
 class Model {
@@ -107,17 +109,19 @@ class Model {
     int64_t start_pos = 0;
     int64_t rows = 0;
     bool prefill = true;
-    std::vector<int32_t> topk;      // [rows, k] last published top-k (window offset applied)
+    std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied)
     int64_t topk_k = 0;
-    std::vector<uint8_t> cand;      // [rows, n_comp] candidate mask of the candidate source
+    std::vector<uint8_t> cand;  // [rows, n_comp] candidate mask of the candidate source
     int64_t cand_cols = 0;
   };
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   void Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                  ForwardTrace* trace = nullptr) const;
   // MoE of layer l: x [rows, dim] -> out [rows, dim].
-  void Moe(int l, const float* x, int64_t rows, float* out, std::vector<int32_t>* experts = nullptr) const;
-  // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows, ids_per_row].
+  void Moe(int l, const float* x, int64_t rows, float* out,
+           std::vector<int32_t>* experts = nullptr) const;
+  // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows,
+  // ids_per_row].
   void Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows, float* h) const;
   // Hash ids [rows, n_engram_layers, per_layer] for `ids` at positions state.pos.. (uses history).
   std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
@@ -125,11 +129,14 @@ class Model {
  private:
   absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
                                         bool all_logits, ForwardTrace* trace) const;
-  void Block(int l, float* h, float* pre, Call& call, SequenceState& state, ForwardTrace* trace) const;
+  void Block(int l, float* h, float* pre, Call& call, SequenceState& state,
+             ForwardTrace* trace) const;
   void RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
                 const int64_t* positions, bool inverse) const;
-  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows, int64_t start_pos) const;
-  void StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos, float* kv) const;
+  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
+                  int64_t start_pos) const;
+  void StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos,
+               float* kv) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;

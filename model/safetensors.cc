@@ -22,9 +22,9 @@ using Json = nlohmann::json;
 
 bool ParseDType(const std::string& s, DType* d) {
   static const std::pair<const char*, DType> kTable[] = {
-      {"BF16", DType::kBF16}, {"F16", DType::kF16},         {"F32", DType::kF32},
+      {"BF16", DType::kBF16},      {"F16", DType::kF16},        {"F32", DType::kF32},
       {"F8_E4M3", DType::kF8E4M3}, {"F8_E8M0", DType::kF8E8M0}, {"I8", DType::kI8},
-      {"U8", DType::kU8},     {"I32", DType::kI32},         {"I64", DType::kI64}};
+      {"U8", DType::kU8},          {"I32", DType::kI32},        {"I64", DType::kI64}};
   for (const auto& [n, v] : kTable) {
     if (s == n) {
       *d = v;
@@ -38,15 +38,24 @@ bool ParseDType(const std::string& s, DType* d) {
 
 std::string_view DTypeName(DType d) {
   switch (d) {
-    case DType::kBF16: return "BF16";
-    case DType::kF16: return "F16";
-    case DType::kF32: return "F32";
-    case DType::kF8E4M3: return "F8_E4M3";
-    case DType::kF8E8M0: return "F8_E8M0";
-    case DType::kI8: return "I8";
-    case DType::kU8: return "U8";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kF16:
+      return "F16";
+    case DType::kF32:
+      return "F32";
+    case DType::kF8E4M3:
+      return "F8_E4M3";
+    case DType::kF8E8M0:
+      return "F8_E8M0";
+    case DType::kI8:
+      return "I8";
+    case DType::kU8:
+      return "U8";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
   }
   return "?";
 }
@@ -54,11 +63,15 @@ std::string_view DTypeName(DType d) {
 int64_t DTypeSize(DType d) {
   switch (d) {
     case DType::kBF16:
-    case DType::kF16: return 2;
+    case DType::kF16:
+      return 2;
     case DType::kF32:
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
-    default: return 1;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    default:
+      return 1;
   }
 }
 
@@ -68,11 +81,15 @@ int64_t TensorView::numel() const {
   return n;
 }
 
-std::string TensorView::ShapeString() const { return absl::StrCat("[", absl::StrJoin(shape, ","), "]"); }
+std::string TensorView::ShapeString() const {
+  return absl::StrCat("[", absl::StrJoin(shape, ","), "]");
+}
 
 absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return absl::NotFoundError(absl::StrCat("safetensors: cannot open ", path, ": ", std::strerror(errno)));
+  if (fd < 0)
+    return absl::NotFoundError(
+        absl::StrCat("safetensors: cannot open ", path, ": ", std::strerror(errno)));
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
@@ -83,7 +100,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   f->size_ = st.st_size;
   if (f->size_ < 8) {
     ::close(fd);
-    return absl::DataLossError(absl::StrCat("safetensors: ", path, ": file too small for a header (", f->size_, " bytes)"));
+    return absl::DataLossError(absl::StrCat(
+        "safetensors: ", path, ": file too small for a header (", f->size_, " bytes)"));
   }
   f->map_ = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
   ::close(fd);
@@ -96,12 +114,14 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
   std::memcpy(&hlen, base, 8);
   if (hlen > static_cast<uint64_t>(f->size_ - 8)) {
     return absl::DataLossError(absl::StrCat("safetensors: ", path, ": header length ", hlen,
-                                            " exceeds file size ", f->size_, " (truncated or bad header)"));
+                                            " exceeds file size ", f->size_,
+                                            " (truncated or bad header)"));
   }
-  Json h = Json::parse(reinterpret_cast<const char*>(base + 8), reinterpret_cast<const char*>(base + 8 + hlen),
-                       nullptr, false);
+  Json h = Json::parse(reinterpret_cast<const char*>(base + 8),
+                       reinterpret_cast<const char*>(base + 8 + hlen), nullptr, false);
   if (h.is_discarded() || !h.is_object()) {
-    return absl::DataLossError(absl::StrCat("safetensors: ", path, ": header is not a JSON object"));
+    return absl::DataLossError(
+        absl::StrCat("safetensors: ", path, ": header is not a JSON object"));
   }
   const int64_t data_start = 8 + static_cast<int64_t>(hlen);
   const int64_t data_size = f->size_ - data_start;
@@ -112,7 +132,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
     v.name = it.key();
     v.file = path;
     auto bad = [&](const std::string& why) {
-      return absl::DataLossError(absl::StrCat("safetensors: ", path, ": tensor '", v.name, "': ", why));
+      return absl::DataLossError(
+          absl::StrCat("safetensors: ", path, ": tensor '", v.name, "': ", why));
     };
     if (!e.is_object() || !e.contains("dtype") || !e["dtype"].is_string() || !e.contains("shape") ||
         !e["shape"].is_array() || !e.contains("data_offsets") || !e["data_offsets"].is_array() ||
@@ -135,8 +156,8 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
                               " data bytes (truncated shard)"));
     }
     if (en - b != v.numel() * DTypeSize(v.dtype)) {
-      return bad(absl::StrCat("byte size ", en - b, " does not match shape ", v.ShapeString(), " x ",
-                              DTypeSize(v.dtype)));
+      return bad(absl::StrCat("byte size ", en - b, " does not match shape ", v.ShapeString(),
+                              " x ", DTypeSize(v.dtype)));
     }
     v.data = base + data_start + b;
     v.bytes = en - b;
@@ -149,7 +170,8 @@ SafetensorsFile::~SafetensorsFile() {
   if (map_ != nullptr) ::munmap(map_, size_);
 }
 
-absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string& path, bool log_progress) {
+absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string& path,
+                                                               bool log_progress) {
   namespace fs = std::filesystem;
   auto store = std::make_unique<TensorStore>();
   std::vector<std::string> shards;
@@ -163,12 +185,14 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string
       ss << in.rdbuf();
       Json j = Json::parse(ss.str(), nullptr, false);
       if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
-        return absl::DataLossError(absl::StrCat("safetensors: ", idx.string(), ": no weight_map object"));
+        return absl::DataLossError(
+            absl::StrCat("safetensors: ", idx.string(), ": no weight_map object"));
       }
       std::map<std::string, bool> seen;
       for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
         if (!it.value().is_string()) {
-          return absl::DataLossError(absl::StrCat("safetensors: ", idx.string(), ": bad entry for ", it.key()));
+          return absl::DataLossError(
+              absl::StrCat("safetensors: ", idx.string(), ": bad entry for ", it.key()));
         }
         std::string shard = it.value().get<std::string>();
         weight_map[it.key()] = shard;
@@ -180,8 +204,9 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string
     } else if (fs::exists(fs::path(path) / "model.safetensors")) {
       shards.push_back((fs::path(path) / "model.safetensors").string());
     } else {
-      return absl::NotFoundError(absl::StrCat("safetensors: ", path,
-                                              " has neither model.safetensors.index.json nor model.safetensors"));
+      return absl::NotFoundError(
+          absl::StrCat("safetensors: ", path,
+                       " has neither model.safetensors.index.json nor model.safetensors"));
     }
   } else {
     shards.push_back(path);
@@ -193,7 +218,8 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string
     bytes += (*f)->file_bytes();
     for (const auto& [name, view] : (*f)->tensors()) {
       if (store->index_.count(name)) {
-        return absl::DataLossError(absl::StrCat("safetensors: tensor '", name, "' appears in two shards"));
+        return absl::DataLossError(
+            absl::StrCat("safetensors: tensor '", name, "' appears in two shards"));
       }
       store->index_[name] = &view;
     }
@@ -205,8 +231,8 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string
   for (const auto& [name, shard] : weight_map) {
     auto it = store->index_.find(name);
     if (it == store->index_.end()) {
-      return absl::NotFoundError(absl::StrCat("safetensors: index names tensor '", name, "' in ", shard,
-                                              " but the shard does not hold it"));
+      return absl::NotFoundError(absl::StrCat("safetensors: index names tensor '", name, "' in ",
+                                              shard, " but the shard does not hold it"));
     }
   }
   store->total_bytes_ = bytes;
@@ -215,7 +241,8 @@ absl::StatusOr<std::unique_ptr<TensorStore>> TensorStore::Open(const std::string
 
 absl::StatusOr<TensorView> TensorStore::Get(std::string_view name) const {
   auto it = index_.find(std::string(name));
-  if (it == index_.end()) return absl::NotFoundError(absl::StrCat("weights: missing tensor '", std::string(name), "'"));
+  if (it == index_.end())
+    return absl::NotFoundError(absl::StrCat("weights: missing tensor '", std::string(name), "'"));
   return *it->second;
 }
 
@@ -224,13 +251,14 @@ absl::StatusOr<TensorView> TensorStore::Get(std::string_view name, DType dtype,
   auto v = Get(name);
   if (!v.ok()) return v.status();
   if (v->dtype != dtype) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor '", std::string(name), "' has dtype ",
-                                                   std::string(DTypeName(v->dtype)), ", expected ",
-                                                   std::string(DTypeName(dtype))));
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor '", std::string(name),
+                                                   "' has dtype ", std::string(DTypeName(v->dtype)),
+                                                   ", expected ", std::string(DTypeName(dtype))));
   }
   if (v->shape != shape) {
-    return absl::InvalidArgumentError(absl::StrCat("weights: tensor '", std::string(name), "' has shape ", v->ShapeString(),
-                                                   ", expected [", absl::StrJoin(shape, ","), "]"));
+    return absl::InvalidArgumentError(absl::StrCat("weights: tensor '", std::string(name),
+                                                   "' has shape ", v->ShapeString(), ", expected [",
+                                                   absl::StrJoin(shape, ","), "]"));
   }
   return v;
 }

@@ -27,7 +27,7 @@ struct TensorView {
   std::vector<int64_t> shape;
   const uint8_t* data = nullptr;  // not owned; points into an mmapped file
   int64_t bytes = 0;
-  std::string file;               // shard file name (for error messages)
+  std::string file;  // shard file name (for error messages)
 
   int64_t numel() const;
   std::string ShapeString() const;
@@ -38,7 +38,8 @@ class SafetensorsFile {
  public:
   // Parses and checks the header: size, JSON, dtypes, data offsets against the file size and
   // against shape x dtype size. Errors name the file and the tensor.
-  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(const std::string& path);
+  [[nodiscard]] static absl::StatusOr<std::unique_ptr<SafetensorsFile>> Open(
+      const std::string& path);
   ~SafetensorsFile();
   SafetensorsFile(const SafetensorsFile&) = delete;
   SafetensorsFile& operator=(const SafetensorsFile&) = delete;

@@ -40,7 +40,8 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
   const int64_t slot = kc::PackedSwaSlotBytes(hd);
   for (size_t l = 0; l < s.swa.size(); ++l) {
     StateSegment seg{absl::StrCat("swa.", l), std::vector<uint8_t>(c.window_size * slot)};
-    for (int64_t w = 0; w < c.window_size; ++w) kc::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
+    for (int64_t w = 0; w < c.window_size; ++w)
+      kc::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
     out.push_back(std::move(seg));
   }
   const int64_t eb = kc::PackedKvEntryBytes(hd), kb = kc::PackedIndexKeyBytes(ihd);
@@ -57,7 +58,8 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
       StateSegment tail{absl::StrCat("tail.", l), {}};
       tail.bytes.resize((src.kv_state.size() + src.score_state.size()) * 4);
       std::memcpy(tail.bytes.data(), src.kv_state.data(), src.kv_state.size() * 4);
-      std::memcpy(tail.bytes.data() + src.kv_state.size() * 4, src.score_state.data(), src.score_state.size() * 4);
+      std::memcpy(tail.bytes.data() + src.kv_state.size() * 4, src.score_state.data(),
+                  src.score_state.size() * 4);
       out.push_back(std::move(tail));
     }
   }
@@ -73,14 +75,16 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(const Model& model,
-                                                                const std::vector<StateSegment>& segs) {
+absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
+    const Model& model, const std::vector<StateSegment>& segs) {
   const ModelConfig& c = model.config();
   std::map<std::string, const std::vector<uint8_t>*> by;
   for (const StateSegment& s : segs) by[s.name] = &s.bytes;
-  auto get = [&](const std::string& n, int64_t want) -> absl::StatusOr<const std::vector<uint8_t>*> {
+  auto get = [&](const std::string& n,
+                 int64_t want) -> absl::StatusOr<const std::vector<uint8_t>*> {
     auto it = by.find(n);
-    if (it == by.end()) return absl::NotFoundError(absl::StrCat("state: missing segment '", n, "'"));
+    if (it == by.end())
+      return absl::NotFoundError(absl::StrCat("state: missing segment '", n, "'"));
     if (want >= 0 && static_cast<int64_t>(it->second->size()) != want) {
       return absl::DataLossError(absl::StrCat("state: segment '", n, "' has ", it->second->size(),
                                               " bytes, expected ", want));
@@ -97,21 +101,24 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(const Model& mod
   st->published_keys = static_cast<int>(GetI64(m, 1));
   st->main_hidden_pos = GetI64(m, 2);
   const int64_t ns = GetI64(m, 3);
-  if (ns != static_cast<int64_t>(st->sources.size()) || m.size() != static_cast<size_t>(32 + 16 * ns)) {
+  if (ns != static_cast<int64_t>(st->sources.size()) ||
+      m.size() != static_cast<size_t>(32 + 16 * ns)) {
     return absl::DataLossError("state: segment 'meta' does not match the model's KV sources");
   }
   const int64_t slot = kc::PackedSwaSlotBytes(hd);
   for (size_t l = 0; l < st->swa.size(); ++l) {
     auto b = get(absl::StrCat("swa.", l), c.window_size * slot);
     if (!b.ok()) return b.status();
-    for (int64_t w = 0; w < c.window_size; ++w) kc::UnpackSwaSlot((*b)->data() + w * slot, hd, st->swa[l].data() + w * hd);
+    for (int64_t w = 0; w < c.window_size; ++w)
+      kc::UnpackSwaSlot((*b)->data() + w * slot, hd, st->swa[l].data() + w * hd);
   }
   const int64_t eb = kc::PackedKvEntryBytes(hd), kb = kc::PackedIndexKeyBytes(ihd);
   for (int64_t i = 0; i < ns; ++i) {
     const int l = static_cast<int>(GetI64(m, 4 + 2 * i));
     const int64_t n = GetI64(m, 5 + 2 * i);
     auto it = st->sources.find(l);
-    if (it == st->sources.end() || n < 0) return absl::DataLossError(absl::StrCat("state: bad source layer ", l));
+    if (it == st->sources.end() || n < 0)
+      return absl::DataLossError(absl::StrCat("state: bad source layer ", l));
     SequenceState::Source& src = it->second;
     auto kv = get(absl::StrCat("kv.", l), n * eb);
     if (!kv.ok()) return kv.status();
@@ -125,15 +132,18 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(const Model& mod
       kc::UnpackIndexKey((*keys)->data() + j * kb, ihd, src.keys.data() + j * ihd);
     }
     if (src.ratio > 1) {
-      auto t = get(absl::StrCat("tail.", l), static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4));
+      auto t = get(absl::StrCat("tail.", l),
+                   static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4));
       if (!t.ok()) return t.status();
       std::memcpy(src.kv_state.data(), (*t)->data(), src.kv_state.size() * 4);
-      std::memcpy(src.score_state.data(), (*t)->data() + src.kv_state.size() * 4, src.score_state.size() * 4);
+      std::memcpy(src.score_state.data(), (*t)->data() + src.kv_state.size() * 4,
+                  src.score_state.size() * 4);
     }
   }
   auto eg = get("engram", -1);
   if (!eg.ok()) return eg.status();
-  if ((*eg)->size() % 8 != 0) return absl::DataLossError("state: segment 'engram' size is not a multiple of 8");
+  if ((*eg)->size() % 8 != 0)
+    return absl::DataLossError("state: segment 'engram' size is not a multiple of 8");
   for (size_t i = 0; i < (*eg)->size() / 8; ++i) st->engram_history.push_back(GetI64(**eg, i));
   auto mh = get("main_hidden", -1);
   if (!mh.ok()) return mh.status();
@@ -146,7 +156,8 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(const Model& mod
   return st;
 }
 
-std::vector<std::pair<std::string, int64_t>> StateByteAccounting(const ModelConfig& c, int64_t tokens) {
+std::vector<std::pair<std::string, int64_t>> StateByteAccounting(const ModelConfig& c,
+                                                                 int64_t tokens) {
   const int64_t hd = c.head_dim, ihd = c.index_head_dim;
   int64_t global = 0, tails = 0;
   for (int l : c.kv_source_layers) {
@@ -155,11 +166,16 @@ std::vector<std::pair<std::string, int64_t>> StateByteAccounting(const ModelConf
     if (r > 1) tails += int64_t{2} * r * hd * 4;
   }
   const int64_t swa = int64_t{c.total_layers()} * c.window_size * kc::PackedSwaSlotBytes(hd);
-  const int64_t engram = c.engram_layer_ids.empty() ? 0 : std::min<int64_t>(tokens, c.engram_max_ngram_size - 1) * 8;
+  const int64_t engram =
+      c.engram_layer_ids.empty() ? 0 : std::min<int64_t>(tokens, c.engram_max_ngram_size - 1) * 8;
   const int64_t mh = static_cast<int64_t>(c.dspark_target_layer_ids.size()) * c.dim * 2;
   const int64_t meta = 32 + 16 * static_cast<int64_t>(c.kv_source_layers.size());
-  return {{"global_kv", global}, {"swa", swa},   {"compressor_tails", tails},
-          {"engram", engram},    {"main_hidden", mh}, {"meta", meta},
+  return {{"global_kv", global},
+          {"swa", swa},
+          {"compressor_tails", tails},
+          {"engram", engram},
+          {"main_hidden", mh},
+          {"meta", meta},
           {"total", global + swa + tails + engram + mh + meta}};
 }
 

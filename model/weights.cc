@@ -9,11 +9,11 @@ namespace {
 
 namespace kc = kernels::cpu;
 
-#define EPD_ASSIGN(lhs, expr)          \
-  do {                                 \
-    auto _r = (expr);                  \
-    if (!_r.ok()) return _r.status();  \
-    lhs = std::move(*_r);              \
+#define EPD_ASSIGN(lhs, expr)         \
+  do {                                \
+    auto _r = (expr);                 \
+    if (!_r.ok()) return _r.status(); \
+    lhs = std::move(*_r);             \
   } while (0)
 
 class Loader {
@@ -79,13 +79,15 @@ class Loader {
   }
 
   // FP8 weight dequantized to its (bf16-exact) values: wo_a, as convert.py does.
-  absl::StatusOr<std::vector<float>> Fp8Dequant(const std::string& prefix, int64_t out, int64_t in) {
+  absl::StatusOr<std::vector<float>> Fp8Dequant(const std::string& prefix, int64_t out,
+                                                int64_t in) {
     auto q = Fp8(prefix, out, in);
     if (!q.ok()) return q.status();
     std::vector<float> v(out * in);
     for (int64_t o = 0; o < out; ++o) {
       for (int64_t i = 0; i < in; ++i) {
-        v[o * in + i] = kc::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
+        v[o * in + i] =
+            kc::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
       }
     }
     return v;
@@ -95,8 +97,8 @@ class Loader {
   const TensorStore& s_;
 };
 
-absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int n_experts, int top_k,
-                     MoeWeights* m) {
+absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int n_experts,
+                     int top_k, MoeWeights* m) {
   m->n_experts = n_experts;
   m->top_k = top_k;
   EPD_ASSIGN(m->gate, ld.Bf16(p + "gate.weight", {n_experts, c.dim}));
@@ -124,11 +126,12 @@ void EngramWeights::LookupRow(int64_t row, float* out) const {
   const int64_t hd = table.shape[1];
   const uint8_t* w = table.data + row * hd;
   const uint8_t* s = table_scale.data + row * (hd / 32);
-  for (int64_t i = 0; i < hd; ++i) out[i] = kc::RoundBf16(kc::DecodeE4M3(w[i]) * kc::DecodeE8M0(s[i / 32]));
+  for (int64_t i = 0; i < hd; ++i)
+    out[i] = kc::RoundBf16(kc::DecodeE4M3(w[i]) * kc::DecodeE8M0(s[i / 32]));
 }
 
-absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConfig& c,
-                                                                  std::shared_ptr<const TensorStore> store) {
+absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
+    const ModelConfig& c, std::shared_ptr<const TensorStore> store) {
   auto mw = std::make_unique<ModelWeights>();
   mw->store = store;
   Loader ld(*store);
@@ -140,7 +143,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConf
   const int64_t hc = c.hc_mult, nmix = (2 + hc) * hc;
   for (int l = 0; l < c.total_layers(); ++l) {
     const LayerRole& r = roles[l];
-    const std::string p = r.is_dspark_stage ? absl::StrCat("mtp.", l - c.n_layers, ".") : absl::StrCat("layers.", l, ".");
+    const std::string p = r.is_dspark_stage ? absl::StrCat("mtp.", l - c.n_layers, ".")
+                                            : absl::StrCat("layers.", l, ".");
     LayerWeights& L = mw->layers[l];
     AttentionWeights& A = L.attn;
     EPD_ASSIGN(L.attn_norm, ld.Bf16(p + "attn_norm.weight", {c.dim}));
@@ -156,15 +160,17 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConf
     EPD_ASSIGN(A.wo_b, ld.Fp8(p + "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank));
     if (r.is_kv_source) {
       EPD_ASSIGN(A.cmp_wkv, ld.Bf16(p + "attn.compressor.wkv.weight", {c.head_dim, c.dim}));
-      if (r.has_wgate) EPD_ASSIGN(A.cmp_wgate, ld.Bf16(p + "attn.compressor.wgate.weight", {c.head_dim, c.dim}));
+      if (r.has_wgate)
+        EPD_ASSIGN(A.cmp_wgate, ld.Bf16(p + "attn.compressor.wgate.weight", {c.head_dim, c.dim}));
       EPD_ASSIGN(A.cmp_norm, ld.Bf16(p + "attn.compressor.norm.weight", {c.head_dim}));
       EPD_ASSIGN(A.idx_wk, ld.Bf16(p + "attn.indexer.wk.weight", {c.index_head_dim, c.head_dim}));
       EPD_ASSIGN(A.idx_k_norm, ld.Bf16(p + "attn.indexer.k_norm.weight", {c.index_head_dim}));
     }
     if (r.is_index_source) {
-      EPD_ASSIGN(A.idx_wq_b, ld.Fp8(p + "attn.indexer.wq_b", int64_t{c.index_n_heads} * c.index_head_dim,
-                                    c.q_lora_rank));
-      EPD_ASSIGN(A.idx_weights_proj, ld.Bf16(p + "attn.indexer.weights_proj.weight", {c.index_n_heads, c.dim}));
+      EPD_ASSIGN(A.idx_wq_b, ld.Fp8(p + "attn.indexer.wq_b",
+                                    int64_t{c.index_n_heads} * c.index_head_dim, c.q_lora_rank));
+      EPD_ASSIGN(A.idx_weights_proj,
+                 ld.Bf16(p + "attn.indexer.weights_proj.weight", {c.index_n_heads, c.dim}));
     }
     const int ne = r.is_dspark_stage ? c.dspark_n_routed_experts : c.n_routed_experts;
     const int tk = r.is_dspark_stage ? c.dspark_n_activated_experts : c.n_activated_experts;
@@ -180,10 +186,12 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConf
       while (c.engram_layer_ids[ei] != l) ++ei;
       auto e = std::make_unique<EngramWeights>();
       const int64_t rows = c.engram_num_embeddings[ei];
-      EPD_ASSIGN(e->table, store->Get(p + "engram.embed.weight", DType::kF8E4M3, {rows, c.engram_head_dim}));
-      EPD_ASSIGN(e->table_scale,
-                 store->Get(p + "engram.embed.scale", DType::kF8E8M0, {rows, c.engram_head_dim / 32}));
-      const int64_t in = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads * c.engram_head_dim;
+      EPD_ASSIGN(e->table,
+                 store->Get(p + "engram.embed.weight", DType::kF8E4M3, {rows, c.engram_head_dim}));
+      EPD_ASSIGN(e->table_scale, store->Get(p + "engram.embed.scale", DType::kF8E8M0,
+                                            {rows, c.engram_head_dim / 32}));
+      const int64_t in =
+          int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads * c.engram_head_dim;
       EPD_ASSIGN(e->wkv, ld.Fp8(p + "engram.wkv", (hc + 1) * c.dim, in));
       EPD_ASSIGN(e->q_weight, ld.Bf16(p + "engram.q_weight", {hc, c.dim}));
       EPD_ASSIGN(e->k_weight, ld.Bf16(p + "engram.k_weight", {hc, c.dim}));
@@ -198,12 +206,16 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(const ModelConf
     EPD_ASSIGN(d->main_proj, ld.Fp8("mtp.0.main_proj", c.dim, nt * c.dim));
     EPD_ASSIGN(d->main_norm, ld.Bf16("mtp.0.main_norm.weight", {c.dim}));
     EPD_ASSIGN(d->norm, ld.Bf16(last + "norm.weight", {c.dim}));
-    EPD_ASSIGN(d->markov_embed, ld.Bf16(last + "markov_head.embed.weight", {c.vocab_size, c.dspark_markov_rank}));
-    EPD_ASSIGN(d->markov_head, ld.Bf16(last + "markov_head.head.weight", {c.vocab_size, c.dspark_markov_rank}));
-    EPD_ASSIGN(d->confidence, ld.Bf16(last + "confidence_head.proj.weight", {1, c.dim + c.dspark_markov_rank}));
+    EPD_ASSIGN(d->markov_embed,
+               ld.Bf16(last + "markov_head.embed.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->markov_head,
+               ld.Bf16(last + "markov_head.head.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->confidence,
+               ld.Bf16(last + "confidence_head.proj.weight", {1, c.dim + c.dspark_markov_rank}));
     mw->dspark = std::move(d);
   }
-  spdlog::info("weights loaded: {} layers, {:.1f} MB checkpoint", c.total_layers(), store->total_bytes() / 1e6);
+  spdlog::info("weights loaded: {} layers, {:.1f} MB checkpoint", c.total_layers(),
+               store->total_bytes() / 1e6);
   return mw;
 }
 

@@ -44,22 +44,22 @@ struct AttentionWeights {
   std::vector<float> wo_a;       // [o_groups*o_lora, n_heads/o_groups*head_dim], dequantized bf16
   QuantWeight wo_b;              // [dim, o_groups*o_lora]
   // KV source only.
-  std::vector<float> cmp_wkv;    // [head_dim, dim]
-  std::vector<float> cmp_wgate;  // [head_dim, dim] (ratio 2 only)
-  std::vector<float> cmp_norm;   // [head_dim]
-  std::vector<float> idx_wk;     // [index_head_dim, head_dim]
-  std::vector<float> idx_k_norm; // [index_head_dim]
+  std::vector<float> cmp_wkv;     // [head_dim, dim]
+  std::vector<float> cmp_wgate;   // [head_dim, dim] (ratio 2 only)
+  std::vector<float> cmp_norm;    // [head_dim]
+  std::vector<float> idx_wk;      // [index_head_dim, head_dim]
+  std::vector<float> idx_k_norm;  // [index_head_dim]
   // Index source only.
-  QuantWeight idx_wq_b;          // [index_n_heads*index_head_dim, q_lora]
+  QuantWeight idx_wq_b;                 // [index_n_heads*index_head_dim, q_lora]
   std::vector<float> idx_weights_proj;  // [index_n_heads, dim]
 };
 
 struct EngramWeights {
-  TensorView table;              // F8_E4M3 [rows, engram_head_dim]
-  TensorView table_scale;        // F8_E8M0 [rows, engram_head_dim/32]
-  QuantWeight wkv;               // [(hc+1)*dim, (max_ngram-1)*n_heads*head_dim]
-  std::vector<float> q_weight;   // [hc, dim]
-  std::vector<float> k_weight;   // [hc, dim]
+  TensorView table;             // F8_E4M3 [rows, engram_head_dim]
+  TensorView table_scale;       // F8_E8M0 [rows, engram_head_dim/32]
+  QuantWeight wkv;              // [(hc+1)*dim, (max_ngram-1)*n_heads*head_dim]
+  std::vector<float> q_weight;  // [hc, dim]
+  std::vector<float> k_weight;  // [hc, dim]
   // Dequantizes table row `row` to bf16 values: out [engram_head_dim].
   void LookupRow(int64_t row, float* out) const;
 };
@@ -70,16 +70,16 @@ struct LayerWeights {
   MoeWeights ffn;
   std::vector<float> hc_attn_fn, hc_attn_base, hc_attn_scale;
   std::vector<float> hc_ffn_fn, hc_ffn_base, hc_ffn_scale;
-  std::unique_ptr<EngramWeights> engram;   // engram layers only
+  std::unique_ptr<EngramWeights> engram;  // engram layers only
 };
 
 struct DSparkWeights {
-  QuantWeight main_proj;             // [dim, n_targets*dim]
-  std::vector<float> main_norm;      // [dim]
-  std::vector<float> norm;           // [dim] (mtp.{last}.norm)
-  std::vector<float> markov_embed;   // [vocab, rank]
-  std::vector<float> markov_head;    // [vocab, rank]
-  std::vector<float> confidence;     // [1, dim + rank]
+  QuantWeight main_proj;            // [dim, n_targets*dim]
+  std::vector<float> main_norm;     // [dim]
+  std::vector<float> norm;          // [dim] (mtp.{last}.norm)
+  std::vector<float> markov_embed;  // [vocab, rank]
+  std::vector<float> markov_head;   // [vocab, rank]
+  std::vector<float> confidence;    // [1, dim + rank]
 };
 
 struct ModelWeights {

@@ -77,14 +77,22 @@ uint8_t EncodeE2M1(float x) {
   const uint8_t sign = std::signbit(x) ? 0x8 : 0x0;
   const float a = std::fabs(x);
   uint8_t c;
-  if (a <= 0.25f) c = 0;
-  else if (a < 0.75f) c = 1;
-  else if (a <= 1.25f) c = 2;
-  else if (a < 1.75f) c = 3;
-  else if (a <= 2.5f) c = 4;
-  else if (a < 3.5f) c = 5;
-  else if (a <= 5.f) c = 6;
-  else c = 7;
+  if (a <= 0.25f)
+    c = 0;
+  else if (a < 0.75f)
+    c = 1;
+  else if (a <= 1.25f)
+    c = 2;
+  else if (a < 1.75f)
+    c = 3;
+  else if (a <= 2.5f)
+    c = 4;
+  else if (a < 3.5f)
+    c = 5;
+  else if (a <= 5.f)
+    c = 6;
+  else
+    c = 7;
   return sign | c;
 }
 
@@ -180,7 +188,9 @@ void UnpackFp4(const uint8_t* in, int64_t dim, int block, bool e4m3_scale, float
 }  // namespace
 
 void PackKvEntry(const float* x, int64_t dim, uint8_t* out) { PackFp4(x, dim, 16, true, out); }
-void UnpackKvEntry(const uint8_t* in, int64_t dim, float* out) { UnpackFp4(in, dim, 16, true, out); }
+void UnpackKvEntry(const uint8_t* in, int64_t dim, float* out) {
+  UnpackFp4(in, dim, 16, true, out);
+}
 void PackIndexKey(const float* x, int64_t dim, uint8_t* out) { PackFp4(x, dim, 32, false, out); }
 void UnpackIndexKey(const uint8_t* in, int64_t dim, float* out) {
   UnpackFp4(in, dim, 32, false, out);
@@ -196,7 +206,8 @@ void PackSwaSlot(const float* x, int64_t dim, uint8_t* out) {
 }
 
 void UnpackSwaSlot(const uint8_t* in, int64_t dim, float* out) {
-  for (int64_t i = 0; i < dim; ++i) out[i] = RoundBf16(DecodeE4M3(in[i]) * DecodeE8M0(in[dim + i / 32]));
+  for (int64_t i = 0; i < dim; ++i)
+    out[i] = RoundBf16(DecodeE4M3(in[i]) * DecodeE8M0(in[dim + i / 32]));
 }
 
 }  // namespace epd::kernels::cpu

@@ -150,7 +150,8 @@ std::vector<float> RopeFrequencies(int rope_dim, double theta, bool yarn, double
     double high = std::min(std::ceil(corr(beta_slow)), static_cast<double>(rope_dim - 1));
     if (low == high) high += 0.001;
     for (int i = 0; i < n; ++i) {
-      float ramp = (static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low);
+      float ramp =
+          (static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low);
       ramp = std::clamp(ramp, 0.f, 1.f);
       const float smooth = 1.f - ramp;
       f[i] = f[i] / static_cast<float>(factor) * (1.f - smooth) + f[i] * smooth;

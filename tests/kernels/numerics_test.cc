@@ -1,10 +1,11 @@
+#include "kernels/cpu/numerics.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <random>
 #include <vector>
 
-#include "kernels/cpu/numerics.h"
 #include "kernels/cpu/ops.h"
 
 namespace epd::kernels::cpu {
@@ -39,7 +40,7 @@ TEST(E2M1Test, TableAndCodes) {
   EXPECT_EQ(EncodeE2M1(3.5f), 6);
   EXPECT_EQ(EncodeE2M1(5.f), 6);
   EXPECT_EQ(EncodeE2M1(5.01f), 7);
-  EXPECT_EQ(EncodeE2M1(100.f), 7);   // saturates
+  EXPECT_EQ(EncodeE2M1(100.f), 7);  // saturates
   EXPECT_EQ(EncodeE2M1(-2.6f), 0x8 | 5);
 }
 
@@ -62,15 +63,15 @@ TEST(E4M3Test, EdgeCases) {
   EXPECT_EQ(EncodeE4M3(-0.f), 0x80);
   EXPECT_EQ(DecodeE4M3(0x7e), 448.f);
   EXPECT_EQ(EncodeE4M3(448.f), 0x7e);
-  EXPECT_EQ(EncodeE4M3(1000.f), 0x7e);   // saturation
+  EXPECT_EQ(EncodeE4M3(1000.f), 0x7e);  // saturation
   EXPECT_EQ(EncodeE4M3(-1000.f), 0xfe);
   EXPECT_EQ(DecodeE4M3(0x01), 0x1p-9f);  // smallest subnormal
   EXPECT_EQ(DecodeE4M3(0x07), 7 * 0x1p-9f);
-  EXPECT_EQ(DecodeE4M3(0x08), 0x1p-6f);  // smallest normal
-  EXPECT_EQ(RoundE4M3(0x1p-10f), 0.f);   // half the smallest subnormal: ties to even (0)
+  EXPECT_EQ(DecodeE4M3(0x08), 0x1p-6f);             // smallest normal
+  EXPECT_EQ(RoundE4M3(0x1p-10f), 0.f);              // half the smallest subnormal: ties to even (0)
   EXPECT_EQ(RoundE4M3(3 * 0x1p-10f), 2 * 0x1p-9f);  // 1.5 quanta -> 2 (even)
-  EXPECT_EQ(RoundE4M3(1.0625f), 1.f);    // tie between 1 and 1.125 -> 1 (even mantissa)
-  EXPECT_EQ(RoundE4M3(1.1875f), 1.25f);  // tie between 1.125 and 1.25 -> 1.25
+  EXPECT_EQ(RoundE4M3(1.0625f), 1.f);               // tie between 1 and 1.125 -> 1 (even mantissa)
+  EXPECT_EQ(RoundE4M3(1.1875f), 1.25f);             // tie between 1.125 and 1.25 -> 1.25
   EXPECT_EQ(RoundE4M3(464.f), 448.f);
   EXPECT_TRUE(std::isnan(DecodeE4M3(0x7f)));
   // Every finite code round-trips.
@@ -195,7 +196,8 @@ TEST(HcMixesTest, CombIsDoublyStochastic) {
   std::vector<float> fn = RandomBf16(24 * hc * dim, 4, 0.1f);
   std::vector<float> base = RandomBf16(24, 5, 1.f), scale = {0.5f, 0.7f, 1.3f};
   float pre[4], post[4], comb[16];
-  HcMixes(h.data(), hc, dim, fn.data(), scale.data(), base.data(), 20, 1e-6f, 1e-20f, pre, post, comb);
+  HcMixes(h.data(), hc, dim, fn.data(), scale.data(), base.data(), 20, 1e-6f, 1e-20f, pre, post,
+          comb);
   for (int k = 0; k < hc; ++k) {
     float col = 0, row = 0;
     for (int j = 0; j < hc; ++j) {

@@ -1,9 +1,10 @@
+#include "model/config.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <sstream>
 
-#include "model/config.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
 
@@ -18,7 +19,8 @@ std::string Read(const std::string& rel) {
 }
 
 TEST(ConfigTest, OfficialConfigGives890BytesPerToken) {
-  auto c = LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
+  auto c =
+      LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
   ASSERT_TRUE(c.ok()) << c.status();
   EXPECT_EQ(c->n_layers, 40);
   EXPECT_EQ(c->compress_ratios.size(), 43u);
@@ -34,7 +36,8 @@ TEST(ConfigTest, OfficialConfigGives890BytesPerToken) {
 }
 
 TEST(ConfigTest, OfficialRolesAreDerived) {
-  auto c = LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
+  auto c =
+      LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
   ASSERT_TRUE(c.ok());
   auto roles = c->Roles();
   ASSERT_EQ(roles.size(), 43u);
@@ -64,7 +67,8 @@ TEST(ConfigTest, OfficialRolesAreDerived) {
 TEST(ConfigTest, GoldenTinyConfigsParseAndAgree) {
   auto hf = LoadModelConfig(testing::SourcePath("tests/data/golden/v41-tiny-a/config.json"));
   ASSERT_TRUE(hf.ok()) << hf.status();
-  auto flat = LoadModelConfig(testing::SourcePath("tests/data/golden/v41-tiny-a/inference_config.json"));
+  auto flat =
+      LoadModelConfig(testing::SourcePath("tests/data/golden/v41-tiny-a/inference_config.json"));
   ASSERT_TRUE(flat.ok()) << flat.status();
   EXPECT_EQ(hf->dim, 256);
   EXPECT_EQ(flat->dim, 256);
@@ -97,13 +101,27 @@ void ExpectBad(const std::function<void(nlohmann::json&)>& mutate, const std::st
 TEST(ConfigTest, BrokenConfigsNameTheField) {
   ExpectBad([](auto& j) { j["text_config"].erase("hidden_size"); }, "hidden_size");
   ExpectBad([](auto& j) { j["text_config"]["compress_ratios"].erase(0); }, "compress_ratios");
-  ExpectBad([](auto& j) { j["text_config"]["kv_source_layer_ids"] = {4, 2}; }, "kv_source_layer_ids");
-  ExpectBad([](auto& j) { j["text_config"]["candidate_source_layer_id"] = 6; }, "candidate_source_layer_id");
+  ExpectBad(
+      [](auto& j) {
+        j["text_config"]["kv_source_layer_ids"] = {4, 2};
+      },
+      "kv_source_layer_ids");
+  ExpectBad([](auto& j) { j["text_config"]["candidate_source_layer_id"] = 6; },
+            "candidate_source_layer_id");
   ExpectBad([](auto& j) { j["text_config"]["vocab_size"] = "big"; }, "vocab_size");
-  ExpectBad([](auto& j) { j["text_config"]["engram_num_embeddings"] = {1}; }, "engram_num_embeddings");
-  ExpectBad([](auto& j) { j["text_config"]["dspark_target_layer_ids"] = {5, 99}; }, "dspark_target_layer_ids");
+  ExpectBad([](auto& j) { j["text_config"]["engram_num_embeddings"] = {1}; },
+            "engram_num_embeddings");
+  ExpectBad(
+      [](auto& j) {
+        j["text_config"]["dspark_target_layer_ids"] = {5, 99};
+      },
+      "dspark_target_layer_ids");
   ExpectBad([](auto& j) { j["text_config"]["num_attention_heads"] = 3; }, "o_groups");
-  ExpectBad([](auto& j) { j["quantization_config"]["weight_block_size"] = {128, 128}; }, "weight_block_size");
+  ExpectBad(
+      [](auto& j) {
+        j["quantization_config"]["weight_block_size"] = {128, 128};
+      },
+      "weight_block_size");
   EXPECT_FALSE(ParseModelConfig("{not json").ok());
 }
 

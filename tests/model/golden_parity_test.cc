@@ -66,7 +66,8 @@ class GoldenParityTest : public ::testing::Test {
     backend_ = kernels::MakeCpuBackend().release();
     auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
     ASSERT_TRUE(cfg.ok()) << cfg.status();
-    auto store = TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
+    auto store =
+        TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
     ASSERT_TRUE(store.ok()) << store.status();
     auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
     ASSERT_TRUE(w.ok()) << w.status();
@@ -77,7 +78,8 @@ class GoldenParityTest : public ::testing::Test {
     auto prompt = nlohmann::json::parse(ReadText("prompt.json"));
     prompt_ = new std::vector<int32_t>(prompt["prompt_ids"].get<std::vector<int32_t>>());
     auto man = nlohmann::json::parse(ReadText("manifest.json"));
-    generated_ = new std::vector<int32_t>(man["results"]["generated_ids"].get<std::vector<int32_t>>());
+    generated_ =
+        new std::vector<int32_t>(man["results"]["generated_ids"].get<std::vector<int32_t>>());
     draft_ids_ = new std::vector<std::vector<int32_t>>(
         man["results"]["dspark_output_ids"].get<std::vector<std::vector<int32_t>>>());
   }
@@ -133,9 +135,11 @@ TEST_F(GoldenParityTest, ModuleTeacherForcing) {
   for (size_t li = 0; li < c.engram_layer_ids.size(); ++li) {
     const int l = c.engram_layer_ids[li];
     std::vector<float> in = ReadBf16("debug/engram_in_layer" + std::to_string(l) + "_prefill.bin");
-    std::vector<float> want = ReadBf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
+    std::vector<float> want =
+        ReadBf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
     std::vector<float> h = in;
-    model_->Engram(l, hashes.data() + li * per, static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data());
+    model_->Engram(l, hashes.data() + li * per,
+                   static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data());
     std::vector<float> d(h.size()), dw(h.size());
     for (size_t i = 0; i < h.size(); ++i) {
       d[i] = h[i] - in[i];
@@ -161,8 +165,10 @@ TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
   EXPECT_LE(a1, 1e-3);
   for (int l = 0; l < c.n_layers; ++l) {
     std::printf("free-running layer %d: attn_in %.3g ffn_in %.3g\n", l,
-                RelRms(trace.attn_in[l], ReadBf16("debug/attn_in_layer" + std::to_string(l) + "_prefill.bin")),
-                RelRms(trace.ffn_in[l], ReadBf16("debug/ffn_in_layer" + std::to_string(l) + "_prefill.bin")));
+                RelRms(trace.attn_in[l],
+                       ReadBf16("debug/attn_in_layer" + std::to_string(l) + "_prefill.bin")),
+                RelRms(trace.ffn_in[l],
+                       ReadBf16("debug/ffn_in_layer" + std::to_string(l) + "_prefill.bin")));
   }
   const std::vector<float> all = ReadF32("logits_prefill_all.bin");
   const double pr = RelRms(pre->logits, all);
@@ -198,7 +204,8 @@ TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
     EXPECT_LE(d0, 0.03) << "step " << s;
     EXPECT_LE(dall, 0.06) << "step " << s;
     EXPECT_EQ(d->ids[1], gd[1]) << "step " << s;
-    for (int64_t i = 0; i < B; ++i) EXPECT_NEAR(d->confidence[i], dc[(s - 1) * B + i], 0.25) << s << "," << i;
+    for (int64_t i = 0; i < B; ++i)
+      EXPECT_NEAR(d->confidence[i], dc[(s - 1) * B + i], 0.25) << s << "," << i;
   }
   // Odd positions use layer 2's own keys; even ones the stale layer-4 keys (reference quirk), whose
   // inputs drift more. Measured: the 4 odd steps match exactly and the even ones overlap mostly.

@@ -1,3 +1,5 @@
+#include "model/safetensors.h"
+
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -5,7 +7,6 @@
 #include <fstream>
 
 #include "model/config.h"
-#include "model/safetensors.h"
 #include "model/weights.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
@@ -26,7 +27,9 @@ void WriteSafetensors(const std::string& path, const std::vector<T>& ts, int64_t
   nlohmann::json h;
   int64_t off = 0;
   for (const T& t : ts) {
-    h[t.name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + (int64_t)t.data.size()}}};
+    h[t.name] = {{"dtype", t.dtype},
+                 {"shape", t.shape},
+                 {"data_offsets", {off, off + (int64_t)t.data.size()}}};
     off += t.data.size();
   }
   std::string hs = header_override.empty() ? h.dump() : header_override;
@@ -41,7 +44,8 @@ void WriteSafetensors(const std::string& path, const std::vector<T>& ts, int64_t
 }
 
 TEST(SafetensorsTest, GoldenCheckpointLoadsWithAllTensors) {
-  auto store = TensorStore::Open(testing::SourcePath("tests/data/golden/v41-tiny-a/model.safetensors"));
+  auto store =
+      TensorStore::Open(testing::SourcePath("tests/data/golden/v41-tiny-a/model.safetensors"));
   ASSERT_TRUE(store.ok()) << store.status();
   EXPECT_EQ((*store)->Names().size(), 826u);
   auto v = (*store)->Get("layers.2.attn.wq_a.weight", DType::kF8E4M3, {128, 256});
@@ -74,7 +78,8 @@ TEST(SafetensorsTest, ErrorsNameTheCause) {
   WriteSafetensors(p, ts, /*truncate_by=*/2);
   auto trunc = TensorStore::Open(p, false);
   ASSERT_FALSE(trunc.ok());
-  EXPECT_NE(std::string(trunc.status().message()).find("y.scale"), std::string::npos) << trunc.status();
+  EXPECT_NE(std::string(trunc.status().message()).find("y.scale"), std::string::npos)
+      << trunc.status();
   EXPECT_NE(std::string(trunc.status().message()).find("truncated"), std::string::npos);
 
   WriteSafetensors(p, ts, 0, "{\"x\": [1,2");
@@ -110,18 +115,22 @@ TEST(SafetensorsTest, ShardedIndex) {
   std::ofstream(dir.path() + "/model.safetensors.index.json") << idx.dump();
   auto n = TensorStore::Open(dir.path(), false);
   ASSERT_FALSE(n.ok());
-  EXPECT_NE(std::string(n.status().message()).find("s3.safetensors"), std::string::npos) << n.status();
+  EXPECT_NE(std::string(n.status().message()).find("s3.safetensors"), std::string::npos)
+      << n.status();
 }
 
 TEST(SafetensorsTest, WrongShapeInCheckpointIsNamed) {
   auto cfg = LoadModelConfig(testing::SourcePath("tests/data/golden/v41-tiny-a/config.json"));
   ASSERT_TRUE(cfg.ok());
   cfg->q_lora_rank = 96;  // config now implies wq_a [96, 256]
-  auto store = TensorStore::Open(testing::SourcePath("tests/data/golden/v41-tiny-a/model.safetensors"), false);
+  auto store = TensorStore::Open(
+      testing::SourcePath("tests/data/golden/v41-tiny-a/model.safetensors"), false);
   ASSERT_TRUE(store.ok());
   auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
   ASSERT_FALSE(w.ok());
-  EXPECT_NE(std::string(w.status().message()).find("layers.0.attn.q_norm.weight"), std::string::npos) << w.status();
+  EXPECT_NE(std::string(w.status().message()).find("layers.0.attn.q_norm.weight"),
+            std::string::npos)
+      << w.status();
 }
 
 }  // namespace

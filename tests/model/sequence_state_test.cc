@@ -1,3 +1,5 @@
+#include "model/sequence_state.h"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -5,7 +7,6 @@
 
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/sequence_state.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
 
@@ -24,7 +25,8 @@ std::string ReadText(const std::string& rel) {
 std::unique_ptr<Model> LoadGolden(kernels::Backend& backend) {
   auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
   EXPECT_TRUE(cfg.ok());
-  auto store = TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
+  auto store =
+      TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
   EXPECT_TRUE(store.ok());
   auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
   EXPECT_TRUE(w.ok());
@@ -37,7 +39,8 @@ TEST(SequenceStateTest, PackedRoundTripIsBitExactAndBytesAreAccounted) {
   auto backend = kernels::MakeCpuBackend();
   auto model = LoadGolden(*backend);
   const ModelConfig& c = model->config();
-  auto prompt = nlohmann::json::parse(ReadText("prompt.json"))["prompt_ids"].get<std::vector<int32_t>>();
+  auto prompt =
+      nlohmann::json::parse(ReadText("prompt.json"))["prompt_ids"].get<std::vector<int32_t>>();
   prompt.resize(200);  // enough to fill the 128-slot rings; keeps the test fast
   auto st = model->NewSequence();
   ASSERT_TRUE(model->Prefill(*st, prompt, false).ok());
