@@ -7,7 +7,7 @@ PACKAGES=(
   build-essential cmake pkg-config git ccache
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libucx-dev ucx-utils prometheus-cpp-dev
-  nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libspdlog-dev libxxhash-dev
+  nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libspdlog-dev libxxhash-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   prometheus curl iproute2 nodejs npm
 )
