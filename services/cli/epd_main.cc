@@ -3,6 +3,7 @@
 #include <iostream>
 #include <string>
 
+#include "services/cli/serve.h"
 #include "services/version.h"
 
 namespace {
@@ -21,16 +22,10 @@ int main(int argc, char** argv) {
 
   auto* version = app.add_subcommand("version", "Print the version and build facts");
 
-  struct ServeFlags {
-    std::string model, data_dir = "./data";
-    int http_port = 8000, grpc_port = 50051;
-  } serve_flags;
+  epd::services::ServeOptions serve_options;
   auto* serve = app.add_subcommand(
       "serve", "Start kvstore, router and one worker per pool on 127.0.0.1 with the demo model");
-  serve->add_option("--model", serve_flags.model, "Model directory (default: generate nano)");
-  serve->add_option("--http-port", serve_flags.http_port, "OpenAI HTTP port (default 8000)");
-  serve->add_option("--grpc-port", serve_flags.grpc_port, "gRPC port (default 50051)");
-  serve->add_option("--data-dir", serve_flags.data_dir, "Data folder (default ./data)");
+  epd::services::AddServeFlags(*serve, &serve_options);
 
   std::string gen_preset = "nano", gen_out;
   auto* gen = app.add_subcommand("gen-model", "Write a deterministic random checkpoint");
@@ -56,7 +51,13 @@ int main(int argc, char** argv) {
 #endif
     return 0;
   }
-  if (*serve) return NotYetAvailable("serve");
+  if (*serve) {
+    if (auto s = epd::services::ApplyServeConfigFile(*serve, &serve_options); !s.ok()) {
+      std::cerr << "epd serve: " << s.message() << "\n";
+      return 2;
+    }
+    return epd::services::RunServe(serve_options);
+  }
   if (*gen) return NotYetAvailable("gen-model");
   if (*layout) return NotYetAvailable("kv-layout");
   if (*generate) return NotYetAvailable("generate");

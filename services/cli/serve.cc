@@ -1,0 +1,221 @@
+#include "services/cli/serve.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "absl/status/status.h"
+#include "services/runtime/child_process.h"
+#include "services/runtime/shutdown.h"
+
+namespace epd::services {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string SelfDir() {
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+// One process the launcher owns.
+struct Component {
+  std::string name;               // e.g. "epd-decode-0"
+  std::vector<std::string> argv;  // full command line
+  std::string log_path;
+  std::string port_file;
+  bool restart_on_exit = false;   // workers are restarted; kvstore and router are not
+  ChildProcess proc;
+  int restarts = 0;
+};
+
+bool StartComponent(Component& c, const std::string& port_key) {
+  std::error_code ec;
+  fs::remove(c.port_file, ec);
+  c.proc = ChildProcess::Start(c.argv, c.log_path);
+  if (c.proc.pid() <= 0) {
+    std::cerr << "epd serve: cannot start " << c.argv[0] << "\n";
+    return false;
+  }
+  auto port = WaitForPortFile(c.port_file, port_key, std::chrono::seconds(120));
+  if (!port) {
+    std::cerr << "epd serve: " << c.name << " did not come up; see " << c.log_path << "\n";
+    return false;
+  }
+  return true;
+}
+
+}  // namespace
+
+absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
+  if (o->config_file.empty()) return absl::OkStatus();
+  std::ifstream in(o->config_file);
+  if (!in) return absl::NotFoundError("cannot read --config " + o->config_file);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  if (j.is_discarded() || !j.is_object()) {
+    return absl::InvalidArgumentError("--config " + o->config_file + " is not a JSON object");
+  }
+  auto set_str = [&](const char* key, const char* flag, std::string* dst) {
+    if (j.contains(key) && app.count(flag) == 0) *dst = j[key].get<std::string>();
+  };
+  auto set_int = [&](const char* key, const char* flag, int* dst) {
+    if (j.contains(key) && app.count(flag) == 0) *dst = j[key].get<int>();
+  };
+  try {
+    set_str("model", "--model", &o->model_dir);
+    set_str("data_dir", "--data-dir", &o->data_dir);
+    set_int("http_port", "--http-port", &o->http_port);
+    set_int("grpc_port", "--grpc-port", &o->grpc_port);
+    set_int("encoders", "--encoders", &o->encoders);
+    set_int("prefills", "--prefills", &o->prefills);
+    set_int("decodes", "--decodes", &o->decodes);
+    set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
+    set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
+    set_str("api_key", "--api-key", &o->api_key);
+  } catch (const nlohmann::json::exception& e) {
+    return absl::InvalidArgumentError("--config " + o->config_file + ": " + e.what());
+  }
+  return absl::OkStatus();
+}
+
+void AddServeFlags(CLI::App& app, ServeOptions* o) {
+  app.add_option("--model", o->model_dir, "Model directory (default: generate the nano demo model)");
+  app.add_option("--data-dir", o->data_dir, "Data folder: store, logs, generated model (./data)");
+  app.add_option("--http-port", o->http_port, "OpenAI HTTP port (default 8000)");
+  app.add_option("--grpc-port", o->grpc_port, "gRPC port (default 50051)");
+  app.add_option("--encoders", o->encoders, "Encoder workers (default 1)")->check(CLI::Range(1, 64));
+  app.add_option("--prefills", o->prefills, "Prefill workers (default 1)")->check(CLI::Range(1, 64));
+  app.add_option("--decodes", o->decodes, "Decode workers (default 1)")->check(CLI::Range(1, 64));
+  app.add_option("--swa-ttl-minutes", o->swa_ttl_minutes, "SWA pool TTL in minutes (default 10)");
+  app.add_option("--global-ttl-hours", o->global_ttl_hours, "Global KV TTL in hours (default 72)");
+  app.add_option("--api-key", o->api_key, "Require this Bearer key on the HTTP API");
+  app.add_option("--config", o->config_file, "JSON file with the same keys (flags win)");
+  app.add_option("--log-level", o->log_level, "Log level of the children (info)");
+}
+
+int RunServe(ServeOptions o) {
+  InstallShutdownHandlers();
+  const std::string bin = SelfDir();
+  std::error_code ec;
+  fs::create_directories(o.data_dir + "/logs", ec);
+  fs::create_directories(o.data_dir + "/run", ec);
+  if (ec) {
+    std::cerr << "epd serve: cannot create " << o.data_dir << ": " << ec.message() << "\n";
+    return 1;
+  }
+  if (o.model_dir.empty()) {
+    o.model_dir = o.data_dir + "/models/nano";
+    if (!fs::exists(o.model_dir + "/config.json")) {
+      std::cout << "epd serve: generating the nano demo model into " << o.model_dir << "\n";
+      ChildProcess gen = ChildProcess::Start(
+          {bin + "/epd", "gen-model", "--preset", "nano", "--out", o.model_dir},
+          o.data_dir + "/logs/gen-model.log");
+      auto rc = gen.Wait(std::chrono::minutes(10));
+      if (!rc || *rc != 0) {
+        std::cerr << "epd serve: gen-model failed; see " << o.data_dir << "/logs/gen-model.log\n";
+        return 1;
+      }
+    }
+  }
+  auto run = [&](const std::string& n) { return o.data_dir + "/run/" + n + ".json"; };
+  auto log = [&](const std::string& n) { return o.data_dir + "/logs/" + n + ".log"; };
+  std::vector<std::unique_ptr<Component>> comps;
+  auto add = [&](std::string name, std::vector<std::string> argv, bool restart) {
+    auto c = std::make_unique<Component>();
+    c->name = name;
+    c->argv = std::move(argv);
+    c->log_path = log(name);
+    c->port_file = run(name);
+    c->restart_on_exit = restart;
+    c->argv.insert(c->argv.end(), {"--port-file", c->port_file, "--metrics-port", "0",
+                                   "--log-level", o.log_level, "--host", o.host});
+    comps.push_back(std::move(c));
+    return comps.back().get();
+  };
+
+  // 1. kvstore
+  Component* kv = add("epd-kvstore",
+                      {bin + "/epd-kvstore", "--data-dir", o.data_dir + "/kvstore", "--grpc-port",
+                       "0", "--swa-ttl-minutes", std::to_string(o.swa_ttl_minutes),
+                       "--global-ttl-hours", std::to_string(o.global_ttl_hours)},
+                      false);
+  if (!StartComponent(*kv, "grpc")) return 1;
+  const std::string kv_addr =
+      o.host + ":" + std::to_string(*WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1)));
+
+  // 2. router
+  std::vector<std::string> router_argv = {bin + "/epd-router",
+                                          "--http-port", std::to_string(o.http_port),
+                                          "--grpc-port", std::to_string(o.grpc_port),
+                                          "--model", o.model_dir,
+                                          "--kvstore", kv_addr};
+  if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
+  Component* router = add("epd-router", router_argv, false);
+  if (!StartComponent(*router, "grpc")) return 1;
+  const std::string router_addr = o.host + ":" + std::to_string(o.grpc_port);
+
+  // 3. workers
+  auto add_pool = [&](const std::string& kind, int n) -> bool {
+    if (!fs::exists(bin + "/epd-" + kind)) {
+      std::cerr << "epd serve: epd-" << kind << " is not available in this build; the " << kind
+                << " pool stays empty\n";
+      return true;
+    }
+    for (int i = 0; i < n; ++i) {
+      Component* w = add("epd-" + kind + "-" + std::to_string(i),
+                         {bin + "/epd-" + kind, "--router", router_addr, "--kvstore", kv_addr,
+                          "--model", o.model_dir},
+                         true);
+      if (!StartComponent(*w, "grpc")) return false;
+    }
+    return true;
+  };
+  bool ok = add_pool("encoder", o.encoders) && add_pool("prefill", o.prefills) &&
+            add_pool("decode", o.decodes);
+  if (ok) {
+    std::cout << "epd serve: ready\n"
+              << "  OpenAI API  http://" << o.host << ":" << o.http_port << "/v1\n"
+              << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference)\n"
+              << "  logs        " << o.data_dir << "/logs\n"
+              << "Press Ctrl-C to stop.\n"
+              << std::flush;
+  }
+
+  int exit_code = ok ? 0 : 1;
+  while (ok && !WaitForShutdown(std::chrono::milliseconds(200))) {
+    for (auto& c : comps) {
+      if (c->proc.running()) continue;
+      if (!c->restart_on_exit) {
+        std::cerr << "epd serve: " << c->name << " exited; stopping. See " << c->log_path << "\n";
+        exit_code = 1;
+        ok = false;
+        break;
+      }
+      ++c->restarts;
+      std::cerr << "epd serve: " << c->name << " exited; restarting (restart " << c->restarts
+                << ")\n";
+      if (!StartComponent(*c, "grpc")) {
+        exit_code = 1;
+        ok = false;
+        break;
+      }
+    }
+  }
+  std::cout << "epd serve: stopping\n";
+  // Stop in reverse start order: workers drain first, the store last.
+  for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Signal(SIGTERM);
+  for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Stop();
+  return exit_code;
+}
+
+}  // namespace epd::services

@@ -1,0 +1,42 @@
+#pragma once
+
+// `epd serve`: the all-in-one launcher. Starts epd-kvstore, epd-router and N/M/K encoder, prefill
+// and decode workers on one host, prints the endpoint, restarts a worker that dies, and stops
+// everything (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
+#include <string>
+
+#include "absl/status/status.h"
+
+namespace CLI {
+class App;
+}
+
+namespace epd::services {
+
+struct ServeOptions {
+  std::string model_dir;           // Default: <data_dir>/models/nano, generated on first start
+  std::string data_dir = "./data"; // Default: ./data (kvstore RocksDB, logs, generated model)
+  std::string host = "127.0.0.1";  // Default: loopback
+  int http_port = 8000;            // Default: 8000 (OpenAI API)
+  int grpc_port = 50051;           // Default: 50051 (epd.v1.Inference and worker registry)
+  int encoders = 1;                // Default: 1 per pool
+  int prefills = 1;
+  int decodes = 1;
+  int swa_ttl_minutes = 10;        // Default: 10 minutes for the host-DRAM SWA pool
+  int global_ttl_hours = 72;       // Default: 72 hours for global KV on SSD
+  std::string api_key;             // Default: none (no auth)
+  std::string config_file;         // Optional JSON file with the same keys (flags win)
+  std::string log_level = "info";
+};
+
+void AddServeFlags(CLI::App& app, ServeOptions* options);
+
+// Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
+// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key); flags given on the
+// command line win.
+absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
+
+// Runs until interrupted. Returns the process exit code.
+int RunServe(ServeOptions options);
+
+}  // namespace epd::services
