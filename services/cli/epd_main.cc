@@ -3,6 +3,8 @@
 #include <iostream>
 #include <string>
 
+#include "model/config.h"
+#include "model/nano_generator.h"
 #include "services/cli/serve.h"
 #include "services/version.h"
 
@@ -28,9 +30,12 @@ int main(int argc, char** argv) {
   epd::services::AddServeFlags(*serve, &serve_options);
 
   std::string gen_preset = "nano", gen_out;
-  auto* gen = app.add_subcommand("gen-model", "Write a deterministic random checkpoint");
-  gen->add_option("--preset", gen_preset, "Model preset (nano)");
+  uint64_t gen_seed = epd::model::kNanoDefaultSeed;
+  auto* gen = app.add_subcommand(
+      "gen-model", "Write a deterministic random checkpoint in the official format + tokenizer");
+  gen->add_option("--preset", gen_preset, "Model preset")->check(CLI::IsMember({"nano"}));
   gen->add_option("--out", gen_out, "Output directory")->required();
+  gen->add_option("--seed", gen_seed, "Random seed (same seed, same bytes)");
 
   std::string layout_config;
   auto* layout = app.add_subcommand("kv-layout", "Print the per-token KV byte accounting");
@@ -58,8 +63,24 @@ int main(int argc, char** argv) {
     }
     return epd::services::RunServe(serve_options);
   }
-  if (*gen) return NotYetAvailable("gen-model");
-  if (*layout) return NotYetAvailable("kv-layout");
+  if (*gen) {
+    auto s = epd::model::GenerateNanoModel(gen_out, gen_seed);
+    if (!s.ok()) {
+      std::cerr << "epd gen-model: " << s.message() << "\n";
+      return 1;
+    }
+    std::cout << "epd gen-model: wrote the " << gen_preset << " model to " << gen_out << "\n";
+    return 0;
+  }
+  if (*layout) {
+    auto config = epd::model::LoadModelConfig(layout_config);
+    if (!config.ok()) {
+      std::cerr << "epd kv-layout: " << config.status().message() << "\n";
+      return 1;
+    }
+    std::cout << epd::model::FormatKvLayout(*config);
+    return 0;
+  }
   if (*generate) return NotYetAvailable("generate");
   if (*bench) return NotYetAvailable("bench");
   return 0;

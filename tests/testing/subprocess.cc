@@ -24,12 +24,12 @@ namespace epd::testing {
 
 std::string BinaryPath(const std::string& name) {
   const char* dir = std::getenv("EPD_BINARY_DIR");
-  return std::string(dir ? dir : ".") + "/" + name;
+  return std::string(dir ? dir : EPD_DEFAULT_BINARY_DIR) + "/" + name;
 }
 
 std::string SourcePath(const std::string& relative) {
   const char* dir = std::getenv("EPD_SOURCE_DIR");
-  return std::string(dir ? dir : ".") + "/" + relative;
+  return std::string(dir ? dir : EPD_DEFAULT_SOURCE_DIR) + "/" + relative;
 }
 
 TempDir::TempDir() {
