@@ -70,7 +70,7 @@ TEST(KvStoreDaemonTest, SigkillThenRestartServesEveryAcknowledgedBlockBitIdentic
   TempDir dir;
   const std::string data = dir.File("data");
   Daemon d;
-  StartDaemon(dir, data, "run1", &d);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run1", &d));
   // 40 blocks acknowledged before any trouble (half via G3, half via G1 write-back/demotion).
   for (int i = 0; i < 40; ++i) {
     ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) << i;
@@ -109,7 +109,7 @@ TEST(KvStoreDaemonTest, SigkillThenRestartServesEveryAcknowledgedBlockBitIdentic
   ASSERT_GE(acked.size(), 10u);
 
   Daemon d2;
-  StartDaemon(dir, data, "run2", &d2);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run2", &d2));
   for (int i = 0; i < 40; ++i) {
     auto g = d2.client->Get(Tier::kAuto, AsBytes(Key(i)));
     ASSERT_TRUE(g.ok()) << g.status();
@@ -140,7 +140,7 @@ TEST(KvStoreDaemonTest, PutWhoseAckNeverArrivedIsAbsentAfterRestart) {
   const std::string data = dir.File("data");
   {
     Daemon d;
-    StartDaemon(dir, data, "run1", &d);
+    ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run1", &d));
     ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(Key(1)), Value(1)).ok());
     d.proc.Signal(SIGKILL);
     ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
@@ -148,7 +148,7 @@ TEST(KvStoreDaemonTest, PutWhoseAckNeverArrivedIsAbsentAfterRestart) {
   {
     // This run holds every put for 30 s after receiving it: kill it with one in flight.
     Daemon d;
-    StartDaemon(dir, data, "run2", &d, {"--debug-put-delay-ms", "30000"});
+    ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run2", &d, {"--debug-put-delay-ms", "30000"}));
     absl::Status put_status;
     std::thread writer([&] {
       put_status = d.client->Put(Tier::kG3, AsBytes(Key(2)), Value(2));
@@ -165,7 +165,7 @@ TEST(KvStoreDaemonTest, PutWhoseAckNeverArrivedIsAbsentAfterRestart) {
     EXPECT_FALSE(put_status.ok()) << "a put was acknowledged by a killed daemon";
   }
   Daemon d;
-  StartDaemon(dir, data, "run3", &d);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run3", &d));
   auto g1 = d.client->Get(Tier::kAuto, AsBytes(Key(1)));
   ASSERT_TRUE(g1.ok());
   ASSERT_TRUE(g1->found);
@@ -179,7 +179,7 @@ TEST(KvStoreDaemonTest, PutWhoseAckNeverArrivedIsAbsentAfterRestart) {
 TEST(KvStoreDaemonTest, ConcurrentClientsNeverLoseOrMixValues) {
   TempDir dir;
   Daemon d;
-  StartDaemon(dir, dir.File("data"), "run", &d);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d));
   constexpr int kThreads = 8;
   constexpr int kOps = 60;
   std::atomic<int> errors{0}, mixed{0};
@@ -225,7 +225,7 @@ TEST(KvStoreDaemonTest, ConcurrentClientsNeverLoseOrMixValues) {
 TEST(KvStoreDaemonTest, MetricsLookupPinStatsAndBadInput) {
   TempDir dir;
   Daemon d;
-  StartDaemon(dir, dir.File("data"), "run", &d);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d));
   std::vector<int32_t> tokens(64 * 4);
   for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<int32_t>(i * 7);
   const auto chain = ChainHashes(tokens, 64, "fp");
@@ -272,8 +272,8 @@ TEST(KvStoreDaemonTest, MetricsLookupPinStatsAndBadInput) {
 TEST(KvStoreDaemonTest, SwaSnapshotsAreShardedOverDaemonsByConsistentHashing) {
   TempDir dir;
   Daemon a, b;
-  StartDaemon(dir, dir.File("data-a"), "a", &a);
-  StartDaemon(dir, dir.File("data-b"), "b", &b);
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data-a"), "a", &a));
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data-b"), "b", &b));
   ShardedSwaClient sharded({a.target(), b.target()});
   std::map<std::string, int> owned;
   for (int i = 0; i < 100; ++i) {
