@@ -6,6 +6,11 @@
 #include <cstring>
 #include <span>
 
+#include <signal.h>
+#include <unistd.h>
+#include <cerrno>
+#include <cstdio>
+
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
 #include "kvstore/transfer/manifest.h"
@@ -62,9 +67,30 @@ absl::Status EngineOptions::Validate() const {
   return absl::OkStatus();
 }
 
+namespace {
+
+// Boot id + pid namespace: two processes with the same host id can check each other's pid.
+std::string HostId() {
+  std::string boot;
+  if (FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r")) {
+    char buf[64] = {};
+    if (std::fgets(buf, sizeof(buf), f) != nullptr) boot = buf;
+    std::fclose(f);
+  }
+  char ns[128] = {};
+  const ssize_t n = readlink("/proc/self/ns/pid", ns, sizeof(ns) - 1);
+  if (boot.empty() || n <= 0) return "";
+  while (!boot.empty() && (boot.back() == '\n' || boot.back() == ' ')) boot.pop_back();
+  return boot + "/" + std::string(ns, n);
+}
+
+}  // namespace
+
 struct TransferEngine::Peer {
   enum class State { kHandshaking, kReady, kRefused, kDown };
   PeerId id = 0;
+  int64_t pid = 0;        // nonzero when the peer runs on this host (same host id)
+  int64_t refused_ns = 0;  // inbound handshake refused at (real monotonic ns)
   bool outbound = false;
   State state = State::kHandshaking;
   std::string error;
@@ -183,6 +209,8 @@ absl::StatusOr<PeerId> TransferEngine::Connect(absl::string_view address, absl::
   hello.mutable_hello()->set_config_fingerprint(options_.config_fingerprint);
   hello.mutable_hello()->set_cluster_token(options_.cluster_token);
   hello.mutable_hello()->set_node_name(options_.node_name);
+  hello.mutable_hello()->set_pid(getpid());
+  hello.mutable_hello()->set_host_id(HostId());
   SendControl(*peer, hello);
   const PeerId id = *peer;
   const bool settled = cv_.wait_until(lock, give_up, [&] {
@@ -218,7 +246,7 @@ absl::StatusOr<TransportKind> TransferEngine::PeerTransport(PeerId peer) const {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = peers_.find(peer);
   if (it == peers_.end()) return absl::NotFoundError(absl::StrCat("unknown peer ", peer));
-  return it->second->kind;
+  return wire_->PeerKind(peer);
 }
 
 absl::StatusOr<std::unique_ptr<TransferBuffer>> TransferEngine::Allocate(uint64_t bytes) {
@@ -467,6 +495,9 @@ void TransferEngine::OnControl(PeerId peer, std::string bytes) {
     case epd::v1::TransferControl::kHelloReply:
       if (p->state == Peer::State::kHandshaking) {
         p->state = msg.hello_reply().accepted() ? Peer::State::kReady : Peer::State::kRefused;
+        if (!msg.hello_reply().host_id().empty() && msg.hello_reply().host_id() == HostId() &&
+            msg.hello_reply().pid() != getpid())
+          p->pid = msg.hello_reply().pid();
         p->error = msg.hello_reply().error();
         cv_.notify_all();
       }
@@ -505,9 +536,13 @@ void TransferEngine::HandleHello(PeerId peer, const epd::v1::TransferHello& hell
     error = "cluster_token differs (values not logged)";
     reason = "cluster_token";
   }
+  if (!hello.host_id().empty() && hello.host_id() == HostId() && hello.pid() != getpid())
+    p.pid = hello.pid();
   epd::v1::TransferControl reply;
   reply.mutable_hello_reply()->set_accepted(error.empty());
   reply.mutable_hello_reply()->set_error(error);
+  reply.mutable_hello_reply()->set_pid(getpid());
+  reply.mutable_hello_reply()->set_host_id(HostId());
   if (error.empty()) {
     p.state = Peer::State::kReady;
     SendControl(peer, reply);
@@ -515,13 +550,13 @@ void TransferEngine::HandleHello(PeerId peer, const epd::v1::TransferHello& hell
   }
   p.state = Peer::State::kRefused;
   p.error = error;
+  p.refused_ns = common::SystemClock::Get().NowMonoNs();
   metrics_->AddHandshakeRefused(reason);
   spdlog::warn("transfer: refusing connection from '{}' (peer {}): {}", hello.node_name(), peer,
                error);
-  // Close only once the refusal has left, so the peer reads the reason.
-  wire_->SendControl(peer, reply.SerializeAsString(), [this, peer, error](absl::Status) {
-    wire_->ClosePeer(peer, absl::FailedPreconditionError("handshake refused: " + error));
-  });
+  // The refused side closes the connection once it has read the reason; Tick closes it here if
+  // it does not within a few seconds.
+  SendControl(peer, reply);
 }
 
 void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer) {
@@ -773,6 +808,7 @@ void TransferEngine::MaybeFinishReceive(Transfer& t) {
 
 void TransferEngine::Complete(Transfer& t) {
   t.state = TransferState::kDone;
+  if (t.has_peer) t.kind = wire_->PeerKind(t.peer);  // lanes are final once bytes moved
   t.ended_ns = clock_.NowMonoNs();
   if (t.sender) t.bytes_done = t.bytes_total;
   const absl::string_view transport = TransportLabel(t.kind);
@@ -799,6 +835,7 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
                           bool tell_peer, int segment, std::string field, bool accounting) {
   if (t.terminal()) return;
   t.state = TransferState::kFailed;
+  if (t.has_peer) t.kind = wire_->PeerKind(t.peer);
   t.error = std::move(error);
   t.ended_ns = clock_.NowMonoNs();
   const absl::string_view seg_label =
@@ -879,6 +916,26 @@ void TransferEngine::TickLoop() {
 void TransferEngine::Tick() {
   const int64_t now = clock_.NowMonoNs();
   std::vector<PeerId> to_close;
+  // Same-host peers: a dead process is noticed within liveness_period (UCX shared memory has no
+  // peer-failure handler in 1.13). Real time, not the injected clock: this is about processes.
+  const int64_t real_now = common::SystemClock::Get().NowMonoNs();
+  if (real_now - last_liveness_ns_ >= absl::ToInt64Nanoseconds(options_.liveness_period)) {
+    last_liveness_ns_ = real_now;
+    for (auto& [id, p] : peers_) {
+      if (p->state == Peer::State::kRefused && p->refused_ns > 0 &&
+          real_now - p->refused_ns > 3'000'000'000) {
+        p->refused_ns = 0;
+        wire_->ClosePeer(id, absl::FailedPreconditionError("handshake refused: " + p->error));
+      }
+      if (p->pid > 0 && p->state == Peer::State::kReady && kill(static_cast<pid_t>(p->pid), 0) != 0 &&
+          errno == ESRCH) {
+        spdlog::warn("transfer: peer {} (pid {}) has exited; closing its connection", id, p->pid);
+        p->state = Peer::State::kDown;
+        wire_->ClosePeer(id, absl::UnavailableError(absl::StrCat("peer process ", p->pid,
+                                                                 " exited")));
+      }
+    }
+  }
   for (auto& [id, tp] : transfers_) {
     Transfer& t = *tp;
     if (!t.terminal()) {

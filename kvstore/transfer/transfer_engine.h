@@ -35,6 +35,9 @@ struct EngineOptions {
   // Terminal transfers not yet collected (Wait/TakeReceived/Forget). Default: 4096
   int max_terminal_records = 4096;
   absl::Duration tick = absl::Milliseconds(5);  // deadline/lease scan period. Default: 5 ms
+  // Same-host peers (equal boot id and pid namespace) are checked for liveness this often; a dead
+  // peer process fails its transfers at once instead of at their deadlines. Default: 100 ms.
+  absl::Duration liveness_period = absl::Milliseconds(100);
 
   absl::Status Validate() const;
 };
@@ -122,6 +125,7 @@ class TransferEngine final : public KvTransport, private WireHandler {
   absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::map<std::string, std::unique_ptr<PendingOffer>> pending_offers_;  // by request_id
   bool stopping_ = false;
+  int64_t last_liveness_ns_ = 0;
   std::thread ticker_;
 };
 

@@ -264,6 +264,7 @@ class UcxWire final : public Wire {
     uint64_t remote_id = 0;
     bool up = false;
     bool closed = false;
+    bool data_seen = false;  // lanes re-read once data flows (wireup may finish after hello)
     std::unique_ptr<EpArg> arg;
     std::shared_ptr<ConnectWaiter> waiter;
     std::vector<OpCtx*> queued;  // sends posted before the wire handshake finished
@@ -367,14 +368,23 @@ class UcxWire final : public Wire {
     context_ = nullptr;
   }
 
+  bool ErrorHandling() const {
+    return options_.peer_error_handling.value_or(options_.mode == UcxOptions::Mode::kListener);
+  }
+
   ucp_ep_h CreateEp(ucp_ep_params_t& p, PeerId id, std::string* error) {
     auto peer = std::make_unique<Peer>();
     peer->id = id;
     peer->arg = std::make_unique<EpArg>(EpArg{this, id});
-    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE | UCP_EP_PARAM_FIELD_ERR_HANDLER;
-    p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
-    p.err_handler.cb = &UcxWire::OnEpError;
-    p.err_handler.arg = peer->arg.get();
+    p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE;
+    if (ErrorHandling()) {
+      p.field_mask |= UCP_EP_PARAM_FIELD_ERR_HANDLER;
+      p.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+      p.err_handler.cb = &UcxWire::OnEpError;
+      p.err_handler.arg = peer->arg.get();
+    } else {
+      p.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+    }
     ucp_ep_h ep = nullptr;
     ucs_status_t st = ucp_ep_create(worker_, &p, &ep);
     if (st != UCS_OK) {
@@ -488,6 +498,10 @@ class UcxWire final : public Wire {
       FinishOp(ctx, absl::UnavailableError("UCX peer is not connected"));
       return;
     }
+    if (!peer->data_seen) {
+      peer->data_seen = true;
+      UpdateKind(*peer);
+    }
     ctx->kind = OpCtx::Kind::kSend;
     ctx->data.dest_peer = peer->remote_id;
     ucp_request_param_t rp{};
@@ -555,13 +569,15 @@ class UcxWire final : public Wire {
     return TransportKind::kTcp;
   }
 
+  void UpdateKind(Peer& peer) {
+    const TransportKind kind = Classify(peer.ep);
+    std::lock_guard<std::mutex> lock(kinds_mu_);
+    kinds_[peer.id] = kind;
+  }
+
   void MarkUp(Peer& peer) {
     peer.up = true;
-    const TransportKind kind = Classify(peer.ep);
-    {
-      std::lock_guard<std::mutex> lock(kinds_mu_);
-      kinds_[peer.id] = kind;
-    }
+    UpdateKind(peer);
     std::vector<OpCtx*> queued;
     queued.swap(peer.queued);
     for (OpCtx* ctx : queued) PostAm(peer, ctx, kEngineMsg);
@@ -681,6 +697,10 @@ class UcxWire final : public Wire {
     std::memcpy(&hdr, header, sizeof(hdr));
     Peer* peer = w->LivePeer(hdr.dest_peer);
     if (peer == nullptr || !peer->up) return rndv ? UCS_ERR_NOT_CONNECTED : UCS_OK;
+    if (!peer->data_seen) {
+      peer->data_seen = true;
+      w->UpdateKind(*peer);
+    }
     DataSink sink = w->handler_->OnDataBegin(peer->id, hdr.h, length);
     if (sink.dst == nullptr) return rndv ? UCS_ERR_REJECTED : UCS_OK;
     auto* ctx = new OpCtx;

@@ -11,6 +11,7 @@
 //    string; in production over the gRPC control plane). Same-host peers get shared memory.
 //    Address: "ucx+addr:<hex>".
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -28,8 +29,13 @@ struct UcxOptions {
   int listen_port = 0;                  // kListener; 0 = any. Default: 0
   std::string tls;          // UCX_TLS for this context; empty = environment/UCX default
   std::string net_devices;  // UCX_NET_DEVICES; empty = environment/UCX default (use "lo" in tests)
-  // How often UCX probes idle peers (dead-peer detection on shared memory). Default: 1 s.
+  // How often UCX probes idle peers. Default: 1 s.
   absl::Duration keepalive = absl::Seconds(1);
+  // UCP_ERR_HANDLING_MODE_PEER on every endpoint. UCX 1.13's sysv/posix transports have no peer
+  // failure handler, so with it on, same-host peers fall back to TCP; with it off they get shared
+  // memory and peer death is caught by the engine (pid liveness for same-host peers, deadlines
+  // otherwise). Default: on for kListener, off for kWorkerAddress (see docs/transfer.md).
+  std::optional<bool> peer_error_handling;
 };
 
 std::unique_ptr<Wire> MakeUcxWire(const UcxOptions& options);

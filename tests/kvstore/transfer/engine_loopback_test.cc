@@ -247,6 +247,7 @@ TEST_P(FaultTest, EndsCleanlyOnBothSidesWithinDeadline) {
   opts.deadline = absl::Seconds(3);
   opts.lease = absl::Seconds(2);
   const TransferId rid = StartReceive(m, opts);
+  opts.deadline = absl::Seconds(4);  // the receiver's deadline fires first
   const TransferId sid = StartSend(peer, m, opts);
   absl::Status rs = WaitAdvancing(*rx_, rid, 4000);
   absl::Status ss = WaitAdvancing(*tx_, sid, 4000);

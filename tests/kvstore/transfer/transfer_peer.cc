@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
   app.add_option("--deadline-ms", deadline_ms);
   app.add_option("--seed", seed);
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::info);
+  spdlog::set_level(std::getenv("EPD_DEBUG") ? spdlog::level::debug : spdlog::level::info);
 
   et::UcxOptions uo;
   uo.mode = mode == "tcp" ? et::UcxOptions::Mode::kListener : et::UcxOptions::Mode::kWorkerAddress;
@@ -113,14 +113,14 @@ int main(int argc, char** argv) {
     std::cout << "READY " << t.LocalAddress().substr(0, 40) << std::endl;
     st = t.Wait(*id, opts.deadline + absl::Seconds(5));
     if (st.ok()) {
+      const auto status = t.Status(*id);
+      result["transport"] =
+          status.ok() ? std::string(et::TransportLabel(status->transport)) : "unknown";
       auto got = t.TakeReceived(*id);
       const std::string diff = et::testing::ComparePayload(manifest, got->buffer->data(), seed);
       result["byte_compare"] = diff.empty() ? "identical" : diff;
       if (!diff.empty()) st = absl::DataLossError(diff);
       result["bytes"] = got->buffer->size();
-      result["transport"] = std::string(et::TransportLabel(t.Status(*id).ok()
-                                                               ? t.Status(*id)->transport
-                                                               : et::TransportKind::kTcp));
     }
     t.Forget(*id);
   } else {
