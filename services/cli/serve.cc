@@ -53,6 +53,24 @@ bool StartComponent(Component& c, const std::string& port_key) {
   return true;
 }
 
+// Rewrites the Prometheus file_sd target list (deploy/prometheus/prometheus.yml reads it) so a
+// Prometheus server scrapes every running component, whatever ports they picked.
+void WriteScrapeTargets(const std::string& path,
+                        const std::vector<std::unique_ptr<Component>>& comps) {
+  nlohmann::json groups = nlohmann::json::array();
+  for (const auto& c : comps) {
+    auto port = WaitForPortFile(c->port_file, "metrics", std::chrono::milliseconds(0));
+    if (!port) continue;
+    std::string pool = c->name.substr(4);  // "epd-decode-0" -> "decode-0"
+    pool = pool.substr(0, pool.find('-'));
+    groups.push_back({{"targets", {"127.0.0.1:" + std::to_string(*port)}},
+                      {"labels", {{"component", c->name}, {"pool", pool}}}});
+  }
+  const std::string tmp = path + ".tmp";
+  std::ofstream(tmp) << groups.dump(2) << "\n";
+  std::rename(tmp.c_str(), path.c_str());
+}
+
 }  // namespace
 
 absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
@@ -182,11 +200,14 @@ int RunServe(ServeOptions o) {
   };
   bool ok = add_pool("encoder", o.encoders) && add_pool("prefill", o.prefills) &&
             add_pool("decode", o.decodes);
+  const std::string targets_path = o.data_dir + "/run/prometheus_targets.json";
+  WriteScrapeTargets(targets_path, comps);
   if (ok) {
     std::cout << "epd serve: ready\n"
               << "  OpenAI API  http://" << o.host << ":" << o.http_port << "/v1\n"
               << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference)\n"
               << "  logs        " << o.data_dir << "/logs\n"
+              << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n"
               << "Press Ctrl-C to stop.\n"
               << std::flush;
   }
@@ -209,6 +230,7 @@ int RunServe(ServeOptions o) {
         ok = false;
         break;
       }
+      WriteScrapeTargets(targets_path, comps);
     }
   }
   std::cout << "epd serve: stopping\n";
