@@ -1,0 +1,155 @@
+// kvstore_bench: put/get throughput of global-KV blocks through the epd-kvstore daemon (gRPC,
+// G3 RocksDB tier) next to plain RocksDB put/get of the same values in the same run, and the
+// ratio. Not part of ctest. Example:
+//   build-kv/kvstore_bench --blocks 1000 --threads 4 --block-tokens 64 --bytes-per-token 890
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kvstore/chain_hash.h"
+#include "kvstore/kvstore_client.h"
+#include "rocksdb/db.h"
+#include "rocksdb/options.h"
+#include "tests/testing/subprocess.h"
+
+namespace {
+
+using epd::kvstore::BlockHash;
+
+std::string Payload(uint64_t seed, size_t n) {
+  std::string out(n, '\0');
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i + 8 <= n; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(out.data() + i, &x, 8);
+  }
+  return out;
+}
+
+// Runs fn(i) for i in [0, n) over `threads` threads; returns seconds.
+double Timed(int n, int threads, const std::function<bool(int)>& fn, std::atomic<int>* errors) {
+  const auto start = std::chrono::steady_clock::now();
+  std::atomic<int> next{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      for (int i = next++; i < n; i = next++) {
+        if (!fn(i)) ++*errors;
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvstore_bench: daemon vs plain RocksDB put/get of global-KV blocks"};
+  int blocks = 1000;
+  int threads = 4;
+  int block_tokens = 64;
+  int bytes_per_token = 890;
+  std::string daemon =
+      (std::filesystem::path(argv[0]).parent_path() / "epd-kvstore").string();
+  app.add_option("--blocks", blocks, "Blocks to put and get (default 1000)");
+  app.add_option("--threads", threads, "Concurrent clients / RocksDB threads (default 4)");
+  app.add_option("--block-tokens", block_tokens, "Tokens per block (default 64)");
+  app.add_option("--bytes-per-token", bytes_per_token,
+                 "Global KV bytes per token (default 890, the official config)");
+  app.add_option("--daemon", daemon, "Path of epd-kvstore (default: next to this binary)");
+  CLI11_PARSE(app, argc, argv);
+  const size_t block_bytes = static_cast<size_t>(block_tokens) * bytes_per_token;
+
+  std::vector<BlockHash> keys;
+  std::vector<std::string> values;
+  for (int i = 0; i < blocks; ++i) {
+    const int32_t t = i;
+    keys.push_back(epd::kvstore::ChainHash(epd::kvstore::kRootParent,
+                                           std::span<const int32_t>(&t, 1), "bench"));
+    values.push_back(Payload(i + 1, block_bytes));
+  }
+  epd::testing::TempDir dir;
+
+  // --- through the daemon (G1 disabled so every get is served by G3/RocksDB) ---
+  auto proc = epd::testing::Subprocess::Start(
+      {daemon, "--data-dir", dir.File("daemon"), "--grpc-port", "0", "--port-file",
+       dir.File("ports.json"), "--g1-capacity-bytes", "0", "--log-level", "warn"},
+      dir.File("daemon.log"));
+  auto port = epd::testing::WaitForPortFile(dir.File("ports.json"), "grpc",
+                                            std::chrono::seconds(30));
+  if (!port.has_value()) {
+    std::cerr << "kvstore_bench: daemon did not start: " << proc.ReadLog() << "\n";
+    return 1;
+  }
+  std::vector<std::unique_ptr<epd::kvstore::KvStoreClient>> clients;
+  for (int t = 0; t < threads; ++t) {
+    clients.push_back(epd::kvstore::KvStoreClient::Create(absl::StrCat("127.0.0.1:", *port)));
+  }
+  std::atomic<int> errors{0};
+  std::atomic<int> client_rr{0};
+  thread_local int my_client = -1;
+  auto client = [&]() -> epd::kvstore::KvStoreClient& {
+    if (my_client < 0) my_client = client_rr++ % threads;
+    return *clients[my_client];
+  };
+  const double d_put = Timed(blocks, threads, [&](int i) {
+    return client().Put(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]), values[i]).ok();
+  }, &errors);
+  my_client = -1;
+  const double d_get = Timed(blocks, threads, [&](int i) {
+    auto g = client().Get(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]));
+    return g.ok() && g->found && g->value == values[i];
+  }, &errors);
+  proc.Stop();
+
+  // --- plain RocksDB, same options as G3 (WAL on, no fsync, no compression) ---
+  rocksdb::Options options;
+  options.create_if_missing = true;
+  options.compression = rocksdb::kNoCompression;
+  options.write_buffer_size = 64ull << 20;
+  options.IncreaseParallelism(2);
+  rocksdb::DB* raw = nullptr;
+  if (!rocksdb::DB::Open(options, dir.File("plain"), &raw).ok()) {
+    std::cerr << "kvstore_bench: cannot open plain RocksDB\n";
+    return 1;
+  }
+  std::unique_ptr<rocksdb::DB> db(raw);
+  auto key_slice = [&](int i) {
+    return rocksdb::Slice(reinterpret_cast<const char*>(keys[i].data()), keys[i].size());
+  };
+  const double r_put = Timed(blocks, threads, [&](int i) {
+    return db->Put(rocksdb::WriteOptions(), key_slice(i), values[i]).ok();
+  }, &errors);
+  const double r_get = Timed(blocks, threads, [&](int i) {
+    std::string v;
+    return db->Get(rocksdb::ReadOptions(), key_slice(i), &v).ok() && v == values[i];
+  }, &errors);
+  db->Close();
+
+  const double mb = static_cast<double>(block_bytes) * blocks / 1e6;
+  std::printf("kvstore_bench: %d blocks x %zu B (%d tokens x %d B/token), %d threads\n", blocks,
+              block_bytes, block_tokens, bytes_per_token, threads);
+  std::printf("%-28s %12s %10s\n", "path", "blocks/s", "MB/s");
+  std::printf("%-28s %12.0f %10.1f\n", "daemon put (gRPC -> G3)", blocks / d_put, mb / d_put);
+  std::printf("%-28s %12.0f %10.1f\n", "plain RocksDB put", blocks / r_put, mb / r_put);
+  std::printf("%-28s %12.0f %10.1f\n", "daemon get (gRPC <- G3)", blocks / d_get, mb / d_get);
+  std::printf("%-28s %12.0f %10.1f\n", "plain RocksDB get", blocks / r_get, mb / r_get);
+  std::printf("ratio daemon/plain: put %.2f, get %.2f\n", r_put / d_put, r_get / d_get);
+  if (errors.load() > 0) {
+    std::printf("ERRORS: %d operations failed or returned wrong bytes\n", errors.load());
+    return 1;
+  }
+  return 0;
+}
