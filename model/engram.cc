@@ -5,9 +5,13 @@
 
 namespace epd::model {
 
-absl::Status EngramConstants::Validate(const ModelConfig& c) const {
+absl::Status ValidateEngramConstants(const EngramConstants& k, const ModelConfig& c) {
   const size_t nl = c.engram_layer_ids.size();
   const size_t no = static_cast<size_t>(c.engram_max_ngram_size - 1);
+  const auto& multipliers = k.multipliers;
+  const auto& primes = k.primes;
+  const auto& offsets = k.offsets;
+  const auto& token_map = k.token_map;
   if (multipliers.size() != nl || primes.size() != nl || offsets.size() != nl) {
     return absl::InvalidArgumentError(
         absl::StrCat("engram constants: need one entry per engram layer (", nl, ")"));
@@ -17,7 +21,7 @@ absl::Status EngramConstants::Validate(const ModelConfig& c) const {
       return absl::InvalidArgumentError(
           "engram constants: multipliers must have max_ngram entries");
     }
-    if (primes[l].size() != no || offsets[l].size() != no * c.engram_n_heads) {
+    if (primes[l].size() != no || offsets[l].size() != no) {
       return absl::InvalidArgumentError(
           "engram constants: primes/offsets sizes do not match the config");
     }
@@ -49,11 +53,32 @@ absl::StatusOr<EngramConstants> ParseEngramConstantsJson(std::string_view text) 
   try {
     k.multipliers = j.at("multipliers").get<std::vector<std::vector<int64_t>>>();
     k.primes = j.at("primes").get<std::vector<std::vector<std::vector<int64_t>>>>();
-    k.offsets = j.at("offsets").get<std::vector<std::vector<int64_t>>>();
-    if (j.contains("pad_compressed_id"))
-      k.pad_compressed_id = j["pad_compressed_id"].get<int64_t>();
-    else if (j.contains("pad_id"))
-      k.pad_compressed_id = j["pad_id"].get<int64_t>();
+    const nlohmann::json& off = j.at("offsets");
+    k.offsets.clear();
+    for (size_t l = 0; l < off.size(); ++l) {
+      if (!off[l].empty() && off[l][0].is_array()) {
+        k.offsets.push_back(off[l].get<std::vector<std::vector<int64_t>>>());
+        continue;
+      }
+      // Flat [(max_ngram-1)*n_heads] per layer: split like the primes.
+      const std::vector<int64_t> flat = off[l].get<std::vector<int64_t>>();
+      std::vector<std::vector<int64_t>> per;
+      size_t i = 0;
+      for (const auto& hs : k.primes.at(l)) {
+        if (i + hs.size() > flat.size()) throw std::out_of_range("offsets shorter than primes");
+        per.emplace_back(flat.begin() + i, flat.begin() + i + hs.size());
+        i += hs.size();
+      }
+      k.offsets.push_back(std::move(per));
+    }
+    if (j.contains("pad_compressed_id")) {
+      k.pad_id = j["pad_compressed_id"].get<int32_t>();
+    } else if (j.contains("pad_id")) {
+      k.pad_id = j["pad_id"].get<int32_t>();
+    }
+    k.n_heads =
+        k.primes.empty() || k.primes[0].empty() ? 0 : static_cast<int32_t>(k.primes[0][0].size());
+    k.max_ngram_size = k.multipliers.empty() ? 0 : static_cast<int32_t>(k.multipliers[0].size());
     if (j.contains("token_map") && j["token_map"].is_array()) {
       k.token_map = j["token_map"].get<std::vector<int32_t>>();
     }
@@ -67,7 +92,7 @@ void EngramHashRow(const EngramConstants& k, int li, const int64_t* history, int
                    int max_ngram, int n_heads, int64_t* out) {
   const std::vector<int64_t>& m = k.multipliers[li];
   auto tok = [&](int s) -> uint64_t {
-    return static_cast<uint64_t>(s < n_history ? history[s] : k.pad_compressed_id);
+    return static_cast<uint64_t>(s < n_history ? history[s] : static_cast<int64_t>(k.pad_id));
   };
   // int64 wrap-around arithmetic, as NumPy does.
   uint64_t r = (tok(0) * static_cast<uint64_t>(m[0])) ^ (tok(1) * static_cast<uint64_t>(m[1]));
@@ -78,7 +103,7 @@ void EngramHashRow(const EngramConstants& k, int li, const int64_t* history, int
       const int64_t p = k.primes[li][n - 2][h];
       int64_t mod = rs % p;
       if (mod < 0) mod += p;
-      out[(n - 2) * n_heads + h] = mod + k.offsets[li][(n - 2) * n_heads + h];
+      out[(n - 2) * n_heads + h] = mod + k.offsets[li][n - 2][h];
     }
   }
 }

@@ -2,12 +2,11 @@
 
 // Engram n-gram hashing constants and the hash (MODEL.md §3 "Engram").
 //
-// The constants (compressed token map, NumPy-PCG64 multipliers, primes, offsets) are computed
-// offline or by model/engram_constants* (another component); this struct is what the forward
-// pass consumes. It can be filled from JSON: {"multipliers": [[...] per engram layer],
-// "primes": [[[...] per head] per n-gram order] per layer], "offsets": [[...] per layer],
-// "pad_id": 2, "token_map": [...] (optional; absent = identity)} — the layout of the golden
-// manifest's "engram" object. Model::Load looks for `engram_constants.json` in the model dir.
+// The constants themselves (EngramConstants: compressed token map, NumPy-PCG64 multipliers,
+// primes, offsets) come from model/engram_constants.h (computed from the config + tokenizer, or
+// loaded from `engram_constants.json`). ParseEngramConstantsJson also reads the golden manifest's
+// "engram" object: {"multipliers": [[...]], "primes": [[[...]]], "offsets": [[...] flat per layer
+// or [[...]] per order], "pad_id": 2, "token_map": [...] (optional; absent = identity)}.
 
 #include <cstdint>
 #include <string_view>
@@ -15,27 +14,19 @@
 
 #include "absl/status/statusor.h"
 #include "model/config.h"
+#include "model/engram_constants.h"
 
 namespace epd::model {
 
-struct EngramConstants {
-  // [n_engram_layers][max_ngram] int64 odd multipliers m[layer][s].
-  std::vector<std::vector<int64_t>> multipliers;
-  // [n_engram_layers][max_ngram-1][n_heads] primes, n-gram order 2.. in order.
-  std::vector<std::vector<std::vector<int64_t>>> primes;
-  // [n_engram_layers][(max_ngram-1)*n_heads] row offsets (cumulative sums of the primes).
-  std::vector<std::vector<int64_t>> offsets;
-  // Compressed token map: token id -> compressed id. Empty = identity.
-  std::vector<int32_t> token_map;
-  // Compressed id of the pad token (token_map[engram_pad_id]).
-  int64_t pad_compressed_id = 2;
+// Checks the constants' sizes against the config (one entry per engram layer, primes summing to
+// engram_num_embeddings, token map covering the vocabulary).
+[[nodiscard]] absl::Status ValidateEngramConstants(const EngramConstants& k,
+                                                   const ModelConfig& config);
 
-  int64_t Compressed(int64_t token) const {
-    return token_map.empty() ? token : token_map[static_cast<size_t>(token)];
-  }
-  // Checks sizes against the config.
-  [[nodiscard]] absl::Status Validate(const ModelConfig& config) const;
-};
+// Compressed id of a token (identity when the token map is empty).
+inline int64_t EngramCompressedId(const EngramConstants& k, int64_t token) {
+  return k.token_map.empty() ? token : k.token_map[static_cast<size_t>(token)];
+}
 
 [[nodiscard]] absl::StatusOr<EngramConstants> ParseEngramConstantsJson(std::string_view json_text);
 

@@ -49,13 +49,10 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
   EngramConstants ek;
   if (!cfg->engram_layer_ids.empty()) {
     fs::path p = fs::path(dir) / "engram_constants.json";
-    std::ifstream in(p);
-    if (!in) return absl::NotFoundError(absl::StrCat("model: missing ", p.string()));
-    std::stringstream ss;
-    ss << in.rdbuf();
-    auto k = ParseEngramConstantsJson(ss.str());
+    if (!fs::exists(p)) return absl::NotFoundError(absl::StrCat("model: missing ", p.string()));
+    auto k = EngramConstants::Load(p.string());
     if (!k.ok()) return k.status();
-    if (absl::Status s = k->Validate(*cfg); !s.ok()) return s;
+    if (absl::Status s = ValidateEngramConstants(*k, *cfg); !s.ok()) return s;
     ek = std::move(*k);
   }
   return std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(ek), backend, options);
@@ -412,7 +409,7 @@ vector<int64_t> Model::EngramHashes(const SequenceState& state,
   vector<int64_t> hist(state.engram_history);
   const int nh = c.engram_max_ngram_size;
   for (int64_t i = 0; i < S; ++i) {
-    hist.push_back(engram_.Compressed(ids[i]));
+    hist.push_back(EngramCompressedId(engram_, ids[i]));
     int64_t recent[16];
     const int n = std::min<int>(nh, static_cast<int>(hist.size()));
     for (int s = 0; s < n; ++s) recent[s] = hist[hist.size() - 1 - s];
@@ -522,7 +519,7 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
                      res.logits.data());
   // Advance the state.
   state.pos += S;
-  for (int32_t id : ids) state.engram_history.push_back(engram_.Compressed(id));
+  for (int32_t id : ids) state.engram_history.push_back(EngramCompressedId(engram_, id));
   const size_t keep = static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1));
   if (state.engram_history.size() > keep) {
     state.engram_history.erase(state.engram_history.begin(), state.engram_history.end() - keep);

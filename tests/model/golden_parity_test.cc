@@ -73,7 +73,7 @@ class GoldenParityTest : public ::testing::Test {
     ASSERT_TRUE(w.ok()) << w.status();
     auto k = ParseEngramConstantsJson(ReadText("manifest.json"));
     ASSERT_TRUE(k.ok()) << k.status();
-    ASSERT_TRUE(k->Validate(*cfg).ok()) << k->Validate(*cfg);
+    ASSERT_TRUE(ValidateEngramConstants(*k, *cfg).ok()) << ValidateEngramConstants(*k, *cfg);
     model_ = new Model(std::move(*cfg), std::move(*w), std::move(*k), *backend_);
     auto prompt = nlohmann::json::parse(ReadText("prompt.json"));
     prompt_ = new std::vector<int32_t>(prompt["prompt_ids"].get<std::vector<int32_t>>());
@@ -83,6 +83,7 @@ class GoldenParityTest : public ::testing::Test {
     draft_ids_ = new std::vector<std::vector<int32_t>>(
         man["results"]["dspark_output_ids"].get<std::vector<std::vector<int32_t>>>());
   }
+  void SetUp() override { ASSERT_NE(model_, nullptr) << "golden model failed to load"; }
   static void TearDownTestSuite() {
     delete model_;
     delete backend_;
