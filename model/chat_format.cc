@@ -243,6 +243,8 @@ absl::StatusOr<std::vector<ChatMessage>> MessagesFromOpenAi(const nlohmann::json
   return out;
 }
 
+static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>& out);
+
 absl::StatusOr<ParsedCompletion> ParseCompletion(std::string_view text, bool thinking) {
   ParsedCompletion r;
   if (size_t eos = text.find(kEosText); eos != std::string_view::npos) {
@@ -261,20 +263,27 @@ absl::StatusOr<ParsedCompletion> ParseCompletion(std::string_view text, bool thi
   } else if (text.starts_with(kThinkEnd)) {
     text.remove_prefix(kThinkEnd.size());
   }
-  const size_t calls = text.find(kCallsOpen);
-  if (calls == std::string_view::npos) {
-    r.content = std::string(text);
-    return r;
+  // Content is the text outside tool-call blocks; newlines right before a block are separators.
+  while (true) {
+    const size_t calls = text.find(kCallsOpen);
+    if (calls == std::string_view::npos) {
+      r.content.append(text);
+      return r;
+    }
+    std::string_view before = text.substr(0, calls);
+    while (!before.empty() && before.back() == '\n') before.remove_suffix(1);
+    r.content.append(before);
+    std::string_view rest = text.substr(calls + kCallsOpen.size());
+    const size_t close = rest.find(kCallsClose);
+    if (close == std::string_view::npos) {
+      return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+    }
+    RETURN_IF_ERROR(ParseCallsBody(rest.substr(0, close), r.tool_calls));
+    text = rest.substr(close + kCallsClose.size());
   }
-  std::string_view content = text.substr(0, calls);
-  while (!content.empty() && (content.back() == '\n')) content.remove_suffix(1);
-  r.content = std::string(content);
-  std::string_view rest = text.substr(calls + kCallsOpen.size());
-  const size_t close = rest.find(kCallsClose);
-  if (close == std::string_view::npos) {
-    return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
-  }
-  std::string_view body = rest.substr(0, close);
+}
+
+static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>& out) {
   while (true) {
     const size_t inv = body.find(kInvokeOpen);
     if (inv == std::string_view::npos) break;
@@ -331,9 +340,98 @@ absl::StatusOr<ParsedCompletion> ParseCompletion(std::string_view text, bool thi
       }
     }
     call.arguments = args.dump();
-    r.tool_calls.push_back(std::move(call));
+    out.push_back(std::move(call));
   }
-  return r;
+  return absl::OkStatus();
+}
+
+namespace {
+
+// Length of the longest suffix of `s` that is a proper prefix of `marker`.
+size_t PartialMarkerSuffix(std::string_view s, std::string_view marker) {
+  for (size_t n = std::min(s.size(), marker.size() - 1); n > 0; --n) {
+    if (s.substr(s.size() - n) == marker.substr(0, n)) return n;
+  }
+  return 0;
+}
+
+}  // namespace
+
+absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(std::string_view text) {
+  Delta d;
+  if (finished_) return d;
+  pending_.append(text);
+  if (!started_) {
+    // A leading <think> (thinking) or </think> (chat mode) may be echoed: wait until it can be told.
+    const std::string_view lead = in_reasoning_ ? kThinkStart : kThinkEnd;
+    if (pending_.size() < lead.size() && std::string_view(lead).starts_with(pending_)) return d;
+    if (std::string_view(pending_).starts_with(lead)) pending_.erase(0, lead.size());
+    started_ = true;
+  }
+  while (true) {
+    if (in_calls_) {
+      const size_t eos = pending_.find(kEosText);
+      const size_t close = pending_.find(kCallsClose);
+      if (close == std::string::npos && eos == std::string::npos) return d;
+      if (close == std::string::npos || (eos != std::string::npos && eos < close)) {
+        return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+      }
+      const std::string block = kCallsOpen + pending_.substr(0, close + kCallsClose.size());
+      ASSIGN_OR_RETURN(ParsedCompletion p, ParseCompletion(block, false));
+      for (ToolCall& c : p.tool_calls) d.tool_calls.push_back(std::move(c));
+      pending_.erase(0, close + kCallsClose.size());
+      in_calls_ = false;
+      continue;
+    }
+    std::string& out = in_reasoning_ ? d.reasoning : d.content;
+    // Markers that end the current section.
+    const size_t eos = pending_.find(kEosText);
+    const size_t end = in_reasoning_ ? pending_.find(kThinkEnd) : pending_.find(kCallsOpen);
+    if (end != std::string::npos && (eos == std::string::npos || end < eos)) {
+      std::string_view before = std::string_view(pending_).substr(0, end);
+      if (!in_reasoning_) {
+        while (!before.empty() && before.back() == '\n') before.remove_suffix(1);
+      }
+      out.append(before);
+      pending_.erase(0, end + (in_reasoning_ ? kThinkEnd.size() : kCallsOpen.size()));
+      if (in_reasoning_) {
+        in_reasoning_ = false;
+      } else {
+        in_calls_ = true;
+      }
+      continue;
+    }
+    if (eos != std::string::npos) {
+      out.append(pending_.substr(0, eos));
+      pending_.clear();
+      finished_ = true;
+      return d;
+    }
+    // Hold back a possible partial marker and, in content, trailing newlines.
+    size_t hold = PartialMarkerSuffix(pending_, kEosText);
+    hold = std::max(hold, PartialMarkerSuffix(pending_, in_reasoning_ ? kThinkEnd : std::string_view(kCallsOpen)));
+    if (!in_reasoning_) {
+      size_t nl = 0;
+      while (nl < pending_.size() - hold && pending_[pending_.size() - hold - 1 - nl] == '\n') ++nl;
+      hold += nl;
+    }
+    out.append(pending_.substr(0, pending_.size() - hold));
+    pending_.erase(0, pending_.size() - hold);
+    return d;
+  }
+}
+
+absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Finish() {
+  Delta d;
+  if (in_calls_) {
+    return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+  }
+  if (!finished_) {
+    (in_reasoning_ ? d.reasoning : d.content) = std::move(pending_);
+  }
+  pending_.clear();
+  finished_ = true;
+  return d;
 }
 
 }  // namespace epd::model

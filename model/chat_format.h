@@ -76,6 +76,33 @@ struct ParsedCompletion {
 // Errors name malformed DSML (unterminated block, missing name, non-JSON non-string parameter).
 absl::StatusOr<ParsedCompletion> ParseCompletion(std::string_view text, bool thinking);
 
+// Incremental form of ParseCompletion for streaming: feed text deltas as they are detokenized;
+// each call returns the reasoning/content text that is now certain (a possible partial marker
+// such as "</thi" or trailing newlines before a tool-call block is held back). Tool calls are
+// parsed when the block closes. Not thread-safe (one per stream).
+class StreamingCompletionParser {
+ public:
+  explicit StreamingCompletionParser(bool thinking) : in_reasoning_(thinking) {}
+
+  struct Delta {
+    std::string reasoning;
+    std::string content;
+    std::vector<ToolCall> tool_calls;  // completed calls (the whole block at once)
+  };
+  // Appends generated text. Errors: malformed DSML block.
+  absl::StatusOr<Delta> Add(std::string_view text);
+  // End of generation: flushes held-back text; an unterminated tool-call block is an error.
+  absl::StatusOr<Delta> Finish();
+  bool finished() const { return finished_; }  // EOS text seen
+
+ private:
+  bool in_reasoning_;
+  bool in_calls_ = false;
+  bool finished_ = false;
+  bool started_ = false;  // the first characters were inspected for a leading <think>/</think>
+  std::string pending_;
+};
+
 // DSML block for `calls` (no leading separator), as the model writes it.
 absl::StatusOr<std::string> RenderToolCalls(const std::vector<ToolCall>& calls);
 

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 #include "model/nano_generator.h"
 #include "model/tokenizer.h"
 
@@ -162,6 +164,58 @@ TEST(ChatFormatTest, MalformedDsmlIsNamed) {
       false);
   ASSERT_FALSE(b.ok());
   EXPECT_NE(b.status().message().find("not JSON"), std::string::npos);
+}
+
+TEST(ChatFormatTest, StreamingParserMatchesWholeTextParse) {
+  const std::vector<std::pair<std::string, bool>> cases = {
+      {"<think>R1 </thi\nnk> still</think>Hello\n\nworld" + kEos + "ignored", true},
+      {"R</think>Let me check.\n\n" + kWeatherCall + kEos, true},
+      {"</think>Plain answer with <｜DSML｜ not a call and \n\n trailing\n", false},
+      {"Sure.\n" + kWeatherCall + "\n" + kWeatherCall + kEos, false},
+      {"unfinished reasoning <｜end", true},
+      {"", true},
+  };
+  std::mt19937 rng(7);
+  for (const auto& [text, thinking] : cases) {
+    auto whole = ParseCompletion(text, thinking);
+    ASSERT_TRUE(whole.ok()) << text;
+    for (int trial = 0; trial < 20; ++trial) {
+      StreamingCompletionParser p(thinking);
+      std::string reasoning, content;
+      std::vector<ToolCall> calls;
+      auto take = [&](const StreamingCompletionParser::Delta& d) {
+        reasoning += d.reasoning;
+        content += d.content;
+        calls.insert(calls.end(), d.tool_calls.begin(), d.tool_calls.end());
+      };
+      size_t i = 0;
+      while (i < text.size()) {
+        const size_t n = trial == 0 ? 1 : 1 + rng() % 9;
+        auto d = p.Add(std::string_view(text).substr(i, n));
+        ASSERT_TRUE(d.ok()) << d.status();
+        take(*d);
+        i += n;
+      }
+      auto f = p.Finish();
+      ASSERT_TRUE(f.ok());
+      take(*f);
+      EXPECT_EQ(content, whole->content) << text;
+      EXPECT_EQ(reasoning, whole->reasoning) << text;
+      ASSERT_EQ(calls.size(), whole->tool_calls.size()) << text;
+      for (size_t k = 0; k < calls.size(); ++k) EXPECT_EQ(calls[k], whole->tool_calls[k]);
+      EXPECT_EQ(p.finished(), true);
+    }
+  }
+  // Content interleaved between two call blocks streams as content.
+  StreamingCompletionParser p(false);
+  auto d = p.Add("A\n\n" + kWeatherCall + " then B");
+  ASSERT_TRUE(d.ok());
+  EXPECT_EQ(d->content, "A then B");
+  EXPECT_EQ(d->tool_calls.size(), 1u);
+  EXPECT_EQ(ParseCompletion("A\n\n" + kWeatherCall + " then B", false)->content, "A then B");
+  StreamingCompletionParser bad(false);
+  ASSERT_TRUE(bad.Add("<｜DSML｜ calls>\n<｜DSML｜ invoke").ok());
+  EXPECT_FALSE(bad.Finish().ok());
 }
 
 TEST(ChatFormatTest, OpenAiMessages) {
