@@ -21,8 +21,8 @@ class HostArena final : public BlockArena {
 
   absl::Status CopyIn(uint32_t index, std::span<const uint8_t> src) override {
     if (index >= num_blocks_ || src.size() > block_bytes_) {
-      return absl::OutOfRangeError(absl::StrCat("host arena: block ", index, " / ", src.size(),
-                                                " bytes out of range"));
+      return absl::OutOfRangeError(
+          absl::StrCat("host arena: block ", index, " / ", src.size(), " bytes out of range"));
     }
     if (!src.empty()) std::memcpy(BlockAddress(index), src.data(), src.size());
     return absl::OkStatus();
@@ -30,8 +30,8 @@ class HostArena final : public BlockArena {
 
   absl::Status CopyOut(uint32_t index, std::span<uint8_t> dst) override {
     if (index >= num_blocks_ || dst.size() > block_bytes_) {
-      return absl::OutOfRangeError(absl::StrCat("host arena: block ", index, " / ", dst.size(),
-                                                " bytes out of range"));
+      return absl::OutOfRangeError(
+          absl::StrCat("host arena: block ", index, " / ", dst.size(), " bytes out of range"));
     }
     if (!dst.empty()) std::memcpy(dst.data(), BlockAddress(index), dst.size());
     return absl::OkStatus();
@@ -45,8 +45,7 @@ class HostArena final : public BlockArena {
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<BlockArena>> MakeHostArena(size_t block_bytes,
-                                                          uint32_t num_blocks) {
+absl::StatusOr<std::unique_ptr<BlockArena>> MakeHostArena(size_t block_bytes, uint32_t num_blocks) {
   if (block_bytes == 0 || num_blocks == 0) {
     return absl::InvalidArgumentError(absl::StrCat("host arena needs block_bytes > 0 and ",
                                                    "num_blocks > 0, got ", block_bytes, " x ",
@@ -56,8 +55,8 @@ absl::StatusOr<std::unique_ptr<BlockArena>> MakeHostArena(size_t block_bytes,
   const size_t rounded = (total + 63) / 64 * 64;
   void* base = std::aligned_alloc(64, rounded);
   if (base == nullptr) {
-    return absl::ResourceExhaustedError(absl::StrCat("host arena: cannot allocate ", total,
-                                                     " bytes"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("host arena: cannot allocate ", total, " bytes"));
   }
   return std::unique_ptr<BlockArena>(
       new HostArena(static_cast<uint8_t*>(base), block_bytes, num_blocks));

@@ -89,8 +89,7 @@ absl::Status G1BlockPool::Reservation::Commit() {
 
 // ---- pool ----
 
-absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& key,
-                                                              size_t length) {
+absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& key, size_t length) {
   if (length > arena_->block_bytes()) {
     all_metrics_.CountBadRequest("value_size");
     return absl::InvalidArgumentError(absl::StrCat("G1 value of ", length,

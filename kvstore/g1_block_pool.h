@@ -30,8 +30,8 @@
 namespace epd::kvstore {
 
 struct G1Config {
-  size_t block_bytes = 64 * 890;          // Default: 64 tokens x 890 B/token (official config)
-  size_t capacity_bytes = 256ull << 20;   // Default: 256 MiB (capacity / block_bytes pages)
+  size_t block_bytes = 64 * 890;         // Default: 64 tokens x 890 B/token (official config)
+  size_t capacity_bytes = 256ull << 20;  // Default: 256 MiB (capacity / block_bytes pages)
   absl::Status Validate() const;
   uint32_t num_blocks() const { return static_cast<uint32_t>(capacity_bytes / block_bytes); }
 };
@@ -116,8 +116,8 @@ class G1BlockPool {
   bool Erase(const BlockHash& key);
 
   struct Stats {
-    uint64_t entries = 0;      // published blocks
-    uint64_t bytes = 0;        // payload bytes of published blocks
+    uint64_t entries = 0;  // published blocks
+    uint64_t bytes = 0;    // payload bytes of published blocks
     uint64_t capacity_bytes = 0;
     uint32_t free_blocks = 0;
     uint32_t evictable_blocks = 0;  // on the LRU list

@@ -24,10 +24,7 @@ absl::Status G2Config::Validate() const {
 }
 
 G2SwaPool::G2SwaPool(const G2Config& config, const common::Clock& clock, KvMetrics& metrics)
-    : config_(config),
-      clock_(clock),
-      metrics_(metrics.tier(Tier::kG2)),
-      all_metrics_(metrics) {
+    : config_(config), clock_(clock), metrics_(metrics.tier(Tier::kG2)), all_metrics_(metrics) {
   absl::MutexLock lock(&mu_);
   UpdateGaugesLocked();
 }
@@ -54,8 +51,8 @@ absl::Status G2SwaPool::PendingPut::Commit() {
 absl::StatusOr<G2SwaPool::PendingPut> G2SwaPool::BeginPut(std::string_view key, size_t bytes) {
   if (key.empty() || key.size() > config_.max_key_bytes) {
     all_metrics_.CountBadRequest("key_size");
-    return absl::InvalidArgumentError(absl::StrCat("SWA key must be 1..", config_.max_key_bytes,
-                                                   " bytes, got ", key.size()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("SWA key must be 1..", config_.max_key_bytes, " bytes, got ", key.size()));
   }
   if (bytes > config_.capacity_bytes) {
     all_metrics_.CountBadRequest("value_size");
@@ -97,7 +94,8 @@ absl::Status G2SwaPool::CommitPending(std::string key, std::shared_ptr<std::stri
   const size_t size = value->size();
   absl::MutexLock lock(&mu_);
   reserved_ -= size;
-  if (auto it = entries_.find(absl::string_view(key.data(), key.size())); it != entries_.end()) RemoveLocked(it);
+  if (auto it = entries_.find(absl::string_view(key.data(), key.size())); it != entries_.end())
+    RemoveLocked(it);
   lru_.push_front(key);
   Entry e;
   e.value = std::move(value);

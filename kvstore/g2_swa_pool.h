@@ -31,9 +31,9 @@ namespace epd::kvstore {
 uint64_t DefaultSwaCapacityBytes();
 
 struct G2Config {
-  int64_t ttl_ms = 10 * 60 * 1000;               // Default: 10 minutes
+  int64_t ttl_ms = 10 * 60 * 1000;                      // Default: 10 minutes
   uint64_t capacity_bytes = DefaultSwaCapacityBytes();  // Default: ~10% of host memory
-  size_t max_key_bytes = 256;                    // Default: 256 (keys are chain hashes, 16 B)
+  size_t max_key_bytes = 256;  // Default: 256 (keys are chain hashes, 16 B)
   absl::Status Validate() const;
 };
 

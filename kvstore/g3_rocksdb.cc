@@ -1,9 +1,9 @@
 #include "kvstore/g3_rocksdb.h"
 
+#include <spdlog/spdlog.h>
+
 #include <cstring>
 #include <vector>
-
-#include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
@@ -22,7 +22,8 @@ constexpr char kMetaCf[] = "meta";
 
 template <typename T>
 void StoreLe(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i) p[i] = static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
+  for (size_t i = 0; i < sizeof(T); ++i)
+    p[i] = static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
 }
 template <typename T>
 T LoadLe(const uint8_t* p) {
@@ -101,12 +102,8 @@ absl::Status G3Config::Validate() const {
   return absl::OkStatus();
 }
 
-G3RocksStore::G3RocksStore(const G3Config& config, const common::Clock& clock,
-                           KvMetrics& metrics)
-    : config_(config),
-      clock_(clock),
-      metrics_(metrics.tier(Tier::kG3)),
-      all_metrics_(metrics) {}
+G3RocksStore::G3RocksStore(const G3Config& config, const common::Clock& clock, KvMetrics& metrics)
+    : config_(config), clock_(clock), metrics_(metrics.tier(Tier::kG3)), all_metrics_(metrics) {}
 
 G3RocksStore::~G3RocksStore() {
   if (db_ != nullptr) {
@@ -151,8 +148,8 @@ absl::StatusOr<std::unique_ptr<G3RocksStore>> G3RocksStore::Open(const G3Config&
   // Rebuild the index from the meta column family.
   {
     absl::MutexLock lock(&store->mu_);
-    std::unique_ptr<rocksdb::Iterator> it(raw->NewIterator(rocksdb::ReadOptions(),
-                                                           store->meta_cf_));
+    std::unique_ptr<rocksdb::Iterator> it(
+        raw->NewIterator(rocksdb::ReadOptions(), store->meta_cf_));
     for (it->SeekToFirst(); it->Valid(); it->Next()) {
       if (it->key().size() != kBlockHashBytes || it->value().size() != 16) continue;
       BlockHash key;
@@ -187,9 +184,9 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   const rocksdb::Slice key_slice(reinterpret_cast<const char*>(key.data()), key.size());
   const std::string meta = EncodeMeta(now, value.size());
   rocksdb::WriteBatch batch;
-  if (auto s = FromRocks(batch.Put(value_cf_, rocksdb::SliceParts(&key_slice, 1),
-                                   rocksdb::SliceParts(parts, 2)),
-                         "batch");
+  if (auto s = FromRocks(
+          batch.Put(value_cf_, rocksdb::SliceParts(&key_slice, 1), rocksdb::SliceParts(parts, 2)),
+          "batch");
       !s.ok()) {
     return s;
   }
@@ -345,7 +342,8 @@ G3RocksStore::SweepResult G3RocksStore::Sweep() {
   if (r.expired > 0) metrics_.ttl_expiries->Increment(static_cast<double>(r.expired));
   if (r.evicted > 0) metrics_.evictions->Increment(static_cast<double>(r.evicted));
   if (!victims.empty()) {
-    if (auto s = DeleteKeys(victims); !s.ok()) spdlog::warn("G3 sweep: {}", std::string(s.message()));
+    if (auto s = DeleteKeys(victims); !s.ok())
+      spdlog::warn("G3 sweep: {}", std::string(s.message()));
   }
   return r;
 }

@@ -40,11 +40,11 @@ class CompactionFilter;
 namespace epd::kvstore {
 
 struct G3Config {
-  std::string path;                                  // RocksDB directory (created if missing)
-  int64_t ttl_ms = 72ll * 3600 * 1000;               // Default: 72 hours
-  uint64_t capacity_bytes = 100ull << 30;            // Default: 100 GiB of stored values
+  std::string path;                        // RocksDB directory (created if missing)
+  int64_t ttl_ms = 72ll * 3600 * 1000;     // Default: 72 hours
+  uint64_t capacity_bytes = 100ull << 30;  // Default: 100 GiB of stored values
   bool sync_writes = false;  // Default: off (WAL survives a process crash; on = power loss too)
-  uint64_t max_value_bytes = 256ull << 20;           // Default: 256 MiB per value
+  uint64_t max_value_bytes = 256ull << 20;  // Default: 256 MiB per value
   absl::Status Validate() const;
 };
 

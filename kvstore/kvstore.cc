@@ -1,8 +1,8 @@
 #include "kvstore/kvstore.h"
 
-#include <filesystem>
-
 #include <spdlog/spdlog.h>
+
+#include <filesystem>
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/chain_hash.h"
@@ -143,7 +143,8 @@ absl::Status KvStore::Put(Tier tier, std::string_view key, std::span<const uint8
   if (tier == Tier::kG1) {
     if (g1_ == nullptr) {
       metrics_->CountBadRequest("tier");
-      return absl::FailedPreconditionError("G1 is disabled on this kvstore (--g1-capacity-bytes 0)");
+      return absl::FailedPreconditionError(
+          "G1 is disabled on this kvstore (--g1-capacity-bytes 0)");
     }
     return g1_->Put(*k, value);
   }
@@ -188,8 +189,8 @@ void KvStore::Sweep() {
   const size_t expired2 = g2_->ExpireNow();
   const auto r3 = g3_->Sweep();
   if (expired2 + r3.expired + r3.evicted > 0) {
-    spdlog::info("kvstore sweep: G2 expired {}, G3 expired {}, G3 evicted {}", expired2,
-                 r3.expired, r3.evicted);
+    spdlog::info("kvstore sweep: G2 expired {}, G3 expired {}, G3 evicted {}", expired2, r3.expired,
+                 r3.evicted);
   }
 }
 

@@ -35,8 +35,8 @@ struct KvStoreConfig {
 };
 
 struct LookupResult {
-  int cached_blocks = 0;         // longest prefix of the given hashes held in G1 or G3
-  std::vector<Tier> tiers;       // where each cached block was found (G1 preferred)
+  int cached_blocks = 0;              // longest prefix of the given hashes held in G1 or G3
+  std::vector<Tier> tiers;            // where each cached block was found (G1 preferred)
   bool swa_snapshot_present = false;  // G2 holds a live snapshot at the last cached block
 };
 

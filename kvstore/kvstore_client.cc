@@ -140,8 +140,8 @@ absl::StatusOr<std::vector<TierStats>> KvStoreClient::Stats() {
   return out;
 }
 
-ShardedSwaClient::ShardedSwaClient(const std::vector<std::string>& targets,
-                                   KvClientOptions options, int virtual_nodes)
+ShardedSwaClient::ShardedSwaClient(const std::vector<std::string>& targets, KvClientOptions options,
+                                   int virtual_nodes)
     : ring_(virtual_nodes) {
   for (const std::string& t : targets) {
     ring_.AddNode(t);

@@ -28,8 +28,8 @@ class Channel;
 namespace epd::kvstore {
 
 struct KvClientOptions {
-  int deadline_ms = 10000;               // Default: 10 s per call
-  int max_message_bytes = 300 << 20;     // Default: 300 MiB (matches the daemon)
+  int deadline_ms = 10000;            // Default: 10 s per call
+  int max_message_bytes = 300 << 20;  // Default: 300 MiB (matches the daemon)
 };
 
 class KvStoreClient {

@@ -1,10 +1,10 @@
 // epd-kvstore: the per-node KV store daemon (DESIGN §5). Serves Lookup/Get/Put/Pin/Stats over
 // gRPC, /metrics and /health over HTTP, sweeps TTLs periodically and drains on SIGTERM.
+#include <spdlog/spdlog.h>
+
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <iostream>
-
-#include <spdlog/spdlog.h>
 
 #include "common/clock.h"
 #include "kvstore/kvstore.h"
@@ -54,20 +54,20 @@ int main(int argc, char** argv) {
     std::cerr << "epd-kvstore: " << s.message() << "\n";
     return 1;
   }
-  auto store = epd::kvstore::KvStore::Open(config, epd::common::SystemClock::Get(),
-                                           runtime.registry());
+  auto store =
+      epd::kvstore::KvStore::Open(config, epd::common::SystemClock::Get(), runtime.registry());
   if (!store.ok()) {
     spdlog::error("epd-kvstore: {}", std::string(store.status().message()));
     return 1;
   }
-  auto server = epd::kvstore::KvStoreServer::Start(**store, runtime_options.host, grpc_port,
-                                                   service_options);
+  auto server =
+      epd::kvstore::KvStoreServer::Start(**store, runtime_options.host, grpc_port, service_options);
   if (!server.ok()) {
     spdlog::error("epd-kvstore: {}", std::string(server.status().message()));
     return 1;
   }
-  spdlog::info("epd-kvstore: gRPC on {}:{}, data dir {}", runtime_options.host,
-               (*server)->port(), config.data_dir);
+  spdlog::info("epd-kvstore: gRPC on {}:{}, data dir {}", runtime_options.host, (*server)->port(),
+               config.data_dir);
   runtime.PublishPort("grpc", (*server)->port());
 
   auto next_sweep = std::chrono::steady_clock::now() + std::chrono::seconds(sweep_interval_s);
@@ -80,6 +80,7 @@ int main(int argc, char** argv) {
   spdlog::info("epd-kvstore: shutdown requested, draining");
   (*server)->Shutdown(runtime_options.drain_timeout_ms);
   server->reset();
+  spdlog::info("epd-kvstore: gRPC stopped, closing the store");
   store->reset();  // closes RocksDB cleanly
   spdlog::info("epd-kvstore: stopped");
   return 0;

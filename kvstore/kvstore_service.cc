@@ -1,9 +1,9 @@
 #include "kvstore/kvstore_service.h"
 
+#include <grpcpp/grpcpp.h>
+
 #include <chrono>
 #include <thread>
-
-#include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/chain_hash.h"
@@ -149,6 +149,9 @@ absl::StatusOr<std::unique_ptr<KvStoreServer>> KvStoreServer::Start(KvStore& sto
   builder.SetMaxReceiveMessageSize(max_message_bytes);
   builder.SetMaxSendMessageSize(max_message_bytes);
   builder.RegisterService(server->service_.get());
+  // Sync-server threads poll their queue with this timeout; the default (seconds) makes a
+  // shutdown with connected clients take that long.
+  builder.SetSyncServerOption(grpc::ServerBuilder::SyncServerOption::CQ_TIMEOUT_MSEC, 200);
   server->server_ = builder.BuildAndStart();
   if (server->server_ == nullptr || bound == 0) {
     return absl::UnavailableError(absl::StrCat("kvstore: cannot listen on ", host, ":", port));

@@ -61,8 +61,7 @@ int main(int argc, char** argv) {
   int threads = 4;
   int block_tokens = 64;
   int bytes_per_token = 890;
-  std::string daemon =
-      (std::filesystem::path(argv[0]).parent_path() / "epd-kvstore").string();
+  std::string daemon = (std::filesystem::path(argv[0]).parent_path() / "epd-kvstore").string();
   app.add_option("--blocks", blocks, "Blocks to put and get (default 1000)");
   app.add_option("--threads", threads, "Concurrent clients / RocksDB threads (default 4)");
   app.add_option("--block-tokens", block_tokens, "Tokens per block (default 64)");
@@ -87,8 +86,8 @@ int main(int argc, char** argv) {
       {daemon, "--data-dir", dir.File("daemon"), "--grpc-port", "0", "--port-file",
        dir.File("ports.json"), "--g1-capacity-bytes", "0", "--log-level", "warn"},
       dir.File("daemon.log"));
-  auto port = epd::testing::WaitForPortFile(dir.File("ports.json"), "grpc",
-                                            std::chrono::seconds(30));
+  auto port =
+      epd::testing::WaitForPortFile(dir.File("ports.json"), "grpc", std::chrono::seconds(30));
   if (!port.has_value()) {
     std::cerr << "kvstore_bench: daemon did not start: " << proc.ReadLog() << "\n";
     return 1;
@@ -104,14 +103,22 @@ int main(int argc, char** argv) {
     if (my_client < 0) my_client = client_rr++ % threads;
     return *clients[my_client];
   };
-  const double d_put = Timed(blocks, threads, [&](int i) {
-    return client().Put(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]), values[i]).ok();
-  }, &errors);
+  const double d_put = Timed(
+      blocks, threads,
+      [&](int i) {
+        return client()
+            .Put(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]), values[i])
+            .ok();
+      },
+      &errors);
   my_client = -1;
-  const double d_get = Timed(blocks, threads, [&](int i) {
-    auto g = client().Get(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]));
-    return g.ok() && g->found && g->value == values[i];
-  }, &errors);
+  const double d_get = Timed(
+      blocks, threads,
+      [&](int i) {
+        auto g = client().Get(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(keys[i]));
+        return g.ok() && g->found && g->value == values[i];
+      },
+      &errors);
   proc.Stop();
 
   // --- plain RocksDB, same options as G3 (WAL on, no fsync, no compression) ---
@@ -129,13 +136,17 @@ int main(int argc, char** argv) {
   auto key_slice = [&](int i) {
     return rocksdb::Slice(reinterpret_cast<const char*>(keys[i].data()), keys[i].size());
   };
-  const double r_put = Timed(blocks, threads, [&](int i) {
-    return db->Put(rocksdb::WriteOptions(), key_slice(i), values[i]).ok();
-  }, &errors);
-  const double r_get = Timed(blocks, threads, [&](int i) {
-    std::string v;
-    return db->Get(rocksdb::ReadOptions(), key_slice(i), &v).ok() && v == values[i];
-  }, &errors);
+  const double r_put = Timed(
+      blocks, threads,
+      [&](int i) { return db->Put(rocksdb::WriteOptions(), key_slice(i), values[i]).ok(); },
+      &errors);
+  const double r_get = Timed(
+      blocks, threads,
+      [&](int i) {
+        std::string v;
+        return db->Get(rocksdb::ReadOptions(), key_slice(i), &v).ok() && v == values[i];
+      },
+      &errors);
   db->Close();
 
   const double mb = static_cast<double>(block_bytes) * blocks / 1e6;

@@ -92,7 +92,7 @@ TEST(G1BlockPoolTest, NeverEvictsReferencedOrPinnedBlocks) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(f.pool->Put(Key(i), Bytes(Payload(i, 64))).ok());
   auto ref0 = f.pool->Acquire(Key(0));  // oldest, but referenced
   ASSERT_TRUE(ref0.has_value());
-  ASSERT_TRUE(f.pool->Pin(Key(1)));     // next oldest, pinned
+  ASSERT_TRUE(f.pool->Pin(Key(1)));  // next oldest, pinned
   // Fill far past capacity: only block 2 and the newcomers may go.
   for (int i = 10; i < 30; ++i) ASSERT_TRUE(f.pool->Put(Key(i), Bytes(Payload(i, 64))).ok());
   EXPECT_TRUE(f.pool->Contains(Key(0)));

@@ -92,13 +92,17 @@ TEST(G2SwaPoolTest, CapacityEvictsExpiredFirstThenLeastRecentlyUsed) {
   EXPECT_FALSE(f.pool->Contains("old"));  // expired: dropped first
   EXPECT_TRUE(f.pool->Contains("a"));     // so no LRU victim was needed
   EXPECT_EQ(MetricValue(f.registry, "epd_kv_evictions_total", {{"tier", "g2"}}), 0);
-  ASSERT_NE(f.pool->Get("a").value, nullptr);  // order now (LRU first): b, c, d, a
+  // A reader takes "b", then c, d and a are used: LRU order (oldest first) is b, c, d, a.
+  const auto held_b = f.pool->Get("b").value;
+  ASSERT_NE(held_b, nullptr);
+  for (const char* k : {"c", "d", "a"}) ASSERT_NE(f.pool->Get(k).value, nullptr);
   ASSERT_TRUE(f.pool->Put("e", Bytes(Payload(5, 1500))).ok());
   EXPECT_FALSE(f.pool->Contains("b"));
   EXPECT_FALSE(f.pool->Contains("c"));
   EXPECT_TRUE(f.pool->Contains("d"));
   EXPECT_TRUE(f.pool->Contains("a"));
   EXPECT_TRUE(f.pool->Contains("e"));
+  EXPECT_EQ(*held_b, Payload(2, 1000));  // the evicted value a reader holds stays whole
   EXPECT_EQ(MetricValue(f.registry, "epd_kv_evictions_total", {{"tier", "g2"}}), 2);
   EXPECT_LE(f.pool->stats().bytes, 4000u);
 }
@@ -138,7 +142,8 @@ TEST(G2SwaPoolTest, RejectsBadKeysAndOversizedValuesWithCounts) {
 
 TEST(G2SwaPoolTest, ExpireNowSweepsAndCounts) {
   Fixture f(1 << 20, kMinute);
-  for (int i = 0; i < 5; ++i) ASSERT_TRUE(f.pool->Put(std::to_string(i), Bytes(Payload(i, 10))).ok());
+  for (int i = 0; i < 5; ++i)
+    ASSERT_TRUE(f.pool->Put(std::to_string(i), Bytes(Payload(i, 10))).ok());
   f.clock.AdvanceMs(kMinute / 2);
   ASSERT_TRUE(f.pool->Put("late", Bytes(Payload(9, 10))).ok());
   f.clock.AdvanceMs(kMinute / 2);

@@ -86,8 +86,8 @@ TEST_F(G3Test, SweepDeletesExpiredValuesAndCompactionFilterDropsThem) {
   clock_.AdvanceMs(62 * kHour);  // keys 0-4 are 72 h old, 5-7 are 62 h old
   // Compaction alone (no sweep) removes the expired values from RocksDB.
   rocksdb::DB* db = store_->RawDbForTesting();
-  ASSERT_TRUE(db->CompactRange(rocksdb::CompactRangeOptions(), store_->ValueCfForTesting(),
-                               nullptr, nullptr)
+  ASSERT_TRUE(db->CompactRange(rocksdb::CompactRangeOptions(), store_->ValueCfForTesting(), nullptr,
+                               nullptr)
                   .ok());
   std::string raw;
   const auto k0 = Key(0);
@@ -133,7 +133,7 @@ TEST_F(G3Test, OverwrittenValueBytesFailTheChecksumAndAreNeverServed) {
     ASSERT_TRUE(db->Get(rocksdb::ReadOptions(), store_->ValueCfForTesting(), ks, &raw).ok());
     ASSERT_EQ(raw.size(), kG3HeaderBytes + kValue);
     if (i == 1) raw[kG3HeaderBytes + 1234] ^= 0x01;  // one payload bit
-    if (i == 2) raw[4] = 9;                           // unknown header version
+    if (i == 2) raw[4] = 9;                          // unknown header version
     ASSERT_TRUE(db->Put(rocksdb::WriteOptions(), store_->ValueCfForTesting(), ks, raw).ok());
   }
   EXPECT_EQ(store_->Get(Key(1)).miss, MissReason::kChecksum);

@@ -1,11 +1,10 @@
 // The composed KvStore (in process, real RocksDB): longest-prefix lookup over whole blocks,
 // G1 eviction demoting to G3, pins surviving pressure, SWA presence, tier routing, bad input.
-#include "kvstore/kvstore.h"
-
 #include <gtest/gtest.h>
 
 #include <numeric>
 
+#include "kvstore/kvstore.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
 
@@ -58,7 +57,7 @@ TEST_F(KvStoreTest, LookupReturnsTheLongestCachedPrefixAndWhereItLives) {
   EXPECT_TRUE(r.swa_snapshot_present);
   clock_.AdvanceMs(60'000);
   EXPECT_FALSE(store_->Lookup(chain).swa_snapshot_present);  // expired snapshot
-  EXPECT_EQ(store_->Lookup(Chain(3, 1)).cached_blocks, 0);    // other tokens: nothing
+  EXPECT_EQ(store_->Lookup(Chain(3, 1)).cached_blocks, 0);   // other tokens: nothing
   EXPECT_GE(MetricValue(registry_, "epd_kv_lookups_total", {{"tier", "g3"}}), 3);
 }
 
