@@ -37,27 +37,46 @@ ojson BuildJson(const BpeTrainerOptions& o, const std::vector<std::string>& toke
   ojson added = ojson::array();
   int32_t id = 0;
   for (const std::string& s : o.leading_specials) {
-    added.push_back({{"id", id++}, {"content", s}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", false}, {"special", true}});
+    added.push_back({{"id", id++},
+                     {"content", s},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", false},
+                     {"special", true}});
   }
   id = static_cast<int32_t>(tokens.size());
   for (const auto& a : o.trailing_added) {
-    added.push_back({{"id", id++}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
-                     {"rstrip", false}, {"normalized", !a.special}, {"special", a.special}});
+    added.push_back({{"id", id++},
+                     {"content", a.content},
+                     {"single_word", false},
+                     {"lstrip", false},
+                     {"rstrip", false},
+                     {"normalized", !a.special},
+                     {"special", a.special}});
   }
   j["added_tokens"] = added;
   j["normalizer"] = nullptr;
   j["pre_tokenizer"] = ojson::parse(kDeepSeekPreTokenizerJson);
   j["post_processor"] = nullptr;
-  j["decoder"] = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  j["decoder"] = {{"type", "ByteLevel"},
+                  {"add_prefix_space", true},
+                  {"trim_offsets", true},
+                  {"use_regex", true}};
   ojson vocab = ojson::object();
   for (size_t i = 0; i < tokens.size(); ++i) vocab[tokens[i]] = static_cast<int32_t>(i);
   ojson m = ojson::array();
   for (const auto& [a, b] : merges) m.push_back(a + " " + b);
-  j["model"] = {{"type", "BPE"},          {"dropout", nullptr},       {"unk_token", nullptr},
-                {"continuing_subword_prefix", nullptr}, {"end_of_word_suffix", nullptr},
-                {"fuse_unk", false},      {"byte_fallback", false},   {"ignore_merges", false},
-                {"vocab", vocab},         {"merges", m}};
+  j["model"] = {{"type", "BPE"},
+                {"dropout", nullptr},
+                {"unk_token", nullptr},
+                {"continuing_subword_prefix", nullptr},
+                {"end_of_word_suffix", nullptr},
+                {"fuse_unk", false},
+                {"byte_fallback", false},
+                {"ignore_merges", false},
+                {"vocab", vocab},
+                {"merges", m}};
   return j;
 }
 
@@ -95,9 +114,12 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, const Bpe
     for (size_t i = 0; i < w.size();) {
       size_t len = 1;
       const auto b = static_cast<uint8_t>(w[i]);
-      if (b >= 0xF0) len = 4;
-      else if (b >= 0xE0) len = 3;
-      else if (b >= 0xC0) len = 2;
+      if (b >= 0xF0)
+        len = 4;
+      else if (b >= 0xE0)
+        len = 3;
+      else if (b >= 0xC0)
+        len = 2;
       word.sym.push_back(index.at(w.substr(i, len)));
       i += len;
     }
@@ -105,7 +127,8 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, const Bpe
   }
   std::unordered_map<uint64_t, int64_t> pairs;
   auto add_pairs = [&](const Word& w, int64_t sign) {
-    for (size_t i = 0; i + 1 < w.sym.size(); ++i) pairs[Key(w.sym[i], w.sym[i + 1])] += sign * w.count;
+    for (size_t i = 0; i + 1 < w.sym.size(); ++i)
+      pairs[Key(w.sym[i], w.sym[i + 1])] += sign * w.count;
   };
   for (const Word& w : words) add_pairs(w, +1);
 
@@ -128,9 +151,9 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, const Bpe
       }
     }
     if (best_count == 0) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("BPE corpus exhausted after ", merges.size(), " merges; vocab reached ",
-                       tokens.size(), " of ", target_base));
+      return absl::FailedPreconditionError(absl::StrCat("BPE corpus exhausted after ",
+                                                        merges.size(), " merges; vocab reached ",
+                                                        tokens.size(), " of ", target_base));
     }
     const auto a = static_cast<int32_t>(best >> 32), b = static_cast<int32_t>(best & 0xFFFFFFFFu);
     const std::string merged = tokens[static_cast<size_t>(a)] + tokens[static_cast<size_t>(b)];
@@ -145,7 +168,8 @@ absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, const Bpe
     }
     for (Word& w : words) {
       bool has = false;
-      for (size_t i = 0; i + 1 < w.sym.size() && !has; ++i) has = w.sym[i] == a && w.sym[i + 1] == b;
+      for (size_t i = 0; i + 1 < w.sym.size() && !has; ++i)
+        has = w.sym[i] == a && w.sym[i + 1] == b;
       if (!has) continue;
       add_pairs(w, -1);
       std::vector<int32_t> s;

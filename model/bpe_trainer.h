@@ -35,6 +35,7 @@ struct BpeTrainerOptions {
 };
 
 // Returns the tokenizer.json text.
-absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus, const BpeTrainerOptions& options);
+absl::StatusOr<std::string> TrainByteLevelBpe(std::string_view corpus,
+                                              const BpeTrainerOptions& options);
 
 }  // namespace epd::model

@@ -1,7 +1,6 @@
 #include "model/chat_format.h"
 
 #include <charconv>
-
 #include <type_traits>
 
 #include "common/status_macros.h"
@@ -43,19 +42,21 @@ constexpr std::string_view kToolResultClose = "</tool_result>";
 
 std::string EffortLine(int effort) {
   return Cat("Reasoning Effort: ", effort,
-                      " (range 1-100, the higher the value, the more thorough the reasoning)\n\n");
+             " (range 1-100, the higher the value, the more thorough the reasoning)\n\n");
 }
 
 std::string ToolsBlock(const std::vector<nlohmann::json>& tools) {
-  std::string s = Cat(
-      "## Tools\n\nYou have access to the tools below. To call tools, write one block in this format "
-      "after your reply:\n\n",
-      kCallsOpen, "\n", kInvokeOpen, "$FUNCTION_NAME\">\n", kParamOpen,
-      "$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE", kParamClose, "\n", kInvokeClose, "\n",
-      kCallsClose,
-      "\n\nSet string=\"true\" for string parameters (value written as is) and string=\"false\" for all "
-      "others (value written as JSON). Tool results come back as ",
-      kToolResultOpen, "...", kToolResultClose, ".\n\n### Available Tool Schemas\n\n");
+  std::string s =
+      Cat("## Tools\n\nYou have access to the tools below. To call tools, write one block in this "
+          "format "
+          "after your reply:\n\n",
+          kCallsOpen, "\n", kInvokeOpen, "$FUNCTION_NAME\">\n", kParamOpen,
+          "$PARAMETER_NAME\" string=\"true|false\">$PARAMETER_VALUE", kParamClose, "\n",
+          kInvokeClose, "\n", kCallsClose,
+          "\n\nSet string=\"true\" for string parameters (value written as is) and "
+          "string=\"false\" for all "
+          "others (value written as JSON). Tool results come back as ",
+          kToolResultOpen, "...", kToolResultClose, ".\n\n### Available Tool Schemas\n\n");
   for (const nlohmann::json& t : tools) {
     const nlohmann::json& f = t.contains("function") ? t["function"] : t;
     s += f.dump();
@@ -76,8 +77,8 @@ absl::StatusOr<int> ParseReasoningEffort(std::string_view text) {
   int v = 0;
   auto [p, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
   if (ec != std::errc() || p != text.data() + text.size() || v < 1 || v > 100) {
-    return absl::InvalidArgumentError(Cat("reasoning effort \"", text,
-                                                   "\" is not low/medium/high/max or 1..100"));
+    return absl::InvalidArgumentError(
+        Cat("reasoning effort \"", text, "\" is not low/medium/high/max or 1..100"));
   }
   return v;
 }
@@ -95,7 +96,7 @@ absl::StatusOr<std::string> RenderToolCalls(const std::vector<ToolCall>& calls) 
     for (auto it = args.begin(); it != args.end(); ++it) {
       const bool is_string = it.value().is_string();
       Append(&s, kParamOpen, it.key(), "\" string=\"", is_string ? "true" : "false", "\">",
-                      is_string ? it.value().get<std::string>() : it.value().dump(), kParamClose, "\n");
+             is_string ? it.value().get<std::string>() : it.value().dump(), kParamClose, "\n");
     }
     Append(&s, kInvokeClose, "\n");
   }
@@ -107,7 +108,8 @@ absl::StatusOr<std::string> RenderChat(const std::vector<ChatMessage>& messages,
                                        const std::vector<nlohmann::json>& tools,
                                        const ChatRenderOptions& o) {
   if (o.reasoning_effort && (*o.reasoning_effort < 1 || *o.reasoning_effort > 100)) {
-    return absl::InvalidArgumentError(Cat("reasoning effort ", *o.reasoning_effort, " is not in 1..100"));
+    return absl::InvalidArgumentError(
+        Cat("reasoning effort ", *o.reasoning_effort, " is not in 1..100"));
   }
   std::string out;
   if (o.add_bos) out += kBosText;
@@ -186,7 +188,8 @@ absl::StatusOr<std::string> RenderChat(const std::vector<ChatMessage>& messages,
       return absl::InvalidArgumentError(Cat("message ", i, ": unknown role \"", m.role, "\""));
     }
     // A user/tool/system turn followed by an assistant message gets the assistant header.
-    header_written = m.role != "assistant" && i + 1 < messages.size() && messages[i + 1].role == "assistant";
+    header_written =
+        m.role != "assistant" && i + 1 < messages.size() && messages[i + 1].role == "assistant";
     if (header_written) {
       out += header(i + 1);
       in_user_turn = false;
@@ -214,12 +217,14 @@ absl::StatusOr<std::vector<ChatMessage>> MessagesFromOpenAi(const nlohmann::json
       } else if (c.is_array()) {
         for (const nlohmann::json& part : c) {
           if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text")) {
-            return absl::InvalidArgumentError(Cat("messages[", i, "].content: only text parts are supported"));
+            return absl::InvalidArgumentError(
+                Cat("messages[", i, "].content: only text parts are supported"));
           }
           m.content += part["text"].get<std::string>();
         }
       } else {
-        return absl::InvalidArgumentError(Cat("messages[", i, "].content must be a string or parts"));
+        return absl::InvalidArgumentError(
+            Cat("messages[", i, "].content must be a string or parts"));
       }
     }
     if (j.contains("reasoning_content") && j["reasoning_content"].is_string()) {
@@ -228,12 +233,14 @@ absl::StatusOr<std::vector<ChatMessage>> MessagesFromOpenAi(const nlohmann::json
     if (j.contains("tool_calls") && j["tool_calls"].is_array()) {
       for (const nlohmann::json& tc : j["tool_calls"]) {
         if (!tc.contains("function") || !tc["function"].contains("name")) {
-          return absl::InvalidArgumentError(Cat("messages[", i, "].tool_calls entry lacks function.name"));
+          return absl::InvalidArgumentError(
+              Cat("messages[", i, "].tool_calls entry lacks function.name"));
         }
         const nlohmann::json& f = tc["function"];
         ToolCall call{f["name"].get<std::string>(), "{}"};
         if (f.contains("arguments")) {
-          call.arguments = f["arguments"].is_string() ? f["arguments"].get<std::string>() : f["arguments"].dump();
+          call.arguments = f["arguments"].is_string() ? f["arguments"].get<std::string>()
+                                                      : f["arguments"].dump();
         }
         m.tool_calls.push_back(std::move(call));
       }
@@ -276,7 +283,8 @@ absl::StatusOr<ParsedCompletion> ParseCompletion(std::string_view text, bool thi
     std::string_view rest = text.substr(calls + kCallsOpen.size());
     const size_t close = rest.find(kCallsClose);
     if (close == std::string_view::npos) {
-      return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+      return absl::InvalidArgumentError(
+          "DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
     }
     RETURN_IF_ERROR(ParseCallsBody(rest.substr(0, close), r.tool_calls));
     text = rest.substr(close + kCallsClose.size());
@@ -307,7 +315,8 @@ static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>&
       if (p == std::string_view::npos) break;
       params.remove_prefix(p + kParamOpen.size());
       const size_t nq = params.find('"');
-      if (nq == std::string_view::npos) return absl::InvalidArgumentError("DSML parameter without a name");
+      if (nq == std::string_view::npos)
+        return absl::InvalidArgumentError("DSML parameter without a name");
       const std::string name(params.substr(0, nq));
       params.remove_prefix(nq + 1);
       bool is_string = true;
@@ -320,11 +329,13 @@ static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>&
       } else if (params.starts_with(">")) {
         params.remove_prefix(1);
       } else {
-        return absl::InvalidArgumentError(Cat("DSML parameter ", name, " of ", call.name, " is malformed"));
+        return absl::InvalidArgumentError(
+            Cat("DSML parameter ", name, " of ", call.name, " is malformed"));
       }
       const size_t pe = params.find(kParamClose);
       if (pe == std::string_view::npos) {
-        return absl::InvalidArgumentError(Cat("DSML parameter ", name, " of ", call.name, " is not terminated"));
+        return absl::InvalidArgumentError(
+            Cat("DSML parameter ", name, " of ", call.name, " is not terminated"));
       }
       const std::string value(params.substr(0, pe));
       params.remove_prefix(pe + kParamClose.size());
@@ -333,8 +344,8 @@ static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>&
       } else {
         ojson v = ojson::parse(value, nullptr, false);
         if (v.is_discarded()) {
-          return absl::InvalidArgumentError(
-              Cat("DSML parameter ", name, " of ", call.name, " has string=\"false\" but is not JSON: ", value));
+          return absl::InvalidArgumentError(Cat("DSML parameter ", name, " of ", call.name,
+                                                " has string=\"false\" but is not JSON: ", value));
         }
         args[name] = v;
       }
@@ -357,12 +368,14 @@ size_t PartialMarkerSuffix(std::string_view s, std::string_view marker) {
 
 }  // namespace
 
-absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(std::string_view text) {
+absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(
+    std::string_view text) {
   Delta d;
   if (finished_) return d;
   pending_.append(text);
   if (!started_) {
-    // A leading <think> (thinking) or </think> (chat mode) may be echoed: wait until it can be told.
+    // A leading <think> (thinking) or </think> (chat mode) may be echoed: wait until it can be
+    // told.
     const std::string_view lead = in_reasoning_ ? kThinkStart : kThinkEnd;
     if (pending_.size() < lead.size() && std::string_view(lead).starts_with(pending_)) return d;
     if (std::string_view(pending_).starts_with(lead)) pending_.erase(0, lead.size());
@@ -374,7 +387,8 @@ absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(
       const size_t close = pending_.find(kCallsClose);
       if (close == std::string::npos && eos == std::string::npos) return d;
       if (close == std::string::npos || (eos != std::string::npos && eos < close)) {
-        return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+        return absl::InvalidArgumentError(
+            "DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
       }
       const std::string block = kCallsOpen + pending_.substr(0, close + kCallsClose.size());
       ASSIGN_OR_RETURN(ParsedCompletion p, ParseCompletion(block, false));
@@ -409,7 +423,8 @@ absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(
     }
     // Hold back a possible partial marker and, in content, trailing newlines.
     size_t hold = PartialMarkerSuffix(pending_, kEosText);
-    hold = std::max(hold, PartialMarkerSuffix(pending_, in_reasoning_ ? kThinkEnd : std::string_view(kCallsOpen)));
+    hold = std::max(hold, PartialMarkerSuffix(
+                              pending_, in_reasoning_ ? kThinkEnd : std::string_view(kCallsOpen)));
     if (!in_reasoning_) {
       size_t nl = 0;
       while (nl < pending_.size() - hold && pending_[pending_.size() - hold - 1 - nl] == '\n') ++nl;
@@ -424,7 +439,8 @@ absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Add(
 absl::StatusOr<StreamingCompletionParser::Delta> StreamingCompletionParser::Finish() {
   Delta d;
   if (in_calls_) {
-    return absl::InvalidArgumentError("DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
+    return absl::InvalidArgumentError(
+        "DSML tool-call block is not terminated (no </｜DSML｜ calls>)");
   }
   if (!finished_) {
     (in_reasoning_ ? d.reasoning : d.content) = std::move(pending_);

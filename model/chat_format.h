@@ -5,8 +5,8 @@
 // and parses generated text back into reasoning, content and DSML tool calls.
 //
 //   <｜begin▁of▁sentence｜><｜System｜>[effort line][system text][\n\n tools block]
-//   <｜User｜>text<｜Assistant｜></think>content<｜end▁of▁sentence｜>        (chat mode / earlier turns)
-//   <｜User｜>text<｜Assistant｜><think>reasoning</think>content[calls]<｜end▁of▁sentence｜>
+//   <｜User｜>text<｜Assistant｜></think>content<｜end▁of▁sentence｜>        (chat mode / earlier
+//   turns) <｜User｜>text<｜Assistant｜><think>reasoning</think>content[calls]<｜end▁of▁sentence｜>
 //   <｜User｜><tool_result>...</tool_result>...<｜Assistant｜>...          (tool results)
 //
 // Thread-safety: free functions, reentrant.
@@ -37,17 +37,17 @@ struct ToolCall {
 };
 
 struct ChatMessage {
-  std::string role;               // "system", "user", "assistant" or "tool"
+  std::string role;  // "system", "user", "assistant" or "tool"
   std::string content;
-  std::string reasoning_content;  // assistant only
+  std::string reasoning_content;     // assistant only
   std::vector<ToolCall> tool_calls;  // assistant only
 };
 
 struct ChatRenderOptions {
-  bool thinking = false;                 // Default: chat mode (prompt ends with </think>)
-  std::optional<int> reasoning_effort;   // 1..100; written only in thinking mode
-  bool add_generation_prompt = true;     // Default: end with the assistant header
-  bool add_bos = true;                   // Default: start with BOS
+  bool thinking = false;                // Default: chat mode (prompt ends with </think>)
+  std::optional<int> reasoning_effort;  // 1..100; written only in thinking mode
+  bool add_generation_prompt = true;    // Default: end with the assistant header
+  bool add_bos = true;                  // Default: start with BOS
 };
 
 // "low" 25, "medium" 50, "high" 75, "max" 100, or a decimal 1..100.

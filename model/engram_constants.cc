@@ -22,7 +22,8 @@ using json = nlohmann::json;
 using u128 = unsigned __int128;
 
 // NumPy SeedSequence constants.
-constexpr uint32_t kInitA = 0x43b0d7e5, kMultA = 0x931e8875, kInitB = 0x8b51f9dd, kMultB = 0x58f38ded;
+constexpr uint32_t kInitA = 0x43b0d7e5, kMultA = 0x931e8875, kInitB = 0x8b51f9dd,
+                   kMultB = 0x58f38ded;
 constexpr uint32_t kMixMultL = 0xca01f9dd, kMixMultR = 0x4973f715;
 constexpr int kXShift = 16;
 constexpr int kPoolSize = 4;
@@ -41,7 +42,8 @@ uint32_t Mix(uint32_t x, uint32_t y) {
   return r;
 }
 
-constexpr u128 kPcgMult = (static_cast<u128>(2549297995355413924ULL) << 64) | 4865540595714422341ULL;
+constexpr u128 kPcgMult =
+    (static_cast<u128>(2549297995355413924ULL) << 64) | 4865540595714422341ULL;
 
 bool IsPrime(int64_t n) {
   if (n < 2) return false;
@@ -71,7 +73,8 @@ std::vector<uint32_t> SeedSequenceState(uint64_t entropy, int n_words) {
   }
   uint32_t pool[kPoolSize];
   uint32_t hc = kInitA;
-  for (int i = 0; i < kPoolSize; ++i) pool[i] = HashMix(i < static_cast<int>(ent.size()) ? ent[static_cast<size_t>(i)] : 0, hc);
+  for (int i = 0; i < kPoolSize; ++i)
+    pool[i] = HashMix(i < static_cast<int>(ent.size()) ? ent[static_cast<size_t>(i)] : 0, hc);
   for (int s = 0; s < kPoolSize; ++s) {
     for (int d = 0; d < kPoolSize; ++d) {
       if (s != d) pool[d] = Mix(pool[d], HashMix(pool[s], hc));
@@ -96,7 +99,8 @@ std::vector<uint32_t> SeedSequenceState(uint64_t entropy, int n_words) {
 NumpyPcg64::NumpyPcg64(uint64_t seed) {
   const std::vector<uint32_t> w = SeedSequenceState(seed, 8);
   uint64_t v[4];
-  for (int i = 0; i < 4; ++i) v[i] = static_cast<uint64_t>(w[2 * i]) | (static_cast<uint64_t>(w[2 * i + 1]) << 32);
+  for (int i = 0; i < 4; ++i)
+    v[i] = static_cast<uint64_t>(w[2 * i]) | (static_cast<uint64_t>(w[2 * i + 1]) << 32);
   const u128 initstate = (static_cast<u128>(v[0]) << 64) | v[1];
   const u128 initseq = (static_cast<u128>(v[2]) << 64) | v[3];
   state_ = 0;
@@ -125,7 +129,9 @@ uint32_t NumpyPcg64::NextUint32() {
   return static_cast<uint32_t>(next & 0xFFFFFFFFu);
 }
 
-double NumpyPcg64::NextDouble() { return static_cast<double>(NextUint64() >> 11) * (1.0 / 9007199254740992.0); }
+double NumpyPcg64::NextDouble() {
+  return static_cast<double>(NextUint64() >> 11) * (1.0 / 9007199254740992.0);
+}
 
 int64_t NumpyPcg64::Integers(int64_t high) {
   const uint64_t rng = static_cast<uint64_t>(high) - 1;  // closed range [0, rng]
@@ -159,8 +165,9 @@ int64_t NumpyPcg64::Integers(int64_t high) {
 
 // ----------------------------------------------------------------------------- constants
 
-std::vector<std::vector<std::vector<int64_t>>> EngramPrimes(int num_layers, int max_ngram, int n_heads,
-                                                           int64_t engram_vocab_size) {
+std::vector<std::vector<std::vector<int64_t>>> EngramPrimes(int num_layers, int max_ngram,
+                                                            int n_heads,
+                                                            int64_t engram_vocab_size) {
   std::unordered_set<int64_t> seen;
   std::vector<std::vector<std::vector<int64_t>>> out;
   for (int l = 0; l < num_layers; ++l) {
@@ -181,8 +188,10 @@ std::vector<std::vector<std::vector<int64_t>>> EngramPrimes(int num_layers, int 
   return out;
 }
 
-std::vector<int64_t> EngramMultipliers(int64_t layer_id, int max_ngram, int64_t compressed_vocab_size) {
-  const int64_t bound = std::max<int64_t>(1, (std::numeric_limits<int64_t>::max() / compressed_vocab_size) / 2);
+std::vector<int64_t> EngramMultipliers(int64_t layer_id, int max_ngram,
+                                       int64_t compressed_vocab_size) {
+  const int64_t bound =
+      std::max<int64_t>(1, (std::numeric_limits<int64_t>::max() / compressed_vocab_size) / 2);
   NumpyPcg64 rng(static_cast<uint64_t>(10007 * layer_id));
   std::vector<int64_t> m;
   for (int i = 0; i < max_ngram; ++i) m.push_back(rng.Integers(bound) * 2 + 1);
@@ -247,11 +256,13 @@ std::vector<int32_t> BuildCompressedTokenMap(const Tokenizer& tokenizer, int64_t
   return map;
 }
 
-absl::StatusOr<EngramConstants> ComputeEngramConstants(const json& tc, std::vector<int32_t> token_map,
+absl::StatusOr<EngramConstants> ComputeEngramConstants(const json& tc,
+                                                       std::vector<int32_t> token_map,
                                                        int64_t compressed_vocab_size) {
-  for (const char* k : {"engram_layer_ids", "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads",
-                        "engram_pad_token_id"}) {
-    if (!tc.contains(k)) return absl::InvalidArgumentError(absl::StrCat("text_config lacks \"", k, "\""));
+  for (const char* k : {"engram_layer_ids", "engram_max_ngram_size", "engram_vocab_size",
+                        "engram_n_heads", "engram_pad_token_id"}) {
+    if (!tc.contains(k))
+      return absl::InvalidArgumentError(absl::StrCat("text_config lacks \"", k, "\""));
   }
   EngramConstants c;
   try {
@@ -261,23 +272,27 @@ absl::StatusOr<EngramConstants> ComputeEngramConstants(const json& tc, std::vect
     c.n_heads = tc["engram_n_heads"].get<int32_t>();
     const int32_t pad_token = tc["engram_pad_token_id"].get<int32_t>();
     if (pad_token < 0 || static_cast<size_t>(pad_token) >= token_map.size()) {
-      return absl::InvalidArgumentError(absl::StrCat("engram_pad_token_id ", pad_token, " is outside the token map"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("engram_pad_token_id ", pad_token, " is outside the token map"));
     }
-    if (c.max_ngram_size < 2 || c.n_heads < 1 || c.engram_vocab_size < 2 || compressed_vocab_size < 1) {
+    if (c.max_ngram_size < 2 || c.n_heads < 1 || c.engram_vocab_size < 2 ||
+        compressed_vocab_size < 1) {
       return absl::InvalidArgumentError("engram sizes must be positive (max_ngram >= 2)");
     }
     c.pad_id = token_map[static_cast<size_t>(pad_token)];
     c.compressed_vocab_size = compressed_vocab_size;
     if (tc.contains("engram_compressed_vocab_size") &&
         tc["engram_compressed_vocab_size"].get<int64_t>() != compressed_vocab_size) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("engram_compressed_vocab_size is ", tc["engram_compressed_vocab_size"].get<int64_t>(),
-                       " but the token map has ", compressed_vocab_size, " classes"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "engram_compressed_vocab_size is ", tc["engram_compressed_vocab_size"].get<int64_t>(),
+          " but the token map has ", compressed_vocab_size, " classes"));
     }
     c.token_map = std::move(token_map);
-    c.primes = EngramPrimes(static_cast<int>(c.layer_ids.size()), c.max_ngram_size, c.n_heads, c.engram_vocab_size);
+    c.primes = EngramPrimes(static_cast<int>(c.layer_ids.size()), c.max_ngram_size, c.n_heads,
+                            c.engram_vocab_size);
     for (size_t l = 0; l < c.layer_ids.size(); ++l) {
-      c.multipliers.push_back(EngramMultipliers(c.layer_ids[l], c.max_ngram_size, compressed_vocab_size));
+      c.multipliers.push_back(
+          EngramMultipliers(c.layer_ids[l], c.max_ngram_size, compressed_vocab_size));
       int64_t off = 0;
       std::vector<std::vector<int64_t>> offs;
       for (const auto& per_head : c.primes[l]) {
@@ -295,11 +310,13 @@ absl::StatusOr<EngramConstants> ComputeEngramConstants(const json& tc, std::vect
       const auto cfg = tc["engram_num_embeddings"].get<std::vector<int64_t>>();
       if (cfg != c.num_embeddings) {
         return absl::InvalidArgumentError(absl::StrCat("engram_num_embeddings ", json(cfg).dump(),
-                                                       " disagrees with the primes (", json(c.num_embeddings).dump(), ")"));
+                                                       " disagrees with the primes (",
+                                                       json(c.num_embeddings).dump(), ")"));
       }
     }
   } catch (const json::exception& e) {
-    return absl::InvalidArgumentError(absl::StrCat("engram config field has the wrong type: ", e.what()));
+    return absl::InvalidArgumentError(
+        absl::StrCat("engram config field has the wrong type: ", e.what()));
   }
   return c;
 }
@@ -338,23 +355,30 @@ absl::StatusOr<EngramConstants> EngramConstants::FromJson(const json& j) {
     return absl::InvalidArgumentError(absl::StrCat("engram constants JSON: ", e.what()));
   }
   const size_t n = c.layer_ids.size();
-  if (c.multipliers.size() != n || c.primes.size() != n || c.offsets.size() != n || c.num_embeddings.size() != n) {
-    return absl::InvalidArgumentError("engram constants JSON: per-layer arrays differ in length from layer_ids");
+  if (c.multipliers.size() != n || c.primes.size() != n || c.offsets.size() != n ||
+      c.num_embeddings.size() != n) {
+    return absl::InvalidArgumentError(
+        "engram constants JSON: per-layer arrays differ in length from layer_ids");
   }
   for (size_t l = 0; l < n; ++l) {
     if (c.multipliers[l].size() != static_cast<size_t>(c.max_ngram_size) ||
-        c.primes[l].size() != static_cast<size_t>(c.max_ngram_size - 1) || c.offsets[l].size() != c.primes[l].size()) {
-      return absl::InvalidArgumentError(absl::StrCat("engram constants JSON: layer ", l, " has wrong array sizes"));
+        c.primes[l].size() != static_cast<size_t>(c.max_ngram_size - 1) ||
+        c.offsets[l].size() != c.primes[l].size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("engram constants JSON: layer ", l, " has wrong array sizes"));
     }
     for (size_t g = 0; g < c.primes[l].size(); ++g) {
-      if (c.primes[l][g].size() != static_cast<size_t>(c.n_heads) || c.offsets[l][g].size() != c.primes[l][g].size()) {
-        return absl::InvalidArgumentError(absl::StrCat("engram constants JSON: layer ", l, " needs ", c.n_heads, " heads"));
+      if (c.primes[l][g].size() != static_cast<size_t>(c.n_heads) ||
+          c.offsets[l][g].size() != c.primes[l][g].size()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("engram constants JSON: layer ", l, " needs ", c.n_heads, " heads"));
       }
     }
   }
   for (int32_t t : c.token_map) {
     if (t < 0 || t >= c.compressed_vocab_size) {
-      return absl::InvalidArgumentError(absl::StrCat("engram constants JSON: token_map value ", t, " out of range"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("engram constants JSON: token_map value ", t, " out of range"));
     }
   }
   return c;
@@ -370,13 +394,15 @@ absl::Status EngramConstants::Save(const std::string& path) const {
 
 absl::StatusOr<EngramConstants> EngramConstants::Load(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("engram constants file ", path, " cannot be opened"));
+  if (!in)
+    return absl::NotFoundError(absl::StrCat("engram constants file ", path, " cannot be opened"));
   std::stringstream ss;
   ss << in.rdbuf();
   json j = json::parse(ss.str(), nullptr, false);
   if (j.is_discarded()) return absl::InvalidArgumentError(absl::StrCat(path, " is not valid JSON"));
   auto c = FromJson(j);
-  if (!c.ok()) return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
+  if (!c.ok())
+    return absl::Status(c.status().code(), absl::StrCat(path, ": ", c.status().message()));
   return c;
 }
 

@@ -23,13 +23,13 @@ namespace epd::model {
 class Tokenizer;
 
 struct EngramConstants {
-  int32_t max_ngram_size = 4;     // n-grams 2..max_ngram_size
-  int32_t n_heads = 0;            // hash heads per n-gram order
-  int64_t engram_vocab_size = 0;  // the primes start above engram_vocab_size - 1
+  int32_t max_ngram_size = 4;         // n-grams 2..max_ngram_size
+  int32_t n_heads = 0;                // hash heads per n-gram order
+  int64_t engram_vocab_size = 0;      // the primes start above engram_vocab_size - 1
   int64_t compressed_vocab_size = 0;  // number of token classes
-  int32_t pad_id = 0;             // compressed id used for positions before the start
-  std::vector<int32_t> token_map;   // [vocab] token id -> compressed id
-  std::vector<int32_t> layer_ids;   // engram layers, in config order
+  int32_t pad_id = 0;                 // compressed id used for positions before the start
+  std::vector<int32_t> token_map;     // [vocab] token id -> compressed id
+  std::vector<int32_t> layer_ids;     // engram layers, in config order
   std::vector<std::vector<int64_t>> multipliers;           // [layer][max_ngram], odd
   std::vector<std::vector<std::vector<int64_t>>> primes;   // [layer][max_ngram-1][n_heads]
   std::vector<std::vector<std::vector<int64_t>>> offsets;  // [layer][max_ngram-1][n_heads]
@@ -53,11 +53,12 @@ std::string EngramNormalize(const std::string& text);
 
 // [layer][n-gram][head] primes: one global walk; for every n-gram order the search restarts
 // at engram_vocab_size - 1 and never reuses a prime handed out before (any layer).
-std::vector<std::vector<std::vector<int64_t>>> EngramPrimes(int num_layers, int max_ngram, int n_heads,
-                                                           int64_t engram_vocab_size);
+std::vector<std::vector<std::vector<int64_t>>> EngramPrimes(int num_layers, int max_ngram,
+                                                            int n_heads, int64_t engram_vocab_size);
 
 // 2 * default_rng(10007 * layer_id).integers(0, (2^63-1) // V // 2, size=max_ngram) + 1.
-std::vector<int64_t> EngramMultipliers(int64_t layer_id, int max_ngram, int64_t compressed_vocab_size);
+std::vector<int64_t> EngramMultipliers(int64_t layer_id, int max_ngram,
+                                       int64_t compressed_vocab_size);
 
 // All constants from a text_config (HF key names: engram_layer_ids, engram_max_ngram_size,
 // engram_vocab_size, engram_n_heads, engram_pad_token_id) and a token map. Errors name a

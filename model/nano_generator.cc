@@ -27,7 +27,8 @@ const std::vector<double>& E4m3Table() {
     std::vector<double> v;
     for (int code = 0; code < 127; ++code) {
       const int e = (code >> 3) & 15, m = code & 7;
-      v.push_back(e == 0 ? (m / 8.0) * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7));
+      v.push_back(e == 0 ? (m / 8.0) * std::ldexp(1.0, -6)
+                         : (1 + m / 8.0) * std::ldexp(1.0, e - 7));
     }
     return v;
   }();
@@ -50,7 +51,8 @@ uint8_t NearestCode(double a, const std::vector<double>& table) {
 }
 
 uint8_t E4m3Encode(double v) {
-  return static_cast<uint8_t>(NearestCode(std::fabs(v), E4m3Table()) | (std::signbit(v) ? 0x80 : 0));
+  return static_cast<uint8_t>(NearestCode(std::fabs(v), E4m3Table()) |
+                              (std::signbit(v) ? 0x80 : 0));
 }
 uint8_t E2m1Encode(double v) {
   return static_cast<uint8_t>(NearestCode(std::fabs(v), E2m1Table()) | (std::signbit(v) ? 0x8 : 0));
@@ -97,7 +99,8 @@ class Builder {
   }
   double Uniform(double lo, double hi) { return lo + (hi - lo) * rng_.NextDouble(); }
 
-  absl::Status Bf16(const std::string& name, const std::vector<int64_t>& shape, const std::vector<float>& a) {
+  absl::Status Bf16(const std::string& name, const std::vector<int64_t>& shape,
+                    const std::vector<float>& a) {
     std::string raw(a.size() * 2, '\0');
     for (size_t i = 0; i < a.size(); ++i) {
       const uint16_t b = Bf16Bits(a[i]);
@@ -106,7 +109,8 @@ class Builder {
     }
     return w_.Add(name, "BF16", shape, std::move(raw));
   }
-  absl::Status F32(const std::string& name, const std::vector<int64_t>& shape, const std::vector<float>& a) {
+  absl::Status F32(const std::string& name, const std::vector<int64_t>& shape,
+                   const std::vector<float>& a) {
     std::string raw(a.size() * 4, '\0');
     std::memcpy(raw.data(), a.data(), raw.size());  // little-endian host
     return w_.Add(name, "F32", shape, std::move(raw));
@@ -116,8 +120,8 @@ class Builder {
   }
 
   // w [O, I] -> E4M3 [O, I] + E8M0 [ceil(O/bo), ceil(I/bi)] (power-of-two ceil of amax/448).
-  absl::Status Fp8Blockwise(const std::string& prefix, const std::string& scale_name, int64_t O, int64_t I,
-                            const std::vector<float>& w, int64_t bo, int64_t bi) {
+  absl::Status Fp8Blockwise(const std::string& prefix, const std::string& scale_name, int64_t O,
+                            int64_t I, const std::vector<float>& w, int64_t bo, int64_t bi) {
     const int64_t nO = (O + bo - 1) / bo, nI = (I + bi - 1) / bi;
     std::string codes(static_cast<size_t>(O * I), '\0');
     std::string scales(static_cast<size_t>(nO * nI), '\0');
@@ -126,29 +130,34 @@ class Builder {
         double amax = 0;
         for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
           for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
-            amax = std::max(amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * I + c)])));
+            amax =
+                std::max(amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * I + c)])));
         amax = std::max(amax, 1e-30);
         const int ex = CeilLog2(amax / 448.0);
         scales[static_cast<size_t>(bo_i * nI + bi_i)] = static_cast<char>(ex + 127);
         const double inv = std::ldexp(1.0, -ex);
         for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
           for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
-            codes[static_cast<size_t>(r * I + c)] =
-                static_cast<char>(E4m3Encode(static_cast<double>(w[static_cast<size_t>(r * I + c)]) * inv));
+            codes[static_cast<size_t>(r * I + c)] = static_cast<char>(
+                E4m3Encode(static_cast<double>(w[static_cast<size_t>(r * I + c)]) * inv));
       }
     }
     RETURN_IF_ERROR(w_.Add(prefix + ".weight", "F8_E4M3", {O, I}, std::move(codes)));
     return w_.Add(scale_name, "F8_E8M0", {nO, nI}, std::move(scales));
   }
 
-  absl::Status Fp8Linear(const std::string& prefix, int64_t out_f, int64_t in_f, double gain = 1.0) {
+  absl::Status Fp8Linear(const std::string& prefix, int64_t out_f, int64_t in_f,
+                         double gain = 1.0) {
     auto w = Normal(static_cast<size_t>(out_f * in_f), gain / std::sqrt(static_cast<double>(in_f)));
     return Fp8Blockwise(prefix, prefix + ".scale", out_f, in_f, w, 32, 32);
   }
 
   // MXFP4: I8 [out, in/2] (low nibble = even element) + E8M0 [out, in/32].
-  absl::Status Fp4Linear(const std::string& prefix, int64_t out_f, int64_t in_f, double gain = 1.0) {
-    if (in_f % 32 != 0) return absl::InvalidArgumentError(absl::StrCat(prefix, ": in_features ", in_f, " not a multiple of 32"));
+  absl::Status Fp4Linear(const std::string& prefix, int64_t out_f, int64_t in_f,
+                         double gain = 1.0) {
+    if (in_f % 32 != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat(prefix, ": in_features ", in_f, " not a multiple of 32"));
     auto w = Normal(static_cast<size_t>(out_f * in_f), gain / std::sqrt(static_cast<double>(in_f)));
     std::string packed(static_cast<size_t>(out_f * in_f / 2), '\0');
     std::string scales(static_cast<size_t>(out_f * in_f / 32), '\0');
@@ -156,17 +165,20 @@ class Builder {
     for (int64_t r = 0; r < out_f; ++r) {
       for (int64_t b = 0; b < in_f / 32; ++b) {
         double amax = 0;
-        for (int64_t k = 0; k < 32; ++k) amax = std::max(amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * in_f + b * 32 + k)])));
+        for (int64_t k = 0; k < 32; ++k)
+          amax = std::max(
+              amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * in_f + b * 32 + k)])));
         amax = std::max(amax, 1e-30);
         const int ex = CeilLog2(amax / 6.0);
         scales[static_cast<size_t>(r * (in_f / 32) + b)] = static_cast<char>(ex + 127);
         const double inv = std::ldexp(1.0, -ex);
         for (int64_t k = 0; k < 32; ++k)
-          codes[static_cast<size_t>(b * 32 + k)] = E2m1Encode(static_cast<double>(w[static_cast<size_t>(r * in_f + b * 32 + k)]) * inv);
+          codes[static_cast<size_t>(b * 32 + k)] =
+              E2m1Encode(static_cast<double>(w[static_cast<size_t>(r * in_f + b * 32 + k)]) * inv);
       }
       for (int64_t k = 0; k < in_f / 2; ++k)
-        packed[static_cast<size_t>(r * (in_f / 2) + k)] =
-            static_cast<char>(codes[static_cast<size_t>(2 * k)] | (codes[static_cast<size_t>(2 * k + 1)] << 4));
+        packed[static_cast<size_t>(r * (in_f / 2) + k)] = static_cast<char>(
+            codes[static_cast<size_t>(2 * k)] | (codes[static_cast<size_t>(2 * k + 1)] << 4));
     }
     RETURN_IF_ERROR(w_.Add(prefix + ".weight", "I8", {out_f, in_f / 2}, std::move(packed)));
     return w_.Add(prefix + ".scale", "F8_E8M0", {out_f, in_f / 32}, std::move(scales));
@@ -187,8 +199,8 @@ class Builder {
 };
 
 struct Dims {
-  int64_t V, D, H, hd, ql, G, ol, inter, hc, n_exp, n_dspark_exp, idx_hd, idx_heads, eg_heads, eg_hd, eg_ngram,
-      markov, L, n_mtp, n_targets;
+  int64_t V, D, H, hd, ql, G, ol, inter, hc, n_exp, n_dspark_exp, idx_hd, idx_heads, eg_heads,
+      eg_hd, eg_ngram, markov, L, n_mtp, n_targets;
   std::vector<int64_t> ratios, kv_sources, index_sources, engram_layers, engram_rows;
 };
 
@@ -235,27 +247,32 @@ absl::StatusOr<Dims> ParseDims(const json& config) {
     return absl::InvalidArgumentError(absl::StrCat("config field has the wrong type: ", e.what()));
   }
   if (static_cast<int64_t>(d.ratios.size()) != d.L + d.n_mtp) {
-    return absl::InvalidArgumentError(absl::StrCat("compress_ratios has ", d.ratios.size(), " entries, expected ",
-                                                   d.L + d.n_mtp, " (layers + DSpark stages)"));
+    return absl::InvalidArgumentError(absl::StrCat("compress_ratios has ", d.ratios.size(),
+                                                   " entries, expected ", d.L + d.n_mtp,
+                                                   " (layers + DSpark stages)"));
   }
   if (d.engram_rows.size() != d.engram_layers.size()) {
-    return absl::InvalidArgumentError("engram_num_embeddings and engram_layer_ids differ in length");
+    return absl::InvalidArgumentError(
+        "engram_num_embeddings and engram_layer_ids differ in length");
   }
-  for (int64_t v : {d.V, d.D, d.H, d.hd, d.ql, d.G, d.ol, d.inter, d.hc, d.n_exp, d.n_dspark_exp, d.idx_hd,
-                    d.idx_heads, d.eg_heads, d.eg_hd, d.markov, d.L}) {
+  for (int64_t v : {d.V, d.D, d.H, d.hd, d.ql, d.G, d.ol, d.inter, d.hc, d.n_exp, d.n_dspark_exp,
+                    d.idx_hd, d.idx_heads, d.eg_heads, d.eg_hd, d.markov, d.L}) {
     if (v <= 0) return absl::InvalidArgumentError("config dimensions must be positive");
   }
   if (d.D % 32 != 0 || d.inter % 32 != 0 || (d.H * d.hd) % d.G != 0) {
-    return absl::InvalidArgumentError("hidden_size and moe_intermediate_size must be multiples of 32");
+    return absl::InvalidArgumentError(
+        "hidden_size and moe_intermediate_size must be multiples of 32");
   }
   return d;
 }
 
-bool Contains(const std::vector<int64_t>& v, int64_t x) { return std::find(v.begin(), v.end(), x) != v.end(); }
+bool Contains(const std::vector<int64_t>& v, int64_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
 
 // One block; mirrors `block()` of shared/golden/tools/v41_tiny_gen.py tensor by tensor.
-absl::Status Block(Builder& ck, const std::string& pre, const Dims& d, int64_t layer_id, bool is_mtp,
-                   int64_t engram_rows) {
+absl::Status Block(Builder& ck, const std::string& pre, const Dims& d, int64_t layer_id,
+                   bool is_mtp, int64_t engram_rows) {
   const int64_t D = d.D, H = d.H, hd = d.hd, hc = d.hc;
   const int64_t ratio = d.ratios[static_cast<size_t>(layer_id)];
   const int64_t n_exp = is_mtp ? d.n_dspark_exp : d.n_exp;
@@ -273,12 +290,15 @@ absl::Status Block(Builder& ck, const std::string& pre, const Dims& d, int64_t l
   RETURN_IF_ERROR(ck.Fp8Linear(a + "wo_b", D, d.G * d.ol, 0.3));
   if (!is_mtp && Contains(d.kv_sources, layer_id)) {
     RETURN_IF_ERROR(ck.Norm(a + "compressor.norm.weight", hd));
-    RETURN_IF_ERROR(ck.Bf16(a + "compressor.wkv.weight", {hd, D}, ck.Normal(static_cast<size_t>(hd * D), inv_sqrt_d)));
+    RETURN_IF_ERROR(ck.Bf16(a + "compressor.wkv.weight", {hd, D},
+                            ck.Normal(static_cast<size_t>(hd * D), inv_sqrt_d)));
     if (ratio > 1) {
-      RETURN_IF_ERROR(ck.Bf16(a + "compressor.wgate.weight", {hd, D}, ck.Normal(static_cast<size_t>(hd * D), inv_sqrt_d)));
+      RETURN_IF_ERROR(ck.Bf16(a + "compressor.wgate.weight", {hd, D},
+                              ck.Normal(static_cast<size_t>(hd * D), inv_sqrt_d)));
     }
-    RETURN_IF_ERROR(ck.Bf16(a + "indexer.wk.weight", {d.idx_hd, hd},
-                            ck.Normal(static_cast<size_t>(d.idx_hd * hd), 1.0 / std::sqrt(static_cast<double>(hd)))));
+    RETURN_IF_ERROR(ck.Bf16(
+        a + "indexer.wk.weight", {d.idx_hd, hd},
+        ck.Normal(static_cast<size_t>(d.idx_hd * hd), 1.0 / std::sqrt(static_cast<double>(hd)))));
     RETURN_IF_ERROR(ck.Norm(a + "indexer.k_norm.weight", d.idx_hd));
   }
   if (!is_mtp && Contains(d.index_sources, layer_id)) {
@@ -291,11 +311,14 @@ absl::Status Block(Builder& ck, const std::string& pre, const Dims& d, int64_t l
     const int64_t n_cols = (d.eg_ngram - 1) * d.eg_heads;
     RETURN_IF_ERROR(ck.EngramTable(e + "embed", engram_rows, d.eg_hd));
     RETURN_IF_ERROR(ck.Fp8Linear(e + "wkv", D * (hc + 1), n_cols * d.eg_hd, 0.2));
-    RETURN_IF_ERROR(ck.Bf16(e + "q_weight", {hc, D}, ck.Normal(static_cast<size_t>(hc * D), 0.1, 1.0)));
-    RETURN_IF_ERROR(ck.Bf16(e + "k_weight", {hc, D}, ck.Normal(static_cast<size_t>(hc * D), 0.1, 1.0)));
+    RETURN_IF_ERROR(
+        ck.Bf16(e + "q_weight", {hc, D}, ck.Normal(static_cast<size_t>(hc * D), 0.1, 1.0)));
+    RETURN_IF_ERROR(
+        ck.Bf16(e + "k_weight", {hc, D}, ck.Normal(static_cast<size_t>(hc * D), 0.1, 1.0)));
   }
   const std::string f = pre + "ffn.";
-  RETURN_IF_ERROR(ck.Bf16(f + "gate.weight", {n_exp, D}, ck.Normal(static_cast<size_t>(n_exp * D), inv_sqrt_d)));
+  RETURN_IF_ERROR(ck.Bf16(f + "gate.weight", {n_exp, D},
+                          ck.Normal(static_cast<size_t>(n_exp * D), inv_sqrt_d)));
   RETURN_IF_ERROR(ck.F32(f + "gate.bias", {n_exp}, ck.Normal(static_cast<size_t>(n_exp), 0.05)));
   RETURN_IF_ERROR(ck.F32(f + "gate.bias_vl", {n_exp}, ck.Normal(static_cast<size_t>(n_exp), 0.05)));
   for (int64_t i = 0; i < n_exp; ++i) {
@@ -310,11 +333,14 @@ absl::Status Block(Builder& ck, const std::string& pre, const Dims& d, int64_t l
   const int64_t mix = (2 + hc) * hc;
   for (const char* site : {"attn", "ffn"}) {
     RETURN_IF_ERROR(ck.F32(absl::StrCat(pre, "hc_", site, "_fn"), {mix, hc * D},
-                           ck.Normal(static_cast<size_t>(mix * hc * D), 1.0 / std::sqrt(static_cast<double>(hc * D)))));
+                           ck.Normal(static_cast<size_t>(mix * hc * D),
+                                     1.0 / std::sqrt(static_cast<double>(hc * D)))));
     std::vector<float> base = ck.Normal(static_cast<size_t>(mix), 0.5);
-    for (int64_t i = 0; i < hc; ++i) base[static_cast<size_t>(2 * hc + i * hc + i)] += 1.0f;  // comb leans to identity
+    for (int64_t i = 0; i < hc; ++i)
+      base[static_cast<size_t>(2 * hc + i * hc + i)] += 1.0f;  // comb leans to identity
     RETURN_IF_ERROR(ck.F32(absl::StrCat(pre, "hc_", site, "_base"), {mix}, base));
-    std::vector<float> scale = {static_cast<float>(ck.Uniform(0.5, 1.0)), static_cast<float>(ck.Uniform(0.5, 1.0)),
+    std::vector<float> scale = {static_cast<float>(ck.Uniform(0.5, 1.0)),
+                                static_cast<float>(ck.Uniform(0.5, 1.0)),
                                 static_cast<float>(ck.Uniform(0.5, 1.0))};
     RETURN_IF_ERROR(ck.F32(absl::StrCat(pre, "hc_", site, "_scale"), {3}, scale));
   }
@@ -334,10 +360,14 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
 absl::StatusOr<std::string> NanoTokenizerJson() {
   BpeTrainerOptions o;
   o.leading_specials = {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"};
-  o.trailing_added = {{"<｜User｜>", true},        {"<｜Assistant｜>", true},
-                      {"<think>", false},           {"</think>", false},
-                      {"｜DSML｜", false},          {"<｜System｜>", false},
-                      {"<｜latest_reminder｜>", true}, {"<｜deepseek_image｜>", true}};
+  o.trailing_added = {{"<｜User｜>", true},
+                      {"<｜Assistant｜>", true},
+                      {"<think>", false},
+                      {"</think>", false},
+                      {"｜DSML｜", false},
+                      {"<｜System｜>", false},
+                      {"<｜latest_reminder｜>", true},
+                      {"<｜deepseek_image｜>", true}};
   o.vocab_size = 2048;
   return TrainByteLevelBpe(NanoCorpus(), o);
 }
@@ -345,9 +375,11 @@ absl::StatusOr<std::string> NanoTokenizerJson() {
 absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::string& out_dir) {
   ASSIGN_OR_RETURN(Dims d, ParseDims(config));
   Builder ck(seed);
-  RETURN_IF_ERROR(ck.Bf16("embed.weight", {d.V, d.D}, ck.Normal(static_cast<size_t>(d.V * d.D), 1.0)));
-  RETURN_IF_ERROR(ck.Bf16("head.weight", {d.V, d.D},
-                          ck.Normal(static_cast<size_t>(d.V * d.D), 3.0 / std::sqrt(static_cast<double>(d.D)))));
+  RETURN_IF_ERROR(
+      ck.Bf16("embed.weight", {d.V, d.D}, ck.Normal(static_cast<size_t>(d.V * d.D), 1.0)));
+  RETURN_IF_ERROR(ck.Bf16(
+      "head.weight", {d.V, d.D},
+      ck.Normal(static_cast<size_t>(d.V * d.D), 3.0 / std::sqrt(static_cast<double>(d.D)))));
   RETURN_IF_ERROR(ck.Norm("norm.weight", d.D));
   for (int64_t lid = 0; lid < d.L; ++lid) {
     int64_t rows = 0;
@@ -367,9 +399,11 @@ absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::st
       RETURN_IF_ERROR(ck.Bf16(pre + "markov_head.embed.weight", {d.V, d.markov},
                               ck.Normal(static_cast<size_t>(d.V * d.markov), 1.0)));
       RETURN_IF_ERROR(ck.Bf16(pre + "markov_head.head.weight", {d.V, d.markov},
-                              ck.Normal(static_cast<size_t>(d.V * d.markov), 1.0 / std::sqrt(static_cast<double>(d.markov)))));
+                              ck.Normal(static_cast<size_t>(d.V * d.markov),
+                                        1.0 / std::sqrt(static_cast<double>(d.markov)))));
       RETURN_IF_ERROR(ck.Bf16(pre + "confidence_head.proj.weight", {1, d.D + d.markov},
-                              ck.Normal(static_cast<size_t>(d.D + d.markov), 1.0 / std::sqrt(static_cast<double>(d.D + d.markov)))));
+                              ck.Normal(static_cast<size_t>(d.D + d.markov),
+                                        1.0 / std::sqrt(static_cast<double>(d.D + d.markov)))));
     }
   }
   std::error_code ec;
@@ -379,7 +413,8 @@ absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::st
   RETURN_IF_ERROR(ck.writer().Write(out_dir + "/" + shard));
   std::map<std::string, std::string> weight_map;
   for (const std::string& n : ck.writer().names()) weight_map[n] = shard;
-  return WriteSafetensorsIndex(out_dir + "/model.safetensors.index.json", ck.writer().data_bytes(), weight_map);
+  return WriteSafetensorsIndex(out_dir + "/model.safetensors.index.json", ck.writer().data_bytes(),
+                               weight_map);
 }
 
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed) {
@@ -403,7 +438,8 @@ absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed) {
   }
   int64_t classes = 0;
   std::vector<int32_t> token_map = BuildCompressedTokenMap(*tok, &classes);
-  ASSIGN_OR_RETURN(EngramConstants engram, ComputeEngramConstants(tc, std::move(token_map), classes));
+  ASSIGN_OR_RETURN(EngramConstants engram,
+                   ComputeEngramConstants(tc, std::move(token_map), classes));
 
   RETURN_IF_ERROR(GenerateCheckpoint(config, seed, out_dir));
   RETURN_IF_ERROR(WriteText(out_dir + "/config.json", config.dump(2) + "\n"));

@@ -43,7 +43,8 @@ std::string_view NanoConfigJson();
 // `out_dir/model.safetensors` + `out_dir/model.safetensors.index.json`. Weight scales follow
 // the golden generator (shared/golden/tools/v41_tiny_gen.py): small residual-branch gains so
 // the network stays well-conditioned. Errors name a missing/invalid config field.
-absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed, const std::string& out_dir);
+absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed,
+                                const std::string& out_dir);
 
 // Writes the whole nano model directory (see above). Creates `out_dir` if needed.
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed = kNanoDefaultSeed);

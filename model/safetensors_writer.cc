@@ -9,13 +9,15 @@
 namespace epd::model {
 namespace {
 
-absl::Status WriteAtomically(const std::string& path, const std::string& head, const std::vector<const std::string*>& parts) {
+absl::Status WriteAtomically(const std::string& path, const std::string& head,
+                             const std::vector<const std::string*>& parts) {
   const std::string tmp = path + ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) return absl::InternalError(absl::StrCat("cannot create ", tmp));
     out.write(head.data(), static_cast<std::streamsize>(head.size()));
-    for (const std::string* p : parts) out.write(p->data(), static_cast<std::streamsize>(p->size()));
+    for (const std::string* p : parts)
+      out.write(p->data(), static_cast<std::streamsize>(p->size()));
     out.flush();
     if (!out) return absl::InternalError(absl::StrCat("write failed: ", tmp));
   }
@@ -34,7 +36,8 @@ absl::StatusOr<size_t> SafetensorsDtypeSize(const std::string& dtype) {
       {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},     {"U32", 4},
       {"F32", 4},  {"I64", 8}, {"U64", 8}, {"F64", 8}};
   auto it = sizes.find(dtype);
-  if (it == sizes.end()) return absl::InvalidArgumentError(absl::StrCat("unknown safetensors dtype \"", dtype, "\""));
+  if (it == sizes.end())
+    return absl::InvalidArgumentError(absl::StrCat("unknown safetensors dtype \"", dtype, "\""));
   return it->second;
 }
 
@@ -43,17 +46,19 @@ absl::Status SafetensorsWriter::Add(const std::string& name, const std::string& 
   if (name.empty() || name == "__metadata__") {
     return absl::InvalidArgumentError(absl::StrCat("invalid tensor name \"", name, "\""));
   }
-  if (tensors_.contains(name)) return absl::AlreadyExistsError(absl::StrCat("tensor ", name, " added twice"));
+  if (tensors_.contains(name))
+    return absl::AlreadyExistsError(absl::StrCat("tensor ", name, " added twice"));
   auto esize = SafetensorsDtypeSize(dtype);
-  if (!esize.ok()) return absl::InvalidArgumentError(absl::StrCat(name, ": ", esize.status().message()));
+  if (!esize.ok())
+    return absl::InvalidArgumentError(absl::StrCat(name, ": ", esize.status().message()));
   uint64_t n = 1;
   for (int64_t d : shape) {
     if (d < 0) return absl::InvalidArgumentError(absl::StrCat(name, ": negative dimension"));
     n *= static_cast<uint64_t>(d);
   }
   if (n * *esize != data.size()) {
-    return absl::InvalidArgumentError(absl::StrCat(name, ": ", data.size(), " bytes given, shape and dtype need ",
-                                                   n * *esize));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ": ", data.size(), " bytes given, shape and dtype need ", n * *esize));
   }
   data_bytes_ += data.size();
   tensors_.emplace(name, Tensor{dtype, std::move(shape), std::move(data)});
@@ -72,7 +77,8 @@ absl::Status SafetensorsWriter::Write(const std::string& path,
   uint64_t off = 0;
   std::vector<const std::string*> parts;
   for (const auto& [name, t] : tensors_) {  // std::map: byte-wise name order
-    header[name] = {{"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.data.size()}}};
+    header[name] = {
+        {"dtype", t.dtype}, {"shape", t.shape}, {"data_offsets", {off, off + t.data.size()}}};
     off += t.data.size();
     parts.push_back(&t.data);
   }
@@ -81,7 +87,8 @@ absl::Status SafetensorsWriter::Write(const std::string& path,
   h.append((8 - h.size() % 8) % 8, ' ');
   std::string head(8, '\0');
   const uint64_t len = h.size();
-  for (int i = 0; i < 8; ++i) head[static_cast<size_t>(i)] = static_cast<char>((len >> (8 * i)) & 0xFF);
+  for (int i = 0; i < 8; ++i)
+    head[static_cast<size_t>(i)] = static_cast<char>((len >> (8 * i)) & 0xFF);
   head += h;
   return WriteAtomically(path, head, parts);
 }

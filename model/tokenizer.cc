@@ -66,7 +66,9 @@ SeqKind ClassifyUtf8(std::string_view s, size_t i, size_t* len) {
 
 constexpr std::string_view kReplacement = "\xEF\xBF\xBD";
 
-bool IsAsciiSpace(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
+bool IsAsciiSpace(char c) {
+  return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v';
+}
 
 icu::UnicodeString ToUnicode(std::string_view s) {
   return icu::UnicodeString::fromUTF8(icu::StringPiece(s.data(), static_cast<int32_t>(s.size())));
@@ -99,15 +101,16 @@ enum class NormKind { kNfc, kNfd, kNfkc, kNfkd, kLowercase };
 constexpr const char* kGpt2Pattern =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
-absl::StatusOr<std::unique_ptr<icu::RegexPattern>> Compile(const std::string& pattern, bool literal) {
+absl::StatusOr<std::unique_ptr<icu::RegexPattern>> Compile(const std::string& pattern,
+                                                           bool literal) {
   UErrorCode status = U_ZERO_ERROR;
   UParseError perr;
   std::unique_ptr<icu::RegexPattern> p(
       icu::RegexPattern::compile(ToUnicode(pattern), literal ? UREGEX_LITERAL : 0, perr, status));
   if (U_FAILURE(status) || p == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("pre_tokenizer regex does not compile (",
-                                                   u_errorName(status), " at offset ",
-                                                   perr.offset, "): ", pattern));
+                                                   u_errorName(status), " at offset ", perr.offset,
+                                                   "): ", pattern));
   }
   return p;
 }
@@ -130,11 +133,21 @@ struct Tokenizer::Impl {
       UErrorCode st = U_ZERO_ERROR;
       const icu::Normalizer2* n = nullptr;
       switch (k) {
-        case NormKind::kNfc: n = icu::Normalizer2::getNFCInstance(st); break;
-        case NormKind::kNfd: n = icu::Normalizer2::getNFDInstance(st); break;
-        case NormKind::kNfkc: n = icu::Normalizer2::getNFKCInstance(st); break;
-        case NormKind::kNfkd: n = icu::Normalizer2::getNFKDInstance(st); break;
-        case NormKind::kLowercase: u.toLower(icu::Locale::getRoot()); continue;
+        case NormKind::kNfc:
+          n = icu::Normalizer2::getNFCInstance(st);
+          break;
+        case NormKind::kNfd:
+          n = icu::Normalizer2::getNFDInstance(st);
+          break;
+        case NormKind::kNfkc:
+          n = icu::Normalizer2::getNFKCInstance(st);
+          break;
+        case NormKind::kNfkd:
+          n = icu::Normalizer2::getNFKDInstance(st);
+          break;
+        case NormKind::kLowercase:
+          u.toLower(icu::Locale::getRoot());
+          continue;
       }
       if (n != nullptr && U_SUCCESS(st)) u = n->normalize(u, st);
     }
@@ -178,14 +191,20 @@ struct Tokenizer::Impl {
       while (m.find(st) && U_SUCCESS(st)) {
         int32_t s = m.start(st), e = m.end(st);
         if (e == s) continue;
-        if (s > last) segs.push_back({byte_at[static_cast<size_t>(last)], byte_at[static_cast<size_t>(s)], step.invert});
-        segs.push_back({byte_at[static_cast<size_t>(s)], byte_at[static_cast<size_t>(e)], !step.invert});
+        if (s > last)
+          segs.push_back(
+              {byte_at[static_cast<size_t>(last)], byte_at[static_cast<size_t>(s)], step.invert});
+        segs.push_back(
+            {byte_at[static_cast<size_t>(s)], byte_at[static_cast<size_t>(e)], !step.invert});
         last = e;
       }
       if (last < u.length()) {
-        segs.push_back({byte_at[static_cast<size_t>(last)], byte_at[static_cast<size_t>(u.length())], step.invert});
+        segs.push_back({byte_at[static_cast<size_t>(last)],
+                        byte_at[static_cast<size_t>(u.length())], step.invert});
       }
-      auto text = [&](const Seg& s) { return piece.substr(static_cast<size_t>(s.b), static_cast<size_t>(s.e - s.b)); };
+      auto text = [&](const Seg& s) {
+        return piece.substr(static_cast<size_t>(s.b), static_cast<size_t>(s.e - s.b));
+      };
       switch (step.behavior) {
         case SplitBehavior::kIsolated:
           for (const Seg& s : segs) out.push_back(text(s));
@@ -256,7 +275,6 @@ struct Tokenizer::Impl {
   }
 };
 
-
 namespace {
 
 absl::Status ParseNormalizer(const json& n, std::vector<NormKind>& out) {
@@ -278,7 +296,8 @@ absl::Status ParseNormalizer(const json& n, std::vector<NormKind>& out) {
   } else if (type == "Lowercase") {
     out.push_back(NormKind::kLowercase);
   } else {
-    return absl::UnimplementedError(absl::StrCat("normalizer type \"", type, "\" is not supported"));
+    return absl::UnimplementedError(
+        absl::StrCat("normalizer type \"", type, "\" is not supported"));
   }
   return absl::OkStatus();
 }
@@ -293,7 +312,8 @@ absl::Status ParsePreTokenizer(const json& p, Tokenizer::Impl& impl, bool& saw_b
         absl::StrCat("pre_tokenizer step \"", type, "\" after ByteLevel is not supported"));
   }
   if (type == "Sequence") {
-    for (const json& c : p.at("pretokenizers")) RETURN_IF_ERROR(ParsePreTokenizer(c, impl, saw_byte_level));
+    for (const json& c : p.at("pretokenizers"))
+      RETURN_IF_ERROR(ParsePreTokenizer(c, impl, saw_byte_level));
     return absl::OkStatus();
   }
   if (type == "Split") {
@@ -304,15 +324,23 @@ absl::Status ParsePreTokenizer(const json& p, Tokenizer::Impl& impl, bool& saw_b
     } else if (pat.contains("String")) {
       ASSIGN_OR_RETURN(step.pattern, Compile(pat["String"].get<std::string>(), true));
     } else {
-      return absl::InvalidArgumentError("pre_tokenizer Split: pattern needs \"Regex\" or \"String\"");
+      return absl::InvalidArgumentError(
+          "pre_tokenizer Split: pattern needs \"Regex\" or \"String\"");
     }
     const std::string b = p.value("behavior", std::string("Isolated"));
-    if (b == "Isolated") step.behavior = SplitBehavior::kIsolated;
-    else if (b == "Removed") step.behavior = SplitBehavior::kRemoved;
-    else if (b == "MergedWithPrevious") step.behavior = SplitBehavior::kMergedWithPrevious;
-    else if (b == "MergedWithNext") step.behavior = SplitBehavior::kMergedWithNext;
-    else if (b == "Contiguous") step.behavior = SplitBehavior::kContiguous;
-    else return absl::InvalidArgumentError(absl::StrCat("pre_tokenizer Split: unknown behavior \"", b, "\""));
+    if (b == "Isolated")
+      step.behavior = SplitBehavior::kIsolated;
+    else if (b == "Removed")
+      step.behavior = SplitBehavior::kRemoved;
+    else if (b == "MergedWithPrevious")
+      step.behavior = SplitBehavior::kMergedWithPrevious;
+    else if (b == "MergedWithNext")
+      step.behavior = SplitBehavior::kMergedWithNext;
+    else if (b == "Contiguous")
+      step.behavior = SplitBehavior::kContiguous;
+    else
+      return absl::InvalidArgumentError(
+          absl::StrCat("pre_tokenizer Split: unknown behavior \"", b, "\""));
     step.invert = p.value("invert", false);
     impl.splits.push_back(std::move(step));
     return absl::OkStatus();
@@ -328,7 +356,8 @@ absl::Status ParsePreTokenizer(const json& p, Tokenizer::Impl& impl, bool& saw_b
     saw_byte_level = true;
     return absl::OkStatus();
   }
-  return absl::UnimplementedError(absl::StrCat("pre_tokenizer type \"", type, "\" is not supported"));
+  return absl::UnimplementedError(
+      absl::StrCat("pre_tokenizer type \"", type, "\" is not supported"));
 }
 
 uint64_t PairKey(int32_t a, int32_t b) {
@@ -392,7 +421,8 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
   const json& model = j["model"];
   const std::string mtype = model.value("type", std::string("BPE"));
   if (mtype != "BPE") {
-    return absl::UnimplementedError(absl::StrCat("model.type \"", mtype, "\" is not supported (BPE only)"));
+    return absl::UnimplementedError(
+        absl::StrCat("model.type \"", mtype, "\" is not supported (BPE only)"));
   }
   if (model.value("byte_fallback", false)) {
     return absl::UnimplementedError("model.byte_fallback is not supported (byte-level BPE only)");
@@ -419,7 +449,8 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
   };
   for (auto it = model["vocab"].begin(); it != model["vocab"].end(); ++it) {
     if (!it.value().is_number_integer()) {
-      return absl::InvalidArgumentError(absl::StrCat("model.vocab[\"", it.key(), "\"] is not an integer id"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("model.vocab[\"", it.key(), "\"] is not an integer id"));
     }
     RETURN_IF_ERROR(set_token(it.value().get<int64_t>(), it.key(), 1));
   }
@@ -448,7 +479,8 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
       const std::string s = m.get<std::string>();
       const size_t sp = s.find(' ', 1);
       if (sp == std::string::npos) {
-        return absl::InvalidArgumentError(absl::StrCat("merge ", rank, " \"", s, "\" is not \"a b\""));
+        return absl::InvalidArgumentError(
+            absl::StrCat("merge ", rank, " \"", s, "\" is not \"a b\""));
       }
       a = s.substr(0, sp);
       b = s.substr(sp + 1);
@@ -456,12 +488,13 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
       a = m[0].get<std::string>();
       b = m[1].get<std::string>();
     } else {
-      return absl::InvalidArgumentError(absl::StrCat("merge ", rank, " is neither \"a b\" nor [a, b]"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("merge ", rank, " is neither \"a b\" nor [a, b]"));
     }
     auto ia = token_to_id_.find(a), ib = token_to_id_.find(b), iab = token_to_id_.find(a + b);
     if (ia == token_to_id_.end() || ib == token_to_id_.end() || iab == token_to_id_.end()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("merge ", rank, " (\"", a, "\", \"", b, "\") refers to a token not in model.vocab"));
+      return absl::InvalidArgumentError(absl::StrCat("merge ", rank, " (\"", a, "\", \"", b,
+                                                     "\") refers to a token not in model.vocab"));
     }
     merges_.try_emplace(PairKey(ia->second, ib->second), rank, iab->second);
     ++rank;
@@ -476,27 +509,32 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
       t.lstrip = a.value("lstrip", false);
       t.rstrip = a.value("rstrip", false);
       t.normalized = a.value("normalized", false);
-      if (t.content.empty()) return absl::InvalidArgumentError(absl::StrCat("added token ", t.id, " is empty"));
+      if (t.content.empty())
+        return absl::InvalidArgumentError(absl::StrCat("added token ", t.id, " is empty"));
       RETURN_IF_ERROR(set_token(t.id, t.content, t.special ? 3 : 2));
       added_.push_back(std::move(t));
     }
   }
   for (size_t i = 0; i < added_.size(); ++i) {
-    impl_->added_by_first_byte[static_cast<uint8_t>(added_[i].content[0])].push_back(static_cast<int32_t>(i));
+    impl_->added_by_first_byte[static_cast<uint8_t>(added_[i].content[0])].push_back(
+        static_cast<int32_t>(i));
   }
   for (auto& v : impl_->added_by_first_byte) {
     std::stable_sort(v.begin(), v.end(), [&](int32_t x, int32_t y) {
-      return added_[static_cast<size_t>(x)].content.size() > added_[static_cast<size_t>(y)].content.size();
+      return added_[static_cast<size_t>(x)].content.size() >
+             added_[static_cast<size_t>(y)].content.size();
     });
   }
   // Pipeline.
-  if (j.contains("normalizer")) RETURN_IF_ERROR(ParseNormalizer(j["normalizer"], impl_->normalizers));
+  if (j.contains("normalizer"))
+    RETURN_IF_ERROR(ParseNormalizer(j["normalizer"], impl_->normalizers));
   bool saw_byte_level = false;
   if (j.contains("pre_tokenizer") && !j["pre_tokenizer"].is_null()) {
     RETURN_IF_ERROR(ParsePreTokenizer(j["pre_tokenizer"], *impl_, saw_byte_level));
   }
   if (!saw_byte_level) {
-    return absl::UnimplementedError("pre_tokenizer has no ByteLevel step; only byte-level BPE is supported");
+    return absl::UnimplementedError(
+        "pre_tokenizer has no ByteLevel step; only byte-level BPE is supported");
   }
   if (j.contains("decoder") && !j["decoder"].is_null()) {
     const json& d = j["decoder"];
@@ -505,7 +543,8 @@ absl::Status Tokenizer::Init(std::string_view json_text) {
     if (dt == "Sequence" && d.contains("decoders")) {
       for (const json& x : d["decoders"]) ok = ok || x.value("type", std::string()) == "ByteLevel";
     }
-    if (!ok) return absl::UnimplementedError(absl::StrCat("decoder type \"", dt, "\" is not supported"));
+    if (!ok)
+      return absl::UnimplementedError(absl::StrCat("decoder type \"", dt, "\" is not supported"));
   }
   return absl::OkStatus();
 }
@@ -551,7 +590,9 @@ void Tokenizer::BpeWord(const std::string& word, std::vector<int32_t>& out) cons
       const int32_t nx = next[static_cast<size_t>(pos)];
       if (nx >= static_cast<int32_t>(n)) return;
       auto it = merges_.find(PairKey(ids[static_cast<size_t>(pos)], ids[static_cast<size_t>(nx)]));
-      if (it != merges_.end()) heap.push({it->second.first, pos, ids[static_cast<size_t>(pos)], ids[static_cast<size_t>(nx)]});
+      if (it != merges_.end())
+        heap.push(
+            {it->second.first, pos, ids[static_cast<size_t>(pos)], ids[static_cast<size_t>(nx)]});
     };
     for (size_t i = 0; i + 1 < n; ++i) push(static_cast<int32_t>(i));
     while (!heap.empty()) {
@@ -639,18 +680,20 @@ bool Tokenizer::AppendTokenBytes(int32_t id, bool skip_special, std::string& out
   return true;
 }
 
-absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids, bool skip_special) const {
+absl::StatusOr<std::string> Tokenizer::Decode(std::span<const int32_t> ids,
+                                              bool skip_special) const {
   std::string out;
   for (int32_t id : ids) {
     if (!AppendTokenBytes(id, skip_special, out)) {
-      return absl::InvalidArgumentError(absl::StrCat("token id ", id, " is not in the vocabulary (size ",
-                                                     vocab_size(), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("token id ", id, " is not in the vocabulary (size ", vocab_size(), ")"));
     }
   }
   return out;
 }
 
-absl::StatusOr<std::string> Tokenizer::DecodeLossy(std::span<const int32_t> ids, bool skip_special) const {
+absl::StatusOr<std::string> Tokenizer::DecodeLossy(std::span<const int32_t> ids,
+                                                   bool skip_special) const {
   ASSIGN_OR_RETURN(std::string raw, Decode(ids, skip_special));
   return Utf8Lossy(raw);
 }
@@ -714,7 +757,8 @@ bool IsValidUtf8(std::string_view bytes) {
 }
 
 absl::StatusOr<std::string> IncrementalDetokenizer::Add(int32_t id) {
-  ASSIGN_OR_RETURN(std::string bytes, tokenizer_.Decode(std::span<const int32_t>(&id, 1), skip_special_));
+  ASSIGN_OR_RETURN(std::string bytes,
+                   tokenizer_.Decode(std::span<const int32_t>(&id, 1), skip_special_));
   pending_ += bytes;
   const size_t n = CompleteUtf8Prefix(pending_);
   std::string out = Utf8Lossy(std::string_view(pending_).substr(0, n));

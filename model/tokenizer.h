@@ -63,8 +63,7 @@ class Tokenizer {
   // Raw bytes of the concatenated tokens (may be invalid UTF-8 when a multi-byte
   // character is split across the given ids). Added tokens decode to their content
   // (skipped if `skip_special` and the token is special). Unknown ids are an error.
-  absl::StatusOr<std::string> Decode(std::span<const int32_t> ids,
-                                     bool skip_special = false) const;
+  absl::StatusOr<std::string> Decode(std::span<const int32_t> ids, bool skip_special = false) const;
 
   // Decode like HF `tokenizer.decode`: invalid UTF-8 is replaced by U+FFFD (one per maximal
   // invalid subpart, as Rust's String::from_utf8_lossy).
@@ -102,11 +101,11 @@ class Tokenizer {
   bool AppendTokenBytes(int32_t id, bool skip_special, std::string& out) const;
 
   std::unique_ptr<Impl> impl_;
-  std::unordered_map<std::string, int32_t> token_to_id_;     // vocab + added contents
-  std::vector<std::string> id_to_token_;                     // index = id
-  std::vector<int8_t> kind_;                                 // 0 none, 1 vocab, 2 added, 3 special
+  std::unordered_map<std::string, int32_t> token_to_id_;  // vocab + added contents
+  std::vector<std::string> id_to_token_;                  // index = id
+  std::vector<int8_t> kind_;                              // 0 none, 1 vocab, 2 added, 3 special
   std::unordered_map<uint64_t, std::pair<int32_t, int32_t>> merges_;  // (a,b) -> (rank, id)
-  std::array<int32_t, 256> byte_token_{};                    // byte -> single-char token id
+  std::array<int32_t, 256> byte_token_{};  // byte -> single-char token id
   std::vector<AddedToken> added_;
   bool ignore_merges_ = false;
 };

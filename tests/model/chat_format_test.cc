@@ -43,9 +43,11 @@ TEST(ChatFormatTest, ThinkingModeWithEffortLine) {
   o.reasoning_effort = *ParseReasoningEffort("high");
   auto s = RenderChat({Msg("user", "Hi")}, {}, o);
   ASSERT_TRUE(s.ok());
-  EXPECT_EQ(*s, kBos +
-                    "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough "
-                    "the reasoning)\n\n<｜User｜>Hi<｜Assistant｜><think>");
+  EXPECT_EQ(
+      *s,
+      kBos +
+          "<｜System｜>Reasoning Effort: 75 (range 1-100, the higher the value, the more thorough "
+          "the reasoning)\n\n<｜User｜>Hi<｜Assistant｜><think>");
   // Chat mode never writes the effort line.
   o.thinking = false;
   EXPECT_EQ(*RenderChat({Msg("user", "Hi")}, {}, o), kBos + "<｜User｜>Hi<｜Assistant｜></think>");
@@ -56,7 +58,8 @@ TEST(ChatFormatTest, EarlierTurnsDropReasoning) {
   o.thinking = true;
   auto s = RenderChat({Msg("user", "Q1"), Msg("assistant", "A1", "R1"), Msg("user", "Q2")}, {}, o);
   ASSERT_TRUE(s.ok());
-  EXPECT_EQ(*s, kBos + "<｜User｜>Q1<｜Assistant｜></think>A1" + kEos + "<｜User｜>Q2<｜Assistant｜><think>");
+  EXPECT_EQ(*s, kBos + "<｜User｜>Q1<｜Assistant｜></think>A1" + kEos +
+                    "<｜User｜>Q2<｜Assistant｜><think>");
 }
 
 TEST(ChatFormatTest, ToolLoopKeepsCurrentReasoningAndMergesResults) {
@@ -71,16 +74,20 @@ TEST(ChatFormatTest, ToolLoopKeepsCurrentReasoningAndMergesResults) {
                     "<｜Assistant｜><think>");
   // Content before the calls is separated by a blank line; chat mode.
   call.content = "Let me check.";
-  auto c = RenderChat({Msg("user", "Q"), call, Msg("tool", "sunny"), Msg("user", "and tomorrow?")}, {}, {});
+  auto c = RenderChat({Msg("user", "Q"), call, Msg("tool", "sunny"), Msg("user", "and tomorrow?")},
+                      {}, {});
   ASSERT_TRUE(c.ok());
-  EXPECT_EQ(*c, kBos + "<｜User｜>Q<｜Assistant｜></think>Let me check.\n\n" + kWeatherCall + kEos +
-                    "<｜User｜><tool_result>sunny</tool_result>\n\nand tomorrow?<｜Assistant｜></think>");
+  EXPECT_EQ(
+      *c, kBos + "<｜User｜>Q<｜Assistant｜></think>Let me check.\n\n" + kWeatherCall + kEos +
+              "<｜User｜><tool_result>sunny</tool_result>\n\nand tomorrow?<｜Assistant｜></think>");
 }
 
 TEST(ChatFormatTest, MidConversationSystemTriggersAssistantHeader) {
-  auto s = RenderChat({Msg("user", "Q"), Msg("assistant", "A"), Msg("system", "Be brief.")}, {}, {});
+  auto s =
+      RenderChat({Msg("user", "Q"), Msg("assistant", "A"), Msg("system", "Be brief.")}, {}, {});
   ASSERT_TRUE(s.ok());
-  EXPECT_EQ(*s, kBos + "<｜User｜>Q<｜Assistant｜></think>A" + kEos + "<｜System｜>Be brief.<｜Assistant｜></think>");
+  EXPECT_EQ(*s, kBos + "<｜User｜>Q<｜Assistant｜></think>A" + kEos +
+                    "<｜System｜>Be brief.<｜Assistant｜></think>");
 }
 
 TEST(ChatFormatTest, ToolsGoIntoTheSystemPrompt) {
@@ -127,7 +134,8 @@ TEST(ChatFormatTest, ParsesReasoningContentAndToolCalls) {
   EXPECT_TRUE(p->finished);
   ASSERT_EQ(p->tool_calls.size(), 1u);
   EXPECT_EQ(p->tool_calls[0].name, "get_weather");
-  EXPECT_EQ(json::parse(p->tool_calls[0].arguments), json::parse(R"({"city": "Paris", "days": 3})"));
+  EXPECT_EQ(json::parse(p->tool_calls[0].arguments),
+            json::parse(R"({"city": "Paris", "days": 3})"));
   // Unfinished reasoning; chat mode; plain content.
   auto u = ParseCompletion("still thinking", true);
   EXPECT_EQ(u->reasoning, "still thinking");
@@ -141,7 +149,8 @@ TEST(ChatFormatTest, ParsesReasoningContentAndToolCalls) {
 
 TEST(ChatFormatTest, ToolCallsRoundTrip) {
   std::vector<ToolCall> calls = {
-      {"search", R"({"query":"a \"quoted\" <b>","limit":5,"filters":{"lang":["en","fr"]},"exact":true})"},
+      {"search",
+       R"({"query":"a \"quoted\" <b>","limit":5,"filters":{"lang":["en","fr"]},"exact":true})"},
       {"noargs", "{}"}};
   auto text = RenderToolCalls(calls);
   ASSERT_TRUE(text.ok());
@@ -159,7 +168,8 @@ TEST(ChatFormatTest, MalformedDsmlIsNamed) {
   ASSERT_FALSE(a.ok());
   EXPECT_NE(a.status().message().find("not terminated"), std::string::npos);
   auto b = ParseCompletion(
-      "<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ parameter name=\"n\" string=\"false\">"
+      "<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n<｜DSML｜ parameter name=\"n\" "
+      "string=\"false\">"
       "{oops</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>",
       false);
   ASSERT_FALSE(b.ok());
@@ -231,7 +241,9 @@ TEST(ChatFormatTest, OpenAiMessages) {
   EXPECT_EQ((*m)[1].content, "ab");
   EXPECT_EQ((*m)[2].tool_calls[0], (ToolCall{"f", "{\"x\": 1}"}));
   EXPECT_FALSE(MessagesFromOpenAi(json::parse(R"([{"content": "x"}])")).ok());
-  EXPECT_FALSE(MessagesFromOpenAi(json::parse(R"([{"role": "user", "content": [{"type": "image_url"}]}])")).ok());
+  EXPECT_FALSE(
+      MessagesFromOpenAi(json::parse(R"([{"role": "user", "content": [{"type": "image_url"}]}])"))
+          .ok());
 }
 
 TEST(ChatFormatTest, RenderedPromptTokenizesProtocolTokens) {

@@ -31,10 +31,12 @@ TEST(EngramConstantsTest, MatchesGoldenReadme) {
             (std::vector<std::vector<int64_t>>{
                 {14831304026200453, 936705081716061, 6959601268494069, 14319439928568407},
                 {5327545137947969, 15804252993068197, 2105304604748359, 13605204602324401}}));
-  EXPECT_EQ(c->primes, (std::vector<std::vector<std::vector<int64_t>>>{
-                           {{601, 607}, {613, 617}, {619, 631}}, {{641, 643}, {647, 653}, {659, 661}}}));
-  EXPECT_EQ(c->offsets, (std::vector<std::vector<std::vector<int64_t>>>{
-                            {{0, 601}, {1208, 1821}, {2438, 3057}}, {{0, 641}, {1284, 1931}, {2584, 3243}}}));
+  EXPECT_EQ(c->primes,
+            (std::vector<std::vector<std::vector<int64_t>>>{{{601, 607}, {613, 617}, {619, 631}},
+                                                            {{641, 643}, {647, 653}, {659, 661}}}));
+  EXPECT_EQ(c->offsets,
+            (std::vector<std::vector<std::vector<int64_t>>>{
+                {{0, 601}, {1208, 1821}, {2438, 3057}}, {{0, 641}, {1284, 1931}, {2584, 3243}}}));
   EXPECT_EQ(c->num_embeddings, (std::vector<int64_t>{3688, 3904}));
   EXPECT_EQ(c->pad_id, 2);
 }
@@ -69,8 +71,8 @@ TEST(EngramConstantsTest, ConfigMismatchIsNamed) {
 TEST(EngramConstantsTest, NormalizationPipeline) {
   EXPECT_EQ(EngramNormalize("Café"), "cafe");
   EXPECT_EQ(EngramNormalize("  Hello\t\n World "), "hello world");
-  EXPECT_EQ(EngramNormalize(" "), " ");     // lone-space sentinel
-  EXPECT_EQ(EngramNormalize("\n\n"), " ");  // collapses to the sentinel
+  EXPECT_EQ(EngramNormalize(" "), " ");         // lone-space sentinel
+  EXPECT_EQ(EngramNormalize("\n\n"), " ");      // collapses to the sentinel
   EXPECT_EQ(EngramNormalize("ＡＢＣ"), "abc");  // NFKC folds full-width forms
   EXPECT_EQ(EngramNormalize("ﬁ"), "fi");
   EXPECT_EQ(EngramNormalize("Ñandú"), "nandu");

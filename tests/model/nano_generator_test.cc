@@ -38,7 +38,9 @@ struct Safetensors {
   std::map<std::string, TensorInfo> tensors;
   std::string bytes;
   uint64_t data_start = 0;
-  const char* Data(const std::string& name) const { return bytes.data() + data_start + tensors.at(name).begin; }
+  const char* Data(const std::string& name) const {
+    return bytes.data() + data_start + tensors.at(name).begin;
+  }
 };
 
 Safetensors Read(const std::string& path) {
@@ -81,7 +83,8 @@ std::map<std::string, TensorInfo> GoldenLayout() {
 
 json GoldenConfig() {
   // shared/golden/v41-tiny-a/config.json (text_config only; the generator reads nothing else).
-  return json::parse(R"({"text_config": {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 8,
+  return json::parse(
+      R"({"text_config": {"vocab_size": 512, "hidden_size": 256, "num_hidden_layers": 8,
     "num_attention_heads": 4, "head_dim": 128, "qk_rope_head_dim": 64, "q_lora_rank": 128, "o_lora_rank": 64,
     "o_groups": 2, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
     "compress_ratios": [0, 0, 2, 2, 1, 1, 1, 1, 0, 0, 0], "kv_source_layer_ids": [2, 4],
@@ -149,7 +152,8 @@ float Bf16ToFloat(const char* p) {
 
 double E4m3ToDouble(uint8_t c) {
   const int e = (c >> 3) & 15, m = c & 7;
-  const double mag = e == 0 ? (m / 8.0) * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
+  const double mag =
+      e == 0 ? (m / 8.0) * std::ldexp(1.0, -6) : (1 + m / 8.0) * std::ldexp(1.0, e - 7);
   return (c & 0x80) ? -mag : mag;
 }
 
@@ -214,7 +218,8 @@ TEST_F(NanoModelTest, TensorLayoutFollowsTheLayerRoles) {
   }
   EXPECT_EQ(s.tensors.at("mtp.0.main_proj.weight").shape, (std::vector<int64_t>{256, 768}));
   EXPECT_EQ(s.tensors.at("mtp.2.markov_head.head.weight").shape, (std::vector<int64_t>{2048, 32}));
-  EXPECT_EQ(s.tensors.at("mtp.2.confidence_head.proj.weight").shape, (std::vector<int64_t>{1, 288}));
+  EXPECT_EQ(s.tensors.at("mtp.2.confidence_head.proj.weight").shape,
+            (std::vector<int64_t>{1, 288}));
   EXPECT_EQ(s.tensors.at("layers.1.engram.embed.weight"), (TensorInfo{"F8_E4M3", {24738, 32}}));
   EXPECT_EQ(s.tensors.at("layers.3.engram.embed.scale"), (TensorInfo{"F8_E8M0", {25058, 1}}));
   EXPECT_EQ(s.tensors.at("layers.0.ffn.experts.0.w1.weight"), (TensorInfo{"I8", {64, 128}}));

@@ -48,9 +48,9 @@ std::string Cp(char32_t c) {
 
 std::string RandomUtf8(std::mt19937& rng, int len) {
   static const std::vector<std::pair<char32_t, char32_t>> ranges = {
-      {0x20, 0x7E}, {0x20, 0x7E}, {0x20, 0x7E}, {'\n', '\n'},   {'\t', '\t'},   {0xA0, 0x17F},
-      {0x300, 0x36F}, {0x400, 0x4FF}, {0x4E00, 0x9FA5}, {0x3040, 0x30FF}, {0xAC00, 0xD7A3},
-      {0x1F300, 0x1F64F}, {0x2000, 0x206F}, {0xFF01, 0xFF5E}, {'0', '9'}};
+      {0x20, 0x7E},     {0x20, 0x7E},       {0x20, 0x7E},     {'\n', '\n'},     {'\t', '\t'},
+      {0xA0, 0x17F},    {0x300, 0x36F},     {0x400, 0x4FF},   {0x4E00, 0x9FA5}, {0x3040, 0x30FF},
+      {0xAC00, 0xD7A3}, {0x1F300, 0x1F64F}, {0x2000, 0x206F}, {0xFF01, 0xFF5E}, {'0', '9'}};
   std::string s;
   for (int i = 0; i < len; ++i) {
     const auto& r = ranges[rng() % ranges.size()];
@@ -66,13 +66,14 @@ TEST(TokenizerTest, NanoVocabLayout) {
   EXPECT_EQ(t.TokenId("<｜end▁of▁sentence｜>"), 1);
   EXPECT_EQ(t.TokenId("<｜▁pad▁｜>"), 2);
   EXPECT_EQ(t.TokenId("<｜deepseek_image｜>"), 2047);
-  for (const char* s : {"<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜System｜>"}) {
+  for (const char* s :
+       {"<｜User｜>", "<｜Assistant｜>", "<think>", "</think>", "｜DSML｜", "<｜System｜>"}) {
     ASSERT_TRUE(t.TokenId(s).has_value()) << s;
     EXPECT_TRUE(t.IsAddedToken(*t.TokenId(s))) << s;
   }
   EXPECT_TRUE(t.IsSpecial(0));
   EXPECT_FALSE(t.IsSpecial(*t.TokenId("<｜System｜>")));  // V4.1: normalized, not special
-  EXPECT_EQ(t.TokenString(3 + 'a'), "a");                // byte tokens at 3..258
+  EXPECT_EQ(t.TokenString(3 + 'a'), "a");                 // byte tokens at 3..258
   EXPECT_FALSE(t.TokenId("no such token").has_value());
 }
 
@@ -158,7 +159,8 @@ json MiniTokenizer(const std::vector<std::string>& merges) {
   j["model"] = {{"type", "BPE"}, {"vocab", vocab}, {"merges", merges}};
   j["pre_tokenizer"] = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}};
   j["decoder"] = {{"type", "ByteLevel"}};
-  j["added_tokens"] = json::array({{{"id", id}, {"content", "<X>"}, {"special", true}, {"rstrip", true}}});
+  j["added_tokens"] =
+      json::array({{{"id", id}, {"content", "<X>"}, {"special", true}, {"rstrip", true}}});
   return j;
 }
 
@@ -169,9 +171,11 @@ TEST(TokenizerTest, MergesApplyInRankOrder) {
   auto t2 = Tokenizer::FromJson(MiniTokenizer({"b c", "a b", "ab c"}).dump());
   ASSERT_TRUE(t2.ok());
   // "b c" has the lower rank, so "abc" becomes a + bc and "ab c" never applies.
-  EXPECT_EQ((*t2)->Encode("abc"), (std::vector<int32_t>{*(*t2)->TokenId("a"), *(*t2)->TokenId("bc")}));
+  EXPECT_EQ((*t2)->Encode("abc"),
+            (std::vector<int32_t>{*(*t2)->TokenId("a"), *(*t2)->TokenId("bc")}));
   // rstrip on the added token swallows following whitespace.
-  EXPECT_EQ((*t2)->Encode("<X>   a"), (std::vector<int32_t>{*(*t2)->TokenId("<X>"), *(*t2)->TokenId("a")}));
+  EXPECT_EQ((*t2)->Encode("<X>   a"),
+            (std::vector<int32_t>{*(*t2)->TokenId("<X>"), *(*t2)->TokenId("a")}));
   // Array-form merges are accepted too.
   json j = MiniTokenizer({});
   j["model"]["merges"] = json::array({json::array({"a", "b"})});
@@ -197,7 +201,8 @@ TEST(TokenizerTest, BadFilesNameTheProblem) {
   j["model"]["vocab"].erase("a");
   expect_error(j.dump(), "byte 97");
   j = MiniTokenizer({});
-  j["pre_tokenizer"] = {{"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}};
+  j["pre_tokenizer"] = {
+      {"type", "Split"}, {"pattern", {{"Regex", "(unclosed"}}}, {"behavior", "Isolated"}};
   expect_error(j.dump(), "regex");
   j = MiniTokenizer({});
   j["pre_tokenizer"] = {{"type", "Metaspace"}};
@@ -252,8 +257,8 @@ TEST(TokenizerTest, IncrementalDetokenizerEmitsOnlyCompleteUtf8) {
 
 TEST(TokenizerTest, LossyDecodeMatchesRustSemantics) {
   EXPECT_EQ(Utf8Lossy("a\x80z"), "a\xEF\xBF\xBDz");
-  EXPECT_EQ(Utf8Lossy("\xE4\xBD"), "\xEF\xBF\xBD");          // truncated: one replacement
-  EXPECT_EQ(Utf8Lossy("\xE4\xBDx"), "\xEF\xBF\xBDx");        // maximal subpart
+  EXPECT_EQ(Utf8Lossy("\xE4\xBD"), "\xEF\xBF\xBD");    // truncated: one replacement
+  EXPECT_EQ(Utf8Lossy("\xE4\xBDx"), "\xEF\xBF\xBDx");  // maximal subpart
   EXPECT_EQ(Utf8Lossy("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // surrogate
   EXPECT_TRUE(IsValidUtf8("你好🙂"));
   EXPECT_FALSE(IsValidUtf8("\xC0\xAF"));
