@@ -2,8 +2,10 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "model/bpe_trainer.h"
 #include "model/nano_generator.h"
@@ -182,6 +184,35 @@ TEST(TokenizerTest, MergesApplyInRankOrder) {
   auto t3 = Tokenizer::FromJson(j.dump());
   ASSERT_TRUE(t3.ok()) << t3.status();
   EXPECT_EQ((*t3)->Encode("ab"), (std::vector<int32_t>{*(*t3)->TokenId("ab")}));
+}
+
+TEST(TokenizerTest, NormalizerSequenceAppliesBeforeBpe) {
+  json j = MiniTokenizer({"a b"});
+  j["normalizer"] = {{"type", "Sequence"},
+                     {"normalizers", json::array({{{"type", "NFKC"}}, {{"type", "Lowercase"}}})}};
+  auto t = Tokenizer::FromJson(j.dump());
+  ASSERT_TRUE(t.ok()) << t.status();
+  EXPECT_EQ((*t)->Encode("ＡB"), (*t)->Encode("ab"));  // full-width A, upper-case B
+  EXPECT_EQ((*t)->Encode("ab"), (std::vector<int32_t>{*(*t)->TokenId("ab")}));
+  j["normalizer"] = {{"type", "Replace"}};
+  EXPECT_FALSE(Tokenizer::FromJson(j.dump()).ok());
+}
+
+TEST(TokenizerTest, ConcurrentEncodeIsSafe) {
+  const Tokenizer& t = Nano();
+  const std::string text = std::string(NanoCorpus().substr(0, 2000));
+  const std::vector<int32_t> expected = t.Encode(text);
+  std::vector<std::thread> threads;
+  std::atomic<int> mismatches{0};
+  for (int k = 0; k < 4; ++k) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 10; ++i) {
+        if (t.Encode(text) != expected) ++mismatches;
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  EXPECT_EQ(mismatches.load(), 0);
 }
 
 TEST(TokenizerTest, BadFilesNameTheProblem) {
