@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <fstream>
 #include <map>
 #include <mutex>
 #include <thread>
@@ -310,6 +311,16 @@ TEST(KvStoreDaemonTest, MetricsLookupPinStatsAndBadInput) {
        {"epd_kv_evictions_total{tier=\"g1\"}", "epd_kv_ttl_expiries_total{tier=\"g2\"}",
         "epd_kv_checksum_failures_total{tier=\"g3\"}", "epd_kv_gets_total{tier=\"g3\"}"}) {
     EXPECT_GE(Scrape(p, family), 0) << family << " missing";
+  }
+  if (epd::testing::RunCommand("command -v promtool >/dev/null") == 0) {
+    auto body = HttpGet(p, "/metrics");
+    ASSERT_TRUE(body.has_value());
+    std::ofstream(dir.File("scrape.txt")) << *body;
+    std::string out;
+    EXPECT_EQ(epd::testing::RunCommand(
+                  "promtool check metrics < " + dir.File("scrape.txt") + " 2>&1", &out),
+              0)
+        << out;
   }
 }
 
