@@ -119,7 +119,7 @@ class FaultWire final : public Wire {
     }
   }
 
-  void ClosePeer(PeerId peer, absl::Status why) override {
+  void ClosePeer(PeerId peer, absl::Status why, bool peer_dead = false) override {
     {
       // Operations parked here for this peer never reach the inner wire: they end now, with an
       // error, on the timer thread (so the memory they reference is provably unused).
@@ -138,7 +138,7 @@ class FaultWire final : public Wire {
       for (auto& op : cancelled) timed_.emplace(now, std::move(op));
       cv_.notify_all();
     }
-    inner_->ClosePeer(peer, why);
+    inner_->ClosePeer(peer, why, peer_dead);
   }
   absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) override {
     return inner_->Register(addr, length);
@@ -162,7 +162,11 @@ class FaultWire final : public Wire {
   // Runs fn(true) on the timer thread after `delay`, or fn(false) at Stop.
   void Later(PeerId peer, absl::Duration delay, std::function<void(bool)> fn) {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto when = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(delay);
+    auto when = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(delay);
+    if (plan_.spaced && delay > absl::ZeroDuration()) {
+      when = std::max(when, last_when_ + absl::ToChronoNanoseconds(delay));
+      last_when_ = when;
+    }
     if (stopped_) {
       std::thread([fn] { fn(false); }).detach();
       return;
@@ -204,6 +208,7 @@ class FaultWire final : public Wire {
   };
   std::multimap<std::chrono::steady_clock::time_point, Parked> timed_;
   bool stopped_ = false;
+  std::chrono::steady_clock::time_point last_when_{};
   std::thread timer_;
 };
 

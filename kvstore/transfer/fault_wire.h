@@ -17,6 +17,9 @@ struct FaultPlan {
   Target target = Target::kData;
   int nth = 0;                     // which matching message (0-based); -1 = every one
   absl::Duration delay = absl::Milliseconds(100);  // kDelay
+  // kDelay: successive delayed messages leave at least `delay` apart (a slow link), instead of
+  // each being held `delay` from when it was sent.
+  bool spaced = false;
   uint64_t truncate_bytes = 1;     // kTruncate: bytes cut from the end of the chunk
   uint64_t corrupt_offset = 0;     // kCorrupt: byte flipped within the chunk (clamped)
 };

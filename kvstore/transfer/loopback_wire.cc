@@ -149,7 +149,7 @@ class LoopbackWireImpl final : public Wire {
     }
   }
 
-  void ClosePeer(PeerId peer, absl::Status why) override {
+  void ClosePeer(PeerId peer, absl::Status why, bool = false) override {
     std::shared_ptr<LoopbackNetwork::Link> link;
     {
       std::lock_guard<std::mutex> lock(net_->mu);

@@ -84,6 +84,21 @@ std::string HostId() {
   return boot + "/" + std::string(ns, n);
 }
 
+// False once `pid` has exited (also while it is an unreaped zombie).
+bool ProcessAlive(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0) return errno != ESRCH;
+  char path[64];
+  std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
+  FILE* f = std::fopen(path, "r");
+  if (f == nullptr) return false;
+  char buf[512] = {};
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  const char* close = static_cast<const char*>(memrchr(buf, ')', n));
+  if (close == nullptr || close + 2 >= buf + n) return true;
+  return close[2] != 'Z' && close[2] != 'X';
+}
+
 }  // namespace
 
 struct TransferEngine::Peer {
@@ -927,12 +942,12 @@ void TransferEngine::Tick() {
         p->refused_ns = 0;
         wire_->ClosePeer(id, absl::FailedPreconditionError("handshake refused: " + p->error));
       }
-      if (p->pid > 0 && p->state == Peer::State::kReady && kill(static_cast<pid_t>(p->pid), 0) != 0 &&
-          errno == ESRCH) {
+      if (p->pid > 0 && p->state == Peer::State::kReady && !ProcessAlive(p->pid)) {
         spdlog::warn("transfer: peer {} (pid {}) has exited; closing its connection", id, p->pid);
         p->state = Peer::State::kDown;
-        wire_->ClosePeer(id, absl::UnavailableError(absl::StrCat("peer process ", p->pid,
-                                                                 " exited")));
+        wire_->ClosePeer(id,
+                         absl::UnavailableError(absl::StrCat("peer process ", p->pid, " exited")),
+                         /*peer_dead=*/true);
       }
     }
   }

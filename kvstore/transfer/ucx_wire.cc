@@ -62,6 +62,7 @@ struct OpCtx {
   CtlHeader ctl{};
   DataWireHeader data{};
   uint64_t length = 0;
+  bool abandoned = false;  // completed towards the engine; UCX may still hold the request
 };
 
 struct EpArg {
@@ -213,8 +214,8 @@ class UcxWire final : public Wire {
     Post([this, ctx, data, mem] { DoSendData(ctx, data, mem); });
   }
 
-  void ClosePeer(PeerId peer, absl::Status why) override {
-    Post([this, peer, why] { ClosePeerNow(peer, why); });
+  void ClosePeer(PeerId peer, absl::Status why, bool peer_dead = false) override {
+    Post([this, peer, why, peer_dead] { ClosePeerNow(peer, why, peer_dead); });
   }
 
   absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) override {
@@ -324,7 +325,7 @@ class UcxWire final : public Wire {
     // Whatever UCX did not complete in time completes here with an error; the worker is
     // destroyed next, so nothing can touch the memory afterwards.
     for (OpCtx* ctx : std::vector<OpCtx*>(inflight_.begin(), inflight_.end()))
-      FinishOp(ctx, absl::CancelledError("transport stopped"));
+      Abandon(ctx, absl::CancelledError("transport stopped"));
     inflight_.clear();
     RunDeferred();
     for (auto& [id, p] : peers_)
@@ -364,6 +365,8 @@ class UcxWire final : public Wire {
     }
     if (worker_ != nullptr) ucp_worker_destroy(worker_);
     worker_ = nullptr;
+    for (OpCtx* ctx : abandoned_) delete ctx;
+    abandoned_.clear();
     if (context_ != nullptr) ucp_cleanup(context_);
     context_ = nullptr;
   }
@@ -533,7 +536,24 @@ class UcxWire final : public Wire {
     });
   }
 
-  void ClosePeerNow(PeerId id, absl::Status why) {
+  // Completes `ctx` towards the engine now, while UCX may still hold its request: only when no
+  // one can touch the memory any more (peer process dead, or the worker about to be destroyed).
+  void Abandon(OpCtx* ctx, absl::Status st) {
+    inflight_.erase(ctx);
+    ctx->abandoned = true;
+    abandoned_.insert(ctx);
+    const bool recv = ctx->kind == OpCtx::Kind::kRecv;
+    deferred_.push_back([this, recv, peer = ctx->peer, h = ctx->data.h, len = ctx->length,
+                         done = std::move(ctx->done), st] {
+      if (recv) {
+        handler_->OnDataEnd(peer, h, len, st);
+      } else if (done) {
+        done(st);
+      }
+    });
+  }
+
+  void ClosePeerNow(PeerId id, absl::Status why, bool peer_dead = false) {
     auto it = peers_.find(id);
     if (it == peers_.end() || it->second->closed) return;
     Peer& peer = *it->second;
@@ -547,6 +567,14 @@ class UcxWire final : public Wire {
     rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
     ucs_status_ptr_t r = ucp_ep_close_nbx(peer.ep, &rp);
     if (r != nullptr && !UCS_PTR_IS_ERR(r)) closing_.push_back(r);
+    if (peer_dead && !ErrorHandling()) {
+      // Without peer-failure handling UCX never completes requests to a dead peer; since the
+      // peer process is gone, nothing can read or write their memory: hand it back now.
+      std::vector<OpCtx*> stuck;
+      for (OpCtx* ctx : inflight_)
+        if (ctx->peer == id) stuck.push_back(ctx);
+      for (OpCtx* ctx : stuck) Abandon(ctx, why);
+    }
     if (peer.up || peer.remote_id != 0 || peer.waiter == nullptr)
       deferred_.push_back([this, id, why] { handler_->OnPeerDown(id, why); });
   }
@@ -633,12 +661,24 @@ class UcxWire final : public Wire {
 
   static void OnSendDone(void* request, ucs_status_t status, void* user_data) {
     auto* ctx = static_cast<OpCtx*>(user_data);
+    if (ctx->abandoned) {
+      ucp_request_free(request);
+      ctx->wire->abandoned_.erase(ctx);
+      delete ctx;
+      return;
+    }
     ctx->wire->FinishOp(ctx, status == UCS_OK ? absl::OkStatus() : UcsError("UCX send", status));
     ucp_request_free(request);
   }
 
   static void OnRecvDone(void* request, ucs_status_t status, size_t, void* user_data) {
     auto* ctx = static_cast<OpCtx*>(user_data);
+    if (ctx->abandoned) {
+      ucp_request_free(request);
+      ctx->wire->abandoned_.erase(ctx);
+      delete ctx;
+      return;
+    }
     ctx->wire->FinishOp(ctx,
                         status == UCS_OK ? absl::OkStatus() : UcsError("UCX receive", status));
     ucp_request_free(request);
@@ -759,6 +799,7 @@ class UcxWire final : public Wire {
   std::unordered_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::unordered_map<ucp_ep_h, PeerId> by_ep_;
   std::unordered_set<OpCtx*> inflight_;
+  std::unordered_set<OpCtx*> abandoned_;
   std::vector<void*> closing_;
   bool closing_all_ = false;
 

@@ -70,7 +70,10 @@ class Wire {
   virtual void SendData(PeerId peer, const DataHeader& header, const uint8_t* data,
                         uint64_t wire_length, uint64_t mem, Done done) = 0;
   // Force-close: pending operations with this peer complete with an error, then OnPeerDown.
-  virtual void ClosePeer(PeerId peer, absl::Status why) = 0;
+  // `peer_dead`: the caller knows the peer process is gone, so operations the transport cannot
+  // cancel by itself (UCX shared memory without peer-failure handling) may be abandoned: nothing
+  // can touch their memory any more.
+  virtual void ClosePeer(PeerId peer, absl::Status why, bool peer_dead = false) = 0;
 
   // Registers memory for zero-copy use; returns a nonzero handle.
   virtual absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) = 0;

@@ -71,6 +71,7 @@ int main(int argc, char** argv) {
     plan.action = et::FaultPlan::Action::kDelay;
     plan.nth = -1;
     plan.delay = absl::Milliseconds(delay_ms);
+    plan.spaced = true;
     wire = et::MakeFaultWire(std::move(wire), plan);
   }
   auto engine = et::TransferEngine::Create(std::move(wire), eo, registry,
