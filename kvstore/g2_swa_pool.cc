@@ -94,6 +94,7 @@ absl::Status G2SwaPool::CommitPending(std::string key, std::shared_ptr<std::stri
   const size_t size = value->size();
   absl::MutexLock lock(&mu_);
   reserved_ -= size;
+  tombstones_.erase(key);
   if (auto it = entries_.find(absl::string_view(key.data(), key.size())); it != entries_.end())
     RemoveLocked(it);
   lru_.push_front(key);
@@ -120,9 +121,12 @@ G2SwaPool::GetResult G2SwaPool::Get(std::string_view key) {
   absl::MutexLock lock(&mu_);
   metrics_.gets->Increment();
   metrics_.lookups->Increment();
-  auto it = entries_.find(absl::string_view(key.data(), key.size()));
+  const absl::string_view k(key.data(), key.size());
+  auto it = entries_.find(k);
   if (it == entries_.end()) {
-    r.miss = MissReason::kAbsent;
+    auto t = tombstones_.find(k);
+    r.miss = t == tombstones_.end() ? MissReason::kAbsent : MissReason::kExpired;
+    if (t != tombstones_.end()) tombstones_.erase(t);
   } else if (clock_.NowUnixMs() >= it->second.expires_unix_ms) {
     RemoveLocked(it);
     metrics_.ttl_expiries->Increment();
@@ -158,12 +162,19 @@ size_t G2SwaPool::ExpireLocked(int64_t now_ms) {
   for (auto it = entries_.begin(); it != entries_.end();) {
     auto next = std::next(it);
     if (now_ms >= it->second.expires_unix_ms) {
+      if (tombstones_.size() >= kMaxTombstones) tombstones_.clear();
+      tombstones_[it->first] = it->second.expires_unix_ms;
       RemoveLocked(it);
       ++n;
     }
     it = next;
   }
   if (n > 0) metrics_.ttl_expiries->Increment(static_cast<double>(n));
+  for (auto t = tombstones_.begin(); t != tombstones_.end();) {
+    auto next = std::next(t);
+    if (now_ms - t->second >= config_.ttl_ms) tombstones_.erase(t);
+    t = next;
+  }
   return n;
 }
 

@@ -74,7 +74,8 @@ class G2SwaPool {
     std::shared_ptr<const std::string> value;  // null on a miss
     MissReason miss = MissReason::kAbsent;     // kNone on a hit
   };
-  // Counted get. An entry past its TTL is dropped and reported kExpired (count ttl_expiries).
+  // Counted get. An entry past its TTL is dropped and reported kExpired (count ttl_expiries);
+  // so is one that a sweep dropped for its TTL within the last TTL period (bounded memory).
   // A hit marks the entry recently used for LRU but never extends its TTL.
   GetResult Get(std::string_view key);
   // Uncounted check for a live (unexpired) entry; touches nothing.
@@ -115,6 +116,10 @@ class G2SwaPool {
   std::list<std::string> lru_ ABSL_GUARDED_BY(mu_);  // front = most recently used
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t reserved_ ABSL_GUARDED_BY(mu_) = 0;
+  // Keys the sweep expired -> their expiry time, so a later get still says "expired". Dropped one
+  // TTL after expiry; cleared wholesale beyond kMaxTombstones.
+  absl::flat_hash_map<std::string, int64_t> tombstones_ ABSL_GUARDED_BY(mu_);
+  static constexpr size_t kMaxTombstones = 1 << 16;
 };
 
 }  // namespace epd::kvstore

@@ -149,6 +149,12 @@ TEST(G2SwaPoolTest, ExpireNowSweepsAndCounts) {
   f.clock.AdvanceMs(kMinute / 2);
   EXPECT_EQ(f.pool->ExpireNow(), 5u);
   EXPECT_TRUE(f.pool->Contains("late"));
+  // A get after the sweep still says why: "expired", once; a re-put clears that.
+  EXPECT_EQ(f.pool->Get("0").miss, MissReason::kExpired);
+  EXPECT_EQ(f.pool->Get("0").miss, MissReason::kAbsent);
+  ASSERT_TRUE(f.pool->Put("1", Bytes(Payload(1, 10))).ok());
+  EXPECT_NE(f.pool->Get("1").value, nullptr);
+  EXPECT_EQ(f.pool->Get("never").miss, MissReason::kAbsent);
   EXPECT_EQ(MetricValue(f.registry, "epd_kv_ttl_expiries_total", {{"tier", "g2"}}), 5);
 }
 
