@@ -84,6 +84,21 @@ void Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int o
   backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
 }
 
+int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
+  // The reference publishes a source's index keys only in a call where its compressor emitted.
+  // In a single-token call at q, source s emits iff (q + 1) % ratio_s == 0; at the call for p only
+  // sources up to layer l have run when l's indexer reads the keys.
+  for (int64_t q = p; q >= call.start_pos; --q) {
+    int best = -1;
+    for (int s : config_.kv_source_layers) {
+      if (q == p && s > l) break;
+      if ((q + 1) % config_.compress_ratios[s] == 0) best = s;
+    }
+    if (best >= 0) return best;
+  }
+  return call.published_at_start;
+}
+
 void Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                       ForwardTrace* trace) const {
   const ModelConfig& c = config_;
@@ -109,20 +124,20 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   vector<float> kv_all;
   int64_t win_rows, win_len;
   if (call.prefill) {
+    // start_pos 0: the chunk's own rows are the window (reference prefill).
     win_rows = S;
     win_len = std::min(S, W);
     kv_all.assign(kv.begin(), kv.end());
   } else {
-    for (int64_t i = 0; i < S; ++i)
-      std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
-    win_rows = W;
+    // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
+    // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
+    win_rows = W + S;
     win_len = W;
     kv_all.assign(ring.begin(), ring.end());
+    kv_all.insert(kv_all.end(), kv.begin(), kv.end());
   }
-  if (call.prefill) {
-    for (int64_t i = std::max<int64_t>(0, S - W); i < S; ++i) {
-      std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
-    }
+  for (int64_t i = std::max<int64_t>(0, S - W); i < S; ++i) {
+    std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
   }
 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
@@ -194,10 +209,9 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
       call.topk_k = k;
       call.topk.assign(S * k, -1);
       if (nk > 0) {
-        const int keysrc = options_.stale_index_keys ? state.published_keys : role.index_key_source;
-        const SequenceState::Source& ks = state.sources.at(keysrc);
+        const int call_keysrc =
+            options_.stale_index_keys ? state.published_keys : role.index_key_source;
         const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
-        const int64_t nkk = std::min(nk, ks.n);
         vector<float> qi(S * nI * ihd), w(S * nI);
         backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data());
         RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
@@ -214,6 +228,12 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
         }
         for (int64_t i = 0; i < S; ++i) {
           const int64_t visible = (pos[i] + 1) / ratio;
+          // Decode semantics: each row sees the keys a single-token call at its position would.
+          const int keysrc = options_.stale_index_keys && call.per_row_keys
+                                 ? DecodeKeySource(l, pos[i], call)
+                                 : call_keysrc;
+          const SequenceState::Source& ks = state.sources.at(keysrc);
+          const int64_t nkk = std::min(nk, ks.n);
           for (int64_t t = 0; t < nk; ++t) {
             if (t >= visible || t >= nkk) {
               score[t] = -INFINITY;
@@ -258,7 +278,11 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
           }
         }
       }
-      if (trace) trace->topk[l] = call.topk;
+      if (trace) {
+        std::vector<int32_t>& t = trace->topk[l];  // compressed positions, -1 = none
+        t = call.topk;
+        for (int32_t& v : t) v = v < 0 ? -1 : static_cast<int32_t>(v - win_rows);
+      }
     }
   }
 
@@ -275,8 +299,10 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
     } else {
       const int64_t p = pos[i];
       for (int64_t j = 0; j < W; ++j) {
-        const int64_t slot = (p % W + 1 + j) % W;
-        li[j] = slot > p ? -1 : static_cast<int32_t>(slot);
+        const int64_t q = p - W + 1 + j;
+        li[j] = q < 0
+                    ? -1
+                    : static_cast<int32_t>(q >= call.start_pos ? W + (q - call.start_pos) : q % W);
       }
     }
     for (int64_t j = 0; j < k; ++j) li[win_len + j] = call.topk[i * k + j];
@@ -456,7 +482,8 @@ void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
 }
 
 absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
-                                             bool all_logits, ForwardTrace* trace) const {
+                                             bool all_logits, ForwardTrace* trace,
+                                             bool per_row_keys) const {
   const ModelConfig& c = config_;
   const int64_t S = static_cast<int64_t>(ids.size()), D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   for (int32_t id : ids) {
@@ -467,6 +494,8 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   call.start_pos = state.pos;
   call.rows = S;
   call.prefill = state.pos == 0;
+  call.per_row_keys = !call.prefill && per_row_keys;
+  call.published_at_start = state.published_keys;
   vector<float> h(S * hc * D), pre(S * hc, 0.f);
   for (int64_t i = 0; i < S; ++i) {
     for (int64_t j = 0; j < hc; ++j)
@@ -517,6 +546,9 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   res.logits.resize(res.rows * V);
   backend_.LinearF32(x.data() + first * D, res.rows, weights_->head.data(), V, D,
                      res.logits.data());
+  if (call.per_row_keys && options_.stale_index_keys) {
+    state.published_keys = DecodeKeySource(c.n_layers, state.pos + S - 1, call);
+  }
   // Advance the state.
   state.pos += S;
   for (int32_t id : ids) state.engram_history.push_back(EngramCompressedId(engram_, id));
@@ -575,10 +607,20 @@ absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<con
 absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id,
                                             ForwardTrace* trace) const {
   if (state.pos == 0) return absl::FailedPreconditionError("model: Decode before Prefill");
-  const int64_t pos = state.pos;
   const int32_t ids[1] = {id};
-  auto r = Forward(state, ids, false, trace);
-  if (r.ok() && config_.n_mtp_layers > 0) DSparkSeed(state, r->main_hidden.data(), 1, pos);
+  return Extend(state, ids, false, trace);
+}
+
+absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<const int32_t> ids,
+                                            bool all_logits, ForwardTrace* trace,
+                                            ExtendMode mode) const {
+  if (state.pos == 0) return absl::FailedPreconditionError("model: Extend before Prefill");
+  if (ids.empty()) return absl::InvalidArgumentError("model: Extend with no tokens");
+  const int64_t pos = state.pos;
+  auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode);
+  if (r.ok() && config_.n_mtp_layers > 0) {
+    DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos);
+  }
   return r;
 }
 

@@ -56,10 +56,10 @@ struct SequenceState {
 struct ForwardTrace {
   std::map<int, std::vector<float>> attn_in, attn_out, ffn_in, ffn_out;  // [S, dim]
   std::map<int, std::vector<float>> engram_in, engram_out;               // [S, hc, dim]
-  std::map<int, std::vector<int32_t>> topk;                              // [S, k]
-  std::map<int, std::vector<int32_t>> experts;                           // [S, top_k]
-  std::vector<int64_t> engram_hash_ids;  // [S, n_engram_layers, (max_ngram-1)*n_heads]
-  std::vector<float> final_norm;         // [S, dim]
+  std::map<int, std::vector<int32_t>> topk;     // [S, k] compressed positions, -1 = none
+  std::map<int, std::vector<int32_t>> experts;  // [S, top_k]
+  std::vector<int64_t> engram_hash_ids;         // [S, n_engram_layers, (max_ngram-1)*n_heads]
+  std::vector<float> final_norm;                // [S, dim]
 };
 
 struct ForwardResult {
@@ -98,6 +98,18 @@ class Model {
   // One decode step: token `id` at position state.pos. Returns its logits [vocab].
   [[nodiscard]] absl::StatusOr<ForwardResult> Decode(SequenceState& state, int32_t id,
                                                      ForwardTrace* trace = nullptr) const;
+  // Several tokens at positions state.pos.. in one call (chunked prefill after a prefix, or
+  // the k+1 positions of a DSpark verification step). Bit-identical to calling Decode once per
+  // token. Logits of every row if all_logits, else of the last.
+  // kDecode: every row behaves exactly like a single-token Decode call (incl. the reference's
+  // stale index keys), so a verification step equals sequential decoding. kPrefillChunk: one
+  // reference call (sources publish their keys when they emit), so prompt chunks equal the
+  // monolithic prefill.
+  enum class ExtendMode { kDecode, kPrefillChunk };
+  [[nodiscard]] absl::StatusOr<ForwardResult> Extend(SequenceState& state,
+                                                     std::span<const int32_t> ids, bool all_logits,
+                                                     ForwardTrace* trace = nullptr,
+                                                     ExtendMode mode = ExtendMode::kDecode) const;
   // DSpark draft pass after a decode step (uses state.main_hidden of position state.pos-1).
   // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids.
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
@@ -113,6 +125,8 @@ class Model {
     int64_t topk_k = 0;
     std::vector<uint8_t> cand;  // [rows, n_comp] candidate mask of the candidate source
     int64_t cand_cols = 0;
+    bool per_row_keys = false;    // emulate single-token calls for the stale index keys
+    int published_at_start = -1;  // state.published_keys when the call started
   };
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   void Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
@@ -128,7 +142,9 @@ class Model {
 
  private:
   absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
-                                        bool all_logits, ForwardTrace* trace) const;
+                                        bool all_logits, ForwardTrace* trace,
+                                        bool per_row_keys = true) const;
+  int DecodeKeySource(int l, int64_t p, const Call& call) const;
   void Block(int l, float* h, float* pre, Call& call, SequenceState& state,
              ForwardTrace* trace) const;
   void RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
