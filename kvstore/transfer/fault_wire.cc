@@ -17,8 +17,7 @@ namespace {
 
 class FaultWire final : public Wire {
  public:
-  FaultWire(std::unique_ptr<Wire> inner, FaultPlan plan)
-      : inner_(std::move(inner)), plan_(plan) {}
+  FaultWire(std::unique_ptr<Wire> inner, FaultPlan plan) : inner_(std::move(inner)), plan_(plan) {}
   ~FaultWire() override { Stop(); }
 
   absl::Status Start(WireHandler* handler) override {
@@ -105,7 +104,8 @@ class FaultWire final : public Wire {
       case FaultPlan::Action::kCorrupt: {
         // Never touch the sender's copy: send a corrupted duplicate, freed on completion.
         auto copy = std::make_shared<std::vector<uint8_t>>(data, data + wire_length);
-        if (!copy->empty()) (*copy)[std::min<uint64_t>(plan_.corrupt_offset, copy->size() - 1)] ^= 0x5a;
+        if (!copy->empty())
+          (*copy)[std::min<uint64_t>(plan_.corrupt_offset, copy->size() - 1)] ^= 0x5a;
         inner_->SendData(peer, header, copy->data(), wire_length, 0,
                          [copy, done](absl::Status st) { done(st); });
         return;

@@ -15,13 +15,13 @@ struct FaultPlan {
   enum class Target { kData, kControl };
   Action action = Action::kNone;
   Target target = Target::kData;
-  int nth = 0;                     // which matching message (0-based); -1 = every one
+  int nth = 0;  // which matching message (0-based); -1 = every one
   absl::Duration delay = absl::Milliseconds(100);  // kDelay
   // kDelay: successive delayed messages leave at least `delay` apart (a slow link), instead of
   // each being held `delay` from when it was sent.
   bool spaced = false;
-  uint64_t truncate_bytes = 1;     // kTruncate: bytes cut from the end of the chunk
-  uint64_t corrupt_offset = 0;     // kCorrupt: byte flipped within the chunk (clamped)
+  uint64_t truncate_bytes = 1;  // kTruncate: bytes cut from the end of the chunk
+  uint64_t corrupt_offset = 0;  // kCorrupt: byte flipped within the chunk (clamped)
 };
 
 // Thread-safe. `inner` is started/stopped by this wire.

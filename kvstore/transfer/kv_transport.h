@@ -17,13 +17,13 @@
 // Thread-safety: every method may be called from any thread.
 #include <cstdint>
 #include <memory>
-#include "absl/strings/string_view.h"
 #include <string>
 #include <string_view>
 #include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "epd/v1/transfer.pb.h"
 
@@ -95,10 +95,10 @@ absl::string_view StateName(TransferState state);
 
 struct TransferStatus {
   TransferState state = TransferState::kFailed;
-  absl::Status error;          // OK unless kFailed
-  uint64_t bytes_done = 0;     // bytes received (receiver) or acknowledged by UCX (sender)
+  absl::Status error;       // OK unless kFailed
+  uint64_t bytes_done = 0;  // bytes received (receiver) or acknowledged by UCX (sender)
   uint64_t bytes_total = 0;
-  bool released = false;       // the transport no longer holds the buffer or its registration
+  bool released = false;  // the transport no longer holds the buffer or its registration
   TransportKind transport = TransportKind::kLoopback;
 };
 

@@ -125,9 +125,8 @@ class LoopbackWireImpl final : public Wire {
       return;
     }
     outbound_inflight_.fetch_add(1);
-    const bool posted = target->Post([this, link = link, target = target,
-                                      target_peer = target_peer, header, data, wire_length,
-                                      done] {
+    const bool posted = target->Post([this, link = link, target = target, target_peer = target_peer,
+                                      header, data, wire_length, done] {
       absl::Status st = absl::OkStatus();
       if (!link->up) {
         st = absl::UnavailableError("loopback link closed");

@@ -106,9 +106,8 @@ absl::StatusOr<Manifest> BuildExpectedManifest(const HandoffLayout& layout,
   for (const KvSourceLayout& s : layout.sources) {
     if (s.compress_ratio <= 1) continue;
     const int64_t ratio = s.compress_ratio;
-    AddSegment(&m, epd::v1::SEGMENT_COMPRESSOR_STATE, s.layer_id, (n / ratio) * ratio, n,
-               n % ratio, kLayoutCompressorStateF32,
-               2ull * ratio * layout.head_dim * sizeof(float));
+    AddSegment(&m, epd::v1::SEGMENT_COMPRESSOR_STATE, s.layer_id, (n / ratio) * ratio, n, n % ratio,
+               kLayoutCompressorStateF32, 2ull * ratio * layout.head_dim * sizeof(float));
   }
   // SWA rings: the valid entries, oldest first.
   const int64_t ring = std::min<int64_t>(n, layout.window);
@@ -151,18 +150,30 @@ absl::StatusOr<Manifest> BuildExpectedManifest(const HandoffLayout& layout,
 
 absl::string_view SegmentKindLabel(SegmentKind kind) {
   switch (kind) {
-    case epd::v1::SEGMENT_ENC_GLOBAL_KV: return "enc_global_kv";
-    case epd::v1::SEGMENT_DEC_GLOBAL_KV: return "dec_global_kv";
-    case epd::v1::SEGMENT_INDEX_K: return "index_k";
-    case epd::v1::SEGMENT_SWA_KV: return "swa_kv";
-    case epd::v1::SEGMENT_DSPARK_NOISE: return "dspark_noise";
-    case epd::v1::SEGMENT_DSPARK_DRAFT_KV: return "dspark_draft_kv";
-    case epd::v1::SEGMENT_TARGET_HIDDEN: return "target_hidden";
-    case epd::v1::SEGMENT_ENC_OUTPUT_TAIL: return "enc_output_tail";
-    case epd::v1::SEGMENT_COMPRESSOR_STATE: return "compressor_state";
-    case epd::v1::SEGMENT_ENGRAM_HISTORY: return "engram_history";
-    case epd::v1::SEGMENT_BLOCK: return "block";
-    default: return "unspecified";
+    case epd::v1::SEGMENT_ENC_GLOBAL_KV:
+      return "enc_global_kv";
+    case epd::v1::SEGMENT_DEC_GLOBAL_KV:
+      return "dec_global_kv";
+    case epd::v1::SEGMENT_INDEX_K:
+      return "index_k";
+    case epd::v1::SEGMENT_SWA_KV:
+      return "swa_kv";
+    case epd::v1::SEGMENT_DSPARK_NOISE:
+      return "dspark_noise";
+    case epd::v1::SEGMENT_DSPARK_DRAFT_KV:
+      return "dspark_draft_kv";
+    case epd::v1::SEGMENT_TARGET_HIDDEN:
+      return "target_hidden";
+    case epd::v1::SEGMENT_ENC_OUTPUT_TAIL:
+      return "enc_output_tail";
+    case epd::v1::SEGMENT_COMPRESSOR_STATE:
+      return "compressor_state";
+    case epd::v1::SEGMENT_ENGRAM_HISTORY:
+      return "engram_history";
+    case epd::v1::SEGMENT_BLOCK:
+      return "block";
+    default:
+      return "unspecified";
   }
 }
 
@@ -205,8 +216,8 @@ std::optional<ManifestMismatch> CompareManifests(const Manifest& expected,
     return mm;
   };
   if (auto mm = header("request_id", expected.request_id(), offered.request_id())) return mm;
-  if (auto mm = header("config_fingerprint", expected.config_fingerprint(),
-                       offered.config_fingerprint()))
+  if (auto mm =
+          header("config_fingerprint", expected.config_fingerprint(), offered.config_fingerprint()))
     return mm;
   if (auto mm = header("prompt_length", expected.prompt_length(), offered.prompt_length()))
     return mm;
@@ -225,9 +236,9 @@ std::optional<ManifestMismatch> CompareManifests(const Manifest& expected,
       mm.segment_index = i;
       mm.segment_label = std::string(SegmentKindLabel(e.kind()));
       mm.field = name;
-      mm.message = absl::StrCat("accounting error in request '", expected.request_id(), "': ",
-                                DescribeSegment(expected, i), " field ", name, " expected ", want,
-                                ", got ", got);
+      mm.message = absl::StrCat("accounting error in request '", expected.request_id(),
+                                "': ", DescribeSegment(expected, i), " field ", name, " expected ",
+                                want, ", got ", got);
       return mm;
     };
     if (e.kind() != o.kind())
@@ -249,11 +260,11 @@ std::optional<ManifestMismatch> CompareManifests(const Manifest& expected,
     mm.segment_index = common;
     const Manifest& longer = missing ? expected : offered;
     mm.segment_label = std::string(SegmentKindLabel(longer.segments(common).kind()));
-    mm.message = absl::StrCat("accounting error in request '", expected.request_id(),
-                              "': manifest field segment_count expected ",
-                              expected.segments_size(), ", got ", offered.segments_size(), " (",
-                              DescribeSegment(longer, common), missing ? " missing" : " extra",
-                              ")");
+    mm.message =
+        absl::StrCat("accounting error in request '", expected.request_id(),
+                     "': manifest field segment_count expected ", expected.segments_size(),
+                     ", got ", offered.segments_size(), " (", DescribeSegment(longer, common),
+                     missing ? " missing" : " extra", ")");
     return mm;
   }
   return std::nullopt;

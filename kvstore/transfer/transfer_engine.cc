@@ -1,15 +1,15 @@
 #include "kvstore/transfer/transfer_engine.h"
 
+#include <signal.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <span>
-
-#include <signal.h>
-#include <unistd.h>
-#include <cerrno>
-#include <cstdio>
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
@@ -31,21 +31,30 @@ struct ResourceCounters {
 
 absl::string_view TransportLabel(TransportKind kind) {
   switch (kind) {
-    case TransportKind::kLoopback: return "loopback";
-    case TransportKind::kTcp: return "tcp";
-    case TransportKind::kShm: return "shm";
-    case TransportKind::kRdma: return "rdma";
+    case TransportKind::kLoopback:
+      return "loopback";
+    case TransportKind::kTcp:
+      return "tcp";
+    case TransportKind::kShm:
+      return "shm";
+    case TransportKind::kRdma:
+      return "rdma";
   }
   return "unknown";
 }
 
 absl::string_view StateName(TransferState state) {
   switch (state) {
-    case TransferState::kOffered: return "offered";
-    case TransferState::kExpecting: return "expecting";
-    case TransferState::kTransferring: return "transferring";
-    case TransferState::kDone: return "done";
-    case TransferState::kFailed: return "failed";
+    case TransferState::kOffered:
+      return "offered";
+    case TransferState::kExpecting:
+      return "expecting";
+    case TransferState::kTransferring:
+      return "transferring";
+    case TransferState::kDone:
+      return "done";
+    case TransferState::kFailed:
+      return "failed";
   }
   return "unknown";
 }
@@ -104,7 +113,7 @@ bool ProcessAlive(int64_t pid) {
 struct TransferEngine::Peer {
   enum class State { kHandshaking, kReady, kRefused, kDown };
   PeerId id = 0;
-  int64_t pid = 0;        // nonzero when the peer runs on this host (same host id)
+  int64_t pid = 0;         // nonzero when the peer runs on this host (same host id)
   int64_t refused_ns = 0;  // inbound handshake refused at (real monotonic ns)
   bool outbound = false;
   State state = State::kHandshaking;
@@ -235,9 +244,8 @@ absl::StatusOr<PeerId> TransferEngine::Connect(absl::string_view address, absl::
   auto it = peers_.find(id);
   absl::Status result;
   if (!settled) {
-    result = absl::DeadlineExceededError(absl::StrCat("connect to ", address,
-                                                      ": no handshake reply within ",
-                                                      absl::FormatDuration(timeout)));
+    result = absl::DeadlineExceededError(absl::StrCat(
+        "connect to ", address, ": no handshake reply within ", absl::FormatDuration(timeout)));
   } else if (it == peers_.end() || it->second->state == Peer::State::kDown) {
     result = absl::UnavailableError(
         absl::StrCat("connect to ", address, ": connection lost during handshake",
@@ -289,8 +297,8 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   for (int i = 0; i < manifest.segments_size(); ++i) {
     auto* s = manifest.mutable_segments(i);
     s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
-    s->set_checksum(common::Xxh3_64(
-        std::span<const uint8_t>(payload->data() + offsets[i], s->byte_length())));
+    s->set_checksum(
+        common::Xxh3_64(std::span<const uint8_t>(payload->data() + offsets[i], s->byte_length())));
   }
   uint64_t mem = 0;
   if (total > 0) {
@@ -351,8 +359,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
                                                    std::unique_ptr<TransferBuffer> into,
                                                    const TransferOptions& options) {
   if (!into) return absl::InvalidArgumentError("Receive: no destination buffer");
-  if (expected.request_id().empty())
-    return absl::InvalidArgumentError("Receive: empty request_id");
+  if (expected.request_id().empty()) return absl::InvalidArgumentError("Receive: empty request_id");
   const uint64_t total = TotalBytes(expected);
   if (total != into->size())
     return absl::InvalidArgumentError(absl::StrCat("Receive: expected manifest sums to ", total,
@@ -409,8 +416,9 @@ void TransferEngine::Cancel(TransferId id, absl::string_view reason) {
   std::lock_guard<std::mutex> lock(mu_);
   Transfer* t = Find(id);
   if (t == nullptr || t->terminal()) return;
-  Fail(*t, absl::CancelledError(absl::StrCat("transfer of request '", t->request_id,
-                                             "' cancelled: ", reason)),
+  Fail(*t,
+       absl::CancelledError(
+           absl::StrCat("transfer of request '", t->request_id, "' cancelled: ", reason)),
        "cancelled", true);
 }
 
@@ -450,8 +458,8 @@ absl::StatusOr<ReceivedTransfer> TransferEngine::TakeReceived(TransferId id) {
   if (t == nullptr) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
   if (t->sender) return absl::FailedPreconditionError("TakeReceived on a send transfer");
   if (t->state != TransferState::kDone)
-    return absl::FailedPreconditionError(absl::StrCat("TakeReceived: transfer ", id, " is ",
-                                                      StateName(t->state)));
+    return absl::FailedPreconditionError(
+        absl::StrCat("TakeReceived: transfer ", id, " is ", StateName(t->state)));
   if (!t->buffer) return absl::FailedPreconditionError("TakeReceived: already taken");
   ReceivedTransfer out;
   out.manifest = t->manifest;
@@ -521,17 +529,25 @@ void TransferEngine::OnControl(PeerId peer, std::string bytes) {
       break;
   }
   if (p->state != Peer::State::kReady) {
-    spdlog::warn("transfer: peer {} sent a transfer message before a successful handshake; "
-                 "closing it",
-                 peer);
+    spdlog::warn(
+        "transfer: peer {} sent a transfer message before a successful handshake; "
+        "closing it",
+        peer);
     wire_->ClosePeer(peer, absl::PermissionDeniedError("message before handshake"));
     return;
   }
   switch (msg.body_case()) {
-    case epd::v1::TransferControl::kOffer: HandleOffer(peer, msg.offer()); break;
-    case epd::v1::TransferControl::kClaim: HandleClaim(peer, msg.claim()); break;
-    case epd::v1::TransferControl::kEnd: HandleEnd(peer, msg.end()); break;
-    default: break;
+    case epd::v1::TransferControl::kOffer:
+      HandleOffer(peer, msg.offer());
+      break;
+    case epd::v1::TransferControl::kClaim:
+      HandleClaim(peer, msg.claim());
+      break;
+    case epd::v1::TransferControl::kEnd:
+      HandleEnd(peer, msg.end());
+      break;
+    default:
+      break;
   }
 }
 
@@ -599,8 +615,8 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
     return;
   }
   if (static_cast<int>(pending_offers_.size()) >= options_.max_pending_offers) {
-    reject(absl::StrCat("receiver holds too many unclaimed offers (",
-                        options_.max_pending_offers, ")"));
+    reject(absl::StrCat("receiver holds too many unclaimed offers (", options_.max_pending_offers,
+                        ")"));
     return;
   }
   auto pending = std::make_unique<PendingOffer>();
@@ -720,8 +736,8 @@ void TransferEngine::HandleEnd(PeerId peer, const epd::v1::TransferEnd& end) {
     Complete(*t);
     return;
   }
-  const std::string msg = absl::StrCat("receiver rejected request '", t->request_id, "': ",
-                                       end.error());
+  const std::string msg =
+      absl::StrCat("receiver rejected request '", t->request_id, "': ", end.error());
   Fail(*t, end.accounting_error() ? absl::FailedPreconditionError(msg) : absl::AbortedError(msg),
        end.accounting_error() ? "rejected_accounting" : "rejected", false, end.segment_index(),
        end.field());
@@ -734,9 +750,10 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
       t->state != TransferState::kTransferring)
     return {};
   if (h.segment >= static_cast<uint32_t>(t->manifest.segments_size())) {
-    Fail(*t, absl::DataLossError(absl::StrCat("request '", t->request_id, "': chunk for segment ",
-                                              h.segment, " but the manifest has ",
-                                              t->manifest.segments_size())),
+    Fail(*t,
+         absl::DataLossError(absl::StrCat("request '", t->request_id, "': chunk for segment ",
+                                          h.segment, " but the manifest has ",
+                                          t->manifest.segments_size())),
          "bad_chunk", true);
     return {};
   }
@@ -754,8 +771,8 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
                            t->received[si] + h.length, ")");
   }
   if (!problem.empty()) {
-    const std::string msg = absl::StrCat("accounting error in request '", t->request_id, "': ",
-                                         DescribeSegment(t->manifest, si), ": ", problem);
+    const std::string msg = absl::StrCat("accounting error in request '", t->request_id,
+                                         "': ", DescribeSegment(t->manifest, si), ": ", problem);
     metrics_->AddAccountingError(SegmentKindLabel(seg.kind()));
     spdlog::warn("transfer: {}", msg);
     Fail(*t, absl::DataLossError(msg), "truncated", true, si, "byte_length", true);
@@ -782,10 +799,9 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
       MaybeFinishReceive(*t);
     } else {
       Fail(*t,
-           absl::UnavailableError(absl::StrCat("receiving ",
-                                               DescribeSegment(t->manifest, h.segment),
-                                               " of request '", t->request_id,
-                                               "' failed: ", status.message())),
+           absl::UnavailableError(
+               absl::StrCat("receiving ", DescribeSegment(t->manifest, h.segment), " of request '",
+                            t->request_id, "' failed: ", status.message())),
            "wire", true, h.segment);
     }
   }
@@ -837,26 +853,25 @@ void TransferEngine::Complete(Transfer& t) {
   }
   for (const auto& [kind, v] : per_kind) {
     metrics_->AddBytes(kind, transport, dir, static_cast<double>(v.first));
-    metrics_->ObserveDuration(kind, transport, dir,
-                              static_cast<double>(std::max<int64_t>(0, v.second - t.claim_ns)) /
-                                  1e9);
+    metrics_->ObserveDuration(
+        kind, transport, dir,
+        static_cast<double>(std::max<int64_t>(0, v.second - t.claim_ns)) / 1e9);
   }
   if (!t.sender) receiving_.erase(t.request_id);
   TryRelease(t);
   cv_.notify_all();
 }
 
-void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view reason,
-                          bool tell_peer, int segment, std::string field, bool accounting) {
+void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view reason, bool tell_peer,
+                          int segment, std::string field, bool accounting) {
   if (t.terminal()) return;
   t.state = TransferState::kFailed;
   if (t.has_peer) t.kind = wire_->PeerKind(t.peer);
   t.error = std::move(error);
   t.ended_ns = clock_.NowMonoNs();
-  const absl::string_view seg_label =
-      segment >= 0 && segment < t.manifest.segments_size()
-          ? SegmentKindLabel(t.manifest.segments(segment).kind())
-          : absl::string_view("all");
+  const absl::string_view seg_label = segment >= 0 && segment < t.manifest.segments_size()
+                                          ? SegmentKindLabel(t.manifest.segments(segment).kind())
+                                          : absl::string_view("all");
   metrics_->AddFailure(seg_label, TransportLabel(t.kind), reason);
   if (tell_peer && t.has_peer) {
     epd::v1::TransferControl msg;
@@ -905,8 +920,8 @@ void TransferEngine::OnPeerDown(PeerId peer, absl::Status why) {
   for (auto& [id, t] : transfers_) {
     if (t->has_peer && t->peer == peer && !t->terminal())
       Fail(*t,
-           absl::UnavailableError(absl::StrCat("peer of request '", t->request_id,
-                                               "' disconnected: ", why.message())),
+           absl::UnavailableError(
+               absl::StrCat("peer of request '", t->request_id, "' disconnected: ", why.message())),
            "peer_down", false);
   }
   for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {
@@ -956,9 +971,9 @@ void TransferEngine::Tick() {
     if (!t.terminal()) {
       if (t.sender && t.state == TransferState::kOffered && now >= t.lease_ns) {
         Fail(t,
-             absl::DeadlineExceededError(absl::StrCat(
-                 "lease expired: the receiver never claimed request '", t.request_id,
-                 "'; the sender's copy was released")),
+             absl::DeadlineExceededError(
+                 absl::StrCat("lease expired: the receiver never claimed request '", t.request_id,
+                              "'; the sender's copy was released")),
              "lease_expired", true);
       } else if (now >= t.deadline_ns) {
         std::string detail;
@@ -972,9 +987,9 @@ void TransferEngine::Tick() {
           }
         }
         Fail(t,
-             absl::DeadlineExceededError(absl::StrCat(
-                 "transfer of request '", t.request_id, "' exceeded its deadline of ",
-                 t.deadline_ms, " ms while ", StateName(t.state), detail)),
+             absl::DeadlineExceededError(absl::StrCat("transfer of request '", t.request_id,
+                                                      "' exceeded its deadline of ", t.deadline_ms,
+                                                      " ms while ", StateName(t.state), detail)),
              "deadline", true);
       }
     }
@@ -987,9 +1002,10 @@ void TransferEngine::Tick() {
     }
   }
   for (PeerId peer : to_close) {
-    spdlog::warn("transfer: force-closing peer {}: a finished transfer still has operations in "
-                 "flight",
-                 peer);
+    spdlog::warn(
+        "transfer: force-closing peer {}: a finished transfer still has operations in "
+        "flight",
+        peer);
     wire_->ClosePeer(peer, absl::AbortedError("transfer ended with operations in flight"));
   }
   for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {

@@ -23,9 +23,9 @@ class Registry;
 namespace epd::transfer {
 
 struct EngineOptions {
-  std::string config_fingerprint;   // must match the peer's (handshake)
-  std::string cluster_token;        // must match the peer's (handshake); never logged
-  std::string node_name = "epd";    // for logs. Default: "epd"
+  std::string config_fingerprint;     // must match the peer's (handshake)
+  std::string cluster_token;          // must match the peer's (handshake); never logged
+  std::string node_name = "epd";      // for logs. Default: "epd"
   uint64_t chunk_bytes = 4ull << 20;  // data chunk size. Default: 4 MiB
   // After a transfer ends with wire operations still in flight, wait this long for them to finish
   // before force-closing the connection (which makes UCX complete them). Default: 500 ms.

@@ -2,10 +2,10 @@
 
 // Prometheus metrics of the transfer engine. Families are registered once per registry and shared
 // by every engine using it. Thread-safe.
-#include "absl/strings/string_view.h"
 #include <string>
 #include <string_view>
 
+#include "absl/strings/string_view.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"

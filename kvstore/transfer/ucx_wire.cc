@@ -58,7 +58,7 @@ struct OpCtx {
   UcxWire* wire = nullptr;
   PeerId peer = 0;
   Wire::Done done;
-  std::string payload;       // control messages own their bytes
+  std::string payload;  // control messages own their bytes
   CtlHeader ctl{};
   DataWireHeader data{};
   uint64_t length = 0;
@@ -131,8 +131,7 @@ class UcxWire final : public Wire {
       st = ucp_listener_query(listener_, &la);
       if (st != UCS_OK) return UcsError("ucp_listener_query", st);
       const auto* bound = reinterpret_cast<const sockaddr_in*>(&la.sockaddr);
-      local_address_ =
-          absl::StrCat("ucx+tcp://", options_.listen_ip, ":", ntohs(bound->sin_port));
+      local_address_ = absl::StrCat("ucx+tcp://", options_.listen_ip, ":", ntohs(bound->sin_port));
     } else {
       ucp_address_t* a = nullptr;
       size_t len = 0;
@@ -399,8 +398,7 @@ class UcxWire final : public Wire {
     return ep;
   }
 
-  void StartConnect(const std::string& address, PeerId id,
-                    std::shared_ptr<ConnectWaiter> waiter) {
+  void StartConnect(const std::string& address, PeerId id, std::shared_ptr<ConnectWaiter> waiter) {
     ucp_ep_params_t p{};
     sockaddr_in sa{};
     std::string remote_address;
@@ -428,9 +426,8 @@ class UcxWire final : public Wire {
       p.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS;
       p.address = reinterpret_cast<const ucp_address_t*>(remote_address.data());
     } else {
-      waiter->Set(absl::InvalidArgumentError(
-          absl::StrCat("not a UCX address (want ucx+tcp:// or ucx+addr:): ",
-                       address.substr(0, 64))));
+      waiter->Set(absl::InvalidArgumentError(absl::StrCat(
+          "not a UCX address (want ucx+tcp:// or ucx+addr:): ", address.substr(0, 64))));
       return;
     }
     std::string error;
@@ -519,8 +516,8 @@ class UcxWire final : public Wire {
         rp.memh = it->second;
       }
     }
-    ucs_status_ptr_t r = ucp_am_send_nbx(peer->ep, kAmData, &ctx->data, sizeof(ctx->data), data,
-                                         ctx->length, &rp);
+    ucs_status_ptr_t r =
+        ucp_am_send_nbx(peer->ep, kAmData, &ctx->data, sizeof(ctx->data), data, ctx->length, &rp);
     TrackSend(ctx, r);
   }
 
@@ -679,8 +676,7 @@ class UcxWire final : public Wire {
       delete ctx;
       return;
     }
-    ctx->wire->FinishOp(ctx,
-                        status == UCS_OK ? absl::OkStatus() : UcsError("UCX receive", status));
+    ctx->wire->FinishOp(ctx, status == UCS_OK ? absl::OkStatus() : UcsError("UCX receive", status));
     ucp_request_free(request);
   }
 
@@ -712,8 +708,8 @@ class UcxWire final : public Wire {
     });
   }
 
-  static ucs_status_t OnControlAm(void* arg, const void* header, size_t header_length,
-                                  void* data, size_t length, const ucp_am_recv_param_t* param) {
+  static ucs_status_t OnControlAm(void* arg, const void* header, size_t header_length, void* data,
+                                  size_t length, const ucp_am_recv_param_t* param) {
     auto* w = static_cast<UcxWire*>(arg);
     if (header_length != sizeof(CtlHeader) || (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV))
       return UCS_OK;
@@ -865,8 +861,7 @@ absl::StatusOr<SelfTestResult> RunBandwidthSelfTest(const UcxOptions& ucx, uint6
   auto sid = (*tx)->Send(*peer, m, std::move(*payload), TransferOptions{});
   if (!sid.ok()) return sid.status();
   if (absl::Status st = (*rx)->Wait(*rid, absl::Seconds(30)); !st.ok()) return st;
-  const double secs =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   result.bytes_per_second = static_cast<double>(bytes) / std::max(secs, 1e-9);
   (void)(*tx)->Wait(*sid, absl::Seconds(5));
   (*rx)->Forget(*rid);

@@ -24,10 +24,10 @@ namespace epd::transfer {
 
 struct UcxOptions {
   enum class Mode { kListener, kWorkerAddress };
-  Mode mode = Mode::kWorkerAddress;  // Default: worker-address exchange (shm on one host)
+  Mode mode = Mode::kWorkerAddress;     // Default: worker-address exchange (shm on one host)
   std::string listen_ip = "127.0.0.1";  // kListener. Default: 127.0.0.1
   int listen_port = 0;                  // kListener; 0 = any. Default: 0
-  std::string tls;          // UCX_TLS for this context; empty = environment/UCX default
+  std::string tls;                      // UCX_TLS for this context; empty = environment/UCX default
   std::string net_devices;  // UCX_NET_DEVICES; empty = environment/UCX default (use "lo" in tests)
   // How often UCX probes idle peers. Default: 1 s.
   absl::Duration keepalive = absl::Seconds(1);

@@ -12,12 +12,12 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
-#include "absl/strings/string_view.h"
 #include <string>
 #include <string_view>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/time/time.h"
 #include "kvstore/transfer/kv_transport.h"
 
@@ -27,14 +27,14 @@ namespace epd::transfer {
 struct DataHeader {
   uint64_t receiver_transfer_id = 0;
   uint32_t segment = 0;
-  uint64_t offset = 0;   // within the segment
-  uint64_t length = 0;   // bytes the sender put in this chunk
+  uint64_t offset = 0;  // within the segment
+  uint64_t length = 0;  // bytes the sender put in this chunk
 };
 #pragma pack(pop)
 
 struct DataSink {
-  uint8_t* dst = nullptr;   // null: refuse the chunk (the engine has already failed the transfer)
-  uint64_t mem = 0;         // registration handle of dst's region (0: none)
+  uint8_t* dst = nullptr;  // null: refuse the chunk (the engine has already failed the transfer)
+  uint64_t mem = 0;        // registration handle of dst's region (0: none)
 };
 
 class WireHandler {

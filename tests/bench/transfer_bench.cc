@@ -53,7 +53,9 @@ et::EngineOptions Engine() {
   return eo;
 }
 
-std::string RequestId(uint64_t mib, int i) { return "b-" + std::to_string(mib) + "-" + std::to_string(i); }
+std::string RequestId(uint64_t mib, int i) {
+  return "b-" + std::to_string(mib) + "-" + std::to_string(i);
+}
 
 // Child: receives iters+1 hand-offs per size, in order.
 int RunReceiver(const std::string& mode, const std::vector<uint64_t>& sizes, int iters,
@@ -71,9 +73,12 @@ int RunReceiver(const std::string& mode, const std::vector<uint64_t>& sizes, int
   std::rename((address_file + ".tmp").c_str(), address_file.c_str());
   for (uint64_t mib : sizes) {
     for (int i = 0; i <= iters; ++i) {
-      auto m = et::testing::BulkManifest(RequestId(mib, i), "bench", kSegments,
-                                         (mib << 20) / kSegments);
-      auto id = (*rx)->Receive(m, *(*rx)->Allocate(et::TotalBytes(m)), {});
+      auto m =
+          et::testing::BulkManifest(RequestId(mib, i), "bench", kSegments, (mib << 20) / kSegments);
+      // Receive buffers come pre-faulted, as from a worker's pool.
+      auto buf = (*rx)->Allocate(et::TotalBytes(m));
+      std::memset((*buf)->data(), 0, (*buf)->size());
+      auto id = (*rx)->Receive(m, std::move(*buf), {});
       if (!id.ok() || !(*rx)->Wait(*id, absl::Seconds(120)).ok()) return 1;
       (*rx)->Forget(*id);
     }
@@ -116,7 +121,7 @@ int WaitPid(pid_t pid, int timeout_s) {
 double Perftest(const std::string& mode, const std::string& test, uint64_t bytes, int iters,
                 int port) {
   const std::string tls = mode == "tcp" ? "UCX_TLS=tcp" : "UCX_TLS=sm,self";
-  const std::vector<std::string> env = {tls, "UCX_NET_DEVICES=lo", "UCX_WARN_UNUSED_ENV_VARS=n"};
+  const std::vector<std::string> env = {tls, "UCX_NET_DEVICES=lo"};
   const std::string slog = "/tmp/transfer_bench_pt_server.log";
   const std::string clog = "/tmp/transfer_bench_pt_client.log";
   pid_t server = Spawn({"ucx_perftest", "-p", std::to_string(port)}, slog, env);
@@ -155,13 +160,12 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   spdlog::set_level(spdlog::level::warn);
   setenv("UCX_NET_DEVICES", "lo", 1);
-  setenv("UCX_WARN_UNUSED_ENV_VARS", "n", 1);
   std::vector<uint64_t> sizes;
   for (auto s : absl::StrSplit(sizes_arg, ',')) sizes.push_back(std::stoull(std::string(s)));
   if (role == "recv") return RunReceiver(mode, sizes, iters, address_file);
 
-  std::printf("%-4s %9s %12s %14s %14s %10s %10s\n", "tl", "size", "engine_GiB/s",
-              "perf_tag_GiB/s", "perf_am_GiB/s", "eng/tag", "eng/am");
+  std::printf("%-4s %9s %12s %14s %14s %10s %10s\n", "tl", "size", "engine_GiB/s", "perf_tag_GiB/s",
+              "perf_am_GiB/s", "eng/tag", "eng/am");
   int port = 20000 + getpid() % 20000;
   for (auto m : absl::StrSplit(modes, ',')) {
     const std::string md(m);
@@ -170,8 +174,8 @@ int main(int argc, char** argv) {
     char self[4096] = {};
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0) return 2;
-    pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--sizes-mib", sizes_arg,
-                         "--iters", std::to_string(iters), "--address-file", addr_file},
+    pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--sizes-mib", sizes_arg, "--iters",
+                         std::to_string(iters), "--address-file", addr_file},
                         "/tmp/transfer_bench_recv.log", {});
     std::string addr;
     for (int i = 0; i < 2000 && addr.empty(); ++i) {
@@ -204,7 +208,8 @@ int main(int argc, char** argv) {
           std::cerr << "transfer failed\n";
           return 1;
         }
-        const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
         (*tx)->Forget(*id);
         if (i > 0) secs.push_back(s);  // first one is the warm-up
       }
@@ -215,8 +220,9 @@ int main(int argc, char** argv) {
       std::printf("%-4s %6lluMiB %12.2f %14.2f %14.2f %10.2f %10.2f%s\n", md.c_str(),
                   static_cast<unsigned long long>(mib), engine, tag, am,
                   tag > 0 ? engine / tag : 0.0, am > 0 ? engine / am : 0.0,
-                  kind.ok() ? (" (engine lanes: " + std::string(et::TransportLabel(*kind)) + ")").c_str()
-                            : "");
+                  kind.ok()
+                      ? (" (engine lanes: " + std::string(et::TransportLabel(*kind)) + ")").c_str()
+                      : "");
       std::fflush(stdout);
     }
     tx->reset();

@@ -16,8 +16,8 @@
 namespace epd::transfer {
 namespace {
 
-using ::testing::HasSubstr;
 using testing::FillPayload;
+using ::testing::HasSubstr;
 using testing::NanoRequest;
 
 double MetricSum(prometheus::Registry& registry, const std::string& name,
@@ -95,12 +95,12 @@ class EngineTest : public ::testing::Test {
   }
 
   void ExpectAllReleased() {
-    for (KvTransport* t : {static_cast<KvTransport*>(tx_.get()), static_cast<KvTransport*>(rx_.get())}) {
+    for (KvTransport* t :
+         {static_cast<KvTransport*>(tx_.get()), static_cast<KvTransport*>(rx_.get())}) {
       ResourceCounts c;
       for (int i = 0; i < 400; ++i) {
         c = t->Resources();
-        if (c.registrations == 0 && c.allocations == 0 && c.live_transfers == 0 &&
-            c.wire_ops == 0)
+        if (c.registrations == 0 && c.allocations == 0 && c.live_transfers == 0 && c.wire_ops == 0)
           break;
         clock_.AdvanceMs(10);  // lets the release grace period pass
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -160,9 +160,9 @@ TEST_F(EngineTest, HandshakeRefusesOtherFingerprint) {
   ASSERT_FALSE(peer.ok());
   EXPECT_EQ(peer.status().code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(peer.status().message(), HasSubstr("config_fingerprint differs"));
-  EXPECT_EQ(MetricSum(registry_, "epd_transfer_handshake_refused_total", "reason",
-                      "config_fingerprint"),
-            1);
+  EXPECT_EQ(
+      MetricSum(registry_, "epd_transfer_handshake_refused_total", "reason", "config_fingerprint"),
+      1);
 }
 
 TEST_F(EngineTest, HandshakeRefusesOtherClusterTokenWithoutLoggingIt) {
@@ -189,8 +189,7 @@ TEST_F(EngineTest, ManifestMismatchFailsBothSidesNamingTheField) {
   EXPECT_THAT(rs.message(), HasSubstr("pos_end"));
   EXPECT_EQ(ss.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(ss.message(), HasSubstr("dspark_noise"));
-  EXPECT_EQ(MetricSum(registry_, "epd_transfer_accounting_errors_total", "segment",
-                      "dspark_noise"),
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_accounting_errors_total", "segment", "dspark_noise"),
             1);
   EXPECT_EQ(tx_->Status(sid)->bytes_done, 0u);  // not a byte was sent
   rx_->Forget(rid);
@@ -212,8 +211,7 @@ TEST_F(EngineTest, LeaseExpiresWhenNobodyClaims) {
 }
 
 TEST_F(EngineTest, ReceiverCancelEndsSenderToo) {
-  Make(FaultPlan{FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1,
-                 absl::Milliseconds(30)});
+  Make(FaultPlan{FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1, absl::Milliseconds(30)});
   const PeerId peer = ConnectOk();
   const auto m = Nano("cancel");
   const TransferId rid = StartReceive(m);

@@ -25,8 +25,8 @@ const epd::v1::Segment* FindSegment(const epd::v1::Manifest& m, epd::v1::Segment
 }
 
 TEST(Manifest, NanoDecodeHandoffHasEveryPieceOfState) {
-  auto m = BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
-                                 NanoRequest("r1", "fp"));
+  auto m =
+      BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode), NanoRequest("r1", "fp"));
   ASSERT_TRUE(m.ok()) << m.status();
   EXPECT_EQ(CountKind(*m, epd::v1::SEGMENT_ENC_GLOBAL_KV), 2);
   EXPECT_EQ(CountKind(*m, epd::v1::SEGMENT_DEC_GLOBAL_KV), 1);
@@ -123,24 +123,24 @@ TEST(Manifest, OfficialLayoutGives890BytesOfGlobalKvPerToken) {
         s.kind() == epd::v1::SEGMENT_INDEX_K)
       global += s.byte_length();
   EXPECT_EQ(global, 890u * 4096);
-  EXPECT_EQ(CountKind(*m, epd::v1::SEGMENT_SWA_KV) + CountKind(*m, epd::v1::SEGMENT_DSPARK_DRAFT_KV),
-            43);
+  EXPECT_EQ(
+      CountKind(*m, epd::v1::SEGMENT_SWA_KV) + CountKind(*m, epd::v1::SEGMENT_DSPARK_DRAFT_KV), 43);
 }
 
 TEST(Manifest, IdenticalManifestsAgree) {
-  auto m = BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
-                                 NanoRequest("r", "fp"));
+  auto m =
+      BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode), NanoRequest("r", "fp"));
   ASSERT_TRUE(m.ok());
   EXPECT_FALSE(CompareManifests(*m, *m).has_value());
 }
 
 // Every numeric field of every segment, off by one in either direction, is caught and named.
 TEST(Manifest, EveryOffByOneIsCaughtAndNamed) {
-  auto expected = BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
-                                        NanoRequest("r", "fp"));
+  auto expected =
+      BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode), NanoRequest("r", "fp"));
   ASSERT_TRUE(expected.ok());
-  const std::vector<std::string> fields = {"layer_id", "pos_begin", "pos_end", "entry_count",
-                                           "layout_id", "byte_length"};
+  const std::vector<std::string> fields = {"layer_id",    "pos_begin", "pos_end",
+                                           "entry_count", "layout_id", "byte_length"};
   for (int i = 0; i < expected->segments_size(); ++i) {
     for (const std::string& field : fields) {
       for (int delta : {-1, 1}) {

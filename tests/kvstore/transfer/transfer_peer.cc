@@ -74,8 +74,8 @@ int main(int argc, char** argv) {
     plan.spaced = true;
     wire = et::MakeFaultWire(std::move(wire), plan);
   }
-  auto engine = et::TransferEngine::Create(std::move(wire), eo, registry,
-                                           epd::common::SystemClock::Get());
+  auto engine =
+      et::TransferEngine::Create(std::move(wire), eo, registry, epd::common::SystemClock::Get());
   if (!engine.ok()) {
     std::cerr << "setup: " << engine.status() << "\n";
     return 2;

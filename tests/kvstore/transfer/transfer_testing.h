@@ -14,7 +14,8 @@ namespace epd::transfer::testing {
 
 // splitmix64 stream seeded per (seed, segment): both processes regenerate identical bytes.
 inline void FillSegment(uint8_t* dst, uint64_t len, uint64_t seed, int segment) {
-  uint64_t x = seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(segment) * 0xbf58476d1ce4e5b9ull;
+  uint64_t x =
+      seed * 0x9e3779b97f4a7c15ull + static_cast<uint64_t>(segment) * 0xbf58476d1ce4e5b9ull;
   uint64_t i = 0;
   for (; i + 8 <= len; i += 8) {
     x += 0x9e3779b97f4a7c15ull;

@@ -2,11 +2,10 @@
 // over TCP (listener) and shared memory (worker-address exchange), SIGKILL of either side in the
 // middle of a transfer, handshake and accounting errors across processes, and a run across two
 // network namespaces joined by a veth pair.
-#include <signal.h>
-#include <unistd.h>
-
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <fstream>
@@ -25,11 +24,11 @@
 namespace epd::transfer {
 namespace {
 
-using ::testing::AnyOf;
-using ::testing::HasSubstr;
 using epd::testing::BinaryPath;
 using epd::testing::Subprocess;
 using epd::testing::TempDir;
+using ::testing::AnyOf;
+using ::testing::HasSubstr;
 
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
@@ -115,10 +114,10 @@ TEST_P(UcxTest, NanoDecodeHandoffIsBitIdentical) {
 // This process sends 256 MiB in 16 segments; the peer receives, checks checksums and bytes.
 TEST_P(UcxTest, Bulk256MiBIsBitIdenticalAtThePeer) {
   auto tx = MakeTransport();
-  Subprocess peer = StartPeer({"--role", "recv", "--workload", "bulk", "--bulk-mib", "256",
-                               "--request-id", "bulk-1", "--address-file", dir_.File("addr"),
-                               "--result-file", dir_.File("recv.json")},
-                              "recv.log");
+  Subprocess peer = StartPeer(
+      {"--role", "recv", "--workload", "bulk", "--bulk-mib", "256", "--request-id", "bulk-1",
+       "--address-file", dir_.File("addr"), "--result-file", dir_.File("recv.json")},
+      "recv.log");
   const std::string addr = WaitForFile(dir_.File("addr"), std::chrono::seconds(20));
   ASSERT_FALSE(addr.empty()) << peer.ReadLog();
   auto p = tx->Connect(addr, absl::Seconds(10));
@@ -177,9 +176,9 @@ TEST_P(UcxTest, SigkillOfTheReceiverFailsTheSenderCleanly) {
   slow.delay = absl::Milliseconds(60);
   slow.spaced = true;
   auto tx = MakeTransport(slow);
-  Subprocess peer = StartPeer({"--role", "recv", "--request-id", "kill-r", "--address-file",
-                               dir_.File("addr")},
-                              "recv.log");
+  Subprocess peer =
+      StartPeer({"--role", "recv", "--request-id", "kill-r", "--address-file", dir_.File("addr")},
+                "recv.log");
   const std::string addr = WaitForFile(dir_.File("addr"), std::chrono::seconds(20));
   ASSERT_FALSE(addr.empty()) << peer.ReadLog();
   auto p = tx->Connect(addr, absl::Seconds(10));
@@ -228,10 +227,10 @@ TEST_P(UcxTest, SenderWithFourNoiseSlotsIsCaughtByTheReceiver) {
                                         testing::NanoRequest("noise", "fp", 1000));
   auto id = rx->Receive(m, *rx->Allocate(TotalBytes(m)), {});
   ASSERT_TRUE(id.ok());
-  Subprocess peer = StartPeer({"--role", "send", "--connect", rx->LocalAddress(), "--request-id",
-                               "noise", "--noise-slots", "4", "--result-file",
-                               dir_.File("send.json")},
-                              "send.log");
+  Subprocess peer =
+      StartPeer({"--role", "send", "--connect", rx->LocalAddress(), "--request-id", "noise",
+                 "--noise-slots", "4", "--result-file", dir_.File("send.json")},
+                "send.log");
   absl::Status st = rx->Wait(*id, absl::Seconds(20));
   EXPECT_EQ(st.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(st.message(), HasSubstr("dspark_noise"));
@@ -240,6 +239,48 @@ TEST_P(UcxTest, SenderWithFourNoiseSlotsIsCaughtByTheReceiver) {
   EXPECT_THAT(result["error"].get<std::string>(), HasSubstr("dspark_noise"));
   rx->Forget(*id);
   ExpectReleased(*rx);
+}
+
+double Metric(prometheus::Registry& registry, const std::string& name, const std::string& label,
+              const std::string& value) {
+  double sum = 0;
+  for (const auto& family : registry.Collect()) {
+    if (family.name != name) continue;
+    for (const auto& metric : family.metric)
+      for (const auto& l : metric.label)
+        if (l.name == label && l.value == value) sum += metric.counter.value + metric.gauge.value;
+  }
+  return sum;
+}
+
+TEST_P(UcxTest, BytesAreCountedPerTransportAndSegmentKind) {
+  auto rx = MakeTransport();
+  const auto m = *BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
+                                        testing::NanoRequest("metrics", "fp", 1000));
+  auto id = rx->Receive(m, *rx->Allocate(TotalBytes(m)), {});
+  ASSERT_TRUE(id.ok());
+  Subprocess peer = StartPeer(
+      {"--role", "send", "--connect", rx->LocalAddress(), "--request-id", "metrics"}, "send.log");
+  ASSERT_TRUE(rx->Wait(*id, absl::Seconds(20)).ok());
+  EXPECT_EQ(Metric(registry_, "epd_transfer_bytes_total", "transport", GetParam()),
+            static_cast<double>(TotalBytes(m)));
+  EXPECT_EQ(Metric(registry_, "epd_transfer_bytes_total", "segment", "swa_kv"), 12.0 * 128 * 528);
+  rx->Forget(*id);
+  EXPECT_EQ(peer.Wait(std::chrono::seconds(20)), 0);
+}
+
+// The startup self-test names the transport UCX picked and publishes the bandwidth.
+TEST_P(UcxTest, StartupSelfTestReportsTheTransport) {
+  UcxOptions uo;
+  uo.mode = Shm() ? UcxOptions::Mode::kWorkerAddress : UcxOptions::Mode::kListener;
+  uo.net_devices = "lo";
+  auto r = RunBandwidthSelfTest(uo, 8 << 20, registry_);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, Shm() ? TransportKind::kShm : TransportKind::kTcp);
+  EXPECT_GT(r->bytes_per_second, 0);
+  EXPECT_GT(Metric(registry_, "epd_transfer_selftest_bandwidth_bytes_per_second", "transport",
+                   GetParam()),
+            0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, UcxTest, ::testing::Values("tcp", "shm"),
@@ -297,20 +338,59 @@ class NetnsTest : public ::testing::Test {
 
 TEST_F(NetnsTest, HandoffCrossesAVethPairBitIdentical) {
   const std::string peer_bin = BinaryPath("transfer_peer");
-  Subprocess recv = Subprocess::Start(
-      {ip_, "netns", "exec", ns_a_, peer_bin, "--role", "recv", "--mode", "tcp", "--tls", "tcp",
-       "--ip", subnet_ + "1", "--net-devices", veth_a_, "--workload", "bulk", "--bulk-mib", "64",
-       "--request-id", "netns", "--address-file", dir_.File("addr"), "--result-file",
-       dir_.File("recv.json")},
-      dir_.File("recv.log"));
+  Subprocess recv = Subprocess::Start({ip_,
+                                       "netns",
+                                       "exec",
+                                       ns_a_,
+                                       peer_bin,
+                                       "--role",
+                                       "recv",
+                                       "--mode",
+                                       "tcp",
+                                       "--tls",
+                                       "tcp",
+                                       "--ip",
+                                       subnet_ + "1",
+                                       "--net-devices",
+                                       veth_a_,
+                                       "--workload",
+                                       "bulk",
+                                       "--bulk-mib",
+                                       "64",
+                                       "--request-id",
+                                       "netns",
+                                       "--address-file",
+                                       dir_.File("addr"),
+                                       "--result-file",
+                                       dir_.File("recv.json")},
+                                      dir_.File("recv.log"));
   const std::string addr = WaitForFile(dir_.File("addr"), std::chrono::seconds(20));
   ASSERT_FALSE(addr.empty()) << recv.ReadLog();
   EXPECT_THAT(addr, HasSubstr(subnet_ + "1"));
-  Subprocess send = Subprocess::Start(
-      {ip_, "netns", "exec", ns_b_, peer_bin, "--role", "send", "--mode", "tcp", "--tls", "tcp",
-       "--net-devices", veth_b_, "--workload", "bulk", "--bulk-mib", "64", "--request-id",
-       "netns", "--connect", addr, "--result-file", dir_.File("send.json")},
-      dir_.File("send.log"));
+  Subprocess send = Subprocess::Start({ip_,
+                                       "netns",
+                                       "exec",
+                                       ns_b_,
+                                       peer_bin,
+                                       "--role",
+                                       "send",
+                                       "--mode",
+                                       "tcp",
+                                       "--tls",
+                                       "tcp",
+                                       "--net-devices",
+                                       veth_b_,
+                                       "--workload",
+                                       "bulk",
+                                       "--bulk-mib",
+                                       "64",
+                                       "--request-id",
+                                       "netns",
+                                       "--connect",
+                                       addr,
+                                       "--result-file",
+                                       dir_.File("send.json")},
+                                      dir_.File("send.log"));
   EXPECT_EQ(send.Wait(std::chrono::seconds(60)), 0) << send.ReadLog();
   EXPECT_EQ(recv.Wait(std::chrono::seconds(60)), 0) << recv.ReadLog();
   auto result = nlohmann::json::parse(ReadFile(dir_.File("recv.json")));
