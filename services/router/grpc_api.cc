@@ -171,7 +171,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     auto* m = resp->add_models();
     m->set_id(core_.options().model);
     m->set_context_length(core_.options().context_length);
-    m->set_config_fingerprint(core_.registry().Fingerprint(core_.options().model));
+    m->set_config_fingerprint(core_.registry().Fingerprint());
     return grpc::Status::OK;
   }
 

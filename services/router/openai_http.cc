@@ -501,11 +501,11 @@ std::string RouterHealthJson(RouterCore& core, bool* serving) {
     pools[PoolName(pool)] = {{"count", workers.size()}, {"workers", std::move(workers)}};
   }
   int decode = 0;
-  for (const auto& w : reg.Workers(PoolKind::kDecode)) decode += w.model == core.options().model;
+  for (const auto& w : reg.Workers(PoolKind::kDecode)) decode += !w.draining;
   *serving = decode > 0;
   json j = {{"serving", *serving},
             {"model", core.options().model},
-            {"config_fingerprint", reg.Fingerprint(core.options().model)},
+            {"config_fingerprint", reg.Fingerprint()},
             {"pools", std::move(pools)},
             {"inflight_requests", core.inflight()},
             {"registration_refusals", reg.RecentRefusals()}};
@@ -617,14 +617,10 @@ void OpenAiHttpServer::Routes() {
         return fail(s);
       }
       bool serving = false;
-      for (const auto& w : core_.registry().Workers(PoolKind::kDecode)) {
-        serving |= w.model == prepared->spec.model && !w.draining;
-      }
+      for (const auto& w : core_.registry().Workers(PoolKind::kDecode)) serving |= !w.draining;
       if (!serving) {
         return fail(ApiError(absl::StatusCode::kUnavailable,
-                             absl::StrCat("no live decode worker for model '",
-                                          prepared->spec.model, "'; try again later"),
-                             "", "no_workers"));
+                             "no live decode worker; try again later", "", "no_workers"));
       }
       const std::string id = prepared->spec.request_id;
       json base = {{"id", id},
@@ -632,8 +628,7 @@ void OpenAiHttpServer::Routes() {
                                    : "text_completion"},
                    {"created", UnixSeconds()},
                    {"model", prepared->spec.model},
-                   {"system_fingerprint",
-                    core_.registry().Fingerprint(prepared->spec.model)}};
+                   {"system_fingerprint", core_.registry().Fingerprint()}};
       res.set_header("X-Request-Id", id);
       if (!stream) {
         Collector collector;

@@ -72,30 +72,20 @@ void Registry::RefuseLocked(const std::string& reason) {
 
 absl::Status Registry::Register(const WorkerInfo& worker) {
   absl::MutexLock lock(&mu_);
-  if (worker.id.empty() || worker.control_address.empty() || worker.fingerprint.empty() ||
-      worker.model.empty()) {
+  if (worker.id.empty() || worker.control_address.empty() || worker.fingerprint.empty()) {
     const std::string reason = absl::StrCat(
-        "worker '", worker.id, "': id, control address, fingerprint and model are required");
-    RefuseLocked(reason);
-    registrations_.Add({{"outcome", "invalid"}}).Increment();
-    return absl::InvalidArgumentError(reason);
-  }
-  if (!options_.models.empty() &&
-      std::find(options_.models.begin(), options_.models.end(), worker.model) ==
-          options_.models.end()) {
-    const std::string reason = absl::StrCat("worker '", worker.id, "' serves model '",
-                                            worker.model, "', which this router does not serve");
+        "worker '", worker.id, "': id, control address and config fingerprint are required");
     RefuseLocked(reason);
     registrations_.Add({{"outcome", "invalid"}}).Increment();
     return absl::InvalidArgumentError(reason);
   }
   for (const auto& [id, w] : workers_) {
-    if (id == worker.id || w.model != worker.model || w.fingerprint == worker.fingerprint) continue;
+    if (id == worker.id || w.fingerprint == worker.fingerprint) continue;
     const std::string reason = absl::StrCat(
-        "worker '", worker.id, "' (", PoolName(worker.pool), ") has config fingerprint ",
-        worker.fingerprint, " but live ", PoolName(w.pool), " worker '", w.id, "' of model '",
-        worker.model, "' has ", w.fingerprint, "; workers with different fingerprints are never "
-        "paired");
+        "worker '", worker.id, "' (", PoolName(worker.pool), ", model '", worker.model,
+        "') has config fingerprint ", worker.fingerprint, " but live ", PoolName(w.pool),
+        " worker '", w.id, "' (model '", w.model, "') has ", w.fingerprint,
+        "; workers with different fingerprints are never paired");
     RefuseLocked(reason);
     registrations_.Add({{"outcome", "fingerprint_mismatch"}}).Increment();
     return absl::FailedPreconditionError(reason);
@@ -160,7 +150,7 @@ void Registry::MarkFailed(const std::string& worker_id, const std::string& reaso
 
 void Registry::RemoveLocked(const std::string& worker_id) { workers_.erase(worker_id); }
 
-std::optional<WorkerInfo> Registry::Pick(PoolKind pool, const std::string& model,
+std::optional<WorkerInfo> Registry::Pick(PoolKind pool,
                                          const std::vector<std::string>& preferred) {
   absl::MutexLock lock(&mu_);
   // Load = what the worker reported, or what the router knows it sent since, if larger
@@ -172,7 +162,7 @@ std::optional<WorkerInfo> Registry::Pick(PoolKind pool, const std::string& model
   int64_t best_score = 0;
   std::vector<WorkerInfo*> candidates;
   for (auto& [id, w] : workers_) {
-    if (w.pool != pool || w.model != model || w.draining) continue;
+    if (w.pool != pool || w.draining) continue;
     candidates.push_back(&w);
   }
   if (candidates.empty()) return std::nullopt;
@@ -219,11 +209,9 @@ int Registry::Count(PoolKind pool) const {
   return n;
 }
 
-std::string Registry::Fingerprint(const std::string& model) const {
+std::string Registry::Fingerprint() const {
   absl::MutexLock lock(&mu_);
-  for (const auto& [id, w] : workers_) {
-    if (w.model == model) return w.fingerprint;
-  }
+  for (const auto& [id, w] : workers_) return w.fingerprint;
   return "";
 }
 

@@ -38,7 +38,7 @@ struct WorkerInfo {
   std::string control_address;   // host:port of WorkerControl
   std::string transfer_address;  // opaque, handed to the previous stage
   std::string fingerprint;
-  std::string model;
+  std::string model;              // informational: one router serves one model (docs/router.md)
   WorkerLoad load;
   int32_t router_inflight = 0;   // jobs the router has sent and not seen finish
   int64_t last_heartbeat_ms = 0;
@@ -48,8 +48,6 @@ struct WorkerInfo {
 struct RegistryOptions {
   int heartbeat_interval_ms = 1000;  // Default: 1 s between heartbeats
   int heartbeat_miss_limit = 3;      // Default: forget a worker after 3 missed heartbeats
-  // Models the router serves; a worker of another model is refused. Empty = accept any.
-  std::vector<std::string> models;
   absl::Status Validate() const;
 };
 
@@ -58,10 +56,9 @@ class Registry {
  public:
   Registry(RegistryOptions options, const common::Clock& clock, prometheus::Registry& metrics);
 
-  // Adds or replaces a worker. FailedPrecondition when its fingerprint differs from the one
-  // already established for its model (by any live worker of any pool); InvalidArgument for
-  // missing fields or a model the router does not serve. Every refusal is logged and kept for
-  // /health (RecentRefusals).
+  // Adds or replaces a worker. FailedPrecondition when its fingerprint differs from the one the
+  // live workers (of any pool) share; InvalidArgument for missing fields. Every refusal is
+  // logged and kept for /health (RecentRefusals).
   absl::Status Register(const WorkerInfo& worker);
   // Records a heartbeat; false when the worker is unknown (expired or never registered) or its
   // fingerprint changed, meaning: register again.
@@ -72,17 +69,16 @@ class Registry {
   // Removes a worker the router saw fail (transport error); it must register again.
   void MarkFailed(const std::string& worker_id, const std::string& reason);
 
-  // Least-loaded live, non-draining worker of `pool` for `model`; workers in `preferred` win
-  // ties and a small load difference (prefix locality). Increments its router_inflight.
-  std::optional<WorkerInfo> Pick(PoolKind pool, const std::string& model,
-                                 const std::vector<std::string>& preferred = {});
+  // Least-loaded live, non-draining worker of `pool`; workers in `preferred` win ties and a
+  // small load difference (prefix locality). Increments its router_inflight.
+  std::optional<WorkerInfo> Pick(PoolKind pool, const std::vector<std::string>& preferred = {});
   // Undo of Pick's accounting when the job ends.
   void Release(const std::string& worker_id);
 
   std::vector<WorkerInfo> Workers(PoolKind pool) const;
   int Count(PoolKind pool) const;
-  // The fingerprint the live workers of `model` share; empty when none is registered.
-  std::string Fingerprint(const std::string& model) const;
+  // The fingerprint the live workers share; empty when none is registered.
+  std::string Fingerprint() const;
   std::vector<std::string> RecentRefusals() const;  // newest last, at most 16
   const RegistryOptions& options() const { return options_; }
 

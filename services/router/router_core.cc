@@ -294,7 +294,7 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
   const int64_t start_ns = clock_.NowMonoNs();
   absl::StatusOr<Outcome> result = absl::UnavailableError("no attempt made");
   for (int attempt = 1; attempt <= options_.max_attempts; ++attempt) {
-    auto plan = scheduler_.Schedule(request.spec.model, request.prompt_ids);
+    auto plan = scheduler_.Schedule(request.prompt_ids);
     if (!plan.ok()) {
       result = ApiError(absl::StatusCode::kUnavailable, std::string(plan.status().message()), "",
                         "no_workers");

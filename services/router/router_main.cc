@@ -45,7 +45,14 @@ int main(int argc, char** argv) {
   r::HttpOptions http_options;
   app.add_option("--http-port", http_port, "OpenAI HTTP port (0 = any)");
   app.add_option("--grpc-port", grpc_port, "gRPC port: Inference + WorkerRegistry (0 = any)");
-  app.add_option("--model", core_options.model, "Served model name")->capture_default_str();
+  std::string model_dir, kvstore_address;
+  app.add_option("--served-model-name", core_options.model,
+                 "The model name clients ask for (/v1/models)")
+      ->capture_default_str();
+  app.add_option("--model", model_dir,
+                 "Model directory (tokenizer + chat format); default: the built-in byte codec");
+  app.add_option("--kvstore", kvstore_address,
+                 "kvstore gRPC address for prefix lookups (not used yet: NoPrefixOracle)");
   app.add_option("--context-length", core_options.context_length,
                  "Prompt + completion tokens per request")
       ->capture_default_str();
@@ -72,7 +79,6 @@ int main(int argc, char** argv) {
   if (http_options.api_key.empty()) {
     if (const char* k = std::getenv("EPD_API_KEY")) http_options.api_key = k;
   }
-  registry_options.models = {core_options.model};
 
   signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not kill the process
   epd::services::ProcessRuntime runtime("epd-router", runtime_options);
@@ -81,8 +87,13 @@ int main(int argc, char** argv) {
   if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
 
   auto& clock = epd::common::SystemClock::Get();
-  // TODO(lead): replace with the adapter over model/tokenizer.h + model/chat_format.h.
+  // TODO(lead): when --model is set, use the adapter over model/tokenizer.h +
+  // model/chat_format.h here; the byte codec is the stand-in (docs/router.md, Text).
   r::ByteTextCodec codec;
+  if (!model_dir.empty()) {
+    spdlog::warn("epd-router: --model {} given, but this build still uses the byte codec",
+                 model_dir);
+  }
   r::Registry registry(registry_options, clock, runtime.registry());
   r::NoPrefixOracle oracle;
   r::Scheduler scheduler(scheduler_options, registry, oracle, runtime.registry());

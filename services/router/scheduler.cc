@@ -16,23 +16,19 @@ Scheduler::Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle&
   for (const char* route : {"epd", "pd", "ed", "d"}) decisions_.Add({{"route", route}});
 }
 
-absl::StatusOr<Plan> Scheduler::Schedule(const std::string& model,
-                                         const std::vector<int32_t>& prompt_ids) {
+absl::StatusOr<Plan> Scheduler::Schedule(const std::vector<int32_t>& prompt_ids) {
   Plan plan;
-  plan.fingerprint = registry_.Fingerprint(model);
+  plan.fingerprint = registry_.Fingerprint();
   const PrefixHint hint = plan.fingerprint.empty() ? PrefixHint{}
                                                    : oracle_.Lookup(prompt_ids, plan.fingerprint);
   plan.cached_tokens = std::min<int32_t>(hint.cached_tokens, prompt_ids.size());
-  auto decode = registry_.Pick(PoolKind::kDecode, model, hint.workers);
-  if (!decode) {
-    return absl::UnavailableError(
-        absl::StrCat("no live decode worker for model '", model, "'"));
-  }
+  auto decode = registry_.Pick(PoolKind::kDecode, hint.workers);
+  if (!decode) return absl::UnavailableError("no live decode worker");
   plan.decode = std::move(*decode);
   const int64_t uncached = static_cast<int64_t>(prompt_ids.size()) - plan.cached_tokens;
   if (uncached > options_.direct_decode_max_tokens) {
-    plan.encoder = registry_.Pick(PoolKind::kEncoder, model, hint.workers);
-    plan.prefill = registry_.Pick(PoolKind::kPrefill, model, hint.workers);
+    plan.encoder = registry_.Pick(PoolKind::kEncoder, hint.workers);
+    plan.prefill = registry_.Pick(PoolKind::kPrefill, hint.workers);
   }
   plan.route = absl::StrCat(plan.encoder ? "e" : "", plan.prefill ? "p" : "", "d");
   decisions_.Add({{"route", plan.route}}).Increment();

@@ -36,8 +36,8 @@ class Scheduler {
  public:
   Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle& oracle,
             prometheus::Registry& metrics);
-  // Unavailable when no decode worker of `model` is live.
-  absl::StatusOr<Plan> Schedule(const std::string& model, const std::vector<int32_t>& prompt_ids);
+  // Unavailable when no decode worker is live.
+  absl::StatusOr<Plan> Schedule(const std::vector<int32_t>& prompt_ids);
   // Returns the plan's workers' load accounting (call once per successful Schedule).
   void Release(const Plan& plan);
 

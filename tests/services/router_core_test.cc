@@ -130,7 +130,7 @@ class RouterCoreTest : public ::testing::Test {
   static CoreOptions Options() {
     CoreOptions o;
     o.model = "m";
-    o.context_length = 64;
+    o.context_length = 256;
     o.max_tokens_limit = 16;
     o.default_max_tokens = 8;
     return o;
@@ -156,14 +156,14 @@ class RouterCoreTest : public ::testing::Test {
 };
 
 TEST_F(RouterCoreTest, PrepareNamesTheParamAndCode) {
-  auto e = core_.Prepare(Completion(std::string(64, 'x')));
+  auto e = core_.Prepare(Completion(std::string(256, 'x')));
   EXPECT_EQ(e.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(ErrorParam(e.status()), "prompt");
   EXPECT_EQ(ErrorCode(e.status()), "context_length_exceeded");
   e = core_.Prepare(Completion("hi", 17));
   EXPECT_EQ(ErrorParam(e.status()), "max_tokens");
   EXPECT_EQ(ErrorCode(e.status()), "max_tokens_exceeded");
-  e = core_.Prepare(Completion(std::string(50, 'x'), 15));
+  e = core_.Prepare(Completion(std::string(250, 'x'), 15));
   EXPECT_EQ(ErrorCode(e.status()), "context_length_exceeded");
   EXPECT_EQ(ErrorParam(e.status()), "max_tokens");
   auto spec = Completion("hi");
@@ -175,7 +175,7 @@ TEST_F(RouterCoreTest, PrepareNamesTheParamAndCode) {
   spec.prompt_ids = std::vector<int32_t>{1, 300};
   EXPECT_EQ(ErrorParam(core_.Prepare(spec).status()), "prompt");
   // Default max_tokens: min(default, context - prompt).
-  auto ok = core_.Prepare(Completion(std::string(60, 'x')));
+  auto ok = core_.Prepare(Completion(std::string(252, 'x')));
   ASSERT_TRUE(ok.ok());
   EXPECT_EQ(ok->max_tokens, 4);
   EXPECT_EQ(core_.Prepare(Completion("hi"))->max_tokens, 8);

@@ -34,7 +34,6 @@ class RegistryTest : public ::testing::Test {
     RegistryOptions o;
     o.heartbeat_interval_ms = 100;
     o.heartbeat_miss_limit = 3;
-    o.models = {"m"};
     return o;
   }
   common::FakeClock clock_;
@@ -59,15 +58,15 @@ TEST_F(RegistryTest, FingerprintMismatchIsRefusedAcrossPoolsAndExplained) {
   registry_.MarkFailed("d0", "test");
   registry_.MarkFailed("e1", "test");
   EXPECT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder, "fpB")).ok());
-  EXPECT_EQ(registry_.Fingerprint("m"), "fpB");
+  EXPECT_EQ(registry_.Fingerprint(), "fpB");
 }
 
-TEST_F(RegistryTest, RefusesUnknownModelAndMissingFields) {
+TEST_F(RegistryTest, RefusesMissingFields) {
   WorkerInfo w = Worker("d0", PoolKind::kDecode);
-  w.model = "other";
+  w.control_address.clear();
   EXPECT_EQ(registry_.Register(w).code(), absl::StatusCode::kInvalidArgument);
   w = Worker("d0", PoolKind::kDecode);
-  w.control_address.clear();
+  w.fingerprint.clear();
   EXPECT_EQ(registry_.Register(w).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(registry_.Count(PoolKind::kDecode), 0);
 }
@@ -96,17 +95,16 @@ TEST_F(RegistryTest, PicksTheLeastLoadedAndSkipsDraining) {
   registry_.Heartbeat("a", "fp1", {.queue_depth = 5}, false);
   registry_.Heartbeat("b", "fp1", {.running_requests = 1}, false);
   registry_.Heartbeat("c", "fp1", {}, true);  // draining
-  auto w = registry_.Pick(PoolKind::kDecode, "m");
+  auto w = registry_.Pick(PoolKind::kDecode);
   ASSERT_TRUE(w.has_value());
   EXPECT_EQ(w->id, "b");
   // b now has 1 running (reported) and 1 in flight from us; still below a's 5.
-  EXPECT_EQ(registry_.Pick(PoolKind::kDecode, "m")->id, "b");
-  EXPECT_EQ(registry_.Pick(PoolKind::kDecode, "m")->id, "b");
+  EXPECT_EQ(registry_.Pick(PoolKind::kDecode)->id, "b");
+  EXPECT_EQ(registry_.Pick(PoolKind::kDecode)->id, "b");
   // Router-side in-flight counts once heartbeats lag: b has 3 in flight now.
   registry_.Heartbeat("a", "fp1", {.queue_depth = 2}, false);
-  EXPECT_EQ(registry_.Pick(PoolKind::kDecode, "m")->id, "a");
-  EXPECT_FALSE(registry_.Pick(PoolKind::kEncoder, "m").has_value());
-  EXPECT_FALSE(registry_.Pick(PoolKind::kDecode, "other").has_value());
+  EXPECT_EQ(registry_.Pick(PoolKind::kDecode)->id, "a");
+  EXPECT_FALSE(registry_.Pick(PoolKind::kEncoder).has_value());
   // The queue gauge sums the heartbeats.
   EXPECT_NE(Scrape(metrics_).find("epd_queue_depth{pool=\"decode\"} 2"), std::string::npos);
 }
@@ -117,7 +115,7 @@ TEST_F(RegistryTest, EqualLoadsShareWork) {
   }
   int a = 0;
   for (int i = 0; i < 10; ++i) {
-    auto w = registry_.Pick(PoolKind::kDecode, "m");
+    auto w = registry_.Pick(PoolKind::kDecode);
     a += w->id == "a";
     registry_.Release(w->id);
   }
@@ -137,12 +135,12 @@ class FixedOracle final : public PrefixOracle {
 TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   FixedOracle oracle;
   Scheduler sched({.direct_decode_max_tokens = 4}, registry_, oracle, metrics_);
-  EXPECT_EQ(sched.Schedule("m", {1, 2, 3}).status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(sched.Schedule({1, 2, 3}).status().code(), absl::StatusCode::kUnavailable);
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   std::vector<int32_t> prompt(10, 7);
-  auto plan = sched.Schedule("m", prompt);
+  auto plan = sched.Schedule(prompt);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->route, "pd");
   EXPECT_EQ(plan->fingerprint, "fp1");
@@ -150,7 +148,7 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   oracle.hint = {.cached_tokens = 8, .workers = {"d1"}};
   // 2 uncached tokens <= 4: decode alone, on the worker holding the prefix.
-  plan = sched.Schedule("m", prompt);
+  plan = sched.Schedule(prompt);
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->route, "d");
   EXPECT_EQ(plan->decode.id, "d1");
@@ -158,7 +156,7 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   EXPECT_EQ(oracle.last_fp, "fp1");
   sched.Release(*plan);
   oracle.hint = {};
-  plan = sched.Schedule("m", prompt);
+  plan = sched.Schedule(prompt);
   EXPECT_EQ(plan->route, "epd");
   const std::string text = Scrape(metrics_);
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"epd\"} 1"), std::string::npos);
