@@ -311,14 +311,16 @@ class UcxWire final : public Wire {
           break;
         continue;
       }
+      // Spin while UCX makes progress and shortly after; then nap (briefly while operations are
+      // in flight, longer when idle). A peer that never answers thus costs no CPU.
       const auto now = std::chrono::steady_clock::now();
-      if (active || !inflight_.empty()) {
+      if (active) {
         last_active = now;
         continue;
       }
       if (now - last_active < std::chrono::milliseconds(2)) continue;
       std::unique_lock<std::mutex> lock(qmu_);
-      qcv_.wait_for(lock, std::chrono::microseconds(500),
+      qcv_.wait_for(lock, std::chrono::microseconds(inflight_.empty() ? 500 : 50),
                     [&] { return !commands_.empty() || stop_requested_; });
     }
     // Whatever UCX did not complete in time completes here with an error; the worker is

@@ -45,11 +45,13 @@ et::UcxOptions Ucx(const std::string& mode) {
   return uo;
 }
 
+uint64_t g_chunk_mib = 16;
+
 et::EngineOptions Engine() {
   et::EngineOptions eo;
   eo.config_fingerprint = "bench";
   eo.cluster_token = "bench";
-  eo.chunk_bytes = 16ull << 20;
+  eo.chunk_bytes = g_chunk_mib << 20;
   return eo;
 }
 
@@ -154,6 +156,7 @@ int main(int argc, char** argv) {
   app.add_option("--modes", modes);
   app.add_option("--sizes-mib", sizes_arg);
   app.add_option("--iters", iters);
+  app.add_option("--chunk-mib", g_chunk_mib, "engine data chunk size");
   app.add_option("--role", role);  // internal: "recv" for the child
   app.add_option("--mode", mode);
   app.add_option("--address-file", address_file);
