@@ -1,0 +1,49 @@
+#pragma once
+
+// The target pass of DSpark verification behind an interface, so the model owner's batched
+// multi-position DecodeStep can replace the sequential implementation here.
+//
+// Contract: Score(state, ids) runs the target model over ids (ids[0] = the last accepted token,
+// then the drafts) at positions state.pos .. state.pos + ids.size() - 1 and returns fp32 logits
+// [ids.size(), vocab]; row i is the distribution of the token at position state.pos + i + 1.
+// Afterwards the state is as if every id had been decoded. Commit(state, keep) keeps the first
+// `keep` positions and restores everything the rest touched (byte-exact), so the state equals
+// that of a run that only ever decoded ids[0 .. keep).
+//
+// Thread-safety: one scorer per thread (it holds per-step journals and uses a Backend).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_pool/dspark/rollback.h"
+#include "model/model.h"
+
+namespace epd::decode_pool {
+
+class TargetScorer {
+ public:
+  virtual ~TargetScorer() = default;
+  [[nodiscard]] virtual absl::StatusOr<std::vector<float>> Score(model::SequenceState& state,
+                                                                 std::span<const int32_t> ids) = 0;
+  [[nodiscard]] virtual absl::Status Commit(model::SequenceState& state, int64_t keep) = 0;
+};
+
+// k + 1 sequential Model::Decode calls, journaled by StepJournal. Borrows `model` (must outlive
+// the scorer). One open step at a time: Score then Commit.
+class SequentialTargetScorer final : public TargetScorer {
+ public:
+  explicit SequentialTargetScorer(const model::Model& model);
+  absl::StatusOr<std::vector<float>> Score(model::SequenceState& state,
+                                           std::span<const int32_t> ids) override;
+  absl::Status Commit(model::SequenceState& state, int64_t keep) override;
+  const StepJournal& journal() const { return journal_; }
+
+ private:
+  const model::Model& model_;
+  StepJournal journal_;
+};
+
+}  // namespace epd::decode_pool

@@ -1,0 +1,221 @@
+#include "decode_pool/dspark/verifier.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace epd::decode_pool {
+
+using model::Sampler;
+using model::SequenceState;
+
+VerifyOutcome VerifyGreedy(std::span<const int32_t> target_tokens,
+                           std::span<const int32_t> drafts) {
+  VerifyOutcome o;
+  while (o.accepted < static_cast<int>(drafts.size()) &&
+         target_tokens[o.accepted] == drafts[o.accepted]) {
+    ++o.accepted;
+  }
+  o.token = target_tokens[o.accepted];
+  return o;
+}
+
+VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q,
+                              std::span<const int32_t> drafts, int64_t V, model::Rng& rng) {
+  const int k = static_cast<int>(drafts.size());
+  VerifyOutcome o;
+  for (int i = 0; i < k; ++i) {
+    const float* pi = p.data() + i * V;
+    const float* qi = q.data() + i * V;
+    const int32_t x = drafts[i];
+    const double px = pi[x], qx = qi[x];
+    const double u = rng.NextUniform();
+    // Accept with min(1, p/q); q(x) = 0 cannot be drawn, treat it as accept iff p(x) > 0.
+    const bool accept = qx > 0 ? u * qx < px : px > 0;
+    if (accept) {
+      ++o.accepted;
+      continue;
+    }
+    std::vector<float> residual(V);
+    double total = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      residual[v] = std::max(0.f, pi[v] - qi[v]);
+      total += residual[v];
+    }
+    // p == q exactly leaves no residual mass (and then rejection has probability 0): fall back
+    // to p for numerical safety.
+    const std::span<const float> dist =
+        total > 0 ? std::span<const float>(residual) : std::span<const float>(pi, V);
+    o.token = model::SampleFromProbs(dist, rng.NextUniform());
+    return o;
+  }
+  o.token = model::SampleFromProbs(std::span<const float>(p.data() + k * V, V), rng.NextUniform());
+  return o;
+}
+
+SpeculativeDecoder::SpeculativeDecoder(const model::Model& model, TargetScorer& scorer,
+                                       const KPolicy* policy)
+    : model_(model), scorer_(scorer), policy_(policy) {}
+
+void SpeculativeDecoder::MarkovBias(int32_t token, std::vector<float>& bias) const {
+  const model::DSparkWeights& d = *model_.weights().dspark;
+  const int64_t V = model_.config().vocab_size, R = model_.config().dspark_markov_rank;
+  const float* e = d.markov_embed.data() + token * R;
+  bias.resize(V);
+  for (int64_t v = 0; v < V; ++v) {
+    const float* h = d.markov_head.data() + v * R;
+    float acc = 0.f;
+    for (int64_t r = 0; r < R; ++r) acc += e[r] * h[r];
+    bias[v] = acc;
+  }
+}
+
+absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t last,
+                                                   Sampler& sampler, int k,
+                                                   std::vector<int32_t>& out, int batch) {
+  const model::ModelConfig& c = model_.config();
+  const int64_t V = c.vocab_size;
+  const bool greedy = sampler.params().greedy();
+  const bool can_draft = c.n_mtp_layers > 0 && model_.weights().dspark != nullptr;
+  if (!can_draft) k = 0;
+  if (k < 0 && (policy_ == nullptr || !policy_->WorthDrafting(batch))) k = 0;
+
+  StepStats st;
+  std::vector<int32_t> drafts;
+  std::vector<float> q;  // [k, V] draft distributions (T > 0 only)
+  if (k != 0) {
+    auto draft = model_.Draft(state, last);
+    if (!draft.ok()) return draft.status();
+    st.confidence = draft->confidence;
+    if (k < 0) k = policy_->Choose(draft->confidence, batch);
+    k = std::min<int>(k, c.dspark_block_size);
+    if (greedy && !sampler.params().has_penalties()) {
+      drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
+    } else {
+      // Re-chain the Markov head with our own choices: logits_i depend on the chain token x_i
+      // only through bias(x_i); the returned logits carry bias(ids[i]) of the greedy chain.
+      std::vector<float> li(V), b_old, b_new, qi;
+      if (!greedy) q.resize(static_cast<size_t>(k) * V);
+      for (int i = 0; i < k; ++i) {
+        const float* base = draft->logits.data() + i * V;
+        std::copy_n(base, V, li.data());
+        if (i > 0 && drafts[i - 1] != draft->ids[i]) {
+          MarkovBias(draft->ids[i], b_old);
+          MarkovBias(drafts[i - 1], b_new);
+          for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
+        }
+        int32_t x;
+        if (greedy) {
+          x = sampler.Greedy(li, drafts);
+        } else {
+          sampler.Probabilities(li, drafts, qi);
+          std::copy(qi.begin(), qi.end(), q.begin() + static_cast<int64_t>(i) * V);
+          x = model::SampleFromProbs(qi, sampler.rng().NextUniform());
+        }
+        drafts.push_back(x);
+      }
+    }
+  }
+
+  std::vector<int32_t> ids = {last};
+  ids.insert(ids.end(), drafts.begin(), drafts.end());
+  auto logits = scorer_.Score(state, ids);
+  if (!logits.ok()) return logits.status();
+  const std::span<const int32_t> dspan(drafts);
+  VerifyOutcome o;
+  if (greedy) {
+    std::vector<int32_t> target(k + 1);
+    for (int i = 0; i <= k; ++i) {
+      target[i] =
+          sampler.Greedy(std::span<const float>(logits->data() + i * V, V), dspan.subspan(0, i));
+      if (i < k && target[i] != drafts[i]) {
+        target.resize(i + 1);
+        break;
+      }
+    }
+    o = VerifyGreedy(target, dspan.subspan(0, target.size() - 1));
+  } else {
+    std::vector<float> p(static_cast<size_t>(k + 1) * V), pi;
+    for (int i = 0; i <= k; ++i) {
+      sampler.Probabilities(std::span<const float>(logits->data() + i * V, V), dspan.subspan(0, i),
+                            pi);
+      std::copy(pi.begin(), pi.end(), p.begin() + static_cast<int64_t>(i) * V);
+    }
+    o = VerifyRejection(p, q, drafts, V, sampler.rng());
+  }
+  if (absl::Status s = scorer_.Commit(state, o.accepted + 1); !s.ok()) return s;
+  for (int i = 0; i < o.accepted; ++i) {
+    out.push_back(drafts[i]);
+    sampler.Accept(drafts[i]);
+  }
+  out.push_back(o.token);
+  sampler.Accept(o.token);
+  st.k = k;
+  st.accepted = o.accepted;
+  st.emitted = o.accepted + 1;
+  return st;
+}
+
+absl::StatusOr<GenerationResult> Generate(const model::Model& model, TargetScorer& scorer,
+                                          std::span<const int32_t> prompt,
+                                          const model::SamplingParams& params,
+                                          const GenerateOptions& options) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  if (options.dspark && options.fixed_k < 0 && options.policy == nullptr)
+    return absl::InvalidArgumentError("dspark: Generate with the k policy needs a KPolicy");
+  Sampler sampler(params, model.config().vocab_size, prompt);
+  GenerationResult res;
+  res.state = model.NewSequence();
+  auto pre = model.Prefill(*res.state, prompt, /*all_logits=*/false);
+  if (!pre.ok()) return pre.status();
+  int32_t last = sampler.Sample(pre->logits);
+  sampler.Accept(last);
+  SpeculativeDecoder decoder(model, scorer, options.policy);
+  std::vector<int32_t> pending = {last};
+  const int k = !options.dspark ? 0 : options.fixed_k;
+  for (;;) {
+    for (int32_t t : pending) {
+      if (sampler.IsStopToken(t)) {
+        res.finish_reason = "stop";
+        return res;
+      }
+      res.tokens.push_back(t);
+      if (static_cast<int32_t>(res.tokens.size()) >= params.max_tokens) {
+        res.finish_reason = "length";
+        return res;
+      }
+    }
+    last = pending.back();
+    pending.clear();
+    auto st = decoder.Step(*res.state, last, sampler, k, pending, options.batch);
+    if (!st.ok()) return st.status();
+    res.steps.push_back(*st);
+  }
+}
+
+absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_state) {
+  if (worker_dspark && !handoff_has_dspark_state) {
+    return absl::FailedPreconditionError(
+        "dspark: this decode worker runs DSpark (fingerprint dspark=on) but the hand-off carries "
+        "no DSpark state (draft rings / main_hidden); the prefill side runs with DSpark off");
+  }
+  if (!worker_dspark && handoff_has_dspark_state) {
+    return absl::FailedPreconditionError(
+        "dspark: the hand-off carries DSpark state (draft rings / main_hidden) but this decode "
+        "worker runs with DSpark off (fingerprint dspark=off)");
+  }
+  return absl::OkStatus();
+}
+
+bool HandoffHasDSparkState(const model::ModelConfig& config,
+                           const std::vector<model::StateSegment>& segments) {
+  for (const model::StateSegment& s : segments) {
+    if (s.name == "main_hidden") return true;
+    for (int L = config.n_layers; L < config.total_layers(); ++L) {
+      if (s.name == absl::StrCat("swa.", L)) return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace epd::decode_pool

@@ -1,0 +1,108 @@
+#pragma once
+
+// DSpark speculative decoding: draft with the DSpark head, verify with one target pass over the
+// last accepted token plus k drafts, accept the longest agreeing prefix (greedy) or use standard
+// speculative rejection sampling (T > 0), always emit at least one target token, roll back the
+// rejected positions (docs/dspark.md).
+//
+// Invariant: with greedy sampling the emitted tokens equal those of plain decoding (k = 0),
+// token for token, and the state after each step equals the plain run's byte for byte.
+//
+// Thread-safety: SpeculativeDecoder is used by one thread at a time (its scorer and the model's
+// backend are single-threaded); the free functions are reentrant.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "decode_pool/dspark/k_policy.h"
+#include "decode_pool/dspark/target_scorer.h"
+#include "model/model.h"
+#include "model/sampling.h"
+#include "model/sequence_state.h"
+
+namespace epd::decode_pool {
+
+struct VerifyOutcome {
+  int accepted = 0;   // drafts accepted (prefix length)
+  int32_t token = 0;  // the target token emitted after them
+};
+
+// Greedy verification: target_tokens [k+1] are the target's greedy tokens per row (row i follows
+// drafts[0..i)), drafts [k].
+VerifyOutcome VerifyGreedy(std::span<const int32_t> target_tokens, std::span<const int32_t> drafts);
+
+// Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023). p: [k+1, V] target
+// distributions per row, q: [k, V] the draft distributions drafts[i] was drawn from. Accept draft
+// x with probability min(1, p(x)/q(x)); on rejection draw from norm(max(0, p - q)); if all k are
+// accepted draw a bonus token from p[k]. The emitted tokens are distributed exactly as sampling
+// from p autoregressively. Uses one uniform per tested draft plus one for the final draw.
+VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q,
+                              std::span<const int32_t> drafts, int64_t vocab, model::Rng& rng);
+
+struct StepStats {
+  int k = 0;                      // drafts verified
+  int accepted = 0;               // drafts accepted
+  int emitted = 0;                // tokens appended (accepted + 1)
+  std::vector<float> confidence;  // raw DSpark confidences of this step's draft (empty: no draft)
+};
+
+// One sequence's decode steps. Borrows model, scorer and policy (must outlive it).
+class SpeculativeDecoder {
+ public:
+  // `policy` may be null: then only explicit k values are used.
+  SpeculativeDecoder(const model::Model& model, TargetScorer& scorer,
+                     const KPolicy* policy = nullptr);
+
+  // One step for a sequence at state.pos whose last sampled token `last` is not yet in the state.
+  // k < 0: draft, then let the policy choose k from the confidences and `batch`; k = 0: a plain
+  // decode step (no draft pass); k > 0: that many drafts (capped at the block size). Appends the
+  // emitted tokens to `out` and to the sampler's history; the state afterwards holds `last` and
+  // the accepted drafts.
+  [[nodiscard]] absl::StatusOr<StepStats> Step(model::SequenceState& state, int32_t last,
+                                               model::Sampler& sampler, int k,
+                                               std::vector<int32_t>& out, int batch = 1);
+
+ private:
+  // Markov-head bias [vocab] for a chain token (fp32, DSparkWeights::markov_*).
+  void MarkovBias(int32_t token, std::vector<float>& bias) const;
+
+  const model::Model& model_;
+  TargetScorer& scorer_;
+  const KPolicy* policy_;
+};
+
+struct GenerateOptions {
+  bool dspark = true;               // Default: on
+  int fixed_k = -1;                 // >= 0 forces k every step; -1 = the policy. Default: -1
+  const KPolicy* policy = nullptr;  // needed when fixed_k < 0 and dspark is on
+  int batch = 1;                    // batch size the policy assumes. Default: 1
+};
+
+struct GenerationResult {
+  std::vector<int32_t> tokens;  // generated ids, stop token excluded
+  std::string finish_reason;    // "stop" | "length"
+  std::vector<StepStats> steps;
+  std::unique_ptr<model::SequenceState> state;  // final state
+};
+
+// Prefill + decode loop for one prompt (tests, the benchmark, a single-sequence worker).
+[[nodiscard]] absl::StatusOr<GenerationResult> Generate(const model::Model& model,
+                                                        TargetScorer& scorer,
+                                                        std::span<const int32_t> prompt,
+                                                        const model::SamplingParams& params,
+                                                        const GenerateOptions& options);
+
+// The config switch: a decode worker whose fingerprint says DSpark on must receive DSpark state
+// in the hand-off (the DSpark stages' window rings and main_hidden), and one with DSpark off must
+// receive none. Returns FailedPrecondition naming the mismatch.
+[[nodiscard]] absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_state);
+// Whether serialized state segments (model/sequence_state.h) carry DSpark state: "swa.<L>" for a
+// DSpark stage L >= n_layers, or "main_hidden".
+bool HandoffHasDSparkState(const model::ModelConfig& config,
+                           const std::vector<model::StateSegment>& segments);
+
+}  // namespace epd::decode_pool

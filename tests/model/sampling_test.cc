@@ -1,0 +1,246 @@
+#include "model/sampling.h"
+
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "gtest/gtest.h"
+
+namespace epd::model {
+namespace {
+
+std::vector<float> Logits() { return {1.0f, 3.0f, 2.0f, 3.0f, -1.0f, 0.5f}; }
+
+TEST(SamplingParamsTest, ValidateNamesField) {
+  SamplingParams p;
+  EXPECT_TRUE(p.Validate().ok());
+  p.top_p = 0.f;
+  EXPECT_NE(p.Validate().message().find("top_p"), std::string::npos);
+  p = {};
+  p.temperature = -1.f;
+  EXPECT_NE(p.Validate().message().find("temperature"), std::string::npos);
+  p = {};
+  p.max_tokens = 0;
+  EXPECT_NE(p.Validate().message().find("max_tokens"), std::string::npos);
+  p = {};
+  p.top_logprobs = 21;
+  EXPECT_NE(p.Validate().message().find("top_logprobs"), std::string::npos);
+  p = {};
+  p.stop_strings = {""};
+  EXPECT_FALSE(p.Validate().ok());
+}
+
+TEST(SamplerTest, GreedyIsFirstArgmax) {
+  Sampler s({}, 6);
+  EXPECT_EQ(s.Sample(Logits()), 1);  // 3.0 at 1 and 3: first index wins
+  EXPECT_EQ(ArgMax(std::vector<float>{0.f, 0.f}), 0);
+}
+
+TEST(RngTest, CounterBasedAndSeeded) {
+  Rng a(42), b(42), c(43);
+  std::vector<uint64_t> va, vb, vc;
+  for (int i = 0; i < 100; ++i) {
+    va.push_back(a.NextU64());
+    vb.push_back(b.NextU64());
+    vc.push_back(c.NextU64());
+  }
+  EXPECT_EQ(va, vb);
+  EXPECT_NE(va, vc);
+  double u = Rng(7).NextUniform();
+  EXPECT_GE(u, 0.0);
+  EXPECT_LT(u, 1.0);
+}
+
+TEST(SamplerTest, SameSeedSameOutputDifferentSeedDiffers) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  auto run = [&](uint64_t seed) {
+    p.seed = seed;
+    Sampler s(p, 6);
+    std::vector<int32_t> out;
+    for (int i = 0; i < 64; ++i) out.push_back(s.Sample(Logits()));
+    return out;
+  };
+  EXPECT_EQ(run(5), run(5));
+  EXPECT_NE(run(5), run(6));
+}
+
+TEST(SamplerTest, TemperatureSamplingMatchesSoftmax) {
+  SamplingParams p;
+  p.temperature = 0.7f;
+  p.seed = 1;
+  Sampler s(p, 6);
+  const std::vector<float> l = Logits();
+  std::vector<double> want(6);
+  double z = 0;
+  for (int i = 0; i < 6; ++i) z += want[i] = std::exp(l[i] / 0.7);
+  std::vector<int> hist(6, 0);
+  const int n = 40000;
+  for (int i = 0; i < n; ++i) ++hist[s.Sample(l)];
+  double chi2 = 0;
+  for (int i = 0; i < 6; ++i) {
+    const double e = n * want[i] / z;
+    chi2 += (hist[i] - e) * (hist[i] - e) / e;
+  }
+  EXPECT_LT(chi2, 20.5);  // 5 dof, p = 0.001
+}
+
+TEST(SamplerTest, TopKMask) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.top_k = 2;
+  Sampler s(p, 6);
+  std::vector<float> probs;
+  s.Probabilities(Logits(), {}, probs);
+  EXPECT_GT(probs[1], 0.f);
+  EXPECT_GT(probs[3], 0.f);
+  for (int i : {0, 2, 4, 5}) EXPECT_EQ(probs[i], 0.f) << i;
+  EXPECT_NEAR(probs[1], 0.5f, 1e-6);
+  // Ties at the cut keep the lower index.
+  p.top_k = 1;
+  Sampler s1(p, 6);
+  s1.Probabilities(Logits(), {}, probs);
+  EXPECT_EQ(probs[1], 1.f);
+  EXPECT_EQ(probs[3], 0.f);
+}
+
+TEST(SamplerTest, TopPMask) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  // softmax of {0, log 4, log 3, log 2} ~ {0.1, 0.4, 0.3, 0.2}
+  std::vector<float> l = {0.f, std::log(4.f), std::log(3.f), std::log(2.f)};
+  p.top_p = 0.65f;
+  Sampler s(p, 4);
+  std::vector<float> probs;
+  s.Probabilities(l, {}, probs);
+  EXPECT_EQ(probs[0], 0.f);
+  EXPECT_EQ(probs[3], 0.f);
+  EXPECT_NEAR(probs[1], 4.f / 7.f, 1e-5);
+  EXPECT_NEAR(probs[2], 3.f / 7.f, 1e-5);
+  // Tiny p keeps exactly one token.
+  p.top_p = 0.01f;
+  Sampler s2(p, 4);
+  s2.Probabilities(l, {}, probs);
+  EXPECT_EQ(probs[1], 1.f);
+}
+
+TEST(SamplerTest, MinPMask) {
+  SamplingParams p;
+  p.temperature = 1.f;
+  p.min_p = 0.6f;  // keep probs >= 0.6 * 0.4 = 0.24
+  std::vector<float> l = {0.f, std::log(4.f), std::log(3.f), std::log(2.f)};
+  Sampler s(p, 4);
+  std::vector<float> probs;
+  s.Probabilities(l, {}, probs);
+  EXPECT_EQ(probs[0], 0.f);
+  EXPECT_EQ(probs[3], 0.f);
+  EXPECT_GT(probs[1], 0.f);
+  EXPECT_GT(probs[2], 0.f);
+}
+
+TEST(SamplerTest, RepetitionPenaltyCoversPromptAndOutput) {
+  SamplingParams p;
+  p.repetition_penalty = 2.f;
+  const std::vector<int32_t> prompt = {1};
+  Sampler s(p, 6, prompt);
+  std::vector<float> l = Logits();
+  s.ApplyPenalties(l);
+  EXPECT_FLOAT_EQ(l[1], 1.5f);  // positive: divided
+  EXPECT_FLOAT_EQ(l[3], 3.f);
+  EXPECT_EQ(s.Sample(Logits()), 3);
+  s.Accept(4);
+  l = Logits();
+  s.ApplyPenalties(l);
+  EXPECT_FLOAT_EQ(l[4], -2.f);  // negative: multiplied
+}
+
+TEST(SamplerTest, FrequencyAndPresencePenalties) {
+  SamplingParams p;
+  p.frequency_penalty = 0.5f;
+  p.presence_penalty = 0.25f;
+  Sampler s(p, 6);
+  s.Accept(1);
+  s.Accept(1);
+  std::vector<float> l = Logits();
+  const std::vector<int32_t> pending = {3};
+  s.ApplyPenalties(l, pending);
+  EXPECT_FLOAT_EQ(l[1], 3.f - 1.f - 0.25f);
+  EXPECT_FLOAT_EQ(l[3], 3.f - 0.5f - 0.25f);
+  EXPECT_FLOAT_EQ(l[2], 2.f);
+  // Greedy honours penalties: 3 (2.25) now beats 1 (1.75); with 3 pending twice, 2 wins.
+  EXPECT_EQ(s.Greedy(Logits(), pending), 3);
+  EXPECT_EQ(s.Greedy(Logits(), std::vector<int32_t>{3, 3}), 2);
+}
+
+TEST(SamplerTest, StopTokens) {
+  SamplingParams p;
+  p.stop_token_ids = {1, 7};
+  Sampler s(p, 8);
+  EXPECT_TRUE(s.IsStopToken(7));
+  EXPECT_FALSE(s.IsStopToken(2));
+}
+
+TEST(LogprobsTest, TopAndChosen) {
+  Logprobs lp = ComputeLogprobs(Logits(), 2, 3);
+  ASSERT_EQ(lp.top.size(), 3u);
+  EXPECT_EQ(lp.top[0].token, 1);
+  EXPECT_EQ(lp.top[1].token, 3);
+  EXPECT_EQ(lp.top[2].token, 2);
+  EXPECT_FLOAT_EQ(lp.top[0].logprob, lp.top[1].logprob);
+  EXPECT_EQ(lp.chosen.token, 2);
+  double z = 0;
+  for (float l : Logits()) z += std::exp(l);
+  EXPECT_NEAR(lp.chosen.logprob, 2.0 - std::log(z), 1e-5);
+}
+
+TEST(StopMatcherTest, AcrossTokenBoundaries) {
+  StopMatcher m({"STOP", "\n\n"});
+  std::string out;
+  auto r = m.Feed("hello S");
+  out += r.emit;
+  EXPECT_EQ(r.emit, "hello ");
+  EXPECT_EQ(r.held_bytes, 1u);
+  r = m.Feed("T");
+  EXPECT_EQ(r.emit, "");
+  EXPECT_EQ(r.held_bytes, 2u);
+  r = m.Feed("OP and more");
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(r.emit, "");
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(m.Feed("x").emit, "");
+}
+
+TEST(StopMatcherTest, FalseStartReleasesText) {
+  StopMatcher m({"STOP"});
+  std::string out;
+  out += m.Feed("ST").emit;
+  EXPECT_EQ(out, "");
+  out += m.Feed("ART S").emit;
+  EXPECT_EQ(out, "START ");
+  out += m.Feed("TO").emit;
+  EXPECT_EQ(out, "START ");
+  out += m.Flush();
+  EXPECT_EQ(out, "START STO");
+}
+
+TEST(StopMatcherTest, EarliestOfSeveralStops) {
+  StopMatcher m({"cd", "b"});
+  auto r = m.Feed("abcd");
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(r.emit, "a");
+}
+
+TEST(StopMatcherTest, OverlappingPrefixHeld) {
+  StopMatcher m({"aab"});
+  std::string out;
+  out += m.Feed("a").emit;
+  out += m.Feed("a").emit;
+  out += m.Feed("a").emit;  // "aaa": the last two may still start "aab"
+  EXPECT_EQ(out, "a");
+  auto r = m.Feed("b");
+  EXPECT_TRUE(r.stopped);
+  EXPECT_EQ(out + r.emit, "a");
+}
+
+}  // namespace
+}  // namespace epd::model
