@@ -84,6 +84,69 @@ void Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int o
   backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
 }
 
+void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
+                     SequenceState& state) const {
+  const ModelConfig& c = config_;
+  const LayerRole& role = roles_[l];
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t D = c.dim, hd = c.head_dim;
+  const int rd = c.rope_head_dim, nope = c.nope_head_dim();
+  const int ratio = role.compress_ratio;
+  const vector<int64_t> pos(pos_ptr, pos_ptr + S);
+  SequenceState::Source& s = state.sources[l];
+  vector<float> latents;
+  vector<int64_t> gpos;
+  if (ratio == 1) {
+    latents.resize(S * hd);
+    backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data());
+    backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data());
+    gpos = pos;
+  } else {
+    vector<float> kvf(S * hd), scf(S * hd);
+    backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data());
+    backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data());
+    for (int64_t i = 0; i < S; ++i) {
+      const int64_t slot = pos[i] % ratio;
+      std::copy_n(kvf.data() + i * hd, hd, s.kv_state.data() + slot * hd);
+      std::copy_n(scf.data() + i * hd, hd, s.score_state.data() + slot * hd);
+      if ((pos[i] + 1) % ratio != 0) continue;
+      vector<float> lat(hd);
+      for (int64_t ch = 0; ch < hd; ++ch) {
+        float mx = -INFINITY;
+        for (int r = 0; r < ratio; ++r) mx = std::max(mx, s.score_state[r * hd + ch]);
+        float sum = 0.f;
+        float e[8];
+        for (int r = 0; r < ratio; ++r) {
+          e[r] = std::exp(s.score_state[r * hd + ch] - mx);
+          sum += e[r];
+        }
+        float acc = 0.f;
+        for (int r = 0; r < ratio; ++r) acc += s.kv_state[r * hd + ch] * (e[r] / sum);
+        lat[ch] = kc::RoundBf16(acc);
+      }
+      backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data());
+      latents.insert(latents.end(), lat.begin(), lat.end());
+      gpos.push_back(pos[i] + 1 - ratio);
+    }
+  }
+  const int64_t ne = static_cast<int64_t>(gpos.size());
+  if (ne > 0) {
+    const int64_t ihd = c.index_head_dim;
+    vector<float> keys(ne * ihd);
+    backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data());
+    backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
+    RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(),
+             false);
+    for (int64_t j = 0; j < ne; ++j) kc::Fp4IndexQuantDequantRow(keys.data() + j * ihd, ihd);
+    RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
+    for (int64_t j = 0; j < ne; ++j) kc::Fp4KvQuantDequantRow(latents.data() + j * hd, hd);
+    s.kv.insert(s.kv.end(), latents.begin(), latents.end());
+    s.keys.insert(s.keys.end(), keys.begin(), keys.end());
+    s.n += ne;
+    state.published_keys = l;
+  }
+}
+
 int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
   // The reference publishes a source's index keys only in a call where its compressor emitted.
   // In a single-token call at q, source s emits iff (q + 1) % ratio_s == 0; at the call for p only
@@ -147,59 +210,10 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   if (ratio > 0) {
     const int64_t T = call.start_pos + S;
     nk = T / ratio;
-    if (role.is_kv_source) {
-      SequenceState::Source& s = state.sources[l];
-      vector<float> latents;
-      vector<int64_t> gpos;
-      if (ratio == 1) {
-        latents.resize(S * hd);
-        backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data());
-        backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data());
-        gpos = pos;
-      } else {
-        vector<float> kvf(S * hd), scf(S * hd);
-        backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data());
-        backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data());
-        for (int64_t i = 0; i < S; ++i) {
-          const int64_t slot = pos[i] % ratio;
-          std::copy_n(kvf.data() + i * hd, hd, s.kv_state.data() + slot * hd);
-          std::copy_n(scf.data() + i * hd, hd, s.score_state.data() + slot * hd);
-          if ((pos[i] + 1) % ratio != 0) continue;
-          vector<float> lat(hd);
-          for (int64_t ch = 0; ch < hd; ++ch) {
-            float mx = -INFINITY;
-            for (int r = 0; r < ratio; ++r) mx = std::max(mx, s.score_state[r * hd + ch]);
-            float sum = 0.f;
-            float e[8];
-            for (int r = 0; r < ratio; ++r) {
-              e[r] = std::exp(s.score_state[r * hd + ch] - mx);
-              sum += e[r];
-            }
-            float acc = 0.f;
-            for (int r = 0; r < ratio; ++r) acc += s.kv_state[r * hd + ch] * (e[r] / sum);
-            lat[ch] = kc::RoundBf16(acc);
-          }
-          backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data());
-          latents.insert(latents.end(), lat.begin(), lat.end());
-          gpos.push_back(pos[i] + 1 - ratio);
-        }
-      }
-      const int64_t ne = static_cast<int64_t>(gpos.size());
-      if (ne > 0) {
-        const int64_t ihd = c.index_head_dim;
-        vector<float> keys(ne * ihd);
-        backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data());
-        backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
-        RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd),
-                 gpos.data(), false);
-        for (int64_t j = 0; j < ne; ++j) kc::Fp4IndexQuantDequantRow(keys.data() + j * ihd, ihd);
-        RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
-        for (int64_t j = 0; j < ne; ++j) kc::Fp4KvQuantDequantRow(latents.data() + j * hd, hd);
-        s.kv.insert(s.kv.end(), latents.begin(), latents.end());
-        s.keys.insert(s.keys.end(), keys.begin(), keys.end());
-        s.n += ne;
-        state.published_keys = l;
-      }
+    if (role.is_kv_source && call.compress) {
+      Compress(l, x, pos.data(), S, state);
+    } else if (role.is_kv_source && state.sources.at(l).n >= nk) {
+      state.published_keys = l;  // KV already present (replay): the layer's own keys are current
     }
     src = &state.sources.at(role.kv_source);
     nk = std::min(nk, src->n);
@@ -300,7 +314,7 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
       const int64_t p = pos[i];
       for (int64_t j = 0; j < W; ++j) {
         const int64_t q = p - W + 1 + j;
-        li[j] = q < 0
+        li[j] = q < call.window_floor || q < 0
                     ? -1
                     : static_cast<int32_t>(q >= call.start_pos ? W + (q - call.start_pos) : q % W);
       }
@@ -481,44 +495,72 @@ void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
   }
 }
 
-absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
-                                             bool all_logits, ForwardTrace* trace,
-                                             bool per_row_keys) const {
+absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
+                             const StageSpec& spec, Hidden& io, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const int64_t S = static_cast<int64_t>(ids.size()), D = c.dim, hc = c.hc_mult, V = c.vocab_size;
+  const int last = spec.last_layer < 0 ? c.n_layers : spec.last_layer;
+  if (S == 0) return absl::InvalidArgumentError("model: no tokens");
+  if (spec.first_layer < 0 || spec.first_layer > last || last > c.n_layers) {
+    return absl::InvalidArgumentError("model: bad layer range");
+  }
   for (int32_t id : ids) {
     if (id < 0 || id >= V)
       return absl::InvalidArgumentError(absl::StrCat("model: token id ", id, " out of range"));
   }
   Call call;
-  call.start_pos = state.pos;
+  call.start_pos = spec.start_pos;
   call.rows = S;
-  call.prefill = state.pos == 0;
-  call.per_row_keys = !call.prefill && per_row_keys;
+  call.prefill = spec.start_pos == 0;
+  call.per_row_keys = !call.prefill && spec.per_row_keys;
   call.published_at_start = state.published_keys;
-  vector<float> h(S * hc * D), pre(S * hc, 0.f);
-  for (int64_t i = 0; i < S; ++i) {
-    for (int64_t j = 0; j < hc; ++j)
-      std::copy_n(weights_->embed.data() + ids[i] * D, D, h.data() + (i * hc + j) * D);
-    pre[i * hc] = 1.f;
+  call.window_floor = spec.window_floor;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  if (spec.first_layer == 0) {
+    io.rows = S;
+    io.h.assign(S * hc * D, 0.f);
+    io.pre.assign(S * hc, 0.f);
+    for (int64_t i = 0; i < S; ++i) {
+      for (int64_t j = 0; j < hc; ++j)
+        std::copy_n(weights_->embed.data() + ids[i] * D, D, io.h.data() + (i * hc + j) * D);
+      io.pre[i * hc] = 1.f;
+    }
+    io.main_hidden.assign(S * nt * D, 0.f);
+  } else if (io.rows != S || io.h.size() != static_cast<size_t>(S * hc * D) ||
+             io.pre.size() != static_cast<size_t>(S * hc)) {
+    return absl::InvalidArgumentError("model: residual rows do not match the tokens");
   }
+  if (io.main_hidden.size() != static_cast<size_t>(S * nt * D))
+    io.main_hidden.assign(S * nt * D, 0.f);
   const int nel = static_cast<int>(c.engram_layer_ids.size());
   const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  bool engram_in_range = false;
+  for (int l : c.engram_layer_ids) engram_in_range |= l >= spec.first_layer && l < last;
   vector<int64_t> hashes;
-  if (nel > 0) hashes = EngramHashes(state, ids);
+  if (engram_in_range) {
+    if (spec.engram_history != nullptr) {
+      SequenceState tmp;
+      tmp.engram_history = *spec.engram_history;
+      hashes = EngramHashes(tmp, ids);
+    } else {
+      if (state.pos != spec.start_pos) {
+        return absl::FailedPreconditionError(
+            "model: Engram layers need the token history at start_pos");
+      }
+      hashes = EngramHashes(state, ids);
+    }
+  }
   if (trace) trace->engram_hash_ids = hashes;
-  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
-  ForwardResult res;
-  res.main_hidden.assign(S * nt * D, 0.f);
-  for (int l = 0; l < c.n_layers; ++l) {
+  float* h = io.h.data();
+  for (int l = spec.first_layer; l < last; ++l) {
     const LayerRole& role = roles_[l];
     if (role.has_engram) {
       const int li =
           static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
                            c.engram_layer_ids.begin());
-      if (trace) trace->engram_in[l] = h;
-      Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h.data());
-      if (trace) trace->engram_out[l] = h;
+      if (trace) trace->engram_in[l] = io.h;
+      Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h);
+      if (trace) trace->engram_out[l] = io.h;
     }
     if (role.is_dspark_target) {
       const int64_t ti =
@@ -526,40 +568,82 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
           c.dspark_target_layer_ids.begin();
       for (int64_t i = 0; i < S; ++i) {
         for (int64_t d = 0; d < D; ++d) {
-          float s = 0.f;
-          for (int64_t j = 0; j < hc; ++j) s += h[(i * hc + j) * D + d];
-          res.main_hidden[(i * nt + ti) * D + d] = kc::RoundBf16(s / static_cast<float>(hc));
+          float sum = 0.f;
+          for (int64_t j = 0; j < hc; ++j) sum += h[(i * hc + j) * D + d];
+          io.main_hidden[(i * nt + ti) * D + d] = kc::RoundBf16(sum / static_cast<float>(hc));
         }
       }
     }
-    Block(l, h.data(), pre.data(), call, state, trace);
+    call.compress = spec.compress || l != spec.first_layer;
+    Block(l, h, io.pre.data(), call, state, trace);
   }
+  if (spec.compress_only_layer >= 0) {
+    // The next layer's compressor + index keys only (its attention input needs just the residual
+    // and the delayed pre-mix): the encoder's share of the first decoder layer.
+    const int l = spec.compress_only_layer;
+    if (l >= c.n_layers || !roles_[l].is_kv_source) {
+      return absl::InvalidArgumentError("model: compress_only_layer is not a KV source");
+    }
+    vector<float> x(S * D);
+    vector<int64_t> pos(S);
+    for (int64_t i = 0; i < S; ++i) {
+      kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc, x.data() + i * D);
+      pos[i] = spec.start_pos + i;
+    }
+    backend_.RmsNorm(x.data(), weights_->layers[l].attn_norm.data(), S, D, c.norm_eps, x.data());
+    Compress(l, x.data(), pos.data(), S, state);
+  }
+  if (call.per_row_keys && options_.stale_index_keys) {
+    state.published_keys = DecodeKeySource(c.n_layers, spec.start_pos + S - 1, call);
+  }
+  return absl::OkStatus();
+}
+
+vector<float> Model::Head(const Hidden& io, bool all_logits, ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const int64_t S = io.rows, D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   vector<float> x(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+    kc::HcPre(io.h.data() + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
               x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data());
   if (trace) trace->final_norm = x;
   const int64_t first = all_logits ? 0 : S - 1;
-  res.rows = S - first;
-  res.logits.resize(res.rows * V);
-  backend_.LinearF32(x.data() + first * D, res.rows, weights_->head.data(), V, D,
-                     res.logits.data());
-  if (call.per_row_keys && options_.stale_index_keys) {
-    state.published_keys = DecodeKeySource(c.n_layers, state.pos + S - 1, call);
-  }
-  // Advance the state.
-  state.pos += S;
+  vector<float> logits((S - first) * V);
+  backend_.LinearF32(x.data() + first * D, S - first, weights_->head.data(), V, D, logits.data());
+  return logits;
+}
+
+void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
+                   const Hidden& io) const {
+  const ModelConfig& c = config_;
+  state.pos = end_pos;
   for (int32_t id : ids) state.engram_history.push_back(EngramCompressedId(engram_, id));
   const size_t keep = static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1));
   if (state.engram_history.size() > keep) {
     state.engram_history.erase(state.engram_history.begin(), state.engram_history.end() - keep);
   }
-  if (nt > 0) {
-    state.main_hidden.assign(res.main_hidden.end() - nt * D, res.main_hidden.end());
-    state.main_hidden_pos = state.pos - 1;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  if (nt > 0 && !io.main_hidden.empty()) {
+    state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());
+    state.main_hidden_pos = end_pos - 1;
   }
+}
+
+absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
+                                             bool all_logits, ForwardTrace* trace,
+                                             bool per_row_keys) const {
+  StageSpec spec;
+  spec.start_pos = state.pos;
+  spec.per_row_keys = per_row_keys;
+  Hidden io;
+  if (absl::Status s = RunStage(state, ids, spec, io, trace); !s.ok()) return s;
+  ForwardResult res;
+  res.logits = Head(io, all_logits, trace);
+  res.rows = all_logits ? io.rows : 1;
+  Commit(state, ids, state.pos + io.rows, io);
+  res.main_hidden = std::move(io.main_hidden);
   return res;
 }
 

@@ -87,6 +87,7 @@ class Model {
   const ModelConfig& config() const { return config_; }
   const std::vector<LayerRole>& roles() const { return roles_; }
   const ModelWeights& weights() const { return *weights_; }
+  const EngramConstants& engram() const { return engram_; }
 
   std::unique_ptr<SequenceState> NewSequence() const;
 
@@ -127,7 +128,39 @@ class Model {
     int64_t cand_cols = 0;
     bool per_row_keys = false;    // emulate single-token calls for the stale index keys
     int published_at_start = -1;  // state.published_keys when the call started
+    bool compress = true;         // run KV sources' compressors (false: KV already present)
+    int64_t window_floor = 0;     // window positions below this do not exist (bounded replay)
   };
+  // Residual stream between stages: h [rows, hc, dim], the delayed pre-mix [rows, hc] and the
+  // DSpark inputs [rows, n_targets*dim] collected so far.
+  struct Hidden {
+    int64_t rows = 0;
+    std::vector<float> h, pre, main_hidden;
+  };
+  struct StageSpec {
+    int64_t start_pos = 0;         // position of ids[0]
+    int first_layer = 0;           // 0: embed the ids; else `io` holds the residual entering it
+    int last_layer = -1;           // exclusive; -1 = n_layers
+    int64_t window_floor = 0;      // bounded replay: window positions below do not exist
+    bool compress = true;          // false: first_layer's compressor already ran (KV exists)
+    bool per_row_keys = true;      // decode semantics for the stale index keys (start_pos > 0)
+    int compress_only_layer = -1;  // after the range: this KV source's compressor + keys only
+    const std::vector<int64_t>* engram_history = nullptr;  // ids before start_pos (default: state)
+  };
+  // Runs layers [first_layer, last_layer) on `ids` (one reference call). Does not advance
+  // state.pos; the stage runners (model/stages.h) and Forward do.
+  [[nodiscard]] absl::Status RunStage(SequenceState& state, std::span<const int32_t> ids,
+                                      const StageSpec& spec, Hidden& io,
+                                      ForwardTrace* trace = nullptr) const;
+  // Final norm + LM head on the residual: fp32 logits [rows or 1, vocab].
+  std::vector<float> Head(const Hidden& io, bool all_logits, ForwardTrace* trace = nullptr) const;
+  // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input.
+  void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
+              const Hidden& io) const;
+  // Seeds the DSpark rings with DSpark inputs [rows, n_targets*dim] at positions start_pos...
+  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
+                  int64_t start_pos) const;
+
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   void Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                  ForwardTrace* trace = nullptr) const;
@@ -145,12 +178,12 @@ class Model {
                                         bool all_logits, ForwardTrace* trace,
                                         bool per_row_keys = true) const;
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
+  void Compress(int l, const float* x, const int64_t* pos, int64_t rows,
+                SequenceState& state) const;
   void Block(int l, float* h, float* pre, Call& call, SequenceState& state,
              ForwardTrace* trace) const;
   void RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
                 const int64_t* positions, bool inverse) const;
-  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
-                  int64_t start_pos) const;
   void StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos,
                float* kv) const;
 

@@ -1,0 +1,131 @@
+#include "model/stages.h"
+
+#include <algorithm>
+#include <map>
+
+#include "absl/strings/str_cat.h"
+
+namespace epd::model {
+
+int DecoderSplitLayer(const ModelConfig& c) { return c.candidate_source_layer; }
+
+absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& state,
+                                          std::span<const int32_t> ids, int64_t tail_rows,
+                                          const EncoderOutput* prev) {
+  const ModelConfig& c = model.config();
+  if (ids.empty()) return absl::InvalidArgumentError("encoder: no tokens");
+  const int split = DecoderSplitLayer(c);
+  const int64_t S = static_cast<int64_t>(ids.size()), start = state.pos;
+  const int64_t D = c.dim, hc = c.hc_mult;
+  Model::StageSpec spec;
+  spec.start_pos = start;
+  spec.last_layer = split;
+  spec.per_row_keys = false;  // a prompt chunk is one reference call
+  spec.compress_only_layer = split;
+  Model::Hidden io;
+  if (absl::Status s = model.RunStage(state, ids, spec, io); !s.ok()) return s;
+  Model::Hidden none;
+  model.Commit(state, ids, start + S, none);
+  // Tail: the previous output's rows (if contiguous) followed by this chunk's rows.
+  EncoderOutput out;
+  std::vector<int32_t> all_ids;
+  std::vector<float> all_h, all_pre;
+  if (prev != nullptr && prev->tail_start + prev->tail.rows == start) {
+    all_ids = prev->tail_ids;
+    all_h = prev->tail.h;
+    all_pre = prev->tail.pre;
+    out.tail_start = prev->tail_start;
+  } else {
+    out.tail_start = start;
+  }
+  all_ids.insert(all_ids.end(), ids.begin(), ids.end());
+  all_h.insert(all_h.end(), io.h.begin(), io.h.end());
+  all_pre.insert(all_pre.end(), io.pre.begin(), io.pre.end());
+  const int64_t total = static_cast<int64_t>(all_ids.size());
+  const int64_t keep = std::min(total, tail_rows), drop = total - keep;
+  out.tail_start += drop;
+  out.tail_ids.assign(all_ids.begin() + drop, all_ids.end());
+  out.tail.rows = keep;
+  out.tail.h.assign(all_h.begin() + drop * hc * D, all_h.end());
+  out.tail.pre.assign(all_pre.begin() + drop * hc, all_pre.end());
+  return out;
+}
+
+absl::Status EncoderReplay(const Model& model, SequenceState& state, std::span<const int32_t> ids,
+                           std::span<const int32_t> history) {
+  const ModelConfig& c = model.config();
+  if (ids.empty()) return absl::OkStatus();
+  const int64_t S = static_cast<int64_t>(ids.size());
+  if (S > state.pos)
+    return absl::InvalidArgumentError("encoder replay: more tokens than the prefix");
+  if (S > c.window_size) return absl::InvalidArgumentError("encoder replay: more than one window");
+  const int split = DecoderSplitLayer(c);
+  std::vector<int64_t> hist;
+  for (int32_t t : history) hist.push_back(EngramCompressedId(model.engram(), t));
+  Model::StageSpec spec;
+  spec.start_pos = state.pos - S;
+  spec.last_layer = split;
+  spec.window_floor = spec.start_pos;
+  spec.per_row_keys = false;
+  spec.engram_history = &hist;
+  // The KV sources in [0, split) already hold their global KV; the replay's compressors append
+  // throw-away entries and overwrite the tails, so the sources are restored afterwards (the
+  // stored global KV is authoritative and exact).
+  std::map<int, SequenceState::Source> saved = state.sources;
+  const int published = state.published_keys;
+  Model::Hidden io;
+  absl::Status s = model.RunStage(state, ids, spec, io);
+  state.sources = std::move(saved);
+  state.published_keys = published;
+  return s;
+}
+
+absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& state,
+                                            const EncoderOutput& enc) {
+  const ModelConfig& c = model.config();
+  const int64_t S = enc.tail.rows;
+  if (S == 0) return absl::InvalidArgumentError("decoder replay: empty tail");
+  if (enc.tail_start + S != state.pos) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "decoder replay: tail ends at ", enc.tail_start + S, ", state is at ", state.pos));
+  }
+  Model::StageSpec spec;
+  spec.start_pos = enc.tail_start;
+  spec.first_layer = DecoderSplitLayer(c);
+  spec.window_floor = enc.tail_start;
+  spec.compress = false;  // the split layer's KV came from the encoder
+  spec.per_row_keys = false;
+  Model::Hidden io = enc.tail;
+  if (absl::Status s = model.RunStage(state, enc.tail_ids, spec, io); !s.ok()) return s;
+  ForwardResult res;
+  res.logits = model.Head(io, false);
+  res.rows = 1;
+  if (c.n_mtp_layers > 0) model.DSparkSeed(state, io.main_hidden.data(), S, enc.tail_start);
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  if (nt > 0) {
+    state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());
+    state.main_hidden_pos = state.pos - 1;
+  }
+  res.main_hidden = std::move(io.main_hidden);
+  return res;
+}
+
+absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
+    const Model& model, std::span<SequenceState* const> states,
+    std::span<const std::vector<int32_t>> tokens) {
+  if (states.size() != tokens.size()) {
+    return absl::InvalidArgumentError("decode step: one token list per sequence");
+  }
+  std::vector<ForwardResult> out;
+  out.reserve(states.size());
+  for (size_t b = 0; b < states.size(); ++b) {
+    auto r = model.Extend(*states[b], tokens[b], /*all_logits=*/true);
+    if (!r.ok())
+      return absl::Status(r.status().code(),
+                          absl::StrCat("sequence ", b, ": ", r.status().message()));
+    out.push_back(std::move(*r));
+  }
+  return out;
+}
+
+}  // namespace epd::model

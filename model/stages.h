@@ -1,0 +1,63 @@
+#pragma once
+
+// Stage runners for Encoder-Prefill-Decode disaggregation (DESIGN.md §3, MODEL.md §6) on top of
+// the reference forward pass. A stage knows nothing of sockets: it reads and writes a
+// SequenceState (serialisable with model/sequence_state.h) and an EncoderOutput.
+//
+// The split layer is the candidate source (layer 20 in the release, 4 in the golden tiny model):
+// the encoder runs layers [0, split) plus the split layer's compressor and index keys; the decoder
+// runs layers [split, n_layers) on the tail rows only (bounded replay, approximate when the
+// prompt is longer than the tail: windows are truncated at the tail start; the global KV path
+// stays exact).
+//
+// Thread-safety: as Model (one thread per SequenceState).
+
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "model/model.h"
+
+namespace epd::model {
+
+struct EncoderOutput {
+  int64_t tail_start = 0;         // position of tail row 0
+  std::vector<int32_t> tail_ids;  // tokens of the tail rows
+  Model::Hidden tail;             // residual entering the split layer, tail rows only
+};
+
+// First decoder layer: the candidate source layer.
+int DecoderSplitLayer(const ModelConfig& config);
+
+// Runs layers [0, split) on `ids` at positions state.pos.. (start 0: the reference prefill; later
+// chunks: one reference call each), the split layer's compressor + index keys, and advances
+// state.pos and the Engram history. `prev` (optional) is the previous chunk's output, so the tail
+// may span chunks. Keeps the residual of the last `tail_rows` positions.
+[[nodiscard]] absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& state,
+                                                        std::span<const int32_t> ids,
+                                                        int64_t tail_rows,
+                                                        const EncoderOutput* prev = nullptr);
+
+// Encoder bounded replay after a prefix hit without SWA rings: `ids` are the tokens at
+// [state.pos - ids.size(), state.pos), `history` the max_ngram-1 tokens before them. Rebuilds the
+// rings of layers [0, split) with windows truncated at the replay start; the global KV is not
+// recomputed.
+[[nodiscard]] absl::Status EncoderReplay(const Model& model, SequenceState& state,
+                                         std::span<const int32_t> ids,
+                                         std::span<const int32_t> history);
+
+// Decoder bounded replay: layers [split, n_layers) on the encoder's tail rows, windows truncated
+// at the tail start; fills the decoder rings, seeds the DSpark rings and state.main_hidden.
+// Returns the last row's logits.
+[[nodiscard]] absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& state,
+                                                          const EncoderOutput& enc);
+
+// One decode step for a batch: sequence b gets tokens[b] (1..k+1 positions: the last token and
+// k drafts) at its own position; logits of every position. Each row behaves exactly like a
+// single-token Decode (so greedy verification equals plain decoding).
+[[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
+    const Model& model, std::span<SequenceState* const> states,
+    std::span<const std::vector<int32_t>> tokens);
+
+}  // namespace epd::model
