@@ -201,6 +201,17 @@ RouterCore::RouterCore(CoreOptions options, const TextCodec& codec, Registry& re
   }
 }
 
+void RouterCore::FailWorker(const std::string& worker_id, const std::string& reason) {
+  absl::MutexLock lock(&runs_mu_);
+  auto [begin, end] = runs_.equal_range(worker_id);
+  for (auto it = begin; it != end; ++it) {
+    if (it->second->lost.empty()) {
+      it->second->lost = absl::StrCat("worker '", worker_id, "' lost (", reason, ")");
+    }
+    it->second->cancel();
+  }
+}
+
 void RouterCore::CountOutcome(const std::string& outcome) {
   requests_.Add({{"outcome", outcome}}).Increment();
 }
@@ -428,6 +439,12 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
     decode->Cancel();
     for (auto& side : sides) side.stream->Cancel();
   };
+  ActiveRun run;
+  run.cancel = cancel_all;
+  {
+    absl::MutexLock lock(&runs_mu_);
+    for (const auto& [w, pool] : chain) runs_.emplace(w.id, &run);
+  }
 
   epd::v1::SubmitResponse m;
   while (decode->Read(&m)) {
@@ -483,8 +500,21 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
     side.stream->Cancel();  // no-op for a stage that already handed off
     side.thread.join();
   }
+  std::string lost;
+  {
+    absl::MutexLock lock(&runs_mu_);
+    lost = run.lost;
+    for (auto it = runs_.begin(); it != runs_.end();) {
+      it = it->second == &run ? runs_.erase(it) : std::next(it);
+    }
+  }
   out.completion_tokens = static_cast<int32_t>(out.token_ids.size());
   if (cancelled) return absl::CancelledError("client disconnected");
+  if (!lost.empty()) {
+    return ApiError(absl::StatusCode::kUnavailable,
+                    absl::StrCat(lost, *streamed_any ? " mid-generation" : ""), "",
+                    "worker_failed");
+  }
   if (!side_error.ok()) return side_error;
   if (!error.ok()) return error;
   if (!stopped && !fin.ok()) {

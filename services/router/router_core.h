@@ -5,13 +5,17 @@
 // calls, apply stop strings, and account metrics (Run).
 #include <atomic>
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "common/clock.h"
 #include "epd/v1/inference.pb.h"
 #include "prometheus/counter.h"
@@ -99,6 +103,11 @@ class RouterCore {
   // worker could serve it or its decode worker died (that worker is then removed).
   absl::StatusOr<Outcome> Run(const PreparedRequest& request, StreamObserver* observer);
 
+  // Fails every running request that uses `worker_id` (e.g. it stopped heartbeating while a
+  // stream to it hangs): their streams are cancelled and they end with worker_failed (or are
+  // re-dispatched if nothing was streamed yet).
+  void FailWorker(const std::string& worker_id, const std::string& reason);
+
   // Counts a request refused before Run (bad input, auth, unknown model) by its error code.
   void CountRejected(const absl::Status& status);
   const CoreOptions& options() const { return options_; }
@@ -121,6 +130,12 @@ class RouterCore {
   const common::Clock& clock_;
   std::atomic<int64_t> inflight_{0};
   std::atomic<bool> draining_{false};
+  struct ActiveRun {
+    std::string lost;               // why a worker of this run was failed; guarded by runs_mu_
+    std::function<void()> cancel;   // cancels every stage's stream
+  };
+  absl::Mutex runs_mu_;
+  std::multimap<std::string, ActiveRun*> runs_ ABSL_GUARDED_BY(runs_mu_);  // by worker id
 
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Counter>& rejects_;

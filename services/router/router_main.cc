@@ -118,7 +118,10 @@ int main(int argc, char** argv) {
                runtime_options.host, *gport);
 
   const auto sweep = std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
-  while (!epd::services::WaitForShutdown(sweep)) registry.ExpireStale();
+  while (!epd::services::WaitForShutdown(sweep)) {
+    // A worker that stops heartbeating may hang its streams rather than close them.
+    for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
+  }
 
   spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());
   core.StartDraining();

@@ -339,6 +339,32 @@ TEST(RouterE2ETest, SilentWorkerExpiresAndComesBackWhenItBeatsAgain) {
   EXPECT_EQ(c.Post("/v1/chat/completions", Chat("hi")).status, 200);
 }
 
+TEST(RouterE2ETest, HungDecodeWorkerFailsItsStreamWhenItExpires) {
+  RouterCluster c;  // heartbeat interval 200 ms, 3 missed beats
+  auto* w = c.AddWorker("decode", "d0", {"--token-interval-ms", "5"});
+  ASSERT_NE(w, nullptr);
+  epd::testing::SseResult s;
+  std::thread t([&] {
+    s = c.Stream("/v1/chat/completions",
+                 Chat(std::string(900, 'h'), {{"max_tokens", 800}, {"stream", true}}));
+  });
+  for (int i = 0; i < 300; ++i) {
+    if (ScrapeMetric(w->metrics, "epd_fake_tokens_total").value_or(0) >= 5) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  w->proc.Signal(SIGSTOP);  // alive but silent: its stream neither ends nor fails
+  const auto start = std::chrono::steady_clock::now();
+  t.join();
+  const auto waited = std::chrono::steady_clock::now() - start;
+  EXPECT_LT(waited, std::chrono::seconds(5));
+  ASSERT_FALSE(s.events.empty());
+  EXPECT_TRUE(s.done);
+  EXPECT_EQ(s.events.back()["error"]["code"], "worker_failed") << s.raw.substr(s.raw.size() - 300);
+  EXPECT_NE(s.events.back()["error"]["message"].get<std::string>().find("missed heartbeats"),
+            std::string::npos);
+  w->proc.Signal(SIGCONT);
+}
+
 TEST(RouterE2ETest, ReasoningAndToolCallsReachTheClient) {
   RouterCluster c;
   const std::string reply =

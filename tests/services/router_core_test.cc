@@ -302,6 +302,34 @@ TEST_F(RouterCoreTest, DecodeDeathMidGenerationFailsTheRequestAndDropsTheWorker)
   EXPECT_EQ(client_.jobs.size(), 1u);  // tokens were streamed: no second attempt
 }
 
+TEST_F(RouterCoreTest, FailWorkerEndsItsHangingRequests) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("ab", "");
+    s.block_until_cancel = true;  // a hung worker: the stream neither ends nor fails
+    return s;
+  };
+  class FailOnFirst final : public StreamObserver {
+   public:
+    explicit FailOnFirst(RouterCore& core) : core_(core) {}
+    bool OnDelta(const Delta&) override {
+      if (++n_ == 1) core_.FailWorker("d0", "missed heartbeats");
+      return true;
+    }
+
+   private:
+    RouterCore& core_;
+    int n_ = 0;
+  } observer(core_);
+  auto req = core_.Prepare(Completion("hello"));
+  auto out = core_.Run(*req, &observer);
+  EXPECT_EQ(out.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(ErrorCode(out.status()), "worker_failed");
+  EXPECT_NE(out.status().message().find("missed heartbeats"), absl::string_view::npos);
+  EXPECT_EQ(client_.Cancels("d0"), 1);
+  core_.FailWorker("d0", "again");  // no run left: a no-op
+}
+
 TEST_F(RouterCoreTest, UnreachableWorkerBeforeAnyTokenIsRetriedElsewhere) {
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
