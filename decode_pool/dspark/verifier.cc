@@ -150,6 +150,13 @@ absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t
   }
   out.push_back(o.token);
   sampler.Accept(o.token);
+  if (const int n = sampler.params().top_logprobs; n > 0) {
+    for (int i = 0; i <= o.accepted; ++i) {
+      const int32_t t = i < o.accepted ? drafts[i] : o.token;
+      st.logprobs.push_back(
+          model::ComputeLogprobs(std::span<const float>(logits->data() + i * V, V), t, n));
+    }
+  }
   st.k = k;
   st.accepted = o.accepted;
   st.emitted = o.accepted + 1;
@@ -170,16 +177,21 @@ absl::StatusOr<GenerationResult> Generate(const model::Model& model, TargetScore
   if (!pre.ok()) return pre.status();
   int32_t last = sampler.Sample(pre->logits);
   sampler.Accept(last);
+  std::vector<model::Logprobs> pending_lp;
+  if (params.top_logprobs > 0)
+    pending_lp.push_back(model::ComputeLogprobs(pre->logits, last, params.top_logprobs));
   SpeculativeDecoder decoder(model, scorer, options.policy);
   std::vector<int32_t> pending = {last};
   const int k = !options.dspark ? 0 : options.fixed_k;
   for (;;) {
-    for (int32_t t : pending) {
+    for (size_t i = 0; i < pending.size(); ++i) {
+      const int32_t t = pending[i];
       if (sampler.IsStopToken(t)) {
         res.finish_reason = "stop";
         return res;
       }
       res.tokens.push_back(t);
+      if (i < pending_lp.size()) res.logprobs.push_back(pending_lp[i]);
       if (static_cast<int32_t>(res.tokens.size()) >= params.max_tokens) {
         res.finish_reason = "length";
         return res;
@@ -189,6 +201,8 @@ absl::StatusOr<GenerationResult> Generate(const model::Model& model, TargetScore
     pending.clear();
     auto st = decoder.Step(*res.state, last, sampler, k, pending, options.batch);
     if (!st.ok()) return st.status();
+    pending_lp = std::move(st->logprobs);
+    st->logprobs.clear();
     res.steps.push_back(*st);
   }
 }

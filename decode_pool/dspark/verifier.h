@@ -48,6 +48,8 @@ struct StepStats {
   int accepted = 0;               // drafts accepted
   int emitted = 0;                // tokens appended (accepted + 1)
   std::vector<float> confidence;  // raw DSpark confidences of this step's draft (empty: no draft)
+  // Per emitted token when params.top_logprobs > 0 (raw target logits of its row).
+  std::vector<model::Logprobs> logprobs;
 };
 
 // One sequence's decode steps. Borrows model, scorer and policy (must outlive it).
@@ -86,6 +88,7 @@ struct GenerationResult {
   std::vector<int32_t> tokens;  // generated ids, stop token excluded
   std::string finish_reason;    // "stop" | "length"
   std::vector<StepStats> steps;
+  std::vector<model::Logprobs> logprobs;        // per token when params.top_logprobs > 0
   std::unique_ptr<model::SequenceState> state;  // final state
 };
 

@@ -26,7 +26,7 @@ using model::Model;
 using model::SamplingParams;
 using model::SequenceState;
 
-class NanoFixture : public ::testing::Test {
+class DSparkNanoTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     dir_ = new testing::TempDir();
@@ -59,7 +59,7 @@ class NanoFixture : public ::testing::Test {
 
 // Greedy output with DSpark equals output without it, for fixed k and the policy, over prompt
 // lengths and generations that cross the 128-token window and 8-position candidate blocks.
-TEST_F(NanoFixture, GreedyOutputIdenticalWithAndWithoutDSpark) {
+TEST_F(DSparkNanoTest, GreedyOutputIdenticalWithAndWithoutDSpark) {
   SequentialTargetScorer scorer(*model_);
   // A time model under which drafting pays, so the policy does draft.
   StepTimeModel flat{.base_s = 1.0, .per_token_s = 0.01, .draft_s = 0.05};
@@ -96,7 +96,7 @@ TEST_F(NanoFixture, GreedyOutputIdenticalWithAndWithoutDSpark) {
 }
 
 // Penalties make the verify rows depend on the accepted drafts: still identical.
-TEST_F(NanoFixture, GreedyWithPenaltiesIdentical) {
+TEST_F(DSparkNanoTest, GreedyWithPenaltiesIdentical) {
   SequentialTargetScorer scorer(*model_);
   const std::vector<int32_t> prompt = Prompt(20, 9);
   SamplingParams params;
@@ -106,14 +106,27 @@ TEST_F(NanoFixture, GreedyWithPenaltiesIdentical) {
   params.presence_penalty = 0.2f;
   auto ref = Generate(*model_, scorer, prompt, params, {.dspark = false});
   ASSERT_TRUE(ref.ok());
+  params.top_logprobs = 3;
   auto got = Generate(*model_, scorer, prompt, params, {.dspark = true, .fixed_k = 4});
   ASSERT_TRUE(got.ok());
   EXPECT_EQ(got->tokens, ref->tokens);
+  // Top logprobs per token, identical with and without DSpark (raw target logits per row).
+  auto ref_lp = Generate(*model_, scorer, prompt, params, {.dspark = false});
+  ASSERT_TRUE(ref_lp.ok());
+  ASSERT_EQ(got->logprobs.size(), got->tokens.size());
+  ASSERT_EQ(ref_lp->logprobs.size(), got->logprobs.size());
+  for (size_t i = 0; i < got->logprobs.size(); ++i) {
+    EXPECT_EQ(got->logprobs[i].chosen.token, got->tokens[i]);
+    EXPECT_EQ(got->logprobs[i].chosen.logprob, ref_lp->logprobs[i].chosen.logprob) << i;
+    ASSERT_EQ(got->logprobs[i].top.size(), 3u);
+    EXPECT_EQ(got->logprobs[i].top[0].token, ref_lp->logprobs[i].top[0].token);
+    EXPECT_LE(got->logprobs[i].chosen.logprob, got->logprobs[i].top[0].logprob);
+  }
 }
 
 // Drafts equal to the true greedy continuation are accepted, a wrong one is rejected, and the
 // state after the step equals the plain run's, byte for byte.
-TEST_F(NanoFixture, OracleDraftsAcceptedStateMatchesPlainRun) {
+TEST_F(DSparkNanoTest, OracleDraftsAcceptedStateMatchesPlainRun) {
   const std::vector<int32_t> prompt = Prompt(125, 11);
   // Plain greedy run.
   std::vector<int32_t> toks;
@@ -153,7 +166,7 @@ TEST_F(NanoFixture, OracleDraftsAcceptedStateMatchesPlainRun) {
 
 // After verifying and rejecting drafts, the state equals that of a run that never drafted them,
 // byte for byte: every keep count, at both parities (ratio-2 tails), across the window wrap.
-TEST_F(NanoFixture, RollbackRestoresStateByteForByte) {
+TEST_F(DSparkNanoTest, RollbackRestoresStateByteForByte) {
   SequentialTargetScorer scorer(*model_);
   for (int plen : {124, 125, 131}) {
     const std::vector<int32_t> prompt = Prompt(plen, plen);
@@ -187,7 +200,7 @@ TEST_F(NanoFixture, RollbackRestoresStateByteForByte) {
   }
 }
 
-TEST_F(NanoFixture, ScorerRejectsBadInputAndKeepsState) {
+TEST_F(DSparkNanoTest, ScorerRejectsBadInputAndKeepsState) {
   SequentialTargetScorer scorer(*model_);
   auto s = Prefilled(Prompt(10, 1));
   auto before = Prefilled(Prompt(10, 1));
@@ -204,7 +217,7 @@ TEST_F(NanoFixture, ScorerRejectsBadInputAndKeepsState) {
 
 // End-to-end sanity at T > 0: reproducible per seed; with top_k = 1 the target distribution is
 // one-hot, so speculative sampling must reproduce greedy output exactly.
-TEST_F(NanoFixture, SampledGenerationSanity) {
+TEST_F(DSparkNanoTest, SampledGenerationSanity) {
   SequentialTargetScorer scorer(*model_);
   const std::vector<int32_t> prompt = Prompt(30, 3);
   SamplingParams params;
@@ -230,7 +243,7 @@ TEST_F(NanoFixture, SampledGenerationSanity) {
   EXPECT_EQ(t->tokens, g->tokens);
 }
 
-TEST_F(NanoFixture, StopTokenEndsGeneration) {
+TEST_F(DSparkNanoTest, StopTokenEndsGeneration) {
   SequentialTargetScorer scorer(*model_);
   const std::vector<int32_t> prompt = Prompt(12, 4);
   SamplingParams params;
@@ -245,7 +258,7 @@ TEST_F(NanoFixture, StopTokenEndsGeneration) {
   EXPECT_EQ(got->tokens, std::vector<int32_t>(ref->tokens.begin(), first));
 }
 
-TEST_F(NanoFixture, HandoffCheck) {
+TEST_F(DSparkNanoTest, HandoffCheck) {
   auto s = Prefilled(Prompt(20, 2));
   std::vector<model::StateSegment> segs = model::SerializeState(model_->config(), *s);
   EXPECT_TRUE(HandoffHasDSparkState(model_->config(), segs));
@@ -285,7 +298,7 @@ double ChiSquare(const std::vector<int>& obs, const std::vector<double>& prob, i
 // Output of speculative sampling with drafts from q is distributed as sampling from p: the joint
 // of the first two emitted tokens over 5x5 cells (p_j, q_j fixed per output position j, so the
 // target joint is p_0 x p_1), with q far from p and q missing tokens p has.
-TEST(RejectionSamplingTest, JointOfFirstTwoTokensMatchesTarget) {
+TEST(DSparkRejectionTest, JointOfFirstTwoTokensMatchesTarget) {
   constexpr int V = 5;
   const std::vector<std::vector<float>> p = {{0.5f, 0.2f, 0.1f, 0.1f, 0.1f},
                                              {0.05f, 0.05f, 0.3f, 0.3f, 0.3f},
@@ -333,7 +346,7 @@ TEST(RejectionSamplingTest, JointOfFirstTwoTokensMatchesTarget) {
 }
 
 // Every draft accepted when q == p, and the bonus token comes from p[k].
-TEST(RejectionSamplingTest, IdenticalDistributionsAcceptAll) {
+TEST(DSparkRejectionTest, IdenticalDistributionsAcceptAll) {
   constexpr int V = 4;
   const std::vector<float> row = {0.1f, 0.2f, 0.3f, 0.4f};
   std::vector<float> p, q;
@@ -352,7 +365,7 @@ TEST(RejectionSamplingTest, IdenticalDistributionsAcceptAll) {
   EXPECT_LT(ChiSquare(bonus, {0.1, 0.2, 0.3, 0.4}, n), 16.27);  // 3 dof, p = 0.001
 }
 
-TEST(RejectionSamplingTest, GreedyVerifyLongestPrefix) {
+TEST(DSparkRejectionTest, GreedyVerifyLongestPrefix) {
   const std::vector<int32_t> target = {4, 5, 6, 7};
   EXPECT_EQ(VerifyGreedy(target, std::vector<int32_t>{4, 5, 6}).accepted, 3);
   EXPECT_EQ(VerifyGreedy(target, std::vector<int32_t>{4, 5, 6}).token, 7);
@@ -363,14 +376,14 @@ TEST(RejectionSamplingTest, GreedyVerifyLongestPrefix) {
 
 // ---- k policy ----
 
-TEST(KPolicyTest, ExpectedEmitted) {
+TEST(DSparkKPolicyTest, ExpectedEmitted) {
   const std::vector<float> c = {0.f, 0.f, 0.f};  // a = 0.5 each
   EXPECT_DOUBLE_EQ(ExpectedEmitted(c, 0), 1.0);
   EXPECT_DOUBLE_EQ(ExpectedEmitted(c, 1), 1.5);
   EXPECT_DOUBLE_EQ(ExpectedEmitted(c, 3), 1.875);
 }
 
-TEST(KPolicyTest, ChoosesByConfidenceAndBatch) {
+TEST(DSparkKPolicyTest, ChoosesByConfidenceAndBatch) {
   // Memory-bound regime: a verify position is cheap next to the fixed step cost.
   KPolicy cheap(StepTimeModel{.base_s = 1.0, .per_token_s = 0.02, .draft_s = 0.05});
   const std::vector<float> confident = {6.f, 6.f, 6.f, 6.f, 6.f};
@@ -391,7 +404,7 @@ TEST(KPolicyTest, ChoosesByConfidenceAndBatch) {
   EXPECT_TRUE(cheap.WorthDrafting(1));
 }
 
-TEST(KPolicyTest, FitRecoversModel) {
+TEST(DSparkKPolicyTest, FitRecoversModel) {
   const StepTimeModel truth{.base_s = 0.003, .per_token_s = 0.0007, .draft_s = 0.002};
   std::vector<StepTimeSample> s;
   for (int b : {1, 4, 16}) {
