@@ -105,6 +105,10 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
     vector<float> kvf(S * hd), scf(S * hd);
     backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data());
     backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data());
+    // Per-row tail inputs of this call, for rolling back rejected positions.
+    s.log_start = pos[0];
+    s.log_kv = kvf;
+    s.log_score = scf;
     for (int64_t i = 0; i < S; ++i) {
       const int64_t slot = pos[i] % ratio;
       std::copy_n(kvf.data() + i * hd, hd, s.kv_state.data() + slot * hd);
@@ -706,6 +710,93 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
     DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos);
   }
   return r;
+}
+
+StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const {
+  const ModelConfig& c = config_;
+  StepCheckpoint k;
+  k.start = state.pos;
+  k.rows = rows;
+  k.published_keys = state.published_keys;
+  k.engram_history = state.engram_history;
+  k.main_hidden = state.main_hidden;
+  k.main_hidden_pos = state.main_hidden_pos;
+  for (const auto& [l, src] : state.sources) {
+    k.sources[l] = {src.n, src.kv_state, src.score_state};
+  }
+  const int64_t hd = c.head_dim, W = c.window_size;
+  k.ring_slots.resize(state.swa.size());
+  for (size_t l = 0; l < state.swa.size(); ++l) {
+    for (int64_t i = 0; i < std::min(rows, W); ++i) {
+      const int64_t slot = (k.start + i) % W;
+      k.ring_slots[l].insert(k.ring_slots[l].end(), state.swa[l].begin() + slot * hd,
+                             state.swa[l].begin() + (slot + 1) * hd);
+    }
+  }
+  return k;
+}
+
+absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
+                             std::span<const int32_t> accepted, const ForwardResult& step) const {
+  const ModelConfig& c = config_;
+  const int64_t keep = static_cast<int64_t>(accepted.size());
+  if (state.pos != k.start + k.rows) {
+    return absl::FailedPreconditionError(
+        "rollback: state is not right after the checkpointed step");
+  }
+  if (keep < 1 || keep > k.rows) return absl::InvalidArgumentError("rollback: keep 1..rows tokens");
+  const int64_t end = k.start + keep, hd = c.head_dim, W = c.window_size;
+  // Rings: slots of rejected positions get their previous content back.
+  for (size_t l = 0; l < state.swa.size(); ++l) {
+    for (int64_t i = keep; i < std::min(k.rows, W); ++i) {
+      const int64_t slot = (k.start + i) % W;
+      std::copy_n(k.ring_slots[l].begin() + i * hd, hd, state.swa[l].begin() + slot * hd);
+    }
+  }
+  for (auto& [l, src] : state.sources) {
+    const auto& saved = k.sources.at(l);
+    src.n = std::min(src.n, end / src.ratio);
+    src.kv.resize(src.n * hd);
+    src.keys.resize(src.n * c.index_head_dim);
+    if (src.ratio > 1) {
+      // Each tail slot holds the latest accepted position with that residue.
+      for (int r = 0; r < src.ratio; ++r) {
+        int64_t q = end - 1 - ((end - 1 - r) % src.ratio + src.ratio) % src.ratio;
+        if (q >= k.start && q - src.log_start < static_cast<int64_t>(src.log_kv.size() / hd) &&
+            q >= src.log_start) {
+          std::copy_n(src.log_kv.begin() + (q - src.log_start) * hd, hd,
+                      src.kv_state.begin() + r * hd);
+          std::copy_n(src.log_score.begin() + (q - src.log_start) * hd, hd,
+                      src.score_state.begin() + r * hd);
+        } else {
+          std::copy_n(saved.kv_state.begin() + r * hd, hd, src.kv_state.begin() + r * hd);
+          std::copy_n(saved.score_state.begin() + r * hd, hd, src.score_state.begin() + r * hd);
+        }
+      }
+    }
+  }
+  Call call;
+  call.start_pos = k.start;
+  call.published_at_start = k.published_keys;
+  state.published_keys =
+      options_.stale_index_keys ? DecodeKeySource(c.n_layers, end - 1, call) : state.published_keys;
+  state.engram_history = k.engram_history;
+  for (int32_t id : accepted) state.engram_history.push_back(EngramCompressedId(engram_, id));
+  const size_t hist = static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1));
+  if (state.engram_history.size() > hist) {
+    state.engram_history.erase(state.engram_history.begin(), state.engram_history.end() - hist);
+  }
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  if (nt > 0) {
+    if (step.main_hidden.size() < static_cast<size_t>(keep * nt * c.dim)) {
+      return absl::InvalidArgumentError("rollback: step result lacks the DSpark inputs");
+    }
+    state.main_hidden.assign(step.main_hidden.begin() + (keep - 1) * nt * c.dim,
+                             step.main_hidden.begin() + keep * nt * c.dim);
+    state.main_hidden_pos = end - 1;
+  }
+  state.pos = end;
+  return absl::OkStatus();
 }
 
 absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,

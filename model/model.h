@@ -43,6 +43,9 @@ struct SequenceState {
     int64_t n = 0;
     std::vector<float> kv_state;     // [ratio, head_dim] fp32 tail (ratio > 1)
     std::vector<float> score_state;  // [ratio, head_dim] fp32, -inf when empty
+    // Tail inputs of the rows of the last call (ratio > 1), for Rollback. Transient.
+    int64_t log_start = 0;
+    std::vector<float> log_kv, log_score;  // [rows, head_dim]
   };
   std::map<int, Source> sources;  // by KV source layer
   int published_keys = -1;        // layer whose index keys were published last (reference quirk)
@@ -50,6 +53,23 @@ struct SequenceState {
       engram_history;              // compressed ids of the last max_ngram-1 tokens, newest last
   std::vector<float> main_hidden;  // [n_targets*dim] DSpark input of the last position
   int64_t main_hidden_pos = -1;
+};
+
+// What a step of `rows` tokens may overwrite, saved before it (Model::Checkpoint) so that
+// rejected draft positions can be rolled back (Model::Rollback).
+struct StepCheckpoint {
+  int64_t start = 0;
+  int64_t rows = 0;
+  int published_keys = -1;
+  std::vector<int64_t> engram_history;
+  std::vector<float> main_hidden;
+  int64_t main_hidden_pos = -1;
+  struct Tail {
+    int64_t n = 0;
+    std::vector<float> kv_state, score_state;
+  };
+  std::map<int, Tail> sources;
+  std::vector<std::vector<float>> ring_slots;  // [layer][min(rows, window) * head_dim]
 };
 
 // Optional capture of intermediates (for parity tests and debugging); all bf16 values as float.
@@ -111,6 +131,13 @@ class Model {
                                                      std::span<const int32_t> ids, bool all_logits,
                                                      ForwardTrace* trace = nullptr,
                                                      ExtendMode mode = ExtendMode::kDecode) const;
+  // Verification support: Checkpoint before an Extend of `rows` tokens; Rollback after it keeps
+  // the first accepted.size() tokens (the Extend's `step` result supplies their DSpark inputs),
+  // leaving the state exactly as if only they had been decoded.
+  StepCheckpoint Checkpoint(const SequenceState& state, int64_t rows) const;
+  [[nodiscard]] absl::Status Rollback(SequenceState& state, const StepCheckpoint& checkpoint,
+                                      std::span<const int32_t> accepted,
+                                      const ForwardResult& step) const;
   // DSpark draft pass after a decode step (uses state.main_hidden of position state.pos-1).
   // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids.
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
