@@ -109,11 +109,11 @@ namespace {
 TEST_F(StagedTest, RollbackEqualsDecodingOnlyTheAcceptedTokens) {
   std::span<const int32_t> p(prompt_);
   for (int start : {200, 201}) {  // both parities of the ratio-2 tails
+    auto base = model_->NewSequence();
+    ASSERT_TRUE(model_->Prefill(*base, p.subspan(0, start), false).ok());
     for (int keep : {1, 2, 3, 5}) {
-      auto ver = model_->NewSequence();
-      auto ref = model_->NewSequence();
-      ASSERT_TRUE(model_->Prefill(*ver, p.subspan(0, start), false).ok());
-      ASSERT_TRUE(model_->Prefill(*ref, p.subspan(0, start), false).ok());
+      auto ver = std::make_unique<SequenceState>(*base);
+      auto ref = std::make_unique<SequenceState>(*base);
       // Verify 5 positions (last token + 4 drafts), accept `keep`.
       std::vector<int32_t> block = {11, 12, 13, 14, 15};
       StepCheckpoint cp = model_->Checkpoint(*ver, 5);
