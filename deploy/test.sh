@@ -18,7 +18,7 @@ echo "== tests =="
 
 if [ "${EPD_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== unit tests under ASan + UBSan =="
-  EPD_BUILD_DIR=build-asan EPD_BUILD_TYPE=Debug bash deploy/build.sh -DEPD_SANITIZE=ON -DEPD_UNIT_ONLY=ON
+  EPD_BUILD_DIR=build-asan EPD_BUILD_TYPE=RelWithDebInfo bash deploy/build.sh -DEPD_SANITIZE=ON -DEPD_UNIT_ONLY=ON
   (cd build-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
      ctest --output-on-failure -L unit -j "${EPD_TEST_JOBS:-2}" --timeout 600)
 fi
