@@ -5,6 +5,8 @@
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "model/nano_generator.h"
+#include "model/tokenizer.h"
 
 namespace epd::model {
 namespace {
@@ -240,6 +242,34 @@ TEST(StopMatcherTest, OverlappingPrefixHeld) {
   auto r = m.Feed("b");
   EXPECT_TRUE(r.stopped);
   EXPECT_EQ(out + r.emit, "a");
+}
+
+// Real token stream: the nano tokenizer splits the stop string over several tokens; the text fed
+// through IncrementalDetokenizer then StopMatcher ends exactly before it.
+TEST(StopMatcherTest, WithIncrementalDetokenizer) {
+  auto json = NanoTokenizerJson();
+  ASSERT_TRUE(json.ok());
+  auto tok = Tokenizer::FromJson(*json);
+  ASSERT_TRUE(tok.ok()) << tok.status();
+  const std::string text = "The cat sat. ###END### and then more text";
+  const std::vector<int32_t> ids = (*tok)->Encode(text);
+  IncrementalDetokenizer detok(**tok);
+  StopMatcher m({"###END###"});
+  std::string out;
+  size_t fed = 0, max_held = 0;
+  for (int32_t id : ids) {
+    auto piece = detok.Add(id);
+    ASSERT_TRUE(piece.ok());
+    auto r = m.Feed(*piece);
+    out += r.emit;
+    ++fed;
+    max_held = std::max(max_held, r.held_bytes);
+    if (r.stopped) break;
+  }
+  EXPECT_TRUE(m.stopped());
+  EXPECT_EQ(out, "The cat sat. ");
+  EXPECT_LT(fed, ids.size());  // stopped before the stream ended
+  EXPECT_GT(max_held, 0u);     // some text was held back across token boundaries
 }
 
 }  // namespace
