@@ -96,17 +96,30 @@ void Sampler::ApplyPenalties(std::span<float> logits, std::span<const int32_t> p
     if (auto it = extra.find(t); it != extra.end()) c += it->second;
     return c;
   };
-  // Every token whose logit changes: prompt tokens (repetition only) and generated ones.
-  std::unordered_set<int32_t> touched(prompt_tokens_);
-  for (const auto& [t, c] : counts_) touched.insert(t);
-  for (const auto& [t, c] : extra) touched.insert(t);
-  for (int32_t t : touched) {
-    if (t < 0 || t >= static_cast<int32_t>(logits.size())) continue;
+  const int32_t V = static_cast<int32_t>(logits.size());
+  auto repetition = [&](int32_t t) {
+    if (t < 0 || t >= V || params_.repetition_penalty == 1.f) return;
     float& l = logits[t];
-    if (params_.repetition_penalty != 1.f)
-      l = l > 0.f ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+    l = l > 0.f ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+  };
+  auto additive = [&](int32_t t) {
+    if (t < 0 || t >= V) return;
     const int32_t c = count(t);
-    if (c > 0) l -= params_.frequency_penalty * static_cast<float>(c) + params_.presence_penalty;
+    if (c > 0) {
+      logits[t] -= params_.frequency_penalty * static_cast<float>(c) + params_.presence_penalty;
+    }
+  };
+  // Each token of prompt u generated u pending is penalized once (no set is materialized: the
+  // prompt may be long).
+  for (int32_t t : prompt_tokens_) repetition(t);
+  for (const auto& [t, c] : counts_) {
+    if (!prompt_tokens_.contains(t)) repetition(t);
+    additive(t);
+  }
+  for (const auto& [t, c] : extra) {
+    if (counts_.contains(t)) continue;
+    if (!prompt_tokens_.contains(t)) repetition(t);
+    additive(t);
   }
 }
 
