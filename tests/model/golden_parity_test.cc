@@ -221,3 +221,51 @@ TEST_F(GoldenParityTest, PrefillDecodeAndDSpark) {
 
 }  // namespace
 }  // namespace epd::model
+
+namespace epd::model {
+namespace {
+
+// Overlap of layer-2 decode top-k with the golden one at even decode positions, where the
+// reference scores against stale index keys (MODEL.md §3).
+int EvenStepOverlap(const Model& m, const std::vector<int32_t>& prompt,
+                    const std::vector<int32_t>& generated) {
+  const ModelConfig& c = m.config();
+  const std::vector<int32_t> golden = ReadI32("debug/topk_idxs_layer2_decode.bin");
+  auto st = m.NewSequence();
+  EXPECT_TRUE(m.Prefill(*st, prompt, false).ok());
+  int overlap = 0;
+  for (int s = 1; s <= 8; ++s) {
+    const int64_t pos = st->pos;
+    ForwardTrace t;
+    EXPECT_TRUE(m.Decode(*st, generated[s - 1], &t).ok());
+    if (pos % 2 != 0) continue;
+    for (int j = 0; j < c.index_topk; ++j) {
+      const int32_t g = golden[(s - 1) * c.index_topk + j];
+      if (g < 0) continue;
+      const std::vector<int32_t>& ours = t.topk[2];
+      overlap += std::count(ours.begin(), ours.end(), g - c.window_size) > 0;
+    }
+  }
+  return overlap;
+}
+
+TEST_F(GoldenParityTest, StaleIndexKeysQuirkMatchesGoldenBetterThanOwnKeys) {
+  auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
+  auto store =
+      TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
+  ASSERT_TRUE(cfg.ok() && store.ok());
+  auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
+  auto k = ParseEngramConstantsJson(ReadText("manifest.json"));
+  ASSERT_TRUE(w.ok() && k.ok());
+  ModelOptions own;
+  own.stale_index_keys = false;
+  Model own_keys(std::move(*cfg), std::move(*w), std::move(*k), *backend_, own);
+  const int stale = EvenStepOverlap(*model_, *prompt_, *generated_);
+  const int fixed = EvenStepOverlap(own_keys, *prompt_, *generated_);
+  std::printf("even-step layer-2 top-k overlap with golden: stale keys %d/64, own keys %d/64\n",
+              stale, fixed);
+  EXPECT_GT(stale, fixed + 8);
+}
+
+}  // namespace
+}  // namespace epd::model
