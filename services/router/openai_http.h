@@ -21,7 +21,7 @@ namespace epd::services::router {
 
 struct HttpOptions {
   std::string api_key;  // Default: none. When set, /v1/* requires "Authorization: Bearer <key>"
-  int threads = 64;     // Default: 64 connection threads (each running stream holds one)
+  int threads = 512;    // Default: 512 connection threads (each running stream holds one)
 };
 
 // The /health body shared by HTTP and gRPC: pools, fingerprint, recent registration refusals.
