@@ -32,8 +32,10 @@ void RoundBf16InPlace(float* x, int64_t n);
 // Round-to-nearest-even; |x| > 448 saturates to ±448; NaN -> 0x7f.
 uint8_t EncodeE4M3(float x);
 float DecodeE4M3(uint8_t code);
-// Value of EncodeE4M3(x) (RNE onto the E4M3 grid, saturating).
+// Value of EncodeE4M3(x) (RNE onto the E4M3 grid, saturating). Fast bit-level path.
 float RoundE4M3(float x);
+// The same through EncodeE4M3/DecodeE4M3 (slow; for tests).
+float RoundE4M3Reference(float x);
 
 // ---- E8M0 (UE8M0 scale: 2^(byte-127); 255 = NaN) ----
 float DecodeE8M0(uint8_t code);

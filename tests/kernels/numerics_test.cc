@@ -81,6 +81,28 @@ TEST(E4M3Test, EdgeCases) {
   }
 }
 
+TEST(E4M3Test, FastRoundEqualsEncodeDecode) {
+  std::mt19937 rng(123);
+  std::uniform_real_distribution<float> mant(1.f, 2.f);
+  std::uniform_int_distribution<int> expo(-14, 10);
+  for (int i = 0; i < 300000; ++i) {
+    const float x = std::ldexp(mant(rng), expo(rng)) * (i % 2 ? -1.f : 1.f);
+    ASSERT_EQ(RoundE4M3(x), RoundE4M3Reference(x)) << x;
+  }
+  // Every midpoint between adjacent E4M3 values, and its float neighbours.
+  for (int c = 0; c < 0x7e; ++c) {
+    const float lo = DecodeE4M3(c), hi = DecodeE4M3(c + 1), mid = (lo + hi) / 2;
+    for (float x : {mid, std::nextafter(mid, 0.f), std::nextafter(mid, 1000.f), lo, hi}) {
+      ASSERT_EQ(RoundE4M3(x), RoundE4M3Reference(x)) << x;
+      ASSERT_EQ(RoundE4M3(-x), RoundE4M3Reference(-x)) << -x;
+    }
+  }
+  for (float x : {0.f, -0.f, 448.f, 449.f, 463.99f, 464.f, 1e9f, 0x1p-10f, 0x1p-11f}) {
+    ASSERT_EQ(RoundE4M3(x), RoundE4M3Reference(x)) << x;
+    ASSERT_EQ(std::signbit(RoundE4M3(x)), std::signbit(RoundE4M3Reference(x))) << x;
+  }
+}
+
 TEST(E8M0Test, Values) {
   EXPECT_EQ(DecodeE8M0(127), 1.f);
   EXPECT_EQ(DecodeE8M0(120), 0x1p-7f);
