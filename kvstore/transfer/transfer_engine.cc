@@ -931,6 +931,9 @@ void TransferEngine::OnPeerDown(PeerId peer, absl::Status why) {
       ++it;
     }
   }
+  // A closed connection is never reused (a reconnect gets a new PeerId); a handshake still
+  // waiting in Connect keeps its record so it can report why.
+  if (pit != peers_.end() && !pit->second->outbound) peers_.erase(pit);
   cv_.notify_all();
 }
 

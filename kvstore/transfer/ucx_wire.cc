@@ -34,17 +34,16 @@ constexpr unsigned kAmData = 18;
 
 enum CtlType : uint32_t { kWireHello = 1, kWireHelloAck = 2, kEngineMsg = 3 };
 
-#pragma pack(push, 1)
 struct CtlHeader {
   uint64_t dest_peer;  // receiver's id for this connection (0 in kWireHello)
   uint64_t src_peer;   // sender's id for it
   uint32_t type;
+  uint32_t reserved;
 };
 struct DataWireHeader {
   uint64_t dest_peer;
   DataHeader h;
 };
-#pragma pack(pop)
 
 absl::Status UcsError(absl::string_view what, ucs_status_t st) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(st)));

@@ -23,14 +23,14 @@
 
 namespace epd::transfer {
 
-#pragma pack(push, 1)
+// Naturally aligned (no packing): it is memcpy'd to and from the wire.
 struct DataHeader {
   uint64_t receiver_transfer_id = 0;
-  uint32_t segment = 0;
   uint64_t offset = 0;  // within the segment
   uint64_t length = 0;  // bytes the sender put in this chunk
+  uint32_t segment = 0;
+  uint32_t reserved = 0;
 };
-#pragma pack(pop)
 
 struct DataSink {
   uint8_t* dst = nullptr;  // null: refuse the chunk (the engine has already failed the transfer)

@@ -5,6 +5,7 @@
 
 #include "model/config.h"
 #include "model/nano_generator.h"
+#include "services/cli/bench.h"
 #include "services/cli/serve.h"
 #include "services/version.h"
 
@@ -44,8 +45,9 @@ int main(int argc, char** argv) {
   auto* generate = app.add_subcommand("generate", "Offline generation through the staged path");
   generate->allow_extras();
 
+  epd::services::BenchOptions bench_options;
   auto* bench = app.add_subcommand("bench", "Drive a multi-turn agent workload at an endpoint");
-  bench->allow_extras();
+  epd::services::AddBenchFlags(*bench, &bench_options);
 
   CLI11_PARSE(app, argc, argv);
 
@@ -82,6 +84,6 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (*generate) return NotYetAvailable("generate");
-  if (*bench) return NotYetAvailable("bench");
+  if (*bench) return epd::services::RunBenchCommand(bench_options);
   return 0;
 }
