@@ -68,6 +68,28 @@ class Backend {
   virtual void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
                     const float* cos, const float* sin, bool inverse) = 0;
   virtual void SparseAttention(const SparseAttentionArgs& args) = 0;
+
+  // mHC (MODEL.md §3), `rows` independent rows. h [rows, hc, dim] bf16; fn [(2+hc)*hc, hc*dim],
+  // scale [3], base [(2+hc)*hc] fp32. Out: pre, post [rows, hc], comb [rows, hc, hc] (source j ->
+  // destination k at comb[j*hc + k]).
+  virtual void HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                       const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                       float norm_eps, float* pre, float* post, float* comb) = 0;
+  // y[r, :] = bf16(sum_j pre[r, j] * h[r, j, :]). y [rows, dim].
+  virtual void HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+                     float* y) = 0;
+  // out[r, k, :] = bf16(post[r, k] * y[r, :] + sum_j comb[r, j, k] * res[r, j, :]); out may
+  // alias res.
+  virtual void HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                      const float* post, const float* comb, float* out) = 0;
+
+  // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
+  enum class Qdq {
+    kFp8Window,  // E4M3, UE8M0 per 32 (SWA KV)
+    kFp4Index,   // E2M1, UE8M0 per 32 (indexer q/k)
+    kFp4Kv,      // E2M1, E4M3 scale per 16 (compressed KV)
+  };
+  virtual void QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) = 0;
 };
 
 std::unique_ptr<Backend> MakeCpuBackend();

@@ -141,9 +141,9 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
     backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
     RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(),
              false);
-    for (int64_t j = 0; j < ne; ++j) kc::Fp4IndexQuantDequantRow(keys.data() + j * ihd, ihd);
+    backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd);
     RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
-    for (int64_t j = 0; j < ne; ++j) kc::Fp4KvQuantDequantRow(latents.data() + j * hd, hd);
+    backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd);
     s.kv.insert(s.kv.end(), latents.begin(), latents.end());
     s.keys.insert(s.keys.end(), keys.begin(), keys.end());
     s.n += ne;
@@ -184,7 +184,7 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   backend_.LinearQuant(x, S, A.wkv, kv.data());
   backend_.RmsNorm(kv.data(), A.kv_norm.data(), S, hd, c.norm_eps, kv.data());
   RopeRows(l, kv.data(), S, 1, static_cast<int>(hd), nope, pos.data(), false);
-  for (int64_t i = 0; i < S; ++i) kc::Fp8QuantDequantRow(kv.data() + i * hd, hd);
+  backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv.data(), S, hd);
 
   // Window part of the KV and of each row's list.
   vector<float>& ring = state.swa[l];
@@ -234,7 +234,7 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
         backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data());
         RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
                  static_cast<int>(ihd - rd), pos.data(), false);
-        for (int64_t i = 0; i < S * nI; ++i) kc::Fp4IndexQuantDequantRow(qi.data() + i * ihd, ihd);
+        backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi.data(), S * nI, ihd);
         backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data());
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
@@ -472,30 +472,31 @@ void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
   vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D),
       y(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(),
-                L.hc_attn_scale.data(), L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
-    kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D);
+    backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(),
+                     L.hc_attn_scale.data(), L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                     c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
+    backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data());
   if (trace) trace->attn_in[l] = x;
   Attention(l, x.data(), call, state, y.data(), trace);
   if (trace) trace->attn_out[l] = y;
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcPost(y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D, aQ.data() + i * hc,
-               aC.data() + i * hc * hc, h + i * hc * D);
-    kc::HcMixes(h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
-                L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre + i * hc,
-                fQ.data() + i * hc, fC.data() + i * hc * hc);
-    kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc, x.data() + i * D);
+    backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                    aQ.data() + i * hc, aC.data() + i * hc * hc, h + i * hc * D);
+    backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(),
+                     L.hc_ffn_scale.data(), L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                     c.norm_eps, pre + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc);
+    backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
+                   x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), L.ffn_norm.data(), S, D, c.norm_eps, x.data());
   if (trace) trace->ffn_in[l] = x;
   Moe(l, x.data(), S, y.data(), trace ? &trace->experts[l] : nullptr);
   if (trace) trace->ffn_out[l] = y;
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcPost(y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D, fQ.data() + i * hc,
-               fC.data() + i * hc * hc, h + i * hc * D);
+    backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                    fQ.data() + i * hc, fC.data() + i * hc * hc, h + i * hc * D);
   }
 }
 
@@ -591,7 +592,8 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     vector<float> x(S * D);
     vector<int64_t> pos(S);
     for (int64_t i = 0; i < S; ++i) {
-      kc::HcPre(h + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc, x.data() + i * D);
+      backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
+                     x.data() + i * D);
       pos[i] = spec.start_pos + i;
     }
     backend_.RmsNorm(x.data(), weights_->layers[l].attn_norm.data(), S, D, c.norm_eps, x.data());
@@ -608,8 +610,8 @@ vector<float> Model::Head(const Hidden& io, bool all_logits, ForwardTrace* trace
   const int64_t S = io.rows, D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   vector<float> x(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    kc::HcPre(io.h.data() + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
-              x.data() + i * D);
+    backend_.HcPre(1, io.h.data() + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
+                   x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data());
   if (trace) trace->final_norm = x;
@@ -660,7 +662,7 @@ void Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos,
   backend_.LinearQuant(main_x, rows, A.wkv, kv);
   backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv);
   RopeRows(L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos.data(), false);
-  for (int64_t i = 0; i < rows; ++i) kc::Fp8QuantDequantRow(kv + i * hd, hd);
+  backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, rows, hd);
 }
 
 void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
@@ -830,11 +832,12 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D),
         y(B * D);
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
-                  LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                  c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
-      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
-                x.data() + i * D);
+      backend_.HcMixes(1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
+                       LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters,
+                       c.hc_eps, c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc,
+                       aC.data() + i * hc * hc);
+      backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+                     x.data() + i * D);
     }
     backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data());
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
@@ -879,25 +882,26 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     }
     backend_.LinearQuant(oa.data(), B, A.wo_b, y.data());
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
-                 aQ.data() + i * hc, aC.data() + i * hc * hc, h.data() + i * hc * D);
-      kc::HcMixes(h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
-                  LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                  c.norm_eps, pre.data() + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc);
-      kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
-                x.data() + i * D);
+      backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
+                      aQ.data() + i * hc, aC.data() + i * hc * hc, h.data() + i * hc * D);
+      backend_.HcMixes(1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
+                       LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                       c.norm_eps, pre.data() + i * hc, fQ.data() + i * hc,
+                       fC.data() + i * hc * hc);
+      backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
+                     x.data() + i * D);
     }
     backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data());
     Moe(L, x.data(), B, y.data());
     for (int64_t i = 0; i < B; ++i) {
-      kc::HcPost(y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
-                 fQ.data() + i * hc, fC.data() + i * hc * hc, h.data() + i * hc * D);
+      backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
+                      fQ.data() + i * hc, fC.data() + i * hc * hc, h.data() + i * hc * D);
     }
   }
   vector<float> x(B * D), xn(B * D);
   for (int64_t i = 0; i < B; ++i) {
-    kc::HcPre(h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
-              x.data() + i * D);
+    backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
+                   x.data() + i * D);
   }
   backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data());
   DraftResult out;

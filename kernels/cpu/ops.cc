@@ -272,6 +272,41 @@ class CpuBackend final : public Backend {
     cpu::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse);
   }
   void SparseAttention(const SparseAttentionArgs& args) override { cpu::SparseAttention(args); }
+  void HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+               const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+               float norm_eps, float* pre, float* post, float* comb) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                   pre + r * hc, post + r * hc, comb + r * hc * hc);
+    }
+  }
+  void HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+             float* y) override {
+    for (int64_t r = 0; r < rows; ++r)
+      cpu::HcPre(h + r * hc * dim, hc, dim, pre + r * hc, y + r * dim);
+  }
+  void HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+              const float* post, const float* comb, float* out) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::HcPost(y + r * dim, res + r * hc * dim, hc, dim, post + r * hc, comb + r * hc * hc,
+                  out + r * hc * dim);
+    }
+  }
+  void QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      switch (kind) {
+        case Qdq::kFp8Window:
+          Fp8QuantDequantRow(x + r * dim, dim);
+          break;
+        case Qdq::kFp4Index:
+          Fp4IndexQuantDequantRow(x + r * dim, dim);
+          break;
+        case Qdq::kFp4Kv:
+          Fp4KvQuantDequantRow(x + r * dim, dim);
+          break;
+      }
+    }
+  }
 };
 
 }  // namespace
