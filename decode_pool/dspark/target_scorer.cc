@@ -35,4 +35,28 @@ absl::Status SequentialTargetScorer::Commit(model::SequenceState& state, int64_t
   return journal_.Rollback(state, keep);
 }
 
+absl::StatusOr<std::vector<float>> ExtendTargetScorer::Score(model::SequenceState& state,
+                                                             std::span<const int32_t> ids) {
+  if (ids.empty()) return absl::InvalidArgumentError("dspark: Score needs at least one token");
+  checkpoint_ = model_.Checkpoint(state, static_cast<int64_t>(ids.size()));
+  auto r = model_.Extend(state, ids, /*all_logits=*/true);
+  if (!r.ok()) {
+    open_ = false;
+    return r.status();
+  }
+  ids_.assign(ids.begin(), ids.end());
+  step_ = std::move(*r);
+  open_ = true;
+  return step_.logits;
+}
+
+absl::Status ExtendTargetScorer::Commit(model::SequenceState& state, int64_t keep) {
+  if (!open_) return absl::FailedPreconditionError("dspark: Commit without a scored step");
+  if (keep < 1 || keep > static_cast<int64_t>(ids_.size()))
+    return absl::InvalidArgumentError(
+        absl::StrCat("dspark: commit keeps ", keep, " of ", ids_.size(), " positions"));
+  open_ = false;
+  return model_.Rollback(state, checkpoint_, std::span<const int32_t>(ids_).first(keep), step_);
+}
+
 }  // namespace epd::decode_pool

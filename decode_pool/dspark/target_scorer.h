@@ -46,4 +46,21 @@ class SequentialTargetScorer final : public TargetScorer {
   StepJournal journal_;
 };
 
+// One Model::Extend call over the k + 1 positions (kDecode mode: bit-identical to sequential
+// Decode calls) with Model::Checkpoint / Model::Rollback for the rejected ones. Borrows `model`.
+class ExtendTargetScorer final : public TargetScorer {
+ public:
+  explicit ExtendTargetScorer(const model::Model& model) : model_(model) {}
+  absl::StatusOr<std::vector<float>> Score(model::SequenceState& state,
+                                           std::span<const int32_t> ids) override;
+  absl::Status Commit(model::SequenceState& state, int64_t keep) override;
+
+ private:
+  const model::Model& model_;
+  bool open_ = false;
+  model::StepCheckpoint checkpoint_;
+  std::vector<int32_t> ids_;
+  model::ForwardResult step_;
+};
+
 }  // namespace epd::decode_pool

@@ -4,7 +4,7 @@
 // confidence head's calibration; rollback cost (journal vs full state copy).
 //
 //   build-dspark/dspark_bench [--model DIR] [--prompt 100] [--tokens 96] [--prompts 3]
-//                             [--temperature 0]
+//                             [--temperature 0] [--scorer sequential|extend]
 #include <time.h>
 
 #include <chrono>
@@ -58,11 +58,15 @@ int main(int argc, char** argv) {
   std::string model_dir;
   int prompt_len = 100, tokens = 96, prompts = 3;
   float temperature = 0.f;
+  std::string scorer_name = "sequential";
   app.add_option("--model", model_dir, "model directory (default: generate the nano model)");
   app.add_option("--prompt", prompt_len, "prompt tokens");
   app.add_option("--tokens", tokens, "generated tokens per prompt");
   app.add_option("--prompts", prompts, "prompts per k");
   app.add_option("--temperature", temperature, "0 = greedy");
+  app.add_option("--scorer", scorer_name,
+                 "sequential (k+1 Decode calls) | extend (one Extend call)")
+      ->check(CLI::IsMember({"sequential", "extend"}));
   CLI11_PARSE(app, argc, argv);
 
   std::unique_ptr<epd::testing::TempDir> tmp;
@@ -90,7 +94,10 @@ int main(int argc, char** argv) {
   epd::model::SamplingParams params;
   params.max_tokens = tokens;
   params.temperature = temperature;
-  epd::decode_pool::SequentialTargetScorer scorer(model);
+  epd::decode_pool::SequentialTargetScorer sequential(model);
+  epd::decode_pool::ExtendTargetScorer extend(model);
+  epd::decode_pool::TargetScorer& scorer =
+      scorer_name == "extend" ? static_cast<epd::decode_pool::TargetScorer&>(extend) : sequential;
 
   auto run = [&](int k, const KPolicy* policy) {
     Row r;
@@ -125,8 +132,9 @@ int main(int argc, char** argv) {
 
   std::printf(
       "DSpark verification, %s, prompt %d, %d tokens x %d prompts, T=%.2f, "
-      "sequential target scorer (k+1 Decode calls), thread CPU time\n\n",
-      tmp ? "nano model" : model_dir.c_str(), prompt_len, tokens, prompts, temperature);
+      "%s target scorer, thread CPU time\n\n",
+      tmp ? "nano model" : model_dir.c_str(), prompt_len, tokens, prompts, temperature,
+      scorer_name.c_str());
   std::printf("%4s %8s %10s %10s %12s %10s %10s\n", "k", "steps", "draft/st", "accept/st",
               "step ms", "tok/s", "vs k=0");
   // (step ms and tok/s in thread CPU time)
@@ -205,10 +213,10 @@ int main(int argc, char** argv) {
       epd::model::SequenceState copy = *st;
       auto c1 = Clock::now();
       t_copy += (c1 - c0).count();
-      (void)scorer.Score(*st, ids);
-      journal_bytes = scorer.journal().bytes();
+      (void)sequential.Score(*st, ids);
+      journal_bytes = sequential.journal().bytes();
       auto c2 = Clock::now();
-      (void)scorer.Commit(*st, 1);
+      (void)sequential.Commit(*st, 1);
       auto c3 = Clock::now();
       t_commit += (c3 - c2).count();
       *st = std::move(copy);

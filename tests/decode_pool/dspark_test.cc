@@ -95,6 +95,34 @@ TEST_F(DSparkNanoTest, GreedyOutputIdenticalWithAndWithoutDSpark) {
   std::printf("greedy parity: drafted %d accepted %d\n", drafted, accepted);
 }
 
+// The one-call target pass (Model::Extend + Checkpoint/Rollback) gives the same greedy output
+// and the same rollback as the sequential scorer.
+TEST_F(DSparkNanoTest, ExtendScorerMatchesSequential) {
+  SequentialTargetScorer sequential(*model_);
+  ExtendTargetScorer extend(*model_);
+  for (auto [plen, gen] : {std::pair{100, 40}, std::pair{126, 12}}) {
+    const std::vector<int32_t> prompt = Prompt(plen, plen);
+    SamplingParams params;
+    params.max_tokens = gen;
+    auto ref = Generate(*model_, sequential, prompt, params, {.dspark = false});
+    auto got = Generate(*model_, extend, prompt, params, {.dspark = true, .fixed_k = 5});
+    ASSERT_TRUE(ref.ok() && got.ok()) << got.status();
+    EXPECT_EQ(got->tokens, ref->tokens) << plen;
+  }
+  for (int plen : {124, 131}) {
+    const std::unique_ptr<SequenceState> base = Prefilled(Prompt(plen, 3));
+    const std::vector<int32_t> ids = {40, 1000, 7, 7, 300, 2001};
+    for (int keep : {1, 3, 6}) {
+      SequenceState a = *base, b = *base;
+      ASSERT_TRUE(sequential.Score(a, ids).ok());
+      ASSERT_TRUE(extend.Score(b, ids).ok());
+      ASSERT_TRUE(sequential.Commit(a, keep).ok());
+      ASSERT_TRUE(extend.Commit(b, keep).ok());
+      EXPECT_EQ(DiffStates(a, b), "") << plen << " keep " << keep;
+    }
+  }
+}
+
 // Penalties make the verify rows depend on the accepted drafts: still identical.
 TEST_F(DSparkNanoTest, GreedyWithPenaltiesIdentical) {
   SequentialTargetScorer scorer(*model_);
@@ -167,8 +195,10 @@ TEST_F(DSparkNanoTest, OracleDraftsAcceptedStateMatchesPlainRun) {
 // After verifying and rejecting drafts, the state equals that of a run that never drafted them,
 // byte for byte: every keep count, at both parities (ratio-2 tails), across the window wrap.
 TEST_F(DSparkNanoTest, RollbackRestoresStateByteForByte) {
-  SequentialTargetScorer scorer(*model_);
+  SequentialTargetScorer sequential(*model_);
+  ExtendTargetScorer extend(*model_);
   for (int plen : {124, 125, 131}) {
+    TargetScorer& scorer = plen == 125 ? static_cast<TargetScorer&>(extend) : sequential;
     const std::vector<int32_t> prompt = Prompt(plen, plen);
     const std::unique_ptr<SequenceState> base = Prefilled(prompt);
     const std::vector<int32_t> ids = {40, 1000, 7, 7, 300, 2001};
