@@ -183,8 +183,9 @@ class FaultWire final : public Wire {
         continue;
       }
       auto first = timed_.begin();
-      if (std::chrono::steady_clock::now() < first->first) {
-        cv_.wait_until(lock, first->first);
+      const auto when = first->first;  // a copy: ClosePeer may erase the entry while we wait
+      if (std::chrono::steady_clock::now() < when) {
+        cv_.wait_until(lock, when);
         continue;
       }
       Parked op = std::move(first->second);
