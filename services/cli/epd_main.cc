@@ -6,17 +6,9 @@
 #include "model/config.h"
 #include "model/nano_generator.h"
 #include "services/cli/bench.h"
+#include "services/cli/generate.h"
 #include "services/cli/serve.h"
 #include "services/version.h"
-
-namespace {
-
-int NotYetAvailable(const std::string& what) {
-  std::cerr << "epd " << what << ": not yet available in this build\n";
-  return 2;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"epd: Encoder-Prefill-Decode serving for DeepSeek-V4.1-Flash-architecture models"};
@@ -43,7 +35,8 @@ int main(int argc, char** argv) {
   layout->add_option("--config", layout_config, "Path to config.json")->required();
 
   auto* generate = app.add_subcommand("generate", "Offline generation through the staged path");
-  generate->allow_extras();
+  epd::services::GenerateOptions generate_options;
+  epd::services::AddGenerateFlags(*generate, &generate_options);
 
   epd::services::BenchOptions bench_options;
   auto* bench = app.add_subcommand("bench", "Drive a multi-turn agent workload at an endpoint");
@@ -83,7 +76,7 @@ int main(int argc, char** argv) {
     std::cout << epd::model::FormatKvLayout(*config);
     return 0;
   }
-  if (*generate) return NotYetAvailable("generate");
+  if (*generate) return epd::services::RunGenerateCommand(generate_options);
   if (*bench) return epd::services::RunBenchCommand(bench_options);
   return 0;
 }

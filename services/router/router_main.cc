@@ -5,15 +5,20 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
+#include <filesystem>
+#include <memory>
 #include <iostream>
 #include <thread>
 
 #include <spdlog/spdlog.h>
 
 #include "common/clock.h"
+#include "model/fingerprint.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/dispatch.h"
 #include "services/router/grpc_api.h"
+#include "services/router/kvstore_prefix_oracle.h"
+#include "services/router/model_text_codec.h"
 #include "services/router/openai_http.h"
 #include "services/router/prefix_oracle.h"
 #include "services/router/registry.h"
@@ -52,7 +57,10 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_dir,
                  "Model directory (tokenizer + chat format); default: the built-in byte codec");
   app.add_option("--kvstore", kvstore_address,
-                 "kvstore gRPC address for prefix lookups (not used yet: NoPrefixOracle)");
+                 "kvstore gRPC address for prefix lookups (default: none, no prefix hints)");
+  int kv_block_tokens = 64;
+  app.add_option("--kv-block-tokens", kv_block_tokens, "Tokens per kvstore block (chain hashes)")
+      ->capture_default_str();
   app.add_option("--context-length", core_options.context_length,
                  "Prompt + completion tokens per request")
       ->capture_default_str();
@@ -87,15 +95,38 @@ int main(int argc, char** argv) {
   if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
 
   auto& clock = epd::common::SystemClock::Get();
-  // TODO(lead): when --model is set, use the adapter over model/tokenizer.h +
-  // model/chat_format.h here; the byte codec is the stand-in (docs/router.md, Text).
-  r::ByteTextCodec codec;
-  if (!model_dir.empty()) {
-    spdlog::warn("epd-router: --model {} given, but this build still uses the byte codec",
-                 model_dir);
+  // The real codec when --model has a tokenizer.json, else the byte codec (docs/router.md, Text).
+  std::unique_ptr<r::TextCodec> codec_owner;
+  if (!model_dir.empty() && std::filesystem::exists(model_dir + "/tokenizer.json")) {
+    auto loaded = r::ModelTextCodec::Load(model_dir);
+    if (!loaded.ok()) return Fail(loaded.status());
+    codec_owner = *std::move(loaded);
+    spdlog::info("epd-router: tokenizer of {} (vocab {})", model_dir, codec_owner->vocab_size());
+  } else {
+    if (!model_dir.empty()) {
+      spdlog::warn("epd-router: {} has no tokenizer.json; using the byte codec", model_dir);
+    }
+    codec_owner = std::make_unique<r::ByteTextCodec>();
   }
+  const r::TextCodec& codec = *codec_owner;
   r::Registry registry(registry_options, clock, runtime.registry());
-  r::NoPrefixOracle oracle;
+  std::unique_ptr<r::PrefixOracle> oracle_owner = std::make_unique<r::NoPrefixOracle>();
+  if (!kvstore_address.empty()) {
+    r::KvOracleOptions kv_options;
+    kv_options.target = kvstore_address;
+    kv_options.block_tokens = kv_block_tokens;
+    if (!model_dir.empty()) {
+      auto fp = epd::model::ModelDirFingerprint(model_dir);
+      if (fp.ok()) {
+        kv_options.default_fingerprint = *fp;
+      } else {
+        spdlog::warn("epd-router: no config fingerprint for prefix lookups: {}",
+                     std::string(fp.status().message()));
+      }
+    }
+    oracle_owner = std::make_unique<r::KvStorePrefixOracle>(kv_options, runtime.registry());
+  }
+  r::PrefixOracle& oracle = *oracle_owner;
   r::Scheduler scheduler(scheduler_options, registry, oracle, runtime.registry());
   auto workers = r::NewGrpcWorkerClient();
   r::RouterCore core(core_options, codec, registry, scheduler, *workers, clock, runtime.registry());
