@@ -24,6 +24,10 @@ class GrpcJobStream final : public JobStream {
       : stub_(epd::v1::WorkerControl::NewStub(channel)),
         request_id_(job.request_id()),
         worker_id_(std::move(worker_id)) {
+    if (job.deadline_unix_ms() > 0) {
+      ctx_.set_deadline(std::chrono::system_clock::time_point(
+          std::chrono::milliseconds(job.deadline_unix_ms())));
+    }
     reader_ = stub_->Submit(&ctx_, job);
   }
 

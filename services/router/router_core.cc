@@ -40,6 +40,7 @@ absl::Status CoreOptions::Validate() const {
   if (max_tokens_limit <= 0) return absl::InvalidArgumentError("max tokens limit must be > 0");
   if (default_max_tokens <= 0) return absl::InvalidArgumentError("default max tokens must be > 0");
   if (max_attempts <= 0) return absl::InvalidArgumentError("max attempts must be > 0");
+  if (request_timeout_ms < 0) return absl::InvalidArgumentError("request timeout must be >= 0");
   return absl::OkStatus();
 }
 
@@ -350,6 +351,9 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
   *base.mutable_sampling() = req.spec.sampling;
   base.set_model(req.spec.model);
   base.set_config_fingerprint(plan.fingerprint);
+  if (options_.request_timeout_ms > 0) {
+    base.set_deadline_unix_ms(clock_.NowUnixMs() + options_.request_timeout_ms);
+  }
 
   // The chain: encoder -> prefill -> decode, with absent pools skipped.
   std::vector<std::pair<WorkerInfo, epd::v1::Pool>> chain;

@@ -37,6 +37,8 @@ struct CoreOptions {
   int default_max_tokens = 1024;   // Default: when a chat request gives none (capped by context)
   int max_attempts = 2;            // Default: a request is re-dispatched once if its decode
                                    // worker is unreachable before any token was streamed
+  int64_t request_timeout_ms = 30 * 60 * 1000;  // Default: 30 min; Job.deadline_unix_ms, after
+                                                // which every stage's stream is cut (0 = none)
   absl::Status Validate() const;
 };
 

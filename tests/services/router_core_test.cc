@@ -228,6 +228,7 @@ TEST_F(RouterCoreTest, StreamedDeltasEqualTheFinalParseAndUsageCounts) {
   EXPECT_EQ(job.prompt_ids_size(), static_cast<int>(req->prompt_ids.size()));
   EXPECT_EQ(job.sampling().max_tokens(), 8);
   EXPECT_EQ(job.config_fingerprint(), "fp");
+  EXPECT_EQ(job.deadline_unix_ms(), clock_.NowUnixMs() + 30 * 60 * 1000);
   const std::string m = Scrape();
   EXPECT_NE(m.find("epd_requests_total{outcome=\"ok\"} 1"), std::string::npos);
   EXPECT_NE(m.find("epd_cached_tokens_total 3"), std::string::npos);
