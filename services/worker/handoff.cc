@@ -1,0 +1,280 @@
+#include "services/worker/handoff.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/numerics.h"
+#include "kvstore/transfer/manifest.h"
+
+namespace epd::worker {
+namespace {
+
+namespace kc = kernels::cpu;
+using model::StateSegment;
+
+// Kind and layer of a segment from its name ("swa.5" -> SWA_KV, 5).
+std::pair<epd::v1::SegmentKind, int> KindOf(const model::ModelConfig& c, const std::string& name) {
+  const size_t dot = name.find('.');
+  int layer = -1;
+  if (dot != std::string::npos && !absl::SimpleAtoi(name.substr(dot + 1), &layer)) layer = -1;
+  const std::string head = name.substr(0, dot);
+  if (head == "swa")
+    return {layer >= c.n_layers ? epd::v1::SEGMENT_DSPARK_DRAFT_KV : epd::v1::SEGMENT_SWA_KV,
+            layer};
+  if (head == "kv")
+    return {layer == c.candidate_source_layer ? epd::v1::SEGMENT_DEC_GLOBAL_KV
+                                              : epd::v1::SEGMENT_ENC_GLOBAL_KV,
+            layer};
+  if (head == "keys") return {epd::v1::SEGMENT_INDEX_K, layer};
+  if (head == "tail") return {epd::v1::SEGMENT_COMPRESSOR_STATE, layer};
+  if (head == "engram") return {epd::v1::SEGMENT_ENGRAM_HISTORY, -1};
+  if (head == "main_hidden") return {epd::v1::SEGMENT_TARGET_HIDDEN, -1};
+  if (head == "enc") return {epd::v1::SEGMENT_ENC_OUTPUT_TAIL, -1};
+  return {epd::v1::SEGMENT_BLOCK, -1};  // meta, logits
+}
+
+void PutI64(std::vector<uint8_t>& b, int64_t v) {
+  const size_t at = b.size();
+  b.resize(at + 8);
+  std::memcpy(b.data() + at, &v, 8);
+}
+
+template <typename T>
+std::vector<uint8_t> Bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> b(v.size() * sizeof(T));
+  if (!v.empty()) std::memcpy(b.data(), v.data(), b.size());
+  return b;
+}
+
+template <typename T>
+absl::Status FromBytes(const std::vector<uint8_t>& b, size_t n, const std::string& name,
+                       std::vector<T>* out) {
+  if (b.size() != n * sizeof(T))
+    return absl::InvalidArgumentError(
+        absl::StrCat("segment '", name, "': ", b.size(), " bytes, expected ", n * sizeof(T)));
+  out->resize(n);
+  if (n > 0) std::memcpy(out->data(), b.data(), b.size());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+std::vector<SegmentShape> ExpectedStateShapes(const model::ModelConfig& c, int64_t tokens,
+                                              bool main_hidden) {
+  std::vector<SegmentShape> out;
+  const int64_t nsrc = static_cast<int64_t>(c.kv_source_layers.size());
+  out.push_back({"meta", static_cast<uint64_t>(8 * (4 + 2 * nsrc))});
+  const int64_t slot = kc::PackedSwaSlotBytes(c.head_dim);
+  for (int l = 0; l < c.total_layers(); ++l)
+    out.push_back({absl::StrCat("swa.", l), static_cast<uint64_t>(c.window_size * slot)});
+  const int64_t eb = kc::PackedKvEntryBytes(c.head_dim);
+  const int64_t kb = kc::PackedIndexKeyBytes(c.index_head_dim);
+  std::vector<int> sources = c.kv_source_layers;
+  std::sort(sources.begin(), sources.end());  // SerializeState walks a std::map
+  for (int l : sources) {
+    const int ratio = c.compress_ratios[l];
+    const int64_t n = ratio > 0 ? tokens / ratio : 0;
+    out.push_back({absl::StrCat("kv.", l), static_cast<uint64_t>(n * eb)});
+    out.push_back({absl::StrCat("keys.", l), static_cast<uint64_t>(n * kb)});
+    if (ratio > 1)
+      out.push_back({absl::StrCat("tail.", l), static_cast<uint64_t>(2 * ratio * c.head_dim * 4)});
+  }
+  const int64_t keep = std::max(0, c.engram_max_ngram_size - 1);
+  out.push_back({"engram", static_cast<uint64_t>(8 * std::min(tokens, keep))});
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  out.push_back({"main_hidden", static_cast<uint64_t>(main_hidden ? nt * c.dim * 2 : 0)});
+  return out;
+}
+
+std::vector<SegmentShape> ExpectedEncoderOutputShapes(const model::ModelConfig& c, int64_t tokens,
+                                                      int64_t tail_rows) {
+  const uint64_t rows = static_cast<uint64_t>(std::min(tokens, tail_rows));
+  return {{"enc.meta", 16},
+          {"enc.ids", rows * 4},
+          {"enc.h", rows * c.hc_mult * c.dim * 4},
+          {"enc.pre", rows * c.hc_mult * 4}};
+}
+
+int64_t HandoffTailRows(const model::ModelConfig& c) {
+  return c.window_size + std::max(0, c.dspark_block_size);
+}
+
+SegmentShape LogitsShape(const model::ModelConfig& c) {
+  return {"logits", static_cast<uint64_t>(c.vocab_size * 4)};
+}
+
+std::vector<SegmentShape> ShapesOf(const std::vector<StateSegment>& segments) {
+  std::vector<SegmentShape> out;
+  out.reserve(segments.size());
+  for (const StateSegment& s : segments) out.push_back({s.name, s.bytes.size()});
+  return out;
+}
+
+std::vector<StateSegment> PackEncoderOutput(const model::EncoderOutput& o) {
+  std::vector<StateSegment> out;
+  StateSegment meta{"enc.meta", {}};
+  PutI64(meta.bytes, o.tail_start);
+  PutI64(meta.bytes, o.tail.rows);
+  out.push_back(std::move(meta));
+  out.push_back({"enc.ids", Bytes(o.tail_ids)});
+  out.push_back({"enc.h", Bytes(o.tail.h)});
+  out.push_back({"enc.pre", Bytes(o.tail.pre)});
+  return out;
+}
+
+absl::StatusOr<model::EncoderOutput> UnpackEncoderOutput(const model::ModelConfig& c,
+                                                         const std::vector<StateSegment>& segs) {
+  std::map<std::string, const std::vector<uint8_t>*> by;
+  for (const StateSegment& s : segs) by[s.name] = &s.bytes;
+  for (const char* n : {"enc.meta", "enc.ids", "enc.h", "enc.pre"})
+    if (!by.count(n)) return absl::NotFoundError(absl::StrCat("missing segment '", n, "'"));
+  if (by["enc.meta"]->size() != 16)
+    return absl::InvalidArgumentError("segment 'enc.meta': expected 16 bytes");
+  model::EncoderOutput o;
+  int64_t rows = 0;
+  std::memcpy(&o.tail_start, by["enc.meta"]->data(), 8);
+  std::memcpy(&rows, by["enc.meta"]->data() + 8, 8);
+  if (rows < 0) return absl::InvalidArgumentError("segment 'enc.meta': negative rows");
+  o.tail.rows = rows;
+  const size_t r = static_cast<size_t>(rows);
+  if (auto s = FromBytes(*by["enc.ids"], r, "enc.ids", &o.tail_ids); !s.ok()) return s;
+  if (auto s = FromBytes(*by["enc.h"], r * c.hc_mult * c.dim, "enc.h", &o.tail.h); !s.ok())
+    return s;
+  if (auto s = FromBytes(*by["enc.pre"], r * c.hc_mult, "enc.pre", &o.tail.pre); !s.ok()) return s;
+  return o;
+}
+
+StateSegment PackLogits(const std::vector<float>& logits) { return {"logits", Bytes(logits)}; }
+
+absl::StatusOr<std::vector<float>> UnpackLogits(const std::vector<StateSegment>& segs) {
+  for (const StateSegment& s : segs) {
+    if (s.name != "logits") continue;
+    std::vector<float> out;
+    if (auto st = FromBytes(s.bytes, s.bytes.size() / 4, "logits", &out); !st.ok()) return st;
+    return out;
+  }
+  return absl::NotFoundError("missing segment 'logits'");
+}
+
+epd::v1::Manifest BuildHandoffManifest(const model::ModelConfig& c, const HandoffHeader& h,
+                                       const std::vector<SegmentShape>& shapes) {
+  epd::v1::Manifest m;
+  m.set_request_id(h.request_id);
+  m.set_config_fingerprint(h.config_fingerprint);
+  m.set_prompt_length(h.prompt_length);
+  m.set_cached_length(h.cached_length);
+  m.set_dspark(h.dspark);
+  for (const SegmentShape& s : shapes) {
+    auto [kind, layer] = KindOf(c, s.name);
+    epd::v1::Segment* seg = m.add_segments();
+    seg->set_kind(kind);
+    seg->set_layer_id(layer);
+    seg->set_pos_begin(0);
+    seg->set_pos_end(h.prompt_length);
+    seg->set_entry_count(1);
+    seg->set_layout_id(transfer::kLayoutRawBytes);
+    seg->set_byte_length(s.bytes);
+    seg->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+  }
+  return m;
+}
+
+absl::Status HandoffPeer::WaitFor(transfer::TransferId id, absl::Duration deadline,
+                                  const std::atomic<bool>* cancelled) {
+  const absl::Time end = absl::Now() + deadline + absl::Seconds(2);
+  while (true) {
+    const absl::Status st = transport_.Wait(id, absl::Milliseconds(50));
+    auto status = transport_.Status(id);
+    if (!status.ok()) return st.ok() ? status.status() : st;
+    if (status->state == transfer::TransferState::kDone ||
+        status->state == transfer::TransferState::kFailed)
+      return status->error;
+    if (cancelled != nullptr && cancelled->load()) {
+      transport_.Cancel(id, "request cancelled");
+      return absl::CancelledError("request cancelled");
+    }
+    if (absl::Now() > end) {
+      transport_.Cancel(id, "hand-off deadline");
+      return absl::DeadlineExceededError("hand-off deadline passed");
+    }
+  }
+}
+
+absl::Status HandoffPeer::Send(const std::string& address, epd::v1::Manifest manifest,
+                               const std::vector<StateSegment>& segments, absl::Duration deadline,
+                               const std::atomic<bool>* cancelled) {
+  transfer::PeerId peer = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(address);
+    if (it != peers_.end()) {
+      peer = it->second;
+    } else {
+      auto p = transport_.Connect(address, absl::Seconds(10));
+      if (!p.ok()) return p.status();
+      peers_[address] = *p;
+      peer = *p;
+    }
+  }
+  uint64_t total = 0;
+  for (const StateSegment& s : segments) total += s.bytes.size();
+  auto buf = transport_.Allocate(total);
+  if (!buf.ok()) return buf.status();
+  uint64_t at = 0;
+  for (const StateSegment& s : segments) {
+    if (!s.bytes.empty()) std::memcpy((*buf)->data() + at, s.bytes.data(), s.bytes.size());
+    at += s.bytes.size();
+  }
+  transfer::TransferOptions opts;
+  opts.deadline = deadline;
+  opts.lease = deadline;
+  auto id = transport_.Send(peer, std::move(manifest), std::move(*buf), opts);
+  if (!id.ok()) {
+    if (absl::IsUnavailable(id.status()) || absl::IsNotFound(id.status())) {
+      std::lock_guard<std::mutex> lock(mu_);
+      peers_.erase(address);  // reconnect next time
+    }
+    return id.status();
+  }
+  absl::Status st = WaitFor(*id, deadline, cancelled);
+  transport_.Forget(*id);
+  if (absl::IsUnavailable(st)) {
+    std::lock_guard<std::mutex> lock(mu_);
+    peers_.erase(address);
+  }
+  return st;
+}
+
+absl::StatusOr<std::vector<StateSegment>> HandoffPeer::Receive(
+    const epd::v1::Manifest& expected, const std::vector<SegmentShape>& shapes,
+    absl::Duration deadline, const std::atomic<bool>* cancelled) {
+  uint64_t total = 0;
+  for (const SegmentShape& s : shapes) total += s.bytes;
+  auto buf = transport_.Allocate(total);
+  if (!buf.ok()) return buf.status();
+  transfer::TransferOptions opts;
+  opts.deadline = deadline;
+  opts.lease = deadline;
+  auto id = transport_.Receive(expected, std::move(*buf), opts);
+  if (!id.ok()) return id.status();
+  if (absl::Status st = WaitFor(*id, deadline, cancelled); !st.ok()) {
+    transport_.Forget(*id);
+    return st;
+  }
+  auto got = transport_.TakeReceived(*id);
+  if (!got.ok()) return got.status();
+  std::vector<StateSegment> out;
+  out.reserve(shapes.size());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const uint8_t* p = got->buffer->data() + got->segment_offsets[i];
+    out.push_back({shapes[i].name, std::vector<uint8_t>(p, p + shapes[i].bytes)});
+  }
+  return out;
+}
+
+}  // namespace epd::worker

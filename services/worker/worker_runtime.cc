@@ -1,0 +1,323 @@
+#include "services/worker/worker_runtime.h"
+
+#include <grpcpp/grpcpp.h>
+#include <signal.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <sstream>
+#include <thread>
+
+#include "common/clock.h"
+#include "common/fingerprint.h"
+#include "kernels/backend.h"
+#include "kvstore/transfer/ucx_wire.h"
+#include "services/runtime/process.h"
+#include "services/runtime/shutdown.h"
+
+namespace epd::worker {
+namespace {
+
+std::string PoolLabel(epd::v1::Pool p) {
+  switch (p) {
+    case epd::v1::POOL_ENCODER:
+      return "encoder";
+    case epd::v1::POOL_PREFILL:
+      return "prefill";
+    default:
+      return "decode";
+  }
+}
+
+class ControlService final : public epd::v1::WorkerControl::Service {
+ public:
+  ControlService(JobHandler& handler, const std::string& pool, prometheus::Registry& reg)
+      : handler_(handler) {
+    queue_ = &prometheus::BuildGauge()
+                  .Name("epd_queue_depth")
+                  .Help("Jobs received and not finished, per pool")
+                  .Register(reg)
+                  .Add({{"pool", pool}});
+    auto& req = prometheus::BuildCounter()
+                    .Name("epd_worker_requests_total")
+                    .Help("Jobs finished by a worker, per pool and outcome")
+                    .Register(reg);
+    for (const char* o : {"ok", "error", "cancelled", "rejected"})
+      outcomes_[o] = &req.Add({{"pool", pool}, {"outcome", o}});
+  }
+
+  grpc::Status Submit(grpc::ServerContext* ctx, const epd::v1::Job* job,
+                      grpc::ServerWriter<epd::v1::SubmitResponse>* writer) override {
+    if (draining_.load()) {
+      outcomes_["rejected"]->Increment();
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
+    }
+    auto flag = std::make_shared<std::atomic<bool>>(false);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancel_[job->request_id()] = flag;
+      ++active_;
+      queue_->Set(active_);
+    }
+    std::atomic<bool> stop_watch{false};
+    // Watches for a dropped stream (router gone or cancelled) while the handler runs.
+    std::thread watcher([&] {
+      while (!stop_watch.load()) {
+        if (ctx->IsCancelled()) flag->store(true);
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+    });
+    std::mutex write_mu;
+    const Emit emit = [&](const epd::v1::SubmitResponse& r) {
+      std::lock_guard<std::mutex> lock(write_mu);
+      return writer->Write(r);
+    };
+    absl::Status st = handler_.Run(*job, emit, *flag);
+    stop_watch.store(true);
+    watcher.join();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      cancel_.erase(job->request_id());
+      --active_;
+      queue_->Set(active_);
+    }
+    if (st.ok()) {
+      outcomes_["ok"]->Increment();
+      return grpc::Status::OK;
+    }
+    if (flag->load()) {
+      outcomes_["cancelled"]->Increment();
+      spdlog::info("job {} cancelled: {}", job->request_id(), std::string(st.message()));
+      return grpc::Status(grpc::StatusCode::CANCELLED, std::string(st.message()));
+    }
+    outcomes_["error"]->Increment();
+    spdlog::warn("job {} failed: {}", job->request_id(), std::string(st.message()));
+    epd::v1::SubmitResponse r;
+    r.set_request_id(job->request_id());
+    r.set_error(std::string(st.message()));
+    r.set_finish_reason("error");
+    emit(r);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Cancel(grpc::ServerContext*, const epd::v1::CancelRequest* req,
+                      epd::v1::CancelResponse* resp) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = cancel_.find(req->request_id());
+    resp->set_found(it != cancel_.end());
+    if (it != cancel_.end()) it->second->store(true);
+    return grpc::Status::OK;
+  }
+
+  int active() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return active_;
+  }
+  void StartDrain() { draining_.store(true); }
+  void CancelAll() {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, f] : cancel_) f->store(true);
+  }
+
+ private:
+  JobHandler& handler_;
+  prometheus::Gauge* queue_;
+  std::map<std::string, prometheus::Counter*> outcomes_;
+  std::atomic<bool> draining_{false};
+  std::mutex mu_;
+  int active_ = 0;
+  std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancel_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir,
+                                             const model::ModelConfig& config) {
+  std::ifstream in(model_dir + "/config.json");
+  if (!in) return absl::NotFoundError("cannot read " + model_dir + "/config.json");
+  std::stringstream ss;
+  ss << in.rdbuf();
+  common::FingerprintInputs fi;
+  fi.canonical_config_json = common::CanonicalJson(ss.str());
+  fi.dspark = true;  // as model/fingerprint.h ModelDirFingerprint's default
+  (void)config;
+  return common::ConfigFingerprint(fi);
+}
+
+int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory) {
+  const std::string label = PoolLabel(pool);
+  CLI::App app{"epd-" + label + ": the " + label + " worker (docs/workers.md)"};
+  services::RuntimeOptions runtime_options;
+  services::AddRuntimeFlags(app, &runtime_options);
+  std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
+  int handoff_deadline_ms = 30000;
+  app.add_option("--router", router, "Router gRPC address host:port")->required();
+  app.add_option("--kvstore", kvstore, "KV store gRPC address host:port");
+  app.add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
+  app.add_option("--worker-id", worker_id, "Worker id (default: <pool>-<pid>)");
+  app.add_option(
+      "--cluster-token", cluster_token,
+      "Shared secret of the transfer handshake (default: $EPD_CLUSTER_TOKEN or epd-dev)");
+  app.add_option("--ucx-net-devices", net_devices, "UCX_NET_DEVICES (default: environment)");
+  app.add_option("--handoff-deadline-ms", handoff_deadline_ms, "Deadline of one hand-off");
+  CLI11_PARSE(app, argc, argv);
+  signal(SIGPIPE, SIG_IGN);
+  if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
+      t != nullptr && app.count("--cluster-token") == 0)
+    cluster_token = t;
+  if (worker_id.empty()) worker_id = label + "-" + std::to_string(getpid());
+
+  services::ProcessRuntime runtime("epd-" + label, runtime_options);
+  if (auto s = runtime.Start(); !s.ok()) {
+    std::cerr << s.message() << "\n";
+    return 1;
+  }
+  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend();
+  auto model = model::Model::Load(model_dir, *backend);
+  if (!model.ok()) {
+    spdlog::error("epd-{}: cannot load model {}: {}", label, model_dir,
+                  std::string(model.status().message()));
+    return 1;
+  }
+  auto fingerprint = ModelFingerprint(model_dir, (*model)->config());
+  if (!fingerprint.ok()) {
+    spdlog::error("epd-{}: {}", label, std::string(fingerprint.status().message()));
+    return 1;
+  }
+  transfer::UcxOptions uo;
+  uo.net_devices = net_devices;
+  transfer::EngineOptions eo;
+  eo.config_fingerprint = *fingerprint;
+  eo.cluster_token = cluster_token;
+  eo.node_name = worker_id;
+  auto transport =
+      transfer::MakeUcxTransport(uo, eo, runtime.registry(), common::SystemClock::Get());
+  if (!transport.ok()) {
+    spdlog::error("epd-{}: transfer engine: {}", label, std::string(transport.status().message()));
+    return 1;
+  }
+  HandoffPeer handoff(**transport);
+
+  WorkerSetup setup;
+  setup.pool = pool;
+  setup.pool_label = label;
+  setup.model = model->get();
+  setup.handoff = &handoff;
+  setup.fingerprint = *fingerprint;
+  setup.kvstore = kvstore;
+  setup.registry = &runtime.registry();
+  setup.batch_size = &prometheus::BuildGauge()
+                          .Name("epd_batch_size")
+                          .Help("Sequences in the last batched step, per pool")
+                          .Register(runtime.registry())
+                          .Add({{"pool", label}});
+  setup.handoff_deadline_ms = handoff_deadline_ms;
+  auto handler = factory(setup);
+  if (!handler.ok()) {
+    spdlog::error("epd-{}: {}", label, std::string(handler.status().message()));
+    return 1;
+  }
+  ControlService service(**handler, label, runtime.registry());
+  grpc::ServerBuilder builder;
+  int port = 0;
+  builder.AddListeningPort(runtime_options.host + ":0", grpc::InsecureServerCredentials(), &port);
+  builder.RegisterService(&service);
+  auto server = builder.BuildAndStart();
+  if (!server || port == 0) {
+    spdlog::error("epd-{}: cannot bind gRPC on {}", label, runtime_options.host);
+    return 1;
+  }
+  runtime.PublishPort("grpc", port);
+
+  auto stub = epd::v1::WorkerRegistry::NewStub(
+      grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
+  epd::v1::RegisterRequest reg;
+  reg.set_pool(pool);
+  reg.set_worker_id(worker_id);
+  reg.set_control_address(runtime_options.host + ":" + std::to_string(port));
+  reg.set_transfer_address((*transport)->LocalAddress());
+  reg.set_config_fingerprint(*fingerprint);
+  reg.set_model(std::filesystem::path(model_dir).filename().string());
+  int interval_ms = 1000;
+  auto do_register = [&]() -> int {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      ctx.set_wait_for_ready(true);
+      epd::v1::RegisterResponse resp;
+      if (!stub->Register(&ctx, reg, &resp).ok()) {
+        if (services::ShutdownRequested()) return 0;
+        continue;
+      }
+      if (!resp.accepted()) {
+        spdlog::error("epd-{}: registration refused: {}", label, resp.reason());
+        return 3;
+      }
+      interval_ms = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
+      spdlog::info("epd-{}: registered with {} as '{}' (fingerprint {})", label, router, worker_id,
+                   *fingerprint);
+      return 0;
+    }
+    spdlog::error("epd-{}: router {} unreachable", label, router);
+    return 1;
+  };
+  auto heartbeat = [&](bool draining) {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(interval_ms));
+    epd::v1::HeartbeatRequest hb;
+    hb.set_worker_id(worker_id);
+    hb.set_config_fingerprint(*fingerprint);
+    hb.set_draining(draining);
+    hb.mutable_load()->set_running_requests(service.active());
+    hb.mutable_load()->set_queue_depth(service.active());
+    epd::v1::HeartbeatResponse resp;
+    return stub->Heartbeat(&ctx, hb, &resp).ok() && !resp.known();
+  };
+  if (int rc = do_register(); rc != 0) {
+    server->Shutdown();
+    return rc;
+  }
+  runtime.PublishPort("registered", 1);
+  while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
+    if (heartbeat(false)) {
+      spdlog::warn("epd-{}: the router forgot us; registering again", label);
+      if (int rc = do_register(); rc != 0) {
+        server->Shutdown();
+        return rc;
+      }
+    }
+  }
+  // Drain: refuse new jobs, tell the router, finish running jobs within --drain-timeout-ms.
+  spdlog::info("epd-{}: draining ({} running, up to {} ms)", label, service.active(),
+               runtime_options.drain_timeout_ms);
+  service.StartDrain();
+  heartbeat(true);
+  const auto drain_end = std::chrono::steady_clock::now() +
+                         std::chrono::milliseconds(runtime_options.drain_timeout_ms);
+  auto next_beat = std::chrono::steady_clock::now();
+  while (service.active() > 0 && std::chrono::steady_clock::now() < drain_end) {
+    if (std::chrono::steady_clock::now() >= next_beat) {
+      heartbeat(true);
+      next_beat += std::chrono::milliseconds(interval_ms);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (service.active() > 0) {
+    spdlog::warn("epd-{}: drain timeout; cancelling {} job(s)", label, service.active());
+    service.CancelAll();
+  }
+  server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  handler->reset();
+  spdlog::info("epd-{}: stopped", label);
+  return 0;
+}
+
+}  // namespace epd::worker

@@ -1,0 +1,60 @@
+#pragma once
+
+// The shell every worker process shares (docs/workers.md): flags, model load, the UCX transfer
+// engine, the WorkerControl gRPC server dispatching jobs to a per-pool JobHandler, registration
+// and heartbeats with the router, and drain on SIGTERM.
+//
+// Threading: gRPC runs each Submit on its own thread; a JobHandler must be thread-safe.
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "epd/v1/worker.grpc.pb.h"
+#include "kvstore/transfer/kv_transport.h"
+#include "model/model.h"
+#include "prometheus/counter.h"
+#include "prometheus/gauge.h"
+#include "prometheus/registry.h"
+#include "services/worker/handoff.h"
+
+namespace epd::worker {
+
+// Sends one stream message; false when the router's stream is gone.
+using Emit = std::function<bool(const epd::v1::SubmitResponse&)>;
+
+class JobHandler {
+ public:
+  virtual ~JobHandler() = default;
+  // Runs one job to its end. A non-OK status is sent to the router as SubmitResponse.error.
+  // `cancelled` turns true on Cancel, a dropped stream, or a drain past its deadline.
+  virtual absl::Status Run(const epd::v1::Job& job, const Emit& emit,
+                           const std::atomic<bool>& cancelled) = 0;
+};
+
+// What a handler gets from the shell. Everything outlives the handler.
+struct WorkerSetup {
+  epd::v1::Pool pool = epd::v1::POOL_UNSPECIFIED;
+  std::string pool_label;  // "encoder" | "prefill" | "decode"
+  const model::Model* model = nullptr;
+  HandoffPeer* handoff = nullptr;
+  std::string fingerprint;
+  std::string kvstore;  // kvstore gRPC address (may be empty)
+  prometheus::Registry* registry = nullptr;
+  prometheus::Gauge* batch_size = nullptr;  // epd_batch_size{pool}
+  int handoff_deadline_ms = 30000;
+};
+
+using HandlerFactory =
+    std::function<absl::StatusOr<std::unique_ptr<JobHandler>>(const WorkerSetup&)>;
+
+// Runs a worker process; returns the exit code (0 after SIGTERM, 3 when the router refuses the
+// registration, 1 on setup errors).
+int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory);
+
+// The fingerprint of a model directory: canonical config.json + cache layout + DSpark on/off.
+absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir,
+                                             const model::ModelConfig& config);
+
+}  // namespace epd::worker
