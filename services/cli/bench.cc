@@ -9,8 +9,8 @@
 #include <cctype>
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <condition_variable>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <iomanip>
@@ -28,7 +28,7 @@ namespace {
 using json = nlohmann::json;
 using SteadyClock = std::chrono::steady_clock;
 
-constexpr int kCharsPerToken = 4;   // the usual BPE ratio for English text and code
+constexpr int kCharsPerToken = 4;  // the usual BPE ratio for English text and code
 constexpr size_t kErrorSamples = 5;
 
 double MsSince(SteadyClock::time_point from, SteadyClock::time_point to) {
@@ -57,11 +57,11 @@ class Rng {
 };
 
 constexpr const char* kWords[] = {
-    "the",      "server",  "request", "cache",    "latency", "token",    "model",   "decoder",
-    "encoder",  "window",  "memory",  "throughput", "agent", "context", "prefix",   "store",
-    "returns",  "reads",   "writes",  "after",    "before",  "each",     "every",   "batch",
-    "queue",    "worker",  "router",  "response", "stream",  "network",  "disk",    "page",
-    "function", "error",   "value",   "table",    "results", "measured", "under",   "load"};
+    "the",      "server", "request", "cache",      "latency", "token",    "model",  "decoder",
+    "encoder",  "window", "memory",  "throughput", "agent",   "context",  "prefix", "store",
+    "returns",  "reads",  "writes",  "after",      "before",  "each",     "every",  "batch",
+    "queue",    "worker", "router",  "response",   "stream",  "network",  "disk",   "page",
+    "function", "error",  "value",   "table",      "results", "measured", "under",  "load"};
 constexpr const char* kDirs[] = {"src", "lib", "core", "net", "io", "util", "test", "api"};
 constexpr const char* kExts[] = {".cc", ".h", ".py", ".rs", ".go", ".ts"};
 constexpr const char* kTypes[] = {"int", "size_t", "double", "bool", "std::string", "auto"};
@@ -136,14 +136,14 @@ void HandleEvent(const std::string& payload, SteadyClock::time_point now, Stream
   }
   json ev = json::parse(payload, nullptr, /*allow_exceptions=*/false);
   if (ev.is_discarded() || !ev.is_object()) {
-    if (out.error.empty()) out.error = "an SSE event is not a JSON object: " + payload.substr(0, 80);
+    if (out.error.empty())
+      out.error = "an SSE event is not a JSON object: " + payload.substr(0, 80);
     return;
   }
   if (auto e = ev.find("error"); e != ev.end()) {
     if (out.error.empty()) {
-      out.error = "SSE error event: " + (e->is_object() && e->contains("message")
-                                             ? (*e)["message"].dump()
-                                             : e->dump());
+      out.error = "SSE error event: " +
+                  (e->is_object() && e->contains("message") ? (*e)["message"].dump() : e->dump());
     }
     return;
   }
@@ -267,7 +267,8 @@ RequestRecord SendTurn(httplib::Client& cli, const BenchOptions& o, const std::s
   if (out.usage) {
     r.prompt_tokens = JsonInt(*out.usage, "prompt_tokens");
     r.completion_tokens = JsonInt(*out.usage, "completion_tokens");
-    if (auto d = out.usage->find("prompt_tokens_details"); d != out.usage->end() && d->is_object()) {
+    if (auto d = out.usage->find("prompt_tokens_details");
+        d != out.usage->end() && d->is_object()) {
       r.cached_tokens = JsonInt(*d, "cached_tokens");
     }
   } else {
@@ -279,7 +280,7 @@ RequestRecord SendTurn(httplib::Client& cli, const BenchOptions& o, const std::s
 
 // Sums epd_swa_replay_total by stage from a /metrics body.
 std::optional<std::map<std::string, double>> ReadReplays(const std::string& metrics_url,
-                                                          double timeout_s, std::string* why) {
+                                                         double timeout_s, std::string* why) {
   auto url = ParseHttpUrl(metrics_url);
   if (!url.ok()) {
     *why = std::string(url.status().message());
@@ -400,7 +401,8 @@ absl::Status BenchOptions::Validate() const {
   if (sessions < 1 || sessions > 4096) {
     return absl::InvalidArgumentError("--sessions must be in [1, 4096]");
   }
-  if (turns < 1 || turns > 100000) return absl::InvalidArgumentError("--turns must be in [1, 100000]");
+  if (turns < 1 || turns > 100000)
+    return absl::InvalidArgumentError("--turns must be in [1, 100000]");
   if (tool_tokens < 0 || tool_tokens > (1 << 22)) {
     return absl::InvalidArgumentError("--tool-tokens must be in [0, 4194304]");
   }
@@ -441,8 +443,9 @@ void AddBenchFlags(CLI::App& app, BenchOptions* o) {
       ->capture_default_str();
   app.add_option("--timeout-s", o->timeout_s, "Connect/read timeout of one request")
       ->capture_default_str();
-  app.add_option("--metrics-url", o->metrics_url,
-                 "Router /metrics URL for the SWA replay counts (e.g. http://127.0.0.1:9100/metrics)");
+  app.add_option(
+      "--metrics-url", o->metrics_url,
+      "Router /metrics URL for the SWA replay counts (e.g. http://127.0.0.1:9100/metrics)");
   app.add_option("--json", o->json_path, "Write the results as JSON to this file");
   app.add_option("--system-prompt", o->system_prompt, "System message of every session");
 }
@@ -492,7 +495,8 @@ absl::StatusOr<ParsedUrl> ParseHttpUrl(const std::string& url) {
   } else if (rest.rfind("http://", 0) == 0) {
     rest.erase(0, 7);
   } else if (rest.find("://") != std::string::npos) {
-    return absl::InvalidArgumentError("'" + url + "': only http:// and https:// URLs are supported");
+    return absl::InvalidArgumentError("'" + url +
+                                      "': only http:// and https:// URLs are supported");
   }
   const size_t slash = rest.find('/');
   std::string hostport = rest.substr(0, slash);
@@ -591,12 +595,12 @@ absl::StatusOr<BenchResults> RunBench(const BenchOptions& o, std::ostream& progr
   BenchResults results;
   std::optional<std::map<std::string, double>> replays_before;
   std::string metrics_why;
-  if (!o.metrics_url.empty()) replays_before = ReadReplays(o.metrics_url, o.timeout_s, &metrics_why);
+  if (!o.metrics_url.empty())
+    replays_before = ReadReplays(o.metrics_url, o.timeout_s, &metrics_why);
 
   const auto start = SteadyClock::now();
-  const auto soft_deadline =
-      start + std::chrono::duration_cast<SteadyClock::duration>(
-                  std::chrono::duration<double>(o.duration_s));
+  const auto soft_deadline = start + std::chrono::duration_cast<SteadyClock::duration>(
+                                         std::chrono::duration<double>(o.duration_s));
   // Streams still running a little after the soft deadline are abandoned so the run ends.
   const auto hard_deadline = soft_deadline + std::chrono::seconds(1) +
                              std::chrono::duration_cast<SteadyClock::duration>(

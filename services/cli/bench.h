@@ -11,12 +11,11 @@
 // /metrics. Every loop is bounded by --turns and by --duration-s. docs/bench.md has the details.
 #include <cstdint>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -33,15 +32,16 @@ struct BenchOptions {
   std::string api_key;                        // Default: $EPD_API_KEY, else none
   int sessions = 4;                           // Default: 4 concurrent agent sessions
   int turns = 4;                              // Default: 4 turns per session
-  int tool_tokens = 1024;      // Default: ~1024 tokens of tool output per turn (4 chars/token)
-  int max_tokens = 64;         // Default: 64 generated tokens per turn
-  uint64_t seed = 1;           // Default: 1 (same seed, same prompts)
-  double duration_s = 600;     // Default: 10 minutes; no new turn starts after it
-  double timeout_s = 300;      // Default: 300 s per request (connect + read)
-  std::string metrics_url;     // Default: none (replay counts print "n/a")
-  std::string json_path;       // Default: none (no JSON file)
-  std::string system_prompt = "You are a coding agent. Read the tool output and decide the next "
-                              "step.";  // Default: a short agent instruction
+  int tool_tokens = 1024;   // Default: ~1024 tokens of tool output per turn (4 chars/token)
+  int max_tokens = 64;      // Default: 64 generated tokens per turn
+  uint64_t seed = 1;        // Default: 1 (same seed, same prompts)
+  double duration_s = 600;  // Default: 10 minutes; no new turn starts after it
+  double timeout_s = 300;   // Default: 300 s per request (connect + read)
+  std::string metrics_url;  // Default: none (replay counts print "n/a")
+  std::string json_path;    // Default: none (no JSON file)
+  std::string system_prompt =
+      "You are a coding agent. Read the tool output and decide the next "
+      "step.";  // Default: a short agent instruction
 
   [[nodiscard]] absl::Status Validate() const;
 };
@@ -99,7 +99,7 @@ std::string SyntheticToolOutput(uint64_t seed, int session, int turn, int tokens
 struct ParsedUrl {
   std::string scheme = "http";
   std::string host;
-  int port = 80;  // 443 for https unless given
+  int port = 80;     // 443 for https unless given
   std::string path;  // without a trailing '/', may be empty
 };
 absl::StatusOr<ParsedUrl> ParseHttpUrl(const std::string& url);

@@ -2,12 +2,12 @@
 // real binary against a real epd-router with epd-fake-worker processes.
 #include "services/cli/bench.h"
 
+#include <gtest/gtest.h>
+
 #include <chrono>
 #include <fstream>
-#include <string>
-
-#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "tests/e2e/router_cluster.h"
 
@@ -134,8 +134,8 @@ TEST(BenchE2ETest, TwoSessionsThreeTurnsAgainstTheRealRouter) {
       &out);
   ASSERT_EQ(rc, 0) << out;
   // The summary names every figure; stderr is a pipe here, so no bar escape codes.
-  for (const char* s : {"TTFT ms", "ITL ms", "output tokens/s", "requests/s", "cached ratio",
-                        "SWA replays"}) {
+  for (const char* s :
+       {"TTFT ms", "ITL ms", "output tokens/s", "requests/s", "cached ratio", "SWA replays"}) {
     EXPECT_NE(out.find(s), std::string::npos) << s << "\n" << out;
   }
   EXPECT_EQ(out.find("\x1b["), std::string::npos) << out;
@@ -167,8 +167,7 @@ TEST(BenchE2ETest, TwoSessionsThreeTurnsAgainstTheRealRouter) {
   EXPECT_GT(j["requests_per_s"].get<double>(), 0);
   // No process exposes epd_swa_replay_total yet: the figure is null, not a made-up zero.
   for (const char* stage : {"encoder", "decoder"}) {
-    EXPECT_TRUE(j["swa_replays"][stage].is_null() ||
-                j["swa_replays"][stage].get<double>() >= 0)
+    EXPECT_TRUE(j["swa_replays"][stage].is_null() || j["swa_replays"][stage].get<double>() >= 0)
         << j["swa_replays"];
   }
   // The router counted what the client counted.
@@ -187,7 +186,8 @@ TEST(BenchE2ETest, DurationCapStopsTheRunAndCountsAbandonedStreams) {
   const auto start = std::chrono::steady_clock::now();
   const int rc = RunEpdBench("--url http://127.0.0.1:" + std::to_string(c.http_port()) +
                                  " --sessions 2 --turns 5 --tool-tokens 16 --max-tokens 100"
-                                 " --duration-s 1 --json " + json_path,
+                                 " --duration-s 1 --json " +
+                                 json_path,
                              &out);
   const double took =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
