@@ -141,9 +141,11 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
     backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
     RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(),
              false);
-    backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd);
+    if (!options_.unquantized_kv)  // benchmark switch, see ModelOptions
+      backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd);
     RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
-    backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd);
+    if (!options_.unquantized_kv)
+      backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd);
     s.kv.insert(s.kv.end(), latents.begin(), latents.end());
     s.keys.insert(s.keys.end(), keys.begin(), keys.end());
     s.n += ne;

@@ -28,6 +28,10 @@ struct ModelOptions {
   // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default:
   // true.
   bool stale_index_keys = true;
+  // Benchmarks only (tests/bench/ced_bench.cc): keep the compressed KV latents and index keys in
+  // full precision, skipping their FP4 quantize-dequantize (MODEL.md §3). Default false = the
+  // reference numerics; false changes nothing.
+  bool unquantized_kv = false;
 };
 
 // Per-sequence state kept between calls (bf16 values held as float; the packed byte forms are in
