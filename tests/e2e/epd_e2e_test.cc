@@ -195,6 +195,29 @@ TEST_F(EpdE2ETest, DisaggregatedGreedyEqualsMonolithic) {
             2.0);
 }
 
+// Several requests at once share the decode worker's batched steps; each output is unchanged.
+TEST_F(EpdE2ETest, ConcurrentRequestsAreBatchedAndUnchanged) {
+  Cluster c;
+  std::vector<std::vector<int32_t>> prompts, want(3);
+  for (int i = 0; i < 3; ++i) {
+    prompts.push_back(Prompt(80 + 10 * i, 10 + i));
+    std::string finish;
+    want[i] = Reference(prompts[i], 24, &finish);
+  }
+  std::vector<Generation> got(3);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < 3; ++i)
+    threads.emplace_back([&, i] { got[i] = Generate(c.grpc_port(), prompts[i], 24); });
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message() << "\n" << c.Logs();
+    EXPECT_EQ(got[i].ids, want[i]) << i;
+  }
+  EXPECT_EQ(ScrapeMetric(c.worker("decode").metrics,
+                         "epd_worker_requests_total{outcome=\"ok\",pool=\"decode\"}"),
+            3.0);
+}
+
 TEST_F(EpdE2ETest, SigkillOfDecodeFailsItsRequestOnly) {
   Cluster c;
   Generation g = Generate(c.grpc_port(), Prompt(100, 3), 400,
