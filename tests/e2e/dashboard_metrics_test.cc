@@ -257,7 +257,17 @@ TEST(DashboardMetricsTest, EveryQueriedMetricAndLabelIsExposedByARealProcess) {
   for (const char* name : {"epd-encoder", "epd-prefill", "epd-decode"}) {
     real_workers = real_workers && std::filesystem::exists(BinaryPath(name));
   }
-  RouterCluster cluster;
+  epd::testing::TempDir model_dir;
+  if (real_workers) {
+    std::string gen_out;
+    ASSERT_EQ(epd::testing::RunCommand(
+                  BinaryPath("epd") + " gen-model --out " + model_dir.path() + " 2>&1", &gen_out),
+              0)
+        << gen_out;
+  }
+  // The router serves the workers' model only when it reads the same model directory.
+  RouterCluster cluster(real_workers ? std::vector<std::string>{"--model", model_dir.path()}
+                                     : std::vector<std::string>{});
   ASSERT_GT(cluster.http_port(), 0);
   if (!real_workers) {
     ASSERT_NE(cluster.AddWorker("decode", "d0"), nullptr);
@@ -281,12 +291,6 @@ TEST(DashboardMetricsTest, EveryQueriedMetricAndLabelIsExposedByARealProcess) {
   std::vector<std::pair<std::string, int>> targets = {{"epd-router", cluster.router().metrics},
                                                       {"epd-kvstore", *kv_metrics}};
   if (real_workers) {
-    const std::string model_dir = cluster.dir().File("nano");
-    std::string gen_out;
-    ASSERT_EQ(epd::testing::RunCommand(
-                  BinaryPath("epd") + " gen-model --out " + model_dir + " 2>&1", &gen_out),
-              0)
-        << gen_out;
     for (const char* pool : {"encoder", "prefill", "decode"}) {
       const std::string name = std::string("epd-") + pool;
       auto w = std::make_unique<Proc>();
@@ -295,13 +299,13 @@ TEST(DashboardMetricsTest, EveryQueriedMetricAndLabelIsExposedByARealProcess) {
           Subprocess::Start({BinaryPath(name), "--metrics-port", "0", "--port-file", w->port_file,
                              "--router", "127.0.0.1:" + std::to_string(cluster.grpc_port()),
                              "--kvstore", "127.0.0.1:" + std::to_string(*kv_grpc), "--model",
-                             model_dir, "--worker-id", std::string(pool) + "-0"},
+                             model_dir.path(), "--worker-id", std::string(pool) + "-0"},
                             cluster.dir().File(name + ".log"), {{"UCX_NET_DEVICES", "lo"}});
-      auto port = epd::testing::WaitForPortFile(w->port_file, "metrics", std::chrono::seconds(60));
+      auto port = epd::testing::WaitForPortFile(w->port_file, "metrics", std::chrono::seconds(30));
       ASSERT_TRUE(port.has_value()) << name << " did not publish its metrics port:\n"
                                     << w->proc.ReadLog();
       auto reg =
-          epd::testing::WaitForPortFile(w->port_file, "registered", std::chrono::seconds(60));
+          epd::testing::WaitForPortFile(w->port_file, "registered", std::chrono::seconds(30));
       EXPECT_TRUE(reg.has_value()) << name << " did not register:\n" << w->proc.ReadLog();
       targets.emplace_back(name, *port);
       workers.push_back(std::move(w));
