@@ -19,8 +19,10 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 
 namespace epd::services {
 namespace {
@@ -278,9 +280,9 @@ RequestRecord SendTurn(httplib::Client& cli, const BenchOptions& o, const std::s
   return r;
 }
 
-// Sums epd_swa_replay_total by stage from a /metrics body.
-std::optional<std::map<std::string, double>> ReadReplays(const std::string& metrics_url,
-                                                         double timeout_s, std::string* why) {
+// Sums epd_swa_replay_total by stage from one /metrics endpoint.
+std::optional<std::map<std::string, double>> ReadReplaysOne(const std::string& metrics_url,
+                                                            double timeout_s, std::string* why) {
   auto url = ParseHttpUrl(metrics_url);
   if (!url.ok()) {
     *why = std::string(url.status().message());
@@ -310,6 +312,19 @@ std::optional<std::map<std::string, double>> ReadReplays(const std::string& metr
     replays[it == s.labels.end() ? "" : it->second] += s.value;
   }
   return replays;
+}
+
+// The same over a comma-separated list of endpoints (the encoder and prefill workers count the
+// replays of their own stage), summed; nullopt when any cannot be read.
+std::optional<std::map<std::string, double>> ReadReplays(const std::string& metrics_urls,
+                                                         double timeout_s, std::string* why) {
+  std::map<std::string, double> total;
+  for (absl::string_view url : absl::StrSplit(metrics_urls, ',', absl::SkipWhitespace())) {
+    auto one = ReadReplaysOne(std::string(absl::StripAsciiWhitespace(url)), timeout_s, why);
+    if (!one) return std::nullopt;
+    for (const auto& [stage, value] : *one) total[stage] += value;
+  }
+  return total;
 }
 
 json PercentilesJson(const Percentiles& p) {
@@ -415,8 +430,8 @@ absl::Status BenchOptions::Validate() const {
   if (auto u = ParseHttpUrl(url); !u.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--url: ", u.status().message()));
   }
-  if (!metrics_url.empty()) {
-    if (auto u = ParseHttpUrl(metrics_url); !u.ok()) {
+  for (absl::string_view m : absl::StrSplit(metrics_url, ',', absl::SkipWhitespace())) {
+    if (auto u = ParseHttpUrl(std::string(absl::StripAsciiWhitespace(m))); !u.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("--metrics-url: ", u.status().message()));
     }
   }
@@ -443,9 +458,9 @@ void AddBenchFlags(CLI::App& app, BenchOptions* o) {
       ->capture_default_str();
   app.add_option("--timeout-s", o->timeout_s, "Connect/read timeout of one request")
       ->capture_default_str();
-  app.add_option(
-      "--metrics-url", o->metrics_url,
-      "Router /metrics URL for the SWA replay counts (e.g. http://127.0.0.1:9100/metrics)");
+  app.add_option("--metrics-url", o->metrics_url,
+                 "/metrics URLs (comma-separated: router, encoder and prefill workers) whose "
+                 "epd_swa_replay_total is summed by stage");
   app.add_option("--json", o->json_path, "Write the results as JSON to this file");
   app.add_option("--system-prompt", o->system_prompt, "System message of every session");
 }

@@ -37,7 +37,7 @@ struct BenchOptions {
   uint64_t seed = 1;        // Default: 1 (same seed, same prompts)
   double duration_s = 600;  // Default: 10 minutes; no new turn starts after it
   double timeout_s = 300;   // Default: 300 s per request (connect + read)
-  std::string metrics_url;  // Default: none (replay counts print "n/a")
+  std::string metrics_url;  // Default: none (replay counts print "n/a"); comma-separated list
   std::string json_path;    // Default: none (no JSON file)
   std::string system_prompt =
       "You are a coding agent. Read the tool output and decide the next "
