@@ -98,8 +98,8 @@ struct Err {
 };
 
 // Teacher-forced decode of `next` on both states, comparing each step's logits.
-void CompareDecodes(const Model& a_model, SequenceState& a, const Model& r_model,
-                    SequenceState& r, const std::vector<int32_t>& next, Err& err) {
+void CompareDecodes(const Model& a_model, SequenceState& a, const Model& r_model, SequenceState& r,
+                    const std::vector<int32_t>& next, Err& err) {
   const int64_t vocab = a_model.config().vocab_size;
   for (int32_t t : next) {
     auto la = Must(a_model.Decode(a, t), "decode");
@@ -140,16 +140,18 @@ int main(int argc, char** argv) {
   const int64_t tail_rows = W + c.dspark_block_size;  // window + DSpark block, as the encoder pool
   const int64_t vocab = c.vocab_size;
   const auto all_ids = Prompt(std::max<int64_t>({max_prompt, max_context, 4096}) + 64, vocab);
-  std::printf("ced_bench: %s backend, nano model (%d layers, split %d, window %lld), median of %d\n",
-              std::string(backend->Name()).c_str(), c.n_layers, DecoderSplitLayer(c),
-              static_cast<long long>(W), repeats);
+  std::printf(
+      "ced_bench: %s backend, nano model (%d layers, split %d, window %lld), median of %d\n",
+      std::string(backend->Name()).c_str(), c.n_layers, DecoderSplitLayer(c),
+      static_cast<long long>(W), repeats);
 
   std::vector<int64_t> sizes;
   for (int64_t p = 1024; p <= max_prompt; p *= 2) sizes.push_back(p);
 
   // ---- 1. CED prefill vs monolithic prefill ----
-  std::printf("\n1. CED prefill (EncoderPass + DecoderReplay of %lld tail rows) vs Model::Prefill\n",
-              static_cast<long long>(tail_rows));
+  std::printf(
+      "\n1. CED prefill (EncoderPass + DecoderReplay of %lld tail rows) vs Model::Prefill\n",
+      static_cast<long long>(tail_rows));
   std::printf("  %8s %12s %12s %8s\n", "prompt", "mono ms", "ced ms", "ratio");
   for (int64_t P : sizes) {
     std::span<const int32_t> ids(all_ids.data(), P);
@@ -173,9 +175,10 @@ int main(int argc, char** argv) {
   }
 
   // ---- 2. Encoder bounded replay vs exact SWA rebuild ----
-  std::printf("\n2. EncoderReplay of the last %lld tokens vs exact SWA rebuild (EncoderPass of the"
-              " whole prefix)\n",
-              static_cast<long long>(W));
+  std::printf(
+      "\n2. EncoderReplay of the last %lld tokens vs exact SWA rebuild (EncoderPass of the"
+      " whole prefix)\n",
+      static_cast<long long>(W));
   std::printf("  %8s %12s %12s %8s\n", "prefix", "exact ms", "replay ms", "ratio");
   const int hist_n = c.engram_max_ngram_size - 1;
   for (int64_t P : sizes) {
@@ -239,9 +242,10 @@ int main(int argc, char** argv) {
   }
 
   // ---- 4. Accuracy ----
-  std::printf("\n4. Logit error (rel_rms of fp32 logits) and top-1 agreement; each row: the\n"
-              "   prefill's last logits + %d teacher-forced decode steps\n",
-              steps);
+  std::printf(
+      "\n4. Logit error (rel_rms of fp32 logits) and top-1 agreement; each row: the\n"
+      "   prefill's last logits + %d teacher-forced decode steps\n",
+      steps);
   for (int64_t P : sizes) {
     std::span<const int32_t> ids(all_ids.data(), P);
     std::vector<int32_t> next(all_ids.begin() + P, all_ids.begin() + P + steps);
