@@ -124,6 +124,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
 int RunServe(ServeOptions o) {
   InstallShutdownHandlers();
   const std::string bin = SelfDir();
+  // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
+  // workers) unless the operator chose devices.
+  if (o.host == "127.0.0.1" || o.host == "localhost") setenv("UCX_NET_DEVICES", "lo", 0);
   std::error_code ec;
   fs::create_directories(o.data_dir + "/logs", ec);
   fs::create_directories(o.data_dir + "/run", ec);
