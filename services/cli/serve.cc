@@ -1,6 +1,7 @@
 #include "services/cli/serve.h"
 
 #include <signal.h>
+#include <stdlib.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>

@@ -112,7 +112,7 @@ std::string ChildProcess::ReadLog() const {
 std::optional<int> WaitForPortFile(const std::string& path, const std::string& key,
                                    std::chrono::milliseconds timeout) {
   auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < deadline) {
+  while (true) {  // reads at least once, so a zero timeout means "read it now"
     std::ifstream in(path);
     if (in) {
       std::stringstream ss;
@@ -120,9 +120,9 @@ std::optional<int> WaitForPortFile(const std::string& path, const std::string& k
       auto j = nlohmann::json::parse(ss.str(), nullptr, false);
       if (!j.is_discarded() && j.contains(key)) return j[key].get<int>();
     }
+    if (std::chrono::steady_clock::now() >= deadline) return std::nullopt;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  return std::nullopt;
 }
 
 }  // namespace epd::services

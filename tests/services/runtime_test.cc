@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <thread>
 
 #include "prometheus/counter.h"
@@ -58,6 +59,20 @@ TEST(ShutdownTest, RequestWakesWaiter) {
   EXPECT_TRUE(WaitForShutdown(std::chrono::seconds(10)));
   t.join();
   EXPECT_TRUE(ShutdownRequested());
+}
+
+}  // namespace
+}  // namespace epd::services
+
+namespace epd::services {
+namespace {
+
+TEST(PortFileTest, ZeroTimeoutReadsAnExistingFileOnce) {
+  epd::testing::TempDir dir;
+  EXPECT_FALSE(WaitForPortFile(dir.File("ports.json"), "grpc", std::chrono::milliseconds(0)));
+  std::ofstream(dir.File("ports.json")) << R"({"grpc": 4242, "metrics": 7})";
+  EXPECT_EQ(WaitForPortFile(dir.File("ports.json"), "grpc", std::chrono::milliseconds(0)), 4242);
+  EXPECT_FALSE(WaitForPortFile(dir.File("ports.json"), "http", std::chrono::milliseconds(0)));
 }
 
 }  // namespace
