@@ -17,7 +17,7 @@
 #include <thread>
 
 #include "common/clock.h"
-#include "common/fingerprint.h"
+#include "model/fingerprint.h"
 #include "kernels/backend.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "services/runtime/process.h"
@@ -139,17 +139,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
 }  // namespace
 
-absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir,
-                                             const model::ModelConfig& config) {
-  std::ifstream in(model_dir + "/config.json");
-  if (!in) return absl::NotFoundError("cannot read " + model_dir + "/config.json");
-  std::stringstream ss;
-  ss << in.rdbuf();
-  common::FingerprintInputs fi;
-  fi.canonical_config_json = common::CanonicalJson(ss.str());
-  fi.dspark = true;  // as model/fingerprint.h ModelDirFingerprint's default
-  (void)config;
-  return common::ConfigFingerprint(fi);
+absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool dspark) {
+  return model::ModelDirFingerprint(model_dir, /*cache_layout_version=*/1, dspark);
 }
 
 int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory) {
@@ -159,6 +150,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   services::AddRuntimeFlags(app, &runtime_options);
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
   int handoff_deadline_ms = 30000;
+  std::string dspark = "on";
   app.add_option("--router", router, "Router gRPC address host:port")->required();
   app.add_option("--kvstore", kvstore, "KV store gRPC address host:port");
   app.add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
@@ -168,6 +160,10 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
       "Shared secret of the transfer handshake (default: $EPD_CLUSTER_TOKEN or epd-dev)");
   app.add_option("--ucx-net-devices", net_devices, "UCX_NET_DEVICES (default: environment)");
   app.add_option("--handoff-deadline-ms", handoff_deadline_ms, "Deadline of one hand-off");
+  app.add_option("--dspark", dspark,
+                 "DSpark speculative decoding on|off (part of the config fingerprint; every worker "
+                 "of a deployment must agree)")
+      ->check(CLI::IsMember({"on", "off"}));
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
@@ -187,7 +183,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                   std::string(model.status().message()));
     return 1;
   }
-  auto fingerprint = ModelFingerprint(model_dir, (*model)->config());
+  auto fingerprint = ModelFingerprint(model_dir, dspark == "on");
   if (!fingerprint.ok()) {
     spdlog::error("epd-{}: {}", label, std::string(fingerprint.status().message()));
     return 1;
@@ -213,6 +209,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.handoff = &handoff;
   setup.fingerprint = *fingerprint;
   setup.kvstore = kvstore;
+  setup.dspark = dspark == "on";
   setup.registry = &runtime.registry();
   setup.batch_size = &prometheus::BuildGauge()
                           .Name("epd_batch_size")

@@ -41,6 +41,7 @@ struct WorkerSetup {
   HandoffPeer* handoff = nullptr;
   std::string fingerprint;
   std::string kvstore;  // kvstore gRPC address (may be empty)
+  bool dspark = true;   // --dspark on|off: DSpark state in hand-offs, draft + verify in decode
   prometheus::Registry* registry = nullptr;
   prometheus::Gauge* batch_size = nullptr;  // epd_batch_size{pool}
   int handoff_deadline_ms = 30000;
@@ -53,8 +54,8 @@ using HandlerFactory =
 // registration, 1 on setup errors).
 int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory);
 
-// The fingerprint of a model directory: canonical config.json + cache layout + DSpark on/off.
-absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir,
-                                             const model::ModelConfig& config);
+// The fingerprint of a model directory: canonical config.json + cache layout + DSpark on/off
+// (model/fingerprint.h, the same value the router and the kvstore keys use).
+absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool dspark);
 
 }  // namespace epd::worker
