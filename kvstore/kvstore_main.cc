@@ -19,12 +19,16 @@ int main(int argc, char** argv) {
   epd::kvstore::KvStoreConfig config;
   int grpc_port = 0;
   int64_t swa_ttl_minutes = 10;
+  int64_t swa_ttl_ms = 0;
   double global_ttl_hours = 72;
   int sweep_interval_s = 60;
   epd::kvstore::KvServiceOptions service_options;
   app.add_option("--data-dir", config.data_dir, "Directory of the RocksDB tier (G3)")->required();
   app.add_option("--grpc-port", grpc_port, "gRPC port (0 = any; published as \"grpc\")");
   app.add_option("--swa-ttl-minutes", swa_ttl_minutes, "TTL of G2 SWA snapshots (default 10)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--swa-ttl-ms", swa_ttl_ms,
+                 "TTL of G2 SWA snapshots in milliseconds (overrides --swa-ttl-minutes; tests)")
       ->check(CLI::PositiveNumber);
   app.add_option("--swa-capacity-bytes", config.g2.capacity_bytes,
                  "G2 capacity (default ~10% of host memory)")
@@ -46,7 +50,7 @@ int main(int argc, char** argv) {
   app.add_option("--debug-put-delay-ms", service_options.debug_put_delay_ms,
                  "TEST ONLY: delay every put before storing it");
   CLI11_PARSE(app, argc, argv);
-  config.g2.ttl_ms = swa_ttl_minutes * 60 * 1000;
+  config.g2.ttl_ms = swa_ttl_ms > 0 ? swa_ttl_ms : swa_ttl_minutes * 60 * 1000;
   config.g3.ttl_ms = static_cast<int64_t>(global_ttl_hours * 3600.0 * 1000.0);
 
   epd::services::ProcessRuntime runtime("epd-kvstore", runtime_options);
