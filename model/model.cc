@@ -191,17 +191,15 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   // Window part of the KV and of each row's list.
   vector<float>& ring = state.swa[l];
   vector<float> kv_all;
-  int64_t win_rows, win_len;
+  int64_t win_rows;
   if (call.prefill) {
     // start_pos 0: the chunk's own rows are the window (reference prefill).
     win_rows = S;
-    win_len = std::min(S, W);
     kv_all.assign(kv.begin(), kv.end());
   } else {
     // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
     // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
     win_rows = W + S;
-    win_len = W;
     kv_all.assign(ring.begin(), ring.end());
     kv_all.insert(kv_all.end(), kv.begin(), kv.end());
   }
@@ -308,24 +306,25 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
 
   // Index lists and sparse attention.
   const int64_t k = ratio > 0 ? call.topk_k : 0;
-  const int64_t list_len = win_len + k;
+  const int64_t list_len = W + k;
+  // One layout for every kind of call, so that a row's list (and thus its attention, which works
+  // in 64-entry chunks of the list) depends only on its position, the window floor and its top-k:
+  // slot j holds position max(0, p-W+1) + j (oldest first), -1 when that is after p or below the
+  // floor; the top-k entries start at slot W.
   vector<int32_t> idx(S * list_len, -1);
   for (int64_t i = 0; i < S; ++i) {
     int32_t* li = idx.data() + i * list_len;
-    if (call.prefill) {
-      const int64_t base = std::max<int64_t>(0, i - W + 1);
-      for (int64_t j = 0; j < win_len; ++j)
-        li[j] = base + j > i ? -1 : static_cast<int32_t>(base + j);
-    } else {
-      const int64_t p = pos[i];
-      for (int64_t j = 0; j < W; ++j) {
-        const int64_t q = p - W + 1 + j;
-        li[j] = q < call.window_floor || q < 0
-                    ? -1
-                    : static_cast<int32_t>(q >= call.start_pos ? W + (q - call.start_pos) : q % W);
-      }
+    const int64_t p = pos[i];
+    const int64_t base = std::max<int64_t>(0, p - W + 1);
+    const int64_t lo = p >= call.window_floor ? std::max(base, call.window_floor) : base;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t q = base + j;
+      if (q > p || q < lo) continue;
+      li[j] = static_cast<int32_t>(call.prefill          ? q
+                                   : q >= call.start_pos ? W + (q - call.start_pos)
+                                                         : q % W);
     }
-    for (int64_t j = 0; j < k; ++j) li[win_len + j] = call.topk[i * k + j];
+    for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
   }
   if (ratio > 0 && nk > 0) kv_all.insert(kv_all.end(), src->kv.begin(), src->kv.begin() + nk * hd);
 
@@ -582,6 +581,7 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
       }
     }
     call.compress = spec.compress || l != spec.first_layer;
+    call.window_floor = l >= spec.floor_first_layer ? spec.window_floor : 0;
     Block(l, h, io.pre.data(), call, state, trace);
   }
   if (spec.compress_only_layer >= 0) {
@@ -641,10 +641,16 @@ void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t e
 
 absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
                                              bool all_logits, ForwardTrace* trace,
-                                             bool per_row_keys) const {
+                                             bool per_row_keys,
+                                             const PrefillOptions& options) const {
   StageSpec spec;
   spec.start_pos = state.pos;
   spec.per_row_keys = per_row_keys;
+  if (options.decoder_tail_rows > 0) {
+    spec.window_floor =
+        std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - options.decoder_tail_rows);
+    spec.floor_first_layer = config_.candidate_source_layer;
+  }
   Hidden io;
   if (absl::Status s = RunStage(state, ids, spec, io, trace); !s.ok()) return s;
   ForwardResult res;
@@ -686,10 +692,18 @@ void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t r
 
 absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<const int32_t> ids,
                                              bool all_logits, ForwardTrace* trace) const {
+  return Prefill(state, ids, all_logits, PrefillOptions{}, trace);
+}
+
+absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<const int32_t> ids,
+                                             bool all_logits, const PrefillOptions& options,
+                                             ForwardTrace* trace) const {
   if (state.pos != 0)
     return absl::FailedPreconditionError("model: Prefill needs a fresh sequence (start_pos 0)");
   if (ids.empty()) return absl::InvalidArgumentError("model: empty prompt");
-  auto r = Forward(state, ids, all_logits, trace);
+  if (options.decoder_tail_rows < 0)
+    return absl::InvalidArgumentError("model: decoder_tail_rows must be >= 0");
+  auto r = Forward(state, ids, all_logits, trace, /*per_row_keys=*/true, options);
   if (r.ok() && config_.n_mtp_layers > 0) {
     DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), 0);
   }

@@ -86,6 +86,18 @@ struct ForwardTrace {
   std::vector<float> final_norm;                // [S, dim]
 };
 
+// Which semantics a monolithic prefill computes (the reference of a staged run).
+struct PrefillOptions {
+  // 0 (default): the exact reference forward (model.py). > 0: bounded replay, the semantics of
+  // Encoder-Prefill-Decode (DESIGN.md §3): in the decoder layers [candidate_source_layer,
+  // n_layers), a row at a position >= floor = N - decoder_tail_rows does not see window positions
+  // below the floor (rows below the floor keep their full windows; they do not influence the rows
+  // above it). EncoderPass over the prompt (any chunking) + DecoderReplay of the last
+  // decoder_tail_rows rows gives the same logits and state bit for bit; the decode steps after it
+  // too when decoder_tail_rows >= window_size (the decoder rings then hold tail rows only).
+  int64_t decoder_tail_rows = 0;
+};
+
 struct ForwardResult {
   int64_t rows = 0;                // rows of logits (S with all_logits, else 1)
   std::vector<float> logits;       // [rows, vocab] fp32
@@ -119,6 +131,12 @@ class Model {
   // of the last. Also seeds the DSpark rings when the model has DSpark stages.
   [[nodiscard]] absl::StatusOr<ForwardResult> Prefill(SequenceState& state,
                                                       std::span<const int32_t> ids, bool all_logits,
+                                                      ForwardTrace* trace = nullptr) const;
+  // The same with explicit semantics (exact, or bounded decoder replay; see PrefillOptions). Runs
+  // every layer over all rows, layer by layer, like Prefill (not via the stage runners).
+  [[nodiscard]] absl::StatusOr<ForwardResult> Prefill(SequenceState& state,
+                                                      std::span<const int32_t> ids, bool all_logits,
+                                                      const PrefillOptions& options,
                                                       ForwardTrace* trace = nullptr) const;
   // One decode step: token `id` at position state.pos. Returns its logits [vocab].
   [[nodiscard]] absl::StatusOr<ForwardResult> Decode(SequenceState& state, int32_t id,
@@ -160,7 +178,8 @@ class Model {
     bool per_row_keys = false;    // emulate single-token calls for the stale index keys
     int published_at_start = -1;  // state.published_keys when the call started
     bool compress = true;         // run KV sources' compressors (false: KV already present)
-    int64_t window_floor = 0;     // window positions below this do not exist (bounded replay)
+    int64_t window_floor = 0;     // rows at or above this position do not see window positions
+                                  // below it (bounded replay)
   };
   // Residual stream between stages: h [rows, hc, dim], the delayed pre-mix [rows, hc] and the
   // DSpark inputs [rows, n_targets*dim] collected so far.
@@ -172,7 +191,9 @@ class Model {
     int64_t start_pos = 0;         // position of ids[0]
     int first_layer = 0;           // 0: embed the ids; else `io` holds the residual entering it
     int last_layer = -1;           // exclusive; -1 = n_layers
-    int64_t window_floor = 0;      // bounded replay: window positions below do not exist
+    int64_t window_floor = 0;      // bounded replay: rows at or above this position do not see
+                                   // window positions below it
+    int floor_first_layer = 0;     // window_floor applies to layers >= this one
     bool compress = true;          // false: first_layer's compressor already ran (KV exists)
     bool per_row_keys = true;      // decode semantics for the stale index keys (start_pos > 0)
     int compress_only_layer = -1;  // after the range: this KV source's compressor + keys only
@@ -207,7 +228,8 @@ class Model {
  private:
   absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
                                         bool all_logits, ForwardTrace* trace,
-                                        bool per_row_keys = true) const;
+                                        bool per_row_keys = true,
+                                        const PrefillOptions& options = {}) const;
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
   void Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                 SequenceState& state) const;

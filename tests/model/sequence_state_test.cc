@@ -2,45 +2,24 @@
 
 #include <gtest/gtest.h>
 
-#include <fstream>
-#include <sstream>
-
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "nlohmann/json.hpp"
-#include "tests/testing/subprocess.h"
+#include "tests/testing/golden_model.h"
 
 namespace epd::model {
 namespace {
 
-const char kDir[] = "tests/data/golden/v41-tiny-a/";
-
-std::string ReadText(const std::string& rel) {
-  std::ifstream in(testing::SourcePath(std::string(kDir) + rel), std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 std::unique_ptr<Model> LoadGolden(kernels::Backend& backend) {
-  auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
-  EXPECT_TRUE(cfg.ok());
-  auto store =
-      TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
-  EXPECT_TRUE(store.ok());
-  auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
-  EXPECT_TRUE(w.ok());
-  auto k = ParseEngramConstantsJson(ReadText("manifest.json"));
-  EXPECT_TRUE(k.ok());
-  return std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(*k), backend);
+  auto m = testing::LoadGoldenModel(backend);
+  EXPECT_TRUE(m.ok()) << m.status();
+  return m.ok() ? std::move(*m) : nullptr;
 }
 
 TEST(SequenceStateTest, PackedRoundTripIsBitExactAndBytesAreAccounted) {
   auto backend = kernels::MakeCpuBackend();
   auto model = LoadGolden(*backend);
   const ModelConfig& c = model->config();
-  auto prompt =
-      nlohmann::json::parse(ReadText("prompt.json"))["prompt_ids"].get<std::vector<int32_t>>();
+  auto prompt = testing::GoldenPrompt();
   prompt.resize(200);  // enough to fill the 128-slot rings; keeps the test fast
   auto st = model->NewSequence();
   ASSERT_TRUE(model->Prefill(*st, prompt, false).ok());

@@ -4,25 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <fstream>
-#include <sstream>
 
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "nlohmann/json.hpp"
-#include "tests/testing/subprocess.h"
+#include "tests/testing/golden_model.h"
 
 namespace epd::model {
 namespace {
-
-const char kDir[] = "tests/data/golden/v41-tiny-a/";
-
-std::string ReadText(const std::string& rel) {
-  std::ifstream in(testing::SourcePath(std::string(kDir) + rel), std::ios::binary);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
   double num = 0, den = 0;
@@ -37,18 +25,10 @@ class StagesTest : public ::testing::Test {
  protected:
   void SetUp() override {
     backend_ = kernels::MakeCpuBackend();
-    auto cfg = LoadModelConfig(testing::SourcePath(std::string(kDir) + "config.json"));
-    ASSERT_TRUE(cfg.ok());
-    auto store =
-        TensorStore::Open(testing::SourcePath(std::string(kDir) + "model.safetensors"), false);
-    ASSERT_TRUE(store.ok());
-    auto w = ModelWeights::Load(*cfg, std::shared_ptr<const TensorStore>(std::move(*store)));
-    ASSERT_TRUE(w.ok());
-    auto k = ParseEngramConstantsJson(ReadText("manifest.json"));
-    ASSERT_TRUE(k.ok());
-    model_ = std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(*k), *backend_);
-    prompt_ =
-        nlohmann::json::parse(ReadText("prompt.json"))["prompt_ids"].get<std::vector<int32_t>>();
+    auto m = testing::LoadGoldenModel(*backend_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = std::move(*m);
+    prompt_ = testing::GoldenPrompt();
   }
   const int64_t kTail = 133;  // window + DSpark block
   std::unique_ptr<kernels::Backend> backend_;
