@@ -1,10 +1,23 @@
 #include "kvstore/kvstore_client.h"
 
 #include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <random>
 
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "epd/v1/kvstore.grpc.pb.h"
+#include "kvstore/bulk.h"
 #include "kvstore/kvstore_service.h"
+#include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/ucx_wire.h"
+#include "prometheus/registry.h"
 
 namespace epd::kvstore {
 namespace {
@@ -28,6 +41,18 @@ absl::Status FromGrpc(const grpc::Status& s, std::string_view what) {
     case grpc::StatusCode::INTERNAL:
       code = absl::StatusCode::kInternal;
       break;
+    case grpc::StatusCode::DATA_LOSS:
+      code = absl::StatusCode::kDataLoss;
+      break;
+    case grpc::StatusCode::ABORTED:
+      code = absl::StatusCode::kAborted;
+      break;
+    case grpc::StatusCode::CANCELLED:
+      code = absl::StatusCode::kCancelled;
+      break;
+    case grpc::StatusCode::UNIMPLEMENTED:
+      code = absl::StatusCode::kUnimplemented;
+      break;
     default:
       break;
   }
@@ -46,14 +71,122 @@ MissReason ParseMissReason(const std::string& s) {
 class KvStoreClient::Impl {
  public:
   Impl(std::shared_ptr<grpc::Channel> channel, KvClientOptions options)
-      : stub_(v1::KvStore::NewStub(channel)), options_(options) {}
+      : stub_(v1::KvStore::NewStub(channel)),
+        options_(options),
+        errors_(options.registry != nullptr ? *options.registry : own_registry_) {
+    std::random_device rd;
+    nonce_ = absl::StrCat("kv-", getpid(), "-", rd(), "-", rd());
+  }
+  ~Impl() {
+    if (engine_) engine_->Shutdown();
+  }
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
                       std::chrono::milliseconds(options_.deadline_ms));
   }
+  bool WantsBulk(uint64_t bytes) const {
+    return options_.bulk == BulkTransport::kUcx && bytes >= options_.bulk_min_bytes;
+  }
+  std::string NextRequestId() { return absl::StrCat(nonce_, "-", seq_.fetch_add(1)); }
+  transfer::TransferOptions TransferOpts() const {
+    transfer::TransferOptions to;
+    to.deadline = absl::Milliseconds(options_.deadline_ms);
+    to.lease = absl::Milliseconds(options_.deadline_ms);
+    return to;
+  }
+
+  // The client's transfer engine (created on first use). Null + status when UCX is unavailable.
+  absl::StatusOr<transfer::TransferEngine*> Engine() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return EngineLocked();
+  }
+
+  // The connection to the daemon's bulk endpoint; `reconnect` replaces a cached one.
+  // NotFound when the daemon advertises no bulk endpoint (the caller falls back to inline).
+  absl::StatusOr<transfer::PeerId> DaemonPeer(bool reconnect) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (has_peer_ && !reconnect) return peer_;
+    auto engine = EngineLocked();
+    if (!engine.ok()) return engine.status();
+    if (daemon_address_.empty()) {
+      v1::HelloRequest req;
+      v1::HelloResponse resp;
+      grpc::ClientContext ctx;
+      Prepare(&ctx);
+      if (auto s = FromGrpc(stub_->Hello(&ctx, req, &resp), "hello"); !s.ok()) return s;
+      if (resp.transfer_address().empty()) {
+        return absl::NotFoundError("the daemon has no bulk (UCX) endpoint");
+      }
+      daemon_address_ = resp.transfer_address();
+    }
+    if (has_peer_) (*engine)->Disconnect(peer_);
+    has_peer_ = false;
+    auto peer = (*engine)->Connect(daemon_address_, absl::Milliseconds(options_.deadline_ms));
+    if (!peer.ok()) {
+      errors_.Count(peer.status(), "connect");
+      return absl::Status(
+          peer.status().code(),
+          absl::StrCat("kvstore bulk connect to ", daemon_address_, ": ", peer.status().message()));
+    }
+    peer_ = *peer;
+    has_peer_ = true;
+    return peer_;
+  }
+
   std::unique_ptr<v1::KvStore::Stub> stub_;
   KvClientOptions options_;
+  prometheus::Registry own_registry_;
+  TransferErrorMetric errors_;
+
+ private:
+  absl::StatusOr<transfer::TransferEngine*> EngineLocked() {
+    if (engine_) return engine_.get();
+    if (!engine_error_.ok()) return engine_error_;
+    transfer::UcxOptions uo;
+    uo.net_devices = options_.ucx_net_devices;
+    transfer::EngineOptions eo;
+    eo.config_fingerprint = kBulkFingerprint;
+    eo.cluster_token = options_.cluster_token;
+    if (eo.cluster_token.empty()) {
+      const char* t = std::getenv("EPD_CLUSTER_TOKEN");
+      eo.cluster_token = t != nullptr ? t : "epd-dev";
+    }
+    eo.node_name = "kvstore-client";
+    std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
+    if (options_.debug_wrap_wire) wire = options_.debug_wrap_wire(std::move(wire));
+    auto engine = transfer::TransferEngine::Create(std::move(wire), eo, engine_registry_,
+                                                   common::SystemClock::Get());
+    if (!engine.ok()) {
+      engine_error_ = engine.status();
+      spdlog::warn("kvstore client: no UCX bulk path ({}); values travel inline",
+                   std::string(engine_error_.message()));
+      return engine_error_;
+    }
+    engine_ = std::move(*engine);
+    return engine_.get();
+  }
+
+  std::mutex mu_;                         // guards the engine and the daemon connection
+  prometheus::Registry engine_registry_;  // the engine's own epd_transfer_* families
+  std::unique_ptr<transfer::TransferEngine> engine_;
+  absl::Status engine_error_;
+  std::string daemon_address_;
+  transfer::PeerId peer_ = 0;
+  bool has_peer_ = false;
+  std::string nonce_;
+  std::atomic<uint64_t> seq_{0};
 };
+
+double KvStoreClient::transfer_errors() const {
+  double total = 0;
+  for (const auto& family :
+       (impl_->options_.registry != nullptr ? *impl_->options_.registry : impl_->own_registry_)
+           .Collect()) {
+    if (family.name != "epd_kv_transfer_errors_total") continue;
+    for (const auto& m : family.metric) total += m.counter.value;
+  }
+  return total;
+}
 
 KvStoreClient::KvStoreClient(std::string target, std::unique_ptr<Impl> impl)
     : target_(std::move(target)), impl_(std::move(impl)) {}
@@ -89,13 +222,57 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
   v1::GetRequest req;
   req.set_tier(ToProto(tier));
   req.set_key(std::string(key));
+  transfer::TransferEngine* engine = nullptr;
+  if (impl_->options_.bulk == BulkTransport::kUcx) {
+    auto e = impl_->Engine();
+    if (e.ok()) {
+      engine = *e;
+      auto* bulk = req.mutable_bulk();
+      bulk->set_client_address(engine->LocalAddress());
+      bulk->set_request_id(impl_->NextRequestId());
+      bulk->set_min_bytes(impl_->options_.bulk_min_bytes);
+    }
+  }
   v1::GetResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
   if (auto s = FromGrpc(impl_->stub_->Get(&ctx, req, &resp), "get"); !s.ok()) return s;
   GetResult r;
   r.found = resp.found();
-  r.value = std::move(*resp.mutable_value());
+  if (resp.bulk()) {
+    if (engine == nullptr) return absl::InternalError("kvstore get: unsolicited bulk answer");
+    // The daemon has offered the value: receive it into a fresh buffer; the engine compares the
+    // offer with the length the daemon announced and checks the checksum before we copy a byte.
+    const std::string& rid = req.bulk().request_id();
+    auto fail = [&](const absl::Status& s) {
+      impl_->errors_.Count(s, "get");
+      return absl::Status(s.code(),
+                          absl::StrCat("kvstore get: bulk transfer of ", resp.byte_length(),
+                                       " bytes (request '", rid, "') failed: ", s.message()));
+    };
+    auto buffer = engine->Allocate(resp.byte_length());
+    if (!buffer.ok()) return fail(buffer.status());
+    auto id = engine->Receive(BulkManifest(rid, resp.byte_length()), std::move(*buffer),
+                              impl_->TransferOpts());
+    if (!id.ok()) return fail(id.status());
+    absl::Status s = engine->Wait(*id, absl::Milliseconds(impl_->options_.deadline_ms + 1000));
+    if (s.ok()) {
+      auto received = engine->TakeReceived(*id);
+      if (received.ok()) {
+        r.value.assign(reinterpret_cast<const char*>(received->buffer->data()),
+                       received->buffer->size());
+      } else {
+        s = received.status();
+      }
+    }
+    if (!s.ok()) {
+      engine->Cancel(*id, "bulk get failed");
+      engine->Forget(*id);
+      return fail(s);
+    }
+  } else {
+    r.value = std::move(*resp.mutable_value());
+  }
   r.miss = r.found ? MissReason::kNone : ParseMissReason(resp.miss_reason());
   if (!r.found && r.miss == MissReason::kNone) r.miss = MissReason::kAbsent;
   r.tier = FromProto(resp.tier());
@@ -103,6 +280,11 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
 }
 
 absl::Status KvStoreClient::Put(Tier tier, std::string_view key, std::string_view value) {
+  if (impl_->WantsBulk(value.size())) {
+    absl::Status s = BulkPut(tier, key, value);
+    if (!absl::IsNotFound(s) && !absl::IsUnimplemented(s)) return s;
+    // NotFound/Unimplemented: the daemon (or this host) has no bulk path; send inline.
+  }
   v1::PutRequest req;
   req.set_tier(ToProto(tier));
   req.set_key(std::string(key));
@@ -113,6 +295,54 @@ absl::Status KvStoreClient::Put(Tier tier, std::string_view key, std::string_vie
   if (auto s = FromGrpc(impl_->stub_->Put(&ctx, req, &resp), "put"); !s.ok()) return s;
   if (!resp.stored()) return absl::InternalError("kvstore put: daemon did not store the value");
   return absl::OkStatus();
+}
+
+absl::Status KvStoreClient::BulkPut(Tier tier, std::string_view key, std::string_view value) {
+  auto engine_or = impl_->Engine();
+  if (!engine_or.ok()) return absl::NotFoundError(engine_or.status().message());
+  transfer::TransferEngine* engine = *engine_or;
+  const std::string rid = impl_->NextRequestId();
+  // 1. Offer the bytes (the engine computes the checksum; the daemon holds the offer, manifest
+  //    only, until its Put handler claims it).
+  absl::StatusOr<transfer::TransferId> send = absl::UnknownError("not sent");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto peer = impl_->DaemonPeer(attempt > 0);
+    if (!peer.ok()) return peer.status();
+    auto buffer = engine->Allocate(value.size());
+    if (!buffer.ok()) return buffer.status();
+    if (!value.empty()) std::memcpy((*buffer)->data(), value.data(), value.size());
+    send = engine->Send(*peer, BulkManifest(rid, value.size()), std::move(*buffer),
+                        impl_->TransferOpts());
+    if (send.ok()) break;  // else the cached connection is gone: reconnect once
+  }
+  if (!send.ok()) {
+    impl_->errors_.Count(send.status(), "put");
+    return absl::Status(send.status().code(),
+                        absl::StrCat("kvstore put: bulk offer failed: ", send.status().message()));
+  }
+  // 2. Commit over gRPC: OK only once the daemon verified and stored the bytes.
+  v1::PutRequest req;
+  req.set_tier(ToProto(tier));
+  req.set_key(std::string(key));
+  req.mutable_bulk()->set_request_id(rid);
+  req.mutable_bulk()->set_byte_length(value.size());
+  v1::PutResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  absl::Status s = FromGrpc(impl_->stub_->Put(&ctx, req, &resp), "put");
+  if (s.ok() && !resp.stored()) s = absl::InternalError("kvstore put: daemon did not store it");
+  if (s.ok()) {
+    // The daemon confirmed the transfer before answering; its END may trail the answer a bit.
+    (void)engine->Wait(*send, absl::Seconds(2));
+  } else {
+    auto st = engine->Status(*send);
+    if (st.ok() && st->state == transfer::TransferState::kFailed) {
+      impl_->errors_.Count(st->error, "put");
+    }
+    engine->Cancel(*send, "bulk put failed");
+  }
+  engine->Forget(*send);
+  return s;
 }
 
 absl::StatusOr<bool> KvStoreClient::Pin(std::string_view key, bool pin) {

@@ -5,6 +5,8 @@
 // SWA snapshots over several daemons by consistent hashing of the key (DESIGN §2 multi-node).
 // Thread-safe: a client may be shared by many threads.
 #include <chrono>
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -24,12 +26,37 @@ class StatsResponse;
 namespace grpc {
 class Channel;
 }
+namespace prometheus {
+class Registry;
+}
+namespace epd::transfer {
+class Wire;
+}
 
 namespace epd::kvstore {
 
+// How Get/Put move value bytes (docs/kvstore.md "Bulk path").
+enum class BulkTransport {
+  kInline,  // inside the gRPC messages
+  kUcx,     // values of at least bulk_min_bytes over UCX (the daemon's transfer engine); gRPC
+            // carries only the control messages. Falls back to inline when the daemon has no
+            // bulk endpoint.
+};
+
 struct KvClientOptions {
-  int deadline_ms = 10000;            // Default: 10 s per call
-  int max_message_bytes = 300 << 20;  // Default: 300 MiB (matches the daemon)
+  int deadline_ms = 10000;                      // Default: 10 s per call (and per bulk transfer)
+  int max_message_bytes = 300 << 20;            // Default: 300 MiB (matches the daemon)
+  BulkTransport bulk = BulkTransport::kInline;  // Default: inline
+  uint64_t bulk_min_bytes = 64 << 10;           // kUcx: smaller values stay inline. Default: 64 KiB
+  // kUcx: the transfer handshake's shared secret (must equal the daemon's --cluster-token).
+  // Empty = $EPD_CLUSTER_TOKEN, else "epd-dev".
+  std::string cluster_token;
+  std::string ucx_net_devices;  // kUcx: UCX_NET_DEVICES; empty = environment
+  // kUcx: where epd_kv_transfer_errors_total{reason,direction} of this client is counted (must
+  // outlive the client). Null: a private registry (read it with transfer_errors()).
+  prometheus::Registry* registry = nullptr;
+  // TEST ONLY (kUcx): wraps the client's UCX wire, e.g. with transfer::MakeFaultWire.
+  std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)> debug_wrap_wire;
 };
 
 class KvStoreClient {
@@ -48,10 +75,13 @@ class KvStoreClient {
   absl::StatusOr<bool> Pin(std::string_view key, bool pin);
   absl::StatusOr<std::vector<TierStats>> Stats();
   const std::string& target() const { return target_; }
+  // Bulk transfers of this client that failed (all reasons, both directions).
+  double transfer_errors() const;
 
  private:
   class Impl;
   KvStoreClient(std::string target, std::unique_ptr<Impl> impl);
+  absl::Status BulkPut(Tier tier, std::string_view key, std::string_view value);
   std::string target_;
   std::unique_ptr<Impl> impl_;
 };

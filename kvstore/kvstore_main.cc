@@ -1,14 +1,19 @@
-// epd-kvstore: the per-node KV store daemon (DESIGN §5). Serves Lookup/Get/Put/Pin/Stats over
-// gRPC, /metrics and /health over HTTP, sweeps TTLs periodically and drains on SIGTERM.
+// epd-kvstore: the per-node KV store daemon (DESIGN §5). Serves Hello/Lookup/Get/Put/Pin/Stats over
+// gRPC (the control plane), moves bulk value bytes over UCX (kvstore/bulk.h), serves /metrics and
+// /health over HTTP, sweeps TTLs periodically and drains on SIGTERM.
+#include <signal.h>
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdlib>
 #include <iostream>
 
 #include "common/clock.h"
+#include "kvstore/bulk.h"
 #include "kvstore/kvstore.h"
 #include "kvstore/kvstore_service.h"
+#include "kvstore/transfer/fault_wire.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
 
@@ -49,7 +54,42 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber);
   app.add_option("--debug-put-delay-ms", service_options.debug_put_delay_ms,
                  "TEST ONLY: delay every put before storing it");
+  std::string bulk = "ucx";
+  std::string debug_bulk_fault = "none";
+  int bulk_deadline_ms = 30000;
+  epd::kvstore::BulkEndpointOptions bulk_options;
+  app.add_option("--bulk", bulk, "Bulk value path: ucx (UCX endpoint, advertised by Hello) or off")
+      ->check(CLI::IsMember({"ucx", "off"}));
+  app.add_option("--cluster-token", bulk_options.cluster_token,
+                 "Shared secret of the UCX transfer handshake (default: $EPD_CLUSTER_TOKEN or "
+                 "epd-dev)");
+  app.add_option("--ucx-net-devices", bulk_options.net_devices,
+                 "UCX_NET_DEVICES of the bulk endpoint (default: environment)");
+  app.add_flag("--ucx-listener", bulk_options.listener,
+               "Bulk endpoint as a UCX TCP listener on --host (remote clients) instead of a "
+               "worker address (shared memory on one host)");
+  app.add_option("--bulk-deadline-ms", bulk_deadline_ms, "Deadline of one bulk transfer")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--debug-bulk-fault", debug_bulk_fault,
+                 "TEST ONLY: corrupt or truncate the first data chunk of every bulk get")
+      ->check(CLI::IsMember({"none", "corrupt", "truncate"}));
   CLI11_PARSE(app, argc, argv);
+  signal(SIGPIPE, SIG_IGN);
+  if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
+      t != nullptr && app.count("--cluster-token") == 0)
+    bulk_options.cluster_token = t;
+  bulk_options.deadline = absl::Milliseconds(bulk_deadline_ms);
+  bulk_options.listen_ip = runtime_options.host;
+  if (debug_bulk_fault != "none") {
+    epd::transfer::FaultPlan plan;
+    plan.action = debug_bulk_fault == "corrupt" ? epd::transfer::FaultPlan::Action::kCorrupt
+                                                : epd::transfer::FaultPlan::Action::kTruncate;
+    plan.target = epd::transfer::FaultPlan::Target::kData;
+    plan.nth = -1;
+    bulk_options.wrap_wire = [plan](std::unique_ptr<epd::transfer::Wire> inner) {
+      return epd::transfer::MakeFaultWire(std::move(inner), plan);
+    };
+  }
   config.g2.ttl_ms = swa_ttl_ms > 0 ? swa_ttl_ms : swa_ttl_minutes * 60 * 1000;
   config.g3.ttl_ms = static_cast<int64_t>(global_ttl_hours * 3600.0 * 1000.0);
 
@@ -63,6 +103,19 @@ int main(int argc, char** argv) {
   if (!store.ok()) {
     spdlog::error("epd-kvstore: {}", std::string(store.status().message()));
     return 1;
+  }
+  std::unique_ptr<epd::kvstore::KvBulkEndpoint> bulk_endpoint;
+  if (bulk == "ucx") {
+    bulk_options.max_value_bytes = config.g3.max_value_bytes;
+    auto ep = epd::kvstore::KvBulkEndpoint::Create(bulk_options, runtime.registry(),
+                                                   epd::common::SystemClock::Get());
+    if (!ep.ok()) {
+      spdlog::error("epd-kvstore: bulk endpoint: {}", std::string(ep.status().message()));
+      return 1;
+    }
+    bulk_endpoint = std::move(*ep);
+    service_options.bulk = bulk_endpoint.get();
+    spdlog::info("epd-kvstore: bulk (UCX) endpoint {}", bulk_endpoint->address().substr(0, 48));
   }
   auto server =
       epd::kvstore::KvStoreServer::Start(**store, runtime_options.host, grpc_port, service_options);
@@ -84,6 +137,7 @@ int main(int argc, char** argv) {
   spdlog::info("epd-kvstore: shutdown requested, draining");
   (*server)->Shutdown(runtime_options.drain_timeout_ms);
   server->reset();
+  bulk_endpoint.reset();  // fails transfers still in flight, frees their buffers
   spdlog::info("epd-kvstore: gRPC stopped, closing the store");
   store->reset();  // closes RocksDB cleanly
   spdlog::info("epd-kvstore: stopped");

@@ -6,6 +6,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "kvstore/bulk.h"
 #include "kvstore/chain_hash.h"
 
 namespace epd::kvstore {
@@ -26,6 +27,21 @@ grpc::Status ToGrpc(const absl::Status& s) {
       break;
     case absl::StatusCode::kNotFound:
       code = grpc::StatusCode::NOT_FOUND;
+      break;
+    case absl::StatusCode::kDataLoss:
+      code = grpc::StatusCode::DATA_LOSS;
+      break;
+    case absl::StatusCode::kUnavailable:
+      code = grpc::StatusCode::UNAVAILABLE;
+      break;
+    case absl::StatusCode::kDeadlineExceeded:
+      code = grpc::StatusCode::DEADLINE_EXCEEDED;
+      break;
+    case absl::StatusCode::kAborted:
+      code = grpc::StatusCode::ABORTED;
+      break;
+    case absl::StatusCode::kCancelled:
+      code = grpc::StatusCode::CANCELLED;
       break;
     default:
       break;
@@ -69,6 +85,16 @@ Tier FromProto(v1::Tier tier) {
 KvStoreServiceImpl::KvStoreServiceImpl(KvStore& store, KvServiceOptions options)
     : store_(store), options_(options) {}
 
+grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequest*,
+                                       v1::HelloResponse* resp) {
+  if (options_.bulk != nullptr) {
+    resp->set_transfer_address(options_.bulk->address());
+    resp->set_transfer_fingerprint(kBulkFingerprint);
+    resp->set_max_value_bytes(options_.bulk->max_value_bytes());
+  }
+  return grpc::Status::OK;
+}
+
 grpc::Status KvStoreServiceImpl::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
                                         v1::LookupResponse* resp) {
   std::vector<BlockHash> hashes;
@@ -93,7 +119,21 @@ grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext*, const v1::GetRequest*
   auto r = store_.Get(FromProto(req->tier()), req->key());
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
-  if (r->found) *resp->mutable_value() = std::move(r->value);
+  if (r->found && req->has_bulk() && options_.bulk != nullptr &&
+      r->value.size() >= req->bulk().min_bytes()) {
+    // Offer the bytes over UCX; the client receives them after this answer. If the offer cannot
+    // be made (client unreachable: counted), the value goes inline instead.
+    const absl::Status s = options_.bulk->StartGetSend(req->bulk().client_address(),
+                                                       req->bulk().request_id(), AsSpan(r->value));
+    if (s.ok()) {
+      resp->set_bulk(true);
+      resp->set_byte_length(r->value.size());
+    } else {
+      *resp->mutable_value() = std::move(r->value);
+    }
+  } else if (r->found) {
+    *resp->mutable_value() = std::move(r->value);
+  }
   resp->set_miss_reason(std::string(MissReasonName(r->miss)));
   resp->set_tier(ToProto(r->tier));
   return grpc::Status::OK;
@@ -103,10 +143,34 @@ grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest*
                                      v1::PutResponse* resp) {
   prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
   in_flight.Increment();
+  std::unique_ptr<transfer::TransferBuffer> bulk_bytes;
+  std::span<const uint8_t> value = AsSpan(req->value());
+  if (req->has_bulk()) {
+    absl::Status bad;
+    if (options_.bulk == nullptr) {
+      bad = absl::FailedPreconditionError("bulk put: this daemon has no bulk (UCX) endpoint");
+    } else if (!req->value().empty()) {
+      bad = absl::InvalidArgumentError("bulk put: value must be empty when bulk is set");
+    }
+    if (!bad.ok()) {
+      store_.metrics().CountBadRequest("bulk");
+      in_flight.Decrement();
+      return ToGrpc(bad);
+    }
+    // The bytes land in a private engine buffer, verified (length, checksum) before we see them;
+    // nothing is visible to readers until store_.Put below commits them.
+    auto received = options_.bulk->ReceivePut(req->bulk().request_id(), req->bulk().byte_length());
+    if (!received.ok()) {
+      in_flight.Decrement();
+      return ToGrpc(received.status());
+    }
+    bulk_bytes = std::move(*received);
+    value = std::span<const uint8_t>(bulk_bytes->data(), bulk_bytes->size());
+  }
   if (options_.debug_put_delay_ms > 0) {
     std::this_thread::sleep_for(std::chrono::milliseconds(options_.debug_put_delay_ms));
   }
-  auto s = store_.Put(FromProto(req->tier()), req->key(), AsSpan(req->value()));
+  auto s = store_.Put(FromProto(req->tier()), req->key(), value);
   in_flight.Decrement();
   if (!s.ok()) return ToGrpc(s);
   resp->set_stored(true);

@@ -1,8 +1,8 @@
 #pragma once
 
 // gRPC adapter of KvStore (epd.v1.KvStore: Lookup/Get/Put/Pin/Stats) and a small server wrapper.
-// Bulk bytes travel inline in the messages for now; the UCX bulk path (kvstore/transfer/) plugs
-// into KvStore's two-phase puts without changing this control surface.
+// Values travel inline in the messages, or (when the request asks for it and the daemon has a
+// KvBulkEndpoint) over UCX with these RPCs as the control plane (kvstore/bulk.h).
 // Thread-safe: gRPC calls handlers concurrently; KvStore is thread-safe.
 #include <memory>
 #include <string>
@@ -17,10 +17,14 @@ class Server;
 
 namespace epd::kvstore {
 
+class KvBulkEndpoint;
+
 struct KvServiceOptions {
   // Test-only fault injection: every Put waits this long after receiving its request and before
   // storing it, so a test can kill the daemon while a put is "in flight". Default: 0 (off).
   int debug_put_delay_ms = 0;
+  // The UCX bulk endpoint (must outlive the service); null = inline only.
+  KvBulkEndpoint* bulk = nullptr;
 };
 
 v1::Tier ToProto(Tier tier);
@@ -31,6 +35,7 @@ class KvStoreServiceImpl final : public v1::KvStore::Service {
   // `store` must outlive the service.
   KvStoreServiceImpl(KvStore& store, KvServiceOptions options = {});
 
+  grpc::Status Hello(grpc::ServerContext*, const v1::HelloRequest*, v1::HelloResponse*) override;
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
   grpc::Status Get(grpc::ServerContext*, const v1::GetRequest*, v1::GetResponse*) override;
   grpc::Status Put(grpc::ServerContext*, const v1::PutRequest*, v1::PutResponse*) override;

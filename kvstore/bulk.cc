@@ -1,0 +1,236 @@
+#include "kvstore/bulk.h"
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "kvstore/transfer/manifest.h"
+#include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/ucx_wire.h"
+
+namespace epd::kvstore {
+
+epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes) {
+  epd::v1::Manifest m;
+  m.set_request_id(request_id);
+  m.set_config_fingerprint(kBulkFingerprint);
+  auto* s = m.add_segments();
+  s->set_kind(epd::v1::SEGMENT_BLOCK);
+  s->set_layer_id(-1);
+  s->set_pos_begin(0);
+  s->set_pos_end(0);
+  s->set_entry_count(1);
+  s->set_layout_id(transfer::kLayoutRawBytes);
+  s->set_byte_length(bytes);
+  s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+  return m;
+}
+
+std::string TransferErrorReason(const absl::Status& status) {
+  const absl::string_view msg = status.message();
+  if (absl::StrContains(msg, "checksum")) return "checksum";
+  if (absl::StrContains(msg, "truncated") || absl::StrContains(msg, "byte_length"))
+    return "truncated";
+  if (absl::StrContains(msg, "differs") || absl::StrContains(msg, "handshake")) return "handshake";
+  if (absl::StrContains(msg, "lease expired")) return "lease_expired";
+  switch (status.code()) {
+    case absl::StatusCode::kDataLoss:
+      return "truncated";
+    case absl::StatusCode::kUnavailable:
+      return "peer_down";
+    case absl::StatusCode::kDeadlineExceeded:
+      return "deadline";
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kInvalidArgument:
+      return "rejected";
+    case absl::StatusCode::kAborted:
+      return "peer_ended";
+    case absl::StatusCode::kCancelled:
+      return "cancelled";
+    case absl::StatusCode::kResourceExhausted:
+      return "memory";
+    default:
+      return "other";
+  }
+}
+
+TransferErrorMetric::TransferErrorMetric(prometheus::Registry& registry)
+    : family_(&prometheus::BuildCounter()
+                   .Name("epd_kv_transfer_errors_total")
+                   .Help("Bulk (UCX) value transfers that failed, by cause and direction")
+                   .Register(registry)) {}
+
+void TransferErrorMetric::Count(const absl::Status& status, std::string_view direction) {
+  Count(TransferErrorReason(status), direction);
+}
+
+void TransferErrorMetric::Count(std::string_view reason, std::string_view direction) {
+  family_->Add({{"reason", std::string(reason)}, {"direction", std::string(direction)}})
+      .Increment();
+}
+
+KvBulkEndpoint::KvBulkEndpoint(const BulkEndpointOptions& options, prometheus::Registry& registry)
+    : options_(options), errors_(registry) {}
+
+absl::StatusOr<std::unique_ptr<KvBulkEndpoint>> KvBulkEndpoint::Create(
+    const BulkEndpointOptions& options, prometheus::Registry& registry,
+    const common::Clock& clock) {
+  std::unique_ptr<KvBulkEndpoint> ep(new KvBulkEndpoint(options, registry));
+  transfer::UcxOptions uo;
+  uo.net_devices = options.net_devices;
+  if (options.listener) {
+    uo.mode = transfer::UcxOptions::Mode::kListener;
+    uo.listen_ip = options.listen_ip;
+  }
+  transfer::EngineOptions eo;
+  eo.config_fingerprint = kBulkFingerprint;
+  eo.cluster_token = options.cluster_token;
+  eo.node_name = "epd-kvstore";
+  std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
+  if (options.wrap_wire) wire = options.wrap_wire(std::move(wire));
+  auto engine = transfer::TransferEngine::Create(std::move(wire), eo, registry, clock);
+  if (!engine.ok()) return engine.status();
+  ep->engine_ = std::move(*engine);
+  ep->reaper_ = std::thread([e = ep.get()] { e->ReapLoop(); });
+  return ep;
+}
+
+KvBulkEndpoint::~KvBulkEndpoint() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  if (reaper_.joinable()) reaper_.join();
+  for (const Send& s : sends_) engine_->Forget(s.id);
+  engine_->Shutdown();
+}
+
+std::string KvBulkEndpoint::address() const { return engine_->LocalAddress(); }
+
+transfer::ResourceCounts KvBulkEndpoint::Resources() const { return engine_->Resources(); }
+
+absl::StatusOr<std::unique_ptr<transfer::TransferBuffer>> KvBulkEndpoint::ReceivePut(
+    const std::string& request_id, uint64_t bytes) {
+  auto fail = [&](const absl::Status& s) {
+    errors_.Count(s, "put");
+    return absl::Status(
+        s.code(), absl::StrCat("bulk put of request '", request_id, "' failed: ", s.message()));
+  };
+  if (bytes > options_.max_value_bytes) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "value of ", bytes, " bytes is over the limit of ", options_.max_value_bytes)));
+  }
+  auto buffer = engine_->Allocate(bytes);
+  if (!buffer.ok()) return fail(buffer.status());
+  transfer::TransferOptions to;
+  to.deadline = options_.deadline;
+  auto id = engine_->Receive(BulkManifest(request_id, bytes), std::move(*buffer), to);
+  if (!id.ok()) return fail(id.status());
+  absl::Status s = engine_->Wait(*id, options_.deadline + absl::Seconds(1));
+  if (s.ok()) {
+    auto received = engine_->TakeReceived(*id);
+    if (received.ok()) return std::move(received->buffer);
+    s = received.status();
+  }
+  engine_->Cancel(*id, "bulk put failed");
+  engine_->Forget(*id);  // the engine frees the buffer once no UCX operation can touch it
+  return fail(s);
+}
+
+absl::StatusOr<transfer::PeerId> KvBulkEndpoint::PeerFor(const std::string& address,
+                                                         bool reconnect) {
+  std::lock_guard<std::mutex> connect_lock(connect_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = peers_.find(address);
+    if (it != peers_.end()) {
+      if (!reconnect) return it->second;
+      engine_->Disconnect(it->second);
+      peers_.erase(it);
+    }
+  }
+  auto peer = engine_->Connect(address, absl::Seconds(10));
+  if (!peer.ok()) return peer.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  peers_[address] = *peer;
+  return *peer;
+}
+
+void KvBulkEndpoint::DropPeer(transfer::PeerId peer) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = peers_.begin(); it != peers_.end(); ++it) {
+    if (it->second == peer) {
+      peers_.erase(it);
+      engine_->Disconnect(peer);
+      return;
+    }
+  }
+}
+
+absl::Status KvBulkEndpoint::StartGetSend(const std::string& client_address,
+                                          const std::string& request_id,
+                                          std::span<const uint8_t> value) {
+  absl::Status last;
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    auto peer = PeerFor(client_address, attempt > 0);
+    if (!peer.ok()) {
+      last = peer.status();
+      continue;
+    }
+    auto buffer = engine_->Allocate(value.size());
+    if (!buffer.ok()) {
+      last = buffer.status();
+      break;
+    }
+    if (!value.empty()) std::memcpy((*buffer)->data(), value.data(), value.size());
+    transfer::TransferOptions to;
+    to.deadline = options_.deadline;
+    to.lease = options_.deadline;
+    auto id = engine_->Send(*peer, BulkManifest(request_id, value.size()), std::move(*buffer), to);
+    if (id.ok()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      sends_.push_back({*id, *peer});
+      return absl::OkStatus();
+    }
+    last = id.status();  // e.g. the cached connection went down: reconnect once
+  }
+  errors_.Count(last, "get");
+  return absl::Status(last.code(), absl::StrCat("bulk get of request '", request_id,
+                                                "' could not be offered: ", last.message()));
+}
+
+void KvBulkEndpoint::ReapLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (!stopping_) {
+    cv_.wait_for(lock, std::chrono::milliseconds(20));
+    std::vector<Send> pending;
+    pending.swap(sends_);
+    lock.unlock();
+    std::vector<Send> keep;
+    std::vector<transfer::PeerId> dead;
+    for (const Send& s : pending) {
+      auto st = engine_->Status(s.id);
+      if (!st.ok()) continue;  // record gone
+      if (st->state == transfer::TransferState::kDone) {
+        engine_->Forget(s.id);
+      } else if (st->state == transfer::TransferState::kFailed) {
+        errors_.Count(st->error, "get");
+        spdlog::warn("epd-kvstore: bulk get failed: {}", std::string(st->error.message()));
+        if (TransferErrorReason(st->error) == "peer_down") dead.push_back(s.peer);
+        engine_->Forget(s.id);
+      } else {
+        keep.push_back(s);
+      }
+    }
+    for (transfer::PeerId p : dead) DropPeer(p);
+    lock.lock();
+    sends_.insert(sends_.end(), keep.begin(), keep.end());
+  }
+}
+
+}  // namespace epd::kvstore

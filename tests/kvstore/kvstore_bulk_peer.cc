@@ -1,0 +1,50 @@
+// kvstore_bulk_peer: a kvstore client process for the bulk-path tests. Puts one value of --bytes
+// bytes (Payload(--seed)) under Key(--key) over UCX, each data chunk held --chunk-delay-ms on the
+// way out (a slow link), so a test can SIGKILL this process in the middle of the transfer.
+// Prints "put ok" or "put failed: <why>" and exits 0/1.
+#include <CLI/CLI.hpp>
+#include <iostream>
+
+#include "kvstore/kvstore_client.h"
+#include "kvstore/transfer/fault_wire.h"
+#include "tests/kvstore/test_util.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"kvstore_bulk_peer"};
+  std::string target;
+  int key = 0, chunk_delay_ms = 0;
+  uint64_t bytes = 0, seed = 0;
+  app.add_option("--target", target)->required();
+  app.add_option("--key", key)->required();
+  app.add_option("--bytes", bytes)->required();
+  app.add_option("--seed", seed)->required();
+  app.add_option("--chunk-delay-ms", chunk_delay_ms);
+  CLI11_PARSE(app, argc, argv);
+
+  epd::kvstore::KvClientOptions o;
+  o.bulk = epd::kvstore::BulkTransport::kUcx;
+  o.bulk_min_bytes = 0;
+  o.deadline_ms = 60000;
+  if (chunk_delay_ms > 0) {
+    epd::transfer::FaultPlan plan;
+    plan.action = epd::transfer::FaultPlan::Action::kDelay;
+    plan.target = epd::transfer::FaultPlan::Target::kData;
+    plan.nth = -1;
+    plan.spaced = true;
+    plan.delay = absl::Milliseconds(chunk_delay_ms);
+    o.debug_wrap_wire = [plan](std::unique_ptr<epd::transfer::Wire> inner) {
+      return epd::transfer::MakeFaultWire(std::move(inner), plan);
+    };
+  }
+  auto client = epd::kvstore::KvStoreClient::Create(target, o);
+  const std::string value = epd::kvstore::testing::Payload(seed, bytes);
+  const auto k = epd::kvstore::testing::Key(key);
+  std::cout << "putting" << std::endl;
+  absl::Status s = client->Put(epd::kvstore::Tier::kG3, epd::kvstore::AsBytes(k), value);
+  if (!s.ok()) {
+    std::cout << "put failed: " << s << std::endl;
+    return 1;
+  }
+  std::cout << "put ok" << std::endl;
+  return 0;
+}
