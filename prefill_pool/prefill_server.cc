@@ -61,7 +61,10 @@ class PrefillHandler final : public worker::JobHandler {
     if (cancelled.load()) return absl::CancelledError("cancelled");
     std::vector<model::StateSegment> out = std::move(res->state);
     out.push_back(worker::PackLogits(res->logits));
-    auto manifest = worker::BuildHandoffManifest(c, h, worker::ShapesOf(out));
+    // What decode receives carries the DSpark state exactly when this worker runs DSpark.
+    worker::HandoffHeader to_decode = h;
+    to_decode.dspark = setup_.dspark;
+    auto manifest = worker::BuildHandoffManifest(c, to_decode, worker::ShapesOf(out));
     absl::Status st = setup_.handoff->Send(job.next_transfer_address(), std::move(manifest), out,
                                            deadline, &cancelled);
     if (!st.ok())

@@ -101,6 +101,11 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
+    set_str("dspark", "--dspark", &o->dspark);
+    if (o->dspark != "on" && o->dspark != "off") {
+      return absl::InvalidArgumentError("--config " + o->config_file +
+                                        ": dspark must be \"on\" or \"off\"");
+    }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError("--config " + o->config_file + ": " + e.what());
   }
@@ -120,7 +125,25 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--api-key", o->api_key, "Require this Bearer key on the HTTP API");
   app.add_option("--config", o->config_file, "JSON file with the same keys (flags win)");
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
+  app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
+      ->check(CLI::IsMember({"on", "off"}));
 }
+
+namespace {
+// A fresh shared secret for the workers' transfer handshake, unless the operator set one.
+std::string RandomClusterToken() {
+  std::ifstream urandom("/dev/urandom", std::ios::binary);
+  unsigned char bytes[16] = {};
+  urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  for (unsigned char b : bytes) {
+    out.push_back(kHex[b >> 4]);
+    out.push_back(kHex[b & 15]);
+  }
+  return out;
+}
+}  // namespace
 
 int RunServe(ServeOptions o) {
   InstallShutdownHandlers();
@@ -128,6 +151,9 @@ int RunServe(ServeOptions o) {
   // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
   // workers) unless the operator chose devices.
   if (o.host == "127.0.0.1" || o.host == "localhost") setenv("UCX_NET_DEVICES", "lo", 0);
+  // Workers authenticate each other's transfers with a cluster token; the children inherit it
+  // through the environment (not argv, which every local user can read).
+  setenv("EPD_CLUSTER_TOKEN", RandomClusterToken().c_str(), /*overwrite=*/0);
   std::error_code ec;
   fs::create_directories(o.data_dir + "/logs", ec);
   fs::create_directories(o.data_dir + "/run", ec);
@@ -196,7 +222,7 @@ int RunServe(ServeOptions o) {
     for (int i = 0; i < n; ++i) {
       Component* w = add("epd-" + kind + "-" + std::to_string(i),
                          {bin + "/epd-" + kind, "--router", router_addr, "--kvstore", kv_addr,
-                          "--model", o.model_dir},
+                          "--model", o.model_dir, "--dspark", o.dspark},
                          true);
       if (!StartComponent(*w, "grpc")) return false;
     }

@@ -27,12 +27,13 @@ struct ServeOptions {
   std::string api_key;             // Default: none (no auth)
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
+  std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);
 
 // Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
-// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key); flags given on the
+// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key, dspark); flags given on the
 // command line win.
 absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
 
