@@ -31,16 +31,27 @@ std::string KeyList(std::initializer_list<const char*> keys) {
   return absl::StrJoin(v, "' / '");
 }
 
+#define EPD_CFG(expr)         \
+  do {                        \
+    absl::Status _s = (expr); \
+    if (!_s.ok()) return _s;  \
+  } while (0)
+
+// The first present key of `keys` in `obj` (*value stays null when absent and not required).
+absl::Status FindField(const Json& obj, std::initializer_list<const char*> keys, bool required,
+                       std::string* key, const Json** value) {
+  *value = Find(obj, keys, key);
+  if (*value == nullptr && required)
+    return absl::InvalidArgumentError(absl::StrCat("config: missing field '", KeyList(keys), "'"));
+  return absl::OkStatus();
+}
+
 template <typename T>
 absl::Status Get(const Json& obj, std::initializer_list<const char*> keys, bool required, T* out) {
   std::string key;
-  const Json* v = Find(obj, keys, &key);
-  if (v == nullptr) {
-    if (required)
-      return absl::InvalidArgumentError(
-          absl::StrCat("config: missing field '", KeyList(keys), "'"));
-    return absl::OkStatus();
-  }
+  const Json* v = nullptr;
+  EPD_CFG(FindField(obj, keys, required, &key, &v));
+  if (v == nullptr) return absl::OkStatus();
   if constexpr (std::is_same_v<T, bool>) {
     if (!v->is_boolean())
       return absl::InvalidArgumentError(
@@ -70,13 +81,9 @@ template <typename T>
 absl::Status GetList(const Json& obj, std::initializer_list<const char*> keys, bool required,
                      std::vector<T>* out) {
   std::string key;
-  const Json* v = Find(obj, keys, &key);
-  if (v == nullptr) {
-    if (required)
-      return absl::InvalidArgumentError(
-          absl::StrCat("config: missing field '", KeyList(keys), "'"));
-    return absl::OkStatus();
-  }
+  const Json* v = nullptr;
+  EPD_CFG(FindField(obj, keys, required, &key, &v));
+  if (v == nullptr) return absl::OkStatus();
   if (!v->is_array())
     return absl::InvalidArgumentError(absl::StrCat("config: field '", key, "' must be a list"));
   out->clear();
@@ -89,12 +96,6 @@ absl::Status GetList(const Json& obj, std::initializer_list<const char*> keys, b
   }
   return absl::OkStatus();
 }
-
-#define EPD_CFG(expr)         \
-  do {                        \
-    absl::Status _s = (expr); \
-    if (!_s.ok()) return _s;  \
-  } while (0)
 
 absl::Status Bad(std::string_view field, std::string_view why) {
   return absl::InvalidArgumentError(
