@@ -1,0 +1,26 @@
+#pragma once
+
+// The G1 block pool's device arena (kvstore/block_arena.h, ArenaKind::kDevice): one cudaMalloc'd
+// region of num_blocks x block_bytes in HBM, handed out by block index. BlockAddress returns a
+// device pointer (what the UCX transfer engine registers for RMA on a GPU host); CopyIn/CopyOut
+// move bytes between host memory and a block with synchronous cudaMemcpy.
+//
+// CUDA-free header (host code includes it without nvcc); built only when the CUDA toolkit is
+// found (EPD_WITH_CUDA), linked against the CUDA runtime only, never the driver stub.
+// Thread-safety: as BlockArena (distinct blocks concurrently).
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kvstore/block_arena.h"
+
+namespace epd::kvstore {
+
+// FailedPrecondition naming the cause when there is no driver or no device `device` (so a caller
+// falls back to MakeHostArena); ResourceExhausted when HBM cannot hold the arena; InvalidArgument
+// for zero sizes.
+absl::StatusOr<std::unique_ptr<BlockArena>> MakeDeviceArena(size_t block_bytes, uint32_t num_blocks,
+                                                            int device = 0);
+
+}  // namespace epd::kvstore
