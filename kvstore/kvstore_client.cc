@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <random>
 
@@ -66,6 +67,42 @@ MissReason ParseMissReason(const std::string& s) {
   return MissReason::kAbsent;
 }
 
+// One UCX transfer engine per process and (cluster token, net devices), shared by every
+// KvStoreClient of that process: one UCX worker and progress thread instead of one per client.
+// Kept alive by its clients (weak cache). Thread-safe.
+struct SharedEngine {
+  prometheus::Registry registry;  // the engine's own epd_transfer_* families
+  std::unique_ptr<transfer::TransferEngine> engine;
+  ~SharedEngine() {
+    if (engine) engine->Shutdown();
+  }
+};
+
+absl::StatusOr<std::shared_ptr<SharedEngine>> MakeEngine(
+    const transfer::UcxOptions& uo, const transfer::EngineOptions& eo,
+    const std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)>& wrap) {
+  auto shared = std::make_shared<SharedEngine>();
+  std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
+  if (wrap) wire = wrap(std::move(wire));
+  auto engine = transfer::TransferEngine::Create(std::move(wire), eo, shared->registry,
+                                                 common::SystemClock::Get());
+  if (!engine.ok()) return engine.status();
+  shared->engine = std::move(*engine);
+  return shared;
+}
+
+absl::StatusOr<std::shared_ptr<SharedEngine>> GetSharedEngine(const transfer::UcxOptions& uo,
+                                                              const transfer::EngineOptions& eo) {
+  static std::mutex mu;
+  static std::map<std::string, std::weak_ptr<SharedEngine>> cache;
+  const std::string key = absl::StrCat(eo.cluster_token, "\n", uo.net_devices);
+  std::lock_guard<std::mutex> lock(mu);
+  if (auto live = cache[key].lock()) return live;
+  auto made = MakeEngine(uo, eo, nullptr);
+  if (made.ok()) cache[key] = *made;
+  return made;
+}
+
 }  // namespace
 
 class KvStoreClient::Impl {
@@ -78,7 +115,7 @@ class KvStoreClient::Impl {
     nonce_ = absl::StrCat("kv-", getpid(), "-", rd(), "-", rd());
   }
   ~Impl() {
-    if (engine_) engine_->Shutdown();
+    if (engine_ && has_peer_) engine_->engine->Disconnect(peer_);
   }
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -140,7 +177,7 @@ class KvStoreClient::Impl {
 
  private:
   absl::StatusOr<transfer::TransferEngine*> EngineLocked() {
-    if (engine_) return engine_.get();
+    if (engine_) return engine_->engine.get();
     if (!engine_error_.ok()) return engine_error_;
     transfer::UcxOptions uo;
     uo.net_devices = options_.ucx_net_devices;
@@ -152,10 +189,9 @@ class KvStoreClient::Impl {
       eo.cluster_token = t != nullptr ? t : "epd-dev";
     }
     eo.node_name = "kvstore-client";
-    std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
-    if (options_.debug_wrap_wire) wire = options_.debug_wrap_wire(std::move(wire));
-    auto engine = transfer::TransferEngine::Create(std::move(wire), eo, engine_registry_,
-                                                   common::SystemClock::Get());
+    // A fault-injecting client gets an engine of its own; the others share one per process.
+    auto engine = options_.debug_wrap_wire ? MakeEngine(uo, eo, options_.debug_wrap_wire)
+                                           : GetSharedEngine(uo, eo);
     if (!engine.ok()) {
       engine_error_ = engine.status();
       spdlog::warn("kvstore client: no UCX bulk path ({}); values travel inline",
@@ -163,12 +199,11 @@ class KvStoreClient::Impl {
       return engine_error_;
     }
     engine_ = std::move(*engine);
-    return engine_.get();
+    return engine_->engine.get();
   }
 
-  std::mutex mu_;                         // guards the engine and the daemon connection
-  prometheus::Registry engine_registry_;  // the engine's own epd_transfer_* families
-  std::unique_ptr<transfer::TransferEngine> engine_;
+  std::mutex mu_;  // guards the engine and the daemon connection
+  std::shared_ptr<SharedEngine> engine_;
   absl::Status engine_error_;
   std::string daemon_address_;
   transfer::PeerId peer_ = 0;
