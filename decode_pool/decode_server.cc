@@ -8,6 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "decode_pool/decode_stage.h"
+#include "decode_pool/dspark/verifier.h"
+#include "prometheus/counter.h"
 #include "prometheus/histogram.h"
 
 namespace epd::decode_pool {
@@ -26,29 +28,45 @@ model::SamplingParams FromProto(const epd::v1::SamplingParams& p) {
   s.stop_token_ids.assign(p.stop_token_ids().begin(), p.stop_token_ids().end());
   if (p.max_tokens() > 0) s.max_tokens = p.max_tokens();
   s.top_logprobs = p.top_logprobs();
-  return s;  // stop strings are matched by the router on text
+  // Stop strings are validated here but matched by the router, which holds the detokenizer
+  // and cancels this job on a match (docs/dspark.md, "Decode loop").
+  s.stop_strings.assign(p.stop().begin(), p.stop().end());
+  return s;
+}
+
+DecodeStageOptions WithSetup(DecodeStageOptions o, const worker::WorkerSetup& setup) {
+  o.dspark = setup.dspark;
+  return o;
 }
 
 class DecodeHandler final : public worker::JobHandler {
  public:
-  explicit DecodeHandler(const worker::WorkerSetup& setup)
-      : setup_(setup), stage_(*setup.model), loop_([this] { Loop(); }) {
-    prometheus::BuildCounter()
-        .Name("epd_dspark_drafted_tokens_total")
-        .Help("DSpark draft tokens proposed")
-        .Register(*setup.registry)
-        .Add({});
-    prometheus::BuildCounter()
-        .Name("epd_dspark_accepted_tokens_total")
-        .Help("DSpark draft tokens accepted by verification")
-        .Register(*setup.registry)
-        .Add({});
-    prometheus::BuildHistogram()
-        .Name("epd_dspark_verify_length_tokens")
-        .Help("Draft tokens verified per step (the chosen k)")
-        .Register(*setup.registry)
-        .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 3, 4, 5});
-  }
+  DecodeHandler(const worker::WorkerSetup& setup, const DecodeStageOptions& options)
+      : setup_(setup),
+        stage_(*setup.model, WithSetup(options, setup)),
+        drafted_(prometheus::BuildCounter()
+                     .Name("epd_dspark_drafted_tokens_total")
+                     .Help("DSpark draft tokens verified by the target (sum of k over sequences "
+                           "and steps)")
+                     .Register(*setup.registry)
+                     .Add({})),
+        accepted_(prometheus::BuildCounter()
+                      .Name("epd_dspark_accepted_tokens_total")
+                      .Help("DSpark draft tokens accepted by verification (<= drafted)")
+                      .Register(*setup.registry)
+                      .Add({})),
+        verify_len_(prometheus::BuildHistogram()
+                        .Name("epd_dspark_verify_length_tokens")
+                        .Help("Draft tokens verified per sequence and step (the chosen k)")
+                        .Register(*setup.registry)
+                        .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 3, 4, 5})),
+        handoff_mismatch_(prometheus::BuildCounter()
+                              .Name("epd_dspark_handoff_mismatch_total")
+                              .Help("Hand-offs refused because the DSpark setting of prefill "
+                                    "and decode differ")
+                              .Register(*setup.registry)
+                              .Add({})),
+        loop_([this] { Loop(); }) {}
 
   ~DecodeHandler() override {
     {
@@ -78,13 +96,26 @@ class DecodeHandler final : public worker::JobHandler {
     } else {
       std::vector<worker::SegmentShape> shapes = worker::ExpectedStateShapes(c, n, true);
       shapes.push_back(worker::LogitsShape(c));
+      // The header's dspark field says whether the state carries DSpark state; the transfer
+      // engine refuses an offer whose field differs. It must come from the worker's setting on
+      // both sides; prefill_server.cc still sends job.dspark() (never set by the router), so
+      // this side follows it until both lines change together to setup_.dspark (docs/dspark.md).
       worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, job.dspark()};
       auto got =
           setup_.handoff->Receive(worker::BuildHandoffManifest(c, h, shapes), shapes,
                                   absl::Milliseconds(setup_.handoff_deadline_ms), &cancelled);
-      if (!got.ok())
-        return absl::Status(got.status().code(),
-                            absl::StrCat("prefill -> decode hand-off: ", got.status().message()));
+      if (!got.ok()) {
+        bool mismatch = false;
+        const absl::Status e = DSparkHandoffReceiveError(setup_.dspark, got.status(), &mismatch);
+        if (mismatch) handoff_mismatch_.Increment();
+        return absl::Status(e.code(), absl::StrCat("prefill -> decode hand-off: ", e.message()));
+      }
+      if (setup_.dspark) {  // drafting needs the DSpark input (main_hidden) and draft rings
+        if (absl::Status d = CheckDSparkHandoff(true, HandoffHasDSparkState(c, *got)); !d.ok()) {
+          handoff_mismatch_.Increment();
+          return absl::Status(d.code(), absl::StrCat("prefill -> decode hand-off: ", d.message()));
+        }
+      }
       auto logits = worker::UnpackLogits(*got);
       if (!logits.ok()) return logits.status();
       got->pop_back();  // the logits segment
@@ -104,6 +135,7 @@ class DecodeHandler final : public worker::JobHandler {
     absl::Status result = absl::OkStatus();
     while (true) {
       std::vector<int32_t> fresh;
+      std::vector<model::Logprobs> fresh_lp;
       bool done = false;
       std::string finish;
       {
@@ -116,6 +148,9 @@ class DecodeHandler final : public worker::JobHandler {
           break;
         }
         fresh.assign(slot->seq->output.begin() + sent, slot->seq->output.end());
+        if (slot->seq->logprobs.size() >= slot->seq->output.size())
+          fresh_lp.assign(slot->seq->logprobs.begin() + sent,
+                          slot->seq->logprobs.begin() + slot->seq->output.size());
         sent = slot->seq->output.size();
         done = slot->seq->done;
         finish = slot->seq->finish_reason;
@@ -128,6 +163,16 @@ class DecodeHandler final : public worker::JobHandler {
       epd::v1::SubmitResponse r;
       r.set_request_id(job.request_id());
       for (int32_t t : fresh) r.add_token_ids(t);
+      // Logprobs (top_logprobs = n > 0): per token, the chosen token then its top n.
+      for (const model::Logprobs& lp : fresh_lp) {
+        auto add = [&](const model::TokenLogprob& x) {
+          epd::v1::TokenLogprob* o = r.add_top_logprobs();
+          o->set_token_id(x.token);
+          o->set_logprob(x.logprob);
+        };
+        add(lp.chosen);
+        for (const model::TokenLogprob& x : lp.top) add(x);
+      }
       if (done) r.set_finish_reason(finish);
       if (!emit(r)) {
         result = absl::CancelledError("the router's stream is gone");
@@ -171,12 +216,19 @@ class DecodeHandler final : public worker::JobHandler {
         seqs.push_back(std::move(s->seq));            // the loop owns it during the step
         s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done, no output
         s->seq->output = seqs.back()->output;
+        s->seq->logprobs = seqs.back()->logprobs;
       }
       lock.unlock();
       std::vector<DecodeSequence*> batch;
       for (auto& q : seqs) batch.push_back(q.get());
       setup_.batch_size->Set(static_cast<double>(batch.size()));
-      absl::Status st = stage_.Step(batch);
+      DecodeStepStats stats;
+      absl::Status st = stage_.Step(batch, &stats);
+      if (st.ok() && stage_.options().dspark) {
+        drafted_.Increment(static_cast<double>(stats.drafted));
+        accepted_.Increment(static_cast<double>(stats.accepted));
+        for (int k : stats.k) verify_len_.Observe(k);
+      }
       lock.lock();
       for (size_t i = 0; i < live.size(); ++i) {
         const bool left = live[i]->seq->done;  // Run gave up on it during the step
@@ -190,6 +242,10 @@ class DecodeHandler final : public worker::JobHandler {
 
   worker::WorkerSetup setup_;
   DecodeStage stage_;
+  prometheus::Counter& drafted_;
+  prometheus::Counter& accepted_;
+  prometheus::Histogram& verify_len_;
+  prometheus::Counter& handoff_mismatch_;
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::vector<std::shared_ptr<Slot>> slots_;
@@ -200,8 +256,11 @@ class DecodeHandler final : public worker::JobHandler {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<worker::JobHandler>> MakeDecodeHandler(
-    const worker::WorkerSetup& setup) {
-  return std::make_unique<DecodeHandler>(setup);
+    const worker::WorkerSetup& setup, DecodeStageOptions options) {
+  if (options.fixed_k > options.max_k)
+    return absl::InvalidArgumentError(absl::StrCat("decode: --dspark-k ", options.fixed_k,
+                                                   " exceeds the maximum ", options.max_k));
+  return std::make_unique<DecodeHandler>(setup, options);
 }
 
 }  // namespace epd::decode_pool

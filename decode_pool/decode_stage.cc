@@ -1,9 +1,18 @@
 #include "decode_pool/decode_stage.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "model/stages.h"
 
 namespace epd::decode_pool {
+
+DecodeStage::DecodeStage(const model::Model& model, DecodeStageOptions options)
+    : model_(model),
+      options_(options),
+      policy_(options.time_model, KPolicyOptions{.max_k = options.max_k}),
+      scorer_(model),
+      decoder_(model, scorer_, &policy_) {}
 
 std::unique_ptr<DecodeSequence> DecodeStage::Begin(model::SamplingParams params,
                                                    std::span<const int32_t> prompt) const {
@@ -15,20 +24,29 @@ std::unique_ptr<DecodeSequence> DecodeStage::Begin(model::SamplingParams params,
   return seq;
 }
 
-void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
-  const int32_t tok = seq.sampler->Sample(logits);
+bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> logits) const {
+  if (seq.done) return false;
   if (seq.sampler->IsStopToken(tok)) {
     seq.done = true;
     seq.finish_reason = "stop";
-    return;
+    return false;
   }
-  seq.sampler->Accept(tok);
   seq.output.push_back(tok);
+  if (const int n = seq.sampler->params().top_logprobs; n > 0)
+    seq.logprobs.push_back(model::ComputeLogprobs(logits, tok, n));
   seq.pending = tok;
   if (static_cast<int32_t>(seq.output.size()) >= seq.sampler->params().max_tokens) {
     seq.done = true;
     seq.finish_reason = "length";
+    return false;
   }
+  return true;
+}
+
+void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
+  const int32_t tok = seq.sampler->Sample(logits);
+  if (!seq.sampler->IsStopToken(tok)) seq.sampler->Accept(tok);
+  Emit(seq, tok, logits);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Start(
@@ -65,24 +83,99 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartFromPrompt(
   return seq;
 }
 
-absl::Status DecodeStage::Step(std::span<DecodeSequence* const> batch) {
+absl::Status DecodeStage::Step(std::span<DecodeSequence* const> batch, DecodeStepStats* stats) {
   std::vector<DecodeSequence*> live;
+  for (DecodeSequence* s : batch) {
+    if (!s->done) live.push_back(s);
+  }
+  DecodeStepStats local;
+  DecodeStepStats& st = stats != nullptr ? *stats : local;
+  st = DecodeStepStats{};
+  st.sequences = static_cast<int>(live.size());
+  if (live.empty()) return absl::OkStatus();
+  std::lock_guard<std::mutex> lock(compute_mu_);
+  return options_.dspark ? StepDSpark(live, st) : StepPlain(live, st);
+}
+
+absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& st) {
   std::vector<model::SequenceState*> states;
   std::vector<std::vector<int32_t>> tokens;
-  for (DecodeSequence* s : batch) {
-    if (s->done) continue;
-    live.push_back(s);
+  for (DecodeSequence* s : live) {
     states.push_back(s->state.get());
     tokens.push_back({s->pending});
   }
-  if (live.empty()) return absl::OkStatus();
-  std::lock_guard<std::mutex> lock(compute_mu_);
   auto res = model::DecodeStep(model_, states, tokens);
   if (!res.ok()) return res.status();
   const int64_t vocab = model_.config().vocab_size;
   for (size_t i = 0; i < live.size(); ++i) {
     const std::vector<float>& l = (*res)[i].logits;
+    const size_t before = live[i]->output.size();
     Offer(*live[i], std::span<const float>(l.data() + l.size() - vocab, vocab));
+    st.emitted += static_cast<int64_t>(live[i]->output.size() - before);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, DecodeStepStats& st) {
+  const int64_t V = model_.config().vocab_size;
+  const int b = static_cast<int>(live.size());
+  std::vector<DraftProposal> props;
+  std::vector<model::SequenceState*> states;
+  std::vector<std::vector<int32_t>> tokens;
+  std::vector<model::StepCheckpoint> checkpoints(live.size());
+  props.reserve(live.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    DecodeSequence& s = *live[i];
+    // A step emits accepted + 1 tokens and the output stops at max_tokens, so more than room - 1
+    // drafts could never be emitted: cap k (Emit also truncates, this only saves work).
+    const int room = s.sampler->params().max_tokens - static_cast<int>(s.output.size());
+    const int cap = std::max(0, std::min(options_.max_k, room - 1));
+    int k = options_.fixed_k;
+    if (cap == 0) k = 0;
+    auto prop = decoder_.Propose(*s.state, s.pending, *s.sampler, k, b);
+    if (!prop.ok())
+      return absl::Status(prop.status().code(),
+                          absl::StrCat("dspark draft: ", prop.status().message()));
+    if (prop->k > cap) {  // the policy chose more than the sequence can emit
+      prop->k = cap;
+      prop->drafts.resize(cap);
+      prop->q.resize(static_cast<size_t>(cap) * V);
+    }
+    std::vector<int32_t> ids = {s.pending};
+    ids.insert(ids.end(), prop->drafts.begin(), prop->drafts.end());
+    if (prop->k > 0) checkpoints[i] = model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()));
+    states.push_back(s.state.get());
+    tokens.push_back(std::move(ids));
+    props.push_back(std::move(*prop));
+  }
+  auto res = model::DecodeStep(model_, states, tokens);
+  if (!res.ok()) return res.status();
+  for (size_t i = 0; i < live.size(); ++i) {
+    DecodeSequence& s = *live[i];
+    const DraftProposal& p = props[i];
+    const std::vector<float>& logits = (*res)[i].logits;
+    if (static_cast<int64_t>(logits.size()) != (p.k + 1) * V)
+      return absl::InternalError(absl::StrCat("decode step returned ", logits.size() / V,
+                                              " logit rows for ", p.k + 1, " positions"));
+    const VerifyOutcome o = decoder_.Verify(logits, p, *s.sampler);
+    if (p.k > 0) {
+      const std::span<const int32_t> keep =
+          std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);
+      if (absl::Status r = model_.Rollback(*s.state, checkpoints[i], keep, (*res)[i]); !r.ok())
+        return absl::Status(r.code(), absl::StrCat("dspark rollback: ", r.message()));
+    }
+    st.k.push_back(p.k);
+    st.drafted += p.k;
+    st.accepted += o.accepted;
+    s.drafted += p.k;
+    s.accepted += o.accepted;
+    const size_t before = s.output.size();
+    for (int j = 0; j <= o.accepted; ++j) {
+      const int32_t t = j < o.accepted ? p.drafts[j] : o.token;
+      if (!s.sampler->IsStopToken(t)) s.sampler->Accept(t);
+      if (!Emit(s, t, std::span<const float>(logits.data() + j * V, V))) break;
+    }
+    st.emitted += static_cast<int64_t>(s.output.size() - before);
   }
   return absl::OkStatus();
 }

@@ -1,9 +1,18 @@
 #pragma once
 
-// The decode stage (DESIGN.md §3): token generation on a sequence state handed over by prefill.
-// Compute only (decode_server.cc streams the tokens). A step advances a batch of sequences by one
-// token each with one batched DecodeStep call (continuous batching: the server adds and removes
+// The decode stage (DESIGN.md §3, §9): token generation on a sequence state handed over by
+// prefill. Compute only (decode_server.cc streams the tokens). A step advances a batch of
+// sequences with one batched DecodeStep call (continuous batching: the server adds and removes
 // sequences between steps).
+//
+// DSpark off: each step feeds every sequence its last sampled token (1 position) and samples one
+// token. DSpark on (docs/dspark.md, "Decode loop"): each step drafts per sequence from its last
+// token (Model::Draft), chooses k per sequence (KPolicy from the confidences and the live batch
+// size, or a fixed k), checkpoints, runs ONE DecodeStep over [last, k drafts] for all sequences
+// (ragged k), verifies (greedy: longest agreeing prefix; T > 0: speculative rejection sampling
+// with the request's Rng), rolls the rejected positions back and emits the accepted drafts plus
+// the target's token (>= 1 per step), stopping at a stop id or max_tokens (never past it).
+// Greedy output is token-for-token identical in both modes.
 //
 // Thread-safety: Step may be called from any thread; calls are serialized by an internal mutex.
 // A DecodeSequence is owned by one request and touched only through this stage.
@@ -15,6 +24,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "decode_pool/dspark/k_policy.h"
+#include "decode_pool/dspark/target_scorer.h"
+#include "decode_pool/dspark/verifier.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
@@ -25,14 +37,37 @@ struct DecodeSequence {
   std::unique_ptr<model::SequenceState> state;
   std::unique_ptr<model::Sampler> sampler;
   std::vector<int32_t> output;  // tokens generated so far (EOS/stop ids excluded)
-  int32_t pending = -1;         // last sampled token, not yet fed to the model
+  // Per output token when params.top_logprobs > 0 (raw logits of the row that produced it).
+  std::vector<model::Logprobs> logprobs;
+  int32_t pending = -1;  // last sampled token, not yet fed to the model
   bool done = false;
   std::string finish_reason;  // "stop" | "length" once done
+  int64_t drafted = 0;        // DSpark drafts verified for this sequence (sum of k)
+  int64_t accepted = 0;       // of which accepted
+};
+
+struct DecodeStageOptions {
+  bool dspark = false;  // draft + verify every step. Default: off (the worker passes --dspark)
+  int fixed_k = -1;     // >= 0: that many drafts every step (0: verify nothing); -1: KPolicy
+  // The policy's step-time model t(b, k) (relative units are fine: only ratios matter). Default:
+  // a memory-bound accelerator step where a verify row costs 2% of the step and the draft pass 5%
+  // (docs/dspark.md); on the CPU backend a verify row costs ~half a step (measured there).
+  StepTimeModel time_model{.base_s = 1.0, .per_token_s = 0.02, .draft_s = 0.05};
+  int max_k = 5;  // <= the DSpark block size
+};
+
+// What one Step did (DSpark counters are 0 with DSpark off).
+struct DecodeStepStats {
+  int sequences = 0;     // live sequences stepped
+  int64_t drafted = 0;   // draft tokens verified (sum of the per-sequence k)
+  int64_t accepted = 0;  // draft tokens accepted (<= drafted)
+  int64_t emitted = 0;   // tokens appended to outputs
+  std::vector<int> k;    // per live sequence: its k this step (DSpark on only)
 };
 
 class DecodeStage {
  public:
-  explicit DecodeStage(const model::Model& model) : model_(model) {}
+  explicit DecodeStage(const model::Model& model, DecodeStageOptions options = {});
 
   // A sequence from prefill's hand-off: the state at N and the last prompt position's logits.
   // Samples the first token. The model's EOS id is added to the stop ids.
@@ -43,16 +78,30 @@ class DecodeStage {
   [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeSequence>> StartFromPrompt(
       std::span<const int32_t> prompt, model::SamplingParams params);
 
-  // One token for every sequence of `batch` that is not done (one batched DecodeStep).
-  [[nodiscard]] absl::Status Step(std::span<DecodeSequence* const> batch);
+  // Advances every sequence of `batch` that is not done (one batched DecodeStep): one token each
+  // with DSpark off, 1..k+1 with DSpark on. `stats` (optional) receives what the step did.
+  // On error no sequence of the batch may be used further (the caller fails them).
+  [[nodiscard]] absl::Status Step(std::span<DecodeSequence* const> batch,
+                                  DecodeStepStats* stats = nullptr);
+
+  const DecodeStageOptions& options() const { return options_; }
 
  private:
   std::unique_ptr<DecodeSequence> Begin(model::SamplingParams params,
                                         std::span<const int32_t> prompt) const;
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
+  // Appends an already chosen token (its row's raw logits for logprobs); returns false once the
+  // sequence is done (stop id: not appended; max_tokens reached: appended, then done).
+  bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits) const;
+  absl::Status StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
+  absl::Status StepDSpark(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
 
   const model::Model& model_;
+  DecodeStageOptions options_;
+  KPolicy policy_;
+  ExtendTargetScorer scorer_;  // required by SpeculativeDecoder; Step uses DecodeStep instead
+  SpeculativeDecoder decoder_;
   std::mutex compute_mu_;
 };
 

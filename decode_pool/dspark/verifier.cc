@@ -70,9 +70,8 @@ void SpeculativeDecoder::MarkovBias(int32_t token, std::vector<float>& bias) con
   }
 }
 
-absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t last,
-                                                   Sampler& sampler, int k,
-                                                   std::vector<int32_t>& out, int batch) {
+absl::StatusOr<DraftProposal> SpeculativeDecoder::Propose(SequenceState& state, int32_t last,
+                                                          Sampler& sampler, int k, int batch) {
   const model::ModelConfig& c = model_.config();
   const int64_t V = c.vocab_size;
   const bool greedy = sampler.params().greedy();
@@ -80,69 +79,83 @@ absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t
   if (!can_draft) k = 0;
   if (k < 0 && (policy_ == nullptr || !policy_->WorthDrafting(batch))) k = 0;
 
-  StepStats st;
-  std::vector<int32_t> drafts;
-  std::vector<float> q;  // [k, V] draft distributions (T > 0 only)
-  if (k != 0) {
-    auto draft = model_.Draft(state, last);
-    if (!draft.ok()) return draft.status();
-    st.confidence = draft->confidence;
-    if (k < 0) k = policy_->Choose(draft->confidence, batch);
-    k = std::min<int>(k, c.dspark_block_size);
-    if (greedy && !sampler.params().has_penalties()) {
-      drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
-    } else {
-      // Re-chain the Markov head with our own choices: logits_i depend on the chain token x_i
-      // only through bias(x_i); the returned logits carry bias(ids[i]) of the greedy chain.
-      std::vector<float> li(V), b_old, b_new, qi;
-      if (!greedy) q.resize(static_cast<size_t>(k) * V);
-      for (int i = 0; i < k; ++i) {
-        const float* base = draft->logits.data() + i * V;
-        std::copy_n(base, V, li.data());
-        if (i > 0 && drafts[i - 1] != draft->ids[i]) {
-          MarkovBias(draft->ids[i], b_old);
-          MarkovBias(drafts[i - 1], b_new);
-          for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
-        }
-        int32_t x;
-        if (greedy) {
-          x = sampler.Greedy(li, drafts);
-        } else {
-          sampler.Probabilities(li, drafts, qi);
-          std::copy(qi.begin(), qi.end(), q.begin() + static_cast<int64_t>(i) * V);
-          x = model::SampleFromProbs(qi, sampler.rng().NextUniform());
-        }
-        drafts.push_back(x);
-      }
-    }
+  DraftProposal p;
+  if (k == 0) return p;
+  auto draft = model_.Draft(state, last);
+  if (!draft.ok()) return draft.status();
+  p.confidence = draft->confidence;
+  if (k < 0) k = policy_->Choose(draft->confidence, batch);
+  k = std::min<int>(k, c.dspark_block_size);
+  p.k = k;
+  if (greedy && !sampler.params().has_penalties()) {
+    p.drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
+    return p;
   }
+  // Re-chain the Markov head with our own choices: logits_i depend on the chain token x_i
+  // only through bias(x_i); the returned logits carry bias(ids[i]) of the greedy chain.
+  std::vector<float> li(V), b_old, b_new, qi;
+  if (!greedy) p.q.resize(static_cast<size_t>(k) * V);
+  for (int i = 0; i < k; ++i) {
+    const float* base = draft->logits.data() + i * V;
+    std::copy_n(base, V, li.data());
+    if (i > 0 && p.drafts[i - 1] != draft->ids[i]) {
+      MarkovBias(draft->ids[i], b_old);
+      MarkovBias(p.drafts[i - 1], b_new);
+      for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
+    }
+    int32_t x;
+    if (greedy) {
+      x = sampler.Greedy(li, p.drafts);
+    } else {
+      sampler.Probabilities(li, p.drafts, qi);
+      std::copy(qi.begin(), qi.end(), p.q.begin() + static_cast<int64_t>(i) * V);
+      x = model::SampleFromProbs(qi, sampler.rng().NextUniform());
+    }
+    p.drafts.push_back(x);
+  }
+  return p;
+}
 
-  std::vector<int32_t> ids = {last};
-  ids.insert(ids.end(), drafts.begin(), drafts.end());
-  auto logits = scorer_.Score(state, ids);
-  if (!logits.ok()) return logits.status();
-  const std::span<const int32_t> dspan(drafts);
-  VerifyOutcome o;
-  if (greedy) {
+VerifyOutcome SpeculativeDecoder::Verify(std::span<const float> logits, const DraftProposal& prop,
+                                         Sampler& sampler) const {
+  const int64_t V = model_.config().vocab_size;
+  const int k = prop.k;
+  const std::span<const int32_t> dspan(prop.drafts);
+  if (sampler.params().greedy()) {
     std::vector<int32_t> target(k + 1);
     for (int i = 0; i <= k; ++i) {
       target[i] =
-          sampler.Greedy(std::span<const float>(logits->data() + i * V, V), dspan.subspan(0, i));
-      if (i < k && target[i] != drafts[i]) {
+          sampler.Greedy(std::span<const float>(logits.data() + i * V, V), dspan.subspan(0, i));
+      if (i < k && target[i] != prop.drafts[i]) {
         target.resize(i + 1);
         break;
       }
     }
-    o = VerifyGreedy(target, dspan.subspan(0, target.size() - 1));
-  } else {
-    std::vector<float> p(static_cast<size_t>(k + 1) * V), pi;
-    for (int i = 0; i <= k; ++i) {
-      sampler.Probabilities(std::span<const float>(logits->data() + i * V, V), dspan.subspan(0, i),
-                            pi);
-      std::copy(pi.begin(), pi.end(), p.begin() + static_cast<int64_t>(i) * V);
-    }
-    o = VerifyRejection(p, q, drafts, V, sampler.rng());
+    return VerifyGreedy(target, dspan.subspan(0, target.size() - 1));
   }
+  std::vector<float> p(static_cast<size_t>(k + 1) * V), pi;
+  for (int i = 0; i <= k; ++i) {
+    sampler.Probabilities(std::span<const float>(logits.data() + i * V, V), dspan.subspan(0, i),
+                          pi);
+    std::copy(pi.begin(), pi.end(), p.begin() + static_cast<int64_t>(i) * V);
+  }
+  return VerifyRejection(p, prop.q, prop.drafts, V, sampler.rng());
+}
+
+absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t last,
+                                                   Sampler& sampler, int k,
+                                                   std::vector<int32_t>& out, int batch) {
+  const int64_t V = model_.config().vocab_size;
+  auto prop = Propose(state, last, sampler, k, batch);
+  if (!prop.ok()) return prop.status();
+  StepStats st;
+  st.confidence = prop->confidence;
+  const std::vector<int32_t>& drafts = prop->drafts;
+  std::vector<int32_t> ids = {last};
+  ids.insert(ids.end(), drafts.begin(), drafts.end());
+  auto logits = scorer_.Score(state, ids);
+  if (!logits.ok()) return logits.status();
+  const VerifyOutcome o = Verify(*logits, *prop, sampler);
   if (absl::Status s = scorer_.Commit(state, o.accepted + 1); !s.ok()) return s;
   for (int i = 0; i < o.accepted; ++i) {
     out.push_back(drafts[i]);
@@ -157,7 +170,7 @@ absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t
           model::ComputeLogprobs(std::span<const float>(logits->data() + i * V, V), t, n));
     }
   }
-  st.k = k;
+  st.k = prop->k;
   st.accepted = o.accepted;
   st.emitted = o.accepted + 1;
   return st;
@@ -219,6 +232,18 @@ absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_stat
         "worker runs with DSpark off (fingerprint dspark=off)");
   }
   return absl::OkStatus();
+}
+
+absl::Status DSparkHandoffReceiveError(bool worker_dspark, const absl::Status& receive_error,
+                                       bool* mismatch) {
+  *mismatch = false;
+  if (receive_error.ok() ||
+      receive_error.message().find("manifest field dspark ") == absl::string_view::npos)
+    return receive_error;
+  *mismatch = true;
+  const absl::Status c = CheckDSparkHandoff(worker_dspark, !worker_dspark);
+  return absl::FailedPreconditionError(
+      absl::StrCat(c.message(), " [", receive_error.message(), "]"));
 }
 
 bool HandoffHasDSparkState(const model::ModelConfig& config,

@@ -52,7 +52,17 @@ struct StepStats {
   std::vector<model::Logprobs> logprobs;
 };
 
+// A step's draft: the k draft tokens and, for T > 0, the distributions they were drawn from.
+struct DraftProposal {
+  int k = 0;                      // drafts (0: no draft pass, or the policy chose 0)
+  std::vector<int32_t> drafts;    // [k]
+  std::vector<float> q;           // [k, V] draft distributions (T > 0 only; empty when greedy)
+  std::vector<float> confidence;  // raw DSpark confidences (empty: no draft pass)
+};
+
 // One sequence's decode steps. Borrows model, scorer and policy (must outlive it).
+// Step = Propose + scorer.Score + Verify + scorer.Commit; a batched worker calls Propose and Verify
+// around its own batched target pass (decode_pool/decode_stage.cc).
 class SpeculativeDecoder {
  public:
   // `policy` may be null: then only explicit k values are used.
@@ -67,6 +77,17 @@ class SpeculativeDecoder {
   [[nodiscard]] absl::StatusOr<StepStats> Step(model::SequenceState& state, int32_t last,
                                                model::Sampler& sampler, int k,
                                                std::vector<int32_t>& out, int batch = 1);
+
+  // The draft half of Step: k as in Step (k < 0: the policy; k = 0: no draft pass). Draws from
+  // the sampler's Rng when T > 0. Does not change `state` (Model::Draft stores no KV).
+  [[nodiscard]] absl::StatusOr<DraftProposal> Propose(model::SequenceState& state, int32_t last,
+                                                      model::Sampler& sampler, int k,
+                                                      int batch = 1);
+  // The verify half: `logits` [k+1, V] are the target's rows for [last, drafts...] (row i = the
+  // distribution of the token after drafts[0..i)). Greedy: longest agreeing prefix; T > 0:
+  // rejection sampling with the sampler's Rng. Does not touch the sampler's history.
+  VerifyOutcome Verify(std::span<const float> logits, const DraftProposal& proposal,
+                       model::Sampler& sampler) const;
 
  private:
   // Markov-head bias [vocab] for a chain token (fp32, DSparkWeights::markov_*).
@@ -103,6 +124,14 @@ struct GenerationResult {
 // in the hand-off (the DSpark stages' window rings and main_hidden), and one with DSpark off must
 // receive none. Returns FailedPrecondition naming the mismatch.
 [[nodiscard]] absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_state);
+// The decode side of the switch when the hand-off was refused by the transfer engine: the
+// engine compares the offer's manifest header field `dspark` with the receiver's (on/off) before
+// any byte moves. When `receive_error`'s message names that field, returns the
+// CheckDSparkHandoff error (plus the engine's message) and sets *mismatch; else returns
+// `receive_error` unchanged.
+[[nodiscard]] absl::Status DSparkHandoffReceiveError(bool worker_dspark,
+                                                     const absl::Status& receive_error,
+                                                     bool* mismatch);
 // Whether serialized state segments (model/sequence_state.h) carry DSpark state: "swa.<L>" for a
 // DSpark stage L >= n_layers, or "main_hidden".
 bool HandoffHasDSparkState(const model::ModelConfig& config,

@@ -1,0 +1,259 @@
+// The decode stage's continuous-batching loop with DSpark draft + verify (decode_pool/
+// decode_stage.h) on the nano model: greedy output with DSpark on equals DSpark off token for
+// token (batched, ragged k, sequences joining mid-run, generations crossing the 128-token window),
+// max_tokens is never exceeded, stop ids end generation, logprobs follow the emitted tokens, seeded
+// sampling is reproducible, and the hand-off's DSpark switch error is recognized.
+#include "decode_pool/decode_stage.h"
+
+#include <cstdio>
+#include <memory>
+#include <vector>
+
+#include "decode_pool/dspark/verifier.h"
+#include "gtest/gtest.h"
+#include "kernels/backend.h"
+#include "model/model.h"
+#include "model/nano_generator.h"
+#include "model/sampling.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd::decode_pool {
+namespace {
+
+using model::SamplingParams;
+
+class DecodeStageDSparkTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
+    backend_ = kernels::MakeCpuBackend().release();
+    auto m = model::Model::Load(dir_->path(), *backend_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = m->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+    delete dir_;
+  }
+  static std::vector<int32_t> Prompt(int n, int salt) {
+    std::vector<int32_t> p(n);
+    for (int i = 0; i < n; ++i) p[i] = 3 + static_cast<int32_t>((i * 37 + salt * 101) % 1500);
+    return p;
+  }
+
+  struct Request {
+    std::vector<int32_t> prompt;
+    SamplingParams params;
+    int join_step = 0;  // the loop step at which the request joins the batch
+  };
+  struct Run {
+    std::vector<std::unique_ptr<DecodeSequence>> seqs;
+    int64_t drafted = 0, accepted = 0, emitted = 0, steps = 0;
+    int max_k_seen = 0;
+    bool ragged = false;  // some step had different k across its sequences
+  };
+  // Continuous batching as the worker does it: requests join between steps, every step advances
+  // all live sequences with one Step call.
+  static Run Serve(DecodeStage& stage, const std::vector<Request>& reqs) {
+    Run run;
+    run.seqs.resize(reqs.size());
+    for (int step = 0;; ++step) {
+      bool pending_join = false;
+      for (size_t i = 0; i < reqs.size(); ++i) {
+        if (reqs[i].join_step == step) {
+          auto s = stage.StartFromPrompt(reqs[i].prompt, reqs[i].params);
+          EXPECT_TRUE(s.ok()) << s.status();
+          if (!s.ok()) return run;
+          run.seqs[i] = std::move(*s);
+        } else if (reqs[i].join_step > step) {
+          pending_join = true;
+        }
+      }
+      std::vector<DecodeSequence*> batch;
+      for (auto& s : run.seqs)
+        if (s != nullptr && !s->done) batch.push_back(s.get());
+      if (batch.empty() && !pending_join) break;
+      DecodeStepStats st;
+      const absl::Status status = stage.Step(batch, &st);
+      EXPECT_TRUE(status.ok()) << status;
+      if (!status.ok()) return run;
+      EXPECT_EQ(st.sequences, static_cast<int>(batch.size()));
+      EXPECT_LE(st.accepted, st.drafted);
+      // Every sequence gets >= 1 target token per step; only a stop id (excluded) emits nothing.
+      bool stopped = false;
+      for (DecodeSequence* s : batch) stopped |= s->finish_reason == "stop";
+      if (!batch.empty() && !stopped) {
+        EXPECT_GE(st.emitted, static_cast<int64_t>(batch.size()));
+      }
+      run.drafted += st.drafted;
+      run.accepted += st.accepted;
+      run.emitted += st.emitted;
+      ++run.steps;
+      for (int k : st.k) {
+        run.max_k_seen = std::max(run.max_k_seen, k);
+        if (k != st.k.front()) run.ragged = true;
+      }
+    }
+    return run;
+  }
+
+  static inline testing::TempDir* dir_ = nullptr;
+  static inline kernels::Backend* backend_ = nullptr;
+  static inline model::Model* model_ = nullptr;
+};
+
+// Greedy parity over many prompts and lengths (3..130 tokens; generations crossing the 128-token
+// window, the 8-position blocks and the 5-token draft blocks), in one continuous batch with
+// requests joining at different steps, for a fixed k = 5 and for the k policy.
+TEST_F(DecodeStageDSparkTest, GreedyOutputIdenticalToPlainLoop) {
+  std::vector<Request> reqs;
+  const int lens[][3] = {{3, 40, 0},  {17, 31, 0},  {100, 45, 1}, {122, 20, 2},
+                         {125, 9, 0}, {130, 24, 4}, {64, 13, 3},  {1, 7, 5}};
+  for (int i = 0; i < 8; ++i) {
+    Request r;
+    r.prompt = Prompt(lens[i][0], i + 1);
+    r.params.max_tokens = lens[i][1];
+    r.join_step = lens[i][2];
+    reqs.push_back(std::move(r));
+  }
+  DecodeStage plain(*model_);
+  const Run ref = Serve(plain, reqs);
+  ASSERT_EQ(ref.seqs.size(), reqs.size());
+  EXPECT_EQ(ref.drafted, 0);
+  for (int fixed_k : {5, -1}) {
+    DecodeStageOptions o;
+    o.dspark = true;
+    o.fixed_k = fixed_k;
+    DecodeStage spec(*model_, o);
+    const Run got = Serve(spec, reqs);
+    ASSERT_EQ(got.seqs.size(), reqs.size());
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_NE(got.seqs[i], nullptr);
+      EXPECT_EQ(got.seqs[i]->output, ref.seqs[i]->output) << "request " << i << " k " << fixed_k;
+      EXPECT_EQ(got.seqs[i]->finish_reason, ref.seqs[i]->finish_reason) << i;
+      EXPECT_LE(got.seqs[i]->output.size(), static_cast<size_t>(reqs[i].params.max_tokens));
+      EXPECT_LE(got.seqs[i]->accepted, got.seqs[i]->drafted);
+    }
+    EXPECT_GT(got.drafted, 0) << fixed_k;
+    EXPECT_GT(got.accepted, 0) << fixed_k;
+    EXPECT_LE(got.accepted, got.drafted);
+    EXPECT_LE(got.max_k_seen, 5);
+    EXPECT_TRUE(got.ragged) << "k is capped per sequence near max_tokens";
+    EXPECT_LE(got.steps, ref.steps);  // accepted drafts save steps
+    std::printf("k=%d: %lld steps (plain %lld), drafted %lld accepted %lld\n", fixed_k,
+                static_cast<long long>(got.steps), static_cast<long long>(ref.steps),
+                static_cast<long long>(got.drafted), static_cast<long long>(got.accepted));
+  }
+}
+
+// Penalties (the verify rows see the accepted drafts as generated), stop ids and logprobs.
+TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
+  Request a;
+  a.prompt = Prompt(20, 9);
+  a.params.max_tokens = 30;
+  a.params.repetition_penalty = 1.3f;
+  a.params.frequency_penalty = 0.4f;
+  a.params.presence_penalty = 0.2f;
+  a.params.top_logprobs = 3;
+  DecodeStage plain(*model_);
+  DecodeStageOptions o{.dspark = true, .fixed_k = 4};
+  DecodeStage spec(*model_, o);
+  const Run ref = Serve(plain, {a});
+  const Run got = Serve(spec, {a});
+  ASSERT_EQ(got.seqs[0]->output, ref.seqs[0]->output);
+  ASSERT_EQ(got.seqs[0]->logprobs.size(), got.seqs[0]->output.size());
+  ASSERT_EQ(ref.seqs[0]->logprobs.size(), ref.seqs[0]->output.size());
+  for (size_t i = 0; i < got.seqs[0]->output.size(); ++i) {
+    EXPECT_EQ(got.seqs[0]->logprobs[i].chosen.token, got.seqs[0]->output[i]);
+    EXPECT_EQ(got.seqs[0]->logprobs[i].chosen.logprob, ref.seqs[0]->logprobs[i].chosen.logprob);
+    ASSERT_EQ(got.seqs[0]->logprobs[i].top.size(), 3u);
+  }
+  // A stop id: the first occurrence of the 8th token ends both runs there (excluded).
+  Request b;
+  b.prompt = Prompt(40, 3);
+  b.params.max_tokens = 40;
+  const Run full = Serve(plain, {b});
+  ASSERT_GE(full.seqs[0]->output.size(), 8u);
+  const int32_t stop = full.seqs[0]->output[7];
+  b.params.stop_token_ids = {stop};
+  std::vector<int32_t> want;
+  for (int32_t t : full.seqs[0]->output) {
+    if (t == stop) break;
+    want.push_back(t);
+  }
+  for (DecodeStage* s : {&plain, &spec}) {
+    const Run r = Serve(*s, {b});
+    EXPECT_EQ(r.seqs[0]->output, want);
+    EXPECT_EQ(r.seqs[0]->finish_reason, "stop");
+  }
+}
+
+// max_tokens caps the output even when a step accepts several drafts.
+TEST_F(DecodeStageDSparkTest, NeverEmitsPastMaxTokens) {
+  DecodeStage spec(*model_, {.dspark = true, .fixed_k = 5});
+  for (int max_tokens : {1, 2, 3, 6, 11}) {
+    Request r;
+    r.prompt = Prompt(30, max_tokens);
+    r.params.max_tokens = max_tokens;
+    const Run got = Serve(spec, {r});
+    EXPECT_LE(got.seqs[0]->output.size(), static_cast<size_t>(max_tokens));
+    if (got.seqs[0]->finish_reason == "length") {
+      EXPECT_EQ(got.seqs[0]->output.size(), static_cast<size_t>(max_tokens));
+    }
+  }
+}
+
+// Seeded sampling through the DSpark loop: the same seed gives the same output (alone and inside
+// a batch), top_k = 1 at T > 0 equals greedy, and another seed gives another output.
+TEST_F(DecodeStageDSparkTest, SeededSamplingReproducible) {
+  DecodeStage spec(*model_, {.dspark = true, .fixed_k = 3});
+  Request r;
+  r.prompt = Prompt(50, 7);
+  r.params.max_tokens = 24;
+  r.params.temperature = 0.9f;
+  r.params.top_p = 0.95f;
+  r.params.seed = 1234;
+  Request other;
+  other.prompt = Prompt(90, 2);
+  other.params.max_tokens = 30;
+  other.params.temperature = 1.0f;
+  other.params.seed = 99;
+  const Run a = Serve(spec, {r});
+  const Run b = Serve(spec, {r, other});
+  EXPECT_EQ(a.seqs[0]->output, b.seqs[0]->output);
+  EXPECT_EQ(a.seqs[0]->output.size(), 24u);
+  EXPECT_GT(b.drafted, 0);
+  Request r2 = r;
+  r2.params.seed = 4321;
+  EXPECT_NE(Serve(spec, {r2}).seqs[0]->output, a.seqs[0]->output);
+  Request g = r;
+  g.params.top_k = 1;
+  Request greedy = r;
+  greedy.params.temperature = 0.f;
+  EXPECT_EQ(Serve(spec, {g}).seqs[0]->output, Serve(spec, {greedy}).seqs[0]->output);
+}
+
+// The transfer engine refuses an offer whose manifest header `dspark` differs; the decode worker
+// reports it as the DSpark switch error. Other errors pass through unchanged.
+TEST(DecodeDSparkHandoffTest, ReceiveErrorNamesTheSwitch) {
+  bool mismatch = true;
+  const absl::Status other = absl::DeadlineExceededError("hand-off deadline passed");
+  EXPECT_EQ(DSparkHandoffReceiveError(true, other, &mismatch), other);
+  EXPECT_FALSE(mismatch);
+  const absl::Status engine = absl::FailedPreconditionError(
+      "accounting error in request 'r1': manifest field dspark expected on, got off");
+  const absl::Status e = DSparkHandoffReceiveError(true, engine, &mismatch);
+  EXPECT_TRUE(mismatch);
+  EXPECT_EQ(e.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_NE(e.message().find("runs DSpark"), std::string::npos) << e;
+  EXPECT_NE(e.message().find("no DSpark state"), std::string::npos) << e;
+  EXPECT_NE(e.message().find("expected on, got off"), std::string::npos) << e;
+  const absl::Status off = DSparkHandoffReceiveError(false, engine, &mismatch);
+  EXPECT_TRUE(mismatch);
+  EXPECT_NE(off.message().find("DSpark off"), std::string::npos) << off;
+}
+
+}  // namespace
+}  // namespace epd::decode_pool
