@@ -251,23 +251,10 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
                                  ? DecodeKeySource(l, pos[i], call)
                                  : call_keysrc;
           const SequenceState::Source& ks = state.sources.at(keysrc);
-          const int64_t nkk = std::min(nk, ks.n);
-          for (int64_t t = 0; t < nk; ++t) {
-            if (t >= visible || t >= nkk) {
-              score[t] = -INFINITY;
-              continue;
-            }
-            const float* kt = ks.keys.data() + t * ihd;
-            float acc = 0.f;
-            for (int64_t h = 0; h < nI; ++h) {
-              const float* qh = qi.data() + (i * nI + h) * ihd;
-              float d = 0.f;
-              for (int64_t e = 0; e < ihd; ++e) d += qh[e] * kt[e];
-              const float s = std::max(kc::RoundBf16(d), 0.f);
-              acc += kc::RoundBf16(s * w[i * nI + h]);
-            }
-            score[t] = kc::RoundBf16(acc);
-          }
+          const int64_t scored = std::min({nk, ks.n, visible});
+          kc::IndexerScores(qi.data() + i * nI * ihd, w.data() + i * nI, static_cast<int>(nI),
+                            ks.keys.data(), std::max<int64_t>(scored, 0), ihd, score.data());
+          for (int64_t t = std::max<int64_t>(scored, 0); t < nk; ++t) score[t] = -INFINITY;
           if (role.is_candidate_source) {
             const int64_t bs = c.candidate_block_size;
             const int64_t nb = (nk + bs - 1) / bs;
@@ -363,22 +350,14 @@ void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>
   vector<float> z(rows * E);
   backend_.LinearF32(x, rows, M.gate.data(), E, D, z.data());
   if (experts) experts->assign(rows * M.top_k, -1);
-  vector<float> g(I), u(I), hbuf(I), y(D), acc(D);
-  auto run = [&](const ExpertWeights& ew, const float* xr, float weight, bool weighted) {
-    backend_.LinearQuant(xr, 1, ew.w1, g.data());
-    backend_.LinearQuant(xr, 1, ew.w3, u.data());
-    for (int64_t j = 0; j < I; ++j) {
-      const float uu = std::clamp(u[j], -lim, lim);
-      const float gg = std::min(g[j], lim);
-      const float silu = gg / (1.f + std::exp(-gg));
-      hbuf[j] = kc::RoundBf16(weighted ? silu * uu * weight : silu * uu);
-    }
-    backend_.LinearQuant(hbuf.data(), 1, ew.w2, y.data());
-    for (int64_t d = 0; d < D; ++d) acc[d] += y[d];
-  };
+  // Routing first, then each expert runs once over the rows routed to it (rows are independent,
+  // so this equals one call per row and expert); each row then sums its experts' outputs in
+  // ascending expert id order, then the shared experts (the reference order).
+  const int64_t K = M.top_k, NS = static_cast<int64_t>(M.shared.size()), slots = K + NS;
+  vector<int32_t> sel_all(rows * K);
+  vector<float> wts_all(rows * K);
   vector<float> s(E), biased(E);
   for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * D;
     for (int64_t e = 0; e < E; ++e) {
       const float v = z[r * E + e];
       const float sp = v > 20.f ? v : std::log1p(std::exp(v));
@@ -400,9 +379,63 @@ void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>
     vector<size_t> order(sel.size());
     for (size_t j = 0; j < order.size(); ++j) order[j] = j;
     std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sel[a] < sel[b]; });
+    for (int64_t j = 0; j < K; ++j) {
+      sel_all[r * K + j] = sel[order[j]];
+      wts_all[r * K + j] = wts[order[j]];
+    }
+  }
+  // ys[r, slot, D]: slot j < K is the row's j-th expert in ascending id order, then the shared.
+  vector<float> ys(rows * slots * D);
+  vector<float> xg, g, u, hbuf, yg;
+  auto run = [&](const ExpertWeights& ew, const vector<int64_t>& rws, const vector<int64_t>& slot,
+                 const float* weights) {
+    const int64_t n = static_cast<int64_t>(rws.size());
+    if (n == 0) return;
+    xg.resize(n * D);
+    g.resize(n * I);
+    u.resize(n * I);
+    hbuf.resize(n * I);
+    yg.resize(n * D);
+    for (int64_t i = 0; i < n; ++i) std::copy_n(x + rws[i] * D, D, xg.data() + i * D);
+    backend_.LinearQuant(xg.data(), n, ew.w1, g.data());
+    backend_.LinearQuant(xg.data(), n, ew.w3, u.data());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t j = 0; j < I; ++j) {
+        const float uu = std::clamp(u[i * I + j], -lim, lim);
+        const float gg = std::min(g[i * I + j], lim);
+        const float silu = gg / (1.f + std::exp(-gg));
+        hbuf[i * I + j] = kc::RoundBf16(weights ? silu * uu * weights[i] : silu * uu);
+      }
+    }
+    backend_.LinearQuant(hbuf.data(), n, ew.w2, yg.data());
+    for (int64_t i = 0; i < n; ++i)
+      std::copy_n(yg.data() + i * D, D, ys.data() + (rws[i] * slots + slot[i]) * D);
+  };
+  for (int64_t e = 0; e < E; ++e) {
+    vector<int64_t> rws, slot;
+    vector<float> w;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < K; ++j) {
+        if (sel_all[r * K + j] != e) continue;
+        rws.push_back(r);
+        slot.push_back(j);
+        w.push_back(wts_all[r * K + j]);
+      }
+    }
+    run(M.experts[e], rws, slot, w.data());
+  }
+  vector<int64_t> all(rows);
+  for (int64_t r = 0; r < rows; ++r) all[r] = r;
+  for (int64_t si = 0; si < NS; ++si) {
+    run(M.shared[si], all, vector<int64_t>(rows, K + si), nullptr);
+  }
+  vector<float> acc(D);
+  for (int64_t r = 0; r < rows; ++r) {
     std::fill(acc.begin(), acc.end(), 0.f);
-    for (size_t j : order) run(M.experts[sel[j]], xr, wts[j], true);
-    for (const ExpertWeights& sh : M.shared) run(sh, xr, 1.f, false);
+    for (int64_t j = 0; j < slots; ++j) {
+      const float* y = ys.data() + (r * slots + j) * D;
+      for (int64_t d = 0; d < D; ++d) acc[d] += y[d];
+    }
     for (int64_t d = 0; d < D; ++d) out[r * D + d] = kc::RoundBf16(acc[d]);
   }
 }

@@ -18,6 +18,19 @@ void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs
           const float* sin, bool inverse);
 void SparseAttention(const SparseAttentionArgs& a);
 
+// Indexer scores of one query row against keys [n, dim] (MODEL.md §3 step 6): for each key t,
+// score[t] = bf16(sum over heads h in order of bf16(max(bf16(q_h . k_t), 0) * w[h])), each dot
+// an fp32 sum in index order. q [heads, dim], w [heads], score [n].
+void IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                   int64_t dim, float* score);
+
+// SIMD paths (x86-64 AVX2, no FMA) perform the same fp32 operations in the same order as the
+// scalar code (lanes are independent sums, products are rounded before they are added), so every
+// result is bit-identical; they are used when the CPU has AVX2. SetSimdEnabled(false) forces the
+// scalar code (tests compare the two). Process-wide; set it before using the ops.
+void SetSimdEnabled(bool on);
+bool SimdEnabled();
+
 // RoPE frequencies (MODEL.md §3 step 4): freq_i = fp32(1/theta^(2i/rope_dim)), optionally with
 // YaRN (factor, original length, beta_fast/slow). Returns rope_dim/2 frequencies.
 std::vector<float> RopeFrequencies(int rope_dim, double theta, bool yarn, double factor,

@@ -22,6 +22,7 @@
 
 #include "CLI/CLI.hpp"
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
 #include "model/model.h"
 #include "model/nano_generator.h"
 #include "model/stages.h"
@@ -121,7 +122,14 @@ int main(int argc, char** argv) {
   app.add_option("--repeats", repeats, "timed repeats (median)")->check(CLI::PositiveNumber);
   app.add_option("--steps", steps, "teacher-forced decode steps per accuracy comparison");
   app.add_option("--model", model_dir, "model dir (default: a generated nano model)");
+  std::string sections = "1234";
+  int64_t min_prompt = 1024;
+  app.add_option("--sections", sections, "sections to run, e.g. 13 (default 1234)");
+  app.add_option("--min-prompt", min_prompt, "smallest prompt for sections 1, 2, 4 (default 1024)");
+  bool scalar = false;
+  app.add_flag("--scalar", scalar, "force the scalar CPU kernels (no SIMD; same results)");
   CLI11_PARSE(app, argc, argv);
+  if (scalar) epd::kernels::cpu::SetSimdEnabled(false);
 
   std::unique_ptr<epd::testing::TempDir> tmp;
   if (model_dir.empty()) {
@@ -141,149 +149,156 @@ int main(int argc, char** argv) {
   const int64_t vocab = c.vocab_size;
   const auto all_ids = Prompt(std::max<int64_t>({max_prompt, max_context, 4096}) + 64, vocab);
   std::printf(
-      "ced_bench: %s backend, nano model (%d layers, split %d, window %lld), median of %d\n",
-      std::string(backend->Name()).c_str(), c.n_layers, DecoderSplitLayer(c),
-      static_cast<long long>(W), repeats);
+      "ced_bench: %s backend (%s kernels), nano model (%d layers, split %d, window %lld), median "
+      "of %d\n",
+      std::string(backend->Name()).c_str(), epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar",
+      c.n_layers, DecoderSplitLayer(c), static_cast<long long>(W), repeats);
 
   std::vector<int64_t> sizes;
-  for (int64_t p = 1024; p <= max_prompt; p *= 2) sizes.push_back(p);
+  for (int64_t p = min_prompt; p <= max_prompt; p *= 2) sizes.push_back(p);
 
-  // ---- 1. CED prefill vs monolithic prefill ----
-  std::printf(
-      "\n1. CED prefill (EncoderPass + DecoderReplay of %lld tail rows) vs Model::Prefill\n",
-      static_cast<long long>(tail_rows));
-  std::printf("  %8s %12s %12s %8s\n", "prompt", "mono ms", "ced ms", "ratio");
-  for (int64_t P : sizes) {
-    std::span<const int32_t> ids(all_ids.data(), P);
-    std::vector<double> mono, ced;
-    for (int r = 0; r < repeats; ++r) {
-      auto s1 = m.NewSequence();
-      auto t0 = Clock::now();
-      Must(m.Prefill(*s1, ids, false), "prefill");
-      auto t1 = Clock::now();
-      mono.push_back(Ms(t0, t1));
-      auto s2 = m.NewSequence();
-      t0 = Clock::now();
-      auto enc = Must(EncoderPass(m, *s2, ids, tail_rows), "encoder");
-      Must(DecoderReplay(m, *s2, enc), "decoder");
-      t1 = Clock::now();
-      ced.push_back(Ms(t0, t1));
-    }
-    std::printf("  %8lld %12.1f %12.1f %8.3f\n", static_cast<long long>(P), Median(mono),
-                Median(ced), Median(ced) / Median(mono));
-    std::fflush(stdout);
-  }
-
-  // ---- 2. Encoder bounded replay vs exact SWA rebuild ----
-  std::printf(
-      "\n2. EncoderReplay of the last %lld tokens vs exact SWA rebuild (EncoderPass of the"
-      " whole prefix)\n",
-      static_cast<long long>(W));
-  std::printf("  %8s %12s %12s %8s\n", "prefix", "exact ms", "replay ms", "ratio");
   const int hist_n = c.engram_max_ngram_size - 1;
-  for (int64_t P : sizes) {
-    if (P > 4096) break;
-    std::span<const int32_t> ids(all_ids.data(), P);
-    auto base = m.NewSequence();
-    Must(EncoderPass(m, *base, ids, 1), "encoder");
-    std::span<const int32_t> last(all_ids.data() + P - W, W);
-    std::span<const int32_t> hist(all_ids.data() + P - W - hist_n, hist_n);
-    std::vector<double> exact, replay;
-    for (int r = 0; r < repeats; ++r) {
-      auto s1 = m.NewSequence();
-      auto t0 = Clock::now();
-      Must(EncoderPass(m, *s1, ids, 1), "exact rebuild");
-      auto t1 = Clock::now();
-      exact.push_back(Ms(t0, t1));
-      SequenceState s2 = *base;
-      t0 = Clock::now();
-      Must(EncoderReplay(m, s2, last, hist), "replay");
-      t1 = Clock::now();
-      replay.push_back(Ms(t0, t1));
-    }
-    std::printf("  %8lld %12.1f %12.1f %8.3f\n", static_cast<long long>(P), Median(exact),
-                Median(replay), Median(replay) / Median(exact));
-    std::fflush(stdout);
-  }
-
-  // ---- 3. Decode step time vs context ----
-  std::printf("\n3. DecodeStep (1 sequence, 1 token) vs context, relative to 4K\n");
-  std::printf("  %8s %12s %8s\n", "context", "ms/step", "vs 4K");
-  {
-    auto st = m.NewSequence();
-    double base_ms = 0;
-    int64_t ctx = 0;
-    for (int64_t C = 4096; C <= 32768; C *= 2) {
-      if (C > max_context) {
-        std::printf("  %8lld %12s\n", static_cast<long long>(C), "skipped");
-        continue;
-      }
-      std::span<const int32_t> chunk(all_ids.data() + ctx, C - ctx);
-      if (ctx == 0) {
-        Must(m.Prefill(*st, chunk, false), "prefill");
-      } else {
-        Must(m.Extend(*st, chunk, false, nullptr, Model::ExtendMode::kPrefillChunk), "extend");
-      }
-      ctx = C;
-      std::vector<double> t;
-      for (int r = 0; r < std::max(repeats, 5); ++r) {
-        SequenceState s = *st;
-        SequenceState* ptr = &s;
-        std::vector<std::vector<int32_t>> tok = {{all_ids[C]}};
+  auto run = [&](char section) { return sections.find(section) != std::string::npos; };
+  // ---- 1. CED prefill vs monolithic prefill ----
+  if (run('1')) {
+    std::printf(
+        "\n1. CED prefill (EncoderPass + DecoderReplay of %lld tail rows) vs Model::Prefill\n",
+        static_cast<long long>(tail_rows));
+    std::printf("  %8s %12s %12s %8s\n", "prompt", "mono ms", "ced ms", "ratio");
+    for (int64_t P : sizes) {
+      std::span<const int32_t> ids(all_ids.data(), P);
+      std::vector<double> mono, ced;
+      for (int r = 0; r < repeats; ++r) {
+        auto s1 = m.NewSequence();
         auto t0 = Clock::now();
-        Must(DecodeStep(m, std::span<SequenceState* const>(&ptr, 1), tok), "decode step");
-        t.push_back(Ms(t0, Clock::now()));
+        Must(m.Prefill(*s1, ids, false), "prefill");
+        auto t1 = Clock::now();
+        mono.push_back(Ms(t0, t1));
+        auto s2 = m.NewSequence();
+        t0 = Clock::now();
+        auto enc = Must(EncoderPass(m, *s2, ids, tail_rows), "encoder");
+        Must(DecoderReplay(m, *s2, enc), "decoder");
+        t1 = Clock::now();
+        ced.push_back(Ms(t0, t1));
       }
-      const double ms = Median(t);
-      if (C == 4096) base_ms = ms;
-      std::printf("  %8lld %12.2f %8.3f\n", static_cast<long long>(C), ms, ms / base_ms);
+      std::printf("  %8lld %12.1f %12.1f %8.3f\n", static_cast<long long>(P), Median(mono),
+                  Median(ced), Median(ced) / Median(mono));
       std::fflush(stdout);
     }
   }
-
-  // ---- 4. Accuracy ----
-  std::printf(
-      "\n4. Logit error (rel_rms of fp32 logits) and top-1 agreement; each row: the\n"
-      "   prefill's last logits + %d teacher-forced decode steps\n",
-      steps);
-  for (int64_t P : sizes) {
-    std::span<const int32_t> ids(all_ids.data(), P);
-    std::vector<int32_t> next(all_ids.begin() + P, all_ids.begin() + P + steps);
-    std::printf(" prompt %lld:\n", static_cast<long long>(P));
-    auto mono = m.NewSequence();
-    auto mono_out = Must(m.Prefill(*mono, ids, false), "prefill");
-    {  // decoder bounded replay vs monolithic
-      auto s = m.NewSequence();
-      auto enc = Must(EncoderPass(m, *s, ids, tail_rows), "encoder");
-      auto out = Must(DecoderReplay(m, *s, enc), "decoder");
-      Err e;
-      e.Add(out.logits, mono_out.logits, vocab);
-      SequenceState ref = *mono;
-      CompareDecodes(m, *s, m, ref, next, e);
-      e.Print("decoder bounded replay vs monolithic");
-    }
-    {  // encoder bounded replay vs exact rings: wipe rings of [0, split), replay the last window
-      SequenceState s = *mono;
-      const int split = DecoderSplitLayer(c);
-      for (int l = 0; l < split; ++l) std::fill(s.swa[l].begin(), s.swa[l].end(), 0.0f);
+  // ---- 2. Encoder bounded replay vs exact SWA rebuild ----
+  if (run('2')) {
+    std::printf(
+        "\n2. EncoderReplay of the last %lld tokens vs exact SWA rebuild (EncoderPass of the"
+        " whole prefix)\n",
+        static_cast<long long>(W));
+    std::printf("  %8s %12s %12s %8s\n", "prefix", "exact ms", "replay ms", "ratio");
+    for (int64_t P : sizes) {
+      if (P > 4096) break;
+      std::span<const int32_t> ids(all_ids.data(), P);
+      auto base = m.NewSequence();
+      Must(EncoderPass(m, *base, ids, 1), "encoder");
       std::span<const int32_t> last(all_ids.data() + P - W, W);
       std::span<const int32_t> hist(all_ids.data() + P - W - hist_n, hist_n);
-      Must(EncoderReplay(m, s, last, hist), "replay");
-      Err e;
-      SequenceState ref = *mono;
-      CompareDecodes(m, s, m, ref, next, e);
-      e.Print("encoder bounded replay vs exact rings");
+      std::vector<double> exact, replay;
+      for (int r = 0; r < repeats; ++r) {
+        auto s1 = m.NewSequence();
+        auto t0 = Clock::now();
+        Must(EncoderPass(m, *s1, ids, 1), "exact rebuild");
+        auto t1 = Clock::now();
+        exact.push_back(Ms(t0, t1));
+        SequenceState s2 = *base;
+        t0 = Clock::now();
+        Must(EncoderReplay(m, s2, last, hist), "replay");
+        t1 = Clock::now();
+        replay.push_back(Ms(t0, t1));
+      }
+      std::printf("  %8lld %12.1f %12.1f %8.3f\n", static_cast<long long>(P), Median(exact),
+                  Median(replay), Median(replay) / Median(exact));
+      std::fflush(stdout);
     }
-    {  // FP4 KV vs unquantized KV
-      auto s = model_unq->NewSequence();
-      auto out = Must(model_unq->Prefill(*s, ids, false), "prefill unquantized");
-      Err e;
-      e.Add(mono_out.logits, out.logits, vocab);
-      SequenceState ref = *mono;
-      CompareDecodes(m, ref, *model_unq, *s, next, e);
-      e.Print("FP4 KV vs unquantized KV");
+  }
+  // ---- 3. Decode step time vs context ----
+  if (run('3')) {
+    std::printf("\n3. DecodeStep (1 sequence, 1 token) vs context, relative to 4K\n");
+    std::printf("  %8s %12s %8s\n", "context", "ms/step", "vs 4K");
+    {
+      auto st = m.NewSequence();
+      double base_ms = 0;
+      int64_t ctx = 0;
+      for (int64_t C = 4096; C <= 32768; C *= 2) {
+        if (C > max_context) {
+          std::printf("  %8lld %12s\n", static_cast<long long>(C), "skipped");
+          continue;
+        }
+        std::span<const int32_t> chunk(all_ids.data() + ctx, C - ctx);
+        if (ctx == 0) {
+          Must(m.Prefill(*st, chunk, false), "prefill");
+        } else {
+          Must(m.Extend(*st, chunk, false, nullptr, Model::ExtendMode::kPrefillChunk), "extend");
+        }
+        ctx = C;
+        std::vector<double> t;
+        for (int r = 0; r < std::max(repeats, 5); ++r) {
+          SequenceState s = *st;
+          SequenceState* ptr = &s;
+          std::vector<std::vector<int32_t>> tok = {{all_ids[C]}};
+          auto t0 = Clock::now();
+          Must(DecodeStep(m, std::span<SequenceState* const>(&ptr, 1), tok), "decode step");
+          t.push_back(Ms(t0, Clock::now()));
+        }
+        const double ms = Median(t);
+        if (C == 4096) base_ms = ms;
+        std::printf("  %8lld %12.2f %8.3f\n", static_cast<long long>(C), ms, ms / base_ms);
+        std::fflush(stdout);
+      }
     }
-    std::fflush(stdout);
+  }
+  // ---- 4. Accuracy ----
+  if (run('4')) {
+    std::printf(
+        "\n4. Logit error (rel_rms of fp32 logits) and top-1 agreement; each row: the\n"
+        "   prefill's last logits + %d teacher-forced decode steps\n",
+        steps);
+    for (int64_t P : sizes) {
+      std::span<const int32_t> ids(all_ids.data(), P);
+      std::vector<int32_t> next(all_ids.begin() + P, all_ids.begin() + P + steps);
+      std::printf(" prompt %lld:\n", static_cast<long long>(P));
+      auto mono = m.NewSequence();
+      auto mono_out = Must(m.Prefill(*mono, ids, false), "prefill");
+      {  // decoder bounded replay vs monolithic
+        auto s = m.NewSequence();
+        auto enc = Must(EncoderPass(m, *s, ids, tail_rows), "encoder");
+        auto out = Must(DecoderReplay(m, *s, enc), "decoder");
+        Err e;
+        e.Add(out.logits, mono_out.logits, vocab);
+        SequenceState ref = *mono;
+        CompareDecodes(m, *s, m, ref, next, e);
+        e.Print("decoder bounded replay vs monolithic");
+      }
+      {  // encoder bounded replay vs exact rings: wipe rings of [0, split), replay the last window
+        SequenceState s = *mono;
+        const int split = DecoderSplitLayer(c);
+        for (int l = 0; l < split; ++l) std::fill(s.swa[l].begin(), s.swa[l].end(), 0.0f);
+        std::span<const int32_t> last(all_ids.data() + P - W, W);
+        std::span<const int32_t> hist(all_ids.data() + P - W - hist_n, hist_n);
+        Must(EncoderReplay(m, s, last, hist), "replay");
+        Err e;
+        SequenceState ref = *mono;
+        CompareDecodes(m, s, m, ref, next, e);
+        e.Print("encoder bounded replay vs exact rings");
+      }
+      {  // FP4 KV vs unquantized KV
+        auto s = model_unq->NewSequence();
+        auto out = Must(model_unq->Prefill(*s, ids, false), "prefill unquantized");
+        Err e;
+        e.Add(mono_out.logits, out.logits, vocab);
+        SequenceState ref = *mono;
+        CompareDecodes(m, ref, *model_unq, *s, next, e);
+        e.Print("FP4 KV vs unquantized KV");
+      }
+      std::fflush(stdout);
+    }
   }
   return 0;
 }
