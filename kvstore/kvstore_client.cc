@@ -95,7 +95,9 @@ absl::StatusOr<std::shared_ptr<SharedEngine>> GetSharedEngine(const transfer::Uc
                                                               const transfer::EngineOptions& eo) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<SharedEngine>> cache;
-  const std::string key = absl::StrCat(eo.cluster_token, "\n", uo.net_devices);
+  const std::string key =
+      absl::StrCat(eo.cluster_token, "\n", uo.net_devices, "\n",
+                   uo.mode == transfer::UcxOptions::Mode::kListener ? uo.listen_ip : "addr");
   std::lock_guard<std::mutex> lock(mu);
   if (auto live = cache[key].lock()) return live;
   auto made = MakeEngine(uo, eo, nullptr);
@@ -143,19 +145,11 @@ class KvStoreClient::Impl {
   absl::StatusOr<transfer::PeerId> DaemonPeer(bool reconnect) {
     std::lock_guard<std::mutex> lock(mu_);
     if (has_peer_ && !reconnect) return peer_;
+    // A reconnect asks the daemon again (it may have restarted with a new address).
+    if (reconnect && engine_) daemon_address_.clear();
     auto engine = EngineLocked();
     if (!engine.ok()) return engine.status();
-    if (daemon_address_.empty()) {
-      v1::HelloRequest req;
-      v1::HelloResponse resp;
-      grpc::ClientContext ctx;
-      Prepare(&ctx);
-      if (auto s = FromGrpc(stub_->Hello(&ctx, req, &resp), "hello"); !s.ok()) return s;
-      if (resp.transfer_address().empty()) {
-        return absl::NotFoundError("the daemon has no bulk (UCX) endpoint");
-      }
-      daemon_address_ = resp.transfer_address();
-    }
+    if (auto s = HelloLocked(); !s.ok()) return s;
     if (has_peer_) (*engine)->Disconnect(peer_);
     has_peer_ = false;
     auto peer = (*engine)->Connect(daemon_address_, absl::Milliseconds(options_.deadline_ms));
@@ -176,11 +170,35 @@ class KvStoreClient::Impl {
   TransferErrorMetric errors_;
 
  private:
+  // Learns the daemon's bulk address (Hello). NotFound when it has none.
+  absl::Status HelloLocked() {
+    if (!daemon_address_.empty()) return absl::OkStatus();
+    if (no_bulk_) return absl::NotFoundError("the daemon has no bulk (UCX) endpoint");
+    v1::HelloRequest req;
+    v1::HelloResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    if (auto s = FromGrpc(stub_->Hello(&ctx, req, &resp), "hello"); !s.ok()) return s;
+    if (resp.transfer_address().empty()) {
+      no_bulk_ = true;  // remembered: this client sends everything inline from now on
+      return absl::NotFoundError("the daemon has no bulk (UCX) endpoint");
+    }
+    daemon_address_ = resp.transfer_address();
+    return absl::OkStatus();
+  }
+
   absl::StatusOr<transfer::TransferEngine*> EngineLocked() {
     if (engine_) return engine_->engine.get();
     if (!engine_error_.ok()) return engine_error_;
+    // The daemon's mode decides ours: UCX refuses endpoints whose error-handling modes differ, and
+    // the daemon connects back to us for gets, so against a TCP-listener daemon we listen too.
+    if (auto s = HelloLocked(); !s.ok()) return s;
     transfer::UcxOptions uo;
     uo.net_devices = options_.ucx_net_devices;
+    if (daemon_address_.rfind("ucx+tcp://", 0) == 0) {
+      uo.mode = transfer::UcxOptions::Mode::kListener;
+      uo.listen_ip = options_.ucx_listen_ip;
+    }
     transfer::EngineOptions eo;
     eo.config_fingerprint = kBulkFingerprint;
     eo.cluster_token = options_.cluster_token;
@@ -206,6 +224,7 @@ class KvStoreClient::Impl {
   std::shared_ptr<SharedEngine> engine_;
   absl::Status engine_error_;
   std::string daemon_address_;
+  bool no_bulk_ = false;
   transfer::PeerId peer_ = 0;
   bool has_peer_ = false;
   std::string nonce_;

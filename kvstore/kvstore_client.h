@@ -52,6 +52,10 @@ struct KvClientOptions {
   // Empty = $EPD_CLUSTER_TOKEN, else "epd-dev".
   std::string cluster_token;
   std::string ucx_net_devices;  // kUcx: UCX_NET_DEVICES; empty = environment
+  // kUcx against a daemon started with --ucx-listener: the IP this client's UCX listener binds
+  // (the daemon connects back to it for gets; use an address the daemon can reach).
+  // Default: 127.0.0.1
+  std::string ucx_listen_ip = "127.0.0.1";
   // kUcx: where epd_kv_transfer_errors_total{reason,direction} of this client is counted (must
   // outlive the client). Null: a private registry (read it with transfer_errors()).
   prometheus::Registry* registry = nullptr;

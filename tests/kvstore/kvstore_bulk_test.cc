@@ -166,6 +166,28 @@ TEST(KvStoreBulkTest, RoundTripIsBitIdenticalForEverySizeAndTier) {
   EXPECT_EQ(miss->miss, MissReason::kAbsent);
 }
 
+TEST(KvStoreBulkTest, RoundTripOverTheUcxTcpListener) {
+  // --ucx-listener: the daemon's endpoint is a UCX sockaddr listener (how remote clients reach it).
+  TempDir dir;
+  Daemon d;
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d, {"--ucx-listener"}));
+  auto bulk = KvStoreClient::Create(d.target(), Bulk());
+  int key = 0;
+  for (size_t n : {size_t{0}, kBlock, size_t{(5 << 20) + 1}}) {
+    const std::string v = Payload(50 + key, n);
+    const std::string k(AsBytes(Key(key++)));
+    absl::Status put = bulk->Put(Tier::kG3, k, v);
+    ASSERT_TRUE(put.ok()) << n << ": " << put << "\n" << d.proc.ReadLog();
+    auto g = bulk->Get(Tier::kG3, k);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ASSERT_TRUE(g->found);
+    EXPECT_TRUE(g->value == v) << n;
+  }
+  EXPECT_GE(Scrape(d.metrics_port, "epd_transfer_bytes_total", {"transport=\"tcp\""}),
+            kBlock + (5 << 20) + 1);
+  EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_transfer_errors_total"), 0);
+}
+
 TEST(KvStoreBulkTest, CorruptOrTruncatedPutFailsOnlyThatRequestNamedAndCounted) {
   TempDir dir;
   Daemon d;
