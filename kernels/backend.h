@@ -12,6 +12,7 @@
 // immutable and may be shared.
 
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <string_view>
 #include <vector>
@@ -38,6 +39,10 @@ struct SparseAttentionArgs {
   const float* kv = nullptr;     // [kv_rows, head_dim] bf16; K and V are the same vector
   const float* sink = nullptr;   // [heads] fp32
   const int32_t* idx = nullptr;  // [rows, list_len] rows of kv, -1 = skip
+  // Optional second KV buffer (the compressed KV, read in place): list entries t >= kv_ext_start
+  // read row t - kv_ext_start of kv_ext [*, head_dim] instead of kv.
+  const float* kv_ext = nullptr;
+  int64_t kv_ext_start = std::numeric_limits<int64_t>::max();
   int64_t rows = 0;
   int heads = 0;
   int head_dim = 0;

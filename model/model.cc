@@ -313,12 +313,15 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
     }
     for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
   }
-  if (ratio > 0 && nk > 0) kv_all.insert(kv_all.end(), src->kv.begin(), src->kv.begin() + nk * hd);
 
   vector<float> o(S * H * hd);
   kernels::SparseAttentionArgs args;
   args.q = q.data();
   args.kv = kv_all.data();
+  if (ratio > 0 && nk > 0) {  // top-k entries (>= win_rows) read the compressed KV in place
+    args.kv_ext = src->kv.data();
+    args.kv_ext_start = win_rows;
+  }
   args.sink = A.attn_sink.data();
   args.idx = idx.data();
   args.rows = S;

@@ -280,6 +280,13 @@ void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs
   }
 }
 
+namespace {
+inline const float* KvRow(const SparseAttentionArgs& a, int32_t t) {
+  return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
+                             : a.kv + static_cast<int64_t>(t) * a.head_dim;
+}
+}  // namespace
+
 #ifdef EPD_AVX2_PATH
 namespace {
 // SparseAttention for head_dim % 8 == 0: the same operations, 8 dims per instruction.
@@ -304,7 +311,7 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
             continue;
           }
           any = true;
-          p[j] = Dot8Avx(q, a.kv + static_cast<int64_t>(t) * hd, hd) * a.scale;
+          p[j] = Dot8Avx(q, KvRow(a, t), hd) * a.scale;
           cmax = std::max(cmax, p[j]);
         }
         if (!any) continue;  // alpha = exp(0) = 1: the scalar code's chunk is a no-op too
@@ -320,7 +327,7 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
           const float pj = std::exp(p[j] - m_new);
           den += pj;
           const __m256 pb = _mm256_set1_ps(RoundBf16(pj));
-          const float* k = a.kv + static_cast<int64_t>(t) * hd;
+          const float* k = KvRow(a, t);
           for (int d = 0; d < hd; d += 8) {
             _mm256_storeu_ps(num.data() + d,
                              _mm256_add_ps(_mm256_loadu_ps(num.data() + d),
@@ -359,7 +366,7 @@ void SparseAttention(const SparseAttentionArgs& a) {
             p[j] = -INFINITY;
             continue;
           }
-          const float dot = Dot8(q, a.kv + static_cast<int64_t>(t) * hd, hd);
+          const float dot = Dot8(q, KvRow(a, t), hd);
           p[j] = dot * a.scale;
           cmax = std::max(cmax, p[j]);
         }
@@ -373,7 +380,7 @@ void SparseAttention(const SparseAttentionArgs& a) {
           const float pj = std::exp(p[j] - m_new);
           den += pj;
           const float pb = RoundBf16(pj);
-          const float* k = a.kv + static_cast<int64_t>(t) * hd;
+          const float* k = KvRow(a, t);
           for (int d = 0; d < hd; ++d) num[d] += pb * k[d];
         }
         m = m_new;
@@ -557,7 +564,55 @@ void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* 
   }
 }
 
+#ifdef EPD_AVX2_PATH
+namespace {
+// RoundBf16 of 8 lanes (RNE; NaN -> quiet NaN as F32ToBf16Bits).
+EPD_AVX2 inline __m256 RoundBf16x8(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i r = _mm256_and_si256(
+      _mm256_add_epi32(
+          u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+                              _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))),
+      _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256i qnan = _mm256_and_si256(_mm256_or_si256(u, _mm256_set1_epi32(0x400000)),
+                                        _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  const __m256 isnan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(qnan), isnan);
+}
+
+EPD_AVX2 void HcPreAvx(const float* h, int hc, int64_t dim, const float* pre, float* y) {
+  for (int64_t d = 0; d < dim; d += 8) {
+    __m256 s = _mm256_setzero_ps();
+    for (int j = 0; j < hc; ++j) {
+      s = _mm256_add_ps(s, _mm256_mul_ps(_mm256_set1_ps(pre[j]), _mm256_loadu_ps(h + j * dim + d)));
+    }
+    _mm256_storeu_ps(y + d, RoundBf16x8(s));
+  }
+}
+
+EPD_AVX2 void HcPostAvx(const float* y, const float* res, int hc, int64_t dim, const float* post,
+                        const float* comb, float* out) {
+  thread_local std::vector<float> tmp;
+  tmp.resize(hc * dim);
+  for (int k = 0; k < hc; ++k) {
+    for (int64_t d = 0; d < dim; d += 8) {
+      __m256 s = _mm256_mul_ps(_mm256_set1_ps(post[k]), _mm256_loadu_ps(y + d));
+      for (int j = 0; j < hc; ++j) {
+        s = _mm256_add_ps(
+            s, _mm256_mul_ps(_mm256_set1_ps(comb[j * hc + k]), _mm256_loadu_ps(res + j * dim + d)));
+      }
+      _mm256_storeu_ps(tmp.data() + k * dim + d, RoundBf16x8(s));
+    }
+  }
+  std::copy(tmp.begin(), tmp.end(), out);
+}
+}  // namespace
+#endif
+
 void HcPre(const float* h, int hc, int64_t dim, const float* pre, float* y) {
+#ifdef EPD_AVX2_PATH
+  if (UseSimd() && dim % 8 == 0) return HcPreAvx(h, hc, dim, pre, y);
+#endif
   for (int64_t d = 0; d < dim; ++d) {
     float s = 0.f;
     for (int j = 0; j < hc; ++j) s += pre[j] * h[j * dim + d];
@@ -567,6 +622,9 @@ void HcPre(const float* h, int hc, int64_t dim, const float* pre, float* y) {
 
 void HcPost(const float* y, const float* res, int hc, int64_t dim, const float* post,
             const float* comb, float* out) {
+#ifdef EPD_AVX2_PATH
+  if (UseSimd() && dim % 8 == 0) return HcPostAvx(y, res, hc, dim, post, comb, out);
+#endif
   std::vector<float> tmp(hc * dim);
   for (int k = 0; k < hc; ++k) {
     for (int64_t d = 0; d < dim; ++d) {

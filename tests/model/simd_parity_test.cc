@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -84,6 +85,24 @@ TEST_F(SimdParityTest, OpsOnOddShapes) {
       return y;
     });
     EXPECT_TRUE(BitEqual(a, b)) << out << "x" << in;
+  }
+  // mHC pre/post mixes (incl. a NaN and infinities in the residual, rounded like the scalar code).
+  {
+    const int hc = 4;
+    const int64_t dim = 64;
+    auto h = Bf16Random(hc * dim, 6), y = Bf16Random(dim, 7), pre = Bf16Random(hc, 8),
+         comb = Bf16Random(hc * hc, 9);
+    h[3] = std::numeric_limits<float>::quiet_NaN();
+    h[70] = std::numeric_limits<float>::infinity();
+    h[71] = -std::numeric_limits<float>::infinity();
+    auto [a, b] = Both([&] {
+      std::vector<float> o(dim), p(hc * dim);
+      kc::HcPre(h.data(), hc, dim, pre.data(), o.data());
+      kc::HcPost(y.data(), h.data(), hc, dim, pre.data(), comb.data(), p.data());
+      o.insert(o.end(), p.begin(), p.end());
+      return o;
+    });
+    EXPECT_TRUE(BitEqual(a, b));
   }
   // Indexer scores: 4 and 8 heads, key counts that are and are not multiples of 8.
   for (int heads : {4, 8, 3}) {
