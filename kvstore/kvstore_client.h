@@ -1,8 +1,11 @@
 #pragma once
 
 // Client library of epd-kvstore for workers and the router: one gRPC channel per daemon, blocking
-// calls with a deadline, errors as absl::Status (never exceptions). ShardedSwaClient routes G2
-// SWA snapshots over several daemons by consistent hashing of the key (DESIGN §2 multi-node).
+// calls with a deadline, errors as absl::Status (never exceptions). With
+// KvClientOptions::bulk = kUcx, values of at least bulk_min_bytes move over UCX through one
+// transfer engine shared by all clients of the process (kvstore/bulk.h, docs/kvstore.md).
+// ShardedSwaClient routes G2 SWA snapshots over several daemons by consistent hashing of the key
+// (DESIGN §2 multi-node).
 // Thread-safe: a client may be shared by many threads.
 #include <chrono>
 #include <cstdint>
