@@ -8,7 +8,9 @@
 // the encoder runs layers [0, split) plus the split layer's compressor and index keys; the decoder
 // runs layers [split, n_layers) on the tail rows only (bounded replay, approximate when the
 // prompt is longer than the tail: windows are truncated at the tail start; the global KV path
-// stays exact).
+// stays exact). Its reference is Model::Prefill with PrefillOptions::decoder_tail_rows = the
+// tail: EncoderPass (any chunking, incl. a SerializeState round trip between chunks) +
+// DecoderReplay + DecodeStep equal it bit for bit (tests/model/bounded_reference_test.cc).
 //
 // Thread-safety: as Model (one thread per SequenceState).
 
