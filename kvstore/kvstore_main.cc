@@ -71,8 +71,9 @@ int main(int argc, char** argv) {
   app.add_option("--bulk-deadline-ms", bulk_deadline_ms, "Deadline of one bulk transfer")
       ->check(CLI::PositiveNumber);
   app.add_option("--debug-bulk-fault", debug_bulk_fault,
-                 "TEST ONLY: corrupt or truncate the first data chunk of every bulk get")
-      ->check(CLI::IsMember({"none", "corrupt", "truncate"}));
+                 "TEST ONLY: corrupt, truncate or delay (400 ms apart) every data chunk the "
+                 "daemon sends for a bulk get")
+      ->check(CLI::IsMember({"none", "corrupt", "truncate", "delay"}));
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
@@ -82,10 +83,13 @@ int main(int argc, char** argv) {
   bulk_options.listen_ip = runtime_options.host;
   if (debug_bulk_fault != "none") {
     epd::transfer::FaultPlan plan;
-    plan.action = debug_bulk_fault == "corrupt" ? epd::transfer::FaultPlan::Action::kCorrupt
-                                                : epd::transfer::FaultPlan::Action::kTruncate;
+    plan.action = debug_bulk_fault == "corrupt"    ? epd::transfer::FaultPlan::Action::kCorrupt
+                  : debug_bulk_fault == "truncate" ? epd::transfer::FaultPlan::Action::kTruncate
+                                                   : epd::transfer::FaultPlan::Action::kDelay;
     plan.target = epd::transfer::FaultPlan::Target::kData;
     plan.nth = -1;
+    plan.delay = absl::Milliseconds(400);  // kDelay: a slow link, chunks 400 ms apart
+    plan.spaced = true;
     bulk_options.wrap_wire = [plan](std::unique_ptr<epd::transfer::Wire> inner) {
       return epd::transfer::MakeFaultWire(std::move(inner), plan);
     };

@@ -1,7 +1,8 @@
 // kvstore_bulk_peer: a kvstore client process for the bulk-path tests. Puts one value of --bytes
 // bytes (Payload(--seed)) under Key(--key) over UCX, each data chunk held --chunk-delay-ms on the
 // way out (a slow link), so a test can SIGKILL this process in the middle of the transfer.
-// Prints "put ok" or "put failed: <why>" and exits 0/1.
+// Prints "put ok" or "put failed: <why>" and exits 0/1. With --get it gets Key(--key) over UCX
+// instead (prints "get ok <bytes>" / "get failed: <why>").
 #include <CLI/CLI.hpp>
 #include <iostream>
 
@@ -19,6 +20,8 @@ int main(int argc, char** argv) {
   app.add_option("--bytes", bytes)->required();
   app.add_option("--seed", seed)->required();
   app.add_option("--chunk-delay-ms", chunk_delay_ms);
+  bool get = false;
+  app.add_flag("--get", get);
   CLI11_PARSE(app, argc, argv);
 
   epd::kvstore::KvClientOptions o;
@@ -37,6 +40,17 @@ int main(int argc, char** argv) {
     };
   }
   auto client = epd::kvstore::KvStoreClient::Create(target, o);
+  if (get) {
+    std::cout << "getting" << std::endl;
+    auto g = client->Get(epd::kvstore::Tier::kG3,
+                         epd::kvstore::AsBytes(epd::kvstore::testing::Key(key)));
+    if (!g.ok()) {
+      std::cout << "get failed: " << g.status() << std::endl;
+      return 1;
+    }
+    std::cout << "get ok " << g->value.size() << std::endl;
+    return 0;
+  }
   const std::string value = epd::kvstore::testing::Payload(seed, bytes);
   const auto k = epd::kvstore::testing::Key(key);
   std::cout << "putting" << std::endl;

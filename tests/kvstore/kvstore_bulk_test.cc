@@ -322,6 +322,43 @@ TEST(KvStoreBulkTest, ClientKilledMidPutLeavesNothingVisibleAndTheDaemonServesTh
   EXPECT_TRUE(g8->value == v);
 }
 
+TEST(KvStoreBulkTest, ClientKilledMidGetFreesTheSendAndTheDaemonServesTheNextClient) {
+  TempDir dir;
+  Daemon d;
+  // The daemon's get sends crawl (4 MiB chunks 400 ms apart): 32 MiB take > 3 s.
+  ASSERT_NO_FATAL_FAILURE(
+      StartDaemon(dir, dir.File("data"), "run", &d, {"--debug-bulk-fault", "delay"}));
+  const std::string v = Payload(9, 32 << 20);
+  ASSERT_TRUE(KvStoreClient::Create(d.target())->Put(Tier::kG3, AsBytes(Key(9)), v).ok());
+  Subprocess peer = Subprocess::Start({BinaryPath("kvstore_bulk_peer"), "--target", d.target(),
+                                       "--key", "9", "--bytes", "0", "--seed", "0", "--get"},
+                                      dir.File("peer.log"));
+  bool sending = false;
+  for (int i = 0; i < 400 && !sending; ++i) {
+    sending = Scrape(d.metrics_port, "epd_transfer_outstanding", {"resource=\"transfers\""}) >= 1;
+    if (!sending) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_TRUE(sending) << "the bulk get never started: " << peer.ReadLog();
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));  // some chunks are on the way
+  peer.Signal(SIGKILL);
+  ASSERT_TRUE(peer.Wait(std::chrono::seconds(10)).has_value());
+  EXPECT_EQ(peer.ReadLog().find("get ok"), std::string::npos) << peer.ReadLog();
+  EXPECT_GE(
+      WaitForAtLeast(d.metrics_port, "epd_kv_transfer_errors_total", {"direction=\"get\""}, 1), 1);
+  EXPECT_TRUE(DaemonTransfersDrain(d.metrics_port));
+  // The next client is served: inline at once, and over bulk (slowly, through the slow link).
+  auto next = KvStoreClient::Create(d.target());
+  auto g = next->Get(Tier::kG3, AsBytes(Key(9)));
+  ASSERT_TRUE(g.ok() && g->found) << g.status();
+  EXPECT_TRUE(g->value == v);
+  const std::string small = Payload(10, kBlock);
+  auto bulk = KvStoreClient::Create(d.target(), Bulk());
+  ASSERT_TRUE(bulk->Put(Tier::kG3, AsBytes(Key(10)), small).ok());
+  auto gb = bulk->Get(Tier::kG3, AsBytes(Key(10)));
+  ASSERT_TRUE(gb.ok() && gb->found) << gb.status();
+  EXPECT_TRUE(gb->value == small);
+}
+
 TEST(KvStoreBulkTest, SigkillThenRestartServesEveryAcknowledgedBulkPutBitIdentical) {
   TempDir dir;
   const std::string data = dir.File("data");
