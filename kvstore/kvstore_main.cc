@@ -114,12 +114,14 @@ int main(int argc, char** argv) {
     auto ep = epd::kvstore::KvBulkEndpoint::Create(bulk_options, runtime.registry(),
                                                    epd::common::SystemClock::Get());
     if (!ep.ok()) {
-      spdlog::error("epd-kvstore: bulk endpoint: {}", std::string(ep.status().message()));
-      return 1;
+      // Not fatal: Hello then advertises no bulk endpoint and clients send values inline.
+      spdlog::error("epd-kvstore: no bulk (UCX) endpoint, values travel inline only: {}",
+                    std::string(ep.status().message()));
+    } else {
+      bulk_endpoint = std::move(*ep);
+      service_options.bulk = bulk_endpoint.get();
+      spdlog::info("epd-kvstore: bulk (UCX) endpoint {}", bulk_endpoint->address().substr(0, 48));
     }
-    bulk_endpoint = std::move(*ep);
-    service_options.bulk = bulk_endpoint.get();
-    spdlog::info("epd-kvstore: bulk (UCX) endpoint {}", bulk_endpoint->address().substr(0, 48));
   }
   auto server =
       epd::kvstore::KvStoreServer::Start(**store, runtime_options.host, grpc_port, service_options);

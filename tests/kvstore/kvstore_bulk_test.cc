@@ -262,6 +262,19 @@ TEST(KvStoreBulkTest, CorruptOrTruncatedGetFailsThatRequestOnTheClientAndIsCount
   }
 }
 
+TEST(KvStoreBulkTest, DaemonWithoutBulkEndpointServesUcxClientsInline) {
+  TempDir dir;
+  Daemon d;
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d, {"--bulk", "off"}));
+  auto client = KvStoreClient::Create(d.target(), Bulk());
+  const std::string v = Payload(4, 2 << 20);
+  ASSERT_TRUE(client->Put(Tier::kG3, AsBytes(Key(1)), v).ok());
+  auto g = client->Get(Tier::kG3, AsBytes(Key(1)));
+  ASSERT_TRUE(g.ok() && g->found) << g.status();
+  EXPECT_TRUE(g->value == v);
+  EXPECT_EQ(Scrape(d.metrics_port, "epd_transfer_bytes_total"), 0);
+}
+
 TEST(KvStoreBulkTest, WrongClusterTokenIsRefusedWithTheCause) {
   TempDir dir;
   Daemon d;
