@@ -41,7 +41,7 @@ class KvMetrics {
   // Counts a miss of `reason` (kNone is ignored).
   void CountMiss(Tier t, MissReason reason);
   // epd_kv_bad_requests_total{reason}: reason is one of a small fixed set ("key_size",
-  // "value_size", "tier", "capacity", "internal").
+  // "value_size", "tier", "capacity", "internal", "bulk" (a malformed bulk put)).
   void CountBadRequest(std::string_view reason);
   // epd_kv_puts_in_flight: put RPCs received and not yet answered.
   prometheus::Gauge& puts_in_flight() { return *puts_in_flight_; }
