@@ -96,11 +96,10 @@ class DecodeHandler final : public worker::JobHandler {
     } else {
       std::vector<worker::SegmentShape> shapes = worker::ExpectedStateShapes(c, n, true);
       shapes.push_back(worker::LogitsShape(c));
-      // The header's dspark field says whether the state carries DSpark state; the transfer
-      // engine refuses an offer whose field differs. It must come from the worker's setting on
-      // both sides; prefill_server.cc still sends job.dspark() (never set by the router), so
-      // this side follows it until both lines change together to setup_.dspark (docs/dspark.md).
-      worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, job.dspark()};
+      // The header's dspark field says whether the state carries DSpark state: this worker's
+      // setting, as prefill sends its own (the transfer engine refuses an offer whose field
+      // differs; DSparkHandoffReceiveError below names the switch).
+      worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, setup_.dspark};
       auto got =
           setup_.handoff->Receive(worker::BuildHandoffManifest(c, h, shapes), shapes,
                                   absl::Milliseconds(setup_.handoff_deadline_ms), &cancelled);

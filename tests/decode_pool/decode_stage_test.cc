@@ -15,6 +15,7 @@
 #include "model/model.h"
 #include "model/nano_generator.h"
 #include "model/sampling.h"
+#include "model/sequence_state.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::decode_pool {
@@ -188,6 +189,35 @@ TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
     EXPECT_EQ(r.seqs[0]->output, want);
     EXPECT_EQ(r.seqs[0]->finish_reason, "stop");
   }
+}
+
+// A sequence started from a serialized hand-off state (as epd-decode receives it from prefill)
+// drafts from the deserialized DSpark input and gives the plain loop's output.
+TEST_F(DecodeStageDSparkTest, HandoffStateDSparkEqualsPlain) {
+  const std::vector<int32_t> prompt = Prompt(110, 6);
+  auto st = model_->NewSequence();
+  auto pre = model_->Prefill(*st, prompt, /*all_logits=*/false);
+  ASSERT_TRUE(pre.ok()) << pre.status();
+  const std::vector<model::StateSegment> segs = model::SerializeState(model_->config(), *st);
+  ASSERT_TRUE(HandoffHasDSparkState(model_->config(), segs));
+  SamplingParams params;
+  params.max_tokens = 30;
+  std::vector<int32_t> outs[2];
+  int64_t drafted = 0;
+  for (int on = 0; on < 2; ++on) {
+    DecodeStage stage(*model_, {.dspark = on == 1, .fixed_k = 5});
+    auto seq = stage.Start(segs, pre->logits, params, prompt);
+    ASSERT_TRUE(seq.ok()) << seq.status();
+    while (!(*seq)->done) {
+      DecodeSequence* b[] = {seq->get()};
+      ASSERT_TRUE(stage.Step(b).ok());
+    }
+    outs[on] = (*seq)->output;
+    drafted += (*seq)->drafted;
+  }
+  EXPECT_EQ(outs[1], outs[0]);
+  EXPECT_EQ(outs[0].size(), 30u);
+  EXPECT_GT(drafted, 0);
 }
 
 // max_tokens caps the output even when a step accepts several drafts.

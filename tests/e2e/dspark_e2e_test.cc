@@ -1,0 +1,215 @@
+// DSpark in the real chain: epd-router + epd-encoder + epd-prefill + epd-decode processes on
+// 127.0.0.1 (UCX over loopback) on the generated nano model. With DSpark on (the default) the
+// decode worker drafts and verifies every step; greedy completions equal the monolithic
+// Model::Prefill + Decode in this process and a cluster with --dspark off, and the decode
+// worker's /metrics count drafted and accepted tokens (accepted <= drafted).
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <thread>
+
+#include "epd/v1/inference.grpc.pb.h"
+#include "kernels/backend.h"
+#include "model/model.h"
+#include "model/nano_generator.h"
+#include "model/sampling.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd {
+namespace {
+
+using epd::services::WaitForPortFile;
+using epd::testing::BinaryPath;
+using epd::testing::Subprocess;
+using epd::testing::TempDir;
+
+TempDir* g_model_dir = nullptr;
+
+// The value of one series (exact name + labels) in a /metrics page.
+std::optional<double> ScrapeMetric(int port, const std::string& series) {
+  auto body = testing::HttpGet(port, "/metrics");
+  if (!body) return std::nullopt;
+  size_t pos = 0;
+  while ((pos = body->find(series + " ", pos)) != std::string::npos) {
+    if (pos == 0 || (*body)[pos - 1] == '\n')
+      return std::stod(body->substr(pos + series.size() + 1));
+    ++pos;
+  }
+  return std::nullopt;
+}
+
+struct Proc {
+  Subprocess proc;
+  std::string port_file;
+  int metrics = 0;
+};
+
+// Router + one worker per pool, every worker with `--dspark on|off` (the router pairs only
+// workers with the same config fingerprint, which covers the switch).
+class Cluster {
+ public:
+  explicit Cluster(bool dspark) {
+    router_.port_file = dir_.File("router.json");
+    router_.proc =
+        Subprocess::Start({BinaryPath("epd-router"), "--metrics-port", "0", "--http-port", "0",
+                           "--grpc-port", "0", "--port-file", router_.port_file,
+                           "--heartbeat-interval-ms", "200", "--model", g_model_dir->path()},
+                          dir_.File("router.log"));
+    grpc_ = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30)).value_or(0);
+    EXPECT_NE(grpc_, 0) << router_.proc.ReadLog();
+    for (const char* kind : {"encoder", "prefill", "decode"}) {
+      auto p = std::make_unique<Proc>();
+      const std::string id = std::string(kind) + "-0";
+      p->port_file = dir_.File(id + ".json");
+      p->proc = Subprocess::Start(
+          {BinaryPath(std::string("epd-") + kind), "--router", "127.0.0.1:" + std::to_string(grpc_),
+           "--model", g_model_dir->path(), "--worker-id", id, "--port-file", p->port_file,
+           "--metrics-port", "0", "--dspark", dspark ? "on" : "off"},
+          dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
+      EXPECT_TRUE(WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60)))
+          << p->proc.ReadLog();
+      p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
+      workers_[kind] = std::move(p);
+    }
+  }
+  int grpc_port() const { return grpc_; }
+  int decode_metrics() const { return workers_.at("decode")->metrics; }
+  std::string Logs() {
+    std::string out = "--- router\n" + router_.proc.ReadLog();
+    for (auto& [k, p] : workers_) out += "--- " + k + "\n" + p->proc.ReadLog();
+    return out;
+  }
+
+ private:
+  TempDir dir_;
+  Proc router_;
+  int grpc_ = 0;
+  std::map<std::string, std::unique_ptr<Proc>> workers_;
+};
+
+struct Generation {
+  std::vector<int32_t> ids;
+  std::string finish;
+  grpc::Status status;
+};
+
+Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens) {
+  auto stub = epd::v1::Inference::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+  epd::v1::GenerateRequest req;
+  req.set_model("epd-nano");
+  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
+  req.mutable_sampling()->set_temperature(0.f);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  auto reader = stub->Generate(&ctx, req);
+  Generation g;
+  epd::v1::GenerateResponse m;
+  while (reader->Read(&m)) {
+    g.ids.insert(g.ids.end(), m.token_ids().begin(), m.token_ids().end());
+    if (!m.finish_reason().empty()) g.finish = m.finish_reason();
+  }
+  g.status = reader->Finish();
+  return g;
+}
+
+std::vector<int32_t> Prompt(int n, int salt) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7) % 300;
+  return p;
+}
+
+// Model::Prefill + Decode in this process (greedy; EOS ends it and is not emitted).
+std::vector<int32_t> Reference(const model::Model& m, const std::vector<int32_t>& prompt,
+                               int max_tokens) {
+  auto st = m.NewSequence();
+  auto r = m.Prefill(*st, prompt, false);
+  EXPECT_TRUE(r.ok());
+  std::vector<int32_t> out;
+  int32_t tok = model::ArgMax(r->logits);
+  const int32_t eos = static_cast<int32_t>(m.config().eos_token_id);
+  while (static_cast<int>(out.size()) < max_tokens && tok != eos) {
+    out.push_back(tok);
+    if (static_cast<int>(out.size()) == max_tokens) break;
+    auto d = m.Decode(*st, tok);
+    EXPECT_TRUE(d.ok());
+    tok = model::ArgMax(d->logits);
+  }
+  return out;
+}
+
+class DSparkE2ETest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_model_dir = new TempDir();
+    ASSERT_TRUE(model::GenerateNanoModel(g_model_dir->path()).ok());
+  }
+  static void TearDownTestSuite() {
+    delete g_model_dir;
+    g_model_dir = nullptr;
+  }
+  // Prompt lengths and token counts: generations cross the 128-token window (100 + 40).
+  static std::vector<std::pair<std::vector<int32_t>, int>> Requests() {
+    return {{Prompt(100, 1), 40}, {Prompt(120, 2), 24}, {Prompt(30, 3), 33}};
+  }
+  // The requests at once (they share the decode worker's batched steps).
+  static std::vector<Generation> RunAll(const Cluster& c) {
+    const auto reqs = Requests();
+    std::vector<Generation> got(reqs.size());
+    std::vector<std::thread> threads;
+    for (size_t i = 0; i < reqs.size(); ++i)
+      threads.emplace_back(
+          [&, i] { got[i] = Generate(c.grpc_port(), reqs[i].first, reqs[i].second); });
+    for (auto& t : threads) t.join();
+    return got;
+  }
+};
+
+TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
+  auto backend = kernels::MakeCpuBackend();
+  auto model = model::Model::Load(g_model_dir->path(), *backend);
+  ASSERT_TRUE(model.ok()) << model.status();
+  const auto reqs = Requests();
+  std::vector<std::vector<int32_t>> want;
+  for (const auto& [prompt, n] : reqs) want.push_back(Reference(**model, prompt, n));
+
+  std::vector<Generation> on, off;
+  double drafted = 0, accepted = 0, verify_steps = 0;
+  {
+    Cluster c(/*dspark=*/true);
+    on = RunAll(c);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_TRUE(on[i].status.ok()) << on[i].status.error_message() << "\n" << c.Logs();
+      EXPECT_EQ(on[i].ids, want[i]) << "request " << i;
+    }
+    drafted = ScrapeMetric(c.decode_metrics(), "epd_dspark_drafted_tokens_total").value_or(-1);
+    accepted = ScrapeMetric(c.decode_metrics(), "epd_dspark_accepted_tokens_total").value_or(-1);
+    verify_steps =
+        ScrapeMetric(c.decode_metrics(), "epd_dspark_verify_length_tokens_count").value_or(-1);
+    EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_handoff_mismatch_total"), 0.0);
+  }
+  EXPECT_GT(drafted, 0);
+  EXPECT_GE(accepted, 0);
+  EXPECT_LE(accepted, drafted);
+  EXPECT_GT(verify_steps, 0);
+  std::printf("decode worker: drafted %.0f accepted %.0f over %.0f sequence-steps\n", drafted,
+              accepted, verify_steps);
+  {
+    Cluster c(/*dspark=*/false);
+    off = RunAll(c);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_TRUE(off[i].status.ok()) << off[i].status.error_message() << "\n" << c.Logs();
+      EXPECT_EQ(off[i].ids, on[i].ids) << "request " << i;
+      EXPECT_EQ(off[i].finish, on[i].finish) << "request " << i;
+    }
+    EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_drafted_tokens_total"), 0.0);
+  }
+}
+
+}  // namespace
+}  // namespace epd
