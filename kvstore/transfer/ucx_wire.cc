@@ -701,8 +701,9 @@ class UcxWire final : public Wire {
       std::string error;
       ucp_ep_h ep = w->CreateEp(p, id, &error);
       if (ep == nullptr) {
+        // ucp_ep_create consumed the request even on failure (UCX rejects and frees it itself),
+        // so rejecting it again here would be a double free that kills the process.
         spdlog::warn("ucx: cannot accept a connection: {}", error);
-        ucp_listener_reject(w->listener_, request);
         return;
       }
       w->by_ep_[ep] = id;

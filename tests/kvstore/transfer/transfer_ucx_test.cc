@@ -241,6 +241,38 @@ TEST_P(UcxTest, SenderWithFourNoiseSlotsIsCaughtByTheReceiver) {
   ExpectReleased(*rx);
 }
 
+// A peer whose UCX endpoints are configured differently (no peer error handling against a
+// listener that uses it) is refused by UCX at accept time; the listener must stay up and serve
+// the next, well-configured peer (UCX consumes a refused connection request itself).
+TEST_P(UcxTest, AMisconfiguredPeerCannotTakeDownTheListener) {
+  if (Shm()) GTEST_SKIP() << "the listener (TCP) mode only";
+  auto rx = MakeTransport();
+  {
+    UcxOptions uo;
+    uo.mode = UcxOptions::Mode::kListener;
+    uo.net_devices = "lo";
+    uo.peer_error_handling = false;
+    EngineOptions eo;
+    eo.config_fingerprint = "fp";
+    eo.cluster_token = "tok";
+    eo.node_name = "misconfigured";
+    prometheus::Registry other;
+    auto bad = TransferEngine::Create(MakeUcxWire(uo), eo, other, common::SystemClock::Get());
+    ASSERT_TRUE(bad.ok()) << bad.status();
+    auto p = (*bad)->Connect(rx->LocalAddress(), absl::Seconds(3));
+    EXPECT_FALSE(p.ok());
+  }
+  const auto m = *BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
+                                        testing::NanoRequest("after", "fp", 1000));
+  auto id = rx->Receive(m, *rx->Allocate(TotalBytes(m)), {});
+  ASSERT_TRUE(id.ok());
+  Subprocess peer = StartPeer(
+      {"--role", "send", "--connect", rx->LocalAddress(), "--request-id", "after"}, "send.log");
+  EXPECT_TRUE(rx->Wait(*id, absl::Seconds(20)).ok());
+  rx->Forget(*id);
+  EXPECT_EQ(peer.Wait(std::chrono::seconds(20)), 0);
+}
+
 double Metric(prometheus::Registry& registry, const std::string& name, const std::string& label,
               const std::string& value) {
   double sum = 0;
