@@ -157,6 +157,9 @@ EPD_AVX2 void QuantizeFp8RowAvx(const float* x, int64_t k, float* q, float* scal
 EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w, float* y) {
   const int64_t k = w.in, nb = k / 32, scols = w.scale_cols(), o8 = w.out / 8 * 8;
   thread_local std::vector<float> q, s, wsT;
+  thread_local std::vector<int64_t> bcol;
+  bcol.resize(nb);
+  for (int64_t b = 0; b < nb; ++b) bcol[b] = b * 32 / w.block_cols;
   q.resize(rows * k);
   s.resize(rows * nb);
   wsT.resize(nb * 8);
@@ -164,9 +167,16 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
     QuantizeFp8RowAvx(x + r * k, k, q.data() + r * k, s.data() + r * nb);
   alignas(32) float res[8];
   for (int64_t o = 0; o < o8; o += 8) {
-    for (int j = 0; j < 8; ++j) {
-      const float* wsr = w.scales.data() + ((o + j) / w.block_rows) * scols;
-      for (int64_t b = 0; b < nb; ++b) wsT[b * 8 + j] = wsr[b * 32 / w.block_cols];
+    if (w.block_rows % 8 == 0) {  // the 8 outputs share one scale row
+      const float* wsr = w.scales.data() + (o / w.block_rows) * scols;
+      for (int64_t b = 0; b < nb; ++b) {
+        _mm256_storeu_ps(wsT.data() + b * 8, _mm256_set1_ps(wsr[bcol[b]]));
+      }
+    } else {
+      for (int j = 0; j < 8; ++j) {
+        const float* wsr = w.scales.data() + ((o + j) / w.block_rows) * scols;
+        for (int64_t b = 0; b < nb; ++b) wsT[b * 8 + j] = wsr[bcol[b]];
+      }
     }
     const float* wr = w.values.data() + o * k;
     for (int64_t r = 0; r < rows; ++r) {

@@ -1,13 +1,15 @@
 // Model reference-forward benchmark on the golden tiny checkpoint (CPU backend).
 // Prints prefill tokens/s, decode ms/step, DSpark draft ms, and the ratio of one 5-position
 // verification step (Model::Extend) to 5 sequential decodes, measured in the same run.
-// Usage: model_bench [model_dir]   (default: tests/data/golden/v41-tiny-a)
+// Usage: model_bench [model_dir] [--scalar]   (default: tests/data/golden/v41-tiny-a; --scalar
+// forces the scalar CPU kernels, which give the same results)
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
 
 #include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
 #include "model/model.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
@@ -29,8 +31,14 @@ std::string Read(const std::string& p) {
 
 int main(int argc, char** argv) {
   using namespace epd::model;
-  const std::string dir =
-      argc > 1 ? argv[1] : epd::testing::SourcePath("tests/data/golden/v41-tiny-a");
+  std::string dir = epd::testing::SourcePath("tests/data/golden/v41-tiny-a");
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--scalar") {
+      epd::kernels::cpu::SetSimdEnabled(false);  // same results, scalar kernels
+    } else {
+      dir = argv[i];
+    }
+  }
   auto backend = epd::kernels::MakeCpuBackend();
   auto cfg = LoadModelConfig(dir + "/config.json");
   if (!cfg.ok()) {
@@ -69,8 +77,9 @@ int main(int argc, char** argv) {
     t1 = Clock::now();
     ext5_ms = std::min(ext5_ms, Ms(t0, t1));
   }
-  std::printf("model_bench (%s backend, %zu-token prompt, best of %d)\n",
-              std::string(backend->Name()).c_str(), prompt.size(), reps);
+  std::printf("model_bench (%s backend, %s kernels, %zu-token prompt, best of %d)\n",
+              std::string(backend->Name()).c_str(),
+              epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar", prompt.size(), reps);
   std::printf("prefill: %.1f ms, %.0f tokens/s\n", prefill_ms, prompt.size() / prefill_ms * 1e3);
   std::printf("decode: %.2f ms/step\n", decode_ms);
   std::printf("dspark draft (5 positions): %.2f ms\n", draft_ms);
