@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <map>
+
 #include "absl/strings/str_cat.h"
 #include "encoder_pool/encoder_stage.h"
 
@@ -12,16 +14,45 @@ class EncoderHandler final : public worker::JobHandler {
  public:
   explicit EncoderHandler(const worker::WorkerSetup& setup)
       : setup_(setup), stage_(*setup.model, worker::HandoffTailRows(setup.model->config())) {
-    auto& replay = prometheus::BuildCounter()
-                       .Name("epd_swa_replay_total")
-                       .Help("SWA bounded replays, per stage")
-                       .Register(*setup.registry);
-    replay.Add({{"stage", "encoder"}});
-    prometheus::BuildCounter()
-        .Name("epd_swa_replay_tokens_total")
-        .Help("Tokens run through SWA bounded replays, per stage")
-        .Register(*setup.registry)
-        .Add({{"stage", "encoder"}});
+    auto& reg = *setup.registry;
+    replays_ = &prometheus::BuildCounter()
+                    .Name("epd_swa_replay_total")
+                    .Help("SWA bounded replays, per stage")
+                    .Register(reg)
+                    .Add({{"stage", "encoder"}});
+    replayed_tokens_ = &prometheus::BuildCounter()
+                            .Name("epd_swa_replay_tokens_total")
+                            .Help("Tokens run through SWA bounded replays, per stage")
+                            .Register(reg)
+                            .Add({{"stage", "encoder"}});
+    auto& errors = prometheus::BuildCounter()
+                       .Name("epd_kv_worker_store_errors_total")
+                       .Help(
+                           "kvstore operations of a worker that failed (daemon down, deadline, "
+                           "a value that did not assemble); the request went on with a shorter "
+                           "prefix")
+                       .Register(reg);
+    for (const char* op : {"lookup", "get", "put", "decode"})
+      errors_[op] = &errors.Add({{"pool", "encoder"}, {"op", op}});
+    auto& tokens = prometheus::BuildCounter()
+                       .Name("epd_kv_worker_prefix_tokens_total")
+                       .Help("Prompt tokens a worker took from the kvstore instead of computing")
+                       .Register(reg);
+    prefix_tokens_ = &tokens.Add({{"pool", "encoder"}});
+    auto& writes = prometheus::BuildCounter()
+                       .Name("epd_kv_worker_writes_total")
+                       .Help(
+                           "Values a worker wrote to the kvstore, by tier (g3 blocks, g2 SWA "
+                           "snapshots)")
+                       .Register(reg);
+    g3_writes_ = &writes.Add({{"pool", "encoder"}, {"tier", "g3"}});
+    g2_writes_ = &writes.Add({{"pool", "encoder"}, {"tier", "g2"}});
+    if (!setup.kvstore.empty()) {
+      kvstore::KvClientOptions o;
+      o.deadline_ms = 5000;
+      store_ = kvstore::KvStoreClient::Create(setup.kvstore, o);
+      spdlog::info("epd-encoder: prefix reuse through the kvstore at {}", setup.kvstore);
+    }
   }
 
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
@@ -34,9 +65,32 @@ class EncoderHandler final : public worker::JobHandler {
       return absl::InvalidArgumentError("encoder job without next_transfer_address");
     const std::vector<int32_t> prompt(job.prompt_ids().begin(), job.prompt_ids().end());
     setup_.batch_size->Set(1);
-    auto res = stage_.Run(prompt);
+    PrefixOptions prefix;
+    prefix.store = store_.get();
+    prefix.fingerprint = setup_.fingerprint;
+    prefix.hint = job.cached_tokens();
+    PrefixReport report;
+    auto res = stage_.Run(prompt, prefix, &report);
     if (!res.ok()) return res.status();
+    for (const std::string& op : report.errors) errors_.at(op)->Increment();
+    if (!report.warning.empty())
+      spdlog::warn("epd-encoder: request {}: kvstore degraded (prefix {} of hint {}): {}",
+                   job.request_id(), report.cached_tokens, job.cached_tokens(), report.warning);
+    if (report.replayed) {
+      replays_->Increment();
+      replayed_tokens_->Increment(static_cast<double>(report.replayed_tokens));
+    }
+    prefix_tokens_->Increment(static_cast<double>(report.cached_tokens));
+    g3_writes_->Increment(static_cast<double>(report.blocks_written));
+    if (report.snapshot_written) g2_writes_->Increment();
     if (cancelled.load()) return absl::CancelledError("cancelled");
+    {
+      // The prefix actually used, before the hand-off so the router has it for usage.
+      epd::v1::SubmitResponse used;
+      used.set_request_id(job.request_id());
+      used.set_cached_tokens(static_cast<int32_t>(report.cached_tokens));
+      emit(used);
+    }
     std::vector<model::StateSegment> segs = std::move(res->state);
     for (auto& s : worker::PackEncoderOutput(res->output)) segs.push_back(std::move(s));
     worker::HandoffHeader h{job.request_id(), setup_.fingerprint,
@@ -50,6 +104,7 @@ class EncoderHandler final : public worker::JobHandler {
     epd::v1::SubmitResponse r;
     r.set_request_id(job.request_id());
     r.set_finish_reason("handoff");
+    r.set_cached_tokens(static_cast<int32_t>(report.cached_tokens));
     emit(r);
     return absl::OkStatus();
   }
@@ -57,6 +112,13 @@ class EncoderHandler final : public worker::JobHandler {
  private:
   worker::WorkerSetup setup_;
   EncoderStage stage_;
+  std::unique_ptr<kvstore::KvStoreClient> store_;  // null without --kvstore
+  prometheus::Counter* replays_;
+  prometheus::Counter* replayed_tokens_;
+  std::map<std::string, prometheus::Counter*> errors_;
+  prometheus::Counter* prefix_tokens_;
+  prometheus::Counter* g3_writes_;
+  prometheus::Counter* g2_writes_;
 };
 
 }  // namespace

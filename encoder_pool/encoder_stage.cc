@@ -1,8 +1,24 @@
 #include "encoder_pool/encoder_stage.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
+#include "kvstore/chain_hash.h"
 
 namespace epd::encoder_pool {
+namespace {
+
+// G2 key of the SWA snapshot at the end of the block with chain hash `h`.
+std::string SnapshotKey(const kvstore::BlockHash& h) {
+  return std::string(kvstore::AsBytes(h)) + "swa";
+}
+
+void Fail(PrefixReport* r, const char* op, const absl::Status& s) {
+  r->errors.push_back(op);
+  if (r->warning.empty()) r->warning = absl::StrCat(op, ": ", s.ToString());
+}
+
+}  // namespace
 
 EncoderStage::EncoderStage(const model::Model& model, int64_t tail_rows)
     : model_(model), tail_rows_(tail_rows > 0 ? tail_rows : DefaultTailRows(model.config())) {}
@@ -11,20 +27,157 @@ int64_t EncoderStage::DefaultTailRows(const model::ModelConfig& c) {
   return c.window_size + std::max(0, c.dspark_block_size);
 }
 
+int64_t EncoderStage::PrefixCap(int64_t n, int64_t tail_rows, int64_t block_tokens) {
+  if (block_tokens <= 0 || n < tail_rows) return 0;
+  return (n - tail_rows) / block_tokens * block_tokens;
+}
+
 absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt) {
+  PrefixReport report;
+  return Run(prompt, PrefixOptions{}, &report);
+}
+
+absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
+                                                const PrefixOptions& prefix, PrefixReport* report) {
   if (prompt.empty()) return absl::InvalidArgumentError("encoder: empty prompt");
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= model_.config().vocab_size)
       return absl::InvalidArgumentError(absl::StrCat("encoder: prompt token ", i, " (", prompt[i],
                                                      ") is outside the vocabulary"));
   }
-  std::lock_guard<std::mutex> lock(compute_mu_);
-  auto state = model_.NewSequence();
-  auto out = model::EncoderPass(model_, *state, prompt, tail_rows_);
-  if (!out.ok()) return out.status();
+  *report = PrefixReport{};
+  const int64_t N = static_cast<int64_t>(prompt.size());
+  const int64_t B = prefix.block_tokens;
+  kvstore::KvStoreClient* store = B > 0 ? prefix.store : nullptr;
+  std::vector<kvstore::BlockHash> hashes;
+  if (store != nullptr)
+    hashes = kvstore::ChainHashes(prompt, static_cast<size_t>(B), prefix.fingerprint);
+
+  // 1. Read the prefix (no lock: I/O only).
+  int64_t P = 0;
+  std::vector<std::string> blocks;
+  std::optional<std::string> snapshot;
+  if (store != nullptr && prefix.hint > 0) {
+    P = std::min(prefix.hint / B * B, PrefixCap(N, tail_rows_, B));
+    for (int64_t b = 0; b < P / B; ++b) {
+      auto got = store->Get(kvstore::Tier::kAuto, kvstore::AsBytes(hashes[b]));
+      if (!got.ok()) {
+        Fail(report, "get", got.status());
+        break;
+      }
+      if (!got->found) break;  // expired/evicted since the lookup: the longest prefix read
+      blocks.push_back(std::move(got->value));
+    }
+    P = static_cast<int64_t>(blocks.size()) * B;
+    if (P > 0) {
+      auto snap = store->Get(kvstore::Tier::kG2, SnapshotKey(hashes[P / B - 1]));
+      if (!snap.ok()) {
+        Fail(report, "get", snap.status());
+      } else if (snap->found) {
+        snapshot = std::move(snap->value);
+      }
+    }
+  }
+
+  std::unique_lock<std::mutex> lock(compute_mu_);
+  // 2. The state at P: assembled (+ replay on a snapshot miss), else fresh.
+  std::unique_ptr<model::SequenceState> state;
+  if (P > 0) {
+    auto st = model::AssemblePrefixState(model_, blocks, snapshot ? &*snapshot : nullptr, B);
+    if (!st.ok() && snapshot) {
+      // A bad snapshot costs a replay, not the blocks.
+      Fail(report, "decode", st.status());
+      snapshot.reset();
+      st = model::AssemblePrefixState(model_, blocks, nullptr, B);
+    }
+    if (!st.ok()) {
+      Fail(report, "decode", st.status());
+      P = 0;
+    } else {
+      state = *std::move(st);
+      absl::Status replay;
+      if (!snapshot) {
+        replay = model::PrefixReplay(model_, *state, prompt);
+        report->replayed = replay.ok();
+        report->replayed_tokens = replay.ok() ? model::PrefixReplayTokens(model_.config(), P) : 0;
+      }
+      if (!replay.ok()) {
+        Fail(report, "decode", replay);
+        P = 0;
+      } else {
+        report->snapshot_hit = snapshot.has_value();
+        report->blocks_fetched = P / B;
+      }
+    }
+  }
+  if (P == 0) state = model_.NewSequence();
+  report->cached_tokens = P;
+
+  // 3. EncoderPass over [P, N), split at the last block boundary M so that the new blocks and the
+  // rings at M can be cut.
+  const int64_t M = store != nullptr ? N / B * B : P;
+  std::vector<std::string> new_blocks;
+  std::optional<std::string> new_snapshot;
   EncoderResult r;
+  if (M > P && M < N) {
+    auto first = model::EncoderPass(model_, *state, prompt.subspan(P, M - P), tail_rows_);
+    if (!first.ok()) return first.status();
+    auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
+    auto snap = model::CutSwaSnapshot(model_, *state, B);
+    if (!cut.ok()) return cut.status();
+    if (!snap.ok()) return snap.status();
+    new_blocks = *std::move(cut);
+    new_snapshot = *std::move(snap);
+    auto second = model::EncoderPass(model_, *state, prompt.subspan(M), tail_rows_, &*first);
+    if (!second.ok()) return second.status();
+    r.output = *std::move(second);
+  } else {
+    auto out = model::EncoderPass(model_, *state, prompt.subspan(P), tail_rows_);
+    if (!out.ok()) return out.status();
+    r.output = *std::move(out);
+    if (M > P) {  // N == M: the whole prompt is blocks
+      auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
+      auto snap = model::CutSwaSnapshot(model_, *state, B);
+      if (!cut.ok()) return cut.status();
+      if (!snap.ok()) return snap.status();
+      new_blocks = *std::move(cut);
+      new_snapshot = *std::move(snap);
+    }
+  }
   r.state = model::SerializeState(model_.config(), *state);
-  r.output = std::move(*out);
+  lock.unlock();
+
+  // 4. Write the new blocks that are not stored yet, then the snapshot at M (I/O, no lock).
+  if (store != nullptr && !new_blocks.empty()) {
+    const int64_t first = P / B;
+    std::span<const kvstore::BlockHash> mine(hashes.data() + first, new_blocks.size());
+    int64_t stored = 0;
+    auto look = store->Lookup(prefix.fingerprint, mine);
+    if (look.ok()) {
+      stored = look->cached_blocks;
+    } else {
+      Fail(report, "lookup", look.status());
+    }
+    bool ok = look.ok();
+    for (size_t i = static_cast<size_t>(stored); ok && i < new_blocks.size(); ++i) {
+      absl::Status s = store->Put(kvstore::Tier::kG3, kvstore::AsBytes(mine[i]), new_blocks[i]);
+      if (!s.ok()) {
+        Fail(report, "put", s);
+        ok = false;
+        break;
+      }
+      ++report->blocks_written;
+    }
+    // The snapshot is only useful with every block before it stored.
+    if (ok && new_snapshot) {
+      absl::Status s = store->Put(kvstore::Tier::kG2, SnapshotKey(mine.back()), *new_snapshot);
+      if (!s.ok()) {
+        Fail(report, "put", s);
+      } else {
+        report->snapshot_written = true;
+      }
+    }
+  }
   return r;
 }
 

@@ -7,11 +7,15 @@
 // serialized by an internal mutex.
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "kvstore/kvstore_client.h"
 #include "model/model.h"
+#include "model/prefix_state.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
 
@@ -20,6 +24,29 @@ namespace epd::encoder_pool {
 struct EncoderResult {
   std::vector<model::StateSegment> state;  // the sequence state at N (SerializeState)
   model::EncoderOutput output;             // residual entering the split layer, tail rows
+};
+
+// Prefix reuse through the kvstore (docs/workers.md "Store reuse").
+struct PrefixOptions {
+  kvstore::KvStoreClient* store = nullptr;  // null: no store (P = 0, nothing written)
+  std::string fingerprint;                  // the config fingerprint inside every chain hash
+  int64_t hint = 0;                         // Job.cached_tokens (the router's lookup)
+  int64_t block_tokens = model::kPrefixBlockTokens;
+};
+
+// What the store path did, for the response and the metrics.
+struct PrefixReport {
+  int64_t cached_tokens = 0;      // P actually used (whole blocks, <= the hint and the tail cap)
+  int64_t blocks_fetched = 0;     // G3 (or G1) block values read and used
+  bool snapshot_hit = false;      // the SWA rings came from G2
+  bool replayed = false;          // G2 miss/expiry: encoder bounded replay ran
+  int64_t replayed_tokens = 0;    // tokens of that replay
+  int64_t blocks_written = 0;     // new block values put to G3
+  bool snapshot_written = false;  // SWA snapshot put to G2
+  // Store operations that failed ("lookup", "get", "put", "decode": a value that did not
+  // assemble); each degraded the request (shorter P, nothing written), never failed it.
+  std::vector<std::string> errors;
+  std::string warning;  // the first error's message
 };
 
 class EncoderStage {
@@ -33,6 +60,20 @@ class EncoderStage {
 
   // Encodes a whole prompt from position 0. Errors on an empty prompt or ids out of the vocab.
   [[nodiscard]] absl::StatusOr<EncoderResult> Run(std::span<const int32_t> prompt);
+
+  // The same result, reusing the stored prefix: P = min(hint, PrefixCap(N)) rounded down to a
+  // block; the G3 blocks [0, P) and the G2 SWA snapshot at P are read (a missing block shortens
+  // P to the blocks read; a missing/expired snapshot runs the encoder bounded replay), then
+  // EncoderPass runs over [P, N) in two chunks split at the last block boundary M of the prompt,
+  // and the new blocks [P, M) not yet stored go to G3 and the rings at M to G2 (before Run
+  // returns). Store errors never fail the call; they are listed in `report`.
+  [[nodiscard]] absl::StatusOr<EncoderResult> Run(std::span<const int32_t> prompt,
+                                                  const PrefixOptions& prefix,
+                                                  PrefixReport* report);
+
+  // Largest block boundary P with N - P >= tail_rows (the decoder replays the last tail rows,
+  // whose residuals only the encoder computes), 0 when none.
+  static int64_t PrefixCap(int64_t prompt_tokens, int64_t tail_rows, int64_t block_tokens);
 
  private:
   const model::Model& model_;

@@ -1,9 +1,10 @@
 #include "services/router/router_core.h"
 
-#include <algorithm>
-#include <thread>
-
 #include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <optional>
+#include <thread>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -226,8 +227,7 @@ void RouterCore::CountRejected(const absl::Status& status) {
 
 absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
   if (draining_) {
-    return ApiError(absl::StatusCode::kUnavailable, "the router is shutting down", "",
-                    "draining");
+    return ApiError(absl::StatusCode::kUnavailable, "the router is shutting down", "", "draining");
   }
   if (spec.model != options_.model) {
     return ApiError(absl::StatusCode::kNotFound,
@@ -268,11 +268,11 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
                     "invalid_value");
   }
   if (n >= options_.context_length) {
-    return ApiError(absl::StatusCode::kInvalidArgument,
-                    absl::StrCat("This model's maximum context length is ",
-                                 options_.context_length, " tokens. However, your ", input_param,
-                                 " resulted in ", n, " tokens."),
-                    input_param, "context_length_exceeded");
+    return ApiError(
+        absl::StatusCode::kInvalidArgument,
+        absl::StrCat("This model's maximum context length is ", options_.context_length,
+                     " tokens. However, your ", input_param, " resulted in ", n, " tokens."),
+        input_param, "context_length_exceeded");
   }
   const int64_t asked = spec.sampling.max_tokens();
   if (asked > 0) {
@@ -283,12 +283,12 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
                       "max_tokens", "max_tokens_exceeded");
     }
     if (n + asked > options_.context_length) {
-      return ApiError(absl::StatusCode::kInvalidArgument,
-                      absl::StrCat("This model's maximum context length is ",
-                                   options_.context_length, " tokens. However, you requested ",
-                                   n + asked, " tokens (", n, " in the ", input_param, ", ",
-                                   asked, " in the completion)."),
-                      "max_tokens", "context_length_exceeded");
+      return ApiError(
+          absl::StatusCode::kInvalidArgument,
+          absl::StrCat("This model's maximum context length is ", options_.context_length,
+                       " tokens. However, you requested ", n + asked, " tokens (", n, " in the ",
+                       input_param, ", ", asked, " in the completion)."),
+          "max_tokens", "context_length_exceeded");
     }
     req.max_tokens = static_cast<int32_t>(asked);
   } else {
@@ -315,8 +315,8 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
     bool streamed_any = false;
     result = RunOnce(request, *plan, observer, &streamed_any);
     scheduler_.Release(*plan);
-    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable ||
-        streamed_any || attempt == options_.max_attempts) {
+    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable || streamed_any ||
+        attempt == options_.max_attempts) {
       break;
     }
     spdlog::warn("request {}: attempt {} failed before any token ({}); dispatching again",
@@ -378,8 +378,11 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
   // waits for its inbound hand-off keyed by request_id.
   std::unique_ptr<JobStream> decode = client_.Submit(plan.decode, jobs.back());
   absl::Mutex mu;
-  absl::Status side_error;  // guarded by mu
+  absl::Status side_error;   // guarded by mu
   bool decode_done = false;  // guarded by mu
+  // The prefix the encoder actually reused (its messages carry it, docs/workers.md); it replaces
+  // the scheduler's hint in usage. Guarded by mu.
+  std::optional<int32_t> encoder_cached;
   struct Side {
     WorkerInfo worker;
     std::unique_ptr<JobStream> stream;
@@ -397,10 +400,14 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       bool handed_off = false;
       while (s->stream->Read(&m)) {
         if (!m.error().empty()) {
-          st = absl::InternalError(absl::StrCat(PoolName(s->worker.pool), " worker '",
-                                                s->worker.id, "' failed: ", m.error()));
+          st = absl::InternalError(absl::StrCat(PoolName(s->worker.pool), " worker '", s->worker.id,
+                                                "' failed: ", m.error()));
         }
         if (m.finish_reason() == "handoff") handed_off = true;
+        if (s->worker.pool == PoolKind::kEncoder) {
+          absl::MutexLock lock(&mu);
+          encoder_cached = m.cached_tokens();
+        }
       }
       absl::Status fin = s->stream->Finish();
       absl::MutexLock lock(&mu);
@@ -426,7 +433,8 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
 
   Outcome out;
   out.prompt_tokens = static_cast<int32_t>(req.prompt_ids.size());
-  out.cached_tokens = plan.cached_tokens;
+  // Only the encoder reuses a stored prefix; it reports what it used (below).
+  out.cached_tokens = plan.encoder ? plan.cached_tokens : 0;
   out.decode_worker = plan.decode.id;
   const bool thinking = req.thinking;
   auto detok = codec_.NewDetokenizer();
@@ -513,6 +521,10 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
     }
   }
   out.completion_tokens = static_cast<int32_t>(out.token_ids.size());
+  {
+    absl::MutexLock lock(&mu);
+    if (encoder_cached) out.cached_tokens = *encoder_cached;
+  }
   if (cancelled) return absl::CancelledError("client disconnected");
   if (!lost.empty()) {
     return ApiError(absl::StatusCode::kUnavailable,

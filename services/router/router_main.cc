@@ -2,17 +2,17 @@
 // the worker registry (--grpc-port), /metrics and /health on --metrics-port, drain on SIGTERM.
 // Flow and choices: docs/router.md.
 #include <signal.h>
+#include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <filesystem>
-#include <memory>
 #include <iostream>
+#include <memory>
 #include <thread>
 
-#include <spdlog/spdlog.h>
-
 #include "common/clock.h"
+#include "model/config.h"
 #include "model/fingerprint.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/dispatch.h"
@@ -115,7 +115,14 @@ int main(int argc, char** argv) {
     r::KvOracleOptions kv_options;
     kv_options.target = kvstore_address;
     kv_options.block_tokens = kv_block_tokens;
+    scheduler_options.prefix_block_tokens = kv_block_tokens;
     if (!model_dir.empty()) {
+      // The tail rule's rows: window + DSpark block of the served config.
+      auto config = epd::model::LoadModelConfig(model_dir + "/config.json");
+      if (config.ok()) {
+        scheduler_options.prefix_tail_rows =
+            config->window_size + std::max(0, config->dspark_block_size);
+      }
       auto fp = epd::model::ModelDirFingerprint(model_dir);
       if (fp.ok()) {
         kv_options.default_fingerprint = *fp;
@@ -148,7 +155,8 @@ int main(int argc, char** argv) {
                core_options.model, core_options.context_length, runtime_options.host, *hport,
                runtime_options.host, *gport);
 
-  const auto sweep = std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
+  const auto sweep =
+      std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
   while (!epd::services::WaitForShutdown(sweep)) {
     // A worker that stops heartbeating may hang its streams rather than close them.
     for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
@@ -156,8 +164,8 @@ int main(int argc, char** argv) {
 
   spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());
   core.StartDraining();
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::milliseconds(runtime_options.drain_timeout_ms);
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(runtime_options.drain_timeout_ms);
   while (core.inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }

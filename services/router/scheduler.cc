@@ -1,5 +1,7 @@
 #include "services/router/scheduler.h"
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 
 namespace epd::services::router {
@@ -19,8 +21,8 @@ Scheduler::Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle&
 absl::StatusOr<Plan> Scheduler::Schedule(const std::vector<int32_t>& prompt_ids) {
   Plan plan;
   plan.fingerprint = registry_.Fingerprint();
-  const PrefixHint hint = plan.fingerprint.empty() ? PrefixHint{}
-                                                   : oracle_.Lookup(prompt_ids, plan.fingerprint);
+  const PrefixHint hint =
+      plan.fingerprint.empty() ? PrefixHint{} : oracle_.Lookup(prompt_ids, plan.fingerprint);
   plan.cached_tokens = std::min<int32_t>(hint.cached_tokens, prompt_ids.size());
   auto decode = registry_.Pick(PoolKind::kDecode, hint.workers);
   if (!decode) return absl::UnavailableError("no live decode worker");
@@ -29,6 +31,14 @@ absl::StatusOr<Plan> Scheduler::Schedule(const std::vector<int32_t>& prompt_ids)
   if (uncached > options_.direct_decode_max_tokens) {
     plan.encoder = registry_.Pick(PoolKind::kEncoder, hint.workers);
     plan.prefill = registry_.Pick(PoolKind::kPrefill, hint.workers);
+  }
+  // Only the encoder reuses a stored prefix (the tail rule applies to it); a chain without it
+  // computes the whole prompt and the router reports 0 cached (router_core.cc).
+  if (plan.encoder && options_.prefix_block_tokens > 0) {
+    const int64_t room = static_cast<int64_t>(prompt_ids.size()) - options_.prefix_tail_rows;
+    const int64_t cap =
+        room <= 0 ? 0 : room / options_.prefix_block_tokens * options_.prefix_block_tokens;
+    plan.cached_tokens = static_cast<int32_t>(std::min<int64_t>(plan.cached_tokens, cap));
   }
   plan.route = absl::StrCat(plan.encoder ? "e" : "", plan.prefill ? "p" : "", "d");
   decisions_.Add({{"route", plan.route}}).Increment();

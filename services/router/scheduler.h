@@ -20,13 +20,19 @@ struct SchedulerOptions {
   // Uncached prompt tokens at or below which the decode worker runs the request alone instead
   // of a hand-off chain. Default: 0 (always use every pool that has live workers).
   int direct_decode_max_tokens = 0;
+  // Prefix-hint cap (docs/workers.md "tail rule"): the decoder replays the last tail rows, whose
+  // residuals only the encoder computes, so the hint is cut to the largest multiple of
+  // prefix_block_tokens <= N - prefix_tail_rows. Default: 64 tokens a block, 133 tail rows
+  // (window 128 + DSpark block 5; router_main derives it from --model's config).
+  int prefix_block_tokens = 64;
+  int prefix_tail_rows = 133;
 };
 
 struct Plan {
   std::optional<WorkerInfo> encoder;
   std::optional<WorkerInfo> prefill;
   WorkerInfo decode;
-  int32_t cached_tokens = 0;
+  int32_t cached_tokens = 0;  // the prefix hint (capped by the tail rule when an encoder runs)
   std::string fingerprint;
   std::string route;  // "epd" | "pd" | "ed" | "d"
 };

@@ -1,0 +1,296 @@
+// Store reuse end to end (DESIGN.md §3 steps 1-2, §5; docs/workers.md "Store reuse"): real
+// epd-kvstore + epd-router + epd-encoder/prefill/decode processes on 127.0.0.1 with the nano model.
+// An agent's turn 2 (turn 1's prompt + its reply + a long new message) reuses turn 1's blocks:
+// usage reports them cached, the kvstore served them, and the greedy output equals a cluster
+// without a store token for token. With a 1 ms SWA TTL the snapshot is expired at turn 2: the
+// encoder replays once and the request still succeeds.
+#include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "epd/v1/inference.grpc.pb.h"
+#include "model/nano_generator.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd {
+namespace {
+
+using epd::services::WaitForPortFile;
+using epd::testing::BinaryPath;
+using epd::testing::Subprocess;
+using epd::testing::TempDir;
+
+TempDir* g_model_dir = nullptr;
+
+struct Proc {
+  Subprocess proc;
+  std::string port_file;
+  int grpc = 0;
+  int metrics = 0;
+};
+
+std::optional<double> ScrapeMetric(int port, const std::string& series) {
+  auto body = testing::HttpGet(port, "/metrics");
+  if (!body) return std::nullopt;
+  size_t pos = 0;
+  while ((pos = body->find(series + " ", pos)) != std::string::npos) {
+    if (pos == 0 || (*body)[pos - 1] == '\n')
+      return std::stod(body->substr(pos + series.size() + 1));
+    ++pos;
+  }
+  return std::nullopt;
+}
+
+double Metric(int port, const std::string& series) {
+  return ScrapeMetric(port, series).value_or(0.0);
+}
+
+// Router + encoder + prefill + decode; with `store`, an epd-kvstore (extra flags `kv_args`) that
+// the router and every worker use.
+class Cluster {
+ public:
+  Cluster(bool store, std::vector<std::string> kv_args = {}) {
+    if (store) {
+      kv_.port_file = dir_.File("kv.json");
+      std::vector<std::string> argv = {BinaryPath("epd-kvstore"),
+                                       "--data-dir",
+                                       dir_.File("kvdata"),
+                                       "--grpc-port",
+                                       "0",
+                                       "--metrics-port",
+                                       "0",
+                                       "--port-file",
+                                       kv_.port_file,
+                                       "--g1-capacity-bytes",
+                                       "0"};
+      argv.insert(argv.end(), kv_args.begin(), kv_args.end());
+      kv_.proc = Subprocess::Start(argv, dir_.File("kv.log"));
+      kv_.grpc = WaitForPortFile(kv_.port_file, "grpc", std::chrono::seconds(30)).value_or(0);
+      EXPECT_GT(kv_.grpc, 0) << kv_.proc.ReadLog();
+      kv_.metrics = WaitForPortFile(kv_.port_file, "metrics", std::chrono::seconds(5)).value_or(0);
+      kv_address_ = "127.0.0.1:" + std::to_string(kv_.grpc);
+    }
+    router_.port_file = dir_.File("router.json");
+    std::vector<std::string> argv = {BinaryPath("epd-router"),
+                                     "--metrics-port",
+                                     "0",
+                                     "--http-port",
+                                     "0",
+                                     "--grpc-port",
+                                     "0",
+                                     "--port-file",
+                                     router_.port_file,
+                                     "--heartbeat-interval-ms",
+                                     "200",
+                                     "--model",
+                                     g_model_dir->path()};
+    if (store) argv.insert(argv.end(), {"--kvstore", kv_address_});
+    router_.proc = Subprocess::Start(argv, dir_.File("router.log"));
+    auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));
+    EXPECT_TRUE(grpc.has_value()) << router_.proc.ReadLog();
+    router_.grpc = grpc.value_or(0);
+    for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind);
+  }
+
+  void Add(const std::string& kind) {
+    auto p = std::make_unique<Proc>();
+    p->port_file = dir_.File(kind + ".json");
+    std::vector<std::string> argv = {BinaryPath("epd-" + kind),
+                                     "--router",
+                                     "127.0.0.1:" + std::to_string(router_.grpc),
+                                     "--model",
+                                     g_model_dir->path(),
+                                     "--worker-id",
+                                     kind + "-0",
+                                     "--port-file",
+                                     p->port_file,
+                                     "--metrics-port",
+                                     "0"};
+    if (!kv_address_.empty()) argv.insert(argv.end(), {"--kvstore", kv_address_});
+    p->proc = Subprocess::Start(argv, dir_.File(kind + ".log"), {{"UCX_NET_DEVICES", "lo"}});
+    auto reg = WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60));
+    EXPECT_TRUE(reg.has_value()) << p->proc.ReadLog();
+    p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
+    procs_[kind] = std::move(p);
+  }
+
+  int grpc_port() const { return router_.grpc; }
+  int metrics(const std::string& kind) const { return procs_.at(kind)->metrics; }
+  int kv_metrics() const { return kv_.metrics; }
+  // Hits of the kvstore over every tier (gets and lookups).
+  double KvHits() const {
+    double sum = 0;
+    for (const char* t : {"g1", "g2", "g3"})
+      sum += Metric(kv_.metrics, std::string("epd_kv_hits_total{tier=\"") + t + "\"}");
+    return sum;
+  }
+  std::string Logs() {
+    std::string out = "--- router\n" + router_.proc.ReadLog();
+    if (kv_.grpc > 0) out += "--- kvstore\n" + kv_.proc.ReadLog();
+    for (auto& [k, p] : procs_) out += "--- " + k + "\n" + p->proc.ReadLog();
+    return out;
+  }
+
+ private:
+  TempDir dir_;
+  Proc kv_, router_;
+  std::string kv_address_;
+  std::map<std::string, std::unique_ptr<Proc>> procs_;
+};
+
+struct Generation {
+  std::vector<int32_t> ids;
+  int cached = -1;
+  int prompt_tokens = -1;
+  grpc::Status status;
+};
+
+Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens) {
+  auto stub = epd::v1::Inference::NewStub(
+      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
+  epd::v1::GenerateRequest req;
+  req.set_model("epd-nano");
+  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
+  req.mutable_sampling()->set_temperature(0.f);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  auto reader = stub->Generate(&ctx, req);
+  Generation g;
+  epd::v1::GenerateResponse m;
+  while (reader->Read(&m)) {
+    g.ids.insert(g.ids.end(), m.token_ids().begin(), m.token_ids().end());
+    if (m.has_usage()) {
+      g.cached = m.usage().cached_tokens();
+      g.prompt_tokens = m.usage().prompt_tokens();
+    }
+  }
+  g.status = reader->Finish();
+  return g;
+}
+
+std::vector<int32_t> Tokens(int n, int salt) {
+  std::vector<int32_t> p(n);
+  for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7 + i / 5) % 400;
+  return p;
+}
+
+std::vector<int32_t> Concat(std::vector<int32_t> a, const std::vector<int32_t>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+constexpr int kTurn1 = 300;      // 4 whole blocks of 64 (256) + 44
+constexpr int kNewTokens = 200;  // > tail rows (133) + a block (64)
+constexpr int kMaxTokens = 12;
+
+class StoreReuseE2ETest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    g_model_dir = new TempDir();
+    ASSERT_TRUE(model::GenerateNanoModel(g_model_dir->path()).ok());
+  }
+  static void TearDownTestSuite() {
+    delete g_model_dir;
+    g_model_dir = nullptr;
+  }
+};
+
+TEST_F(StoreReuseE2ETest, SecondTurnReusesTheFirstTurnsBlocksAndOutputIsUnchanged) {
+  const std::vector<int32_t> turn1 = Tokens(kTurn1, 1);
+  std::vector<int32_t> turn2, turn2_short;
+  std::vector<int32_t> want2, want2_short;
+  {
+    // Baseline: the same two turns on a cluster without a store.
+    Cluster plain(/*store=*/false);
+    Generation g1 = Generate(plain.grpc_port(), turn1, kMaxTokens);
+    ASSERT_TRUE(g1.status.ok()) << g1.status.error_message() << "\n" << plain.Logs();
+    ASSERT_FALSE(g1.ids.empty());
+    turn2 = Concat(Concat(turn1, g1.ids), Tokens(kNewTokens, 2));
+    turn2_short = Concat(Concat(turn1, g1.ids), Tokens(20, 3));
+    Generation g2 = Generate(plain.grpc_port(), turn2, kMaxTokens);
+    ASSERT_TRUE(g2.status.ok()) << g2.status.error_message() << "\n" << plain.Logs();
+    EXPECT_EQ(g2.cached, 0);
+    want2 = g2.ids;
+    Generation g3 = Generate(plain.grpc_port(), turn2_short, kMaxTokens);
+    ASSERT_TRUE(g3.status.ok()) << g3.status.error_message();
+    want2_short = g3.ids;
+  }
+
+  Cluster c(/*store=*/true);
+  Generation g1 = Generate(c.grpc_port(), turn1, kMaxTokens);
+  ASSERT_TRUE(g1.status.ok()) << g1.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g1.cached, 0);
+  // Turn 1 stored its 4 whole blocks and the SWA snapshot at 256.
+  EXPECT_EQ(
+      Metric(c.metrics("encoder"), "epd_kv_worker_writes_total{pool=\"encoder\",tier=\"g3\"}"),
+      kTurn1 / 64);
+  EXPECT_EQ(
+      Metric(c.metrics("encoder"), "epd_kv_worker_writes_total{pool=\"encoder\",tier=\"g2\"}"),
+      1.0);
+  ASSERT_EQ(turn2, Concat(Concat(turn1, g1.ids), Tokens(kNewTokens, 2)))
+      << "turn 1 differs between the clusters";
+
+  const double hits_before = c.KvHits();
+  Generation g2 = Generate(c.grpc_port(), turn2, kMaxTokens);
+  ASSERT_TRUE(g2.status.ok()) << g2.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g2.prompt_tokens, static_cast<int>(turn2.size()));
+  EXPECT_EQ(g2.cached, kTurn1 / 64 * 64) << c.Logs();
+  EXPECT_GT(c.KvHits(), hits_before);
+  EXPECT_EQ(g2.ids, want2) << "turn 2 with the store differs from the run without\n" << c.Logs();
+  EXPECT_EQ(Metric(c.metrics("encoder"), "epd_kv_worker_prefix_tokens_total{pool=\"encoder\"}"),
+            kTurn1 / 64 * 64);
+  // The snapshot was live: no encoder replay; the prefill replayed its tail once per request.
+  EXPECT_EQ(Metric(c.metrics("encoder"), "epd_swa_replay_total{stage=\"encoder\"}"), 0.0);
+  EXPECT_EQ(Metric(c.metrics("prefill"), "epd_swa_replay_total{stage=\"decoder\"}"), 2.0);
+
+  // A short turn 2 (new tokens < tail rows): the hint is capped to the largest block boundary
+  // <= N - 133 (192, not 256). No snapshot was taken there (only at each prompt's last block
+  // boundary), so the encoder replays one window: the request succeeds, its output may differ.
+  const int n = static_cast<int>(turn2_short.size());
+  Generation g3 = Generate(c.grpc_port(), turn2_short, kMaxTokens);
+  ASSERT_TRUE(g3.status.ok()) << g3.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g3.cached, (n - 133) / 64 * 64);
+  EXPECT_GT(g3.cached, 0);
+  EXPECT_LT(g3.cached, kTurn1 / 64 * 64);
+  EXPECT_EQ(g3.ids.size(), want2_short.size());
+  EXPECT_EQ(Metric(c.metrics("encoder"), "epd_swa_replay_total{stage=\"encoder\"}"), 1.0);
+  EXPECT_EQ(
+      Metric(c.metrics("encoder"), "epd_kv_worker_store_errors_total{op=\"get\",pool=\"encoder\"}"),
+      0.0);
+}
+
+TEST_F(StoreReuseE2ETest, ExpiredSwaSnapshotCostsOneEncoderReplayNotTheRequest) {
+  Cluster c(/*store=*/true, {"--swa-ttl-ms", "1"});
+  const std::vector<int32_t> turn1 = Tokens(kTurn1, 4);
+  Generation g1 = Generate(c.grpc_port(), turn1, kMaxTokens);
+  ASSERT_TRUE(g1.status.ok()) << g1.status.error_message() << "\n" << c.Logs();
+  const double enc_before = Metric(c.metrics("encoder"), "epd_swa_replay_total{stage=\"encoder\"}");
+  const double dec_before = Metric(c.metrics("prefill"), "epd_swa_replay_total{stage=\"decoder\"}");
+  EXPECT_EQ(enc_before, 0.0);
+  EXPECT_EQ(dec_before, 1.0);
+
+  const std::vector<int32_t> turn2 = Concat(Concat(turn1, g1.ids), Tokens(kNewTokens, 5));
+  Generation g2 = Generate(c.grpc_port(), turn2, kMaxTokens);
+  ASSERT_TRUE(g2.status.ok()) << g2.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g2.cached, kTurn1 / 64 * 64);
+  EXPECT_EQ(static_cast<int>(g2.ids.size()), kMaxTokens);
+  EXPECT_EQ(Metric(c.metrics("encoder"), "epd_swa_replay_total{stage=\"encoder\"}"),
+            enc_before + 1);
+  EXPECT_EQ(Metric(c.metrics("encoder"), "epd_swa_replay_tokens_total{stage=\"encoder\"}"), 128.0);
+  EXPECT_EQ(Metric(c.metrics("prefill"), "epd_swa_replay_total{stage=\"decoder\"}"),
+            dec_before + 1);
+  EXPECT_GT(Metric(c.kv_metrics(), "epd_kv_misses_total{reason=\"expired\",tier=\"g2\"}") +
+                Metric(c.kv_metrics(), "epd_kv_ttl_expiries_total{tier=\"g2\"}"),
+            0.0)
+      << c.Logs();
+}
+
+}  // namespace
+}  // namespace epd
