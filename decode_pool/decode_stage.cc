@@ -132,7 +132,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     const int cap = std::max(0, std::min(options_.max_k, room - 1));
     int k = options_.fixed_k;
     if (cap == 0) k = 0;
-    auto prop = decoder_.Propose(*s.state, s.pending, *s.sampler, k, b);
+    // T > 0: k changes how the seeded Rng is consumed, so the policy sees batch 1 (k then
+    // depends on the request alone and a seed reproduces its output whatever else is running).
+    const int policy_batch = s.sampler->params().greedy() ? b : 1;
+    auto prop = decoder_.Propose(*s.state, s.pending, *s.sampler, k, policy_batch);
     if (!prop.ok())
       return absl::Status(prop.status().code(),
                           absl::StrCat("dspark draft: ", prop.status().message()));

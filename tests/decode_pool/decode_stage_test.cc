@@ -5,6 +5,7 @@
 // sampling is reproducible, and the hand-off's DSpark switch error is recognized.
 #include "decode_pool/decode_stage.h"
 
+#include <chrono>
 #include <cstdio>
 #include <memory>
 #include <vector>
@@ -258,11 +259,69 @@ TEST_F(DecodeStageDSparkTest, SeededSamplingReproducible) {
   Request r2 = r;
   r2.params.seed = 4321;
   EXPECT_NE(Serve(spec, {r2}).seqs[0]->output, a.seqs[0]->output);
+  // With the k policy too: k of a T > 0 request ignores the batch size, so a seed reproduces
+  // the output alone and next to other requests.
+  DecodeStage policy(*model_, {.dspark = true});
+  const Run pa = Serve(policy, {r});
+  const Run pb = Serve(policy, {other, r, other, other});
+  EXPECT_EQ(pa.seqs[0]->output, pb.seqs[1]->output);
+  EXPECT_GT(pa.drafted, 0);
   Request g = r;
   g.params.top_k = 1;
   Request greedy = r;
   greedy.params.temperature = 0.f;
   EXPECT_EQ(Serve(spec, {g}).seqs[0]->output, Serve(spec, {greedy}).seqs[0]->output);
+}
+
+// Figures, not a check (run by hand: --gtest_also_run_disabled_tests): decode tokens/s of the
+// stage's loop with DSpark off, on with the default (memory-bound) time model, on with the CPU
+// fit from docs/dspark.md, and a fixed k = 5; batch 1 and 4, prompt 100, 48 tokens each.
+TEST_F(DecodeStageDSparkTest, DISABLED_ThroughputFigures) {
+  struct Mode {
+    const char* name;
+    DecodeStageOptions o;
+  };
+  DecodeStageOptions cpu{.dspark = true};
+  cpu.time_model = {.base_s = 2.54, .per_token_s = 2.71, .draft_s = 4.22};
+  const Mode modes[] = {{"off", {}},
+                        {"on, default time model", {.dspark = true}},
+                        {"on, CPU-fit time model", cpu},
+                        {"on, k = 5", {.dspark = true, .fixed_k = 5}}};
+  for (int b : {1, 4}) {
+    double base = 0;
+    for (const Mode& m : modes) {
+      DecodeStage stage(*model_, m.o);
+      std::vector<std::unique_ptr<DecodeSequence>> seqs;
+      for (int i = 0; i < b; ++i) {
+        SamplingParams p;
+        p.max_tokens = 48;
+        auto s = stage.StartFromPrompt(Prompt(100, 20 + i), p);
+        ASSERT_TRUE(s.ok());
+        seqs.push_back(std::move(*s));
+      }
+      std::vector<DecodeSequence*> batch;
+      for (auto& s : seqs) batch.push_back(s.get());
+      int64_t tokens = 0, steps = 0, drafted = 0, accepted = 0;
+      const auto t0 = std::chrono::steady_clock::now();
+      for (;;) {
+        DecodeStepStats st;
+        ASSERT_TRUE(stage.Step(batch, &st).ok());
+        if (st.sequences == 0) break;
+        tokens += st.emitted;
+        drafted += st.drafted;
+        accepted += st.accepted;
+        ++steps;
+      }
+      const double sec =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double tps = static_cast<double>(tokens) / sec;
+      if (base == 0) base = tps;
+      std::printf(
+          "batch %d  %-24s steps %3lld  drafted %4lld  accepted %3lld  %7.1f tok/s  %.2fx\n", b,
+          m.name, static_cast<long long>(steps), static_cast<long long>(drafted),
+          static_cast<long long>(accepted), tps, tps / base);
+    }
+  }
 }
 
 // The transfer engine refuses an offer whose manifest header `dspark` differs; the decode worker
