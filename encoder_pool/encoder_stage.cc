@@ -55,6 +55,7 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
 
   // 1. Read the prefix (no lock: I/O only).
   int64_t P = 0;
+  bool repair = false;
   std::vector<std::string> blocks;
   std::optional<std::string> snapshot;
   if (store != nullptr && prefix.hint > 0) {
@@ -86,12 +87,16 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
     auto st = model::AssemblePrefixState(model_, blocks, snapshot ? &*snapshot : nullptr, B);
     if (!st.ok() && snapshot) {
       // A bad snapshot costs a replay, not the blocks.
-      Fail(report, "decode", st.status());
-      snapshot.reset();
-      st = model::AssemblePrefixState(model_, blocks, nullptr, B);
+      auto bare = model::AssemblePrefixState(model_, blocks, nullptr, B);
+      if (bare.ok()) {
+        Fail(report, "decode", st.status());
+        snapshot.reset();
+        st = std::move(bare);
+      }
     }
     if (!st.ok()) {
       Fail(report, "decode", st.status());
+      repair = true;  // overwrite the bad values with the ones this pass computes
       P = 0;
     } else {
       state = *std::move(st);
@@ -152,13 +157,16 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
     const int64_t first = P / B;
     std::span<const kvstore::BlockHash> mine(hashes.data() + first, new_blocks.size());
     int64_t stored = 0;
-    auto look = store->Lookup(prefix.fingerprint, mine);
-    if (look.ok()) {
-      stored = look->cached_blocks;
-    } else {
-      Fail(report, "lookup", look.status());
+    bool ok = true;
+    if (!repair) {
+      auto look = store->Lookup(prefix.fingerprint, mine);
+      if (look.ok()) {
+        stored = look->cached_blocks;
+      } else {
+        Fail(report, "lookup", look.status());
+        ok = false;
+      }
     }
-    bool ok = look.ok();
     for (size_t i = static_cast<size_t>(stored); ok && i < new_blocks.size(); ++i) {
       absl::Status s = store->Put(kvstore::Tier::kG3, kvstore::AsBytes(mine[i]), new_blocks[i]);
       if (!s.ok()) {

@@ -1,0 +1,210 @@
+// The encoder's store path (EncoderStage::Run with PrefixOptions) against a real epd-kvstore
+// process: a hit with a live snapshot is bit-identical to the run without a store; what the store
+// lacks or holds wrong shortens the prefix or costs a replay, never the request; a daemon that is
+// down degrades to P = 0.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+
+#include "encoder_pool/encoder_stage.h"
+#include "kernels/backend.h"
+#include "kvstore/chain_hash.h"
+#include "kvstore/kvstore_client.h"
+#include "model/model.h"
+#include "model/nano_generator.h"
+#include "model/prefix_state.h"
+#include "model/sequence_state.h"
+#include "tests/testing/subprocess.h"
+
+namespace epd {
+namespace {
+
+using encoder_pool::EncoderResult;
+using encoder_pool::EncoderStage;
+using encoder_pool::PrefixOptions;
+using encoder_pool::PrefixReport;
+
+class EncoderStoreTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new testing::TempDir();
+    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
+    backend_ = kernels::MakeCpuBackend().release();
+    auto m = model::Model::Load(dir_->path(), *backend_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = m->release();
+  }
+  static void TearDownTestSuite() {
+    delete model_;
+    delete backend_;
+    delete dir_;
+  }
+
+  void SetUp() override {
+    kv_dir_ = std::make_unique<testing::TempDir>();
+    kv_ = testing::Subprocess::Start(
+        {testing::BinaryPath("epd-kvstore"), "--data-dir", kv_dir_->File("data"), "--grpc-port",
+         "0", "--metrics-port", "0", "--port-file", kv_dir_->File("kv.json"),
+         // G3 only: a G1 hot copy would shadow the bad values this test puts over good ones.
+         "--g1-capacity-bytes", "0"},
+        kv_dir_->File("kv.log"));
+    auto port =
+        services::WaitForPortFile(kv_dir_->File("kv.json"), "grpc", std::chrono::seconds(30));
+    ASSERT_TRUE(port.has_value()) << kv_.ReadLog();
+    client_ = kvstore::KvStoreClient::Create("127.0.0.1:" + std::to_string(*port));
+  }
+
+  static std::vector<int32_t> Prompt(int n, int salt = 0) {
+    std::vector<int32_t> p(n);
+    for (int i = 0; i < n; ++i) p[i] = 10 + (i * 41 + salt + i / 3) % 450;
+    return p;
+  }
+  PrefixOptions Options(int64_t hint, kvstore::KvStoreClient* store = nullptr) {
+    PrefixOptions o;
+    o.store = store != nullptr ? store : client_.get();
+    o.fingerprint = "fp-test";
+    o.hint = hint;
+    return o;
+  }
+  static void ExpectSame(const EncoderResult& a, const EncoderResult& b) {
+    ASSERT_EQ(a.state.size(), b.state.size());
+    for (size_t i = 0; i < a.state.size(); ++i)
+      EXPECT_TRUE(a.state[i].bytes == b.state[i].bytes) << a.state[i].name;
+    EXPECT_EQ(a.output.tail_start, b.output.tail_start);
+    EXPECT_TRUE(a.output.tail.h == b.output.tail.h);
+    EXPECT_TRUE(a.output.tail.pre == b.output.tail.pre);
+  }
+  std::string Key(const std::vector<int32_t>& p, int block) {
+    auto h = kvstore::ChainHashes(p, 64, "fp-test");
+    return std::string(kvstore::AsBytes(h[block]));
+  }
+
+  static testing::TempDir* dir_;
+  static kernels::Backend* backend_;
+  static model::Model* model_;
+  std::unique_ptr<testing::TempDir> kv_dir_;
+  testing::Subprocess kv_;
+  std::unique_ptr<kvstore::KvStoreClient> client_;
+};
+testing::TempDir* EncoderStoreTest::dir_ = nullptr;
+kernels::Backend* EncoderStoreTest::backend_ = nullptr;
+model::Model* EncoderStoreTest::model_ = nullptr;
+
+TEST_F(EncoderStoreTest, PrefixCapIsTheLastBlockBoundaryBeforeTheTail) {
+  EXPECT_EQ(EncoderStage::PrefixCap(100, 133, 64), 0);
+  EXPECT_EQ(EncoderStage::PrefixCap(196, 133, 64), 0);
+  EXPECT_EQ(EncoderStage::PrefixCap(197, 133, 64), 64);
+  EXPECT_EQ(EncoderStage::PrefixCap(512, 133, 64), 320);
+}
+
+TEST_F(EncoderStoreTest, HitWithSnapshotIsBitIdenticalAndMissesDegrade) {
+  EncoderStage enc(*model_, 133);
+  const std::vector<int32_t> p = Prompt(300);
+  // Cold: nothing to read, 4 blocks + the snapshot at 256 written.
+  PrefixReport r0;
+  auto cold = enc.Run(p, Options(256), &r0);
+  ASSERT_TRUE(cold.ok()) << cold.status();
+  EXPECT_EQ(r0.cached_tokens, 0);
+  EXPECT_EQ(r0.blocks_written, 4);
+  EXPECT_TRUE(r0.snapshot_written);
+  EXPECT_TRUE(r0.errors.empty()) << r0.warning;
+
+  // Turn 2 extends the prompt: P = 256 from the store, state and output as without a store.
+  std::vector<int32_t> p2 = p;
+  const auto more = Prompt(200, 7);
+  p2.insert(p2.end(), more.begin(), more.end());
+  auto plain = enc.Run(p2);
+  ASSERT_TRUE(plain.ok());
+  PrefixReport r1;
+  auto hit = enc.Run(p2, Options(256), &r1);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(r1.cached_tokens, 256);
+  EXPECT_TRUE(r1.snapshot_hit);
+  EXPECT_FALSE(r1.replayed);
+  EXPECT_EQ(r1.blocks_written, 3);  // blocks 4..6 of 500 tokens
+  ExpectSame(*plain, *hit);
+
+  // A hint past what is stored: the blocks that are there (the chain of p2 now has 7).
+  PrefixReport r2;
+  auto past = enc.Run(p2, Options(320), &r2);
+  ASSERT_TRUE(past.ok());
+  EXPECT_EQ(r2.cached_tokens, 320);
+  EXPECT_EQ(r2.blocks_written, 0);  // all stored already
+
+  // The snapshot at 320 was never written (p2's was at 448): a replay, the request goes on.
+  EXPECT_FALSE(r2.snapshot_hit);
+  EXPECT_TRUE(r2.replayed);
+  EXPECT_EQ(r2.replayed_tokens, 128);
+
+  // A block value overwritten with garbage: P = 0, counted, the output is the plain one, and
+  // the pass writes its blocks over the bad ones, so the next request hits again.
+  ASSERT_TRUE(client_->Put(kvstore::Tier::kG3, Key(p2, 0), "not a block").ok());
+  PrefixReport r3;
+  auto bad = enc.Run(p2, Options(256), &r3);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  EXPECT_EQ(r3.cached_tokens, 0);
+  ASSERT_EQ(r3.errors.size(), 1u);
+  EXPECT_EQ(r3.errors[0], "decode");
+  EXPECT_NE(r3.warning.find("block 0"), std::string::npos) << r3.warning;
+  EXPECT_EQ(r3.blocks_written, 7);
+  ExpectSame(*plain, *bad);
+  PrefixReport r4;
+  auto again = enc.Run(p2, Options(256), &r4);
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(r4.cached_tokens, 256);
+  EXPECT_TRUE(r4.errors.empty()) << r4.warning;
+  ExpectSame(*plain, *again);
+
+  // Block 0's value under block 1's key (its header says block 0): not used, nothing fails.
+  auto b0 = client_->Get(kvstore::Tier::kG3, Key(p2, 0));
+  ASSERT_TRUE(b0.ok() && b0->found);
+  ASSERT_TRUE(client_->Put(kvstore::Tier::kG3, Key(p2, 1), b0->value).ok());
+  PrefixReport r5;
+  auto moved = enc.Run(p2, Options(256), &r5);
+  ASSERT_TRUE(moved.ok()) << moved.status();
+  EXPECT_EQ(r5.cached_tokens, 0);
+  ASSERT_EQ(r5.errors.size(), 1u);
+  EXPECT_NE(r5.warning.find("block 1"), std::string::npos) << r5.warning;
+  ExpectSame(*plain, *moved);
+}
+
+TEST_F(EncoderStoreTest, TailRuleCapsTheHint) {
+  EncoderStage enc(*model_, 133);
+  const std::vector<int32_t> p = Prompt(256, 3);
+  PrefixReport r0;
+  ASSERT_TRUE(enc.Run(p, Options(0), &r0).ok());
+  EXPECT_EQ(r0.blocks_written, 4);
+  // Same 256 tokens + 60: cap = (316 - 133) / 64 * 64 = 128.
+  std::vector<int32_t> p2 = p;
+  const auto more = Prompt(60, 9);
+  p2.insert(p2.end(), more.begin(), more.end());
+  PrefixReport r1;
+  auto res = enc.Run(p2, Options(256), &r1);
+  ASSERT_TRUE(res.ok());
+  EXPECT_EQ(r1.cached_tokens, 128);
+  EXPECT_EQ(r1.blocks_written, 0);  // blocks 2, 3 are stored, 4 is not whole
+  EXPECT_EQ(res->output.tail.rows, 133);
+}
+
+TEST_F(EncoderStoreTest, DaemonDownDegradesToNoPrefix) {
+  EncoderStage enc(*model_, 133);
+  const std::vector<int32_t> p = Prompt(260, 5);
+  auto plain = enc.Run(p);
+  ASSERT_TRUE(plain.ok());
+  kvstore::KvClientOptions o;
+  o.deadline_ms = 500;
+  auto dead =
+      kvstore::KvStoreClient::Create("127.0.0.1:" + std::to_string(testing::PickFreePort()), o);
+  PrefixReport r;
+  auto res = enc.Run(p, Options(64, dead.get()), &r);
+  ASSERT_TRUE(res.ok()) << res.status();
+  EXPECT_EQ(r.cached_tokens, 0);
+  ASSERT_FALSE(r.errors.empty());
+  EXPECT_EQ(r.errors[0], "get");
+  EXPECT_FALSE(r.warning.empty());
+  ExpectSame(*plain, *res);
+}
+
+}  // namespace
+}  // namespace epd
