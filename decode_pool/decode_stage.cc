@@ -1,6 +1,7 @@
 #include "decode_pool/decode_stage.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "model/stages.h"
@@ -12,7 +13,15 @@ DecodeStage::DecodeStage(const model::Model& model, DecodeStageOptions options)
       options_(options),
       policy_(options.time_model, KPolicyOptions{.max_k = options.max_k}),
       scorer_(model),
-      decoder_(model, scorer_, &policy_) {}
+      decoder_(model, scorer_, &policy_) {
+  calibration_.predicted.assign(std::max(0, options_.max_k), 0.0);
+  calibration_.accepted.assign(std::max(0, options_.max_k), 0.0);
+}
+
+AcceptanceCalibration DecodeStage::calibration() {
+  std::lock_guard<std::mutex> lock(compute_mu_);
+  return calibration_;
+}
 
 std::unique_ptr<DecodeSequence> DecodeStage::Begin(model::SamplingParams params,
                                                    std::span<const int32_t> prompt) const {
@@ -123,7 +132,15 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   std::vector<model::SequenceState*> states;
   std::vector<std::vector<int32_t>> tokens;
   std::vector<model::StepCheckpoint> checkpoints(live.size());
+  std::vector<char> calibrated(live.size(), 0);
   props.reserve(live.size());
+  // Calibration + backoff apply to greedy requests under the policy (for T > 0 the k sequence
+  // must depend on the request alone, see below).
+  const bool backoff = backoff_left_ > 0;
+  if (backoff && --backoff_left_ == 0) probe_ = true;
+  const bool probe = probe_ && !backoff;
+  if (probe) probe_ = false;
+  bool any_calibrated_draft = false, any_calibrated_k = false;
   for (size_t i = 0; i < live.size(); ++i) {
     DecodeSequence& s = *live[i];
     // A step emits accepted + 1 tokens and the output stops at max_tokens, so more than room - 1
@@ -131,6 +148,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     const int room = s.sampler->params().max_tokens - static_cast<int>(s.output.size());
     const int cap = std::max(0, std::min(options_.max_k, room - 1));
     int k = options_.fixed_k;
+    const bool calib =
+        options_.calibrate && k < 0 && s.sampler->params().greedy() && options_.max_k > 0;
+    calibrated[i] = calib;
+    if (calib) k = backoff || !policy_.WorthDrafting(b) ? 0 : cap;  // draft all, choose below
     if (cap == 0) k = 0;
     // T > 0: k changes how the seeded Rng is consumed, so the policy sees batch 1 (k then
     // depends on the request alone and a seed reproduces its output whatever else is running).
@@ -139,6 +160,23 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     if (!prop.ok())
       return absl::Status(prop.status().code(),
                           absl::StrCat("dspark draft: ", prop.status().message()));
+    if (!prop->confidence.empty()) ++st.draft_passes;
+    if (calib && !prop->confidence.empty()) {
+      // Greedy drafts are a prefix-consistent chain: any k <= the drafted count is valid.
+      std::vector<float> conf(
+          prop->confidence.begin(),
+          prop->confidence.begin() + std::min<size_t>(prop->confidence.size(), options_.max_k));
+      for (size_t j = 0; j < conf.size(); ++j) {
+        const double a =
+            std::clamp(AcceptanceEstimate(conf[j]) * calibration_.Factor(j), 1e-6, 1 - 1e-6);
+        conf[j] = static_cast<float>(std::log(a / (1 - a)));
+      }
+      const int chosen = policy_.Choose(conf, b);
+      any_calibrated_draft = true;
+      any_calibrated_k |= chosen > 0 && prop->k > 0;
+      prop->k = std::min(probe ? std::max(chosen, 1) : chosen, prop->k);
+      prop->drafts.resize(prop->k);
+    }
     if (prop->k > cap) {  // the policy chose more than the sequence can emit
       prop->k = cap;
       prop->drafts.resize(cap);
@@ -167,6 +205,13 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       if (absl::Status r = model_.Rollback(*s.state, checkpoints[i], keep, (*res)[i]); !r.ok())
         return absl::Status(r.code(), absl::StrCat("dspark rollback: ", r.message()));
     }
+    if (calibrated[i] && p.k > 0) {
+      // Position j was tested iff drafts 1..j-1 were accepted.
+      for (int j = 0; j < std::min(p.k, o.accepted + 1); ++j) {
+        calibration_.predicted[j] += AcceptanceEstimate(p.confidence[j]);
+        calibration_.accepted[j] += j < o.accepted ? 1.0 : 0.0;
+      }
+    }
     st.k.push_back(p.k);
     st.drafted += p.k;
     st.accepted += o.accepted;
@@ -179,6 +224,13 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       if (!Emit(s, t, std::span<const float>(logits.data() + j * V, V))) break;
     }
     st.emitted += static_cast<int64_t>(s.output.size() - before);
+  }
+  // A probe whose calibrated choice is still k = 0 goes straight back to the backoff.
+  if (any_calibrated_k) {
+    idle_steps_ = 0;
+  } else if (any_calibrated_draft && (probe || ++idle_steps_ >= options_.backoff_after)) {
+    idle_steps_ = 0;
+    backoff_left_ = std::max(1, options_.backoff_steps);
   }
   return absl::OkStatus();
 }

@@ -54,6 +54,13 @@ struct DecodeStageOptions {
   // (docs/dspark.md); on the CPU backend a verify row costs ~half a step (measured there).
   StepTimeModel time_model{.base_s = 1.0, .per_token_s = 0.02, .draft_s = 0.05};
   int max_k = 5;  // <= the DSpark block size
+  // Online calibration of the confidence head for greedy requests under the policy (fixed_k <
+  // 0): per draft position j, a_j is scaled by (accepted_j + 1) / (predicted_j + 1) observed so
+  // far. After `backoff_after` consecutive steps whose greedy sequences all chose k = 0, the
+  // draft pass is skipped for `backoff_steps` steps, then one probe step verifies >= 1 draft.
+  bool calibrate = true;
+  int backoff_after = 8;
+  int backoff_steps = 32;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).
@@ -63,6 +70,14 @@ struct DecodeStepStats {
   int64_t accepted = 0;  // draft tokens accepted (<= drafted)
   int64_t emitted = 0;   // tokens appended to outputs
   std::vector<int> k;    // per live sequence: its k this step (DSpark on only)
+  int draft_passes = 0;  // Model::Draft calls (sequences whose draft pass was not skipped)
+};
+
+// The calibration state (docs/dspark.md, "Decode loop").
+struct AcceptanceCalibration {
+  std::vector<double> predicted;  // [max_k] sum of sigmoid(c_j) over drafts tested at position j
+  std::vector<double> accepted;   // [max_k] drafts accepted at position j
+  double Factor(int j) const { return (accepted[j] + 1.0) / (predicted[j] + 1.0); }
 };
 
 class DecodeStage {
@@ -85,6 +100,8 @@ class DecodeStage {
                                   DecodeStepStats* stats = nullptr);
 
   const DecodeStageOptions& options() const { return options_; }
+  // A copy (takes the compute mutex).
+  AcceptanceCalibration calibration();
 
  private:
   std::unique_ptr<DecodeSequence> Begin(model::SamplingParams params,
@@ -103,6 +120,11 @@ class DecodeStage {
   ExtendTargetScorer scorer_;  // required by SpeculativeDecoder; Step uses DecodeStep instead
   SpeculativeDecoder decoder_;
   std::mutex compute_mu_;
+  // Guarded by compute_mu_.
+  AcceptanceCalibration calibration_;
+  int idle_steps_ = 0;    // consecutive steps whose calibrated greedy sequences all chose k = 0
+  int backoff_left_ = 0;  // steps left without a draft pass for them
+  bool probe_ = false;    // this step verifies >= 1 draft for them
 };
 
 }  // namespace epd::decode_pool

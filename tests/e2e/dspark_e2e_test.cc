@@ -52,7 +52,7 @@ struct Proc {
 // workers with the same config fingerprint, which covers the switch).
 class Cluster {
  public:
-  explicit Cluster(bool dspark) {
+  explicit Cluster(bool dspark, std::vector<std::string> decode_args = {}) {
     router_.port_file = dir_.File("router.json");
     router_.proc =
         Subprocess::Start({BinaryPath("epd-router"), "--metrics-port", "0", "--http-port", "0",
@@ -65,11 +65,22 @@ class Cluster {
       auto p = std::make_unique<Proc>();
       const std::string id = std::string(kind) + "-0";
       p->port_file = dir_.File(id + ".json");
-      p->proc = Subprocess::Start(
-          {BinaryPath(std::string("epd-") + kind), "--router", "127.0.0.1:" + std::to_string(grpc_),
-           "--model", g_model_dir->path(), "--worker-id", id, "--port-file", p->port_file,
-           "--metrics-port", "0", "--dspark", dspark ? "on" : "off"},
-          dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
+      std::vector<std::string> argv = {BinaryPath(std::string("epd-") + kind),
+                                       "--router",
+                                       "127.0.0.1:" + std::to_string(grpc_),
+                                       "--model",
+                                       g_model_dir->path(),
+                                       "--worker-id",
+                                       id,
+                                       "--port-file",
+                                       p->port_file,
+                                       "--metrics-port",
+                                       "0",
+                                       "--dspark",
+                                       dspark ? "on" : "off"};
+      if (std::string(kind) == "decode")
+        argv.insert(argv.end(), decode_args.begin(), decode_args.end());
+      p->proc = Subprocess::Start(argv, dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
       EXPECT_TRUE(WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60)))
           << p->proc.ReadLog();
       p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
@@ -209,6 +220,31 @@ TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
     }
     EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_drafted_tokens_total"), 0.0);
   }
+  {
+    // The decode-only flag: a fixed k verifies drafts on every step (no policy).
+    Cluster c(/*dspark=*/true, {"--dspark-k", "3"});
+    const std::vector<Generation> fixed = RunAll(c);
+    for (size_t i = 0; i < reqs.size(); ++i) {
+      ASSERT_TRUE(fixed[i].status.ok()) << fixed[i].status.error_message() << "\n" << c.Logs();
+      EXPECT_EQ(fixed[i].ids, want[i]) << "request " << i;
+    }
+    const double d =
+        ScrapeMetric(c.decode_metrics(), "epd_dspark_drafted_tokens_total").value_or(-1);
+    const double a =
+        ScrapeMetric(c.decode_metrics(), "epd_dspark_accepted_tokens_total").value_or(-1);
+    EXPECT_GT(d, drafted);  // k = 3 on every step (but the last ones) drafts more
+    EXPECT_LE(a, d);
+  }
+}
+
+// A bad decode-only flag value stops the binary at startup with a message naming it.
+TEST_F(DSparkE2ETest, BadDSparkKIsRefused) {
+  std::string out;
+  const int rc = testing::RunCommand(
+      BinaryPath("epd-decode") + " --dspark-k 9 --router 127.0.0.1:1 --model /nonexistent 2>&1",
+      &out);
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(out.find("--dspark-k 9"), std::string::npos) << out;
 }
 
 }  // namespace
