@@ -3,9 +3,11 @@
 // An agent's turn 2 (turn 1's prompt + its reply + a long new message) reuses turn 1's blocks:
 // usage reports them cached, the kvstore served them, and the greedy output equals a cluster
 // without a store token for token. With a 1 ms SWA TTL the snapshot is expired at turn 2: the
-// encoder replays once and the request still succeeds.
+// encoder replays once and the request still succeeds; with the kvstore killed, requests run with
+// no prefix.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 #include <map>
@@ -123,6 +125,7 @@ class Cluster {
   int grpc_port() const { return router_.grpc; }
   int metrics(const std::string& kind) const { return procs_.at(kind)->metrics; }
   int kv_metrics() const { return kv_.metrics; }
+  void KillKvStore() { kv_.proc.Signal(SIGKILL); }
   // Hits of the kvstore over every tier (gets and lookups).
   double KvHits() const {
     double sum = 0;
@@ -266,7 +269,7 @@ TEST_F(StoreReuseE2ETest, SecondTurnReusesTheFirstTurnsBlocksAndOutputIsUnchange
       0.0);
 }
 
-TEST_F(StoreReuseE2ETest, ExpiredSwaSnapshotCostsOneEncoderReplayNotTheRequest) {
+TEST_F(StoreReuseE2ETest, ExpiredSnapshotReplaysOnceAndADeadStoreFailsNoRequest) {
   Cluster c(/*store=*/true, {"--swa-ttl-ms", "1"});
   const std::vector<int32_t> turn1 = Tokens(kTurn1, 4);
   Generation g1 = Generate(c.grpc_port(), turn1, kMaxTokens);
@@ -288,6 +291,18 @@ TEST_F(StoreReuseE2ETest, ExpiredSwaSnapshotCostsOneEncoderReplayNotTheRequest) 
             dec_before + 1);
   EXPECT_GT(Metric(c.kv_metrics(), "epd_kv_misses_total{reason=\"expired\",tier=\"g2\"}") +
                 Metric(c.kv_metrics(), "epd_kv_ttl_expiries_total{tier=\"g2\"}"),
+            0.0)
+      << c.Logs();
+
+  // The kvstore dies: the next request still succeeds, with no prefix, and the encoder counts
+  // the failed store call.
+  c.KillKvStore();
+  Generation g3 = Generate(c.grpc_port(), Concat(turn2, Tokens(70, 6)), 4);
+  ASSERT_TRUE(g3.status.ok()) << g3.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g3.cached, 0);
+  EXPECT_EQ(static_cast<int>(g3.ids.size()), 4);
+  EXPECT_GT(Metric(c.metrics("encoder"),
+                   "epd_kv_worker_store_errors_total{op=\"lookup\",pool=\"encoder\"}"),
             0.0)
       << c.Logs();
 }
