@@ -108,7 +108,8 @@ struct Generation {
   grpc::Status status;
 };
 
-Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens) {
+Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens,
+                    float temperature = 0.f, std::optional<uint64_t> seed = std::nullopt) {
   auto stub = epd::v1::Inference::NewStub(
       grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
@@ -116,7 +117,8 @@ Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens
   epd::v1::GenerateRequest req;
   req.set_model("epd-nano");
   for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
-  req.mutable_sampling()->set_temperature(0.f);
+  req.mutable_sampling()->set_temperature(temperature);
+  if (seed) req.mutable_sampling()->set_seed(*seed);
   req.mutable_sampling()->set_max_tokens(max_tokens);
   auto reader = stub->Generate(&ctx, req);
   Generation g;
@@ -203,6 +205,15 @@ TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
     verify_steps =
         ScrapeMetric(c.decode_metrics(), "epd_dspark_verify_length_tokens_count").value_or(-1);
     EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_handoff_mismatch_total"), 0.0);
+    // Seeded sampling reaches the decode worker's sampler: the same seed reproduces the
+    // completion through the whole chain, another seed changes it.
+    const Generation s1 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 77);
+    const Generation s2 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 77);
+    const Generation s3 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 78);
+    ASSERT_TRUE(s1.status.ok() && s2.status.ok() && s3.status.ok()) << c.Logs();
+    EXPECT_EQ(s1.ids, s2.ids);
+    EXPECT_NE(s1.ids, s3.ids);
+    EXPECT_NE(s1.ids, std::vector<int32_t>(want[0].begin(), want[0].begin() + 24));  // T > 0
   }
   EXPECT_GT(drafted, 0);
   EXPECT_GE(accepted, 0);
