@@ -6,7 +6,9 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <thread>
 
@@ -133,14 +135,19 @@ std::vector<int32_t> Prompt(int n, int salt) {
   return p;
 }
 
-// Model::Prefill + Decode in this process (greedy; EOS ends it and is not emitted).
+// The monolithic reference forward in this process: Model::Prefill over all layers with the
+// semantics E/P/D computes (bounded decoder replay of window + DSpark block tail rows; the exact
+// forward for prompts up to that length), then Decode (greedy; EOS ends it and is not emitted).
 std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens,
                                std::string* finish) {
   auto backend = kernels::MakeCpuBackend();
   auto model = model::Model::Load(g_model_dir->path(), *backend);
   EXPECT_TRUE(model.ok()) << model.status();
   auto st = (*model)->NewSequence();
-  auto r = (*model)->Prefill(*st, prompt, false);
+  model::PrefillOptions bounded;
+  bounded.decoder_tail_rows =
+      (*model)->config().window_size + std::max(0, (*model)->config().dspark_block_size);
+  auto r = (*model)->Prefill(*st, prompt, false, bounded);
   EXPECT_TRUE(r.ok());
   std::vector<int32_t> out;
   int32_t tok = model::ArgMax(r->logits);
@@ -174,8 +181,11 @@ class EpdE2ETest : public ::testing::Test {
 
 TEST_F(EpdE2ETest, DisaggregatedGreedyEqualsMonolithic) {
   Cluster c;
-  for (int salt : {1, 2}) {
-    const std::vector<int32_t> prompt = Prompt(salt == 1 ? 100 : 120, salt);
+  // Prompts shorter than the tail (exact forward) and longer ones, not multiples of 2, 8, 64 or
+  // 128 (bounded decoder replay).
+  const std::map<int, int> lengths = {{1, 100}, {2, 120}, {3, 301}, {4, 450}};
+  for (const auto& [salt, length] : lengths) {
+    const std::vector<int32_t> prompt = Prompt(length, salt);
     std::string want_finish;
     const std::vector<int32_t> want = Reference(prompt, 16, &want_finish);
     Generation g = Generate(c.grpc_port(), prompt, 16);
@@ -187,12 +197,12 @@ TEST_F(EpdE2ETest, DisaggregatedGreedyEqualsMonolithic) {
   // Every stage ran and the prefill counted its decoder replay.
   EXPECT_EQ(ScrapeMetric(c.worker("encoder").metrics,
                          "epd_worker_requests_total{outcome=\"ok\",pool=\"encoder\"}"),
-            2.0);
+            4.0);
   EXPECT_EQ(ScrapeMetric(c.worker("prefill").metrics, "epd_swa_replay_total{stage=\"decoder\"}"),
-            2.0);
+            4.0);
   EXPECT_EQ(ScrapeMetric(c.worker("decode").metrics,
                          "epd_worker_requests_total{outcome=\"ok\",pool=\"decode\"}"),
-            2.0);
+            4.0);
 }
 
 // Several requests at once share the decode worker's batched steps; each output is unchanged.
@@ -216,6 +226,36 @@ TEST_F(EpdE2ETest, ConcurrentRequestsAreBatchedAndUnchanged) {
   EXPECT_EQ(ScrapeMetric(c.worker("decode").metrics,
                          "epd_worker_requests_total{outcome=\"ok\",pool=\"decode\"}"),
             3.0);
+}
+
+// Independent scaling: a second real encoder started against the running router takes work
+// without a restart; SIGTERM drains it out of the rotation and the pool keeps serving.
+TEST_F(EpdE2ETest, SecondEncoderTakesWorkAndAStoppedOneLeavesTheRotation) {
+  Cluster c;
+  Proc* first = &c.worker("encoder");
+  Proc* second = c.Add("encoder", "encoder-1");
+  const std::string ok_series = "epd_worker_requests_total{outcome=\"ok\",pool=\"encoder\"}";
+  std::string finish;
+  for (int i = 0; i < 4; ++i) {
+    const std::vector<int32_t> prompt = Prompt(150 + i, 20 + i);
+    Generation g = Generate(c.grpc_port(), prompt, 4);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << "\n" << c.Logs();
+    EXPECT_EQ(g.ids, Reference(prompt, 4, &finish)) << i;
+  }
+  const double by_first = ScrapeMetric(first->metrics, ok_series).value_or(0);
+  const double by_second = ScrapeMetric(second->metrics, ok_series).value_or(0);
+  EXPECT_EQ(by_first + by_second, 4.0);
+  EXPECT_GE(by_second, 1.0) << "the encoder started later never got a job";
+  // Stop the second one: it drains, exits 0, and the router routes around it.
+  second->proc.Signal(SIGTERM);
+  auto rc = second->proc.Wait(std::chrono::seconds(30));
+  ASSERT_TRUE(rc.has_value());
+  EXPECT_EQ(*rc, 0) << second->proc.ReadLog();
+  for (int i = 0; i < 2; ++i) {
+    Generation g = Generate(c.grpc_port(), Prompt(140, 30 + i), 4);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << "\n" << c.Logs();
+  }
+  EXPECT_EQ(ScrapeMetric(first->metrics, ok_series).value_or(0), by_first + 2.0);
 }
 
 TEST_F(EpdE2ETest, SigkillOfDecodeFailsItsRequestOnly) {
