@@ -1,11 +1,10 @@
-// epd-decode: the decode worker process (docs/workers.md).
-//
-// Decode-only flags, taken out of argv before the shared worker flags are parsed:
-//   --dspark-k N             drafts verified per step: -1 (default) = the k policy, 0..5 fixed
+// epd-decode: the decode worker process (docs/workers.md). Besides the shared worker flags
+// (services/worker/worker_runtime.h, incl. --dspark on|off) it takes:
+//   --dspark-k N               drafts verified per step: -1 (default) = the k policy, 0..5 fixed
 //   --dspark-time-model B,T,D  the policy's step time t(b,k) = B + T*b*(k+1) + D*b*[k>0]
-//                            (relative units; default 1,0.02,0.05: a memory-bound accelerator)
-// (--dspark on|off is a shared worker flag.)
-#include <cstdio>
+//                              (ms). Default: the fit measured on the CPU reference backend, the
+//                              backend the workers run today (docs/dspark.md); an accelerator
+//                              deployment passes its own (e.g. 1,0.02,0.05: memory-bound).
 #include <string>
 #include <vector>
 
@@ -14,6 +13,8 @@
 #include "decode_pool/decode_server.h"
 
 namespace {
+
+constexpr char kCpuTimeModel[] = "2.54,2.71,4.22";
 
 bool ParseTimeModel(const std::string& v, epd::decode_pool::StepTimeModel* t) {
   std::vector<std::string> parts = absl::StrSplit(v, ',');
@@ -30,42 +31,30 @@ bool ParseTimeModel(const std::string& v, epd::decode_pool::StepTimeModel* t) {
 
 int main(int argc, char** argv) {
   epd::decode_pool::DecodeStageOptions options;
-  std::vector<char*> args;
-  for (int i = 0; i < argc; ++i) {
-    const std::string a = argv[i];
-    std::string name, value;
-    if (a == "--dspark-k" || a == "--dspark-time-model") {
-      if (i + 1 >= argc) {
-        std::fprintf(stderr, "epd-decode: %s needs a value\n", a.c_str());
-        return 1;
-      }
-      name = a;
-      value = argv[++i];
-    } else if (a.rfind("--dspark-k=", 0) == 0 || a.rfind("--dspark-time-model=", 0) == 0) {
-      name = a.substr(0, a.find('='));
-      value = a.substr(a.find('=') + 1);
-    } else {
-      args.push_back(argv[i]);
-      continue;
-    }
-    if (name == "--dspark-k") {
-      if (!absl::SimpleAtoi(value, &options.fixed_k) || options.fixed_k < -1 ||
-          options.fixed_k > options.max_k) {
-        std::fprintf(stderr, "epd-decode: --dspark-k %s: want an integer in [-1, %d]\n",
-                     value.c_str(), options.max_k);
-        return 1;
-      }
-    } else if (!ParseTimeModel(value, &options.time_model)) {
-      std::fprintf(stderr,
-                   "epd-decode: --dspark-time-model %s: want B,T,D (three numbers >= 0, B+T > 0)\n",
-                   value.c_str());
-      return 1;
-    }
-  }
-  args.push_back(nullptr);
-  return epd::worker::RunWorkerMain(static_cast<int>(args.size()) - 1, args.data(),
-                                    epd::v1::POOL_DECODE,
-                                    [&options](const epd::worker::WorkerSetup& setup) {
-                                      return epd::decode_pool::MakeDecodeHandler(setup, options);
-                                    });
+  std::string time_model = kCpuTimeModel;
+  auto add_flags = [&](CLI::App& app) {
+    app.add_option("--dspark-k", options.fixed_k,
+                   "DSpark drafts verified per step: -1 = chosen per step by the k policy, 0.." +
+                       std::to_string(options.max_k) + " = fixed")
+        ->check(CLI::Range(-1, options.max_k));
+    app.add_option("--dspark-time-model", time_model,
+                   "The k policy's step time B,T,D in ms: t(b,k) = B + T*b*(k+1) + D*b*[k>0] "
+                   "(default: the CPU backend fit " +
+                       std::string(kCpuTimeModel) + ")")
+        ->check(CLI::Validator(
+            [](std::string& v) -> std::string {
+              epd::decode_pool::StepTimeModel t;
+              return ParseTimeModel(v, &t)
+                         ? ""
+                         : "want B,T,D: three numbers >= 0 with B+T > 0, got " + v;
+            },
+            "B,T,D"));
+  };
+  return epd::worker::RunWorkerMain(
+      argc, argv, epd::v1::POOL_DECODE,
+      [&](const epd::worker::WorkerSetup& setup) {
+        ParseTimeModel(time_model, &options.time_model);  // validated by the flag's check
+        return epd::decode_pool::MakeDecodeHandler(setup, options);
+      },
+      add_flags);
 }

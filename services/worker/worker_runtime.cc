@@ -17,9 +17,9 @@
 #include <thread>
 
 #include "common/clock.h"
-#include "model/fingerprint.h"
 #include "kernels/backend.h"
 #include "kvstore/transfer/ucx_wire.h"
+#include "model/fingerprint.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
 
@@ -143,7 +143,8 @@ absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool 
   return model::ModelDirFingerprint(model_dir, /*cache_layout_version=*/1, dspark);
 }
 
-int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory) {
+int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory,
+                  const FlagAdder& add_flags) {
   const std::string label = PoolLabel(pool);
   CLI::App app{"epd-" + label + ": the " + label + " worker (docs/workers.md)"};
   services::RuntimeOptions runtime_options;
@@ -164,6 +165,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "DSpark speculative decoding on|off (part of the config fingerprint; every worker "
                  "of a deployment must agree)")
       ->check(CLI::IsMember({"on", "off"}));
+  if (add_flags) add_flags(app);
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");

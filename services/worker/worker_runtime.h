@@ -5,6 +5,7 @@
 // and heartbeats with the router, and drain on SIGTERM.
 //
 // Threading: gRPC runs each Submit on its own thread; a JobHandler must be thread-safe.
+#include <CLI/CLI.hpp>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -50,9 +51,14 @@ struct WorkerSetup {
 using HandlerFactory =
     std::function<absl::StatusOr<std::unique_ptr<JobHandler>>(const WorkerSetup&)>;
 
+// Adds a pool's own flags to the shared ones (they show in --help and are parsed with them).
+using FlagAdder = std::function<void(CLI::App&)>;
+
 // Runs a worker process; returns the exit code (0 after SIGTERM, 3 when the router refuses the
-// registration, 1 on setup errors).
-int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory);
+// registration, 1 on setup errors). `add_flags` (optional) runs before parsing; the factory runs
+// after it.
+int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory,
+                  const FlagAdder& add_flags = nullptr);
 
 // The fingerprint of a model directory: canonical config.json + cache layout + DSpark on/off
 // (model/fingerprint.h, the same value the router and the kvstore keys use).
