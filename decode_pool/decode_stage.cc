@@ -86,7 +86,12 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartFromPrompt(
   auto seq = Begin(std::move(params), prompt);
   seq->state = model_.NewSequence();
   std::lock_guard<std::mutex> lock(compute_mu_);
-  auto res = model_.Prefill(*seq->state, prompt, /*all_logits=*/false);
+  // The semantics of the E/P/D chain (bounded decoder replay of window + DSpark block tail rows),
+  // so a request's output does not depend on whether the router ran it here alone.
+  model::PrefillOptions bounded;
+  bounded.decoder_tail_rows =
+      model_.config().window_size + std::max(0, model_.config().dspark_block_size);
+  auto res = model_.Prefill(*seq->state, prompt, /*all_logits=*/false, bounded);
   if (!res.ok()) return res.status();
   Offer(*seq, res->logits);
   return seq;

@@ -17,6 +17,7 @@
 #include "model/nano_generator.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
+#include "model/stages.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::decode_pool {
@@ -240,6 +241,35 @@ TEST_F(DecodeStageDSparkTest, HandoffStateDSparkEqualsPlain) {
   EXPECT_EQ(outs[1], outs[0]);
   EXPECT_EQ(outs[0].size(), 30u);
   EXPECT_GT(drafted, 0);
+}
+
+// A request the router gives decode alone (no encoder/prefill) computes what the E/P/D chain
+// computes: for a prompt longer than the tail rows (window + DSpark block), StartFromPrompt's
+// local prefill and a hand-off of EncoderPass + DecoderReplay give the same tokens.
+TEST_F(DecodeStageDSparkTest, DecodeAloneEqualsTheStagedChainOnLongPrompts) {
+  const std::vector<int32_t> prompt = Prompt(301, 9);
+  const int64_t tail = model_->config().window_size + model_->config().dspark_block_size;
+  auto st = model_->NewSequence();
+  auto enc = model::EncoderPass(*model_, *st, prompt, tail);
+  ASSERT_TRUE(enc.ok()) << enc.status();
+  auto dec = model::DecoderReplay(*model_, *st, *enc);
+  ASSERT_TRUE(dec.ok()) << dec.status();
+  const std::vector<model::StateSegment> segs = model::SerializeState(model_->config(), *st);
+  SamplingParams params;
+  params.max_tokens = 12;
+  DecodeStage stage(*model_, {.dspark = true, .fixed_k = 3});
+  auto chained = stage.Start(segs, dec->logits, params, prompt);
+  auto alone = stage.StartFromPrompt(prompt, params);
+  ASSERT_TRUE(chained.ok()) << chained.status();
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  while (!(*chained)->done || !(*alone)->done) {
+    std::vector<DecodeSequence*> b;
+    if (!(*chained)->done) b.push_back(chained->get());
+    if (!(*alone)->done) b.push_back(alone->get());
+    ASSERT_TRUE(stage.Step(b).ok());
+  }
+  EXPECT_EQ((*alone)->output, (*chained)->output);
+  EXPECT_EQ((*alone)->output.size(), 12u);
 }
 
 // max_tokens caps the output even when a step accepts several drafts.
