@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "epd/v1/inference.grpc.pb.h"
+#include "httplib.h"
 #include "model/nano_generator.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
@@ -97,6 +99,7 @@ class Cluster {
     auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));
     EXPECT_TRUE(grpc.has_value()) << router_.proc.ReadLog();
     router_.grpc = grpc.value_or(0);
+    http_port_ = WaitForPortFile(router_.port_file, "http", std::chrono::seconds(5)).value_or(0);
     for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind);
   }
 
@@ -123,6 +126,7 @@ class Cluster {
   }
 
   int grpc_port() const { return router_.grpc; }
+  int http_port() const { return http_port_; }
   int metrics(const std::string& kind) const { return procs_.at(kind)->metrics; }
   int kv_metrics() const { return kv_.metrics; }
   void KillKvStore() { kv_.proc.Signal(SIGKILL); }
@@ -144,6 +148,7 @@ class Cluster {
   TempDir dir_;
   Proc kv_, router_;
   std::string kv_address_;
+  int http_port_ = 0;
   std::map<std::string, std::unique_ptr<Proc>> procs_;
 };
 
@@ -267,6 +272,84 @@ TEST_F(StoreReuseE2ETest, SecondTurnReusesTheFirstTurnsBlocksAndOutputIsUnchange
   EXPECT_EQ(
       Metric(c.metrics("encoder"), "epd_kv_worker_store_errors_total{op=\"get\",pool=\"encoder\"}"),
       0.0);
+}
+
+// The same flow as an agent client sends it: OpenAI chat completions over HTTP, turn 2 = turn 1's
+// messages + the assistant's reply + a long tool-output-like user message. The chat format
+// renders turn 1's prompt as a prefix of turn 2's, so `usage.prompt_tokens_details.cached_tokens`
+// covers turn 1's prompt in whole blocks, and the reply equals that of a cluster without a store.
+struct Chat {
+  int status = 0;
+  std::string content;
+  int prompt_tokens = -1;
+  int cached = -1;
+  std::string body;
+};
+
+Chat PostChat(int http_port, const nlohmann::json& messages) {
+  httplib::Client cli("127.0.0.1", http_port);
+  cli.set_read_timeout(120, 0);
+  nlohmann::json req = {{"model", "epd-nano"},
+                        {"messages", messages},
+                        {"max_tokens", kMaxTokens},
+                        {"temperature", 0}};
+  auto res = cli.Post("/v1/chat/completions", req.dump(), "application/json");
+  Chat c;
+  if (!res) return c;
+  c.status = res->status;
+  c.body = res->body;
+  auto j = nlohmann::json::parse(res->body, nullptr, false);
+  if (j.is_discarded() || !j.contains("usage")) return c;
+  c.content = j["choices"][0]["message"].value("content", "");
+  c.prompt_tokens = j["usage"]["prompt_tokens"].get<int>();
+  c.cached = j["usage"]["prompt_tokens_details"]["cached_tokens"].get<int>();
+  return c;
+}
+
+std::string Words(int n, int salt) {
+  static const char* kWords[] = {"build",  "passed", "error", "file", "line",   "cache", "token",
+                                 "worker", "store",  "agent", "tool", "output", "page",  "json"};
+  std::string out;
+  for (int i = 0; i < n; ++i) {
+    out += kWords[(i * 7 + salt * 3 + i / 4) % 14];
+    out += (i % 11 == 10) ? ".\n" : " ";
+  }
+  return out;
+}
+
+TEST_F(StoreReuseE2ETest, OpenAiChatTurnTwoReportsTurnOnesBlocksCachedWithUnchangedOutput) {
+  const nlohmann::json turn1 = nlohmann::json::array(
+      {{{"role", "system"}, {"content", "You are a coding agent."}},
+       {{"role", "user"}, {"content", "Fix the failing build. Log:\n" + Words(160, 1)}}});
+  auto turn2_of = [](nlohmann::json messages, const std::string& reply) {
+    messages.push_back({{"role", "assistant"}, {"content", reply}});
+    messages.push_back({{"role", "user"}, {"content", "Tool output:\n" + Words(180, 2)}});
+    return messages;
+  };
+  Chat want1, want2;
+  {
+    Cluster plain(/*store=*/false);
+    want1 = PostChat(plain.http_port(), turn1);
+    ASSERT_EQ(want1.status, 200) << want1.body << plain.Logs();
+    want2 = PostChat(plain.http_port(), turn2_of(turn1, want1.content));
+    ASSERT_EQ(want2.status, 200) << want2.body;
+    EXPECT_EQ(want2.cached, 0);
+  }
+  Cluster c(/*store=*/true);
+  const Chat got1 = PostChat(c.http_port(), turn1);
+  ASSERT_EQ(got1.status, 200) << got1.body << c.Logs();
+  EXPECT_EQ(got1.cached, 0);
+  EXPECT_EQ(got1.content, want1.content);
+  const int whole_blocks = got1.prompt_tokens / 64 * 64;
+  ASSERT_GE(whole_blocks, 128) << "turn 1 is too short to test reuse: " << got1.prompt_tokens;
+  const double hits_before = c.KvHits();
+  const Chat got2 = PostChat(c.http_port(), turn2_of(turn1, got1.content));
+  ASSERT_EQ(got2.status, 200) << got2.body << c.Logs();
+  ASSERT_GE(got2.prompt_tokens - 133, whole_blocks) << "turn 2's new message is too short";
+  EXPECT_EQ(got2.cached, whole_blocks) << got2.body;
+  EXPECT_GT(c.KvHits(), hits_before);
+  EXPECT_EQ(got2.content, want2.content) << "turn 2 with the store differs from the run without";
+  EXPECT_EQ(got2.prompt_tokens, want2.prompt_tokens);
 }
 
 TEST_F(StoreReuseE2ETest, ExpiredSnapshotReplaysOnceAndADeadStoreFailsNoRequest) {
