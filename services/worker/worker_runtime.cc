@@ -152,6 +152,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
+  int64_t selftest_bytes = 4 << 20;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
   app.add_option("--kvstore", kvstore, "KV store gRPC address host:port");
   app.add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
@@ -165,6 +166,10 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "DSpark speculative decoding on|off (part of the config fingerprint; every worker "
                  "of a deployment must agree)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--transfer-selftest-bytes", selftest_bytes,
+                 "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
+                 "0 = skip)")
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   if (add_flags) add_flags(app);
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
@@ -203,6 +208,20 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     return 1;
   }
   HandoffPeer handoff(**transport);
+  if (selftest_bytes > 0) {
+    // epd_transfer_selftest_bandwidth_bytes_per_second{transport}: what this host's UCX moves,
+    // the operator's baseline for the transfer panels. A failure is logged, not fatal.
+    auto st = transfer::RunBandwidthSelfTest(uo, static_cast<uint64_t>(selftest_bytes),
+                                             runtime.registry());
+    if (st.ok()) {
+      spdlog::info("epd-{}: transfer self-test: {:.0f} MB/s over {} ({} bytes)", label,
+                   st->bytes_per_second / 1e6, std::string(transfer::TransportLabel(st->transport)),
+                   st->bytes);
+    } else {
+      spdlog::warn("epd-{}: transfer self-test failed: {}", label,
+                   std::string(st.status().message()));
+    }
+  }
 
   WorkerSetup setup;
   setup.pool = pool;
