@@ -50,9 +50,9 @@ TEST_F(RegistryTest, FingerprintMismatchIsRefusedAcrossPoolsAndExplained) {
   EXPECT_EQ(registry_.Count(PoolKind::kEncoder), 0);
   ASSERT_EQ(registry_.RecentRefusals().size(), 1u);
   EXPECT_NE(registry_.RecentRefusals()[0].find("e0"), std::string::npos);
-  EXPECT_NE(Scrape(metrics_).find(
-                "epd_router_registrations_total{outcome=\"fingerprint_mismatch\"} 1"),
-            std::string::npos);
+  EXPECT_NE(
+      Scrape(metrics_).find("epd_router_registrations_total{outcome=\"fingerprint_mismatch\"} 1"),
+      std::string::npos);
   // Same fingerprint pairs fine; once every fpA worker is gone, a new fingerprint may start.
   EXPECT_TRUE(registry_.Register(Worker("e1", PoolKind::kEncoder, "fpA")).ok());
   registry_.MarkFailed("d0", "test");
@@ -162,6 +162,33 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"epd\"} 1"), std::string::npos);
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"d\"} 1"), std::string::npos);
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"pd\"} 1"), std::string::npos);
+}
+
+// The tail rule: with an encoder in the chain the prefix hint never reaches into the last
+// prefix_tail_rows prompt rows (the decoder replays them from the encoder's residuals), and it
+// stays whole blocks.
+TEST_F(RegistryTest, SchedulerCapsThePrefixHintToLeaveTheTailToTheEncoder) {
+  FixedOracle oracle;
+  Scheduler sched({.prefix_block_tokens = 64, .prefix_tail_rows = 133}, registry_, oracle,
+                  metrics_);
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  struct Case {
+    int prompt, hint, want;
+  };
+  for (const Case c : {Case{600, 256, 256},  // 600 - 133 = 467 >= 256: the hint stands
+                       Case{340, 256, 192},  // 340 - 133 = 207 -> 192
+                       Case{200, 128, 64},   // 200 - 133 = 67 -> 64
+                       Case{180, 128, 0},    // 47 rows of room: no whole block
+                       Case{133, 64, 0}}) {  // nothing before the tail
+    oracle.hint = {.cached_tokens = c.hint};
+    auto plan = sched.Schedule(std::vector<int32_t>(c.prompt, 5));
+    ASSERT_TRUE(plan.ok()) << plan.status();
+    EXPECT_EQ(plan->route, "epd");
+    EXPECT_EQ(plan->cached_tokens, c.want) << "prompt " << c.prompt << " hint " << c.hint;
+    sched.Release(*plan);
+  }
 }
 
 }  // namespace
