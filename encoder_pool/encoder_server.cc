@@ -94,7 +94,7 @@ class EncoderHandler final : public worker::JobHandler {
     std::vector<model::StateSegment> segs = std::move(res->state);
     for (auto& s : worker::PackEncoderOutput(res->output)) segs.push_back(std::move(s));
     worker::HandoffHeader h{job.request_id(), setup_.fingerprint,
-                            static_cast<int64_t>(prompt.size()), 0, job.dspark()};
+                            static_cast<int64_t>(prompt.size()), 0, setup_.dspark};
     auto manifest = worker::BuildHandoffManifest(setup_.model->config(), h, worker::ShapesOf(segs));
     absl::Status st =
         setup_.handoff->Send(job.next_transfer_address(), std::move(manifest), segs,

@@ -40,7 +40,9 @@ class PrefillHandler final : public worker::JobHandler {
     const size_t n_state = shapes.size();
     for (auto& s : worker::ExpectedEncoderOutputShapes(c, n, worker::HandoffTailRows(c)))
       shapes.push_back(s);
-    worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, job.dspark()};
+    // Every hand-off header carries this worker's --dspark (part of the fingerprint, so the
+    // encoder and decode paired with it run the same setting); decode checks it against its own.
+    worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, setup_.dspark};
     const absl::Duration deadline = absl::Milliseconds(setup_.handoff_deadline_ms);
     auto got = setup_.handoff->Receive(worker::BuildHandoffManifest(c, h, shapes), shapes, deadline,
                                        &cancelled);
@@ -61,10 +63,7 @@ class PrefillHandler final : public worker::JobHandler {
     if (cancelled.load()) return absl::CancelledError("cancelled");
     std::vector<model::StateSegment> out = std::move(res->state);
     out.push_back(worker::PackLogits(res->logits));
-    // What decode receives carries the DSpark state exactly when this worker runs DSpark.
-    worker::HandoffHeader to_decode = h;
-    to_decode.dspark = setup_.dspark;
-    auto manifest = worker::BuildHandoffManifest(c, to_decode, worker::ShapesOf(out));
+    auto manifest = worker::BuildHandoffManifest(c, h, worker::ShapesOf(out));
     absl::Status st = setup_.handoff->Send(job.next_transfer_address(), std::move(manifest), out,
                                            deadline, &cancelled);
     if (!st.ok())
