@@ -14,10 +14,10 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::decode_pool {
@@ -25,21 +25,8 @@ namespace {
 
 using model::SamplingParams;
 
-class DecodeStageDSparkTest : public ::testing::Test {
+class DecodeStageDSparkTest : public testing::NanoModelTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new testing::TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
-    backend_ = kernels::MakeCpuBackend().release();
-    auto m = model::Model::Load(dir_->path(), *backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
-    delete dir_;
-  }
   static std::vector<int32_t> Prompt(int n, int salt) {
     std::vector<int32_t> p(n);
     for (int i = 0; i < n; ++i) p[i] = 3 + static_cast<int32_t>((i * 37 + salt * 101) % 1500);
@@ -103,10 +90,6 @@ class DecodeStageDSparkTest : public ::testing::Test {
     }
     return run;
   }
-
-  static inline testing::TempDir* dir_ = nullptr;
-  static inline kernels::Backend* backend_ = nullptr;
-  static inline model::Model* model_ = nullptr;
 };
 
 // Greedy parity over many prompts and lengths (3..130 tokens; generations crossing the 128-token

@@ -14,9 +14,9 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::decode_pool {
@@ -26,21 +26,8 @@ using model::Model;
 using model::SamplingParams;
 using model::SequenceState;
 
-class DSparkNanoTest : public ::testing::Test {
+class DSparkNanoTest : public testing::NanoModelTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new testing::TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
-    backend_ = kernels::MakeCpuBackend().release();
-    auto m = Model::Load(dir_->path(), *backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
-    delete dir_;
-  }
   // A deterministic prompt of `n` ordinary tokens (ids 3..258 are bytes, then merges).
   static std::vector<int32_t> Prompt(int n, int salt) {
     std::vector<int32_t> p(n);
@@ -52,9 +39,6 @@ class DSparkNanoTest : public ::testing::Test {
     EXPECT_TRUE(model_->Prefill(*s, prompt, false).ok());
     return s;
   }
-  static inline testing::TempDir* dir_ = nullptr;
-  static inline kernels::Backend* backend_ = nullptr;
-  static inline Model* model_ = nullptr;
 };
 
 // Greedy output with DSpark equals output without it, for fixed k and the policy, over prompt

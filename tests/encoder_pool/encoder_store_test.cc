@@ -12,9 +12,9 @@
 #include "kvstore/chain_hash.h"
 #include "kvstore/kvstore_client.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/prefix_state.h"
 #include "model/sequence_state.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
@@ -25,22 +25,8 @@ using encoder_pool::EncoderStage;
 using encoder_pool::PrefixOptions;
 using encoder_pool::PrefixReport;
 
-class EncoderStoreTest : public ::testing::Test {
+class EncoderStoreTest : public testing::NanoModelTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new testing::TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
-    backend_ = kernels::MakeCpuBackend().release();
-    auto m = model::Model::Load(dir_->path(), *backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
-    delete dir_;
-  }
-
   void SetUp() override {
     kv_dir_ = std::make_unique<testing::TempDir>();
     kv_ = testing::Subprocess::Start(
@@ -80,16 +66,10 @@ class EncoderStoreTest : public ::testing::Test {
     return std::string(kvstore::AsBytes(h[block]));
   }
 
-  static testing::TempDir* dir_;
-  static kernels::Backend* backend_;
-  static model::Model* model_;
   std::unique_ptr<testing::TempDir> kv_dir_;
   testing::Subprocess kv_;
   std::unique_ptr<kvstore::KvStoreClient> client_;
 };
-testing::TempDir* EncoderStoreTest::dir_ = nullptr;
-kernels::Backend* EncoderStoreTest::backend_ = nullptr;
-model::Model* EncoderStoreTest::model_ = nullptr;
 
 TEST_F(EncoderStoreTest, PrefixCapIsTheLastBlockBoundaryBeforeTheTail) {
   EXPECT_EQ(EncoderStage::PrefixCap(100, 133, 64), 0);

@@ -10,9 +10,9 @@
 
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
@@ -20,21 +20,8 @@ namespace {
 
 using model::kPrefixBlockTokens;
 
-class PrefixStateTest : public ::testing::Test {
+class PrefixStateTest : public testing::NanoModelTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new testing::TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
-    backend_ = kernels::MakeCpuBackend().release();
-    auto m = model::Model::Load(dir_->path(), *backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
-    delete dir_;
-  }
   static std::vector<int32_t> Prompt(int n) {
     std::vector<int32_t> p(n);
     for (int i = 0; i < n; ++i) p[i] = 10 + (i * 37 + i / 7) % 500;
@@ -43,14 +30,7 @@ class PrefixStateTest : public ::testing::Test {
   static int64_t Tail() {
     return model_->config().window_size + std::max(0, model_->config().dspark_block_size);
   }
-
-  static testing::TempDir* dir_;
-  static kernels::Backend* backend_;
-  static model::Model* model_;
 };
-testing::TempDir* PrefixStateTest::dir_ = nullptr;
-kernels::Backend* PrefixStateTest::backend_ = nullptr;
-model::Model* PrefixStateTest::model_ = nullptr;
 
 void ExpectSameState(const model::ModelConfig& c, const model::SequenceState& a,
                      const model::SequenceState& b) {

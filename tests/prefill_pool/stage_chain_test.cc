@@ -14,31 +14,18 @@
 #include "kvstore/transfer/loopback_wire.h"
 #include "kvstore/transfer/transfer_engine.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "prefill_pool/prefill_stage.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
 #include "services/worker/handoff.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-class StageChainTest : public ::testing::Test {
+class StageChainTest : public testing::NanoModelTest {
  protected:
-  static void SetUpTestSuite() {
-    dir_ = new testing::TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(dir_->path()).ok());
-    backend_ = kernels::MakeCpuBackend().release();
-    auto m = model::Model::Load(dir_->path(), *backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = m->release();
-  }
-  static void TearDownTestSuite() {
-    delete model_;
-    delete backend_;
-    delete dir_;
-  }
   static std::vector<int32_t> Prompt(int n) {
     std::vector<int32_t> p(n);
     for (int i = 0; i < n; ++i) p[i] = 10 + (i * 37) % 200;
@@ -60,14 +47,7 @@ class StageChainTest : public ::testing::Test {
     }
     return out;
   }
-
-  static testing::TempDir* dir_;
-  static kernels::Backend* backend_;
-  static model::Model* model_;
 };
-testing::TempDir* StageChainTest::dir_ = nullptr;
-kernels::Backend* StageChainTest::backend_ = nullptr;
-model::Model* StageChainTest::model_ = nullptr;
 
 std::vector<std::pair<std::string, uint64_t>> Flat(const std::vector<worker::SegmentShape>& s) {
   std::vector<std::pair<std::string, uint64_t>> out;
