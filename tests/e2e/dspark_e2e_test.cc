@@ -15,127 +15,30 @@
 #include "epd/v1/inference.grpc.pb.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/sampling.h"
+#include "tests/e2e/real_cluster.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-using epd::services::WaitForPortFile;
 using epd::testing::BinaryPath;
-using epd::testing::Subprocess;
-using epd::testing::TempDir;
-
-TempDir* g_model_dir = nullptr;
-
-// The value of one series (exact name + labels) in a /metrics page.
-std::optional<double> ScrapeMetric(int port, const std::string& series) {
-  auto body = testing::HttpGet(port, "/metrics");
-  if (!body) return std::nullopt;
-  size_t pos = 0;
-  while ((pos = body->find(series + " ", pos)) != std::string::npos) {
-    if (pos == 0 || (*body)[pos - 1] == '\n')
-      return std::stod(body->substr(pos + series.size() + 1));
-    ++pos;
-  }
-  return std::nullopt;
-}
-
-struct Proc {
-  Subprocess proc;
-  std::string port_file;
-  int metrics = 0;
-};
+using epd::testing::Generate;
+using epd::testing::Generation;
+using epd::testing::Prompt;
+using epd::testing::ScrapeMetric;
 
 // Router + one worker per pool, every worker with `--dspark on|off` (the router pairs only
 // workers with the same config fingerprint, which covers the switch).
-class Cluster {
+class Cluster : public testing::RealCluster {
  public:
-  explicit Cluster(bool dspark, std::vector<std::string> decode_args = {}) {
-    router_.port_file = dir_.File("router.json");
-    router_.proc =
-        Subprocess::Start({BinaryPath("epd-router"), "--metrics-port", "0", "--http-port", "0",
-                           "--grpc-port", "0", "--port-file", router_.port_file,
-                           "--heartbeat-interval-ms", "200", "--model", g_model_dir->path()},
-                          dir_.File("router.log"));
-    grpc_ = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30)).value_or(0);
-    EXPECT_NE(grpc_, 0) << router_.proc.ReadLog();
-    for (const char* kind : {"encoder", "prefill", "decode"}) {
-      auto p = std::make_unique<Proc>();
-      const std::string id = std::string(kind) + "-0";
-      p->port_file = dir_.File(id + ".json");
-      std::vector<std::string> argv = {BinaryPath(std::string("epd-") + kind),
-                                       "--router",
-                                       "127.0.0.1:" + std::to_string(grpc_),
-                                       "--model",
-                                       g_model_dir->path(),
-                                       "--worker-id",
-                                       id,
-                                       "--port-file",
-                                       p->port_file,
-                                       "--metrics-port",
-                                       "0",
-                                       "--dspark",
-                                       dspark ? "on" : "off"};
-      if (std::string(kind) == "decode")
-        argv.insert(argv.end(), decode_args.begin(), decode_args.end());
-      p->proc = Subprocess::Start(argv, dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
-      EXPECT_TRUE(WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60)))
-          << p->proc.ReadLog();
-      p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
-      workers_[kind] = std::move(p);
-    }
-  }
-  int grpc_port() const { return grpc_; }
-  int decode_metrics() const { return workers_.at("decode")->metrics; }
-  std::string Logs() {
-    std::string out = "--- router\n" + router_.proc.ReadLog();
-    for (auto& [k, p] : workers_) out += "--- " + k + "\n" + p->proc.ReadLog();
-    return out;
-  }
-
- private:
-  TempDir dir_;
-  Proc router_;
-  int grpc_ = 0;
-  std::map<std::string, std::unique_ptr<Proc>> workers_;
+  explicit Cluster(bool dspark, std::vector<std::string> decode_args = {})
+      : RealCluster({.model_dir = testing::NanoModelDirTest::model_dir(),
+                     .dspark = dspark,
+                     .decode_args = std::move(decode_args)}) {}
+  int decode_metrics() const { return metrics("decode"); }
 };
-
-struct Generation {
-  std::vector<int32_t> ids;
-  std::string finish;
-  grpc::Status status;
-};
-
-Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens,
-                    float temperature = 0.f, std::optional<uint64_t> seed = std::nullopt) {
-  auto stub = epd::v1::Inference::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  epd::v1::GenerateRequest req;
-  req.set_model("epd-nano");
-  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
-  req.mutable_sampling()->set_temperature(temperature);
-  if (seed) req.mutable_sampling()->set_seed(*seed);
-  req.mutable_sampling()->set_max_tokens(max_tokens);
-  auto reader = stub->Generate(&ctx, req);
-  Generation g;
-  epd::v1::GenerateResponse m;
-  while (reader->Read(&m)) {
-    g.ids.insert(g.ids.end(), m.token_ids().begin(), m.token_ids().end());
-    if (!m.finish_reason().empty()) g.finish = m.finish_reason();
-  }
-  g.status = reader->Finish();
-  return g;
-}
-
-std::vector<int32_t> Prompt(int n, int salt) {
-  std::vector<int32_t> p(n);
-  for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7) % 300;
-  return p;
-}
 
 // Model::Prefill + Decode in this process (greedy; EOS ends it and is not emitted).
 std::vector<int32_t> Reference(const model::Model& m, const std::vector<int32_t>& prompt,
@@ -156,16 +59,8 @@ std::vector<int32_t> Reference(const model::Model& m, const std::vector<int32_t>
   return out;
 }
 
-class DSparkE2ETest : public ::testing::Test {
+class DSparkE2ETest : public testing::NanoModelDirTest {
  protected:
-  static void SetUpTestSuite() {
-    g_model_dir = new TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(g_model_dir->path()).ok());
-  }
-  static void TearDownTestSuite() {
-    delete g_model_dir;
-    g_model_dir = nullptr;
-  }
   // Prompt lengths and token counts: generations cross the 128-token window (100 + 40).
   static std::vector<std::pair<std::vector<int32_t>, int>> Requests() {
     return {{Prompt(100, 1), 40}, {Prompt(120, 2), 24}, {Prompt(30, 3), 33}};
@@ -185,7 +80,7 @@ class DSparkE2ETest : public ::testing::Test {
 
 TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
   auto backend = kernels::MakeCpuBackend();
-  auto model = model::Model::Load(g_model_dir->path(), *backend);
+  auto model = model::Model::Load(model_dir(), *backend);
   ASSERT_TRUE(model.ok()) << model.status();
   const auto reqs = Requests();
   std::vector<std::vector<int32_t>> want;
@@ -209,9 +104,12 @@ TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
     EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_handoff_mismatch_total"), 0.0);
     // Seeded sampling reaches the decode worker's sampler: the same seed reproduces the
     // completion through the whole chain, another seed changes it.
-    const Generation s1 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 77);
-    const Generation s2 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 77);
-    const Generation s3 = Generate(c.grpc_port(), reqs[0].first, 24, 0.9f, 78);
+    const Generation s1 =
+        Generate(c.grpc_port(), reqs[0].first, 24, {.temperature = 0.9f, .seed = 77});
+    const Generation s2 =
+        Generate(c.grpc_port(), reqs[0].first, 24, {.temperature = 0.9f, .seed = 77});
+    const Generation s3 =
+        Generate(c.grpc_port(), reqs[0].first, 24, {.temperature = 0.9f, .seed = 78});
     ASSERT_TRUE(s1.status.ok() && s2.status.ok() && s3.status.ok()) << c.Logs();
     EXPECT_EQ(s1.ids, s2.ids);
     EXPECT_NE(s1.ids, s3.ids);

@@ -15,125 +15,28 @@
 #include "epd/v1/inference.grpc.pb.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
 #include "model/sampling.h"
+#include "tests/e2e/real_cluster.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-using epd::services::WaitForPortFile;
-using epd::testing::BinaryPath;
-using epd::testing::Subprocess;
-using epd::testing::TempDir;
+using epd::testing::Generate;
+using epd::testing::Generation;
+using epd::testing::Prompt;
+using epd::testing::ScrapeMetric;
 
-TempDir* g_model_dir = nullptr;
+using Proc = testing::RealProc;
 
-struct Proc {
-  Subprocess proc;
-  std::string port_file;
-  int grpc = 0;
-  int metrics = 0;
-};
-
-std::optional<double> ScrapeMetric(int port, const std::string& series) {
-  auto body = testing::HttpGet(port, "/metrics");
-  if (!body) return std::nullopt;
-  size_t pos = 0;
-  while ((pos = body->find(series + " ", pos)) != std::string::npos) {
-    if (pos == 0 || (*body)[pos - 1] == '\n')
-      return std::stod(body->substr(pos + series.size() + 1));
-    ++pos;
-  }
-  return std::nullopt;
-}
-
-class Cluster {
+// Router + one worker per pool; workers drain for up to 20 s on SIGTERM.
+class Cluster : public testing::RealCluster {
  public:
-  Cluster() {
-    router_.port_file = dir_.File("router.json");
-    router_.proc =
-        Subprocess::Start({BinaryPath("epd-router"), "--metrics-port", "0", "--http-port", "0",
-                           "--grpc-port", "0", "--port-file", router_.port_file,
-                           "--heartbeat-interval-ms", "200", "--model", g_model_dir->path()},
-                          dir_.File("router.log"));
-    auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));
-    EXPECT_TRUE(grpc.has_value()) << router_.proc.ReadLog();
-    router_.grpc = grpc.value_or(0);
-    for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind, std::string(kind) + "-0");
-  }
-
-  Proc* Add(const std::string& kind, const std::string& id) {
-    auto p = std::make_unique<Proc>();
-    p->port_file = dir_.File(id + ".json");
-    p->proc = Subprocess::Start(
-        {BinaryPath("epd-" + kind), "--router", "127.0.0.1:" + std::to_string(router_.grpc),
-         "--model", g_model_dir->path(), "--worker-id", id, "--port-file", p->port_file,
-         "--metrics-port", "0", "--drain-timeout-ms", "20000"},
-        dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
-    auto reg = WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60));
-    EXPECT_TRUE(reg.has_value()) << p->proc.ReadLog();
-    p->grpc = WaitForPortFile(p->port_file, "grpc", std::chrono::seconds(1)).value_or(0);
-    p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
-    procs_[kind] = p.get();
-    owned_.push_back(std::move(p));
-    return procs_[kind];
-  }
-
-  Proc& worker(const std::string& kind) { return *procs_.at(kind); }
-  int grpc_port() const { return router_.grpc; }
-  std::string Logs() {
-    std::string out = "--- router\n" + router_.proc.ReadLog();
-    for (auto& p : owned_) out += "--- " + p->port_file + "\n" + p->proc.ReadLog();
-    return out;
-  }
-
- private:
-  TempDir dir_;
-  Proc router_;
-  std::map<std::string, Proc*> procs_;
-  std::vector<std::unique_ptr<Proc>> owned_;
+  Cluster()
+      : RealCluster({.model_dir = testing::NanoModelDirTest::model_dir(),
+                     .worker_args = {"--drain-timeout-ms", "20000"}}) {}
 };
-
-struct Generation {
-  std::vector<int32_t> ids;
-  std::string finish;
-  grpc::Status status;
-};
-
-// Reads a Generate stream; `on_token` (optional) runs after the first token chunk.
-Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens,
-                    const std::function<void()>& on_first = nullptr) {
-  auto stub = epd::v1::Inference::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
-  epd::v1::GenerateRequest req;
-  req.set_model("epd-nano");
-  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
-  req.mutable_sampling()->set_temperature(0.f);
-  req.mutable_sampling()->set_max_tokens(max_tokens);
-  auto reader = stub->Generate(&ctx, req);
-  Generation g;
-  epd::v1::GenerateResponse m;
-  bool first = true;
-  while (reader->Read(&m)) {
-    g.ids.insert(g.ids.end(), m.token_ids().begin(), m.token_ids().end());
-    if (!m.finish_reason().empty()) g.finish = m.finish_reason();
-    if (first && m.token_ids_size() > 0 && on_first) {
-      first = false;
-      on_first();
-    }
-  }
-  g.status = reader->Finish();
-  return g;
-}
-
-std::vector<int32_t> Prompt(int n, int salt) {
-  std::vector<int32_t> p(n);
-  for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7) % 300;
-  return p;
-}
 
 // The monolithic reference forward in this process: Model::Prefill over all layers with the
 // semantics E/P/D computes (bounded decoder replay of window + DSpark block tail rows; the exact
@@ -141,7 +44,7 @@ std::vector<int32_t> Prompt(int n, int salt) {
 std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens,
                                std::string* finish) {
   auto backend = kernels::MakeCpuBackend();
-  auto model = model::Model::Load(g_model_dir->path(), *backend);
+  auto model = model::Model::Load(testing::NanoModelDirTest::model_dir(), *backend);
   EXPECT_TRUE(model.ok()) << model.status();
   auto st = (*model)->NewSequence();
   model::PrefillOptions bounded;
@@ -167,17 +70,7 @@ std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_token
   return out;
 }
 
-class EpdE2ETest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    g_model_dir = new TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(g_model_dir->path()).ok());
-  }
-  static void TearDownTestSuite() {
-    delete g_model_dir;
-    g_model_dir = nullptr;
-  }
-};
+class EpdE2ETest : public testing::NanoModelDirTest {};
 
 TEST_F(EpdE2ETest, DisaggregatedGreedyEqualsMonolithic) {
   Cluster c;
@@ -261,7 +154,7 @@ TEST_F(EpdE2ETest, SecondEncoderTakesWorkAndAStoppedOneLeavesTheRotation) {
 TEST_F(EpdE2ETest, SigkillOfDecodeFailsItsRequestOnly) {
   Cluster c;
   Generation g = Generate(c.grpc_port(), Prompt(100, 3), 400,
-                          [&] { c.worker("decode").proc.Signal(SIGKILL); });
+                          {.on_first = [&] { c.worker("decode").proc.Signal(SIGKILL); }});
   EXPECT_TRUE(!g.status.ok() || g.finish == "error") << g.finish;
   EXPECT_LT(g.ids.size(), 400u);
   // The other workers stay up and idle (no job hangs in them).
@@ -280,8 +173,8 @@ TEST_F(EpdE2ETest, SigtermDrainsTheRunningRequest) {
   Cluster c;
   const std::vector<int32_t> prompt = Prompt(100, 5);
   std::string finish;
-  Generation g =
-      Generate(c.grpc_port(), prompt, 40, [&] { c.worker("decode").proc.Signal(SIGTERM); });
+  Generation g = Generate(c.grpc_port(), prompt, 40,
+                          {.on_first = [&] { c.worker("decode").proc.Signal(SIGTERM); }});
   ASSERT_TRUE(g.status.ok()) << g.status.error_message() << "\n" << c.Logs();
   EXPECT_EQ(g.ids, Reference(prompt, 40, &finish));
   auto rc = c.worker("decode").proc.Wait(std::chrono::seconds(20));

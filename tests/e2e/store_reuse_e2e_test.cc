@@ -18,38 +18,16 @@
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "httplib.h"
-#include "model/nano_generator.h"
 #include "nlohmann/json.hpp"
+#include "tests/e2e/real_cluster.h"
+#include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-using epd::services::WaitForPortFile;
-using epd::testing::BinaryPath;
-using epd::testing::Subprocess;
-using epd::testing::TempDir;
-
-TempDir* g_model_dir = nullptr;
-
-struct Proc {
-  Subprocess proc;
-  std::string port_file;
-  int grpc = 0;
-  int metrics = 0;
-};
-
-std::optional<double> ScrapeMetric(int port, const std::string& series) {
-  auto body = testing::HttpGet(port, "/metrics");
-  if (!body) return std::nullopt;
-  size_t pos = 0;
-  while ((pos = body->find(series + " ", pos)) != std::string::npos) {
-    if (pos == 0 || (*body)[pos - 1] == '\n')
-      return std::stod(body->substr(pos + series.size() + 1));
-    ++pos;
-  }
-  return std::nullopt;
-}
+using epd::testing::Generation;
+using epd::testing::ScrapeMetric;
 
 double Metric(int port, const std::string& series) {
   return ScrapeMetric(port, series).value_or(0.0);
@@ -57,130 +35,23 @@ double Metric(int port, const std::string& series) {
 
 // Router + encoder + prefill + decode; with `store`, an epd-kvstore (extra flags `kv_args`) that
 // the router and every worker use.
-class Cluster {
+class Cluster : public testing::RealCluster {
  public:
-  Cluster(bool store, std::vector<std::string> kv_args = {}) {
-    if (store) {
-      kv_.port_file = dir_.File("kv.json");
-      std::vector<std::string> argv = {BinaryPath("epd-kvstore"),
-                                       "--data-dir",
-                                       dir_.File("kvdata"),
-                                       "--grpc-port",
-                                       "0",
-                                       "--metrics-port",
-                                       "0",
-                                       "--port-file",
-                                       kv_.port_file,
-                                       "--g1-capacity-bytes",
-                                       "0"};
-      argv.insert(argv.end(), kv_args.begin(), kv_args.end());
-      kv_.proc = Subprocess::Start(argv, dir_.File("kv.log"));
-      kv_.grpc = WaitForPortFile(kv_.port_file, "grpc", std::chrono::seconds(30)).value_or(0);
-      EXPECT_GT(kv_.grpc, 0) << kv_.proc.ReadLog();
-      kv_.metrics = WaitForPortFile(kv_.port_file, "metrics", std::chrono::seconds(5)).value_or(0);
-      kv_address_ = "127.0.0.1:" + std::to_string(kv_.grpc);
-    }
-    router_.port_file = dir_.File("router.json");
-    std::vector<std::string> argv = {BinaryPath("epd-router"),
-                                     "--metrics-port",
-                                     "0",
-                                     "--http-port",
-                                     "0",
-                                     "--grpc-port",
-                                     "0",
-                                     "--port-file",
-                                     router_.port_file,
-                                     "--heartbeat-interval-ms",
-                                     "200",
-                                     "--model",
-                                     g_model_dir->path()};
-    if (store) argv.insert(argv.end(), {"--kvstore", kv_address_});
-    router_.proc = Subprocess::Start(argv, dir_.File("router.log"));
-    auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));
-    EXPECT_TRUE(grpc.has_value()) << router_.proc.ReadLog();
-    router_.grpc = grpc.value_or(0);
-    http_port_ = WaitForPortFile(router_.port_file, "http", std::chrono::seconds(5)).value_or(0);
-    for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind);
-  }
-
-  void Add(const std::string& kind) {
-    auto p = std::make_unique<Proc>();
-    p->port_file = dir_.File(kind + ".json");
-    std::vector<std::string> argv = {BinaryPath("epd-" + kind),
-                                     "--router",
-                                     "127.0.0.1:" + std::to_string(router_.grpc),
-                                     "--model",
-                                     g_model_dir->path(),
-                                     "--worker-id",
-                                     kind + "-0",
-                                     "--port-file",
-                                     p->port_file,
-                                     "--metrics-port",
-                                     "0"};
-    if (!kv_address_.empty()) argv.insert(argv.end(), {"--kvstore", kv_address_});
-    p->proc = Subprocess::Start(argv, dir_.File(kind + ".log"), {{"UCX_NET_DEVICES", "lo"}});
-    auto reg = WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60));
-    EXPECT_TRUE(reg.has_value()) << p->proc.ReadLog();
-    p->metrics = WaitForPortFile(p->port_file, "metrics", std::chrono::seconds(1)).value_or(0);
-    procs_[kind] = std::move(p);
-  }
-
-  int grpc_port() const { return router_.grpc; }
-  int http_port() const { return http_port_; }
-  int metrics(const std::string& kind) const { return procs_.at(kind)->metrics; }
-  int kv_metrics() const { return kv_.metrics; }
-  void KillKvStore() { kv_.proc.Signal(SIGKILL); }
+  Cluster(bool store, std::vector<std::string> kv_args = {})
+      : RealCluster({.model_dir = testing::NanoModelDirTest::model_dir(),
+                     .store = store,
+                     .kv_args = std::move(kv_args)}) {}
   // Hits of the kvstore over every tier (gets and lookups).
   double KvHits() const {
     double sum = 0;
     for (const char* t : {"g1", "g2", "g3"})
-      sum += Metric(kv_.metrics, std::string("epd_kv_hits_total{tier=\"") + t + "\"}");
+      sum += Metric(kv_metrics(), std::string("epd_kv_hits_total{tier=\"") + t + "\"}");
     return sum;
   }
-  std::string Logs() {
-    std::string out = "--- router\n" + router_.proc.ReadLog();
-    if (kv_.grpc > 0) out += "--- kvstore\n" + kv_.proc.ReadLog();
-    for (auto& [k, p] : procs_) out += "--- " + k + "\n" + p->proc.ReadLog();
-    return out;
-  }
-
- private:
-  TempDir dir_;
-  Proc kv_, router_;
-  std::string kv_address_;
-  int http_port_ = 0;
-  std::map<std::string, std::unique_ptr<Proc>> procs_;
-};
-
-struct Generation {
-  std::vector<int32_t> ids;
-  int cached = -1;
-  int prompt_tokens = -1;
-  grpc::Status status;
 };
 
 Generation Generate(int port, const std::vector<int32_t>& prompt, int max_tokens) {
-  auto stub = epd::v1::Inference::NewStub(
-      grpc::CreateChannel("127.0.0.1:" + std::to_string(port), grpc::InsecureChannelCredentials()));
-  grpc::ClientContext ctx;
-  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
-  epd::v1::GenerateRequest req;
-  req.set_model("epd-nano");
-  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
-  req.mutable_sampling()->set_temperature(0.f);
-  req.mutable_sampling()->set_max_tokens(max_tokens);
-  auto reader = stub->Generate(&ctx, req);
-  Generation g;
-  epd::v1::GenerateResponse m;
-  while (reader->Read(&m)) {
-    g.ids.insert(g.ids.end(), m.token_ids().begin(), m.token_ids().end());
-    if (m.has_usage()) {
-      g.cached = m.usage().cached_tokens();
-      g.prompt_tokens = m.usage().prompt_tokens();
-    }
-  }
-  g.status = reader->Finish();
-  return g;
+  return testing::Generate(port, prompt, max_tokens, {.deadline = std::chrono::seconds(90)});
 }
 
 std::vector<int32_t> Tokens(int n, int salt) {
@@ -198,17 +69,7 @@ constexpr int kTurn1 = 300;      // 4 whole blocks of 64 (256) + 44
 constexpr int kNewTokens = 200;  // > tail rows (133) + a block (64)
 constexpr int kMaxTokens = 12;
 
-class StoreReuseE2ETest : public ::testing::Test {
- protected:
-  static void SetUpTestSuite() {
-    g_model_dir = new TempDir();
-    ASSERT_TRUE(model::GenerateNanoModel(g_model_dir->path()).ok());
-  }
-  static void TearDownTestSuite() {
-    delete g_model_dir;
-    g_model_dir = nullptr;
-  }
-};
+class StoreReuseE2ETest : public testing::NanoModelDirTest {};
 
 TEST_F(StoreReuseE2ETest, SecondTurnReusesTheFirstTurnsBlocksAndOutputIsUnchanged) {
   const std::vector<int32_t> turn1 = Tokens(kTurn1, 1);
