@@ -31,29 +31,28 @@ bool ParseTimeModel(const std::string& v, epd::decode_pool::StepTimeModel* t) {
 
 int main(int argc, char** argv) {
   epd::decode_pool::DecodeStageOptions options;
-  std::string time_model = kCpuTimeModel;
+  ParseTimeModel(kCpuTimeModel, &options.time_model);
   auto add_flags = [&](CLI::App& app) {
     app.add_option("--dspark-k", options.fixed_k,
                    "DSpark drafts verified per step: -1 = chosen per step by the k policy, 0.." +
                        std::to_string(options.max_k) + " = fixed")
         ->check(CLI::Range(-1, options.max_k));
-    app.add_option("--dspark-time-model", time_model,
-                   "The k policy's step time B,T,D in ms: t(b,k) = B + T*b*(k+1) + D*b*[k>0] "
-                   "(default: the CPU backend fit " +
-                       std::string(kCpuTimeModel) + ")")
-        ->check(CLI::Validator(
-            [](std::string& v) -> std::string {
-              epd::decode_pool::StepTimeModel t;
-              return ParseTimeModel(v, &t)
-                         ? ""
-                         : "want B,T,D: three numbers >= 0 with B+T > 0, got " + v;
-            },
-            "B,T,D"));
+    // Parsed once, straight into the options (a bad value is a CLI error naming the flag).
+    app.add_option_function<std::string>(
+           "--dspark-time-model",
+           [&options](const std::string& v) {
+             if (!ParseTimeModel(v, &options.time_model))
+               throw CLI::ValidationError("--dspark-time-model",
+                                          "want B,T,D: three numbers >= 0 with B+T > 0, got " + v);
+           },
+           "The k policy's step time B,T,D in ms: t(b,k) = B + T*b*(k+1) + D*b*[k>0] (default: "
+           "the CPU backend fit " +
+               std::string(kCpuTimeModel) + ")")
+        ->type_name("B,T,D");
   };
   return epd::worker::RunWorkerMain(
       argc, argv, epd::v1::POOL_DECODE,
-      [&](const epd::worker::WorkerSetup& setup) {
-        ParseTimeModel(time_model, &options.time_model);  // validated by the flag's check
+      [&options](const epd::worker::WorkerSetup& setup) {
         return epd::decode_pool::MakeDecodeHandler(setup, options);
       },
       add_flags);
