@@ -89,8 +89,7 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartFromPrompt(
   // The semantics of the E/P/D chain (bounded decoder replay of window + DSpark block tail rows),
   // so a request's output does not depend on whether the router ran it here alone.
   model::PrefillOptions bounded;
-  bounded.decoder_tail_rows =
-      model_.config().window_size + std::max(0, model_.config().dspark_block_size);
+  bounded.decoder_tail_rows = model::DecoderTailRows(model_.config());
   auto res = model_.Prefill(*seq->state, prompt, /*all_logits=*/false, bounded);
   if (!res.ok()) return res.status();
   Offer(*seq, res->logits);

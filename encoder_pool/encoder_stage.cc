@@ -24,7 +24,7 @@ EncoderStage::EncoderStage(const model::Model& model, int64_t tail_rows)
     : model_(model), tail_rows_(tail_rows > 0 ? tail_rows : DefaultTailRows(model.config())) {}
 
 int64_t EncoderStage::DefaultTailRows(const model::ModelConfig& c) {
-  return c.window_size + std::max(0, c.dspark_block_size);
+  return model::DecoderTailRows(c);
 }
 
 int64_t EncoderStage::PrefixCap(int64_t n, int64_t tail_rows, int64_t block_tokens) {

@@ -9,6 +9,10 @@ namespace epd::model {
 
 int DecoderSplitLayer(const ModelConfig& c) { return c.candidate_source_layer; }
 
+int64_t DecoderTailRows(const ModelConfig& c) {
+  return c.window_size + std::max(0, c.dspark_block_size);
+}
+
 absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& state,
                                           std::span<const int32_t> ids, int64_t tail_rows,
                                           const EncoderOutput* prev) {

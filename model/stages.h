@@ -32,6 +32,12 @@ struct EncoderOutput {
 // First decoder layer: the candidate source layer.
 int DecoderSplitLayer(const ModelConfig& config);
 
+// Rows the decoder replays from the encoder's residuals (DESIGN.md §3): the window plus the DSpark
+// block (128 + 5 in the release). The bounded-replay semantics of the whole system
+// (PrefillOptions::decoder_tail_rows), the encoder -> prefill hand-off's tail and the router's
+// prefix cap all use this one number.
+int64_t DecoderTailRows(const ModelConfig& config);
+
 // Runs layers [0, split) on `ids` at positions state.pos.. (start 0: the reference prefill; later
 // chunks: one reference call each), the split layer's compressor + index keys, and advances
 // state.pos and the Engram history. `prev` (optional) is the previous chunk's output, so the tail

@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "model/config.h"
 #include "model/fingerprint.h"
+#include "model/stages.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/dispatch.h"
 #include "services/router/grpc_api.h"
@@ -120,8 +121,7 @@ int main(int argc, char** argv) {
       // The tail rule's rows: window + DSpark block of the served config.
       auto config = epd::model::LoadModelConfig(model_dir + "/config.json");
       if (config.ok()) {
-        scheduler_options.prefix_tail_rows =
-            config->window_size + std::max(0, config->dspark_block_size);
+        scheduler_options.prefix_tail_rows = static_cast<int>(epd::model::DecoderTailRows(*config));
       }
       auto fp = epd::model::ModelDirFingerprint(model_dir);
       if (fp.ok()) {

@@ -10,6 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/numerics.h"
 #include "kvstore/transfer/manifest.h"
+#include "model/stages.h"
 
 namespace epd::worker {
 namespace {
@@ -100,9 +101,7 @@ std::vector<SegmentShape> ExpectedEncoderOutputShapes(const model::ModelConfig& 
           {"enc.pre", rows * c.hc_mult * 4}};
 }
 
-int64_t HandoffTailRows(const model::ModelConfig& c) {
-  return c.window_size + std::max(0, c.dspark_block_size);
-}
+int64_t HandoffTailRows(const model::ModelConfig& c) { return model::DecoderTailRows(c); }
 
 SegmentShape LogitsShape(const model::ModelConfig& c) {
   return {"logits", static_cast<uint64_t>(c.vocab_size * 4)};

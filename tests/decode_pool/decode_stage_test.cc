@@ -231,7 +231,7 @@ TEST_F(DecodeStageDSparkTest, HandoffStateDSparkEqualsPlain) {
 // local prefill and a hand-off of EncoderPass + DecoderReplay give the same tokens.
 TEST_F(DecodeStageDSparkTest, DecodeAloneEqualsTheStagedChainOnLongPrompts) {
   const std::vector<int32_t> prompt = Prompt(301, 9);
-  const int64_t tail = model_->config().window_size + model_->config().dspark_block_size;
+  const int64_t tail = model::DecoderTailRows(model_->config());
   auto st = model_->NewSequence();
   auto enc = model::EncoderPass(*model_, *st, prompt, tail);
   ASSERT_TRUE(enc.ok()) << enc.status();

@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "model/sampling.h"
+#include "model/stages.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
@@ -48,8 +49,7 @@ std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_token
   EXPECT_TRUE(model.ok()) << model.status();
   auto st = (*model)->NewSequence();
   model::PrefillOptions bounded;
-  bounded.decoder_tail_rows =
-      (*model)->config().window_size + std::max(0, (*model)->config().dspark_block_size);
+  bounded.decoder_tail_rows = model::DecoderTailRows((*model)->config());
   auto r = (*model)->Prefill(*st, prompt, false, bounded);
   EXPECT_TRUE(r.ok());
   std::vector<int32_t> out;

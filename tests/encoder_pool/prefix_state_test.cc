@@ -27,9 +27,7 @@ class PrefixStateTest : public testing::NanoModelTest {
     for (int i = 0; i < n; ++i) p[i] = 10 + (i * 37 + i / 7) % 500;
     return p;
   }
-  static int64_t Tail() {
-    return model_->config().window_size + std::max(0, model_->config().dspark_block_size);
-  }
+  static int64_t Tail() { return model::DecoderTailRows(model_->config()); }
 };
 
 void ExpectSameState(const model::ModelConfig& c, const model::SequenceState& a,
