@@ -17,6 +17,7 @@
 #include "absl/strings/str_cat.h"
 #include "kvstore/kvstore_client.h"
 #include "kvstore/transfer/fault_wire.h"
+#include "tests/kvstore/daemon_util.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
 
@@ -32,40 +33,15 @@ using testing::Payload;
 
 constexpr size_t kBlock = 64 * 890;
 
-struct Daemon {
-  Subprocess proc;
-  int grpc_port = 0;
-  int metrics_port = 0;
-  std::string target() const { return absl::StrCat("127.0.0.1:", grpc_port); }
-};
+using testing::Daemon;
 
 void StartDaemon(const TempDir& dir, const std::string& data_dir, const std::string& tag, Daemon* d,
                  std::vector<std::string> extra = {}) {
-  const std::string port_file = dir.File(tag + ".ports.json");
-  std::remove(port_file.c_str());
-  std::vector<std::string> argv{BinaryPath("epd-kvstore"),
-                                "--data-dir",
-                                data_dir,
-                                "--grpc-port",
-                                "0",
-                                "--metrics-port",
-                                "0",
-                                "--port-file",
-                                port_file,
-                                "--drain-timeout-ms",
-                                "1000",
-                                "--g1-capacity-bytes",
-                                std::to_string(64 * kBlock),
-                                "--swa-capacity-bytes",
-                                std::to_string(256 << 20),
-                                "--bulk-deadline-ms",
-                                "10000"};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  d->proc = Subprocess::Start(argv, dir.File(tag + ".log"));
-  auto grpc = epd::testing::WaitForPortFile(port_file, "grpc", std::chrono::seconds(30));
-  ASSERT_TRUE(grpc.has_value()) << d->proc.ReadLog();
-  d->grpc_port = *grpc;
-  d->metrics_port = *epd::testing::WaitForPortFile(port_file, "metrics", std::chrono::seconds(5));
+  std::vector<std::string> args{"--g1-capacity-bytes",  std::to_string(64 * kBlock),
+                                "--swa-capacity-bytes", std::to_string(256 << 20),
+                                "--bulk-deadline-ms",   "10000"};
+  args.insert(args.end(), extra.begin(), extra.end());
+  testing::StartDaemonWith(dir, data_dir, tag, d, std::move(args));
 }
 
 // Sum of every exposed sample of `family` whose label text contains all of `labels`
@@ -381,38 +357,15 @@ TEST(KvStoreBulkTest, SigkillThenRestartServesEveryAcknowledgedBulkPutBitIdentic
     auto c = KvStoreClient::Create(d.target(), Bulk());
     for (int i = 0; i < 20; ++i) ASSERT_TRUE(c->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok());
   }
-  std::mutex mu;
-  std::vector<int> acked, attempted;
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> writers;
-  for (int t = 0; t < 3; ++t) {
-    writers.emplace_back([&, t] {
-      KvClientOptions o = Bulk();
-      o.deadline_ms = 5000;
-      auto client = KvStoreClient::Create(d.target(), o);
-      for (int i = 1000 + t; !stop.load(); i += 3) {
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          attempted.push_back(i);
-        }
-        if (!client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) break;
-        std::lock_guard<std::mutex> lock(mu);
-        acked.push_back(i);
-      }
-    });
-  }
-  for (int spins = 0; spins < 2000; ++spins) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (acked.size() >= 40) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  d.proc.Signal(SIGKILL);
-  ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
-  stop = true;
-  for (auto& w : writers) w.join();
-  ASSERT_GE(acked.size(), 10u);
+  const testing::KilledWrites writes = testing::PutWhileKilling(
+      d,
+      [&] {
+        KvClientOptions o = Bulk();
+        o.deadline_ms = 5000;
+        return KvStoreClient::Create(d.target(), o);
+      },
+      Value, 40);
+  ASSERT_GE(writes.acked.size(), 10u);
 
   Daemon d2;
   ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run2", &d2));
@@ -423,21 +376,7 @@ TEST(KvStoreBulkTest, SigkillThenRestartServesEveryAcknowledgedBulkPutBitIdentic
     ASSERT_TRUE(g->found) << "acknowledged block " << i << " lost";
     EXPECT_TRUE(g->value == Value(i)) << i;
   }
-  for (int i : acked) {
-    auto g = c2->Get(Tier::kG3, AsBytes(Key(i)));
-    ASSERT_TRUE(g.ok()) << g.status();
-    ASSERT_TRUE(g->found) << "acknowledged bulk put " << i << " lost";
-    EXPECT_TRUE(g->value == Value(i)) << i;
-  }
-  for (int i : attempted) {
-    auto g = c2->Get(Tier::kG3, AsBytes(Key(i)));
-    ASSERT_TRUE(g.ok());
-    if (g->found) {
-      EXPECT_TRUE(g->value == Value(i)) << i;
-    } else {
-      EXPECT_EQ(g->miss, MissReason::kAbsent) << i;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(testing::ExpectAckedServedAndAttemptsWholeOrAbsent(*c2, writes, Value));
   EXPECT_EQ(Scrape(d2.metrics_port, "epd_kv_checksum_failures_total"), 0);
 }
 

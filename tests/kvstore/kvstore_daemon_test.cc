@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/kvstore_client.h"
+#include "tests/kvstore/daemon_util.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
 
@@ -30,41 +31,15 @@ using testing::Payload;
 
 constexpr size_t kBlock = 64 * 890;
 
-struct Daemon {
-  Subprocess proc;
-  int grpc_port = 0;
-  int metrics_port = 0;
-  std::unique_ptr<KvStoreClient> client;
-  std::string target() const { return absl::StrCat("127.0.0.1:", grpc_port); }
-};
+using testing::Daemon;
 
 // Starts epd-kvstore on `data_dir`; `tag` names its log and port file inside `dir`.
 void StartDaemon(const TempDir& dir, const std::string& data_dir, const std::string& tag, Daemon* d,
                  std::vector<std::string> extra = {}) {
-  const std::string port_file = dir.File(tag + ".ports.json");
-  std::remove(port_file.c_str());
-  std::vector<std::string> argv{BinaryPath("epd-kvstore"),
-                                "--data-dir",
-                                data_dir,
-                                "--grpc-port",
-                                "0",
-                                "--metrics-port",
-                                "0",
-                                "--port-file",
-                                port_file,
-                                "--drain-timeout-ms",
-                                "1000",
-                                "--g1-capacity-bytes",
-                                std::to_string(64 * kBlock),
-                                "--swa-capacity-bytes",
-                                std::to_string(64 << 20)};
-  argv.insert(argv.end(), extra.begin(), extra.end());
-  d->proc = Subprocess::Start(argv, dir.File(tag + ".log"));
-  auto grpc = epd::testing::WaitForPortFile(port_file, "grpc", std::chrono::seconds(30));
-  ASSERT_TRUE(grpc.has_value()) << d->proc.ReadLog();
-  d->grpc_port = *grpc;
-  d->metrics_port = *epd::testing::WaitForPortFile(port_file, "metrics", std::chrono::seconds(5));
-  d->client = KvStoreClient::Create(d->target());
+  std::vector<std::string> args{"--g1-capacity-bytes", std::to_string(64 * kBlock),
+                                "--swa-capacity-bytes", std::to_string(64 << 20)};
+  args.insert(args.end(), extra.begin(), extra.end());
+  testing::StartDaemonWith(dir, data_dir, tag, d, std::move(args));
 }
 
 // Value of one exposition line "name{labels} value" (labels written exactly as exposed).
@@ -88,37 +63,9 @@ TEST(KvStoreDaemonTest, SigkillThenRestartServesEveryAcknowledgedBlockBitIdentic
     ASSERT_TRUE(d.client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) << i;
   }
   // Writers keep putting while the daemon is SIGKILLed under them.
-  std::mutex mu;
-  std::vector<int> acked, attempted;
-  std::atomic<bool> stop{false};
-  std::vector<std::thread> writers;
-  for (int t = 0; t < 3; ++t) {
-    writers.emplace_back([&, t] {
-      auto client = KvStoreClient::Create(d.target());
-      for (int i = 1000 + t; !stop.load(); i += 3) {
-        {
-          std::lock_guard<std::mutex> lock(mu);
-          attempted.push_back(i);
-        }
-        if (!client->Put(Tier::kG3, AsBytes(Key(i)), Value(i)).ok()) break;
-        std::lock_guard<std::mutex> lock(mu);
-        acked.push_back(i);
-      }
-    });
-  }
-  // Kill once the writers have made some progress.
-  for (int spins = 0; spins < 2000; ++spins) {
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      if (acked.size() >= 60) break;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  d.proc.Signal(SIGKILL);
-  ASSERT_TRUE(d.proc.Wait(std::chrono::seconds(10)).has_value());
-  stop = true;
-  for (auto& w : writers) w.join();
-  ASSERT_GE(acked.size(), 10u);
+  const testing::KilledWrites writes = testing::PutWhileKilling(
+      d, [&] { return KvStoreClient::Create(d.target()); }, Value, 60);
+  ASSERT_GE(writes.acked.size(), 10u);
 
   Daemon d2;
   ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, data, "run2", &d2));
@@ -128,22 +75,8 @@ TEST(KvStoreDaemonTest, SigkillThenRestartServesEveryAcknowledgedBlockBitIdentic
     ASSERT_TRUE(g->found) << "acknowledged block " << i << " lost: " << MissReasonName(g->miss);
     EXPECT_EQ(g->value, Value(i)) << i;
   }
-  for (int i : acked) {
-    auto g = d2.client->Get(Tier::kG3, AsBytes(Key(i)));
-    ASSERT_TRUE(g.ok());
-    ASSERT_TRUE(g->found) << "acknowledged block " << i << " lost";
-    EXPECT_EQ(g->value, Value(i)) << i;
-  }
-  // Puts without an ack are either wholly there or absent, never torn or corrupt.
-  for (int i : attempted) {
-    auto g = d2.client->Get(Tier::kG3, AsBytes(Key(i)));
-    ASSERT_TRUE(g.ok());
-    if (g->found) {
-      EXPECT_EQ(g->value, Value(i)) << i;
-    } else {
-      EXPECT_EQ(g->miss, MissReason::kAbsent) << i;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      testing::ExpectAckedServedAndAttemptsWholeOrAbsent(*d2.client, writes, Value));
   EXPECT_EQ(Scrape(d2.metrics_port, "epd_kv_checksum_failures_total{tier=\"g3\"}"), 0);
 }
 
