@@ -123,8 +123,10 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
   const int64_t M = store != nullptr ? N / B * B : P;
   std::vector<std::string> new_blocks;
   std::optional<std::string> new_snapshot;
-  EncoderResult r;
-  if (M > P && M < N) {
+  // [P, M) first when it holds new whole blocks (cut them and the rings at M), then [M, N) chained
+  // to it; without new blocks, one pass over [P, N).
+  std::optional<model::EncoderOutput> out;
+  if (M > P) {
     auto first = model::EncoderPass(model_, *state, prompt.subspan(P, M - P), tail_rows_);
     if (!first.ok()) return first.status();
     auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
@@ -133,22 +135,16 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
     if (!snap.ok()) return snap.status();
     new_blocks = *std::move(cut);
     new_snapshot = *std::move(snap);
-    auto second = model::EncoderPass(model_, *state, prompt.subspan(M), tail_rows_, &*first);
-    if (!second.ok()) return second.status();
-    r.output = *std::move(second);
-  } else {
-    auto out = model::EncoderPass(model_, *state, prompt.subspan(P), tail_rows_);
-    if (!out.ok()) return out.status();
-    r.output = *std::move(out);
-    if (M > P) {  // N == M: the whole prompt is blocks
-      auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
-      auto snap = model::CutSwaSnapshot(model_, *state, B);
-      if (!cut.ok()) return cut.status();
-      if (!snap.ok()) return snap.status();
-      new_blocks = *std::move(cut);
-      new_snapshot = *std::move(snap);
-    }
+    out = *std::move(first);
   }
+  if (const int64_t from = std::max(P, M); from < N) {
+    auto rest = model::EncoderPass(model_, *state, prompt.subspan(from), tail_rows_,
+                                   out.has_value() ? &*out : nullptr);
+    if (!rest.ok()) return rest.status();
+    out = *std::move(rest);
+  }
+  EncoderResult r;
+  r.output = *std::move(out);
   r.state = model::SerializeState(model_.config(), *state);
   lock.unlock();
 
