@@ -85,7 +85,8 @@ class EncoderHandler final : public worker::JobHandler {
     if (report.snapshot_written) g2_writes_->Increment();
     if (cancelled.load()) return absl::CancelledError("cancelled");
     {
-      // The prefix actually used, before the hand-off so the router has it for usage.
+      // The prefix actually used, reported once and before the hand-off: the router cancels the
+      // side streams when decode ends, which could drop a message sent after the hand-off.
       epd::v1::SubmitResponse used;
       used.set_request_id(job.request_id());
       used.set_cached_tokens(static_cast<int32_t>(report.cached_tokens));
@@ -104,7 +105,6 @@ class EncoderHandler final : public worker::JobHandler {
     epd::v1::SubmitResponse r;
     r.set_request_id(job.request_id());
     r.set_finish_reason("handoff");
-    r.set_cached_tokens(static_cast<int32_t>(report.cached_tokens));
     emit(r);
     return absl::OkStatus();
   }

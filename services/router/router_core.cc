@@ -404,7 +404,7 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
                                                 "' failed: ", m.error()));
         }
         if (m.finish_reason() == "handoff") handed_off = true;
-        if (s->worker.pool == PoolKind::kEncoder) {
+        if (s->worker.pool == PoolKind::kEncoder && m.has_cached_tokens()) {
           absl::MutexLock lock(&mu);
           encoder_cached = m.cached_tokens();
         }
@@ -466,7 +466,7 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       cancel_all();
       break;
     }
-    if (m.cached_tokens() > 0) out.cached_tokens = m.cached_tokens();
+    if (m.has_cached_tokens()) out.cached_tokens = m.cached_tokens();
     std::string text;
     for (int32_t id : m.token_ids()) {
       out.token_ids.push_back(id);
