@@ -27,14 +27,10 @@ bool BitEqual(std::span<const float> a, std::span<const float> b) {
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
-class BoundedReferenceTest : public ::testing::Test {
+class BoundedReferenceTest : public testing::GoldenModelTest {
  protected:
   void SetUp() override {
-    backend_ = kernels::MakeCpuBackend();
-    auto m = testing::LoadGoldenModel(*backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(*m);
-    prompt_ = testing::GoldenPrompt();
+    ASSERT_NO_FATAL_FAILURE(GoldenModelTest::SetUp());
     ASSERT_EQ(prompt_.size(), 301u);
   }
   std::span<const int32_t> Prompt(int64_t n) const {
@@ -86,9 +82,6 @@ class BoundedReferenceTest : public ::testing::Test {
     ASSERT_TRUE(da.ok() && db.ok());
     EXPECT_TRUE(BitEqual(da->logits, db->logits)) << what;
   }
-  std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<Model> model_;
-  std::vector<int32_t> prompt_;
 };
 
 TEST_F(BoundedReferenceTest, StagedEqualsBoundedMonolithicBitForBit) {

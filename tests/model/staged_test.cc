@@ -8,22 +8,12 @@
 namespace epd::model {
 namespace {
 
-class StagedTest : public ::testing::Test {
+class StagedTest : public testing::GoldenModelTest {
  protected:
-  void SetUp() override {
-    backend_ = kernels::MakeCpuBackend();
-    auto m = testing::LoadGoldenModel(*backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(*m);
-    prompt_ = testing::GoldenPrompt();
-  }
   std::vector<float> Rows(const ForwardResult& r, int64_t from, int64_t to) {
     const int64_t V = model_->config().vocab_size;
     return std::vector<float>(r.logits.begin() + from * V, r.logits.begin() + to * V);
   }
-  std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<Model> model_;
-  std::vector<int32_t> prompt_;
 };
 
 TEST_F(StagedTest, ChunkedPrefillEqualsMonolithic) {

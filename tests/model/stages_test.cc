@@ -21,19 +21,9 @@ double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
   return std::sqrt(num / std::max(den, 1e-30));
 }
 
-class StagesTest : public ::testing::Test {
+class StagesTest : public testing::GoldenModelTest {
  protected:
-  void SetUp() override {
-    backend_ = kernels::MakeCpuBackend();
-    auto m = testing::LoadGoldenModel(*backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
-    model_ = std::move(*m);
-    prompt_ = testing::GoldenPrompt();
-  }
   const int64_t kTail = 133;  // window + DSpark block
-  std::unique_ptr<kernels::Backend> backend_;
-  std::unique_ptr<Model> model_;
-  std::vector<int32_t> prompt_;
 };
 
 TEST_F(StagesTest, ShortPromptEncoderThenDecoderEqualsMonolithic) {

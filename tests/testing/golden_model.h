@@ -7,6 +7,8 @@
 // Thread-safety: the functions are reentrant; the returned Model borrows `backend` (which must
 // outlive it).
 
+#include <gtest/gtest.h>
+
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -56,5 +58,20 @@ inline std::vector<int32_t> GoldenPrompt() {
   return nlohmann::json::parse(ReadGoldenText("prompt.json"))["prompt_ids"]
       .get<std::vector<int32_t>>();
 }
+
+// A test fixture with the golden model on the CPU backend and the golden prompt, loaded per test.
+class GoldenModelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    backend_ = kernels::MakeCpuBackend();
+    auto m = LoadGoldenModel(*backend_);
+    ASSERT_TRUE(m.ok()) << m.status();
+    model_ = std::move(*m);
+    prompt_ = GoldenPrompt();
+  }
+  std::unique_ptr<kernels::Backend> backend_;
+  std::unique_ptr<model::Model> model_;
+  std::vector<int32_t> prompt_;
+};
 
 }  // namespace epd::testing
