@@ -17,15 +17,7 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes) {
   epd::v1::Manifest m;
   m.set_request_id(request_id);
   m.set_config_fingerprint(kBulkFingerprint);
-  auto* s = m.add_segments();
-  s->set_kind(epd::v1::SEGMENT_BLOCK);
-  s->set_layer_id(-1);
-  s->set_pos_begin(0);
-  s->set_pos_end(0);
-  s->set_entry_count(1);
-  s->set_layout_id(transfer::kLayoutRawBytes);
-  s->set_byte_length(bytes);
-  s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+  transfer::AddRawBytesSegment(m, epd::v1::SEGMENT_BLOCK, -1, 0, 0, bytes);
   return m;
 }
 

@@ -186,6 +186,20 @@ std::string DescribeSegment(const Manifest& manifest, int index) {
   return out;
 }
 
+epd::v1::Segment* AddRawBytesSegment(Manifest& manifest, epd::v1::SegmentKind kind, int layer,
+                                     int64_t pos_begin, int64_t pos_end, uint64_t bytes) {
+  epd::v1::Segment* s = manifest.add_segments();
+  s->set_kind(kind);
+  s->set_layer_id(layer);
+  s->set_pos_begin(pos_begin);
+  s->set_pos_end(pos_end);
+  s->set_entry_count(1);
+  s->set_layout_id(kLayoutRawBytes);
+  s->set_byte_length(bytes);
+  s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+  return s;
+}
+
 uint64_t TotalBytes(const Manifest& manifest) {
   uint64_t total = 0;
   for (const Segment& s : manifest.segments()) total += s.byte_length();

@@ -89,6 +89,11 @@ absl::string_view SegmentKindLabel(epd::v1::SegmentKind kind);
 // "segment 17 (swa_kv layer 5)".
 std::string DescribeSegment(const epd::v1::Manifest& manifest, int index);
 
+// Appends one opaque segment: layout kLayoutRawBytes, one entry of `bytes`, XXH3-64 checksum, token
+// positions [pos_begin, pos_end). Store blocks and worker hand-offs describe their bytes this way.
+epd::v1::Segment* AddRawBytesSegment(epd::v1::Manifest& manifest, epd::v1::SegmentKind kind,
+                                     int layer, int64_t pos_begin, int64_t pos_end, uint64_t bytes);
+
 uint64_t TotalBytes(const epd::v1::Manifest& manifest);
 std::vector<uint64_t> SegmentOffsets(const epd::v1::Manifest& manifest);
 

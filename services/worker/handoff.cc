@@ -170,15 +170,7 @@ epd::v1::Manifest BuildHandoffManifest(const model::ModelConfig& c, const Handof
   m.set_dspark(h.dspark);
   for (const SegmentShape& s : shapes) {
     auto [kind, layer] = KindOf(c, s.name);
-    epd::v1::Segment* seg = m.add_segments();
-    seg->set_kind(kind);
-    seg->set_layer_id(layer);
-    seg->set_pos_begin(0);
-    seg->set_pos_end(h.prompt_length);
-    seg->set_entry_count(1);
-    seg->set_layout_id(transfer::kLayoutRawBytes);
-    seg->set_byte_length(s.bytes);
-    seg->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+    transfer::AddRawBytesSegment(m, kind, layer, 0, h.prompt_length, s.bytes);
   }
   return m;
 }
