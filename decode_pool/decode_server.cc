@@ -244,6 +244,10 @@ class DecodeHandler final : public worker::JobHandler {
         if (left) live[i]->seq->done = true;
         if (!st.ok()) live[i]->error = st;
       }
+      // Idle after this step: the running batch is empty until the next job joins.
+      bool any_live = false;
+      for (auto& s : slots_) any_live = any_live || (!s->seq->done && s->error.ok());
+      if (!any_live) setup_.batch_size->Set(0);
       done_cv_.notify_all();
     }
   }

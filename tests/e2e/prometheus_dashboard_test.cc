@@ -254,6 +254,42 @@ TEST(PrometheusDashboardTest, EveryPanelHasDataUnderOrdinaryTraffic) {
     EXPECT_GT(std::stod(s["value"][1].get<std::string>()), 0) << s.dump();
   }
 
+  // DSpark per draft position (epd serve runs DSpark on; whether its k policy drafts on this CPU
+  // depends on timing, so only the bookkeeping is checked here; dspark_e2e_test forces drafts):
+  // once the decode worker's scrape holds all four requests, the per-position counters summed
+  // over positions are the totals of the same scrape, and position 1 counts when anything does.
+  auto scalar = [&](const std::string& expr) -> double {
+    std::string error;
+    auto r = Query(pcli, expr, &error);
+    if (!r || r->empty()) {
+      ADD_FAILURE() << expr << ": no data " << error;
+      return -1;
+    }
+    return std::stod((*r)[0]["value"][1].get<std::string>());
+  };
+  const std::string decode_done =
+      "sum(epd_worker_requests_total{pool=\"decode\",outcome=\"ok\"})";
+  double done = 0;
+  for (int i = 0; i < 60 && done < 4; ++i) {
+    done = scalar(decode_done);
+    if (done < 4) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  EXPECT_EQ(done, 4);
+  const double drafted = scalar("sum(epd_dspark_drafted_tokens_total)");
+  EXPECT_EQ(scalar("sum(epd_dspark_position_drafted_tokens_total)"), drafted);
+  EXPECT_EQ(scalar("sum(epd_dspark_position_accepted_tokens_total)"),
+            scalar("sum(epd_dspark_accepted_tokens_total)"));
+  if (drafted > 0) {
+    EXPECT_GT(scalar("sum(epd_dspark_position_drafted_tokens_total{position=\"1\"})"), 0);
+  }
+  // With the traffic done every worker's batch is empty again.
+  double running = -1;
+  for (int i = 0; i < 60 && running != 0; ++i) {
+    running = scalar("sum(epd_batch_size)");
+    if (running != 0) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  }
+  EXPECT_EQ(running, 0) << "epd_batch_size stays up on an idle worker";
+
   serve.Signal(SIGINT);
   auto rc = serve.Wait(std::chrono::seconds(60));
   EXPECT_TRUE(rc.has_value()) << serve.ReadLog();
