@@ -1,15 +1,16 @@
 #include "services/router/grpc_api.h"
 
-#include <random>
-
 #include <grpcpp/grpcpp.h>
-#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
+
+#include <nlohmann/json.hpp>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "epd/v1/inference.grpc.pb.h"
 #include "epd/v1/worker.grpc.pb.h"
 #include "services/router/openai_http.h"
+#include "services/router/request_validator.h"
 #include "services/router/utf8.h"
 
 namespace epd::services::router {
@@ -67,6 +68,7 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
       ChatRenderInput chat;
       chat.thinking = c.thinking();
       chat.reasoning_effort = c.reasoning_effort();
+      if (auto s = ValidateToolChoice(c.tool_choice()); !s.ok()) return s;
       if (!c.tools_json().empty() && c.tool_choice() != "none") {
         auto tools = nlohmann::json::parse(c.tools_json(), nullptr, false);
         if (!tools.is_array()) {

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
+#include "services/router/request_validator.h"
 #include "services/router/utf8.h"
 
 namespace epd::services::router {
@@ -217,10 +218,7 @@ absl::Status ParseTools(const json& body, GenerateSpec* spec) {
   if (const json* tc = Field(body, "tool_choice")) {
     if (tc->is_string()) {
       choice = tc->get<std::string>();
-      if (choice != "none" && choice != "auto" && choice != "required") {
-        return Bad("'tool_choice' must be none, auto, required or a function object",
-                   "tool_choice", "invalid_value");
-      }
+      if (auto s = ValidateToolChoice(choice); !s.ok()) return s;
     } else if (tc->is_object()) {
       choice = "function";
     } else {

@@ -90,6 +90,13 @@ absl::Status ValidateChat(const ChatRenderInput& chat) {
 
 }  // namespace
 
+absl::Status ValidateToolChoice(const std::string& choice) {
+  if (choice.empty() || choice == "none" || choice == "auto" || choice == "required") {
+    return absl::OkStatus();
+  }
+  return Invalid("'tool_choice' must be none, auto, required or a function object", "tool_choice");
+}
+
 absl::Status ValidateSpec(const GenerateSpec& spec, const CoreOptions& options) {
   if (spec.model.empty()) {
     return Invalid("'model' is required", "model", "missing_required_parameter");

@@ -9,6 +9,7 @@
 //
 // Reentrant: free functions over their arguments.
 #include <cstdint>
+#include <string>
 
 #include "absl/status/status.h"
 #include "services/router/router_core.h"
@@ -33,6 +34,10 @@ struct SamplingLimits {
 // user | assistant | tool; tool_calls only on assistant turns). Errors are ApiError with the
 // OpenAI param ("temperature", "messages[2].role", ...) and code.
 absl::Status ValidateSpec(const GenerateSpec& spec, const CoreOptions& options);
+
+// tool_choice as a string: none | auto | required ("" = auto, gRPC's unset). HTTP's object form
+// (a named function) is checked by its parser.
+absl::Status ValidateToolChoice(const std::string& choice);
 
 // The limits after tokenization, for a prompt of `prompt_tokens` tokens and `asked` max_tokens
 // (0 = default): non-empty prompt, prompt within the context, max_tokens within the server's

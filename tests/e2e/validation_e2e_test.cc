@@ -87,6 +87,9 @@ std::vector<BadRequest> Cases() {
       {"presence_penalty out of range", [](json& j) { j["presence_penalty"] = 3; },
        [](auto& r) { r.mutable_sampling()->set_presence_penalty(3); }, 400, SC::INVALID_ARGUMENT,
        "presence_penalty", "invalid_value"},
+      {"unknown tool_choice", [](json& j) { j["tool_choice"] = "maybe"; },
+       [](auto& r) { r.mutable_chat()->set_tool_choice("maybe"); }, 400, SC::INVALID_ARGUMENT,
+       "tool_choice", "invalid_value"},
       {"five stop strings",
        [](json& j) {
          j["stop"] = {"a", "b", "c", "d", "e"};
