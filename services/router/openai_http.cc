@@ -46,6 +46,7 @@ int HttpStatus(const absl::Status& s) {
 json ErrorJson(const absl::Status& s) {
   const int status = HttpStatus(s);
   const char* type = status == 401   ? "authentication_error"
+                     : status == 429 ? "rate_limit_error"
                      : status == 404 ? "invalid_request_error"
                      : status < 500  ? "invalid_request_error"
                                      : "server_error";
@@ -517,7 +518,21 @@ OpenAiHttpServer::~OpenAiHttpServer() { Stop(); }
 
 absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
   if (server_) return absl::FailedPreconditionError("HTTP server already started");
-  server_ = std::make_unique<httplib::Server>();
+  if (options_.tls_cert_file.empty() != options_.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
+  }
+  if (!options_.tls_cert_file.empty()) {
+    auto tls = std::make_unique<httplib::SSLServer>(options_.tls_cert_file.c_str(),
+                                                    options_.tls_key_file.c_str());
+    if (!tls->is_valid()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot load the TLS certificate ", options_.tls_cert_file, " / key ",
+                       options_.tls_key_file, " (missing, not PEM, or not a pair)"));
+    }
+    server_ = std::move(tls);
+  } else {
+    server_ = std::make_unique<httplib::Server>();
+  }
   const int threads = std::max(4, options_.threads);
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server_->set_payload_max_length(64u << 20);
@@ -619,6 +634,17 @@ void OpenAiHttpServer::Routes() {
         return fail(ApiError(absl::StatusCode::kUnavailable,
                              "no live decode worker; try again later", "", "no_workers"));
       }
+      // Admission last, so a refused request costs nothing; 429 + Retry-After at once.
+      std::shared_ptr<AdmissionQueue::Ticket> ticket;
+      if (options_.admission) {
+        auto admitted = options_.admission->Admit("http");
+        if (!admitted.ok()) {
+          res.set_header("Retry-After",
+                         std::to_string(options_.admission->options().retry_after_s));
+          return fail(admitted.status());
+        }
+        ticket = std::make_shared<AdmissionQueue::Ticket>(std::move(*admitted));
+      }
       const std::string id = prepared->spec.request_id;
       json base = {{"id", id},
                    {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion")
@@ -655,7 +681,8 @@ void OpenAiHttpServer::Routes() {
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [this, request, base, chat, include_usage](size_t, httplib::DataSink& sink) {
+          [this, request, base, chat, include_usage, ticket](size_t,
+                                                              httplib::DataSink& sink) {
             SseWriter writer(sink, base, chat);
             if (chat) {
               writer.Send(writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
