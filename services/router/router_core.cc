@@ -202,6 +202,14 @@ RouterCore::RouterCore(CoreOptions options, const TextCodec& codec, Registry& re
   for (const char* o : {"ok", "rejected", "unavailable", "error", "cancelled"}) {
     requests_.Add({{"outcome", o}});
   }
+  // The request errors the front ends answer (docs/api.md "Errors"), at 0 from start so the
+  // rejections panel has series before the first refusal; another code appears on first use.
+  for (const char* reason : {"invalid_json", "invalid_utf8", "invalid_type", "invalid_value",
+                             "missing_required_parameter", "context_length_exceeded",
+                             "max_tokens_exceeded", "unsupported_parameter", "model_not_found",
+                             "invalid_api_key", "method_not_allowed", "overloaded"}) {
+    rejects_.Add({{"reason", reason}});
+  }
 }
 
 void RouterCore::FailWorker(const std::string& worker_id, const std::string& reason) {
