@@ -159,6 +159,28 @@ TEST(ValidationE2ETest, SameBadRequestSameErrorOverHttpAndGrpc) {
         << st.error_message();
     expected_rejections[bad.code] += 2;
   }
+  // The same over the completions input (a text prompt): the param is "prompt".
+  {
+    const std::string long_prompt(200, 'x');
+    auto h = c.Post("/v1/completions",
+                    json{{"model", "epd-nano"}, {"prompt", long_prompt}, {"max_tokens", 4}}.dump());
+    EXPECT_EQ(h.status, 400) << h.body;
+    EXPECT_EQ(h.json["error"]["param"], "prompt") << h.body;
+    EXPECT_EQ(h.json["error"]["code"], "context_length_exceeded") << h.body;
+    epd::v1::GenerateRequest req;
+    req.set_model("epd-nano");
+    req.set_prompt(long_prompt);
+    grpc::ClientContext ctx;
+    auto reader = stub->Generate(&ctx, req);
+    epd::v1::GenerateResponse m;
+    EXPECT_FALSE(reader->Read(&m));
+    EXPECT_EQ(reader->Finish().error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+    const auto trailers = Trailers(ctx);
+    EXPECT_EQ(trailers.count("epd-error-param") ? trailers.at("epd-error-param") : "", "prompt");
+    EXPECT_EQ(trailers.count("epd-error-code") ? trailers.at("epd-error-code") : "",
+              "context_length_exceeded");
+    expected_rejections["context_length_exceeded"] += 2;
+  }
   good_http();
   good_grpc();
 
