@@ -124,11 +124,11 @@ TEST_F(GoldenParityTest, ModuleTeacherForcing) {
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string ls = std::to_string(l);
     std::vector<float> x = ReadBf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
-    model_->Attention(l, x.data(), call, *state, out.data());
+    ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
     const double ar = RelRms(out, ReadBf16("debug/attn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(ar, 3e-3) << "attention layer " << l;
     std::vector<float> f = ReadBf16("debug/ffn_in_layer" + ls + "_prefill.bin");
-    model_->Moe(l, f.data(), P, out.data());
+    ASSERT_TRUE(model_->Moe(l, f.data(), P, out.data()).ok());
     const double mr = RelRms(out, ReadBf16("debug/ffn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(mr, 1e-3) << "MoE layer " << l;
     std::printf("layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", l, ar, mr);
@@ -139,8 +139,10 @@ TEST_F(GoldenParityTest, ModuleTeacherForcing) {
     std::vector<float> want =
         ReadBf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
     std::vector<float> h = in;
-    model_->Engram(l, hashes.data() + li * per,
-                   static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data());
+    ASSERT_TRUE(model_
+                    ->Engram(l, hashes.data() + li * per,
+                             static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data())
+                    .ok());
     std::vector<float> d(h.size()), dw(h.size());
     for (size_t i = 0; i < h.size(); ++i) {
       d[i] = h[i] - in[i];
