@@ -1,23 +1,113 @@
 #pragma once
 
-// The ops the model calls, behind one interface (DESIGN.md §7). kernels/cpu/ is the deterministic
-// reference; a CUDA backend implements the same interface.
+// The ops the model calls, behind one device-agnostic interface (DESIGN.md §7). kernels/cpu/ is
+// the deterministic reference; a CUDA backend implements the same interface. Nothing outside
+// kernels/ includes a backend's own headers: model/, services/, kvstore/ use this interface and
+// the packed-format module (kernels/format.h).
+//
+// Memory: a backend owns its memory (MemoryKind::kHost for the CPU backend, kDevice for a GPU
+// one). Allocate gives a Buffer that knows where it lives and which stream it belongs to; Upload
+// and Download move bytes between the host and a Buffer; Synchronize waits for a stream's work.
+// Op arguments are pointers into the backend's memory (a Buffer's data(), or for the CPU backend
+// any host memory); an op is queued on `stream` (the CPU backend runs it before returning).
 //
 // Tensor convention: row-major float buffers. A "bf16 tensor" holds values that are exactly
 // representable in bf16 (every op that the reference runs in bf16 rounds its outputs). Every op
 // processes each row independently of the other rows (batch-invariant): a row's result does not
 // depend on how many rows are in the call or where it sits.
 //
+// Errors: every op returns absl::Status; bad shapes or arguments give InvalidArgument naming the
+// op and the cause, and leave the outputs unspecified.
+//
 // Thread-safety: a Backend may be used from one thread at a time; the weights it reads are
 // immutable and may be shared.
 
 #include <cstdint>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string_view>
+#include <utility>
 #include <vector>
 
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+
 namespace epd::kernels {
+
+// Where a buffer's bytes live.
+enum class MemoryKind { kHost, kDevice };
+
+// An ordered queue of a backend's work (a CUDA stream; the CPU backend has only the default).
+struct Stream {
+  int64_t id = 0;
+};
+
+// Memory owned by a backend: move-only, freed by the backend's deleter on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(void* data, int64_t bytes, MemoryKind kind, Stream stream, std::function<void(void*)> free)
+      : data_(data), bytes_(bytes), kind_(kind), stream_(stream), free_(std::move(free)) {}
+  Buffer(Buffer&& o) noexcept { *this = std::move(o); }
+  Buffer& operator=(Buffer&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      data_ = std::exchange(o.data_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+      kind_ = o.kind_;
+      stream_ = o.stream_;
+      free_ = std::move(o.free_);
+      o.free_ = nullptr;
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { Reset(); }
+
+  void* data() { return data_; }
+  const void* data() const { return data_; }
+  template <typename T>
+  T* as() {
+    return static_cast<T*>(data_);
+  }
+  template <typename T>
+  const T* as() const {
+    return static_cast<const T*>(data_);
+  }
+  int64_t bytes() const { return bytes_; }
+  MemoryKind kind() const { return kind_; }
+  Stream stream() const { return stream_; }
+  bool empty() const { return bytes_ == 0; }
+
+ private:
+  void Reset() {
+    if (data_ != nullptr && free_) free_(data_);
+    data_ = nullptr;
+    bytes_ = 0;
+  }
+  void* data_ = nullptr;
+  int64_t bytes_ = 0;
+  MemoryKind kind_ = MemoryKind::kHost;
+  Stream stream_;
+  std::function<void(void*)> free_;
+};
+
+// A non-owning typed view of `numel` elements in some backend's memory.
+template <typename T>
+struct TensorView {
+  T* data = nullptr;
+  int64_t numel = 0;
+  MemoryKind kind = MemoryKind::kHost;
+  Stream stream;
+};
+
+// Checkpoint formats a QuantWeight's codes are stored in.
+enum class WeightFormat {
+  kFp8E4M3,  // one E4M3 byte per element; E8M0 scale per 32x32 block
+  kFp4E2M1,  // two E2M1 codes per byte (low nibble = even element); E8M0 scale per 1x32 block
+};
 
 // A block-scaled quantized weight [out, in], stored decoded for compute: `values` hold the
 // E4M3 (FP8) or E2M1 (FP4) element values as floats, `scales` the E8M0 scale of each
@@ -56,47 +146,146 @@ class Backend {
   virtual ~Backend() = default;
   virtual std::string_view Name() const = 0;
 
+  // ---- Memory ----
+  // Where this backend's buffers live.
+  virtual MemoryKind memory_kind() const = 0;
+  // `bytes` >= 0 bytes of backend memory (64-byte aligned, contents unspecified).
+  virtual absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream = {}) = 0;
+  // Host -> dst[dst_offset, dst_offset + bytes).
+  virtual absl::Status Upload(const void* host, int64_t bytes, Buffer& dst,
+                              int64_t dst_offset = 0) = 0;
+  // src[src_offset, src_offset + bytes) -> host.
+  virtual absl::Status Download(const Buffer& src, int64_t src_offset, int64_t bytes,
+                                void* host) = 0;
+  // Waits until every op queued on `stream` has finished.
+  virtual absl::Status Synchronize(Stream stream = {}) = 0;
+  // dst = src (bytes), both in backend memory; may not overlap.
+  virtual absl::Status Copy(void* dst, const void* src, int64_t bytes) = 0;
+
+  // ---- Linears ----
   // y[r, :] = bf16(x[r, :] @ w^T) with per-32 FP8 activation quantization of x and per-K-block
   // fp32 accumulation: x [rows, w.in] bf16, y [rows, w.out] bf16.
-  virtual void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) = 0;
+  virtual absl::Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w,
+                                   float* y) = 0;
   // y = bf16(x @ w^T), fp32 accumulation. x [rows, in], w [out, in] (bf16 values), y [rows, out].
-  virtual void LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
-                          float* y) = 0;
+  virtual absl::Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out,
+                                  int64_t in, float* y) = 0;
   // y = x @ w^T in fp32 (no rounding). x [rows, in], w [out, in], y [rows, out].
-  virtual void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
-                         float* y) = 0;
+  virtual absl::Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out,
+                                 int64_t in, float* y) = 0;
+
+  // ---- Norms, RoPE, bf16 rounding ----
   // y = bf16(x * rsqrt(mean(x^2) + eps) * w), fp32 math. x, y [rows, dim]; may alias.
-  virtual void RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
-                       float* y) = 0;
+  virtual absl::Status RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                               float* y) = 0;
+  // cos/sin tables [rows, n_pairs] for RoPE at `positions` [rows]: angle = fp32(pos * freq_i)
+  // with freqs [n_pairs] from RopeFrequencies (kernels/rope.h).
+  virtual absl::Status RopeTables(const float* freqs, int n_pairs, const int64_t* positions,
+                                  int64_t rows, float* cos, float* sin) = 0;
   // Interleaved RoPE on x[r, h, offset : offset + 2*n_pairs] with cos/sin tables [rows, n_pairs]
   // (already for each row's position); inverse rotates by -angle. Result rounded to bf16.
-  virtual void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
-                    const float* cos, const float* sin, bool inverse) = 0;
-  virtual void SparseAttention(const SparseAttentionArgs& args) = 0;
+  virtual absl::Status Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+                            const float* cos, const float* sin, bool inverse) = 0;
+  // x[i] = bf16(x[i]), n elements.
+  virtual absl::Status RoundBf16(float* x, int64_t n) = 0;
+  // x[i] = bf16(x[i] * scale) (fp32 product).
+  virtual absl::Status ScaleRoundBf16(float* x, int64_t n, float scale) = 0;
+  // x[i] += y[i] in fp32.
+  virtual absl::Status Add(float* x, const float* y, int64_t n) = 0;
 
-  // mHC (MODEL.md §3), `rows` independent rows. h [rows, hc, dim] bf16; fn [(2+hc)*hc, hc*dim],
-  // scale [3], base [(2+hc)*hc] fp32. Out: pre, post [rows, hc], comb [rows, hc, hc] (source j ->
-  // destination k at comb[j*hc + k]).
-  virtual void HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
-                       const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
-                       float norm_eps, float* pre, float* post, float* comb) = 0;
+  // ---- Attention ----
+  virtual absl::Status SparseAttention(const SparseAttentionArgs& args) = 0;
+  // Compressor pooling (MODEL.md §3 step 5) of one group: kv, score [ratio, dim] (ratio <= 8);
+  // out[ch] = bf16(sum_r kv[r, ch] * softmax_r(score[:, ch])[r]).
+  virtual absl::Status CompressPool(const float* kv, const float* score, int ratio, int64_t dim,
+                                    float* out) = 0;
+  // Indexer scores of one query row against keys [n, dim] (MODEL.md §3 step 6): for each key t,
+  // score[t] = bf16(sum over heads h in order of bf16(max(bf16(q_h . k_t), 0) * w[h])), each dot
+  // an fp32 sum in index order. q [heads, dim], w [heads], score [n].
+  virtual absl::Status IndexerScores(const float* q, const float* w, int heads, const float* keys,
+                                     int64_t n, int64_t dim, float* score) = 0;
+  // score[t] = -inf for t >= valid, and where mask is given, for t >= mask_cols or !mask[t].
+  virtual absl::Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
+                                  int64_t mask_cols) = 0;
+  // Stable top-k: the min(k, n) largest values of v [n], descending, equal values -> lower index
+  // first; out [min(k, n)].
+  virtual absl::Status StableTopK(const float* v, int64_t n, int64_t k, int32_t* out) = 0;
+  // Candidate selection (MODEL.md §3 step 6): block scores = max of score over each `block`
+  // consecutive keys (the block holding key visible-1 scores +inf when visible > 0); the
+  // keep_blocks best blocks (stable top-k) that are not all -inf mark their keys: mask [n] 0/1.
+  virtual absl::Status CandidateMask(const float* score, int64_t n, int64_t block, int64_t visible,
+                                     int64_t keep_blocks, uint8_t* mask) = 0;
+  // Index list of one row: the stable top-k (k <= n) of score [n], ascending by key; out[j] = -1
+  // for keys >= visible, else key + offset.
+  virtual absl::Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible,
+                                  int64_t offset, int32_t* out) = 0;
+
+  // ---- mHC (MODEL.md §3), `rows` independent rows ----
+  // h [rows, hc, dim] bf16; fn [(2+hc)*hc, hc*dim], scale [3], base [(2+hc)*hc] fp32. Out: pre,
+  // post [rows, hc], comb [rows, hc, hc] (source j -> destination k at comb[j*hc + k]).
+  virtual absl::Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                               const float* scale, const float* base, int sinkhorn_iters,
+                               float hc_eps, float norm_eps, float* pre, float* post,
+                               float* comb) = 0;
   // y[r, :] = bf16(sum_j pre[r, j] * h[r, j, :]). y [rows, dim].
-  virtual void HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
-                     float* y) = 0;
+  virtual absl::Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+                             float* y) = 0;
   // out[r, k, :] = bf16(post[r, k] * y[r, :] + sum_j comb[r, j, k] * res[r, j, :]); out may
   // alias res.
-  virtual void HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
-                      const float* post, const float* comb, float* out) = 0;
+  virtual absl::Status HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                              const float* post, const float* comb, float* out) = 0;
+  // y[r, :] = bf16((sum_j h[r, j, :]) / hc) (the DSpark target hidden). y rows are y_stride apart.
+  virtual absl::Status HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y,
+                              int64_t y_stride) = 0;
 
+  // ---- MoE ----
+  // Routing of `rows` rows (MODEL.md §3 step 9): gate logits z [rows, n_experts] fp32, bias
+  // [n_experts]; s = sqrt(softplus(z)), the top_k of s + bias (stable), weights s normalised over
+  // the chosen (when top_k > 1) times route_scale. Out, per row in ascending expert id order:
+  // experts [rows, top_k], weights [rows, top_k]; optionally `ranked` [rows, top_k]: the experts
+  // in top-k order (traces).
+  virtual absl::Status MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias,
+                                int top_k, float route_scale, int32_t* experts, float* weights,
+                                int32_t* ranked = nullptr) = 0;
+  // h[r, j] = bf16(silu(min(g, limit)) * clamp(u, -limit, limit) [* row_weights[r]]); g, u, h
+  // [rows, inter]; row_weights [rows] or null.
+  virtual absl::Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter,
+                              float limit, const float* row_weights, float* h) = 0;
+  // out[r, :] = bf16(sum_j ys[r, j, :]) (in order j), ys [rows, slots, dim].
+  virtual absl::Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim,
+                                float* out) = 0;
+
+  // ---- Engram ----
+  // out[i, :] = bf16(E4M3 table row ids[i] * its E8M0 scales), table [*, dim] (one byte per
+  // element), table_scale [*, dim/32]; out [n, dim].
+  virtual absl::Status Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                                    const int64_t* ids, int64_t n, float* out) = 0;
+  // Engram gate on the residual h [rows, hc, dim] in place with e [rows, hc+1, dim] (keys then the
+  // value), q_weight/k_weight [hc, dim] (MODEL.md §3 Engram).
+  virtual absl::Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
+                                  const float* q_weight, const float* k_weight, float norm_eps) = 0;
+  // Embedding: h[r, j, :] = table[ids[r], :] for j < hc; table [vocab, dim].
+  virtual absl::Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
+                             int hc, float* h) = 0;
+
+  // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
   enum class Qdq {
     kFp8Window,  // E4M3, UE8M0 per 32 (SWA KV)
     kFp4Index,   // E2M1, UE8M0 per 32 (indexer q/k)
     kFp4Kv,      // E2M1, E4M3 scale per 16 (compressed KV)
   };
-  virtual void QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) = 0;
+  virtual absl::Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) = 0;
+
+  // ---- Sampling ----
+  // out[r] = the first index of the largest value of x[r, :] (x [rows, n]).
+  virtual absl::Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
 };
 
-std::unique_ptr<Backend> MakeCpuBackend();
+struct CpuBackendOptions {
+  // Use the SIMD (AVX2) paths where the CPU has them; false forces the scalar code (same results).
+  bool simd = true;
+};
+std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
 
 }  // namespace epd::kernels

@@ -7,16 +7,13 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/numerics.h"
-#include "kernels/cpu/ops.h"
+#include "common/status_macros.h"
+#include "kernels/rope.h"
 
 namespace epd::model {
 namespace {
 
-namespace kc = kernels::cpu;
 using std::vector;
-
-inline float Sigmoid(float x) { return 1.f / (1.f + std::exp(-x)); }
 
 }  // namespace
 
@@ -29,10 +26,10 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
       backend_(backend),
       options_(options) {
   const ModelConfig& c = config_;
-  freqs_plain_ = kc::RopeFrequencies(c.rope_head_dim, c.rope_theta, false, 1, 1, 1, 1);
+  freqs_plain_ = kernels::RopeFrequencies(c.rope_head_dim, c.rope_theta, false, 1, 1, 1, 1);
   freqs_yarn_ =
-      kc::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
-                          static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
+      kernels::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
+                               static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
@@ -74,18 +71,17 @@ std::unique_ptr<SequenceState> Model::NewSequence() const {
   return s;
 }
 
-void Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
-                     const int64_t* positions, bool inverse) const {
+absl::Status Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
+                             const int64_t* positions, bool inverse) const {
   const vector<float>& f = roles_[l].compress_ratio > 0 ? freqs_yarn_ : freqs_plain_;
   const int np = static_cast<int>(f.size());
   vector<float> cs(rows * np), sn(rows * np);
-  for (int64_t r = 0; r < rows; ++r)
-    kc::RopeCosSin(f, positions[r], cs.data() + r * np, sn.data() + r * np);
-  backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
+  RETURN_IF_ERROR(backend_.RopeTables(f.data(), np, positions, rows, cs.data(), sn.data()));
+  return backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
 }
 
-void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
-                     SequenceState& state) const {
+absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
+                             SequenceState& state) const {
   const ModelConfig& c = config_;
   const LayerRole& role = roles_[l];
   const AttentionWeights& A = weights_->layers[l].attn;
@@ -98,13 +94,14 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
   vector<int64_t> gpos;
   if (ratio == 1) {
     latents.resize(S * hd);
-    backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data());
-    backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data());
+    RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data()));
+    RETURN_IF_ERROR(
+        backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data()));
     gpos = pos;
   } else {
     vector<float> kvf(S * hd), scf(S * hd);
-    backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data());
-    backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data());
+    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data()));
+    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data()));
     // Per-row tail inputs of this call, for rolling back rejected positions.
     s.log_start = pos[0];
     s.log_kv = kvf;
@@ -115,20 +112,10 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
       std::copy_n(scf.data() + i * hd, hd, s.score_state.data() + slot * hd);
       if ((pos[i] + 1) % ratio != 0) continue;
       vector<float> lat(hd);
-      for (int64_t ch = 0; ch < hd; ++ch) {
-        float mx = -INFINITY;
-        for (int r = 0; r < ratio; ++r) mx = std::max(mx, s.score_state[r * hd + ch]);
-        float sum = 0.f;
-        float e[8];
-        for (int r = 0; r < ratio; ++r) {
-          e[r] = std::exp(s.score_state[r * hd + ch] - mx);
-          sum += e[r];
-        }
-        float acc = 0.f;
-        for (int r = 0; r < ratio; ++r) acc += s.kv_state[r * hd + ch] * (e[r] / sum);
-        lat[ch] = kc::RoundBf16(acc);
-      }
-      backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data());
+      RETURN_IF_ERROR(
+          backend_.CompressPool(s.kv_state.data(), s.score_state.data(), ratio, hd, lat.data()));
+      RETURN_IF_ERROR(
+          backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data()));
       latents.insert(latents.end(), lat.begin(), lat.end());
       gpos.push_back(pos[i] + 1 - ratio);
     }
@@ -137,20 +124,24 @@ void Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
   if (ne > 0) {
     const int64_t ihd = c.index_head_dim;
     vector<float> keys(ne * ihd);
-    backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data());
-    backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data());
-    RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos.data(),
-             false);
+    RETURN_IF_ERROR(backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data()));
+    RETURN_IF_ERROR(
+        backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data()));
+    RETURN_IF_ERROR(RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd),
+                             static_cast<int>(ihd - rd), gpos.data(), false));
     if (!options_.unquantized_kv)  // benchmark switch, see ModelOptions
-      backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd);
-    RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false);
+      RETURN_IF_ERROR(
+          backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd));
+    RETURN_IF_ERROR(
+        RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false));
     if (!options_.unquantized_kv)
-      backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd);
+      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd));
     s.kv.insert(s.kv.end(), latents.begin(), latents.end());
     s.keys.insert(s.keys.end(), keys.begin(), keys.end());
     s.n += ne;
     state.published_keys = l;
   }
+  return absl::OkStatus();
 }
 
 int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
@@ -168,8 +159,8 @@ int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
   return call.published_at_start;
 }
 
-void Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
-                      ForwardTrace* trace) const {
+absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                              ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerRole& role = roles_[l];
   const AttentionWeights& A = weights_->layers[l].attn;
@@ -179,14 +170,16 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
 
   vector<float> qr(S * c.q_lora_rank), q(S * H * hd), kv(S * hd);
-  backend_.LinearQuant(x, S, A.wq_a, qr.data());
-  backend_.RmsNorm(qr.data(), A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr.data());
-  backend_.LinearQuant(qr.data(), S, A.wq_b, q.data());
-  RopeRows(l, q.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), false);
-  backend_.LinearQuant(x, S, A.wkv, kv.data());
-  backend_.RmsNorm(kv.data(), A.kv_norm.data(), S, hd, c.norm_eps, kv.data());
-  RopeRows(l, kv.data(), S, 1, static_cast<int>(hd), nope, pos.data(), false);
-  backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv.data(), S, hd);
+  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wq_a, qr.data()));
+  RETURN_IF_ERROR(
+      backend_.RmsNorm(qr.data(), A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr.data()));
+  RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), S, A.wq_b, q.data()));
+  RETURN_IF_ERROR(
+      RopeRows(l, q.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), false));
+  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wkv, kv.data()));
+  RETURN_IF_ERROR(backend_.RmsNorm(kv.data(), A.kv_norm.data(), S, hd, c.norm_eps, kv.data()));
+  RETURN_IF_ERROR(RopeRows(l, kv.data(), S, 1, static_cast<int>(hd), nope, pos.data(), false));
+  RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv.data(), S, hd));
 
   // Window part of the KV and of each row's list.
   vector<float>& ring = state.swa[l];
@@ -215,7 +208,7 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
     const int64_t T = call.start_pos + S;
     nk = T / ratio;
     if (role.is_kv_source && call.compress) {
-      Compress(l, x, pos.data(), S, state);
+      RETURN_IF_ERROR(Compress(l, x, pos.data(), S, state));
     } else if (role.is_kv_source && state.sources.at(l).n >= nk) {
       state.published_keys = l;  // KV already present (replay): the layer's own keys are current
     }
@@ -231,14 +224,15 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
         const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
         vector<float> qi(S * nI * ihd), w(S * nI);
-        backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data());
-        RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
-                 static_cast<int>(ihd - rd), pos.data(), false);
-        backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi.data(), S * nI, ihd);
-        backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data());
+        RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data()));
+        RETURN_IF_ERROR(RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
+                                 static_cast<int>(ihd - rd), pos.data(), false));
+        RETURN_IF_ERROR(
+            backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi.data(), S * nI, ihd));
+        RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data()));
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
-        for (float& v : w) v = kc::RoundBf16(v * wscale);
+        RETURN_IF_ERROR(backend_.ScaleRoundBf16(w.data(), S * nI, wscale));
         vector<float> score(nk);
         if (role.is_candidate_source) {
           call.cand.assign(S * nk, 0);
@@ -252,35 +246,21 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
                                  : call_keysrc;
           const SequenceState::Source& ks = state.sources.at(keysrc);
           const int64_t scored = std::min({nk, ks.n, visible});
-          kc::IndexerScores(qi.data() + i * nI * ihd, w.data() + i * nI, static_cast<int>(nI),
-                            ks.keys.data(), std::max<int64_t>(scored, 0), ihd, score.data());
-          for (int64_t t = std::max<int64_t>(scored, 0); t < nk; ++t) score[t] = -INFINITY;
+          RETURN_IF_ERROR(backend_.IndexerScores(qi.data() + i * nI * ihd, w.data() + i * nI,
+                                                 static_cast<int>(nI), ks.keys.data(),
+                                                 std::max<int64_t>(scored, 0), ihd, score.data()));
+          RETURN_IF_ERROR(backend_.MaskScores(score.data(), nk, scored, nullptr, 0));
           if (role.is_candidate_source) {
-            const int64_t bs = c.candidate_block_size;
-            const int64_t nb = (nk + bs - 1) / bs;
-            vector<float> bscore(nb, -INFINITY);
-            for (int64_t t = 0; t < nk; ++t) bscore[t / bs] = std::max(bscore[t / bs], score[t]);
-            if (visible > 0) bscore[(visible - 1) / bs] = INFINITY;
-            vector<int32_t> keep =
-                kc::StableTopK(bscore.data(), nb, std::min<int64_t>(c.candidate_topk_blocks, nb));
-            uint8_t* m = call.cand.data() + i * nk;
-            for (int32_t b : keep) {
-              if (bscore[b] == -INFINITY) continue;
-              for (int64_t t = b * bs; t < std::min(nk, (b + 1) * bs); ++t) m[t] = 1;
-            }
+            RETURN_IF_ERROR(backend_.CandidateMask(score.data(), nk, c.candidate_block_size,
+                                                   visible, c.candidate_topk_blocks,
+                                                   call.cand.data() + i * nk));
           }
           if (role.uses_candidates && call.cand_cols > 0) {
-            const uint8_t* m = call.cand.data() + i * call.cand_cols;
-            for (int64_t t = 0; t < nk; ++t) {
-              if (t >= call.cand_cols || !m[t]) score[t] = -INFINITY;
-            }
+            RETURN_IF_ERROR(backend_.MaskScores(
+                score.data(), nk, nk, call.cand.data() + i * call.cand_cols, call.cand_cols));
           }
-          vector<int32_t> sel = kc::StableTopK(score.data(), nk, k);
-          std::sort(sel.begin(), sel.end());
-          int32_t* dst = call.topk.data() + i * k;
-          for (int64_t j = 0; j < k; ++j) {
-            dst[j] = sel[j] >= visible ? -1 : static_cast<int32_t>(sel[j] + win_rows);
-          }
+          RETURN_IF_ERROR(backend_.SelectTopK(score.data(), nk, k, visible, win_rows,
+                                              call.topk.data() + i * k));
         }
       }
       if (trace) {
@@ -330,28 +310,31 @@ void Model::Attention(int l, const float* x, Call& call, SequenceState& state, f
   args.list_len = list_len;
   args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
   args.out = o.data();
-  backend_.SparseAttention(args);
-  RopeRows(l, o.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), true);
+  RETURN_IF_ERROR(backend_.SparseAttention(args));
+  RETURN_IF_ERROR(
+      RopeRows(l, o.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), true));
 
   // Grouped wo_a (bf16) then wo_b (FP8).
   const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
   vector<float> oa(S * G * R);
   for (int64_t i = 0; i < S; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin,
-                          oa.data() + (i * G + g) * R);
+      RETURN_IF_ERROR(backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1,
+                                          A.wo_a.data() + g * R * gin, R, gin,
+                                          oa.data() + (i * G + g) * R));
     }
   }
-  backend_.LinearQuant(oa.data(), S, A.wo_b, out);
+  return backend_.LinearQuant(oa.data(), S, A.wo_b, out);
 }
 
-void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>* experts) const {
+absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
+                        vector<int32_t>* experts) const {
   const ModelConfig& c = config_;
   const MoeWeights& M = weights_->layers[l].ffn;
   const int64_t D = c.dim, E = M.n_experts, I = c.moe_inter_dim;
   const float lim = c.swiglu_limit;
   vector<float> z(rows * E);
-  backend_.LinearF32(x, rows, M.gate.data(), E, D, z.data());
+  RETURN_IF_ERROR(backend_.LinearF32(x, rows, M.gate.data(), E, D, z.data()));
   if (experts) experts->assign(rows * M.top_k, -1);
   // Routing first, then each expert runs once over the rows routed to it (rows are independent,
   // so this equals one call per row and expert); each row then sums its experts' outputs in
@@ -359,60 +342,29 @@ void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>
   const int64_t K = M.top_k, NS = static_cast<int64_t>(M.shared.size()), slots = K + NS;
   vector<int32_t> sel_all(rows * K);
   vector<float> wts_all(rows * K);
-  vector<float> s(E), biased(E);
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t e = 0; e < E; ++e) {
-      const float v = z[r * E + e];
-      const float sp = v > 20.f ? v : std::log1p(std::exp(v));
-      s[e] = std::sqrt(sp);
-      biased[e] = s[e] + M.gate_bias[e];
-    }
-    vector<int32_t> sel = kc::StableTopK(biased.data(), E, M.top_k);
-    vector<float> wts(sel.size());
-    float sum = 0.f;
-    for (size_t j = 0; j < sel.size(); ++j) {
-      wts[j] = s[sel[j]];
-      sum += wts[j];
-    }
-    for (size_t j = 0; j < sel.size(); ++j) {
-      if (sel.size() > 1) wts[j] = wts[j] / (sum + 1e-20f);
-      wts[j] *= c.route_scale;
-    }
-    if (experts) std::copy(sel.begin(), sel.end(), experts->begin() + r * M.top_k);
-    vector<size_t> order(sel.size());
-    for (size_t j = 0; j < order.size(); ++j) order[j] = j;
-    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sel[a] < sel[b]; });
-    for (int64_t j = 0; j < K; ++j) {
-      sel_all[r * K + j] = sel[order[j]];
-      wts_all[r * K + j] = wts[order[j]];
-    }
-  }
+  RETURN_IF_ERROR(backend_.MoeRoute(z.data(), rows, static_cast<int>(E), M.gate_bias.data(),
+                                    M.top_k, c.route_scale, sel_all.data(), wts_all.data(),
+                                    experts ? experts->data() : nullptr));
   // ys[r, slot, D]: slot j < K is the row's j-th expert in ascending id order, then the shared.
   vector<float> ys(rows * slots * D);
   vector<float> xg, g, u, hbuf, yg;
   auto run = [&](const ExpertWeights& ew, const vector<int64_t>& rws, const vector<int64_t>& slot,
-                 const float* weights) {
+                 const float* weights) -> absl::Status {
     const int64_t n = static_cast<int64_t>(rws.size());
-    if (n == 0) return;
+    if (n == 0) return absl::OkStatus();
     xg.resize(n * D);
     g.resize(n * I);
     u.resize(n * I);
     hbuf.resize(n * I);
     yg.resize(n * D);
     for (int64_t i = 0; i < n; ++i) std::copy_n(x + rws[i] * D, D, xg.data() + i * D);
-    backend_.LinearQuant(xg.data(), n, ew.w1, g.data());
-    backend_.LinearQuant(xg.data(), n, ew.w3, u.data());
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t j = 0; j < I; ++j) {
-        const float uu = std::clamp(u[i * I + j], -lim, lim);
-        const float gg = std::min(g[i * I + j], lim);
-        const float silu = gg / (1.f + std::exp(-gg));
-        hbuf[i * I + j] = kc::RoundBf16(weights ? silu * uu * weights[i] : silu * uu);
-      }
-    }
-    backend_.LinearQuant(hbuf.data(), n, ew.w2, yg.data());
+    RETURN_IF_ERROR(backend_.LinearQuant(xg.data(), n, ew.w1, g.data()));
+    RETURN_IF_ERROR(backend_.LinearQuant(xg.data(), n, ew.w3, u.data()));
+    RETURN_IF_ERROR(backend_.SwiGlu(g.data(), u.data(), n, I, lim, weights, hbuf.data()));
+    RETURN_IF_ERROR(backend_.LinearQuant(hbuf.data(), n, ew.w2, yg.data()));
     for (int64_t i = 0; i < n; ++i)
       std::copy_n(yg.data() + i * D, D, ys.data() + (rws[i] * slots + slot[i]) * D);
+    return absl::OkStatus();
   };
   for (int64_t e = 0; e < E; ++e) {
     vector<int64_t> rws, slot;
@@ -425,65 +377,34 @@ void Model::Moe(int l, const float* x, int64_t rows, float* out, vector<int32_t>
         w.push_back(wts_all[r * K + j]);
       }
     }
-    run(M.experts[e], rws, slot, w.data());
+    RETURN_IF_ERROR(run(M.experts[e], rws, slot, w.data()));
   }
   vector<int64_t> all(rows);
   for (int64_t r = 0; r < rows; ++r) all[r] = r;
   for (int64_t si = 0; si < NS; ++si) {
-    run(M.shared[si], all, vector<int64_t>(rows, K + si), nullptr);
+    RETURN_IF_ERROR(run(M.shared[si], all, vector<int64_t>(rows, K + si), nullptr));
   }
-  vector<float> acc(D);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t j = 0; j < slots; ++j) {
-      const float* y = ys.data() + (r * slots + j) * D;
-      for (int64_t d = 0; d < D; ++d) acc[d] += y[d];
-    }
-    for (int64_t d = 0; d < D; ++d) out[r * D + d] = kc::RoundBf16(acc[d]);
-  }
+  return backend_.SumSlots(ys.data(), rows, slots, D, out);
 }
 
-void Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h) const {
+absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows,
+                           float* h) const {
   const ModelConfig& c = config_;
   const EngramWeights& E = *weights_->layers[l].engram;
   const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
   const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  if (E.table.shape.size() != 2 || E.table.shape[1] != ehd)
+    return absl::InternalError("model: Engram table shape does not match engram_head_dim");
   vector<float> in(rows * nid * ehd), e(rows * (hc + 1) * D);
+  vector<int64_t> ids(rows * nid);
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t j = 0; j < nid; ++j)
-      E.LookupRow(hash_ids[r * stride + j], in.data() + (r * nid + j) * ehd);
+    for (int64_t j = 0; j < nid; ++j) ids[r * nid + j] = hash_ids[r * stride + j];
   }
-  backend_.LinearQuant(in.data(), rows, E.wkv, e.data());
-  const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* er = e.data() + r * (hc + 1) * D;
-    const float* value = er + hc * D;
-    for (int64_t j = 0; j < hc; ++j) {
-      float* hj = h + (r * hc + j) * D;
-      const float* key = er + j * D;
-      const float* qw = E.q_weight.data() + j * D;
-      const float* kw = E.k_weight.data() + j * D;
-      // The reference normalizes h and the key first (fp32), then takes the weighted dot; summed
-      // in double (closest to the reference's result: Engram deltas then equal the golden ones,
-      // see docs/model.md).
-      double sh = 0, sk = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        sh += static_cast<double>(hj[d]) * hj[d];
-        sk += static_cast<double>(key[d]) * key[d];
-      }
-      const float rh = 1.f / std::sqrt(static_cast<float>(sh / D) + c.norm_eps);
-      const float rk = 1.f / std::sqrt(static_cast<float>(sk / D) + c.norm_eps);
-      double dd = 0;
-      for (int64_t d = 0; d < D; ++d) {
-        const float hn = hj[d] * rh, kn = key[d] * rk;
-        dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
-      }
-      const float dot = static_cast<float>(dd) * inv_sqrt_d;
-      const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
-      const float gate = Sigmoid(sg * std::sqrt(std::max(std::fabs(dot), 1e-6f)));
-      for (int64_t d = 0; d < D; ++d) hj[d] = kc::RoundBf16(hj[d] + gate * value[d]);
-    }
-  }
+  RETURN_IF_ERROR(backend_.Fp8RowLookup(E.table.data, E.table_scale.data, ehd, ids.data(),
+                                        rows * nid, in.data()));
+  RETURN_IF_ERROR(backend_.LinearQuant(in.data(), rows, E.wkv, e.data()));
+  return backend_.EngramGate(h, e.data(), rows, static_cast<int>(hc), D, E.q_weight.data(),
+                             E.k_weight.data(), c.norm_eps);
 }
 
 vector<int64_t> Model::EngramHashes(const SequenceState& state,
@@ -507,41 +428,45 @@ vector<int64_t> Model::EngramHashes(const SequenceState& state,
   return out;
 }
 
-void Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
-                  ForwardTrace* trace) const {
+absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
+                          ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
   const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
   vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D),
       y(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(),
-                     L.hc_attn_scale.data(), L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                     c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc);
-    backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D);
+    RETURN_IF_ERROR(backend_.HcMixes(
+        1, h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
+        L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
+        aQ.data() + i * hc, aC.data() + i * hc * hc));
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D));
   }
-  backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data());
+  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data()));
   if (trace) trace->attn_in[l] = x;
-  Attention(l, x.data(), call, state, y.data(), trace);
+  RETURN_IF_ERROR(Attention(l, x.data(), call, state, y.data(), trace));
   if (trace) trace->attn_out[l] = y;
   for (int64_t i = 0; i < S; ++i) {
-    backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                    aQ.data() + i * hc, aC.data() + i * hc * hc, h + i * hc * D);
-    backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(),
-                     L.hc_ffn_scale.data(), L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                     c.norm_eps, pre + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc);
-    backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
-                   x.data() + i * D);
+    RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    aQ.data() + i * hc, aC.data() + i * hc * hc, h + i * hc * D));
+    RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(),
+                                     L.hc_ffn_scale.data(), L.hc_ffn_base.data(),
+                                     c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre + i * hc,
+                                     fQ.data() + i * hc, fC.data() + i * hc * hc));
+    RETURN_IF_ERROR(backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
+                                   x.data() + i * D));
   }
-  backend_.RmsNorm(x.data(), L.ffn_norm.data(), S, D, c.norm_eps, x.data());
+  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), L.ffn_norm.data(), S, D, c.norm_eps, x.data()));
   if (trace) trace->ffn_in[l] = x;
-  Moe(l, x.data(), S, y.data(), trace ? &trace->experts[l] : nullptr);
+  RETURN_IF_ERROR(Moe(l, x.data(), S, y.data(), trace ? &trace->experts[l] : nullptr));
   if (trace) trace->ffn_out[l] = y;
   for (int64_t i = 0; i < S; ++i) {
-    backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                    fQ.data() + i * hc, fC.data() + i * hc * hc, h + i * hc * D);
+    RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    fQ.data() + i * hc, fC.data() + i * hc * hc, h + i * hc * D));
   }
   if (trace) trace->block_out[l].assign(h, h + S * hc * D);
+  return absl::OkStatus();
 }
 
 absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
@@ -569,11 +494,9 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     io.rows = S;
     io.h.assign(S * hc * D, 0.f);
     io.pre.assign(S * hc, 0.f);
-    for (int64_t i = 0; i < S; ++i) {
-      for (int64_t j = 0; j < hc; ++j)
-        std::copy_n(weights_->embed.data() + ids[i] * D, D, io.h.data() + (i * hc + j) * D);
-      io.pre[i * hc] = 1.f;
-    }
+    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, ids.data(), S, static_cast<int>(hc),
+                                   io.h.data()));
+    for (int64_t i = 0; i < S; ++i) io.pre[i * hc] = 1.f;
     io.main_hidden.assign(S * nt * D, 0.f);
   } else if (io.rows != S || io.h.size() != static_cast<size_t>(S * hc * D) ||
              io.pre.size() != static_cast<size_t>(S * hc)) {
@@ -605,32 +528,30 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   }
   if (trace) trace->engram_hash_ids = hashes;
   float* h = io.h.data();
-  auto engram = [&](int l) {
+  auto engram = [&](int l) -> absl::Status {
     const int li =
         static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
                          c.engram_layer_ids.begin());
     if (trace) trace->engram_in[l] = io.h;
-    Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h);
+    RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h));
     if (trace) trace->engram_out[l] = io.h;
+    return absl::OkStatus();
   };
   for (int l = spec.first_layer; l < last; ++l) {
     const LayerRole& role = roles_[l];
-    if (role.has_engram && !(spec.first_engram_done && l == spec.first_layer)) engram(l);
+    if (role.has_engram && !(spec.first_engram_done && l == spec.first_layer)) {
+      RETURN_IF_ERROR(engram(l));
+    }
     if (role.is_dspark_target) {
       const int64_t ti =
           std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
           c.dspark_target_layer_ids.begin();
-      for (int64_t i = 0; i < S; ++i) {
-        for (int64_t d = 0; d < D; ++d) {
-          float sum = 0.f;
-          for (int64_t j = 0; j < hc; ++j) sum += h[(i * hc + j) * D + d];
-          io.main_hidden[(i * nt + ti) * D + d] = kc::RoundBf16(sum / static_cast<float>(hc));
-        }
-      }
+      RETURN_IF_ERROR(
+          backend_.HcMean(S, h, static_cast<int>(hc), D, io.main_hidden.data() + ti * D, nt * D));
     }
     call.compress = spec.compress || l != spec.first_layer;
     call.window_floor = l >= spec.floor_first_layer ? spec.window_floor : 0;
-    Block(l, h, io.pre.data(), call, state, trace);
+    RETURN_IF_ERROR(Block(l, h, io.pre.data(), call, state, trace));
   }
   if (spec.compress_only_layer >= 0) {
     // The next layer's compressor + index keys only (its attention input needs just the residual
@@ -641,16 +562,19 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     }
     // The layer's Engram comes before its block (and so before its compressor); the residual
     // handed on carries it (StageSpec::first_engram_done).
-    if (roles_[l].has_engram) engram(l);
+    if (roles_[l].has_engram) {
+      RETURN_IF_ERROR(engram(l));
+    }
     vector<float> x(S * D);
     vector<int64_t> pos(S);
     for (int64_t i = 0; i < S; ++i) {
-      backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
-                     x.data() + i * D);
+      RETURN_IF_ERROR(backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D,
+                                     io.pre.data() + i * hc, x.data() + i * D));
       pos[i] = spec.start_pos + i;
     }
-    backend_.RmsNorm(x.data(), weights_->layers[l].attn_norm.data(), S, D, c.norm_eps, x.data());
-    Compress(l, x.data(), pos.data(), S, state);
+    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), weights_->layers[l].attn_norm.data(), S, D,
+                                     c.norm_eps, x.data()));
+    RETURN_IF_ERROR(Compress(l, x.data(), pos.data(), S, state));
   }
   if (call.per_row_keys && options_.stale_index_keys) {
     state.published_keys = DecodeKeySource(c.n_layers, spec.start_pos + S - 1, call);
@@ -658,19 +582,21 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   return absl::OkStatus();
 }
 
-vector<float> Model::Head(const Hidden& io, bool all_logits, ForwardTrace* trace) const {
+absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
+                                          ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const int64_t S = io.rows, D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   vector<float> x(S * D);
   for (int64_t i = 0; i < S; ++i) {
-    backend_.HcPre(1, io.h.data() + i * hc * D, static_cast<int>(hc), D, io.pre.data() + i * hc,
-                   x.data() + i * D);
+    RETURN_IF_ERROR(backend_.HcPre(1, io.h.data() + i * hc * D, static_cast<int>(hc), D,
+                                   io.pre.data() + i * hc, x.data() + i * D));
   }
-  backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data());
+  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data()));
   if (trace) trace->final_norm = x;
   const int64_t first = all_logits ? 0 : S - 1;
   vector<float> logits((S - first) * V);
-  backend_.LinearF32(x.data() + first * D, S - first, weights_->head.data(), V, D, logits.data());
+  RETURN_IF_ERROR(backend_.LinearF32(x.data() + first * D, S - first, weights_->head.data(), V, D,
+                                     logits.data()));
   return logits;
 }
 
@@ -705,40 +631,43 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   Hidden io;
   if (absl::Status s = RunStage(state, ids, spec, io, trace); !s.ok()) return s;
   ForwardResult res;
-  res.logits = Head(io, all_logits, trace);
+  ASSIGN_OR_RETURN(res.logits, Head(io, all_logits, trace));
   res.rows = all_logits ? io.rows : 1;
   Commit(state, ids, state.pos + io.rows, io);
   res.main_hidden = std::move(io.main_hidden);
   return res;
 }
 
-void Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos, float* kv) const {
+absl::Status Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos,
+                            float* kv) const {
   const ModelConfig& c = config_;
   const AttentionWeights& A = weights_->layers[L].attn;
   const int64_t hd = c.head_dim;
   vector<int64_t> pos(rows);
   for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
-  backend_.LinearQuant(main_x, rows, A.wkv, kv);
-  backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv);
-  RopeRows(L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos.data(), false);
-  backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, rows, hd);
+  RETURN_IF_ERROR(backend_.LinearQuant(main_x, rows, A.wkv, kv));
+  RETURN_IF_ERROR(backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv));
+  RETURN_IF_ERROR(
+      RopeRows(L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos.data(), false));
+  return backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, rows, hd);
 }
 
-void Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
-                       int64_t start_pos) const {
+absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
+                               int64_t start_pos) const {
   const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
   const int64_t D = c.dim, hd = c.head_dim, W = c.window_size;
   vector<float> mx(rows * D), kv(rows * hd);
-  backend_.LinearQuant(main_hidden, rows, Dw.main_proj, mx.data());
-  backend_.RmsNorm(mx.data(), Dw.main_norm.data(), rows, D, c.norm_eps, mx.data());
+  RETURN_IF_ERROR(backend_.LinearQuant(main_hidden, rows, Dw.main_proj, mx.data()));
+  RETURN_IF_ERROR(backend_.RmsNorm(mx.data(), Dw.main_norm.data(), rows, D, c.norm_eps, mx.data()));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
-    StageKv(L, mx.data(), rows, start_pos, kv.data());
+    RETURN_IF_ERROR(StageKv(L, mx.data(), rows, start_pos, kv.data()));
     for (int64_t i = std::max<int64_t>(0, rows - W); i < rows; ++i) {
       std::copy_n(kv.data() + i * hd, hd, state.swa[L].data() + ((start_pos + i) % W) * hd);
     }
   }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<const int32_t> ids,
@@ -756,7 +685,7 @@ absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<con
     return absl::InvalidArgumentError("model: decoder_tail_rows must be >= 0");
   auto r = Forward(state, ids, all_logits, trace, /*per_row_keys=*/true, options);
   if (r.ok() && config_.n_mtp_layers > 0) {
-    DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), 0);
+    RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), 0));
   }
   return r;
 }
@@ -779,7 +708,8 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
   }
   auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode);
   if (r.ok() && config_.n_mtp_layers > 0) {
-    DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos);
+    RETURN_IF_ERROR(
+        DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos));
   }
   return r;
 }
@@ -817,7 +747,9 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     const int64_t pos = state.pos;
     auto r = Forward(state, ids.subspan(i, 1), true, trace, true);
     if (!r.ok()) return r.status();
-    if (config_.n_mtp_layers > 0) DSparkSeed(state, r->main_hidden.data(), 1, pos);
+    if (config_.n_mtp_layers > 0) {
+      RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), 1, pos));
+    }
     if (all_logits || i + 1 == ids.size()) {
       out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
       out.rows += 1;
@@ -942,11 +874,9 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   vector<int32_t> block(B, static_cast<int32_t>(c.dspark_noise_token_id));
   block[0] = last_token;
   vector<float> h(B * hc * D), pre(B * hc, 0.f);
-  for (int64_t i = 0; i < B; ++i) {
-    for (int64_t j = 0; j < hc; ++j)
-      std::copy_n(weights_->embed.data() + block[i] * D, D, h.data() + (i * hc + j) * D);
-    pre[i * hc] = 1.f;
-  }
+  RETURN_IF_ERROR(
+      backend_.Embed(weights_->embed.data(), D, block.data(), B, static_cast<int>(hc), h.data()));
+  for (int64_t i = 0; i < B; ++i) pre[i * hc] = 1.f;
   vector<int64_t> qpos(B);
   for (int64_t i = 0; i < B; ++i) qpos[i] = pos + 1 + i;
   for (int s = 0; s < c.n_mtp_layers; ++s) {
@@ -956,22 +886,23 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D),
         y(B * D);
     for (int64_t i = 0; i < B; ++i) {
-      backend_.HcMixes(1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
-                       LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters,
-                       c.hc_eps, c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc,
-                       aC.data() + i * hc * hc);
-      backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
-                     x.data() + i * D);
+      RETURN_IF_ERROR(backend_.HcMixes(
+          1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
+          LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+          c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc));
+      RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
+                                     pre.data() + i * hc, x.data() + i * D));
     }
-    backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data());
+    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data()));
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
     vector<float> qr(B * c.q_lora_rank), q(B * H * hd), kv(B * hd);
-    backend_.LinearQuant(x.data(), B, A.wq_a, qr.data());
-    backend_.RmsNorm(qr.data(), A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr.data());
-    backend_.LinearQuant(qr.data(), B, A.wq_b, q.data());
-    RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope),
-             qpos.data(), false);
-    StageKv(L, x.data(), B, pos + 1, kv.data());
+    RETURN_IF_ERROR(backend_.LinearQuant(x.data(), B, A.wq_a, qr.data()));
+    RETURN_IF_ERROR(
+        backend_.RmsNorm(qr.data(), A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr.data()));
+    RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), B, A.wq_b, q.data()));
+    RETURN_IF_ERROR(RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd),
+                             static_cast<int>(nope), qpos.data(), false));
+    RETURN_IF_ERROR(StageKv(L, x.data(), B, pos + 1, kv.data()));
     vector<float> kv_all(state.swa[L]);
     kv_all.insert(kv_all.end(), kv.begin(), kv.end());
     const int64_t nring = std::min(W - 1, pos) + 1;
@@ -993,44 +924,47 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     args.list_len = list_len;
     args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
     args.out = o.data();
-    backend_.SparseAttention(args);
-    RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd), static_cast<int>(nope),
-             qpos.data(), true);
+    RETURN_IF_ERROR(backend_.SparseAttention(args));
+    RETURN_IF_ERROR(RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd),
+                             static_cast<int>(nope), qpos.data(), true));
     const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
     vector<float> oa(B * G * R);
     for (int64_t i = 0; i < B; ++i) {
       for (int64_t g = 0; g < G; ++g) {
-        backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin,
-                            oa.data() + (i * G + g) * R);
+        RETURN_IF_ERROR(backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1,
+                                            A.wo_a.data() + g * R * gin, R, gin,
+                                            oa.data() + (i * G + g) * R));
       }
     }
-    backend_.LinearQuant(oa.data(), B, A.wo_b, y.data());
+    RETURN_IF_ERROR(backend_.LinearQuant(oa.data(), B, A.wo_b, y.data()));
     for (int64_t i = 0; i < B; ++i) {
-      backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
-                      aQ.data() + i * hc, aC.data() + i * hc * hc, h.data() + i * hc * D);
-      backend_.HcMixes(1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
-                       LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                       c.norm_eps, pre.data() + i * hc, fQ.data() + i * hc,
-                       fC.data() + i * hc * hc);
-      backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
-                     x.data() + i * D);
+      RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D,
+                                      static_cast<int>(hc), D, aQ.data() + i * hc,
+                                      aC.data() + i * hc * hc, h.data() + i * hc * D));
+      RETURN_IF_ERROR(backend_.HcMixes(
+          1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
+          LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+          pre.data() + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc));
+      RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
+                                     aP.data() + i * hc, x.data() + i * D));
     }
-    backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data());
-    Moe(L, x.data(), B, y.data());
+    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data()));
+    RETURN_IF_ERROR(Moe(L, x.data(), B, y.data()));
     for (int64_t i = 0; i < B; ++i) {
-      backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D, static_cast<int>(hc), D,
-                      fQ.data() + i * hc, fC.data() + i * hc * hc, h.data() + i * hc * D);
+      RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D,
+                                      static_cast<int>(hc), D, fQ.data() + i * hc,
+                                      fC.data() + i * hc * hc, h.data() + i * hc * D));
     }
   }
   vector<float> x(B * D), xn(B * D);
   for (int64_t i = 0; i < B; ++i) {
-    backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D, pre.data() + i * hc,
-                   x.data() + i * D);
+    RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
+                                   pre.data() + i * hc, x.data() + i * D));
   }
-  backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data());
+  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data()));
   DraftResult out;
   out.logits.resize(B * V);
-  backend_.LinearF32(xn.data(), B, weights_->head.data(), V, D, out.logits.data());
+  RETURN_IF_ERROR(backend_.LinearF32(xn.data(), B, weights_->head.data(), V, D, out.logits.data()));
   const int64_t R = c.dspark_markov_rank;
   out.ids.assign(B + 1, 0);
   out.ids[0] = last_token;
@@ -1038,14 +972,15 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   vector<float> bias(V), cat(D + R);
   for (int64_t i = 0; i < B; ++i) {
     const float* e = Dw.markov_embed.data() + out.ids[i] * R;
-    backend_.LinearF32(e, 1, Dw.markov_head.data(), V, R, bias.data());
+    RETURN_IF_ERROR(backend_.LinearF32(e, 1, Dw.markov_head.data(), V, R, bias.data()));
     float* li = out.logits.data() + i * V;
-    for (int64_t v = 0; v < V; ++v) li[v] += bias[v];
-    out.ids[i + 1] = static_cast<int32_t>(std::max_element(li, li + V) - li);
+    RETURN_IF_ERROR(backend_.Add(li, bias.data(), V));
+    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, &out.ids[i + 1]));
     if (static_cast<int64_t>(forced_ids.size()) > i) out.ids[i + 1] = forced_ids[i];
     std::copy_n(x.data() + i * D, D, cat.data());
     std::copy_n(e, R, cat.data() + D);
-    backend_.LinearF32(cat.data(), 1, Dw.confidence.data(), 1, D + R, &out.confidence[i]);
+    RETURN_IF_ERROR(
+        backend_.LinearF32(cat.data(), 1, Dw.confidence.data(), 1, D + R, &out.confidence[i]));
   }
   return out;
 }

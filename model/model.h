@@ -35,7 +35,7 @@ struct ModelOptions {
 };
 
 // Per-sequence state kept between calls (bf16 values held as float; the packed byte forms are in
-// kernels/cpu/numerics.h).
+// kernels/format.h).
 struct SequenceState {
   int64_t pos = 0;  // tokens processed so far (next position)
   // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window.
@@ -210,23 +210,27 @@ class Model {
                                       const StageSpec& spec, Hidden& io,
                                       ForwardTrace* trace = nullptr) const;
   // Final norm + LM head on the residual: fp32 logits [rows or 1, vocab].
-  std::vector<float> Head(const Hidden& io, bool all_logits, ForwardTrace* trace = nullptr) const;
+  [[nodiscard]] absl::StatusOr<std::vector<float>> Head(const Hidden& io, bool all_logits,
+                                                        ForwardTrace* trace = nullptr) const;
   // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input.
   void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
               const Hidden& io) const;
   // Seeds the DSpark rings with DSpark inputs [rows, n_targets*dim] at positions start_pos...
-  void DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
-                  int64_t start_pos) const;
+  [[nodiscard]] absl::Status DSparkSeed(SequenceState& state, const float* main_hidden,
+                                        int64_t rows, int64_t start_pos) const;
 
+  // The module entry points return the first backend error (the backend's ops return
+  // absl::Status).
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
-  void Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
-                 ForwardTrace* trace = nullptr) const;
+  absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                         ForwardTrace* trace = nullptr) const;
   // MoE of layer l: x [rows, dim] -> out [rows, dim].
-  void Moe(int l, const float* x, int64_t rows, float* out,
-           std::vector<int32_t>* experts = nullptr) const;
+  absl::Status Moe(int l, const float* x, int64_t rows, float* out,
+                   std::vector<int32_t>* experts = nullptr) const;
   // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows,
   // ids_per_row].
-  void Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows, float* h) const;
+  absl::Status Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows,
+                      float* h) const;
   // Hash ids [rows, n_engram_layers, per_layer] for `ids` at positions state.pos.. (uses history).
   std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
 
@@ -239,14 +243,14 @@ class Model {
   bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
   absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
                                                bool all_logits, ForwardTrace* trace) const;
-  void Compress(int l, const float* x, const int64_t* pos, int64_t rows,
-                SequenceState& state) const;
-  void Block(int l, float* h, float* pre, Call& call, SequenceState& state,
-             ForwardTrace* trace) const;
-  void RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
-                const int64_t* positions, bool inverse) const;
-  void StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos,
-               float* kv) const;
+  absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
+                        SequenceState& state) const;
+  absl::Status Block(int l, float* h, float* pre, Call& call, SequenceState& state,
+                     ForwardTrace* trace) const;
+  absl::Status RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
+                        const int64_t* positions, bool inverse) const;
+  absl::Status StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos,
+                       float* kv) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;

@@ -5,7 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/numerics.h"
+#include "kernels/format.h"
 #include "model/engram.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
@@ -13,7 +13,7 @@
 namespace epd::model {
 namespace {
 
-namespace kc = kernels::cpu;
+namespace kf = kernels::format;
 
 constexpr uint32_t kMagic = 0x50445045;  // "EPDP" little-endian
 constexpr uint16_t kKindBlock = 1, kKindSnapshot = 2;
@@ -127,7 +127,7 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
   if (static_cast<int64_t>(prompt.size()) < state.pos)
     return absl::InvalidArgumentError("prefix cut: fewer tokens than the state's position");
   const int64_t hd = c.head_dim;
-  const int64_t eb = kc::PackedKvEntryBytes(hd), kb = kc::PackedIndexKeyBytes(c.index_head_dim);
+  const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(c.index_head_dim);
   std::map<std::string, std::vector<uint8_t>> full;
   for (StateSegment& s : SerializeState(c, state)) full[s.name] = std::move(s.bytes);
   std::vector<std::string> out;
@@ -273,12 +273,12 @@ absl::StatusOr<std::unique_ptr<SequenceState>> AssemblePrefixState(
     }
     snap = *std::move(v);
   }
-  const int64_t slot = kc::PackedSwaSlotBytes(c.head_dim);
+  const int64_t slot = kf::PackedSwaSlotBytes(c.head_dim);
   std::vector<uint8_t> zero_ring(c.window_size * slot);
   {
     std::vector<float> z(c.head_dim, 0.f);
     for (int64_t w = 0; w < c.window_size; ++w)
-      kc::PackSwaSlot(z.data(), c.head_dim, zero_ring.data() + w * slot);
+      kf::PackSwaSlot(z.data(), c.head_dim, zero_ring.data() + w * slot);
   }
   for (int l = 0; l < c.total_layers(); ++l) {
     StateSegment s{absl::StrCat("swa.", l), zero_ring};

@@ -4,12 +4,12 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/numerics.h"
+#include "kernels/format.h"
 
 namespace epd::model {
 namespace {
 
-namespace kc = kernels::cpu;
+namespace kf = kernels::format;
 
 void PutI64(std::vector<uint8_t>& b, int64_t v) {
   uint8_t t[8];
@@ -37,20 +37,20 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
     PutI64(meta.bytes, src.n);
   }
   out.push_back(std::move(meta));
-  const int64_t slot = kc::PackedSwaSlotBytes(hd);
+  const int64_t slot = kf::PackedSwaSlotBytes(hd);
   for (size_t l = 0; l < s.swa.size(); ++l) {
     StateSegment seg{absl::StrCat("swa.", l), std::vector<uint8_t>(c.window_size * slot)};
     for (int64_t w = 0; w < c.window_size; ++w)
-      kc::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
+      kf::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
     out.push_back(std::move(seg));
   }
-  const int64_t eb = kc::PackedKvEntryBytes(hd), kb = kc::PackedIndexKeyBytes(ihd);
+  const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
   for (const auto& [l, src] : s.sources) {
     StateSegment kv{absl::StrCat("kv.", l), std::vector<uint8_t>(src.n * eb)};
     StateSegment keys{absl::StrCat("keys.", l), std::vector<uint8_t>(src.n * kb)};
     for (int64_t j = 0; j < src.n; ++j) {
-      kc::PackKvEntry(src.kv.data() + j * hd, hd, kv.bytes.data() + j * eb);
-      kc::PackIndexKey(src.keys.data() + j * ihd, ihd, keys.bytes.data() + j * kb);
+      kf::PackKvEntry(src.kv.data() + j * hd, hd, kv.bytes.data() + j * eb);
+      kf::PackIndexKey(src.keys.data() + j * ihd, ihd, keys.bytes.data() + j * kb);
     }
     out.push_back(std::move(kv));
     out.push_back(std::move(keys));
@@ -68,7 +68,7 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
   out.push_back(std::move(eg));
   StateSegment mh{"main_hidden", std::vector<uint8_t>(s.main_hidden.size() * 2)};
   for (size_t i = 0; i < s.main_hidden.size(); ++i) {
-    const uint16_t b = kc::F32ToBf16Bits(s.main_hidden[i]);
+    const uint16_t b = kf::F32ToBf16Bits(s.main_hidden[i]);
     std::memcpy(mh.bytes.data() + 2 * i, &b, 2);
   }
   out.push_back(std::move(mh));
@@ -105,14 +105,14 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
       m.size() != static_cast<size_t>(32 + 16 * ns)) {
     return absl::DataLossError("state: segment 'meta' does not match the model's KV sources");
   }
-  const int64_t slot = kc::PackedSwaSlotBytes(hd);
+  const int64_t slot = kf::PackedSwaSlotBytes(hd);
   for (size_t l = 0; l < st->swa.size(); ++l) {
     auto b = get(absl::StrCat("swa.", l), c.window_size * slot);
     if (!b.ok()) return b.status();
     for (int64_t w = 0; w < c.window_size; ++w)
-      kc::UnpackSwaSlot((*b)->data() + w * slot, hd, st->swa[l].data() + w * hd);
+      kf::UnpackSwaSlot((*b)->data() + w * slot, hd, st->swa[l].data() + w * hd);
   }
-  const int64_t eb = kc::PackedKvEntryBytes(hd), kb = kc::PackedIndexKeyBytes(ihd);
+  const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
   for (int64_t i = 0; i < ns; ++i) {
     const int l = static_cast<int>(GetI64(m, 4 + 2 * i));
     const int64_t n = GetI64(m, 5 + 2 * i);
@@ -128,8 +128,8 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
     src.kv.resize(n * hd);
     src.keys.resize(n * ihd);
     for (int64_t j = 0; j < n; ++j) {
-      kc::UnpackKvEntry((*kv)->data() + j * eb, hd, src.kv.data() + j * hd);
-      kc::UnpackIndexKey((*keys)->data() + j * kb, ihd, src.keys.data() + j * ihd);
+      kf::UnpackKvEntry((*kv)->data() + j * eb, hd, src.kv.data() + j * hd);
+      kf::UnpackIndexKey((*keys)->data() + j * kb, ihd, src.keys.data() + j * ihd);
     }
     if (src.ratio > 1) {
       auto t = get(absl::StrCat("tail.", l),
@@ -151,7 +151,7 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
   for (size_t i = 0; i < st->main_hidden.size(); ++i) {
     uint16_t b;
     std::memcpy(&b, (*mh)->data() + 2 * i, 2);
-    st->main_hidden[i] = kc::Bf16BitsToF32(b);
+    st->main_hidden[i] = kf::Bf16BitsToF32(b);
   }
   return st;
 }
@@ -162,10 +162,10 @@ std::vector<std::pair<std::string, int64_t>> StateByteAccounting(const ModelConf
   int64_t global = 0, tails = 0;
   for (int l : c.kv_source_layers) {
     const int r = c.compress_ratios[l];
-    global += (tokens / r) * (kc::PackedKvEntryBytes(hd) + kc::PackedIndexKeyBytes(ihd));
+    global += (tokens / r) * (kf::PackedKvEntryBytes(hd) + kf::PackedIndexKeyBytes(ihd));
     if (r > 1) tails += int64_t{2} * r * hd * 4;
   }
-  const int64_t swa = int64_t{c.total_layers()} * c.window_size * kc::PackedSwaSlotBytes(hd);
+  const int64_t swa = int64_t{c.total_layers()} * c.window_size * kf::PackedSwaSlotBytes(hd);
   const int64_t engram =
       c.engram_layer_ids.empty() ? 0 : std::min<int64_t>(tokens, c.engram_max_ngram_size - 1) * 8;
   const int64_t mh = static_cast<int64_t>(c.dspark_target_layer_ids.size()) * c.dim * 2;

@@ -119,9 +119,14 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
   Model::Hidden io = enc.tail;
   if (absl::Status s = model.RunStage(state, enc.tail_ids, spec, io); !s.ok()) return s;
   ForwardResult res;
-  res.logits = model.Head(io, false);
+  auto logits = model.Head(io, false);
+  if (!logits.ok()) return logits.status();
+  res.logits = std::move(*logits);
   res.rows = 1;
-  if (c.n_mtp_layers > 0) model.DSparkSeed(state, io.main_hidden.data(), S, enc.tail_start);
+  if (c.n_mtp_layers > 0) {
+    if (absl::Status s = model.DSparkSeed(state, io.main_hidden.data(), S, enc.tail_start); !s.ok())
+      return s;
+  }
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   if (nt > 0) {
     state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());

@@ -1,13 +1,13 @@
 #include "model/weights.h"
 
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/numerics.h"
+#include "kernels/format.h"
 #include "spdlog/spdlog.h"
 
 namespace epd::model {
 namespace {
 
-namespace kc = kernels::cpu;
+namespace kf = kernels::format;
 
 #define EPD_ASSIGN(lhs, expr)         \
   do {                                \
@@ -28,7 +28,7 @@ class Loader {
     for (int64_t i = 0; i < v->numel(); ++i) {
       uint16_t b;
       std::memcpy(&b, p + i, 2);
-      out[i] = kc::Bf16BitsToF32(b);
+      out[i] = kf::Bf16BitsToF32(b);
     }
     return out;
   }
@@ -52,9 +52,9 @@ class Loader {
     q.block_rows = 32;
     q.block_cols = 32;
     q.values.resize(out * in);
-    for (int64_t i = 0; i < out * in; ++i) q.values[i] = kc::DecodeE4M3(w->data[i]);
+    for (int64_t i = 0; i < out * in; ++i) q.values[i] = kf::DecodeE4M3(w->data[i]);
     q.scales.resize(s->numel());
-    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kc::DecodeE8M0(s->data[i]);
+    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kf::DecodeE8M0(s->data[i]);
     return q;
   }
 
@@ -70,11 +70,11 @@ class Loader {
     q.block_cols = 32;
     q.values.resize(out * in);
     for (int64_t i = 0; i < out * in / 2; ++i) {
-      q.values[2 * i] = kc::DecodeE2M1(w->data[i] & 0xf);
-      q.values[2 * i + 1] = kc::DecodeE2M1(w->data[i] >> 4);
+      q.values[2 * i] = kf::DecodeE2M1(w->data[i] & 0xf);
+      q.values[2 * i + 1] = kf::DecodeE2M1(w->data[i] >> 4);
     }
     q.scales.resize(s->numel());
-    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kc::DecodeE8M0(s->data[i]);
+    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kf::DecodeE8M0(s->data[i]);
     return q;
   }
 
@@ -87,7 +87,7 @@ class Loader {
     for (int64_t o = 0; o < out; ++o) {
       for (int64_t i = 0; i < in; ++i) {
         v[o * in + i] =
-            kc::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
+            kf::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
       }
     }
     return v;
@@ -121,14 +121,6 @@ absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int
 }
 
 }  // namespace
-
-void EngramWeights::LookupRow(int64_t row, float* out) const {
-  const int64_t hd = table.shape[1];
-  const uint8_t* w = table.data + row * hd;
-  const uint8_t* s = table_scale.data + row * (hd / 32);
-  for (int64_t i = 0; i < hd; ++i)
-    out[i] = kc::RoundBf16(kc::DecodeE4M3(w[i]) * kc::DecodeE8M0(s[i / 32]));
-}
 
 absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
     const ModelConfig& c, std::shared_ptr<const TensorStore> store) {

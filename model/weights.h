@@ -55,13 +55,11 @@ struct AttentionWeights {
 };
 
 struct EngramWeights {
-  TensorView table;             // F8_E4M3 [rows, engram_head_dim]
+  TensorView table;             // F8_E4M3 [rows, engram_head_dim] (Backend::Fp8RowLookup)
   TensorView table_scale;       // F8_E8M0 [rows, engram_head_dim/32]
   QuantWeight wkv;              // [(hc+1)*dim, (max_ngram-1)*n_heads*head_dim]
   std::vector<float> q_weight;  // [hc, dim]
   std::vector<float> k_weight;  // [hc, dim]
-  // Dequantizes table row `row` to bf16 values: out [engram_head_dim].
-  void LookupRow(int64_t row, float* out) const;
 };
 
 struct LayerWeights {

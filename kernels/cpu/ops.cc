@@ -1,7 +1,6 @@
 #include "kernels/cpu/ops.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <numeric>
 
@@ -25,8 +24,13 @@ bool DetectSimd() {
   return false;
 #endif
 }
-std::atomic<bool> g_simd{DetectSimd()};
-inline bool UseSimd() { return g_simd.load(std::memory_order_relaxed); }
+bool SimdSupported() {
+  static const bool supported = DetectSimd();
+  return supported;
+}
+// Per-thread switch (REVIEW: the process-wide switch let one test's setting leak into others).
+thread_local bool t_scalar = false;
+inline bool UseSimd() { return !t_scalar && SimdSupported(); }
 
 // Dot product with 8 independent fp32 lanes (vectorisable); used where the reference's own
 // accumulation order is unspecified (plain bf16/fp32 matmuls).
@@ -212,8 +216,15 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
 
 }  // namespace
 
-void SetSimdEnabled(bool on) { g_simd.store(on && DetectSimd(), std::memory_order_relaxed); }
+void SetSimdEnabled(bool on) { t_scalar = !on; }
 bool SimdEnabled() { return UseSimd(); }
+
+ScopedScalarKernels::ScopedScalarKernels(bool scalar) : active_(scalar), prev_(t_scalar) {
+  if (active_) t_scalar = true;
+}
+ScopedScalarKernels::~ScopedScalarKernels() {
+  if (active_) t_scalar = prev_;
+}
 
 void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
 #ifdef EPD_AVX2_PATH
@@ -474,40 +485,6 @@ void IndexerScores(const float* q, const float* w, int heads, const float* keys,
   }
 }
 
-std::vector<float> RopeFrequencies(int rope_dim, double theta, bool yarn, double factor,
-                                   double original_seq_len, double beta_fast, double beta_slow) {
-  const int n = rope_dim / 2;
-  std::vector<float> f(n);
-  for (int i = 0; i < n; ++i) {
-    const float e = static_cast<float>(2 * i) / static_cast<float>(rope_dim);
-    f[i] = 1.f / std::pow(static_cast<float>(theta), e);
-  }
-  if (yarn) {
-    auto corr = [&](double rot) {
-      return rope_dim * std::log(original_seq_len / (rot * 2 * M_PI)) / (2 * std::log(theta));
-    };
-    double low = std::max(std::floor(corr(beta_fast)), 0.0);
-    double high = std::min(std::ceil(corr(beta_slow)), static_cast<double>(rope_dim - 1));
-    if (low == high) high += 0.001;
-    for (int i = 0; i < n; ++i) {
-      float ramp =
-          (static_cast<float>(i) - static_cast<float>(low)) / static_cast<float>(high - low);
-      ramp = std::clamp(ramp, 0.f, 1.f);
-      const float smooth = 1.f - ramp;
-      f[i] = f[i] / static_cast<float>(factor) * (1.f - smooth) + f[i] * smooth;
-    }
-  }
-  return f;
-}
-
-void RopeCosSin(const std::vector<float>& freqs, int64_t pos, float* cos, float* sin) {
-  for (size_t i = 0; i < freqs.size(); ++i) {
-    const float ang = static_cast<float>(pos) * freqs[i];
-    cos[i] = std::cos(ang);
-    sin[i] = std::sin(ang);
-  }
-}
-
 std::vector<int32_t> StableTopK(const float* v, int64_t n, int64_t k) {
   std::vector<int32_t> idx(n);
   std::iota(idx.begin(), idx.end(), 0);
@@ -646,71 +623,4 @@ void HcPost(const float* y, const float* res, int hc, int64_t dim, const float* 
   std::copy(tmp.begin(), tmp.end(), out);
 }
 
-namespace {
-
-class CpuBackend final : public Backend {
- public:
-  std::string_view Name() const override { return "cpu"; }
-  void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
-    cpu::LinearQuant(x, rows, w, y);
-  }
-  void LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
-                  float* y) override {
-    cpu::LinearBf16(x, rows, w, out, in, y);
-  }
-  void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
-                 float* y) override {
-    cpu::LinearF32(x, rows, w, out, in, y);
-  }
-  void RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
-               float* y) override {
-    cpu::RmsNormBf16(x, w, rows, dim, eps, y);
-  }
-  void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
-            const float* cos, const float* sin, bool inverse) override {
-    cpu::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse);
-  }
-  void SparseAttention(const SparseAttentionArgs& args) override { cpu::SparseAttention(args); }
-  void HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
-               const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
-               float norm_eps, float* pre, float* post, float* comb) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                   pre + r * hc, post + r * hc, comb + r * hc * hc);
-    }
-  }
-  void HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
-             float* y) override {
-    for (int64_t r = 0; r < rows; ++r)
-      cpu::HcPre(h + r * hc * dim, hc, dim, pre + r * hc, y + r * dim);
-  }
-  void HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
-              const float* post, const float* comb, float* out) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      cpu::HcPost(y + r * dim, res + r * hc * dim, hc, dim, post + r * hc, comb + r * hc * hc,
-                  out + r * hc * dim);
-    }
-  }
-  void QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
-    for (int64_t r = 0; r < rows; ++r) {
-      switch (kind) {
-        case Qdq::kFp8Window:
-          Fp8QuantDequantRow(x + r * dim, dim);
-          break;
-        case Qdq::kFp4Index:
-          Fp4IndexQuantDequantRow(x + r * dim, dim);
-          break;
-        case Qdq::kFp4Kv:
-          Fp4KvQuantDequantRow(x + r * dim, dim);
-          break;
-      }
-    }
-  }
-};
-
-}  // namespace
 }  // namespace epd::kernels::cpu
-
-namespace epd::kernels {
-std::unique_ptr<Backend> MakeCpuBackend() { return std::make_unique<cpu::CpuBackend>(); }
-}  // namespace epd::kernels

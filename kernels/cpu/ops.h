@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/rope.h"
 
 namespace epd::kernels::cpu {
 
@@ -27,16 +28,27 @@ void IndexerScores(const float* q, const float* w, int heads, const float* keys,
 // SIMD paths (x86-64 AVX2, no FMA) perform the same fp32 operations in the same order as the
 // scalar code (lanes are independent sums, products are rounded before they are added), so every
 // result is bit-identical; they are used when the CPU has AVX2. SetSimdEnabled(false) forces the
-// scalar code (tests compare the two). Process-wide; set it before using the ops.
+// scalar code on the CALLING THREAD only (tests compare the two; other threads are unaffected);
+// a backend made with CpuBackendOptions{.simd = false} forces it for its own ops.
 void SetSimdEnabled(bool on);
-bool SimdEnabled();
+bool SimdEnabled();  // for the calling thread
+// Forces the scalar code on this thread while alive (when `scalar`); restores the previous
+// setting.
+class ScopedScalarKernels {
+ public:
+  explicit ScopedScalarKernels(bool scalar);
+  ~ScopedScalarKernels();
+  ScopedScalarKernels(const ScopedScalarKernels&) = delete;
+  ScopedScalarKernels& operator=(const ScopedScalarKernels&) = delete;
 
-// RoPE frequencies (MODEL.md §3 step 4): freq_i = fp32(1/theta^(2i/rope_dim)), optionally with
-// YaRN (factor, original length, beta_fast/slow). Returns rope_dim/2 frequencies.
-std::vector<float> RopeFrequencies(int rope_dim, double theta, bool yarn, double factor,
-                                   double original_seq_len, double beta_fast, double beta_slow);
-// cos/sin [n_pairs] at an integer position: angle = fp32(pos * freq_i).
-void RopeCosSin(const std::vector<float>& freqs, int64_t pos, float* cos, float* sin);
+ private:
+  bool active_;
+  bool prev_;
+};
+
+// RoPE tables live in kernels/rope.h (host constants shared by every backend).
+using ::epd::kernels::RopeCosSin;
+using ::epd::kernels::RopeFrequencies;
 
 // Stable top-k: the k largest values, descending; equal values -> lower index first.
 // Returns the indices (size min(k, n)).

@@ -8,14 +8,14 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "kernels/cpu/numerics.h"
+#include "kernels/format.h"
 #include "kvstore/transfer/manifest.h"
 #include "model/stages.h"
 
 namespace epd::worker {
 namespace {
 
-namespace kc = kernels::cpu;
+namespace kf = kernels::format;
 using model::StateSegment;
 
 // Kind and layer of a segment from its name ("swa.5" -> SWA_KV, 5).
@@ -70,11 +70,11 @@ std::vector<SegmentShape> ExpectedStateShapes(const model::ModelConfig& c, int64
   std::vector<SegmentShape> out;
   const int64_t nsrc = static_cast<int64_t>(c.kv_source_layers.size());
   out.push_back({"meta", static_cast<uint64_t>(8 * (4 + 2 * nsrc))});
-  const int64_t slot = kc::PackedSwaSlotBytes(c.head_dim);
+  const int64_t slot = kf::PackedSwaSlotBytes(c.head_dim);
   for (int l = 0; l < c.total_layers(); ++l)
     out.push_back({absl::StrCat("swa.", l), static_cast<uint64_t>(c.window_size * slot)});
-  const int64_t eb = kc::PackedKvEntryBytes(c.head_dim);
-  const int64_t kb = kc::PackedIndexKeyBytes(c.index_head_dim);
+  const int64_t eb = kf::PackedKvEntryBytes(c.head_dim);
+  const int64_t kb = kf::PackedIndexKeyBytes(c.index_head_dim);
   std::vector<int> sources = c.kv_source_layers;
   std::sort(sources.begin(), sources.end());  // SerializeState walks a std::map
   for (int l : sources) {

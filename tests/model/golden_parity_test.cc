@@ -76,12 +76,11 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string ls = std::to_string(l);
     std::vector<float> x = Bf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
-    ASSERT_EQ(x.size(), static_cast<size_t>(P * D)) << "layer " << l;
-    model_->Attention(l, x.data(), call, *state, out.data());
+    ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
     const double ar = RelRms(out, Bf16("debug/attn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(ar, 3e-3) << "attention layer " << l;
     std::vector<float> f = Bf16("debug/ffn_in_layer" + ls + "_prefill.bin");
-    model_->Moe(l, f.data(), P, out.data());
+    ASSERT_TRUE(model_->Moe(l, f.data(), P, out.data()).ok());
     const double mr = RelRms(out, Bf16("debug/ffn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(mr, 1e-3) << "MoE layer " << l;
     std::printf("[%s] layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", set_.c_str(), l, ar,
@@ -93,8 +92,10 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
     std::vector<float> want = Bf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
     ASSERT_EQ(in.size(), static_cast<size_t>(P * c.hc_mult * D));
     std::vector<float> h = in;
-    model_->Engram(l, hashes.data() + li * per,
-                   static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data());
+    ASSERT_TRUE(model_
+                    ->Engram(l, hashes.data() + li * per,
+                             static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data())
+                    .ok());
     std::vector<float> d(h.size()), dw(h.size());
     for (size_t i = 0; i < h.size(); ++i) {
       d[i] = h[i] - in[i];
@@ -333,7 +334,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
     std::vector<float> out(P * D);
     for (int l = 0; l < c.n_layers; ++l) {
       std::vector<float> x = Bf16("debug/attn_in_layer" + std::to_string(l) + "_prefill.bin");
-      model_->Attention(l, x.data(), call, *state, out.data());
+      ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
     }
     Model::Hidden none;
     model_->Commit(*state, prompt_, P, none);
@@ -367,25 +368,25 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
       }
       for (size_t li = 0; li < c.engram_layer_ids.size(); ++li) {
         if (c.engram_layer_ids[li] != l) continue;
-        model_->Engram(l, hashes.data() + li * per,
-                       static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data());
+        ASSERT_TRUE(model_->Engram(l, hashes.data() + li * per,
+                       static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data()).ok());
       }
       const LayerWeights& L = wt.layers[l];
-      be.HcMixes(1, h.data(), hc, D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
+      ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
                  L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data(),
-                 aQ.data(), aC.data());
-      be.HcPre(1, h.data(), hc, D, pre.data(), x.data());
-      be.RmsNorm(x.data(), L.attn_norm.data(), 1, D, c.norm_eps, x.data());
+                 aQ.data(), aC.data()).ok());
+      ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, pre.data(), x.data()).ok());
+      ASSERT_TRUE(be.RmsNorm(x.data(), L.attn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
       ForwardTrace t;
-      model_->Attention(l, x.data(), call, *state, y.data(), &t);
-      be.HcPost(1, y.data(), h.data(), hc, D, aQ.data(), aC.data(), h.data());
-      be.HcMixes(1, h.data(), hc, D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
+      ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, y.data(), &t).ok());
+      ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, aQ.data(), aC.data(), h.data()).ok());
+      ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
                  L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre.data(),
-                 fQ.data(), fC.data());
-      be.HcPre(1, h.data(), hc, D, aP.data(), x.data());
-      be.RmsNorm(x.data(), L.ffn_norm.data(), 1, D, c.norm_eps, x.data());
-      model_->Moe(l, x.data(), 1, y.data());
-      be.HcPost(1, y.data(), h.data(), hc, D, fQ.data(), fC.data(), h.data());
+                 fQ.data(), fC.data()).ok());
+      ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, aP.data(), x.data()).ok());
+      ASSERT_TRUE(be.RmsNorm(x.data(), L.ffn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
+      ASSERT_TRUE(model_->Moe(l, x.data(), 1, y.data()).ok());
+      ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, fQ.data(), fC.data(), h.data()).ok());
       const double e = RelRms(h.data(), blocks.data() + (s * c.n_layers + l) * hc * D, hc * D);
       errs += " " + std::to_string(e).substr(0, 7);
       EXPECT_LE(e, 3e-3) << "layer " << l << " step " << s;

@@ -1,9 +1,9 @@
-#include "kernels/cpu/numerics.h"
+#include "kernels/format.h"
 
 #include <algorithm>
 #include <cmath>
 
-namespace epd::kernels::cpu {
+namespace epd::kernels::format {
 
 const float kE2M1Values[16] = {0.f,  0.5f,  1.f,  1.5f,  2.f,  3.f,  4.f,  6.f,
                                -0.f, -0.5f, -1.f, -1.5f, -2.f, -3.f, -4.f, -6.f};
@@ -232,4 +232,4 @@ void UnpackSwaSlot(const uint8_t* in, int64_t dim, float* out) {
     out[i] = RoundBf16(DecodeE4M3(in[i]) * DecodeE8M0(in[dim + i / 32]));
 }
 
-}  // namespace epd::kernels::cpu
+}  // namespace epd::kernels::format

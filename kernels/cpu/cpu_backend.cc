@@ -1,0 +1,406 @@
+// The CPU reference backend: host memory, one (synchronous) stream, the kernels of ops.h and the
+// small per-element steps of the forward pass (routing, SwiGLU, candidate selection, ...), each
+// with the operation order of the reference.
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+#include "kernels/cpu/ops.h"
+#include "kernels/format.h"
+#include "kernels/rope.h"
+
+namespace epd::kernels::cpu {
+namespace {
+
+using absl::InvalidArgumentError;
+using absl::OkStatus;
+using absl::Status;
+
+Status Bad(const char* op, const std::string& why) {
+  return InvalidArgumentError(absl::StrCat("cpu backend: ", op, ": ", why));
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(CpuBackendOptions options) : options_(options) {}
+
+  std::string_view Name() const override { return "cpu"; }
+
+  // ---- Memory ----
+  MemoryKind memory_kind() const override { return MemoryKind::kHost; }
+  absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
+    if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
+    if (stream.id != 0) return Bad("Allocate", "the CPU backend has only stream 0");
+    if (bytes == 0) return Buffer(nullptr, 0, MemoryKind::kHost, stream, nullptr);
+    const size_t rounded = (static_cast<size_t>(bytes) + 63) / 64 * 64;
+    void* p = std::aligned_alloc(64, rounded);
+    if (p == nullptr) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cpu backend: Allocate: out of host memory for ", bytes, " bytes"));
+    }
+    return Buffer(p, bytes, MemoryKind::kHost, stream, [](void* q) { std::free(q); });
+  }
+  Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
+    if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {
+      return Bad("Upload", absl::StrCat(bytes, " bytes at offset ", dst_offset,
+                                        " do not fit a buffer of ", dst.bytes()));
+    }
+    if (bytes > 0) std::memcpy(dst.as<uint8_t>() + dst_offset, host, bytes);
+    return OkStatus();
+  }
+  Status Download(const Buffer& src, int64_t src_offset, int64_t bytes, void* host) override {
+    if (bytes < 0 || src_offset < 0 || src_offset + bytes > src.bytes()) {
+      return Bad("Download", absl::StrCat(bytes, " bytes at offset ", src_offset,
+                                          " are not inside a buffer of ", src.bytes()));
+    }
+    if (bytes > 0) std::memcpy(host, src.as<uint8_t>() + src_offset, bytes);
+    return OkStatus();
+  }
+  Status Synchronize(Stream stream) override {
+    if (stream.id != 0) return Bad("Synchronize", "the CPU backend has only stream 0");
+    return OkStatus();  // every op has finished when it returns
+  }
+  Status Copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes < 0) return Bad("Copy", "negative size");
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return OkStatus();
+  }
+
+  // ---- Linears ----
+  Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
+    if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
+    if (static_cast<int64_t>(w.values.size()) != w.out * w.in)
+      return Bad("LinearQuant", "weight values do not match [out, in]");
+    ScopedScalarKernels s(!options_.simd);
+    cpu::LinearQuant(x, rows, w, y);
+    return OkStatus();
+  }
+  Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+                    float* y) override {
+    if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
+    ScopedScalarKernels s(!options_.simd);
+    cpu::LinearBf16(x, rows, w, out, in, y);
+    return OkStatus();
+  }
+  Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+                   float* y) override {
+    if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
+    ScopedScalarKernels s(!options_.simd);
+    cpu::LinearF32(x, rows, w, out, in, y);
+    return OkStatus();
+  }
+
+  // ---- Norms, RoPE, rounding ----
+  Status RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                 float* y) override {
+    if (rows < 0 || dim <= 0) return Bad("RmsNorm", "shape");
+    cpu::RmsNormBf16(x, w, rows, dim, eps, y);
+    return OkStatus();
+  }
+  Status RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
+                    float* cos, float* sin) override {
+    if (rows < 0 || n_pairs < 0) return Bad("RopeTables", "negative shape");
+    for (int64_t r = 0; r < rows; ++r)
+      RopeCosSin(freqs, n_pairs, positions[r], cos + r * n_pairs, sin + r * n_pairs);
+    return OkStatus();
+  }
+  Status Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+              const float* cos, const float* sin, bool inverse) override {
+    if (rows < 0 || heads < 0 || offset < 0 || offset + 2 * n_pairs > stride)
+      return Bad("Rope", "the rotated pairs do not fit the row stride");
+    cpu::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse);
+    return OkStatus();
+  }
+  Status RoundBf16(float* x, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i]);
+    return OkStatus();
+  }
+  Status ScaleRoundBf16(float* x, int64_t n, float scale) override {
+    for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i] * scale);
+    return OkStatus();
+  }
+  Status Add(float* x, const float* y, int64_t n) override {
+    for (int64_t i = 0; i < n; ++i) x[i] += y[i];
+    return OkStatus();
+  }
+
+  // ---- Attention ----
+  Status SparseAttention(const SparseAttentionArgs& args) override {
+    if (args.rows < 0 || args.heads < 0 || args.head_dim <= 0 || args.list_len < 0)
+      return Bad("SparseAttention", "shape");
+    ScopedScalarKernels s(!options_.simd);
+    cpu::SparseAttention(args);
+    return OkStatus();
+  }
+  Status CompressPool(const float* kv, const float* score, int ratio, int64_t hd,
+                      float* out) override {
+    if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
+    for (int64_t ch = 0; ch < hd; ++ch) {
+      float mx = -INFINITY;
+      for (int r = 0; r < ratio; ++r) mx = std::max(mx, score[r * hd + ch]);
+      float sum = 0.f;
+      float e[8];
+      for (int r = 0; r < ratio; ++r) {
+        e[r] = std::exp(score[r * hd + ch] - mx);
+        sum += e[r];
+      }
+      float acc = 0.f;
+      for (int r = 0; r < ratio; ++r) acc += kv[r * hd + ch] * (e[r] / sum);
+      out[ch] = format::RoundBf16(acc);
+    }
+    return OkStatus();
+  }
+  Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                       int64_t dim, float* score) override {
+    if (heads < 0 || n < 0 || dim < 0) return Bad("IndexerScores", "negative shape");
+    ScopedScalarKernels s(!options_.simd);
+    cpu::IndexerScores(q, w, heads, keys, n, dim, score);
+    return OkStatus();
+  }
+  Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
+                    int64_t mask_cols) override {
+    for (int64_t t = std::max<int64_t>(valid, 0); t < n; ++t) score[t] = -INFINITY;
+    if (mask != nullptr) {
+      for (int64_t t = 0; t < n; ++t) {
+        if (t >= mask_cols || !mask[t]) score[t] = -INFINITY;
+      }
+    }
+    return OkStatus();
+  }
+  Status StableTopK(const float* v, int64_t n, int64_t k, int32_t* out) override {
+    if (n < 0 || k < 0) return Bad("StableTopK", "negative size");
+    const std::vector<int32_t> idx = cpu::StableTopK(v, n, k);
+    std::copy(idx.begin(), idx.end(), out);
+    return OkStatus();
+  }
+  Status CandidateMask(const float* score, int64_t n, int64_t bs, int64_t visible,
+                       int64_t keep_blocks, uint8_t* mask) override {
+    if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
+    const int64_t nb = (n + bs - 1) / bs;
+    std::vector<float> bscore(nb, -INFINITY);
+    for (int64_t t = 0; t < n; ++t) bscore[t / bs] = std::max(bscore[t / bs], score[t]);
+    if (visible > 0 && (visible - 1) / bs < nb) bscore[(visible - 1) / bs] = INFINITY;
+    const std::vector<int32_t> keep =
+        cpu::StableTopK(bscore.data(), nb, std::min<int64_t>(keep_blocks, nb));
+    std::fill(mask, mask + n, 0);
+    for (int32_t b : keep) {
+      if (bscore[b] == -INFINITY) continue;
+      for (int64_t t = b * bs; t < std::min(n, (b + 1) * bs); ++t) mask[t] = 1;
+    }
+    return OkStatus();
+  }
+  Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
+                    int32_t* out) override {
+    if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
+    std::vector<int32_t> sel = cpu::StableTopK(score, n, k);
+    std::sort(sel.begin(), sel.end());
+    for (int64_t j = 0; j < k; ++j) {
+      out[j] = sel[j] >= visible ? -1 : static_cast<int32_t>(sel[j] + offset);
+    }
+    return OkStatus();
+  }
+
+  // ---- mHC ----
+  Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                 const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                 float norm_eps, float* pre, float* post, float* comb) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
+    ScopedScalarKernels s(!options_.simd);
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                   pre + r * hc, post + r * hc, comb + r * hc * hc);
+    }
+    return OkStatus();
+  }
+  Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+               float* y) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPre", "shape");
+    ScopedScalarKernels s(!options_.simd);
+    for (int64_t r = 0; r < rows; ++r)
+      cpu::HcPre(h + r * hc * dim, hc, dim, pre + r * hc, y + r * dim);
+    return OkStatus();
+  }
+  Status HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                const float* post, const float* comb, float* out) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPost", "shape");
+    ScopedScalarKernels s(!options_.simd);
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::HcPost(y + r * dim, res + r * hc * dim, hc, dim, post + r * hc, comb + r * hc * hc,
+                  out + r * hc * dim);
+    }
+    return OkStatus();
+  }
+  Status HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y,
+                int64_t y_stride) override {
+    if (rows < 0 || hc <= 0 || dim < 0) return Bad("HcMean", "shape");
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t d = 0; d < dim; ++d) {
+        float sum = 0.f;
+        for (int64_t j = 0; j < hc; ++j) sum += h[(i * hc + j) * dim + d];
+        y[i * y_stride + d] = format::RoundBf16(sum / static_cast<float>(hc));
+      }
+    }
+    return OkStatus();
+  }
+
+  // ---- MoE ----
+  Status MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
+                  float route_scale, int32_t* experts, float* weights, int32_t* ranked) override {
+    const int64_t E = n_experts, K = top_k;
+    if (K < 1 || K > E) return Bad("MoeRoute", absl::StrCat("top_k ", K, " of ", E, " experts"));
+    std::vector<float> s(E), biased(E);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t e = 0; e < E; ++e) {
+        const float v = z[r * E + e];
+        const float sp = v > 20.f ? v : std::log1p(std::exp(v));
+        s[e] = std::sqrt(sp);
+        biased[e] = s[e] + bias[e];
+      }
+      std::vector<int32_t> sel = cpu::StableTopK(biased.data(), E, K);
+      std::vector<float> wts(sel.size());
+      float sum = 0.f;
+      for (size_t j = 0; j < sel.size(); ++j) {
+        wts[j] = s[sel[j]];
+        sum += wts[j];
+      }
+      for (size_t j = 0; j < sel.size(); ++j) {
+        if (sel.size() > 1) wts[j] = wts[j] / (sum + 1e-20f);
+        wts[j] *= route_scale;
+      }
+      if (ranked != nullptr) std::copy(sel.begin(), sel.end(), ranked + r * K);
+      std::vector<size_t> order(sel.size());
+      std::iota(order.begin(), order.end(), size_t{0});
+      std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sel[a] < sel[b]; });
+      for (int64_t j = 0; j < K; ++j) {
+        experts[r * K + j] = sel[order[j]];
+        weights[r * K + j] = wts[order[j]];
+      }
+    }
+    return OkStatus();
+  }
+  Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
+                const float* row_weights, float* h) override {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < inter; ++j) {
+        const float uu = std::clamp(u[i * inter + j], -lim, lim);
+        const float gg = std::min(g[i * inter + j], lim);
+        const float silu = gg / (1.f + std::exp(-gg));
+        h[i * inter + j] = format::RoundBf16(row_weights ? silu * uu * row_weights[i] : silu * uu);
+      }
+    }
+    return OkStatus();
+  }
+  Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out) override {
+    std::vector<float> acc(dim);
+    for (int64_t r = 0; r < rows; ++r) {
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < slots; ++j) {
+        const float* y = ys + (r * slots + j) * dim;
+        for (int64_t d = 0; d < dim; ++d) acc[d] += y[d];
+      }
+      for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = format::RoundBf16(acc[d]);
+    }
+    return OkStatus();
+  }
+
+  // ---- Engram ----
+  Status Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                      const int64_t* ids, int64_t n, float* out) override {
+    if (dim % 32 != 0) return Bad("Fp8RowLookup", "dim must be a multiple of 32");
+    for (int64_t r = 0; r < n; ++r) {
+      const uint8_t* w = table + ids[r] * dim;
+      const uint8_t* s = table_scale + ids[r] * (dim / 32);
+      float* o = out + r * dim;
+      for (int64_t i = 0; i < dim; ++i)
+        o[i] = format::RoundBf16(format::DecodeE4M3(w[i]) * format::DecodeE8M0(s[i / 32]));
+    }
+    return OkStatus();
+  }
+  Status EngramGate(float* h, const float* e, int64_t rows, int hc_, int64_t D,
+                    const float* q_weight, const float* k_weight, float norm_eps) override {
+    const int64_t hc = hc_;
+    const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* er = e + r * (hc + 1) * D;
+      const float* value = er + hc * D;
+      for (int64_t j = 0; j < hc; ++j) {
+        float* hj = h + (r * hc + j) * D;
+        const float* key = er + j * D;
+        const float* qw = q_weight + j * D;
+        const float* kw = k_weight + j * D;
+        // The reference normalizes h and the key first (fp32), then takes the weighted dot; summed
+        // in double (closest to the reference's result: Engram deltas then equal the golden ones,
+        // see docs/model.md).
+        double sh = 0, sk = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          sh += static_cast<double>(hj[d]) * hj[d];
+          sk += static_cast<double>(key[d]) * key[d];
+        }
+        const float rh = 1.f / std::sqrt(static_cast<float>(sh / D) + norm_eps);
+        const float rk = 1.f / std::sqrt(static_cast<float>(sk / D) + norm_eps);
+        double dd = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const float hn = hj[d] * rh, kn = key[d] * rk;
+          dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
+        }
+        const float dot = static_cast<float>(dd) * inv_sqrt_d;
+        const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
+        const float gate =
+            1.f / (1.f + std::exp(-(sg * std::sqrt(std::max(std::fabs(dot), 1e-6f)))));
+        for (int64_t d = 0; d < D; ++d) hj[d] = format::RoundBf16(hj[d] + gate * value[d]);
+      }
+    }
+    return OkStatus();
+  }
+  Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+               float* h) override {
+    for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < hc; ++j)
+        std::copy_n(table + static_cast<int64_t>(ids[i]) * dim, dim, h + (i * hc + j) * dim);
+    }
+    return OkStatus();
+  }
+
+  Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
+    for (int64_t r = 0; r < rows; ++r) {
+      switch (kind) {
+        case Qdq::kFp8Window:
+          format::Fp8QuantDequantRow(x + r * dim, dim);
+          break;
+        case Qdq::kFp4Index:
+          format::Fp4IndexQuantDequantRow(x + r * dim, dim);
+          break;
+        case Qdq::kFp4Kv:
+          format::Fp4KvQuantDequantRow(x + r * dim, dim);
+          break;
+      }
+    }
+    return OkStatus();
+  }
+
+  Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    if (n <= 0) return Bad("Argmax", "empty rows");
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * n;
+      out[r] = static_cast<int32_t>(std::max_element(xr, xr + n) - xr);
+    }
+    return OkStatus();
+  }
+
+ private:
+  CpuBackendOptions options_;
+};
+
+}  // namespace
+}  // namespace epd::kernels::cpu
+
+namespace epd::kernels {
+std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options) {
+  return std::make_unique<cpu::CpuBackend>(options);
+}
+}  // namespace epd::kernels
