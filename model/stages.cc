@@ -9,6 +9,12 @@ namespace epd::model {
 
 int DecoderSplitLayer(const ModelConfig& c) { return c.candidate_source_layer; }
 
+bool DSparkTargetsBelowSplit(const ModelConfig& c) {
+  for (int l : c.dspark_target_layer_ids)
+    if (l < DecoderSplitLayer(c)) return true;
+  return false;
+}
+
 int64_t DecoderTailRows(const ModelConfig& c) {
   return c.window_size + std::max(0, c.dspark_block_size);
 }
@@ -65,7 +71,8 @@ absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& sta
   out.tail.pre.assign(all_pre.begin() + drop * hc, all_pre.end());
   // DSpark inputs of target layers below the split (the decoder fills the others).
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
-  out.tail.main_hidden.assign(all_mh.begin() + drop * nt * D, all_mh.end());
+  if (DSparkTargetsBelowSplit(c))
+    out.tail.main_hidden.assign(all_mh.begin() + drop * nt * D, all_mh.end());
   return out;
 }
 

@@ -28,7 +28,8 @@ struct EncoderOutput {
   std::vector<int32_t> tail_ids;  // tokens of the tail rows
   Model::Hidden tail;             // residual entering the split layer's block (after its
                                   // Engram, if any), tail rows only; main_hidden holds the
-                                  // DSpark inputs of target layers below the split (else 0)
+                                  // DSpark inputs of target layers below the split (others 0),
+                                  // empty when there are none (DSparkTargetsBelowSplit)
   // Engram compressed ids of the (up to max_ngram-1) tokens before tail_start, oldest first: the
   // decoder's Engram layers hash the tail rows with them.
   std::vector<int64_t> engram_history;
@@ -36,6 +37,10 @@ struct EncoderOutput {
 
 // First decoder layer: the candidate source layer.
 int DecoderSplitLayer(const ModelConfig& config);
+
+// Whether a DSpark target layer lies below the split (the encoder output then carries the DSpark
+// inputs of the tail rows; else they are all the decoder's).
+bool DSparkTargetsBelowSplit(const ModelConfig& config);
 
 // Rows the decoder replays from the encoder's residuals (DESIGN.md §3): the window plus the DSpark
 // block (128 + 5 in the release). The bounded-replay semantics of the whole system

@@ -102,7 +102,9 @@ std::vector<SegmentShape> ExpectedEncoderOutputShapes(const model::ModelConfig& 
           {"enc.h", rows * c.hc_mult * c.dim * 4},
           {"enc.pre", rows * c.hc_mult * 4},
           {"enc.hist", hist * 8},
-          {"enc.mh", rows * c.dspark_target_layer_ids.size() * c.dim * 4}};
+          {"enc.mh", model::DSparkTargetsBelowSplit(c)
+                         ? rows * c.dspark_target_layer_ids.size() * c.dim * 4
+                         : 0}};
 }
 
 int64_t HandoffTailRows(const model::ModelConfig& c) { return model::DecoderTailRows(c); }
@@ -155,7 +157,8 @@ absl::StatusOr<model::EncoderOutput> UnpackEncoderOutput(const model::ModelConfi
   if (hist > static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1)))
     return absl::InvalidArgumentError("segment 'enc.hist': longer than the Engram history");
   if (auto s = FromBytes(*by["enc.hist"], hist, "enc.hist", &o.engram_history); !s.ok()) return s;
-  const size_t mh = r * c.dspark_target_layer_ids.size() * c.dim;
+  const size_t mh =
+      model::DSparkTargetsBelowSplit(c) ? r * c.dspark_target_layer_ids.size() * c.dim : 0;
   if (auto s = FromBytes(*by["enc.mh"], mh, "enc.mh", &o.tail.main_hidden); !s.ok()) return s;
   return o;
 }

@@ -4,7 +4,8 @@
 //
 // A hand-off is a list of named byte segments: a SequenceState as model/sequence_state.h
 // serializes it ("meta", "swa.<L>", "kv.<L>", "keys.<L>", "tail.<L>", "engram", "main_hidden"),
-// plus, encoder -> prefill, the encoder output tail ("enc.meta", "enc.ids", "enc.h", "enc.pre"),
+// plus, encoder -> prefill, the encoder output tail ("enc.meta", "enc.ids", "enc.h", "enc.pre",
+// "enc.hist": Engram history before the tail, "enc.mh": DSpark inputs of targets below the split),
 // and, prefill -> decode, the first-token logits ("logits"). The sender describes what it actually
 // computed; the receiver derives the list it expects from (config, prompt length, tail rows) alone
 // and the transfer engine compares the two field by field before any byte is used.
