@@ -8,7 +8,8 @@
 #   kv0, kv1   .2, .3    epd-kvstore (gRPC 7070, metrics 9090): keys placed on a hash ring
 #   encoder    .4        epd-encoder \
 #   prefill    .5        epd-prefill  > --host 0.0.0.0 --advertise-address <own address>,
-#   decode     .6        epd-decode  /  metrics 9090, UCX over TCP on eth0 (no shared memory)
+#   decode     .6        epd-decode  /  metrics 9090, UCX over TCP on eth0 (no shared memory);
+#                                       kvstore values of >= 4 KiB over UCX too (--kvstore-bulk ucx)
 #   (this shell: .254 on the bridge, so it reaches every host)
 #
 # On real hosts the same flags apply: every worker gets --advertise-address (an address the router
@@ -130,8 +131,9 @@ kvstores="$(addr kv0):7070,$(addr kv1):7070"
 
 # 4. The processes, each on its own host.
 for h in kv0 kv1; do
+  # --ucx-listener: the bulk endpoint is a UCX TCP listener on the host's address (remote clients).
   start "$h" "$bin/epd-kvstore" --host "$(addr "$h")" --grpc-port 7070 --metrics-port 9090 \
-    --data-dir "$state/$h-data" --g1-capacity-bytes 0
+    --data-dir "$state/$h-data" --g1-capacity-bytes 0 --bulk ucx --ucx-listener
 done
 for h in kv0 kv1; do wait_port_file "$state/$h.ports.json" grpc; done
 start router "$bin/epd-router" --host "$(addr router)" --http-port 8000 --grpc-port 50051 \
@@ -140,7 +142,8 @@ start router "$bin/epd-router" --host "$(addr router)" --http-port 8000 --grpc-p
 wait_port_file "$state/router.ports.json" grpc
 for h in encoder prefill decode; do
   start "$h" "$bin/epd-$h" --host 0.0.0.0 --advertise-address "$(addr "$h")" --metrics-port 9090 \
-    --router "$(addr router):50051" --kvstore "$kvstores" --model "$model" --worker-id "$h-0"
+    --router "$(addr router):50051" --kvstore "$kvstores" --model "$model" --worker-id "$h-0" \
+    --kvstore-bulk "${EPD_KVSTORE_BULK:-ucx}" --kvstore-bulk-min-bytes "${EPD_KVSTORE_BULK_MIN_BYTES:-4096}"
 done
 for h in encoder prefill decode; do wait_port_file "$state/$h.ports.json" registered; done
 trap - ERR

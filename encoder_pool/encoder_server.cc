@@ -51,6 +51,14 @@ class EncoderHandler final : public worker::JobHandler {
     if (!setup.kvstore.empty()) {
       kvstore::KvClientOptions o;
       o.deadline_ms = 5000;
+      if (setup.kvstore_bulk_ucx) {
+        // A daemon started with --ucx-listener connects back to this address for gets.
+        o.bulk = kvstore::BulkTransport::kUcx;
+        o.bulk_min_bytes = setup.kvstore_bulk_min_bytes;
+        o.ucx_listen_ip = setup.advertise_address;
+        o.ucx_net_devices = setup.ucx_net_devices;
+        o.cluster_token = setup.cluster_token;
+      }
       // --kvstore may list several daemons: blocks and snapshots go to their owners on the ring.
       auto store = kvstore::ShardedKvClient::Create(
           kvstore::ShardedKvClient::ParseTargets(setup.kvstore), o);

@@ -150,7 +150,8 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   services::RuntimeOptions runtime_options;
   services::AddRuntimeFlags(app, &runtime_options);
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
-  std::string advertise;
+  std::string advertise, kvstore_bulk = "inline";
+  uint64_t kvstore_bulk_min_bytes = 64 << 10;
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
   int64_t selftest_bytes = 4 << 20;
@@ -158,6 +159,12 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   app.add_option("--kvstore", kvstore,
                  "KV store gRPC address host:port, or several comma-separated (keys placed on a "
                  "consistent-hash ring; every worker and the router must list the same daemons)");
+  app.add_option("--kvstore-bulk", kvstore_bulk,
+                 "How kvstore values move: inline (in the gRPC messages) or ucx (values of at "
+                 "least --kvstore-bulk-min-bytes over UCX; the daemon needs --bulk ucx)")
+      ->check(CLI::IsMember({"inline", "ucx"}));
+  app.add_option("--kvstore-bulk-min-bytes", kvstore_bulk_min_bytes,
+                 "--kvstore-bulk ucx: smaller values stay inline (default 64 KiB)");
   app.add_option("--advertise-address", advertise,
                  "Address other hosts reach this worker at: registered with the router as the "
                  "control address (default: --host; required when --host is 0.0.0.0)");
@@ -244,6 +251,11 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.handoff = &handoff;
   setup.fingerprint = *fingerprint;
   setup.kvstore = kvstore;
+  setup.kvstore_bulk_ucx = kvstore_bulk == "ucx";
+  setup.kvstore_bulk_min_bytes = kvstore_bulk_min_bytes;
+  setup.advertise_address = advertise;
+  setup.ucx_net_devices = net_devices;
+  setup.cluster_token = cluster_token;
   setup.dspark = dspark == "on";
   setup.registry = &runtime.registry();
   setup.batch_size = &prometheus::BuildGauge()

@@ -1,8 +1,8 @@
 // A cluster across hosts, simulated (issue 16; docs/multihost.md): deploy/netns_cluster.sh puts
 // the router, two kvstores and the encoder, prefill and decode workers each in its own network
 // namespace with its own address on a bridge. Workers listen on 0.0.0.0 and advertise their own
-// address; hand-offs cross the bridge over UCX/TCP, store traffic over gRPC to the two kvstores,
-// whose keys are placed on the hash ring. A request's path crosses four namespaces (router,
+// address; hand-offs and store values cross the bridge over UCX/TCP (control messages over
+// gRPC) to the two kvstores, whose keys are placed on the hash ring. A request's path crosses four namespaces (router,
 // encoder, prefill, decode) and its greedy output equals the single-host cluster's; when one
 // kvstore host is taken down mid-run, requests still succeed with the same output and only lose
 // cache hits. Needs root (ip netns); every namespace and link is named so-<random>-* and removed
@@ -185,6 +185,11 @@ TEST_F(MultiHostTest, RequestsCrossFourHostsWithSingleHostOutputAndSurviveALostK
   EXPECT_GT(Metric("PREFILL", "epd_transfer_bytes_total", "transport=\"tcp\""), 0.0) << Logs();
   EXPECT_GT(Metric("DECODE", "epd_transfer_bytes_total", "transport=\"tcp\""), 0.0) << Logs();
   EXPECT_EQ(Metric("PREFILL", "epd_transfer_bytes_total", "transport=\"shm\""), 0.0);
+  // The store values crossed it over UCX too (--kvstore-bulk ucx; the daemons' bulk endpoints).
+  EXPECT_GT(Metric("KV0", "epd_transfer_bytes_total", "transport=\"tcp\"") +
+                Metric("KV1", "epd_transfer_bytes_total", "transport=\"tcp\""),
+            0.0)
+      << Logs();
   // The 4 blocks and the SWA snapshot were placed on the ring: both kvstores hold a share.
   const double puts0 = Metric("KV0", "epd_kv_puts_total");
   const double puts1 = Metric("KV1", "epd_kv_puts_total");
