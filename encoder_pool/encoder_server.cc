@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "encoder_pool/encoder_stage.h"
+#include "kvstore/sharded_kv_client.h"
 
 namespace epd::encoder_pool {
 namespace {
@@ -50,10 +51,27 @@ class EncoderHandler final : public worker::JobHandler {
     if (!setup.kvstore.empty()) {
       kvstore::KvClientOptions o;
       o.deadline_ms = 5000;
-      store_ = kvstore::KvStoreClient::Create(setup.kvstore, o);
-      spdlog::info("epd-encoder: prefix reuse through the kvstore at {}", setup.kvstore);
+      if (setup.kvstore_bulk_ucx) {
+        // A daemon started with --ucx-listener connects back to this address for gets.
+        o.bulk = kvstore::BulkTransport::kUcx;
+        o.bulk_min_bytes = setup.kvstore_bulk_min_bytes;
+        o.ucx_listen_ip = setup.advertise_address;
+        o.ucx_net_devices = setup.ucx_net_devices;
+        o.cluster_token = setup.cluster_token;
+      }
+      // --kvstore may list several daemons: blocks and snapshots go to their owners on the ring.
+      auto store = kvstore::ShardedKvClient::Create(
+          kvstore::ShardedKvClient::ParseTargets(setup.kvstore), o);
+      if (store.ok()) {
+        store_ = *std::move(store);
+        spdlog::info("epd-encoder: prefix reuse through the kvstore at {}", setup.kvstore);
+      } else {
+        store_error_ = store.status();
+      }
     }
   }
+
+  const absl::Status& store_error() const { return store_error_; }
 
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
                    const std::atomic<bool>& cancelled) override {
@@ -113,7 +131,8 @@ class EncoderHandler final : public worker::JobHandler {
  private:
   worker::WorkerSetup setup_;
   EncoderStage stage_;
-  std::unique_ptr<kvstore::KvStoreClient> store_;  // null without --kvstore
+  std::unique_ptr<kvstore::ShardedKvClient> store_;  // null without --kvstore
+  absl::Status store_error_;                          // a --kvstore list that did not parse
   prometheus::Counter* replays_;
   prometheus::Counter* replayed_tokens_;
   std::map<std::string, prometheus::Counter*> errors_;
@@ -126,7 +145,9 @@ class EncoderHandler final : public worker::JobHandler {
 
 absl::StatusOr<std::unique_ptr<worker::JobHandler>> MakeEncoderHandler(
     const worker::WorkerSetup& setup) {
-  return std::make_unique<EncoderHandler>(setup);
+  auto h = std::make_unique<EncoderHandler>(setup);
+  if (!h->store_error().ok()) return h->store_error();
+  return h;
 }
 
 }  // namespace epd::encoder_pool

@@ -48,7 +48,7 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
   *report = PrefixReport{};
   const int64_t N = static_cast<int64_t>(prompt.size());
   const int64_t B = prefix.block_tokens;
-  kvstore::KvStoreClient* store = B > 0 ? prefix.store : nullptr;
+  kvstore::KvStoreApi* store = B > 0 ? prefix.store : nullptr;
   std::vector<kvstore::BlockHash> hashes;
   if (store != nullptr)
     hashes = kvstore::ChainHashes(prompt, static_cast<size_t>(B), prefix.fingerprint);

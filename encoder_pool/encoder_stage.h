@@ -28,7 +28,9 @@ struct EncoderResult {
 
 // Prefix reuse through the kvstore (docs/workers.md "Store reuse").
 struct PrefixOptions {
-  kvstore::KvStoreClient* store = nullptr;  // null: no store (P = 0, nothing written)
+  // One daemon or several on the hash ring (kvstore/sharded_kv_client.h). Null: no store (P = 0,
+  // nothing written).
+  kvstore::KvStoreApi* store = nullptr;
   std::string fingerprint;                  // the config fingerprint inside every chain hash
   int64_t hint = 0;                         // Job.cached_tokens (the router's lookup)
   int64_t block_tokens = model::kPrefixBlockTokens;

@@ -66,7 +66,18 @@ struct KvClientOptions {
   std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)> debug_wrap_wire;
 };
 
-class KvStoreClient {
+// What a worker or the router needs from "the kvstore": one daemon (KvStoreClient) or several on
+// a consistent-hash ring (ShardedKvClient, kvstore/sharded_kv_client.h). Thread-safe.
+class KvStoreApi {
+ public:
+  virtual ~KvStoreApi() = default;
+  virtual absl::StatusOr<LookupResult> Lookup(std::string_view config_fingerprint,
+                                              std::span<const BlockHash> chain_hashes) = 0;
+  virtual absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) = 0;
+  virtual absl::Status Put(Tier tier, std::string_view key, std::string_view value) = 0;
+};
+
+class KvStoreClient final : public KvStoreApi {
  public:
   // `target` is "host:port". The channel connects lazily; the first call reports an unreachable
   // daemon as Unavailable.
@@ -75,10 +86,10 @@ class KvStoreClient {
   ~KvStoreClient();
 
   absl::StatusOr<LookupResult> Lookup(std::string_view config_fingerprint,
-                                      std::span<const BlockHash> chain_hashes);
-  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key);
+                                      std::span<const BlockHash> chain_hashes) override;
+  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
   // OK only once the daemon acknowledged the put (for G3: it is in the WAL).
-  absl::Status Put(Tier tier, std::string_view key, std::string_view value);
+  absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
   absl::StatusOr<bool> Pin(std::string_view key, bool pin);
   absl::StatusOr<std::vector<TierStats>> Stats();
   const std::string& target() const { return target_; }

@@ -10,7 +10,14 @@ KvStorePrefixOracle::KvStorePrefixOracle(KvOracleOptions options, prometheus::Re
     : options_(std::move(options)) {
   kvstore::KvClientOptions client_options;
   client_options.deadline_ms = options_.lookup_deadline_ms;
-  client_ = kvstore::KvStoreClient::Create(options_.target, client_options);
+  auto client = kvstore::ShardedKvClient::Create(
+      kvstore::ShardedKvClient::ParseTargets(options_.target), client_options);
+  if (client.ok()) {
+    client_ = *std::move(client);
+  } else {
+    spdlog::error("epd-router: --kvstore '{}': {}; no prefix hints", options_.target,
+                  std::string(client.status().message()));
+  }
   auto& lookups = prometheus::BuildCounter()
                       .Name("epd_router_prefix_lookups_total")
                       .Help("Prefix lookups the router sent to the kvstore")
@@ -32,7 +39,7 @@ PrefixHint KvStorePrefixOracle::Lookup(const std::vector<int32_t>& prompt_ids,
                                        const std::string& fingerprint) {
   PrefixHint hint;
   const std::string& fp = fingerprint.empty() ? options_.default_fingerprint : fingerprint;
-  if (options_.block_tokens <= 0 ||
+  if (client_ == nullptr || options_.block_tokens <= 0 ||
       prompt_ids.size() < static_cast<size_t>(options_.block_tokens)) {
     return hint;
   }

@@ -12,7 +12,7 @@
 #include <memory>
 #include <string>
 
-#include "kvstore/kvstore_client.h"
+#include "kvstore/sharded_kv_client.h"
 #include "prometheus/counter.h"
 #include "prometheus/registry.h"
 #include "services/router/prefix_oracle.h"
@@ -20,7 +20,7 @@
 namespace epd::services::router {
 
 struct KvOracleOptions {
-  std::string target;               // kvstore "host:port"
+  std::string target;  // kvstore "host:port", or several "a:1,b:2" (the hash ring of the workers)
   int block_tokens = 64;            // tokens per KV block. Default: 64 (docs/kvstore.md)
   std::string default_fingerprint;  // used when Lookup is given an empty fingerprint
   int lookup_deadline_ms = 200;     // Default: 200 ms
@@ -38,7 +38,7 @@ class KvStorePrefixOracle final : public PrefixOracle {
 
  private:
   KvOracleOptions options_;
-  std::unique_ptr<kvstore::KvStoreClient> client_;
+  std::unique_ptr<kvstore::KvStoreApi> client_;  // null: the target list did not parse
   prometheus::Counter* lookups_;
   prometheus::Counter* errors_;
   prometheus::Counter* cached_tokens_;

@@ -24,6 +24,7 @@
 #include "services/router/openai_http.h"
 #include "services/router/prefix_oracle.h"
 #include "services/router/registry.h"
+#include "services/router/replica_planner.h"
 #include "services/router/router_core.h"
 #include "services/router/scheduler.h"
 #include "services/runtime/process.h"
@@ -59,7 +60,8 @@ int main(int argc, char** argv) {
   app.add_option("--model", model_dir,
                  "Model directory (tokenizer + chat format); default: the built-in byte codec");
   app.add_option("--kvstore", kvstore_address,
-                 "kvstore gRPC address for prefix lookups (default: none, no prefix hints)");
+                 "kvstore gRPC address(es) for prefix lookups, comma-separated for several on the hash "
+                 "ring (the workers' list; default: none, no prefix hints)");
   int kv_block_tokens = 64;
   app.add_option("--kv-block-tokens", kv_block_tokens, "Tokens per kvstore block (chain hashes)")
       ->capture_default_str();
@@ -104,6 +106,29 @@ int main(int argc, char** argv) {
   app.add_option("--direct-decode-max-tokens", scheduler_options.direct_decode_max_tokens,
                  "Uncached prompt tokens at or below which decode runs a request alone")
       ->capture_default_str();
+  // Autoscaling signals: epd_router_recommended_replicas{pool} (docs/router.md).
+  r::PlannerOptions planner_options;
+  app.add_option("--target-queue-encoder", planner_options.target_queue[0],
+                 "Planner: jobs per encoder worker to aim for")
+      ->capture_default_str();
+  app.add_option("--target-queue-prefill", planner_options.target_queue[1],
+                 "Planner: jobs per prefill worker to aim for")
+      ->capture_default_str();
+  app.add_option("--target-queue-decode", planner_options.target_queue[2],
+                 "Planner: sequences per decode worker to aim for")
+      ->capture_default_str();
+  app.add_option("--target-ttft-ms", planner_options.target_ttft_ms,
+                 "Planner: mean time to first token to aim for (encoder, prefill; 0 = off)")
+      ->capture_default_str();
+  app.add_option("--target-itl-ms", planner_options.target_itl_ms,
+                 "Planner: mean inter-token latency to aim for (decode; 0 = off)")
+      ->capture_default_str();
+  app.add_option("--max-replicas", planner_options.max_replicas,
+                 "Planner: the most replicas it recommends for a pool")
+      ->capture_default_str();
+  app.add_option("--planner-interval-ms", planner_options.interval_ms,
+                 "Planner: how often the recommendations are recomputed")
+      ->capture_default_str();
   CLI11_PARSE(app, argc, argv);
   if (http_options.api_key.empty()) {
     if (const char* k = std::getenv("EPD_API_KEY")) http_options.api_key = k;
@@ -121,6 +146,7 @@ int main(int argc, char** argv) {
     return Fail(absl::InvalidArgumentError(
         "--http-threads must be at least --max-running-requests + --max-queued-requests + 8"));
   }
+  if (auto s = planner_options.Validate(); !s.ok()) return Fail(s);
 
   auto& clock = epd::common::SystemClock::Get();
   // The real codec when --model has a tokenizer.json, else the byte codec (docs/router.md, Text).
@@ -164,6 +190,7 @@ int main(int argc, char** argv) {
   r::Scheduler scheduler(scheduler_options, registry, oracle, runtime.registry());
   auto workers = r::NewGrpcWorkerClient();
   r::RouterCore core(core_options, codec, registry, scheduler, *workers, clock, runtime.registry());
+  r::ReplicaPlanner planner(planner_options, runtime.registry());
 
   r::AdmissionQueue admission(admission_options, runtime.registry());
   http_options.admission = &admission;
@@ -191,9 +218,15 @@ int main(int argc, char** argv) {
 
   const auto sweep =
       std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
+  auto next_plan = std::chrono::steady_clock::now();
   while (!epd::services::WaitForShutdown(sweep)) {
     // A worker that stops heartbeating may hang its streams rather than close them.
     for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
+    if (std::chrono::steady_clock::now() >= next_plan) {
+      planner.Update();
+      next_plan = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(planner_options.interval_ms);
+    }
   }
 
   spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());

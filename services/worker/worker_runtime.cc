@@ -150,11 +150,24 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   services::RuntimeOptions runtime_options;
   services::AddRuntimeFlags(app, &runtime_options);
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
+  std::string advertise, kvstore_bulk = "inline";
+  uint64_t kvstore_bulk_min_bytes = 64 << 10;
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
   int64_t selftest_bytes = 4 << 20;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
-  app.add_option("--kvstore", kvstore, "KV store gRPC address host:port");
+  app.add_option("--kvstore", kvstore,
+                 "KV store gRPC address host:port, or several comma-separated (keys placed on a "
+                 "consistent-hash ring; every worker and the router must list the same daemons)");
+  app.add_option("--kvstore-bulk", kvstore_bulk,
+                 "How kvstore values move: inline (in the gRPC messages) or ucx (values of at "
+                 "least --kvstore-bulk-min-bytes over UCX; the daemon needs --bulk ucx)")
+      ->check(CLI::IsMember({"inline", "ucx"}));
+  app.add_option("--kvstore-bulk-min-bytes", kvstore_bulk_min_bytes,
+                 "--kvstore-bulk ucx: smaller values stay inline (default 64 KiB)");
+  app.add_option("--advertise-address", advertise,
+                 "Address other hosts reach this worker at: registered with the router as the "
+                 "control address (default: --host; required when --host is 0.0.0.0)");
   app.add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
   app.add_option("--worker-id", worker_id, "Worker id (default: <pool>-<pid>)");
   app.add_option(
@@ -177,6 +190,14 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
       t != nullptr && app.count("--cluster-token") == 0)
     cluster_token = t;
   if (worker_id.empty()) worker_id = label + "-" + std::to_string(getpid());
+  if (advertise.empty()) {
+    if (runtime_options.host == "0.0.0.0" || runtime_options.host == "::") {
+      std::cerr << "epd-" << label << ": --host " << runtime_options.host
+                << " is not an address the router can dial; give --advertise-address\n";
+      return 1;
+    }
+    advertise = runtime_options.host;
+  }
 
   services::ProcessRuntime runtime("epd-" + label, runtime_options);
   if (auto s = runtime.Start(); !s.ok()) {
@@ -230,6 +251,11 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.handoff = &handoff;
   setup.fingerprint = *fingerprint;
   setup.kvstore = kvstore;
+  setup.kvstore_bulk_ucx = kvstore_bulk == "ucx";
+  setup.kvstore_bulk_min_bytes = kvstore_bulk_min_bytes;
+  setup.advertise_address = advertise;
+  setup.ucx_net_devices = net_devices;
+  setup.cluster_token = cluster_token;
   setup.dspark = dspark == "on";
   setup.registry = &runtime.registry();
   setup.batch_size = &prometheus::BuildGauge()
@@ -261,11 +287,19 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   epd::v1::RegisterRequest reg;
   reg.set_pool(pool);
   reg.set_worker_id(worker_id);
-  reg.set_control_address(runtime_options.host + ":" + std::to_string(port));
+  reg.set_control_address(advertise + ":" + std::to_string(port));
   reg.set_transfer_address((*transport)->LocalAddress());
   reg.set_config_fingerprint(*fingerprint);
   reg.set_model(std::filesystem::path(model_dir).filename().string());
   int interval_ms = 1000;
+  // Readiness (/health): 503 until registered with the router, and again once draining.
+  // 0 registering, 1 serving, 2 draining. Shared: the server thread may outlive this frame.
+  auto phase = std::make_shared<std::atomic<int>>(0);
+  runtime.metrics_server().SetHealth([phase] {
+    static const char* kPhase[] = {"registering", "serving", "draining"};
+    const int p = phase->load();
+    return services::HealthReport{p == 1, std::string("{\"phase\":\"") + kPhase[p] + "\"}"};
+  });
   auto do_register = [&]() -> int {
     for (int attempt = 0; attempt < 100; ++attempt) {
       grpc::ClientContext ctx;
@@ -304,6 +338,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     server->Shutdown();
     return rc;
   }
+  phase->store(1);
   runtime.PublishPort("registered", 1);
   while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
     if (heartbeat(false)) {
@@ -317,6 +352,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   // Drain: refuse new jobs, tell the router, finish running jobs within --drain-timeout-ms.
   spdlog::info("epd-{}: draining ({} running, up to {} ms)", label, service.active(),
                runtime_options.drain_timeout_ms);
+  phase->store(2);
   service.StartDrain();
   heartbeat(true);
   const auto drain_end = std::chrono::steady_clock::now() +

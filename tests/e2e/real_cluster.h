@@ -64,6 +64,8 @@ struct RealClusterOptions {
   // Extra flags for every worker, then for decode workers only.
   std::vector<std::string> worker_args;
   std::vector<std::string> decode_args;
+  // Extra flags for the router.
+  std::vector<std::string> router_args;
 };
 
 // Router (+ kvstore) + one worker per pool ("encoder-0", "prefill-0", "decode-0"); Add() starts
@@ -106,11 +108,14 @@ class RealCluster {
                                      "--model",
                                      options_.model_dir};
     if (options_.store) argv.insert(argv.end(), {"--kvstore", kv_address_});
+    argv.insert(argv.end(), options_.router_args.begin(), options_.router_args.end());
     router_.proc = Subprocess::Start(argv, dir_.File("router.log"));
     auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));
     EXPECT_TRUE(grpc.has_value()) << router_.proc.ReadLog();
     router_.grpc = grpc.value_or(0);
     http_port_ = WaitForPortFile(router_.port_file, "http", std::chrono::seconds(5)).value_or(0);
+    router_.metrics =
+        WaitForPortFile(router_.port_file, "metrics", std::chrono::seconds(5)).value_or(0);
     for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind, std::string(kind) + "-0");
   }
 
@@ -150,6 +155,8 @@ class RealCluster {
   RealProc& worker(const std::string& kind) { return *workers_.at(kind); }
   int metrics(const std::string& kind) const { return workers_.at(kind)->metrics; }
   int grpc_port() const { return router_.grpc; }
+  // The router's metrics port.
+  int router_metrics() const { return router_.metrics; }
   int http_port() const { return http_port_; }
   // The kvstore's metrics port (0 without a store).
   int kv_metrics() const { return kv_.metrics; }

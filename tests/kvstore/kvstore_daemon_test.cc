@@ -15,6 +15,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/kvstore_client.h"
+#include "kvstore/sharded_kv_client.h"
 #include "tests/kvstore/daemon_util.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
@@ -282,6 +283,85 @@ TEST(KvStoreDaemonTest, SwaSnapshotsAreShardedOverDaemonsByConsistentHashing) {
   }
   EXPECT_GT(owned[a.target()], 25);
   EXPECT_GT(owned[b.target()], 25);
+}
+
+
+// Several daemons as one store (kvstore/sharded_kv_client.h): blocks and snapshots live on their
+// owner of the hash ring; Lookup finds the whole prefix across daemons; when one daemon dies its
+// share becomes a miss (Lookup ends there, its gets fail fast once marked down), the other
+// daemon's share stays readable and writable.
+TEST(KvStoreDaemonTest, ShardedClientPlacesKeysOnTheRingAndALostDaemonIsOnlyItsShare) {
+  TempDir dir;
+  Daemon a, b;
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data-a"), "a", &a));
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data-b"), "b", &b));
+  KvClientOptions o;
+  o.deadline_ms = 2000;
+  auto made = ShardedKvClient::Create({a.target(), b.target()}, o, {.retry_after_ms = 60000});
+  ASSERT_TRUE(made.ok()) << made.status();
+  ShardedKvClient& store = **made;
+  EXPECT_FALSE(ShardedKvClient::Create({a.target(), a.target()}).ok());
+  EXPECT_FALSE(ShardedKvClient::Create({"nohostport"}).ok());
+  EXPECT_EQ(ShardedKvClient::ParseTargets(" x:1, y:2 ,,"), (std::vector<std::string>{"x:1", "y:2"}));
+
+  constexpr int kBlocks = 40;
+  std::vector<BlockHash> chain;
+  std::map<std::string, int> owned;
+  for (int i = 0; i < kBlocks; ++i) {
+    chain.push_back(Key(i));
+    const std::string key(AsBytes(Key(i)));
+    ASSERT_TRUE(store.Put(Tier::kG3, key, Payload(i, 200)).ok());
+    const std::string owner = store.OwnerOf(key);
+    ++owned[owner];
+    KvStoreClient* other = owner == a.target() ? b.client.get() : a.client.get();
+    auto there = other->Get(Tier::kG3, key);
+    ASSERT_TRUE(there.ok());
+    EXPECT_FALSE(there->found) << "block " << i << " is on both daemons";
+  }
+  ASSERT_GT(owned[a.target()], 5);
+  ASSERT_GT(owned[b.target()], 5);
+  auto all = store.Lookup("fp", chain);
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->cached_blocks, kBlocks);
+  // A gap on one daemon ends the prefix there.
+  std::vector<BlockHash> gapped = chain;
+  gapped.insert(gapped.begin() + 7, Key(9999));
+  auto cut = store.Lookup("fp", gapped);
+  ASSERT_TRUE(cut.ok());
+  EXPECT_EQ(cut->cached_blocks, 7);
+
+  // b dies: the prefix ends at b's first block; a's blocks stay readable; b's fail (fast after
+  // the first failure) and nothing blocks a's writes.
+  b.proc.Signal(SIGKILL);
+  b.proc.Wait(std::chrono::seconds(10));
+  int first_b = -1;
+  for (int i = 0; i < kBlocks && first_b < 0; ++i)
+    if (store.OwnerOf(AsBytes(Key(i))) == b.target()) first_b = i;
+  ASSERT_GE(first_b, 0);
+  auto after = store.Lookup("fp", chain);
+  if (first_b == 0) {
+    EXPECT_FALSE(after.ok());
+  } else {
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->cached_blocks, first_b);
+  }
+  for (int i = 0; i < kBlocks; ++i) {
+    const std::string key(AsBytes(Key(i)));
+    auto got = store.Get(Tier::kG3, key);
+    if (store.OwnerOf(key) == a.target()) {
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(got->value, Payload(i, 200));
+    } else {
+      EXPECT_TRUE(absl::IsUnavailable(got.status()) || absl::IsDeadlineExceeded(got.status()))
+          << got.status();
+    }
+  }
+  EXPECT_GT(store.skipped_calls(), 0u) << "b's keys were not skipped after it failed";
+  for (int i = kBlocks; i < kBlocks + 20; ++i) {
+    const std::string key(AsBytes(Key(i)));
+    absl::Status s = store.Put(Tier::kG3, key, Payload(i, 50));
+    EXPECT_EQ(s.ok(), store.OwnerOf(key) == a.target()) << s;
+  }
 }
 
 }  // namespace
