@@ -18,7 +18,15 @@
 namespace epd::services::router {
 namespace {
 
-grpc::Status ToGrpc(const absl::Status& s) {
+// The OpenAI param and code travel as the trailing metadata epd-error-param / epd-error-code (and
+// in the message), so a gRPC client sees the same error as an HTTP one.
+grpc::Status ToGrpc(const absl::Status& s, grpc::ServerContext* ctx = nullptr) {
+  if (ctx != nullptr) {
+    if (const std::string p = ErrorParam(s); !p.empty())
+      ctx->AddTrailingMetadata("epd-error-param", p);
+    if (const std::string c = ErrorCode(s); !c.empty())
+      ctx->AddTrailingMetadata("epd-error-code", c);
+  }
   std::string msg(s.message());
   if (const std::string p = ErrorParam(s); !p.empty()) msg = absl::StrCat(msg, " (param: ", p, ")");
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), msg);
@@ -47,10 +55,9 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
   spec.sampling = req.sampling();
   if (spec.sampling.top_p() == 0) spec.sampling.set_top_p(1);
   if (spec.sampling.repetition_penalty() == 0) spec.sampling.set_repetition_penalty(1);
-  if (spec.sampling.max_tokens() < 0) {
-    return ApiError(absl::StatusCode::kInvalidArgument, "max_tokens must be >= 0", "max_tokens",
-                    "invalid_value");
-  }
+  if (spec.sampling.top_k() == -1) spec.sampling.set_top_k(0);  // -1 = off, as over HTTP
+  // Value ranges, limits, model, roles and the context length are checked by ValidateSpec /
+  // ValidateLength in RouterCore::Prepare, the validation the HTTP front end shares.
   switch (req.input_case()) {
     case epd::v1::GenerateRequest::kPrompt:
       spec.prompt_text = req.prompt();
@@ -95,10 +102,6 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
         }
         chat.messages.push_back(std::move(msg));
       }
-      if (chat.messages.empty()) {
-        return ApiError(absl::StatusCode::kInvalidArgument, "chat.messages must not be empty",
-                        "messages", "invalid_value");
-      }
       spec.chat = std::move(chat);
       break;
     }
@@ -119,17 +122,17 @@ class InferenceImpl final : public epd::v1::Inference::Service {
                         grpc::ServerWriter<epd::v1::GenerateResponse>* writer) override {
     if (auto s = Authorize(ctx); !s.ok()) return s;
     auto spec = SpecFromProto(*req);
-    if (!spec.ok()) return Reject(spec.status());
+    if (!spec.ok()) return Reject(ctx, spec.status());
     spec->request_id = req->request_id().empty() ? NewId() : req->request_id();
     auto prepared = core_.Prepare(std::move(*spec));
-    if (!prepared.ok()) return Reject(prepared.status());
+    if (!prepared.ok()) return Reject(ctx, prepared.status());
     std::optional<AdmissionQueue::Ticket> ticket;
     if (admission_) {
       auto admitted = admission_->Admit("grpc");
       if (!admitted.ok()) {
         ctx->AddTrailingMetadata("retry-after",
                                  std::to_string(admission_->options().retry_after_s));
-        return Reject(admitted.status());
+        return Reject(ctx, admitted.status());
       }
       ticket.emplace(std::move(*admitted));
     }
@@ -156,7 +159,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     } observer(ctx, writer, prepared->spec.request_id);
 
     auto out = core_.Run(*prepared, &observer);
-    if (!out.ok()) return ToGrpc(out.status());
+    if (!out.ok()) return ToGrpc(out.status(), ctx);
     epd::v1::GenerateResponse last;
     last.set_request_id(prepared->spec.request_id);
     last.set_finish_reason(out->finish_reason);
@@ -207,13 +210,13 @@ class InferenceImpl final : public epd::v1::Inference::Service {
                               "Bearer " + api_key_) {
       return grpc::Status::OK;
     }
-    return Reject(ApiError(absl::StatusCode::kUnauthenticated, "Incorrect API key provided", "",
-                           "invalid_api_key"));
+    return Reject(ctx, ApiError(absl::StatusCode::kUnauthenticated, "Incorrect API key provided",
+                                "", "invalid_api_key"));
   }
 
-  grpc::Status Reject(const absl::Status& s) {
+  grpc::Status Reject(grpc::ServerContext* ctx, const absl::Status& s) {
     core_.CountRejected(s);
-    return ToGrpc(s);
+    return ToGrpc(s, ctx);
   }
 
   static std::string NewId() {
