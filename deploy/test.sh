@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's second command: install what is missing, build, and run the whole test suite, then
-# the unit tests once more under AddressSanitizer + UndefinedBehaviorSanitizer.
+# each fuzz target for a few seconds (docs/fuzzing.md), then the unit tests once more under
+# AddressSanitizer + UndefinedBehaviorSanitizer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
@@ -18,6 +19,11 @@ echo "== build (RelWithDebInfo) =="
 bash deploy/build.sh
 echo "== tests =="
 (cd build && ctest --output-on-failure -j "${EPD_TEST_JOBS:-2}" --timeout 600)
+
+if [ "${EPD_SKIP_FUZZ:-0}" != 1 ]; then
+  echo "== fuzz targets (clang + libFuzzer, ${EPD_FUZZ_SECONDS:-5} s each; docs/fuzzing.md) =="
+  bash tests/fuzz/run.sh "${EPD_FUZZ_SECONDS:-5}"
+fi
 
 if [ "${EPD_SKIP_SANITIZERS:-0}" != 1 ]; then
   echo "== unit tests under ASan + UBSan =="

@@ -350,7 +350,9 @@ static absl::Status ParseCallsBody(std::string_view body, std::vector<ToolCall>&
         args[name] = v;
       }
     }
-    call.arguments = args.dump();
+    // Generated text may hold invalid UTF-8 (a model can emit any byte): replace it (U+FFFD)
+    // rather than throw (found by tests/fuzz/fuzz_dsml).
+    call.arguments = args.dump(-1, ' ', false, ojson::error_handler_t::replace);
     out.push_back(std::move(call));
   }
   return absl::OkStatus();

@@ -155,7 +155,15 @@ absl::StatusOr<std::unique_ptr<SafetensorsFile>> SafetensorsFile::Open(const std
       return bad(absl::StrCat("data ends at ", en, " but the file holds only ", data_size,
                               " data bytes (truncated shard)"));
     }
-    if (en - b != v.numel() * DTypeSize(v.dtype)) {
+    // The element count can overflow int64 for a hostile shape; wrapped, it could match a small
+    // byte range while the shape claims far more (found probing tests/fuzz/fuzz_safetensors).
+    int64_t want_bytes = DTypeSize(v.dtype);
+    for (int64_t d : v.shape) {
+      if (__builtin_mul_overflow(want_bytes, d, &want_bytes)) {
+        return bad(absl::StrCat("shape ", v.ShapeString(), " overflows a 64-bit byte size"));
+      }
+    }
+    if (en - b != want_bytes) {
       return bad(absl::StrCat("byte size ", en - b, " does not match shape ", v.ShapeString(),
                               " x ", DTypeSize(v.dtype)));
     }

@@ -70,6 +70,13 @@ absl::StatusOr<Manifest> BuildExpectedManifest(const HandoffLayout& layout,
   const int64_t n = req.prompt_length;
   const int64_t p = req.cached_length;
   if (n <= 0) return absl::InvalidArgumentError("prompt_length must be > 0");
+  // Far above any context; keeps n + block and count x entry bytes inside int64/uint64 (a header
+  // of INT64_MAX overflowed n + dspark_block_size: found probing tests/fuzz/fuzz_handoff_manifest).
+  constexpr int64_t kMaxPromptLength = int64_t{1} << 40;
+  if (n > kMaxPromptLength) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("prompt_length ", n, " exceeds the limit of ", kMaxPromptLength));
+  }
   if (p < 0 || p > n)
     return absl::InvalidArgumentError(
         absl::StrCat("cached_length ", p, " outside [0, prompt_length ", n, "]"));

@@ -88,7 +88,8 @@ bool ParseDsml(std::string_view block, std::vector<ToolCall>* calls) {
       }
       p = v_end + param_close.size();
     }
-    call.arguments_json = args.dump();
+    // Invalid UTF-8 in generated text becomes U+FFFD instead of a throw (tests/fuzz/fuzz_dsml).
+    call.arguments_json = args.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
     calls->push_back(std::move(call));
     pos = inv_end + invoke_close.size();
   }

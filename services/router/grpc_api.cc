@@ -177,7 +177,9 @@ class InferenceImpl final : public epd::v1::Inference::Service {
                        {"type", "function"},
                        {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
       }
-      last.set_tool_calls_json(arr.dump());
+      // Invalid UTF-8 in generated names/arguments becomes U+FFFD (no throw in the handler).
+      last.set_tool_calls_json(
+          arr.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     }
     writer->Write(last);
     return grpc::Status::OK;

@@ -43,6 +43,10 @@ int HttpStatus(const absl::Status& s) {
   }
 }
 
+// Responses carry model output (tool-call names, arguments) that may hold invalid UTF-8: replaced
+// by U+FFFD instead of throwing out of a handler.
+std::string Dump(const json& j) { return j.dump(-1, ' ', false, json::error_handler_t::replace); }
+
 json ErrorJson(const absl::Status& s) {
   const int status = HttpStatus(s);
   const char* type = status == 401   ? "authentication_error"
@@ -60,7 +64,7 @@ json ErrorJson(const absl::Status& s) {
 
 void SendError(httplib::Response& res, const absl::Status& s) {
   res.status = HttpStatus(s);
-  res.set_content(ErrorJson(s).dump(), "application/json");
+  res.set_content(Dump(ErrorJson(s)), "application/json");
 }
 
 std::string NewRequestId(const char* prefix) {
@@ -381,7 +385,7 @@ class SseWriter final : public StreamObserver {
   SseWriter(httplib::DataSink& sink, json base, bool chat)
       : sink_(sink), base_(std::move(base)), chat_(chat) {}
 
-  bool Send(const json& j) { return Write(absl::StrCat("data: ", j.dump(), "\n\n")); }
+  bool Send(const json& j) { return Write(absl::StrCat("data: ", Dump(j), "\n\n")); }
   bool Write(const std::string& s) {
     if (broken_) return false;
     if (!sink_.write(s.data(), s.size())) broken_ = true;
@@ -674,7 +678,7 @@ void OpenAiHttpServer::Routes() {
         }
         j["choices"] = json::array({std::move(choice)});
         j["usage"] = UsageJson(*out);
-        res.set_content(j.dump(), "application/json");
+        res.set_content(Dump(j), "application/json");
         return;
       }
       auto request = std::make_shared<PreparedRequest>(std::move(*prepared));

@@ -15,47 +15,20 @@
 #include <nlohmann/json.hpp>
 
 #include "epd/v1/inference.grpc.pb.h"
+#include "tests/e2e/tls_certs.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
 using epd::testing::BinaryPath;
-using epd::testing::RunCommand;
+using epd::testing::MakeCa;
+using epd::testing::MakeServerCert;
+using epd::testing::ReadFile;
 using epd::testing::Subprocess;
 using epd::testing::TempDir;
 using epd::testing::WaitForPortFile;
 using nlohmann::json;
-
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
-// A CA `name`.pem/.key, and, signed by it, server.pem/.key for 127.0.0.1 + localhost.
-bool MakeCa(const TempDir& d, const std::string& name) {
-  std::string out;
-  return RunCommand("openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
-                    "-days 1 -subj /CN=" + name + " -keyout " + d.File(name + ".key") +
-                        " -out " + d.File(name + ".pem") + " 2>&1",
-                    &out) == 0;
-}
-
-bool MakeServerCert(const TempDir& d, const std::string& ca) {
-  std::ofstream(d.File("san.ext")) << "subjectAltName=IP:127.0.0.1,DNS:localhost\n";
-  std::string out;
-  return RunCommand("openssl req -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes "
-                    "-subj /CN=localhost -keyout " + d.File("server.key") + " -out " +
-                        d.File("server.csr") + " 2>&1",
-                    &out) == 0 &&
-         RunCommand("openssl x509 -req -days 1 -in " + d.File("server.csr") + " -CA " +
-                        d.File(ca + ".pem") + " -CAkey " + d.File(ca + ".key") +
-                        " -CAcreateserial -extfile " + d.File("san.ext") + " -out " +
-                        d.File("server.pem") + " 2>&1",
-                    &out) == 0;
-}
 
 class RouterTlsTest : public ::testing::Test {
  protected:
@@ -116,9 +89,8 @@ class RouterTlsTest : public ::testing::Test {
 
 TEST_F(RouterTlsTest, HttpsClientThatVerifiesTheCertificateIsServed) {
   auto cli = Https("ca");
-  auto res = cli->Post("/v1/completions",
-                       json{{"model", "epd-nano"}, {"prompt", "hello tls"}, {"max_tokens", 5}}.dump(),
-                       "application/json");
+  const json body = {{"model", "epd-nano"}, {"prompt", "hello tls"}, {"max_tokens", 5}};
+  auto res = cli->Post("/v1/completions", body.dump(), "application/json");
   ASSERT_TRUE(res) << httplib::to_string(res.error()) << "\n" << router_.ReadLog();
   EXPECT_EQ(res->status, 200) << res->body;
   EXPECT_EQ(json::parse(res->body)["choices"][0]["text"], "slt o");

@@ -260,5 +260,17 @@ TEST(ChatFormatTest, RenderedPromptTokenizesProtocolTokens) {
   EXPECT_EQ(*(*tok)->Decode(ids), *s);
 }
 
+// Found by tests/fuzz/fuzz_dsml (corpus: regress-invalid-utf8-parameter): a string parameter with
+// invalid UTF-8 made the arguments' JSON dump throw out of the parser.
+TEST(ChatFormatTest, InvalidUtf8InAToolCallParameterIsReplacedNotThrown) {
+  const std::string text = std::string("<｜DSML｜ calls>\n<｜DSML｜ invoke name=\"f\">\n") +
+                           "<｜DSML｜ parameter name=\"a\" string=\"true\">x\xff\xfey" +
+                           "</｜DSML｜ parameter>\n</｜DSML｜ invoke>\n</｜DSML｜ calls>";
+  auto parsed = ParseCompletion(text, /*thinking=*/false);
+  ASSERT_TRUE(parsed.ok()) << parsed.status();
+  ASSERT_EQ(parsed->tool_calls.size(), 1u);
+  EXPECT_EQ(parsed->tool_calls[0].arguments, "{\"a\":\"x\xef\xbf\xbd\xef\xbf\xbdy\"}");
+}
+
 }  // namespace
 }  // namespace epd::model

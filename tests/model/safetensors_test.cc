@@ -96,6 +96,27 @@ TEST(SafetensorsTest, ErrorsNameTheCause) {
   EXPECT_FALSE(TensorStore::Open(dir.path() + "/tiny.safetensors", false).ok());
 }
 
+// Found probing tests/fuzz/fuzz_safetensors (corpus: regress-shape-overflow): a shape whose element
+// count overflows int64 (signed-overflow UB; wrapped, [2^32, 2^32] x F32 "needs" 0 bytes).
+TEST(SafetensorsTest, ShapeWhoseByteSizeOverflowsIsRefused) {
+  testing::TempDir dir;
+  const std::string p = dir.path() + "/a.safetensors";
+  for (const std::vector<int64_t>& shape : std::vector<std::vector<int64_t>>{
+           {4294967296, 4294967296, 16}, {4294967296, 4294967296}, {INT64_MAX, 2}}) {
+    WriteSafetensors(p, {{"big", "F32", shape, std::vector<uint8_t>(4, 0)}});
+    auto st = SafetensorsFile::Open(p);
+    ASSERT_FALSE(st.ok());
+    EXPECT_EQ(st.status().code(), absl::StatusCode::kDataLoss);
+    EXPECT_NE(std::string(st.status().message()).find("overflows"), std::string::npos)
+        << st.status();
+  }
+  // A zero-sized tensor with huge other dims is still a valid, empty tensor.
+  WriteSafetensors(p, {{"empty", "F32", {0, 4294967296, 4294967296}, {}}});
+  auto ok = SafetensorsFile::Open(p);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ((*ok)->tensors().at("empty").bytes, 0);
+}
+
 TEST(SafetensorsTest, ShardedIndex) {
   testing::TempDir dir;
   WriteSafetensors(dir.path() + "/s1.safetensors", {{"a", "F32", {1}, std::vector<uint8_t>(4, 0)}});

@@ -127,6 +127,20 @@ TEST(Manifest, OfficialLayoutGives890BytesOfGlobalKvPerToken) {
       CountKind(*m, epd::v1::SEGMENT_SWA_KV) + CountKind(*m, epd::v1::SEGMENT_DSPARK_DRAFT_KV), 43);
 }
 
+// Found probing tests/fuzz/fuzz_handoff_manifest (corpus: regress-prompt-length-int64-max): a
+// header of INT64_MAX tokens overflowed the DSpark noise segment's end position.
+TEST(Manifest, AbsurdPromptLengthIsRefusedNotOverflowed) {
+  for (const int64_t n : {INT64_MAX, (int64_t{1} << 40) + 1}) {
+    auto m = BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
+                                   {"r", "fp", n, 0});
+    ASSERT_FALSE(m.ok());
+    EXPECT_THAT(std::string(m.status().message()), HasSubstr("exceeds the limit"));
+  }
+  EXPECT_TRUE(BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode),
+                                    {"r", "fp", int64_t{1} << 40, 0})
+                  .ok());
+}
+
 TEST(Manifest, IdenticalManifestsAgree) {
   auto m =
       BuildExpectedManifest(NanoTestLayout(HandoffKind::kPrefillToDecode), NanoRequest("r", "fp"));
