@@ -1,6 +1,9 @@
 #include "services/cli/chaos.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
 #include <signal.h>
@@ -48,8 +51,13 @@ struct Result {
   Ids ids;
   std::string finish;
   grpc::Status status;
+  int cached = -1;
+  double start_s = 0;  // since the campaign began
   double seconds = 0;
 };
+
+const Clock::time_point g_epoch = Clock::now();
+double Since() { return std::chrono::duration<double>(Clock::now() - g_epoch).count(); }
 
 Result Generate(const std::string& target, const std::string& request_id, const Ids& prompt,
                 int max_tokens, int deadline_s) {
@@ -66,10 +74,12 @@ Result Generate(const std::string& target, const std::string& request_id, const 
   const auto start = Clock::now();
   auto reader = stub->Generate(&ctx, req);
   Result r;
+  r.start_s = Since();
   epd::v1::GenerateResponse m;
   while (reader->Read(&m)) {
     r.ids.insert(r.ids.end(), m.token_ids().begin(), m.token_ids().end());
     if (!m.finish_reason().empty()) r.finish = m.finish_reason();
+    if (m.has_usage()) r.cached = m.usage().cached_tokens();
   }
   r.status = reader->Finish();
   r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -151,6 +161,8 @@ void AddChaosFlags(CLI::App& app, ChaosOptions* o) {
   app.add_option("--request-deadline-s", o->request_deadline_s,
                  "A request not finished after this many seconds is a hang (default 90)")
       ->check(CLI::Range(5, 3600));
+  app.add_option("--faults", o->faults,
+                 "Fault kinds: sigkill_worker,sigstop_worker,kill_kvstore,kill_router (all)");
   app.add_option("--data-dir", o->data_dir, "Cluster data folder (default: a fresh /tmp folder)");
   app.add_option("--json", o->json_path, "Write the counts to this JSON file");
 }
@@ -172,8 +184,17 @@ int RunChaos(const ChaosOptions& o) {
   const std::string run_dir = data_dir + "/run";
   // Free ports for the router (epd serve needs fixed ones so a restarted router keeps them).
   auto free_port = [] {
-    httplib::Server probe;
-    const int port = probe.bind_to_any_port("127.0.0.1");
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    int port = 0;
+    if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      port = ntohs(addr.sin_port);
+    }
+    if (fd >= 0) close(fd);
     return port;
   };
   const int http_port = free_port(), grpc_port = free_port();
@@ -281,8 +302,13 @@ int RunChaos(const ChaosOptions& o) {
           const std::string id = "chaos-" + std::to_string(c) + "-" + std::to_string(n) + "-" +
                                  std::to_string(t);
           Result r = Generate(target, id, w.prompts[s][t], o.max_tokens, o.request_deadline_s);
-          std::lock_guard<std::mutex> lock(mu);
-          done.push_back({id, s, t, std::move(r)});
+          const bool failed = !r.status.ok();
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            done.push_back({id, s, t, std::move(r)});
+          }
+          // An agent backs off after an error instead of hammering a cluster that is recovering.
+          if (failed) std::this_thread::sleep_for(std::chrono::milliseconds(250));
         }
       }
     });
@@ -290,28 +316,37 @@ int RunChaos(const ChaosOptions& o) {
   std::map<std::string, int> faults;
   std::mt19937_64 fault_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
   std::uniform_real_distribution<double> gap(o.fault_min_s, o.fault_max_s);
-  std::uniform_real_distribution<double> unit(0, 1);
+  std::vector<std::string> kinds;
+  std::vector<double> weights;
+  const std::map<std::string, double> kWeights = {
+      {"sigkill_worker", 4}, {"sigstop_worker", 3}, {"kill_kvstore", 2}, {"kill_router", 1}};
+  for (const auto& [kind, weight] : kWeights) {
+    if (("," + o.faults + ",").find("," + kind + ",") == std::string::npos) continue;
+    kinds.push_back(kind);
+    weights.push_back(weight);
+  }
+  if (kinds.empty()) {
+    std::cerr << "epd chaos: --faults names no known fault kind\n";
+    serve.Stop(std::chrono::seconds(30));
+    return 2;
+  }
+  std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
   while (Clock::now() < end && !ShutdownRequested() && serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(gap(fault_rng) * 1000)));
     if (Clock::now() >= end) break;
-    const double pick = unit(fault_rng);
-    const std::string worker = workers[fault_rng() % workers.size()];
-    std::string kind, victim;
-    if (pick < 0.40) {
-      kind = "sigkill_worker", victim = worker;
-    } else if (pick < 0.70) {
-      kind = "sigstop_worker", victim = worker;
-    } else if (pick < 0.90) {
-      kind = "kill_kvstore", victim = "epd-kvstore";
-    } else {
-      kind = "kill_router", victim = "epd-router";
-    }
+    const std::string kind = kinds[pick(fault_rng)];
+    const std::string victim = kind == "kill_kvstore"  ? "epd-kvstore"
+                               : kind == "kill_router" ? "epd-router"
+                                                       : workers[fault_rng() % workers.size()];
     auto pid = Published(run_dir, victim, "pid");
     if (!pid || kill(*pid, 0) != 0) {
       ++faults["skipped_down"];
       continue;
     }
     ++faults[kind];
+    std::cout << "epd chaos: t=" << Since() << " s " << kind << " " << victim << " (pid " << *pid
+              << ")\n"
+              << std::flush;
     if (kind == "sigstop_worker") {
       kill(*pid, SIGSTOP);
       std::this_thread::sleep_for(std::chrono::milliseconds(500 + fault_rng() % 2500));
@@ -348,6 +383,10 @@ int RunChaos(const ChaosOptions& o) {
     if (!r.status.ok()) {
       ++clean_failures;
       ++failure_codes[std::to_string(r.status.error_code())];
+      if (clean_failures <= 20) {
+        std::cout << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
+                  << r.start_s + r.seconds << " s) failed: " << r.status.error_message() << "\n";
+      }
       continue;
     }
     ++ok;
@@ -370,8 +409,15 @@ int RunChaos(const ChaosOptions& o) {
       ++continuations;
     } else {
       ++wrong;
-      std::cerr << "epd chaos: request " << d.request_id << " output differs from the no-fault "
-                << "output" << (mig != migrated_at.end() ? " and its migration continuation" : "")
+      size_t diverge = 0;
+      while (diverge < r.ids.size() && diverge < want.size() && r.ids[diverge] == want[diverge]) {
+        ++diverge;
+      }
+      std::cerr << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
+                << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
+                << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
+                << "token " << diverge
+                << (mig != migrated_at.end() ? " and from its migration continuation" : "")
                 << "\n";
     }
   }
@@ -409,7 +455,7 @@ int RunChaos(const ChaosOptions& o) {
   for (const auto& c : components) {
     if (auto pid = Published(run_dir, c, "pid")) published.insert(*pid);
   }
-  const std::set<pid_t> live = ProcessesNaming(data_dir, serve.pid());
+  const std::set<pid_t> live = ProcessesNaming(data_dir + "/", serve.pid());
   const bool registry_exact = recovered && live == published;
   const double migrations_ok =
       router_metric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0);
@@ -422,7 +468,7 @@ int RunChaos(const ChaosOptions& o) {
   if (!serve_rc) serve.Stop(std::chrono::seconds(1));
   std::set<pid_t> orphans;
   for (int i = 0; i < 100; ++i) {
-    orphans = ProcessesNaming(data_dir, -1);
+    orphans = ProcessesNaming(data_dir + "/", -1);
     if (orphans.empty()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

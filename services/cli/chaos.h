@@ -31,6 +31,9 @@ struct ChaosOptions {
   int request_deadline_s = 90;  // Default: 90 s; a request past it is a hang
   double fault_min_s = 1.5;     // Default: faults 1.5 .. 4 s apart
   double fault_max_s = 4.0;
+  // Fault kinds drawn from (comma-separated): sigkill_worker, sigstop_worker, kill_kvstore,
+  // kill_router. Default: all four, weighted 4:3:2:1.
+  std::string faults = "sigkill_worker,sigstop_worker,kill_kvstore,kill_router";
   std::string data_dir;         // Default: a fresh folder under /tmp, removed afterwards
   std::string json_path;        // Default: none. Writes the counts as JSON
 };

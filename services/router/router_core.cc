@@ -335,6 +335,7 @@ struct RouterCore::RequestState {
   const int64_t start_ns;
   const int64_t deadline_unix_ms;  // 0 = none; one deadline for every attempt
   int64_t last_token_ns = 0;
+  int attempt = 0;                 // 1 for the first dispatch
   int32_t cached_tokens = 0;       // reported by the attempt that produced the first token
   std::string decode_worker;       // of the last attempt
 };
@@ -426,7 +427,10 @@ epd::v1::Job RouterCore::BaseJob(const RequestState& state, const Plan& plan) co
   const PreparedRequest& req = state.request;
   const auto& streamed = state.assembler.token_ids();
   epd::v1::Job base;
-  base.set_request_id(req.spec.request_id);
+  // Workers key hand-offs and cancellation by the job's id, and a worker of the failed attempt
+  // may still be tearing that job down: a re-dispatch or migration gets its own id.
+  base.set_request_id(state.attempt <= 1 ? req.spec.request_id
+                                         : absl::StrCat(req.spec.request_id, "~", state.attempt));
   base.mutable_prompt_ids()->Add(req.prompt_ids.begin(), req.prompt_ids.end());
   base.mutable_prompt_ids()->Add(streamed.begin(), streamed.end());
   base.set_cached_tokens(plan.cached_tokens);
@@ -440,6 +444,7 @@ epd::v1::Job RouterCore::BaseJob(const RequestState& state, const Plan& plan) co
 
 RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan& plan) {
   const bool continuation = !state.assembler.token_ids().empty();
+  ++state.attempt;
   std::vector<StageJob> chain = BuildChain(BaseJob(state, plan), plan);
   const StageJob decode_job = chain.back();
   chain.pop_back();

@@ -101,7 +101,9 @@ class ServeCluster {
 
   // Live (not zombie) processes other than `epd serve` whose command line names the data
   // folder: the cluster's children.
-  std::vector<pid_t> ClusterPids() const { return ProcessesNaming(data_dir(), serve_.pid()); }
+  std::vector<pid_t> ClusterPids() const {
+    return ProcessesNaming(data_dir() + "/", serve_.pid());
+  }
 
   std::string Logs() const {
     std::string out = "--- epd serve\n" + serve_.ReadLog();

@@ -409,14 +409,15 @@ TEST_F(RouterCoreTest, DecodeDeathMidGenerationMigratesWithPromptPlusStreamedTok
   ASSERT_EQ(client_.jobs.size(), 2u);
   EXPECT_NE(client_.jobs[0].first, client_.jobs[1].first);
   // The continuation is a fresh request of prompt + streamed tokens for the remaining budget,
-  // with the same request id, sampling and deadline.
+  // with the same sampling and deadline, under its own job id (workers key hand-offs by it).
   const auto& first = client_.jobs[0].second;
   const auto& second = client_.jobs[1].second;
   std::vector<int32_t> expected = JobPrompt(first);
   for (int32_t id : Ids("abc")) expected.push_back(id);
   EXPECT_EQ(JobPrompt(second), expected);
   EXPECT_EQ(second.sampling().max_tokens(), first.sampling().max_tokens() - 3);
-  EXPECT_EQ(second.request_id(), first.request_id());
+  EXPECT_EQ(first.request_id(), "r1");
+  EXPECT_EQ(second.request_id(), "r1~2");
   EXPECT_EQ(second.deadline_unix_ms(), first.deadline_unix_ms());
   EXPECT_EQ(out->prompt_tokens, static_cast<int>(req->prompt_ids.size()));
   EXPECT_EQ(out->decode_worker, client_.jobs[1].first);
