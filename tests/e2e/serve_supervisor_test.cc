@@ -1,6 +1,6 @@
 // `epd serve` as a supervisor (docs/serve.md): with two decode workers, the decode worker serving
 // a stream, the encoder, the prefill worker, the kvstore and the router are each SIGKILLed in
-// turn during a stream. epd serve stays up, every process comes back under a new pid, the
+// turn during a stream (the decode worker also during an OpenAI SSE stream). epd serve stays up, every process comes back under a new pid, the
 // killed decode worker's stream migrates (it ends normally, the router counts the migration, and
 // its continuation equals a fresh greedy request of prompt + streamed tokens), the next requests
 // succeed, and after Ctrl-C no process of the cluster remains. Then the same cluster is started
@@ -16,6 +16,7 @@
 #include <string>
 #include <thread>
 
+#include "nlohmann/json.hpp"
 #include "tests/e2e/real_cluster.h"
 #include "tests/e2e/serve_cluster.h"
 
@@ -69,7 +70,9 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
       if (victim_pid > 0) kill(victim_pid, SIGKILL);
     };
     const auto prompt = Prompt(150, 2);
-    Generation g = Generate(c.grpc_port(), prompt, kMaxTokens, opts);
+    // Long enough that the worker is still generating when the first chunk reaches the client.
+    const int max_tokens = 200;
+    Generation g = Generate(c.grpc_port(), prompt, max_tokens, opts);
     ASSERT_FALSE(victim.empty()) << "no decode worker was busy";
     ASSERT_TRUE(g.status.ok()) << g.status.error_message() << c.Logs();
     EXPECT_FALSE(g.finish.empty());
@@ -87,9 +90,56 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
     ASSERT_LE(k, g.ids.size());
     std::vector<int32_t> continued = prompt;
     continued.insert(continued.end(), g.ids.begin(), g.ids.begin() + k);
-    Generation fresh = Generate(c.grpc_port(), continued, kMaxTokens - static_cast<int>(k));
+    Generation fresh = Generate(c.grpc_port(), continued, max_tokens - static_cast<int>(k));
     ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
     EXPECT_EQ(std::vector<int32_t>(g.ids.begin() + k, g.ids.end()), fresh.ids);
+    ASSERT_TRUE(c.WaitBack(victim, victim_pid, "registered")) << c.Logs();
+  }
+
+  // 1b. The same over the OpenAI HTTP API: the SSE stream of a chat completion whose decode
+  // worker is SIGKILLed ends with [DONE] and carries no error event.
+  {
+    ASSERT_TRUE(c.WaitWorkers({1, 1, 2}, std::chrono::seconds(90))) << c.Logs();
+    const std::string out = c.data_dir() + "/sse.txt";
+    const nlohmann::json body = {
+        {"model", "epd-nano"},
+        {"messages", {{{"role", "user"}, {"content", "tell me a long story about a kvstore"}}}},
+        {"max_tokens", 200},
+        {"temperature", 0},
+        {"stream", true}};
+    std::ofstream(c.data_dir() + "/sse_body.json") << body.dump();
+    std::thread curl([&] {
+      epd::testing::RunCommand("curl -sN --max-time 120 -H 'content-type: application/json' "
+                               "--data @" + c.data_dir() + "/sse_body.json http://127.0.0.1:" +
+                               std::to_string(c.http_port()) + "/v1/chat/completions > " + out);
+    });
+    std::string victim;
+    pid_t victim_pid = -1;
+    // After a few content chunks (the first one, with the role, precedes any token), kill the
+    // decode worker running the request.
+    for (int i = 0; i < 20000 && victim.empty(); ++i) {
+      const std::string so_far = ReadFile(out);
+      if (so_far.find("[DONE]") != std::string::npos) break;  // finished first: reported below
+      size_t chunks = 0;
+      for (size_t p = so_far.find("data: "); p != std::string::npos; p = so_far.find("data: ", p + 1)) {
+        ++chunks;
+      }
+      if (chunks >= 3) victim = BusyDecode(c);
+      if (!victim.empty()) {
+        victim_pid = c.Pid(victim);
+        kill(victim_pid, SIGKILL);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    curl.join();
+    const std::string sse = ReadFile(out);
+    ASSERT_FALSE(victim.empty()) << "the stream was not running on a decode worker: " << sse;
+    std::printf("killed %s (pid %d) during an SSE stream\n", victim.c_str(), victim_pid);
+    EXPECT_NE(sse.find("data: [DONE]"), std::string::npos) << sse << c.Logs();
+    EXPECT_EQ(sse.find("\"error\""), std::string::npos) << sse;
+    EXPECT_NE(sse.find("\"finish_reason\":\""), std::string::npos) << sse;
+    EXPECT_EQ(c.RouterMetric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0), 2);
     ASSERT_TRUE(c.WaitBack(victim, victim_pid, "registered")) << c.Logs();
   }
 
