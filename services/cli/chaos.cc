@@ -2,12 +2,12 @@
 
 #include <arpa/inet.h>
 #include <dirent.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
+#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -18,6 +18,7 @@
 #include <iostream>
 #include <map>
 #include <mutex>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <random>
 #include <regex>
@@ -25,8 +26,6 @@
 #include <sstream>
 #include <thread>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "services/runtime/child_process.h"
@@ -61,8 +60,8 @@ double Since() { return std::chrono::duration<double>(Clock::now() - g_epoch).co
 
 Result Generate(const std::string& target, const std::string& request_id, const Ids& prompt,
                 int max_tokens, int deadline_s) {
-  auto stub = epd::v1::Inference::NewStub(
-      grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  auto stub =
+      epd::v1::Inference::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
   grpc::ClientContext ctx;
   ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
   epd::v1::GenerateRequest req;
@@ -133,8 +132,8 @@ std::set<pid_t> ProcessesNaming(const std::string& needle, pid_t except) {
 // The conversations: turn t's prompt is a system block, then per earlier turn its tool output
 // and the no-fault answer, then this turn's tool output (an agent resending its context).
 struct Workload {
-  std::vector<std::vector<Ids>> prompts;  // [session][turn]
-  std::vector<std::vector<Ids>> expected; // no-fault outputs
+  std::vector<std::vector<Ids>> prompts;   // [session][turn]
+  std::vector<std::vector<Ids>> expected;  // no-fault outputs
 };
 
 Ids RandomIds(std::mt19937_64& rng, int n) {
@@ -204,12 +203,27 @@ int RunChaos(const ChaosOptions& o) {
             << std::flush;
   SpawnOptions spawn;
   spawn.parent_death_signal = SIGKILL;
-  ChildProcess serve = ChildProcess::StartWith(
-      {bin + "/epd", "serve", "--data-dir", data_dir, "--http-port", std::to_string(http_port),
-       "--grpc-port", std::to_string(grpc_port), "--encoders", "2", "--prefills", "2",
-       "--decodes", "2", "--max-restarts", "1000", "--restart-backoff-ms", "200",
-       "--log-level", "info"},
-      data_dir + ".serve.log", spawn);
+  ChildProcess serve = ChildProcess::StartWith({bin + "/epd",
+                                                "serve",
+                                                "--data-dir",
+                                                data_dir,
+                                                "--http-port",
+                                                std::to_string(http_port),
+                                                "--grpc-port",
+                                                std::to_string(grpc_port),
+                                                "--encoders",
+                                                "2",
+                                                "--prefills",
+                                                "2",
+                                                "--decodes",
+                                                "2",
+                                                "--max-restarts",
+                                                "1000",
+                                                "--restart-backoff-ms",
+                                                "200",
+                                                "--log-level",
+                                                "info"},
+                                               data_dir + ".serve.log", spawn);
   const std::vector<std::string> workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
                                             "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
   std::vector<std::string> components = workers;
@@ -299,8 +313,8 @@ int RunChaos(const ChaosOptions& o) {
       for (int n = 0; !stop_load.load() && !ShutdownRequested(); ++n) {
         const int s = static_cast<int>(rng() % o.sessions);
         for (int t = 0; t < o.turns && !stop_load.load(); ++t) {
-          const std::string id = "chaos-" + std::to_string(c) + "-" + std::to_string(n) + "-" +
-                                 std::to_string(t);
+          const std::string id =
+              "chaos-" + std::to_string(c) + "-" + std::to_string(n) + "-" + std::to_string(t);
           Result r = Generate(target, id, w.prompts[s][t], o.max_tokens, o.request_deadline_s);
           const bool failed = !r.status.ok();
           {
@@ -417,8 +431,7 @@ int RunChaos(const ChaosOptions& o) {
                 << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
                 << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
                 << "token " << diverge
-                << (mig != migrated_at.end() ? " and from its migration continuation" : "")
-                << "\n";
+                << (mig != migrated_at.end() ? " and from its migration continuation" : "") << "\n";
     }
   }
   // Leaks: once idle, no worker holds a job or more transfer resources than a fault-free one did

@@ -34,8 +34,8 @@ struct ChaosOptions {
   // Fault kinds drawn from (comma-separated): sigkill_worker, sigstop_worker, kill_kvstore,
   // kill_router. Default: all four, weighted 4:3:2:1.
   std::string faults = "sigkill_worker,sigstop_worker,kill_kvstore,kill_router";
-  std::string data_dir;         // Default: a fresh folder under /tmp, removed afterwards
-  std::string json_path;        // Default: none. Writes the counts as JSON
+  std::string data_dir;   // Default: a fresh folder under /tmp, removed afterwards
+  std::string json_path;  // Default: none. Writes the counts as JSON
 };
 
 void AddChaosFlags(CLI::App& app, ChaosOptions* options);

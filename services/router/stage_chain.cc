@@ -14,9 +14,15 @@ std::vector<StageJob> BuildChain(const epd::v1::Job& base, const Plan& plan) {
   for (size_t i = 0; i < chain.size(); ++i) {
     epd::v1::Job& job = chain[i].job;
     switch (chain[i].worker.pool) {
-      case PoolKind::kEncoder: job.set_stage(epd::v1::POOL_ENCODER); break;
-      case PoolKind::kPrefill: job.set_stage(epd::v1::POOL_PREFILL); break;
-      case PoolKind::kDecode: job.set_stage(epd::v1::POOL_DECODE); break;
+      case PoolKind::kEncoder:
+        job.set_stage(epd::v1::POOL_ENCODER);
+        break;
+      case PoolKind::kPrefill:
+        job.set_stage(epd::v1::POOL_PREFILL);
+        break;
+      case PoolKind::kDecode:
+        job.set_stage(epd::v1::POOL_DECODE);
+        break;
     }
     job.set_final_stage(i + 1 == chain.size());
     if (i > 0) {
@@ -85,16 +91,16 @@ void SideStages::Watch(Stage* s) {
     return;
   }
   if (st.ok() && !fin.ok()) {
-    st = absl::Status(fin.code(), absl::StrCat(PoolName(w.pool), " worker '", w.id,
-                                               "' failed: ", fin.message()));
+    st = absl::Status(
+        fin.code(), absl::StrCat(PoolName(w.pool), " worker '", w.id, "' failed: ", fin.message()));
     if (fin.code() == absl::StatusCode::kUnavailable) {
       registry_.MarkFailed(w.id, std::string(fin.message()));
       client_.Forget(w);
     }
   }
   if (st.ok()) {
-    st = absl::InternalError(absl::StrCat(PoolName(w.pool), " worker '", w.id,
-                                          "' ended its stream without a hand-off"));
+    st = absl::InternalError(
+        absl::StrCat(PoolName(w.pool), " worker '", w.id, "' ended its stream without a hand-off"));
   }
   if (error_.ok()) error_ = st;
   on_failure_();

@@ -9,11 +9,10 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
 #include <utility>
-
-#include <nlohmann/json.hpp>
 
 extern char** environ;
 

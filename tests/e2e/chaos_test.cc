@@ -25,11 +25,11 @@ TEST(ChaosTest, SeededFaultsUnderAgentLoadLeaveNoHangWrongOutputLeakOrOrphan) {
   TempDir dir;
   // kill_kvstore is left out here: mixed with worker faults it currently yields wrong outputs
   // on store-reused prompts (docs/chaos.md, Findings); `epd chaos` runs it by default.
-  Subprocess chaos = Subprocess::Start(
-      {BinaryPath("epd"), "chaos", "--seconds", "60", "--seed", "7", "--faults",
-       "sigkill_worker,sigstop_worker,kill_router", "--data-dir", dir.File("data"), "--json",
-       dir.File("chaos.json")},
-      dir.File("chaos.log"));
+  Subprocess chaos =
+      Subprocess::Start({BinaryPath("epd"), "chaos", "--seconds", "60", "--seed", "7", "--faults",
+                         "sigkill_worker,sigstop_worker,kill_router", "--data-dir",
+                         dir.File("data"), "--json", dir.File("chaos.json")},
+                        dir.File("chaos.log"));
   auto rc = chaos.Wait(std::chrono::seconds(400));
   ASSERT_TRUE(rc.has_value()) << chaos.ReadLog();
   std::ifstream in(dir.File("chaos.json"));

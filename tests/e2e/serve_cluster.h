@@ -31,10 +31,10 @@ class ServeCluster {
   // `args` are added to `epd serve --data-dir ... --http-port ... --grpc-port ...`.
   explicit ServeCluster(std::vector<std::string> args = {})
       : http_port_(PickFreePort()), grpc_port_(PickFreePort()) {
-    std::vector<std::string> argv = {BinaryPath("epd"),     "serve",
-                                     "--data-dir",          data_dir(),
-                                     "--http-port",         std::to_string(http_port_),
-                                     "--grpc-port",         std::to_string(grpc_port_),
+    std::vector<std::string> argv = {BinaryPath("epd"),      "serve",
+                                     "--data-dir",           data_dir(),
+                                     "--http-port",          std::to_string(http_port_),
+                                     "--grpc-port",          std::to_string(grpc_port_),
                                      "--restart-backoff-ms", "100"};
     argv.insert(argv.end(), args.begin(), args.end());
     serve_ = Subprocess::Start(argv, dir_.File("serve.log"));
@@ -101,9 +101,7 @@ class ServeCluster {
 
   // Live (not zombie) processes other than `epd serve` whose command line names the data
   // folder: the cluster's children.
-  std::vector<pid_t> ClusterPids() const {
-    return ProcessesNaming(data_dir() + "/", serve_.pid());
-  }
+  std::vector<pid_t> ClusterPids() const { return ProcessesNaming(data_dir() + "/", serve_.pid()); }
 
   std::string Logs() const {
     std::string out = "--- epd serve\n" + serve_.ReadLog();

@@ -1,11 +1,12 @@
 // `epd serve` as a supervisor (docs/serve.md): with two decode workers, the decode worker serving
 // a stream, the encoder, the prefill worker, the kvstore and the router are each SIGKILLed in
-// turn during a stream (the decode worker also during an OpenAI SSE stream). epd serve stays up, every process comes back under a new pid, the
-// killed decode worker's stream migrates (it ends normally, the router counts the migration, and
-// its continuation equals a fresh greedy request of prompt + streamed tokens), the next requests
-// succeed, and after Ctrl-C no process of the cluster remains. Then the same cluster is started
-// again and `epd serve` itself gets SIGKILL: its children die with it (PR_SET_PDEATHSIG). A third
-// test sends SIGTERM to the whole process group, as systemd and Kubernetes stop a service.
+// turn during a stream (the decode worker also during an OpenAI SSE stream). epd serve stays up,
+// every process comes back under a new pid, the killed decode worker's stream migrates (it ends
+// normally, the router counts the migration, and its continuation equals a fresh greedy request of
+// prompt + streamed tokens), the next requests succeed, and after Ctrl-C no process of the cluster
+// remains. Then the same cluster is started again and `epd serve` itself gets SIGKILL: its children
+// die with it (PR_SET_PDEATHSIG). A third test sends SIGTERM to the whole process group, as systemd
+// and Kubernetes stop a service.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -109,9 +110,11 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
         {"stream", true}};
     std::ofstream(c.data_dir() + "/sse_body.json") << body.dump();
     std::thread curl([&] {
-      epd::testing::RunCommand("curl -sN --max-time 120 -H 'content-type: application/json' "
-                               "--data @" + c.data_dir() + "/sse_body.json http://127.0.0.1:" +
-                               std::to_string(c.http_port()) + "/v1/chat/completions > " + out);
+      epd::testing::RunCommand(
+          "curl -sN --max-time 120 -H 'content-type: application/json' "
+          "--data @" +
+          c.data_dir() + "/sse_body.json http://127.0.0.1:" + std::to_string(c.http_port()) +
+          "/v1/chat/completions > " + out);
     });
     std::string victim;
     pid_t victim_pid = -1;
@@ -121,7 +124,8 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
       const std::string so_far = ReadFile(out);
       if (so_far.find("[DONE]") != std::string::npos) break;  // finished first: reported below
       size_t chunks = 0;
-      for (size_t p = so_far.find("data: "); p != std::string::npos; p = so_far.find("data: ", p + 1)) {
+      for (size_t p = so_far.find("data: "); p != std::string::npos;
+           p = so_far.find("data: ", p + 1)) {
         ++chunks;
       }
       if (chunks >= 3) victim = BusyDecode(c);
@@ -150,10 +154,9 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
     std::string key;
     bool stream_survives;
   };
-  for (const Victim& v : {Victim{"epd-encoder-0", "registered", true},
-                          Victim{"epd-prefill-0", "registered", true},
-                          Victim{"epd-kvstore", "grpc", true},
-                          Victim{"epd-router", "grpc", false}}) {
+  for (const Victim& v :
+       {Victim{"epd-encoder-0", "registered", true}, Victim{"epd-prefill-0", "registered", true},
+        Victim{"epd-kvstore", "grpc", true}, Victim{"epd-router", "grpc", false}}) {
     SCOPED_TRACE(v.name);
     const pid_t pid = c.Pid(v.name);
     ASSERT_GT(pid, 0);
