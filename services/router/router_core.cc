@@ -442,6 +442,44 @@ epd::v1::Job RouterCore::BaseJob(const RequestState& state, const Plan& plan) co
   return base;
 }
 
+RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& plan,
+                                              JobStream& decode, ActiveRun& run) {
+  DecodeRead r;
+  epd::v1::SubmitResponse m;
+  while (decode.Read(&m)) {
+    if (!m.error().empty()) {
+      r.error = absl::InternalError(
+          absl::StrCat("decode worker '", plan.decode.id, "' failed: ", m.error()));
+      run.cancel();
+      break;
+    }
+    if (m.has_cached_tokens()) r.cached = m.cached_tokens();
+    if (!m.finish_reason().empty()) r.finished = true;
+    if (m.token_ids_size() > 0) {
+      const int64_t now = clock_.NowMonoNs();
+      if (state.last_token_ns == 0) {
+        ttft_.Observe((now - state.start_ns) / 1e9);
+      } else {
+        const double gap = (now - state.last_token_ns) / 1e9 / m.token_ids_size();
+        for (int k = 0; k < m.token_ids_size(); ++k) itl_.Observe(gap);
+      }
+      state.last_token_ns = now;
+      generated_tokens_.Increment(m.token_ids_size());
+    }
+    const Delta d = state.assembler.Add(m);
+    if (!DeltaEmpty(d) && !state.observer->OnDelta(d)) {
+      r.cancelled = true;
+      run.cancel();
+      break;
+    }
+    if (state.assembler.stopped()) {
+      run.cancel();  // the worker need not generate past the stop string
+      break;
+    }
+  }
+  return r;
+}
+
 RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan& plan) {
   const bool continuation = !state.assembler.token_ids().empty();
   ++state.attempt;
@@ -469,41 +507,10 @@ RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan
   sides.Start();
 
   // Stage watching of the decode stream; output assembly turns its tokens into deltas.
-  int32_t cached = plan.encoder ? plan.cached_tokens : 0;  // only the encoder reuses a prefix
-  absl::Status error;
-  bool cancelled = false, finished = false;
-  epd::v1::SubmitResponse m;
-  while (decode->Read(&m)) {
-    if (!m.error().empty()) {
-      error = absl::InternalError(
-          absl::StrCat("decode worker '", plan.decode.id, "' failed: ", m.error()));
-      run->cancel();
-      break;
-    }
-    if (m.has_cached_tokens()) cached = m.cached_tokens();
-    if (!m.finish_reason().empty()) finished = true;
-    if (m.token_ids_size() > 0) {
-      const int64_t now = clock_.NowMonoNs();
-      if (state.last_token_ns == 0) {
-        ttft_.Observe((now - state.start_ns) / 1e9);
-      } else {
-        const double gap = (now - state.last_token_ns) / 1e9 / m.token_ids_size();
-        for (int k = 0; k < m.token_ids_size(); ++k) itl_.Observe(gap);
-      }
-      state.last_token_ns = now;
-      generated_tokens_.Increment(m.token_ids_size());
-    }
-    const Delta d = state.assembler.Add(m);
-    if (!DeltaEmpty(d) && !state.observer->OnDelta(d)) {
-      cancelled = true;
-      run->cancel();
-      break;
-    }
-    if (state.assembler.stopped()) {
-      run->cancel();  // the worker need not generate past the stop string
-      break;
-    }
-  }
+  DecodeRead read = ReadDecode(state, plan, *decode, *run);
+  int32_t cached = read.cached.value_or(plan.encoder ? plan.cached_tokens : 0);
+  const absl::Status& error = read.error;
+  const bool cancelled = read.cancelled, finished = read.finished;
   const absl::Status fin = decode->Finish();
   std::string lost;
   {

@@ -141,6 +141,16 @@ class RouterCore {
     std::function<void()> cancel;          // cancels every stage's stream; set before listing
   };
 
+  // What reading one attempt's decode stream gave.
+  struct DecodeRead {
+    absl::Status error;              // the worker reported an error
+    bool cancelled = false;          // the observer gave up
+    bool finished = false;           // a finish reason arrived
+    std::optional<int32_t> cached;   // the prefix the decode worker reported reusing
+  };
+  // Reads the decode stream into the request's output assembly and the latency metrics, sending
+  // deltas to the observer; cancels the run on an error, a client gone or a stop string.
+  DecodeRead ReadDecode(RequestState& state, const Plan& plan, JobStream& decode, ActiveRun& run);
   // One attempt: builds the chain for `plan`, submits every stage, watches the side stages and
   // feeds the decode stream into the request's output assembly.
   AttemptResult RunAttempt(RequestState& state, const Plan& plan);
