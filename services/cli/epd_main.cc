@@ -6,6 +6,7 @@
 #include "model/config.h"
 #include "model/nano_generator.h"
 #include "services/cli/bench.h"
+#include "services/cli/chaos.h"
 #include "services/cli/generate.h"
 #include "services/cli/serve.h"
 #include "services/version.h"
@@ -42,6 +43,11 @@ int main(int argc, char** argv) {
   auto* bench = app.add_subcommand("bench", "Drive a multi-turn agent workload at an endpoint");
   epd::services::AddBenchFlags(*bench, &bench_options);
 
+  epd::services::ChaosOptions chaos_options;
+  auto* chaos = app.add_subcommand(
+      "chaos", "Seeded fault campaign against an `epd serve` cluster under agent load");
+  epd::services::AddChaosFlags(*chaos, &chaos_options);
+
   CLI11_PARSE(app, argc, argv);
 
   if (*version) {
@@ -58,6 +64,7 @@ int main(int argc, char** argv) {
     }
     return epd::services::RunServe(serve_options);
   }
+  if (*chaos) return epd::services::RunChaos(chaos_options);
   if (*gen) {
     auto s = epd::model::GenerateNanoModel(gen_out, gen_seed);
     if (!s.ok()) {

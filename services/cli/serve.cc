@@ -9,6 +9,9 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <algorithm>
+#include <deque>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -27,31 +30,65 @@ std::string SelfDir() {
   return ec ? std::string(".") : exe.parent_path().string();
 }
 
-// One process the launcher owns.
+// One process the launcher owns, and its restart state.
 struct Component {
   std::string name;               // e.g. "epd-decode-0"
   std::vector<std::string> argv;  // full command line
   std::string log_path;
   std::string port_file;
-  bool restart_on_exit = false;   // workers are restarted; kvstore and router are not
+  std::string port_key = "grpc";  // the port-file key that says the process is up
   ChildProcess proc;
   int restarts = 0;
+  bool down = false;  // exited (or failed to come up) and waiting for its restart
+  std::chrono::steady_clock::time_point up_since;
+  std::chrono::steady_clock::time_point restart_at;
+  std::chrono::milliseconds backoff{0};
+  std::deque<std::chrono::steady_clock::time_point> recent_restarts;  // within the window
 };
 
-bool StartComponent(Component& c, const std::string& port_key) {
+// Starts `c` and waits until its port file names `c.port_key`: false when it could not be
+// started, exited while starting, did not come up within two minutes, or shutdown was asked.
+bool StartComponent(Component& c) {
   std::error_code ec;
   fs::remove(c.port_file, ec);
-  c.proc = ChildProcess::Start(c.argv, c.log_path);
+  SpawnOptions spawn;
+  // Children die with the launcher even when it is SIGKILLed (they stay in its process group,
+  // so a group-wide SIGTERM from a terminal or a service manager reaches them too).
+  spawn.parent_death_signal = SIGKILL;
+  c.proc = ChildProcess::StartWith(c.argv, c.log_path, spawn);
   if (c.proc.pid() <= 0) {
-    std::cerr << "epd serve: cannot start " << c.argv[0] << "\n";
+    std::cerr << "epd serve: cannot start " << c.name << ": " << c.proc.error() << "\n";
     return false;
   }
-  auto port = WaitForPortFile(c.port_file, port_key, std::chrono::seconds(120));
-  if (!port) {
-    std::cerr << "epd serve: " << c.name << " did not come up; see " << c.log_path << "\n";
-    return false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
+  while (!WaitForPortFile(c.port_file, c.port_key, std::chrono::milliseconds(0))) {
+    if (!c.proc.running()) {
+      std::cerr << "epd serve: " << c.name << " exited while starting (status "
+                << c.proc.exit_status().value_or(-1) << "); see " << c.log_path << "\n";
+      return false;
+    }
+    if (ShutdownRequested()) return false;
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::cerr << "epd serve: " << c.name << " did not come up; see " << c.log_path << "\n";
+      c.proc.Stop(std::chrono::seconds(2));
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
+  c.up_since = std::chrono::steady_clock::now();
   return true;
+}
+
+// Replaces the value after `flag` in argv (a restarted kvstore or router must come back on the
+// ports the others already use).
+void SetFlag(std::vector<std::string>& argv, const std::string& flag, const std::string& value) {
+  for (size_t i = 0; i + 1 < argv.size(); ++i) {
+    if (argv[i] == flag) {
+      argv[i + 1] = value;
+      return;
+    }
+  }
+  argv.insert(argv.end(), {flag, value});
 }
 
 // Rewrites the Prometheus file_sd target list (deploy/prometheus/prometheus.yml reads it) so a
@@ -131,6 +168,20 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
+  app.add_option("--max-restarts", o->max_restarts,
+                 "Restarts of one process within --restart-window-s before epd serve gives up "
+                 "(default 5)")
+      ->check(CLI::Range(0, 1000000));
+  app.add_option("--restart-window-s", o->restart_window_s,
+                 "Window of the restart budget, seconds (default 60)")
+      ->check(CLI::Range(1, 86400));
+  app.add_option("--restart-backoff-ms", o->restart_backoff_ms,
+                 "First restart delay; doubles up to 16x while a process keeps failing (500)")
+      ->check(CLI::Range(0, 600000));
+  app.add_option("--migration-limit", o->migration_limit,
+                 "Router: times a request moves to another decode worker when its worker dies "
+                 "mid-generation (default 1; 0 = never)")
+      ->check(CLI::Range(0, 100));
 }
 
 namespace {
@@ -182,35 +233,44 @@ int RunServe(ServeOptions o) {
   auto run = [&](const std::string& n) { return o.data_dir + "/run/" + n + ".json"; };
   auto log = [&](const std::string& n) { return o.data_dir + "/logs/" + n + ".log"; };
   std::vector<std::unique_ptr<Component>> comps;
-  auto add = [&](std::string name, std::vector<std::string> argv, bool restart) {
+  auto add = [&](std::string name, std::vector<std::string> argv) {
     auto c = std::make_unique<Component>();
     c->name = name;
     c->argv = std::move(argv);
     c->log_path = log(name);
     c->port_file = run(name);
-    c->restart_on_exit = restart;
     c->argv.insert(c->argv.end(), {"--port-file", c->port_file, "--metrics-port", "0",
                                    "--log-level", o.log_level, "--host", o.host});
     comps.push_back(std::move(c));
     return comps.back().get();
   };
+  auto stop_all = [&] {
+    // Stop in reverse start order: workers drain first, the store last.
+    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Signal(SIGTERM);
+    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Stop();
+  };
 
-  // 1. kvstore
+  // 1. kvstore. A restarted store reopens its RocksDB and must listen where the others look.
   Component* kv = add("epd-kvstore",
                       {bin + "/epd-kvstore", "--data-dir", o.data_dir + "/kvstore", "--grpc-port",
                        "0", "--swa-ttl-minutes", std::to_string(o.swa_ttl_minutes),
-                       "--global-ttl-hours", std::to_string(o.global_ttl_hours)},
-                      false);
-  if (!StartComponent(*kv, "grpc")) return 1;
-  const std::string kv_addr =
-      o.host + ":" + std::to_string(*WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1)));
+                       "--global-ttl-hours", std::to_string(o.global_ttl_hours)});
+  if (!StartComponent(*kv)) {
+    stop_all();
+    return 1;
+  }
+  const int kv_port = *WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1));
+  SetFlag(kv->argv, "--grpc-port", std::to_string(kv_port));
+  const std::string kv_addr = o.host + ":" + std::to_string(kv_port);
 
-  // 2. router
+  // 2. router. Workers re-register with a restarted router (it answers their heartbeat with
+  // "unknown").
   std::vector<std::string> router_argv = {bin + "/epd-router",
                                           "--http-port", std::to_string(o.http_port),
                                           "--grpc-port", std::to_string(o.grpc_port),
                                           "--model", o.model_dir,
-                                          "--kvstore", kv_addr};
+                                          "--kvstore", kv_addr,
+                                          "--migration-limit", std::to_string(o.migration_limit)};
   if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
   const bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
   if (tls) {
@@ -218,12 +278,25 @@ int RunServe(ServeOptions o) {
     router_argv.insert(router_argv.end(), {"--tls-cert", o.tls_cert, "--tls-key", o.tls_key,
                                            "--worker-grpc-port", "0"});
   }
-  Component* router = add("epd-router", router_argv, false);
-  if (!StartComponent(*router, tls ? "worker_grpc" : "grpc")) return 1;
-  const int registry_port =
-      tls ? *WaitForPortFile(router->port_file, "worker_grpc", std::chrono::seconds(1))
-          : o.grpc_port;
-  const std::string router_addr = o.host + ":" + std::to_string(registry_port);
+  Component* router = add("epd-router", router_argv);
+  if (tls) router->port_key = "worker_grpc";
+  if (!StartComponent(*router)) {
+    stop_all();
+    return 1;
+  }
+  // A restarted router listens where the clients and the workers look.
+  std::vector<std::string> router_keys = {"http", "grpc"};
+  if (tls) router_keys.push_back("worker_grpc");
+  for (const std::string& key : router_keys) {
+    const int port = *WaitForPortFile(router->port_file, key, std::chrono::seconds(1));
+    std::string flag = "--" + key + "-port";
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    SetFlag(router->argv, flag, std::to_string(port));
+  }
+  const std::string router_addr =
+      o.host + ":" +
+      std::to_string(*WaitForPortFile(router->port_file, tls ? "worker_grpc" : "grpc",
+                                      std::chrono::seconds(1)));
 
   // 3. workers
   auto add_pool = [&](const std::string& kind, int n) -> bool {
@@ -233,11 +306,10 @@ int RunServe(ServeOptions o) {
       return true;
     }
     for (int i = 0; i < n; ++i) {
-      Component* w = add("epd-" + kind + "-" + std::to_string(i),
-                         {bin + "/epd-" + kind, "--router", router_addr, "--kvstore", kv_addr,
-                          "--model", o.model_dir, "--dspark", o.dspark},
-                         true);
-      if (!StartComponent(*w, "grpc")) return false;
+      const std::string name = "epd-" + kind + "-" + std::to_string(i);
+      Component* w = add(name, {bin + "/epd-" + kind, "--router", router_addr, "--kvstore",
+                                kv_addr, "--model", o.model_dir, "--dspark", o.dspark});
+      if (!StartComponent(*w)) return false;
     }
     return true;
   };
@@ -256,31 +328,57 @@ int RunServe(ServeOptions o) {
               << std::flush;
   }
 
+  // Supervise: a process that exits is restarted after a backoff (doubling from
+  // --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
+  // --max-restarts restarts of one process within --restart-window-s stops everything.
+  using Clock = std::chrono::steady_clock;
+  const auto window = std::chrono::seconds(o.restart_window_s);
+  const auto backoff_min = std::chrono::milliseconds(o.restart_backoff_ms);
   int exit_code = ok ? 0 : 1;
-  while (ok && !WaitForShutdown(std::chrono::milliseconds(200))) {
+  while (ok && !WaitForShutdown(std::chrono::milliseconds(100))) {
+    const auto now = Clock::now();
     for (auto& c : comps) {
-      if (c->proc.running()) continue;
-      if (!c->restart_on_exit) {
-        std::cerr << "epd serve: " << c->name << " exited; stopping. See " << c->log_path << "\n";
+      if (!c->down) {
+        if (c->proc.running()) continue;
+        c->down = true;
+        c->backoff = now - c->up_since >= window
+                         ? backoff_min
+                         : std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
+        c->restart_at = now + c->backoff;
+        std::cerr << "epd serve: " << c->name << " (pid " << c->proc.pid() << ") exited with status "
+                  << c->proc.exit_status().value_or(-1) << "; restarting in "
+                  << c->backoff.count() << " ms\n";
+        continue;
+      }
+      if (now < c->restart_at) continue;
+      while (!c->recent_restarts.empty() && now - c->recent_restarts.front() > window) {
+        c->recent_restarts.pop_front();
+      }
+      if (static_cast<int>(c->recent_restarts.size()) >= o.max_restarts) {
+        std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts
+                  << " times within " << o.restart_window_s << " s; giving up and stopping. See "
+                  << c->log_path << "\n";
         exit_code = 1;
         ok = false;
         break;
       }
+      c->recent_restarts.push_back(now);
       ++c->restarts;
-      std::cerr << "epd serve: " << c->name << " exited; restarting (restart " << c->restarts
-                << ")\n";
-      if (!StartComponent(*c, "grpc")) {
-        exit_code = 1;
-        ok = false;
-        break;
+      // A shutdown (e.g. the whole process group got SIGTERM) wins over a restart.
+      if (ShutdownRequested()) break;
+      if (StartComponent(*c)) {
+        c->down = false;
+        std::cerr << "epd serve: " << c->name << " restarted (restart " << c->restarts << ", pid "
+                  << c->proc.pid() << ")\n";
+        WriteScrapeTargets(targets_path, comps);
+      } else {
+        c->backoff = std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
+        c->restart_at = Clock::now() + c->backoff;
       }
-      WriteScrapeTargets(targets_path, comps);
     }
   }
-  std::cout << "epd serve: stopping\n";
-  // Stop in reverse start order: workers drain first, the store last.
-  for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Signal(SIGTERM);
-  for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Stop();
+  std::cout << "epd serve: stopping\n" << std::flush;
+  stop_all();
   return exit_code;
 }
 

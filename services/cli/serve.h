@@ -1,8 +1,10 @@
 #pragma once
 
 // `epd serve`: the all-in-one launcher. Starts epd-kvstore, epd-router and N/M/K encoder, prefill
-// and decode workers on one host, prints the endpoint, restarts a worker that dies, and stops
-// everything (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM.
+// and decode workers on one host, prints the endpoint, and stops
+// everything (SIGTERM, then SIGKILL after a grace period) on Ctrl-C or SIGTERM. Every child
+// (workers, the router and the kvstore) is restarted with a backoff and a restart budget, and
+// gets PR_SET_PDEATHSIG so none outlives a launcher that is SIGKILLed.
 #include <string>
 
 #include "absl/status/status.h"
@@ -30,6 +32,13 @@ struct ServeOptions {
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port
+  // Supervision (docs/serve.md): a process that exits is restarted after a backoff that doubles
+  // from restart_backoff_ms (up to 16x) and resets once it stayed up restart_window_s; more than
+  // max_restarts restarts of one process within restart_window_s stop epd serve (exit 1).
+  int max_restarts = 5;            // Default: 5 per window
+  int restart_window_s = 60;       // Default: 60 s
+  int restart_backoff_ms = 500;    // Default: 0.5 s
+  int migration_limit = 1;         // Default: 1. Router --migration-limit (docs/router.md)
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);

@@ -10,6 +10,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "services/router/request_validator.h"
+#include "services/router/output_assembly.h"
+#include "services/router/stage_chain.h"
 
 namespace epd::services::router {
 namespace {
@@ -42,6 +44,7 @@ absl::Status CoreOptions::Validate() const {
   if (max_tokens_limit <= 0) return absl::InvalidArgumentError("max tokens limit must be > 0");
   if (default_max_tokens <= 0) return absl::InvalidArgumentError("default max tokens must be > 0");
   if (max_attempts <= 0) return absl::InvalidArgumentError("max attempts must be > 0");
+  if (migration_limit < 0) return absl::InvalidArgumentError("migration limit must be >= 0");
   if (request_timeout_ms < 0) return absl::InvalidArgumentError("request timeout must be >= 0");
   return absl::OkStatus();
 }
@@ -198,7 +201,13 @@ RouterCore::RouterCore(CoreOptions options, const TextCodec& codec, Registry& re
                           .Name("epd_router_inflight_requests")
                           .Help("Requests the router is running now")
                           .Register(metrics)
-                          .Add({})) {
+                          .Add({})),
+      migrations_(prometheus::BuildCounter()
+                      .Name("epd_request_migrations_total")
+                      .Help("Requests whose decode worker died mid-generation, by outcome: ok "
+                            "(migrated and completed), failed (migrated, then failed), limit "
+                            "(--migration-limit allowed no migration)")
+                      .Register(metrics)) {
   for (const char* o : {"ok", "rejected", "unavailable", "error", "cancelled"}) {
     requests_.Add({{"outcome", o}});
   }
@@ -210,17 +219,32 @@ RouterCore::RouterCore(CoreOptions options, const TextCodec& codec, Registry& re
                              "invalid_api_key", "method_not_allowed", "overloaded"}) {
     rejects_.Add({{"reason", reason}});
   }
+  for (const char* o : {"ok", "failed", "limit"}) migrations_.Add({{"outcome", o}});
+}
+
+void RouterCore::ActiveRun::Fail(const std::string& reason) {
+  absl::MutexLock lock(&mu);
+  if (lost.empty()) lost = reason;
+  if (!done) cancel();
 }
 
 void RouterCore::FailWorker(const std::string& worker_id, const std::string& reason) {
+  // Collect under runs_mu_, cancel outside it: a cancel reaches into gRPC and must not hold the
+  // lock every request's start and end take.
+  registry_.MarkFailed(worker_id, reason);  // a migration must not pick it again
+  std::vector<std::shared_ptr<ActiveRun>> hit;
+  {
+    absl::MutexLock lock(&runs_mu_);
+    auto [begin, end] = runs_.equal_range(worker_id);
+    for (auto it = begin; it != end; ++it) hit.push_back(it->second);
+  }
+  for (auto& run : hit) run->Fail(absl::StrCat("worker '", worker_id, "' lost (", reason, ")"));
+}
+
+void RouterCore::Unlist(const std::shared_ptr<ActiveRun>& run, const std::string& worker_id) {
   absl::MutexLock lock(&runs_mu_);
   auto [begin, end] = runs_.equal_range(worker_id);
-  for (auto it = begin; it != end; ++it) {
-    if (it->second->lost.empty()) {
-      it->second->lost = absl::StrCat("worker '", worker_id, "' lost (", reason, ")");
-    }
-    it->second->cancel();
-  }
+  for (auto it = begin; it != end;) it = it->second == run ? runs_.erase(it) : std::next(it);
 }
 
 void RouterCore::CountOutcome(const std::string& outcome) {
@@ -277,27 +301,86 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
   return req;
 }
 
+// What one request carries across its attempts.
+struct RouterCore::RequestState {
+  RequestState(const PreparedRequest& r, StreamObserver* o, const TextCodec& codec,
+               int64_t start, int64_t deadline)
+      : request(r), observer(o), assembler(codec, r), start_ns(start), deadline_unix_ms(deadline) {}
+  const PreparedRequest& request;
+  StreamObserver* observer;
+  OutputAssembler assembler;
+  const int64_t start_ns;
+  const int64_t deadline_unix_ms;  // 0 = none; one deadline for every attempt
+  int64_t last_token_ns = 0;
+  int attempt = 0;                 // 1 for the first dispatch
+  int32_t cached_tokens = 0;       // reported by the attempt that produced the first token
+  std::string decode_worker;       // of the last attempt
+};
+
 absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamObserver* observer) {
   ++inflight_;
   inflight_gauge_.Increment();
   const int64_t start_ns = clock_.NowMonoNs();
-  absl::StatusOr<Outcome> result = absl::UnavailableError("no attempt made");
-  for (int attempt = 1; attempt <= options_.max_attempts; ++attempt) {
-    auto plan = scheduler_.Schedule(request.prompt_ids);
+  RequestState state(request, observer, codec_, start_ns,
+                     options_.request_timeout_ms > 0
+                         ? clock_.NowUnixMs() + options_.request_timeout_ms
+                         : 0);
+  absl::Status status = absl::UnavailableError("no attempt made");
+  int retries = 0, migrations = 0;
+  bool died_mid_generation = false;
+  while (true) {
+    const size_t streamed = state.assembler.token_ids().size();
+    if (streamed >= static_cast<size_t>(request.max_tokens)) {
+      // The worker died after its last token but before it said so: nothing is left to do.
+      state.assembler.set_finish_reason("length");
+      status = absl::OkStatus();
+      break;
+    }
+    std::vector<int32_t> context = request.prompt_ids;
+    context.insert(context.end(), state.assembler.token_ids().begin(),
+                   state.assembler.token_ids().end());
+    auto plan = scheduler_.Schedule(context);
+    if (!plan.ok() && migrations > 0) break;  // the client learns why it had to move
     if (!plan.ok()) {
-      result = ApiError(absl::StatusCode::kUnavailable, std::string(plan.status().message()), "",
+      status = ApiError(absl::StatusCode::kUnavailable, std::string(plan.status().message()), "",
                         "no_workers");
       break;
     }
-    bool streamed_any = false;
-    result = RunOnce(request, *plan, observer, &streamed_any);
+    AttemptResult attempt = RunAttempt(state, *plan);
     scheduler_.Release(*plan);
-    if (result.ok() || result.status().code() != absl::StatusCode::kUnavailable || streamed_any ||
-        attempt == options_.max_attempts) {
-      break;
+    status = attempt.status;
+    if (status.ok() || status.code() != absl::StatusCode::kUnavailable) break;
+    if (state.assembler.token_ids().empty()) {
+      if (++retries >= options_.max_attempts) break;
+      spdlog::warn("request {}: attempt {} failed before any token ({}); dispatching again",
+                   request.spec.request_id, retries, std::string(status.message()));
+      continue;
     }
-    spdlog::warn("request {}: attempt {} failed before any token ({}); dispatching again",
-                 request.spec.request_id, attempt, std::string(result.status().message()));
+    if (!attempt.worker_lost) break;
+    died_mid_generation = true;
+    if (migrations >= options_.migration_limit) break;
+    ++migrations;
+    spdlog::warn("request {}: {}; migrating with {} streamed token(s) (migration {} of {})",
+                 request.spec.request_id, std::string(status.message()),
+                 state.assembler.token_ids().size(), migrations, options_.migration_limit);
+  }
+  if (migrations > 0) {
+    migrations_.Add({{"outcome", status.ok() ? "ok" : "failed"}}).Increment();
+  } else if (died_mid_generation) {
+    migrations_.Add({{"outcome", "limit"}}).Increment();
+  }
+
+  absl::StatusOr<Outcome> result = absl::UnknownError("unset");
+  if (!status.ok()) {
+    result = status;
+  } else {
+    Outcome out;
+    const Delta last = state.assembler.Finish(&out);
+    out.prompt_tokens = static_cast<int32_t>(request.prompt_ids.size());
+    out.cached_tokens = state.cached_tokens;
+    out.decode_worker = state.decode_worker;
+    if (!DeltaEmpty(last)) observer->OnDelta(last);
+    result = std::move(out);
   }
   const double e2e = (clock_.NowMonoNs() - start_ns) / 1e9;
   if (result.ok()) {
@@ -317,243 +400,140 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
   return result;
 }
 
-absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, const Plan& plan,
-                                            StreamObserver* observer, bool* streamed_any) {
-  const int64_t start_ns = clock_.NowMonoNs();
-  const PreparedRequest& req = request;
+epd::v1::Job RouterCore::BaseJob(const RequestState& state, const Plan& plan) const {
+  const PreparedRequest& req = state.request;
+  const auto& streamed = state.assembler.token_ids();
   epd::v1::Job base;
-  base.set_request_id(req.spec.request_id);
+  // Workers key hand-offs and cancellation by the job's id, and a worker of the failed attempt
+  // may still be tearing that job down: a re-dispatch or migration gets its own id.
+  base.set_request_id(state.attempt <= 1 ? req.spec.request_id
+                                         : absl::StrCat(req.spec.request_id, "~", state.attempt));
   base.mutable_prompt_ids()->Add(req.prompt_ids.begin(), req.prompt_ids.end());
+  base.mutable_prompt_ids()->Add(streamed.begin(), streamed.end());
   base.set_cached_tokens(plan.cached_tokens);
   *base.mutable_sampling() = req.spec.sampling;
+  base.mutable_sampling()->set_max_tokens(req.max_tokens - static_cast<int32_t>(streamed.size()));
   base.set_model(req.spec.model);
   base.set_config_fingerprint(plan.fingerprint);
-  if (options_.request_timeout_ms > 0) {
-    base.set_deadline_unix_ms(clock_.NowUnixMs() + options_.request_timeout_ms);
-  }
+  if (state.deadline_unix_ms > 0) base.set_deadline_unix_ms(state.deadline_unix_ms);
+  return base;
+}
 
-  // The chain: encoder -> prefill -> decode, with absent pools skipped.
-  std::vector<std::pair<WorkerInfo, epd::v1::Pool>> chain;
-  if (plan.encoder) chain.emplace_back(*plan.encoder, epd::v1::POOL_ENCODER);
-  if (plan.prefill) chain.emplace_back(*plan.prefill, epd::v1::POOL_PREFILL);
-  chain.emplace_back(plan.decode, epd::v1::POOL_DECODE);
-  std::vector<epd::v1::Job> jobs(chain.size(), base);
-  for (size_t i = 0; i < chain.size(); ++i) {
-    jobs[i].set_stage(chain[i].second);
-    jobs[i].set_final_stage(i + 1 == chain.size());
-    if (i > 0) {
-      jobs[i].set_prev_worker_id(chain[i - 1].first.id);
-      jobs[i].set_prev_transfer_address(chain[i - 1].first.transfer_address);
+RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& plan,
+                                              JobStream& decode, ActiveRun& run) {
+  DecodeRead r;
+  epd::v1::SubmitResponse m;
+  while (decode.Read(&m)) {
+    if (!m.error().empty()) {
+      r.error = absl::InternalError(
+          absl::StrCat("decode worker '", plan.decode.id, "' failed: ", m.error()));
+      run.cancel();
+      break;
     }
-    if (i + 1 < chain.size()) {
-      jobs[i].set_next_worker_id(chain[i + 1].first.id);
-      jobs[i].set_next_transfer_address(chain[i + 1].first.transfer_address);
+    if (m.has_cached_tokens()) r.cached = m.cached_tokens();
+    if (!m.finish_reason().empty()) r.finished = true;
+    if (m.token_ids_size() > 0) {
+      const int64_t now = clock_.NowMonoNs();
+      if (state.last_token_ns == 0) {
+        ttft_.Observe((now - state.start_ns) / 1e9);
+      } else {
+        const double gap = (now - state.last_token_ns) / 1e9 / m.token_ids_size();
+        for (int k = 0; k < m.token_ids_size(); ++k) itl_.Observe(gap);
+      }
+      state.last_token_ns = now;
+      generated_tokens_.Increment(m.token_ids_size());
+    }
+    const Delta d = state.assembler.Add(m);
+    if (!DeltaEmpty(d) && !state.observer->OnDelta(d)) {
+      r.cancelled = true;
+      run.cancel();
+      break;
+    }
+    if (state.assembler.stopped()) {
+      run.cancel();  // the worker need not generate past the stop string
+      break;
     }
   }
+  return r;
+}
+
+RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan& plan) {
+  const bool continuation = !state.assembler.token_ids().empty();
+  ++state.attempt;
+  std::vector<StageJob> chain = BuildChain(BaseJob(state, plan), plan);
+  const StageJob decode_job = chain.back();
+  chain.pop_back();
+  state.decode_worker = plan.decode.id;
 
   // Every stage gets its job now (decode first: it is the one that waits longest); a stage
   // waits for its inbound hand-off keyed by request_id.
-  std::unique_ptr<JobStream> decode = client_.Submit(plan.decode, jobs.back());
-  absl::Mutex mu;
-  absl::Status side_error;   // guarded by mu
-  bool decode_done = false;  // guarded by mu
-  // The prefix the encoder actually reused (its messages carry it, docs/workers.md); it replaces
-  // the scheduler's hint in usage. Guarded by mu.
-  std::optional<int32_t> encoder_cached;
-  struct Side {
-    WorkerInfo worker;
-    std::unique_ptr<JobStream> stream;
-    std::thread thread;
-  };
-  std::vector<Side> sides(chain.size() - 1);
-  for (size_t i = chain.size() - 1; i-- > 0;) {
-    sides[i].worker = chain[i].first;
-    sides[i].stream = client_.Submit(chain[i].first, jobs[i]);
-  }
-  for (auto& side : sides) {
-    side.thread = std::thread([&, s = &side] {
-      epd::v1::SubmitResponse m;
-      absl::Status st;
-      bool handed_off = false;
-      while (s->stream->Read(&m)) {
-        if (!m.error().empty()) {
-          st = absl::InternalError(absl::StrCat(PoolName(s->worker.pool), " worker '", s->worker.id,
-                                                "' failed: ", m.error()));
-        }
-        if (m.finish_reason() == "handoff") handed_off = true;
-        if (s->worker.pool == PoolKind::kEncoder && m.has_cached_tokens()) {
-          absl::MutexLock lock(&mu);
-          encoder_cached = m.cached_tokens();
-        }
-      }
-      absl::Status fin = s->stream->Finish();
-      absl::MutexLock lock(&mu);
-      if (decode_done) return;
-      if (st.ok() && !fin.ok()) {
-        st = absl::Status(fin.code(), absl::StrCat(PoolName(s->worker.pool), " worker '",
-                                                   s->worker.id, "' failed: ", fin.message()));
-        if (fin.code() == absl::StatusCode::kUnavailable) {
-          registry_.MarkFailed(s->worker.id, std::string(fin.message()));
-          client_.Forget(s->worker);
-        }
-      }
-      if (st.ok() && !handed_off) {
-        st = absl::InternalError(absl::StrCat(PoolName(s->worker.pool), " worker '", s->worker.id,
-                                              "' ended its stream without a hand-off"));
-      }
-      if (!st.ok()) {
-        if (side_error.ok()) side_error = st;
-        decode->Cancel();
-      }
-    });
-  }
-
-  Outcome out;
-  out.prompt_tokens = static_cast<int32_t>(req.prompt_ids.size());
-  // Only the encoder reuses a stored prefix; it reports what it used (below).
-  out.cached_tokens = plan.encoder ? plan.cached_tokens : 0;
-  out.decode_worker = plan.decode.id;
-  const bool thinking = req.thinking;
-  auto detok = codec_.NewDetokenizer();
-  std::vector<std::string> stops(req.spec.sampling.stop().begin(), req.spec.sampling.stop().end());
-  StopMatcher stop(std::move(stops));
-  AssistantSplitter splitter(codec_.Markers(), thinking, req.spec.parse_tools);
-  std::string full_text;  // after stop strings
-  std::string streamed_content;
-  std::string finish_reason;
-  absl::Status error;
-  bool cancelled = false, stopped = false;
-  int64_t last_token_ns = 0;
-  const auto cancel_all = [&] {
+  auto run = std::make_shared<ActiveRun>();
+  std::unique_ptr<JobStream> decode = client_.Submit(plan.decode, decode_job.job);
+  SideStages sides(
+      client_, registry_, chain, [d = decode.get()] { d->Cancel(); },
+      [this, run](const std::string& worker_id) { Unlist(run, worker_id); });
+  run->cancel = [&decode, &sides] {
     decode->Cancel();
-    for (auto& side : sides) side.stream->Cancel();
+    sides.CancelAll();
   };
-  ActiveRun run;
-  run.cancel = cancel_all;
   {
     absl::MutexLock lock(&runs_mu_);
-    for (const auto& [w, pool] : chain) runs_.emplace(w.id, &run);
+    runs_.emplace(plan.decode.id, run);
+    for (const auto& stage : chain) runs_.emplace(stage.worker.id, run);
   }
+  sides.Start();
 
-  epd::v1::SubmitResponse m;
-  while (decode->Read(&m)) {
-    if (!m.error().empty()) {
-      error = absl::InternalError(
-          absl::StrCat("decode worker '", plan.decode.id, "' failed: ", m.error()));
-      cancel_all();
-      break;
-    }
-    if (m.has_cached_tokens()) out.cached_tokens = m.cached_tokens();
-    std::string text;
-    for (int32_t id : m.token_ids()) {
-      out.token_ids.push_back(id);
-      text += detok->Push(id);
-    }
-    if (!m.finish_reason().empty()) finish_reason = m.finish_reason();
-    if (m.token_ids_size() > 0) {
-      const int64_t now = clock_.NowMonoNs();
-      if (last_token_ns == 0) {
-        ttft_.Observe((now - start_ns) / 1e9);
-      } else {
-        const double gap = (now - last_token_ns) / 1e9 / m.token_ids_size();
-        for (int k = 0; k < m.token_ids_size(); ++k) itl_.Observe(gap);
-      }
-      last_token_ns = now;
-      generated_tokens_.Increment(m.token_ids_size());
-    }
-    const std::string released = stop.Push(text, &stopped);
-    full_text += released;
-    Delta d = splitter.Push(released);
-    d.token_ids.assign(m.token_ids().begin(), m.token_ids().end());
-    streamed_content += d.content;
-    if (!DeltaEmpty(d)) {
-      *streamed_any = true;
-      if (!observer->OnDelta(d)) {
-        cancelled = true;
-        cancel_all();
-        break;
-      }
-    }
-    if (stopped) {
-      finish_reason = "stop";
-      cancel_all();  // the worker need not generate past the stop string
-      break;
-    }
-  }
-  absl::Status fin = decode->Finish();
-  {
-    absl::MutexLock lock(&mu);
-    decode_done = true;
-  }
-  for (auto& side : sides) {
-    side.stream->Cancel();  // no-op for a stage that already handed off
-    side.thread.join();
-  }
+  // Stage watching of the decode stream; output assembly turns its tokens into deltas.
+  DecodeRead read = ReadDecode(state, plan, *decode, *run);
+  int32_t cached = read.cached.value_or(plan.encoder ? plan.cached_tokens : 0);
+  const absl::Status& error = read.error;
+  const bool cancelled = read.cancelled, finished = read.finished;
+  const absl::Status fin = decode->Finish();
   std::string lost;
   {
+    absl::MutexLock lock(&run->mu);
+    run->done = true;  // from here FailWorker no longer reaches into this attempt's streams
+    lost = run->lost;
+  }
+  sides.Stop();
+  {
     absl::MutexLock lock(&runs_mu_);
-    lost = run.lost;
     for (auto it = runs_.begin(); it != runs_.end();) {
-      it = it->second == &run ? runs_.erase(it) : std::next(it);
+      it = it->second == run ? runs_.erase(it) : std::next(it);
     }
   }
-  out.completion_tokens = static_cast<int32_t>(out.token_ids.size());
-  {
-    absl::MutexLock lock(&mu);
-    if (encoder_cached) out.cached_tokens = *encoder_cached;
+  if (!continuation) {
+    if (auto e = sides.encoder_cached()) cached = *e;
+    state.cached_tokens = cached;
   }
-  if (cancelled) return absl::CancelledError("client disconnected");
+  const bool streamed_any = !state.assembler.token_ids().empty();
+  if (cancelled) return {absl::CancelledError("client disconnected")};
   if (!lost.empty()) {
-    return ApiError(absl::StatusCode::kUnavailable,
-                    absl::StrCat(lost, *streamed_any ? " mid-generation" : ""), "",
-                    "worker_failed");
+    return {ApiError(absl::StatusCode::kUnavailable,
+                     absl::StrCat(lost, streamed_any ? " mid-generation" : ""), "",
+                     "worker_failed"),
+            /*worker_lost=*/true};
   }
-  if (!side_error.ok()) return side_error;
-  if (!error.ok()) return error;
+  if (!sides.error().ok()) return {sides.error()};
+  if (!error.ok()) return {error};
+  const bool stopped = state.assembler.stopped();
   if (!stopped && !fin.ok()) {
-    if (fin.code() == absl::StatusCode::kUnavailable) {
+    const bool unreachable = fin.code() == absl::StatusCode::kUnavailable;
+    if (unreachable) {
       registry_.MarkFailed(plan.decode.id, std::string(fin.message()));
       client_.Forget(plan.decode);
     }
-    return ApiError(absl::StatusCode::kUnavailable,
-                    absl::StrCat("decode worker '", plan.decode.id, "' failed",
-                                 *streamed_any ? " mid-generation" : "", ": ", fin.message()),
-                    "", "worker_failed");
+    return {ApiError(absl::StatusCode::kUnavailable,
+                     absl::StrCat("decode worker '", plan.decode.id, "' failed",
+                                  streamed_any ? " mid-generation" : "", ": ", fin.message()),
+                     "", "worker_failed"),
+            unreachable};
   }
-  if (!stopped && finish_reason.empty()) {
-    return absl::InternalError(absl::StrCat("decode worker '", plan.decode.id,
-                                            "' ended the stream without a finish reason"));
+  if (!stopped && !finished) {
+    return {absl::InternalError(absl::StrCat("decode worker '", plan.decode.id,
+                                             "' ended the stream without a finish reason"))};
   }
-  // Drain what the detokenizer, stop matcher and splitter still hold.
-  std::string tail;
-  if (!stopped) {
-    tail = stop.Push(detok->Flush(), &stopped);
-    if (!stopped) tail += stop.Flush();
-  }
-  full_text += tail;
-  Delta last = splitter.Push(tail);
-  Delta fin_delta = splitter.Finish();
-  last.reasoning += fin_delta.reasoning;
-  last.content += fin_delta.content;
-  out.parsed = codec_.ParseAssistant(full_text, thinking, req.spec.parse_tools);
-  // Whatever the final parse put in content beyond what was streamed (e.g. a tool-call block
-  // that did not parse) goes out now.
-  streamed_content += last.content;
-  if (out.parsed.content.size() > streamed_content.size() &&
-      out.parsed.content.compare(0, streamed_content.size(), streamed_content) == 0) {
-    last.content += out.parsed.content.substr(streamed_content.size());
-  }
-  out.finish_reason = finish_reason;
-  if (!out.parsed.tool_calls.empty()) {
-    out.finish_reason = "tool_calls";
-    for (size_t i = 0; i < out.parsed.tool_calls.size(); ++i) {
-      if (out.parsed.tool_calls[i].id.empty()) {
-        out.parsed.tool_calls[i].id = absl::StrCat("call_", req.spec.request_id, "_", i);
-      }
-    }
-  }
-  if (!DeltaEmpty(last)) observer->OnDelta(last);
-  return out;
+  return {absl::OkStatus()};
 }
 
 }  // namespace epd::services::router

@@ -35,8 +35,11 @@ struct CoreOptions {
   int context_length = 8192;       // Default: prompt + completion tokens per request
   int max_tokens_limit = 4096;     // Default: largest max_tokens a request may ask for
   int default_max_tokens = 1024;   // Default: when a chat request gives none (capped by context)
-  int max_attempts = 2;            // Default: a request is re-dispatched once if its decode
-                                   // worker is unreachable before any token was streamed
+  int max_attempts = 2;            // Default: a request is re-dispatched once if a worker of
+                                   // its chain is unreachable or dies before any token streamed
+  int migration_limit = 1;         // Default: 1. Times a request moves to another decode worker
+                                   // (prompt + streamed tokens) when its decode worker dies
+                                   // mid-generation (docs/router.md, Request migration); 0 = never
   int64_t request_timeout_ms = 30 * 60 * 1000;  // Default: 30 min; Job.deadline_unix_ms, after
                                                 // which every stage's stream is cut (0 = none)
   absl::Status Validate() const;
@@ -102,12 +105,15 @@ class RouterCore {
   // Validates limits and tokenizes. Errors are ApiError with param/code.
   absl::StatusOr<PreparedRequest> Prepare(GenerateSpec spec) const;
   // Runs the request to the end. Cancelled when the observer gave up; Unavailable when no
-  // worker could serve it or its decode worker died (that worker is then removed).
+  // worker could serve it, or its decode worker died mid-generation more often than
+  // migration_limit allows (a dead worker is removed from the registry). A worker lost before
+  // the first token costs a re-dispatch (max_attempts); one lost after it a migration: the
+  // request continues on another decode worker and the observer sees one stream.
   absl::StatusOr<Outcome> Run(const PreparedRequest& request, StreamObserver* observer);
 
   // Fails every running request that uses `worker_id` (e.g. it stopped heartbeating while a
   // stream to it hangs): their streams are cancelled and they end with worker_failed (or are
-  // re-dispatched if nothing was streamed yet).
+  // re-dispatched or migrated). Does not call into a run's streams while holding runs_mu_.
   void FailWorker(const std::string& worker_id, const std::string& reason);
 
   // Counts a request refused before Run (bad input, auth, unknown model) by its error code.
@@ -120,8 +126,38 @@ class RouterCore {
   void StartDraining() { draining_ = true; }
 
  private:
-  absl::StatusOr<Outcome> RunOnce(const PreparedRequest& request, const Plan& plan,
-                                  StreamObserver* observer, bool* streamed_any);
+  struct RequestState;
+  struct AttemptResult {
+    absl::Status status;
+    bool worker_lost = false;  // a worker of the chain died or became unreachable
+  };
+  // A run of one attempt: the workers it uses are listed in runs_ so FailWorker can cut it.
+  // Thread-safe; `cancel` is only called before `done`.
+  struct ActiveRun {
+    void Fail(const std::string& reason);
+    absl::Mutex mu;
+    bool done ABSL_GUARDED_BY(mu) = false;
+    std::string lost ABSL_GUARDED_BY(mu);  // why a worker of this run was failed
+    std::function<void()> cancel;          // cancels every stage's stream; set before listing
+  };
+
+  // What reading one attempt's decode stream gave.
+  struct DecodeRead {
+    absl::Status error;              // the worker reported an error
+    bool cancelled = false;          // the observer gave up
+    bool finished = false;           // a finish reason arrived
+    std::optional<int32_t> cached;   // the prefix the decode worker reported reusing
+  };
+  // Reads the decode stream into the request's output assembly and the latency metrics, sending
+  // deltas to the observer; cancels the run on an error, a client gone or a stop string.
+  DecodeRead ReadDecode(RequestState& state, const Plan& plan, JobStream& decode, ActiveRun& run);
+  // One attempt: builds the chain for `plan`, submits every stage, watches the side stages and
+  // feeds the decode stream into the request's output assembly.
+  AttemptResult RunAttempt(RequestState& state, const Plan& plan);
+  // The job every stage of an attempt starts from: the prompt (with any tokens already streamed
+  // appended, for a migration) and the tokens still to generate.
+  epd::v1::Job BaseJob(const RequestState& state, const Plan& plan) const;
+  void Unlist(const std::shared_ptr<ActiveRun>& run, const std::string& worker_id);
   void CountOutcome(const std::string& outcome);
 
   const CoreOptions options_;
@@ -132,12 +168,9 @@ class RouterCore {
   const common::Clock& clock_;
   std::atomic<int64_t> inflight_{0};
   std::atomic<bool> draining_{false};
-  struct ActiveRun {
-    std::string lost;               // why a worker of this run was failed; guarded by runs_mu_
-    std::function<void()> cancel;   // cancels every stage's stream
-  };
   absl::Mutex runs_mu_;
-  std::multimap<std::string, ActiveRun*> runs_ ABSL_GUARDED_BY(runs_mu_);  // by worker id
+  std::multimap<std::string, std::shared_ptr<ActiveRun>> runs_
+      ABSL_GUARDED_BY(runs_mu_);  // by worker id
 
   prometheus::Family<prometheus::Counter>& requests_;
   prometheus::Family<prometheus::Counter>& rejects_;
@@ -148,6 +181,7 @@ class RouterCore {
   prometheus::Counter& cached_tokens_;
   prometheus::Counter& generated_tokens_;
   prometheus::Gauge& inflight_gauge_;
+  prometheus::Family<prometheus::Counter>& migrations_;
 };
 
 // Streams reasoning and content deltas from raw output text as it grows: text before the

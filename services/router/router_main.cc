@@ -74,6 +74,10 @@ int main(int argc, char** argv) {
   app.add_option("--default-max-tokens", core_options.default_max_tokens,
                  "max_tokens of a chat request that gives none")
       ->capture_default_str();
+  app.add_option("--migration-limit", core_options.migration_limit,
+                 "Times a request moves to another decode worker when its decode worker dies "
+                 "mid-generation (0 = never; docs/router.md)")
+      ->capture_default_str();
   app.add_option("--api-key", http_options.api_key,
                  "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none)");
   app.add_option("--http-threads", http_options.threads, "HTTP connection threads")

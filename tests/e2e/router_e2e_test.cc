@@ -192,8 +192,11 @@ TEST(RouterE2ETest, SecondWorkerRegisteredLaterTakesWork) {
   EXPECT_EQ(jobs_a + jobs_b, 8);
 }
 
-TEST(RouterE2ETest, KilledDecodeWorkerFailsOnlyItsRequests) {
-  RouterCluster c;
+// Six streams on two decode workers; one worker is SIGKILLed mid-generation. With migration
+// (docs/router.md, Request migration) its streams continue on the other worker and end with
+// [DONE], no error event and every token; with --migration-limit 0 only its streams fail.
+void KillOneOfTwoDecodeWorkersMidGeneration(int migration_limit) {
+  RouterCluster c({"--migration-limit", std::to_string(migration_limit)});
   auto* a = c.AddWorker("decode", "d-a", {"--token-interval-ms", "10"});
   auto* b = c.AddWorker("decode", "d-b", {"--token-interval-ms", "10"});
   ASSERT_TRUE(a && b);
@@ -235,7 +238,7 @@ TEST(RouterE2ETest, KilledDecodeWorkerFailsOnlyItsRequests) {
     EXPECT_EQ(r.status, 200);
     EXPECT_TRUE(r.done) << r.raw;
     const auto& last = r.events.back();
-    if (last.contains("error")) {
+    if (migration_limit == 0 && last.contains("error")) {
       ++failed;
       EXPECT_EQ(last["error"]["code"], "worker_failed") << last.dump();
       EXPECT_NE(last["error"]["message"].get<std::string>().find("d-a"), std::string::npos);
@@ -245,8 +248,16 @@ TEST(RouterE2ETest, KilledDecodeWorkerFailsOnlyItsRequests) {
       EXPECT_EQ(r.events[r.events.size() - 2]["choices"][0]["finish_reason"], "length");
     }
   }
-  EXPECT_EQ(failed, active_a) << c.router().proc.ReadLog() << a->proc.ReadLog();
-  EXPECT_EQ(ok, active_b);
+  const std::string migrations = "epd_request_migrations_total{outcome=\"";
+  if (migration_limit == 0) {
+    EXPECT_EQ(failed, active_a) << c.router().proc.ReadLog() << a->proc.ReadLog();
+    EXPECT_EQ(ok, active_b);
+    EXPECT_EQ(*ScrapeMetric(c.router().metrics, migrations + "limit\"}"), active_a);
+  } else {
+    EXPECT_EQ(failed, 0) << c.router().proc.ReadLog();
+    EXPECT_EQ(ok, kRequests);
+    EXPECT_EQ(*ScrapeMetric(c.router().metrics, migrations + "ok\"}"), active_a);
+  }
   // The router stopped routing to the dead worker at once (no heartbeat expiry needed).
   EXPECT_EQ(c.WorkerCount("decode"), 1);
   const double before_b = *ScrapeMetric(b->metrics, "epd_fake_jobs_total");
@@ -255,6 +266,14 @@ TEST(RouterE2ETest, KilledDecodeWorkerFailsOnlyItsRequests) {
   }
   EXPECT_EQ(*ScrapeMetric(b->metrics, "epd_fake_jobs_total"), before_b + 4);
   EXPECT_TRUE(c.router().proc.running());
+}
+
+TEST(RouterE2ETest, KilledDecodeWorkersStreamsMigrateAndEndWithDone) {
+  KillOneOfTwoDecodeWorkersMidGeneration(1);
+}
+
+TEST(RouterE2ETest, WithoutMigrationAKilledDecodeWorkerFailsOnlyItsRequests) {
+  KillOneOfTwoDecodeWorkersMidGeneration(0);
 }
 
 TEST(RouterE2ETest, FingerprintMismatchIsRefused) {

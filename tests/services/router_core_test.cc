@@ -1,8 +1,7 @@
 // RouterCore with in-process scripted workers: validation errors, streaming equals the final
 // result, cancellation reaches every stage, a dead decode worker fails only its request and is
-// dropped, re-dispatch before the first token, and the OpenAI request parser.
-#include "services/router/router_core.h"
-
+// dropped, re-dispatch before the first token, request migration after it (docs/router.md), and
+// the OpenAI request parser.
 #include <gtest/gtest.h>
 
 #include <deque>
@@ -374,6 +373,189 @@ TEST_F(RouterCoreTest, SideStageErrorFailsTheRequestAndCancelsDecode) {
   EXPECT_NE(out.status().message().find("entry_count"), absl::string_view::npos);
   EXPECT_EQ(client_.Cancels("d0"), 1);
   EXPECT_EQ(registry_.Count(PoolKind::kPrefill), 1);  // a request error is not a dead worker
+}
+
+std::vector<int32_t> Ids(const std::string& text) {
+  return std::vector<int32_t>(text.begin(), text.end());
+}
+
+std::vector<int32_t> JobPrompt(const epd::v1::Job& job) {
+  return std::vector<int32_t>(job.prompt_ids().begin(), job.prompt_ids().end());
+}
+
+TEST_F(RouterCoreTest, DecodeDeathMidGenerationMigratesWithPromptPlusStreamedTokens) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    if (client_.jobs.empty()) {  // the first decode worker dies after three tokens
+      auto s = Bytes("abc", "");
+      s.status = absl::UnavailableError("Socket closed");
+      return s;
+    }
+    return Bytes("dEFgh", "length");
+  };
+  auto spec = Completion("hello");
+  spec.sampling.add_stop("EF");  // a stop string the continuation completes
+  auto req = core_.Prepare(spec);
+  ASSERT_TRUE(req.ok());
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  // One stream: what the first worker streamed, then the continuation, cut at the stop string.
+  EXPECT_EQ(rec.content, "abcd");
+  EXPECT_EQ(out->parsed.content, "abcd");
+  EXPECT_EQ(out->finish_reason, "stop");
+  ASSERT_EQ(client_.jobs.size(), 2u);
+  EXPECT_NE(client_.jobs[0].first, client_.jobs[1].first);
+  // The continuation is a fresh request of prompt + streamed tokens for the remaining budget,
+  // with the same sampling and deadline, under its own job id (workers key hand-offs by it).
+  const auto& first = client_.jobs[0].second;
+  const auto& second = client_.jobs[1].second;
+  std::vector<int32_t> expected = JobPrompt(first);
+  for (int32_t id : Ids("abc")) expected.push_back(id);
+  EXPECT_EQ(JobPrompt(second), expected);
+  EXPECT_EQ(second.sampling().max_tokens(), first.sampling().max_tokens() - 3);
+  EXPECT_EQ(first.request_id(), "r1");
+  EXPECT_EQ(second.request_id(), "r1~2");
+  EXPECT_EQ(second.deadline_unix_ms(), first.deadline_unix_ms());
+  EXPECT_EQ(out->prompt_tokens, static_cast<int>(req->prompt_ids.size()));
+  EXPECT_EQ(out->decode_worker, client_.jobs[1].first);
+  EXPECT_EQ(registry_.Count(PoolKind::kDecode), 1);
+  const std::string m = Scrape();
+  EXPECT_NE(m.find("epd_request_migrations_total{outcome=\"ok\"} 1"), std::string::npos) << m;
+  EXPECT_NE(m.find("epd_requests_total{outcome=\"ok\"} 1"), std::string::npos);
+}
+
+TEST_F(RouterCoreTest, FailWorkerMidGenerationMigratesTheHungRequest) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  std::string hung;
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
+    if (hung.empty()) {
+      hung = w.id;
+      auto s = Bytes("ab", "");
+      s.block_until_cancel = true;  // stopped (SIGSTOP): neither ends nor fails
+      return s;
+    }
+    return Bytes("cd");
+  };
+  class FailOnSecond final : public StreamObserver {
+   public:
+    FailOnSecond(RouterCore& core, const std::string& worker) : core_(core), worker_(worker) {}
+    bool OnDelta(const Delta& d) override {
+      content += d.content;
+      if (++n_ == 2) core_.FailWorker(worker_, "missed heartbeats");
+      return true;
+    }
+    std::string content;
+
+   private:
+    RouterCore& core_;
+    const std::string& worker_;
+    int n_ = 0;
+  } observer(core_, hung);
+  auto req = core_.Prepare(Completion("hello"));
+  auto out = core_.Run(*req, &observer);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(observer.content, "abcd");
+  EXPECT_EQ(client_.Cancels(hung), 1);
+  EXPECT_NE(Scrape().find("epd_request_migrations_total{outcome=\"ok\"} 1"), std::string::npos);
+}
+
+TEST_F(RouterCoreTest, MigrationLimitZeroFailsTheRequestAndCountsIt) {
+  prometheus::Registry metrics;
+  Registry registry(RegistryOptions{}, clock_, metrics);
+  Scheduler scheduler(SchedulerOptions{}, registry, oracle_, metrics);
+  CoreOptions options = Options();
+  options.migration_limit = 0;
+  RouterCore core(options, codec_, registry, scheduler, client_, clock_, metrics);
+  ASSERT_TRUE(registry.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry.Register(Worker("d1", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("abc", "");
+    s.status = absl::UnavailableError("Socket closed");
+    return s;
+  };
+  auto req = core.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core.Run(*req, &rec);
+  EXPECT_EQ(ErrorCode(out.status()), "worker_failed");
+  EXPECT_NE(out.status().message().find("mid-generation"), absl::string_view::npos);
+  EXPECT_EQ(client_.jobs.size(), 1u);
+  const std::string m = prometheus::TextSerializer().Serialize(metrics.Collect());
+  EXPECT_NE(m.find("epd_request_migrations_total{outcome=\"limit\"} 1"), std::string::npos) << m;
+}
+
+TEST_F(RouterCoreTest, SecondDeathBeyondTheLimitFailsTheRequest) {
+  for (const char* id : {"d0", "d1", "d2"}) {
+    ASSERT_TRUE(registry_.Register(Worker(id, PoolKind::kDecode)).ok());
+  }
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("x", "");
+    s.status = absl::UnavailableError("Socket closed");
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(ErrorCode(out.status()), "worker_failed");
+  EXPECT_EQ(rec.content, "xx");
+  EXPECT_EQ(client_.jobs.size(), 2u);  // --migration-limit 1: one move, not two
+  EXPECT_NE(Scrape().find("epd_request_migrations_total{outcome=\"failed\"} 1"),
+            std::string::npos);
+}
+
+TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("e1", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  std::string dead;
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job& job) {
+    Script s;
+    if (w.pool == PoolKind::kDecode) {
+      if (dead.empty()) {  // the first chain's encoder dies: its decode waits in vain
+        dead = job.prev_worker_id();
+        s.block_until_cancel = true;
+        return s;
+      }
+      return Bytes("ok");
+    }
+    if (w.id == dead) {
+      s.status = absl::UnavailableError("Socket closed");
+    } else {
+      epd::v1::SubmitResponse r;
+      r.set_finish_reason("handoff");
+      s.messages.push_back(r);
+    }
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "ok");
+  EXPECT_EQ(registry_.Count(PoolKind::kEncoder), 1);  // the dead one is dropped
+  EXPECT_EQ(client_.forgotten, std::vector<std::string>{dead});
+}
+
+TEST_F(RouterCoreTest, SideStageDeathAfterItsHandoffCostsTheRequestNothing) {
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
+    if (w.pool == PoolKind::kDecode) return Bytes("fine");
+    Script s;
+    epd::v1::SubmitResponse r;
+    r.set_finish_reason("handoff");
+    s.messages.push_back(r);
+    s.status = absl::UnavailableError("Socket closed");  // killed right after the hand-off
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "fine");
+  core_.FailWorker("p0", "missed heartbeats");  // not listed any more: a no-op
 }
 
 TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {

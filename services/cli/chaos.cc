@@ -1,0 +1,521 @@
+#include "services/cli/chaos.h"
+
+#include <arpa/inet.h>
+#include <dirent.h>
+#include <grpcpp/grpcpp.h>
+#include <httplib.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <stdlib.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <atomic>
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <random>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "epd/v1/inference.grpc.pb.h"
+#include "services/runtime/child_process.h"
+#include "services/runtime/shutdown.h"
+
+namespace epd::services {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+using Ids = std::vector<int32_t>;
+
+constexpr const char* kPools[] = {"encoder", "prefill", "decode"};
+
+std::string SelfDir() {
+  std::error_code ec;
+  fs::path exe = fs::read_symlink("/proc/self/exe", ec);
+  return ec ? std::string(".") : exe.parent_path().string();
+}
+
+struct Result {
+  Ids ids;
+  std::string finish;
+  grpc::Status status;
+  int cached = -1;
+  double start_s = 0;  // since the campaign began
+  double seconds = 0;
+};
+
+const Clock::time_point g_epoch = Clock::now();
+double Since() { return std::chrono::duration<double>(Clock::now() - g_epoch).count(); }
+
+Result Generate(const std::string& target, const std::string& request_id, const Ids& prompt,
+                int max_tokens, int deadline_s) {
+  auto stub =
+      epd::v1::Inference::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(deadline_s));
+  epd::v1::GenerateRequest req;
+  req.set_model("epd-nano");
+  req.set_request_id(request_id);
+  for (int32_t id : prompt) req.mutable_prompt_ids()->add_ids(id);
+  req.mutable_sampling()->set_temperature(0.f);
+  req.mutable_sampling()->set_max_tokens(max_tokens);
+  const auto start = Clock::now();
+  auto reader = stub->Generate(&ctx, req);
+  Result r;
+  r.start_s = Since();
+  epd::v1::GenerateResponse m;
+  while (reader->Read(&m)) {
+    r.ids.insert(r.ids.end(), m.token_ids().begin(), m.token_ids().end());
+    if (!m.finish_reason().empty()) r.finish = m.finish_reason();
+    if (m.has_usage()) r.cached = m.usage().cached_tokens();
+  }
+  r.status = reader->Finish();
+  r.seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return r;
+}
+
+// One series of the /metrics page on `port`; nullopt when the page or the series is missing.
+std::optional<double> Metric(int port, const std::string& series) {
+  httplib::Client cli("127.0.0.1", port);
+  cli.set_connection_timeout(2, 0);
+  cli.set_read_timeout(5, 0);
+  auto res = cli.Get("/metrics");
+  if (!res || res->status != 200) return std::nullopt;
+  const std::string& body = res->body;
+  size_t pos = 0;
+  while ((pos = body.find(series + " ", pos)) != std::string::npos) {
+    if (pos == 0 || body[pos - 1] == '\n') return std::stod(body.substr(pos + series.size() + 1));
+    ++pos;
+  }
+  return std::nullopt;
+}
+
+std::optional<int> Published(const std::string& run_dir, const std::string& name,
+                             const std::string& key) {
+  return WaitForPortFile(run_dir + "/" + name + ".json", key, std::chrono::milliseconds(0));
+}
+
+// Live (not zombie) processes whose command line contains `needle`, except `except`.
+std::set<pid_t> ProcessesNaming(const std::string& needle, pid_t except) {
+  std::set<pid_t> out;
+  DIR* proc = opendir("/proc");
+  if (!proc) return out;
+  while (dirent* e = readdir(proc)) {
+    const pid_t pid = static_cast<pid_t>(atoi(e->d_name));
+    if (pid <= 0 || pid == except || pid == getpid()) continue;
+    std::ifstream cmd("/proc/" + std::string(e->d_name) + "/cmdline");
+    std::stringstream ss;
+    ss << cmd.rdbuf();
+    if (ss.str().find(needle) == std::string::npos) continue;
+    std::ifstream stat("/proc/" + std::string(e->d_name) + "/stat");
+    std::string line;
+    std::getline(stat, line);
+    const size_t paren = line.rfind(')');
+    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z') continue;
+    out.insert(pid);
+  }
+  closedir(proc);
+  return out;
+}
+
+// The conversations: turn t's prompt is a system block, then per earlier turn its tool output
+// and the no-fault answer, then this turn's tool output (an agent resending its context).
+struct Workload {
+  std::vector<std::vector<Ids>> prompts;   // [session][turn]
+  std::vector<std::vector<Ids>> expected;  // no-fault outputs
+};
+
+Ids RandomIds(std::mt19937_64& rng, int n) {
+  std::uniform_int_distribution<int32_t> d(10, 309);
+  Ids out(n);
+  for (auto& id : out) id = d(rng);
+  return out;
+}
+
+}  // namespace
+
+void AddChaosFlags(CLI::App& app, ChaosOptions* o) {
+  app.add_option("--seconds", o->seconds, "Seconds of faults under load (default 120)")
+      ->check(CLI::Range(1, 86400));
+  app.add_option("--seed", o->seed, "Seed of the prompts and the fault schedule (default 7)");
+  app.add_option("--clients", o->clients, "Concurrent agent sessions (default 3)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--sessions", o->sessions, "Distinct conversations (default 4)")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--turns", o->turns, "Turns per conversation (default 3)")
+      ->check(CLI::Range(1, 32));
+  app.add_option("--max-tokens", o->max_tokens, "Generated tokens per request (default 24)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--request-deadline-s", o->request_deadline_s,
+                 "A request not finished after this many seconds is a hang (default 90)")
+      ->check(CLI::Range(5, 3600));
+  app.add_option("--faults", o->faults,
+                 "Fault kinds: sigkill_worker,sigstop_worker,kill_kvstore,kill_router (all)");
+  app.add_option("--data-dir", o->data_dir, "Cluster data folder (default: a fresh /tmp folder)");
+  app.add_option("--json", o->json_path, "Write the counts to this JSON file");
+}
+
+int RunChaos(const ChaosOptions& o) {
+  InstallShutdownHandlers();
+  const std::string bin = SelfDir();
+  std::string data_dir = o.data_dir;
+  bool remove_data = false;
+  if (data_dir.empty()) {
+    char tmpl[] = "/tmp/epd-chaos-XXXXXX";
+    if (!mkdtemp(tmpl)) {
+      std::cerr << "epd chaos: cannot create a temporary folder\n";
+      return 2;
+    }
+    data_dir = tmpl;
+    remove_data = true;
+  }
+  const std::string run_dir = data_dir + "/run";
+  // Free ports for the router (epd serve needs fixed ones so a restarted router keeps them).
+  auto free_port = [] {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    socklen_t len = sizeof(addr);
+    int port = 0;
+    if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+      port = ntohs(addr.sin_port);
+    }
+    if (fd >= 0) close(fd);
+    return port;
+  };
+  const int http_port = free_port(), grpc_port = free_port();
+  const std::string target = "127.0.0.1:" + std::to_string(grpc_port);
+  std::cout << "epd chaos: seed " << o.seed << ", " << o.seconds << " s of faults, data in "
+            << data_dir << "\n"
+            << std::flush;
+  SpawnOptions spawn;
+  spawn.parent_death_signal = SIGKILL;
+  ChildProcess serve = ChildProcess::StartWith({bin + "/epd",
+                                                "serve",
+                                                "--data-dir",
+                                                data_dir,
+                                                "--http-port",
+                                                std::to_string(http_port),
+                                                "--grpc-port",
+                                                std::to_string(grpc_port),
+                                                "--encoders",
+                                                "2",
+                                                "--prefills",
+                                                "2",
+                                                "--decodes",
+                                                "2",
+                                                "--max-restarts",
+                                                "1000",
+                                                "--restart-backoff-ms",
+                                                "200",
+                                                "--log-level",
+                                                "info"},
+                                               data_dir + ".serve.log", spawn);
+  const std::vector<std::string> workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
+                                            "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
+  std::vector<std::string> components = workers;
+  components.insert(components.begin(), {"epd-kvstore", "epd-router"});
+
+  auto router_metric = [&](const std::string& series) -> std::optional<double> {
+    auto port = Published(run_dir, "epd-router", "metrics");
+    return port ? Metric(*port, series) : std::nullopt;
+  };
+  // Every component runs under the pid it published and the router lists 2 workers per pool.
+  auto healthy = [&] {
+    for (const auto& c : components) {
+      auto pid = Published(run_dir, c, "pid");
+      if (!pid || kill(*pid, 0) != 0 || !Published(run_dir, c, "grpc")) return false;
+    }
+    for (const char* pool : kPools) {
+      auto n = router_metric(std::string("epd_router_workers{pool=\"") + pool + "\"}");
+      if (!n || *n != 2) return false;
+    }
+    return true;
+  };
+  auto wait_healthy = [&](std::chrono::seconds timeout) {
+    const auto end = Clock::now() + timeout;
+    while (Clock::now() < end && serve.running()) {
+      if (healthy()) return true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    return false;
+  };
+  auto fail_start = [&](const char* what) {
+    std::cerr << "epd chaos: " << what << "; see " << data_dir << ".serve.log and " << data_dir
+              << "/logs\n";
+    serve.Stop(std::chrono::seconds(30));
+    return 2;
+  };
+  if (!wait_healthy(std::chrono::seconds(300))) return fail_start("the cluster did not come up");
+
+  // 1. No-fault outputs of every conversation turn.
+  std::mt19937_64 prompt_rng(o.seed);
+  Workload w;
+  w.prompts.resize(o.sessions);
+  w.expected.resize(o.sessions);
+  const Ids system = RandomIds(prompt_rng, 64);
+  std::vector<std::vector<Ids>> tools(o.sessions);
+  for (auto& s : tools) {
+    for (int t = 0; t < o.turns; ++t) s.push_back(RandomIds(prompt_rng, o.tool_tokens));
+  }
+  for (int s = 0; s < o.sessions; ++s) {
+    Ids context = system;
+    for (int t = 0; t < o.turns; ++t) {
+      context.insert(context.end(), tools[s][t].begin(), tools[s][t].end());
+      Result r = Generate(target, "ref-" + std::to_string(s) + "-" + std::to_string(t), context,
+                          o.max_tokens, o.request_deadline_s);
+      if (!r.status.ok()) return fail_start("a no-fault request failed");
+      w.prompts[s].push_back(context);
+      w.expected[s].push_back(r.ids);
+      context.insert(context.end(), r.ids.begin(), r.ids.end());
+    }
+  }
+  // Idle resource levels of the fault-free workers (transfer registrations are long-lived).
+  std::map<std::string, double> idle_max;
+  const char* kResources[] = {"registrations", "allocations", "transfers"};
+  for (const auto& c : workers) {
+    auto port = Published(run_dir, c, "metrics");
+    for (const char* res : kResources) {
+      const std::string series = std::string("epd_transfer_outstanding{resource=\"") + res + "\"}";
+      double v = port ? Metric(*port, series).value_or(0) : 0;
+      const std::string pool = c.substr(4, c.rfind('-') - 4);
+      idle_max[pool + "/" + res] = std::max(idle_max[pool + "/" + res], v);
+    }
+  }
+
+  // 2. Load and faults.
+  struct Done {
+    std::string request_id;
+    int session, turn;
+    Result result;
+  };
+  std::mutex mu;
+  std::vector<Done> done;
+  std::atomic<bool> stop_load{false};
+  const auto end = Clock::now() + std::chrono::seconds(o.seconds);
+  std::vector<std::thread> clients;
+  for (int c = 0; c < o.clients; ++c) {
+    clients.emplace_back([&, c] {
+      std::mt19937_64 rng(o.seed * 1000 + c);
+      for (int n = 0; !stop_load.load() && !ShutdownRequested(); ++n) {
+        const int s = static_cast<int>(rng() % o.sessions);
+        for (int t = 0; t < o.turns && !stop_load.load(); ++t) {
+          const std::string id =
+              "chaos-" + std::to_string(c) + "-" + std::to_string(n) + "-" + std::to_string(t);
+          Result r = Generate(target, id, w.prompts[s][t], o.max_tokens, o.request_deadline_s);
+          const bool failed = !r.status.ok();
+          {
+            std::lock_guard<std::mutex> lock(mu);
+            done.push_back({id, s, t, std::move(r)});
+          }
+          // An agent backs off after an error instead of hammering a cluster that is recovering.
+          if (failed) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+        }
+      }
+    });
+  }
+  std::map<std::string, int> faults;
+  std::mt19937_64 fault_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
+  std::uniform_real_distribution<double> gap(o.fault_min_s, o.fault_max_s);
+  std::vector<std::string> kinds;
+  std::vector<double> weights;
+  const std::map<std::string, double> kWeights = {
+      {"sigkill_worker", 4}, {"sigstop_worker", 3}, {"kill_kvstore", 2}, {"kill_router", 1}};
+  for (const auto& [kind, weight] : kWeights) {
+    if (("," + o.faults + ",").find("," + kind + ",") == std::string::npos) continue;
+    kinds.push_back(kind);
+    weights.push_back(weight);
+  }
+  if (kinds.empty()) {
+    std::cerr << "epd chaos: --faults names no known fault kind\n";
+    serve.Stop(std::chrono::seconds(30));
+    return 2;
+  }
+  std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
+  while (Clock::now() < end && !ShutdownRequested() && serve.running()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(gap(fault_rng) * 1000)));
+    if (Clock::now() >= end) break;
+    const std::string kind = kinds[pick(fault_rng)];
+    const std::string victim = kind == "kill_kvstore"  ? "epd-kvstore"
+                               : kind == "kill_router" ? "epd-router"
+                                                       : workers[fault_rng() % workers.size()];
+    auto pid = Published(run_dir, victim, "pid");
+    if (!pid || kill(*pid, 0) != 0) {
+      ++faults["skipped_down"];
+      continue;
+    }
+    ++faults[kind];
+    std::cout << "epd chaos: t=" << Since() << " s " << kind << " " << victim << " (pid " << *pid
+              << ")\n"
+              << std::flush;
+    if (kind == "sigstop_worker") {
+      kill(*pid, SIGSTOP);
+      std::this_thread::sleep_for(std::chrono::milliseconds(500 + fault_rng() % 2500));
+      kill(*pid, SIGCONT);
+    } else {
+      kill(*pid, SIGKILL);
+    }
+  }
+  stop_load = true;
+  for (auto& t : clients) t.join();
+  const bool recovered = wait_healthy(std::chrono::seconds(180));
+
+  // 3. Checks.
+  std::map<std::string, int> migrated_at;  // request id -> tokens streamed before it moved
+  {
+    std::ifstream in(data_dir + "/logs/epd-router.log");
+    const std::regex re("request (\\S+): .*migrating with (\\d+) streamed");
+    std::string line;
+    std::smatch m;
+    while (std::getline(in, line)) {
+      if (std::regex_search(line, m, re)) migrated_at.emplace(m[1], std::stoi(m[2]));
+    }
+  }
+  int ok = 0, clean_failures = 0, hangs = 0, wrong = 0, continuations = 0;
+  std::map<std::string, int> failure_codes;
+  for (const auto& d : done) {
+    const Result& r = d.result;
+    if (r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
+        r.seconds > o.request_deadline_s + 5) {
+      ++hangs;
+      std::cerr << "epd chaos: request " << d.request_id << " hung (" << r.seconds << " s)\n";
+      continue;
+    }
+    if (!r.status.ok()) {
+      ++clean_failures;
+      ++failure_codes[std::to_string(r.status.error_code())];
+      if (clean_failures <= 20) {
+        std::cout << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
+                  << r.start_s + r.seconds << " s) failed: " << r.status.error_message() << "\n";
+      }
+      continue;
+    }
+    ++ok;
+    const Ids& want = w.expected[d.session][d.turn];
+    if (r.ids == want) continue;
+    auto mig = migrated_at.find(d.request_id);
+    bool equal = false;
+    if (mig != migrated_at.end() && recovered) {
+      const size_t k = static_cast<size_t>(mig->second);
+      if (k <= r.ids.size() && std::equal(r.ids.begin(), r.ids.begin() + k, want.begin(),
+                                          want.begin() + std::min(k, want.size()))) {
+        Ids context = w.prompts[d.session][d.turn];
+        context.insert(context.end(), r.ids.begin(), r.ids.begin() + k);
+        Result fresh = Generate(target, d.request_id + "-check", context,
+                                o.max_tokens - static_cast<int>(k), o.request_deadline_s);
+        equal = fresh.status.ok() && Ids(r.ids.begin() + k, r.ids.end()) == fresh.ids;
+      }
+    }
+    if (equal) {
+      ++continuations;
+    } else {
+      ++wrong;
+      size_t diverge = 0;
+      while (diverge < r.ids.size() && diverge < want.size() && r.ids[diverge] == want[diverge]) {
+        ++diverge;
+      }
+      std::cerr << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
+                << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
+                << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
+                << "token " << diverge
+                << (mig != migrated_at.end() ? " and from its migration continuation" : "") << "\n";
+    }
+  }
+  // Leaks: once idle, no worker holds a job or more transfer resources than a fault-free one did
+  // at rest; the kvstore answers no put; the router runs nothing.
+  int leaks = 0;
+  std::vector<std::string> leak_notes;
+  if (recovered) {
+    std::this_thread::sleep_for(std::chrono::seconds(2));
+    for (const auto& c : workers) {
+      auto port = Published(run_dir, c, "metrics");
+      const std::string pool = c.substr(4, c.rfind('-') - 4);
+      if (!port) continue;
+      if (Metric(*port, "epd_queue_depth{pool=\"" + pool + "\"}").value_or(0) != 0) {
+        ++leaks, leak_notes.push_back(c + " queue_depth");
+      }
+      for (const char* res : kResources) {
+        const double v =
+            Metric(*port, std::string("epd_transfer_outstanding{resource=\"") + res + "\"}")
+                .value_or(0);
+        if (v > idle_max[pool + "/" + res]) ++leaks, leak_notes.push_back(c + " " + res);
+      }
+    }
+    if (auto kv = Published(run_dir, "epd-kvstore", "metrics")) {
+      if (Metric(*kv, "epd_kv_puts_in_flight").value_or(0) != 0) {
+        ++leaks, leak_notes.push_back("kvstore puts_in_flight");
+      }
+    }
+    if (router_metric("epd_router_inflight_requests").value_or(1) != 0) {
+      ++leaks, leak_notes.push_back("router inflight");
+    }
+  }
+  // The live processes are exactly the published ones, and the registry lists them.
+  std::set<pid_t> published;
+  for (const auto& c : components) {
+    if (auto pid = Published(run_dir, c, "pid")) published.insert(*pid);
+  }
+  const std::set<pid_t> live = ProcessesNaming(data_dir + "/", serve.pid());
+  const bool registry_exact = recovered && live == published;
+  const double migrations_ok =
+      router_metric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0);
+  const double migrations_failed =
+      router_metric("epd_request_migrations_total{outcome=\"failed\"}").value_or(0);
+
+  // 4. Stop: nothing of the cluster may remain.
+  serve.Signal(SIGINT);
+  const auto serve_rc = serve.Wait(std::chrono::seconds(120));
+  if (!serve_rc) serve.Stop(std::chrono::seconds(1));
+  std::set<pid_t> orphans;
+  for (int i = 0; i < 100; ++i) {
+    orphans = ProcessesNaming(data_dir + "/", -1);
+    if (orphans.empty()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+
+  nlohmann::json j = {{"seed", o.seed},
+                      {"seconds", o.seconds},
+                      {"requests", done.size()},
+                      {"ok", ok},
+                      {"equal_no_fault", ok - continuations - wrong},
+                      {"migration_continuations", continuations},
+                      {"clean_failures", clean_failures},
+                      {"failure_codes", failure_codes},
+                      {"hangs", hangs},
+                      {"wrong_outputs", wrong},
+                      {"leaks", leaks},
+                      {"leak_notes", leak_notes},
+                      {"faults", faults},
+                      {"migrations_ok", migrations_ok},
+                      {"migrations_failed", migrations_failed},
+                      {"recovered", recovered},
+                      {"registry_exact", registry_exact},
+                      {"serve_exit", serve_rc.value_or(-1)},
+                      {"orphans", orphans.size()}};
+  std::cout << "epd chaos: " << j.dump(1) << "\n";
+  if (!o.json_path.empty()) std::ofstream(o.json_path) << j.dump(2) << "\n";
+  const bool pass = recovered && hangs == 0 && wrong == 0 && leaks == 0 && registry_exact &&
+                    orphans.empty() && serve_rc.value_or(-1) == 0 && ok > 0;
+  std::cout << "epd chaos: " << (pass ? "PASS" : "FAIL") << "\n";
+  if (pass && remove_data) {
+    std::error_code ec;
+    fs::remove_all(data_dir, ec);
+    fs::remove(data_dir + ".serve.log", ec);
+  }
+  return pass ? 0 : 1;
+}
+
+}  // namespace epd::services

@@ -1,0 +1,226 @@
+// `epd serve` as a supervisor (docs/serve.md): with two decode workers, the decode worker serving
+// a stream, the encoder, the prefill worker, the kvstore and the router are each SIGKILLed in
+// turn during a stream (the decode worker also during an OpenAI SSE stream). epd serve stays up,
+// every process comes back under a new pid, the killed decode worker's stream migrates (it ends
+// normally, the router counts the migration, and its continuation equals a fresh greedy request of
+// prompt + streamed tokens), the next requests succeed, and after Ctrl-C no process of the cluster
+// remains. Then the same cluster is started again and `epd serve` itself gets SIGKILL: its children
+// die with it (PR_SET_PDEATHSIG). A third test sends SIGTERM to the whole process group, as systemd
+// and Kubernetes stop a service.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <fstream>
+#include <regex>
+#include <sstream>
+#include <string>
+#include <thread>
+
+#include "nlohmann/json.hpp"
+#include "tests/e2e/real_cluster.h"
+#include "tests/e2e/serve_cluster.h"
+
+namespace epd {
+namespace {
+
+using epd::testing::Generate;
+using epd::testing::GenerateOptions;
+using epd::testing::Generation;
+using epd::testing::Prompt;
+using epd::testing::ServeCluster;
+
+constexpr int kMaxTokens = 40;
+
+// The decode worker ("epd-decode-<i>") that is running a request now, or "".
+std::string BusyDecode(ServeCluster& c) {
+  for (int i = 0; i < 2; ++i) {
+    const std::string name = "epd-decode-" + std::to_string(i);
+    auto port = c.Published(name, "metrics");
+    if (!port) continue;
+    auto depth = epd::testing::ScrapeMetric(*port, "epd_queue_depth{pool=\"decode\"}");
+    if (depth && *depth > 0) return name;
+  }
+  return "";
+}
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeavesNothing) {
+  ServeCluster c({"--decodes", "2"});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  ASSERT_TRUE(c.WaitWorkers({1, 1, 2})) << c.Logs();
+  // A warm-up request, so every worker has served once.
+  auto warm = Generate(c.grpc_port(), Prompt(150, 1), 4);
+  ASSERT_TRUE(warm.status.ok()) << warm.status.error_message() << c.Logs();
+
+  // 1. The decode worker serving a stream: the stream migrates to the other one.
+  {
+    std::string victim;
+    pid_t victim_pid = -1;
+    GenerateOptions opts;
+    opts.deadline = std::chrono::seconds(120);
+    opts.on_first = [&] {
+      victim = BusyDecode(c);
+      victim_pid = c.Pid(victim);
+      if (victim_pid > 0) kill(victim_pid, SIGKILL);
+    };
+    const auto prompt = Prompt(150, 2);
+    // Long enough that the worker is still generating when the first chunk reaches the client.
+    const int max_tokens = 200;
+    Generation g = Generate(c.grpc_port(), prompt, max_tokens, opts);
+    ASSERT_FALSE(victim.empty()) << "no decode worker was busy";
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << c.Logs();
+    EXPECT_FALSE(g.finish.empty());
+    EXPECT_EQ(c.RouterMetric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0), 1)
+        << c.Logs();
+    // The continuation equals a fresh greedy request of prompt + the tokens streamed before the
+    // worker died (the router logs how many there were).
+    std::smatch match;
+    const std::string router_log = ReadFile(c.data_dir() + "/logs/epd-router.log");
+    ASSERT_TRUE(std::regex_search(router_log, match, std::regex("migrating with (\\d+) streamed")))
+        << router_log;
+    const size_t k = std::stoul(match[1]);
+    std::printf("killed %s (pid %d) after %zu streamed tokens; the stream ended '%s' with %zu\n",
+                victim.c_str(), victim_pid, k, g.finish.c_str(), g.ids.size());
+    ASSERT_LE(k, g.ids.size());
+    std::vector<int32_t> continued = prompt;
+    continued.insert(continued.end(), g.ids.begin(), g.ids.begin() + k);
+    Generation fresh = Generate(c.grpc_port(), continued, max_tokens - static_cast<int>(k));
+    ASSERT_TRUE(fresh.status.ok()) << fresh.status.error_message();
+    EXPECT_EQ(std::vector<int32_t>(g.ids.begin() + k, g.ids.end()), fresh.ids);
+    ASSERT_TRUE(c.WaitBack(victim, victim_pid, "registered")) << c.Logs();
+  }
+
+  // 1b. The same over the OpenAI HTTP API: the SSE stream of a chat completion whose decode
+  // worker is SIGKILLed ends with [DONE] and carries no error event.
+  {
+    ASSERT_TRUE(c.WaitWorkers({1, 1, 2}, std::chrono::seconds(90))) << c.Logs();
+    const std::string out = c.data_dir() + "/sse.txt";
+    const nlohmann::json body = {
+        {"model", "epd-nano"},
+        {"messages", {{{"role", "user"}, {"content", "tell me a long story about a kvstore"}}}},
+        {"max_tokens", 200},
+        {"temperature", 0},
+        {"stream", true}};
+    std::ofstream(c.data_dir() + "/sse_body.json") << body.dump();
+    std::thread curl([&] {
+      epd::testing::RunCommand(
+          "curl -sN --max-time 120 -H 'content-type: application/json' "
+          "--data @" +
+          c.data_dir() + "/sse_body.json http://127.0.0.1:" + std::to_string(c.http_port()) +
+          "/v1/chat/completions > " + out);
+    });
+    std::string victim;
+    pid_t victim_pid = -1;
+    // After a few content chunks (the first one, with the role, precedes any token), kill the
+    // decode worker running the request.
+    for (int i = 0; i < 20000 && victim.empty(); ++i) {
+      const std::string so_far = ReadFile(out);
+      if (so_far.find("[DONE]") != std::string::npos) break;  // finished first: reported below
+      size_t chunks = 0;
+      for (size_t p = so_far.find("data: "); p != std::string::npos;
+           p = so_far.find("data: ", p + 1)) {
+        ++chunks;
+      }
+      if (chunks >= 3) victim = BusyDecode(c);
+      if (!victim.empty()) {
+        victim_pid = c.Pid(victim);
+        kill(victim_pid, SIGKILL);
+      } else {
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+    }
+    curl.join();
+    const std::string sse = ReadFile(out);
+    ASSERT_FALSE(victim.empty()) << "the stream was not running on a decode worker: " << sse;
+    std::printf("killed %s (pid %d) during an SSE stream\n", victim.c_str(), victim_pid);
+    EXPECT_NE(sse.find("data: [DONE]"), std::string::npos) << sse << c.Logs();
+    EXPECT_EQ(sse.find("\"error\""), std::string::npos) << sse;
+    EXPECT_NE(sse.find("\"finish_reason\":\""), std::string::npos) << sse;
+    EXPECT_EQ(c.RouterMetric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0), 2);
+    ASSERT_TRUE(c.WaitBack(victim, victim_pid, "registered")) << c.Logs();
+  }
+
+  // 2. The encoder, the prefill worker and the kvstore during a stream (after the hand-off: the
+  // stream is not theirs any more), then the router (the stream is cut; the client retries).
+  struct Victim {
+    std::string name;
+    std::string key;
+    bool stream_survives;
+  };
+  for (const Victim& v :
+       {Victim{"epd-encoder-0", "registered", true}, Victim{"epd-prefill-0", "registered", true},
+        Victim{"epd-kvstore", "grpc", true}, Victim{"epd-router", "grpc", false}}) {
+    SCOPED_TRACE(v.name);
+    const pid_t pid = c.Pid(v.name);
+    ASSERT_GT(pid, 0);
+    GenerateOptions opts;
+    opts.deadline = std::chrono::seconds(120);
+    opts.on_first = [&] { kill(pid, SIGKILL); };
+    Generation g = Generate(c.grpc_port(), Prompt(150, 10 + static_cast<int>(v.name.size())),
+                            kMaxTokens, opts);
+    std::printf("killed %s (pid %d) mid-stream: stream status %d, %zu tokens\n", v.name.c_str(),
+                pid, g.status.error_code(), g.ids.size());
+    if (v.stream_survives) {
+      EXPECT_TRUE(g.status.ok()) << g.status.error_message() << c.Logs();
+    }
+    ASSERT_TRUE(c.WaitBack(v.name, pid, v.key)) << c.Logs();
+    EXPECT_TRUE(c.serve().running()) << c.Logs();
+    ASSERT_TRUE(c.WaitWorkers({1, 1, 2}, std::chrono::seconds(90))) << c.Logs();
+    // The next requests succeed (a restarted router first needs the workers to re-register).
+    Generation next;
+    for (int attempt = 0; attempt < 50; ++attempt) {
+      next = Generate(c.grpc_port(), Prompt(150, 100 + attempt), 8);
+      if (next.status.ok()) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+    EXPECT_TRUE(next.status.ok()) << next.status.error_message() << c.Logs();
+  }
+  EXPECT_NE(c.serve().ReadLog().find("epd-kvstore restarted"), std::string::npos);
+
+  // Ctrl-C: epd serve exits 0 and no process of the cluster remains.
+  c.serve().Signal(SIGINT);
+  auto rc = c.serve().Wait(std::chrono::seconds(90));
+  ASSERT_TRUE(rc.has_value()) << c.Logs();
+  EXPECT_EQ(*rc, 0) << c.Logs();
+  EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(5))) << c.ClusterPids().size();
+}
+
+TEST(ServeSupervisorTest, ChildrenDieWithASigkilledServe) {
+  ServeCluster c;
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  ASSERT_GE(c.ClusterPids().size(), 5u);  // kvstore, router, encoder, prefill, decode
+  GenerateOptions opts;
+  opts.on_first = [&] { c.serve().Signal(SIGKILL); };
+  Generate(c.grpc_port(), Prompt(100, 3), kMaxTokens, opts);
+  ASSERT_TRUE(c.serve().Wait(std::chrono::seconds(10)).has_value());
+  EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(20))) << c.ClusterPids().size();
+  EXPECT_FALSE(epd::testing::HttpGet(c.http_port(), "/health").has_value());
+}
+
+TEST(ServeSupervisorTest, GroupSigtermStopsEverythingWithoutARestart) {
+  // SIGTERM to the whole process group, as a service manager stops a unit: children exit first
+  // or at once, and epd serve must stop, not restart them.
+  ServeCluster c({"--decodes", "1"});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  // A group-wide SIGTERM reaches every process at once (the children live in epd serve's group;
+  // the test signals each, since epd serve shares the test's group here).
+  const std::vector<pid_t> children = c.ClusterPids();
+  ASSERT_GE(children.size(), 5u);
+  for (pid_t pid : children) kill(pid, SIGTERM);
+  c.serve().Signal(SIGTERM);
+  auto rc = c.serve().Wait(std::chrono::seconds(90));
+  ASSERT_TRUE(rc.has_value()) << c.Logs();
+  EXPECT_EQ(*rc, 0) << c.Logs();
+  EXPECT_EQ(c.serve().ReadLog().find("restarted"), std::string::npos) << c.Logs();
+  EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(10)));
+}
+
+}  // namespace
+}  // namespace epd
