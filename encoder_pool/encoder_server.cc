@@ -64,13 +64,14 @@ class EncoderHandler final : public worker::JobHandler {
     if (job.next_transfer_address().empty())
       return absl::InvalidArgumentError("encoder job without next_transfer_address");
     const std::vector<int32_t> prompt(job.prompt_ids().begin(), job.prompt_ids().end());
-    setup_.batch_size->Set(1);
     PrefixOptions prefix;
     prefix.store = store_.get();
     prefix.fingerprint = setup_.fingerprint;
     prefix.hint = job.cached_tokens();
     PrefixReport report;
+    setup_.batch_size->Increment();  // epd_batch_size: sequences in an encoder pass now
     auto res = stage_.Run(prompt, prefix, &report);
+    setup_.batch_size->Decrement();
     if (!res.ok()) return res.status();
     for (const std::string& op : report.errors) errors_.at(op)->Increment();
     if (!report.warning.empty())

@@ -319,6 +319,10 @@ absl::Status ModelConfig::Validate() const {
   if (!Contains(kv_source_layers, candidate_source_layer)) {
     return Bad("candidate_source_layer_id", "must be one of kv_source_layer_ids");
   }
+  if (candidate_source_layer != kv_source_layers.back()) {
+    // The decoder (layers from the candidate source on) owns no global KV (MODEL.md §6).
+    return Bad("candidate_source_layer_id", "must be the last of kv_source_layer_ids");
+  }
   EPD_CFG(pos("index_n_heads", index_n_heads));
   EPD_CFG(pos("index_head_dim", index_head_dim));
   EPD_CFG(pos("index_topk", index_topk));

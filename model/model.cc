@@ -465,6 +465,7 @@ absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState
     RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
                                     fQ.data() + i * hc, fC.data() + i * hc * hc, h + i * hc * D));
   }
+  if (trace) trace->block_out[l].assign(h, h + S * hc * D);
   return absl::OkStatus();
 }
 
@@ -506,7 +507,11 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   const int nel = static_cast<int>(c.engram_layer_ids.size());
   const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
   bool engram_in_range = false;
-  for (int l : c.engram_layer_ids) engram_in_range |= l >= spec.first_layer && l < last;
+  for (int l : c.engram_layer_ids) {
+    engram_in_range |=
+        (l >= spec.first_layer && l < last && !(spec.first_engram_done && l == spec.first_layer)) ||
+        l == spec.compress_only_layer;
+  }
   vector<int64_t> hashes;
   if (engram_in_range) {
     if (spec.engram_history != nullptr) {
@@ -523,16 +528,19 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   }
   if (trace) trace->engram_hash_ids = hashes;
   float* h = io.h.data();
+  auto engram = [&](int l) -> absl::Status {
+    const int li =
+        static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
+                         c.engram_layer_ids.begin());
+    if (trace) trace->engram_in[l] = io.h;
+    RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h));
+    if (trace) trace->engram_out[l] = io.h;
+    return absl::OkStatus();
+  };
   for (int l = spec.first_layer; l < last; ++l) {
     const LayerRole& role = roles_[l];
-    if (role.has_engram) {
-      const int li =
-          static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
-                           c.engram_layer_ids.begin());
-      if (trace) trace->engram_in[l] = io.h;
-      RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h));
-      if (trace) trace->engram_out[l] = io.h;
-    }
+    if (role.has_engram && !(spec.first_engram_done && l == spec.first_layer))
+      RETURN_IF_ERROR(engram(l));
     if (role.is_dspark_target) {
       const int64_t ti =
           std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
@@ -551,6 +559,9 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     if (l >= c.n_layers || !roles_[l].is_kv_source) {
       return absl::InvalidArgumentError("model: compress_only_layer is not a KV source");
     }
+    // The layer's Engram comes before its block (and so before its compressor); the residual
+    // handed on carries it (StageSpec::first_engram_done).
+    if (roles_[l].has_engram) RETURN_IF_ERROR(engram(l));
     vector<float> x(S * D);
     vector<int64_t> pos(S);
     for (int64_t i = 0; i < S; ++i) {
@@ -689,12 +700,70 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
   if (state.pos == 0) return absl::FailedPreconditionError("model: Extend before Prefill");
   if (ids.empty()) return absl::InvalidArgumentError("model: Extend with no tokens");
   const int64_t pos = state.pos;
+  if (mode == ExtendMode::kDecode && ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size())) {
+    return ExtendRowByRow(state, ids, all_logits, trace);
+  }
   auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode);
   if (r.ok() && config_.n_mtp_layers > 0) {
     RETURN_IF_ERROR(
         DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos));
   }
   return r;
+}
+
+bool Model::StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const {
+  // A row whose stale index keys (MODEL.md §3) are a later layer's, emitted at an earlier row of
+  // this call, cannot run in one pass: when its layer runs, that later layer has not emitted yet.
+  // (With the released structure, ratio-2 sources before the ratio-1 source, the rows it needs
+  // are all older than the call: one pass.)
+  if (!options_.stale_index_keys) return false;
+  Call call;
+  call.start_pos = state.pos;
+  call.published_at_start = state.published_keys;
+  for (size_t i = 1; i < rows; ++i) {
+    const int64_t p = state.pos + static_cast<int64_t>(i);
+    for (int l : config_.index_source_layers) {
+      const int s = DecodeKeySource(l, p, call);
+      if (s <= l || s < 0) continue;
+      const int64_t visible = (p + 1) / config_.compress_ratios[l];
+      if (visible > state.sources.at(s).n) return true;
+    }
+  }
+  return false;
+}
+
+absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
+                                                    std::span<const int32_t> ids, bool all_logits,
+                                                    ForwardTrace* trace) const {
+  // One single-token call per row (what kDecode means), with the compressors' per-row logs of the
+  // whole step kept for Rollback.
+  ForwardResult out;
+  std::map<int, std::pair<vector<float>, vector<float>>> logs;
+  const int64_t start = state.pos;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const int64_t pos = state.pos;
+    auto r = Forward(state, ids.subspan(i, 1), true, trace, true);
+    if (!r.ok()) return r.status();
+    if (config_.n_mtp_layers > 0)
+      RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), 1, pos));
+    if (all_logits || i + 1 == ids.size()) {
+      out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
+      out.rows += 1;
+    }
+    out.main_hidden.insert(out.main_hidden.end(), r->main_hidden.begin(), r->main_hidden.end());
+    for (auto& [l, src] : state.sources) {
+      if (src.ratio <= 1) continue;
+      logs[l].first.insert(logs[l].first.end(), src.log_kv.begin(), src.log_kv.end());
+      logs[l].second.insert(logs[l].second.end(), src.log_score.begin(), src.log_score.end());
+    }
+  }
+  for (auto& [l, lg] : logs) {
+    SequenceState::Source& src = state.sources.at(l);
+    src.log_start = start;
+    src.log_kv = std::move(lg.first);
+    src.log_score = std::move(lg.second);
+  }
+  return out;
 }
 
 StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const {

@@ -80,6 +80,7 @@ struct StepCheckpoint {
 struct ForwardTrace {
   std::map<int, std::vector<float>> attn_in, attn_out, ffn_in, ffn_out;  // [S, dim]
   std::map<int, std::vector<float>> engram_in, engram_out;               // [S, hc, dim]
+  std::map<int, std::vector<float>> block_out;  // [S, hc, dim] residual after the block
   std::map<int, std::vector<int32_t>> topk;     // [S, k] compressed positions, -1 = none
   std::map<int, std::vector<int32_t>> experts;  // [S, top_k]
   std::vector<int64_t> engram_hash_ids;         // [S, n_engram_layers, (max_ngram-1)*n_heads]
@@ -196,7 +197,11 @@ class Model {
     int floor_first_layer = 0;     // window_floor applies to layers >= this one
     bool compress = true;          // false: first_layer's compressor already ran (KV exists)
     bool per_row_keys = true;      // decode semantics for the stale index keys (start_pos > 0)
-    int compress_only_layer = -1;  // after the range: this KV source's compressor + keys only
+    int compress_only_layer = -1;  // after the range: this KV source's Engram (if any, applied
+                                   // to io.h), then its compressor + keys only
+    // first_layer's Engram already ran (the encoder applies the split layer's Engram: its
+    // compressor needs it).
+    bool first_engram_done = false;
     const std::vector<int64_t>* engram_history = nullptr;  // ids before start_pos (default: state)
   };
   // Runs layers [first_layer, last_layer) on `ids` (one reference call). Does not advance
@@ -235,6 +240,9 @@ class Model {
                                         bool per_row_keys = true,
                                         const PrefillOptions& options = {}) const;
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
+  bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
+  absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
+                                               bool all_logits, ForwardTrace* trace) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
   absl::Status Block(int l, float* h, float* pre, Call& call, SequenceState& state,

@@ -448,4 +448,86 @@ absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed) {
   return engram.Save(out_dir + "/engram_constants.json");
 }
 
+json RandomStructureConfig(uint64_t seed) {
+  // splitmix64: portable, unlike the <random> distributions.
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
+  auto next = [&x]() {
+    uint64_t z = (x += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  auto pick = [&next](int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); };
+  json config = json::parse(NanoConfigJson());
+  json& tc = config["text_config"];
+  const int n = 4 + pick(5);
+  const int n_mtp = 1 + pick(3);
+  std::vector<int> ratios(n, 0), kv, index;
+  int group_ratio = 0;  // ratio of the latest KV source (0: none yet)
+  const int first_source = pick(3) == 0 ? 0 : pick(std::min(3, n - 1));
+  for (int l = 0; l < n; ++l) {
+    if (l < first_source) continue;  // leading SWA layers
+    const int r = pick(8);
+    if (l == first_source || r < 2) {  // a new KV source (Full layer)
+      group_ratio = 1 + pick(2);
+      ratios[l] = group_ratio;
+      kv.push_back(l);
+      index.push_back(l);
+    } else if (r < 3) {
+      ratios[l] = 0;  // SWA only
+    } else {
+      ratios[l] = group_ratio;
+      if (r < 5) index.push_back(l);  // Reindex; else Reuse
+    }
+  }
+  for (int s = 0; s < n_mtp; ++s) ratios.push_back(0);
+  // The candidate source is the last KV source (ModelConfig::Validate): the decoder layers own no
+  // global KV.
+  const int split = kv.back();
+  std::vector<int> engram;
+  if (pick(3) == 0) engram.push_back(0);
+  if (pick(3) == 0) engram.push_back(split);
+  if (pick(2) == 0) engram.push_back(pick(n));
+  std::sort(engram.begin(), engram.end());
+  engram.erase(std::unique(engram.begin(), engram.end()), engram.end());
+  if (engram.size() > 2) engram.resize(2);
+  std::vector<int> targets;
+  const int nt = 1 + pick(3);
+  for (int i = 0; i < nt; ++i) targets.push_back(pick(n));
+  std::sort(targets.begin(), targets.end());
+  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+
+  tc["vocab_size"] = 512;
+  config["image_token_id"] = 511;
+  tc["dspark_noise_token_id"] = 509;
+  tc["num_hidden_layers"] = n;
+  tc["num_nextn_predict_layers"] = n_mtp;
+  tc["sliding_window"] = 16;
+  tc["compress_ratios"] = ratios;
+  tc["kv_source_layer_ids"] = kv;
+  tc["index_source_layer_ids"] = index;
+  tc["candidate_source_layer_id"] = split;
+  tc["engram_layer_ids"] = engram;
+  tc["engram_compressed_vocab_size"] = 512;
+  tc.erase("engram_num_embeddings");  // filled from the constants
+  tc["dspark_target_layer_ids"] = targets;
+  return config;
+}
+
+absl::Status GenerateStructureModel(const std::string& out_dir, uint64_t seed) {
+  json config = RandomStructureConfig(seed);
+  json& tc = config["text_config"];
+  const int vocab = tc["vocab_size"].get<int>();
+  std::vector<int32_t> token_map(static_cast<size_t>(vocab));
+  for (int i = 0; i < vocab; ++i) token_map[static_cast<size_t>(i)] = i;
+  ASSIGN_OR_RETURN(EngramConstants engram, ComputeEngramConstants(tc, std::move(token_map), vocab));
+  tc["engram_num_embeddings"] = engram.num_embeddings;
+  std::error_code ec;
+  std::filesystem::create_directories(out_dir, ec);
+  if (ec) return absl::InternalError(absl::StrCat("cannot create ", out_dir, ": ", ec.message()));
+  RETURN_IF_ERROR(GenerateCheckpoint(config, seed, out_dir));
+  RETURN_IF_ERROR(WriteText(out_dir + "/config.json", config.dump(2) + "\n"));
+  return engram.Save(out_dir + "/engram_constants.json");
+}
+
 }  // namespace epd::model

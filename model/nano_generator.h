@@ -49,4 +49,17 @@ absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed,
 // Writes the whole nano model directory (see above). Creates `out_dir` if needed.
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed = kNanoDefaultSeed);
 
+// Structural fuzz (tests/model/structure_fuzz_test.cc): the nano config with a random legal layer
+// structure drawn from `seed` (same seed -> same config): 4..8 layers, groups of a KV source
+// (ratio 1 or 2, the reference's two compressors; Full) followed by Reuse / Reindex layers of its
+// ratio, SWA layers anywhere, the last KV source as the candidate source (the decoder split; the
+// decoder layers own no global KV), 0..2 Engram layers (layer 0
+// and the split layer drawn often), 1..3 DSpark stages with 1..3 target layers, a 16-token
+// window (so short prompts exercise the ring and the bounded replay) and a 512-token vocabulary.
+nlohmann::json RandomStructureConfig(uint64_t seed);
+
+// Writes config.json, the checkpoint and engram_constants.json (identity token map: compressed
+// id = token id) for RandomStructureConfig(seed) into `out_dir` (no tokenizer). Creates `out_dir`.
+absl::Status GenerateStructureModel(const std::string& out_dir, uint64_t seed);
+
 }  // namespace epd::model

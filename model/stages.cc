@@ -26,6 +26,7 @@ absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& sta
   spec.last_layer = split;
   spec.per_row_keys = false;  // a prompt chunk is one reference call
   spec.compress_only_layer = split;
+  const std::vector<int64_t> history_at_start = state.engram_history;
   Model::Hidden io;
   if (absl::Status s = model.RunStage(state, ids, spec, io); !s.ok()) return s;
   Model::Hidden none;
@@ -33,25 +34,38 @@ absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& sta
   // Tail: the previous output's rows (if contiguous) followed by this chunk's rows.
   EncoderOutput out;
   std::vector<int32_t> all_ids;
-  std::vector<float> all_h, all_pre;
+  std::vector<float> all_h, all_pre, all_mh;
+  std::vector<int64_t> history;  // Engram ids before all_ids[0]
   if (prev != nullptr && prev->tail_start + prev->tail.rows == start) {
     all_ids = prev->tail_ids;
     all_h = prev->tail.h;
     all_pre = prev->tail.pre;
+    all_mh = prev->tail.main_hidden;
     out.tail_start = prev->tail_start;
+    history = prev->engram_history;
   } else {
     out.tail_start = start;
+    history = history_at_start;
   }
   all_ids.insert(all_ids.end(), ids.begin(), ids.end());
   all_h.insert(all_h.end(), io.h.begin(), io.h.end());
   all_pre.insert(all_pre.end(), io.pre.begin(), io.pre.end());
+  all_mh.insert(all_mh.end(), io.main_hidden.begin(), io.main_hidden.end());
   const int64_t total = static_cast<int64_t>(all_ids.size());
   const int64_t keep = std::min(total, tail_rows), drop = total - keep;
   out.tail_start += drop;
+  for (int64_t i = 0; i < drop; ++i)
+    history.push_back(EngramCompressedId(model.engram(), all_ids[i]));
+  const size_t hist = static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1));
+  if (history.size() > hist) history.erase(history.begin(), history.end() - hist);
+  out.engram_history = std::move(history);
   out.tail_ids.assign(all_ids.begin() + drop, all_ids.end());
   out.tail.rows = keep;
   out.tail.h.assign(all_h.begin() + drop * hc * D, all_h.end());
   out.tail.pre.assign(all_pre.begin() + drop * hc, all_pre.end());
+  // DSpark inputs of target layers below the split (the decoder fills the others).
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  out.tail.main_hidden.assign(all_mh.begin() + drop * nt * D, all_mh.end());
   return out;
 }
 
@@ -97,7 +111,10 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
   spec.start_pos = enc.tail_start;
   spec.first_layer = DecoderSplitLayer(c);
   spec.window_floor = enc.tail_start;
-  spec.compress = false;  // the split layer's KV came from the encoder
+  // The split layer's KV and Engram came from the encoder.
+  spec.compress = false;
+  spec.first_engram_done = true;
+  spec.engram_history = &enc.engram_history;
   spec.per_row_keys = false;
   Model::Hidden io = enc.tail;
   if (absl::Status s = model.RunStage(state, enc.tail_ids, spec, io); !s.ok()) return s;

@@ -26,7 +26,12 @@ namespace epd::model {
 struct EncoderOutput {
   int64_t tail_start = 0;         // position of tail row 0
   std::vector<int32_t> tail_ids;  // tokens of the tail rows
-  Model::Hidden tail;             // residual entering the split layer, tail rows only
+  Model::Hidden tail;             // residual entering the split layer's block (after its
+                                  // Engram, if any), tail rows only; main_hidden holds the
+                                  // DSpark inputs of target layers below the split (else 0)
+  // Engram compressed ids of the (up to max_ngram-1) tokens before tail_start, oldest first: the
+  // decoder's Engram layers hash the tail rows with them.
+  std::vector<int64_t> engram_history;
 };
 
 // First decoder layer: the candidate source layer.

@@ -55,8 +55,9 @@ class PrefillHandler final : public worker::JobHandler {
                                               std::make_move_iterator(got->end()));
     auto enc = worker::UnpackEncoderOutput(c, enc_segs);
     if (!enc.ok()) return enc.status();
-    setup_.batch_size->Set(1);
+    setup_.batch_size->Increment();  // epd_batch_size: sequences in a prefill pass now
     auto res = stage_.Run(state, *enc);
+    setup_.batch_size->Decrement();
     if (!res.ok()) return res.status();
     replays_.Increment();
     replayed_tokens_.Increment(static_cast<double>(res->replayed_rows));

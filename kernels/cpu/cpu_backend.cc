@@ -341,16 +341,21 @@ class CpuBackend final : public Backend {
         const float* key = er + j * D;
         const float* qw = q_weight + j * D;
         const float* kw = k_weight + j * D;
+        // The reference normalizes h and the key first (fp32), then takes the weighted dot;
+        // summed in double (closest to the reference's result, see docs/model.md).
         double sh = 0, sk = 0;
-        float dot = 0.f;
         for (int64_t d = 0; d < D; ++d) {
           sh += static_cast<double>(hj[d]) * hj[d];
           sk += static_cast<double>(key[d]) * key[d];
-          dot += hj[d] * (qw[d] * kw[d]) * key[d];
         }
         const float rh = 1.f / std::sqrt(static_cast<float>(sh / D) + norm_eps);
         const float rk = 1.f / std::sqrt(static_cast<float>(sk / D) + norm_eps);
-        dot = dot * rh * rk * inv_sqrt_d;
+        double dd = 0;
+        for (int64_t d = 0; d < D; ++d) {
+          const float hn = hj[d] * rh, kn = key[d] * rk;
+          dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
+        }
+        const float dot = static_cast<float>(dd) * inv_sqrt_d;
         const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
         const float gate =
             1.f / (1.f + std::exp(-(sg * std::sqrt(std::max(std::fabs(dot), 1e-6f)))));

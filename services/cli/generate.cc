@@ -70,26 +70,33 @@ absl::StatusOr<std::unique_ptr<model::Model>> LoadModel(const std::string& dir,
   return std::make_unique<model::Model>(std::move(*cfg), std::move(*w), std::move(k), backend);
 }
 
-absl::StatusOr<std::vector<int32_t>> ReadIds(const std::string& path) {
+// A JSON list of ids, or an object holding it under `key` (prompt_ids / generated_ids, also
+// inside "results" as in a golden manifest). `what` names the file in errors.
+absl::StatusOr<std::vector<int32_t>> ReadIds(const std::string& path,
+                                             const std::string& key = "prompt_ids",
+                                             const std::string& what = "prompt ids file") {
   auto text = ReadFile(path);
-  if (!text.ok())
-    return absl::NotFoundError(absl::StrCat("prompt ids file ", path, " cannot be read"));
+  if (!text.ok()) return absl::NotFoundError(absl::StrCat(what, " ", path, " cannot be read"));
   auto j = nlohmann::json::parse(*text, nullptr, false);
-  if (!j.is_discarded() && j.is_object() && j.contains("prompt_ids")) j = j["prompt_ids"];
+  if (!j.is_discarded() && j.is_object() && !j.contains(key) && j.contains("results") &&
+      j["results"].is_object()) {
+    j = j["results"];
+  }
+  if (!j.is_discarded() && j.is_object() && j.contains(key)) j = j[key];
   if (j.is_discarded() || !j.is_array()) {
     return absl::InvalidArgumentError(
-        absl::StrCat("prompt ids file ", path, " is not a JSON list of token ids"));
+        absl::StrCat(what, " ", path, " is not a JSON list of token ids"));
   }
   std::vector<int32_t> ids;
   for (size_t i = 0; i < j.size(); ++i) {
     if (!j[i].is_number_integer()) {
       return absl::InvalidArgumentError(
-          absl::StrCat("prompt ids file ", path, ": element ", i, " is not an integer"));
+          absl::StrCat(what, " ", path, ": element ", i, " is not an integer"));
     }
     const int64_t v = j[i].get<int64_t>();
     if (v < 0 || v > INT32_MAX) {
       return absl::InvalidArgumentError(
-          absl::StrCat("prompt ids file ", path, ": element ", i, " (", v, ") is not a token id"));
+          absl::StrCat(what, " ", path, ": element ", i, " (", v, ") is not a token id"));
     }
     ids.push_back(static_cast<int32_t>(v));
   }
@@ -120,6 +127,9 @@ void AddGenerateFlags(CLI::App& app, GenerateOptions* o) {
       ->capture_default_str();
   app.add_flag("--monolithic", o->monolithic,
                "Use Model::Prefill/Decode instead of the stage runners (reference)");
+  app.add_option("--force-ids", o->force_ids_file,
+                 "Teacher forcing: JSON list of ids (or {\"generated_ids\": [...]}) fed as the "
+                 "generated tokens; logits of every step are still dumped");
 }
 
 absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
@@ -150,6 +160,16 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
     prompt = std::move(*ids);
   }
   if (prompt.empty()) return absl::InvalidArgumentError("the prompt has no tokens");
+  std::vector<int32_t> forced;
+  const bool forcing = !o.force_ids_file.empty();
+  if (forcing) {
+    auto f = ReadIds(o.force_ids_file, "generated_ids", "forced ids file");
+    if (!f.ok()) return f.status();
+    forced = std::move(*f);
+    if (forced.empty())
+      return absl::InvalidArgumentError(
+          absl::StrCat("forced ids file ", o.force_ids_file, " has no ids"));
+  }
 
   auto backend = kernels::MakeCpuBackend();
   auto model = LoadModel(o.model_dir, *backend);
@@ -162,7 +182,15 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
                                                      " is outside the vocabulary (", vocab, ")"));
     }
   }
-  if (static_cast<int64_t>(prompt.size()) + o.max_tokens > m.config().max_position_embeddings &&
+  for (size_t i = 0; i < forced.size(); ++i) {
+    if (forced[i] >= vocab) {
+      return absl::InvalidArgumentError(absl::StrCat("forced id ", forced[i], " at index ", i,
+                                                     " is outside the vocabulary (", vocab, ")"));
+    }
+  }
+  const int max_tokens =
+      forcing ? std::min<int>(o.max_tokens, static_cast<int>(forced.size())) : o.max_tokens;
+  if (static_cast<int64_t>(prompt.size()) + max_tokens > m.config().max_position_embeddings &&
       m.config().max_position_embeddings > 0) {
     return absl::InvalidArgumentError("prompt + max tokens exceed max_position_embeddings");
   }
@@ -200,13 +228,17 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
   result.prompt_tokens = static_cast<int64_t>(prompt.size());
   result.finish_reason = "length";
   int32_t next = Argmax(row.data(), vocab);
-  for (int step = 0; step < o.max_tokens; ++step) {
+  for (int step = 0; step < max_tokens; ++step) {
+    if (forcing) {
+      result.argmax_ids.push_back(next);
+      next = forced[step];
+    }
     result.ids.push_back(next);
-    if (!o.ignore_eos && next == m.config().eos_token_id) {
+    if (!forcing && !o.ignore_eos && next == m.config().eos_token_id) {
       result.finish_reason = "stop";
       break;
     }
-    if (step + 1 == o.max_tokens) break;  // the last token needs no forward pass
+    if (step + 1 == max_tokens) break;  // the last token needs no forward pass
     absl::StatusOr<model::ForwardResult> r;
     if (o.monolithic) {
       r = m.Decode(*state, next);
@@ -247,6 +279,7 @@ int RunGenerateCommand(const GenerateOptions& options) {
   j["ids"] = r->ids;
   if (r->has_text) j["text"] = r->text;
   j["finish_reason"] = r->finish_reason;
+  if (!options.force_ids_file.empty()) j["argmax_ids"] = r->argmax_ids;
   std::cout << j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) << "\n";
   return 0;
 }

@@ -26,6 +26,10 @@ struct GenerateOptions {
   std::string dump_logits;      // raw LE float32 [1 + steps, vocab]: prefill last row, each step
   int64_t tail_rows = 0;        // encoder tail rows; 0 = the whole prompt (exact). Default: 0
   bool monolithic = false;      // Model::Prefill/Decode instead of the stage runners (reference)
+  // Teacher forcing: JSON list of ids (or {"generated_ids": [...]}) fed as the generated tokens
+  // instead of the argmax; the logits of every step are still computed and dumped. The run
+  // generates min(max_tokens, list length) tokens and does not stop at EOS.
+  std::string force_ids_file;
 };
 
 struct GenerateResult {
@@ -34,6 +38,8 @@ struct GenerateResult {
   std::string text;          // detokenized ids (empty without tokenizer.json)
   bool has_text = false;
   std::string finish_reason;  // "stop" (EOS) or "length"
+  // With force_ids_file: the model's own argmax at each step (ids holds the forced ids).
+  std::vector<int32_t> argmax_ids;
 };
 
 void AddGenerateFlags(CLI::App& app, GenerateOptions* options);

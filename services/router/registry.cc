@@ -51,8 +51,11 @@ Registry::Registry(RegistryOptions options, const common::Clock& clock,
                       .Help("Live registered workers per pool")
                       .Register(metrics);
   auto& queue = prometheus::BuildGauge()
-                    .Name("epd_queue_depth")
-                    .Help("Queued requests per pool, summed over the workers' last heartbeats")
+                    .Name("epd_router_queue_depth")
+                    .Help(
+                        "Queued requests per pool, summed over the workers' last heartbeats "
+                        "(the workers' own figure is epd_queue_depth; one name for both "
+                        "double-counted every pool)")
                     .Register(metrics);
   for (int p = 0; p < kNumPools; ++p) {
     const char* name = PoolName(static_cast<PoolKind>(p));

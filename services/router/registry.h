@@ -2,7 +2,7 @@
 
 // The router's table of live workers: registration, heartbeats with load figures, expiry after
 // missed heartbeats, failure marking, and the config-fingerprint pairing rule. Also exports
-// epd_router_workers{pool} and epd_queue_depth{pool}.
+// epd_router_workers{pool} and epd_router_queue_depth{pool}.
 #include <cstdint>
 #include <deque>
 #include <optional>

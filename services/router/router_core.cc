@@ -9,6 +9,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "services/router/request_validator.h"
 
 namespace epd::services::router {
 namespace {
@@ -201,6 +202,14 @@ RouterCore::RouterCore(CoreOptions options, const TextCodec& codec, Registry& re
   for (const char* o : {"ok", "rejected", "unavailable", "error", "cancelled"}) {
     requests_.Add({{"outcome", o}});
   }
+  // The request errors the front ends answer (docs/api.md "Errors"), at 0 from start so the
+  // rejections panel has series before the first refusal; another code appears on first use.
+  for (const char* reason : {"invalid_json", "invalid_utf8", "invalid_type", "invalid_value",
+                             "missing_required_parameter", "context_length_exceeded",
+                             "max_tokens_exceeded", "unsupported_parameter", "model_not_found",
+                             "invalid_api_key", "method_not_allowed", "overloaded"}) {
+    rejects_.Add({{"reason", reason}});
+  }
 }
 
 void RouterCore::FailWorker(const std::string& worker_id, const std::string& reason) {
@@ -229,11 +238,8 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
   if (draining_) {
     return ApiError(absl::StatusCode::kUnavailable, "the router is shutting down", "", "draining");
   }
-  if (spec.model != options_.model) {
-    return ApiError(absl::StatusCode::kNotFound,
-                    absl::StrCat("The model '", spec.model, "' does not exist"), "model",
-                    "model_not_found");
-  }
+  // One validation for both front ends (request_validator.h): model, ranges, roles.
+  if (absl::Status st = ValidateSpec(spec, options_); !st.ok()) return st;
   PreparedRequest req;
   const char* input_param = spec.chat ? "messages" : "prompt";
   if (spec.chat) {
@@ -262,39 +268,10 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
     }
     req.prompt_ids = std::move(*ids);
   }
-  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
-  if (n == 0) {
-    return ApiError(absl::StatusCode::kInvalidArgument, "the prompt is empty", input_param,
-                    "invalid_value");
-  }
-  if (n >= options_.context_length) {
-    return ApiError(
-        absl::StatusCode::kInvalidArgument,
-        absl::StrCat("This model's maximum context length is ", options_.context_length,
-                     " tokens. However, your ", input_param, " resulted in ", n, " tokens."),
-        input_param, "context_length_exceeded");
-  }
-  const int64_t asked = spec.sampling.max_tokens();
-  if (asked > 0) {
-    if (asked > options_.max_tokens_limit) {
-      return ApiError(absl::StatusCode::kInvalidArgument,
-                      absl::StrCat("max_tokens is ", asked, ", above this server's limit of ",
-                                   options_.max_tokens_limit),
-                      "max_tokens", "max_tokens_exceeded");
-    }
-    if (n + asked > options_.context_length) {
-      return ApiError(
-          absl::StatusCode::kInvalidArgument,
-          absl::StrCat("This model's maximum context length is ", options_.context_length,
-                       " tokens. However, you requested ", n + asked, " tokens (", n, " in the ",
-                       input_param, ", ", asked, " in the completion)."),
-          "max_tokens", "context_length_exceeded");
-    }
-    req.max_tokens = static_cast<int32_t>(asked);
-  } else {
-    req.max_tokens = static_cast<int32_t>(std::min<int64_t>(
-        {options_.default_max_tokens, options_.max_tokens_limit, options_.context_length - n}));
-  }
+  auto max_tokens = ValidateLength(static_cast<int64_t>(req.prompt_ids.size()),
+                                   spec.sampling.max_tokens(), options_, input_param);
+  if (!max_tokens.ok()) return max_tokens.status();
+  req.max_tokens = *max_tokens;
   req.spec = std::move(spec);
   req.spec.sampling.set_max_tokens(req.max_tokens);
   return req;

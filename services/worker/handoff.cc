@@ -95,10 +95,14 @@ std::vector<SegmentShape> ExpectedStateShapes(const model::ModelConfig& c, int64
 std::vector<SegmentShape> ExpectedEncoderOutputShapes(const model::ModelConfig& c, int64_t tokens,
                                                       int64_t tail_rows) {
   const uint64_t rows = static_cast<uint64_t>(std::min(tokens, tail_rows));
+  const int64_t keep = std::max(0, c.engram_max_ngram_size - 1);
+  const uint64_t hist = static_cast<uint64_t>(std::min(tokens - static_cast<int64_t>(rows), keep));
   return {{"enc.meta", 16},
           {"enc.ids", rows * 4},
           {"enc.h", rows * c.hc_mult * c.dim * 4},
-          {"enc.pre", rows * c.hc_mult * 4}};
+          {"enc.pre", rows * c.hc_mult * 4},
+          {"enc.hist", hist * 8},
+          {"enc.mh", rows * c.dspark_target_layer_ids.size() * c.dim * 4}};
 }
 
 int64_t HandoffTailRows(const model::ModelConfig& c) { return model::DecoderTailRows(c); }
@@ -123,6 +127,8 @@ std::vector<StateSegment> PackEncoderOutput(const model::EncoderOutput& o) {
   out.push_back({"enc.ids", Bytes(o.tail_ids)});
   out.push_back({"enc.h", Bytes(o.tail.h)});
   out.push_back({"enc.pre", Bytes(o.tail.pre)});
+  out.push_back({"enc.hist", Bytes(o.engram_history)});
+  out.push_back({"enc.mh", Bytes(o.tail.main_hidden)});
   return out;
 }
 
@@ -130,7 +136,7 @@ absl::StatusOr<model::EncoderOutput> UnpackEncoderOutput(const model::ModelConfi
                                                          const std::vector<StateSegment>& segs) {
   std::map<std::string, const std::vector<uint8_t>*> by;
   for (const StateSegment& s : segs) by[s.name] = &s.bytes;
-  for (const char* n : {"enc.meta", "enc.ids", "enc.h", "enc.pre"})
+  for (const char* n : {"enc.meta", "enc.ids", "enc.h", "enc.pre", "enc.hist", "enc.mh"})
     if (!by.count(n)) return absl::NotFoundError(absl::StrCat("missing segment '", n, "'"));
   if (by["enc.meta"]->size() != 16)
     return absl::InvalidArgumentError("segment 'enc.meta': expected 16 bytes");
@@ -145,6 +151,12 @@ absl::StatusOr<model::EncoderOutput> UnpackEncoderOutput(const model::ModelConfi
   if (auto s = FromBytes(*by["enc.h"], r * c.hc_mult * c.dim, "enc.h", &o.tail.h); !s.ok())
     return s;
   if (auto s = FromBytes(*by["enc.pre"], r * c.hc_mult, "enc.pre", &o.tail.pre); !s.ok()) return s;
+  const size_t hist = by["enc.hist"]->size() / 8;
+  if (hist > static_cast<size_t>(std::max(0, c.engram_max_ngram_size - 1)))
+    return absl::InvalidArgumentError("segment 'enc.hist': longer than the Engram history");
+  if (auto s = FromBytes(*by["enc.hist"], hist, "enc.hist", &o.engram_history); !s.ok()) return s;
+  const size_t mh = r * c.dspark_target_layer_ids.size() * c.dim;
+  if (auto s = FromBytes(*by["enc.mh"], mh, "enc.mh", &o.tail.main_hidden); !s.ok()) return s;
   return o;
 }
 

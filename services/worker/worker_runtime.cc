@@ -234,7 +234,8 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.registry = &runtime.registry();
   setup.batch_size = &prometheus::BuildGauge()
                           .Name("epd_batch_size")
-                          .Help("Sequences in the last batched step, per pool")
+                          .Help("Sequences running in this worker's step now, per pool (decode: "
+                                "the last batched step; 0 when idle)")
                           .Register(runtime.registry())
                           .Add({{"pool", label}});
   setup.handoff_deadline_ms = handoff_deadline_ms;

@@ -102,6 +102,27 @@ TEST_F(DSparkE2ETest, DSparkOnEqualsMonolithicAndOffAndCountsDrafts) {
     verify_steps =
         ScrapeMetric(c.decode_metrics(), "epd_dspark_verify_length_tokens_count").value_or(-1);
     EXPECT_EQ(ScrapeMetric(c.decode_metrics(), "epd_dspark_handoff_mismatch_total"), 0.0);
+    // Per draft position (epd_dspark_position_*{position="1".."5"}): position j counts the drafts
+    // verified / accepted there, so summed over positions they are the totals, and acceptance
+    // never rises with the position (an accepted draft j needs drafts 1..j-1 accepted).
+    double pos_drafted = 0, pos_accepted = 0, prev_accepted = 1e18;
+    for (int j = 1; j <= 5; ++j) {
+      const std::string label = "{position=\"" + std::to_string(j) + "\"}";
+      const double d =
+          ScrapeMetric(c.decode_metrics(), "epd_dspark_position_drafted_tokens_total" + label)
+              .value_or(-1);
+      const double a =
+          ScrapeMetric(c.decode_metrics(), "epd_dspark_position_accepted_tokens_total" + label)
+              .value_or(-1);
+      ASSERT_GE(d, 0) << "position " << j << " is not exposed";
+      EXPECT_LE(a, d) << "position " << j;
+      EXPECT_LE(a, prev_accepted) << "position " << j;
+      prev_accepted = a;
+      pos_drafted += d;
+      pos_accepted += a;
+    }
+    EXPECT_EQ(pos_drafted, drafted);
+    EXPECT_EQ(pos_accepted, accepted);
     // Seeded sampling reaches the decode worker's sampler: the same seed reproduces the
     // completion through the whole chain, another seed changes it.
     const Generation s1 =

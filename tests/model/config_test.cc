@@ -108,6 +108,9 @@ TEST(ConfigTest, BrokenConfigsNameTheField) {
       "kv_source_layer_ids");
   ExpectBad([](auto& j) { j["text_config"]["candidate_source_layer_id"] = 6; },
             "candidate_source_layer_id");
+  // A KV source, but not the last one (the decoder layers must own no global KV).
+  ExpectBad([](auto& j) { j["text_config"]["candidate_source_layer_id"] = 2; },
+            "candidate_source_layer_id");
   ExpectBad([](auto& j) { j["text_config"]["vocab_size"] = "big"; }, "vocab_size");
   ExpectBad([](auto& j) { j["text_config"]["engram_num_embeddings"] = {1}; },
             "engram_num_embeddings");

@@ -106,7 +106,8 @@ double ResidentRatio(const std::string& dir, const std::string& checkpoint) {
 }
 
 TEST(PackedWeightsTest, GoldenResidentBytesNearCheckpointBytes) {
-  const std::string dir = testing::SourcePath(testing::kGoldenDir);
+  const std::string dir =
+      testing::SourcePath(std::string(testing::kGoldenRoot) + testing::kDefaultGoldenSet + "/");
   const double r = ResidentRatio(dir, dir + "model.safetensors");
   EXPECT_LE(r, 1.3);
   EXPECT_GE(r, 0.9);  // every tensor is held once

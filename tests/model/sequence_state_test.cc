@@ -16,34 +16,39 @@ std::unique_ptr<Model> LoadGolden(kernels::Backend& backend) {
 }
 
 TEST(SequenceStateTest, PackedRoundTripIsBitExactAndBytesAreAccounted) {
-  auto backend = kernels::MakeCpuBackend();
-  auto model = LoadGolden(*backend);
-  const ModelConfig& c = model->config();
-  auto prompt = testing::GoldenPrompt();
-  prompt.resize(200);  // enough to fill the 128-slot rings; keeps the test fast
-  auto st = model->NewSequence();
-  ASSERT_TRUE(model->Prefill(*st, prompt, false).ok());
-  for (int32_t t : {5, 77, 300}) {
-    // Serialize at this point (odd and even positions: ratio-2 tails full and empty).
-    std::vector<StateSegment> segs = SerializeState(c, *st);
-    int64_t total = 0;
-    for (const auto& s : segs) total += static_cast<int64_t>(s.bytes.size());
-    auto acct = StateByteAccounting(c, st->pos);
-    EXPECT_EQ(acct.back().first, "total");
-    EXPECT_EQ(total, acct.back().second) << "pos " << st->pos;
-    // SWA: 11 layers x 128 slots x (128 + 4) bytes at head_dim 128.
-    EXPECT_EQ(acct[1].second, 11 * 128 * 132);
-    auto restored = DeserializeState(*model, segs);
-    ASSERT_TRUE(restored.ok()) << restored.status();
-    auto a = model->Decode(*st, t);
-    auto b = model->Decode(**restored, t);
-    ASSERT_TRUE(a.ok() && b.ok());
-    EXPECT_EQ(a->logits, b->logits) << "pos " << st->pos;
-    auto da = model->Draft(*st, t);
-    auto db = model->Draft(**restored, t);
-    ASSERT_TRUE(da.ok() && db.ok());
-    EXPECT_EQ(da->logits, db->logits);
-    EXPECT_EQ(da->confidence, db->confidence);
+  for (const std::string& set : testing::GoldenSets()) {
+    SCOPED_TRACE(set);
+    auto backend = kernels::MakeCpuBackend();
+    auto m = testing::LoadGoldenModel(*backend, set);
+    ASSERT_TRUE(m.ok()) << m.status();
+    auto model = std::move(*m);
+    const ModelConfig& c = model->config();
+    auto prompt = testing::GoldenPrompt(set);
+    prompt.resize(200);  // enough to fill the 128-slot rings; keeps the test fast
+    auto st = model->NewSequence();
+    ASSERT_TRUE(model->Prefill(*st, prompt, false).ok());
+    for (int32_t t : {5, 77, 300}) {
+      // Serialize at this point (odd and even positions: ratio-2 tails full and empty).
+      std::vector<StateSegment> segs = SerializeState(c, *st);
+      int64_t total = 0;
+      for (const auto& s : segs) total += static_cast<int64_t>(s.bytes.size());
+      auto acct = StateByteAccounting(c, st->pos);
+      EXPECT_EQ(acct.back().first, "total");
+      EXPECT_EQ(total, acct.back().second) << "pos " << st->pos;
+      // SWA: every layer incl. DSpark x 128 slots x (128 + 4) bytes at head_dim 128.
+      EXPECT_EQ(acct[1].second, c.total_layers() * c.window_size * (c.head_dim + c.head_dim / 32));
+      auto restored = DeserializeState(*model, segs);
+      ASSERT_TRUE(restored.ok()) << restored.status();
+      auto a = model->Decode(*st, t);
+      auto b = model->Decode(**restored, t);
+      ASSERT_TRUE(a.ok() && b.ok());
+      EXPECT_EQ(a->logits, b->logits) << "pos " << st->pos;
+      auto da = model->Draft(*st, t);
+      auto db = model->Draft(**restored, t);
+      ASSERT_TRUE(da.ok() && db.ok());
+      EXPECT_EQ(da->logits, db->logits);
+      EXPECT_EQ(da->confidence, db->confidence);
+    }
   }
 }
 

@@ -51,27 +51,30 @@ std::vector<float> Bf16Random(size_t n, uint32_t seed, float scale = 1.f) {
 }
 
 TEST_F(SimdParityTest, GoldenForwardIsBitIdentical) {
-  auto backend = kernels::MakeCpuBackend();
-  auto m = testing::LoadGoldenModel(*backend);
-  ASSERT_TRUE(m.ok()) << m.status();
-  const Model& model = **m;
-  const std::vector<int32_t> prompt = testing::GoldenPrompt();
-  auto [simd, scalar] = Both([&] {
-    auto st = model.NewSequence();
-    auto pre = model.Prefill(*st, prompt, /*all_logits=*/true);
-    EXPECT_TRUE(pre.ok());
-    std::vector<float> out = pre->logits;
-    for (int32_t t : {5, 77}) {
-      auto d = model.Decode(*st, t);
-      EXPECT_TRUE(d.ok());
-      out.insert(out.end(), d->logits.begin(), d->logits.end());
-    }
-    auto dr = model.Draft(*st, 9);
-    EXPECT_TRUE(dr.ok());
-    out.insert(out.end(), dr->logits.begin(), dr->logits.end());
-    return out;
-  });
-  EXPECT_TRUE(BitEqual(simd, scalar));
+  for (const std::string& set : testing::GoldenSets()) {
+    SCOPED_TRACE(set);
+    auto backend = kernels::MakeCpuBackend();
+    auto m = testing::LoadGoldenModel(*backend, set);
+    ASSERT_TRUE(m.ok()) << m.status();
+    const Model& model = **m;
+    const std::vector<int32_t> prompt = testing::GoldenPrompt(set);
+    auto [simd, scalar] = Both([&] {
+      auto st = model.NewSequence();
+      auto pre = model.Prefill(*st, prompt, /*all_logits=*/true);
+      EXPECT_TRUE(pre.ok());
+      std::vector<float> out = pre->logits;
+      for (int32_t t : {5, 77}) {
+        auto d = model.Decode(*st, t);
+        EXPECT_TRUE(d.ok());
+        out.insert(out.end(), d->logits.begin(), d->logits.end());
+      }
+      auto dr = model.Draft(*st, 9);
+      EXPECT_TRUE(dr.ok());
+      out.insert(out.end(), dr->logits.begin(), dr->logits.end());
+      return out;
+    });
+    EXPECT_TRUE(BitEqual(simd, scalar));
+  }
 }
 
 TEST_F(SimdParityTest, OpsOnOddShapes) {

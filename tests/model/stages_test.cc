@@ -23,10 +23,18 @@ double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
 
 class StagesTest : public testing::GoldenModelTest {
  protected:
-  const int64_t kTail = 133;  // window + DSpark block
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(GoldenModelTest::SetUp());
+    kTail = DecoderTailRows(model_->config());  // window + DSpark block
+    P = static_cast<int64_t>(prompt_.size());
+  }
+  int64_t kTail = 0, P = 0;
 };
 
-TEST_F(StagesTest, ShortPromptEncoderThenDecoderEqualsMonolithic) {
+INSTANTIATE_TEST_SUITE_P(Sets, StagesTest, ::testing::ValuesIn(testing::GoldenSets()),
+                         testing::GoldenSetName);
+
+TEST_P(StagesTest, ShortPromptEncoderThenDecoderEqualsMonolithic) {
   std::vector<int32_t> ids(prompt_.begin(), prompt_.begin() + 100);
   auto mono = model_->NewSequence();
   auto want = model_->Prefill(*mono, ids, false);
@@ -50,7 +58,7 @@ TEST_F(StagesTest, ShortPromptEncoderThenDecoderEqualsMonolithic) {
   }
 }
 
-TEST_F(StagesTest, LongPromptBoundedReplayKeepsGlobalKvExact) {
+TEST_P(StagesTest, LongPromptBoundedReplayKeepsGlobalKvExact) {
   auto mono = model_->NewSequence();
   auto want = model_->Prefill(*mono, prompt_, false);
   ASSERT_TRUE(want.ok());
@@ -61,7 +69,7 @@ TEST_F(StagesTest, LongPromptBoundedReplayKeepsGlobalKvExact) {
   ASSERT_TRUE(e1.ok());
   auto e2 = EncoderPass(*model_, *st, p.subspan(160), kTail, &*e1);
   ASSERT_TRUE(e2.ok());
-  EXPECT_EQ(e2->tail_start, 301 - kTail);
+  EXPECT_EQ(e2->tail_start, P - kTail);
   EXPECT_EQ(e2->tail.rows, kTail);
   // Global KV, index keys and tails: exact.
   for (const auto& [l, src] : mono->sources) {
@@ -89,7 +97,7 @@ TEST_F(StagesTest, LongPromptBoundedReplayKeepsGlobalKvExact) {
   EXPECT_LT(RelRms(b->logits, a->logits), 0.05);
 }
 
-TEST_F(StagesTest, EncoderReplayRebuildsRings) {
+TEST_P(StagesTest, EncoderReplayRebuildsRings) {
   auto mono = model_->NewSequence();
   ASSERT_TRUE(model_->Prefill(*mono, prompt_, false).ok());
   auto st = model_->NewSequence();
@@ -97,14 +105,14 @@ TEST_F(StagesTest, EncoderReplayRebuildsRings) {
   const int split = DecoderSplitLayer(model_->config());
   for (int l = 0; l < split; ++l) std::fill(st->swa[l].begin(), st->swa[l].end(), 0.f);
   std::span<const int32_t> p(prompt_);
-  ASSERT_TRUE(EncoderReplay(*model_, *st, p.subspan(301 - 128), p.subspan(301 - 131, 3)).ok());
+  const int64_t hd = model_->config().head_dim, W = model_->config().window_size;
+  ASSERT_TRUE(EncoderReplay(*model_, *st, p.subspan(P - W), p.subspan(P - W - 3, 3)).ok());
   EXPECT_EQ(st->swa[0], mono->swa[0]);  // layer 0 KV depends on the token alone
   // Deeper rings are approximate (the replayed rows near the replay start see truncated windows);
   // the newest positions, whose windows are nearly complete, are close.
-  const int64_t hd = model_->config().head_dim, W = model_->config().window_size;
   for (int l = 1; l < split; ++l) {
     std::vector<float> got_new, want_new;
-    for (int64_t q = 301 - 16; q < 301; ++q) {
+    for (int64_t q = P - 16; q < P; ++q) {
       got_new.insert(got_new.end(), st->swa[l].begin() + (q % W) * hd,
                      st->swa[l].begin() + (q % W + 1) * hd);
       want_new.insert(want_new.end(), mono->swa[l].begin() + (q % W) * hd,
@@ -118,15 +126,15 @@ TEST_F(StagesTest, EncoderReplayRebuildsRings) {
     if (l == 1) {
       // Position 300's layer-0 window (173..300) lies wholly inside the replay: exact. (FP8 ring
       // values turn tiny upstream differences into whole quanta, hence the few-% figures above.)
-      EXPECT_TRUE(std::equal(st->swa[1].begin() + (300 % W) * hd,
-                             st->swa[1].begin() + (300 % W + 1) * hd,
-                             mono->swa[1].begin() + (300 % W) * hd));
+      EXPECT_TRUE(std::equal(st->swa[1].begin() + ((P - 1) % W) * hd,
+                             st->swa[1].begin() + ((P - 1) % W + 1) * hd,
+                             mono->swa[1].begin() + ((P - 1) % W) * hd));
     }
   }
   for (const auto& [l, src] : mono->sources) EXPECT_EQ(st->sources[l].kv, src.kv);
 }
 
-TEST_F(StagesTest, DecodeStepBatchEqualsPerSequenceDecode) {
+TEST_P(StagesTest, DecodeStepBatchEqualsPerSequenceDecode) {
   std::span<const int32_t> p(prompt_);
   auto a = model_->NewSequence(), b = model_->NewSequence();
   auto ra = model_->NewSequence(), rb = model_->NewSequence();

@@ -106,7 +106,7 @@ TEST_F(RegistryTest, PicksTheLeastLoadedAndSkipsDraining) {
   EXPECT_EQ(registry_.Pick(PoolKind::kDecode)->id, "a");
   EXPECT_FALSE(registry_.Pick(PoolKind::kEncoder).has_value());
   // The queue gauge sums the heartbeats.
-  EXPECT_NE(Scrape(metrics_).find("epd_queue_depth{pool=\"decode\"} 2"), std::string::npos);
+  EXPECT_NE(Scrape(metrics_).find("epd_router_queue_depth{pool=\"decode\"} 2"), std::string::npos);
 }
 
 TEST_F(RegistryTest, EqualLoadsShareWork) {

@@ -1,14 +1,20 @@
 #pragma once
 
-// The golden tiny model (tests/data/golden/v41-tiny-a: config, safetensors checkpoint, Engram
-// constants from the manifest, the 301-token prompt), loaded for model tests. Header-only: a test
-// using it links epd::model and epd::testing.
+// The golden tiny models (tests/data/golden/<set>/: config, safetensors checkpoint, Engram
+// constants from the manifest, the prompt), loaded for model tests. Every golden test runs over
+// each set found there (GoldenSets()); set-specific numbers (prompt length, generated ids, layer
+// roles, envelopes) come from the set's config and manifest (GoldenSet), never from set a's
+// constants. Header-only: a test using it links epd::model and epd::testing.
 //
 // Thread-safety: the functions are reentrant; the returned Model borrows `backend` (which must
 // outlive it).
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -17,6 +23,7 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/numerics.h"
 #include "model/engram.h"
 #include "model/model.h"
 #include "model/safetensors.h"
@@ -26,49 +33,137 @@
 
 namespace epd::testing {
 
-inline constexpr char kGoldenDir[] = "tests/data/golden/v41-tiny-a/";
+inline constexpr char kGoldenRoot[] = "tests/data/golden/";
+inline constexpr char kDefaultGoldenSet[] = "v41-tiny-a";
 
-// Contents of a golden file (path relative to the golden dir); empty when missing.
-inline std::string ReadGoldenText(const std::string& rel) {
-  std::ifstream in(SourcePath(std::string(kGoldenDir) + rel), std::ios::binary);
+// The golden sets: subdirectories of tests/data/golden holding a manifest.json, sorted by name.
+inline std::vector<std::string> GoldenSets() {
+  std::vector<std::string> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(SourcePath(kGoldenRoot), ec)) {
+    if (e.is_directory() && std::filesystem::exists(e.path() / "manifest.json"))
+      out.push_back(e.path().filename().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+// A gtest-safe name for a set ("v41-tiny-c" -> "v41_tiny_c").
+inline std::string GoldenSetName(const ::testing::TestParamInfo<std::string>& info) {
+  std::string s = info.param;
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
+}
+
+// Contents of a file of a set (path relative to the set's dir); empty when missing.
+inline std::string ReadGoldenText(const std::string& set, const std::string& rel) {
+  std::ifstream in(SourcePath(std::string(kGoldenRoot) + set + "/" + rel), std::ios::binary);
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
 }
+inline std::string ReadGoldenText(const std::string& rel) {
+  return ReadGoldenText(kDefaultGoldenSet, rel);
+}
+inline bool GoldenFileExists(const std::string& set, const std::string& rel) {
+  return std::filesystem::exists(SourcePath(std::string(kGoldenRoot) + set + "/" + rel));
+}
+inline std::vector<float> ReadGoldenF32(const std::string& set, const std::string& rel) {
+  std::string s = ReadGoldenText(set, rel);
+  std::vector<float> v(s.size() / 4);
+  if (!v.empty()) std::memcpy(v.data(), s.data(), v.size() * 4);
+  return v;
+}
+inline std::vector<int32_t> ReadGoldenI32(const std::string& set, const std::string& rel) {
+  std::string s = ReadGoldenText(set, rel);
+  std::vector<int32_t> v(s.size() / 4);
+  if (!v.empty()) std::memcpy(v.data(), s.data(), v.size() * 4);
+  return v;
+}
+inline std::vector<float> ReadGoldenBf16(const std::string& set, const std::string& rel) {
+  std::string s = ReadGoldenText(set, rel);
+  std::vector<float> v(s.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t b;
+    std::memcpy(&b, s.data() + 2 * i, 2);
+    v[i] = kernels::cpu::Bf16BitsToF32(b);
+  }
+  return v;
+}
 
-// The golden tiny model on `backend`; errors name the file that failed.
+// The golden tiny model of `set` on `backend`; errors name the file that failed.
 inline absl::StatusOr<std::unique_ptr<model::Model>> LoadGoldenModel(
-    kernels::Backend& backend, model::ModelOptions options = {}) {
-  auto cfg = model::LoadModelConfig(SourcePath(std::string(kGoldenDir) + "config.json"));
+    kernels::Backend& backend, const std::string& set, model::ModelOptions options = {}) {
+  const std::string dir = std::string(kGoldenRoot) + set + "/";
+  auto cfg = model::LoadModelConfig(SourcePath(dir + "config.json"));
   if (!cfg.ok()) return cfg.status();
-  auto store =
-      model::TensorStore::Open(SourcePath(std::string(kGoldenDir) + "model.safetensors"), false);
+  auto store = model::TensorStore::Open(SourcePath(dir + "model.safetensors"), false);
   if (!store.ok()) return store.status();
   auto w =
       model::ModelWeights::Load(*cfg, std::shared_ptr<const model::TensorStore>(std::move(*store)));
   if (!w.ok()) return w.status();
-  auto k = model::ParseEngramConstantsJson(ReadGoldenText("manifest.json"));
+  auto k = model::ParseEngramConstantsJson(ReadGoldenText(set, "manifest.json"));
   if (!k.ok()) return k.status();
+  if (absl::Status s = model::ValidateEngramConstants(*k, *cfg); !s.ok()) return s;
   return std::make_unique<model::Model>(std::move(*cfg), std::move(*w), std::move(*k), backend,
                                         options);
 }
+inline absl::StatusOr<std::unique_ptr<model::Model>> LoadGoldenModel(
+    kernels::Backend& backend, model::ModelOptions options = {}) {
+  return LoadGoldenModel(backend, kDefaultGoldenSet, options);
+}
 
-// The golden prompt (301 token ids).
-inline std::vector<int32_t> GoldenPrompt() {
-  return nlohmann::json::parse(ReadGoldenText("prompt.json"))["prompt_ids"]
+// The prompt of `set`.
+inline std::vector<int32_t> GoldenPrompt(const std::string& set = kDefaultGoldenSet) {
+  return nlohmann::json::parse(ReadGoldenText(set, "prompt.json"))["prompt_ids"]
       .get<std::vector<int32_t>>();
 }
 
-// A test fixture with the golden model on the CPU backend and the golden prompt, loaded per test.
-class GoldenModelTest : public ::testing::Test {
+// What a test needs to know about a set, from its manifest.
+struct GoldenSet {
+  std::string name;
+  nlohmann::json manifest;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> generated;               // greedy ids: row 0 = after the prefill
+  std::vector<std::vector<int32_t>> draft_ids;  // per decode step: input + drafts
+  // Envelope of a valid alternative implementation (manifest tolerance, free running).
+  double steps_rel_rms = 0, prefill_rel_rms = 0, dspark_row0_rel_rms = 0;
+
+  static GoldenSet Load(const std::string& set) {
+    GoldenSet g;
+    g.name = set;
+    g.manifest = nlohmann::json::parse(ReadGoldenText(set, "manifest.json"));
+    g.prompt = GoldenPrompt(set);
+    const auto& r = g.manifest["results"];
+    g.generated = r["generated_ids"].get<std::vector<int32_t>>();
+    g.draft_ids = r["dspark_output_ids"].get<std::vector<std::vector<int32_t>>>();
+    const auto& fr =
+        g.manifest["tolerance"]["envelope_valid_alternative_accumulation"]["free_running"];
+    g.steps_rel_rms = fr["logits_steps.bin"]["rel_rms"].get<double>();
+    g.prefill_rel_rms = fr["logits_prefill_all.bin"]["rel_rms"].get<double>();
+    if (fr.contains("dspark_logits_row0"))
+      g.dspark_row0_rel_rms = fr["dspark_logits_row0"]["rel_rms"].get<double>();
+    return g;
+  }
+  int decode_steps() const { return static_cast<int>(generated.size()) - 1; }
+};
+
+// A test fixture with the golden model of the parameter's set on the CPU backend and its prompt,
+// loaded per test. Instantiate with
+//   INSTANTIATE_TEST_SUITE_P(Sets, MyTest, ::testing::ValuesIn(testing::GoldenSets()),
+//                            testing::GoldenSetName);
+class GoldenModelTest : public ::testing::TestWithParam<std::string> {
  protected:
   void SetUp() override {
+    set_ = GetParam();
     backend_ = kernels::MakeCpuBackend();
-    auto m = LoadGoldenModel(*backend_);
-    ASSERT_TRUE(m.ok()) << m.status();
+    auto m = LoadGoldenModel(*backend_, set_);
+    ASSERT_TRUE(m.ok()) << set_ << ": " << m.status();
     model_ = std::move(*m);
-    prompt_ = GoldenPrompt();
+    prompt_ = GoldenPrompt(set_);
   }
+  std::string set_;
   std::unique_ptr<kernels::Backend> backend_;
   std::unique_ptr<model::Model> model_;
   std::vector<int32_t> prompt_;
