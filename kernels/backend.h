@@ -109,18 +109,33 @@ enum class WeightFormat {
   kFp4E2M1,  // two E2M1 codes per byte (low nibble = even element); E8M0 scale per 1x32 block
 };
 
-// A block-scaled quantized weight [out, in], stored decoded for compute: `values` hold the
-// E4M3 (FP8) or E2M1 (FP4) element values as floats, `scales` the E8M0 scale of each
-// block_rows x block_cols block, row-major [ceil(out/block_rows), ceil(in/block_cols)].
-// FP8 linears: 32x32 blocks. FP4 (MXFP4) experts: 1x32 blocks.
+// A block-scaled quantized weight [out, in] with an E8M0 scale per block_rows x block_cols block
+// (row-major [ceil(out/block_rows), ceil(in/block_cols)]). FP8 linears: 32x32 blocks. FP4
+// (MXFP4) experts: 1x32 blocks. Two storage forms with bit-identical results:
+// - packed (the model's form): `codes` hold the checkpoint's bytes in backend memory (FP8: one
+//   E4M3 byte per element, [out, in]; FP4: two E2M1 codes per byte, [out, in/2], low nibble =
+//   even element) and `scale_codes` the E8M0 scale bytes; the kernels decode them on the fly.
+// - decoded (tests, tools): `values` hold the element values as floats, `scales` the scales.
 struct QuantWeight {
   int64_t out = 0;
   int64_t in = 0;
   int block_rows = 32;
   int block_cols = 32;
-  std::vector<float> values;  // [out, in]
-  std::vector<float> scales;  // [ceil(out/block_rows), ceil(in/block_cols)]
+  WeightFormat format = WeightFormat::kFp8E4M3;
+  Buffer codes;               // packed: checkpoint element codes
+  Buffer scale_codes;         // packed: E8M0 scale bytes
+  std::vector<float> values;  // decoded: [out, in]
+  std::vector<float> scales;  // decoded: [ceil(out/block_rows), ceil(in/block_cols)]
+  bool packed() const { return !codes.empty(); }
+  int64_t scale_rows() const { return (out + block_rows - 1) / block_rows; }
   int64_t scale_cols() const { return (in + block_cols - 1) / block_cols; }
+  // Bytes of the packed codes for this shape and format.
+  int64_t code_bytes() const { return format == WeightFormat::kFp8E4M3 ? out * in : out * in / 2; }
+  // Bytes this weight holds in memory.
+  int64_t resident_bytes() const {
+    return codes.bytes() + scale_codes.bytes() +
+           static_cast<int64_t>((values.size() + scales.size()) * sizeof(float));
+  }
 };
 
 // Sparse single-KV-head attention with sink (MODEL.md §3 step 8).

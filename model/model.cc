@@ -41,7 +41,7 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
   auto store = TensorStore::Open(dir);
   if (!store.ok()) return store.status();
   std::shared_ptr<const TensorStore> shared(std::move(*store));
-  auto w = ModelWeights::Load(*cfg, shared);
+  auto w = ModelWeights::Load(*cfg, shared, &backend);
   if (!w.ok()) return w.status();
   EngramConstants ek;
   if (!cfg->engram_layer_ids.empty()) {

@@ -18,7 +18,15 @@ namespace kf = kernels::format;
 
 class Loader {
  public:
-  explicit Loader(const TensorStore& s) : s_(s) {}
+  Loader(const TensorStore& s, kernels::Backend& backend) : s_(s), backend_(backend) {}
+
+  // The bytes of a checkpoint tensor in backend memory, as they are.
+  absl::StatusOr<kernels::Buffer> Put(const TensorView& t, int64_t bytes) {
+    auto b = backend_.Allocate(bytes);
+    if (!b.ok()) return b.status();
+    if (absl::Status st = backend_.Upload(t.data, bytes, *b); !st.ok()) return st;
+    return std::move(*b);
+  }
 
   absl::StatusOr<std::vector<float>> Bf16(const std::string& name, std::vector<int64_t> shape) {
     auto v = s_.Get(name, DType::kBF16, shape);
@@ -51,10 +59,9 @@ class Loader {
     q.in = in;
     q.block_rows = 32;
     q.block_cols = 32;
-    q.values.resize(out * in);
-    for (int64_t i = 0; i < out * in; ++i) q.values[i] = kf::DecodeE4M3(w->data[i]);
-    q.scales.resize(s->numel());
-    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kf::DecodeE8M0(s->data[i]);
+    q.format = kernels::WeightFormat::kFp8E4M3;
+    EPD_ASSIGN(q.codes, Put(*w, q.code_bytes()));
+    EPD_ASSIGN(q.scale_codes, Put(*s, s->numel()));
     return q;
   }
 
@@ -68,26 +75,25 @@ class Loader {
     q.in = in;
     q.block_rows = 1;
     q.block_cols = 32;
-    q.values.resize(out * in);
-    for (int64_t i = 0; i < out * in / 2; ++i) {
-      q.values[2 * i] = kf::DecodeE2M1(w->data[i] & 0xf);
-      q.values[2 * i + 1] = kf::DecodeE2M1(w->data[i] >> 4);
-    }
-    q.scales.resize(s->numel());
-    for (int64_t i = 0; i < s->numel(); ++i) q.scales[i] = kf::DecodeE8M0(s->data[i]);
+    q.format = kernels::WeightFormat::kFp4E2M1;
+    EPD_ASSIGN(q.codes, Put(*w, q.code_bytes()));
+    EPD_ASSIGN(q.scale_codes, Put(*s, s->numel()));
     return q;
   }
 
   // FP8 weight dequantized to its (bf16-exact) values: wo_a, as convert.py does.
   absl::StatusOr<std::vector<float>> Fp8Dequant(const std::string& prefix, int64_t out,
                                                 int64_t in) {
-    auto q = Fp8(prefix, out, in);
-    if (!q.ok()) return q.status();
+    auto w = s_.Get(prefix + ".weight", DType::kF8E4M3, {out, in});
+    if (!w.ok()) return w.status();
+    const int64_t scols = (in + 31) / 32;
+    auto s = s_.Get(prefix + ".scale", DType::kF8E8M0, {(out + 31) / 32, scols});
+    if (!s.ok()) return s.status();
     std::vector<float> v(out * in);
     for (int64_t o = 0; o < out; ++o) {
       for (int64_t i = 0; i < in; ++i) {
-        v[o * in + i] =
-            kf::RoundBf16(q->values[o * in + i] * q->scales[(o / 32) * q->scale_cols() + i / 32]);
+        v[o * in + i] = kf::RoundBf16(kf::DecodeE4M3(w->data[o * in + i]) *
+                                      kf::DecodeE8M0(s->data[(o / 32) * scols + i / 32]));
       }
     }
     return v;
@@ -95,6 +101,7 @@ class Loader {
 
  private:
   const TensorStore& s_;
+  kernels::Backend& backend_;
 };
 
 absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int n_experts,
@@ -123,10 +130,15 @@ absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
-    const ModelConfig& c, std::shared_ptr<const TensorStore> store) {
+    const ModelConfig& c, std::shared_ptr<const TensorStore> store, kernels::Backend* backend) {
   auto mw = std::make_unique<ModelWeights>();
   mw->store = store;
-  Loader ld(*store);
+  std::unique_ptr<kernels::Backend> host;
+  if (backend == nullptr) {
+    host = kernels::MakeCpuBackend();  // host memory; its buffers do not need the backend object
+    backend = host.get();
+  }
+  Loader ld(*store, *backend);
   EPD_ASSIGN(mw->embed, ld.Bf16("embed.weight", {c.vocab_size, c.dim}));
   EPD_ASSIGN(mw->head, ld.Bf16("head.weight", {c.vocab_size, c.dim}));
   EPD_ASSIGN(mw->norm, ld.Bf16("norm.weight", {c.dim}));
@@ -209,6 +221,43 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
   spdlog::info("weights loaded: {} layers, {:.1f} MB checkpoint", c.total_layers(),
                store->total_bytes() / 1e6);
   return mw;
+}
+
+namespace {
+int64_t Bytes(const std::vector<float>& v) {
+  return static_cast<int64_t>(v.size() * sizeof(float));
+}
+int64_t Bytes(const ExpertWeights& e) {
+  return e.w1.resident_bytes() + e.w2.resident_bytes() + e.w3.resident_bytes();
+}
+}  // namespace
+
+int64_t ModelWeights::ResidentBytes() const {
+  int64_t n = Bytes(embed) + Bytes(head) + Bytes(norm);
+  for (const LayerWeights& L : layers) {
+    n += Bytes(L.attn_norm) + Bytes(L.ffn_norm) + Bytes(L.hc_attn_fn) + Bytes(L.hc_attn_base) +
+         Bytes(L.hc_attn_scale) + Bytes(L.hc_ffn_fn) + Bytes(L.hc_ffn_base) + Bytes(L.hc_ffn_scale);
+    const AttentionWeights& A = L.attn;
+    n += Bytes(A.attn_sink) + Bytes(A.q_norm) + Bytes(A.kv_norm) + A.wq_a.resident_bytes() +
+         A.wq_b.resident_bytes() + A.wkv.resident_bytes() + Bytes(A.wo_a) +
+         A.wo_b.resident_bytes() + Bytes(A.cmp_wkv) + Bytes(A.cmp_wgate) + Bytes(A.cmp_norm) +
+         Bytes(A.idx_wk) + Bytes(A.idx_k_norm) + A.idx_wq_b.resident_bytes() +
+         Bytes(A.idx_weights_proj);
+    n += Bytes(L.ffn.gate) + Bytes(L.ffn.gate_bias);
+    for (const ExpertWeights& e : L.ffn.experts) n += Bytes(e);
+    for (const ExpertWeights& e : L.ffn.shared) n += Bytes(e);
+    if (L.engram) {
+      const EngramWeights& E = *L.engram;
+      n += E.table.bytes + E.table_scale.bytes + E.wkv.resident_bytes() + Bytes(E.q_weight) +
+           Bytes(E.k_weight);
+    }
+  }
+  if (dspark) {
+    const DSparkWeights& d = *dspark;
+    n += d.main_proj.resident_bytes() + Bytes(d.main_norm) + Bytes(d.norm) + Bytes(d.markov_embed) +
+         Bytes(d.markov_head) + Bytes(d.confidence);
+  }
+  return n;
 }
 
 }  // namespace epd::model

@@ -1,9 +1,11 @@
 #pragma once
 
 // All weights of a V4.1 model in compute form (MODEL.md §2), checked by name, dtype and shape
-// against the config. FP8/FP4 weights are decoded once into kernels::QuantWeight (element values
-// + block scales, bit-identical results); BF16 tensors become float arrays of the same values.
-// The Engram tables stay in the mmapped checkpoint and are dequantized per row on lookup.
+// against the config. FP8/FP4 weights stay in the checkpoint's format in backend memory
+// (kernels::QuantWeight, packed codes + E8M0 scale bytes; the kernels dequantize on the fly);
+// BF16 tensors become float arrays of the same values; wo_a (FP8, used as a bf16 linear) is
+// dequantized to bf16 values. The Engram tables stay in the mmapped checkpoint and are
+// dequantized per row on lookup.
 //
 // Ownership: ModelWeights keeps the TensorStore (mmaps) alive. Immutable after Load; thread-safe
 // for concurrent reads.
@@ -88,9 +90,14 @@ struct ModelWeights {
   std::unique_ptr<DSparkWeights> dspark;
   std::shared_ptr<const TensorStore> store;
 
-  // Loads and checks every tensor the config implies. Errors name the tensor.
+  // Loads and checks every tensor the config implies. Errors name the tensor. The packed weights
+  // go to `backend`'s memory (null: host memory); they must not outlive that backend.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<ModelWeights>> Load(
-      const ModelConfig& config, std::shared_ptr<const TensorStore> store);
+      const ModelConfig& config, std::shared_ptr<const TensorStore> store,
+      kernels::Backend* backend = nullptr);
+  // Bytes the weights hold in memory (packed codes, float arrays, the Engram tables read in
+  // place), to compare with the checkpoint's bytes (TensorStore::total_bytes()).
+  int64_t ResidentBytes() const;
 };
 
 }  // namespace epd::model

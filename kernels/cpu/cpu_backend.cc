@@ -74,8 +74,16 @@ class CpuBackend final : public Backend {
   // ---- Linears ----
   Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
     if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
-    if (static_cast<int64_t>(w.values.size()) != w.out * w.in)
+    if (w.packed()) {
+      if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
+        return Bad("LinearQuant", "FP4 weight with an odd number of columns");
+      if (w.codes.bytes() != w.code_bytes() ||
+          w.scale_codes.bytes() != w.scale_rows() * w.scale_cols())
+        return Bad("LinearQuant", "packed weight bytes do not match its shape");
+    } else if (static_cast<int64_t>(w.values.size()) != w.out * w.in ||
+               static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
       return Bad("LinearQuant", "weight values do not match [out, in]");
+    }
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearQuant(x, rows, w, y);
     return OkStatus();
@@ -333,9 +341,8 @@ class CpuBackend final : public Backend {
         const float* key = er + j * D;
         const float* qw = q_weight + j * D;
         const float* kw = k_weight + j * D;
-        // The reference normalizes h and the key first (fp32), then takes the weighted dot; summed
-        // in double (closest to the reference's result: Engram deltas then equal the golden ones,
-        // see docs/model.md).
+        // The reference normalizes h and the key first (fp32), then takes the weighted dot;
+        // summed in double (closest to the reference's result, see docs/model.md).
         double sh = 0, sk = 0;
         for (int64_t d = 0; d < D; ++d) {
           sh += static_cast<double>(hj[d]) * hj[d];

@@ -1,7 +1,9 @@
 #include "kernels/cpu/ops.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <cstring>
 #include <numeric>
 
 #include "kernels/cpu/numerics.h"
@@ -44,6 +46,90 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
   for (; i < n; ++i) s += a[i] * b[i];
   return s;
 }
+
+// ---- Packed weights: checkpoint codes decoded on the fly (exact element values) ----
+const float* E4M3Values() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> a{};
+    for (int i = 0; i < 256; ++i) a[i] = DecodeE4M3(static_cast<uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+const float* E8M0Values() {
+  static const std::array<float, 256> t = [] {
+    std::array<float, 256> a{};
+    for (int i = 0; i < 256; ++i) a[i] = DecodeE8M0(static_cast<uint8_t>(i));
+    return a;
+  }();
+  return t.data();
+}
+
+// The scales of a packed weight as floats (into `buf`).
+const float* DecodeScales(const QuantWeight& w, std::vector<float>& buf) {
+  const int64_t n = w.scale_codes.bytes();
+  buf.resize(n);
+  const uint8_t* c = w.scale_codes.as<uint8_t>();
+  const float* t = E8M0Values();
+  for (int64_t i = 0; i < n; ++i) buf[i] = t[c[i]];
+  return buf.data();
+}
+
+// Rows [o, o + n) of a packed weight as floats: out [n, in].
+void DecodeRowsScalar(const QuantWeight& w, int64_t o, int64_t n, float* out) {
+  const int64_t k = w.in;
+  if (w.format == WeightFormat::kFp8E4M3) {
+    const uint8_t* c = w.codes.as<uint8_t>() + o * k;
+    const float* t = E4M3Values();
+    for (int64_t i = 0; i < n * k; ++i) out[i] = t[c[i]];
+  } else {
+    const uint8_t* c = w.codes.as<uint8_t>() + o * (k / 2);
+    for (int64_t i = 0; i < n * k / 2; ++i) {
+      out[2 * i] = kE2M1Values[c[i] & 0xf];
+      out[2 * i + 1] = kE2M1Values[c[i] >> 4];
+    }
+  }
+}
+
+#ifdef EPD_AVX2_PATH
+// DecodeRowsScalar for in % 8 == 0, 8 elements per instruction (the same values, bit for bit).
+EPD_AVX2 void DecodeRowsAvx(const QuantWeight& w, int64_t o, int64_t n, float* out) {
+  const int64_t k = w.in;
+  if (w.format == WeightFormat::kFp8E4M3) {
+    const uint8_t* c = w.codes.as<uint8_t>() + o * k;
+    const __m256i m7f = _mm256_set1_epi32(0x7f), m80 = _mm256_set1_epi32(0x80),
+                  bias = _mm256_set1_epi32(120 << 23), eight = _mm256_set1_epi32(8);
+    const __m256 sub_scale = _mm256_set1_ps(0x1p-9f),
+                 nan = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fc00000));
+    for (int64_t i = 0; i < n * k; i += 8) {
+      const __m256i b =
+          _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + i)));
+      const __m256i em = _mm256_and_si256(b, m7f);
+      // Normal: exponent field + (127 - 7); subnormal (exponent 0): mantissa * 2^-9.
+      const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(em, 20), bias));
+      const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(em), sub_scale);
+      __m256 v = _mm256_blendv_ps(normal, sub, _mm256_castsi256_ps(_mm256_cmpgt_epi32(eight, em)));
+      v = _mm256_or_ps(v, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(b, m80), 24)));
+      v = _mm256_blendv_ps(v, nan, _mm256_castsi256_ps(_mm256_cmpeq_epi32(em, m7f)));
+      _mm256_storeu_ps(out + i, v);
+    }
+  } else {
+    const uint8_t* c = w.codes.as<uint8_t>() + o * (k / 2);
+    const __m256 lut = _mm256_setr_ps(0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f);
+    const __m256i shifts = _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+                  m0f = _mm256_set1_epi32(0xf), m8 = _mm256_set1_epi32(8);
+    for (int64_t i = 0; i < n * k / 2; i += 4) {
+      int32_t word;
+      std::memcpy(&word, c + i, 4);
+      const __m256i code =
+          _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(word), shifts), m0f);
+      const __m256 mag = _mm256_permutevar8x32_ps(lut, code);  // low 3 bits pick the magnitude
+      _mm256_storeu_ps(out + 2 * i, _mm256_or_ps(mag, _mm256_castsi256_ps(_mm256_slli_epi32(
+                                                          _mm256_and_si256(code, m8), 28))));
+    }
+  }
+}
+#endif
 
 #ifdef EPD_AVX2_PATH
 // [v0..v7] -> [tree(v0), ..., tree(v7)] with tree(v) = ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), the
@@ -157,32 +243,41 @@ EPD_AVX2 void QuantizeFp8RowAvx(const float* x, int64_t k, float* q, float* scal
 }
 
 // LinearQuant for in % 32 == 0: rows quantized first, then 8 outputs at a time for every row
-// (the weight group stays in cache), the same per-output operations.
+// (the weight group stays in cache), the same per-output operations. Packed weights: the group's
+// 8 rows are decoded to their element values first (exact), then the same loops run.
 EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w, float* y) {
   const int64_t k = w.in, nb = k / 32, scols = w.scale_cols(), o8 = w.out / 8 * 8;
-  thread_local std::vector<float> q, s, wsT;
+  thread_local std::vector<float> q, s, wsT, wdec, sdec;
   thread_local std::vector<int64_t> bcol;
   bcol.resize(nb);
   for (int64_t b = 0; b < nb; ++b) bcol[b] = b * 32 / w.block_cols;
   q.resize(rows * k);
   s.resize(rows * nb);
   wsT.resize(nb * 8);
+  const float* scales = w.packed() ? DecodeScales(w, sdec) : w.scales.data();
+  if (w.packed()) wdec.resize(8 * k);
   for (int64_t r = 0; r < rows; ++r)
     QuantizeFp8RowAvx(x + r * k, k, q.data() + r * k, s.data() + r * nb);
   alignas(32) float res[8];
   for (int64_t o = 0; o < o8; o += 8) {
     if (w.block_rows % 8 == 0) {  // the 8 outputs share one scale row
-      const float* wsr = w.scales.data() + (o / w.block_rows) * scols;
+      const float* wsr = scales + (o / w.block_rows) * scols;
       for (int64_t b = 0; b < nb; ++b) {
         _mm256_storeu_ps(wsT.data() + b * 8, _mm256_set1_ps(wsr[bcol[b]]));
       }
     } else {
       for (int j = 0; j < 8; ++j) {
-        const float* wsr = w.scales.data() + ((o + j) / w.block_rows) * scols;
+        const float* wsr = scales + ((o + j) / w.block_rows) * scols;
         for (int64_t b = 0; b < nb; ++b) wsT[b * 8 + j] = wsr[bcol[b]];
       }
     }
-    const float* wr = w.values.data() + o * k;
+    const float* wr;
+    if (w.packed()) {
+      DecodeRowsAvx(w, o, 8, wdec.data());
+      wr = wdec.data();
+    } else {
+      wr = w.values.data() + o * k;
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const float* qr = q.data() + r * k;
       const float* sr = s.data() + r * nb;
@@ -197,11 +292,17 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
       for (int j = 0; j < 8; ++j) yr[j] = RoundBf16(res[j]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* qr = q.data() + r * k;
-    for (int64_t o = o8; o < w.out; ++o) {
-      const float* wr = w.values.data() + o * k;
-      const float* wsr = w.scales.data() + (o / w.block_rows) * scols;
+  for (int64_t o = o8; o < w.out; ++o) {
+    const float* wr;
+    if (w.packed()) {
+      DecodeRowsAvx(w, o, 1, wdec.data());
+      wr = wdec.data();
+    } else {
+      wr = w.values.data() + o * k;
+    }
+    const float* wsr = scales + (o / w.block_rows) * scols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q.data() + r * k;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t b0 = b * 32;
@@ -233,23 +334,32 @@ void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
   const int64_t k = w.in;
   const int64_t nb = (k + 31) / 32;
   const int64_t scols = w.scale_cols();
-  std::vector<float> q(k), s(nb);
-  for (int64_t r = 0; r < rows; ++r) {
-    QuantizeFp8Row(x + r * k, k, q.data(), s.data());
-    float* yr = y + r * w.out;
-    for (int64_t o = 0; o < w.out; ++o) {
-      const float* wr = w.values.data() + o * k;
-      const float* ws = w.scales.data() + (o / w.block_rows) * scols;
+  std::vector<float> q(rows * k), s(rows * nb), wdec, sdec;
+  const float* scales = w.packed() ? DecodeScales(w, sdec) : w.scales.data();
+  if (w.packed()) wdec.resize(k);
+  for (int64_t r = 0; r < rows; ++r)
+    QuantizeFp8Row(x + r * k, k, q.data() + r * k, s.data() + r * nb);
+  for (int64_t o = 0; o < w.out; ++o) {
+    const float* wr;
+    if (w.packed()) {
+      DecodeRowsScalar(w, o, 1, wdec.data());
+      wr = wdec.data();
+    } else {
+      wr = w.values.data() + o * k;
+    }
+    const float* ws = scales + (o / w.block_rows) * scols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q.data() + r * k;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t b0 = b * 32;
         const int64_t n = std::min<int64_t>(32, k - b0);
         // Products of E4M3/E2M1 values are exact, and so are these block sums for the
         // magnitudes involved; the lanes only make the loop vectorisable.
-        float d = Dot8(q.data() + b0, wr + b0, n);
-        acc += d * s[b] * ws[b0 / w.block_cols];
+        float d = Dot8(qr + b0, wr + b0, n);
+        acc += d * s[r * nb + b] * ws[b0 / w.block_cols];
       }
-      yr[o] = RoundBf16(acc);
+      y[r * w.out + o] = RoundBf16(acc);
     }
   }
 }

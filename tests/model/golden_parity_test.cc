@@ -76,6 +76,7 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string ls = std::to_string(l);
     std::vector<float> x = Bf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
+    ASSERT_EQ(x.size(), static_cast<size_t>(P * D)) << "layer " << l;
     ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
     const double ar = RelRms(out, Bf16("debug/attn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(ar, 3e-3) << "attention layer " << l;
@@ -368,21 +369,25 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
       }
       for (size_t li = 0; li < c.engram_layer_ids.size(); ++li) {
         if (c.engram_layer_ids[li] != l) continue;
-        ASSERT_TRUE(model_->Engram(l, hashes.data() + li * per,
-                       static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data()).ok());
+        ASSERT_TRUE(model_
+                        ->Engram(l, hashes.data() + li * per,
+                                 static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data())
+                        .ok());
       }
       const LayerWeights& L = wt.layers[l];
       ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
-                 L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data(),
-                 aQ.data(), aC.data()).ok());
+                             L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+                             aP.data(), aQ.data(), aC.data())
+                      .ok());
       ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, pre.data(), x.data()).ok());
       ASSERT_TRUE(be.RmsNorm(x.data(), L.attn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
       ForwardTrace t;
       ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, y.data(), &t).ok());
       ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, aQ.data(), aC.data(), h.data()).ok());
       ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
-                 L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre.data(),
-                 fQ.data(), fC.data()).ok());
+                             L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
+                             pre.data(), fQ.data(), fC.data())
+                      .ok());
       ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, aP.data(), x.data()).ok());
       ASSERT_TRUE(be.RmsNorm(x.data(), L.ffn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
       ASSERT_TRUE(model_->Moe(l, x.data(), 1, y.data()).ok());
