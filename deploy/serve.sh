@@ -4,5 +4,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install_deps.sh
-bash deploy/build.sh
+EPD_BUILD_TYPE="${EPD_BUILD_TYPE:-Release}" bash deploy/build.sh  # the optimized build users serve with
 exec ./build/epd serve "$@"

@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "model/stages.h"
@@ -161,7 +162,7 @@ TEST_P(GoldenParityTest, TeacherForcedDecodeStagedAndMonolithic) {
     for (int l = 0; l < c.n_layers; ++l) {
       const double e = RelRms(t.block_out[l].data() + row * blk,
                               blocks.data() + (call * c.n_layers + l) * blk, blk);
-      line += " " + std::to_string(e).substr(0, 7);
+      line += absl::StrCat(" ", std::to_string(e).substr(0, 7));
     }
     std::printf("[%s] call %d block_out rel_rms per layer:%s\n", set_.c_str(), call, line.c_str());
   };
@@ -199,7 +200,7 @@ TEST_P(GoldenParityTest, TeacherForcedDecodeStagedAndMonolithic) {
         std::string d;
         for (int64_t j = 0; j < k && j < static_cast<int64_t>(ours.size()); ++j) {
           const int32_t gv = gt[(s - 1) * k + j];
-          d += " " + std::to_string(ours[j]) + "/" + std::to_string(gv < 0 ? -1 : gv - W);
+          absl::StrAppend(&d, " ", ours[j], "/", gv < 0 ? -1 : gv - W);
         }
         std::printf("[%s] step %d layer %d top-k ours/golden:%s\n", set_.c_str(), s, l, d.c_str());
       }
@@ -393,7 +394,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
       ASSERT_TRUE(model_->Moe(l, x.data(), 1, y.data()).ok());
       ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, fQ.data(), fC.data(), h.data()).ok());
       const double e = RelRms(h.data(), blocks.data() + (s * c.n_layers + l) * hc * D, hc * D);
-      errs += " " + std::to_string(e).substr(0, 7);
+      errs += absl::StrCat(" ", std::to_string(e).substr(0, 7));
       EXPECT_LE(e, 3e-3) << "layer " << l << " step " << s;
       if (golden_topk.count(l)) {
         const std::vector<int32_t>& gt = golden_topk[l];
@@ -404,7 +405,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
         for (int64_t j = 0; j < k && j < static_cast<int64_t>(ours.size()); ++j) {
           const int32_t gv = gt[(s - 1) * k + j];
           same = same && ours[j] == (gv < 0 ? -1 : gv - W);
-          d += " " + std::to_string(ours[j]) + "/" + std::to_string(gv < 0 ? -1 : gv - W);
+          absl::StrAppend(&d, " ", ours[j], "/", gv < 0 ? -1 : gv - W);
         }
         equal_rows[l] += same;
         if (!same)
