@@ -216,7 +216,8 @@ absl::StatusOr<std::vector<ChatMessage>> MessagesFromOpenAi(const nlohmann::json
         m.content = c.get<std::string>();
       } else if (c.is_array()) {
         for (const nlohmann::json& part : c) {
-          if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text")) {
+          if (!part.is_object() || !part.contains("type") || part["type"] != "text" ||
+              !part.contains("text") || !part["text"].is_string()) {
             return absl::InvalidArgumentError(
                 Cat("messages[", i, "].content: only text parts are supported"));
           }

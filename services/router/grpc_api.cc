@@ -94,7 +94,10 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
           for (const auto& tc : calls) {
             if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object()) continue;
             const auto& f = tc["function"];
-            ToolCall call{tc.value("id", ""), f.value("name", ""), "{}"};
+            const auto str = [](const nlohmann::json& o, const char* k) {
+              return o.contains(k) && o[k].is_string() ? o[k].get<std::string>() : std::string();
+            };
+            ToolCall call{str(tc, "id"), str(f, "name"), "{}"};
             if (f.contains("arguments")) {
               call.arguments_json =
                   f["arguments"].is_string() ? f["arguments"].get<std::string>() : f["arguments"].dump();

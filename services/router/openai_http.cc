@@ -126,6 +126,13 @@ absl::Status GetBool(const json& obj, const char* key, bool* out) {
   return absl::OkStatus();
 }
 
+// The string at obj[key], or "" when obj is not an object or the field is missing or not a string.
+// json::value() throws on a present field of another type; request parsing must never throw.
+std::string StringField(const json& obj, const char* key) {
+  const json* v = obj.is_object() ? Field(obj, key) : nullptr;
+  return v && v->is_string() ? v->get<std::string>() : std::string();
+}
+
 // content: string, or an array of {"type":"text","text":...} parts.
 absl::Status MessageContent(const json& m, const std::string& param, std::string* out) {
   const json* c = Field(m, "content");
@@ -138,7 +145,7 @@ absl::Status MessageContent(const json& m, const std::string& param, std::string
   for (size_t i = 0; i < c->size(); ++i) {
     const json& part = (*c)[i];
     const std::string pp = absl::StrCat(param, "[", i, "]");
-    if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") ||
+    if (!part.is_object() || StringField(part, "type") != "text" || !part.contains("text") ||
         !part["text"].is_string()) {
       return Bad(pp + " must be a text part {\"type\":\"text\",\"text\":...}; other part types "
                       "are not supported",
@@ -195,7 +202,10 @@ absl::Status ParseMessages(const json& body, ChatRenderInput* chat) {
                      kp);
         }
         ToolCall call;
-        call.id = tc.value("id", "");
+        if (const json* id = Field(tc, "id"); id && !id->is_string()) {
+          return Bad(kp + ".id must be a string", kp + ".id");
+        }
+        call.id = StringField(tc, "id");
         call.name = tc["function"]["name"].get<std::string>();
         const json* args = Field(tc["function"], "arguments");
         if (args && args->is_string()) {
@@ -235,7 +245,7 @@ absl::Status ParseTools(const json& body, GenerateSpec* spec) {
   for (size_t i = 0; i < tools->size(); ++i) {
     const json& t = (*tools)[i];
     const std::string param = absl::StrCat("tools[", i, "]");
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+    if (!t.is_object() || StringField(t, "type") != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") ||
         !t["function"]["name"].is_string()) {
       return Bad(param + " must be {\"type\":\"function\",\"function\":{\"name\":...}}", param);

@@ -626,6 +626,19 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("stop", {"a", "b", "c", "d", "e"})), "stop");
   EXPECT_EQ(param_of(with("messages", {{{"role", "robot"}, {"content", "x"}}})),
             "messages[0].role");
+  // Fields of the wrong JSON type inside parts and tools are 400s, never exceptions (found by
+  // fuzz_openai_request: a part whose "type" is an object threw json::type_error).
+  EXPECT_EQ(param_of(with("messages", {{{"role", "user"},
+                                        {"content", {{{"type", json::object()}}}}}})),
+            "messages[0].content[0]");
+  EXPECT_EQ(param_of(with("messages", {{{"role", "user"},
+                                        {"content", {{{"type", "text"}, {"text", 3}}}}}})),
+            "messages[0].content[0]");
+  EXPECT_EQ(param_of(with("tools", {{{"type", {1}}}})), "tools[0]");
+  EXPECT_EQ(param_of(with("messages",
+                          {{{"role", "assistant"},
+                            {"tool_calls", {{{"id", 5}, {"function", {{"name", "f"}}}}}}}})),
+            "messages[0].tool_calls[0].id");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", {1.5}}}, false), "prompt");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"echo", true}}, false), "echo");
   // Completions: text, [text] and token ids.
