@@ -68,6 +68,12 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
         }
         chat.tools_json = c.tools_json();
         spec.parse_tools = !tools.empty();
+        if (c.tool_choice() == "required") {  // forced by the decode worker's grammar mask
+          auto constraint = ToolCallConstraint(tools, "", /*parallel=*/true, "tool_choice");
+          if (!constraint.ok()) return constraint.status();
+          spec.sampling.set_constraint(*constraint);
+          spec.constraint_param = "tools_json";
+        }
       }
       for (int i = 0; i < c.messages_size(); ++i) {
         const auto& m = c.messages(i);
@@ -133,6 +139,16 @@ class InferenceImpl final : public epd::v1::Inference::Service {
         r.mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
         r.set_text(d.content);
         r.set_reasoning_text(d.reasoning);
+        for (const TokenLogprobs& t : d.logprobs) {  // chosen, then the asked top entries
+          auto* c = r.add_top_logprobs();
+          c->set_token_id(t.token);
+          c->set_logprob(t.logprob);
+          for (const auto& [id, lp] : t.top) {
+            auto* e = r.add_top_logprobs();
+            e->set_token_id(id);
+            e->set_logprob(lp);
+          }
+        }
         return w_->Write(r);
       }
 

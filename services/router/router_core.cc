@@ -1,5 +1,6 @@
 #include "services/router/router_core.h"
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -274,6 +275,36 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
                      " tokens. However, your ", input_param, " resulted in ", n, " tokens."),
         input_param, "context_length_exceeded");
   }
+  const int32_t top = spec.sampling.top_logprobs();
+  if (top < 0 || top > 20) {
+    return ApiError(absl::StatusCode::kInvalidArgument,
+                    absl::StrCat("top_logprobs is ", top, "; it must be in [0, 20]"),
+                    "top_logprobs", "invalid_value");
+  }
+  if (top > 0 && !spec.sampling.logprobs()) {
+    return ApiError(absl::StatusCode::kInvalidArgument, "top_logprobs requires logprobs",
+                    "top_logprobs", "invalid_value");
+  }
+  if (spec.sampling.logprobs()) {
+    req.logprobs_top = top;
+    spec.sampling.set_top_logprobs(std::max(1, top));
+  }
+  if (!spec.sampling.constraint().empty()) {
+    // Thinking mode: the constrained output comes after the reasoning (free text to </think>).
+    if (req.thinking) {
+      auto c = nlohmann::json::parse(spec.sampling.constraint(), nullptr, false);
+      if (c.is_object()) {
+        c["thinking"] = true;
+        spec.sampling.set_constraint(c.dump());
+      }
+    }
+    auto g = grammars_.Get(spec.sampling.constraint());
+    if (!g.ok()) {
+      const std::string msg(g.status().message());
+      return ApiError(absl::StatusCode::kInvalidArgument, msg, spec.constraint_param,
+                      msg.starts_with("unsupported") ? "unsupported_value" : "invalid_value");
+    }
+  }
   const int64_t asked = spec.sampling.max_tokens();
   if (asked > 0) {
     if (asked > options_.max_tokens_limit) {
@@ -472,6 +503,28 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       out.token_ids.push_back(id);
       text += detok->Push(id);
     }
+    std::vector<TokenLogprobs> lps;
+    if (req.logprobs_top >= 0) {
+      // Per token: the chosen entry, then the worker's top max(1, n) (we asked for that many).
+      const int per = 1 + std::max(1, req.logprobs_top);
+      if (m.top_logprobs_size() != per * m.token_ids_size()) {
+        error = absl::InternalError(absl::StrCat(
+            "decode worker '", plan.decode.id, "' sent ", m.top_logprobs_size(),
+            " logprob entries for ", m.token_ids_size(), " tokens (expected ", per, " each)"));
+        cancel_all();
+        break;
+      }
+      for (int i = 0; i < m.token_ids_size(); ++i) {
+        const auto& chosen = m.top_logprobs(i * per);
+        TokenLogprobs t{chosen.token_id(), chosen.logprob(), {}};
+        for (int j = 1; j <= req.logprobs_top; ++j) {
+          const auto& e = m.top_logprobs(i * per + j);
+          t.top.emplace_back(e.token_id(), e.logprob());
+        }
+        lps.push_back(std::move(t));
+      }
+      out.logprobs.insert(out.logprobs.end(), lps.begin(), lps.end());
+    }
     if (!m.finish_reason().empty()) finish_reason = m.finish_reason();
     if (m.token_ids_size() > 0) {
       const int64_t now = clock_.NowMonoNs();
@@ -488,6 +541,7 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
     full_text += released;
     Delta d = splitter.Push(released);
     d.token_ids.assign(m.token_ids().begin(), m.token_ids().end());
+    d.logprobs = std::move(lps);
     streamed_content += d.content;
     if (!DeltaEmpty(d)) {
       *streamed_any = true;

@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -17,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "decode_pool/grammar/grammar.h"
 #include "epd/v1/inference.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -58,6 +60,8 @@ struct GenerateSpec {
   std::optional<std::vector<int32_t>> prompt_ids;  // completions with ids
   epd::v1::SamplingParams sampling;      // max_tokens 0 = default
   bool parse_tools = false;              // split a DSML tool-call block into tool_calls
+  // The request field a refused sampling.constraint is reported under (response_format, tools).
+  std::string constraint_param = "sampling.constraint";
 };
 
 struct PreparedRequest {
@@ -65,6 +69,17 @@ struct PreparedRequest {
   std::vector<int32_t> prompt_ids;
   int32_t max_tokens = 0;
   bool thinking = false;
+  // -1: no logprobs; else sampling.logprobs was asked with this many top entries per token
+  // (the job asks the decode worker for max(1, n): it sends the chosen token, then its top n).
+  int32_t logprobs_top = -1;
+};
+
+// One generated token's log probability (raw logits of the row that produced it) and its most
+// likely alternatives, most likely first.
+struct TokenLogprobs {
+  int32_t token = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;
 };
 
 // What one step of generation added. Text deltas are complete UTF-8.
@@ -72,12 +87,14 @@ struct Delta {
   std::string reasoning;
   std::string content;
   std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;  // one per token_ids entry when logprobs were asked
 };
 
 struct Outcome {
   std::string finish_reason;  // stop | length | tool_calls
   ParsedAssistant parsed;     // the whole output, split
   std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;  // one per token_ids entry when logprobs were asked
   int32_t prompt_tokens = 0;
   int32_t cached_tokens = 0;
   int32_t completion_tokens = 0;
@@ -125,6 +142,7 @@ class RouterCore {
   void CountOutcome(const std::string& outcome);
 
   const CoreOptions options_;
+  mutable decode_pool::grammar::GrammarCache grammars_;  // constraints checked by Prepare
   const TextCodec& codec_;
   Registry& registry_;
   Scheduler& scheduler_;

@@ -427,7 +427,23 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("stream", "yes")), "stream");
   EXPECT_EQ(param_of(with("top_p", 1.5)), "top_p");
   EXPECT_EQ(param_of(with("n", 2)), "n");
-  EXPECT_EQ(param_of(with("logprobs", true)), "logprobs");
+  EXPECT_EQ(param_of(with("logprobs", "yes")), "logprobs");
+  EXPECT_EQ(param_of(with("top_logprobs", 21)), "top_logprobs");
+  EXPECT_EQ(param_of(with("top_logprobs", 3)), "top_logprobs");  // without logprobs: true
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"logprobs", 21}}, false), "logprobs");
+  {
+    json lp = with("logprobs", true);
+    lp["top_logprobs"] = 5;
+    auto p = ParseOpenAiRequest(lp, true, &stream, &usage);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(p->sampling.logprobs());
+    EXPECT_EQ(p->sampling.top_logprobs(), 5);
+    auto q = ParseOpenAiRequest({{"model", "m"}, {"prompt", "x"}, {"logprobs", 0}}, false, &stream,
+                                &usage);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_TRUE(q->sampling.logprobs());
+    EXPECT_EQ(q->sampling.top_logprobs(), 0);
+  }
   EXPECT_EQ(param_of(with("stop", {1})), "stop");
   EXPECT_EQ(param_of(with("tools", {{{"type", "web"}}})), "tools[0]");
   EXPECT_EQ(param_of(with("tool_choice", "maybe")), "tool_choice");
