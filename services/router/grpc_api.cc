@@ -136,6 +136,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
         if (ctx_->IsCancelled()) return false;
         epd::v1::GenerateResponse r;
         r.set_request_id(id_);
+        r.set_index(d.index);
         r.mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
         r.set_text(d.content);
         r.set_reasoning_text(d.reasoning);
@@ -160,24 +161,32 @@ class InferenceImpl final : public epd::v1::Inference::Service {
 
     auto out = core_.Run(*prepared, &observer);
     if (!out.ok()) return ToGrpc(out.status());
-    epd::v1::GenerateResponse last;
-    last.set_request_id(prepared->spec.request_id);
-    last.set_finish_reason(out->finish_reason);
-    auto* u = last.mutable_usage();
-    u->set_prompt_tokens(out->prompt_tokens);
-    u->set_cached_tokens(out->cached_tokens);
-    u->set_completion_tokens(out->completion_tokens);
-    u->set_total_tokens(out->prompt_tokens + out->completion_tokens);
-    if (!out->parsed.tool_calls.empty()) {
-      nlohmann::json arr = nlohmann::json::array();
-      for (const auto& c : out->parsed.tool_calls) {
-        arr.push_back({{"id", c.id},
-                       {"type", "function"},
-                       {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
+    // One closing message per choice (index order); the last one carries the usage.
+    for (size_t i = 0; i < out->choices.size(); ++i) {
+      const Choice& ch = out->choices[i];
+      epd::v1::GenerateResponse last;
+      last.set_request_id(prepared->spec.request_id);
+      last.set_index(static_cast<int32_t>(i));
+      last.set_finish_reason(ch.finish_reason);
+      if (i + 1 == out->choices.size()) {
+        auto* u = last.mutable_usage();
+        u->set_prompt_tokens(out->prompt_tokens);
+        u->set_cached_tokens(out->cached_tokens);
+        u->set_completion_tokens(out->completion_tokens);
+        u->set_total_tokens(out->prompt_tokens + out->completion_tokens);
+        u->set_reasoning_tokens(out->reasoning_tokens);
       }
-      last.set_tool_calls_json(arr.dump());
+      if (!ch.parsed.tool_calls.empty()) {
+        nlohmann::json arr = nlohmann::json::array();
+        for (const auto& c : ch.parsed.tool_calls) {
+          arr.push_back({{"id", c.id},
+                         {"type", "function"},
+                         {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
+        }
+        last.set_tool_calls_json(arr.dump());
+      }
+      writer->Write(last);
     }
-    writer->Write(last);
     return grpc::Status::OK;
   }
 

@@ -375,7 +375,16 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
   }
   int64_t n = 1;
   if (auto st = GetInt(body, "n", 1, 128, &n); !st.ok()) return st;
-  if (n != 1) return Bad("only n=1 is supported", "n", "unsupported_value");
+  s.set_n(static_cast<int32_t>(n));
+  if (!chat && Field(body, "best_of")) {
+    // best_of = n returns every sample; ranking more samples than returned is not done.
+    int64_t best_of = n;
+    if (auto st = GetInt(body, "best_of", 1, 128, &best_of); !st.ok()) return st;
+    if (best_of != n) {
+      return Bad("'best_of' must equal 'n' (every sampled choice is returned)", "best_of",
+                 "unsupported_value");
+    }
+  }
   // Chat: logprobs (bool) + top_logprobs [0, 20]; completions: logprobs = the top count.
   bool logprobs = false;
   int64_t top = 0;
@@ -417,7 +426,8 @@ json UsageJson(const Outcome& o) {
   return json{{"prompt_tokens", o.prompt_tokens},
               {"completion_tokens", o.completion_tokens},
               {"total_tokens", o.prompt_tokens + o.completion_tokens},
-              {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}}};
+              {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}},
+              {"completion_tokens_details", {{"reasoning_tokens", o.reasoning_tokens}}}};
 }
 
 // One token as the OpenAI logprob entries show it: its text (lossy UTF-8) and its raw bytes.
@@ -501,9 +511,9 @@ class SseWriter final : public StreamObserver {
     return !broken_;
   }
 
-  json Chunk(json delta_or_text, json finish, json logprobs = nullptr) const {
+  json Chunk(json delta_or_text, json finish, json logprobs = nullptr, int index = 0) const {
     json j = base_;
-    json choice = {{"index", 0}, {"finish_reason", std::move(finish)},
+    json choice = {{"index", index}, {"finish_reason", std::move(finish)},
                    {"logprobs", std::move(logprobs)}};
     if (chat_) {
       choice["delta"] = std::move(delta_or_text);
@@ -523,12 +533,15 @@ class SseWriter final : public StreamObserver {
       if (!d.content.empty()) delta["content"] = d.content;
       if (delta.empty() && !lp) return !broken_;  // tokens held back (marker / tool block)
       return Send(Chunk(std::move(delta), nullptr,
-                        lp ? ChatLogprobsJson(*codec_, d.logprobs) : json(nullptr)));
+                        lp ? ChatLogprobsJson(*codec_, d.logprobs) : json(nullptr), d.index));
     }
     const std::string text = d.reasoning + d.content;
     if (text.empty() && !lp) return !broken_;
+    if (offsets_.size() <= static_cast<size_t>(d.index)) offsets_.resize(d.index + 1, 0);
     return Send(Chunk(text, nullptr,
-                      lp ? CompletionLogprobsJson(*codec_, d.logprobs, &offset_) : json(nullptr)));
+                      lp ? CompletionLogprobsJson(*codec_, d.logprobs, &offsets_[d.index])
+                         : json(nullptr),
+                      d.index));
   }
 
  private:
@@ -536,7 +549,7 @@ class SseWriter final : public StreamObserver {
   json base_;
   bool chat_;
   const TextCodec* codec_;
-  int64_t offset_ = 0;  // completions' text_offset
+  std::vector<int64_t> offsets_;  // completions' text_offset, per choice
   bool broken_ = false;
 };
 
@@ -795,26 +808,31 @@ void OpenAiHttpServer::Routes() {
         auto out = core_.Run(*prepared, &collector);
         if (!out.ok()) return SendError(res, out.status());
         json j = base;
-        json choice = {{"index", 0}, {"finish_reason", out->finish_reason}, {"logprobs", nullptr}};
-        if (prepared->logprobs_top >= 0) {
-          int64_t offset = 0;
-          choice["logprobs"] = chat ? ChatLogprobsJson(core_.codec(), out->logprobs)
-                                    : CompletionLogprobsJson(core_.codec(), out->logprobs, &offset);
-        }
-        if (chat) {
-          json msg = {{"role", "assistant"},
-                      {"content", out->parsed.content.empty() && !out->parsed.tool_calls.empty()
-                                      ? json(nullptr)
-                                      : json(out->parsed.content)}};
-          if (prepared->thinking) msg["reasoning_content"] = out->parsed.reasoning;
-          if (!out->parsed.tool_calls.empty()) {
-            msg["tool_calls"] = ToolCallsJson(out->parsed.tool_calls, false);
+        json list = json::array();
+        for (size_t idx = 0; idx < out->choices.size(); ++idx) {
+          const Choice& ch = out->choices[idx];
+          json choice = {{"index", idx}, {"finish_reason", ch.finish_reason}, {"logprobs", nullptr}};
+          if (prepared->logprobs_top >= 0) {
+            int64_t offset = 0;
+            choice["logprobs"] = chat ? ChatLogprobsJson(core_.codec(), ch.logprobs)
+                                      : CompletionLogprobsJson(core_.codec(), ch.logprobs, &offset);
           }
-          choice["message"] = std::move(msg);
-        } else {
-          choice["text"] = out->parsed.reasoning + out->parsed.content;
+          if (chat) {
+            json msg = {{"role", "assistant"},
+                        {"content", ch.parsed.content.empty() && !ch.parsed.tool_calls.empty()
+                                        ? json(nullptr)
+                                        : json(ch.parsed.content)}};
+            if (prepared->thinking) msg["reasoning_content"] = ch.parsed.reasoning;
+            if (!ch.parsed.tool_calls.empty()) {
+              msg["tool_calls"] = ToolCallsJson(ch.parsed.tool_calls, false);
+            }
+            choice["message"] = std::move(msg);
+          } else {
+            choice["text"] = ch.parsed.reasoning + ch.parsed.content;
+          }
+          list.push_back(std::move(choice));
         }
-        j["choices"] = json::array({std::move(choice)});
+        j["choices"] = std::move(list);
         j["usage"] = UsageJson(*out);
         res.set_content(j.dump(), "application/json");
         return;
@@ -826,17 +844,25 @@ void OpenAiHttpServer::Routes() {
           [this, request, base, chat, include_usage](size_t, httplib::DataSink& sink) {
             SseWriter writer(sink, base, chat,
                              request->logprobs_top >= 0 ? &core_.codec() : nullptr);
+            const int n = std::max(1, request->spec.sampling.n());
             if (chat) {
-              writer.Send(writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
+              for (int i = 0; i < n; ++i) {
+                writer.Send(
+                    writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr, i));
+              }
             }
             auto out = core_.Run(*request, &writer);
             if (out.ok()) {
-              json last_delta = json::object();
-              if (chat && !out->parsed.tool_calls.empty()) {
-                writer.Send(writer.Chunk(
-                    {{"tool_calls", ToolCallsJson(out->parsed.tool_calls, true)}}, nullptr));
+              for (size_t i = 0; i < out->choices.size(); ++i) {
+                const Choice& ch = out->choices[i];
+                const int idx = static_cast<int>(i);
+                if (chat && !ch.parsed.tool_calls.empty()) {
+                  writer.Send(writer.Chunk({{"tool_calls", ToolCallsJson(ch.parsed.tool_calls, true)}},
+                                           nullptr, nullptr, idx));
+                }
+                writer.Send(
+                    writer.Chunk(chat ? json::object() : json(""), ch.finish_reason, nullptr, idx));
               }
-              writer.Send(writer.Chunk(chat ? json::object() : json(""), out->finish_reason));
               if (include_usage) {
                 json u = base;
                 u["choices"] = json::array();

@@ -275,6 +275,11 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
                      " tokens. However, your ", input_param, " resulted in ", n, " tokens."),
         input_param, "context_length_exceeded");
   }
+  if (spec.sampling.n() < 0 || spec.sampling.n() > 128) {
+    return ApiError(absl::StatusCode::kInvalidArgument,
+                    absl::StrCat("n is ", spec.sampling.n(), "; it must be in [1, 128]"), "n",
+                    "invalid_value");
+  }
   const int32_t top = spec.sampling.top_logprobs();
   if (top < 0 || top > 20) {
     return ApiError(absl::StatusCode::kInvalidArgument,
@@ -468,15 +473,37 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
   out.cached_tokens = plan.encoder ? plan.cached_tokens : 0;
   out.decode_worker = plan.decode.id;
   const bool thinking = req.thinking;
-  auto detok = codec_.NewDetokenizer();
-  std::vector<std::string> stops(req.spec.sampling.stop().begin(), req.spec.sampling.stop().end());
-  StopMatcher stop(std::move(stops));
-  AssistantSplitter splitter(codec_.Markers(), thinking, req.spec.parse_tools);
-  std::string full_text;  // after stop strings
-  std::string streamed_content;
-  std::string finish_reason;
+  // One state per choice (sampling.n > 1: the decode worker forks the sequence after the one
+  // hand-off and tags each message with its choice's index).
+  const int n = std::max(1, req.spec.sampling.n());
+  struct ChoiceRun {
+    ChoiceRun(const TextCodec& codec, std::vector<std::string> stops, bool thinking,
+              bool parse_tools)
+        : detok(codec.NewDetokenizer()),
+          stop(std::move(stops)),
+          splitter(codec.Markers(), thinking, parse_tools) {}
+    std::unique_ptr<Detokenizer> detok;
+    StopMatcher stop;
+    AssistantSplitter splitter;
+    std::string full_text;  // after stop strings
+    std::string streamed_content;
+    std::string finish_reason;
+    std::string raw;  // all detokenized text (reasoning_tokens: tokens up to </think>)
+    bool stopped = false, done = false, think_ended = false;
+    int32_t reasoning_tokens = 0;
+    std::vector<int32_t> token_ids;
+    std::vector<TokenLogprobs> logprobs;
+  };
+  std::vector<std::unique_ptr<ChoiceRun>> choices;
+  const std::vector<std::string> stop_strings(req.spec.sampling.stop().begin(),
+                                              req.spec.sampling.stop().end());
+  for (int i = 0; i < n; ++i) {
+    choices.push_back(
+        std::make_unique<ChoiceRun>(codec_, stop_strings, thinking, req.spec.parse_tools));
+  }
+  const std::string think_end = codec_.Markers().think_end;
   absl::Status error;
-  bool cancelled = false, stopped = false;
+  bool cancelled = false, stopped = false;  // stopped: every choice ended, the last by a stop
   int64_t last_token_ns = 0;
   const auto cancel_all = [&] {
     decode->Cancel();
@@ -498,10 +525,24 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       break;
     }
     if (m.has_cached_tokens()) out.cached_tokens = m.cached_tokens();
+    if (m.index() < 0 || m.index() >= n) {
+      error = absl::InternalError(absl::StrCat("decode worker '", plan.decode.id,
+                                               "' sent choice ", m.index(), " of ", n));
+      cancel_all();
+      break;
+    }
+    ChoiceRun& ch = *choices[static_cast<size_t>(m.index())];
+    if (ch.done) continue;  // a choice cut by a stop string: the rest of it is dropped
     std::string text;
     for (int32_t id : m.token_ids()) {
-      out.token_ids.push_back(id);
-      text += detok->Push(id);
+      ch.token_ids.push_back(id);
+      const std::string t = ch.detok->Push(id);
+      text += t;
+      if (thinking && !ch.think_ended) {
+        ++ch.reasoning_tokens;
+        ch.raw += t;
+        ch.think_ended = ch.raw.find(think_end) != std::string::npos;
+      }
     }
     std::vector<TokenLogprobs> lps;
     if (req.logprobs_top >= 0) {
@@ -523,9 +564,9 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
         }
         lps.push_back(std::move(t));
       }
-      out.logprobs.insert(out.logprobs.end(), lps.begin(), lps.end());
+      ch.logprobs.insert(ch.logprobs.end(), lps.begin(), lps.end());
     }
-    if (!m.finish_reason().empty()) finish_reason = m.finish_reason();
+    if (!m.finish_reason().empty()) ch.finish_reason = m.finish_reason();
     if (m.token_ids_size() > 0) {
       const int64_t now = clock_.NowMonoNs();
       if (last_token_ns == 0) {
@@ -537,12 +578,13 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       last_token_ns = now;
       generated_tokens_.Increment(m.token_ids_size());
     }
-    const std::string released = stop.Push(text, &stopped);
-    full_text += released;
-    Delta d = splitter.Push(released);
+    const std::string released = ch.stop.Push(text, &ch.stopped);
+    ch.full_text += released;
+    Delta d = ch.splitter.Push(released);
+    d.index = m.index();
     d.token_ids.assign(m.token_ids().begin(), m.token_ids().end());
     d.logprobs = std::move(lps);
-    streamed_content += d.content;
+    ch.streamed_content += d.content;
     if (!DeltaEmpty(d)) {
       *streamed_any = true;
       if (!observer->OnDelta(d)) {
@@ -551,11 +593,19 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
         break;
       }
     }
-    if (stopped) {
-      finish_reason = "stop";
-      cancel_all();  // the worker need not generate past the stop string
-      break;
+    if (ch.stopped) {
+      ch.finish_reason = "stop";
+      ch.done = true;
+      bool all = true;
+      for (const auto& c : choices) all = all && c->done;
+      if (all) {
+        stopped = true;
+        cancel_all();  // the worker need not generate past the stop string
+        break;
+      }
+      continue;
     }
+    if (!m.finish_reason().empty()) ch.done = true;
   }
   absl::Status fin = decode->Finish();
   {
@@ -574,7 +624,11 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
       it = it->second == &run ? runs_.erase(it) : std::next(it);
     }
   }
-  out.completion_tokens = static_cast<int32_t>(out.token_ids.size());
+  out.completion_tokens = 0;
+  for (const auto& c : choices) {
+    out.completion_tokens += static_cast<int32_t>(c->token_ids.size());
+    out.reasoning_tokens += c->reasoning_tokens;
+  }
   {
     absl::MutexLock lock(&mu);
     if (encoder_cached) out.cached_tokens = *encoder_cached;
@@ -597,39 +651,56 @@ absl::StatusOr<Outcome> RouterCore::RunOnce(const PreparedRequest& request, cons
                                  *streamed_any ? " mid-generation" : "", ": ", fin.message()),
                     "", "worker_failed");
   }
-  if (!stopped && finish_reason.empty()) {
-    return absl::InternalError(absl::StrCat("decode worker '", plan.decode.id,
-                                            "' ended the stream without a finish reason"));
-  }
-  // Drain what the detokenizer, stop matcher and splitter still hold.
-  std::string tail;
-  if (!stopped) {
-    tail = stop.Push(detok->Flush(), &stopped);
-    if (!stopped) tail += stop.Flush();
-  }
-  full_text += tail;
-  Delta last = splitter.Push(tail);
-  Delta fin_delta = splitter.Finish();
-  last.reasoning += fin_delta.reasoning;
-  last.content += fin_delta.content;
-  out.parsed = codec_.ParseAssistant(full_text, thinking, req.spec.parse_tools);
-  // Whatever the final parse put in content beyond what was streamed (e.g. a tool-call block
-  // that did not parse) goes out now.
-  streamed_content += last.content;
-  if (out.parsed.content.size() > streamed_content.size() &&
-      out.parsed.content.compare(0, streamed_content.size(), streamed_content) == 0) {
-    last.content += out.parsed.content.substr(streamed_content.size());
-  }
-  out.finish_reason = finish_reason;
-  if (!out.parsed.tool_calls.empty()) {
-    out.finish_reason = "tool_calls";
-    for (size_t i = 0; i < out.parsed.tool_calls.size(); ++i) {
-      if (out.parsed.tool_calls[i].id.empty()) {
-        out.parsed.tool_calls[i].id = absl::StrCat("call_", req.spec.request_id, "_", i);
-      }
+  for (const auto& c : choices) {
+    if (!stopped && !c->stopped && c->finish_reason.empty()) {
+      return absl::InternalError(absl::StrCat("decode worker '", plan.decode.id,
+                                              "' ended the stream without a finish reason"));
     }
   }
-  if (!DeltaEmpty(last)) observer->OnDelta(last);
+  for (int idx = 0; idx < n; ++idx) {
+    ChoiceRun& ch = *choices[static_cast<size_t>(idx)];
+    // Drain what the detokenizer, stop matcher and splitter still hold.
+    std::string tail;
+    if (!ch.stopped) {
+      tail = ch.stop.Push(ch.detok->Flush(), &ch.stopped);
+      if (!ch.stopped) tail += ch.stop.Flush();
+    }
+    ch.full_text += tail;
+    Delta last = ch.splitter.Push(tail);
+    last.index = idx;
+    Delta fin_delta = ch.splitter.Finish();
+    last.reasoning += fin_delta.reasoning;
+    last.content += fin_delta.content;
+    Choice c;
+    c.parsed = codec_.ParseAssistant(ch.full_text, thinking, req.spec.parse_tools);
+    // Whatever the final parse put in content beyond what was streamed (e.g. a tool-call block
+    // that did not parse) goes out now.
+    ch.streamed_content += last.content;
+    if (c.parsed.content.size() > ch.streamed_content.size() &&
+        c.parsed.content.compare(0, ch.streamed_content.size(), ch.streamed_content) == 0) {
+      last.content += c.parsed.content.substr(ch.streamed_content.size());
+    }
+    c.finish_reason = ch.finish_reason;
+    if (!c.parsed.tool_calls.empty()) {
+      c.finish_reason = "tool_calls";
+      for (size_t i = 0; i < c.parsed.tool_calls.size(); ++i) {
+        if (c.parsed.tool_calls[i].id.empty()) {
+          c.parsed.tool_calls[i].id =
+              idx == 0 ? absl::StrCat("call_", req.spec.request_id, "_", i)
+                       : absl::StrCat("call_", req.spec.request_id, "_", idx, "_", i);
+        }
+      }
+    }
+    c.token_ids = std::move(ch.token_ids);
+    c.logprobs = std::move(ch.logprobs);
+    c.reasoning_tokens = ch.reasoning_tokens;
+    if (!DeltaEmpty(last)) observer->OnDelta(last);
+    out.choices.push_back(std::move(c));
+  }
+  out.finish_reason = out.choices[0].finish_reason;
+  out.parsed = out.choices[0].parsed;
+  out.token_ids = out.choices[0].token_ids;
+  out.logprobs = out.choices[0].logprobs;
   return out;
 }
 

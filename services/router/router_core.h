@@ -88,9 +88,22 @@ struct Delta {
   std::string content;
   std::vector<int32_t> token_ids;
   std::vector<TokenLogprobs> logprobs;  // one per token_ids entry when logprobs were asked
+  int index = 0;                        // the choice (sampling.n > 1)
 };
 
+// One choice of a finished request.
+struct Choice {
+  std::string finish_reason;  // stop | length | tool_calls
+  ParsedAssistant parsed;
+  std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;
+  int32_t reasoning_tokens = 0;  // tokens up to and including </think> (thinking mode)
+};
+
+// finish_reason / parsed / token_ids / logprobs are choice 0's (choices[0]); usage counts the
+// prompt once and the completion tokens of every choice.
 struct Outcome {
+  std::vector<Choice> choices;  // sampling.n of them, by index
   std::string finish_reason;  // stop | length | tool_calls
   ParsedAssistant parsed;     // the whole output, split
   std::vector<int32_t> token_ids;
@@ -98,6 +111,7 @@ struct Outcome {
   int32_t prompt_tokens = 0;
   int32_t cached_tokens = 0;
   int32_t completion_tokens = 0;
+  int32_t reasoning_tokens = 0;
   std::string decode_worker;  // id of the decode worker that served it
 };
 

@@ -128,6 +128,86 @@ async function main() {
   assert.deepEqual(s1.choices[0].logprobs.content, s2.choices[0].logprobs.content,
     'seeded sampling: DSpark on and off differ');
   console.log('ok seeded sampled logprobs equal with DSpark on and off');
+
+  // n: 3 with a seed: three choices from one encoder pass and ONE hand-off (the decode worker's
+  // transfer metrics count one more received logits segment), reproducible, the prompt counted
+  // once, each choice its own index and finish reason; streaming interleaves them by index.
+  // Received transfers per segment kind on the decode worker (each hand-off moves every kind
+  // once: the KV state, the DSpark state, the logits).
+  const received = async () => {
+    const text = await (await fetch(process.env.EPD_DECODE_METRICS)).text();
+    const bySegment = {};
+    for (const line of text.split('\n')) {
+      if (line.startsWith('epd_transfer_duration_seconds_count{') &&
+          line.includes('direction="recv"')) {
+        const seg = line.match(/segment="([^"]*)"/)[1];
+        bySegment[seg] = (bySegment[seg] ?? 0) + Number(line.split(' ').pop());
+      }
+    }
+    return bySegment;
+  };
+  const handoffs = async () => {
+    const r = await received();
+    return r;
+  };
+  const nreq = { model, messages, max_tokens: 10, temperature: 1, seed: 42, n: 3, logprobs: true };
+  const one = await on.chat.completions.create({ ...nreq, n: 1 });
+  const before = await handoffs();
+  const n1 = await on.chat.completions.create(nreq);
+  const after = await handoffs();
+  assert.ok(Object.keys(after).length > 0, 'no received transfers on the decode worker');
+  for (const seg of Object.keys(after)) {
+    assert.equal(after[seg] - (before[seg] ?? 0), 1,
+      `segment ${seg} received ${after[seg] - (before[seg] ?? 0)} times for one n=3 request`);
+  }
+  assert.equal(n1.choices.length, 3);
+  let sum = 0;
+  for (const [i, c] of n1.choices.entries()) {
+    assert.equal(c.index, i);
+    assert.ok(['stop', 'length'].includes(c.finish_reason));
+    sum += c.logprobs.content.length;
+  }
+  assert.equal(n1.usage.prompt_tokens, one.usage.prompt_tokens, 'prompt counted once');
+  assert.equal(n1.usage.completion_tokens, sum, 'completion tokens = sum over choices');
+  assert.equal(n1.usage.total_tokens, n1.usage.prompt_tokens + sum);
+  assert.equal(n1.choices[0].message.content, one.choices[0].message.content,
+    'choice 0 samples with the request seed');
+  const texts = n1.choices.map((c) => c.message.content);
+  assert.ok(new Set(texts).size > 1, `the choices are all equal: ${JSON.stringify(texts)}`);
+  const n2 = await on.chat.completions.create(nreq);
+  assert.deepEqual(n2.choices.map((c) => c.message.content), texts, 'n=3 with a seed differs');
+  const ns = await on.chat.completions.create({ ...nreq, stream: true,
+    stream_options: { include_usage: true } });
+  const per = ['', '', ''];
+  const finish = [null, null, null];
+  let usage = null;
+  for await (const chunk of ns) {
+    if (chunk.usage) usage = chunk.usage;
+    for (const c of chunk.choices) {
+      per[c.index] += c.delta?.content ?? '';
+      if (c.finish_reason) finish[c.index] = c.finish_reason;
+    }
+  }
+  assert.deepEqual(per, texts, 'streamed n=3 differs');
+  assert.deepEqual(finish, n1.choices.map((c) => c.finish_reason));
+  assert.deepEqual(usage, n1.usage);
+  const cn = await on.completions.create({ model, prompt: 'Once', max_tokens: 6, n: 2, best_of: 2,
+    temperature: 1, seed: 9 });
+  assert.equal(cn.choices.length, 2);
+  assert.deepEqual(cn.choices.map((c) => c.index), [0, 1]);
+  console.log('ok n=3 seeded: one hand-off, prompt once, reproducible, streamed by index',
+    JSON.stringify(texts));
+
+  // usage.completion_tokens_details.reasoning_tokens: 0 without thinking; in thinking mode the
+  // tokens up to </think> (all of them when the random model never closes its reasoning).
+  const plainUsage = (await on.chat.completions.create({ model, messages, max_tokens: 6 })).usage;
+  assert.equal(plainUsage.completion_tokens_details.reasoning_tokens, 0);
+  const think = await on.chat.completions.create({ model, messages, max_tokens: 12,
+    thinking: true });
+  const rt = think.usage.completion_tokens_details.reasoning_tokens;
+  assert.ok(rt > 0 && rt <= think.usage.completion_tokens, `reasoning_tokens ${rt}`);
+  if (!think.choices[0].message.content) assert.equal(rt, think.usage.completion_tokens);
+  console.log('ok reasoning_tokens', rt, 'of', think.usage.completion_tokens);
   console.log('ALL OK');
 }
 

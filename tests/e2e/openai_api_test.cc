@@ -34,7 +34,8 @@ std::string RunNode(const std::string& script, testing::RealCluster& on, testing
   *rc = epd::testing::RunCommand(
       "cd " + epd::testing::SourcePath("tests/clients") + " && EPD_BASE_URL=http://127.0.0.1:" +
           std::to_string(on.http_port()) + "/v1 EPD_BASE_URL_OFF=http://127.0.0.1:" +
-          std::to_string(off.http_port()) + "/v1 timeout 240 node " + script + " 2>&1",
+          std::to_string(off.http_port()) + "/v1 EPD_DECODE_METRICS=http://127.0.0.1:" +
+          std::to_string(on.metrics("decode")) + "/metrics timeout 240 node " + script + " 2>&1",
       &out);
   return out;
 }

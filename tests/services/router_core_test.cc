@@ -426,7 +426,9 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("messages", {{{"role", "user"}}})), "messages[0].content");
   EXPECT_EQ(param_of(with("stream", "yes")), "stream");
   EXPECT_EQ(param_of(with("top_p", 1.5)), "top_p");
-  EXPECT_EQ(param_of(with("n", 2)), "n");
+  EXPECT_EQ(param_of(with("n", 0)), "n");
+  EXPECT_EQ(param_of(with("n", 129)), "n");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"n", 2}, {"best_of", 3}}, false), "best_of");
   EXPECT_EQ(param_of(with("logprobs", "yes")), "logprobs");
   EXPECT_EQ(param_of(with("top_logprobs", 21)), "top_logprobs");
   EXPECT_EQ(param_of(with("top_logprobs", 3)), "top_logprobs");  // without logprobs: true
