@@ -87,6 +87,7 @@ class DecodeHandler final : public worker::JobHandler {
                         .Help("Draft tokens verified per sequence and step (the chosen k)")
                         .Register(*setup.registry)
                         .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 3, 4, 5})),
+        per_position_(PositionCounters(*setup.registry, stage_.options().max_k)),
         handoff_mismatch_(prometheus::BuildCounter()
                               .Name("epd_dspark_handoff_mismatch_total")
                               .Help("Hand-offs refused because the DSpark setting of prefill "
@@ -302,6 +303,14 @@ class DecodeHandler final : public worker::JobHandler {
         drafted_.Increment(static_cast<double>(stats.drafted));
         accepted_.Increment(static_cast<double>(stats.accepted));
         for (int k : stats.k) verify_len_.Observe(k);
+        // Per draft position j (1-based): verified when k >= j, accepted when accepted >= j.
+        for (size_t i = 0; i < stats.k.size() && i < stats.accepted_k.size(); ++i) {
+          const int k = std::min<int>(stats.k[i], static_cast<int>(per_position_.size()));
+          for (int j = 0; j < k; ++j) {
+            per_position_[j].drafted->Increment();
+            if (j < stats.accepted_k[i]) per_position_[j].accepted->Increment();
+          }
+        }
       }
       lock.lock();
       for (size_t i = 0; i < live.size(); ++i) {
@@ -320,6 +329,33 @@ class DecodeHandler final : public worker::JobHandler {
   prometheus::Counter& drafted_;
   prometheus::Counter& accepted_;
   prometheus::Histogram& verify_len_;
+  struct PositionCounter {
+    prometheus::Counter* drafted;
+    prometheus::Counter* accepted;
+  };
+  // epd_dspark_position_{drafted,accepted}_tokens_total{position="1".."max_k"}, created at start
+  // so the acceptance-per-position panel has series before the first draft.
+  static std::vector<PositionCounter> PositionCounters(prometheus::Registry& reg, int max_k) {
+    auto& drafted = prometheus::BuildCounter()
+                        .Name("epd_dspark_position_drafted_tokens_total")
+                        .Help(
+                            "DSpark drafts verified at draft position `position` (1 = the "
+                            "first draft token of a step)")
+                        .Register(reg);
+    auto& accepted = prometheus::BuildCounter()
+                         .Name("epd_dspark_position_accepted_tokens_total")
+                         .Help(
+                             "DSpark drafts accepted at draft position `position`; accepted / "
+                             "drafted per position is the acceptance rate there")
+                         .Register(reg);
+    std::vector<PositionCounter> out;
+    for (int j = 1; j <= max_k; ++j) {
+      const std::string pos = std::to_string(j);
+      out.push_back({&drafted.Add({{"position", pos}}), &accepted.Add({{"position", pos}})});
+    }
+    return out;
+  }
+  std::vector<PositionCounter> per_position_;
   prometheus::Counter& handoff_mismatch_;
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;

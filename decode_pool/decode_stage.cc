@@ -279,6 +279,7 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       }
     }
     st.k.push_back(p.k);
+    st.accepted_k.push_back(o.accepted);
     st.drafted += p.k;
     st.accepted += o.accepted;
     s.drafted += p.k;

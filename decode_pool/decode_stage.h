@@ -79,6 +79,7 @@ struct DecodeStepStats {
   int64_t accepted = 0;  // draft tokens accepted (<= drafted)
   int64_t emitted = 0;   // tokens appended to outputs
   std::vector<int> k;    // per live sequence: its k this step (DSpark on only)
+  std::vector<int> accepted_k;  // per live sequence, parallel to k: drafts it accepted (<= k)
   int draft_passes = 0;  // Model::Draft calls (sequences whose draft pass was not skipped)
 };
 

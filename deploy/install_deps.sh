@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs every Debian 12 package epd needs to build, test and serve. Safe to run twice: it asks
 # apt only for what is missing. CUDA/NCCL are used from /usr/local/cuda when present (never installed here).
+# clang + libclang-rt-14-dev (Debian 12's clang 14 and its libFuzzer runtime) build tests/fuzz;
+# openssl makes the TLS test's certificates.
 set -euo pipefail
 
 PACKAGES=(
@@ -10,6 +12,7 @@ PACKAGES=(
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libspdlog-dev libxxhash-dev libicu-dev
   libgtest-dev libgmock-dev googletest libbenchmark-dev
   prometheus curl iproute2 nodejs npm
+  clang libclang-rt-14-dev openssl libssl-dev
 )
 
 SUDO=""

@@ -17,7 +17,6 @@
 namespace epd::kvstore {
 namespace {
 
-constexpr uint32_t kMagic = 0x4B445045;  // "EPDK" little-endian
 constexpr char kMetaCf[] = "meta";
 
 template <typename T>
@@ -30,30 +29,6 @@ T LoadLe(const uint8_t* p) {
   uint64_t v = 0;
   for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
   return static_cast<T>(v);
-}
-
-uint64_t Checksum(const uint8_t* header, std::span<const uint8_t> payload) {
-  const uint64_t seed = common::Xxh3_64(std::span<const uint8_t>(header, 24));
-  return common::Xxh3_64(payload, seed);
-}
-
-// Fills a header for `payload` written at `write_ms`.
-void EncodeHeader(uint8_t* h, int64_t write_ms, std::span<const uint8_t> payload) {
-  StoreLe<uint32_t>(h, kMagic);
-  StoreLe<uint16_t>(h + 4, kG3HeaderVersion);
-  StoreLe<uint16_t>(h + 6, static_cast<uint16_t>(kG3HeaderBytes));
-  StoreLe<int64_t>(h + 8, write_ms);
-  StoreLe<uint64_t>(h + 16, payload.size());
-  StoreLe<uint64_t>(h + 24, Checksum(h, payload));
-}
-
-// Parses the header's write time only (no checksum): for the compaction filter.
-bool HeaderWriteMs(const rocksdb::Slice& v, int64_t* write_ms) {
-  if (v.size() < kG3HeaderBytes) return false;
-  const auto* p = reinterpret_cast<const uint8_t*>(v.data());
-  if (LoadLe<uint32_t>(p) != kMagic) return false;
-  *write_ms = LoadLe<int64_t>(p + 8);
-  return true;
 }
 
 std::string EncodeMeta(int64_t write_ms, uint64_t bytes) {
@@ -75,10 +50,12 @@ class TtlFilter final : public rocksdb::CompactionFilter {
     if (meta_) {
       if (value.size() != 16) return false;
       write_ms = LoadLe<int64_t>(reinterpret_cast<const uint8_t*>(value.data()));
-    } else if (!HeaderWriteMs(value, &write_ms)) {
+    } else if (!G3HeaderWriteMs(std::span<const uint8_t>(
+                   reinterpret_cast<const uint8_t*>(value.data()), value.size()),
+               &write_ms)) {
       return false;
     }
-    return clock_.NowUnixMs() - write_ms >= ttl_ms_;
+    return G3Expired(write_ms, clock_.NowUnixMs(), ttl_ms_);
   }
   const char* Name() const override { return meta_ ? "epd.g3.ttl.meta" : "epd.g3.ttl.value"; }
 
@@ -177,7 +154,7 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   }
   const int64_t now = clock_.NowUnixMs();
   uint8_t header[kG3HeaderBytes];
-  EncodeHeader(header, now, value);
+  EncodeG3Header(header, now, value);
   const rocksdb::Slice parts[2] = {
       rocksdb::Slice(reinterpret_cast<const char*>(header), sizeof(header)),
       rocksdb::Slice(reinterpret_cast<const char*>(value.data()), value.size())};
@@ -248,26 +225,19 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
     all_metrics_.CountBadRequest("internal");
     r.miss = MissReason::kAbsent;
   } else {
-    const auto* p = reinterpret_cast<const uint8_t*>(stored.data());
-    const size_t n = stored.size();
-    bool valid = n >= kG3HeaderBytes && LoadLe<uint32_t>(p) == kMagic &&
-                 LoadLe<uint16_t>(p + 4) == kG3HeaderVersion &&
-                 LoadLe<uint16_t>(p + 6) == kG3HeaderBytes &&
-                 LoadLe<uint64_t>(p + 16) == n - kG3HeaderBytes;
-    std::span<const uint8_t> payload;
-    if (valid) {
-      payload = std::span<const uint8_t>(p + kG3HeaderBytes, n - kG3HeaderBytes);
-      valid = LoadLe<uint64_t>(p + 24) == Checksum(p, payload);
-    }
-    if (!valid) {
-      spdlog::warn("G3: block {} failed its header/checksum check; dropped", common::ToHex(key));
+    auto decoded = DecodeG3Value(std::span<const uint8_t>(
+        reinterpret_cast<const uint8_t*>(stored.data()), stored.size()));
+    if (!decoded.ok()) {
+      spdlog::warn("G3: block {} dropped: {}", common::ToHex(key),
+                   std::string(decoded.status().message()));
       r.miss = MissReason::kChecksum;
       drop = true;
-    } else if (ExpiredAt(LoadLe<int64_t>(p + 8), clock_.NowUnixMs())) {
+    } else if (ExpiredAt(decoded->write_ms, clock_.NowUnixMs())) {
       r.miss = MissReason::kExpired;
       metrics_.ttl_expiries->Increment();
       drop = true;
     } else {
+      const auto payload = decoded->payload;
       r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
       r.miss = MissReason::kNone;
       metrics_.hits->Increment();

@@ -28,6 +28,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "kvstore/g3_value.h"
 #include "kvstore/kv_metrics.h"
 #include "kvstore/types.h"
 
@@ -48,10 +49,7 @@ struct G3Config {
   absl::Status Validate() const;
 };
 
-// Value header (little-endian): magic "EPDK" u32 | version u16 | header bytes u16 |
-// write_unix_ms i64 | payload bytes u64 | checksum u64.
-inline constexpr size_t kG3HeaderBytes = 32;
-inline constexpr uint16_t kG3HeaderVersion = 1;
+// The value header (kG3HeaderBytes, kG3HeaderVersion) is defined in kvstore/g3_value.h.
 
 class G3RocksStore {
  public:
@@ -110,7 +108,7 @@ class G3RocksStore {
   void ForgetLocked(const BlockHash& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ExpiredAt(int64_t write_ms, int64_t now_ms) const {
-    return now_ms - write_ms >= config_.ttl_ms;
+    return G3Expired(write_ms, now_ms, config_.ttl_ms);
   }
 
   const G3Config config_;

@@ -102,6 +102,8 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
     set_str("dspark", "--dspark", &o->dspark);
+    set_str("tls_cert", "--tls-cert", &o->tls_cert);
+    set_str("tls_key", "--tls-key", &o->tls_key);
     if (o->dspark != "on" && o->dspark != "off") {
       return absl::InvalidArgumentError("--config " + o->config_file +
                                         ": dspark must be \"on\" or \"off\"");
@@ -127,6 +129,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
+  app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
 }
 
 namespace {
@@ -208,9 +212,18 @@ int RunServe(ServeOptions o) {
                                           "--model", o.model_dir,
                                           "--kvstore", kv_addr};
   if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
+  const bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
+  if (tls) {
+    // The public ports speak TLS; the workers register on a plaintext port of their own.
+    router_argv.insert(router_argv.end(), {"--tls-cert", o.tls_cert, "--tls-key", o.tls_key,
+                                           "--worker-grpc-port", "0"});
+  }
   Component* router = add("epd-router", router_argv, false);
-  if (!StartComponent(*router, "grpc")) return 1;
-  const std::string router_addr = o.host + ":" + std::to_string(o.grpc_port);
+  if (!StartComponent(*router, tls ? "worker_grpc" : "grpc")) return 1;
+  const int registry_port =
+      tls ? *WaitForPortFile(router->port_file, "worker_grpc", std::chrono::seconds(1))
+          : o.grpc_port;
+  const std::string router_addr = o.host + ":" + std::to_string(registry_port);
 
   // 3. workers
   auto add_pool = [&](const std::string& kind, int n) -> bool {
@@ -234,8 +247,9 @@ int RunServe(ServeOptions o) {
   WriteScrapeTargets(targets_path, comps);
   if (ok) {
     std::cout << "epd serve: ready\n"
-              << "  OpenAI API  http://" << o.host << ":" << o.http_port << "/v1\n"
-              << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference)\n"
+              << "  OpenAI API  " << (tls ? "https://" : "http://") << o.host << ":" << o.http_port << "/v1\n"
+              << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference"
+              << (tls ? ", TLS)\n" : ")\n")
               << "  logs        " << o.data_dir << "/logs\n"
               << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n"
               << "Press Ctrl-C to stop.\n"

@@ -28,12 +28,15 @@ struct ServeOptions {
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
+  std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
+  std::string tls_key;             // speak TLS; workers register on a plaintext internal port
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);
 
 // Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
-// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key, dspark); flags given on the
+// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key, dspark, tls_cert, tls_key);
+// flags given on the
 // command line win.
 absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
 

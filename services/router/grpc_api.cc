@@ -1,6 +1,9 @@
 #include "services/router/grpc_api.h"
 
+#include <fstream>
+#include <optional>
 #include <random>
+#include <sstream>
 
 #include <grpcpp/grpcpp.h>
 #include <nlohmann/json.hpp>
@@ -15,7 +18,15 @@
 namespace epd::services::router {
 namespace {
 
-grpc::Status ToGrpc(const absl::Status& s) {
+// The OpenAI param and code travel as the trailing metadata epd-error-param / epd-error-code (and
+// in the message), so a gRPC client sees the same error as an HTTP one.
+grpc::Status ToGrpc(const absl::Status& s, grpc::ServerContext* ctx = nullptr) {
+  if (ctx != nullptr) {
+    if (const std::string p = ErrorParam(s); !p.empty())
+      ctx->AddTrailingMetadata("epd-error-param", p);
+    if (const std::string c = ErrorCode(s); !c.empty())
+      ctx->AddTrailingMetadata("epd-error-code", c);
+  }
   std::string msg(s.message());
   if (const std::string p = ErrorParam(s); !p.empty()) msg = absl::StrCat(msg, " (param: ", p, ")");
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), msg);
@@ -44,10 +55,9 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
   spec.sampling = req.sampling();
   if (spec.sampling.top_p() == 0) spec.sampling.set_top_p(1);
   if (spec.sampling.repetition_penalty() == 0) spec.sampling.set_repetition_penalty(1);
-  if (spec.sampling.max_tokens() < 0) {
-    return ApiError(absl::StatusCode::kInvalidArgument, "max_tokens must be >= 0", "max_tokens",
-                    "invalid_value");
-  }
+  if (spec.sampling.top_k() == -1) spec.sampling.set_top_k(0);  // -1 = off, as over HTTP
+  // Value ranges, limits, model, roles and the context length are checked by ValidateSpec /
+  // ValidateLength in RouterCore::Prepare, the validation the HTTP front end shares.
   switch (req.input_case()) {
     case epd::v1::GenerateRequest::kPrompt:
       spec.prompt_text = req.prompt();
@@ -98,10 +108,6 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
         }
         chat.messages.push_back(std::move(msg));
       }
-      if (chat.messages.empty()) {
-        return ApiError(absl::StatusCode::kInvalidArgument, "chat.messages must not be empty",
-                        "messages", "invalid_value");
-      }
       spec.chat = std::move(chat);
       break;
     }
@@ -115,17 +121,27 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
 
 class InferenceImpl final : public epd::v1::Inference::Service {
  public:
-  InferenceImpl(RouterCore& core, std::string api_key)
-      : core_(core), api_key_(std::move(api_key)) {}
+  InferenceImpl(RouterCore& core, std::string api_key, AdmissionQueue* admission)
+      : core_(core), api_key_(std::move(api_key)), admission_(admission) {}
 
   grpc::Status Generate(grpc::ServerContext* ctx, const epd::v1::GenerateRequest* req,
                         grpc::ServerWriter<epd::v1::GenerateResponse>* writer) override {
     if (auto s = Authorize(ctx); !s.ok()) return s;
     auto spec = SpecFromProto(*req);
-    if (!spec.ok()) return Reject(spec.status());
+    if (!spec.ok()) return Reject(ctx, spec.status());
     spec->request_id = req->request_id().empty() ? NewId() : req->request_id();
     auto prepared = core_.Prepare(std::move(*spec));
-    if (!prepared.ok()) return Reject(prepared.status());
+    if (!prepared.ok()) return Reject(ctx, prepared.status());
+    std::optional<AdmissionQueue::Ticket> ticket;
+    if (admission_) {
+      auto admitted = admission_->Admit("grpc");
+      if (!admitted.ok()) {
+        ctx->AddTrailingMetadata("retry-after",
+                                 std::to_string(admission_->options().retry_after_s));
+        return Reject(ctx, admitted.status());
+      }
+      ticket.emplace(std::move(*admitted));
+    }
 
     class Writer final : public StreamObserver {
      public:
@@ -160,7 +176,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     } observer(ctx, writer, prepared->spec.request_id);
 
     auto out = core_.Run(*prepared, &observer);
-    if (!out.ok()) return ToGrpc(out.status());
+    if (!out.ok()) return ToGrpc(out.status(), ctx);
     // One closing message per choice (index order); the last one carries the usage.
     for (size_t i = 0; i < out->choices.size(); ++i) {
       const Choice& ch = out->choices[i];
@@ -217,13 +233,13 @@ class InferenceImpl final : public epd::v1::Inference::Service {
                               "Bearer " + api_key_) {
       return grpc::Status::OK;
     }
-    return Reject(ApiError(absl::StatusCode::kUnauthenticated, "Incorrect API key provided", "",
-                           "invalid_api_key"));
+    return Reject(ctx, ApiError(absl::StatusCode::kUnauthenticated, "Incorrect API key provided",
+                                "", "invalid_api_key"));
   }
 
-  grpc::Status Reject(const absl::Status& s) {
+  grpc::Status Reject(grpc::ServerContext* ctx, const absl::Status& s) {
     core_.CountRejected(s);
-    return ToGrpc(s);
+    return ToGrpc(s, ctx);
   }
 
   static std::string NewId() {
@@ -233,6 +249,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
 
   RouterCore& core_;
   std::string api_key_;
+  AdmissionQueue* admission_;
 };
 
 class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
@@ -276,34 +293,77 @@ class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
 
 }  // namespace
 
-RouterGrpcServer::RouterGrpcServer(RouterCore& core, std::string api_key)
-    : core_(core), api_key_(std::move(api_key)) {}
+RouterGrpcServer::RouterGrpcServer(RouterCore& core, std::string api_key,
+                                   AdmissionQueue* admission)
+    : core_(core), api_key_(std::move(api_key)), admission_(admission) {}
 
 RouterGrpcServer::~RouterGrpcServer() { Stop(); }
 
+absl::Status RouterGrpcServer::SetTls(const GrpcTlsOptions& tls) {
+  worker_port_ = tls.worker_port;
+  if (tls.cert_file.empty() && tls.key_file.empty()) return absl::OkStatus();
+  if (tls.cert_file.empty() || tls.key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
+  }
+  auto read = [](const std::string& path, std::string* out) -> absl::Status {
+    std::ifstream in(path, std::ios::binary);
+    if (!in) return absl::NotFoundError(absl::StrCat("cannot read TLS file ", path));
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    *out = ss.str();
+    if (out->find("-----BEGIN") == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("TLS file ", path, " is not PEM"));
+    }
+    return absl::OkStatus();
+  };
+  if (auto s = read(tls.cert_file, &tls_cert_pem_); !s.ok()) return s;
+  return read(tls.key_file, &tls_key_pem_);
+}
+
 absl::StatusOr<int> RouterGrpcServer::Start(const std::string& host, int port) {
-  inference_ = std::make_unique<InferenceImpl>(core_, api_key_);
+  inference_ = std::make_unique<InferenceImpl>(core_, api_key_, admission_);
   registry_ = std::make_unique<RegistryImpl>(core_);
   grpc::ServerBuilder builder;
   int bound = 0;
-  builder.AddListeningPort(absl::StrCat(host, ":", port), grpc::InsecureServerCredentials(),
-                           &bound);
+  std::shared_ptr<grpc::ServerCredentials> creds = grpc::InsecureServerCredentials();
+  if (!tls_cert_pem_.empty()) {
+    grpc::SslServerCredentialsOptions ssl;
+    ssl.pem_key_cert_pairs.push_back({tls_key_pem_, tls_cert_pem_});
+    creds = grpc::SslServerCredentials(ssl);
+  }
+  builder.AddListeningPort(absl::StrCat(host, ":", port), creds, &bound);
   builder.SetMaxReceiveMessageSize(64 << 20);
   builder.RegisterService(inference_.get());
   builder.RegisterService(registry_.get());
   server_ = builder.BuildAndStart();
   if (!server_ || bound == 0) {
     server_.reset();
-    return absl::UnavailableError(absl::StrCat("cannot bind gRPC on ", host, ":", port));
+    return absl::UnavailableError(absl::StrCat("cannot bind gRPC on ", host, ":", port,
+                                               tls_cert_pem_.empty() ? "" : " (TLS key/cert?)"));
+  }
+  if (worker_port_ >= 0) {
+    worker_registry_ = std::make_unique<RegistryImpl>(core_);
+    grpc::ServerBuilder wb;
+    wb.AddListeningPort(absl::StrCat(host, ":", worker_port_), grpc::InsecureServerCredentials(),
+                        &worker_bound_);
+    wb.RegisterService(worker_registry_.get());
+    worker_server_ = wb.BuildAndStart();
+    if (!worker_server_ || worker_bound_ == 0) {
+      Stop();
+      return absl::UnavailableError(
+          absl::StrCat("cannot bind the worker gRPC port on ", host, ":", worker_port_));
+    }
   }
   return bound;
 }
 
 void RouterGrpcServer::Stop() {
-  if (!server_) return;
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  server_->Wait();
-  server_.reset();
+  for (auto* s : {&worker_server_, &server_}) {
+    if (!*s) continue;
+    (*s)->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    (*s)->Wait();
+    s->reset();
+  }
 }
 
 }  // namespace epd::services::router

@@ -1,12 +1,12 @@
 #include "services/router/openai_http.h"
 
 #include <httplib.h>
+#include <spdlog/spdlog.h>
 
 #include <chrono>
-#include <random>
-
+#include <limits>
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
+#include <random>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
@@ -45,6 +45,7 @@ int HttpStatus(const absl::Status& s) {
 json ErrorJson(const absl::Status& s) {
   const int status = HttpStatus(s);
   const char* type = status == 401   ? "authentication_error"
+                     : status == 429 ? "rate_limit_error"
                      : status == 404 ? "invalid_request_error"
                      : status < 500  ? "invalid_request_error"
                                      : "server_error";
@@ -147,7 +148,6 @@ absl::Status ParseMessages(const json& body, ChatRenderInput* chat) {
   const json* msgs = Field(body, "messages");
   if (!msgs) return Bad("'messages' is required", "messages", "missing_required_parameter");
   if (!msgs->is_array()) return Bad("'messages' must be an array", "messages");
-  if (msgs->empty()) return Bad("'messages' must not be empty", "messages", "invalid_value");
   for (size_t i = 0; i < msgs->size(); ++i) {
     const json& m = (*msgs)[i];
     const std::string param = absl::StrCat("messages[", i, "]");
@@ -156,12 +156,6 @@ absl::Status ParseMessages(const json& body, ChatRenderInput* chat) {
     if (!role || !role->is_string()) return Bad(param + ".role must be a string", param + ".role");
     ChatMessage msg;
     msg.role = role->get<std::string>();
-    if (msg.role != "system" && msg.role != "developer" && msg.role != "user" &&
-        msg.role != "assistant" && msg.role != "tool") {
-      return Bad(absl::StrCat(param, ".role '", msg.role,
-                              "' is not one of system, developer, user, assistant, tool"),
-                 param + ".role", "invalid_value");
-    }
     if (auto s = MessageContent(m, param + ".content", &msg.content); !s.ok()) return s;
     if (msg.role != "assistant" && !Field(m, "content")) {
       return Bad(param + ".content is required", param + ".content", "missing_required_parameter");
@@ -346,25 +340,28 @@ absl::Status ParseThinking(const json& body, ChatRenderInput* chat) {
 absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
   auto& s = spec->sampling;
   double x = 1.0;
-  if (auto st = GetNumber(body, "temperature", 0, 2, &x); !st.ok()) return st;
+  // JSON types here; value ranges, limits, model and roles in ValidateSpec (request_validator.h),
+  // which the gRPC front end shares.
+  constexpr double kAny = std::numeric_limits<double>::infinity();
+  if (auto st = GetNumber(body, "temperature", -kAny, kAny, &x); !st.ok()) return st;
   s.set_temperature(Field(body, "temperature") ? static_cast<float>(x) : 1.0f);
   x = 1.0;
-  if (auto st = GetNumber(body, "top_p", 0, 1, &x); !st.ok()) return st;
+  if (auto st = GetNumber(body, "top_p", -kAny, kAny, &x); !st.ok()) return st;
   s.set_top_p(static_cast<float>(x));
   int64_t k = 0;
-  if (auto st = GetInt(body, "top_k", -1, 1 << 20, &k); !st.ok()) return st;
-  s.set_top_k(static_cast<int32_t>(std::max<int64_t>(k, 0)));
+  if (auto st = GetInt(body, "top_k", INT32_MIN, INT32_MAX, &k); !st.ok()) return st;
+  s.set_top_k(static_cast<int32_t>(k == -1 ? 0 : k));  // -1 = off, as 0
   x = 0;
-  if (auto st = GetNumber(body, "min_p", 0, 1, &x); !st.ok()) return st;
+  if (auto st = GetNumber(body, "min_p", -kAny, kAny, &x); !st.ok()) return st;
   s.set_min_p(static_cast<float>(x));
   x = 1.0;
-  if (auto st = GetNumber(body, "repetition_penalty", 0.01, 10, &x); !st.ok()) return st;
+  if (auto st = GetNumber(body, "repetition_penalty", -kAny, kAny, &x); !st.ok()) return st;
   s.set_repetition_penalty(static_cast<float>(x));
   x = 0;
-  if (auto st = GetNumber(body, "frequency_penalty", -2, 2, &x); !st.ok()) return st;
+  if (auto st = GetNumber(body, "frequency_penalty", -kAny, kAny, &x); !st.ok()) return st;
   s.set_frequency_penalty(static_cast<float>(x));
   x = 0;
-  if (auto st = GetNumber(body, "presence_penalty", -2, 2, &x); !st.ok()) return st;
+  if (auto st = GetNumber(body, "presence_penalty", -kAny, kAny, &x); !st.ok()) return st;
   s.set_presence_penalty(static_cast<float>(x));
   if (const json* seed = Field(body, "seed")) {
     if (!seed->is_number_integer() && !seed->is_number_unsigned()) {
@@ -374,7 +371,7 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
                                           : static_cast<uint64_t>(seed->get<int64_t>()));
   }
   int64_t n = 1;
-  if (auto st = GetInt(body, "n", 1, 128, &n); !st.ok()) return st;
+  if (auto st = GetInt(body, "n", 1, INT32_MAX, &n); !st.ok()) return st;  // <= 128: ValidateSpec
   s.set_n(static_cast<int32_t>(n));
   if (!chat && Field(body, "best_of")) {
     // best_of = n returns every sample; ranking more samples than returned is not done.
@@ -390,11 +387,9 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
   int64_t top = 0;
   if (chat) {
     if (auto st = GetBool(body, "logprobs", &logprobs); !st.ok()) return st;
-    if (auto st = GetInt(body, "top_logprobs", 0, 20, &top); !st.ok()) return st;
-    if (top > 0 && !logprobs) {
-      return Bad("'top_logprobs' requires 'logprobs': true", "top_logprobs", "invalid_value");
-    }
-  } else if (Field(body, "logprobs")) {
+    // [0, 20] and "only with logprobs": ValidateSpec.
+    if (auto st = GetInt(body, "top_logprobs", INT32_MIN, INT32_MAX, &top); !st.ok()) return st;
+  } else if (Field(body, "logprobs")) {  // the range here: the param is named logprobs
     if (auto st = GetInt(body, "logprobs", 0, 20, &top); !st.ok()) return st;
     logprobs = true;
   }
@@ -403,14 +398,17 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
   int64_t max_tokens = 0;
   const char* max_key = "max_tokens";
   if (chat && Field(body, "max_completion_tokens")) max_key = "max_completion_tokens";
-  if (auto st = GetInt(body, max_key, 1, INT32_MAX, &max_tokens); !st.ok()) return st;
+  if (auto st = GetInt(body, max_key, INT32_MIN, INT32_MAX, &max_tokens); !st.ok()) return st;
+  if (max_tokens == 0 && Field(body, max_key)) {  // gRPC cannot say 0: there it is the default
+    return Bad(absl::StrCat("'", max_key, "' is 0; it must be at least 1"), max_key,
+               "invalid_value");
+  }
   if (!chat && max_tokens == 0 && !Field(body, "max_tokens")) max_tokens = 16;  // OpenAI default
   s.set_max_tokens(static_cast<int32_t>(max_tokens));
   if (const json* stop = Field(body, "stop")) {
     if (stop->is_string()) {
       s.add_stop(stop->get<std::string>());
     } else if (stop->is_array()) {
-      if (stop->size() > 4) return Bad("'stop' may hold at most 4 strings", "stop", "invalid_value");
       for (const auto& e : *stop) {
         if (!e.is_string()) return Bad("'stop' must be a string or an array of strings", "stop");
         s.add_stop(e.get<std::string>());
@@ -673,7 +671,21 @@ OpenAiHttpServer::~OpenAiHttpServer() { Stop(); }
 
 absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
   if (server_) return absl::FailedPreconditionError("HTTP server already started");
-  server_ = std::make_unique<httplib::Server>();
+  if (options_.tls_cert_file.empty() != options_.tls_key_file.empty()) {
+    return absl::InvalidArgumentError("TLS needs both a certificate and a key file");
+  }
+  if (!options_.tls_cert_file.empty()) {
+    auto tls = std::make_unique<httplib::SSLServer>(options_.tls_cert_file.c_str(),
+                                                    options_.tls_key_file.c_str());
+    if (!tls->is_valid()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cannot load the TLS certificate ", options_.tls_cert_file, " / key ",
+                       options_.tls_key_file, " (missing, not PEM, or not a pair)"));
+    }
+    server_ = std::move(tls);
+  } else {
+    server_ = std::make_unique<httplib::Server>();
+  }
   const int threads = std::max(4, options_.threads);
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server_->set_payload_max_length(64u << 20);
@@ -795,6 +807,17 @@ void OpenAiHttpServer::Routes() {
         return fail(ApiError(absl::StatusCode::kUnavailable,
                              "no live decode worker; try again later", "", "no_workers"));
       }
+      // Admission last, so a refused request costs nothing; 429 + Retry-After at once.
+      std::shared_ptr<AdmissionQueue::Ticket> ticket;
+      if (options_.admission) {
+        auto admitted = options_.admission->Admit("http");
+        if (!admitted.ok()) {
+          res.set_header("Retry-After",
+                         std::to_string(options_.admission->options().retry_after_s));
+          return fail(admitted.status());
+        }
+        ticket = std::make_shared<AdmissionQueue::Ticket>(std::move(*admitted));
+      }
       const std::string id = prepared->spec.request_id;
       json base = {{"id", id},
                    {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion")
@@ -841,7 +864,8 @@ void OpenAiHttpServer::Routes() {
       res.set_header("Cache-Control", "no-cache");
       res.set_chunked_content_provider(
           "text/event-stream",
-          [this, request, base, chat, include_usage](size_t, httplib::DataSink& sink) {
+          [this, request, base, chat, include_usage, ticket](size_t,
+                                                              httplib::DataSink& sink) {
             SseWriter writer(sink, base, chat,
                              request->logprobs_top >= 0 ? &core_.codec() : nullptr);
             const int n = std::max(1, request->spec.sampling.n());
@@ -882,6 +906,34 @@ void OpenAiHttpServer::Routes() {
   };
   server_->Post("/v1/chat/completions", generate(true));
   server_->Post("/v1/completions", generate(false));
+
+  // A known path asked with a method it does not serve: 405 with Allow (RFC 9110 15.5.6), not
+  // httplib's 404, counted in epd_request_rejections_total{reason="method_not_allowed"}.
+  auto not_allowed = [this](std::string allow) {
+    return [this, allow](const httplib::Request& req, httplib::Response& res) {
+      absl::Status s = ApiError(absl::StatusCode::kInvalidArgument,
+                                absl::StrCat("Method ", req.method, " is not allowed on ", req.path,
+                                             "; allowed: ", allow),
+                                "", "method_not_allowed");
+      core_.CountRejected(s);
+      json body = ErrorJson(s);
+      res.status = 405;
+      res.set_header("Allow", allow);
+      res.set_content(body.dump(), "application/json");
+    };
+  };
+  for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
+    server_->Get(path, not_allowed("POST"));
+    server_->Put(path, not_allowed("POST"));
+    server_->Patch(path, not_allowed("POST"));
+    server_->Delete(path, not_allowed("POST"));
+  }
+  for (const char* path : {"/v1/models", "/health", "/metrics"}) {
+    server_->Post(path, not_allowed("GET, HEAD"));
+    server_->Put(path, not_allowed("GET, HEAD"));
+    server_->Patch(path, not_allowed("GET, HEAD"));
+    server_->Delete(path, not_allowed("GET, HEAD"));
+  }
 }
 
 }  // namespace epd::services::router

@@ -11,6 +11,7 @@
 
 #include "absl/status/statusor.h"
 #include "prometheus/registry.h"
+#include "services/router/admission.h"
 #include "services/router/router_core.h"
 
 namespace httplib {
@@ -22,6 +23,9 @@ namespace epd::services::router {
 struct HttpOptions {
   std::string api_key;  // Default: none. When set, /v1/* requires "Authorization: Bearer <key>"
   int threads = 512;    // Default: 512 connection threads (each running stream holds one)
+  AdmissionQueue* admission = nullptr;  // Default: none (unbounded). Not owned; outlives server
+  std::string tls_cert_file;  // Default: none (plain HTTP). With tls_key_file: HTTPS (PEM files)
+  std::string tls_key_file;
 };
 
 // The /health body shared by HTTP and gRPC: pools, fingerprint, recent registration refusals.

@@ -10,6 +10,7 @@
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "services/router/request_validator.h"
 
 namespace epd::services::router {
 namespace {
@@ -230,11 +231,8 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
   if (draining_) {
     return ApiError(absl::StatusCode::kUnavailable, "the router is shutting down", "", "draining");
   }
-  if (spec.model != options_.model) {
-    return ApiError(absl::StatusCode::kNotFound,
-                    absl::StrCat("The model '", spec.model, "' does not exist"), "model",
-                    "model_not_found");
-  }
+  // One validation for both front ends (request_validator.h): model, ranges, roles.
+  if (absl::Status st = ValidateSpec(spec, options_); !st.ok()) return st;
   PreparedRequest req;
   const char* input_param = spec.chat ? "messages" : "prompt";
   if (spec.chat) {
@@ -263,36 +261,9 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
     }
     req.prompt_ids = std::move(*ids);
   }
-  const int64_t n = static_cast<int64_t>(req.prompt_ids.size());
-  if (n == 0) {
-    return ApiError(absl::StatusCode::kInvalidArgument, "the prompt is empty", input_param,
-                    "invalid_value");
-  }
-  if (n >= options_.context_length) {
-    return ApiError(
-        absl::StatusCode::kInvalidArgument,
-        absl::StrCat("This model's maximum context length is ", options_.context_length,
-                     " tokens. However, your ", input_param, " resulted in ", n, " tokens."),
-        input_param, "context_length_exceeded");
-  }
-  if (spec.sampling.n() < 0 || spec.sampling.n() > 128) {
-    return ApiError(absl::StatusCode::kInvalidArgument,
-                    absl::StrCat("n is ", spec.sampling.n(), "; it must be in [1, 128]"), "n",
-                    "invalid_value");
-  }
-  const int32_t top = spec.sampling.top_logprobs();
-  if (top < 0 || top > 20) {
-    return ApiError(absl::StatusCode::kInvalidArgument,
-                    absl::StrCat("top_logprobs is ", top, "; it must be in [0, 20]"),
-                    "top_logprobs", "invalid_value");
-  }
-  if (top > 0 && !spec.sampling.logprobs()) {
-    return ApiError(absl::StatusCode::kInvalidArgument, "top_logprobs requires logprobs",
-                    "top_logprobs", "invalid_value");
-  }
-  if (spec.sampling.logprobs()) {
-    req.logprobs_top = top;
-    spec.sampling.set_top_logprobs(std::max(1, top));
+  if (spec.sampling.logprobs()) {  // ranges checked by ValidateSpec
+    req.logprobs_top = spec.sampling.top_logprobs();
+    spec.sampling.set_top_logprobs(std::max(1, req.logprobs_top));
   }
   if (!spec.sampling.constraint().empty()) {
     // Thinking mode: the constrained output comes after the reasoning (free text to </think>).
@@ -310,27 +281,10 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
                       msg.starts_with("unsupported") ? "unsupported_value" : "invalid_value");
     }
   }
-  const int64_t asked = spec.sampling.max_tokens();
-  if (asked > 0) {
-    if (asked > options_.max_tokens_limit) {
-      return ApiError(absl::StatusCode::kInvalidArgument,
-                      absl::StrCat("max_tokens is ", asked, ", above this server's limit of ",
-                                   options_.max_tokens_limit),
-                      "max_tokens", "max_tokens_exceeded");
-    }
-    if (n + asked > options_.context_length) {
-      return ApiError(
-          absl::StatusCode::kInvalidArgument,
-          absl::StrCat("This model's maximum context length is ", options_.context_length,
-                       " tokens. However, you requested ", n + asked, " tokens (", n, " in the ",
-                       input_param, ", ", asked, " in the completion)."),
-          "max_tokens", "context_length_exceeded");
-    }
-    req.max_tokens = static_cast<int32_t>(asked);
-  } else {
-    req.max_tokens = static_cast<int32_t>(std::min<int64_t>(
-        {options_.default_max_tokens, options_.max_tokens_limit, options_.context_length - n}));
-  }
+  auto max_tokens = ValidateLength(static_cast<int64_t>(req.prompt_ids.size()),
+                                   spec.sampling.max_tokens(), options_, input_param);
+  if (!max_tokens.ok()) return max_tokens.status();
+  req.max_tokens = *max_tokens;
   req.spec = std::move(spec);
   req.spec.sampling.set_max_tokens(req.max_tokens);
   return req;

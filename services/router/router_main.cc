@@ -15,6 +15,7 @@
 #include "model/config.h"
 #include "model/fingerprint.h"
 #include "model/stages.h"
+#include "services/router/admission.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/dispatch.h"
 #include "services/router/grpc_api.h"
@@ -75,6 +76,25 @@ int main(int argc, char** argv) {
                  "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none)");
   app.add_option("--http-threads", http_options.threads, "HTTP connection threads")
       ->capture_default_str();
+  r::AdmissionOptions admission_options;
+  app.add_option("--max-running-requests", admission_options.max_running,
+                 "Requests dispatched at once; more wait in the admission queue")
+      ->capture_default_str();
+  app.add_option("--max-queued-requests", admission_options.max_queued,
+                 "Requests that may wait for a running slot; beyond, 429 / RESOURCE_EXHAUSTED")
+      ->capture_default_str();
+  app.add_option("--max-queue-wait-ms", admission_options.max_queue_wait_ms,
+                 "A queued request is refused (429) after waiting this long")
+      ->capture_default_str();
+  app.add_option("--retry-after-s", admission_options.retry_after_s,
+                 "Retry-After (seconds) sent with a 429")
+      ->capture_default_str();
+  r::GrpcTlsOptions grpc_tls;
+  app.add_option("--tls-cert", http_options.tls_cert_file,
+                 "PEM certificate: HTTPS on --http-port and TLS on --grpc-port");
+  app.add_option("--tls-key", http_options.tls_key_file, "PEM private key of --tls-cert");
+  app.add_option("--worker-grpc-port", grpc_tls.worker_port,
+                 "Plaintext WorkerRegistry-only port for workers (0 = any; default: none)");
   app.add_option("--heartbeat-interval-ms", registry_options.heartbeat_interval_ms,
                  "Heartbeat interval told to workers")
       ->capture_default_str();
@@ -94,6 +114,13 @@ int main(int argc, char** argv) {
   if (auto s = runtime.Start(); !s.ok()) return Fail(s);
   if (auto s = core_options.Validate(); !s.ok()) return Fail(s);
   if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
+  if (auto s = admission_options.Validate(); !s.ok()) return Fail(s);
+  // Every admitted or queued HTTP request holds a connection thread; keep spare ones so a 429,
+  // /health and /metrics are answered at once.
+  if (http_options.threads < admission_options.max_running + admission_options.max_queued + 8) {
+    return Fail(absl::InvalidArgumentError(
+        "--http-threads must be at least --max-running-requests + --max-queued-requests + 8"));
+  }
 
   auto& clock = epd::common::SystemClock::Get();
   // The real codec when --model has a tokenizer.json, else the byte codec (docs/router.md, Text).
@@ -138,7 +165,12 @@ int main(int argc, char** argv) {
   auto workers = r::NewGrpcWorkerClient();
   r::RouterCore core(core_options, codec, registry, scheduler, *workers, clock, runtime.registry());
 
-  r::RouterGrpcServer grpc_server(core, http_options.api_key);
+  r::AdmissionQueue admission(admission_options, runtime.registry());
+  http_options.admission = &admission;
+  r::RouterGrpcServer grpc_server(core, http_options.api_key, &admission);
+  grpc_tls.cert_file = http_options.tls_cert_file;
+  grpc_tls.key_file = http_options.tls_key_file;
+  if (auto s = grpc_server.SetTls(grpc_tls); !s.ok()) return Fail(s);
   auto gport = grpc_server.Start(runtime_options.host, grpc_port);
   if (!gport.ok()) return Fail(gport.status());
   r::OpenAiHttpServer http_server(core, runtime.shared_registry(), http_options);
@@ -150,10 +182,12 @@ int main(int argc, char** argv) {
     return epd::services::HealthReport{true, r::RouterHealthJson(core, &serving)};
   });
   runtime.PublishPort("grpc", *gport);
+  if (grpc_server.worker_port() > 0) runtime.PublishPort("worker_grpc", grpc_server.worker_port());
   runtime.PublishPort("http", *hport);
-  spdlog::info("epd-router: model {} (context {}), OpenAI HTTP on http://{}:{}, gRPC on {}:{}",
-               core_options.model, core_options.context_length, runtime_options.host, *hport,
-               runtime_options.host, *gport);
+  const bool tls = !http_options.tls_cert_file.empty();
+  spdlog::info("epd-router: model {} (context {}), OpenAI HTTP on {}://{}:{}, gRPC{} on {}:{}",
+               core_options.model, core_options.context_length, tls ? "https" : "http",
+               runtime_options.host, *hport, tls ? " (TLS)" : "", runtime_options.host, *gport);
 
   const auto sweep =
       std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));

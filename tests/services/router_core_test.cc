@@ -1,10 +1,11 @@
 // RouterCore with in-process scripted workers: validation errors, streaming equals the final
 // result, cancellation reaches every stage, a dead decode worker fails only its request and is
 // dropped, re-dispatch before the first token, and the OpenAI request parser.
+#include "services/router/router_core.h"
+
 #include <gtest/gtest.h>
 
 #include <deque>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/synchronization/mutex.h"
@@ -13,7 +14,7 @@
 #include "prometheus/text_serializer.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/openai_http.h"
-#include "services/router/router_core.h"
+#include "services/router/request_validator.h"
 
 namespace epd::services::router {
 namespace {
@@ -408,10 +409,14 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(spec->sampling.stop_size(), 2);
   EXPECT_EQ(spec->sampling.seed(), 7u);
 
+  // The HTTP parse, then the validation it shares with gRPC (request_validator.h).
+  CoreOptions options;
+  options.model = "m";
   const auto param_of = [&](json b, bool chat = true) {
     auto s = ParseOpenAiRequest(b, chat, &stream, &usage);
-    EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << b.dump();
-    return ErrorParam(s.status());
+    absl::Status st = s.ok() ? ValidateSpec(*s, options) : s.status();
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << b.dump();
+    return ErrorParam(st);
   };
   const json base = {{"model", "m"}, {"messages", {{{"role", "user"}, {"content", "q"}}}}};
   auto with = [&](const char* k, json v) {
@@ -451,6 +456,12 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("tool_choice", "maybe")), "tool_choice");
   EXPECT_EQ(param_of(with("reasoning_effort", 5)), "reasoning_effort");
   EXPECT_EQ(param_of(with("max_tokens", 0)), "max_tokens");
+  EXPECT_EQ(param_of(with("max_tokens", -3)), "max_tokens");
+  EXPECT_EQ(param_of(with("temperature", 9)), "temperature");
+  EXPECT_EQ(param_of(with("top_k", -2)), "top_k");
+  EXPECT_EQ(param_of(with("stop", {"a", "b", "c", "d", "e"})), "stop");
+  EXPECT_EQ(param_of(with("messages", {{{"role", "robot"}, {"content", "x"}}})),
+            "messages[0].role");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", {1.5}}}, false), "prompt");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"echo", true}}, false), "echo");
   // Completions: text, [text] and token ids.
