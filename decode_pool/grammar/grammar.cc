@@ -2,9 +2,8 @@
 
 #include <algorithm>
 #include <climits>
-#include <set>
-
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 
@@ -14,7 +13,9 @@ using ojson = nlohmann::ordered_json;
 
 namespace {
 
-constexpr char kDsml[] = "\xEF\xBD\x9C" "DSML\xEF\xBD\x9C";  // ｜DSML｜ (model/chat_format.h)
+constexpr char kDsml[] =
+    "\xEF\xBD\x9C"
+    "DSML\xEF\xBD\x9C";  // ｜DSML｜ (model/chat_format.h)
 constexpr int64_t kInf = INT64_MAX / 4;
 
 int64_t SatAdd(int64_t a, int64_t b) { return std::min(kInf, a + b); }
@@ -150,8 +151,13 @@ class Builder {
     any_ = Add(Node{.kind = NodeKind::kAnyOf});  // alternatives filled below
     const int obj = AnyObject();
     const int arr = Array(Literal("["), Literal("]"), Literal(","), any_, 0, -1);
-    std::vector<int> alts = {obj, arr, Leaf(NodeKind::kString, 2), Leaf(NodeKind::kNumber, 1),
-                             Literal("true"), Literal("false"), Literal("null")};
+    std::vector<int> alts = {obj,
+                             arr,
+                             Leaf(NodeKind::kString, 2),
+                             Leaf(NodeKind::kNumber, 1),
+                             Literal("true"),
+                             Literal("false"),
+                             Literal("null")};
     int64_t min_len = kInf;
     for (int a : alts) min_len = std::min(min_len, Len(a));
     At(any_).children = std::move(alts);
@@ -180,7 +186,8 @@ class Builder {
         absl::StrCat("unsupported JSON schema keyword '", std::string(keyword), "' at ", path));
   }
   absl::Status Invalid(const std::string& path, std::string_view why) {
-    return absl::InvalidArgumentError(absl::StrCat("invalid JSON schema at ", path, ": ", std::string(why)));
+    return absl::InvalidArgumentError(
+        absl::StrCat("invalid JSON schema at ", path, ": ", std::string(why)));
   }
 
   absl::StatusOr<int> Schema(const ojson& s, const std::string& path) {
@@ -190,9 +197,11 @@ class Builder {
     }
     if (!s.is_object()) return Invalid(path, "a schema must be an object");
     static const std::set<std::string> kKnown = {
-        "type",    "properties", "required", "additionalProperties", "items", "minItems",
-        "maxItems", "enum",      "const",    "anyOf",    "title",    "description",
-        "default", "examples",   "$schema",  "strict",   "$id",      "$comment"};
+        "type",    "properties", "required", "additionalProperties",
+        "items",   "minItems",   "maxItems", "enum",
+        "const",   "anyOf",      "title",    "description",
+        "default", "examples",   "$schema",  "strict",
+        "$id",     "$comment"};
     for (auto it = s.begin(); it != s.end(); ++it) {
       if (!kKnown.contains(it.key())) return Unsupported(it.key(), path);
     }
@@ -266,9 +275,8 @@ class Builder {
         if (s.value("additionalProperties", true)) return AnyObject();
         return Object(Literal("{"), Literal("}"), Literal(","), {});
       }
-      auto props = Properties(s, path, [](const std::string& key) {
-        return ojson(key).dump() + ":";
-      }, "");
+      auto props = Properties(
+          s, path, [](const std::string& key) { return ojson(key).dump() + ":"; }, "");
       if (!props.ok()) return props.status();
       return Object(Literal("{"), Literal("}"), Literal(","), *std::move(props));
     }
@@ -321,9 +329,9 @@ class Builder {
       ojson params = t.value("parameters", ojson::object());
       if (!params.is_object()) return Invalid(path, "must be an object");
       for (auto it = params.begin(); it != params.end(); ++it) {
-        static const std::set<std::string> kTop = {"type",        "properties", "required",
-                                                   "additionalProperties", "title",
-                                                   "description", "$schema",    "strict"};
+        static const std::set<std::string> kTop = {
+            "type",  "properties",  "required", "additionalProperties",
+            "title", "description", "$schema",  "strict"};
         if (!kTop.contains(it.key())) return Unsupported(it.key(), path);
       }
       if (params.contains("type") && params["type"] != "object")
@@ -340,8 +348,9 @@ class Builder {
         props = *std::move(p);
       }
       const int body = Object(-1, -1, -1, std::move(props));
-      invokes.push_back(Sequence({Literal(absl::StrCat("<", kDsml, " invoke name=\"", name, "\">\n")),
-                                  body, Literal(absl::StrCat("</", kDsml, " invoke>\n"))}));
+      invokes.push_back(
+          Sequence({Literal(absl::StrCat("<", kDsml, " invoke name=\"", name, "\">\n")), body,
+                    Literal(absl::StrCat("</", kDsml, " invoke>\n"))}));
     }
     const int calls = Array(-1, -1, -1, AnyOf(std::move(invokes)), 1, parallel ? -1 : 1);
     return Sequence({Literal(absl::StrCat("<", kDsml, " calls>\n")), calls,
@@ -495,8 +504,7 @@ void Matcher::Step(Stack s, uint8_t c, std::vector<Stack>* out) const {
             }
             break;
           case 2:
-            if (std::string_view("\"\\/bfnrt").find(static_cast<char>(c)) ==
-                std::string_view::npos)
+            if (std::string_view("\"\\/bfnrt").find(static_cast<char>(c)) == std::string_view::npos)
               return;
             f.phase = 1;
             break;
@@ -665,7 +673,8 @@ int64_t Matcher::FrameRemaining(const Frame& f, bool top) const {
 
 int64_t Matcher::StackRemaining(const Stack& s) const {
   int64_t total = 0;
-  for (size_t i = 0; i < s.size(); ++i) total = SatAdd(total, FrameRemaining(s[i], i + 1 == s.size()));
+  for (size_t i = 0; i < s.size(); ++i)
+    total = SatAdd(total, FrameRemaining(s[i], i + 1 == s.size()));
   return total;
 }
 

@@ -28,7 +28,17 @@
 
 namespace epd::decode_pool::grammar {
 
-enum class NodeKind { kLiteral, kString, kNumber, kInteger, kObject, kArray, kAnyOf, kSequence, kUntil };
+enum class NodeKind {
+  kLiteral,
+  kString,
+  kNumber,
+  kInteger,
+  kObject,
+  kArray,
+  kAnyOf,
+  kSequence,
+  kUntil
+};
 
 struct Node {
   NodeKind kind = NodeKind::kLiteral;
@@ -139,7 +149,7 @@ class TokenMasker {
   const std::string& bytes(int32_t id) const {
     static const std::string kEmpty;
     return id >= 0 && static_cast<size_t>(id) < bytes_.size() ? bytes_[static_cast<size_t>(id)]
-                                                                 : kEmpty;
+                                                              : kEmpty;
   }
   int32_t eos_id() const { return eos_; }
 

@@ -88,8 +88,8 @@ int main(int argc, char** argv) {
   }
   std::printf("vocab %lld, schema compiled in %.3f ms (%zu nodes)\n", static_cast<long long>(V),
               compile_s * 1e3, (*grammar)->size());
-  std::printf("%-8s %-12s %8s %12s %12s %8s\n", "dspark", "constraint", "tokens",
-              "step ms/tok", "mask ms/tok", "mask %");
+  std::printf("%-8s %-12s %8s %12s %12s %8s\n", "dspark", "constraint", "tokens", "step ms/tok",
+              "mask ms/tok", "mask %");
   for (bool dspark : {false, true}) {
     epd::decode_pool::DecodeStageOptions o;
     o.dspark = dspark;

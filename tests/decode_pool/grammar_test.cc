@@ -5,11 +5,10 @@
 
 #include <gtest/gtest.h>
 
+#include <nlohmann/json.hpp>
 #include <random>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 namespace epd::decode_pool::grammar {
 namespace {
@@ -56,8 +55,8 @@ TEST(GrammarTest, NestedSchemaAcceptsValidAndRefusesInvalid) {
   EXPECT_FALSE(Accepts(g, R"({"name":"x","address":{"city":"P"},"ok":true})"));
   EXPECT_FALSE(Accepts(g, R"({"name":"x","age":1,"address":{"city":"P"},"ok":true,"zz":1})"));
   EXPECT_FALSE(Accepts(g, R"({"name":"x","age":1.5,"address":{"city":"P"},"ok":true})"));
-  EXPECT_FALSE(
-      Accepts(g, R"({"name":"x","age":1,"tags":["1","2","3","4"],"address":{"city":"P"},"ok":true})"));
+  EXPECT_FALSE(Accepts(
+      g, R"({"name":"x","age":1,"tags":["1","2","3","4"],"address":{"city":"P"},"ok":true})"));
   EXPECT_FALSE(Accepts(g, R"({"name":"x","age":1,"address":{"city":"P"},"kind":"c","ok":true})"));
   EXPECT_FALSE(Accepts(g, R"({"name":"x","age":01,"address":{"city":"P"},"ok":true})"));
   EXPECT_FALSE(Accepts(g, R"({"name":"x","age":1,"address":{"city":"P"},"ok":true} )"));
@@ -74,10 +73,12 @@ TEST(GrammarTest, MinRemainingIsTheShortestCompletion) {
   Matcher m(g);
   // {"name":"","age":0,"address":{"city":""},"ok":true}
   EXPECT_EQ(m.MinRemaining(),
-            static_cast<int64_t>(std::string(R"({"name":"","age":0,"address":{"city":""},"ok":true})")
-                                     .size()));
+            static_cast<int64_t>(
+                std::string(R"({"name":"","age":0,"address":{"city":""},"ok":true})").size()));
   ASSERT_TRUE(m.Advance(R"({"name":"abc)"));
-  EXPECT_EQ(m.MinRemaining(), static_cast<int64_t>(std::string(R"(","age":0,"address":{"city":""},"ok":true})").size()));
+  EXPECT_EQ(
+      m.MinRemaining(),
+      static_cast<int64_t>(std::string(R"(","age":0,"address":{"city":""},"ok":true})").size()));
 }
 
 TEST(GrammarTest, JsonObjectAndTopLevelNumbers) {
@@ -92,18 +93,18 @@ TEST(GrammarTest, JsonObjectAndTopLevelNumbers) {
 }
 
 TEST(GrammarTest, UnsupportedKeywordIsNamed) {
-  auto g = Compile(json{{"type", "json_schema"},
-                        {"schema",
-                         {{"type", "object"},
-                          {"properties", {{"id", {{"type", "string"}, {"pattern", "^a"}}}}}}}}
+  auto g = Compile(json{
+      {"type", "json_schema"},
+      {"schema",
+       {{"type", "object"}, {"properties", {{"id", {{"type", "string"}, {"pattern", "^a"}}}}}}}}
                        .dump());
   ASSERT_FALSE(g.ok());
   EXPECT_NE(g.status().message().find("'pattern'"), std::string::npos) << g.status();
   EXPECT_NE(g.status().message().find("$.properties.id"), std::string::npos) << g.status();
-  auto r = Compile(json{{"type", "json_schema"},
-                        {"schema", {{"type", "object"}, {"properties", json::object()},
-                                    {"required", {"x"}}}}}
-                       .dump());
+  auto r = Compile(
+      json{{"type", "json_schema"},
+           {"schema", {{"type", "object"}, {"properties", json::object()}, {"required", {"x"}}}}}
+          .dump());
   EXPECT_FALSE(r.ok());
   EXPECT_FALSE(Compile("{\"type\":\"yaml\"}").ok());
 }
@@ -117,7 +118,9 @@ TEST(GrammarTest, ToolCallsInDsml) {
           {"required", {"city"}}}}},
        {{"name", "noop"}}});
   auto one = MustCompile({{"type", "tool_calls"}, {"tools", tools}, {"parallel", false}});
-  const std::string d = "\xEF\xBD\x9C" "DSML\xEF\xBD\x9C";
+  const std::string d =
+      "\xEF\xBD\x9C"
+      "DSML\xEF\xBD\x9C";
   const std::string call = "<" + d + " invoke name=\"get_weather\">\n<" + d +
                            " parameter name=\"city\" string=\"false\">\"Paris\"</" + d +
                            " parameter>\n</" + d + " invoke>\n";
@@ -139,8 +142,8 @@ TEST(GrammarTest, ToolCallsInDsml) {
 TEST(GrammarTest, RandomWalksThroughTheMaskAlwaysEndValid) {
   std::vector<std::string> vocab;
   for (int b = 0; b < 256; ++b) vocab.push_back(std::string(1, static_cast<char>(b)));
-  for (const char* piece : {"{\"", "\":", "\",\"", "name", "age", "true", "null", "12", "\"}",
-                            "]}", "abc", "\\n", "é"})
+  for (const char* piece :
+       {"{\"", "\":", "\",\"", "name", "age", "true", "null", "12", "\"}", "]}", "abc", "\\n", "é"})
     vocab.push_back(piece);
   const int32_t eos = static_cast<int32_t>(vocab.size());
   vocab.push_back("");

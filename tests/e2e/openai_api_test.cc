@@ -32,10 +32,11 @@ std::string RunNode(const std::string& script, testing::RealCluster& on, testing
                     int* rc) {
   std::string out;
   *rc = epd::testing::RunCommand(
-      "cd " + epd::testing::SourcePath("tests/clients") + " && EPD_BASE_URL=http://127.0.0.1:" +
-          std::to_string(on.http_port()) + "/v1 EPD_BASE_URL_OFF=http://127.0.0.1:" +
-          std::to_string(off.http_port()) + "/v1 EPD_DECODE_METRICS=http://127.0.0.1:" +
-          std::to_string(on.metrics("decode")) + "/metrics timeout 240 node " + script + " 2>&1",
+      "cd " + epd::testing::SourcePath("tests/clients") +
+          " && EPD_BASE_URL=http://127.0.0.1:" + std::to_string(on.http_port()) +
+          "/v1 EPD_BASE_URL_OFF=http://127.0.0.1:" + std::to_string(off.http_port()) +
+          "/v1 EPD_DECODE_METRICS=http://127.0.0.1:" + std::to_string(on.metrics("decode")) +
+          "/metrics timeout 240 node " + script + " 2>&1",
       &out);
   return out;
 }
@@ -88,8 +89,10 @@ TEST_F(OpenAiApiTest, OfficialSdkModelsLogprobsStructuredOutputAndToolChoice) {
     int rc = 0;
     const std::string out = RunNode(script, on, off, &rc);
     std::printf("--- %s\n%s", script, out.c_str());
-    EXPECT_EQ(rc, 0) << script << "\n" << out << "\n--- DSpark on ---\n" << on.Logs()
-                     << "\n--- off ---\n" << off.Logs();
+    EXPECT_EQ(rc, 0) << script << "\n"
+                     << out << "\n--- DSpark on ---\n"
+                     << on.Logs() << "\n--- off ---\n"
+                     << off.Logs();
     EXPECT_NE(out.find("ALL OK"), std::string::npos) << out;
   }
 }
