@@ -8,6 +8,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "decode_pool/decode_stage.h"
+#include "decode_pool/grammar/grammar.h"
+#include "model/tokenizer.h"
+#include "spdlog/spdlog.h"
 #include "decode_pool/dspark/verifier.h"
 #include "prometheus/counter.h"
 #include "prometheus/histogram.h"
@@ -34,8 +37,32 @@ model::SamplingParams FromProto(const epd::v1::SamplingParams& p) {
   return s;
 }
 
+// The vocabulary's token bytes for grammar masks (tokenizer.json beside the model); added and
+// special tokens are never allowed by a mask (their text is dropped or has protocol meaning).
+std::shared_ptr<const grammar::TokenMasker> LoadMasker(const worker::WorkerSetup& setup) {
+  if (setup.model_dir.empty() || setup.model == nullptr) return nullptr;
+  auto tok = model::Tokenizer::FromFile(setup.model_dir + "/tokenizer.json");
+  if (!tok.ok()) {
+    spdlog::warn("decode: no tokenizer for constrained decoding: {}",
+                 std::string(tok.status().message()));
+    return nullptr;
+  }
+  const int64_t vocab = setup.model->config().vocab_size;
+  std::vector<std::string> bytes(static_cast<size_t>(vocab));
+  std::vector<int32_t> excluded;
+  for (int32_t id = 0; id < vocab; ++id) {
+    if (id < (*tok)->vocab_size() && (*tok)->IsAddedToken(id)) excluded.push_back(id);
+    const int32_t one[1] = {id};
+    auto b = (*tok)->Decode(one, /*skip_special=*/false);
+    if (b.ok()) bytes[static_cast<size_t>(id)] = *std::move(b);
+  }
+  return std::make_shared<grammar::TokenMasker>(
+      bytes, excluded, static_cast<int32_t>(setup.model->config().eos_token_id));
+}
+
 DecodeStageOptions WithSetup(DecodeStageOptions o, const worker::WorkerSetup& setup) {
   o.dspark = setup.dspark;
+  if (!o.masker) o.masker = LoadMasker(setup);
   return o;
 }
 
@@ -89,11 +116,29 @@ class DecodeHandler final : public worker::JobHandler {
     const int64_t n = static_cast<int64_t>(prompt.size());
     if (n <= 0) return absl::InvalidArgumentError("decode: empty prompt");
     const model::SamplingParams params = FromProto(job.sampling());
-    std::unique_ptr<DecodeSequence> seq;
+    std::shared_ptr<const grammar::Grammar> constraint;
+    if (!job.sampling().constraint().empty()) {
+      auto g = grammars_.Get(job.sampling().constraint());
+      if (!g.ok())
+        return absl::InvalidArgumentError(absl::StrCat("decode: constraint: ", g.status().message()));
+      constraint = *std::move(g);
+    }
+    // n > 1: one hand-off, then n sequences forked from it (each Start deserializes its own
+    // copy of the received state: a full copy for now, until the KV pool shares blocks); choice
+    // i samples with its own seed (choice 0 keeps the request's).
+    const int choices = std::max(1, job.sampling().n());
+    auto params_of = [&](int i) {
+      model::SamplingParams p = params;
+      if (i > 0) p.seed = params.seed + static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull;
+      return p;
+    };
+    std::vector<std::unique_ptr<DecodeSequence>> seqs;
     if (job.prev_worker_id().empty()) {
-      auto s = stage_.StartFromPrompt(prompt, params);
-      if (!s.ok()) return s.status();
-      seq = std::move(*s);
+      for (int i = 0; i < choices; ++i) {
+        auto s = stage_.StartFromPrompt(prompt, params_of(i), constraint);
+        if (!s.ok()) return s.status();
+        seqs.push_back(std::move(*s));
+      }
     } else {
       std::vector<worker::SegmentShape> shapes = worker::ExpectedStateShapes(c, n, true);
       shapes.push_back(worker::LogitsShape(c));
@@ -119,71 +164,101 @@ class DecodeHandler final : public worker::JobHandler {
       auto logits = worker::UnpackLogits(*got);
       if (!logits.ok()) return logits.status();
       got->pop_back();  // the logits segment
-      auto s = stage_.Start(*got, *logits, params, prompt);
-      if (!s.ok()) return s.status();
-      seq = std::move(*s);
+      for (int i = 0; i < choices; ++i) {
+        auto s = stage_.Start(*got, *logits, params_of(i), prompt, constraint);
+        if (!s.ok()) return s.status();
+        seqs.push_back(std::move(*s));
+      }
     }
-    // Hand the sequence to the batching loop; stream what it produces.
-    auto slot = std::make_shared<Slot>();
-    slot->seq = std::move(seq);
+    // Hand the sequences to the batching loop; stream what they produce, each message for one
+    // choice (SubmitResponse.index).
+    std::vector<std::shared_ptr<Slot>> slots;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      slots_.push_back(slot);
+      for (auto& seq : seqs) {
+        auto slot = std::make_shared<Slot>();
+        slot->seq = std::move(seq);
+        slots_.push_back(slot);
+        slots.push_back(std::move(slot));
+      }
     }
     work_cv_.notify_all();
-    size_t sent = 0;
+    std::vector<size_t> sent(slots.size(), 0);
+    std::vector<char> finished(slots.size(), 0);
+    size_t left = slots.size();
     absl::Status result = absl::OkStatus();
-    while (true) {
-      std::vector<int32_t> fresh;
-      std::vector<model::Logprobs> fresh_lp;
-      bool done = false;
-      std::string finish;
+    while (left > 0 && result.ok()) {
+      struct Fresh {
+        int index;
+        std::vector<int32_t> tokens;
+        std::vector<model::Logprobs> lp;
+        bool done = false;
+        std::string finish;
+      };
+      std::vector<Fresh> fresh;
       {
         std::unique_lock<std::mutex> lock(mu_);
         done_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] {
-          return slot->seq->output.size() > sent || slot->seq->done || !slot->error.ok();
+          for (size_t i = 0; i < slots.size(); ++i) {
+            if (finished[i]) continue;
+            const auto& q = *slots[i]->seq;
+            if (q.output.size() > sent[i] || q.done || !slots[i]->error.ok()) return true;
+          }
+          return false;
         });
-        if (!slot->error.ok()) {
-          result = slot->error;
-          break;
+        for (size_t i = 0; i < slots.size(); ++i) {
+          if (finished[i]) continue;
+          if (!slots[i]->error.ok()) {
+            result = slots[i]->error;
+            break;
+          }
+          const DecodeSequence& q = *slots[i]->seq;
+          if (q.output.size() == sent[i] && !q.done) continue;
+          Fresh f{static_cast<int>(i), {q.output.begin() + sent[i], q.output.end()}, {}, q.done,
+                  q.finish_reason};
+          if (q.logprobs.size() >= q.output.size())
+            f.lp.assign(q.logprobs.begin() + sent[i], q.logprobs.begin() + q.output.size());
+          sent[i] = q.output.size();
+          fresh.push_back(std::move(f));
         }
-        fresh.assign(slot->seq->output.begin() + sent, slot->seq->output.end());
-        if (slot->seq->logprobs.size() >= slot->seq->output.size())
-          fresh_lp.assign(slot->seq->logprobs.begin() + sent,
-                          slot->seq->logprobs.begin() + slot->seq->output.size());
-        sent = slot->seq->output.size();
-        done = slot->seq->done;
-        finish = slot->seq->finish_reason;
       }
+      if (!result.ok()) break;
       if (cancelled.load()) {
         result = absl::CancelledError("cancelled");
         break;
       }
-      if (fresh.empty() && !done) continue;
-      epd::v1::SubmitResponse r;
-      r.set_request_id(job.request_id());
-      for (int32_t t : fresh) r.add_token_ids(t);
-      // Logprobs (top_logprobs = n > 0): per token, the chosen token then its top n.
-      for (const model::Logprobs& lp : fresh_lp) {
-        auto add = [&](const model::TokenLogprob& x) {
-          epd::v1::TokenLogprob* o = r.add_top_logprobs();
-          o->set_token_id(x.token);
-          o->set_logprob(x.logprob);
-        };
-        add(lp.chosen);
-        for (const model::TokenLogprob& x : lp.top) add(x);
+      for (Fresh& f : fresh) {
+        epd::v1::SubmitResponse r;
+        r.set_request_id(job.request_id());
+        r.set_index(f.index);
+        for (int32_t t : f.tokens) r.add_token_ids(t);
+        // Logprobs (top_logprobs = n > 0): per token, the chosen token then its top n.
+        for (const model::Logprobs& lp : f.lp) {
+          auto add = [&](const model::TokenLogprob& x) {
+            epd::v1::TokenLogprob* o = r.add_top_logprobs();
+            o->set_token_id(x.token);
+            o->set_logprob(x.logprob);
+          };
+          add(lp.chosen);
+          for (const model::TokenLogprob& x : lp.top) add(x);
+        }
+        if (f.done) {
+          r.set_finish_reason(f.finish);
+          finished[static_cast<size_t>(f.index)] = 1;
+          --left;
+        }
+        if (!emit(r)) {
+          result = absl::CancelledError("the router's stream is gone");
+          break;
+        }
       }
-      if (done) r.set_finish_reason(finish);
-      if (!emit(r)) {
-        result = absl::CancelledError("the router's stream is gone");
-        break;
-      }
-      if (done) break;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
-      slot->seq->done = true;  // the loop skips it from now on
-      slots_.erase(std::remove(slots_.begin(), slots_.end(), slot), slots_.end());
+      for (auto& slot : slots) {
+        slot->seq->done = true;  // the loop skips it from now on
+        slots_.erase(std::remove(slots_.begin(), slots_.end(), slot), slots_.end());
+      }
     }
     return result;
   }
@@ -254,6 +329,7 @@ class DecodeHandler final : public worker::JobHandler {
 
   worker::WorkerSetup setup_;
   DecodeStage stage_;
+  grammar::GrammarCache grammars_;  // compiled constraints, per constraint text
   prometheus::Counter& drafted_;
   prometheus::Counter& accepted_;
   prometheus::Histogram& verify_len_;

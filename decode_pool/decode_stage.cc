@@ -1,7 +1,9 @@
 #include "decode_pool/decode_stage.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
+#include <limits>
 
 #include "absl/strings/str_cat.h"
 #include "model/stages.h"
@@ -23,9 +25,16 @@ AcceptanceCalibration DecodeStage::calibration() {
   return calibration_;
 }
 
-std::unique_ptr<DecodeSequence> DecodeStage::Begin(model::SamplingParams params,
-                                                   std::span<const int32_t> prompt) const {
+absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Begin(
+    model::SamplingParams params, std::span<const int32_t> prompt,
+    std::shared_ptr<const grammar::Grammar> grammar) const {
   auto seq = std::make_unique<DecodeSequence>();
+  if (grammar) {
+    if (!options_.masker || options_.masker->vocab_size() != model_.config().vocab_size)
+      return absl::FailedPreconditionError(
+          "decode: constrained decoding needs the model's tokenizer (tokenizer.json)");
+    seq->grammar = std::make_unique<grammar::Matcher>(std::move(grammar));
+  }
   const int32_t eos = static_cast<int32_t>(model_.config().eos_token_id);
   if (eos >= 0) params.stop_token_ids.push_back(eos);
   seq->sampler =
@@ -40,6 +49,7 @@ bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> 
     seq.finish_reason = "stop";
     return false;
   }
+  if (seq.grammar) seq.grammar->Advance(options_.masker->bytes(tok));
   seq.output.push_back(tok);
   if (const int n = seq.sampler->params().top_logprobs; n > 0)
     seq.logprobs.push_back(model::ComputeLogprobs(logits, tok, n));
@@ -52,15 +62,47 @@ bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> 
   return true;
 }
 
+void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int64_t ahead,
+                             std::span<float> logits) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  const int64_t budget = seq.sampler->params().max_tokens -
+                         static_cast<int64_t>(seq.output.size()) - ahead - 1;
+  std::vector<uint8_t> allowed;
+  if (options_.masker->Mask(m, std::max<int64_t>(0, budget), &allowed) == 0 &&
+      options_.masker->Mask(m, INT64_MAX, &allowed) == 0) {
+    // The budget was too small from the start (max_tokens below the shortest output): the
+    // grammar alone decides (the output may then be cut at max_tokens). Nothing at all can
+    // continue the output: end it.
+    const int32_t eos = options_.masker->eos_id();
+    if (eos >= 0) allowed[static_cast<size_t>(eos)] = 1;
+  }
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < logits.size(); ++i) {
+    if (i >= allowed.size() || !allowed[i]) logits[i] = kNegInf;
+  }
+  seq.mask_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(
+                     std::chrono::steady_clock::now() - t0)
+                     .count();
+  ++seq.masks;
+}
+
 void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
-  const int32_t tok = seq.sampler->Sample(logits);
+  int32_t tok;
+  if (seq.grammar) {
+    std::vector<float> masked(logits.begin(), logits.end());
+    MaskLogits(seq, *seq.grammar, 0, masked);
+    tok = seq.sampler->Sample(masked);
+  } else {
+    tok = seq.sampler->Sample(logits);
+  }
   if (!seq.sampler->IsStopToken(tok)) seq.sampler->Accept(tok);
   Emit(seq, tok, logits);
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Start(
     const std::vector<model::StateSegment>& state, std::span<const float> logits,
-    model::SamplingParams params, std::span<const int32_t> prompt) {
+    model::SamplingParams params, std::span<const int32_t> prompt,
+    std::shared_ptr<const grammar::Grammar> grammar) {
   if (absl::Status s = params.Validate(); !s.ok()) return s;
   if (static_cast<int64_t>(logits.size()) != model_.config().vocab_size)
     return absl::InvalidArgumentError(absl::StrCat("decode: first-token logits have ",
@@ -68,14 +110,16 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Start(
                                                    model_.config().vocab_size));
   auto st = model::DeserializeState(model_, state);
   if (!st.ok()) return st.status();
-  auto seq = Begin(std::move(params), prompt);
-  seq->state = std::move(*st);
-  Offer(*seq, logits);
+  auto seq = Begin(std::move(params), prompt, std::move(grammar));
+  if (!seq.ok()) return seq.status();
+  (*seq)->state = std::move(*st);
+  Offer(**seq, logits);
   return seq;
 }
 
 absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartFromPrompt(
-    std::span<const int32_t> prompt, model::SamplingParams params) {
+    std::span<const int32_t> prompt, model::SamplingParams params,
+    std::shared_ptr<const grammar::Grammar> grammar) {
   if (absl::Status s = params.Validate(); !s.ok()) return s;
   if (prompt.empty()) return absl::InvalidArgumentError("decode: empty prompt");
   for (size_t i = 0; i < prompt.size(); ++i) {
@@ -83,7 +127,9 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartFromPrompt(
       return absl::InvalidArgumentError(
           absl::StrCat("decode: prompt token ", i, " (", prompt[i], ") is outside the vocabulary"));
   }
-  auto seq = Begin(std::move(params), prompt);
+  auto begun = Begin(std::move(params), prompt, std::move(grammar));
+  if (!begun.ok()) return begun.status();
+  std::unique_ptr<DecodeSequence> seq = *std::move(begun);
   seq->state = model_.NewSequence();
   std::lock_guard<std::mutex> lock(compute_mu_);
   // The semantics of the E/P/D chain (bounded decoder replay of window + DSpark block tail rows),
@@ -202,7 +248,23 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     if (static_cast<int64_t>(logits.size()) != (p.k + 1) * V)
       return absl::InternalError(absl::StrCat("decode step returned ", logits.size() / V,
                                               " logit rows for ", p.k + 1, " positions"));
-    const VerifyOutcome o = decoder_.Verify(logits, p, *s.sampler);
+    // Constrained: row j is masked by the grammar after drafts 0..j-1; the rows after the first
+    // draft the grammar refuses are left as they are (verification rejects that draft: its
+    // masked probability is 0), so the output equals the unspeculated constrained output.
+    std::vector<float> masked;
+    if (s.grammar) {
+      masked = logits;
+      grammar::Matcher m = *s.grammar;
+      for (int j = 0; j <= p.k; ++j) {
+        MaskLogits(s, m, j, std::span<float>(masked.data() + j * V, V));
+        if (j == p.k) break;
+        const int32_t d = p.drafts[j];
+        if (!std::isfinite(masked[static_cast<size_t>(j * V + d)]) ||
+            !m.Advance(options_.masker->bytes(d)))
+          break;
+      }
+    }
+    const VerifyOutcome o = decoder_.Verify(s.grammar ? masked : logits, p, *s.sampler);
     if (p.k > 0) {
       const std::span<const int32_t> keep =
           std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);

@@ -25,6 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode_pool/dspark/k_policy.h"
+#include "decode_pool/grammar/grammar.h"
 #include "decode_pool/dspark/target_scorer.h"
 #include "decode_pool/dspark/verifier.h"
 #include "model/model.h"
@@ -44,6 +45,11 @@ struct DecodeSequence {
   std::string finish_reason;  // "stop" | "length" once done
   int64_t drafted = 0;        // DSpark drafts verified for this sequence (sum of k)
   int64_t accepted = 0;       // of which accepted
+  // Constrained decoding (decode_pool/grammar/): the output so far against the request's
+  // grammar; null when the request has no constraint.
+  std::unique_ptr<grammar::Matcher> grammar;
+  int64_t mask_ns = 0;  // time spent computing this sequence's token masks
+  int64_t masks = 0;    // masks computed (one per sampled position; k + 1 per DSpark step)
 };
 
 struct DecodeStageOptions {
@@ -61,6 +67,9 @@ struct DecodeStageOptions {
   bool calibrate = true;
   int backoff_after = 8;
   int backoff_steps = 32;
+  // The vocabulary for constrained decoding (token bytes); null: constrained requests are
+  // refused (FailedPrecondition).
+  std::shared_ptr<const grammar::TokenMasker> masker;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).
@@ -87,12 +96,16 @@ class DecodeStage {
 
   // A sequence from prefill's hand-off: the state at N and the last prompt position's logits.
   // Samples the first token. The model's EOS id is added to the stop ids.
+  // `grammar` (optional) constrains every sampled token (a per-position token mask; with DSpark
+  // each verified row is masked, so a masked draft is rejected and the output stays lossless).
   [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeSequence>> Start(
       const std::vector<model::StateSegment>& state, std::span<const float> logits,
-      model::SamplingParams params, std::span<const int32_t> prompt);
+      model::SamplingParams params, std::span<const int32_t> prompt,
+      std::shared_ptr<const grammar::Grammar> grammar = nullptr);
   // A sequence from the prompt alone (no encoder/prefill in the chain): runs Model::Prefill.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeSequence>> StartFromPrompt(
-      std::span<const int32_t> prompt, model::SamplingParams params);
+      std::span<const int32_t> prompt, model::SamplingParams params,
+      std::shared_ptr<const grammar::Grammar> grammar = nullptr);
 
   // Advances every sequence of `batch` that is not done (one batched DecodeStep): one token each
   // with DSpark off, 1..k+1 with DSpark on. `stats` (optional) receives what the step did.
@@ -105,8 +118,13 @@ class DecodeStage {
   AcceptanceCalibration calibration();
 
  private:
-  std::unique_ptr<DecodeSequence> Begin(model::SamplingParams params,
-                                        std::span<const int32_t> prompt) const;
+  absl::StatusOr<std::unique_ptr<DecodeSequence>> Begin(
+      model::SamplingParams params, std::span<const int32_t> prompt,
+      std::shared_ptr<const grammar::Grammar> grammar) const;
+  // The logits with every token the grammar does not allow at this position set to -inf, for a
+  // position `ahead` tokens after the sequence's output (the matcher is already there).
+  void MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int64_t ahead,
+                  std::span<float> logits) const;
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
   // Appends an already chosen token (its row's raw logits for logprobs); returns false once the

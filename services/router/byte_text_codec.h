@@ -15,6 +15,9 @@ class ByteTextCodec final : public TextCodec {
   std::unique_ptr<Detokenizer> NewDetokenizer() const override;
   ParsedAssistant ParseAssistant(std::string_view text, bool thinking,
                                  bool parse_tools) const override;
+  std::string TokenBytes(int32_t id) const override {
+    return id >= 0 && id < 256 ? std::string(1, static_cast<char>(id)) : std::string();
+  }
   int32_t vocab_size() const override { return 256; }
 
   // The rendered prompt as text (what RenderChat encodes), for tests.

@@ -80,6 +80,12 @@ absl::StatusOr<GenerateSpec> SpecFromProto(const epd::v1::GenerateRequest& req) 
         }
         chat.tools_json = c.tools_json();
         spec.parse_tools = !tools.empty();
+        if (c.tool_choice() == "required") {  // forced by the decode worker's grammar mask
+          auto constraint = ToolCallConstraint(tools, "", /*parallel=*/true, "tool_choice");
+          if (!constraint.ok()) return constraint.status();
+          spec.sampling.set_constraint(*constraint);
+          spec.constraint_param = "tools_json";
+        }
       }
       for (int i = 0; i < c.messages_size(); ++i) {
         const auto& m = c.messages(i);
@@ -151,9 +157,20 @@ class InferenceImpl final : public epd::v1::Inference::Service {
         if (ctx_->IsCancelled()) return false;
         epd::v1::GenerateResponse r;
         r.set_request_id(id_);
+        r.set_index(d.index);
         r.mutable_token_ids()->Add(d.token_ids.begin(), d.token_ids.end());
         r.set_text(d.content);
         r.set_reasoning_text(d.reasoning);
+        for (const TokenLogprobs& t : d.logprobs) {  // chosen, then the asked top entries
+          auto* c = r.add_top_logprobs();
+          c->set_token_id(t.token);
+          c->set_logprob(t.logprob);
+          for (const auto& [id, lp] : t.top) {
+            auto* e = r.add_top_logprobs();
+            e->set_token_id(id);
+            e->set_logprob(lp);
+          }
+        }
         return w_->Write(r);
       }
 
@@ -165,26 +182,34 @@ class InferenceImpl final : public epd::v1::Inference::Service {
 
     auto out = core_.Run(*prepared, &observer);
     if (!out.ok()) return ToGrpc(out.status(), ctx);
-    epd::v1::GenerateResponse last;
-    last.set_request_id(prepared->spec.request_id);
-    last.set_finish_reason(out->finish_reason);
-    auto* u = last.mutable_usage();
-    u->set_prompt_tokens(out->prompt_tokens);
-    u->set_cached_tokens(out->cached_tokens);
-    u->set_completion_tokens(out->completion_tokens);
-    u->set_total_tokens(out->prompt_tokens + out->completion_tokens);
-    if (!out->parsed.tool_calls.empty()) {
-      nlohmann::json arr = nlohmann::json::array();
-      for (const auto& c : out->parsed.tool_calls) {
-        arr.push_back({{"id", c.id},
-                       {"type", "function"},
-                       {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
+    // One closing message per choice (index order); the last one carries the usage.
+    for (size_t i = 0; i < out->choices.size(); ++i) {
+      const Choice& ch = out->choices[i];
+      epd::v1::GenerateResponse last;
+      last.set_request_id(prepared->spec.request_id);
+      last.set_index(static_cast<int32_t>(i));
+      last.set_finish_reason(ch.finish_reason);
+      if (i + 1 == out->choices.size()) {
+        auto* u = last.mutable_usage();
+        u->set_prompt_tokens(out->prompt_tokens);
+        u->set_cached_tokens(out->cached_tokens);
+        u->set_completion_tokens(out->completion_tokens);
+        u->set_total_tokens(out->prompt_tokens + out->completion_tokens);
+        u->set_reasoning_tokens(out->reasoning_tokens);
       }
-      // Invalid UTF-8 in generated names/arguments becomes U+FFFD (no throw in the handler).
-      last.set_tool_calls_json(
-          arr.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+      if (!ch.parsed.tool_calls.empty()) {
+        nlohmann::json arr = nlohmann::json::array();
+        for (const auto& c : ch.parsed.tool_calls) {
+          arr.push_back({{"id", c.id},
+                         {"type", "function"},
+                         {"function", {{"name", c.name}, {"arguments", c.arguments_json}}}});
+        }
+        // Invalid UTF-8 in generated names/arguments becomes U+FFFD (no throw in the handler).
+        last.set_tool_calls_json(
+            arr.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+      }
+      writer->Write(last);
     }
-    writer->Write(last);
     return grpc::Status::OK;
   }
 

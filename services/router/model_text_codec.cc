@@ -231,4 +231,11 @@ ParsedAssistant ModelTextCodec::ParseAssistant(std::string_view text, bool think
   return out;
 }
 
+std::string ModelTextCodec::TokenBytes(int32_t id) const {
+  if (id < 0 || id >= tokenizer_->vocab_size()) return "";
+  const int32_t ids[1] = {id};
+  auto bytes = tokenizer_->Decode(ids, /*skip_special=*/false);
+  return bytes.ok() ? *std::move(bytes) : "";
+}
+
 }  // namespace epd::services::router

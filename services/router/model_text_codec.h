@@ -41,6 +41,7 @@ class ModelTextCodec final : public TextCodec {
   std::unique_ptr<Detokenizer> NewDetokenizer() const override;
   ParsedAssistant ParseAssistant(std::string_view text, bool thinking,
                                  bool parse_tools) const override;
+  std::string TokenBytes(int32_t id) const override;
   int32_t vocab_size() const override { return tokenizer_->vocab_size(); }
 
   const model::Tokenizer& tokenizer() const { return *tokenizer_; }

@@ -240,6 +240,28 @@ absl::Status ParseTools(const json& body, GenerateSpec* spec) {
       return Bad("'tool_choice' must be a string or an object", "tool_choice");
     }
   }
+  bool parallel = true;
+  if (auto s = GetBool(body, "parallel_tool_calls", &parallel); !s.ok()) return s;
+  if (choice == "required" || choice == "function") {
+    if (!tools || !tools->is_array() || tools->empty()) {
+      return Bad("'tool_choice' " + choice + " needs a non-empty 'tools'", "tool_choice",
+                 "invalid_value");
+    }
+    std::string only;
+    if (choice == "function") {
+      const json& tc = body["tool_choice"];
+      if (!tc.contains("function") || !tc["function"].is_object() ||
+          !tc["function"].contains("name") || !tc["function"]["name"].is_string()) {
+        return Bad("'tool_choice' must be {\"type\":\"function\",\"function\":{\"name\":...}}",
+                   "tool_choice");
+      }
+      only = tc["function"]["name"].get<std::string>();
+    }
+    auto c = ToolCallConstraint(*tools, only, parallel && only.empty(), "tool_choice");
+    if (!c.ok()) return c.status();
+    spec->sampling.set_constraint(*c);
+    spec->constraint_param = "tools";
+  }
   if (!tools) return absl::OkStatus();
   if (!tools->is_array()) return Bad("'tools' must be an array", "tools");
   for (size_t i = 0; i < tools->size(); ++i) {
@@ -255,6 +277,37 @@ absl::Status ParseTools(const json& body, GenerateSpec* spec) {
     spec->chat->tools_json = tools->dump();
     spec->parse_tools = true;
   }
+  return absl::OkStatus();
+}
+
+// response_format: text | json_object | json_schema (enforced by the decode worker's grammar
+// mask). A forced tool call (tool_choice) takes precedence.
+absl::Status ParseResponseFormat(const json& body, GenerateSpec* spec) {
+  const json* rf = Field(body, "response_format");
+  if (!rf) return absl::OkStatus();
+  if (!rf->is_object() || !rf->contains("type") || !(*rf)["type"].is_string()) {
+    return Bad("'response_format' must be {\"type\":\"text\"|\"json_object\"|\"json_schema\"}",
+               "response_format");
+  }
+  const std::string type = (*rf)["type"].get<std::string>();
+  json c;
+  if (type == "text") return absl::OkStatus();
+  if (type == "json_object") {
+    c = {{"type", "json_object"}};
+  } else if (type == "json_schema") {
+    const json* js = Field(*rf, "json_schema");
+    if (!js || !js->is_object() || !Field(*js, "schema")) {
+      return Bad("'response_format.json_schema' must be {\"name\":...,\"schema\":{...}}",
+                 "response_format.json_schema", "missing_required_parameter");
+    }
+    c = {{"type", "json_schema"}, {"schema", (*js)["schema"]}};
+  } else {
+    return Bad("'response_format.type' must be text, json_object or json_schema",
+               "response_format", "unsupported_value");
+  }
+  if (!spec->sampling.constraint().empty()) return absl::OkStatus();
+  spec->sampling.set_constraint(c.dump());
+  spec->constraint_param = "response_format";
   return absl::OkStatus();
 }
 
@@ -330,15 +383,30 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
                                           : static_cast<uint64_t>(seed->get<int64_t>()));
   }
   int64_t n = 1;
-  if (auto st = GetInt(body, "n", 1, 128, &n); !st.ok()) return st;
-  if (n != 1) return Bad("only n=1 is supported", "n", "unsupported_value");
+  if (auto st = GetInt(body, "n", 1, INT32_MAX, &n); !st.ok()) return st;  // <= 128: ValidateSpec
+  s.set_n(static_cast<int32_t>(n));
+  if (!chat && Field(body, "best_of")) {
+    // best_of = n returns every sample; ranking more samples than returned is not done.
+    int64_t best_of = n;
+    if (auto st = GetInt(body, "best_of", 1, 128, &best_of); !st.ok()) return st;
+    if (best_of != n) {
+      return Bad("'best_of' must equal 'n' (every sampled choice is returned)", "best_of",
+                 "unsupported_value");
+    }
+  }
+  // Chat: logprobs (bool) + top_logprobs [0, 20]; completions: logprobs = the top count.
   bool logprobs = false;
+  int64_t top = 0;
   if (chat) {
     if (auto st = GetBool(body, "logprobs", &logprobs); !st.ok()) return st;
-  } else if (const json* lp = Field(body, "logprobs")) {
-    logprobs = !(lp->is_number_integer() && lp->get<int64_t>() == 0);
+    // [0, 20] and "only with logprobs": ValidateSpec.
+    if (auto st = GetInt(body, "top_logprobs", INT32_MIN, INT32_MAX, &top); !st.ok()) return st;
+  } else if (Field(body, "logprobs")) {  // the range here: the param is named logprobs
+    if (auto st = GetInt(body, "logprobs", 0, 20, &top); !st.ok()) return st;
+    logprobs = true;
   }
-  if (logprobs) return Bad("logprobs are not supported yet", "logprobs", "unsupported_parameter");
+  s.set_logprobs(logprobs);
+  s.set_top_logprobs(static_cast<int32_t>(top));
   int64_t max_tokens = 0;
   const char* max_key = "max_tokens";
   if (chat && Field(body, "max_completion_tokens")) max_key = "max_completion_tokens";
@@ -368,7 +436,57 @@ json UsageJson(const Outcome& o) {
   return json{{"prompt_tokens", o.prompt_tokens},
               {"completion_tokens", o.completion_tokens},
               {"total_tokens", o.prompt_tokens + o.completion_tokens},
-              {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}}};
+              {"prompt_tokens_details", {{"cached_tokens", o.cached_tokens}}},
+              {"completion_tokens_details", {{"reasoning_tokens", o.reasoning_tokens}}}};
+}
+
+// One token as the OpenAI logprob entries show it: its text (lossy UTF-8) and its raw bytes.
+std::pair<std::string, json> TokenText(const TextCodec& codec, int32_t id) {
+  std::string raw = codec.TokenBytes(id);
+  json bytes = json::array();
+  for (unsigned char c : raw) bytes.push_back(static_cast<int>(c));
+  std::string text = TakeCompleteUtf8(&raw, /*flush=*/true);
+  return {std::move(text), std::move(bytes)};
+}
+
+// Chat: {"content":[{"token","logprob","bytes","top_logprobs":[{"token","logprob","bytes"}]}]}.
+json ChatLogprobsJson(const TextCodec& codec, const std::vector<TokenLogprobs>& lps) {
+  json content = json::array();
+  for (const TokenLogprobs& t : lps) {
+    auto [text, bytes] = TokenText(codec, t.token);
+    json top = json::array();
+    for (const auto& [id, lp] : t.top) {
+      auto [ttext, tbytes] = TokenText(codec, id);
+      top.push_back({{"token", std::move(ttext)}, {"logprob", lp}, {"bytes", std::move(tbytes)}});
+    }
+    content.push_back({{"token", std::move(text)},
+                       {"logprob", t.logprob},
+                       {"bytes", std::move(bytes)},
+                       {"top_logprobs", std::move(top)}});
+  }
+  return json{{"content", std::move(content)}, {"refusal", nullptr}};
+}
+
+// Completions: {"tokens","token_logprobs","top_logprobs":[{token: logprob}],"text_offset"};
+// *offset is the byte offset of the next token's text in the completion and advances.
+json CompletionLogprobsJson(const TextCodec& codec, const std::vector<TokenLogprobs>& lps,
+                            int64_t* offset) {
+  json tokens = json::array(), token_lps = json::array(), tops = json::array(),
+       offsets = json::array();
+  for (const TokenLogprobs& t : lps) {
+    std::string text = TokenText(codec, t.token).first;
+    offsets.push_back(*offset);
+    *offset += static_cast<int64_t>(codec.TokenBytes(t.token).size());
+    tokens.push_back(std::move(text));
+    token_lps.push_back(t.logprob);
+    json top = json::object();
+    for (const auto& [id, lp] : t.top) top[TokenText(codec, id).first] = lp;
+    tops.push_back(std::move(top));
+  }
+  return json{{"tokens", std::move(tokens)},
+              {"token_logprobs", std::move(token_lps)},
+              {"top_logprobs", std::move(tops)},
+              {"text_offset", std::move(offsets)}};
 }
 
 json ToolCallsJson(const std::vector<ToolCall>& calls, bool with_index) {
@@ -392,8 +510,9 @@ class Collector final : public StreamObserver {
 // Writes deltas as SSE chunks; false once the client is gone.
 class SseWriter final : public StreamObserver {
  public:
-  SseWriter(httplib::DataSink& sink, json base, bool chat)
-      : sink_(sink), base_(std::move(base)), chat_(chat) {}
+  // `codec` non-null: the request asked for logprobs and every chunk with tokens carries them.
+  SseWriter(httplib::DataSink& sink, json base, bool chat, const TextCodec* codec)
+      : sink_(sink), base_(std::move(base)), chat_(chat), codec_(codec) {}
 
   bool Send(const json& j) { return Write(absl::StrCat("data: ", Dump(j), "\n\n")); }
   bool Write(const std::string& s) {
@@ -402,9 +521,10 @@ class SseWriter final : public StreamObserver {
     return !broken_;
   }
 
-  json Chunk(json delta_or_text, json finish) const {
+  json Chunk(json delta_or_text, json finish, json logprobs = nullptr, int index = 0) const {
     json j = base_;
-    json choice = {{"index", 0}, {"finish_reason", std::move(finish)}, {"logprobs", nullptr}};
+    json choice = {{"index", index}, {"finish_reason", std::move(finish)},
+                   {"logprobs", std::move(logprobs)}};
     if (chat_) {
       choice["delta"] = std::move(delta_or_text);
     } else {
@@ -415,22 +535,31 @@ class SseWriter final : public StreamObserver {
   }
 
   bool OnDelta(const Delta& d) override {
+    // With logprobs, a chunk goes out for every token even when its text is held back.
+    const bool lp = codec_ != nullptr && !d.logprobs.empty();
     if (chat_) {
       json delta = json::object();
       if (!d.reasoning.empty()) delta["reasoning_content"] = d.reasoning;
       if (!d.content.empty()) delta["content"] = d.content;
-      if (delta.empty()) return !broken_;  // tokens held back (marker / tool block)
-      return Send(Chunk(std::move(delta), nullptr));
+      if (delta.empty() && !lp) return !broken_;  // tokens held back (marker / tool block)
+      return Send(Chunk(std::move(delta), nullptr,
+                        lp ? ChatLogprobsJson(*codec_, d.logprobs) : json(nullptr), d.index));
     }
     const std::string text = d.reasoning + d.content;
-    if (text.empty()) return !broken_;
-    return Send(Chunk(text, nullptr));
+    if (text.empty() && !lp) return !broken_;
+    if (offsets_.size() <= static_cast<size_t>(d.index)) offsets_.resize(d.index + 1, 0);
+    return Send(Chunk(text, nullptr,
+                      lp ? CompletionLogprobsJson(*codec_, d.logprobs, &offsets_[d.index])
+                         : json(nullptr),
+                      d.index));
   }
 
  private:
   httplib::DataSink& sink_;
   json base_;
   bool chat_;
+  const TextCodec* codec_;
+  std::vector<int64_t> offsets_;  // completions' text_offset, per choice
   bool broken_ = false;
 };
 
@@ -493,7 +622,29 @@ absl::StatusOr<GenerateSpec> ParseOpenAiRequest(const json& body, bool chat, boo
                                           "unsupported_parameter");
   }
   if (auto s = ParseSampling(body, chat, &spec); !s.ok()) return s;
+  if (auto s = ParseResponseFormat(body, &spec); !s.ok()) return s;
   return spec;
+}
+
+absl::StatusOr<std::string> ToolCallConstraint(const json& tools, const std::string& only,
+                                               bool parallel, const std::string& param) {
+  json list = json::array();
+  for (const auto& t : tools) {
+    if (!t.is_object() || !t.contains("function") || !t["function"].is_object() ||
+        !t["function"].contains("name") || !t["function"]["name"].is_string()) {
+      continue;  // ParseTools names a malformed tool
+    }
+    const std::string name = t["function"]["name"].get<std::string>();
+    if (!only.empty() && name != only) continue;
+    list.push_back({{"name", name},
+                    {"parameters", t["function"].value("parameters", json::object())}});
+  }
+  if (list.empty()) {
+    return Bad(only.empty() ? "no tool to call"
+                            : absl::StrCat("tool_choice names '", only, "', which is not in tools"),
+               param, "invalid_value");
+  }
+  return json{{"type", "tool_calls"}, {"tools", std::move(list)}, {"parallel", parallel}}.dump();
 }
 
 std::string RouterHealthJson(RouterCore& core, bool* serving) {
@@ -616,6 +767,26 @@ void OpenAiHttpServer::Routes() {
                     "application/json");
   });
 
+  server_->Get(R"(/v1/models/(.+))", [this, authorized](const httplib::Request& req,
+                                                        httplib::Response& res) {
+    if (!authorized(req, res)) return;
+    const std::string id = req.matches[1];
+    if (id != core_.options().model) {
+      absl::Status s = ApiError(absl::StatusCode::kNotFound,
+                                absl::StrCat("The model '", id, "' does not exist"), "model",
+                                "model_not_found");
+      core_.CountRejected(s);
+      return SendError(res, s);
+    }
+    res.set_content(json{{"id", id},
+                         {"object", "model"},
+                         {"created", 0},
+                         {"owned_by", "epd"},
+                         {"max_model_len", core_.options().context_length}}
+                        .dump(),
+                    "application/json");
+  });
+
   auto generate = [this, authorized](bool chat) {
     return [this, authorized, chat](const httplib::Request& req, httplib::Response& res) {
       if (!authorized(req, res)) return;
@@ -672,21 +843,31 @@ void OpenAiHttpServer::Routes() {
         auto out = core_.Run(*prepared, &collector);
         if (!out.ok()) return SendError(res, out.status());
         json j = base;
-        json choice = {{"index", 0}, {"finish_reason", out->finish_reason}, {"logprobs", nullptr}};
-        if (chat) {
-          json msg = {{"role", "assistant"},
-                      {"content", out->parsed.content.empty() && !out->parsed.tool_calls.empty()
-                                      ? json(nullptr)
-                                      : json(out->parsed.content)}};
-          if (prepared->thinking) msg["reasoning_content"] = out->parsed.reasoning;
-          if (!out->parsed.tool_calls.empty()) {
-            msg["tool_calls"] = ToolCallsJson(out->parsed.tool_calls, false);
+        json list = json::array();
+        for (size_t idx = 0; idx < out->choices.size(); ++idx) {
+          const Choice& ch = out->choices[idx];
+          json choice = {{"index", idx}, {"finish_reason", ch.finish_reason}, {"logprobs", nullptr}};
+          if (prepared->logprobs_top >= 0) {
+            int64_t offset = 0;
+            choice["logprobs"] = chat ? ChatLogprobsJson(core_.codec(), ch.logprobs)
+                                      : CompletionLogprobsJson(core_.codec(), ch.logprobs, &offset);
           }
-          choice["message"] = std::move(msg);
-        } else {
-          choice["text"] = out->parsed.reasoning + out->parsed.content;
+          if (chat) {
+            json msg = {{"role", "assistant"},
+                        {"content", ch.parsed.content.empty() && !ch.parsed.tool_calls.empty()
+                                        ? json(nullptr)
+                                        : json(ch.parsed.content)}};
+            if (prepared->thinking) msg["reasoning_content"] = ch.parsed.reasoning;
+            if (!ch.parsed.tool_calls.empty()) {
+              msg["tool_calls"] = ToolCallsJson(ch.parsed.tool_calls, false);
+            }
+            choice["message"] = std::move(msg);
+          } else {
+            choice["text"] = ch.parsed.reasoning + ch.parsed.content;
+          }
+          list.push_back(std::move(choice));
         }
-        j["choices"] = json::array({std::move(choice)});
+        j["choices"] = std::move(list);
         j["usage"] = UsageJson(*out);
         res.set_content(Dump(j), "application/json");
         return;
@@ -697,18 +878,27 @@ void OpenAiHttpServer::Routes() {
           "text/event-stream",
           [this, request, base, chat, include_usage, ticket](size_t,
                                                               httplib::DataSink& sink) {
-            SseWriter writer(sink, base, chat);
+            SseWriter writer(sink, base, chat,
+                             request->logprobs_top >= 0 ? &core_.codec() : nullptr);
+            const int n = std::max(1, request->spec.sampling.n());
             if (chat) {
-              writer.Send(writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr));
+              for (int i = 0; i < n; ++i) {
+                writer.Send(
+                    writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr, i));
+              }
             }
             auto out = core_.Run(*request, &writer);
             if (out.ok()) {
-              json last_delta = json::object();
-              if (chat && !out->parsed.tool_calls.empty()) {
-                writer.Send(writer.Chunk(
-                    {{"tool_calls", ToolCallsJson(out->parsed.tool_calls, true)}}, nullptr));
+              for (size_t i = 0; i < out->choices.size(); ++i) {
+                const Choice& ch = out->choices[i];
+                const int idx = static_cast<int>(i);
+                if (chat && !ch.parsed.tool_calls.empty()) {
+                  writer.Send(writer.Chunk({{"tool_calls", ToolCallsJson(ch.parsed.tool_calls, true)}},
+                                           nullptr, nullptr, idx));
+                }
+                writer.Send(
+                    writer.Chunk(chat ? json::object() : json(""), ch.finish_reason, nullptr, idx));
               }
-              writer.Send(writer.Chunk(chat ? json::object() : json(""), out->finish_reason));
               if (include_usage) {
                 json u = base;
                 u["choices"] = json::array();

@@ -37,6 +37,12 @@ std::string RouterHealthJson(RouterCore& core, bool* serving);
 absl::StatusOr<GenerateSpec> ParseOpenAiRequest(const nlohmann::json& body, bool chat,
                                                 bool* stream, bool* include_usage);
 
+// The constraint (SamplingParams.constraint, decode_pool/grammar/grammar.h) for a forced tool
+// call: `tools` is the OpenAI tools array; `only` names the one function allowed ("" = any, the
+// tool_choice "required" case); `parallel` allows several calls. ApiError naming `param`.
+absl::StatusOr<std::string> ToolCallConstraint(const nlohmann::json& tools, const std::string& only,
+                                               bool parallel, const std::string& param);
+
 // Thread-safe: Start/Stop from one thread; requests are served on the server's pool.
 class OpenAiHttpServer {
  public:

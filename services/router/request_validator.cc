@@ -64,8 +64,15 @@ absl::Status ValidateSampling(const epd::v1::SamplingParams& s) {
   for (const auto& stop : s.stop()) {
     if (stop.empty()) return Invalid("'stop' strings must not be empty", "stop");
   }
-  if (s.top_logprobs() != 0) {
-    return Invalid("logprobs are not supported yet", "logprobs", "unsupported_parameter");
+  if (s.top_logprobs() < 0 || s.top_logprobs() > 20) {
+    return Invalid(absl::StrCat("'top_logprobs' is ", s.top_logprobs(), "; it must be in [0, 20]"),
+                   "top_logprobs");
+  }
+  if (s.top_logprobs() > 0 && !s.logprobs()) {
+    return Invalid("'top_logprobs' requires 'logprobs': true", "top_logprobs");
+  }
+  if (s.n() < 0 || s.n() > 128) {
+    return Invalid(absl::StrCat("'n' is ", s.n(), "; it must be in [1, 128]"), "n");
   }
   return absl::OkStatus();
 }

@@ -30,7 +30,7 @@ struct SamplingLimits {
 
 // Everything knowable before tokenization: model (NotFound model_not_found; empty =
 // missing_required_parameter), sampling ranges, max_tokens >= 0 (0 = the server's default), stop
-// strings, top_logprobs (unsupported), chat messages (non-empty; roles system | developer |
+// strings, top_logprobs [0, 20] (only with logprobs), n [1, 128], chat messages (non-empty; roles system | developer |
 // user | assistant | tool; tool_calls only on assistant turns). Errors are ApiError with the
 // OpenAI param ("temperature", "messages[2].role", ...) and code.
 absl::Status ValidateSpec(const GenerateSpec& spec, const CoreOptions& options);

@@ -1,5 +1,6 @@
 #include "services/router/router_core.h"
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
@@ -292,6 +293,26 @@ absl::StatusOr<PreparedRequest> RouterCore::Prepare(GenerateSpec spec) const {
     }
     req.prompt_ids = std::move(*ids);
   }
+  if (spec.sampling.logprobs()) {  // ranges checked by ValidateSpec
+    req.logprobs_top = spec.sampling.top_logprobs();
+    spec.sampling.set_top_logprobs(std::max(1, req.logprobs_top));
+  }
+  if (!spec.sampling.constraint().empty()) {
+    // Thinking mode: the constrained output comes after the reasoning (free text to </think>).
+    if (req.thinking) {
+      auto c = nlohmann::json::parse(spec.sampling.constraint(), nullptr, false);
+      if (c.is_object()) {
+        c["thinking"] = true;
+        spec.sampling.set_constraint(c.dump());
+      }
+    }
+    auto g = grammars_.Get(spec.sampling.constraint());
+    if (!g.ok()) {
+      const std::string msg(g.status().message());
+      return ApiError(absl::StatusCode::kInvalidArgument, msg, spec.constraint_param,
+                      msg.starts_with("unsupported") ? "unsupported_value" : "invalid_value");
+    }
+  }
   auto max_tokens = ValidateLength(static_cast<int64_t>(req.prompt_ids.size()),
                                    spec.sampling.max_tokens(), options_, input_param);
   if (!max_tokens.ok()) return max_tokens.status();
@@ -350,7 +371,7 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
     scheduler_.Release(*plan);
     status = attempt.status;
     if (status.ok() || status.code() != absl::StatusCode::kUnavailable) break;
-    if (state.assembler.token_ids().empty()) {
+    if (!state.assembler.any_tokens()) {
       if (++retries >= options_.max_attempts) break;
       spdlog::warn("request {}: attempt {} failed before any token ({}); dispatching again",
                    request.spec.request_id, retries, std::string(status.message()));
@@ -358,7 +379,10 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
     }
     if (!attempt.worker_lost) break;
     died_mid_generation = true;
-    if (migrations >= options_.migration_limit) break;
+    // n > 1 and grammar-constrained requests are not continued elsewhere: the worker's fork and
+    // its grammar state would have to be rebuilt (docs/router.md, Request migration).
+    const bool migratable = state.assembler.n() == 1 && request.spec.sampling.constraint().empty();
+    if (!migratable || migrations >= options_.migration_limit) break;
     ++migrations;
     spdlog::warn("request {}: {}; migrating with {} streamed token(s) (migration {} of {})",
                  request.spec.request_id, std::string(status.message()),
@@ -375,11 +399,13 @@ absl::StatusOr<Outcome> RouterCore::Run(const PreparedRequest& request, StreamOb
     result = status;
   } else {
     Outcome out;
-    const Delta last = state.assembler.Finish(&out);
+    const std::vector<Delta> last = state.assembler.Finish(&out);
     out.prompt_tokens = static_cast<int32_t>(request.prompt_ids.size());
     out.cached_tokens = state.cached_tokens;
     out.decode_worker = state.decode_worker;
-    if (!DeltaEmpty(last)) observer->OnDelta(last);
+    for (const Delta& d : last) {
+      if (!DeltaEmpty(d)) observer->OnDelta(d);
+    }
     result = std::move(out);
   }
   const double e2e = (clock_.NowMonoNs() - start_ns) / 1e9;
@@ -431,7 +457,6 @@ RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& p
       break;
     }
     if (m.has_cached_tokens()) r.cached = m.cached_tokens();
-    if (!m.finish_reason().empty()) r.finished = true;
     if (m.token_ids_size() > 0) {
       const int64_t now = clock_.NowMonoNs();
       if (state.last_token_ns == 0) {
@@ -443,7 +468,13 @@ RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& p
       state.last_token_ns = now;
       generated_tokens_.Increment(m.token_ids_size());
     }
-    const Delta d = state.assembler.Add(m);
+    Delta d;
+    if (absl::Status added = state.assembler.Add(m, &d); !added.ok()) {
+      r.error = absl::InternalError(
+          absl::StrCat("decode worker '", plan.decode.id, "' ", added.message()));
+      run.cancel();
+      break;
+    }
     if (!DeltaEmpty(d) && !state.observer->OnDelta(d)) {
       r.cancelled = true;
       run.cancel();
@@ -458,7 +489,7 @@ RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& p
 }
 
 RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan& plan) {
-  const bool continuation = !state.assembler.token_ids().empty();
+  const bool continuation = state.assembler.any_tokens();
   ++state.attempt;
   std::vector<StageJob> chain = BuildChain(BaseJob(state, plan), plan);
   const StageJob decode_job = chain.back();
@@ -487,7 +518,7 @@ RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan
   DecodeRead read = ReadDecode(state, plan, *decode, *run);
   int32_t cached = read.cached.value_or(plan.encoder ? plan.cached_tokens : 0);
   const absl::Status& error = read.error;
-  const bool cancelled = read.cancelled, finished = read.finished;
+  const bool cancelled = read.cancelled, finished = state.assembler.finished();
   const absl::Status fin = decode->Finish();
   std::string lost;
   {
@@ -506,7 +537,7 @@ RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan
     if (auto e = sides.encoder_cached()) cached = *e;
     state.cached_tokens = cached;
   }
-  const bool streamed_any = !state.assembler.token_ids().empty();
+  const bool streamed_any = state.assembler.any_tokens();
   if (cancelled) return {absl::CancelledError("client disconnected")};
   if (!lost.empty()) {
     return {ApiError(absl::StatusCode::kUnavailable,

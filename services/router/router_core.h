@@ -10,6 +10,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -17,6 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
+#include "decode_pool/grammar/grammar.h"
 #include "epd/v1/inference.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -61,6 +63,8 @@ struct GenerateSpec {
   std::optional<std::vector<int32_t>> prompt_ids;  // completions with ids
   epd::v1::SamplingParams sampling;      // max_tokens 0 = default
   bool parse_tools = false;              // split a DSML tool-call block into tool_calls
+  // The request field a refused sampling.constraint is reported under (response_format, tools).
+  std::string constraint_param = "sampling.constraint";
 };
 
 struct PreparedRequest {
@@ -68,6 +72,17 @@ struct PreparedRequest {
   std::vector<int32_t> prompt_ids;
   int32_t max_tokens = 0;
   bool thinking = false;
+  // -1: no logprobs; else sampling.logprobs was asked with this many top entries per token
+  // (the job asks the decode worker for max(1, n): it sends the chosen token, then its top n).
+  int32_t logprobs_top = -1;
+};
+
+// One generated token's log probability (raw logits of the row that produced it) and its most
+// likely alternatives, most likely first.
+struct TokenLogprobs {
+  int32_t token = 0;
+  float logprob = 0.f;
+  std::vector<std::pair<int32_t, float>> top;
 };
 
 // What one step of generation added. Text deltas are complete UTF-8.
@@ -75,15 +90,31 @@ struct Delta {
   std::string reasoning;
   std::string content;
   std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;  // one per token_ids entry when logprobs were asked
+  int index = 0;                        // the choice (sampling.n > 1)
 };
 
+// One choice of a finished request.
+struct Choice {
+  std::string finish_reason;  // stop | length | tool_calls
+  ParsedAssistant parsed;
+  std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;
+  int32_t reasoning_tokens = 0;  // tokens up to and including </think> (thinking mode)
+};
+
+// finish_reason / parsed / token_ids / logprobs are choice 0's (choices[0]); usage counts the
+// prompt once and the completion tokens of every choice.
 struct Outcome {
+  std::vector<Choice> choices;  // sampling.n of them, by index
   std::string finish_reason;  // stop | length | tool_calls
   ParsedAssistant parsed;     // the whole output, split
   std::vector<int32_t> token_ids;
+  std::vector<TokenLogprobs> logprobs;  // one per token_ids entry when logprobs were asked
   int32_t prompt_tokens = 0;
   int32_t cached_tokens = 0;
   int32_t completion_tokens = 0;
+  int32_t reasoning_tokens = 0;
   std::string decode_worker;  // id of the decode worker that served it
 };
 
@@ -145,7 +176,6 @@ class RouterCore {
   struct DecodeRead {
     absl::Status error;              // the worker reported an error
     bool cancelled = false;          // the observer gave up
-    bool finished = false;           // a finish reason arrived
     std::optional<int32_t> cached;   // the prefix the decode worker reported reusing
   };
   // Reads the decode stream into the request's output assembly and the latency metrics, sending
@@ -161,6 +191,7 @@ class RouterCore {
   void CountOutcome(const std::string& outcome);
 
   const CoreOptions options_;
+  mutable decode_pool::grammar::GrammarCache grammars_;  // constraints checked by Prepare
   const TextCodec& codec_;
   Registry& registry_;
   Scheduler& scheduler_;

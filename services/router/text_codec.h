@@ -81,6 +81,9 @@ class TextCodec {
   virtual ParsedAssistant ParseAssistant(std::string_view text, bool thinking,
                                          bool parse_tools) const = 0;
   virtual AssistantMarkers Markers() const { return AssistantMarkers{}; }
+  // The raw bytes one token stands for (logprobs' `bytes`; may be part of a UTF-8 character).
+  // Empty for an id outside the vocabulary.
+  virtual std::string TokenBytes(int32_t id) const = 0;
   // Ids at or above this are invalid in a prompt given as ids.
   virtual int32_t vocab_size() const = 0;
 };

@@ -248,6 +248,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.pool = pool;
   setup.pool_label = label;
   setup.model = model->get();
+  setup.model_dir = model_dir;
   setup.handoff = &handoff;
   setup.fingerprint = *fingerprint;
   setup.kvstore = kvstore;

@@ -39,6 +39,7 @@ struct WorkerSetup {
   epd::v1::Pool pool = epd::v1::POOL_UNSPECIFIED;
   std::string pool_label;  // "encoder" | "prefill" | "decode"
   const model::Model* model = nullptr;
+  std::string model_dir;  // --model (the decode worker reads tokenizer.json for grammar masks)
   HandoffPeer* handoff = nullptr;
   std::string fingerprint;
   std::string kvstore;  // kvstore gRPC address(es), comma-separated (may be empty)

@@ -96,7 +96,14 @@ TEST(RequestValidatorTest, NamesTheParamAndCode) {
   ExpectRefused(with([](auto& s) { s.sampling.add_stop(""); }), C::kInvalidArgument, "stop",
                 "invalid_value");
   ExpectRefused(with([](auto& s) { s.sampling.set_top_logprobs(2); }), C::kInvalidArgument,
-                "logprobs", "unsupported_parameter");
+                "top_logprobs", "invalid_value");  // without logprobs
+  ExpectRefused(with([](auto& s) {
+                  s.sampling.set_logprobs(true);
+                  s.sampling.set_top_logprobs(21);
+                }),
+                C::kInvalidArgument, "top_logprobs", "invalid_value");
+  ExpectRefused(with([](auto& s) { s.sampling.set_n(129); }), C::kInvalidArgument, "n",
+                "invalid_value");
   ExpectRefused(with([](auto& s) { s.chat->messages.clear(); }), C::kInvalidArgument, "messages",
                 "invalid_value");
   ExpectRefused(

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <deque>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "absl/synchronization/mutex.h"
@@ -505,6 +506,88 @@ TEST_F(RouterCoreTest, SecondDeathBeyondTheLimitFailsTheRequest) {
             std::string::npos);
 }
 
+// sampling.n > 1: the decode worker's messages carry their choice's index; every choice keeps
+// its own detokenizer, stop matcher, finish reason and token count (OutputAssembler).
+TEST_F(RouterCoreTest, NChoicesKeepTheirOwnStateByIndex) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  auto tagged = [](const std::string& text, int index, const std::string& finish = "") {
+    auto m = Tokens(text, finish);
+    m.set_index(index);
+    return m;
+  };
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    Script s;
+    s.messages = {tagged("ab", 0), tagged("xy", 1), tagged("c", 0, "length"),
+                  tagged("Zq", 1)};  // choice 1 completes the stop string: every choice ended
+    s.block_until_cancel = true;     // so the router must cut the stream itself
+    return s;
+  };
+  class ByIndex final : public StreamObserver {
+   public:
+    bool OnDelta(const Delta& d) override {
+      content[d.index] += d.content;
+      return true;
+    }
+    std::map<int, std::string> content;
+  } rec;
+  auto spec = Completion("hello");
+  spec.sampling.set_n(2);
+  spec.sampling.add_stop("Z");
+  auto req = core_.Prepare(spec);
+  ASSERT_TRUE(req.ok()) << req.status();
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  ASSERT_EQ(out->choices.size(), 2u);
+  EXPECT_EQ(rec.content[0], "abc");
+  EXPECT_EQ(rec.content[1], "xy");
+  EXPECT_EQ(out->choices[0].parsed.content, "abc");
+  EXPECT_EQ(out->choices[0].finish_reason, "length");
+  EXPECT_EQ(out->choices[1].parsed.content, "xy");
+  EXPECT_EQ(out->choices[1].finish_reason, "stop");
+  EXPECT_EQ(out->finish_reason, "length");   // choice 0's, mirrored
+  EXPECT_EQ(out->completion_tokens, 3 + 4);  // every choice's tokens, the prompt once
+  EXPECT_EQ(out->prompt_tokens, static_cast<int>(req->prompt_ids.size()));
+  EXPECT_EQ(client_.Cancels("d0"), 1);
+  ASSERT_EQ(client_.jobs.size(), 1u);  // one job (one hand-off) for both choices
+  EXPECT_EQ(client_.jobs[0].second.sampling().n(), 2);
+
+  // A message for a choice the request does not have fails it, naming the worker.
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    Script s;
+    s.messages = {tagged("a", 0), tagged("b", 5, "stop")};
+    return s;
+  };
+  auto bad = core_.Run(*req, &rec);
+  EXPECT_EQ(bad.status().code(), absl::StatusCode::kInternal);
+  EXPECT_NE(bad.status().message().find("decode worker 'd0' sent choice 5 of 2"),
+            absl::string_view::npos)
+      << bad.status();
+}
+
+// Migration continues n == 1 requests only (docs/router.md): an n > 1 request whose decode worker
+// dies mid-generation fails with worker_failed and is counted under outcome="limit".
+TEST_F(RouterCoreTest, NChoicesAreNotMigrated) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    auto s = Bytes("ab", "");
+    s.messages[1].set_index(1);
+    s.status = absl::UnavailableError("Socket closed");
+    return s;
+  };
+  auto spec = Completion("hello");
+  spec.sampling.set_n(2);
+  auto req = core_.Prepare(spec);
+  ASSERT_TRUE(req.ok()) << req.status();
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  EXPECT_EQ(ErrorCode(out.status()), "worker_failed");
+  EXPECT_EQ(rec.content, "ab");
+  EXPECT_EQ(client_.jobs.size(), 1u);
+  EXPECT_NE(Scrape().find("epd_request_migrations_total{outcome=\"limit\"} 1"),
+            std::string::npos);
+}
+
 TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
   ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("e1", PoolKind::kEncoder)).ok());
@@ -613,8 +696,26 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("messages", {{{"role", "user"}}})), "messages[0].content");
   EXPECT_EQ(param_of(with("stream", "yes")), "stream");
   EXPECT_EQ(param_of(with("top_p", 1.5)), "top_p");
-  EXPECT_EQ(param_of(with("n", 2)), "n");
-  EXPECT_EQ(param_of(with("logprobs", true)), "logprobs");
+  EXPECT_EQ(param_of(with("n", 0)), "n");
+  EXPECT_EQ(param_of(with("n", 129)), "n");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"n", 2}, {"best_of", 3}}, false), "best_of");
+  EXPECT_EQ(param_of(with("logprobs", "yes")), "logprobs");
+  EXPECT_EQ(param_of(with("top_logprobs", 21)), "top_logprobs");
+  EXPECT_EQ(param_of(with("top_logprobs", 3)), "top_logprobs");  // without logprobs: true
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"logprobs", 21}}, false), "logprobs");
+  {
+    json lp = with("logprobs", true);
+    lp["top_logprobs"] = 5;
+    auto p = ParseOpenAiRequest(lp, true, &stream, &usage);
+    ASSERT_TRUE(p.ok()) << p.status();
+    EXPECT_TRUE(p->sampling.logprobs());
+    EXPECT_EQ(p->sampling.top_logprobs(), 5);
+    auto q = ParseOpenAiRequest({{"model", "m"}, {"prompt", "x"}, {"logprobs", 0}}, false, &stream,
+                                &usage);
+    ASSERT_TRUE(q.ok()) << q.status();
+    EXPECT_TRUE(q->sampling.logprobs());
+    EXPECT_EQ(q->sampling.top_logprobs(), 0);
+  }
   EXPECT_EQ(param_of(with("stop", {1})), "stop");
   EXPECT_EQ(param_of(with("tools", {{{"type", "web"}}})), "tools[0]");
   EXPECT_EQ(param_of(with("tool_choice", "maybe")), "tool_choice");
