@@ -1,11 +1,11 @@
-#include "decode_pool/dspark/rollback.h"
+#include "tests/testing/dspark_rollback.h"
 
 #include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 using model::SequenceState;
 
@@ -144,4 +144,4 @@ int64_t StateBytes(const SequenceState& s) {
   return b;
 }
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing
