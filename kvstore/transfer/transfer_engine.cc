@@ -491,6 +491,14 @@ void TransferEngine::Forget(TransferId id) {
   t->collected = true;
 }
 
+void TransferEngine::Detach(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return;
+  if (t->terminal() && !t->sender && t->released) t->buffer.reset();
+  t->collected = true;  // Tick drops the record once it is terminal and released
+}
+
 ResourceCounts TransferEngine::Resources() const {
   ResourceCounts c;
   c.registrations = counters_->registrations.load();

@@ -71,6 +71,7 @@ class TransferEngine final : public KvTransport, private WireHandler {
   absl::Status Wait(TransferId id, absl::Duration timeout) override;
   absl::StatusOr<ReceivedTransfer> TakeReceived(TransferId id) override;
   void Forget(TransferId id) override;
+  void Detach(TransferId id) override;
   ResourceCounts Resources() const override;
 
   // Stops the wire (every transfer fails, every buffer is released). Called by the destructor.

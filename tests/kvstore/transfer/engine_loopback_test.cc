@@ -154,6 +154,37 @@ TEST_F(EngineTest, OfferBeforeReceiveIsHeldUntilClaimed) {
   ExpectAllReleased();
 }
 
+// Detach (the kvstore client after the daemon confirmed a bulk put): the live transfer is not
+// failed, runs to its end, counts no failure, and its record and buffers are dropped then. Forget
+// on a live transfer, by contrast, fails it.
+TEST_F(EngineTest, DetachedTransferRunsToItsEndWithoutAFailure) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("detached");
+  const TransferId sid = StartSend(peer, m);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_EQ(tx_->Status(sid)->state, TransferState::kOffered);
+  tx_->Detach(sid);
+  EXPECT_EQ(tx_->Status(sid)->state, TransferState::kOffered);
+  const TransferId rid = StartReceive(m);
+  ASSERT_TRUE(rx_->Wait(rid, absl::Seconds(10)).ok());
+  auto got = rx_->TakeReceived(rid);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+  got->buffer.reset();
+  ExpectAllReleased();
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_failures_total"), 0.0);
+  for (int i = 0; i < 200 && tx_->Status(sid).ok(); ++i) {
+    clock_.AdvanceMs(10);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_FALSE(tx_->Status(sid).ok()) << "the detached record was never dropped";
+
+  const TransferId sid2 = StartSend(peer, Nano("forgotten"));
+  tx_->Forget(sid2);
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_failures_total"), 1.0);
+}
+
 TEST_F(EngineTest, HandshakeRefusesOtherFingerprint) {
   Make({}, "other-fp");
   auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
