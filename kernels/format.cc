@@ -197,13 +197,34 @@ void PackFp4(const float* x, int64_t dim, int block, bool e4m3_scale, uint8_t* o
   }
 }
 
+// Scale decoding tables (the same values as DecodeE4M3 / DecodeE8M0, computed once).
+struct ScaleTables {
+  float e4m3[256], e8m0[256];
+  ScaleTables() {
+    for (int c = 0; c < 256; ++c) {
+      e4m3[c] = DecodeE4M3(static_cast<uint8_t>(c));
+      e8m0[c] = DecodeE8M0(static_cast<uint8_t>(c));
+    }
+  }
+};
+const ScaleTables& Scales() {
+  static const ScaleTables t;
+  return t;
+}
+
 void UnpackFp4(const uint8_t* in, int64_t dim, int block, bool e4m3_scale, float* out) {
+  // The scale is decoded once per block (a table), each pair from kE2M1Values: the same
+  // operations as decoding element by element (the KV pool reads every key through this).
   const uint8_t* scale_in = in + dim / 2;
-  for (int64_t i = 0; i < dim; i += 2) {
-    const int64_t bi = i / block;
-    const float s = e4m3_scale ? DecodeE4M3(scale_in[bi]) : DecodeE8M0(scale_in[bi]);
-    out[i] = RoundBf16(DecodeE2M1(in[i / 2] & 0xf) * s);
-    out[i + 1] = RoundBf16(DecodeE2M1(in[i / 2] >> 4) * s);
+  const float* table = e4m3_scale ? Scales().e4m3 : Scales().e8m0;
+  for (int64_t b0 = 0; b0 < dim; b0 += block) {
+    const float s = table[scale_in[b0 / block]];
+    const int64_t end = std::min<int64_t>(dim, b0 + block);
+    for (int64_t i = b0; i < end; i += 2) {
+      const uint8_t code = in[i / 2];
+      out[i] = RoundBf16(kE2M1Values[code & 0xf] * s);
+      out[i + 1] = RoundBf16(kE2M1Values[code >> 4] * s);
+    }
   }
 }
 
