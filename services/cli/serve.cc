@@ -166,6 +166,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
+                 "KV pool bytes of each decode worker (default: a quarter of the host memory)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   app.add_option("--max-restarts", o->max_restarts,
@@ -307,8 +310,12 @@ int RunServe(ServeOptions o) {
     }
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      Component* w = add(name, {bin + "/epd-" + kind, "--router", router_addr, "--kvstore",
-                                kv_addr, "--model", o.model_dir, "--dspark", o.dspark});
+      std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
+                                       "--kvstore",          kv_addr,     "--model",
+                                       o.model_dir,          "--dspark",  o.dspark};
+      if (kind == "decode" && o.kv_pool_bytes > 0)
+        argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+      Component* w = add(name, argv);
       if (!StartComponent(*w)) return false;
     }
     return true;

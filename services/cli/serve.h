@@ -39,6 +39,8 @@ struct ServeOptions {
   int restart_window_s = 60;       // Default: 60 s
   int restart_backoff_ms = 500;    // Default: 0.5 s
   int migration_limit = 1;         // Default: 1. Router --migration-limit (docs/router.md)
+  int64_t kv_pool_bytes = 0;       // Default: 0 = the decode worker's default (a quarter of the
+                                   // host memory). Decode workers' --kv-pool-bytes
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);
