@@ -28,6 +28,42 @@ std::vector<float> KeyRows(int64_t n, int64_t dim, int salt) {
   return v;
 }
 
+// The unpack every pool read goes through (kernels/format.cc, SIMD when the CPU has AVX2) gives
+// the bits of the element-wise definition, RoundBf16(E2M1 value x scale), for every scale code
+// (NaN ones included) and every code byte.
+TEST(KvPoolTest, UnpackMatchesTheElementwiseDefinition) {
+  auto bits = [](float f) {
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return u;
+  };
+  for (bool keys : {true, false}) {
+    const int64_t dim = keys ? 128 : 512;
+    const int block = keys ? 32 : 16;
+    const int64_t row = keys ? kf::PackedIndexKeyBytes(dim) : kf::PackedKvEntryBytes(dim);
+    std::vector<uint8_t> packed(row);
+    std::vector<float> out(dim);
+    for (int scale = 0; scale < 256; ++scale) {
+      for (int64_t i = 0; i < dim / 2; ++i) packed[i] = static_cast<uint8_t>((i * 37 + scale) % 256);
+      for (int64_t b = 0; b < dim / block; ++b)
+        packed[dim / 2 + b] = static_cast<uint8_t>((scale + b * 61) % 256);
+      if (keys) {
+        kf::UnpackIndexKey(packed.data(), dim, out.data());
+      } else {
+        kf::UnpackKvEntry(packed.data(), dim, out.data());
+      }
+      for (int64_t i = 0; i < dim; ++i) {
+        const uint8_t sc = packed[dim / 2 + i / block];
+        const float s = keys ? kf::DecodeE8M0(sc) : kf::DecodeE4M3(sc);
+        const uint8_t code = i % 2 == 0 ? packed[i / 2] & 0xf : packed[i / 2] >> 4;
+        const float want = kf::RoundBf16(kf::DecodeE2M1(code) * s);
+        ASSERT_EQ(bits(out[i]), bits(want)) << (keys ? "key" : "kv") << " scale " << int{sc}
+                                            << " code " << int{code} << " at " << i;
+      }
+    }
+  }
+}
+
 TEST(KvPoolTest, RowsRoundTripThroughPackedBlocks) {
   auto pool = std::make_shared<KvPool>();
   const int64_t dim = 128;
