@@ -26,7 +26,6 @@
 #include "absl/status/statusor.h"
 #include "decode_pool/dspark/k_policy.h"
 #include "decode_pool/grammar/grammar.h"
-#include "decode_pool/dspark/target_scorer.h"
 #include "decode_pool/dspark/verifier.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -139,8 +138,7 @@ class DecodeStage {
   const model::Model& model_;
   DecodeStageOptions options_;
   KPolicy policy_;
-  ExtendTargetScorer scorer_;  // required by SpeculativeDecoder; Step uses DecodeStep instead
-  SpeculativeDecoder decoder_;
+  Drafter drafter_;  // Propose/Verify per sequence around the batched DecodeStep
   std::mutex compute_mu_;
   // Guarded by compute_mu_.
   AcceptanceCalibration calibration_;

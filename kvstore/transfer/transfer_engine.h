@@ -105,7 +105,16 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void Complete(Transfer& t);
   void SendControl(PeerId peer, const epd::v1::TransferControl& msg);
   void TryRelease(Transfer& t);
-  void Tick();
+  // A same-host peer's process as last probed outside mu_ (TickLoop).
+  struct LivenessProbe {
+    PeerId id = 0;
+    int64_t pid = 0;
+    int64_t start_ticks = 0;  // the process's start time when the peer was first probed (0: not yet)
+    int64_t now_ticks = -1;   // its start time now; -1: no such live process
+  };
+  // The probes due now (every liveness_period), taken under mu_.
+  std::vector<LivenessProbe> DueLivenessProbes();
+  void Tick(const std::vector<LivenessProbe>& probes);
   void TickLoop();
   TransportKind KindOf(PeerId peer) const;
   Transfer* Find(TransferId id);

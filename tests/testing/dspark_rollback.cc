@@ -1,11 +1,11 @@
-#include "decode_pool/dspark/rollback.h"
+#include "tests/testing/dspark_rollback.h"
 
 #include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 using model::SequenceState;
 
@@ -147,4 +147,4 @@ int64_t StateBytes(const SequenceState& s) {
   return b;
 }
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing
