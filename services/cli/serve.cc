@@ -353,7 +353,13 @@ int RunServe(ServeOptions o) {
       }
       Component* w = add(name, std::move(argv));
       if (name == netns_name) SetFlag(w->argv, "--host", "0.0.0.0");
+      // The first start waits until it registered with the router (its gRPC port opens
+      // earlier), so "ready" means a request is routed, not answered 503 no_workers. A restart
+      // waits for the gRPC port only: the router may be restarting too, and the supervisor loop
+      // must not block on it.
+      w->port_key = "registered";
       if (!StartComponent(*w)) return false;
+      w->port_key = "grpc";
     }
     return true;
   };
