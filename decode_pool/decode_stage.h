@@ -69,6 +69,9 @@ struct DecodeStageOptions {
   // The vocabulary for constrained decoding (token bytes); null: constrained requests are
   // refused (FailedPrecondition).
   std::shared_ptr<const grammar::TokenMasker> masker;
+  // The decode worker's KV pool capacity in bytes (--kv-pool-bytes; decode_server.cc admits and
+  // preempts by it). <= 0: a quarter of the host's physical memory.
+  int64_t kv_pool_bytes = 0;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).

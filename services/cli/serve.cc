@@ -177,6 +177,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
+                 "KV pool bytes of each decode worker (default: a quarter of the host memory)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   app.add_option("--max-restarts", o->max_restarts,
@@ -339,6 +342,8 @@ int RunServe(ServeOptions o) {
       std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
                                        "--kvstore",          kv_addr,    "--model",
                                        o.model_dir,          "--dspark", o.dspark};
+      if (kind == "decode" && o.kv_pool_bytes > 0)
+        argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
       if (name == netns_name) {
         // Its own network: only eth0 (a veth) reaches the others, so UCX runs over TCP on it
         // (no shared memory, which would bypass the network).

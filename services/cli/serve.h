@@ -44,6 +44,8 @@ struct ServeOptions {
   // 0.0.0.0 and advertising ADDR, with UCX on TCP over the namespace's eth0. `host` must then be
   // an address reachable from the namespace. Default: none.
   std::string worker_netns;
+  int64_t kv_pool_bytes = 0;       // Default: 0 = the decode worker's default (a quarter of the
+                                   // host memory). Decode workers' --kv-pool-bytes
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);
