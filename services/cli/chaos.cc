@@ -636,15 +636,30 @@ int RunChaos(const ChaosOptions& o) {
     if (r.ids == want) continue;
     auto mig = migrated_at.find(d.request_id);
     bool equal = false;
+    std::string check_note;
     if (mig != migrated_at.end() && recovered) {
       const size_t k = static_cast<size_t>(mig->second);
       if (k <= r.ids.size() && std::equal(r.ids.begin(), r.ids.begin() + k, want.begin(),
                                           want.begin() + std::min(k, want.size()))) {
         Ids context = w.prompts[d.session][d.turn];
         context.insert(context.end(), r.ids.begin(), r.ids.begin() + k);
-        Result fresh = Generate(target, d.request_id + "-check", context,
-                                o.max_tokens - static_cast<int>(k), o.request_deadline_s);
+        // The fresh request runs on a cluster that just recovered: a clean failure of it (e.g. a
+        // worker the registry still lists but that is going away) is retried, and named if it
+        // persists, so it is never mistaken for a continuation that differs.
+        Result fresh;
+        for (int attempt = 0; attempt < 5; ++attempt) {
+          if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+          fresh = Generate(target, d.request_id + "-check-" + std::to_string(attempt), context,
+                           o.max_tokens - static_cast<int>(k), o.request_deadline_s);
+          if (fresh.status.ok()) break;
+        }
         equal = fresh.status.ok() && Ids(r.ids.begin() + k, r.ids.end()) == fresh.ids;
+        if (!fresh.status.ok()) {
+          check_note =
+              " (its continuation check request failed: " + fresh.status.error_message() + ")";
+        } else if (!equal) {
+          check_note = " (migrated with " + std::to_string(k) + " streamed token(s))";
+        }
       }
     }
     if (equal) {
@@ -659,7 +674,8 @@ int RunChaos(const ChaosOptions& o) {
                 << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
                 << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
                 << "token " << diverge
-                << (mig != migrated_at.end() ? " and from its migration continuation" : "") << "\n";
+                << (mig != migrated_at.end() ? " and from its migration continuation" : "")
+                << check_note << "\n";
     }
   }
   // Leaks: once idle, no worker holds a job or more transfer resources than a fault-free one did
