@@ -1,5 +1,7 @@
 #include "decode_pool/decode_server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -7,19 +9,17 @@
 #include <mutex>
 #include <thread>
 
-#include <unistd.h>
-
 #include "absl/strings/str_cat.h"
 #include "decode_pool/decode_stage.h"
-#include "decode_pool/grammar/grammar.h"
-#include "model/tokenizer.h"
-#include "spdlog/spdlog.h"
 #include "decode_pool/dspark/verifier.h"
+#include "decode_pool/grammar/grammar.h"
 #include "model/sequence_state.h"
+#include "model/tokenizer.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "spdlog/spdlog.h"
 
 namespace epd::decode_pool {
 namespace {
@@ -157,11 +157,11 @@ class DecodeHandler final : public worker::JobHandler {
         return absl::InvalidArgumentError(absl::StrCat("decode: constraint: ", g.status().message()));
       constraint = *std::move(g);
     }
-    // n > 1: one hand-off, then n sequences forked from it (each Start deserializes the received
-    // state into the KV pool: the full blocks of the copies are content-identical, so the pool
-    // holds them once; only each choice's partial last block is its own); choice i samples with
-    // its own seed (choice 0 keeps the request's). The batching loop starts them when the pool
-    // has room for them (admission).
+    // n > 1: one hand-off, then n sequences forked from it: the received state is deserialized
+    // into the KV pool once and each choice starts from a copy, sharing every block until it
+    // writes (copy-on-write: the choices differ only in their own tail blocks); choice i samples
+    // with its own seed (choice 0 keeps the request's). The batching loop starts them when the
+    // pool has room (admission).
     const int choices = std::max(1, job.sampling().n());
     auto params_of = [&](int i) {
       model::SamplingParams p = params;
@@ -204,10 +204,26 @@ class DecodeHandler final : public worker::JobHandler {
       auto segs = std::make_shared<const std::vector<model::StateSegment>>(*std::move(got));
       auto lg = std::make_shared<const std::vector<float>>(*std::move(logits));
       auto shared_prompt = std::make_shared<const std::vector<int32_t>>(prompt);
-      for (int i = 0; i < choices; ++i) {
-        starts.push_back([this, segs, lg, shared_prompt, p = params_of(i), constraint] {
+      if (choices == 1) {
+        starts.push_back([this, segs, lg, shared_prompt, p = params_of(0), constraint] {
           return stage_.Start(*segs, *lg, p, *shared_prompt, constraint);
         });
+      } else {
+        // The received state, deserialized by the first choice to start (the loop thread starts
+        // them, one at a time); released with the last closure.
+        auto proto = std::make_shared<std::unique_ptr<model::SequenceState>>();
+        for (int i = 0; i < choices; ++i) {
+          starts.push_back([this, segs, lg, shared_prompt, proto, p = params_of(i),
+                            constraint]() -> absl::StatusOr<std::unique_ptr<DecodeSequence>> {
+            if (*proto == nullptr) {
+              auto st = model::DeserializeState(*setup_.model, *segs);
+              if (!st.ok()) return st.status();
+              *proto = *std::move(st);
+            }
+            return stage_.StartWithState(std::make_unique<model::SequenceState>(**proto), *lg, p,
+                                         *shared_prompt, constraint);
+          });
+        }
       }
     }
     // Hand the sequences to the batching loop (which admits them into the KV pool); stream what
@@ -335,8 +351,8 @@ class DecodeHandler final : public worker::JobHandler {
     const double block = static_cast<double>(std::max<int64_t>(1, setup_.model->KvBlockBytes()));
     pool_used_.Set(static_cast<double>(st.used_bytes) / block);
     pool_cached_.Set(static_cast<double>(st.cached_bytes) / block);
-    pool_free_.Set(static_cast<double>(std::max<int64_t>(
-                       0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
+    pool_free_.Set(static_cast<double>(
+                       std::max<int64_t>(0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
                    block);
   }
 
@@ -394,9 +410,10 @@ class DecodeHandler final : public worker::JobHandler {
         const int64_t need = s.need_bytes + headroom * (live + 1);
         if (pool.available_bytes() < need) {
           if (live == 0 && need > pool.capacity_bytes() && pool.capacity_bytes() > 0) {
-            h.error = absl::ResourceExhaustedError(absl::StrCat(
-                "decode: the request's KV state needs ", need, " bytes of the KV pool, which "
-                "holds ", pool.capacity_bytes(), " (--kv-pool-bytes)"));
+            h.error = absl::ResourceExhaustedError(
+                absl::StrCat("decode: the request's KV state needs ", need,
+                             " bytes of the KV pool, which holds ", pool.capacity_bytes(),
+                             " (--kv-pool-bytes)"));
             continue;
           }
           break;  // first come, first served: later requests wait too

@@ -311,8 +311,8 @@ int RunServe(ServeOptions o) {
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
       std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
-                                       "--kvstore",          kv_addr,     "--model",
-                                       o.model_dir,          "--dspark",  o.dspark};
+                                       "--kvstore",          kv_addr,    "--model",
+                                       o.model_dir,          "--dspark", o.dspark};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
       Component* w = add(name, argv);
