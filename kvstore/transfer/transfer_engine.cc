@@ -415,6 +415,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
   Transfer& ref = *t;
   transfers_[id] = std::move(t);
   receiving_[ref.request_id] = id;
+  ended_receives_.erase(ref.request_id);  // a new receive for the id: offers are welcome again
   auto pending = pending_offers_.find(ref.request_id);
   if (pending != pending_offers_.end()) {
     std::unique_ptr<PendingOffer> offer = std::move(pending->second);
@@ -489,6 +490,14 @@ void TransferEngine::Forget(TransferId id) {
   // A completed receive nobody took: its bytes go now (the wire is done with them).
   if (!t->sender && t->released) t->buffer.reset();
   t->collected = true;
+}
+
+void TransferEngine::Detach(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return;
+  if (t->terminal() && !t->sender && t->released) t->buffer.reset();
+  t->collected = true;  // Tick drops the record once it is terminal and released
 }
 
 ResourceCounts TransferEngine::Resources() const {
@@ -624,6 +633,10 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
   };
   if (it != receiving_.end() || pending_offers_.contains(rid)) {
     reject(absl::StrCat("duplicate offer for request '", rid, "'"));
+    return;
+  }
+  if (auto ended = ended_receives_.find(rid); ended != ended_receives_.end()) {
+    reject(ended->second.error);  // the receiver gave up before the offer came
     return;
   }
   if (static_cast<int>(pending_offers_.size()) >= options_.max_pending_offers) {
@@ -902,6 +915,17 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
   if (!t.sender) {
     auto it = receiving_.find(t.request_id);
     if (it != receiving_.end() && it->second == t.id) receiving_.erase(it);
+    if (!t.has_peer) {
+      constexpr size_t kMaxEndedReceives = 4096;
+      constexpr int64_t kEndedReceiveTtlNs = 60'000'000'000;
+      if (ended_receives_.size() >= kMaxEndedReceives && !ended_order_.empty()) {
+        ended_receives_.erase(ended_order_.front());
+        ended_order_.pop_front();
+      }
+      ended_receives_[t.request_id] = {std::string(t.error.message()),
+                                       t.ended_ns + kEndedReceiveTtlNs};
+      ended_order_.push_back(t.request_id);
+    }
   }
   TryRelease(t);
   cv_.notify_all();
@@ -1058,6 +1082,12 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
     } else {
       ++it;
     }
+  }
+  while (!ended_order_.empty()) {
+    auto e = ended_receives_.find(ended_order_.front());
+    if (e != ended_receives_.end() && now < e->second.expires_ns) break;
+    if (e != ended_receives_.end()) ended_receives_.erase(e);
+    ended_order_.pop_front();
   }
   // Collect records nobody will ask about any more.
   int terminal = 0;

@@ -39,6 +39,11 @@ struct ServeOptions {
   int restart_window_s = 60;       // Default: 60 s
   int restart_backoff_ms = 500;    // Default: 0.5 s
   int migration_limit = 1;         // Default: 1. Router --migration-limit (docs/router.md)
+  // One worker in its own network namespace (the chaos campaign's network cut, docs/chaos.md):
+  // "NAME:NETNS:ADDR" runs worker NAME (e.g. epd-decode-1) under `ip netns exec NETNS`, bound to
+  // 0.0.0.0 and advertising ADDR, with UCX on TCP over the namespace's eth0. `host` must then be
+  // an address reachable from the namespace. Default: none.
+  std::string worker_netns;
   int64_t kv_pool_bytes = 0;       // Default: 0 = the decode worker's default (a quarter of the
                                    // host memory). Decode workers' --kv-pool-bytes
 };

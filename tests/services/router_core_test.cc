@@ -355,11 +355,16 @@ TEST_F(RouterCoreTest, UnreachableWorkerBeforeAnyTokenIsRetriedElsewhere) {
 }
 
 TEST_F(RouterCoreTest, SideStageErrorFailsTheRequestAndCancelsDecode) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
     Script s;
-    if (w.pool == PoolKind::kPrefill) {
+    if (w.pool == PoolKind::kEncoder) {
+      epd::v1::SubmitResponse r;
+      r.set_finish_reason("handoff");
+      s.messages.push_back(r);
+    } else if (w.pool == PoolKind::kPrefill) {
       epd::v1::SubmitResponse r;
       r.set_error("manifest mismatch: entry_count");
       s.messages.push_back(r);
@@ -623,6 +628,7 @@ TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
 }
 
 TEST_F(RouterCoreTest, SideStageDeathAfterItsHandoffCostsTheRequestNothing) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
