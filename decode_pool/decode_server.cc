@@ -259,8 +259,8 @@ class DecodeHandler final : public worker::JobHandler {
         done_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] {
           for (size_t i = 0; i < slots.size(); ++i) {
             if (finished[i]) continue;
-            const auto& q = *slots[i]->seq;
-            if (q.output.size() > sent[i] || q.done || !slots[i]->error.ok()) return true;
+            const Slot& q = *slots[i];
+            if (q.out.size() > sent[i] || q.finished || !q.error.ok()) return true;
           }
           return false;
         });
@@ -270,13 +270,13 @@ class DecodeHandler final : public worker::JobHandler {
             result = slots[i]->error;
             break;
           }
-          const DecodeSequence& q = *slots[i]->seq;
-          if (q.output.size() == sent[i] && !q.done) continue;
-          Fresh f{static_cast<int>(i), {q.output.begin() + sent[i], q.output.end()}, {}, q.done,
-                  q.finish_reason};
-          if (q.logprobs.size() >= q.output.size())
-            f.lp.assign(q.logprobs.begin() + sent[i], q.logprobs.begin() + q.output.size());
-          sent[i] = q.output.size();
+          const Slot& q = *slots[i];
+          if (q.out.size() == sent[i] && !q.finished) continue;
+          Fresh f{static_cast<int>(i), {q.out.begin() + sent[i], q.out.end()}, {}, q.finished,
+                  q.finish};
+          if (q.out_lp.size() >= q.out.size())
+            f.lp.assign(q.out_lp.begin() + sent[i], q.out_lp.end());
+          sent[i] = q.out.size();
           fresh.push_back(std::move(f));
         }
       }
@@ -334,6 +334,12 @@ class DecodeHandler final : public worker::JobHandler {
   struct Slot {
     std::unique_ptr<DecodeSequence> seq;
     absl::Status error;
+    // What the loop published for Run (under mu_), appended step by step: Run reads these, never
+    // the sequence (which the loop holds during a step), so nothing is copied twice.
+    std::vector<int32_t> out;
+    std::vector<model::Logprobs> out_lp;  // parallel to out when the request wants logprobs
+    bool finished = false;
+    std::string finish;
     // Loop thread only: admission (start() deserializes the hand-off into the KV pool) and
     // preemption (the state swapped out to host memory, packed).
     StartFn start;
@@ -390,9 +396,7 @@ class DecodeHandler final : public worker::JobHandler {
           const bool live = s->admitted && !s->preempted;
           if (live != (pass == 0)) continue;
           Held h{s, std::move(s->seq), live};
-          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done, no new output
-          s->seq->output = h.seq->output;
-          s->seq->logprobs = h.seq->logprobs;
+          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done
           held.push_back(std::move(h));
         }
       }
@@ -486,6 +490,19 @@ class DecodeHandler final : public worker::JobHandler {
       for (Held& h : held) {
         const bool left = h.slot->seq->done;  // Run gave up on it meanwhile
         if (h.seq != nullptr) h.slot->seq = std::move(h.seq);
+        Slot& sl = *h.slot;
+        const DecodeSequence& q = *sl.seq;
+        if (q.output.size() > sl.out.size()) {  // publish the new tokens only
+          const size_t from = sl.out.size();
+          sl.out.insert(sl.out.end(), q.output.begin() + from, q.output.end());
+          if (q.logprobs.size() >= q.output.size())
+            sl.out_lp.insert(sl.out_lp.end(), q.logprobs.begin() + from,
+                             q.logprobs.begin() + q.output.size());
+        }
+        if (q.done && !sl.finished) {
+          sl.finished = true;
+          sl.finish = q.finish_reason;
+        }
         if (left) h.slot->seq->done = true;
         if (!st.ok() && h.live) h.slot->error = st;
         if (!h.error.ok()) h.slot->error = h.error;
