@@ -1,5 +1,7 @@
 #include "decode_pool/decode_server.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
@@ -7,19 +9,17 @@
 #include <mutex>
 #include <thread>
 
-#include <unistd.h>
-
 #include "absl/strings/str_cat.h"
 #include "decode_pool/decode_stage.h"
-#include "decode_pool/grammar/grammar.h"
-#include "model/tokenizer.h"
-#include "spdlog/spdlog.h"
 #include "decode_pool/dspark/verifier.h"
+#include "decode_pool/grammar/grammar.h"
 #include "model/sequence_state.h"
+#include "model/tokenizer.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
+#include "spdlog/spdlog.h"
 
 namespace epd::decode_pool {
 namespace {
@@ -157,11 +157,11 @@ class DecodeHandler final : public worker::JobHandler {
         return absl::InvalidArgumentError(absl::StrCat("decode: constraint: ", g.status().message()));
       constraint = *std::move(g);
     }
-    // n > 1: one hand-off, then n sequences forked from it (each Start deserializes the received
-    // state into the KV pool: the full blocks of the copies are content-identical, so the pool
-    // holds them once; only each choice's partial last block is its own); choice i samples with
-    // its own seed (choice 0 keeps the request's). The batching loop starts them when the pool
-    // has room for them (admission).
+    // n > 1: one hand-off, then n sequences forked from it: the received state is deserialized
+    // into the KV pool once and each choice starts from a copy, sharing every block until it
+    // writes (copy-on-write: the choices differ only in their own tail blocks); choice i samples
+    // with its own seed (choice 0 keeps the request's). The batching loop starts them when the
+    // pool has room (admission).
     const int choices = std::max(1, job.sampling().n());
     auto params_of = [&](int i) {
       model::SamplingParams p = params;
@@ -204,10 +204,26 @@ class DecodeHandler final : public worker::JobHandler {
       auto segs = std::make_shared<const std::vector<model::StateSegment>>(*std::move(got));
       auto lg = std::make_shared<const std::vector<float>>(*std::move(logits));
       auto shared_prompt = std::make_shared<const std::vector<int32_t>>(prompt);
-      for (int i = 0; i < choices; ++i) {
-        starts.push_back([this, segs, lg, shared_prompt, p = params_of(i), constraint] {
+      if (choices == 1) {
+        starts.push_back([this, segs, lg, shared_prompt, p = params_of(0), constraint] {
           return stage_.Start(*segs, *lg, p, *shared_prompt, constraint);
         });
+      } else {
+        // The received state, deserialized by the first choice to start (the loop thread starts
+        // them, one at a time); released with the last closure.
+        auto proto = std::make_shared<std::unique_ptr<model::SequenceState>>();
+        for (int i = 0; i < choices; ++i) {
+          starts.push_back([this, segs, lg, shared_prompt, proto, p = params_of(i),
+                            constraint]() -> absl::StatusOr<std::unique_ptr<DecodeSequence>> {
+            if (*proto == nullptr) {
+              auto st = model::DeserializeState(*setup_.model, *segs);
+              if (!st.ok()) return st.status();
+              *proto = *std::move(st);
+            }
+            return stage_.StartWithState(std::make_unique<model::SequenceState>(**proto), *lg, p,
+                                         *shared_prompt, constraint);
+          });
+        }
       }
     }
     // Hand the sequences to the batching loop (which admits them into the KV pool); stream what
@@ -243,8 +259,8 @@ class DecodeHandler final : public worker::JobHandler {
         done_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] {
           for (size_t i = 0; i < slots.size(); ++i) {
             if (finished[i]) continue;
-            const auto& q = *slots[i]->seq;
-            if (q.output.size() > sent[i] || q.done || !slots[i]->error.ok()) return true;
+            const Slot& q = *slots[i];
+            if (q.out.size() > sent[i] || q.finished || !q.error.ok()) return true;
           }
           return false;
         });
@@ -254,13 +270,13 @@ class DecodeHandler final : public worker::JobHandler {
             result = slots[i]->error;
             break;
           }
-          const DecodeSequence& q = *slots[i]->seq;
-          if (q.output.size() == sent[i] && !q.done) continue;
-          Fresh f{static_cast<int>(i), {q.output.begin() + sent[i], q.output.end()}, {}, q.done,
-                  q.finish_reason};
-          if (q.logprobs.size() >= q.output.size())
-            f.lp.assign(q.logprobs.begin() + sent[i], q.logprobs.begin() + q.output.size());
-          sent[i] = q.output.size();
+          const Slot& q = *slots[i];
+          if (q.out.size() == sent[i] && !q.finished) continue;
+          Fresh f{static_cast<int>(i), {q.out.begin() + sent[i], q.out.end()}, {}, q.finished,
+                  q.finish};
+          if (q.out_lp.size() >= q.out.size())
+            f.lp.assign(q.out_lp.begin() + sent[i], q.out_lp.end());
+          sent[i] = q.out.size();
           fresh.push_back(std::move(f));
         }
       }
@@ -318,6 +334,12 @@ class DecodeHandler final : public worker::JobHandler {
   struct Slot {
     std::unique_ptr<DecodeSequence> seq;
     absl::Status error;
+    // What the loop published for Run (under mu_), appended step by step: Run reads these, never
+    // the sequence (which the loop holds during a step), so nothing is copied twice.
+    std::vector<int32_t> out;
+    std::vector<model::Logprobs> out_lp;  // parallel to out when the request wants logprobs
+    bool finished = false;
+    std::string finish;
     // Loop thread only: admission (start() deserializes the hand-off into the KV pool) and
     // preemption (the state swapped out to host memory, packed).
     StartFn start;
@@ -335,8 +357,8 @@ class DecodeHandler final : public worker::JobHandler {
     const double block = static_cast<double>(std::max<int64_t>(1, setup_.model->KvBlockBytes()));
     pool_used_.Set(static_cast<double>(st.used_bytes) / block);
     pool_cached_.Set(static_cast<double>(st.cached_bytes) / block);
-    pool_free_.Set(static_cast<double>(std::max<int64_t>(
-                       0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
+    pool_free_.Set(static_cast<double>(
+                       std::max<int64_t>(0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
                    block);
   }
 
@@ -374,9 +396,7 @@ class DecodeHandler final : public worker::JobHandler {
           const bool live = s->admitted && !s->preempted;
           if (live != (pass == 0)) continue;
           Held h{s, std::move(s->seq), live};
-          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done, no new output
-          s->seq->output = h.seq->output;
-          s->seq->logprobs = h.seq->logprobs;
+          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done
           held.push_back(std::move(h));
         }
       }
@@ -394,9 +414,10 @@ class DecodeHandler final : public worker::JobHandler {
         const int64_t need = s.need_bytes + headroom * (live + 1);
         if (pool.available_bytes() < need) {
           if (live == 0 && need > pool.capacity_bytes() && pool.capacity_bytes() > 0) {
-            h.error = absl::ResourceExhaustedError(absl::StrCat(
-                "decode: the request's KV state needs ", need, " bytes of the KV pool, which "
-                "holds ", pool.capacity_bytes(), " (--kv-pool-bytes)"));
+            h.error = absl::ResourceExhaustedError(
+                absl::StrCat("decode: the request's KV state needs ", need,
+                             " bytes of the KV pool, which holds ", pool.capacity_bytes(),
+                             " (--kv-pool-bytes)"));
             continue;
           }
           break;  // first come, first served: later requests wait too
@@ -469,6 +490,19 @@ class DecodeHandler final : public worker::JobHandler {
       for (Held& h : held) {
         const bool left = h.slot->seq->done;  // Run gave up on it meanwhile
         if (h.seq != nullptr) h.slot->seq = std::move(h.seq);
+        Slot& sl = *h.slot;
+        const DecodeSequence& q = *sl.seq;
+        if (q.output.size() > sl.out.size()) {  // publish the new tokens only
+          const size_t from = sl.out.size();
+          sl.out.insert(sl.out.end(), q.output.begin() + from, q.output.end());
+          if (q.logprobs.size() >= q.output.size())
+            sl.out_lp.insert(sl.out_lp.end(), q.logprobs.begin() + from,
+                             q.logprobs.begin() + q.output.size());
+        }
+        if (q.done && !sl.finished) {
+          sl.finished = true;
+          sl.finish = q.finish_reason;
+        }
         if (left) h.slot->seq->done = true;
         if (!st.ok() && h.live) h.slot->error = st;
         if (!h.error.ok()) h.slot->error = h.error;

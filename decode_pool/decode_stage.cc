@@ -109,9 +109,22 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Start(
                                                    model_.config().vocab_size));
   auto st = model::DeserializeState(model_, state);
   if (!st.ok()) return st.status();
+  return StartWithState(*std::move(st), logits, std::move(params), prompt, std::move(grammar));
+}
+
+absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::StartWithState(
+    std::unique_ptr<model::SequenceState> state, std::span<const float> logits,
+    model::SamplingParams params, std::span<const int32_t> prompt,
+    std::shared_ptr<const grammar::Grammar> grammar) {
+  if (absl::Status s = params.Validate(); !s.ok()) return s;
+  if (static_cast<int64_t>(logits.size()) != model_.config().vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("decode: first-token logits have ",
+                                                   logits.size(), " entries, expected ",
+                                                   model_.config().vocab_size));
+  if (state == nullptr) return absl::InvalidArgumentError("decode: no state");
   auto seq = Begin(std::move(params), prompt, std::move(grammar));
   if (!seq.ok()) return seq.status();
-  (*seq)->state = std::move(*st);
+  (*seq)->state = std::move(state);
   Offer(**seq, logits);
   return seq;
 }

@@ -104,6 +104,12 @@ class DecodeStage {
       const std::vector<model::StateSegment>& state, std::span<const float> logits,
       model::SamplingParams params, std::span<const int32_t> prompt,
       std::shared_ptr<const grammar::Grammar> grammar = nullptr);
+  // The same from a state already deserialized (an n > 1 fork: a copy of one received state,
+  // sharing its KV pool blocks copy-on-write).
+  [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeSequence>> StartWithState(
+      std::unique_ptr<model::SequenceState> state, std::span<const float> logits,
+      model::SamplingParams params, std::span<const int32_t> prompt,
+      std::shared_ptr<const grammar::Grammar> grammar = nullptr);
   // A sequence from the prompt alone (no encoder/prefill in the chain): runs Model::Prefill.
   [[nodiscard]] absl::StatusOr<std::unique_ptr<DecodeSequence>> StartFromPrompt(
       std::span<const int32_t> prompt, model::SamplingParams params,

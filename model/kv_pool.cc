@@ -19,9 +19,8 @@ namespace kf = kernels::format;
 
 uint64_t BlockHash(uint64_t seed, uint64_t stream, uint64_t prev, const uint8_t* data,
                    int64_t bytes) {
-  return absl::Hash<std::tuple<uint64_t, uint64_t, uint64_t, std::string_view>>{}(
-      std::make_tuple(seed, stream, prev,
-                      std::string_view(reinterpret_cast<const char*>(data), bytes)));
+  return absl::Hash<std::tuple<uint64_t, uint64_t, uint64_t, std::string_view>>{}(std::make_tuple(
+      seed, stream, prev, std::string_view(reinterpret_cast<const char*>(data), bytes)));
 }
 
 }  // namespace
@@ -38,9 +37,9 @@ absl::Status KvPool::Allocate(int64_t bytes, Block* out) {
     while (stats_.used_bytes + stats_.cached_bytes + bytes > capacity_) {
       if (!EvictOneLocked()) {
         ++stats_.alloc_failures;
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "kv pool: full (", stats_.used_bytes, " of ", capacity_, " bytes in use, block of ",
-            bytes, " bytes)"));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("kv pool: full (", stats_.used_bytes, " of ", capacity_,
+                         " bytes in use, block of ", bytes, " bytes)"));
       }
     }
   }
@@ -299,8 +298,8 @@ absl::Status KvRows::Writable(size_t b) {
 }
 
 void KvRows::SealBlock(size_t b) {
-  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), blocks_[b].data,
-                         rows_per_block_ * row_bytes_);
+  hashes_[b] =
+      BlockHash(pool_->seed(), stream_, PrevHash(b), blocks_[b].data, rows_per_block_ * row_bytes_);
   blocks_[b] = pool_->Seal(blocks_[b], hashes_[b]);
 }
 

@@ -130,8 +130,7 @@ class KvRows {
   KvRows() = default;
   // `stream` identifies the stream within a sequence (enters the content hash); `ratio` the
   // tokens per row (rows per block = kKvBlockTokens / ratio).
-  KvRows(std::shared_ptr<KvPool> pool, KvRowFormat format, int64_t dim, int ratio,
-         uint64_t stream);
+  KvRows(std::shared_ptr<KvPool> pool, KvRowFormat format, int64_t dim, int ratio, uint64_t stream);
   KvRows(const KvRows& o);
   KvRows& operator=(const KvRows& o);
   KvRows(KvRows&& o) noexcept;

@@ -32,9 +32,9 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
       kernels::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
                                static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
   // The pool's content-hash seed: the shape of the KV (blocks of another layout never match).
-  const uint64_t seed = absl::HashOf(c.dim, c.head_dim, c.index_head_dim, c.window_size,
-                                     c.compress_ratios, c.kv_source_layers, c.vocab_size,
-                                     options_.unquantized_kv);
+  const uint64_t seed =
+      absl::HashOf(c.dim, c.head_dim, c.index_head_dim, c.window_size, c.compress_ratios,
+                   c.kv_source_layers, c.vocab_size, options_.unquantized_kv);
   kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed);
 }
 
@@ -75,7 +75,9 @@ std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& c, std::share
   return s;
 }
 
-int64_t Model::KvBlockBytes() const { return model::KvBlockBytes(config_, options_.unquantized_kv); }
+int64_t Model::KvBlockBytes() const {
+  return model::KvBlockBytes(config_, options_.unquantized_kv);
+}
 
 int64_t Model::KvBytesFor(int64_t tokens) const {
   return model::KvBytesFor(config_, tokens, options_.unquantized_kv);
@@ -199,9 +201,10 @@ absl::Status Model::ScoreKeys(const KvRows& keys, int layer, int64_t rows, const
     }
     return backend_.IndexerScores(q, w, heads, u.data(), n, ihd, score);
   }
-  // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 512 keys.
+  // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 2048 keys
+  // (1 MiB of scratch at 128 dims: few kernel calls, still cache-resident).
   int64_t chunk = keys.rows_per_block();
-  while (chunk < 512 || chunk % 8 != 0) chunk += keys.rows_per_block();
+  while (chunk < 2048 || chunk % 8 != 0) chunk += keys.rows_per_block();
   thread_local vector<float> scratch;
   scratch.resize(chunk * ihd);
   for (int64_t t0 = 0; t0 < n; t0 += chunk) {
@@ -315,9 +318,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                  : call_keysrc;
           const SequenceState::Source& ks = state.sources.at(keysrc);
           const int64_t scored = std::max<int64_t>(0, std::min({nk, ks.n, visible}));
-          RETURN_IF_ERROR(ScoreKeys(ks.keys, keysrc, S, qi.data() + i * nI * ihd,
-                                    w.data() + i * nI, static_cast<int>(nI), scored,
-                                    score.data(), unpacked_keys));
+          RETURN_IF_ERROR(ScoreKeys(ks.keys, keysrc, S, qi.data() + i * nI * ihd, w.data() + i * nI,
+                                    static_cast<int>(nI), scored, score.data(), unpacked_keys));
           RETURN_IF_ERROR(backend_.MaskScores(score.data(), nk, scored, nullptr, 0));
           if (role.is_candidate_source) {
             RETURN_IF_ERROR(backend_.CandidateMask(score.data(), nk, c.candidate_block_size,

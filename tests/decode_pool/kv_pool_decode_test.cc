@@ -1,7 +1,7 @@
 // Prefix sharing in the decode stage's KV pool (model/kv_pool.h): eight sequences whose prompts
-// share a 1K-token prefix, handed over as prefill sends them and decoded together in one stage,
-// hold the prefix's blocks once (blocks in use = shared prefix blocks + each sequence's own
-// suffix blocks), and each produces the tokens it produces when run alone.
+// share a 1K-token prefix, handed over as a prefill worker sends them and decoded together in one
+// stage, hold the prefix's blocks once (blocks in use = shared prefix blocks + each sequence's
+// own suffix blocks), and each produces the tokens it produces when run alone.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -53,14 +53,23 @@ TEST_F(KvPoolDecodeTest, EightSequencesShareA1KPrefixAndDecodeAsAlone) {
   ASSERT_EQ(pool.stats().used_bytes, 0);
   std::vector<int32_t> prefix(kPrefix);
   for (int64_t i = 0; i < kPrefix; ++i) prefix[i] = 3 + static_cast<int32_t>((i * 37) % 1500);
+  // The hand-offs of a prefill worker that computed the common prefix once (its own pool) and
+  // each prompt's suffix as a prefill chunk after it (the monolithic prefill's numerics).
+  auto base = model_->NewSequence(std::make_shared<model::KvPool>());
+  ASSERT_TRUE(model_->Prefill(*base, prefix, false).ok());
   std::vector<Handoff> hs;
   for (int64_t s = 0; s < kSeqs; ++s) {
-    std::vector<int32_t> p = prefix;
+    std::vector<int32_t> suffix;
     for (int64_t i = 0; i < kSuffix; ++i)
-      p.push_back(3 + static_cast<int32_t>((i * 53 + s * 211 + 7) % 1500));
-    hs.push_back(Prefill(std::move(p)));
-    ASSERT_FALSE(hs.back().segs.empty());
+      suffix.push_back(3 + static_cast<int32_t>((i * 53 + s * 211 + 7) % 1500));
+    auto st = std::make_unique<model::SequenceState>(*base);
+    auto r = model_->Extend(*st, suffix, false, nullptr, model::Model::ExtendMode::kPrefillChunk);
+    ASSERT_TRUE(r.ok()) << r.status();
+    Handoff h{prefix, model::SerializeState(model_->config(), *st), r->logits};
+    h.prompt.insert(h.prompt.end(), suffix.begin(), suffix.end());
+    hs.push_back(std::move(h));
   }
+  base.reset();
   model::SamplingParams params;  // greedy
   params.max_tokens = 24;
   DecodeStage stage(*model_);
@@ -119,6 +128,43 @@ TEST_F(KvPoolDecodeTest, ForkedStatesShareBlocksCopyOnWrite) {
   // Each wrote its partial last blocks: those (only) are now separate.
   EXPECT_GT(model_->kv_pool().stats().used_bytes, held);
   EXPECT_LT(model_->kv_pool().stats().used_bytes, 2 * held);
+}
+
+// The decode worker's n > 1 path: choices started from copies of one received state hold its
+// blocks once, and each decodes exactly as a sequence started from the hand-off alone.
+TEST_F(KvPoolDecodeTest, NChoicesFromOneHandoffShareItsBlocks) {
+  std::vector<int32_t> prompt(200);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = 7 + static_cast<int32_t>((i * 41) % 1300);
+  const Handoff h = Prefill(prompt);
+  ASSERT_FALSE(h.segs.empty());
+  model::KvPool& pool = model_->kv_pool();
+  const int64_t before = pool.stats().used_bytes;
+  DecodeStage stage(*model_);
+  model::SamplingParams params;
+  params.max_tokens = 16;
+  auto proto = model::DeserializeState(*model_, h.segs);
+  ASSERT_TRUE(proto.ok()) << proto.status();
+  std::vector<std::unique_ptr<DecodeSequence>> forks;
+  for (int i = 0; i < 3; ++i) {
+    params.temperature = i == 0 ? 0.f : 0.8f;
+    params.seed = 11 + i;
+    auto q = stage.StartWithState(std::make_unique<model::SequenceState>(**proto), h.logits, params,
+                                  prompt);
+    ASSERT_TRUE(q.ok()) << q.status();
+    forks.push_back(std::move(*q));
+  }
+  EXPECT_EQ(pool.stats().used_bytes - before, model_->KvBytesFor(200));  // held once
+  proto->reset();
+  std::vector<DecodeSequence*> batch;
+  for (auto& q : forks) batch.push_back(q.get());
+  RunToEnd(stage, batch);
+  // Choice 0 (greedy) equals the sequence started from the hand-off alone.
+  params.temperature = 0.f;
+  params.seed = 11;
+  auto alone = stage.Start(h.segs, h.logits, params, prompt);
+  ASSERT_TRUE(alone.ok()) << alone.status();
+  RunToEnd(stage, {alone->get()});
+  EXPECT_EQ(forks[0]->output, (*alone)->output);
 }
 
 }  // namespace

@@ -57,9 +57,10 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   // Alone: one at a time (one fits).
   std::vector<Generation> alone;
   for (const auto& p : prompts) {
-    alone.push_back(Generate(cluster.grpc_port(), p, kTokens, {.deadline = std::chrono::seconds(120)}));
-    ASSERT_TRUE(alone.back().status.ok())
-        << alone.back().status.error_message() << "\n" << cluster.Logs();
+    alone.push_back(
+        Generate(cluster.grpc_port(), p, kTokens, {.deadline = std::chrono::seconds(120)}));
+    ASSERT_TRUE(alone.back().status.ok()) << alone.back().status.error_message() << "\n"
+                                          << cluster.Logs();
     ASSERT_FALSE(alone.back().ids.empty());
   }
   EXPECT_EQ(ScrapeMetric(dm, "epd_kv_pool_preemptions_total").value_or(-1), 0.0);
@@ -77,8 +78,8 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   }
   for (auto& t : threads) t.join();
   for (int i = 0; i < kRequests; ++i) {
-    ASSERT_TRUE(together[i].status.ok())
-        << i << ": " << together[i].status.error_message() << "\n" << cluster.Logs();
+    ASSERT_TRUE(together[i].status.ok()) << i << ": " << together[i].status.error_message() << "\n"
+                                         << cluster.Logs();
     EXPECT_EQ(together[i].ids, alone[i].ids) << "request " << i;
     EXPECT_EQ(together[i].finish, alone[i].finish) << "request " << i;
   }
@@ -96,8 +97,8 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
 // serves the next request.
 TEST_F(KvPoolE2eTest, ARequestLargerThanThePoolIsRefused) {
   const int64_t block = model_->KvBlockBytes();
-  testing::RealCluster cluster({.model_dir = model_dir(),
-                                .decode_args = {"--kv-pool-bytes", std::to_string(8 * block)}});
+  testing::RealCluster cluster(
+      {.model_dir = model_dir(), .decode_args = {"--kv-pool-bytes", std::to_string(8 * block)}});
   Generation big = Generate(cluster.grpc_port(), LongPrompt(640, 9), 4);  // 10 blocks + 2
   EXPECT_FALSE(big.status.ok());
   EXPECT_NE(big.status.error_message().find("KV pool"), std::string::npos)

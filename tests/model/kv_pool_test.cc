@@ -44,7 +44,8 @@ TEST(KvPoolTest, UnpackMatchesTheElementwiseDefinition) {
     std::vector<uint8_t> packed(row);
     std::vector<float> out(dim);
     for (int scale = 0; scale < 256; ++scale) {
-      for (int64_t i = 0; i < dim / 2; ++i) packed[i] = static_cast<uint8_t>((i * 37 + scale) % 256);
+      for (int64_t i = 0; i < dim / 2; ++i)
+        packed[i] = static_cast<uint8_t>((i * 37 + scale) % 256);
       for (int64_t b = 0; b < dim / block; ++b)
         packed[dim / 2 + b] = static_cast<uint8_t>((scale + b * 61) % 256);
       if (keys) {
