@@ -5,6 +5,9 @@
 //                              (ms). Default: the fit measured on the CPU reference backend, the
 //                              backend the workers run today (docs/dspark.md); an accelerator
 //                              deployment passes its own (e.g. 1,0.02,0.05: memory-bound).
+//   --kv-pool-bytes N          capacity of the paged KV pool (model/kv_pool.h); requests are
+//                              admitted by free blocks and preempted (swapped out) when it runs
+//                              out (decode_server.cc). Default 0: a quarter of the host memory.
 #include <string>
 #include <vector>
 
@@ -33,6 +36,11 @@ int main(int argc, char** argv) {
   epd::decode_pool::DecodeStageOptions options;
   ParseTimeModel(kCpuTimeModel, &options.time_model);
   auto add_flags = [&](CLI::App& app) {
+    app.add_option("--kv-pool-bytes", options.kv_pool_bytes,
+                   "Bytes of the paged KV pool the worker's sequences hold their global KV in "
+                   "(admission and preemption go by it; default 0 = a quarter of the host's "
+                   "memory)")
+        ->check(CLI::NonNegativeNumber);
     app.add_option("--dspark-k", options.fixed_k,
                    "DSpark drafts verified per step: -1 = chosen per step by the k policy, 0.." +
                        std::to_string(options.max_k) + " = fixed")

@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <mutex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "absl/strings/str_cat.h"
 #include "decode_pool/decode_stage.h"
@@ -12,7 +15,10 @@
 #include "model/tokenizer.h"
 #include "spdlog/spdlog.h"
 #include "decode_pool/dspark/verifier.h"
+#include "model/sequence_state.h"
 #include "prometheus/counter.h"
+#include "prometheus/family.h"
+#include "prometheus/gauge.h"
 #include "prometheus/histogram.h"
 
 namespace epd::decode_pool {
@@ -60,6 +66,14 @@ std::shared_ptr<const grammar::TokenMasker> LoadMasker(const worker::WorkerSetup
       bytes, excluded, static_cast<int32_t>(setup.model->config().eos_token_id));
 }
 
+// The pool's capacity: --kv-pool-bytes, else a quarter of the host's physical memory.
+int64_t PoolCapacity(int64_t flag) {
+  if (flag > 0) return flag;
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
+  return static_cast<int64_t>(pages) * page / 4;
+}
+
 DecodeStageOptions WithSetup(DecodeStageOptions o, const worker::WorkerSetup& setup) {
   o.dspark = setup.dspark;
   if (!o.masker) o.masker = LoadMasker(setup);
@@ -94,7 +108,27 @@ class DecodeHandler final : public worker::JobHandler {
                                     "and decode differ")
                               .Register(*setup.registry)
                               .Add({})),
-        loop_([this] { Loop(); }) {}
+        pool_blocks_(prometheus::BuildGauge()
+                         .Name("epd_kv_pool_blocks")
+                         .Help("KV pool blocks (64 tokens of global KV over all sources, packed) "
+                               "by state: free (capacity not in use), used (held by sequences), "
+                               "cached (sealed blocks nobody holds, kept for prefix reuse, "
+                               "evictable)")
+                         .Register(*setup.registry)),
+        pool_free_(pool_blocks_.Add({{"state", "free"}})),
+        pool_used_(pool_blocks_.Add({{"state", "used"}})),
+        pool_cached_(pool_blocks_.Add({{"state", "cached"}})),
+        preemptions_(prometheus::BuildCounter()
+                         .Name("epd_kv_pool_preemptions_total")
+                         .Help("Decode sequences swapped out of the KV pool (their packed state "
+                               "kept in host memory) because it ran out; each resumes later "
+                               "with the same output")
+                         .Register(*setup.registry)
+                         .Add({})),
+        loop_([this] { Loop(); }) {
+    setup_.model->kv_pool().SetCapacity(PoolCapacity(options.kv_pool_bytes));
+    UpdatePoolGauges();
+  }
 
   ~DecodeHandler() override {
     {
@@ -123,21 +157,24 @@ class DecodeHandler final : public worker::JobHandler {
         return absl::InvalidArgumentError(absl::StrCat("decode: constraint: ", g.status().message()));
       constraint = *std::move(g);
     }
-    // n > 1: one hand-off, then n sequences forked from it (each Start deserializes its own
-    // copy of the received state: a full copy for now, until the KV pool shares blocks); choice
-    // i samples with its own seed (choice 0 keeps the request's).
+    // n > 1: one hand-off, then n sequences forked from it (each Start deserializes the received
+    // state into the KV pool: the full blocks of the copies are content-identical, so the pool
+    // holds them once; only each choice's partial last block is its own); choice i samples with
+    // its own seed (choice 0 keeps the request's). The batching loop starts them when the pool
+    // has room for them (admission).
     const int choices = std::max(1, job.sampling().n());
     auto params_of = [&](int i) {
       model::SamplingParams p = params;
       if (i > 0) p.seed = params.seed + static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull;
       return p;
     };
-    std::vector<std::unique_ptr<DecodeSequence>> seqs;
+    std::vector<StartFn> starts;
     if (job.prev_worker_id().empty()) {
+      auto shared_prompt = std::make_shared<const std::vector<int32_t>>(prompt);
       for (int i = 0; i < choices; ++i) {
-        auto s = stage_.StartFromPrompt(prompt, params_of(i), constraint);
-        if (!s.ok()) return s.status();
-        seqs.push_back(std::move(*s));
+        starts.push_back([this, shared_prompt, p = params_of(i), constraint] {
+          return stage_.StartFromPrompt(*shared_prompt, p, constraint);
+        });
       }
     } else {
       std::vector<worker::SegmentShape> shapes = worker::ExpectedStateShapes(c, n, true);
@@ -164,20 +201,25 @@ class DecodeHandler final : public worker::JobHandler {
       auto logits = worker::UnpackLogits(*got);
       if (!logits.ok()) return logits.status();
       got->pop_back();  // the logits segment
+      auto segs = std::make_shared<const std::vector<model::StateSegment>>(*std::move(got));
+      auto lg = std::make_shared<const std::vector<float>>(*std::move(logits));
+      auto shared_prompt = std::make_shared<const std::vector<int32_t>>(prompt);
       for (int i = 0; i < choices; ++i) {
-        auto s = stage_.Start(*got, *logits, params_of(i), prompt, constraint);
-        if (!s.ok()) return s.status();
-        seqs.push_back(std::move(*s));
+        starts.push_back([this, segs, lg, shared_prompt, p = params_of(i), constraint] {
+          return stage_.Start(*segs, *lg, p, *shared_prompt, constraint);
+        });
       }
     }
-    // Hand the sequences to the batching loop; stream what they produce, each message for one
-    // choice (SubmitResponse.index).
+    // Hand the sequences to the batching loop (which admits them into the KV pool); stream what
+    // they produce, each message for one choice (SubmitResponse.index).
     std::vector<std::shared_ptr<Slot>> slots;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& seq : seqs) {
+      for (auto& start : starts) {
         auto slot = std::make_shared<Slot>();
-        slot->seq = std::move(seq);
+        slot->seq = std::make_unique<DecodeSequence>();  // placeholder until admitted
+        slot->start = std::move(start);
+        slot->need_bytes = setup_.model->KvBytesFor(n);
         slots_.push_back(slot);
         slots.push_back(std::move(slot));
       }
@@ -253,53 +295,163 @@ class DecodeHandler final : public worker::JobHandler {
         }
       }
     }
+    std::vector<std::unique_ptr<DecodeSequence>> gone;
     {
       std::lock_guard<std::mutex> lock(mu_);
       for (auto& slot : slots) {
         slot->seq->done = true;  // the loop skips it from now on
         slots_.erase(std::remove(slots_.begin(), slots_.end(), slot), slots_.end());
+        // Its state leaves the pool now (a placeholder when the loop holds it: the loop drops
+        // the slot after its step).
+        gone.push_back(std::move(slot->seq));
+        slot->seq = std::make_unique<DecodeSequence>();
+        slot->seq->done = true;
       }
     }
+    gone.clear();
+    UpdatePoolGauges();
     return result;
   }
 
  private:
+  using StartFn = std::function<absl::StatusOr<std::unique_ptr<DecodeSequence>>()>;
   struct Slot {
     std::unique_ptr<DecodeSequence> seq;
     absl::Status error;
+    // Loop thread only: admission (start() deserializes the hand-off into the KV pool) and
+    // preemption (the state swapped out to host memory, packed).
+    StartFn start;
+    bool admitted = false;
+    bool preempted = false;
+    int64_t need_bytes = 0;  // pool bytes the state takes when admitted or resumed
+    uint64_t order = 0;      // admission order: the youngest live sequence is preempted first
+    std::vector<model::StateSegment> swapped;
   };
 
+  static bool Wants(const Slot& s) { return !s.seq->done && s.error.ok(); }
+
+  void UpdatePoolGauges() {
+    const model::KvPool::Stats st = setup_.model->kv_pool().stats();
+    const double block = static_cast<double>(std::max<int64_t>(1, setup_.model->KvBlockBytes()));
+    pool_used_.Set(static_cast<double>(st.used_bytes) / block);
+    pool_cached_.Set(static_cast<double>(st.cached_bytes) / block);
+    pool_free_.Set(static_cast<double>(std::max<int64_t>(
+                       0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
+                   block);
+  }
+
   // Continuous batching: every step advances all live sequences by one token (one DecodeStep);
-  // sequences join and leave between steps. The sequences are only touched under mu_ or by this
-  // thread while it holds them in `batch` (Run does not read a slot's sequence while a step runs,
-  // because it reads under mu_ and the step's results are published under mu_).
+  // sequences join and leave between steps. Before a step the loop (1) admits waiting requests
+  // and resumes preempted ones, oldest first, while the KV pool has room for their state plus
+  // the step's headroom (2 blocks per live sequence: a block boundary and a copy-on-write per
+  // stream), and (2) preempts the youngest live sequences (swaps their packed state out to host
+  // memory, freeing their blocks) while the headroom is missing. A resumed sequence continues
+  // bit for bit (the swap is the exact hand-off serialization; batch composition does not change
+  // a sequence's numerics). The sequences are only touched under mu_ or by this thread while it
+  // holds them (Run reads a slot's sequence under mu_; the loop publishes under mu_).
   void Loop() {
     std::unique_lock<std::mutex> lock(mu_);
+    model::KvPool& pool = setup_.model->kv_pool();
+    const int64_t headroom = 2 * setup_.model->KvBlockBytes();
     while (true) {
       work_cv_.wait(lock, [&] {
         if (stop_) return true;
         for (auto& s : slots_)
-          if (!s->seq->done && s->error.ok()) return true;
+          if (Wants(*s)) return true;
         return false;
       });
       if (stop_) return;
-      std::vector<std::shared_ptr<Slot>> live;
-      std::vector<std::unique_ptr<DecodeSequence>> seqs;
-      for (auto& s : slots_) {
-        if (s->seq->done || !s->error.ok()) continue;
-        live.push_back(s);
-        seqs.push_back(std::move(s->seq));            // the loop owns it during the step
-        s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done, no output
-        s->seq->output = seqs.back()->output;
-        s->seq->logprobs = seqs.back()->logprobs;
+      struct Held {
+        std::shared_ptr<Slot> slot;
+        std::unique_ptr<DecodeSequence> seq;
+        bool live = false;
+        absl::Status error;  // admission or resumption failed (published under mu_)
+      };
+      std::vector<Held> held;  // live first (admission order), then waiting (arrival order)
+      for (int pass = 0; pass < 2; ++pass) {
+        for (auto& s : slots_) {
+          if (!Wants(*s)) continue;
+          const bool live = s->admitted && !s->preempted;
+          if (live != (pass == 0)) continue;
+          Held h{s, std::move(s->seq), live};
+          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done, no new output
+          s->seq->output = h.seq->output;
+          s->seq->logprobs = h.seq->logprobs;
+          held.push_back(std::move(h));
+        }
       }
       lock.unlock();
+      std::stable_sort(held.begin(), held.end(), [](const Held& a, const Held& b) {
+        if (a.live != b.live) return a.live;
+        return a.live ? a.slot->order < b.slot->order : false;
+      });
+      int64_t live = 0;
+      for (const Held& h : held) live += h.live ? 1 : 0;
+      // (1) Admission and resumption, oldest first, while the pool has room.
+      for (Held& h : held) {
+        if (h.live) continue;
+        Slot& s = *h.slot;
+        const int64_t need = s.need_bytes + headroom * (live + 1);
+        if (pool.available_bytes() < need) {
+          if (live == 0 && need > pool.capacity_bytes() && pool.capacity_bytes() > 0) {
+            h.error = absl::ResourceExhaustedError(absl::StrCat(
+                "decode: the request's KV state needs ", need, " bytes of the KV pool, which "
+                "holds ", pool.capacity_bytes(), " (--kv-pool-bytes)"));
+            continue;
+          }
+          break;  // first come, first served: later requests wait too
+        }
+        if (!s.admitted) {
+          auto q = s.start();
+          s.start = nullptr;
+          if (!q.ok()) {
+            h.error = q.status();
+            continue;
+          }
+          h.seq = std::move(*q);
+          s.admitted = true;
+        } else {
+          auto st = model::DeserializeState(*setup_.model, s.swapped);
+          if (!st.ok()) {
+            h.error = st.status();
+            continue;
+          }
+          h.seq->state = std::move(*st);
+          s.swapped.clear();
+          s.preempted = false;
+        }
+        s.order = ++admissions_;
+        h.live = true;
+        ++live;
+      }
+      // (2) Preemption: the youngest live sequences go while the step's headroom is missing.
+      while (live > 0 && pool.available_bytes() < headroom * live) {
+        Held* victim = nullptr;
+        for (Held& h : held) {
+          if (h.live && !h.seq->done && (victim == nullptr || h.slot->order > victim->slot->order))
+            victim = &h;
+        }
+        if (victim == nullptr) break;
+        Slot& s = *victim->slot;
+        s.swapped = model::SerializeState(setup_.model->config(), *victim->seq->state);
+        s.need_bytes = setup_.model->KvBytesFor(victim->seq->state->pos);
+        victim->seq->state.reset();  // releases its blocks
+        s.preempted = true;
+        victim->live = false;
+        --live;
+        preemptions_.Increment();
+      }
+      // (3) One step over the live batch.
       std::vector<DecodeSequence*> batch;
-      for (auto& q : seqs) batch.push_back(q.get());
-      setup_.batch_size->Set(static_cast<double>(batch.size()));
+      for (Held& h : held)
+        if (h.live && !h.seq->done) batch.push_back(h.seq.get());
+      absl::Status st = absl::OkStatus();
       DecodeStepStats stats;
-      absl::Status st = stage_.Step(batch, &stats);
-      if (st.ok() && stage_.options().dspark) {
+      if (!batch.empty()) {
+        setup_.batch_size->Set(static_cast<double>(batch.size()));
+        st = stage_.Step(batch, &stats);
+      }
+      if (st.ok() && stage_.options().dspark && !batch.empty()) {
         drafted_.Increment(static_cast<double>(stats.drafted));
         accepted_.Increment(static_cast<double>(stats.accepted));
         for (int k : stats.k) verify_len_.Observe(k);
@@ -312,18 +464,25 @@ class DecodeHandler final : public worker::JobHandler {
           }
         }
       }
+      UpdatePoolGauges();
       lock.lock();
-      for (size_t i = 0; i < live.size(); ++i) {
-        const bool left = live[i]->seq->done;  // Run gave up on it during the step
-        live[i]->seq = std::move(seqs[i]);
-        if (left) live[i]->seq->done = true;
-        if (!st.ok()) live[i]->error = st;
+      for (Held& h : held) {
+        const bool left = h.slot->seq->done;  // Run gave up on it meanwhile
+        if (h.seq != nullptr) h.slot->seq = std::move(h.seq);
+        if (left) h.slot->seq->done = true;
+        if (!st.ok() && h.live) h.slot->error = st;
+        if (!h.error.ok()) h.slot->error = h.error;
       }
       // Idle after this step: the running batch is empty until the next job joins.
       bool any_live = false;
-      for (auto& s : slots_) any_live = any_live || (!s->seq->done && s->error.ok());
+      for (auto& s : slots_) any_live = any_live || Wants(*s);
       if (!any_live) setup_.batch_size->Set(0);
       done_cv_.notify_all();
+      held.clear();  // slots Run gave up meanwhile release their state here
+      UpdatePoolGauges();
+      // Nothing could run (waiting for room that sequences of finishing requests free): do not
+      // spin.
+      if (batch.empty() && any_live) work_cv_.wait_for(lock, std::chrono::milliseconds(5));
     }
   }
 
@@ -361,6 +520,12 @@ class DecodeHandler final : public worker::JobHandler {
   }
   std::vector<PositionCounter> per_position_;
   prometheus::Counter& handoff_mismatch_;
+  prometheus::Family<prometheus::Gauge>& pool_blocks_;
+  prometheus::Gauge& pool_free_;
+  prometheus::Gauge& pool_used_;
+  prometheus::Gauge& pool_cached_;
+  prometheus::Counter& preemptions_;
+  uint64_t admissions_ = 0;  // loop thread only
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;
   std::vector<std::shared_ptr<Slot>> slots_;

@@ -14,8 +14,7 @@ DecodeStage::DecodeStage(const model::Model& model, DecodeStageOptions options)
     : model_(model),
       options_(options),
       policy_(options.time_model, KPolicyOptions{.max_k = options.max_k}),
-      scorer_(model),
-      decoder_(model, scorer_, &policy_) {
+      drafter_(model, &policy_) {
   calibration_.predicted.assign(std::max(0, options_.max_k), 0.0);
   calibration_.accepted.assign(std::max(0, options_.max_k), 0.0);
 }
@@ -206,7 +205,7 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     // T > 0: k changes how the seeded Rng is consumed, so the policy sees batch 1 (k then
     // depends on the request alone and a seed reproduces its output whatever else is running).
     const int policy_batch = s.sampler->params().greedy() ? b : 1;
-    auto prop = decoder_.Propose(*s.state, s.pending, *s.sampler, k, policy_batch);
+    auto prop = drafter_.Propose(*s.state, s.pending, *s.sampler, k, policy_batch);
     if (!prop.ok())
       return absl::Status(prop.status().code(),
                           absl::StrCat("dspark draft: ", prop.status().message()));
@@ -264,7 +263,7 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
           break;
       }
     }
-    const VerifyOutcome o = decoder_.Verify(s.grammar ? masked : logits, p, *s.sampler);
+    const VerifyOutcome o = drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
     if (p.k > 0) {
       const std::span<const int32_t> keep =
           std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);

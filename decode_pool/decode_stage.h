@@ -26,7 +26,6 @@
 #include "absl/status/statusor.h"
 #include "decode_pool/dspark/k_policy.h"
 #include "decode_pool/grammar/grammar.h"
-#include "decode_pool/dspark/target_scorer.h"
 #include "decode_pool/dspark/verifier.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -70,6 +69,9 @@ struct DecodeStageOptions {
   // The vocabulary for constrained decoding (token bytes); null: constrained requests are
   // refused (FailedPrecondition).
   std::shared_ptr<const grammar::TokenMasker> masker;
+  // The decode worker's KV pool capacity in bytes (--kv-pool-bytes; decode_server.cc admits and
+  // preempts by it). <= 0: a quarter of the host's physical memory.
+  int64_t kv_pool_bytes = 0;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).
@@ -136,8 +138,7 @@ class DecodeStage {
   const model::Model& model_;
   DecodeStageOptions options_;
   KPolicy policy_;
-  ExtendTargetScorer scorer_;  // required by SpeculativeDecoder; Step uses DecodeStep instead
-  SpeculativeDecoder decoder_;
+  Drafter drafter_;  // Propose/Verify per sequence around the batched DecodeStep
   std::mutex compute_mu_;
   // Guarded by compute_mu_.
   AcceptanceCalibration calibration_;

@@ -138,7 +138,7 @@ done
 for h in kv0 kv1; do wait_port_file "$state/$h.ports.json" grpc; done
 start router "$bin/epd-router" --host "$(addr router)" --http-port 8000 --grpc-port 50051 \
   --metrics-port 9090 --model "$model" --kvstore "$kvstores" --heartbeat-interval-ms 200 \
-  ${EPD_ROUTER_ARGS:-}
+  --heartbeat-miss-limit 10 ${EPD_ROUTER_ARGS:-}
 wait_port_file "$state/router.ports.json" grpc
 for h in encoder prefill decode; do
   start "$h" "$bin/epd-$h" --host 0.0.0.0 --advertise-address "$(addr "$h")" --metrics-port 9090 \

@@ -18,12 +18,12 @@ class EncoderHandler final : public worker::JobHandler {
     auto& reg = *setup.registry;
     replays_ = &prometheus::BuildCounter()
                     .Name("epd_swa_replay_total")
-                    .Help("SWA bounded replays, per stage")
+                    .Help("SWA replays (encoder: rings after a snapshot miss; decoder: tail), per stage")
                     .Register(reg)
                     .Add({{"stage", "encoder"}});
     replayed_tokens_ = &prometheus::BuildCounter()
                             .Name("epd_swa_replay_tokens_total")
-                            .Help("Tokens run through SWA bounded replays, per stage")
+                            .Help("Tokens run through SWA replays, per stage")
                             .Register(reg)
                             .Add({{"stage", "encoder"}});
     auto& errors = prometheus::BuildCounter()

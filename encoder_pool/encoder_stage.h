@@ -41,7 +41,7 @@ struct PrefixReport {
   int64_t cached_tokens = 0;      // P actually used (whole blocks, <= the hint and the tail cap)
   int64_t blocks_fetched = 0;     // G3 (or G1) block values read and used
   bool snapshot_hit = false;      // the SWA rings came from G2
-  bool replayed = false;          // G2 miss/expiry: encoder bounded replay ran
+  bool replayed = false;          // G2 miss/expiry: the encoder replay rebuilt the rings
   int64_t replayed_tokens = 0;    // tokens of that replay
   int64_t blocks_written = 0;     // new block values put to G3
   bool snapshot_written = false;  // SWA snapshot put to G2
@@ -65,7 +65,7 @@ class EncoderStage {
 
   // The same result, reusing the stored prefix: P = min(hint, PrefixCap(N)) rounded down to a
   // block; the G3 blocks [0, P) and the G2 SWA snapshot at P are read (a missing block shortens
-  // P to the blocks read; a missing/expired snapshot runs the encoder bounded replay), then
+  // P to the blocks read; a missing/expired snapshot runs the (exact) encoder replay), then
   // EncoderPass runs over [P, N) in two chunks split at the last block boundary M of the prompt,
   // and the new blocks [P, M) not yet stored go to G3 and the rings at M to G2 (before Run
   // returns). Store errors never fail the call; they are listed in `report`.

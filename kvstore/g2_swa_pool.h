@@ -3,7 +3,7 @@
 // G2: the host-DRAM pool of encoder SWA snapshots (DESIGN §5). Each entry has a TTL counted from
 // its put (reads never extend it) and the pool has a byte capacity: a put first drops expired
 // entries, then evicts least-recently-used ones until the new value fits. Losing an entry only
-// costs an encoder bounded replay, so nothing here is persisted.
+// costs an encoder replay of the rings, so nothing here is persisted.
 //
 // Puts are two-phase: BeginPut() reserves capacity and hands out a private buffer; Commit()
 // publishes it with one pointer swap, so a reader sees the old value, the new value or nothing,

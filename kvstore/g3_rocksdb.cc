@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <cstring>
+#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -246,14 +247,7 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
   }
   if (r.miss == MissReason::kChecksum) metrics_.checksum_failures->Increment();
   all_metrics_.CountMiss(Tier::kG3, r.miss);
-  if (drop) {
-    {
-      absl::MutexLock lock(&mu_);
-      ForgetLocked(key);
-      UpdateGaugesLocked();
-    }
-    (void)DeleteKeys({key});
-  }
+  if (drop) (void)DropKey(key);  // a failure is logged, counted and retried later
   return r;
 }
 
@@ -270,13 +264,29 @@ bool G3RocksStore::Contains(const BlockHash& key) const {
   return it != index_.end() && !ExpiredAt(it->second.write_unix_ms, clock_.NowUnixMs());
 }
 
-absl::Status G3RocksStore::Delete(const BlockHash& key) {
+absl::Status G3RocksStore::Delete(const BlockHash& key) { return DropKey(key); }
+
+absl::Status G3RocksStore::DropKey(const BlockHash& key) {
+  std::optional<Meta> had;
   {
     absl::MutexLock lock(&mu_);
+    if (auto it = index_.find(key); it != index_.end()) had = it->second;
     ForgetLocked(key);
     UpdateGaugesLocked();
   }
-  return DeleteKeys({key});
+  absl::Status s = DeleteKeys({key});
+  if (s.ok()) return s;
+  spdlog::warn("G3: block {} could not be deleted ({}); it stays indexed", common::ToHex(key),
+               std::string(s.message()));
+  all_metrics_.CountBadRequest("internal");
+  absl::MutexLock lock(&mu_);
+  if (had && !index_.contains(key)) {  // not put again meanwhile
+    index_[key] = *had;
+    by_time_.emplace(had->write_unix_ms, key);
+    bytes_ += had->bytes;
+    UpdateGaugesLocked();
+  }
+  return s;
 }
 
 absl::Status G3RocksStore::DeleteKeys(const std::vector<BlockHash>& keys) {
@@ -292,19 +302,22 @@ absl::Status G3RocksStore::DeleteKeys(const std::vector<BlockHash>& keys) {
 G3RocksStore::SweepResult G3RocksStore::Sweep() {
   SweepResult r;
   std::vector<BlockHash> victims;
+  std::vector<Meta> metas;
   {
     absl::MutexLock lock(&mu_);
     const int64_t now = clock_.NowUnixMs();
-    while (!by_time_.empty() && ExpiredAt(by_time_.begin()->first, now)) {
+    auto take = [&] {
       const BlockHash k = by_time_.begin()->second;
+      metas.push_back(index_.at(k));
       ForgetLocked(k);
       victims.push_back(k);
+    };
+    while (!by_time_.empty() && ExpiredAt(by_time_.begin()->first, now)) {
+      take();
       ++r.expired;
     }
     while (bytes_ > config_.capacity_bytes && !by_time_.empty()) {
-      const BlockHash k = by_time_.begin()->second;
-      ForgetLocked(k);
-      victims.push_back(k);
+      take();
       ++r.evicted;
     }
     UpdateGaugesLocked();
@@ -312,8 +325,19 @@ G3RocksStore::SweepResult G3RocksStore::Sweep() {
   if (r.expired > 0) metrics_.ttl_expiries->Increment(static_cast<double>(r.expired));
   if (r.evicted > 0) metrics_.evictions->Increment(static_cast<double>(r.evicted));
   if (!victims.empty()) {
-    if (auto s = DeleteKeys(victims); !s.ok())
+    if (auto s = DeleteKeys(victims); !s.ok()) {
+      // Still in the database: index them again, so the next sweep tries again.
       spdlog::warn("G3 sweep: {}", std::string(s.message()));
+      all_metrics_.CountBadRequest("internal");
+      absl::MutexLock lock(&mu_);
+      for (size_t i = 0; i < victims.size(); ++i) {
+        if (index_.contains(victims[i])) continue;
+        index_[victims[i]] = metas[i];
+        by_time_.emplace(metas[i].write_unix_ms, victims[i]);
+        bytes_ += metas[i].bytes;
+      }
+      UpdateGaugesLocked();
+    }
   }
   return r;
 }

@@ -106,6 +106,10 @@ class G3RocksStore {
   G3RocksStore(const G3Config& config, const common::Clock& clock, KvMetrics& metrics);
   absl::Status DeleteKeys(const std::vector<BlockHash>& keys);
   void ForgetLocked(const BlockHash& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets `key` and deletes it from the database; when the delete fails the index entry is put
+  // back (index and database keep agreeing: the sweep or a later Get tries again) and the
+  // failure is logged and counted (epd_kv_bad_requests_total{reason="internal"}).
+  absl::Status DropKey(const BlockHash& key);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool ExpiredAt(int64_t write_ms, int64_t now_ms) const {
     return G3Expired(write_ms, now_ms, config_.ttl_ms);

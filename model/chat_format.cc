@@ -233,9 +233,10 @@ absl::StatusOr<std::vector<ChatMessage>> MessagesFromOpenAi(const nlohmann::json
     }
     if (j.contains("tool_calls") && j["tool_calls"].is_array()) {
       for (const nlohmann::json& tc : j["tool_calls"]) {
-        if (!tc.contains("function") || !tc["function"].contains("name")) {
+        if (!tc.is_object() || !tc.contains("function") || !tc["function"].is_object() ||
+            !tc["function"].contains("name") || !tc["function"]["name"].is_string()) {
           return absl::InvalidArgumentError(
-              Cat("messages[", i, "].tool_calls entry lacks function.name"));
+              Cat("messages[", i, "].tool_calls entry lacks a string function.name"));
         }
         const nlohmann::json& f = tc["function"];
         ToolCall call{f["name"].get<std::string>(), "{}"};

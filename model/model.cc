@@ -6,6 +6,7 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/rope.h"
@@ -30,6 +31,59 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
   freqs_yarn_ =
       kernels::RopeFrequencies(c.rope_head_dim, c.compress_rope_theta, true, c.rope_factor,
                                static_cast<double>(c.original_seq_len), c.beta_fast, c.beta_slow);
+  // The pool's content-hash seed: the shape of the KV (blocks of another layout never match).
+  const uint64_t seed = absl::HashOf(c.dim, c.head_dim, c.index_head_dim, c.window_size,
+                                     c.compress_ratios, c.kv_source_layers, c.vocab_size,
+                                     options_.unquantized_kv);
+  kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed);
+}
+
+int64_t KvBlockBytes(const ModelConfig& c, bool unquantized_kv) {
+  return KvBytesFor(c, kKvBlockTokens, unquantized_kv);
+}
+
+int64_t KvBytesFor(const ModelConfig& c, int64_t tokens, bool unquantized_kv) {
+  const KvRowFormat kvf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKv;
+  const KvRowFormat kf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKey;
+  int64_t b = 0;
+  for (int l : c.kv_source_layers) {
+    const int r = std::max(1, c.compress_ratios[l]);
+    const int64_t rpb = std::max<int64_t>(1, kKvBlockTokens / r);
+    const int64_t blocks = (std::max<int64_t>(0, tokens) / r + rpb - 1) / rpb;
+    b += blocks * rpb * (KvRowBytes(kvf, c.head_dim) + KvRowBytes(kf, c.index_head_dim));
+  }
+  return b;
+}
+
+std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& c, std::shared_ptr<KvPool> pool,
+                                                bool unquantized_kv) {
+  auto s = std::make_unique<SequenceState>();
+  const KvRowFormat kvf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKv;
+  const KvRowFormat kf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKey;
+  s->swa.assign(c.total_layers(),
+                vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
+  for (int l : c.kv_source_layers) {
+    SequenceState::Source& src = s->sources[l];
+    src.ratio = c.compress_ratios[l];
+    src.kv = KvRows(pool, kvf, c.head_dim, src.ratio, static_cast<uint64_t>(l) * 2);
+    src.keys = KvRows(pool, kf, c.index_head_dim, src.ratio, static_cast<uint64_t>(l) * 2 + 1);
+    if (src.ratio > 1) {
+      src.kv_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, 0.f);
+      src.score_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, -INFINITY);
+    }
+  }
+  return s;
+}
+
+int64_t Model::KvBlockBytes() const { return model::KvBlockBytes(config_, options_.unquantized_kv); }
+
+int64_t Model::KvBytesFor(int64_t tokens) const {
+  return model::KvBytesFor(config_, tokens, options_.unquantized_kv);
+}
+
+std::unique_ptr<SequenceState> Model::NewSequence(std::shared_ptr<KvPool> pool) const {
+  return NewSequenceState(config_, pool != nullptr ? std::move(pool) : kv_pool_,
+                          options_.unquantized_kv);
 }
 
 absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
@@ -53,22 +107,6 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
     ek = std::move(*k);
   }
   return std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(ek), backend, options);
-}
-
-std::unique_ptr<SequenceState> Model::NewSequence() const {
-  const ModelConfig& c = config_;
-  auto s = std::make_unique<SequenceState>();
-  s->swa.assign(c.total_layers(),
-                vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
-  for (int l : c.kv_source_layers) {
-    SequenceState::Source& src = s->sources[l];
-    src.ratio = c.compress_ratios[l];
-    if (src.ratio > 1) {
-      src.kv_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, 0.f);
-      src.score_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, -INFINITY);
-    }
-  }
-  return s;
 }
 
 absl::Status Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
@@ -136,10 +174,40 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
         RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false));
     if (!options_.unquantized_kv)
       RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd));
-    s.kv.insert(s.kv.end(), latents.begin(), latents.end());
-    s.keys.insert(s.keys.end(), keys.begin(), keys.end());
+    RETURN_IF_ERROR(s.kv.Append(latents.data(), ne));
+    if (absl::Status st = s.keys.Append(keys.data(), ne); !st.ok()) {
+      s.kv.Truncate(s.n);
+      return st;
+    }
     s.n += ne;
     state.published_keys = l;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::ScoreKeys(const KvRows& keys, int layer, int64_t rows, const float* q,
+                              const float* w, int heads, int64_t n, float* score,
+                              std::map<int, vector<float>>& unpacked) const {
+  const int64_t ihd = keys.dim();
+  if (n <= 0) return absl::OkStatus();
+  if (rows > 1) {
+    vector<float>& u = unpacked[layer];
+    const int64_t have = static_cast<int64_t>(u.size()) / ihd;
+    if (have < n) {
+      u.resize(n * ihd);
+      keys.Unpack(have, n - have, u.data() + have * ihd);
+    }
+    return backend_.IndexerScores(q, w, heads, u.data(), n, ihd, score);
+  }
+  // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 512 keys.
+  int64_t chunk = keys.rows_per_block();
+  while (chunk < 512 || chunk % 8 != 0) chunk += keys.rows_per_block();
+  thread_local vector<float> scratch;
+  scratch.resize(chunk * ihd);
+  for (int64_t t0 = 0; t0 < n; t0 += chunk) {
+    const int64_t cnt = std::min(chunk, n - t0);
+    keys.Unpack(t0, cnt, scratch.data());
+    RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, scratch.data(), cnt, ihd, score + t0));
   }
   return absl::OkStatus();
 }
@@ -234,6 +302,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                                 std::pow(static_cast<double>(nI), -0.5));
         RETURN_IF_ERROR(backend_.ScaleRoundBf16(w.data(), S * nI, wscale));
         vector<float> score(nk);
+        std::map<int, vector<float>> unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
           call.cand.assign(S * nk, 0);
           call.cand_cols = nk;
@@ -245,10 +314,10 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                  ? DecodeKeySource(l, pos[i], call)
                                  : call_keysrc;
           const SequenceState::Source& ks = state.sources.at(keysrc);
-          const int64_t scored = std::min({nk, ks.n, visible});
-          RETURN_IF_ERROR(backend_.IndexerScores(qi.data() + i * nI * ihd, w.data() + i * nI,
-                                                 static_cast<int>(nI), ks.keys.data(),
-                                                 std::max<int64_t>(scored, 0), ihd, score.data()));
+          const int64_t scored = std::max<int64_t>(0, std::min({nk, ks.n, visible}));
+          RETURN_IF_ERROR(ScoreKeys(ks.keys, keysrc, S, qi.data() + i * nI * ihd,
+                                    w.data() + i * nI, static_cast<int>(nI), scored,
+                                    score.data(), unpacked_keys));
           RETURN_IF_ERROR(backend_.MaskScores(score.data(), nk, scored, nullptr, 0));
           if (role.is_candidate_source) {
             RETURN_IF_ERROR(backend_.CandidateMask(score.data(), nk, c.candidate_block_size,
@@ -298,8 +367,24 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   kernels::SparseAttentionArgs args;
   args.q = q.data();
   args.kv = kv_all.data();
-  if (ratio > 0 && nk > 0) {  // top-k entries (>= win_rows) read the compressed KV in place
-    args.kv_ext = src->kv.data();
+  vector<float> kv_sel;
+  if (ratio > 0 && nk > 0) {
+    // Top-k entries (list values >= win_rows): the selected compressed entries, unpacked from the
+    // pool's blocks into a compact buffer in first-use order; the list is renumbered to it (the
+    // values and their order in each list are unchanged, so is the attention).
+    vector<int32_t> remap(nk, -1), sel;
+    for (int32_t& v : idx) {
+      if (v < win_rows) continue;
+      int32_t& m = remap[v - win_rows];
+      if (m < 0) {
+        m = static_cast<int32_t>(sel.size());
+        sel.push_back(static_cast<int32_t>(v - win_rows));
+      }
+      v = static_cast<int32_t>(win_rows + m);
+    }
+    kv_sel.resize(sel.size() * hd);
+    src->kv.Gather(sel.data(), static_cast<int64_t>(sel.size()), kv_sel.data());
+    args.kv_ext = kv_sel.data();
     args.kv_ext_start = win_rows;
   }
   args.sink = A.attn_sink.data();

@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/engram.h"
+#include "model/kv_pool.h"
 #include "model/weights.h"
 
 namespace epd::model {
@@ -30,20 +31,24 @@ struct ModelOptions {
   bool stale_index_keys = true;
   // Benchmarks only (tests/bench/ced_bench.cc): keep the compressed KV latents and index keys in
   // full precision, skipping their FP4 quantize-dequantize (MODEL.md §3). Default false = the
-  // reference numerics; false changes nothing.
+  // reference numerics; false changes nothing. (The KV pool then holds fp32 rows.)
   bool unquantized_kv = false;
+  // Capacity of the model's KV pool in bytes (0 = unbounded); see Model::kv_pool().
+  int64_t kv_pool_bytes = 0;
 };
 
-// Per-sequence state kept between calls (bf16 values held as float; the packed byte forms are in
-// kernels/format.h).
+// Per-sequence state kept between calls. The global KV (compressed entries and index keys of
+// every KV source) lives in the model's KvPool in its packed formats, read and written through
+// each stream's block table (KvRows, model/kv_pool.h); copying a state shares those blocks
+// (copy-on-write). The rings and tails are bf16/fp32 values held as float.
 struct SequenceState {
   int64_t pos = 0;  // tokens processed so far (next position)
   // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window.
   std::vector<std::vector<float>> swa;
   struct Source {
     int ratio = 0;
-    std::vector<float> kv;    // [n, head_dim] FP4-qdq compressed latents (RoPE applied)
-    std::vector<float> keys;  // [n, index_head_dim] FP4-qdq index keys
+    KvRows kv;    // [n, head_dim] FP4-qdq compressed latents (RoPE applied), packed, paged
+    KvRows keys;  // [n, index_head_dim] FP4-qdq index keys, packed, paged
     int64_t n = 0;
     std::vector<float> kv_state;     // [ratio, head_dim] fp32 tail (ratio > 1)
     std::vector<float> score_state;  // [ratio, head_dim] fp32, -inf when empty
@@ -58,6 +63,16 @@ struct SequenceState {
   std::vector<float> main_hidden;  // [n_targets*dim] DSpark input of the last position
   int64_t main_hidden_pos = -1;
 };
+
+// A fresh state for `config` whose global KV lives in `pool` (Model::NewSequence; tools and tests
+// that need a state without weights, e.g. a synthesized long state of the release config).
+std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& config,
+                                                std::shared_ptr<KvPool> pool,
+                                                bool unquantized_kv = false);
+// Pool bytes of one kKvBlockTokens-token block of global KV over all sources, and of a state at
+// `tokens` positions (whole blocks of every stream, unshared).
+int64_t KvBlockBytes(const ModelConfig& config, bool unquantized_kv = false);
+int64_t KvBytesFor(const ModelConfig& config, int64_t tokens, bool unquantized_kv = false);
 
 // What a step of `rows` tokens may overwrite, saved before it (Model::Checkpoint) so that
 // rejected draft positions can be rolled back (Model::Rollback).
@@ -126,7 +141,15 @@ class Model {
   const ModelWeights& weights() const { return *weights_; }
   const EngramConstants& engram() const { return engram_; }
 
-  std::unique_ptr<SequenceState> NewSequence() const;
+  // A fresh sequence whose global KV lives in `pool` (default: the model's kv_pool()).
+  std::unique_ptr<SequenceState> NewSequence(std::shared_ptr<KvPool> pool = nullptr) const;
+  // The pool the model's sequences hold their global KV in (thread-safe; SetCapacity sizes it).
+  KvPool& kv_pool() const { return *kv_pool_; }
+  const std::shared_ptr<KvPool>& kv_pool_ptr() const { return kv_pool_; }
+  // Bytes of one kKvBlockTokens-token block of global KV over all sources (the store's block).
+  int64_t KvBlockBytes() const;
+  // Pool bytes a sequence at `tokens` positions holds (whole blocks of every stream, unshared).
+  int64_t KvBytesFor(int64_t tokens) const;
 
   // Prefill at start_pos 0 (state must be fresh). Logits of every position if all_logits, else
   // of the last. Also seeds the DSpark rings when the model has DSpark stages.
@@ -245,6 +268,13 @@ class Model {
                                                bool all_logits, ForwardTrace* trace) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
+  // Indexer scores of one query row against keys [0, n) of a source, read through the pool:
+  // single-row calls unpack the keys a few blocks at a time into a small scratch (cache-resident);
+  // multi-row calls unpack them once per call into `unpacked[layer]`. The scores do not depend on
+  // the chunking (each key's score is computed on its own).
+  absl::Status ScoreKeys(const KvRows& keys, int layer, int64_t rows, const float* q,
+                         const float* w, int heads, int64_t n, float* score,
+                         std::map<int, std::vector<float>>& unpacked) const;
   absl::Status Block(int l, float* h, float* pre, Call& call, SequenceState& state,
                      ForwardTrace* trace) const;
   absl::Status RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
@@ -259,6 +289,7 @@ class Model {
   kernels::Backend& backend_;
   ModelOptions options_;
   std::vector<float> freqs_plain_, freqs_yarn_;
+  std::shared_ptr<KvPool> kv_pool_;
 };
 
 }  // namespace epd::model

@@ -328,7 +328,12 @@ absl::StatusOr<std::unique_ptr<SequenceState>> AssemblePrefixState(
 }
 
 int64_t PrefixReplayTokens(const ModelConfig& config, int64_t prefix) {
-  return std::min<int64_t>(prefix, config.window_size);
+  // Layer l's ring at P holds the keys of [P-W, P), computed from layer l's input there, which
+  // layer l-1 computed from its own window: the ring of the last encoder layer depends on
+  // split x W tokens before P. A replay of that many (windows truncated at its start) is exact;
+  // a shorter one leaves every ring but the first layer's approximate, and greedy outputs then
+  // depart from the run without a store (the chaos campaign's wrong outputs, docs/chaos.md).
+  return std::min<int64_t>(prefix, int64_t{DecoderSplitLayer(config)} * config.window_size);
 }
 
 absl::Status PrefixReplay(const Model& model, SequenceState& state,

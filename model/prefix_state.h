@@ -58,11 +58,13 @@ inline constexpr uint16_t kPrefixValueVersion = 1;
     const Model& model, std::span<const std::string> blocks, const std::string* snapshot,
     int64_t block_tokens = kPrefixBlockTokens);
 
-// Tokens an encoder bounded replay runs at P: min(P, window).
+// Tokens the encoder replay runs at P: min(P, split x window), the depth at which the rebuilt
+// rings are exact (a replay of one window is not: see prefix_state.cc).
 int64_t PrefixReplayTokens(const ModelConfig& config, int64_t prefix);
 
-// Encoder bounded replay of a state assembled without a snapshot: EncoderReplay over
-// [P - PrefixReplayTokens, P) of `prompt` (which must hold at least P tokens).
+// Encoder replay of a state assembled without a snapshot: EncoderReplay over
+// [P - PrefixReplayTokens, P) of `prompt` (which must hold at least P tokens). Afterwards the
+// state equals, bit for bit, the state of an EncoderPass over [0, P).
 [[nodiscard]] absl::Status PrefixReplay(const Model& model, SequenceState& state,
                                         std::span<const int32_t> prompt);
 

@@ -24,6 +24,23 @@ int64_t GetI64(const std::vector<uint8_t>& b, size_t i) {
   return v;
 }
 
+// Rows in their packed segment format into a stream of the pool (fp32 streams unpack them).
+absl::Status AppendPackedRows(KvRows& rows, const std::vector<uint8_t>& bytes, int64_t n,
+                              bool keys) {
+  if (rows.format() != KvRowFormat::kF32) return rows.AppendPacked(bytes.data(), n);
+  const int64_t d = rows.dim();
+  const int64_t pb = keys ? kf::PackedIndexKeyBytes(d) : kf::PackedKvEntryBytes(d);
+  std::vector<float> f(n * d);
+  for (int64_t j = 0; j < n; ++j) {
+    if (keys) {
+      kf::UnpackIndexKey(bytes.data() + j * pb, d, f.data() + j * d);
+    } else {
+      kf::UnpackKvEntry(bytes.data() + j * pb, d, f.data() + j * d);
+    }
+  }
+  return rows.Append(f.data(), n);
+}
+
 }  // namespace
 
 std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceState& s) {
@@ -48,12 +65,13 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
   }
   const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
   for (const auto& [l, src] : s.sources) {
-    StateSegment kv{absl::StrCat("kv.", l), std::vector<uint8_t>(src.n * eb)};
-    StateSegment keys{absl::StrCat("keys.", l), std::vector<uint8_t>(src.n * kb)};
-    for (int64_t j = 0; j < src.n; ++j) {
-      kf::PackKvEntry(src.kv.data() + j * hd, hd, kv.bytes.data() + j * eb);
-      kf::PackIndexKey(src.keys.data() + j * ihd, ihd, keys.bytes.data() + j * kb);
-    }
+    // The pool's blocks hold the packed rows: copied as they are (no re-pack).
+    StateSegment kv{absl::StrCat("kv.", l), {}};
+    StateSegment keys{absl::StrCat("keys.", l), {}};
+    kv.bytes.reserve(src.n * eb);
+    keys.bytes.reserve(src.n * kb);
+    src.kv.CopyPacked(0, src.n, kv.bytes, KvRowFormat::kPackedKv);
+    src.keys.CopyPacked(0, src.n, keys.bytes, KvRowFormat::kPackedKey);
     out.push_back(std::move(kv));
     out.push_back(std::move(keys));
     if (src.ratio > 1) {
@@ -127,12 +145,10 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
     auto keys = get(absl::StrCat("keys.", l), n * kb);
     if (!keys.ok()) return keys.status();
     src.n = n;
-    src.kv.resize(n * hd);
-    src.keys.resize(n * ihd);
-    for (int64_t j = 0; j < n; ++j) {
-      kf::UnpackKvEntry((*kv)->data() + j * eb, hd, src.kv.data() + j * hd);
-      kf::UnpackIndexKey((*keys)->data() + j * kb, ihd, src.keys.data() + j * ihd);
-    }
+    src.kv.Truncate(0);
+    src.keys.Truncate(0);
+    if (absl::Status s = AppendPackedRows(src.kv, **kv, n, false); !s.ok()) return s;
+    if (absl::Status s = AppendPackedRows(src.keys, **keys, n, true); !s.ok()) return s;
     if (src.ratio > 1) {
       auto t = get(absl::StrCat("tail.", l),
                    static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4));

@@ -83,8 +83,9 @@ absl::Status EncoderReplay(const Model& model, SequenceState& state, std::span<c
   const int64_t S = static_cast<int64_t>(ids.size());
   if (S > state.pos)
     return absl::InvalidArgumentError("encoder replay: more tokens than the prefix");
-  if (S > c.window_size) return absl::InvalidArgumentError("encoder replay: more than one window");
   const int split = DecoderSplitLayer(c);
+  if (S > int64_t{split} * c.window_size)
+    return absl::InvalidArgumentError("encoder replay: more than split x window tokens");
   std::vector<int64_t> hist;
   for (int32_t t : history) hist.push_back(EngramCompressedId(model.engram(), t));
   Model::StageSpec spec;

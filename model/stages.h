@@ -57,10 +57,11 @@ int64_t DecoderTailRows(const ModelConfig& config);
                                                         int64_t tail_rows,
                                                         const EncoderOutput* prev = nullptr);
 
-// Encoder bounded replay after a prefix hit without SWA rings: `ids` are the tokens at
-// [state.pos - ids.size(), state.pos), `history` the max_ngram-1 tokens before them. Rebuilds the
-// rings of layers [0, split) with windows truncated at the replay start; the global KV is not
-// recomputed.
+// Encoder replay after a prefix hit without SWA rings: `ids` are the tokens at
+// [state.pos - ids.size(), state.pos) (at most split x window), `history` the max_ngram-1 tokens
+// before them. Rebuilds the rings of layers [0, split) with windows truncated at the replay start;
+// the global KV is not recomputed. The rings are exact (bit-identical to a pass from 0) when the
+// replay starts at 0 or covers split x window tokens (PrefixReplayTokens).
 [[nodiscard]] absl::Status EncoderReplay(const Model& model, SequenceState& state,
                                          std::span<const int32_t> ids,
                                          std::span<const int32_t> history);

@@ -1,15 +1,17 @@
 #pragma once
 
-// DSpark speculative decoding: draft with the DSpark head, verify with one target pass over the
-// last accepted token plus k drafts, accept the longest agreeing prefix (greedy) or use standard
-// speculative rejection sampling (T > 0), always emit at least one target token, roll back the
-// rejected positions (docs/dspark.md).
+// DSpark speculative decoding, the draft and verify halves (docs/dspark.md): draft with the DSpark
+// head, verify against the target's rows for the last accepted token plus k drafts, accept the
+// longest agreeing prefix (greedy) or use standard speculative rejection sampling (T > 0), always
+// emit at least one target token. The target pass and the rollback of rejected positions are
+// DecodeStage's (one batched DecodeStep + Model::Checkpoint/Rollback); tests/testing/
+// dspark_reference.h holds the one-sequence reference loop the tests compare it with.
 //
 // Invariant: with greedy sampling the emitted tokens equal those of plain decoding (k = 0),
 // token for token, and the state after each step equals the plain run's byte for byte.
 //
-// Thread-safety: SpeculativeDecoder is used by one thread at a time (its scorer and the model's
-// backend are single-threaded); the free functions are reentrant.
+// Thread-safety: a Drafter is used by one thread at a time (the model's backend is
+// single-threaded); the free functions are reentrant.
 
 #include <cstdint>
 #include <span>
@@ -19,7 +21,6 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "decode_pool/dspark/k_policy.h"
-#include "decode_pool/dspark/target_scorer.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
@@ -43,15 +44,6 @@ VerifyOutcome VerifyGreedy(std::span<const int32_t> target_tokens, std::span<con
 VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q,
                               std::span<const int32_t> drafts, int64_t vocab, model::Rng& rng);
 
-struct StepStats {
-  int k = 0;                      // drafts verified
-  int accepted = 0;               // drafts accepted
-  int emitted = 0;                // tokens appended (accepted + 1)
-  std::vector<float> confidence;  // raw DSpark confidences of this step's draft (empty: no draft)
-  // Per emitted token when params.top_logprobs > 0 (raw target logits of its row).
-  std::vector<model::Logprobs> logprobs;
-};
-
 // A step's draft: the k draft tokens and, for T > 0, the distributions they were drawn from.
 struct DraftProposal {
   int k = 0;                      // drafts (0: no draft pass, or the policy chose 0)
@@ -60,29 +52,22 @@ struct DraftProposal {
   std::vector<float> confidence;  // raw DSpark confidences (empty: no draft pass)
 };
 
-// One sequence's decode steps. Borrows model, scorer and policy (must outlive it).
-// Step = Propose + scorer.Score + Verify + scorer.Commit; a batched worker calls Propose and Verify
-// around its own batched target pass (decode_pool/decode_stage.cc).
-class SpeculativeDecoder {
+// The draft and verify halves of a DSpark step for one sequence (docs/dspark.md, "Decode loop").
+// DecodeStage calls Propose per sequence, runs ONE batched DecodeStep over [last, drafts...] for
+// all of them, then Verify per sequence. Borrows model and policy (must outlive it).
+class Drafter {
  public:
   // `policy` may be null: then only explicit k values are used.
-  SpeculativeDecoder(const model::Model& model, TargetScorer& scorer,
-                     const KPolicy* policy = nullptr);
+  explicit Drafter(const model::Model& model, const KPolicy* policy = nullptr)
+      : model_(model), policy_(policy) {}
 
-  // One step for a sequence at state.pos whose last sampled token `last` is not yet in the state.
-  // k < 0: draft, then let the policy choose k from the confidences and `batch`; k = 0: a plain
-  // decode step (no draft pass); k > 0: that many drafts (capped at the block size). Appends the
-  // emitted tokens to `out` and to the sampler's history; the state afterwards holds `last` and
-  // the accepted drafts.
-  [[nodiscard]] absl::StatusOr<StepStats> Step(model::SequenceState& state, int32_t last,
-                                               model::Sampler& sampler, int k,
-                                               std::vector<int32_t>& out, int batch = 1);
-
-  // The draft half of Step: k as in Step (k < 0: the policy; k = 0: no draft pass). Draws from
-  // the sampler's Rng when T > 0. Does not change `state` (Model::Draft stores no KV).
+  // The draft for a sequence at state.pos whose last sampled token `last` is not yet in the
+  // state. k < 0: draft, then let the policy choose k from the confidences and `batch`; k = 0: no
+  // draft pass; k > 0: that many drafts (capped at the block size). Draws from the sampler's Rng
+  // when T > 0. Does not change `state` (Model::Draft stores no KV).
   [[nodiscard]] absl::StatusOr<DraftProposal> Propose(model::SequenceState& state, int32_t last,
                                                       model::Sampler& sampler, int k,
-                                                      int batch = 1);
+                                                      int batch = 1) const;
   // The verify half: `logits` [k+1, V] are the target's rows for [last, drafts...] (row i = the
   // distribution of the token after drafts[0..i)). Greedy: longest agreeing prefix; T > 0:
   // rejection sampling with the sampler's Rng. Does not touch the sampler's history.
@@ -94,31 +79,8 @@ class SpeculativeDecoder {
   void MarkovBias(int32_t token, std::vector<float>& bias) const;
 
   const model::Model& model_;
-  TargetScorer& scorer_;
   const KPolicy* policy_;
 };
-
-struct GenerateOptions {
-  bool dspark = true;               // Default: on
-  int fixed_k = -1;                 // >= 0 forces k every step; -1 = the policy. Default: -1
-  const KPolicy* policy = nullptr;  // needed when fixed_k < 0 and dspark is on
-  int batch = 1;                    // batch size the policy assumes. Default: 1
-};
-
-struct GenerationResult {
-  std::vector<int32_t> tokens;  // generated ids, stop token excluded
-  std::string finish_reason;    // "stop" | "length"
-  std::vector<StepStats> steps;
-  std::vector<model::Logprobs> logprobs;        // per token when params.top_logprobs > 0
-  std::unique_ptr<model::SequenceState> state;  // final state
-};
-
-// Prefill + decode loop for one prompt (tests, the benchmark, a single-sequence worker).
-[[nodiscard]] absl::StatusOr<GenerationResult> Generate(const model::Model& model,
-                                                        TargetScorer& scorer,
-                                                        std::span<const int32_t> prompt,
-                                                        const model::SamplingParams& params,
-                                                        const GenerateOptions& options);
 
 // The config switch: a decode worker whose fingerprint says DSpark on must receive DSpark state
 // in the hand-off (the DSpark stages' window rings and main_hidden), and one with DSpark off must

@@ -191,6 +191,18 @@ class Builder {
   }
 
   absl::StatusOr<int> Schema(const ojson& s, const std::string& path) {
+    // Nesting is bounded so that compiling (and matching, which walks the grammar) never
+    // exhausts the stack on a hostile schema.
+    if (depth_ >= kMaxSchemaDepth) {
+      return Invalid(path, absl::StrCat("nested deeper than ", kMaxSchemaDepth, " levels"));
+    }
+    ++depth_;
+    absl::StatusOr<int> r = SchemaAt(s, path);
+    --depth_;
+    return r;
+  }
+
+  absl::StatusOr<int> SchemaAt(const ojson& s, const std::string& path) {
     if (s.is_boolean()) {
       if (s.get<bool>()) return AnyValue();
       return Invalid(path, "the schema false matches nothing");
@@ -363,8 +375,10 @@ class Builder {
   }
 
  private:
+  static constexpr int kMaxSchemaDepth = 32;
   std::shared_ptr<Grammar> g_;
   int any_ = -1, any_object_ = -1;
+  int depth_ = 0;  // Schema calls on the stack
 };
 
 absl::StatusOr<std::shared_ptr<const Grammar>> Compile(std::string_view constraint_json) {
@@ -380,12 +394,16 @@ absl::StatusOr<std::shared_ptr<const Grammar>> Compile(std::string_view constrai
     if (!c.contains("schema")) return absl::InvalidArgumentError("json_schema without 'schema'");
     root = b.Schema(c["schema"], "$");
   } else if (type == "tool_calls") {
+    if (c.contains("parallel") && !c["parallel"].is_boolean())
+      return absl::InvalidArgumentError("tool_calls 'parallel' must be a boolean");
     root = b.ToolCalls(c.value("tools", ojson()), c.value("parallel", true));
   } else {
     return absl::InvalidArgumentError(absl::StrCat("unknown constraint type '", type, "'"));
   }
   if (!root.ok()) return root.status();
   int top = *root;
+  if (c.contains("thinking") && !c["thinking"].is_boolean())
+    return absl::InvalidArgumentError("constraint 'thinking' must be a boolean");
   if (c.value("thinking", false)) top = b.Sequence({b.Until("</think>"), top});
   return b.Finish(top);
 }

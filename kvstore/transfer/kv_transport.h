@@ -150,6 +150,10 @@ class KvTransport {
   virtual absl::StatusOr<ReceivedTransfer> TakeReceived(TransferId id) = 0;
   // Drops the record of a terminal transfer (its buffers are released once provably stopped).
   virtual void Forget(TransferId id) = 0;
+  // The owner stops following a transfer it no longer needs the outcome of (e.g. the peer already
+  // confirmed over another channel): unlike Forget, a live transfer is not failed; it runs to its
+  // end (its deadline bounds it) and its record is dropped then.
+  virtual void Detach(TransferId id) { Forget(id); }
 
   virtual ResourceCounts Resources() const = 0;
 };

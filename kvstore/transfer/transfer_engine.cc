@@ -93,19 +93,30 @@ std::string HostId() {
   return boot + "/" + std::string(ns, n);
 }
 
-// False once `pid` has exited (also while it is an unreaped zombie).
-bool ProcessAlive(int64_t pid) {
-  if (kill(static_cast<pid_t>(pid), 0) != 0) return errno != ESRCH;
+// The start time of live process `pid` (field 22 of /proc/<pid>/stat, clock ticks since boot),
+// which tells a reused PID from the process the peer said it was; -1 once `pid` has exited (also
+// while it is an unreaped zombie); 0 when it is alive but /proc does not say (not ours to read).
+int64_t ProcessStartTicks(int64_t pid) {
+  if (kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) return -1;
   char path[64];
   std::snprintf(path, sizeof(path), "/proc/%lld/stat", static_cast<long long>(pid));
   FILE* f = std::fopen(path, "r");
-  if (f == nullptr) return false;
-  char buf[512] = {};
+  if (f == nullptr) return -1;
+  char buf[1024] = {};
   const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
   std::fclose(f);
   const char* close = static_cast<const char*>(memrchr(buf, ')', n));
-  if (close == nullptr || close + 2 >= buf + n) return true;
-  return close[2] != 'Z' && close[2] != 'X';
+  if (close == nullptr || close + 2 >= buf + n) return 0;
+  if (close[2] == 'Z' || close[2] == 'X') return -1;
+  // After ") " come fields 3.. (state is field 3); starttime is field 22.
+  const char* p = close + 2;
+  for (int field = 3; field < 22 && p != nullptr; ++field) {
+    p = static_cast<const char*>(std::memchr(p, ' ', buf + n - p));
+    if (p != nullptr) ++p;
+  }
+  if (p == nullptr) return 0;
+  const long long start = std::strtoll(p, nullptr, 10);
+  return start > 0 ? start : 0;
 }
 
 }  // namespace
@@ -114,6 +125,7 @@ struct TransferEngine::Peer {
   enum class State { kHandshaking, kReady, kRefused, kDown };
   PeerId id = 0;
   int64_t pid = 0;         // nonzero when the peer runs on this host (same host id)
+  int64_t pid_start = 0;   // that process's start ticks, from the first liveness probe
   int64_t refused_ns = 0;  // inbound handshake refused at (real monotonic ns)
   bool outbound = false;
   State state = State::kHandshaking;
@@ -403,6 +415,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
   Transfer& ref = *t;
   transfers_[id] = std::move(t);
   receiving_[ref.request_id] = id;
+  ended_receives_.erase(ref.request_id);  // a new receive for the id: offers are welcome again
   auto pending = pending_offers_.find(ref.request_id);
   if (pending != pending_offers_.end()) {
     std::unique_ptr<PendingOffer> offer = std::move(pending->second);
@@ -477,6 +490,14 @@ void TransferEngine::Forget(TransferId id) {
   // A completed receive nobody took: its bytes go now (the wire is done with them).
   if (!t->sender && t->released) t->buffer.reset();
   t->collected = true;
+}
+
+void TransferEngine::Detach(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return;
+  if (t->terminal() && !t->sender && t->released) t->buffer.reset();
+  t->collected = true;  // Tick drops the record once it is terminal and released
 }
 
 ResourceCounts TransferEngine::Resources() const {
@@ -612,6 +633,10 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
   };
   if (it != receiving_.end() || pending_offers_.contains(rid)) {
     reject(absl::StrCat("duplicate offer for request '", rid, "'"));
+    return;
+  }
+  if (auto ended = ended_receives_.find(rid); ended != ended_receives_.end()) {
+    reject(ended->second.error);  // the receiver gave up before the offer came
     return;
   }
   if (static_cast<int>(pending_offers_.size()) >= options_.max_pending_offers) {
@@ -890,6 +915,17 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
   if (!t.sender) {
     auto it = receiving_.find(t.request_id);
     if (it != receiving_.end() && it->second == t.id) receiving_.erase(it);
+    if (!t.has_peer) {
+      constexpr size_t kMaxEndedReceives = 4096;
+      constexpr int64_t kEndedReceiveTtlNs = 60'000'000'000;
+      if (ended_receives_.size() >= kMaxEndedReceives && !ended_order_.empty()) {
+        ended_receives_.erase(ended_order_.front());
+        ended_order_.pop_front();
+      }
+      ended_receives_[t.request_id] = {std::string(t.error.message()),
+                                       t.ended_ns + kEndedReceiveTtlNs};
+      ended_order_.push_back(t.request_id);
+    }
   }
   TryRelease(t);
   cv_.notify_all();
@@ -942,32 +978,61 @@ void TransferEngine::TickLoop() {
   while (!stopping_) {
     cv_.wait_for(lock, absl::ToChronoNanoseconds(options_.tick));
     if (stopping_) break;
-    Tick();
+    std::vector<LivenessProbe> probes = DueLivenessProbes();
+    if (!probes.empty()) {
+      // /proc is read without mu_: the wire callbacks wait on it.
+      lock.unlock();
+      for (LivenessProbe& probe : probes) probe.now_ticks = ProcessStartTicks(probe.pid);
+      lock.lock();
+      if (stopping_) break;
+    }
+    Tick(probes);
   }
 }
 
-void TransferEngine::Tick() {
-  const int64_t now = clock_.NowMonoNs();
-  std::vector<PeerId> to_close;
+std::vector<TransferEngine::LivenessProbe> TransferEngine::DueLivenessProbes() {
+  std::vector<LivenessProbe> probes;
   // Same-host peers: a dead process is noticed within liveness_period (UCX shared memory has no
   // peer-failure handler in 1.13). Real time, not the injected clock: this is about processes.
   const int64_t real_now = common::SystemClock::Get().NowMonoNs();
-  if (real_now - last_liveness_ns_ >= absl::ToInt64Nanoseconds(options_.liveness_period)) {
-    last_liveness_ns_ = real_now;
-    for (auto& [id, p] : peers_) {
-      if (p->state == Peer::State::kRefused && p->refused_ns > 0 &&
-          real_now - p->refused_ns > 3'000'000'000) {
-        p->refused_ns = 0;
-        wire_->ClosePeer(id, absl::FailedPreconditionError("handshake refused: " + p->error));
-      }
-      if (p->pid > 0 && p->state == Peer::State::kReady && !ProcessAlive(p->pid)) {
-        spdlog::warn("transfer: peer {} (pid {}) has exited; closing its connection", id, p->pid);
-        p->state = Peer::State::kDown;
-        wire_->ClosePeer(id,
-                         absl::UnavailableError(absl::StrCat("peer process ", p->pid, " exited")),
-                         /*peer_dead=*/true);
-      }
+  if (real_now - last_liveness_ns_ < absl::ToInt64Nanoseconds(options_.liveness_period)) {
+    return probes;
+  }
+  last_liveness_ns_ = real_now;
+  for (auto& [id, p] : peers_) {
+    if (p->state == Peer::State::kRefused && p->refused_ns > 0 &&
+        real_now - p->refused_ns > 3'000'000'000) {
+      p->refused_ns = 0;
+      wire_->ClosePeer(id, absl::FailedPreconditionError("handshake refused: " + p->error));
     }
+    if (p->pid > 0 && p->state == Peer::State::kReady) {
+      probes.push_back({.id = id, .pid = p->pid, .start_ticks = p->pid_start});
+    }
+  }
+  return probes;
+}
+
+void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
+  const int64_t now = clock_.NowMonoNs();
+  std::vector<PeerId> to_close;
+  for (const LivenessProbe& probe : probes) {
+    auto it = peers_.find(probe.id);
+    if (it == peers_.end()) continue;
+    Peer& p = *it->second;
+    if (p.state != Peer::State::kReady || p.pid != probe.pid) continue;
+    // A PID that now names another process (reused after the peer died) counts as exited.
+    const bool exited = probe.now_ticks < 0 || (probe.start_ticks > 0 && probe.now_ticks > 0 &&
+                                                probe.now_ticks != probe.start_ticks);
+    if (!exited) {
+      if (p.pid_start == 0) p.pid_start = probe.now_ticks;
+      continue;
+    }
+    spdlog::warn("transfer: peer {} (pid {}) has exited; closing its connection", probe.id,
+                 probe.pid);
+    p.state = Peer::State::kDown;
+    wire_->ClosePeer(probe.id,
+                     absl::UnavailableError(absl::StrCat("peer process ", probe.pid, " exited")),
+                     /*peer_dead=*/true);
   }
   for (auto& [id, tp] : transfers_) {
     Transfer& t = *tp;
@@ -1017,6 +1082,12 @@ void TransferEngine::Tick() {
     } else {
       ++it;
     }
+  }
+  while (!ended_order_.empty()) {
+    auto e = ended_receives_.find(ended_order_.front());
+    if (e != ended_receives_.end() && now < e->second.expires_ns) break;
+    if (e != ended_receives_.end()) ended_receives_.erase(e);
+    ended_order_.pop_front();
   }
   // Collect records nobody will ask about any more.
   int terminal = 0;

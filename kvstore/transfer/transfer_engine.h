@@ -5,6 +5,7 @@
 // and the metrics; the Wire below it only moves bytes. See docs/transfer.md.
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -71,6 +72,7 @@ class TransferEngine final : public KvTransport, private WireHandler {
   absl::Status Wait(TransferId id, absl::Duration timeout) override;
   absl::StatusOr<ReceivedTransfer> TakeReceived(TransferId id) override;
   void Forget(TransferId id) override;
+  void Detach(TransferId id) override;
   ResourceCounts Resources() const override;
 
   // Stops the wire (every transfer fails, every buffer is released). Called by the destructor.
@@ -105,7 +107,16 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void Complete(Transfer& t);
   void SendControl(PeerId peer, const epd::v1::TransferControl& msg);
   void TryRelease(Transfer& t);
-  void Tick();
+  // A same-host peer's process as last probed outside mu_ (TickLoop).
+  struct LivenessProbe {
+    PeerId id = 0;
+    int64_t pid = 0;
+    int64_t start_ticks = 0;  // the process's start time when the peer was first probed (0: not yet)
+    int64_t now_ticks = -1;   // its start time now; -1: no such live process
+  };
+  // The probes due now (every liveness_period), taken under mu_.
+  std::vector<LivenessProbe> DueLivenessProbes();
+  void Tick(const std::vector<LivenessProbe>& probes);
   void TickLoop();
   TransportKind KindOf(PeerId peer) const;
   Transfer* Find(TransferId id);
@@ -124,6 +135,15 @@ class TransferEngine final : public KvTransport, private WireHandler {
   absl::flat_hash_map<std::string, TransferId> receiving_;  // request_id -> receive transfer
   absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::map<std::string, std::unique_ptr<PendingOffer>> pending_offers_;  // by request_id
+  // Receives that ended before any offer arrived (cancelled, deadline): an offer arriving later
+  // is refused at once with that error instead of waiting out its lease. Kept for
+  // kEndedReceiveTtlNs, at most kMaxEndedReceives (the oldest go first).
+  struct EndedReceive {
+    std::string error;
+    int64_t expires_ns = 0;
+  };
+  absl::flat_hash_map<std::string, EndedReceive> ended_receives_;  // by request_id
+  std::deque<std::string> ended_order_;                               // oldest first
   bool stopping_ = false;
   int64_t last_liveness_ns_ = 0;
   std::thread ticker_;

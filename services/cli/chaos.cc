@@ -86,8 +86,8 @@ Result Generate(const std::string& target, const std::string& request_id, const 
 }
 
 // One series of the /metrics page on `port`; nullopt when the page or the series is missing.
-std::optional<double> Metric(int port, const std::string& series) {
-  httplib::Client cli("127.0.0.1", port);
+std::optional<double> Metric(const std::string& host, int port, const std::string& series) {
+  httplib::Client cli(host, port);
   cli.set_connection_timeout(2, 0);
   cli.set_read_timeout(5, 0);
   auto res = cli.Get("/metrics");
@@ -129,6 +129,142 @@ std::set<pid_t> ProcessesNaming(const std::string& needle, pid_t except) {
   return out;
 }
 
+// Resident memory (kB) and open descriptors of `pid`; nullopt when it is gone.
+struct ProcSample {
+  double t = 0;  // seconds since the load began
+  pid_t pid = 0;
+  int64_t rss_kb = 0;
+  int64_t fds = 0;
+};
+std::optional<ProcSample> SampleProcess(pid_t pid) {
+  ProcSample s;
+  s.pid = pid;
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  if (!status) return std::nullopt;
+  bool found = false;
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) {
+      s.rss_kb = std::atoll(line.c_str() + 6);
+      found = true;
+    }
+  }
+  if (!found) return std::nullopt;  // a zombie has no VmRSS
+  DIR* fd = opendir(("/proc/" + std::to_string(pid) + "/fd").c_str());
+  if (!fd) return std::nullopt;
+  while (dirent* e = readdir(fd)) s.fds += e->d_name[0] != '.';
+  closedir(fd);
+  return s;
+}
+
+// The soak verdict of one process from its samples after the warm-up: the mean resident memory
+// of the last quarter exceeds that of the first quarter by at most max(8 MiB, 5 %), the most
+// descriptors of the last quarter exceed those of the first by at most 2, and the pid never
+// changed (no restart).
+nlohmann::json SoakVerdict(const std::vector<ProcSample>& v, bool* flat) {
+  nlohmann::json j;
+  j["samples"] = v.size();
+  if (v.size() < 4) {
+    j["flat"] = false;
+    j["why"] = "fewer than 4 samples after the warm-up";
+    *flat = false;
+    return j;
+  }
+  const size_t q = v.size() / 4;
+  double rss0 = 0, rss1 = 0;
+  int64_t fds0 = 0, fds1 = 0, rss_max = 0;
+  bool same_pid = true;
+  for (size_t i = 0; i < v.size(); ++i) {
+    same_pid &= v[i].pid == v[0].pid;
+    rss_max = std::max(rss_max, v[i].rss_kb);
+    if (i < q) rss0 += v[i].rss_kb, fds0 = std::max(fds0, v[i].fds);
+    if (i >= v.size() - q) rss1 += v[i].rss_kb, fds1 = std::max(fds1, v[i].fds);
+  }
+  rss0 /= q;
+  rss1 /= q;
+  const double rss_limit = std::max(8192.0, 0.05 * rss0);
+  const bool ok = same_pid && rss1 - rss0 <= rss_limit && fds1 - fds0 <= 2;
+  j["rss_kb_first_quarter"] = static_cast<int64_t>(rss0);
+  j["rss_kb_last_quarter"] = static_cast<int64_t>(rss1);
+  j["rss_kb_max"] = rss_max;
+  j["fds_first_quarter_max"] = fds0;
+  j["fds_last_quarter_max"] = fds1;
+  j["restarted"] = !same_pid;
+  j["flat"] = ok;
+  if (!ok) *flat = false;
+  return j;
+}
+
+// Runs a shell command line; true on exit status 0. Its output goes to `log` (appended).
+bool Sh(const std::string& cmd, const std::string& log) {
+  const std::string line = "(" + cmd + ") >>'" + log + "' 2>&1";
+  return std::system(line.c_str()) == 0;
+}
+
+// The network-cut fault's topology: one worker in its own network namespace, joined to the host
+// by a veth pair; the host side's address lives on an interface of its own (one end of a second
+// veth pair whose both ends stay on the host: always up, where containers have no `dummy` link
+// type), so it stays up while the link is cut. Host: A1 on that interface, route A2/32 over the
+// first pair; namespace: A2 on eth0, route A1/32.
+// Every name carries a random suffix; Down() (also the destructor) removes it all.
+class CutNetwork {
+ public:
+  // Empty when the fault can run here, else why not.
+  static std::string Unavailable() {
+    if (geteuid() != 0) return "needs root (ip netns)";
+    if (std::system("ip netns list >/dev/null 2>&1") != 0) return "no usable `ip netns` (iproute2)";
+    return "";
+  }
+  bool Up(const std::string& log) {
+    log_ = log;
+    std::random_device rd;
+    char id[8];
+    std::snprintf(id, sizeof(id), "%06x", rd() & 0xffffff);
+    ns_ = std::string("epdch-") + id;
+    host_if_ = std::string("epdch") + id + "h";
+    host_if_peer_ = std::string("epdch") + id + "k";
+    veth_ = std::string("epdch") + id + "v";
+    peer_ = std::string("epdch") + id + "p";
+    const std::string net =
+        "10." + std::to_string(200 + rd() % 50) + "." + std::to_string(rd() % 256) + ".";
+    host_addr_ = net + "1";
+    ns_addr_ = net + "2";
+    up_ = true;
+    return Sh("ip link add " + host_if_ + " type veth peer name " + host_if_peer_ +
+                  " && ip addr add " + host_addr_ + "/32 dev " + host_if_ + " && ip link set " +
+                  host_if_peer_ + " up && ip link set " + host_if_ + " up && ip netns add " + ns_ +
+                  " && ip link add " + veth_ + " type veth peer name " + peer_ +
+                  " && ip link set " + peer_ + " netns " + ns_ + " && ip link set " + veth_ +
+                  " up && ip route add " + ns_addr_ + "/32 dev " + veth_ + " src " + host_addr_ +
+                  " && " + InNs("ip link set lo up") + " && " +
+                  InNs("ip link set " + peer_ + " name eth0") + " && " +
+                  InNs("ip addr add " + ns_addr_ + "/32 dev eth0") + " && " + RestoreCmd(),
+              log_);
+  }
+  // Takes the namespace's link down (its routes go with it; the host side loses carrier).
+  bool Cut() { return Sh(InNs("ip link set eth0 down"), log_); }
+  bool Restore() { return Sh(RestoreCmd(), log_); }
+  void Down() {
+    if (!up_) return;
+    up_ = false;
+    Sh("ip netns del " + ns_ + "; ip link del " + veth_ + " 2>/dev/null; ip link del " + host_if_,
+       log_);
+  }
+  ~CutNetwork() { Down(); }
+  const std::string& ns() const { return ns_; }
+  const std::string& host_if() const { return host_if_; }
+  const std::string& host_addr() const { return host_addr_; }
+  const std::string& ns_addr() const { return ns_addr_; }
+
+ private:
+  std::string InNs(const std::string& cmd) const { return "ip netns exec " + ns_ + " " + cmd; }
+  std::string RestoreCmd() const {
+    return InNs("ip link set eth0 up") + " && " +
+           InNs("ip route replace " + host_addr_ + "/32 dev eth0");
+  }
+  bool up_ = false;
+  std::string log_, ns_, host_if_, host_if_peer_, veth_, peer_, host_addr_, ns_addr_;
+};
+
 // The conversations: turn t's prompt is a system block, then per earlier turn its tool output
 // and the no-fault answer, then this turn's tool output (an agent resending its context).
 struct Workload {
@@ -161,7 +297,17 @@ void AddChaosFlags(CLI::App& app, ChaosOptions* o) {
                  "A request not finished after this many seconds is a hang (default 90)")
       ->check(CLI::Range(5, 3600));
   app.add_option("--faults", o->faults,
-                 "Fault kinds: sigkill_worker,sigstop_worker,kill_kvstore,kill_router (all)");
+                 "Fault kinds: sigkill_worker,sigstop_worker,kill_kvstore,cut_network,kill_router "
+                 "(all; cut_network needs root); "
+                 "'none' for a steady load without faults (the soak)");
+  app.add_option("--think-ms", o->think_ms, "Pause of each agent between requests (default 0)")
+      ->check(CLI::Range(0, 600000));
+  app.add_option("--sample-s", o->sample_s,
+                 "Soak: sample every process's RSS and open fds every N s and require them flat "
+                 "after the warm-up (default 0: off)")
+      ->check(CLI::Range(0, 3600));
+  app.add_option("--warmup-s", o->warmup_s, "Soak warm-up in seconds (default: --seconds / 5)");
+  app.add_option("--samples-csv", o->samples_csv, "Soak: write every sample to this CSV file");
   app.add_option("--data-dir", o->data_dir, "Cluster data folder (default: a fresh /tmp folder)");
   app.add_option("--json", o->json_path, "Write the counts to this JSON file");
 }
@@ -197,33 +343,60 @@ int RunChaos(const ChaosOptions& o) {
     return port;
   };
   const int http_port = free_port(), grpc_port = free_port();
-  const std::string target = "127.0.0.1:" + std::to_string(grpc_port);
   std::cout << "epd chaos: seed " << o.seed << ", " << o.seconds << " s of faults, data in "
             << data_dir << "\n"
             << std::flush;
+  // The network cut needs one worker in its own namespace: epd-decode-1, with the rest of the
+  // cluster on the host side's address (reachable from the namespace).
+  const std::string kNetnsWorker = "epd-decode-1";
+  auto has_kind = [&](const std::string& kind) {
+    return ("," + o.faults + ",").find("," + kind + ",") != std::string::npos;
+  };
+  std::string cut_unavailable = has_kind("cut_network") ? CutNetwork::Unavailable() : "";
+  CutNetwork net;
+  bool cut = has_kind("cut_network") && cut_unavailable.empty();
+  if (cut && !net.Up(data_dir + ".net.log")) {
+    std::cerr << "epd chaos: cannot set up the network namespace; see " << data_dir << ".net.log\n";
+    return 2;
+  }
+  if (!cut_unavailable.empty()) {
+    std::cout << "epd chaos: cut_network left out: " << cut_unavailable << "\n" << std::flush;
+  }
+  const std::string host = cut ? net.host_addr() : "127.0.0.1";
+  auto host_of = [&](const std::string& c) {
+    return cut && c == kNetnsWorker ? net.ns_addr() : host;
+  };
+  const std::string target = host + ":" + std::to_string(grpc_port);
+  std::vector<std::string> serve_argv = {bin + "/epd",
+                                         "serve",
+                                         "--data-dir",
+                                         data_dir,
+                                         "--http-port",
+                                         std::to_string(http_port),
+                                         "--grpc-port",
+                                         std::to_string(grpc_port),
+                                         "--encoders",
+                                         "2",
+                                         "--prefills",
+                                         "2",
+                                         "--decodes",
+                                         "2",
+                                         "--max-restarts",
+                                         "1000",
+                                         "--restart-backoff-ms",
+                                         "200",
+                                         "--log-level",
+                                         "info"};
+  if (cut) {
+    serve_argv.insert(serve_argv.end(), {"--host", host, "--worker-netns",
+                                         kNetnsWorker + ":" + net.ns() + ":" + net.ns_addr()});
+    // Host-side UCX on the host address's interface only (shared memory between host-side workers
+    // stays): the namespace reaches that address, not the host's other interfaces.
+    setenv("UCX_NET_DEVICES", net.host_if().c_str(), 1);
+  }
   SpawnOptions spawn;
   spawn.parent_death_signal = SIGKILL;
-  ChildProcess serve = ChildProcess::StartWith({bin + "/epd",
-                                                "serve",
-                                                "--data-dir",
-                                                data_dir,
-                                                "--http-port",
-                                                std::to_string(http_port),
-                                                "--grpc-port",
-                                                std::to_string(grpc_port),
-                                                "--encoders",
-                                                "2",
-                                                "--prefills",
-                                                "2",
-                                                "--decodes",
-                                                "2",
-                                                "--max-restarts",
-                                                "1000",
-                                                "--restart-backoff-ms",
-                                                "200",
-                                                "--log-level",
-                                                "info"},
-                                               data_dir + ".serve.log", spawn);
+  ChildProcess serve = ChildProcess::StartWith(serve_argv, data_dir + ".serve.log", spawn);
   const std::vector<std::string> workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
                                             "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
   std::vector<std::string> components = workers;
@@ -231,7 +404,7 @@ int RunChaos(const ChaosOptions& o) {
 
   auto router_metric = [&](const std::string& series) -> std::optional<double> {
     auto port = Published(run_dir, "epd-router", "metrics");
-    return port ? Metric(*port, series) : std::nullopt;
+    return port ? Metric(host, *port, series) : std::nullopt;
   };
   // Every component runs under the pid it published and the router lists 2 workers per pool.
   auto healthy = [&] {
@@ -290,7 +463,7 @@ int RunChaos(const ChaosOptions& o) {
     auto port = Published(run_dir, c, "metrics");
     for (const char* res : kResources) {
       const std::string series = std::string("epd_transfer_outstanding{resource=\"") + res + "\"}";
-      double v = port ? Metric(*port, series).value_or(0) : 0;
+      double v = port ? Metric(host_of(c), *port, series).value_or(0) : 0;
       const std::string pool = c.substr(4, c.rfind('-') - 4);
       idle_max[pool + "/" + res] = std::max(idle_max[pool + "/" + res], v);
     }
@@ -323,35 +496,89 @@ int RunChaos(const ChaosOptions& o) {
           }
           // An agent backs off after an error instead of hammering a cluster that is recovering.
           if (failed) std::this_thread::sleep_for(std::chrono::milliseconds(250));
+          if (o.think_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(o.think_ms));
         }
       }
     });
   }
   std::map<std::string, int> faults;
+  int net_failures = 0;  // `ip` commands of the network cut that failed
   std::mt19937_64 fault_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
   std::uniform_real_distribution<double> gap(o.fault_min_s, o.fault_max_s);
   std::vector<std::string> kinds;
   std::vector<double> weights;
-  const std::map<std::string, double> kWeights = {
-      {"sigkill_worker", 4}, {"sigstop_worker", 3}, {"kill_kvstore", 2}, {"kill_router", 1}};
+  const std::map<std::string, double> kWeights = {{"sigkill_worker", 4},
+                                                  {"sigstop_worker", 3},
+                                                  {"kill_kvstore", 2},
+                                                  {"cut_network", 2},
+                                                  {"kill_router", 1}};
   for (const auto& [kind, weight] : kWeights) {
-    if (("," + o.faults + ",").find("," + kind + ",") == std::string::npos) continue;
+    if (!has_kind(kind) || (kind == "cut_network" && !cut)) continue;
     kinds.push_back(kind);
     weights.push_back(weight);
   }
-  if (kinds.empty()) {
+  const bool no_faults = o.faults == "none";
+  if (kinds.empty() && !no_faults) {
     std::cerr << "epd chaos: --faults names no known fault kind\n";
+    stop_load = true;
+    for (auto& t : clients) t.join();
     serve.Stop(std::chrono::seconds(30));
     return 2;
   }
+  // Soak sampler: every process of the cluster (and `epd serve`) from /proc.
+  std::map<std::string, std::vector<ProcSample>> samples;
+  std::thread sampler;
+  const auto load_start = Clock::now();
+  const int warmup_s = o.warmup_s >= 0 ? o.warmup_s : o.seconds / 5;
+  if (o.sample_s > 0) {
+    sampler = std::thread([&] {
+      while (!stop_load.load() && !ShutdownRequested()) {
+        const double t = std::chrono::duration<double>(Clock::now() - load_start).count();
+        std::vector<std::pair<std::string, pid_t>> procs = {{"epd-serve", serve.pid()}};
+        for (const auto& c : components) {
+          if (auto pid = Published(run_dir, c, "pid")) procs.emplace_back(c, *pid);
+        }
+        for (const auto& [name, pid] : procs) {
+          if (auto smp = SampleProcess(pid)) {
+            smp->t = t;
+            std::lock_guard<std::mutex> lock(mu);
+            samples[name].push_back(*smp);
+          }
+        }
+        for (int i = 0; i < o.sample_s * 10 && !stop_load.load(); ++i) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        }
+      }
+    });
+  }
   std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
-  while (Clock::now() < end && !ShutdownRequested() && serve.running()) {
+  while (no_faults && Clock::now() < end && !ShutdownRequested() && serve.running()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  while (!no_faults && Clock::now() < end && !ShutdownRequested() && serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(gap(fault_rng) * 1000)));
     if (Clock::now() >= end) break;
     const std::string kind = kinds[pick(fault_rng)];
     const std::string victim = kind == "kill_kvstore"  ? "epd-kvstore"
                                : kind == "kill_router" ? "epd-router"
+                               : kind == "cut_network" ? kNetnsWorker
                                                        : workers[fault_rng() % workers.size()];
+    if (kind == "cut_network") {
+      // The link goes down whether or not the worker runs now; back up after 1..5 s (longer
+      // than the router's 3 s heartbeat expiry sometimes: both a stall and an expiry happen).
+      ++faults[kind];
+      const int ms = 1000 + static_cast<int>(fault_rng() % 4000);
+      std::cout << "epd chaos: t=" << Since() << " s cut_network " << victim << " (" << ms
+                << " ms)\n"
+                << std::flush;
+      if (!net.Cut()) ++net_failures;
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+      if (!net.Restore()) {
+        std::cerr << "epd chaos: cannot restore the link; see " << data_dir << ".net.log\n";
+        ++net_failures;
+      }
+      continue;
+    }
     auto pid = Published(run_dir, victim, "pid");
     if (!pid || kill(*pid, 0) != 0) {
       ++faults["skipped_down"];
@@ -371,6 +598,7 @@ int RunChaos(const ChaosOptions& o) {
   }
   stop_load = true;
   for (auto& t : clients) t.join();
+  if (sampler.joinable()) sampler.join();
   const bool recovered = wait_healthy(std::chrono::seconds(180));
 
   // 3. Checks.
@@ -444,18 +672,18 @@ int RunChaos(const ChaosOptions& o) {
       auto port = Published(run_dir, c, "metrics");
       const std::string pool = c.substr(4, c.rfind('-') - 4);
       if (!port) continue;
-      if (Metric(*port, "epd_queue_depth{pool=\"" + pool + "\"}").value_or(0) != 0) {
+      if (Metric(host_of(c), *port, "epd_queue_depth{pool=\"" + pool + "\"}").value_or(0) != 0) {
         ++leaks, leak_notes.push_back(c + " queue_depth");
       }
       for (const char* res : kResources) {
-        const double v =
-            Metric(*port, std::string("epd_transfer_outstanding{resource=\"") + res + "\"}")
-                .value_or(0);
+        const double v = Metric(host_of(c), *port,
+                                std::string("epd_transfer_outstanding{resource=\"") + res + "\"}")
+                             .value_or(0);
         if (v > idle_max[pool + "/" + res]) ++leaks, leak_notes.push_back(c + " " + res);
       }
     }
     if (auto kv = Published(run_dir, "epd-kvstore", "metrics")) {
-      if (Metric(*kv, "epd_kv_puts_in_flight").value_or(0) != 0) {
+      if (Metric(host, *kv, "epd_kv_puts_in_flight").value_or(0) != 0) {
         ++leaks, leak_notes.push_back("kvstore puts_in_flight");
       }
     }
@@ -485,6 +713,7 @@ int RunChaos(const ChaosOptions& o) {
     if (orphans.empty()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  net.Down();
 
   nlohmann::json j = {{"seed", o.seed},
                       {"seconds", o.seconds},
@@ -505,15 +734,43 @@ int RunChaos(const ChaosOptions& o) {
                       {"registry_exact", registry_exact},
                       {"serve_exit", serve_rc.value_or(-1)},
                       {"orphans", orphans.size()}};
+  if (!cut_unavailable.empty()) j["cut_network_unavailable"] = cut_unavailable;
+  if (cut) j["cut_network_failures"] = net_failures;
+  bool soak_flat = true;
+  if (o.sample_s > 0) {
+    nlohmann::json soak;
+    std::ofstream csv;
+    if (!o.samples_csv.empty()) {
+      csv.open(o.samples_csv);
+      csv << "t_s,process,pid,rss_kb,fds\n";
+    }
+    for (const auto& [name, v] : samples) {
+      std::vector<ProcSample> after;
+      for (const ProcSample& smp : v) {
+        if (csv) {
+          csv << smp.t << "," << name << "," << smp.pid << "," << smp.rss_kb << "," << smp.fds
+              << "\n";
+        }
+        if (smp.t >= warmup_s) after.push_back(smp);
+      }
+      soak[name] = SoakVerdict(after, &soak_flat);
+    }
+    if (samples.empty()) soak_flat = false;
+    j["soak"] = soak;
+    j["soak_warmup_s"] = warmup_s;
+    j["soak_flat"] = soak_flat;
+  }
   std::cout << "epd chaos: " << j.dump(1) << "\n";
   if (!o.json_path.empty()) std::ofstream(o.json_path) << j.dump(2) << "\n";
   const bool pass = recovered && hangs == 0 && wrong == 0 && leaks == 0 && registry_exact &&
-                    orphans.empty() && serve_rc.value_or(-1) == 0 && ok > 0;
+                    net_failures == 0 && orphans.empty() && serve_rc.value_or(-1) == 0 && ok > 0 &&
+                    soak_flat;
   std::cout << "epd chaos: " << (pass ? "PASS" : "FAIL") << "\n";
   if (pass && remove_data) {
     std::error_code ec;
     fs::remove_all(data_dir, ec);
     fs::remove(data_dir + ".serve.log", ec);
+    fs::remove(data_dir + ".net.log", ec);
   }
   return pass ? 0 : 1;
 }

@@ -96,6 +96,17 @@ bool StartComponent(Component& c) {
   return true;
 }
 
+// `prog` found on $PATH (children are exec'd without a path search), or `prog` itself.
+std::string FindInPath(const std::string& prog) {
+  const char* path = getenv("PATH");
+  std::stringstream dirs(path != nullptr ? path : "/usr/sbin:/usr/bin:/sbin:/bin");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const std::string p = dir + "/" + prog;
+    if (!dir.empty() && access(p.c_str(), X_OK) == 0) return p;
+  }
+  return prog;
+}
+
 // Replaces the value after `flag` in argv (a restarted kvstore or router must come back on the
 // ports the others already use).
 void SetFlag(std::vector<std::string>& argv, const std::string& flag, const std::string& value) {
@@ -186,6 +197,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
+                 "KV pool bytes of each decode worker (default: a quarter of the host memory)")
+      ->check(CLI::NonNegativeNumber);
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   app.add_option("--max-restarts", o->max_restarts,
@@ -206,6 +220,11 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
                  "Router: prompt + completion tokens per request (default 32768, room for "
                  "`epd bench` defaults)")
       ->check(CLI::Range(256, 1 << 20));
+  app.add_option("--host", o->host,
+                 "Address every process binds and advertises (default 127.0.0.1)");
+  app.add_option("--worker-netns", o->worker_netns,
+                 "NAME:NETNS:ADDR: run worker NAME in network namespace NETNS, advertising ADDR "
+                 "(root; used by `epd chaos` for its network cut)");
 }
 
 namespace {
@@ -256,6 +275,19 @@ int RunServe(ServeOptions o) {
         return 1;
       }
     }
+  }
+  std::string netns_name, netns, netns_addr;
+  if (!o.worker_netns.empty()) {
+    std::vector<std::string> parts;
+    std::stringstream in(o.worker_netns);
+    for (std::string p; std::getline(in, p, ':');) parts.push_back(p);
+    if (parts.size() != 3 || parts[0].rfind("epd-", 0) != 0 || parts[1].empty() ||
+        parts[2].empty()) {
+      std::cerr << "epd serve: --worker-netns '" << o.worker_netns
+                << "' is not NAME:NETNS:ADDR (e.g. epd-decode-1:ns0:10.0.0.2)\n";
+      return 1;
+    }
+    netns_name = parts[0], netns = parts[1], netns_addr = parts[2];
   }
   auto run = [&](const std::string& n) { return o.data_dir + "/run/" + n + ".json"; };
   auto log = [&](const std::string& n) { return o.data_dir + "/logs/" + n + ".log"; };
@@ -335,8 +367,20 @@ int RunServe(ServeOptions o) {
     }
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      Component* w = add(name, {bin + "/epd-" + kind, "--router", router_addr, "--kvstore",
-                                kv_addr, "--model", o.model_dir, "--dspark", o.dspark});
+      std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
+                                       "--kvstore",          kv_addr,    "--model",
+                                       o.model_dir,          "--dspark", o.dspark};
+      if (kind == "decode" && o.kv_pool_bytes > 0)
+        argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+      if (name == netns_name) {
+        // Its own network: only eth0 (a veth) reaches the others, so UCX runs over TCP on it
+        // (no shared memory, which would bypass the network).
+        argv.insert(argv.begin(), {FindInPath("ip"), "netns", "exec", netns, "env", "UCX_TLS=tcp",
+                                   "UCX_NET_DEVICES=eth0"});
+        argv.insert(argv.end(), {"--advertise-address", netns_addr});
+      }
+      Component* w = add(name, std::move(argv));
+      if (name == netns_name) SetFlag(w->argv, "--host", "0.0.0.0");
       if (!StartComponent(*w)) return false;
     }
     return true;

@@ -42,6 +42,13 @@ struct ServeOptions {
   // Default: 32768. Router --context-length: prompt + completion tokens per request; sized so
   // `epd bench` with its defaults (4 turns of ~1024 tool tokens) fits (docs/demo.md).
   int context_length = 32768;
+  // One worker in its own network namespace (the chaos campaign's network cut, docs/chaos.md):
+  // "NAME:NETNS:ADDR" runs worker NAME (e.g. epd-decode-1) under `ip netns exec NETNS`, bound to
+  // 0.0.0.0 and advertising ADDR, with UCX on TCP over the namespace's eth0. `host` must then be
+  // an address reachable from the namespace. Default: none.
+  std::string worker_netns;
+  int64_t kv_pool_bytes = 0;       // Default: 0 = the decode worker's default (a quarter of the
+                                   // host memory). Decode workers' --kv-pool-bytes
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);

@@ -10,6 +10,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
+#include "services/router/output_assembly.h"
 #include "services/router/request_validator.h"
 #include "services/router/utf8.h"
 
@@ -386,12 +387,16 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
   if (auto st = GetInt(body, "n", 1, INT32_MAX, &n); !st.ok()) return st;  // <= 128: ValidateSpec
   s.set_n(static_cast<int32_t>(n));
   if (!chat && Field(body, "best_of")) {
-    // best_of = n returns every sample; ranking more samples than returned is not done.
+    // best_of samples, the n with the highest mean token logprob returned (KeepBestOf).
     int64_t best_of = n;
     if (auto st = GetInt(body, "best_of", 1, 128, &best_of); !st.ok()) return st;
-    if (best_of != n) {
-      return Bad("'best_of' must equal 'n' (every sampled choice is returned)", "best_of",
-                 "unsupported_value");
+    if (best_of < n) {
+      return Bad(absl::StrCat("'best_of' is ", best_of, "; it must be at least 'n' (", n, ")"),
+                 "best_of", "invalid_value");
+    }
+    if (best_of > n) {
+      spec->best_of_keep = static_cast<int32_t>(n);
+      s.set_n(static_cast<int32_t>(best_of));
     }
   }
   // Chat: logprobs (bool) + top_logprobs [0, 20]; completions: logprobs = the top count.
@@ -403,6 +408,10 @@ absl::Status ParseSampling(const json& body, bool chat, GenerateSpec* spec) {
     if (auto st = GetInt(body, "top_logprobs", INT32_MIN, INT32_MAX, &top); !st.ok()) return st;
   } else if (Field(body, "logprobs")) {  // the range here: the param is named logprobs
     if (auto st = GetInt(body, "logprobs", 0, 20, &top); !st.ok()) return st;
+    logprobs = true;
+  }
+  if (spec->best_of_keep > 0 && !logprobs) {
+    spec->hide_logprobs = true;  // the ranking needs each chosen token's logprob
     logprobs = true;
   }
   s.set_logprobs(logprobs);
@@ -622,6 +631,11 @@ absl::StatusOr<GenerateSpec> ParseOpenAiRequest(const json& body, bool chat, boo
                                           "unsupported_parameter");
   }
   if (auto s = ParseSampling(body, chat, &spec); !s.ok()) return s;
+  if (spec.best_of_keep > 0 && *stream) {
+    return Bad("'best_of' greater than 'n' cannot be streamed (the best samples are known only at "
+               "the end)",
+               "best_of", "unsupported_value");
+  }
   if (auto s = ParseResponseFormat(body, &spec); !s.ok()) return s;
   return spec;
 }
@@ -842,12 +856,13 @@ void OpenAiHttpServer::Routes() {
         Collector collector;
         auto out = core_.Run(*prepared, &collector);
         if (!out.ok()) return SendError(res, out.status());
+        if (prepared->spec.best_of_keep > 0) KeepBestOf(&*out, prepared->spec.best_of_keep);
         json j = base;
         json list = json::array();
         for (size_t idx = 0; idx < out->choices.size(); ++idx) {
           const Choice& ch = out->choices[idx];
           json choice = {{"index", idx}, {"finish_reason", ch.finish_reason}, {"logprobs", nullptr}};
-          if (prepared->logprobs_top >= 0) {
+          if (prepared->logprobs_top >= 0 && !prepared->spec.hide_logprobs) {
             int64_t offset = 0;
             choice["logprobs"] = chat ? ChatLogprobsJson(core_.codec(), ch.logprobs)
                                       : CompletionLogprobsJson(core_.codec(), ch.logprobs, &offset);

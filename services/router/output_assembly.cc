@@ -1,6 +1,8 @@
 #include "services/router/output_assembly.h"
 
 #include <algorithm>
+#include <limits>
+#include <numeric>
 
 #include "absl/strings/str_cat.h"
 
@@ -158,6 +160,32 @@ std::vector<Delta> OutputAssembler::Finish(Outcome* out) {
   out->token_ids = out->choices[0].token_ids;
   out->logprobs = out->choices[0].logprobs;
   return last;
+}
+
+void KeepBestOf(Outcome* out, int keep) {
+  std::vector<double> mean(out->choices.size());
+  for (size_t i = 0; i < out->choices.size(); ++i) {
+    const std::vector<TokenLogprobs>& lps = out->choices[i].logprobs;
+    double sum = 0;
+    for (const TokenLogprobs& lp : lps) sum += lp.logprob;
+    mean[i] = lps.empty() ? -std::numeric_limits<double>::infinity()
+                          : sum / static_cast<double>(lps.size());
+  }
+  std::vector<size_t> order(out->choices.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return mean[a] > mean[b]; });
+  order.resize(std::min(order.size(), static_cast<size_t>(std::max(keep, 0))));
+  std::vector<Choice> kept;
+  kept.reserve(order.size());
+  for (size_t i : order) kept.push_back(std::move(out->choices[i]));
+  out->choices = std::move(kept);
+  if (!out->choices.empty()) {
+    const Choice& c0 = out->choices[0];
+    out->finish_reason = c0.finish_reason;
+    out->parsed = c0.parsed;
+    out->token_ids = c0.token_ids;
+    out->logprobs = c0.logprobs;
+  }
 }
 
 }  // namespace epd::services::router

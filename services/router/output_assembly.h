@@ -92,4 +92,10 @@ class OutputAssembler {
   std::vector<std::unique_ptr<ChoiceAssembler>> choices_;
 };
 
+// Completions best_of: keeps the `keep` choices of `out` with the highest mean logprob per token
+// (OpenAI's "highest log probability per token"; a choice without tokens ranks last, ties keep the
+// lower index), best first, re-indexed from 0; choice 0's mirrors follow. Usage is unchanged: every
+// sampled token was generated and is counted (OpenAI bills best_of samples too).
+void KeepBestOf(Outcome* out, int keep);
+
 }  // namespace epd::services::router

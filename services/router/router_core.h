@@ -65,6 +65,11 @@ struct GenerateSpec {
   bool parse_tools = false;              // split a DSML tool-call block into tool_calls
   // The request field a refused sampling.constraint is reported under (response_format, tools).
   std::string constraint_param = "sampling.constraint";
+  // Completions `best_of` > `n` (docs/api.md): sampling.n = best_of samples are drawn (with
+  // sampling.logprobs on, for the ranking) and KeepBestOf returns the best_of_keep with the highest
+  // mean token logprob; 0: every sample is returned.
+  int32_t best_of_keep = 0;
+  bool hide_logprobs = false;  // logprobs were turned on only for the ranking: not returned
 };
 
 struct PreparedRequest {

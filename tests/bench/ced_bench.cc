@@ -23,6 +23,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <string>
 #include <vector>
@@ -177,12 +178,17 @@ SequenceState SynthesizeContext(const epd::model::ModelConfig& c, const Sequence
     const int64_t n = C / src.ratio, nb = base.sources.at(l).n;
     const auto& bkv = base.sources.at(l).kv;
     const auto& bkeys = base.sources.at(l).keys;
-    src.kv.resize(n * c.head_dim);
-    src.keys.resize(n * c.index_head_dim);
+    // Rows through the KV pool (packed, paged), as a real state holds them.
+    src.kv.Truncate(std::min(n, nb));
+    src.keys.Truncate(std::min(n, nb));
+    std::vector<float> kv(c.head_dim), key(c.index_head_dim);
     for (int64_t i = nb; i < n; ++i) {
-      std::copy_n(bkv.begin() + (i % nb) * c.head_dim, c.head_dim, src.kv.begin() + i * c.head_dim);
-      std::copy_n(bkeys.begin() + (i % nb) * c.index_head_dim, c.index_head_dim,
-                  src.keys.begin() + i * c.index_head_dim);
+      bkv.Unpack(i % nb, 1, kv.data());
+      bkeys.Unpack(i % nb, 1, key.data());
+      if (!src.kv.Append(kv.data(), 1).ok() || !src.keys.Append(key.data(), 1).ok()) {
+        std::fprintf(stderr, "synthesize: the KV pool is full\n");
+        std::exit(1);
+      }
     }
     src.n = n;
   }

@@ -16,13 +16,13 @@
 
 #include "CLI/CLI.hpp"
 #include "decode_pool/dspark/k_policy.h"
-#include "decode_pool/dspark/rollback.h"
-#include "decode_pool/dspark/target_scorer.h"
 #include "decode_pool/dspark/verifier.h"
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "model/nano_generator.h"
 #include "model/sampling.h"
+#include "tests/testing/dspark_reference.h"
+#include "tests/testing/dspark_target_scorer.h"
 #include "tests/testing/subprocess.h"
 
 namespace {
@@ -37,9 +37,9 @@ struct Clock {
     return time_point(static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec));
   }
 };
-using epd::decode_pool::GenerateOptions;
+using epd::testing::GenerateOptions;
 using epd::decode_pool::KPolicy;
-using epd::decode_pool::StepStats;
+using epd::testing::StepStats;
 using epd::decode_pool::StepTimeModel;
 using epd::decode_pool::StepTimeSample;
 
@@ -94,10 +94,10 @@ int main(int argc, char** argv) {
   epd::model::SamplingParams params;
   params.max_tokens = tokens;
   params.temperature = temperature;
-  epd::decode_pool::SequentialTargetScorer sequential(model);
-  epd::decode_pool::ExtendTargetScorer extend(model);
-  epd::decode_pool::TargetScorer& scorer =
-      scorer_name == "extend" ? static_cast<epd::decode_pool::TargetScorer&>(extend) : sequential;
+  epd::testing::SequentialTargetScorer sequential(model);
+  epd::testing::ExtendTargetScorer extend(model);
+  epd::testing::TargetScorer& scorer =
+      scorer_name == "extend" ? static_cast<epd::testing::TargetScorer&>(extend) : sequential;
 
   auto run = [&](int k, const KPolicy* policy) {
     Row r;
@@ -111,7 +111,7 @@ int main(int argc, char** argv) {
       auto st = model.NewSequence();
       (void)model.Prefill(*st, p, false);
       const auto t1 = Clock::now();
-      auto g = epd::decode_pool::Generate(model, scorer, p, params, opt);
+      auto g = epd::testing::Generate(model, scorer, p, params, opt);
       const auto t2 = Clock::now();
       if (!g.ok()) {
         std::fprintf(stderr, "generate: %s\n", g.status().ToString().c_str());
@@ -225,7 +225,7 @@ int main(int argc, char** argv) {
         "\nrollback: journal %lld B per 6-position step, commit(keep=1) %.1f us; "
         "full state copy %lld B, %.1f us\n",
         static_cast<long long>(journal_bytes), 1e6 * t_commit / reps,
-        static_cast<long long>(epd::decode_pool::StateBytes(*st)), 1e6 * t_copy / reps);
+        static_cast<long long>(epd::testing::StateBytes(*st)), 1e6 * t_copy / reps);
   }
   return 0;
 }

@@ -195,6 +195,27 @@ async function main() {
     temperature: 1, seed: 9 });
   assert.equal(cn.choices.length, 2);
   assert.deepEqual(cn.choices.map((c) => c.index), [0, 1]);
+  // best_of 3 > n 1: the three seeded samples (the same as n = 3 with that seed) are ranked by
+  // mean token logprob and the best one is returned; usage counts all three samples' tokens; no
+  // logprobs in the answer unless asked; streaming is refused.
+  const breq = { model, prompt: 'Once', max_tokens: 6, temperature: 1, seed: 11 };
+  const all3 = await on.completions.create({ ...breq, n: 3, logprobs: 1 });
+  const best = await on.completions.create({ ...breq, n: 1, best_of: 3 });
+  const meanLp = (c) => c.logprobs.token_logprobs.length === 0 ? -Infinity
+    : c.logprobs.token_logprobs.reduce((a, b) => a + b, 0) / c.logprobs.token_logprobs.length;
+  let bestIdx = 0;
+  for (let i = 1; i < 3; ++i) if (meanLp(all3.choices[i]) > meanLp(all3.choices[bestIdx])) bestIdx = i;
+  assert.equal(best.choices.length, 1);
+  assert.equal(best.choices[0].index, 0);
+  assert.equal(best.choices[0].text, all3.choices[bestIdx].text, 'best_of picked another sample');
+  assert.equal(best.choices[0].logprobs, null, 'logprobs returned although not asked');
+  assert.equal(best.usage.completion_tokens, all3.usage.completion_tokens,
+    'best_of usage counts every sample');
+  await assert.rejects(on.completions.create({ ...breq, n: 1, best_of: 3, stream: true }),
+    (e) => e.status === 400 && e.param === 'best_of');
+  await assert.rejects(on.completions.create({ ...breq, n: 3, best_of: 2 }),
+    (e) => e.status === 400 && e.param === 'best_of');
+  console.log('ok best_of 3 > n 1 returns the sample with the highest mean logprob');
   console.log('ok n=3 seeded: one hand-off, prompt once, reproducible, streamed by index',
     JSON.stringify(texts));
 

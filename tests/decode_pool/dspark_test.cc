@@ -8,14 +8,15 @@
 #include <vector>
 
 #include "decode_pool/dspark/k_policy.h"
-#include "decode_pool/dspark/rollback.h"
-#include "decode_pool/dspark/target_scorer.h"
 #include "decode_pool/dspark/verifier.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
+#include "tests/testing/dspark_reference.h"
+#include "tests/testing/dspark_rollback.h"
+#include "tests/testing/dspark_target_scorer.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 
@@ -25,6 +26,17 @@ namespace {
 using model::Model;
 using model::SamplingParams;
 using model::SequenceState;
+// The one-sequence reference loop (tests/testing/dspark_reference.h).
+using testing::DiffStates;
+using testing::ExtendTargetScorer;
+using testing::Generate;
+using testing::GenerateOptions;
+using testing::SequentialTargetScorer;
+using testing::SpeculativeDecoder;
+using testing::StateBytes;
+using testing::StepJournal;
+using testing::StepStats;
+using testing::TargetScorer;
 
 class DSparkNanoTest : public testing::NanoModelTest {
  protected:

@@ -109,6 +109,28 @@ TEST(GrammarTest, UnsupportedKeywordIsNamed) {
   EXPECT_FALSE(Compile("{\"type\":\"yaml\"}").ok());
 }
 
+// A hostile schema cannot exhaust the stack: nesting beyond 32 levels is a named refusal, and
+// constraint flags of the wrong JSON type are refusals, not exceptions.
+TEST(GrammarTest, DeepNestingAndMistypedFlagsAreRefused) {
+  auto nested = [](int levels) {
+    json s = {{"type", "integer"}};
+    for (int i = 0; i < levels; ++i) s = {{"type", "array"}, {"items", s}};
+    return json{{"type", "json_schema"}, {"schema", s}};
+  };
+  auto ok = Compile(nested(30).dump());
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  Matcher m(*ok);
+  EXPECT_TRUE(m.Advance(std::string(30, '[') + "7" + std::string(30, ']')));
+  EXPECT_TRUE(m.Complete());
+  auto deep = Compile(nested(400).dump());
+  ASSERT_FALSE(deep.ok());
+  EXPECT_NE(deep.status().message().find("nested deeper than 32"), std::string::npos)
+      << deep.status();
+  EXPECT_FALSE(Compile(R"({"type":"json_object","thinking":"yes"})").ok());
+  EXPECT_FALSE(
+      Compile(R"({"type":"tool_calls","tools":[{"name":"f"}],"parallel":{}})").ok());
+}
+
 TEST(GrammarTest, ToolCallsInDsml) {
   const json tools = json::array(
       {{{"name", "get_weather"},

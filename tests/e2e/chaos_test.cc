@@ -1,12 +1,18 @@
 // The chaos campaign in CI (docs/chaos.md): `epd chaos` against a real `epd serve` cluster of two
-// workers per pool + kvstore + router, under agent load, with seeded SIGKILLs and SIGSTOP/SIGCONTs
-// of workers and kills of the router for 60 s. The command itself
-// asserts (no hang, outputs equal the no-fault output or the migration continuation, no leaked
-// work or transfer resources, the registry lists exactly the live workers, no orphan process)
-// and writes its counts; this test checks the counts, so a fault schedule that injected nothing
-// or served nothing cannot pass.
+// workers per pool + kvstore + router, under agent load, with every fault kind for 60 s: seeded
+// SIGKILLs and SIGSTOP/SIGCONTs of workers, kills of the kvstore (its SWA snapshots are lost, its
+// RocksDB blocks kept: the store-reuse path must still give the no-fault outputs) and of the
+// router, and network cuts of a worker in its own namespace (root only; `epd chaos` leaves them
+// out with a note otherwise). The command itself asserts (no hang, outputs equal the no-fault
+// output or the migration continuation, no leaked work or transfer resources, the registry lists
+// exactly the live workers, no orphan process) and writes its counts; this test checks the
+// counts, so a fault schedule that injected nothing or served nothing cannot pass.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <sstream>
 #include <string>
@@ -23,11 +29,8 @@ using epd::testing::TempDir;
 
 TEST(ChaosTest, SeededFaultsUnderAgentLoadLeaveNoHangWrongOutputLeakOrOrphan) {
   TempDir dir;
-  // kill_kvstore is left out here: mixed with worker faults it currently yields wrong outputs
-  // on store-reused prompts (docs/chaos.md, Findings); `epd chaos` runs it by default.
   Subprocess chaos =
-      Subprocess::Start({BinaryPath("epd"), "chaos", "--seconds", "60", "--seed", "7", "--faults",
-                         "sigkill_worker,sigstop_worker,kill_router", "--data-dir",
+      Subprocess::Start({BinaryPath("epd"), "chaos", "--seconds", "60", "--seed", "7", "--data-dir",
                          dir.File("data"), "--json", dir.File("chaos.json")},
                         dir.File("chaos.log"));
   auto rc = chaos.Wait(std::chrono::seconds(400));
@@ -51,6 +54,54 @@ TEST(ChaosTest, SeededFaultsUnderAgentLoadLeaveNoHangWrongOutputLeakOrOrphan) {
     if (kind != "skipped_down") faults += n.get<int>();
   }
   EXPECT_GE(faults, 5) << j.dump();
+  EXPECT_GE(j["faults"].value("kill_kvstore", 0), 1) << j.dump();
+  if (geteuid() == 0 && std::system("ip netns list >/dev/null 2>&1") == 0) {
+    EXPECT_GE(j["faults"].value("cut_network", 0), 1) << j.dump();
+    EXPECT_EQ(j.value("cut_network_failures", -1), 0) << j.dump();
+  } else {
+    EXPECT_TRUE(j.contains("cut_network_unavailable")) << j.dump();
+  }
+}
+
+// The soak mode (docs/chaos.md "Soak"), short: a steady load without faults while every process's
+// resident memory and open descriptors are sampled from /proc; every process of the cluster is
+// sampled and judged, none restarted, all flat after the warm-up, every output the no-fault one.
+TEST(ChaosTest, SoakModeSamplesEveryProcessAndFindsThemFlat) {
+  TempDir dir;
+  Subprocess chaos = Subprocess::Start(
+      {BinaryPath("epd"), "chaos", "--faults", "none", "--seconds", "40", "--clients", "1",
+       "--sample-s", "4", "--warmup-s", "8", "--data-dir", dir.File("data"), "--json",
+       dir.File("soak.json"), "--samples-csv", dir.File("soak.csv")},
+      dir.File("soak.log"));
+  auto rc = chaos.Wait(std::chrono::seconds(300));
+  ASSERT_TRUE(rc.has_value()) << chaos.ReadLog();
+  std::ifstream in(dir.File("soak.json"));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  auto j = nlohmann::json::parse(ss.str(), nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << chaos.ReadLog();
+  std::printf("%s\n", j.dump(1).c_str());
+  EXPECT_EQ(*rc, 0) << chaos.ReadLog();
+  EXPECT_TRUE(j["faults"].empty()) << j.dump();
+  EXPECT_EQ(j["wrong_outputs"], 0);
+  EXPECT_EQ(j["clean_failures"], 0);
+  EXPECT_GT(j["ok"].get<int>(), 0);
+  EXPECT_TRUE(j["soak_flat"].get<bool>()) << j.dump();
+  for (const char* proc :
+       {"epd-serve", "epd-kvstore", "epd-router", "epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
+        "epd-prefill-1", "epd-decode-0", "epd-decode-1"}) {
+    ASSERT_TRUE(j["soak"].contains(proc)) << proc << " " << j.dump();
+    const auto& p = j["soak"][proc];
+    EXPECT_GE(p["samples"].get<int>(), 4) << proc;
+    EXPECT_GT(p["rss_kb_max"].get<int64_t>(), 0) << proc;
+    EXPECT_GT(p["fds_last_quarter_max"].get<int64_t>(), 2) << proc;
+    EXPECT_FALSE(p["restarted"].get<bool>()) << proc;
+  }
+  // The CSV holds every sample: a header and at least 9 processes x 4 samples.
+  std::ifstream csv(dir.File("soak.csv"));
+  int lines = 0;
+  for (std::string line; std::getline(csv, line);) ++lines;
+  EXPECT_GE(lines, 1 + 9 * 4);
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -108,6 +109,12 @@ class RealCluster {
                                      "--model",
                                      options_.model_dir};
     if (options_.store) argv.insert(argv.end(), {"--kvstore", kv_address_});
+    // 200 ms heartbeats keep registration quick; 10 misses (2 s) before a worker is forgotten,
+    // so a loaded 2-core machine (CI runs tests in parallel) does not drop a busy live worker.
+    if (std::find(options_.router_args.begin(), options_.router_args.end(),
+                  "--heartbeat-miss-limit") == options_.router_args.end()) {
+      argv.insert(argv.end(), {"--heartbeat-miss-limit", "10"});
+    }
     argv.insert(argv.end(), options_.router_args.begin(), options_.router_args.end());
     router_.proc = Subprocess::Start(argv, dir_.File("router.log"));
     auto grpc = WaitForPortFile(router_.port_file, "grpc", std::chrono::seconds(30));

@@ -1,8 +1,10 @@
 // The encoder's store path (EncoderStage::Run with PrefixOptions) against a real epd-kvstore
-// process: a hit with a live snapshot is bit-identical to the run without a store; what the store
+// process: a hit, with a live snapshot or with the rings replayed, is bit-identical to the run
+// without a store (also across a kvstore restart, which loses the snapshots); what the store
 // lacks or holds wrong shortens the prefix or costs a replay, never the request; a daemon that is
 // down degrades to P = 0.
 #include <gtest/gtest.h>
+#include <signal.h>
 
 #include <chrono>
 #include <memory>
@@ -29,14 +31,18 @@ class EncoderStoreTest : public testing::NanoModelTest {
  protected:
   void SetUp() override {
     kv_dir_ = std::make_unique<testing::TempDir>();
+    StartKvstore("kv");
+  }
+  // Starts (or restarts) the daemon on kv_dir_'s RocksDB folder and connects client_ to it.
+  void StartKvstore(const std::string& name) {
     kv_ = testing::Subprocess::Start(
         {testing::BinaryPath("epd-kvstore"), "--data-dir", kv_dir_->File("data"), "--grpc-port",
-         "0", "--metrics-port", "0", "--port-file", kv_dir_->File("kv.json"),
+         "0", "--metrics-port", "0", "--port-file", kv_dir_->File(name + ".json"),
          // G3 only: a G1 hot copy would shadow the bad values this test puts over good ones.
          "--g1-capacity-bytes", "0"},
-        kv_dir_->File("kv.log"));
+        kv_dir_->File(name + ".log"));
     auto port =
-        services::WaitForPortFile(kv_dir_->File("kv.json"), "grpc", std::chrono::seconds(30));
+        services::WaitForPortFile(kv_dir_->File(name + ".json"), "grpc", std::chrono::seconds(30));
     ASSERT_TRUE(port.has_value()) << kv_.ReadLog();
     client_ = kvstore::KvStoreClient::Create("127.0.0.1:" + std::to_string(*port));
   }
@@ -112,10 +118,12 @@ TEST_F(EncoderStoreTest, HitWithSnapshotIsBitIdenticalAndMissesDegrade) {
   EXPECT_EQ(r2.cached_tokens, 320);
   EXPECT_EQ(r2.blocks_written, 0);  // all stored already
 
-  // The snapshot at 320 was never written (p2's was at 448): a replay, the request goes on.
+  // The snapshot at 320 was never written (p2's was at 448): a replay (from 0: 320 tokens are
+  // fewer than split x window), the same state and output.
   EXPECT_FALSE(r2.snapshot_hit);
   EXPECT_TRUE(r2.replayed);
-  EXPECT_EQ(r2.replayed_tokens, 128);
+  EXPECT_EQ(r2.replayed_tokens, 320);
+  ExpectSame(*plain, *past);
 
   // A block value overwritten with garbage: P = 0, counted, the output is the plain one, and
   // the pass writes its blocks over the bad ones, so the next request hits again.
@@ -147,6 +155,53 @@ TEST_F(EncoderStoreTest, HitWithSnapshotIsBitIdenticalAndMissesDegrade) {
   ASSERT_EQ(r5.errors.size(), 1u);
   EXPECT_NE(r5.warning.find("block 1"), std::string::npos) << r5.warning;
   ExpectSame(*plain, *moved);
+}
+
+// The chaos campaign's finding (docs/chaos.md): a kvstore killed between two turns of a
+// conversation loses the G2 snapshots (memory) but keeps the G3 blocks (RocksDB), so turn 2
+// reuses the blocks and rebuilds the encoder rings by replay. Its state and output must be the
+// ones without a store, bit for bit, and so must those of turn 3, which reads the blocks and the
+// snapshot that the replayed turn 2 wrote.
+TEST_F(EncoderStoreTest, KvstoreRestartBetweenTurnsKeepsOutputsBitIdentical) {
+  EncoderStage enc(*model_, 133);
+  const std::vector<int32_t> p1 = Prompt(300, 11);
+  PrefixReport r1;
+  ASSERT_TRUE(enc.Run(p1, Options(0), &r1).ok());
+  ASSERT_EQ(r1.blocks_written, 4);
+  ASSERT_TRUE(r1.snapshot_written);
+
+  kv_.Signal(SIGKILL);
+  ASSERT_TRUE(kv_.Wait(std::chrono::seconds(30)).has_value());
+  StartKvstore("kv2");
+
+  std::vector<int32_t> p2 = p1;
+  const auto more = Prompt(200, 12);
+  p2.insert(p2.end(), more.begin(), more.end());
+  auto plain2 = enc.Run(p2);
+  ASSERT_TRUE(plain2.ok());
+  PrefixReport r2;
+  auto hit2 = enc.Run(p2, Options(256), &r2);
+  ASSERT_TRUE(hit2.ok()) << hit2.status();
+  EXPECT_TRUE(r2.errors.empty()) << r2.warning;
+  EXPECT_EQ(r2.cached_tokens, 256);  // the blocks survived in RocksDB
+  EXPECT_FALSE(r2.snapshot_hit);     // the snapshot did not
+  EXPECT_TRUE(r2.replayed);
+  EXPECT_EQ(r2.replayed_tokens, model::PrefixReplayTokens(model_->config(), 256));
+  ExpectSame(*plain2, *hit2);
+  EXPECT_EQ(r2.blocks_written, 3);  // blocks 4..6, and the snapshot at 448
+  EXPECT_TRUE(r2.snapshot_written);
+
+  std::vector<int32_t> p3 = p2;
+  const auto more3 = Prompt(200, 13);
+  p3.insert(p3.end(), more3.begin(), more3.end());
+  auto plain3 = enc.Run(p3);
+  ASSERT_TRUE(plain3.ok());
+  PrefixReport r3;
+  auto hit3 = enc.Run(p3, Options(448), &r3);
+  ASSERT_TRUE(hit3.ok()) << hit3.status();
+  EXPECT_EQ(r3.cached_tokens, 448);
+  EXPECT_TRUE(r3.snapshot_hit);
+  ExpectSame(*plain3, *hit3);
 }
 
 TEST_F(EncoderStoreTest, TailRuleCapsTheHint) {

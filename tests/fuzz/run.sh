@@ -22,7 +22,7 @@ cmake --build "$BUILD_DIR" -j "$JOBS"
 targets=("$@")
 if [ "${#targets[@]}" -eq 0 ]; then
   targets=(fuzz_openai_request fuzz_chat_messages fuzz_dsml fuzz_handoff_manifest
-           fuzz_kvstore_value fuzz_safetensors fuzz_tokenizer)
+           fuzz_kvstore_value fuzz_safetensors fuzz_tokenizer fuzz_grammar)
 fi
 mkdir -p "$BUILD_DIR/crashes"
 export ASAN_OPTIONS="${ASAN_OPTIONS:-detect_leaks=1:allocator_may_return_null=1}"

@@ -14,6 +14,7 @@
 #include "prometheus/text_serializer.h"
 #include "services/router/byte_text_codec.h"
 #include "services/router/openai_http.h"
+#include "services/router/output_assembly.h"
 #include "services/router/request_validator.h"
 
 namespace epd::services::router {
@@ -354,11 +355,16 @@ TEST_F(RouterCoreTest, UnreachableWorkerBeforeAnyTokenIsRetriedElsewhere) {
 }
 
 TEST_F(RouterCoreTest, SideStageErrorFailsTheRequestAndCancelsDecode) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
     Script s;
-    if (w.pool == PoolKind::kPrefill) {
+    if (w.pool == PoolKind::kEncoder) {
+      epd::v1::SubmitResponse r;
+      r.set_finish_reason("handoff");
+      s.messages.push_back(r);
+    } else if (w.pool == PoolKind::kPrefill) {
       epd::v1::SubmitResponse r;
       r.set_error("manifest mismatch: entry_count");
       s.messages.push_back(r);
@@ -622,6 +628,7 @@ TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
 }
 
 TEST_F(RouterCoreTest, SideStageDeathAfterItsHandoffCostsTheRequestNothing) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
@@ -639,6 +646,29 @@ TEST_F(RouterCoreTest, SideStageDeathAfterItsHandoffCostsTheRequestNothing) {
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(rec.content, "fine");
   core_.FailWorker("p0", "missed heartbeats");  // not listed any more: a no-op
+}
+
+TEST(KeepBestOfTest, KeepsTheHighestMeanLogprobFirstAndReindexes) {
+  Outcome out;
+  auto choice = [](std::string text, std::vector<float> lps) {
+    Choice c;
+    c.parsed.content = std::move(text);
+    c.finish_reason = "length";
+    for (float lp : lps) c.logprobs.push_back({.token = 1, .logprob = lp});
+    return c;
+  };
+  out.choices.push_back(choice("a", {-1.f, -3.f}));       // mean -2
+  out.choices.push_back(choice("b", {-0.5f, -0.5f, -2.f}));  // mean -1
+  out.choices.push_back(choice("c", {}));                  // no tokens: last
+  out.choices.push_back(choice("d", {-1.f}));              // mean -1: tie with b, b is lower
+  out.completion_tokens = 6;
+  KeepBestOf(&out, 2);
+  ASSERT_EQ(out.choices.size(), 2u);
+  EXPECT_EQ(out.choices[0].parsed.content, "b");
+  EXPECT_EQ(out.choices[1].parsed.content, "d");
+  EXPECT_EQ(out.parsed.content, "b");  // choice 0's mirrors follow
+  EXPECT_EQ(out.logprobs.size(), 3u);
+  EXPECT_EQ(out.completion_tokens, 6);  // every sample stays billed
 }
 
 TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
@@ -698,7 +728,8 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
   EXPECT_EQ(param_of(with("top_p", 1.5)), "top_p");
   EXPECT_EQ(param_of(with("n", 0)), "n");
   EXPECT_EQ(param_of(with("n", 129)), "n");
-  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"n", 2}, {"best_of", 3}}, false), "best_of");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"n", 2}, {"best_of", 129}}, false),
+            "best_of");
   EXPECT_EQ(param_of(with("logprobs", "yes")), "logprobs");
   EXPECT_EQ(param_of(with("top_logprobs", 21)), "top_logprobs");
   EXPECT_EQ(param_of(with("top_logprobs", 3)), "top_logprobs");  // without logprobs: true
@@ -742,6 +773,26 @@ TEST(OpenAiParseTest, AcceptsTheUsualShapesAndNamesBadParams) {
             "messages[0].tool_calls[0].id");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", {1.5}}}, false), "prompt");
   EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"echo", true}}, false), "echo");
+  // Completions best_of: >= n; > n draws best_of samples with logprobs on (hidden unless asked)
+  // and is not streamed.
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"n", 3}, {"best_of", 2}}, false),
+            "best_of");
+  EXPECT_EQ(param_of({{"model", "m"}, {"prompt", "x"}, {"best_of", 3}, {"stream", true}}, false),
+            "best_of");
+  {
+    auto b = ParseOpenAiRequest({{"model", "m"}, {"prompt", "x"}, {"best_of", 4}, {"n", 2}}, false,
+                                &stream, &usage);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ(b->sampling.n(), 4);
+    EXPECT_EQ(b->best_of_keep, 2);
+    EXPECT_TRUE(b->sampling.logprobs());
+    EXPECT_TRUE(b->hide_logprobs);
+    b = ParseOpenAiRequest({{"model", "m"}, {"prompt", "x"}, {"best_of", 2}, {"logprobs", 2}},
+                           false, &stream, &usage);
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_FALSE(b->hide_logprobs);
+    EXPECT_EQ(b->sampling.top_logprobs(), 2);
+  }
   // Completions: text, [text] and token ids.
   auto c = ParseOpenAiRequest({{"model", "m"}, {"prompt", {"t"}}}, false, &stream, &usage);
   ASSERT_TRUE(c.ok());

@@ -140,9 +140,12 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
   ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   std::vector<int32_t> prompt(10, 7);
+  // Prefill needs an encoder's hand-off: with no live encoder, decode computes the whole prompt
+  // (a "pd" chain would send prefill a job it must refuse), and the prefill worker is not held.
   auto plan = sched.Schedule(prompt);
   ASSERT_TRUE(plan.ok());
-  EXPECT_EQ(plan->route, "pd");
+  EXPECT_EQ(plan->route, "d");
+  EXPECT_FALSE(plan->prefill.has_value());
   EXPECT_EQ(plan->fingerprint, "fp1");
   sched.Release(*plan);
   ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
@@ -160,8 +163,7 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   EXPECT_EQ(plan->route, "epd");
   const std::string text = Scrape(metrics_);
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"epd\"} 1"), std::string::npos);
-  EXPECT_NE(text.find("epd_route_decisions_total{route=\"d\"} 1"), std::string::npos);
-  EXPECT_NE(text.find("epd_route_decisions_total{route=\"pd\"} 1"), std::string::npos);
+  EXPECT_NE(text.find("epd_route_decisions_total{route=\"d\"} 2"), std::string::npos);
 }
 
 // The tail rule: with an encoder in the chain the prefix hint never reaches into the last

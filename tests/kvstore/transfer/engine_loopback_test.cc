@@ -37,6 +37,18 @@ double MetricSum(prometheus::Registry& registry, const std::string& name,
 
 class EngineTest : public ::testing::Test {
  protected:
+  // Waits (bounded) until the receiver has claimed the sender's offer: a fault injected after this
+  // lands mid-transfer however loaded the machine is (a fixed sleep does not).
+  void AwaitClaimed(TransferId rid) {
+    for (int i = 0; i < 1000; ++i) {
+      auto st = rx_->Status(rid);
+      ASSERT_TRUE(st.ok()) << st.status();
+      if (st->state != TransferState::kExpecting) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    ASSERT_EQ(rx_->Status(rid)->state, TransferState::kTransferring);
+  }
+
   void Make(FaultPlan plan = {}, std::string rx_fp = "fp", std::string rx_token = "tok",
             uint64_t chunk = 64 << 10) {
     net_ = MakeLoopbackNetwork();
@@ -154,6 +166,37 @@ TEST_F(EngineTest, OfferBeforeReceiveIsHeldUntilClaimed) {
   ExpectAllReleased();
 }
 
+// Detach (the kvstore client after the daemon confirmed a bulk put): the live transfer is not
+// failed, runs to its end, counts no failure, and its record and buffers are dropped then. Forget
+// on a live transfer, by contrast, fails it.
+TEST_F(EngineTest, DetachedTransferRunsToItsEndWithoutAFailure) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("detached");
+  const TransferId sid = StartSend(peer, m);
+  std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_EQ(tx_->Status(sid)->state, TransferState::kOffered);
+  tx_->Detach(sid);
+  EXPECT_EQ(tx_->Status(sid)->state, TransferState::kOffered);
+  const TransferId rid = StartReceive(m);
+  ASSERT_TRUE(rx_->Wait(rid, absl::Seconds(10)).ok());
+  auto got = rx_->TakeReceived(rid);
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+  got->buffer.reset();
+  ExpectAllReleased();
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_failures_total"), 0.0);
+  for (int i = 0; i < 200 && tx_->Status(sid).ok(); ++i) {
+    clock_.AdvanceMs(10);
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  EXPECT_FALSE(tx_->Status(sid).ok()) << "the detached record was never dropped";
+
+  const TransferId sid2 = StartSend(peer, Nano("forgotten"));
+  tx_->Forget(sid2);
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_failures_total"), 1.0);
+}
+
 TEST_F(EngineTest, HandshakeRefusesOtherFingerprint) {
   Make({}, "other-fp");
   auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
@@ -210,13 +253,33 @@ TEST_F(EngineTest, LeaseExpiresWhenNobodyClaims) {
   ExpectAllReleased();
 }
 
+// The receiver gives up before the sender's offer arrives: the late offer is refused at once with
+// the receiver's reason (it is not parked until its lease runs out).
+TEST_F(EngineTest, AnOfferAfterTheReceiverCancelledIsRefusedAtOnce) {
+  Make(FaultPlan{});
+  const PeerId peer = ConnectOk();
+  const auto m = Nano("late");
+  const TransferId rid = StartReceive(m);
+  rx_->Cancel(rid, "client went away");
+  EXPECT_EQ(rx_->Wait(rid, absl::Seconds(5)).code(), absl::StatusCode::kCancelled);
+  const TransferId sid = StartSend(peer, m);
+  absl::Status ss = tx_->Wait(sid, absl::Seconds(5));
+  EXPECT_FALSE(ss.ok());
+  EXPECT_THAT(ss.message(), HasSubstr("client went away"));
+  rx_->Forget(rid);
+  tx_->Forget(sid);
+  ExpectAllReleased();
+}
+
 TEST_F(EngineTest, ReceiverCancelEndsSenderToo) {
-  Make(FaultPlan{FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1, absl::Milliseconds(30)});
+  // Data is held back long enough that the cancel always lands mid-transfer (after the claim),
+  // however loaded the machine is.
+  Make(FaultPlan{FaultPlan::Action::kDelay, FaultPlan::Target::kData, -1, absl::Milliseconds(500)});
   const PeerId peer = ConnectOk();
   const auto m = Nano("cancel");
   const TransferId rid = StartReceive(m);
   const TransferId sid = StartSend(peer, m);
-  std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  AwaitClaimed(rid);
   rx_->Cancel(rid, "client went away");
   EXPECT_EQ(rx_->Wait(rid, absl::Seconds(5)).code(), absl::StatusCode::kCancelled);
   absl::Status ss = tx_->Wait(sid, absl::Seconds(5));
@@ -304,7 +367,7 @@ TEST_F(EngineTest, SenderWireDeathFailsReceiverAndReleasesEverything) {
   const auto m = Nano("death");
   const TransferId rid = StartReceive(m);
   StartSend(peer, m);
-  std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  AwaitClaimed(rid);
   tx_.reset();  // the whole sender goes away mid-transfer
   absl::Status rs = rx_->Wait(rid, absl::Seconds(5));
   EXPECT_TRUE(rs.code() == absl::StatusCode::kUnavailable ||

@@ -1,7 +1,9 @@
 #pragma once
 
-// The target pass of DSpark verification behind an interface, so the model owner's batched
-// multi-position DecodeStep can replace the sequential implementation here.
+// Test reference (not in any worker): the target pass of DSpark verification for ONE sequence,
+// behind an interface with two implementations (sequential Decode calls + StepJournal, and one
+// Extend call + Model::Checkpoint). The shipping decode path verifies drafts inside one batched
+// DecodeStep (decode_pool/decode_stage.cc); the DSpark tests and dspark_bench compare it with these.
 //
 // Contract: Score(state, ids) runs the target model over ids (ids[0] = the last accepted token,
 // then the drafts) at positions state.pos .. state.pos + ids.size() - 1 and returns fp32 logits
@@ -18,10 +20,10 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "decode_pool/dspark/rollback.h"
+#include "tests/testing/dspark_rollback.h"
 #include "model/model.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 class TargetScorer {
  public:
@@ -63,4 +65,4 @@ class ExtendTargetScorer final : public TargetScorer {
   model::ForwardResult step_;
 };
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing

@@ -1,11 +1,11 @@
-#include "decode_pool/dspark/rollback.h"
+#include "tests/testing/dspark_rollback.h"
 
 #include <cstring>
 #include <string>
 
 #include "absl/strings/str_cat.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 using model::SequenceState;
 
@@ -106,6 +106,9 @@ bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() &&
          (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
 }
+bool SameBits(const model::KvRows& a, const model::KvRows& b) {
+  return SameBits(a.ToVector(), b.ToVector());
+}
 }  // namespace
 
 std::string DiffStates(const SequenceState& a, const SequenceState& b) {
@@ -137,11 +140,11 @@ int64_t StateBytes(const SequenceState& s) {
   int64_t b = 0;
   for (const auto& r : s.swa) b += static_cast<int64_t>(r.size() * 4);
   for (const auto& [l, src] : s.sources) {
-    b += static_cast<int64_t>(
-        (src.kv.size() + src.keys.size() + src.kv_state.size() + src.score_state.size()) * 4);
+    b += src.kv.held_bytes() + src.keys.held_bytes() +
+         static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4);
   }
   b += static_cast<int64_t>(s.engram_history.size() * 8 + s.main_hidden.size() * 4);
   return b;
 }
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing

@@ -1,8 +1,8 @@
-#include "decode_pool/dspark/target_scorer.h"
+#include "tests/testing/dspark_target_scorer.h"
 
 #include "absl/strings/str_cat.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 SequentialTargetScorer::SequentialTargetScorer(const model::Model& model)
     : model_(model), journal_(model.config()) {}
@@ -59,4 +59,4 @@ absl::Status ExtendTargetScorer::Commit(model::SequenceState& state, int64_t kee
   return model_.Rollback(state, checkpoint_, std::span<const int32_t>(ids_).first(keep), step_);
 }
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing

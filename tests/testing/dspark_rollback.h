@@ -1,5 +1,9 @@
 #pragma once
 
+// Test reference (not in any worker): the shipping decode path (decode_pool/decode_stage.cc) rolls
+// rejected drafts back with Model::Checkpoint/Rollback inside one batched DecodeStep. This journal
+// is the independent second implementation the DSpark tests compare it against.
+
 // Rollback of rejected draft positions: a journal of exactly what a decode position can touch in a
 // SequenceState (model/model.h), so the positions after the last accepted one can be undone.
 //
@@ -21,7 +25,7 @@
 #include "model/config.h"
 #include "model/model.h"
 
-namespace epd::decode_pool {
+namespace epd::testing {
 
 class StepJournal {
  public:
@@ -71,4 +75,4 @@ std::string DiffStates(const model::SequenceState& a, const model::SequenceState
 // Bytes of a full SequenceState copy (the alternative to the journal).
 int64_t StateBytes(const model::SequenceState& state);
 
-}  // namespace epd::decode_pool
+}  // namespace epd::testing

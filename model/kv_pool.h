@@ -1,0 +1,203 @@
+#pragma once
+
+// The paged, packed KV pool of a worker (issue 11; DESIGN.md §5's G1 tier inside the worker).
+//
+// A KvPool hands out fixed-size blocks of bytes. Each global-KV stream of a sequence (the
+// compressed entries `kv.<L>` and the index keys `keys.<L>` of KV source L) is a KvRows: a block
+// table into the pool, one block per kKvBlockTokens (64, the store's block) tokens of the stream,
+// holding that many tokens' rows (64 / ratio) in their packed MODEL.md §4 formats (288 B per
+// entry, 68 B per key at the released sizes), so a worker holds exactly the bytes `epd
+// kv-layout` accounts per token.
+//
+// Sharing: blocks are reference-counted. Copying a KvRows shares its blocks (a copied
+// SequenceState, a snapshot, an n > 1 fork); a write into a shared block copies it first
+// (copy-on-write). A block that fills up is sealed under a content hash chain (the model's
+// config seed, the stream, the previous block's hash, the block's bytes); when a block with the
+// same hash and the same bytes is already in the pool (in use by another sequence, or cached),
+// the sequence takes that one and its own copy is freed, so sequences with a common prefix hold
+// its blocks once. The hash is over content rather than tokens because a token prefix does not
+// determine the KV (prefill vs decode steps publish different index keys; bounded replay depends
+// on the prompt length): equal bytes are the only safe criterion. A sealed block whose last
+// reference goes stays cached (LRU) and is evicted only when an allocation needs the room.
+//
+// Capacity: bytes in use + cached <= capacity (0 = unbounded; the cache then keeps at most
+// kUnboundedCacheBytes). An allocation that does not fit after evicting every cached block fails
+// with ResourceExhausted (the decode worker preempts). A block's memory is allocated when the
+// block is and freed when it is neither used nor cached: a pool holds what its sequences hold.
+//
+// Thread-safety: KvPool is thread-safe. A KvRows is used by one thread at a time (as the
+// SequenceState holding it); different KvRows may share blocks across threads (shared blocks are
+// never written).
+
+#include <cstdint>
+#include <list>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/status.h"
+
+namespace epd::model {
+
+inline constexpr int64_t kKvBlockTokens = 64;
+inline constexpr int64_t kUnboundedCacheBytes = int64_t{64} << 20;
+
+class KvPool {
+ public:
+  struct Stats {
+    int64_t capacity_bytes = 0;  // 0 = unbounded
+    int64_t used_bytes = 0;      // blocks referenced by some sequence
+    int64_t cached_bytes = 0;    // sealed blocks nobody references (evictable)
+    int64_t used_blocks = 0;
+    int64_t cached_blocks = 0;
+    int64_t shared_hits = 0;  // seals that found an identical block (memory saved)
+    int64_t evictions = 0;
+    int64_t alloc_failures = 0;
+  };
+  struct Block {
+    int32_t id = -1;
+    uint8_t* data = nullptr;
+  };
+
+  // `seed` enters every content hash (a config fingerprint: blocks of different models never
+  // match).
+  explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0);
+  KvPool(const KvPool&) = delete;
+  KvPool& operator=(const KvPool&) = delete;
+
+  // A block of `bytes` with one reference. ResourceExhausted when it does not fit.
+  [[nodiscard]] absl::Status Allocate(int64_t bytes, Block* out);
+  void Ref(int32_t id);
+  void Unref(int32_t id);
+  int refs(int32_t id) const;
+  // Registers a full block under `hash`; returns the block the caller should hold from now on
+  // (an identical block already present, with the caller's reference moved to it, or `b`).
+  Block Seal(Block b, uint64_t hash);
+  // True when the caller holds the only reference; the block is then unsealed (its hash
+  // forgotten, so nobody can start sharing it) and the caller may write it. False: shared.
+  bool TryExclusive(int32_t id);
+  bool sealed(int32_t id) const;
+
+  void SetCapacity(int64_t bytes);
+  int64_t capacity_bytes() const;
+  // Bytes an allocation may still take (capacity - used; cached blocks are evictable). INT64_MAX
+  // when unbounded.
+  int64_t available_bytes() const;
+  Stats stats() const;
+  uint64_t seed() const { return seed_; }
+
+ private:
+  struct Slot {
+    std::unique_ptr<uint8_t[]> mem;
+    int64_t bytes = 0;
+    int refs = 0;
+    bool sealed = false;
+    uint64_t hash = 0;
+    bool cached = false;
+    std::list<int32_t>::iterator lru;
+  };
+  bool EvictOneLocked();
+  void TrimCacheLocked();
+  void RefLocked(int32_t id);
+  void UnrefLocked(int32_t id);
+  void FreeLocked(int32_t id);
+
+  const uint64_t seed_;
+  mutable std::mutex mu_;
+  int64_t capacity_ = 0;
+  std::vector<Slot> slots_;
+  std::vector<int32_t> free_ids_;  // slots without a block (their memory freed)
+  absl::flat_hash_map<uint64_t, int32_t> by_hash_;
+  std::list<int32_t> lru_;  // cached blocks, oldest first
+  Stats stats_;
+};
+
+// Row codecs of a KvRows.
+enum class KvRowFormat {
+  kPackedKv,   // compressed entry: E2M1 + E4M3 per 16 (kernels/format.h PackKvEntry)
+  kPackedKey,  // index key: E2M1 + UE8M0 per 32 (PackIndexKey)
+  kF32,        // fp32 rows (ModelOptions::unquantized_kv, a benchmark switch)
+};
+
+// One paged stream of rows. Value semantics: a copy shares the blocks (copy-on-write).
+// The vector-like members (size() in floats, resize to fewer floats, comparison, a float view)
+// keep the code and tests written against the former std::vector<float> working; the model reads
+// through Unpack/Gather.
+class KvRows {
+ public:
+  KvRows() = default;
+  // `stream` identifies the stream within a sequence (enters the content hash); `ratio` the
+  // tokens per row (rows per block = kKvBlockTokens / ratio).
+  KvRows(std::shared_ptr<KvPool> pool, KvRowFormat format, int64_t dim, int ratio,
+         uint64_t stream);
+  KvRows(const KvRows& o);
+  KvRows& operator=(const KvRows& o);
+  KvRows(KvRows&& o) noexcept;
+  KvRows& operator=(KvRows&& o) noexcept;
+  ~KvRows();
+
+  int64_t rows() const { return rows_; }
+  int64_t dim() const { return dim_; }
+  int64_t rows_per_block() const { return rows_per_block_; }
+  int64_t row_bytes() const { return row_bytes_; }
+  KvRowFormat format() const { return format_; }
+  // Bytes this stream's blocks hold (shared blocks counted in full).
+  int64_t held_bytes() const {
+    return static_cast<int64_t>(blocks_.size()) * rows_per_block_ * row_bytes_;
+  }
+  std::span<const KvPool::Block> blocks() const { return blocks_; }
+
+  // Appends rows [n, dim] (values the format holds exactly: FP4 quantize-dequantized for the
+  // packed formats). ResourceExhausted when the pool is full (nothing is appended then).
+  [[nodiscard]] absl::Status Append(const float* x, int64_t n);
+  // Appends rows given in the packed format (row_bytes() each; fp32 bytes for kF32).
+  [[nodiscard]] absl::Status AppendPacked(const uint8_t* bytes, int64_t n);
+  // Keeps the first n rows (n <= rows()); blocks past them are released.
+  void Truncate(int64_t n);
+  // rows [first, first+n) as floats.
+  void Unpack(int64_t first, int64_t n, float* out) const;
+  // rows idx[0..n) as floats.
+  void Gather(const int32_t* idx, int64_t n, float* out) const;
+  // rows [first, first+n) in the packed format, appended to `out` (no re-pack: the bytes the
+  // blocks hold; kF32 rows are packed with `packed_format`).
+  void CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
+                  KvRowFormat packed_format) const;
+
+  // ---- std::vector<float>-like surface (floats = rows * dim) ----
+  size_t size() const { return static_cast<size_t>(rows_ * dim_); }
+  bool empty() const { return rows_ == 0; }
+  // Shrinks to `floats` / dim rows (growing appends zero rows; aborts if the pool is full).
+  void resize(size_t floats);
+  std::vector<float> ToVector() const;
+  operator std::span<const float>() const;  // NOLINT: unpacked copy, kept until the next call
+  friend bool operator==(const KvRows& a, const KvRows& b) { return a.ToVector() == b.ToVector(); }
+
+ private:
+  // Makes block `b` (index in blocks_) exclusively ours and unsealed, allocating it if b ==
+  // blocks_.size().
+  absl::Status Writable(size_t b);
+  uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
+  void SealBlock(size_t b);
+  void ReleaseAll();
+  const uint8_t* RowPtr(int64_t r) const {
+    return blocks_[r / rows_per_block_].data + (r % rows_per_block_) * row_bytes_;
+  }
+
+  std::shared_ptr<KvPool> pool_;
+  KvRowFormat format_ = KvRowFormat::kF32;
+  int64_t dim_ = 0;
+  int64_t rows_per_block_ = 1;
+  int64_t row_bytes_ = 0;
+  uint64_t stream_ = 0;
+  int64_t rows_ = 0;
+  std::vector<KvPool::Block> blocks_;
+  std::vector<uint64_t> hashes_;  // per block: content hash chain (valid when sealed)
+  mutable std::vector<float> view_;
+};
+
+// Packed bytes per row of `format` at `dim`.
+int64_t KvRowBytes(KvRowFormat format, int64_t dim);
+
+}  // namespace epd::model
