@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The README's first command: install what is missing, build, and start `epd serve` on 127.0.0.1
-# with the built-in nano demo model. Extra arguments go to `epd serve` (see `build/epd serve --help`).
+# with the trained demo model models/epd-nano (docs/demo.md). Extra arguments go to `epd serve`
+# (see `build/epd serve --help`).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash deploy/install_deps.sh

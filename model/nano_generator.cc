@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -349,7 +350,9 @@ absl::Status WriteText(const std::string& path, const std::string& text) {
 
 }  // namespace
 
-absl::StatusOr<std::string> NanoTokenizerJson() {
+absl::StatusOr<std::string> NanoTokenizerJson() { return NanoTokenizerJsonFor(NanoCorpus()); }
+
+absl::StatusOr<std::string> NanoTokenizerJsonFor(std::string_view corpus) {
   BpeTrainerOptions o;
   o.leading_specials = {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>"};
   o.trailing_added = {{"<｜User｜>", true},
@@ -361,7 +364,7 @@ absl::StatusOr<std::string> NanoTokenizerJson() {
                       {"<｜latest_reminder｜>", true},
                       {"<｜deepseek_image｜>", true}};
   o.vocab_size = 2048;
-  return TrainByteLevelBpe(NanoCorpus(), o);
+  return TrainByteLevelBpe(corpus, o);
 }
 
 absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::string& out_dir) {
@@ -410,13 +413,19 @@ absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::st
 }
 
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed) {
-  ASSIGN_OR_RETURN(std::string tok_json, NanoTokenizerJson());
+  return GenerateNanoModelFor(out_dir, seed, std::nullopt);
+}
+
+absl::Status GenerateNanoModelFor(const std::string& out_dir, uint64_t seed,
+                                  std::optional<std::string_view> tokenizer_corpus) {
+  ASSIGN_OR_RETURN(std::string tok_json, tokenizer_corpus ? NanoTokenizerJsonFor(*tokenizer_corpus)
+                                                          : NanoTokenizerJson());
   ASSIGN_OR_RETURN(std::unique_ptr<Tokenizer> tok, Tokenizer::FromJson(tok_json));
   json config = json::parse(NanoConfigJson(), nullptr, false);
   if (config.is_discarded() || !config.contains("text_config")) {
     return absl::InternalError("embedded nano config is not valid JSON with text_config");
   }
-  const json& tc = config["text_config"];
+  json& tc = config["text_config"];
   // The config's tokenizer-derived fields must agree with the tokenizer.
   if (tc.value("vocab_size", 0) != tok->vocab_size()) {
     return absl::InternalError(absl::StrCat("nano config vocab_size ", tc.value("vocab_size", 0),
@@ -430,6 +439,9 @@ absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed) {
   }
   int64_t classes = 0;
   std::vector<int32_t> token_map = BuildCompressedTokenMap(*tok, &classes);
+  // Another tokenizer corpus gives another Engram class count; the embedded nano config
+  // describes the default corpus.
+  if (tokenizer_corpus) tc["engram_compressed_vocab_size"] = classes;
   ASSIGN_OR_RETURN(EngramConstants engram,
                    ComputeEngramConstants(tc, std::move(token_map), classes));
 

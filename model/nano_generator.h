@@ -16,6 +16,7 @@
 // Thread-safety: all functions are reentrant.
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -36,6 +37,10 @@ std::string_view NanoCorpus();
 // <｜deepseek_image｜> at the end (vocab 2048).
 absl::StatusOr<std::string> NanoTokenizerJson();
 
+// The same trainer and special tokens (vocab 2048) on another corpus (the trained demo model's
+// tokenizer, tools/train/).
+absl::StatusOr<std::string> NanoTokenizerJsonFor(std::string_view corpus);
+
 // The nano config.json (embedded copy of model/configs/nano.json).
 std::string_view NanoConfigJson();
 
@@ -48,6 +53,12 @@ absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed,
 
 // Writes the whole nano model directory (see above). Creates `out_dir` if needed.
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed = kNanoDefaultSeed);
+
+// As GenerateNanoModel, with the tokenizer trained on `tokenizer_corpus` when given (config
+// engram_compressed_vocab_size then follows that tokenizer's Engram class count). The random
+// checkpoint is the starting point of tools/train/.
+absl::Status GenerateNanoModelFor(const std::string& out_dir, uint64_t seed,
+                                  std::optional<std::string_view> tokenizer_corpus);
 
 // Structural fuzz (tests/model/structure_fuzz_test.cc): the nano config with a random legal layer
 // structure drawn from `seed` (same seed -> same config): 4..8 layers, groups of a KV source

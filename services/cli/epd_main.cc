@@ -1,14 +1,19 @@
 // The `epd` command: one entry point for operators and developers.
 #include <CLI/CLI.hpp>
+#include <fstream>
 #include <iostream>
+#include <optional>
+#include <sstream>
 #include <string>
 
 #include "model/config.h"
 #include "model/nano_generator.h"
 #include "services/cli/bench.h"
 #include "services/cli/chaos.h"
+#include "services/cli/eval.h"
 #include "services/cli/generate.h"
 #include "services/cli/serve.h"
+#include "services/cli/tokenize.h"
 #include "services/version.h"
 
 int main(int argc, char** argv) {
@@ -30,6 +35,15 @@ int main(int argc, char** argv) {
   gen->add_option("--preset", gen_preset, "Model preset")->check(CLI::IsMember({"nano"}));
   gen->add_option("--out", gen_out, "Output directory")->required();
   gen->add_option("--seed", gen_seed, "Random seed (same seed, same bytes)");
+  std::string gen_corpus;
+  gen->add_option("--tokenizer-corpus", gen_corpus,
+                  "Train the tokenizer on this UTF-8 file instead of the built-in corpus "
+                  "(tools/train/)");
+
+  epd::services::TokenizeOptions tokenize_options;
+  auto* tokenize =
+      app.add_subcommand("tokenize", "Encode a text file with a model's tokenizer (int32 ids)");
+  epd::services::AddTokenizeFlags(*tokenize, &tokenize_options);
 
   std::string layout_config;
   auto* layout = app.add_subcommand("kv-layout", "Print the per-token KV byte accounting");
@@ -38,6 +52,11 @@ int main(int argc, char** argv) {
   auto* generate = app.add_subcommand("generate", "Offline generation through the staged path");
   epd::services::GenerateOptions generate_options;
   epd::services::AddGenerateFlags(*generate, &generate_options);
+
+  epd::services::EvalOptions eval_options;
+  auto* eval = app.add_subcommand(
+      "eval", "Held-out perplexity through the serving path (exact/bounded replay, FP4/full KV)");
+  epd::services::AddEvalFlags(*eval, &eval_options);
 
   epd::services::BenchOptions bench_options;
   auto* bench = app.add_subcommand("bench", "Drive a multi-turn agent workload at an endpoint");
@@ -66,7 +85,20 @@ int main(int argc, char** argv) {
   }
   if (*chaos) return epd::services::RunChaos(chaos_options);
   if (*gen) {
-    auto s = epd::model::GenerateNanoModel(gen_out, gen_seed);
+    std::string corpus;
+    if (!gen_corpus.empty()) {
+      std::ifstream in(gen_corpus, std::ios::binary);
+      if (!in) {
+        std::cerr << "epd gen-model: cannot read " << gen_corpus << "\n";
+        return 1;
+      }
+      std::stringstream ss;
+      ss << in.rdbuf();
+      corpus = ss.str();
+    }
+    auto s = epd::model::GenerateNanoModelFor(
+        gen_out, gen_seed,
+        gen_corpus.empty() ? std::nullopt : std::optional<std::string_view>(corpus));
     if (!s.ok()) {
       std::cerr << "epd gen-model: " << s.message() << "\n";
       return 1;
@@ -84,6 +116,8 @@ int main(int argc, char** argv) {
     return 0;
   }
   if (*generate) return epd::services::RunGenerateCommand(generate_options);
+  if (*eval) return epd::services::RunEvalCommand(eval_options);
+  if (*tokenize) return epd::services::RunTokenizeCommand(tokenize_options);
   if (*bench) return epd::services::RunBenchCommand(bench_options);
   return 0;
 }

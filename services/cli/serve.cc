@@ -30,6 +30,23 @@ std::string SelfDir() {
   return ec ? std::string(".") : exe.parent_path().string();
 }
 
+// The trained demo model (models/epd-nano, tools/train/): next to the build folder of the binary,
+// else in the source tree the binary was built from. Empty when neither exists (then `epd serve`
+// generates the random nano model, as `epd gen-model` does).
+std::string DemoModelDir(const std::string& bin) {
+  std::vector<std::string> candidates = {bin + "/../models/epd-nano"};
+#ifdef EPD_DEMO_MODEL_DIR
+  candidates.push_back(EPD_DEMO_MODEL_DIR);
+#endif
+  for (const std::string& c : candidates) {
+    std::error_code ec;
+    if (fs::exists(c + "/config.json", ec) && fs::exists(c + "/model.safetensors", ec)) {
+      return fs::weakly_canonical(c, ec).string();
+    }
+  }
+  return "";
+}
+
 // One process the launcher owns, and its restart state.
 struct Component {
   std::string name;               // e.g. "epd-decode-0"
@@ -146,6 +163,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("encoders", "--encoders", &o->encoders);
     set_int("prefills", "--prefills", &o->prefills);
     set_int("decodes", "--decodes", &o->decodes);
+    set_int("context_length", "--context-length", &o->context_length);
     set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
@@ -163,7 +181,9 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
 }
 
 void AddServeFlags(CLI::App& app, ServeOptions* o) {
-  app.add_option("--model", o->model_dir, "Model directory (default: generate the nano demo model)");
+  app.add_option("--model", o->model_dir,
+                 "Model directory (default: the trained demo model models/epd-nano; without it "
+                 "the random nano model is generated)");
   app.add_option("--data-dir", o->data_dir, "Data folder: store, logs, generated model (./data)");
   app.add_option("--http-port", o->http_port, "OpenAI HTTP port (default 8000)");
   app.add_option("--grpc-port", o->grpc_port, "gRPC port (default 50051)");
@@ -196,6 +216,10 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
                  "Router: times a request moves to another decode worker when its worker dies "
                  "mid-generation (default 1; 0 = never)")
       ->check(CLI::Range(0, 100));
+  app.add_option("--context-length", o->context_length,
+                 "Router: prompt + completion tokens per request (default 32768, room for "
+                 "`epd bench` defaults)")
+      ->check(CLI::Range(256, 1 << 20));
   app.add_option("--host", o->host,
                  "Address every process binds and advertises (default 127.0.0.1)");
   app.add_option("--worker-netns", o->worker_netns,
@@ -235,7 +259,10 @@ int RunServe(ServeOptions o) {
     std::cerr << "epd serve: cannot create " << o.data_dir << ": " << ec.message() << "\n";
     return 1;
   }
-  if (o.model_dir.empty()) {
+  if (o.model_dir.empty()) o.model_dir = DemoModelDir(bin);
+  if (!o.model_dir.empty()) {
+    std::cout << "epd serve: model " << o.model_dir << "\n";
+  } else {
     o.model_dir = o.data_dir + "/models/nano";
     if (!fs::exists(o.model_dir + "/config.json")) {
       std::cout << "epd serve: generating the nano demo model into " << o.model_dir << "\n";
@@ -302,7 +329,8 @@ int RunServe(ServeOptions o) {
                                           "--grpc-port", std::to_string(o.grpc_port),
                                           "--model", o.model_dir,
                                           "--kvstore", kv_addr,
-                                          "--migration-limit", std::to_string(o.migration_limit)};
+                                          "--migration-limit", std::to_string(o.migration_limit),
+                                          "--context-length", std::to_string(o.context_length)};
   if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
   const bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
   if (tls) {

@@ -39,6 +39,9 @@ struct ServeOptions {
   int restart_window_s = 60;       // Default: 60 s
   int restart_backoff_ms = 500;    // Default: 0.5 s
   int migration_limit = 1;         // Default: 1. Router --migration-limit (docs/router.md)
+  // Default: 32768. Router --context-length: prompt + completion tokens per request; sized so
+  // `epd bench` with its defaults (4 turns of ~1024 tool tokens) fits (docs/demo.md).
+  int context_length = 32768;
   // One worker in its own network namespace (the chaos campaign's network cut, docs/chaos.md):
   // "NAME:NETNS:ADDR" runs worker NAME (e.g. epd-decode-1) under `ip netns exec NETNS`, bound to
   // 0.0.0.0 and advertising ADDR, with UCX on TCP over the namespace's eth0. `host` must then be

@@ -1,13 +1,19 @@
 // The README's first command as a new user meets it: `epd serve` (kvstore, router and one real
-// encoder, prefill and decode worker on 127.0.0.1, the nano demo model generated into the data
-// folder on first start). Plain HTTP requests answer 200 streaming and not, the official OpenAI
+// encoder, prefill and decode worker on 127.0.0.1, serving the trained demo model models/epd-nano
+// by default). The README's curl gets an answer in dictionary words (the words of the model's
+// training text; tests/model/trained_nano_test.cc shows random weights fail this check). Plain
+// HTTP requests answer 200 streaming and not, the official OpenAI
 // Node SDK (tests/clients) completes, streams, lists models and gets proper error objects, and
 // Ctrl-C (SIGINT) stops every process.
 #include <gtest/gtest.h>
 #include <signal.h>
 
+#include <cctype>
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
 #include <thread>
 
@@ -21,6 +27,31 @@ namespace {
 using epd::testing::BinaryPath;
 using epd::testing::Subprocess;
 using epd::testing::TempDir;
+
+// The README's curl prompt (README.md, docs/demo.md, tests/model/trained_nano_test.cc).
+constexpr char kReadmePrompt[] = "Tell me about files.";
+
+// (dictionary words, words) of `text`: words are runs of >= 2 ASCII letters, lowercased.
+std::pair<int, int> DictionaryWords(const std::string& text) {
+  std::set<std::string> dict;
+  std::ifstream in(epd::testing::SourcePath("tests/data/trained_nano_parity/words.txt"));
+  for (std::string w; std::getline(in, w);) dict.insert(w);
+  int hits = 0, total = 0;
+  std::string w;
+  for (size_t i = 0; i <= text.size(); ++i) {
+    const char ch = i < text.size() ? text[i] : ' ';
+    if (std::isalpha(static_cast<unsigned char>(ch))) {
+      w += static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+      continue;
+    }
+    if (w.size() >= 2) {
+      ++total;
+      hits += dict.contains(w) ? 1 : 0;
+    }
+    w.clear();
+  }
+  return {hits, total};
+}
 
 TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
   TempDir dir;
@@ -36,7 +67,10 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
     if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   ASSERT_TRUE(ready) << serve.ReadLog();
-  EXPECT_TRUE(std::filesystem::exists(dir.File("data") + "/models/nano/config.json"));
+  // Default model: the committed trained checkpoint, not a generated random one.
+  EXPECT_NE(serve.ReadLog().find("epd serve: model "), std::string::npos) << serve.ReadLog();
+  EXPECT_NE(serve.ReadLog().find("models/epd-nano"), std::string::npos) << serve.ReadLog();
+  EXPECT_FALSE(std::filesystem::exists(dir.File("data") + "/models/nano/config.json"));
 
   httplib::Client cli("127.0.0.1", http_port);
   cli.set_read_timeout(120, 0);
@@ -51,6 +85,21 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
   auto body = nlohmann::json::parse(plain->body);
   EXPECT_EQ(body["object"], "chat.completion");
   EXPECT_GT(body["usage"]["completion_tokens"].get<int>(), 0);
+  // The README's curl: readable words.
+  const nlohmann::json readme = {{"model", "epd-nano"},
+                                 {"messages", {{{"role", "user"}, {"content", kReadmePrompt}}}},
+                                 {"max_tokens", 32},
+                                 {"temperature", 0},
+                                 {"frequency_penalty", 1.0}};
+  auto answer = cli.Post("/v1/chat/completions", readme.dump(), "application/json");
+  ASSERT_TRUE(answer) << serve.ReadLog();
+  ASSERT_EQ(answer->status, 200) << answer->body;
+  const std::string text =
+      nlohmann::json::parse(answer->body)["choices"][0]["message"]["content"].get<std::string>();
+  const auto [hits, words] = DictionaryWords(text);
+  EXPECT_GE(words, 8) << text;
+  EXPECT_GE(hits, words * 0.8) << text;
+
   nlohmann::json stream_req = req;
   stream_req["stream"] = true;
   auto streamed = cli.Post("/v1/chat/completions", stream_req.dump(), "application/json");
@@ -86,6 +135,34 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
   ASSERT_TRUE(rc.has_value()) << serve.ReadLog();
   EXPECT_EQ(*rc, 0) << serve.ReadLog();
   EXPECT_FALSE(epd::testing::HttpGet(http_port, "/health").has_value());
+}
+
+// `epd bench` with its default flags (only --url: the test's free port) against `epd serve` with
+// its defaults: no errors. The conversations reach ~8.3K tokens on the fourth turn, past the
+// router's own default of 8192; `epd serve` passes --context-length 32768 (docs/demo.md).
+TEST(ServeTest, BenchDefaultsFitServeDefaults) {
+  TempDir dir;
+  const int http_port = epd::testing::PickFreePort();
+  const int grpc_port = epd::testing::PickFreePort();
+  Subprocess serve =
+      Subprocess::Start({BinaryPath("epd"), "serve", "--data-dir", dir.File("data"), "--http-port",
+                         std::to_string(http_port), "--grpc-port", std::to_string(grpc_port)},
+                        dir.File("serve.log"));
+  bool ready = false;
+  for (int i = 0; i < 1800 && !ready && serve.running(); ++i) {
+    ready = serve.ReadLog().find("epd serve: ready") != std::string::npos;
+    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ASSERT_TRUE(ready) << serve.ReadLog();
+  std::string out;
+  const int rc = epd::testing::RunCommand(
+      BinaryPath("epd") + " bench --url http://127.0.0.1:" + std::to_string(http_port) + " 2>&1",
+      &out);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find("requests        16 (16 ok, 0 errors, 0 incomplete)"), std::string::npos)
+      << out;
+  serve.Signal(SIGINT);
+  EXPECT_TRUE(serve.Wait(std::chrono::seconds(60)).has_value());
 }
 
 }  // namespace

@@ -73,7 +73,9 @@ TEST(ServeTlsTest, EpdServeWithTlsServesVerifyingHttpsAndGrpcClients) {
   while (reader->Read(&m)) tokens += m.token_ids_size();
   grpc::Status s = reader->Finish();
   EXPECT_TRUE(s.ok()) << s.error_message();
-  EXPECT_EQ(tokens, 4);
+  // Up to max_tokens: the trained demo model may end its answer (EOS) sooner.
+  EXPECT_GE(tokens, 1);
+  EXPECT_LE(tokens, 4);
 
   // A plaintext client of the public HTTP port is not served.
   httplib::Client plain("127.0.0.1", http_port);

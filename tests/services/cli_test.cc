@@ -17,10 +17,12 @@ using epd::testing::TempDir;
 TEST(CliTest, HelpListsEverySubcommand) {
   std::string out;
   ASSERT_EQ(RunCommand(BinaryPath("epd") + " --help", &out), 0);
-  for (const char* sub : {"serve", "generate", "gen-model", "kv-layout", "bench", "version"}) {
+  for (const char* sub :
+       {"serve", "generate", "gen-model", "kv-layout", "bench", "version", "eval", "tokenize"}) {
     EXPECT_NE(out.find(sub), std::string::npos) << sub << " missing from:\n" << out;
   }
-  for (const char* sub : {"serve", "generate", "gen-model", "kv-layout", "bench", "version"}) {
+  for (const char* sub :
+       {"serve", "generate", "gen-model", "kv-layout", "bench", "version", "eval", "tokenize"}) {
     std::string sub_out;
     EXPECT_EQ(RunCommand(BinaryPath("epd") + " " + sub + " --help", &sub_out), 0) << sub;
     EXPECT_NE(sub_out.find("Usage"), std::string::npos) << sub;
