@@ -8,6 +8,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
+#include "common/little_endian.h"
 #include "rocksdb/compaction_filter.h"
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
@@ -20,17 +21,8 @@ namespace {
 
 constexpr char kMetaCf[] = "meta";
 
-template <typename T>
-void StoreLe(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i)
-    p[i] = static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
-}
-template <typename T>
-T LoadLe(const uint8_t* p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<T>(v);
-}
+using common::LoadLe;
+using common::StoreLe;
 
 std::string EncodeMeta(int64_t write_ms, uint64_t bytes) {
   std::string m(16, '\0');

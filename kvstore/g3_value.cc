@@ -2,23 +2,15 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
+#include "common/little_endian.h"
 
 namespace epd::kvstore {
 namespace {
 
 constexpr uint32_t kMagic = 0x4B445045;  // "EPDK" little-endian
 
-template <typename T>
-void StoreLe(uint8_t* p, T v) {
-  for (size_t i = 0; i < sizeof(T); ++i)
-    p[i] = static_cast<uint8_t>((static_cast<uint64_t>(v) >> (8 * i)) & 0xff);
-}
-template <typename T>
-T LoadLe(const uint8_t* p) {
-  uint64_t v = 0;
-  for (size_t i = 0; i < sizeof(T); ++i) v |= static_cast<uint64_t>(p[i]) << (8 * i);
-  return static_cast<T>(v);
-}
+using common::LoadLe;
+using common::StoreLe;
 
 uint64_t Checksum(const uint8_t* header, std::span<const uint8_t> payload) {
   const uint64_t seed = common::Xxh3_64(std::span<const uint8_t>(header, 24));

@@ -29,6 +29,7 @@
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "services/runtime/child_process.h"
+#include "services/runtime/processes.h"
 #include "services/runtime/shutdown.h"
 
 namespace epd::services {
@@ -104,29 +105,6 @@ std::optional<double> Metric(const std::string& host, int port, const std::strin
 std::optional<int> Published(const std::string& run_dir, const std::string& name,
                              const std::string& key) {
   return WaitForPortFile(run_dir + "/" + name + ".json", key, std::chrono::milliseconds(0));
-}
-
-// Live (not zombie) processes whose command line contains `needle`, except `except`.
-std::set<pid_t> ProcessesNaming(const std::string& needle, pid_t except) {
-  std::set<pid_t> out;
-  DIR* proc = opendir("/proc");
-  if (!proc) return out;
-  while (dirent* e = readdir(proc)) {
-    const pid_t pid = static_cast<pid_t>(atoi(e->d_name));
-    if (pid <= 0 || pid == except || pid == getpid()) continue;
-    std::ifstream cmd("/proc/" + std::string(e->d_name) + "/cmdline");
-    std::stringstream ss;
-    ss << cmd.rdbuf();
-    if (ss.str().find(needle) == std::string::npos) continue;
-    std::ifstream stat("/proc/" + std::string(e->d_name) + "/stat");
-    std::string line;
-    std::getline(stat, line);
-    const size_t paren = line.rfind(')');
-    if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z') continue;
-    out.insert(pid);
-  }
-  closedir(proc);
-  return out;
 }
 
 // Resident memory (kB) and open descriptors of `pid`; nullopt when it is gone.

@@ -8,19 +8,18 @@
 // Ownership: owns the temp dir and the `epd serve` process (the destructor SIGKILLs it, and its
 // children die with it: PR_SET_PDEATHSIG). Used from the test thread.
 
-#include <dirent.h>
 #include <signal.h>
 #include <unistd.h>
 
 #include <array>
 #include <chrono>
-#include <fstream>
 #include <optional>
-#include <sstream>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "services/runtime/processes.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/subprocess.h"
 
@@ -101,36 +100,16 @@ class ServeCluster {
 
   // Live (not zombie) processes other than `epd serve` whose command line names the data
   // folder: the cluster's children.
-  std::vector<pid_t> ClusterPids() const { return ProcessesNaming(data_dir() + "/", serve_.pid()); }
+  std::vector<pid_t> ClusterPids() const {
+    const std::set<pid_t> pids = services::ProcessesNaming(data_dir() + "/", serve_.pid());
+    return {pids.begin(), pids.end()};
+  }
 
   std::string Logs() const {
     std::string out = "--- epd serve\n" + serve_.ReadLog();
     std::string listing;
     RunCommand("tail -n 30 " + data_dir() + "/logs/*.log 2>&1", &listing);
     return out + listing;
-  }
-
-  // Processes (not zombies, not `except`) whose command line contains `needle`.
-  static std::vector<pid_t> ProcessesNaming(const std::string& needle, pid_t except) {
-    std::vector<pid_t> out;
-    DIR* proc = opendir("/proc");
-    if (!proc) return out;
-    while (dirent* e = readdir(proc)) {
-      const pid_t pid = static_cast<pid_t>(atoi(e->d_name));
-      if (pid <= 0 || pid == except || pid == getpid()) continue;
-      std::ifstream cmd("/proc/" + std::string(e->d_name) + "/cmdline");
-      std::stringstream ss;
-      ss << cmd.rdbuf();
-      if (ss.str().find(needle) == std::string::npos) continue;
-      std::ifstream stat("/proc/" + std::string(e->d_name) + "/stat");
-      std::string line;
-      std::getline(stat, line);
-      const size_t paren = line.rfind(')');
-      if (paren != std::string::npos && paren + 2 < line.size() && line[paren + 2] == 'Z') continue;
-      out.push_back(pid);
-    }
-    closedir(proc);
-    return out;
   }
 
   // Waits until no process of the cluster is left.
