@@ -307,11 +307,15 @@ class CpuBackend final : public Backend {
     // torch's F.silu: x / (1 + exp(-x)) with Sleef's exp (its vectorized path, which covers a
     // [rows, inter] tensor whenever inter % 16 == 0, as in every released and test model; the
     // rows are kept independent of each other for batch invariance).
+    ScopedScalarKernels s(!options_.simd);
+    std::vector<float> e(inter);
     for (int64_t i = 0; i < rows; ++i) {
+      for (int64_t j = 0; j < inter; ++j) e[j] = -std::min(g[i * inter + j], lim);
+      cpu::TorchExpN(e.data(), e.data(), inter);
       for (int64_t j = 0; j < inter; ++j) {
         const float uu = std::clamp(u[i * inter + j], -lim, lim);
         const float gg = std::min(g[i * inter + j], lim);
-        const float silu = gg / (1.f + cpu::TorchExp(-gg));
+        const float silu = gg / (1.f + e[j]);
         h[i * inter + j] = format::RoundBf16(row_weights ? silu * uu * row_weights[i] : silu * uu);
       }
     }

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -227,25 +228,62 @@ EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const float* w, int
   const int64_t n8 = in / 8 * 8, o8 = out / 8 * 8;
   alignas(32) float d[8];
   const float* wr[8];
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    for (int64_t o = 0; o < o8; o += 8) {
-      for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
-      _mm256_store_ps(d, DotOrdered8(xr, wr, n8, dp));
-      for (int k = 0; k < 8; ++k) {
-        float s = d[k];
-        if (dp) {
-          s = DotDpFrom(xr, wr[k], n8, in, s);
-        } else {
-          for (int64_t i = n8; i < in; ++i) s += xr[i] * wr[k][i];
+  if (rows < 4) {
+    // Few rows (decode, mHC mixes): transpose the weight tiles in registers for each row.
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * in;
+      float* yr = y + r * out;
+      for (int64_t o = 0; o < o8; o += 8) {
+        for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
+        _mm256_store_ps(d, DotOrdered8(xr, wr, n8, dp));
+        for (int k = 0; k < 8; ++k) {
+          float s = d[k];
+          if (dp) {
+            s = DotDpFrom(xr, wr[k], n8, in, s);
+          } else {
+            for (int64_t i = n8; i < in; ++i) s += xr[i] * wr[k][i];
+          }
+          yr[o + k] = round ? RoundBf16(s) : s;
         }
-        yr[o + k] = round ? RoundBf16(s) : s;
       }
     }
-    for (int64_t o = o8; o < out; ++o) {
+  } else {
+    // Many rows: the group's 8 weight rows are transposed once (wt[i * 8 + k] = w[o + k][i]) and
+    // reused for every row of x.
+    thread_local std::vector<float> wt;
+    wt.resize(in * 8);
+    for (int64_t o = 0; o < o8; o += 8) {
+      for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
+      for (int64_t i = 0; i < in; ++i) {
+        for (int k = 0; k < 8; ++k) wt[i * 8 + k] = wr[k][i];
+      }
+      const float* t = wt.data();
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* xr = x + r * in;
+        __m256 acc = _mm256_setzero_ps();
+        int64_t i = 0;
+        if (dp) {
+          for (; i + 2 <= in; i += 2) {
+            acc = _mm256_add_ps(
+                acc, _mm256_mul_ps(_mm256_set1_ps(xr[i + 1]), _mm256_loadu_ps(t + (i + 1) * 8)));
+            acc = _mm256_add_ps(acc,
+                                _mm256_mul_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(t + i * 8)));
+          }
+        }
+        for (; i < in; ++i)
+          acc =
+              _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(t + i * 8)));
+        _mm256_store_ps(d, acc);
+        float* yr = y + r * out + o;
+        for (int k = 0; k < 8; ++k) yr[k] = round ? RoundBf16(d[k]) : d[k];
+      }
+    }
+  }
+  for (int64_t o = o8; o < out; ++o) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * in;
       const float s = dp ? DotDp(xr, w + o * in, in) : DotSeq(xr, w + o * in, in);
-      yr[o] = round ? RoundBf16(s) : s;
+      y[r * out + o] = round ? RoundBf16(s) : s;
     }
   }
 }
@@ -474,7 +512,7 @@ inline const float* KvRow(const SparseAttentionArgs& a, int32_t t) {
 // 2^q in two halves; 0 below -104, inf above 100. Bit for bit with torch.exp on every float
 // (checked on 7M values); glibc's expf differs from it on about 7% of inputs.
 float TorchExp(float d) {
-  if (std::isnan(d)) return d;
+  if (std::isnan(d)) return std::bit_cast<float>(0xffffffffu);  // Sleef ORs the NaN mask in
   if (d < -104.f) return 0.f;
   if (d > 100.f) return INFINITY;
   const float qf = std::nearbyint(d * 1.442695040888963407359924681001892137426645954152985934f);
@@ -495,6 +533,55 @@ float TorchExp(float d) {
     return f;
   };
   return u * pow2i(q >> 1) * pow2i(q - (q >> 1));
+}
+
+#ifdef EPD_AVX2_PATH
+namespace {
+bool DetectFma() {
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+}
+// TorchExp of 8 lanes: the same operations (FMA where Sleef fuses).
+__attribute__((target("avx2,fma"))) void TorchExpAvx(const float* x, float* y, int64_t n) {
+  const __m256 r_ln2 = _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934f),
+               l2u = _mm256_set1_ps(-0.693145751953125f),
+               l2l = _mm256_set1_ps(-1.428606765330187045e-06f), one = _mm256_set1_ps(1.f),
+               lo = _mm256_set1_ps(-104.f), hi = _mm256_set1_ps(100.f),
+               inf = _mm256_set1_ps(INFINITY);
+  const __m256i bias = _mm256_set1_epi32(0x7f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_loadu_ps(x + i);
+    const __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, r_ln2));
+    const __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, l2u, d);
+    s = _mm256_fmadd_ps(qf, l2l, s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(one, _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    const __m256i q1 = _mm256_srai_epi32(q, 1), q2 = _mm256_sub_epi32(q, q1);
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q1, bias), 23)));
+    u = _mm256_mul_ps(u, _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(q2, bias), 23)));
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, lo, _CMP_LT_OQ), u);
+    u = _mm256_blendv_ps(u, inf, _mm256_cmp_ps(hi, d, _CMP_LT_OQ));
+    u = _mm256_or_ps(u, _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+    _mm256_storeu_ps(y + i, u);
+  }
+  for (; i < n; ++i) y[i] = TorchExp(x[i]);
+}
+}  // namespace
+#endif
+
+void TorchExpN(const float* x, float* y, int64_t n) {
+#ifdef EPD_AVX2_PATH
+  static const bool fma = DetectFma();
+  if (fma && UseSimd()) return TorchExpAvx(x, y, n);
+#endif
+  for (int64_t i = 0; i < n; ++i) y[i] = TorchExp(x[i]);
 }
 
 // torch 1.13's CPU fp32 sum over a contiguous last dim of n floats (ReduceOps' SumKernel, AVX2
@@ -624,7 +711,8 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
         const __m256 av = _mm256_set1_ps(alpha);
         for (int d = 0; d < hd; d += 8)
           _mm256_storeu_ps(num.data() + d, _mm256_mul_ps(_mm256_loadu_ps(num.data() + d), av));
-        for (int64_t j = 0; j < n; ++j) p[j] = idx[c0 + j] < 0 ? 0.f : TorchExp(p[j] - m_new);
+        for (int64_t j = 0; j < n; ++j) p[j] -= m_new;  // -1 entries: -inf - m_new = -inf -> 0
+        TorchExpN(p.data(), p.data(), n);
         for (int k = 0; k < nv; ++k) {
           const __m256 pb = _mm256_set1_ps(RoundBf16(p[js[k]]));
           const float* kr = rows[k];

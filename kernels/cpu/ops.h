@@ -23,6 +23,7 @@ void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs
 void SparseAttention(const SparseAttentionArgs& a);
 // torch 1.13's CPU fp32 exp (Sleef expf u10 with FMA), bit for bit.
 float TorchExp(float d);
+void TorchExpN(const float* x, float* y, int64_t n);  // y[i] = TorchExp(x[i]) (AVX2+FMA lanes)
 // torch 1.13's CPU fp32 `sum(-1)` of n contiguous floats (AVX2 build), bit for bit.
 float TorchSum(const float* x, int64_t n);
 float TorchChunkSum(const float* x, int64_t n);  // TorchSum of one attention chunk

@@ -79,16 +79,35 @@ TEST_F(SimdParityTest, GoldenForwardIsBitIdentical) {
 
 TEST_F(SimdParityTest, OpsOnOddShapes) {
   // Linear ops with out % 8 != 0 and in % 8 != 0.
-  for (auto [out, in] : {std::pair<int64_t, int64_t>{13, 37}, {16, 64}, {9, 256}}) {
-    const auto x = Bf16Random(3 * in, 1), w = Bf16Random(out * in, 2, 0.1f);
+  // 3 rows (weight tiles transposed in registers) and 6 (transposed once for all rows).
+  for (int64_t rows : {3, 6}) {
+    for (auto [out, in] : {std::pair<int64_t, int64_t>{13, 37}, {16, 64}, {9, 256}}) {
+      const auto x = Bf16Random(rows * in, 1), w = Bf16Random(out * in, 2, 0.1f);
+      auto [a, b] = Both([&] {
+        std::vector<float> y(rows * out), z(rows * out);
+        kc::LinearBf16(x.data(), rows, w.data(), out, in, y.data());
+        kc::LinearF32(x.data(), rows, w.data(), out, in, z.data());
+        y.insert(y.end(), z.begin(), z.end());
+        return y;
+      });
+      EXPECT_TRUE(BitEqual(a, b)) << rows << " rows, " << out << "x" << in;
+    }
+  }
+  // torch's exp: scalar TorchExp vs its AVX2+FMA lanes, incl. -inf, NaN, the cut-offs and a tail.
+  {
+    std::vector<float> v = Bf16Random(37, 11, 30.f);
+    v[0] = -std::numeric_limits<float>::infinity();
+    v[1] = std::numeric_limits<float>::quiet_NaN();
+    v[2] = -104.f;
+    v[3] = -104.5f;
+    v[4] = 100.f;
+    v[5] = 100.5f;
     auto [a, b] = Both([&] {
-      std::vector<float> y(3 * out), z(3 * out);
-      kc::LinearBf16(x.data(), 3, w.data(), out, in, y.data());
-      kc::LinearF32(x.data(), 3, w.data(), out, in, z.data());
-      y.insert(y.end(), z.begin(), z.end());
+      std::vector<float> y(v.size());
+      kc::TorchExpN(v.data(), y.data(), static_cast<int64_t>(v.size()));
       return y;
     });
-    EXPECT_TRUE(BitEqual(a, b)) << out << "x" << in;
+    EXPECT_TRUE(BitEqual(a, b));
   }
   // mHC pre/post mixes (incl. a NaN and infinities in the residual, rounded like the scalar code).
   {
