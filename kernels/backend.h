@@ -242,6 +242,17 @@ class Backend {
                                const float* scale, const float* base, int sinkhorn_iters,
                                float hc_eps, float norm_eps, float* pre, float* post,
                                float* comb) = 0;
+  // HcMixes of rows that are each a single-token reference call (decode). The same math; the
+  // reference's torch computes the pre/post sigmoids of a 4-element tensor on its scalar path
+  // (glibc's expf) and those of a prompt on its vectorized path (Sleef's expf), which the CPU
+  // backend reproduces. Default: HcMixes.
+  virtual absl::Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim,
+                                          const float* fn, const float* scale, const float* base,
+                                          int sinkhorn_iters, float hc_eps, float norm_eps,
+                                          float* pre, float* post, float* comb) {
+    return HcMixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                   comb);
+  }
   // y[r, :] = bf16(sum_j pre[r, j] * h[r, j, :]). y [rows, dim].
   virtual absl::Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
                              float* y) = 0;
@@ -279,6 +290,13 @@ class Backend {
   // value), q_weight/k_weight [hc, dim] (MODEL.md §3 Engram).
   virtual absl::Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
                                   const float* q_weight, const float* k_weight, float norm_eps) = 0;
+  // EngramGate of rows that are each a single-token reference call (decode): see
+  // HcMixesSingleToken. Default: EngramGate.
+  virtual absl::Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc,
+                                             int64_t dim, const float* q_weight,
+                                             const float* k_weight, float norm_eps) {
+    return EngramGate(h, e, rows, hc, dim, q_weight, k_weight, norm_eps);
+  }
   // Embedding: h[r, j, :] = table[ids[r], :] for j < hc; table [vocab, dim].
   virtual absl::Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
                              int hc, float* h) = 0;
