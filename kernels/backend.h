@@ -302,13 +302,13 @@ class Backend {
 // a unit test there also checks this list against the declarations above, so a new op must be
 // added here (and get a parity case) to pass.
 inline constexpr std::string_view kBackendOpNames[] = {
-    "Allocate",      "Upload",        "Download",     "Synchronize",   "Copy",
-    "LinearQuant",   "LinearBf16",    "LinearF32",    "RmsNorm",       "RopeTables",
-    "Rope",          "RoundBf16",     "ScaleRoundBf16", "Add",         "SparseAttention",
-    "CompressPool",  "IndexerScores", "MaskScores",   "StableTopK",    "CandidateMask",
-    "SelectTopK",    "HcMixes",       "HcPre",        "HcPost",        "HcMean",
-    "MoeRoute",      "SwiGlu",        "SumSlots",     "Fp8RowLookup",  "EngramGate",
-    "Embed",         "QuantDequant",  "Argmax",
+    "Allocate",     "Upload",        "Download",       "Synchronize",  "Copy",
+    "LinearQuant",  "LinearBf16",    "LinearF32",      "RmsNorm",      "RopeTables",
+    "Rope",         "RoundBf16",     "ScaleRoundBf16", "Add",          "SparseAttention",
+    "CompressPool", "IndexerScores", "MaskScores",     "StableTopK",   "CandidateMask",
+    "SelectTopK",   "HcMixes",       "HcPre",          "HcPost",       "HcMean",
+    "MoeRoute",     "SwiGlu",        "SumSlots",       "Fp8RowLookup", "EngramGate",
+    "Embed",        "QuantDequant",  "Argmax",
 };
 
 struct CpuBackendOptions {

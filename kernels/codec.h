@@ -10,13 +10,13 @@
 // subnormal quantum 2^-9, no inf, code 0x7f/0xff = NaN. E8M0: 2^(code-127), 255 = NaN.
 // E2M1 (FP4): codes 0..7 = {0, .5, 1, 1.5, 2, 3, 4, 6}, bit 3 = sign.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #if defined(__CUDACC__)
 #define EPD_HD __host__ __device__ __forceinline__
 #else
-#include <cmath>
 #define EPD_HD inline
 #endif
 

@@ -11,7 +11,7 @@ using codec::RoundBf16;
 using codec::StdMax;
 
 constexpr int kAttnThreads = 128;
-constexpr int kChunkLen = 64;                        // the reference's chunk of list entries
+constexpr int kChunkLen = 64;                      // the reference's chunk of list entries
 constexpr int kEntriesPerPass = kAttnThreads / 8;  // 8 threads (the 8 Dot8 lanes) per entry
 
 __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t) {
@@ -30,8 +30,8 @@ __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t)
 __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionArgs a) {
   extern __shared__ float smem[];
   const int hd = a.head_dim;
-  float* num = smem;       // [hd]
-  float* qs = smem + hd;   // [hd]
+  float* num = smem;      // [hd]
+  float* qs = smem + hd;  // [hd]
   __shared__ float p[kChunkLen], pb[kChunkLen], pe[kChunkLen];
   __shared__ int32_t tj[kChunkLen];
   __shared__ float m_s, mnew_s, alpha_s, den_s;
@@ -171,9 +171,8 @@ cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
   if (blocks == 0) return cudaSuccess;
   const size_t smem = 2 * static_cast<size_t>(a.head_dim) * sizeof(float);
   if (smem > 48 * 1024) {
-    cudaError_t rc = cudaFuncSetAttribute(SparseAttentionKernel,
-                                          cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                          static_cast<int>(smem));
+    cudaError_t rc = cudaFuncSetAttribute(
+        SparseAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (rc != cudaSuccess) return rc;
   }
   SparseAttentionKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(a);

@@ -21,12 +21,18 @@ inline unsigned GridFor(int64_t n, int threads = kThreads) {
 // (the CPU reference) are within 0.51-0.56 ulp, so the two agree except where glibc itself misses
 // the correctly rounded value (docs/cuda.md: the ops that use these carry a 1-ulp-per-step
 // tolerance in the parity suite).
-__device__ __forceinline__ float ExpF(float x) { return static_cast<float>(exp(static_cast<double>(x))); }
+__device__ __forceinline__ float ExpF(float x) {
+  return static_cast<float>(exp(static_cast<double>(x)));
+}
 __device__ __forceinline__ float Log1pF(float x) {
   return static_cast<float>(log1p(static_cast<double>(x)));
 }
-__device__ __forceinline__ float CosF(float x) { return static_cast<float>(cos(static_cast<double>(x))); }
-__device__ __forceinline__ float SinF(float x) { return static_cast<float>(sin(static_cast<double>(x))); }
+__device__ __forceinline__ float CosF(float x) {
+  return static_cast<float>(cos(static_cast<double>(x)));
+}
+__device__ __forceinline__ float SinF(float x) {
+  return static_cast<float>(sin(static_cast<double>(x)));
+}
 
 // The lane combination of the CPU's Dot8: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
 __device__ __forceinline__ float Tree8(const float* l) {

@@ -31,10 +31,9 @@ Status Cuda(const char* op, cudaError_t rc) {
       absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc), ": ", cudaGetErrorString(rc)));
 }
 
-#define EPD_CUDA_RETURN_IF_ERROR(op, expr)         \
-  do {                                             \
-    if (cudaError_t rc_ = (expr); rc_ != cudaSuccess) \
-      return Cuda(op, rc_);                        \
+#define EPD_CUDA_RETURN_IF_ERROR(op, expr)                                  \
+  do {                                                                      \
+    if (cudaError_t rc_ = (expr); rc_ != cudaSuccess) return Cuda(op, rc_); \
   } while (0)
 
 class CudaBackend final : public Backend {
@@ -72,8 +71,9 @@ class CudaBackend final : public Backend {
     if (cudaError_t rc = cudaMalloc(&p, static_cast<size_t>(bytes)); rc != cudaSuccess) {
       cudaGetLastError();
       if (rc == cudaErrorMemoryAllocation) {
-        return absl::ResourceExhaustedError(absl::StrCat(
-            "cuda backend: Allocate: out of device memory for ", bytes, " bytes on cuda:", device_));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cuda backend: Allocate: out of device memory for ", bytes,
+                         " bytes on cuda:", device_));
       }
       return Cuda("Allocate", rc);
     }
@@ -96,9 +96,9 @@ class CudaBackend final : public Backend {
     EPD_CUDA_RETURN_IF_ERROR("Upload", cudaSetDevice(device_));
     cudaStream_t s = StreamOf(dst);
     if (Status st = OrderAfter("Upload", s, streams_[0]); !st.ok()) return st;
-    EPD_CUDA_RETURN_IF_ERROR("Upload",
-                             cudaMemcpyAsync(dst.as<uint8_t>() + dst_offset, host,
-                                             static_cast<size_t>(bytes), cudaMemcpyHostToDevice, s));
+    EPD_CUDA_RETURN_IF_ERROR(
+        "Upload", cudaMemcpyAsync(dst.as<uint8_t>() + dst_offset, host, static_cast<size_t>(bytes),
+                                  cudaMemcpyHostToDevice, s));
     EPD_CUDA_RETURN_IF_ERROR("Upload", cudaStreamSynchronize(s));
     return OkStatus();
   }
@@ -113,9 +113,9 @@ class CudaBackend final : public Backend {
     EPD_CUDA_RETURN_IF_ERROR("Download", cudaSetDevice(device_));
     cudaStream_t s = StreamOf(src);
     if (Status st = OrderAfter("Download", s, streams_[0]); !st.ok()) return st;
-    EPD_CUDA_RETURN_IF_ERROR("Download",
-                             cudaMemcpyAsync(host, src.as<uint8_t>() + src_offset,
-                                             static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, s));
+    EPD_CUDA_RETURN_IF_ERROR(
+        "Download", cudaMemcpyAsync(host, src.as<uint8_t>() + src_offset,
+                                    static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, s));
     EPD_CUDA_RETURN_IF_ERROR("Download", cudaStreamSynchronize(s));
     return OkStatus();
   }
@@ -150,6 +150,8 @@ class CudaBackend final : public Backend {
                static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
       return Bad("LinearQuant", "weight values do not match [out, in]");
     }
+    if (rows > kMaxGemmRows)
+      return Bad("LinearQuant", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0 || w.out == 0) return OkStatus();
     EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaSetDevice(device_));
     const int64_t k = w.in, nb = (k + 31) / 32;
@@ -174,23 +176,22 @@ class CudaBackend final : public Backend {
       // Decoded weights live in host vectors: copy them to scratch (stream-ordered).
       auto* wv = reinterpret_cast<float*>(*scratch + q_bytes + s_bytes);
       auto* wsv = reinterpret_cast<float*>(*scratch + q_bytes + s_bytes + wv_bytes);
-      EPD_CUDA_RETURN_IF_ERROR(
-          "LinearQuant", cudaMemcpyAsync(wv, w.values.data(), w.values.size() * 4,
-                                         cudaMemcpyHostToDevice, streams_[0]));
+      EPD_CUDA_RETURN_IF_ERROR("LinearQuant",
+                               cudaMemcpyAsync(wv, w.values.data(), w.values.size() * 4,
+                                               cudaMemcpyHostToDevice, streams_[0]));
       if (!w.scales.empty()) {
-        EPD_CUDA_RETURN_IF_ERROR(
-            "LinearQuant", cudaMemcpyAsync(wsv, w.scales.data(), w.scales.size() * 4,
-                                           cudaMemcpyHostToDevice, streams_[0]));
+        EPD_CUDA_RETURN_IF_ERROR("LinearQuant",
+                                 cudaMemcpyAsync(wsv, w.scales.data(), w.scales.size() * 4,
+                                                 cudaMemcpyHostToDevice, streams_[0]));
       }
       gw.kind = cuda::WeightKind::kF32;
       gw.data = wv;
       scale_values = wsv;
     }
     EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cuda::QuantizeFp8Rows(x, rows, k, q, s, streams_[0]));
-    EPD_CUDA_RETURN_IF_ERROR("LinearQuant",
-                             cuda::GemmQuant(q, s, rows, gw, scale_codes, scale_values,
-                                             w.block_rows, w.block_cols, w.scale_cols(), y,
-                                             streams_[0]));
+    EPD_CUDA_RETURN_IF_ERROR(
+        "LinearQuant", cuda::GemmQuant(q, s, rows, gw, scale_codes, scale_values, w.block_rows,
+                                       w.block_cols, w.scale_cols(), y, streams_[0]));
     if (!w.packed()) {
       // The host vectors must outlive the copies: wait (decoded weights are a test/tool form).
       EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaStreamSynchronize(streams_[0]));
@@ -270,9 +271,8 @@ class CudaBackend final : public Backend {
   Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                        int64_t dim, float* score) override {
     if (heads < 0 || n < 0 || dim < 0) return Bad("IndexerScores", "negative shape");
-    return Run("IndexerScores", [&] {
-      return cuda::IndexerScores(q, w, heads, keys, n, dim, score, streams_[0]);
-    });
+    return Run("IndexerScores",
+               [&] { return cuda::IndexerScores(q, w, heads, keys, n, dim, score, streams_[0]); });
   }
   Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
                     int64_t mask_cols) override {
@@ -322,6 +322,7 @@ class CudaBackend final : public Backend {
                  const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                  float norm_eps, float* pre, float* post, float* comb) override {
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
+    if (rows > kMaxGemmRows) return Bad("HcMixes", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0) return OkStatus();
     EPD_CUDA_RETURN_IF_ERROR("HcMixes", cudaSetDevice(device_));
     const int64_t nm = (2 + hc) * hc;
@@ -335,8 +336,8 @@ class CudaBackend final : public Backend {
     gw.in = hc * dim;
     EPD_CUDA_RETURN_IF_ERROR("HcMixes", cuda::GemmPlain(h, rows, gw, false, m, streams_[0]));
     return Run("HcMixes", [&] {
-      return cuda::HcMixesFinish(rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps,
-                                 norm_eps, pre, post, comb, streams_[0]);
+      return cuda::HcMixesFinish(rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                                 pre, post, comb, streams_[0]);
     });
   }
   Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
@@ -418,6 +419,7 @@ class CudaBackend final : public Backend {
 
  private:
   static constexpr int64_t kMaxTopK = int64_t{1} << 30;  // CUB's int item count, 32-bit indices
+  static constexpr int64_t kMaxGemmRows = int64_t{65535} * 16;  // grid.y limit x the row tile
 
   static size_t Align(int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; }
 
@@ -434,6 +436,7 @@ class CudaBackend final : public Backend {
 
   Status Plain(const char* op, const float* x, int64_t rows, const float* w, int64_t out,
                int64_t in, bool round, float* y) {
+    if (rows > kMaxGemmRows) return Bad(op, absl::StrCat(rows, " rows > ", kMaxGemmRows));
     cuda::GemmWeight gw;
     gw.kind = cuda::WeightKind::kF32;
     gw.data = w;
@@ -472,8 +475,9 @@ class CudaBackend final : public Backend {
     void* p = nullptr;
     if (cudaError_t rc = cudaMalloc(&p, grow); rc != cudaSuccess) {
       cudaGetLastError();
-      return absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op, ": no device memory for ",
-                                                       grow, " bytes of scratch on cuda:", device_));
+      return absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op,
+                                                       ": no device memory for ", grow,
+                                                       " bytes of scratch on cuda:", device_));
     }
     scratch_ = static_cast<uint8_t*>(p);
     scratch_bytes_ = grow;

@@ -50,7 +50,8 @@ __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_
       return DecodeE4M3(static_cast<const uint8_t*>(w.data)[o * w.in + i]);
     case WeightKind::kFp4Packed: {
       const uint8_t byte = static_cast<const uint8_t*>(w.data)[o * (w.in / 2) + i / 2];
-      return DecodeE2M1((i & 1) ? static_cast<uint8_t>(byte >> 4) : static_cast<uint8_t>(byte & 0xf));
+      return DecodeE2M1((i & 1) ? static_cast<uint8_t>(byte >> 4)
+                                : static_cast<uint8_t>(byte & 0xf));
     }
     case WeightKind::kF32:
     default:

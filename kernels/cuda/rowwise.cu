@@ -206,7 +206,8 @@ __global__ void Fp8RowLookupKernel(const uint8_t* table, const uint8_t* table_sc
   if (e >= n * dim) return;
   const int64_t r = e / dim, i = e % dim;
   const int64_t id = ids[r];
-  out[e] = RoundBf16(DecodeE4M3(table[id * dim + i]) * DecodeE8M0(table_scale[id * (dim / 32) + i / 32]));
+  out[e] = RoundBf16(DecodeE4M3(table[id * dim + i]) *
+                     DecodeE8M0(table_scale[id * (dim / 32) + i / 32]));
 }
 
 // cpu_backend.cc EngramGate: one block per (row, hc stream). The three sums the reference takes in
@@ -301,8 +302,8 @@ cudaError_t Rope(float* x, int64_t rows, int heads, int stride, int offset, int 
                  const float* cos, const float* sin, bool inverse, cudaStream_t stream) {
   const int64_t n = rows * heads * n_pairs;
   if (n == 0) return cudaSuccess;
-  RopeKernel<<<GridFor(n), kThreads, 0, stream>>>(x, rows, heads, stride, offset, n_pairs, cos,
-                                                   sin, inverse);
+  RopeKernel<<<GridFor(n), kThreads, 0, stream>>>(x, rows, heads, stride, offset, n_pairs, cos, sin,
+                                                  inverse);
   return cudaGetLastError();
 }
 
@@ -323,9 +324,8 @@ cudaError_t HcMixesFinish(int64_t rows, const float* h, int hc, int64_t dim, con
                           float norm_eps, float* pre, float* post, float* comb,
                           cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  HcMixesKernel<<<GridFor(rows, 64), 64, 0, stream>>>(rows, h, hc, dim, m, scale, base,
-                                                      sinkhorn_iters, hc_eps, norm_eps, pre, post,
-                                                      comb);
+  HcMixesKernel<<<GridFor(rows, 64), 64, 0, stream>>>(
+      rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post, comb);
   return cudaGetLastError();
 }
 
@@ -340,8 +340,8 @@ cudaError_t HcPost(int64_t rows, const float* y, const float* res, int hc, int64
                    const float* post, const float* comb, float* tmp, float* out,
                    cudaStream_t stream) {
   if (rows * dim == 0) return cudaSuccess;
-  HcPostKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(rows, y, res, hc, dim, post, comb,
-                                                             tmp, out);
+  HcPostKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(rows, y, res, hc, dim, post, comb, tmp,
+                                                             out);
   return cudaGetLastError();
 }
 

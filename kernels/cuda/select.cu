@@ -5,7 +5,8 @@
 // Stable top-k is a radix sort (CUB, deterministic) of 64-bit keys (descending value, then
 // ascending index): key = (~ordered(v) << 32) | index, where ordered() maps fp32 to uint32 in
 // value order and -0 to +0 (the reference's comparator treats them as equal). NaN values have no
-// defined place in the reference (its comparator is not a strict weak order with NaN) and none here.
+// defined place in the reference (its comparator is not a strict weak order with NaN) and none
+// here.
 #include <cub/device/device_radix_sort.cuh>
 
 #include "kernels/cuda/common.cuh"
@@ -38,7 +39,8 @@ size_t CubBytes32(int64_t n) {
 struct TopKLayout {
   size_t keys_in = 0, keys_out = 0, sel_in = 0, sel_out = 0, temp = 0, temp_bytes = 0, total = 0;
   explicit TopKLayout(int64_t n) {
-    const size_t k64 = AlignUp(static_cast<size_t>(n) * 8), k32 = AlignUp(static_cast<size_t>(n) * 4);
+    const size_t k64 = AlignUp(static_cast<size_t>(n) * 8),
+                 k32 = AlignUp(static_cast<size_t>(n) * 4);
     keys_out = k64;
     sel_in = 2 * k64;
     sel_out = sel_in + k32;
@@ -121,9 +123,9 @@ __global__ void SelectOutKernel(const uint32_t* sel, int64_t k, int64_t visible,
 // expert id), weights = s normalised over the chosen in top-k order (k > 1) times route_scale,
 // then the experts sorted ascending with their weights.
 __global__ void MoeRouteKernel(const float* z, int64_t rows, int E, const float* bias, int K,
-                               float route_scale, int32_t* experts, float* weights,
-                               int32_t* ranked, float* s_all, float* biased_all,
-                               uint8_t* chosen_all, int32_t* sel_all, float* wts_all) {
+                               float route_scale, int32_t* experts, float* weights, int32_t* ranked,
+                               float* s_all, float* biased_all, uint8_t* chosen_all,
+                               int32_t* sel_all, float* wts_all) {
   const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   float* s = s_all + r * E;
@@ -307,9 +309,9 @@ cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* b
   auto* chosen = base + 2 * AlignUp(re * 4);
   auto* sel = reinterpret_cast<int32_t*>(chosen + AlignUp(re));
   auto* wts = reinterpret_cast<float*>(chosen + AlignUp(re) + AlignUp(rk * 4));
-  MoeRouteKernel<<<GridFor(rows, 64), 64, 0, stream>>>(z, rows, n_experts, bias, top_k,
-                                                        route_scale, experts, weights, ranked, s,
-                                                        biased, chosen, sel, wts);
+  MoeRouteKernel<<<GridFor(rows, 64), 64, 0, stream>>>(z, rows, n_experts, bias, top_k, route_scale,
+                                                       experts, weights, ranked, s, biased, chosen,
+                                                       sel, wts);
   return cudaGetLastError();
 }
 

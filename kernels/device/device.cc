@@ -49,9 +49,10 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec) {
 #if defined(EPD_HAVE_CUDA)
   return MakeCudaBackend(spec.index);
 #else
-  return absl::FailedPreconditionError(absl::StrCat(
-      spec.ToString(), " is not available: this epd build has no CUDA backend (nvcc was not found "
-      "when it was configured, or CUDA was disabled)"));
+  return absl::FailedPreconditionError(
+      absl::StrCat(spec.ToString(),
+                   " is not available: this epd build has no CUDA backend (nvcc was not found "
+                   "when it was configured, or CUDA was disabled)"));
 #endif
 }
 
@@ -64,7 +65,8 @@ absl::Status CheckModelCanRunOn(const DeviceSpec& spec) {
   if (spec.index == 0) where = absl::StrCat(where, " (", cuda::DeviceSummary(), ")");
 #endif
   return absl::FailedPreconditionError(absl::StrCat(
-      where, " is present and the CUDA backend opens on it, but the model forward cannot run "
+      where,
+      " is present and the CUDA backend opens on it, but the model forward cannot run "
       "there yet: model/model.cc keeps its activations in host memory (std::vector<float>), which "
       "a device backend cannot read; run with --device cpu (docs/cuda.md)"));
 }

@@ -16,7 +16,7 @@ namespace epd::kernels {
 struct DeviceSpec {
   enum class Kind { kCpu, kCuda };
   Kind kind = Kind::kCpu;
-  int index = 0;  // kCuda: the CUDA device ordinal
+  int index = 0;                 // kCuda: the CUDA device ordinal
   std::string ToString() const;  // "cpu", "cuda:0"
 };
 

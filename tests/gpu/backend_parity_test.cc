@@ -13,6 +13,7 @@
 //   integer outputs, top-k, routing choices, argmax); the ops that call exp/log1p/cos/sin allow
 //   the last-bit differences between glibc's fp32 functions and the GPU's (kernels/cuda/
 //   common.cuh); LinearBf16/LinearF32 allow the summation-order freedom of their contract.
+#include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -157,15 +158,15 @@ struct Env {
   bool cand_is_cpu;  // the CPU SIMD candidate: every tolerance is exact (same libm, same order)
 };
 
-#define EXPECT_OP_OK(side, expr)                                           \
-  do {                                                                     \
-    const absl::Status st_ = (expr);                                       \
+#define EXPECT_OP_OK(side, expr)                                            \
+  do {                                                                      \
+    const absl::Status st_ = (expr);                                        \
     EXPECT_TRUE(st_.ok()) << (side).name() << ": " << #expr << ": " << st_; \
   } while (0)
 
 // Compares reference and candidate outputs element by element.
-void Compare(const Env& env, const std::vector<float>& ref, const std::vector<float>& cand,
-             Tol tol, const std::string& what) {
+void Compare(const Env& env, const std::vector<float>& ref, const std::vector<float>& cand, Tol tol,
+             const std::string& what) {
   ASSERT_EQ(ref.size(), cand.size()) << what;
   if (env.cand_is_cpu) tol = Tol::Exact();
   double max_ref = 0;
@@ -191,7 +192,8 @@ void Compare(const Env& env, const std::vector<float>& ref, const std::vector<fl
     }
   }
   EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " elements differ beyond "
-                    << (tol.kind == Tol::kExact ? "exact" : (tol.kind == Tol::kUlps ? "ulps" : "rel"))
+                    << (tol.kind == Tol::kExact ? "exact"
+                                                : (tol.kind == Tol::kUlps ? "ulps" : "rel"))
                     << " " << tol.v << "; first at " << first << ": reference "
                     << (first >= 0 ? ref[first] : 0.f) << " candidate "
                     << (first >= 0 ? cand[first] : 0.f);
@@ -259,8 +261,8 @@ std::map<std::string, Case>& Cases() {
 struct Register {
   Register(const char* name, Case c) { Cases()[name] = std::move(c); }
 };
-#define PARITY_CASE(Op)                                       \
-  void Op##Case(Env& env);                                    \
+#define PARITY_CASE(Op)                                           \
+  void Op##Case(Env& env);                                        \
   const Register kRegister##Op(#Op, [](Env& e) { Op##Case(e); }); \
   void Op##Case(Env& env)
 
@@ -362,12 +364,13 @@ void LinearQuantShape(Env& env, int64_t rows, int64_t out, int64_t in, WeightFor
   shape.format = fmt;
   shape.block_rows = fmt == WeightFormat::kFp8E4M3 ? 32 : 1;
   shape.block_cols = 32;
-  const auto codes = fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in)
-                                                   : Bytes(env.rng, out * in / 2);
+  const auto codes =
+      fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in) : Bytes(env.rng, out * in / 2);
   const auto scales = Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
   // Activations of mixed magnitudes (per-32 scales differ between blocks).
   auto x = Bf16(env.rng, rows * in);
-  for (int64_t i = 0; i < rows * in; ++i) x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+  for (int64_t i = 0; i < rows * in; ++i)
+    x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
   // The decoded form of the same weight.
   QuantWeight dec;
   dec.out = out;
@@ -420,8 +423,8 @@ PARITY_CASE(LinearQuant) {
 }
 
 void PlainLinear(Env& env, bool bf16) {
-  for (auto [rows, out, in] : {std::tuple<int64_t, int64_t, int64_t>{5, 37, 203}, {1, 64, 256},
-                               {17, 9, 7}, {2, 3, 0}}) {
+  for (auto [rows, out, in] :
+       {std::tuple<int64_t, int64_t, int64_t>{5, 37, 203}, {1, 64, 256}, {17, 9, 7}, {2, 3, 0}}) {
     const auto x = Bf16(env.rng, rows * in), w = Bf16(env.rng, out * in, 0.05f);
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
@@ -433,9 +436,9 @@ void PlainLinear(Env& env, bool bf16) {
     // Tolerance: the contract leaves the fp32 summation order open: LinearBf16 within one bf16
     // ulp; LinearF32 within 1e-5 of the largest output (both are exact on the CUDA backend,
     // which takes Dot8's order, and on the CPU SIMD path).
-    Compare(env, res[0], res[1], bf16 ? Tol::Bf16Ulps(1) : Tol::Rel(1e-5),
-            "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) +
-                "]");
+    Compare(
+        env, res[0], res[1], bf16 ? Tol::Bf16Ulps(1) : Tol::Rel(1e-5),
+        "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) + "]");
   }
 }
 PARITY_CASE(LinearBf16) { PlainLinear(env, true); }
@@ -492,8 +495,8 @@ PARITY_CASE(Rope) {
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
       float* px = s->In(x);
-      EXPECT_OP_OK(*s, s->b().Rope(px, rows, heads, stride, offset, n_pairs, s->In(cs), s->In(sn),
-                                   inverse));
+      EXPECT_OP_OK(
+          *s, s->b().Rope(px, rows, heads, stride, offset, n_pairs, s->In(cs), s->In(sn), inverse));
       EXPECT_EQ(s->b().Rope(px, rows, heads, 40, offset, n_pairs, nullptr, nullptr, inverse).code(),
                 absl::StatusCode::kInvalidArgument);
       res.push_back(s->Read(px, rows * heads * stride));
@@ -504,8 +507,10 @@ PARITY_CASE(Rope) {
 
 std::vector<float> WithSpecials(std::mt19937& rng, int64_t n) {
   auto v = Normal(rng, n, 100.f);
-  const float specials[] = {NAN, INFINITY, -INFINITY, -0.f, 0.f, 1e-40f, -1e-42f, 3.4e38f,
-                            1.00390625f /* a bf16 tie */, 1.01171875f, -2.00781250f};
+  const float specials[] = {NAN,         INFINITY,    -INFINITY,
+                            -0.f,        0.f,         1e-40f,
+                            -1e-42f,     3.4e38f,     1.00390625f /* a bf16 tie */,
+                            1.01171875f, -2.00781250f};
   for (size_t i = 0; i < std::size(specials); ++i) v[i * 7] = specials[i];
   return v;
 }
@@ -557,7 +562,7 @@ PARITY_CASE(SparseAttention) {
   std::vector<int32_t> idx(rows * list_len);
   std::uniform_int_distribution<int32_t> pick(-1, kv_rows + ext_rows - 1);
   for (auto& t : idx) t = pick(env.rng);
-  for (int64_t j = 64; j < 128; ++j) idx[1 * list_len + j] = -1;  // a chunk with no entry
+  for (int64_t j = 64; j < 128; ++j) idx[1 * list_len + j] = -1;      // a chunk with no entry
   for (int64_t j = 0; j < list_len; ++j) idx[2 * list_len + j] = -1;  // a row with none
   idx[2 * list_len + 149] = 5;
   std::vector<std::vector<float>> res;
@@ -657,8 +662,8 @@ PARITY_CASE(CandidateMask) {
       EXPECT_OP_OK(*s, s->b().CandidateMask(s->In(score), n, block, visible, keep, mask));
       res.push_back(s->Read(mask, n));
     }
-    CompareExact(res[0], res[1], "visible " + std::to_string(visible) + " keep " +
-                                     std::to_string(keep));
+    CompareExact(res[0], res[1],
+                 "visible " + std::to_string(visible) + " keep " + std::to_string(keep));
   }
 }
 
@@ -884,9 +889,9 @@ PARITY_CASE(Argmax) {
   // Tolerance: exact (the first index of the largest value).
   const int64_t rows = 4, n = 1000;
   auto x = Tied(env.rng, rows * n);
-  x[1 * n + 0] = NAN;       // a NaN first element is the answer
-  x[2 * n + 500] = NAN;     // a later NaN is never taken
-  x[3 * n + 999] = 1e30f;   // the last element
+  x[1 * n + 0] = NAN;      // a NaN first element is the answer
+  x[2 * n + 500] = NAN;    // a later NaN is never taken
+  x[3 * n + 999] = 1e30f;  // the last element
   std::vector<std::vector<int32_t>> res;
   for (Side* s : {&env.ref, &env.cand}) {
     int32_t* out = s->Out<int32_t>(rows);
@@ -907,6 +912,31 @@ TEST(BackendParityTable, EveryOpOfTheInterfaceHasACase) {
   for (const auto& [name, c] : Cases()) {
     EXPECT_EQ(names.count(name), 1u) << "case " << name << " is not an op of kBackendOpNames";
   }
+}
+
+// The comparison itself can fail: a one-ulp difference under an exact tolerance, a two-bf16-ulp
+// difference under a one-bf16-ulp tolerance, and a changed index are all reported.
+TEST(BackendParityTable, TheComparisonCatchesADifference) {
+  auto ref = MakeCpuBackend(CpuBackendOptions{.simd = false});
+  Side a(*ref, "a"), b(*ref, "b");
+  std::mt19937 rng(1);
+  Env gpu_like{a, b, rng, /*cand_is_cpu=*/false};
+  const std::vector<float> x = {1.f, 2.f, 3.f};
+  std::vector<float> y = x;
+  y[1] = std::nextafter(2.f, 3.f);
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, y, Tol::Exact(), "t"), "1 of 3 elements differ");
+  Compare(gpu_like, x, y, Tol::Ulps(1), "within one ulp");
+  std::vector<float> z = x;
+  z[2] = RoundBf16(3.f + 2 * 0.015625f);  // two bf16 ulps above 3
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, z, Tol::Bf16Ulps(1), "t"), "1 of 3 elements");
+  std::vector<float> nan = x;
+  nan[0] = NAN;
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, nan, Tol::Rel(1.0), "t"), "1 of 3 elements");
+  EXPECT_NONFATAL_FAILURE(CompareExact(std::vector<int32_t>{4, 5}, std::vector<int32_t>{4, 6}, "t"),
+                          "1 of 2 differ");
+  // The CPU SIMD candidate is always held to exact.
+  Env cpu{a, b, rng, /*cand_is_cpu=*/true};
+  EXPECT_NONFATAL_FAILURE(Compare(cpu, x, y, Tol::Ulps(4), "t"), "1 of 3 elements differ");
 }
 
 TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {
@@ -954,7 +984,7 @@ TEST_P(BackendParity, MatchesTheCpuReference) {
   ASSERT_NE(it, Cases().end()) << "no parity case for Backend::" << op;
   Side ref(*ref_, "cpu-scalar");
   Side cand(*cand_, cand_is_cpu_ ? "cpu-simd" : "cuda:0");
-  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(op) & 0xffffffffu));
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(op)&0xffffffffu));
   Env env{ref, cand, rng, cand_is_cpu_};
   it->second(env);
 }

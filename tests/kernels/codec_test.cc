@@ -36,9 +36,10 @@ TEST(CodecTest, EveryCodeDecodesAsTheHostReference) {
 TEST(CodecTest, RoundingAndEncodingMatchTheHostReference) {
   std::mt19937 rng(7);
   std::uniform_int_distribution<uint32_t> bits;
-  std::vector<float> xs = {0.f, -0.f, 448.f, 464.f, -465.f, 0x1p-6f, 0x1p-7f, 0x1p-10f, 0x1p-9f,
-                           0.25f, 0.75f, 1.25f, 1.75f, 2.5f, 3.5f, 5.f, 6.f, 7.f, NAN, INFINITY,
-                           -INFINITY, 1e-45f, 3.4e38f, 1.00390625f, 1.01171875f};
+  std::vector<float> xs = {0.f,      -0.f,    448.f,       464.f,      -465.f, 0x1p-6f,  0x1p-7f,
+                           0x1p-10f, 0x1p-9f, 0.25f,       0.75f,      1.25f,  1.75f,    2.5f,
+                           3.5f,     5.f,     6.f,         7.f,        NAN,    INFINITY, -INFINITY,
+                           1e-45f,   3.4e38f, 1.00390625f, 1.01171875f};
   for (int i = 0; i < 200000; ++i) {
     uint32_t u = bits(rng);
     float f;

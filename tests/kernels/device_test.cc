@@ -48,8 +48,7 @@ TEST(DeviceTest, CudaIsRefusedNamingTheDevice) {
     GTEST_SKIP() << "a GPU is present: the no-GPU refusal is not testable here";
   }
   EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
-  EXPECT_NE(b.status().message().find("cuda:0 is not available"), std::string::npos)
-      << b.status();
+  EXPECT_NE(b.status().message().find("cuda:0 is not available"), std::string::npos) << b.status();
   if (CudaBackendBuilt()) {
     EXPECT_NE(b.status().message().find("no CUDA device"), std::string::npos) << b.status();
   } else {
