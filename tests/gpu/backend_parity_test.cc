@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <functional>
@@ -251,6 +252,43 @@ std::vector<uint8_t> Bytes(std::mt19937& rng, int64_t n, int lo = 0, int hi = 25
   return v;
 }
 
+// ---- Golden inputs (tests/data/golden/v41-tiny-a: the reference's own activations) ----
+// The repository root: $EPD_SOURCE_DIR (a prebuilt binary run elsewhere, tests/gpu/
+// pack_prebuilt.sh), else the source folder this binary was built from.
+std::string SourceDir() {
+  const char* dir = std::getenv("EPD_SOURCE_DIR");
+  return dir != nullptr ? dir : EPD_DEFAULT_SOURCE_DIR;
+}
+std::string GoldenPath(const std::string& rel) {
+  return SourceDir() + "/tests/data/golden/v41-tiny-a/" + rel;
+}
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+// debug/*.bin: raw bf16 bit patterns; [301, 256] for the attention/FFN inputs.
+std::vector<float> GoldenBf16(const std::string& rel) {
+  const std::string b = ReadFile(GoldenPath(rel));
+  std::vector<float> v(b.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t u;
+    std::memcpy(&u, b.data() + 2 * i, 2);
+    v[i] = format::Bf16BitsToF32(u);
+  }
+  return v;
+}
+// logits_*.bin: raw little-endian fp32.
+std::vector<float> GoldenF32(const std::string& rel) {
+  const std::string b = ReadFile(GoldenPath(rel));
+  std::vector<float> v(b.size() / 4);
+  if (!v.empty()) std::memcpy(v.data(), b.data(), v.size() * 4);
+  return v;
+}
+constexpr int64_t kGoldenRows = 301, kGoldenHidden = 256, kGoldenVocab = 512;
+constexpr int32_t kGoldenFirstToken = 99;  // manifest.json results.generated_ids[0]
+
 // ---- The cases ----
 using Case = std::function<void(Env&)>;
 
@@ -409,6 +447,24 @@ PARITY_CASE(LinearQuant) {
   LinearQuantShape(env, 3, 40, 80, WeightFormat::kFp8E4M3);  // K % 32 != 0: a short last block
   LinearQuantShape(env, 4, 40, 64, WeightFormat::kFp4E2M1);
   LinearQuantShape(env, 1, 9, 128, WeightFormat::kFp4E2M1);
+  // Golden activations (the reference's layer-5 FFN input [301, 256]) through a random FP8 weight.
+  {
+    const auto g = GoldenBf16("debug/ffn_in_layer5_prefill.bin");
+    ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+    QuantWeight shape;
+    shape.out = 96;
+    shape.in = kGoldenHidden;
+    const auto codes = Fp8Codes(env.rng, shape.out * shape.in);
+    const auto scales = Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      const QuantWeight w = s->Packed(shape, codes, scales);
+      float* y = s->Out<float>(kGoldenRows * shape.out);
+      EXPECT_OP_OK(*s, s->b().LinearQuant(s->In(g), kGoldenRows, w, y));
+      res.push_back(s->Read(y, kGoldenRows * shape.out));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), "FP8 on golden activations");
+  }
   // Bad packed bytes: refused by both.
   QuantWeight shape;
   shape.out = 8;
@@ -461,6 +517,17 @@ PARITY_CASE(RmsNorm) {
   }
   Compare(env, res[0], res[1], Tol::Exact(), "rmsnorm");
   Compare(env, alias[0], alias[1], Tol::Exact(), "rmsnorm in place");
+  // Golden: the reference's layer-3 attention input [301, 256], eps 1e-20 as the config.
+  const auto g = GoldenBf16("debug/attn_in_layer3_prefill.bin");
+  ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+  const auto gw = Bf16(env.rng, kGoldenHidden);
+  std::vector<std::vector<float>> gold;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->Out<float>(kGoldenRows * kGoldenHidden);
+    EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(g), s->In(gw), kGoldenRows, kGoldenHidden, 1e-20f, y));
+    gold.push_back(s->Read(y, kGoldenRows * kGoldenHidden));
+  }
+  Compare(env, gold[0], gold[1], Tol::Exact(), "rmsnorm on golden activations");
   Compare(env, res[1], alias[1], Tol::Exact(), "candidate in place == out of place");
 }
 
@@ -867,6 +934,18 @@ PARITY_CASE(Embed) {
 PARITY_CASE(QuantDequant) {
   // Tolerance: exact (codecs and scales from the fp32 bits).
   using Q = Backend::Qdq;
+  const auto g = GoldenBf16("debug/attn_in_layer6_prefill.bin");
+  ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+  for (Q kind : {Q::kFp8Window, Q::kFp4Index, Q::kFp4Kv}) {
+    std::vector<std::vector<float>> gold;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* p = s->In(g);
+      EXPECT_OP_OK(*s, s->b().QuantDequant(kind, p, kGoldenRows, kGoldenHidden));
+      gold.push_back(s->Read(p, kGoldenRows * kGoldenHidden));
+    }
+    Compare(env, gold[0], gold[1], Tol::Exact(),
+            "golden activations, kind " + std::to_string(static_cast<int>(kind)));
+  }
   for (Q kind : {Q::kFp8Window, Q::kFp4Index, Q::kFp4Kv}) {
     for (int64_t dim : {int64_t{96}, int64_t{100}}) {
       const int64_t rows = 3;
@@ -900,6 +979,18 @@ PARITY_CASE(Argmax) {
     res.push_back(s->Read(out, rows));
   }
   CompareExact(res[0], res[1], "argmax");
+  // Golden: the reference's prefill logits [301, 512]; the last row's argmax is the first
+  // generated token of the golden run.
+  const auto logits = GoldenF32("logits_prefill_all.bin");
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), kGoldenRows * kGoldenVocab);
+  std::vector<std::vector<int32_t>> gold;
+  for (Side* s : {&env.ref, &env.cand}) {
+    int32_t* out = s->Out<int32_t>(kGoldenRows);
+    EXPECT_OP_OK(*s, s->b().Argmax(s->In(logits), kGoldenRows, kGoldenVocab, out));
+    gold.push_back(s->Read(out, kGoldenRows));
+  }
+  CompareExact(gold[0], gold[1], "argmax of the golden prefill logits");
+  EXPECT_EQ(gold[1].back(), kGoldenFirstToken) << env.cand.name();
 }
 
 // ---- The table against the interface (checked once, in the unit binary) ----
@@ -940,7 +1031,7 @@ TEST(BackendParityTable, TheComparisonCatchesADifference) {
 }
 
 TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {
-  std::ifstream in(std::string(EPD_DEFAULT_SOURCE_DIR) + "/kernels/backend.h");
+  std::ifstream in(SourceDir() + "/kernels/backend.h");
   ASSERT_TRUE(in) << "cannot read kernels/backend.h";
   std::stringstream ss;
   ss << in.rdbuf();
