@@ -219,7 +219,11 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
   auto state = m.NewSequence();
   absl::StatusOr<model::ForwardResult> first;
   if (o.monolithic) {
-    first = m.Prefill(*state, prompt, /*all_logits=*/false);
+    // --tail-rows with --monolithic: the bounded monolithic reference (PrefillOptions), which a
+    // staged run with the same tail equals bit for bit (REVIEW: the flag was ignored here).
+    model::PrefillOptions po;
+    po.decoder_tail_rows = o.tail_rows;
+    first = m.Prefill(*state, prompt, /*all_logits=*/false, po);
   } else {
     const int64_t tail = o.tail_rows > 0 ? o.tail_rows : static_cast<int64_t>(prompt.size());
     auto enc = model::EncoderPass(m, *state, prompt, tail);
