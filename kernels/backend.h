@@ -315,6 +315,20 @@ class Backend {
   virtual absl::Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
 };
 
+// Every op of the Backend interface (each virtual method returning a Status), by name. The parity
+// suite (tests/gpu/backend_parity_test.cc) has one case per name and fails when a name has none;
+// a unit test there also checks this list against the declarations above, so a new op must be
+// added here (and get a parity case) to pass.
+inline constexpr std::string_view kBackendOpNames[] = {
+    "Allocate",     "Upload",        "Download",       "Synchronize",  "Copy",
+    "LinearQuant",  "LinearBf16",    "LinearF32",      "RmsNorm",      "RopeTables",
+    "Rope",         "RoundBf16",     "ScaleRoundBf16", "Add",          "SparseAttention",
+    "CompressPool", "IndexerScores", "MaskScores",     "StableTopK",   "CandidateMask",
+    "SelectTopK",   "HcMixes",       "HcPre",          "HcPost",       "HcMean",
+    "MoeRoute",     "SwiGlu",        "SumSlots",       "Fp8RowLookup", "EngramGate",
+    "Embed",        "QuantDequant",  "Argmax",
+};
+
 struct CpuBackendOptions {
   // Use the SIMD (AVX2) paths where the CPU has them; false forces the scalar code (same results).
   bool simd = true;
