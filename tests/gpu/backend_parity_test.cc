@@ -774,6 +774,29 @@ PARITY_CASE(HcMixes) {
   Compare(env, comb[0], comb[1], Tol::Rel(1e-5), "comb");
 }
 
+PARITY_CASE(HcMixesSingleToken) {
+  // Tolerance: as HcMixes (the same math; the CPU backend's sigmoids use glibc's expf here).
+  const int64_t rows = 2, dim = 64;
+  const int hc = 4, nm = (2 + hc) * hc;
+  const auto h = Bf16(env.rng, rows * hc * dim), fn = Normal(env.rng, nm * hc * dim, 0.05f),
+             base = Normal(env.rng, nm, 0.5f);
+  const std::vector<float> scale = {0.7f, 1.3f, 2.0f};
+  std::vector<std::vector<float>> pre, post, comb;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* p = s->Out<float>(rows * hc);
+    float* q = s->Out<float>(rows * hc);
+    float* c = s->Out<float>(rows * hc * hc);
+    EXPECT_OP_OK(*s, s->b().HcMixesSingleToken(rows, s->In(h), hc, dim, s->In(fn), s->In(scale),
+                                               s->In(base), 20, 1e-6f, 1e-6f, p, q, c));
+    pre.push_back(s->Read(p, rows * hc));
+    post.push_back(s->Read(q, rows * hc));
+    comb.push_back(s->Read(c, rows * hc * hc));
+  }
+  Compare(env, pre[0], pre[1], Tol::Rel(1e-5), "pre");
+  Compare(env, post[0], post[1], Tol::Rel(1e-5), "post");
+  Compare(env, comb[0], comb[1], Tol::Rel(1e-5), "comb");
+}
+
 PARITY_CASE(HcPre) {
   // Tolerance: exact (fp32 sum over the streams in order, bf16).
   const int64_t rows = 3, dim = 100;
@@ -911,6 +934,22 @@ PARITY_CASE(EngramGate) {
   for (Side* s : {&env.ref, &env.cand}) {
     float* ph = s->In(h);
     EXPECT_OP_OK(*s, s->b().EngramGate(ph, s->In(e), rows, hc, D, s->In(qw), s->In(kw), 1e-6f));
+    res.push_back(s->Read(ph, rows * hc * D));
+  }
+  Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "gate");
+}
+
+PARITY_CASE(EngramGateSingleToken) {
+  // Tolerance: as EngramGate (the same math; the CPU backend's gate uses glibc's expf here).
+  const int64_t rows = 1, D = 64;
+  const int hc = 4;
+  const auto h = Bf16(env.rng, rows * hc * D), e = Bf16(env.rng, rows * (hc + 1) * D),
+             qw = Bf16(env.rng, hc * D), kw = Bf16(env.rng, hc * D);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* ph = s->In(h);
+    EXPECT_OP_OK(
+        *s, s->b().EngramGateSingleToken(ph, s->In(e), rows, hc, D, s->In(qw), s->In(kw), 1e-6f));
     res.push_back(s->Read(ph, rows * hc * D));
   }
   Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "gate");
