@@ -13,13 +13,18 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 #include "kvstore/transfer/manifest.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "spdlog/spdlog.h"
 
 namespace epd::transfer {
 
-constexpr uint32_t kProtocolVersion = 1;
+// 2: checksums computed while the bytes move (TransferOffer.checksums_follow + TransferSeal).
+constexpr uint32_t kProtocolVersion = 2;
+// The checksum threads hash at most this many bytes per step (then look at the transfer again).
+constexpr uint64_t kHashStep = 1ull << 20;
 
 struct ResourceCounters {
   std::atomic<int64_t> registrations{0};
@@ -139,6 +144,10 @@ struct TransferEngine::PendingOffer {
   int64_t expires_ns = 0;
 };
 
+struct XxhStateDeleter {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
+};
+
 struct TransferEngine::Transfer {
   TransferId id = 0;
   bool sender = false;
@@ -167,6 +176,20 @@ struct TransferEngine::Transfer {
   bool collected = false;
   TransportKind kind = TransportKind::kLoopback;
 
+  // Checksums computed while data moves (protocol 2). Segment i is hashed in order, from 0 to
+  // hashed[i]; ranges[i] holds the byte ranges accepted but not hashed yet (offset -> {length,
+  // landed}): the sender's whole segments at Send, the receiver's chunks as OnDataBegin accepts
+  // them (landed once OnDataEnd says so). One hashing job per transfer at a time reads the buffer
+  // without mu_; hash_busy keeps the buffer from being released meanwhile.
+  std::vector<uint64_t> hashed;
+  std::vector<std::map<uint64_t, std::pair<uint64_t, bool>>> ranges;
+  std::vector<std::unique_ptr<XXH3_state_t, XxhStateDeleter>> hash_states;
+  std::vector<uint64_t> digests;
+  int unhashed = 0;              // segments not fully hashed yet
+  bool hash_busy = false;        // a hashing job for this transfer is queued or running
+  bool checksums_known = false;  // receiver: the sender's checksums arrived (seal or offer)
+  bool sealed = false;           // sender: the seal went out
+
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
 
@@ -181,6 +204,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
   engine->caps_ = engine->wire_->Capabilities();
   engine->caps_.chunk_bytes = options.chunk_bytes;
   engine->ticker_ = std::thread([e = engine.get()] { e->TickLoop(); });
+  engine->hasher_ = std::thread([e = engine.get()] { e->HashLoop(); });
   return engine;
 }
 
@@ -204,7 +228,15 @@ void TransferEngine::Shutdown() {
         Fail(*t, absl::CancelledError("transfer engine shutting down"), "shutdown", true);
   }
   cv_.notify_all();
+  hash_cv_.notify_all();
   if (ticker_.joinable()) ticker_.join();
+  // The hashing thread finishes its step (it reads a buffer) and exits; queued jobs are dropped.
+  if (hasher_.joinable()) hasher_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hash_queue_.clear();
+    for (auto& [id, t] : transfers_) t->hash_busy = false;
+  }
   // Stop force-closes every connection and completes every pending operation, so afterwards no
   // UCX operation references a buffer.
   wire_->Stop();
@@ -306,11 +338,12 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
                                                    " bytes but the payload holds ",
                                                    payload->size()));
   const std::vector<uint64_t> offsets = SegmentOffsets(manifest);
+  // The checksums are computed by the hashing thread while the offer, the claim and the bytes
+  // move; they follow in a TransferSeal (protocol 2).
   for (int i = 0; i < manifest.segments_size(); ++i) {
     auto* s = manifest.mutable_segments(i);
     s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
-    s->set_checksum(
-        common::Xxh3_64(std::span<const uint8_t>(payload->data() + offsets[i], s->byte_length())));
+    s->set_checksum(0);
   }
   uint64_t mem = 0;
   if (total > 0) {
@@ -361,9 +394,16 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   *offer->mutable_manifest() = t->manifest;
   offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
   offer->set_chunk_bytes(options_.chunk_bytes);
+  offer->set_checksums_follow(true);
   SendControl(peer, msg);
+  InitHashing(*t);
+  for (int i = 0; i < t->manifest.segments_size(); ++i)
+    if (const uint64_t len = t->manifest.segments(i).byte_length(); len > 0)
+      t->ranges[i][0] = {len, true};
   const TransferId id = t->id;
+  Transfer& ref = *t;
   transfers_[id] = std::move(t);
+  ScheduleHash(ref);
   return id;
 }
 
@@ -567,6 +607,9 @@ void TransferEngine::OnControl(PeerId peer, std::string bytes) {
     case epd::v1::TransferControl::kEnd:
       HandleEnd(peer, msg.end());
       break;
+    case epd::v1::TransferControl::kSeal:
+      HandleSeal(peer, msg.seal());
+      break;
     default:
       break;
   }
@@ -663,7 +706,9 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
          mm->field, true);
     return;
   }
-  t.manifest = offer.manifest();  // now with the sender's checksums
+  t.manifest = offer.manifest();  // the sender's checksums: here, or in its seal
+  t.checksums_known = !offer.checksums_follow();
+  InitHashing(t);
   t.state = TransferState::kTransferring;
   t.claim_ns = clock_.NowMonoNs();
   epd::v1::TransferControl msg;
@@ -693,6 +738,7 @@ void TransferEngine::HandleClaim(PeerId peer, const epd::v1::TransferClaim& clai
   t->state = TransferState::kTransferring;
   t->claim_ns = clock_.NowMonoNs();
   StartSending(*t);
+  MaybeSeal(*t);
 }
 
 void TransferEngine::StartSending(Transfer& t) {
@@ -794,6 +840,9 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
   } else if (t->received[si] + h.length > seg.byte_length()) {
     problem = absl::StrCat("more bytes than byte_length ", seg.byte_length(), " (",
                            t->received[si] + h.length, ")");
+  } else if (h.length > 0 && Overlaps(*t, si, h.offset, h.length)) {
+    problem = absl::StrCat("chunk [", h.offset, ", ", h.offset + h.length,
+                           ") overlaps bytes already received");
   }
   if (!problem.empty()) {
     const std::string msg = absl::StrCat("accounting error in request '", t->request_id,
@@ -805,6 +854,7 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
   }
   ++t->ops;
   counters_->wire_ops.fetch_add(1);
+  if (h.length > 0) t->ranges[si][h.offset] = {h.length, false};
   return {t->buffer->data() + t->offsets[si] + h.offset, t->mem};
 }
 
@@ -821,6 +871,9 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
       t->bytes_done += h.length;
       if (t->received[h.segment] == t->manifest.segments(h.segment).byte_length())
         t->segment_done_ns[h.segment] = clock_.NowMonoNs();
+      auto r = t->ranges[h.segment].find(h.offset);
+      if (r != t->ranges[h.segment].end()) r->second.second = true;
+      ScheduleHash(*t);  // the chunk is hashed while the next ones land
       MaybeFinishReceive(*t);
     } else {
       Fail(*t,
@@ -834,14 +887,137 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
   cv_.notify_all();
 }
 
+void TransferEngine::InitHashing(Transfer& t) {
+  const int n = t.manifest.segments_size();
+  t.hashed.assign(n, 0);
+  t.ranges.assign(n, {});
+  t.digests.assign(n, 0);
+  t.hash_states.clear();
+  t.hash_states.reserve(n);
+  t.unhashed = 0;
+  for (int i = 0; i < n; ++i) {
+    t.hash_states.emplace_back(XXH3_createState());
+    XXH3_64bits_reset(t.hash_states.back().get());
+    if (t.manifest.segments(i).byte_length() == 0) {
+      t.digests[i] = XXH3_64bits_digest(t.hash_states.back().get());
+    } else {
+      ++t.unhashed;
+    }
+  }
+}
+
+bool TransferEngine::Overlaps(const Transfer& t, int si, uint64_t offset, uint64_t length) const {
+  if (offset < t.hashed[si]) return true;
+  const auto& r = t.ranges[si];
+  auto next = r.upper_bound(offset);
+  if (next != r.end() && next->first < offset + length) return true;
+  if (next != r.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.first > offset) return true;
+  }
+  return false;
+}
+
+void TransferEngine::ScheduleHash(Transfer& t) {
+  if (t.hash_busy || t.terminal() || t.unhashed == 0) return;
+  t.hash_busy = true;
+  hash_queue_.push_back(t.id);
+  hash_cv_.notify_one();
+}
+
+void TransferEngine::HashLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    hash_cv_.wait(lock, [&] { return stopping_ || !hash_queue_.empty(); });
+    if (stopping_) return;
+    const TransferId id = hash_queue_.front();
+    hash_queue_.pop_front();
+    Transfer* t = Find(id);
+    if (t == nullptr) continue;
+    // Hash the landed bytes of each segment in order, a step at a time, without mu_ (the buffer
+    // cannot be released while hash_busy is set).
+    while (!t->terminal() && !stopping_) {
+      int si = -1;
+      for (int i = 0; i < static_cast<int>(t->ranges.size()) && si < 0; ++i) {
+        const auto& r = t->ranges[i];
+        if (!r.empty() && r.begin()->first == t->hashed[i] && r.begin()->second.second) si = i;
+      }
+      if (si < 0) break;
+      auto first = t->ranges[si].begin();
+      const uint64_t offset = first->first;
+      const uint64_t n = std::min(first->second.first, kHashStep);
+      if (n < first->second.first) t->ranges[si][offset + n] = {first->second.first - n, true};
+      t->ranges[si].erase(first);
+      const uint8_t* p = t->buffer->data() + t->offsets[si] + offset;
+      XXH3_state_t* state = t->hash_states[si].get();
+      lock.unlock();
+      XXH3_64bits_update(state, p, n);
+      lock.lock();
+      t->hashed[si] += n;
+      if (t->hashed[si] == t->manifest.segments(si).byte_length()) {
+        t->digests[si] = XXH3_64bits_digest(state);
+        --t->unhashed;
+      }
+    }
+    t->hash_busy = false;
+    if (stopping_) return;
+    if (!t->terminal()) {
+      if (t->sender) {
+        MaybeSeal(*t);
+      } else {
+        MaybeFinishReceive(*t);
+      }
+    }
+    TryRelease(*t);
+    cv_.notify_all();
+  }
+}
+
+void TransferEngine::MaybeSeal(Transfer& t) {
+  if (!t.sender || t.sealed || t.unhashed > 0 || t.state != TransferState::kTransferring) return;
+  t.sealed = true;
+  epd::v1::TransferControl msg;
+  auto* seal = msg.mutable_seal();
+  seal->set_sender_transfer_id(t.id);
+  seal->set_receiver_transfer_id(t.remote_id);
+  for (int i = 0; i < t.manifest.segments_size(); ++i) {
+    t.manifest.mutable_segments(i)->set_checksum(t.digests[i]);
+    seal->add_checksums(t.digests[i]);
+  }
+  SendControl(t.peer, msg);
+}
+
+void TransferEngine::HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal) {
+  Transfer* t = Find(seal.receiver_transfer_id());
+  if (t == nullptr || t->sender || !t->has_peer || t->peer != peer ||
+      t->remote_id != seal.sender_transfer_id() || t->state != TransferState::kTransferring)
+    return;
+  if (t->checksums_known || seal.checksums_size() != t->manifest.segments_size()) {
+    const std::string msg = absl::StrCat(
+        "accounting error in request '", t->request_id, "': the sender's seal carries ",
+        seal.checksums_size(), " checksums for ", t->manifest.segments_size(), " segments",
+        t->checksums_known ? " (a second seal)" : "");
+    metrics_->AddAccountingError("all");
+    spdlog::warn("transfer: {}", msg);
+    Fail(*t, absl::DataLossError(msg), "accounting", true, -1, "checksum", true);
+    return;
+  }
+  for (int i = 0; i < seal.checksums_size(); ++i)
+    t->manifest.mutable_segments(i)->set_checksum(seal.checksums(i));
+  t->checksums_known = true;
+  MaybeFinishReceive(*t);
+}
+
 void TransferEngine::MaybeFinishReceive(Transfer& t) {
   if (t.state != TransferState::kTransferring || t.ops != 0) return;
   for (int i = 0; i < t.manifest.segments_size(); ++i)
     if (t.received[i] != t.manifest.segments(i).byte_length()) return;
+  // Every byte is in; the checksums are ready once the hashing thread has caught up and the
+  // sender's seal has arrived.
+  if (t.unhashed > 0 || !t.checksums_known) return;
   for (int i = 0; i < t.manifest.segments_size(); ++i) {
     const auto& s = t.manifest.segments(i);
-    const uint64_t got =
-        common::Xxh3_64(std::span<const uint8_t>(t.buffer->data() + t.offsets[i], s.byte_length()));
+    const uint64_t got = t.digests[i];
     if (got != s.checksum()) {
       const std::string msg = absl::StrCat(
           "accounting error in request '", t.request_id, "': ", DescribeSegment(t.manifest, i),
@@ -932,7 +1108,7 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
 }
 
 void TransferEngine::TryRelease(Transfer& t) {
-  if (!t.terminal() || t.ops > 0 || t.released) return;
+  if (!t.terminal() || t.ops > 0 || t.hash_busy || t.released) return;
   if (t.mem != 0) {
     wire_->Deregister(t.mem);
     t.mem = 0;

@@ -101,6 +101,14 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void AcceptOffer(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
   void StartSending(Transfer& t);
   void MaybeFinishReceive(Transfer& t);
+  // Checksums while data moves (protocol 2): per-segment streaming xxHash3 state, the hashing
+  // thread's queue, the sender's seal.
+  void InitHashing(Transfer& t);
+  bool Overlaps(const Transfer& t, int segment, uint64_t offset, uint64_t length) const;
+  void ScheduleHash(Transfer& t);
+  void HashLoop();  // the hashing thread (takes mu_ itself)
+  void MaybeSeal(Transfer& t);
+  void HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal);
   // Fails `t` locally; tells the peer unless `tell_peer` is false.
   void Fail(Transfer& t, absl::Status error, absl::string_view reason, bool tell_peer,
             int segment = -1, std::string field = "", bool accounting = false);
@@ -147,6 +155,9 @@ class TransferEngine final : public KvTransport, private WireHandler {
   bool stopping_ = false;
   int64_t last_liveness_ns_ = 0;
   std::thread ticker_;
+  std::condition_variable hash_cv_;     // hash_queue_ gained a job, or stopping_
+  std::deque<TransferId> hash_queue_;  // transfers with bytes to hash (each at most once)
+  std::thread hasher_;
 };
 
 }  // namespace epd::transfer
