@@ -15,6 +15,7 @@
 #include "common/hash.h"
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
 #include "kvstore/transfer/manifest.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "spdlog/spdlog.h"
@@ -189,6 +190,10 @@ struct TransferEngine::Transfer {
   bool hash_busy = false;        // a hashing job for this transfer is queued or running
   bool checksums_known = false;  // receiver: the sender's checksums arrived (seal or offer)
   bool sealed = false;           // sender: the seal went out
+  // Receiver over a wire with posted receives: every chunk's receive was posted before the claim;
+  // receives_cancelled once the ones still unmatched were cancelled (after release_grace).
+  bool posted = false;
+  bool receives_cancelled = false;
 
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
@@ -709,6 +714,39 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   t.manifest = offer.manifest();  // the sender's checksums: here, or in its seal
   t.checksums_known = !offer.checksums_follow();
   InitHashing(t);
+  if (wire_->PostsReceives()) {
+    // Every chunk's receive is posted (into the registered buffer, where the chunk belongs)
+    // before the claim goes out, so the sender's bytes never wait for a callback to find a home.
+    const uint64_t chunk = offer.chunk_bytes();
+    uint64_t chunks = 0;
+    for (const auto& s : t.manifest.segments())
+      chunks += chunk == 0 ? 1 : (s.byte_length() + chunk - 1) / chunk;
+    constexpr uint64_t kMaxChunks = 1 << 20;
+    if (chunk == 0 || chunks > kMaxChunks) {
+      const std::string msg = absl::StrCat(
+          "accounting error in request '", t.request_id, "': the offer's chunk_bytes ", chunk,
+          " makes ", chunk == 0 ? 0 : chunks, " chunks (1 to ", kMaxChunks, " allowed)");
+      metrics_->AddAccountingError("header");
+      spdlog::warn("transfer: {}", msg);
+      Fail(t, absl::FailedPreconditionError(msg), "accounting", true, -1, "chunk_bytes", true);
+      return;
+    }
+    t.posted = true;
+    for (int i = 0; i < t.manifest.segments_size(); ++i) {
+      const uint64_t len = t.manifest.segments(i).byte_length();
+      for (uint64_t off = 0; off < len; off += chunk) {
+        DataHeader h;
+        h.receiver_transfer_id = t.id;
+        h.segment = static_cast<uint32_t>(i);
+        h.offset = off;
+        h.length = std::min(chunk, len - off);
+        t.ranges[i][off] = {h.length, false};
+        ++t.ops;
+        counters_->wire_ops.fetch_add(1);
+        wire_->PostReceive(peer, h, t.buffer->data() + t.offsets[i] + off, t.mem);
+      }
+    }
+  }
   t.state = TransferState::kTransferring;
   t.claim_ns = clock_.NowMonoNs();
   epd::v1::TransferControl msg;
@@ -865,6 +903,20 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
   Transfer* t = Find(h.receiver_transfer_id);
   if (t == nullptr) return;
   --t->ops;
+  if (t->state == TransferState::kTransferring && t->posted && h.segment < t->received.size() &&
+      (wire_length != h.length || absl::IsDataLoss(status))) {
+    // A posted receive that got fewer (or more) bytes than its chunk: the sender's accounting is
+    // off. Named like the arrival check of OnDataBegin.
+    const int si = static_cast<int>(h.segment);
+    const std::string msg =
+        absl::StrCat("accounting error in request '", t->request_id,
+                     "': ", DescribeSegment(t->manifest, si), ": chunk at offset ", h.offset,
+                     " carries ", status.ok() ? absl::StrCat(wire_length) : std::string("more"),
+                     " bytes but its header says ", h.length, " (truncated)");
+    metrics_->AddAccountingError(SegmentKindLabel(t->manifest.segments(si).kind()));
+    spdlog::warn("transfer: {}", msg);
+    Fail(*t, absl::DataLossError(msg), "truncated", true, si, "byte_length", true);
+  }
   if (t->state == TransferState::kTransferring) {
     if (status.ok()) {
       t->received[h.segment] += h.length;
@@ -993,10 +1045,10 @@ void TransferEngine::HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal) 
       t->remote_id != seal.sender_transfer_id() || t->state != TransferState::kTransferring)
     return;
   if (t->checksums_known || seal.checksums_size() != t->manifest.segments_size()) {
-    const std::string msg = absl::StrCat(
-        "accounting error in request '", t->request_id, "': the sender's seal carries ",
-        seal.checksums_size(), " checksums for ", t->manifest.segments_size(), " segments",
-        t->checksums_known ? " (a second seal)" : "");
+    const std::string msg = absl::StrCat("accounting error in request '", t->request_id,
+                                         "': the sender's seal carries ", seal.checksums_size(),
+                                         " checksums for ", t->manifest.segments_size(),
+                                         " segments", t->checksums_known ? " (a second seal)" : "");
     metrics_->AddAccountingError("all");
     spdlog::warn("transfer: {}", msg);
     Fail(*t, absl::DataLossError(msg), "accounting", true, -1, "checksum", true);
@@ -1241,8 +1293,17 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
     // wire completes them and the memory is provably no longer in use.
     if (t.terminal() && t.ops > 0 && !t.forced_close && t.has_peer &&
         now >= t.ended_ns + absl::ToInt64Nanoseconds(options_.release_grace)) {
-      t.forced_close = true;
-      to_close.push_back(t.peer);
+      if (t.posted && !t.receives_cancelled) {
+        // First the receives no chunk has matched (a stuck or failed sender): cancelling them
+        // completes them without touching the connection. Whatever is still in flight after
+        // another grace period gets the connection force-closed.
+        t.receives_cancelled = true;
+        t.ended_ns = now;
+        wire_->CancelReceives(t.peer, t.id);
+      } else {
+        t.forced_close = true;
+        to_close.push_back(t.peer);
+      }
     }
   }
   for (PeerId peer : to_close) {

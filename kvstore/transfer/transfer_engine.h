@@ -119,8 +119,9 @@ class TransferEngine final : public KvTransport, private WireHandler {
   struct LivenessProbe {
     PeerId id = 0;
     int64_t pid = 0;
-    int64_t start_ticks = 0;  // the process's start time when the peer was first probed (0: not yet)
-    int64_t now_ticks = -1;   // its start time now; -1: no such live process
+    int64_t start_ticks =
+        0;                   // the process's start time when the peer was first probed (0: not yet)
+    int64_t now_ticks = -1;  // its start time now; -1: no such live process
   };
   // The probes due now (every liveness_period), taken under mu_.
   std::vector<LivenessProbe> DueLivenessProbes();
@@ -151,11 +152,11 @@ class TransferEngine final : public KvTransport, private WireHandler {
     int64_t expires_ns = 0;
   };
   absl::flat_hash_map<std::string, EndedReceive> ended_receives_;  // by request_id
-  std::deque<std::string> ended_order_;                               // oldest first
+  std::deque<std::string> ended_order_;                            // oldest first
   bool stopping_ = false;
   int64_t last_liveness_ns_ = 0;
   std::thread ticker_;
-  std::condition_variable hash_cv_;     // hash_queue_ gained a job, or stopping_
+  std::condition_variable hash_cv_;    // hash_queue_ gained a job, or stopping_
   std::deque<TransferId> hash_queue_;  // transfers with bytes to hash (each at most once)
   std::thread hasher_;
 };

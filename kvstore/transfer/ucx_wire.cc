@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "prometheus/registry.h"
 #include "spdlog/spdlog.h"
@@ -45,6 +46,15 @@ struct DataWireHeader {
   DataHeader h;
 };
 
+// The UCX tag of one data chunk: (receiver transfer, segment, offset) hashed. Receiver transfer
+// ids are never reused by a receiving engine, so a tag names one chunk of one transfer.
+ucp_tag_t ChunkTag(const DataHeader& h) {
+  uint64_t key[3] = {h.receiver_transfer_id, h.segment, h.offset};
+  return common::Xxh3_64(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(key), sizeof(key)),
+      /*seed=*/0x6570642d78666572ull);
+}
+
 absl::Status UcsError(absl::string_view what, ucs_status_t st) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(st)));
 }
@@ -61,7 +71,8 @@ struct OpCtx {
   CtlHeader ctl{};
   DataWireHeader data{};
   uint64_t length = 0;
-  bool abandoned = false;  // completed towards the engine; UCX may still hold the request
+  bool abandoned = false;   // completed towards the engine; UCX may still hold the request
+  void* request = nullptr;  // posted tag receive (to cancel it)
 };
 
 struct EpArg {
@@ -86,7 +97,7 @@ class UcxWire final : public Wire {
     ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_TAG;
     params.mt_workers_shared = 1;
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -168,6 +179,22 @@ class UcxWire final : public Wire {
     return c;
   }
   std::string LocalAddress() const override { return local_address_; }
+
+  bool PostsReceives() const override { return true; }
+
+  void PostReceive(PeerId peer, const DataHeader& expected, uint8_t* dst, uint64_t mem) override {
+    auto* ctx = new OpCtx;
+    ctx->kind = OpCtx::Kind::kRecv;
+    ctx->wire = this;
+    ctx->peer = peer;
+    ctx->data.h = expected;
+    ctx->length = expected.length;
+    Post([this, ctx, dst, mem] { DoPostReceive(ctx, dst, mem); });
+  }
+
+  void CancelReceives(PeerId peer, uint64_t receiver_transfer_id) override {
+    Post([this, peer, receiver_transfer_id] { CancelPosted(peer, receiver_transfer_id); });
+  }
 
   absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override {
     auto waiter = std::make_shared<ConnectWaiter>();
@@ -317,7 +344,7 @@ class UcxWire final : public Wire {
         last_active = now;
         continue;
       }
-      if (now - last_active < std::chrono::milliseconds(2)) continue;
+      if (now - last_active < absl::ToChronoMicroseconds(options_.spin)) continue;
       std::unique_lock<std::mutex> lock(qmu_);
       qcv_.wait_for(lock, std::chrono::microseconds(inflight_.empty() ? 500 : 50),
                     [&] { return !commands_.empty() || stop_requested_; });
@@ -517,9 +544,50 @@ class UcxWire final : public Wire {
         rp.memh = it->second;
       }
     }
-    ucs_status_ptr_t r =
-        ucp_am_send_nbx(peer->ep, kAmData, &ctx->data, sizeof(ctx->data), data, ctx->length, &rp);
+    // Tagged send into the receive the peer posted before it claimed (tag_bw's data path).
+    ucs_status_ptr_t r = ucp_tag_send_nbx(peer->ep, data, ctx->length, ChunkTag(ctx->data.h), &rp);
     TrackSend(ctx, r);
+  }
+
+  void DoPostReceive(OpCtx* ctx, uint8_t* dst, uint64_t mem) {
+    Peer* peer = LivePeer(ctx->peer);
+    if (peer == nullptr) {
+      FinishOp(ctx, absl::UnavailableError("UCX peer is not connected"));
+      return;
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    rp.cb.recv = &UcxWire::OnTagRecvDone;
+    rp.user_data = ctx;
+    if (mem != 0) {
+      std::lock_guard<std::mutex> lock(mem_mu_);
+      auto it = mems_.find(mem);
+      if (it != mems_.end()) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        rp.memh = it->second;
+      }
+    }
+    ucs_status_ptr_t r =
+        ucp_tag_recv_nbx(worker_, dst, ctx->length, ChunkTag(ctx->data.h), ~ucp_tag_t{0}, &rp);
+    if (UCS_PTR_IS_ERR(r)) {
+      FinishOp(ctx, UcsError("ucp_tag_recv_nbx", UCS_PTR_STATUS(r)));
+      return;
+    }
+    ctx->request = r;
+    inflight_.insert(ctx);
+  }
+
+  // Cancels the posted receives (not yet matched) of one transfer, or of every transfer of the
+  // peer when receiver_transfer_id is 0. Their callbacks run inside ucp_request_cancel.
+  void CancelPosted(PeerId peer, uint64_t receiver_transfer_id) {
+    std::vector<OpCtx*> posted;
+    for (OpCtx* ctx : inflight_)
+      if (ctx->kind == OpCtx::Kind::kRecv && ctx->request != nullptr && ctx->peer == peer &&
+          (receiver_transfer_id == 0 || ctx->data.h.receiver_transfer_id == receiver_transfer_id))
+        posted.push_back(ctx);
+    for (OpCtx* ctx : posted)
+      if (inflight_.contains(ctx)) ucp_request_cancel(worker_, ctx->request);
   }
 
   void FinishOp(OpCtx* ctx, absl::Status st) {
@@ -560,6 +628,9 @@ class UcxWire final : public Wire {
     peer.queued.clear();
     if (peer.waiter) peer.waiter->Set(absl::UnavailableError(why.message()));
     by_ep_.erase(peer.ep);
+    // Tag receives belong to the worker, not the endpoint: the ones no data has matched are
+    // cancelled here (matched ones complete or fail with the endpoint).
+    CancelPosted(id, 0);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -678,6 +749,38 @@ class UcxWire final : public Wire {
       return;
     }
     ctx->wire->FinishOp(ctx, status == UCS_OK ? absl::OkStatus() : UcsError("UCX receive", status));
+    ucp_request_free(request);
+  }
+
+  static void OnTagRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                            void* user_data) {
+    auto* ctx = static_cast<OpCtx*>(user_data);
+    if (ctx->abandoned) {
+      ucp_request_free(request);
+      ctx->wire->abandoned_.erase(ctx);
+      delete ctx;
+      return;
+    }
+    ctx->request = nullptr;
+    absl::Status st;
+    if (status == UCS_OK) {
+      ctx->length = info != nullptr ? info->length : 0;  // shorter than posted: truncated
+      UcxWire* w = ctx->wire;
+      const PeerId id = ctx->peer;
+      w->deferred_.push_back([w, id] {
+        Peer* p = w->LivePeer(id);
+        if (p != nullptr && !p->data_seen) {
+          p->data_seen = true;
+          w->UpdateKind(*p);
+        }
+      });
+    } else if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+      st = absl::DataLossError(absl::StrCat("the chunk is longer than the ", ctx->length,
+                                            " bytes its receive was posted for"));
+    } else {
+      st = UcsError("UCX tag receive", status);
+    }
+    ctx->wire->FinishOp(ctx, st);
     ucp_request_free(request);
   }
 

@@ -75,6 +75,21 @@ class Wire {
   // can touch their memory any more.
   virtual void ClosePeer(PeerId peer, absl::Status why, bool peer_dead = false) = 0;
 
+  // Pre-posted receives (UCX tag matching, what ucx_perftest's tag_bw does): before claiming a
+  // transfer the receiver posts where every chunk goes, and the sender's chunks land there without
+  // an arrival callback (no OnDataBegin). A wire that returns false delivers chunks through
+  // OnDataBegin/OnDataEnd instead, and its SendData must then not expect posted receives.
+  virtual bool PostsReceives() const { return false; }
+  // Posts the receive of chunk `expected` (receiver_transfer_id, segment, offset, length) from
+  // `peer` into `dst` (registration `mem`). Completes exactly once with OnDataEnd(peer, expected,
+  // bytes that arrived, status): a shorter message completes OK with its length, a longer one with
+  // DataLoss. Must be called before the sender can send the chunk (i.e. before the claim).
+  virtual void PostReceive(PeerId /*peer*/, const DataHeader& /*expected*/, uint8_t* /*dst*/,
+                           uint64_t /*mem*/) {}
+  // Cancels the receives posted for `receiver_transfer_id` that no data has matched yet: they
+  // complete with an error. Matched ones complete normally (or with the connection).
+  virtual void CancelReceives(PeerId /*peer*/, uint64_t /*receiver_transfer_id*/) {}
+
   // Registers memory for zero-copy use; returns a nonzero handle.
   virtual absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) = 0;
   virtual void Deregister(uint64_t handle) = 0;

@@ -2,8 +2,8 @@
 // over UCX TCP (listener) and shared memory (worker-address exchange), next to ucx_perftest on the
 // same transport and message size in the same invocation.
 //
-//   transfer_bench                      (the issue-14 figures: 16 and 256 MiB, tcp and shm, 3 rounds)
-//   transfer_bench [--modes tcp,shm] [--sizes-mib 16,256] [--rounds 3] [--iters 3]
+//   transfer_bench                      (the issue-14 figures: 16 and 256 MiB, tcp and shm, 3
+//   rounds) transfer_bench [--modes tcp,shm] [--sizes-mib 16,256] [--rounds 3] [--iters 3]
 //                  [--latency-mib 1] [--lat-iters 15] [--chunk-mib 4]
 //
 // Bandwidth: each round times --iters hand-offs of SIZE bytes in 8 segments, each from Send to the
