@@ -47,6 +47,9 @@ class FaultWire final : public Wire {
   void CancelReceives(PeerId peer, uint64_t receiver_transfer_id) override {
     inner_->CancelReceives(peer, receiver_transfer_id);
   }
+  void DiscardChunks(PeerId peer, std::vector<DataHeader> chunks) override {
+    inner_->DiscardChunks(peer, std::move(chunks));
+  }
   std::string LocalAddress() const override { return inner_->LocalAddress(); }
   absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override {
     return inner_->Connect(address, timeout);

@@ -194,6 +194,7 @@ struct TransferEngine::Transfer {
   // receives_cancelled once the ones still unmatched were cancelled (after release_grace).
   bool posted = false;
   bool receives_cancelled = false;
+  bool data_started = false;  // sender: its chunks are on their way (before the claim: posted wire)
 
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
@@ -364,8 +365,8 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   if (stopping_) {
     bad = absl::CancelledError("transfer engine shutting down");
   } else if (pit == peers_.end() || pit->second->state != Peer::State::kReady) {
-    // A peer that is gone (closed, failed, died) is a transient condition of the cluster, not of the
-    // request: UNAVAILABLE, so the router re-dispatches the request elsewhere.
+    // A peer that is gone (closed, failed, died) is a transient condition of the cluster, not of
+    // the request: UNAVAILABLE, so the router re-dispatches the request elsewhere.
     bad = absl::UnavailableError(absl::StrCat("Send: peer ", peer, " is not connected"));
   }
   if (!bad.ok()) {
@@ -402,6 +403,10 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
   offer->set_chunk_bytes(options_.chunk_bytes);
   offer->set_checksums_follow(true);
+  // With posted receives the chunks follow the offer at once: the receiver's wire holds them
+  // (unexpected) until the manifest check posts their receives, or discards them if it refuses.
+  const bool early_data = wire_->PostsReceives();
+  offer->set_data_without_claim(early_data);
   SendControl(peer, msg);
   InitHashing(*t);
   for (int i = 0; i < t->manifest.segments_size(); ++i)
@@ -411,6 +416,7 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   Transfer& ref = *t;
   transfers_[id] = std::move(t);
   ScheduleHash(ref);
+  if (early_data) StartSending(ref);
   return id;
 }
 
@@ -680,6 +686,7 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
     end->set_error(std::move(error));
     end->set_segment_index(-1);
     SendControl(peer, msg);
+    DiscardEarlyData(peer, offer);
   };
   if (it != receiving_.end() || pending_offers_.contains(rid)) {
     reject(absl::StrCat("duplicate offer for request '", rid, "'"));
@@ -707,6 +714,7 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   t.remote_id = offer.sender_transfer_id();
   t.kind = KindOf(peer);
   if (std::optional<ManifestMismatch> mm = CompareManifests(t.manifest, offer.manifest())) {
+    DiscardEarlyData(peer, offer);
     metrics_->AddAccountingError(mm->segment_label);
     spdlog::warn("transfer: {}", mm->message);
     Fail(t, absl::FailedPreconditionError(mm->message), "accounting", true, mm->segment_index,
@@ -739,6 +747,7 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
       for (uint64_t off = 0; off < len; off += chunk) {
         DataHeader h;
         h.receiver_transfer_id = t.id;
+        h.sender_transfer_id = t.remote_id;
         h.segment = static_cast<uint32_t>(i);
         h.offset = off;
         h.length = std::min(chunk, len - off);
@@ -777,17 +786,19 @@ void TransferEngine::HandleClaim(PeerId peer, const epd::v1::TransferClaim& clai
   t->remote_id = claim.receiver_transfer_id();
   t->state = TransferState::kTransferring;
   t->claim_ns = clock_.NowMonoNs();
-  StartSending(*t);
+  if (!t->data_started) StartSending(*t);
   MaybeSeal(*t);
 }
 
 void TransferEngine::StartSending(Transfer& t) {
+  t.data_started = true;
   const uint64_t chunk = options_.chunk_bytes;
   for (int i = 0; i < t.manifest.segments_size(); ++i) {
     const uint64_t len = t.manifest.segments(i).byte_length();
     for (uint64_t off = 0; off < len; off += chunk) {
       DataHeader h;
       h.receiver_transfer_id = t.remote_id;
+      h.sender_transfer_id = t.id;
       h.segment = static_cast<uint32_t>(i);
       h.offset = off;
       h.length = std::min(chunk, len - off);
@@ -804,7 +815,9 @@ void TransferEngine::StartSending(Transfer& t) {
                         --tr->ops;
                         if (st.ok()) {
                           tr->bytes_done += n;
-                        } else if (!tr->terminal()) {
+                        } else if (tr->state == TransferState::kTransferring) {
+                          // (Before the claim a failed chunk decides nothing: the receiver's
+                          // refusal, the lease or the connection's end does.)
                           Fail(*tr,
                                absl::UnavailableError(absl::StrCat(
                                    "sending ", DescribeSegment(tr->manifest, i), " of request '",
@@ -826,6 +839,7 @@ void TransferEngine::HandleEnd(PeerId peer, const epd::v1::TransferEnd& end) {
     } else {
       auto pending = pending_offers_.find(end.request_id());
       if (pending != pending_offers_.end() && pending->second->peer == peer) {
+        DiscardEarlyData(peer, pending->second->offer);
         pending_offers_.erase(pending);
         return;
       }
@@ -939,6 +953,26 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
   }
   TryRelease(*t);
   cv_.notify_all();
+}
+
+void TransferEngine::DiscardEarlyData(PeerId peer, const epd::v1::TransferOffer& offer) {
+  if (!offer.data_without_claim() || !wire_->PostsReceives()) return;
+  const uint64_t chunk = offer.chunk_bytes();
+  if (chunk == 0) return;
+  std::vector<DataHeader> chunks;
+  for (int i = 0; i < offer.manifest().segments_size(); ++i) {
+    const uint64_t len = offer.manifest().segments(i).byte_length();
+    if (len / chunk + chunks.size() > (1u << 20)) return;  // not a sender of ours
+    for (uint64_t off = 0; off < len; off += chunk) {
+      DataHeader h;
+      h.sender_transfer_id = offer.sender_transfer_id();
+      h.segment = static_cast<uint32_t>(i);
+      h.offset = off;
+      h.length = std::min(chunk, len - off);
+      chunks.push_back(h);
+    }
+  }
+  wire_->DiscardChunks(peer, std::move(chunks));
 }
 
 void TransferEngine::InitHashing(Transfer& t) {
@@ -1317,6 +1351,7 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
   }
   for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {
     if (now >= it->second->expires_ns) {
+      DiscardEarlyData(it->second->peer, it->second->offer);
       it = pending_offers_.erase(it);
     } else {
       ++it;

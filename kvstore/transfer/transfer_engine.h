@@ -104,6 +104,8 @@ class TransferEngine final : public KvTransport, private WireHandler {
   // Checksums while data moves (protocol 2): per-segment streaming xxHash3 state, the hashing
   // thread's queue, the sender's seal.
   void InitHashing(Transfer& t);
+  // The chunks a sender sent with its offer, before any claim, for an offer refused here.
+  void DiscardEarlyData(PeerId peer, const epd::v1::TransferOffer& offer);
   bool Overlaps(const Transfer& t, int segment, uint64_t offset, uint64_t length) const;
   void ScheduleHash(Transfer& t);
   void HashLoop();  // the hashing thread (takes mu_ itself)

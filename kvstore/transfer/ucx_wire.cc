@@ -46,10 +46,12 @@ struct DataWireHeader {
   DataHeader h;
 };
 
-// The UCX tag of one data chunk: (receiver transfer, segment, offset) hashed. Receiver transfer
-// ids are never reused by a receiving engine, so a tag names one chunk of one transfer.
-ucp_tag_t ChunkTag(const DataHeader& h) {
-  uint64_t key[3] = {h.receiver_transfer_id, h.segment, h.offset};
+// The UCX tag of one data chunk: (connection, sender transfer, segment, offset) hashed, where the
+// connection is the receiver's id for it (the sender's remote_id). Sender transfer ids are never
+// reused by a sending engine, so a tag names one chunk of one transfer; it is known to both sides
+// before any claim, so chunks may travel ahead of it (they wait, unexpected, for their receive).
+ucp_tag_t ChunkTag(uint64_t connection, const DataHeader& h) {
+  uint64_t key[4] = {connection, h.sender_transfer_id, h.segment, h.offset};
   return common::Xxh3_64(
       std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(key), sizeof(key)),
       /*seed=*/0x6570642d78666572ull);
@@ -196,6 +198,53 @@ class UcxWire final : public Wire {
     Post([this, peer, receiver_transfer_id] { CancelPosted(peer, receiver_transfer_id); });
   }
 
+  void DiscardChunks(PeerId peer, std::vector<DataHeader> chunks) override {
+    Post([this, peer, chunks = std::move(chunks)] { PostDiscards(peer, chunks); });
+  }
+
+  // Zero-length receives for `chunks`: UCX completes each MESSAGE_TRUNCATED, drops eager bytes and
+  // acknowledges a rendezvous without fetching it, so the sender's send completes. One that
+  // nothing matches goes with the connection, or after kDiscardTtl.
+  void PostDiscards(PeerId peer, const std::vector<DataHeader>& chunks) {
+    Peer* p = LivePeer(peer);
+    if (p == nullptr) return;  // the connection is gone: so are the sender's sends
+    const auto expires = std::chrono::steady_clock::now() + kDiscardTtl;
+    {
+      for (const DataHeader& h : chunks) {
+        auto* d = new Discard{this, peer, nullptr, expires};
+        ucp_request_param_t rp{};
+        rp.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        rp.cb.recv = &UcxWire::OnDiscardDone;
+        rp.user_data = d;
+        // With NO_IMM_CMPL the callback runs inside ucp_tag_recv_nbx when the chunk is already
+        // there (unexpected): it erases and deletes d, so d is registered first and looked up
+        // after.
+        discards_.insert(d);
+        ucs_status_ptr_t r =
+            ucp_tag_recv_nbx(worker_, &discard_byte_, 0, ChunkTag(p->id, h), ~ucp_tag_t{0}, &rp);
+        if (UCS_PTR_IS_ERR(r)) {
+          discards_.erase(d);
+          delete d;
+          continue;
+        }
+        if (discards_.contains(d)) d->request = r;
+      }
+    }
+  }
+
+  void ExpireDiscards() {
+    if (discards_.empty()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_discard_scan_) return;
+    next_discard_scan_ = now + std::chrono::seconds(1);
+    std::vector<Discard*> old;
+    for (Discard* d : discards_)
+      if (now >= d->expires) old.push_back(d);
+    for (Discard* d : old)
+      if (discards_.contains(d)) ucp_request_cancel(worker_, d->request);
+  }
+
   absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override {
     auto waiter = std::make_shared<ConnectWaiter>();
     std::string addr(address);
@@ -284,6 +333,15 @@ class UcxWire final : public Wire {
     }
   };
 
+  // A zero-length receive that swallows one chunk of a refused offer.
+  struct Discard {
+    UcxWire* wire;
+    PeerId peer;
+    void* request;
+    std::chrono::steady_clock::time_point expires;
+  };
+  static constexpr std::chrono::seconds kDiscardTtl{60};
+
   struct Peer {
     PeerId id = 0;
     ucp_ep_h ep = nullptr;
@@ -331,6 +389,7 @@ class UcxWire final : public Wire {
       for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) active = true;
       active |= RunDeferred();
       ReapCloses();
+      ExpireDiscards();
       if (stopping) {
         if ((inflight_.empty() && closing_.empty()) ||
             std::chrono::steady_clock::now() > stop_deadline)
@@ -349,6 +408,7 @@ class UcxWire final : public Wire {
       qcv_.wait_for(lock, std::chrono::microseconds(inflight_.empty() ? 500 : 50),
                     [&] { return !commands_.empty() || stop_requested_; });
     }
+    CancelDiscards(0);
     // Whatever UCX did not complete in time completes here with an error; the worker is
     // destroyed next, so nothing can touch the memory afterwards.
     for (OpCtx* ctx : std::vector<OpCtx*>(inflight_.begin(), inflight_.end()))
@@ -545,7 +605,8 @@ class UcxWire final : public Wire {
       }
     }
     // Tagged send into the receive the peer posted before it claimed (tag_bw's data path).
-    ucs_status_ptr_t r = ucp_tag_send_nbx(peer->ep, data, ctx->length, ChunkTag(ctx->data.h), &rp);
+    ucs_status_ptr_t r =
+        ucp_tag_send_nbx(peer->ep, data, ctx->length, ChunkTag(peer->remote_id, ctx->data.h), &rp);
     TrackSend(ctx, r);
   }
 
@@ -568,26 +629,46 @@ class UcxWire final : public Wire {
         rp.memh = it->second;
       }
     }
-    ucs_status_ptr_t r =
-        ucp_tag_recv_nbx(worker_, dst, ctx->length, ChunkTag(ctx->data.h), ~ucp_tag_t{0}, &rp);
+    // With NO_IMM_CMPL the callback runs inside ucp_tag_recv_nbx when the chunk is already there
+    // (it came before the claim): FinishOp then takes ctx out of inflight_ (and deletes it later).
+    inflight_.insert(ctx);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, dst, ctx->length,
+                                          ChunkTag(peer->id, ctx->data.h), ~ucp_tag_t{0}, &rp);
     if (UCS_PTR_IS_ERR(r)) {
       FinishOp(ctx, UcsError("ucp_tag_recv_nbx", UCS_PTR_STATUS(r)));
       return;
     }
-    ctx->request = r;
-    inflight_.insert(ctx);
+    if (inflight_.contains(ctx)) ctx->request = r;
+  }
+
+  // Cancels the discarding receives of `peer` (all when peer is 0) that nothing has matched.
+  void CancelDiscards(PeerId peer) {
+    std::vector<Discard*> mine;
+    for (Discard* d : discards_)
+      if (peer == 0 || d->peer == peer) mine.push_back(d);
+    for (Discard* d : mine)
+      if (discards_.contains(d)) ucp_request_cancel(worker_, d->request);
   }
 
   // Cancels the posted receives (not yet matched) of one transfer, or of every transfer of the
   // peer when receiver_transfer_id is 0. Their callbacks run inside ucp_request_cancel.
+  // For one transfer (the connection stays): a chunk the sender sends later is swallowed by a
+  // discarding receive, so its send completes instead of waiting for a receive forever.
   void CancelPosted(PeerId peer, uint64_t receiver_transfer_id) {
     std::vector<OpCtx*> posted;
     for (OpCtx* ctx : inflight_)
       if (ctx->kind == OpCtx::Kind::kRecv && ctx->request != nullptr && ctx->peer == peer &&
           (receiver_transfer_id == 0 || ctx->data.h.receiver_transfer_id == receiver_transfer_id))
         posted.push_back(ctx);
-    for (OpCtx* ctx : posted)
-      if (inflight_.contains(ctx)) ucp_request_cancel(worker_, ctx->request);
+    std::vector<DataHeader> cancelled;
+    for (OpCtx* ctx : posted) {
+      if (!inflight_.contains(ctx)) continue;
+      const DataHeader h = ctx->data.h;
+      ucp_request_cancel(worker_, ctx->request);
+      // The callback ran inside the cancel (ctx itself is deleted later, from deferred_).
+      if (!inflight_.contains(ctx)) cancelled.push_back(h);
+    }
+    if (receiver_transfer_id != 0 && !cancelled.empty()) PostDiscards(peer, cancelled);
   }
 
   void FinishOp(OpCtx* ctx, absl::Status st) {
@@ -631,6 +712,7 @@ class UcxWire final : public Wire {
     // Tag receives belong to the worker, not the endpoint: the ones no data has matched are
     // cancelled here (matched ones complete or fail with the endpoint).
     CancelPosted(id, 0);
+    CancelDiscards(id);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -749,6 +831,14 @@ class UcxWire final : public Wire {
       return;
     }
     ctx->wire->FinishOp(ctx, status == UCS_OK ? absl::OkStatus() : UcsError("UCX receive", status));
+    ucp_request_free(request);
+  }
+
+  static void OnDiscardDone(void* request, ucs_status_t, const ucp_tag_recv_info_t*,
+                            void* user_data) {
+    auto* d = static_cast<Discard*>(user_data);
+    d->wire->discards_.erase(d);
+    delete d;
     ucp_request_free(request);
   }
 
@@ -901,6 +991,9 @@ class UcxWire final : public Wire {
   std::unordered_map<ucp_ep_h, PeerId> by_ep_;
   std::unordered_set<OpCtx*> inflight_;
   std::unordered_set<OpCtx*> abandoned_;
+  std::unordered_set<Discard*> discards_;
+  uint8_t discard_byte_ = 0;
+  std::chrono::steady_clock::time_point next_discard_scan_;
   std::vector<void*> closing_;
   bool closing_all_ = false;
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,7 @@ struct DataHeader {
   uint64_t length = 0;  // bytes the sender put in this chunk
   uint32_t segment = 0;
   uint32_t reserved = 0;
+  uint64_t sender_transfer_id = 0;  // with posted receives, chunks are named by the sender's id
 };
 
 struct DataSink {
@@ -89,6 +91,10 @@ class Wire {
   // Cancels the receives posted for `receiver_transfer_id` that no data has matched yet: they
   // complete with an error. Matched ones complete normally (or with the connection).
   virtual void CancelReceives(PeerId /*peer*/, uint64_t /*receiver_transfer_id*/) {}
+  // Discards the chunks `chunks` (sender_transfer_id, segment, offset) of an offer from `peer` the
+  // receiver refused, which the sender sent before any claim: their bytes are not received, and
+  // the sender's sends complete. Nothing is reported back.
+  virtual void DiscardChunks(PeerId /*peer*/, std::vector<DataHeader> /*chunks*/) {}
 
   // Registers memory for zero-copy use; returns a nonzero handle.
   virtual absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) = 0;

@@ -187,6 +187,60 @@ TEST_P(PostedReceiveTest, ReceiverCancelMidTransferEndsBothSides) {
   ExpectAllReleased();
 }
 
+// The chunks follow the offer before any claim: sent before the Receive exists, they wait in UCX
+// (unexpected) and land once the manifest check posts their receives.
+TEST_P(PostedReceiveTest, ChunksSentBeforeTheReceiveExistsLandOnceItIsPosted) {
+  Make({});
+  const auto m = Bulk("early");
+  const TransferId s = StartSend(m, 11);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const TransferId r = StartReceive(m);
+  ASSERT_TRUE(rx_->Wait(r, absl::Seconds(30)).ok());
+  ASSERT_TRUE(tx_->Wait(s, absl::Seconds(30)).ok());
+  auto got = rx_->TakeReceived(r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 11), "");
+  got->buffer.reset();
+  rx_->Forget(r);
+  tx_->Forget(s);
+  ExpectAllReleased();
+}
+
+// A refused offer's early chunks are discarded by the receiver's wire: the sender's sends
+// complete, nothing lands in the receiver's buffer, and the connection carries on.
+TEST_P(PostedReceiveTest, RefusedOfferHasItsEarlyChunksDiscarded) {
+  Make({});
+  const auto offered = Bulk("refused");
+  auto expected = testing::BulkManifest("refused", "fp", 8, (1 << 20) + 64);
+  const TransferId r = StartReceive(expected);
+  const TransferId s = StartSend(offered, 5);
+  absl::Status rs = rx_->Wait(r, absl::Seconds(20));
+  absl::Status ss = tx_->Wait(s, absl::Seconds(20));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kFailedPrecondition) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr("byte_length"));
+  EXPECT_EQ(ss.code(), absl::StatusCode::kFailedPrecondition) << ss;
+  rx_->Forget(r);
+  tx_->Forget(s);
+  ExpectAllReleased();
+  ExpectConnectionStillWorks("after-refused");
+}
+
+// Nobody claims: the sender's lease expires, the receiver drops the held offer and discards its
+// chunks; both sides release everything.
+TEST_P(PostedReceiveTest, UnclaimedOfferReleasesItsEarlyChunksAtLeaseExpiry) {
+  Make({});
+  const auto m = Bulk("unclaimed");
+  TransferOptions opts;
+  opts.lease = absl::Milliseconds(300);
+  const TransferId s = StartSend(m, 5, opts);
+  absl::Status ss = tx_->Wait(s, absl::Seconds(20));
+  EXPECT_EQ(ss.code(), absl::StatusCode::kDeadlineExceeded) << ss;
+  EXPECT_THAT(ss.message(), HasSubstr("lease expired"));
+  tx_->Forget(s);
+  ExpectAllReleased();
+  ExpectConnectionStillWorks("after-unclaimed");
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, PostedReceiveTest, ::testing::Values("tcp", "shm"),
                          [](const auto& info) { return info.param; });
 
