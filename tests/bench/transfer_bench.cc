@@ -275,9 +275,10 @@ int main(int argc, char** argv) {
     char self[4096] = {};
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0) return 2;
+    const std::string recv_log = "/tmp/transfer_bench_recv_" + std::to_string(getpid()) + ".log";
     pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--plan", PlanString(plan),
                          "--chunk-mib", std::to_string(g_chunk_mib), "--address-file", addr_file},
-                        "/tmp/transfer_bench_recv_" + std::to_string(getpid()) + ".log", {});
+                        recv_log, {});
     std::string addr;
     for (int i = 0; i < 2000 && addr.empty(); ++i) {
       std::ifstream in(addr_file);
@@ -369,7 +370,7 @@ int main(int argc, char** argv) {
       latency_lines.push_back(line);
     }
     tx->reset();
-    WaitPid(child, 60);
+    if (WaitPid(child, 60) == 0) std::remove(recv_log.c_str());  // kept when the receiver failed
     std::remove(addr_file.c_str());
   }
   for (const std::string& l : latency_lines) std::printf("%s\n", l.c_str());
