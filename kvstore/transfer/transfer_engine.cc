@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <span>
 
 #include "absl/strings/str_cat.h"
@@ -143,6 +144,7 @@ struct TransferEngine::PendingOffer {
   PeerId peer = 0;
   epd::v1::TransferOffer offer;
   int64_t expires_ns = 0;
+  std::optional<epd::v1::TransferSeal> seal;  // arrived before the Receive
 };
 
 struct XxhStateDeleter {
@@ -474,6 +476,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
     std::unique_ptr<PendingOffer> offer = std::move(pending->second);
     pending_offers_.erase(pending);
     AcceptOffer(ref, offer->peer, offer->offer);
+    if (offer->seal.has_value()) HandleSeal(offer->peer, *offer->seal);
   }
   return id;
 }
@@ -1062,12 +1065,17 @@ void TransferEngine::HashLoop() {
 }
 
 void TransferEngine::MaybeSeal(Transfer& t) {
-  if (!t.sender || t.sealed || t.unhashed > 0 || t.state != TransferState::kTransferring) return;
+  // Claimed or not: the receiver needs the checksums, not our knowledge of its transfer id, so the
+  // seal does not wait for the claim's round trip.
+  if (!t.sender || t.sealed || t.unhashed > 0 ||
+      (t.state != TransferState::kTransferring && t.state != TransferState::kOffered))
+    return;
   t.sealed = true;
   epd::v1::TransferControl msg;
   auto* seal = msg.mutable_seal();
   seal->set_sender_transfer_id(t.id);
   seal->set_receiver_transfer_id(t.remote_id);
+  seal->set_request_id(t.request_id);
   for (int i = 0; i < t.manifest.segments_size(); ++i) {
     t.manifest.mutable_segments(i)->set_checksum(t.digests[i]);
     seal->add_checksums(t.digests[i]);
@@ -1076,7 +1084,21 @@ void TransferEngine::MaybeSeal(Transfer& t) {
 }
 
 void TransferEngine::HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal) {
-  Transfer* t = Find(seal.receiver_transfer_id());
+  Transfer* t = seal.receiver_transfer_id() != 0 ? Find(seal.receiver_transfer_id()) : nullptr;
+  if (seal.receiver_transfer_id() == 0) {
+    // Sent before the sender saw our claim: the offer may still be held here (no Receive yet),
+    // or already accepted.
+    auto pending = pending_offers_.find(seal.request_id());
+    if (pending != pending_offers_.end()) {
+      if (pending->second->peer == peer &&
+          pending->second->offer.sender_transfer_id() == seal.sender_transfer_id() &&
+          !pending->second->seal.has_value())
+        pending->second->seal = seal;
+      return;
+    }
+    auto it = receiving_.find(seal.request_id());
+    if (it != receiving_.end()) t = Find(it->second);
+  }
   if (t == nullptr || t->sender || !t->has_peer || t->peer != peer ||
       t->remote_id != seal.sender_transfer_id() || t->state != TransferState::kTransferring)
     return;
