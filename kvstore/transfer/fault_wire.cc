@@ -40,6 +40,16 @@ class FaultWire final : public Wire {
   }
 
   TransportCapabilities Capabilities() const override { return inner_->Capabilities(); }
+  bool PostsReceives() const override { return inner_->PostsReceives(); }
+  void PostReceive(PeerId peer, const DataHeader& expected, uint8_t* dst, uint64_t mem) override {
+    inner_->PostReceive(peer, expected, dst, mem);
+  }
+  void CancelReceives(PeerId peer, uint64_t receiver_transfer_id) override {
+    inner_->CancelReceives(peer, receiver_transfer_id);
+  }
+  void DiscardChunks(PeerId peer, std::vector<DataHeader> chunks) override {
+    inner_->DiscardChunks(peer, std::move(chunks));
+  }
   std::string LocalAddress() const override { return inner_->LocalAddress(); }
   absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override {
     return inner_->Connect(address, timeout);

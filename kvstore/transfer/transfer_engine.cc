@@ -9,17 +9,24 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 #include <span>
 
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "kvstore/transfer/manifest.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "spdlog/spdlog.h"
 
 namespace epd::transfer {
 
-constexpr uint32_t kProtocolVersion = 1;
+// 2: checksums computed while the bytes move (TransferOffer.checksums_follow + TransferSeal).
+constexpr uint32_t kProtocolVersion = 2;
+// The checksum threads hash at most this many bytes per step (then look at the transfer again).
+constexpr uint64_t kHashStep = 1ull << 20;
 
 struct ResourceCounters {
   std::atomic<int64_t> registrations{0};
@@ -137,6 +144,11 @@ struct TransferEngine::PendingOffer {
   PeerId peer = 0;
   epd::v1::TransferOffer offer;
   int64_t expires_ns = 0;
+  std::optional<epd::v1::TransferSeal> seal;  // arrived before the Receive
+};
+
+struct XxhStateDeleter {
+  void operator()(XXH3_state_t* s) const { XXH3_freeState(s); }
 };
 
 struct TransferEngine::Transfer {
@@ -167,6 +179,25 @@ struct TransferEngine::Transfer {
   bool collected = false;
   TransportKind kind = TransportKind::kLoopback;
 
+  // Checksums computed while data moves (protocol 2). Segment i is hashed in order, from 0 to
+  // hashed[i]; ranges[i] holds the byte ranges accepted but not hashed yet (offset -> {length,
+  // landed}): the sender's whole segments at Send, the receiver's chunks as OnDataBegin accepts
+  // them (landed once OnDataEnd says so). One hashing job per transfer at a time reads the buffer
+  // without mu_; hash_busy keeps the buffer from being released meanwhile.
+  std::vector<uint64_t> hashed;
+  std::vector<std::map<uint64_t, std::pair<uint64_t, bool>>> ranges;
+  std::vector<std::unique_ptr<XXH3_state_t, XxhStateDeleter>> hash_states;
+  std::vector<uint64_t> digests;
+  int unhashed = 0;              // segments not fully hashed yet
+  bool hash_busy = false;        // a hashing job for this transfer is queued or running
+  bool checksums_known = false;  // receiver: the sender's checksums arrived (seal or offer)
+  bool sealed = false;           // sender: the seal went out
+  // Receiver over a wire with posted receives: every chunk's receive was posted before the claim;
+  // receives_cancelled once the ones still unmatched were cancelled (after release_grace).
+  bool posted = false;
+  bool receives_cancelled = false;
+  bool data_started = false;  // sender: its chunks are on their way (before the claim: posted wire)
+
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
 
@@ -181,6 +212,7 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
   engine->caps_ = engine->wire_->Capabilities();
   engine->caps_.chunk_bytes = options.chunk_bytes;
   engine->ticker_ = std::thread([e = engine.get()] { e->TickLoop(); });
+  engine->hasher_ = std::thread([e = engine.get()] { e->HashLoop(); });
   return engine;
 }
 
@@ -204,7 +236,15 @@ void TransferEngine::Shutdown() {
         Fail(*t, absl::CancelledError("transfer engine shutting down"), "shutdown", true);
   }
   cv_.notify_all();
+  hash_cv_.notify_all();
   if (ticker_.joinable()) ticker_.join();
+  // The hashing thread finishes its step (it reads a buffer) and exits; queued jobs are dropped.
+  if (hasher_.joinable()) hasher_.join();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    hash_queue_.clear();
+    for (auto& [id, t] : transfers_) t->hash_busy = false;
+  }
   // Stop force-closes every connection and completes every pending operation, so afterwards no
   // UCX operation references a buffer.
   wire_->Stop();
@@ -306,11 +346,12 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
                                                    " bytes but the payload holds ",
                                                    payload->size()));
   const std::vector<uint64_t> offsets = SegmentOffsets(manifest);
+  // The checksums are computed by the hashing thread while the offer, the claim and the bytes
+  // move; they follow in a TransferSeal (protocol 2).
   for (int i = 0; i < manifest.segments_size(); ++i) {
     auto* s = manifest.mutable_segments(i);
     s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
-    s->set_checksum(
-        common::Xxh3_64(std::span<const uint8_t>(payload->data() + offsets[i], s->byte_length())));
+    s->set_checksum(0);
   }
   uint64_t mem = 0;
   if (total > 0) {
@@ -326,8 +367,8 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   if (stopping_) {
     bad = absl::CancelledError("transfer engine shutting down");
   } else if (pit == peers_.end() || pit->second->state != Peer::State::kReady) {
-    // A peer that is gone (closed, failed, died) is a transient condition of the cluster, not of the
-    // request: UNAVAILABLE, so the router re-dispatches the request elsewhere.
+    // A peer that is gone (closed, failed, died) is a transient condition of the cluster, not of
+    // the request: UNAVAILABLE, so the router re-dispatches the request elsewhere.
     bad = absl::UnavailableError(absl::StrCat("Send: peer ", peer, " is not connected"));
   }
   if (!bad.ok()) {
@@ -363,9 +404,21 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   *offer->mutable_manifest() = t->manifest;
   offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
   offer->set_chunk_bytes(options_.chunk_bytes);
+  offer->set_checksums_follow(true);
+  // With posted receives the chunks follow the offer at once: the receiver's wire holds them
+  // (unexpected) until the manifest check posts their receives, or discards them if it refuses.
+  const bool early_data = wire_->PostsReceives();
+  offer->set_data_without_claim(early_data);
   SendControl(peer, msg);
+  InitHashing(*t);
+  for (int i = 0; i < t->manifest.segments_size(); ++i)
+    if (const uint64_t len = t->manifest.segments(i).byte_length(); len > 0)
+      t->ranges[i][0] = {len, true};
   const TransferId id = t->id;
+  Transfer& ref = *t;
   transfers_[id] = std::move(t);
+  ScheduleHash(ref);
+  if (early_data) StartSending(ref);
   return id;
 }
 
@@ -423,6 +476,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
     std::unique_ptr<PendingOffer> offer = std::move(pending->second);
     pending_offers_.erase(pending);
     AcceptOffer(ref, offer->peer, offer->offer);
+    if (offer->seal.has_value()) HandleSeal(offer->peer, *offer->seal);
   }
   return id;
 }
@@ -569,6 +623,9 @@ void TransferEngine::OnControl(PeerId peer, std::string bytes) {
     case epd::v1::TransferControl::kEnd:
       HandleEnd(peer, msg.end());
       break;
+    case epd::v1::TransferControl::kSeal:
+      HandleSeal(peer, msg.seal());
+      break;
     default:
       break;
   }
@@ -632,6 +689,7 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
     end->set_error(std::move(error));
     end->set_segment_index(-1);
     SendControl(peer, msg);
+    DiscardEarlyData(peer, offer);
   };
   if (it != receiving_.end() || pending_offers_.contains(rid)) {
     reject(absl::StrCat("duplicate offer for request '", rid, "'"));
@@ -659,13 +717,50 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   t.remote_id = offer.sender_transfer_id();
   t.kind = KindOf(peer);
   if (std::optional<ManifestMismatch> mm = CompareManifests(t.manifest, offer.manifest())) {
+    DiscardEarlyData(peer, offer);
     metrics_->AddAccountingError(mm->segment_label);
     spdlog::warn("transfer: {}", mm->message);
     Fail(t, absl::FailedPreconditionError(mm->message), "accounting", true, mm->segment_index,
          mm->field, true);
     return;
   }
-  t.manifest = offer.manifest();  // now with the sender's checksums
+  t.manifest = offer.manifest();  // the sender's checksums: here, or in its seal
+  t.checksums_known = !offer.checksums_follow();
+  InitHashing(t);
+  if (wire_->PostsReceives()) {
+    // Every chunk's receive is posted (into the registered buffer, where the chunk belongs)
+    // before the claim goes out, so the sender's bytes never wait for a callback to find a home.
+    const uint64_t chunk = offer.chunk_bytes();
+    uint64_t chunks = 0;
+    for (const auto& s : t.manifest.segments())
+      chunks += chunk == 0 ? 1 : (s.byte_length() + chunk - 1) / chunk;
+    constexpr uint64_t kMaxChunks = 1 << 20;
+    if (chunk == 0 || chunks > kMaxChunks) {
+      const std::string msg = absl::StrCat(
+          "accounting error in request '", t.request_id, "': the offer's chunk_bytes ", chunk,
+          " makes ", chunk == 0 ? 0 : chunks, " chunks (1 to ", kMaxChunks, " allowed)");
+      metrics_->AddAccountingError("header");
+      spdlog::warn("transfer: {}", msg);
+      Fail(t, absl::FailedPreconditionError(msg), "accounting", true, -1, "chunk_bytes", true);
+      return;
+    }
+    t.posted = true;
+    for (int i = 0; i < t.manifest.segments_size(); ++i) {
+      const uint64_t len = t.manifest.segments(i).byte_length();
+      for (uint64_t off = 0; off < len; off += chunk) {
+        DataHeader h;
+        h.receiver_transfer_id = t.id;
+        h.sender_transfer_id = t.remote_id;
+        h.segment = static_cast<uint32_t>(i);
+        h.offset = off;
+        h.length = std::min(chunk, len - off);
+        t.ranges[i][off] = {h.length, false};
+        ++t.ops;
+        counters_->wire_ops.fetch_add(1);
+        wire_->PostReceive(peer, h, t.buffer->data() + t.offsets[i] + off, t.mem);
+      }
+    }
+  }
   t.state = TransferState::kTransferring;
   t.claim_ns = clock_.NowMonoNs();
   epd::v1::TransferControl msg;
@@ -694,16 +789,19 @@ void TransferEngine::HandleClaim(PeerId peer, const epd::v1::TransferClaim& clai
   t->remote_id = claim.receiver_transfer_id();
   t->state = TransferState::kTransferring;
   t->claim_ns = clock_.NowMonoNs();
-  StartSending(*t);
+  if (!t->data_started) StartSending(*t);
+  MaybeSeal(*t);
 }
 
 void TransferEngine::StartSending(Transfer& t) {
+  t.data_started = true;
   const uint64_t chunk = options_.chunk_bytes;
   for (int i = 0; i < t.manifest.segments_size(); ++i) {
     const uint64_t len = t.manifest.segments(i).byte_length();
     for (uint64_t off = 0; off < len; off += chunk) {
       DataHeader h;
       h.receiver_transfer_id = t.remote_id;
+      h.sender_transfer_id = t.id;
       h.segment = static_cast<uint32_t>(i);
       h.offset = off;
       h.length = std::min(chunk, len - off);
@@ -720,7 +818,9 @@ void TransferEngine::StartSending(Transfer& t) {
                         --tr->ops;
                         if (st.ok()) {
                           tr->bytes_done += n;
-                        } else if (!tr->terminal()) {
+                        } else if (tr->state == TransferState::kTransferring) {
+                          // (Before the claim a failed chunk decides nothing: the receiver's
+                          // refusal, the lease or the connection's end does.)
                           Fail(*tr,
                                absl::UnavailableError(absl::StrCat(
                                    "sending ", DescribeSegment(tr->manifest, i), " of request '",
@@ -742,6 +842,7 @@ void TransferEngine::HandleEnd(PeerId peer, const epd::v1::TransferEnd& end) {
     } else {
       auto pending = pending_offers_.find(end.request_id());
       if (pending != pending_offers_.end() && pending->second->peer == peer) {
+        DiscardEarlyData(peer, pending->second->offer);
         pending_offers_.erase(pending);
         return;
       }
@@ -796,6 +897,9 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
   } else if (t->received[si] + h.length > seg.byte_length()) {
     problem = absl::StrCat("more bytes than byte_length ", seg.byte_length(), " (",
                            t->received[si] + h.length, ")");
+  } else if (h.length > 0 && Overlaps(*t, si, h.offset, h.length)) {
+    problem = absl::StrCat("chunk [", h.offset, ", ", h.offset + h.length,
+                           ") overlaps bytes already received");
   }
   if (!problem.empty()) {
     const std::string msg = absl::StrCat("accounting error in request '", t->request_id,
@@ -807,6 +911,7 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
   }
   ++t->ops;
   counters_->wire_ops.fetch_add(1);
+  if (h.length > 0) t->ranges[si][h.offset] = {h.length, false};
   return {t->buffer->data() + t->offsets[si] + h.offset, t->mem};
 }
 
@@ -817,12 +922,29 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
   Transfer* t = Find(h.receiver_transfer_id);
   if (t == nullptr) return;
   --t->ops;
+  if (t->state == TransferState::kTransferring && t->posted && h.segment < t->received.size() &&
+      (wire_length != h.length || absl::IsDataLoss(status))) {
+    // A posted receive that got fewer (or more) bytes than its chunk: the sender's accounting is
+    // off. Named like the arrival check of OnDataBegin.
+    const int si = static_cast<int>(h.segment);
+    const std::string msg =
+        absl::StrCat("accounting error in request '", t->request_id,
+                     "': ", DescribeSegment(t->manifest, si), ": chunk at offset ", h.offset,
+                     " carries ", status.ok() ? absl::StrCat(wire_length) : std::string("more"),
+                     " bytes but its header says ", h.length, " (truncated)");
+    metrics_->AddAccountingError(SegmentKindLabel(t->manifest.segments(si).kind()));
+    spdlog::warn("transfer: {}", msg);
+    Fail(*t, absl::DataLossError(msg), "truncated", true, si, "byte_length", true);
+  }
   if (t->state == TransferState::kTransferring) {
     if (status.ok()) {
       t->received[h.segment] += h.length;
       t->bytes_done += h.length;
       if (t->received[h.segment] == t->manifest.segments(h.segment).byte_length())
         t->segment_done_ns[h.segment] = clock_.NowMonoNs();
+      auto r = t->ranges[h.segment].find(h.offset);
+      if (r != t->ranges[h.segment].end()) r->second.second = true;
+      ScheduleHash(*t);  // the chunk is hashed while the next ones land
       MaybeFinishReceive(*t);
     } else {
       Fail(*t,
@@ -836,14 +958,176 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
   cv_.notify_all();
 }
 
+void TransferEngine::DiscardEarlyData(PeerId peer, const epd::v1::TransferOffer& offer) {
+  if (!offer.data_without_claim() || !wire_->PostsReceives()) return;
+  const uint64_t chunk = offer.chunk_bytes();
+  if (chunk == 0) return;
+  std::vector<DataHeader> chunks;
+  for (int i = 0; i < offer.manifest().segments_size(); ++i) {
+    const uint64_t len = offer.manifest().segments(i).byte_length();
+    if (len / chunk + chunks.size() > (1u << 20)) return;  // not a sender of ours
+    for (uint64_t off = 0; off < len; off += chunk) {
+      DataHeader h;
+      h.sender_transfer_id = offer.sender_transfer_id();
+      h.segment = static_cast<uint32_t>(i);
+      h.offset = off;
+      h.length = std::min(chunk, len - off);
+      chunks.push_back(h);
+    }
+  }
+  wire_->DiscardChunks(peer, std::move(chunks));
+}
+
+void TransferEngine::InitHashing(Transfer& t) {
+  const int n = t.manifest.segments_size();
+  t.hashed.assign(n, 0);
+  t.ranges.assign(n, {});
+  t.digests.assign(n, 0);
+  t.hash_states.clear();
+  t.hash_states.reserve(n);
+  t.unhashed = 0;
+  for (int i = 0; i < n; ++i) {
+    t.hash_states.emplace_back(XXH3_createState());
+    XXH3_64bits_reset(t.hash_states.back().get());
+    if (t.manifest.segments(i).byte_length() == 0) {
+      t.digests[i] = XXH3_64bits_digest(t.hash_states.back().get());
+    } else {
+      ++t.unhashed;
+    }
+  }
+}
+
+bool TransferEngine::Overlaps(const Transfer& t, int si, uint64_t offset, uint64_t length) const {
+  if (offset < t.hashed[si]) return true;
+  const auto& r = t.ranges[si];
+  auto next = r.upper_bound(offset);
+  if (next != r.end() && next->first < offset + length) return true;
+  if (next != r.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second.first > offset) return true;
+  }
+  return false;
+}
+
+void TransferEngine::ScheduleHash(Transfer& t) {
+  if (t.hash_busy || t.terminal() || t.unhashed == 0) return;
+  t.hash_busy = true;
+  hash_queue_.push_back(t.id);
+  hash_cv_.notify_one();
+}
+
+void TransferEngine::HashLoop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    hash_cv_.wait(lock, [&] { return stopping_ || !hash_queue_.empty(); });
+    if (stopping_) return;
+    const TransferId id = hash_queue_.front();
+    hash_queue_.pop_front();
+    Transfer* t = Find(id);
+    if (t == nullptr) continue;
+    // Hash the landed bytes of each segment in order, a step at a time, without mu_ (the buffer
+    // cannot be released while hash_busy is set).
+    while (!t->terminal() && !stopping_) {
+      int si = -1;
+      for (int i = 0; i < static_cast<int>(t->ranges.size()) && si < 0; ++i) {
+        const auto& r = t->ranges[i];
+        if (!r.empty() && r.begin()->first == t->hashed[i] && r.begin()->second.second) si = i;
+      }
+      if (si < 0) break;
+      auto first = t->ranges[si].begin();
+      const uint64_t offset = first->first;
+      const uint64_t n = std::min(first->second.first, kHashStep);
+      if (n < first->second.first) t->ranges[si][offset + n] = {first->second.first - n, true};
+      t->ranges[si].erase(first);
+      const uint8_t* p = t->buffer->data() + t->offsets[si] + offset;
+      XXH3_state_t* state = t->hash_states[si].get();
+      lock.unlock();
+      XXH3_64bits_update(state, p, n);
+      lock.lock();
+      t->hashed[si] += n;
+      if (t->hashed[si] == t->manifest.segments(si).byte_length()) {
+        t->digests[si] = XXH3_64bits_digest(state);
+        --t->unhashed;
+      }
+    }
+    t->hash_busy = false;
+    if (stopping_) return;
+    if (!t->terminal()) {
+      if (t->sender) {
+        MaybeSeal(*t);
+      } else {
+        MaybeFinishReceive(*t);
+      }
+    }
+    TryRelease(*t);
+    cv_.notify_all();
+  }
+}
+
+void TransferEngine::MaybeSeal(Transfer& t) {
+  // Claimed or not: the receiver needs the checksums, not our knowledge of its transfer id, so the
+  // seal does not wait for the claim's round trip.
+  if (!t.sender || t.sealed || t.unhashed > 0 ||
+      (t.state != TransferState::kTransferring && t.state != TransferState::kOffered))
+    return;
+  t.sealed = true;
+  epd::v1::TransferControl msg;
+  auto* seal = msg.mutable_seal();
+  seal->set_sender_transfer_id(t.id);
+  seal->set_receiver_transfer_id(t.remote_id);
+  seal->set_request_id(t.request_id);
+  for (int i = 0; i < t.manifest.segments_size(); ++i) {
+    t.manifest.mutable_segments(i)->set_checksum(t.digests[i]);
+    seal->add_checksums(t.digests[i]);
+  }
+  SendControl(t.peer, msg);
+}
+
+void TransferEngine::HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal) {
+  Transfer* t = seal.receiver_transfer_id() != 0 ? Find(seal.receiver_transfer_id()) : nullptr;
+  if (seal.receiver_transfer_id() == 0) {
+    // Sent before the sender saw our claim: the offer may still be held here (no Receive yet),
+    // or already accepted.
+    auto pending = pending_offers_.find(seal.request_id());
+    if (pending != pending_offers_.end()) {
+      if (pending->second->peer == peer &&
+          pending->second->offer.sender_transfer_id() == seal.sender_transfer_id() &&
+          !pending->second->seal.has_value())
+        pending->second->seal = seal;
+      return;
+    }
+    auto it = receiving_.find(seal.request_id());
+    if (it != receiving_.end()) t = Find(it->second);
+  }
+  if (t == nullptr || t->sender || !t->has_peer || t->peer != peer ||
+      t->remote_id != seal.sender_transfer_id() || t->state != TransferState::kTransferring)
+    return;
+  if (t->checksums_known || seal.checksums_size() != t->manifest.segments_size()) {
+    const std::string msg = absl::StrCat("accounting error in request '", t->request_id,
+                                         "': the sender's seal carries ", seal.checksums_size(),
+                                         " checksums for ", t->manifest.segments_size(),
+                                         " segments", t->checksums_known ? " (a second seal)" : "");
+    metrics_->AddAccountingError("all");
+    spdlog::warn("transfer: {}", msg);
+    Fail(*t, absl::DataLossError(msg), "accounting", true, -1, "checksum", true);
+    return;
+  }
+  for (int i = 0; i < seal.checksums_size(); ++i)
+    t->manifest.mutable_segments(i)->set_checksum(seal.checksums(i));
+  t->checksums_known = true;
+  MaybeFinishReceive(*t);
+}
+
 void TransferEngine::MaybeFinishReceive(Transfer& t) {
   if (t.state != TransferState::kTransferring || t.ops != 0) return;
   for (int i = 0; i < t.manifest.segments_size(); ++i)
     if (t.received[i] != t.manifest.segments(i).byte_length()) return;
+  // Every byte is in; the checksums are ready once the hashing thread has caught up and the
+  // sender's seal has arrived.
+  if (t.unhashed > 0 || !t.checksums_known) return;
   for (int i = 0; i < t.manifest.segments_size(); ++i) {
     const auto& s = t.manifest.segments(i);
-    const uint64_t got =
-        common::Xxh3_64(std::span<const uint8_t>(t.buffer->data() + t.offsets[i], s.byte_length()));
+    const uint64_t got = t.digests[i];
     if (got != s.checksum()) {
       const std::string msg = absl::StrCat(
           "accounting error in request '", t.request_id, "': ", DescribeSegment(t.manifest, i),
@@ -934,7 +1218,7 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
 }
 
 void TransferEngine::TryRelease(Transfer& t) {
-  if (!t.terminal() || t.ops > 0 || t.released) return;
+  if (!t.terminal() || t.ops > 0 || t.hash_busy || t.released) return;
   if (t.mem != 0) {
     wire_->Deregister(t.mem);
     t.mem = 0;
@@ -1067,8 +1351,17 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
     // wire completes them and the memory is provably no longer in use.
     if (t.terminal() && t.ops > 0 && !t.forced_close && t.has_peer &&
         now >= t.ended_ns + absl::ToInt64Nanoseconds(options_.release_grace)) {
-      t.forced_close = true;
-      to_close.push_back(t.peer);
+      if (t.posted && !t.receives_cancelled) {
+        // First the receives no chunk has matched (a stuck or failed sender): cancelling them
+        // completes them without touching the connection. Whatever is still in flight after
+        // another grace period gets the connection force-closed.
+        t.receives_cancelled = true;
+        t.ended_ns = now;
+        wire_->CancelReceives(t.peer, t.id);
+      } else {
+        t.forced_close = true;
+        to_close.push_back(t.peer);
+      }
     }
   }
   for (PeerId peer : to_close) {
@@ -1080,6 +1373,7 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
   }
   for (auto it = pending_offers_.begin(); it != pending_offers_.end();) {
     if (now >= it->second->expires_ns) {
+      DiscardEarlyData(it->second->peer, it->second->offer);
       it = pending_offers_.erase(it);
     } else {
       ++it;

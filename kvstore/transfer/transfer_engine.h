@@ -101,6 +101,16 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void AcceptOffer(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
   void StartSending(Transfer& t);
   void MaybeFinishReceive(Transfer& t);
+  // Checksums while data moves (protocol 2): per-segment streaming xxHash3 state, the hashing
+  // thread's queue, the sender's seal.
+  void InitHashing(Transfer& t);
+  // The chunks a sender sent with its offer, before any claim, for an offer refused here.
+  void DiscardEarlyData(PeerId peer, const epd::v1::TransferOffer& offer);
+  bool Overlaps(const Transfer& t, int segment, uint64_t offset, uint64_t length) const;
+  void ScheduleHash(Transfer& t);
+  void HashLoop();  // the hashing thread (takes mu_ itself)
+  void MaybeSeal(Transfer& t);
+  void HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal);
   // Fails `t` locally; tells the peer unless `tell_peer` is false.
   void Fail(Transfer& t, absl::Status error, absl::string_view reason, bool tell_peer,
             int segment = -1, std::string field = "", bool accounting = false);
@@ -111,8 +121,9 @@ class TransferEngine final : public KvTransport, private WireHandler {
   struct LivenessProbe {
     PeerId id = 0;
     int64_t pid = 0;
-    int64_t start_ticks = 0;  // the process's start time when the peer was first probed (0: not yet)
-    int64_t now_ticks = -1;   // its start time now; -1: no such live process
+    int64_t start_ticks =
+        0;                   // the process's start time when the peer was first probed (0: not yet)
+    int64_t now_ticks = -1;  // its start time now; -1: no such live process
   };
   // The probes due now (every liveness_period), taken under mu_.
   std::vector<LivenessProbe> DueLivenessProbes();
@@ -143,10 +154,13 @@ class TransferEngine final : public KvTransport, private WireHandler {
     int64_t expires_ns = 0;
   };
   absl::flat_hash_map<std::string, EndedReceive> ended_receives_;  // by request_id
-  std::deque<std::string> ended_order_;                               // oldest first
+  std::deque<std::string> ended_order_;                            // oldest first
   bool stopping_ = false;
   int64_t last_liveness_ns_ = 0;
   std::thread ticker_;
+  std::condition_variable hash_cv_;    // hash_queue_ gained a job, or stopping_
+  std::deque<TransferId> hash_queue_;  // transfers with bytes to hash (each at most once)
+  std::thread hasher_;
 };
 
 }  // namespace epd::transfer

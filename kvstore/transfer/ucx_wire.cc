@@ -22,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "prometheus/registry.h"
 #include "spdlog/spdlog.h"
@@ -45,6 +46,17 @@ struct DataWireHeader {
   DataHeader h;
 };
 
+// The UCX tag of one data chunk: (connection, sender transfer, segment, offset) hashed, where the
+// connection is the receiver's id for it (the sender's remote_id). Sender transfer ids are never
+// reused by a sending engine, so a tag names one chunk of one transfer; it is known to both sides
+// before any claim, so chunks may travel ahead of it (they wait, unexpected, for their receive).
+ucp_tag_t ChunkTag(uint64_t connection, const DataHeader& h) {
+  uint64_t key[4] = {connection, h.sender_transfer_id, h.segment, h.offset};
+  return common::Xxh3_64(
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(key), sizeof(key)),
+      /*seed=*/0x6570642d78666572ull);
+}
+
 absl::Status UcsError(absl::string_view what, ucs_status_t st) {
   return absl::UnavailableError(absl::StrCat(what, ": ", ucs_status_string(st)));
 }
@@ -61,7 +73,8 @@ struct OpCtx {
   CtlHeader ctl{};
   DataWireHeader data{};
   uint64_t length = 0;
-  bool abandoned = false;  // completed towards the engine; UCX may still hold the request
+  bool abandoned = false;   // completed towards the engine; UCX may still hold the request
+  void* request = nullptr;  // posted tag receive (to cancel it)
 };
 
 struct EpArg {
@@ -86,7 +99,7 @@ class UcxWire final : public Wire {
     ucp_config_modify(config, "KEEPALIVE_INTERVAL", ka.c_str());
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
-    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_TAG;
     params.mt_workers_shared = 1;
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -168,6 +181,69 @@ class UcxWire final : public Wire {
     return c;
   }
   std::string LocalAddress() const override { return local_address_; }
+
+  bool PostsReceives() const override { return true; }
+
+  void PostReceive(PeerId peer, const DataHeader& expected, uint8_t* dst, uint64_t mem) override {
+    auto* ctx = new OpCtx;
+    ctx->kind = OpCtx::Kind::kRecv;
+    ctx->wire = this;
+    ctx->peer = peer;
+    ctx->data.h = expected;
+    ctx->length = expected.length;
+    Post([this, ctx, dst, mem] { DoPostReceive(ctx, dst, mem); });
+  }
+
+  void CancelReceives(PeerId peer, uint64_t receiver_transfer_id) override {
+    Post([this, peer, receiver_transfer_id] { CancelPosted(peer, receiver_transfer_id); });
+  }
+
+  void DiscardChunks(PeerId peer, std::vector<DataHeader> chunks) override {
+    Post([this, peer, chunks = std::move(chunks)] { PostDiscards(peer, chunks); });
+  }
+
+  // Zero-length receives for `chunks`: UCX completes each MESSAGE_TRUNCATED, drops eager bytes and
+  // acknowledges a rendezvous without fetching it, so the sender's send completes. One that
+  // nothing matches goes with the connection, or after kDiscardTtl.
+  void PostDiscards(PeerId peer, const std::vector<DataHeader>& chunks) {
+    Peer* p = LivePeer(peer);
+    if (p == nullptr) return;  // the connection is gone: so are the sender's sends
+    const auto expires = std::chrono::steady_clock::now() + kDiscardTtl;
+    {
+      for (const DataHeader& h : chunks) {
+        auto* d = new Discard{this, peer, nullptr, expires};
+        ucp_request_param_t rp{};
+        rp.op_attr_mask =
+            UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+        rp.cb.recv = &UcxWire::OnDiscardDone;
+        rp.user_data = d;
+        // With NO_IMM_CMPL the callback runs inside ucp_tag_recv_nbx when the chunk is already
+        // there (unexpected): it erases and deletes d, so d is registered first and looked up
+        // after.
+        discards_.insert(d);
+        ucs_status_ptr_t r =
+            ucp_tag_recv_nbx(worker_, &discard_byte_, 0, ChunkTag(p->id, h), ~ucp_tag_t{0}, &rp);
+        if (UCS_PTR_IS_ERR(r)) {
+          discards_.erase(d);
+          delete d;
+          continue;
+        }
+        if (discards_.contains(d)) d->request = r;
+      }
+    }
+  }
+
+  void ExpireDiscards() {
+    if (discards_.empty()) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_discard_scan_) return;
+    next_discard_scan_ = now + std::chrono::seconds(1);
+    std::vector<Discard*> old;
+    for (Discard* d : discards_)
+      if (now >= d->expires) old.push_back(d);
+    for (Discard* d : old)
+      if (discards_.contains(d)) ucp_request_cancel(worker_, d->request);
+  }
 
   absl::StatusOr<PeerId> Connect(absl::string_view address, absl::Duration timeout) override {
     auto waiter = std::make_shared<ConnectWaiter>();
@@ -257,6 +333,15 @@ class UcxWire final : public Wire {
     }
   };
 
+  // A zero-length receive that swallows one chunk of a refused offer.
+  struct Discard {
+    UcxWire* wire;
+    PeerId peer;
+    void* request;
+    std::chrono::steady_clock::time_point expires;
+  };
+  static constexpr std::chrono::seconds kDiscardTtl{60};
+
   struct Peer {
     PeerId id = 0;
     ucp_ep_h ep = nullptr;
@@ -304,6 +389,7 @@ class UcxWire final : public Wire {
       for (int i = 0; i < 64 && ucp_worker_progress(worker_) != 0; ++i) active = true;
       active |= RunDeferred();
       ReapCloses();
+      ExpireDiscards();
       if (stopping) {
         if ((inflight_.empty() && closing_.empty()) ||
             std::chrono::steady_clock::now() > stop_deadline)
@@ -317,11 +403,12 @@ class UcxWire final : public Wire {
         last_active = now;
         continue;
       }
-      if (now - last_active < std::chrono::milliseconds(2)) continue;
+      if (now - last_active < absl::ToChronoMicroseconds(options_.spin)) continue;
       std::unique_lock<std::mutex> lock(qmu_);
       qcv_.wait_for(lock, std::chrono::microseconds(inflight_.empty() ? 500 : 50),
                     [&] { return !commands_.empty() || stop_requested_; });
     }
+    CancelDiscards(0);
     // Whatever UCX did not complete in time completes here with an error; the worker is
     // destroyed next, so nothing can touch the memory afterwards.
     for (OpCtx* ctx : std::vector<OpCtx*>(inflight_.begin(), inflight_.end()))
@@ -517,9 +604,71 @@ class UcxWire final : public Wire {
         rp.memh = it->second;
       }
     }
+    // Tagged send into the receive the peer posted before it claimed (tag_bw's data path).
     ucs_status_ptr_t r =
-        ucp_am_send_nbx(peer->ep, kAmData, &ctx->data, sizeof(ctx->data), data, ctx->length, &rp);
+        ucp_tag_send_nbx(peer->ep, data, ctx->length, ChunkTag(peer->remote_id, ctx->data.h), &rp);
     TrackSend(ctx, r);
+  }
+
+  void DoPostReceive(OpCtx* ctx, uint8_t* dst, uint64_t mem) {
+    Peer* peer = LivePeer(ctx->peer);
+    if (peer == nullptr) {
+      FinishOp(ctx, absl::UnavailableError("UCX peer is not connected"));
+      return;
+    }
+    ucp_request_param_t rp{};
+    rp.op_attr_mask =
+        UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA | UCP_OP_ATTR_FLAG_NO_IMM_CMPL;
+    rp.cb.recv = &UcxWire::OnTagRecvDone;
+    rp.user_data = ctx;
+    if (mem != 0) {
+      std::lock_guard<std::mutex> lock(mem_mu_);
+      auto it = mems_.find(mem);
+      if (it != mems_.end()) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        rp.memh = it->second;
+      }
+    }
+    // With NO_IMM_CMPL the callback runs inside ucp_tag_recv_nbx when the chunk is already there
+    // (it came before the claim): FinishOp then takes ctx out of inflight_ (and deletes it later).
+    inflight_.insert(ctx);
+    ucs_status_ptr_t r = ucp_tag_recv_nbx(worker_, dst, ctx->length,
+                                          ChunkTag(peer->id, ctx->data.h), ~ucp_tag_t{0}, &rp);
+    if (UCS_PTR_IS_ERR(r)) {
+      FinishOp(ctx, UcsError("ucp_tag_recv_nbx", UCS_PTR_STATUS(r)));
+      return;
+    }
+    if (inflight_.contains(ctx)) ctx->request = r;
+  }
+
+  // Cancels the discarding receives of `peer` (all when peer is 0) that nothing has matched.
+  void CancelDiscards(PeerId peer) {
+    std::vector<Discard*> mine;
+    for (Discard* d : discards_)
+      if (peer == 0 || d->peer == peer) mine.push_back(d);
+    for (Discard* d : mine)
+      if (discards_.contains(d)) ucp_request_cancel(worker_, d->request);
+  }
+
+  // Cancels the posted receives (not yet matched) of one transfer, or of every transfer of the
+  // peer when receiver_transfer_id is 0. Their callbacks run inside ucp_request_cancel.
+  // For one transfer (the connection stays): a chunk the sender sends later is swallowed by a
+  // discarding receive, so its send completes instead of waiting for a receive forever.
+  void CancelPosted(PeerId peer, uint64_t receiver_transfer_id) {
+    std::vector<OpCtx*> posted;
+    for (OpCtx* ctx : inflight_)
+      if (ctx->kind == OpCtx::Kind::kRecv && ctx->request != nullptr && ctx->peer == peer &&
+          (receiver_transfer_id == 0 || ctx->data.h.receiver_transfer_id == receiver_transfer_id))
+        posted.push_back(ctx);
+    std::vector<DataHeader> cancelled;
+    for (OpCtx* ctx : posted) {
+      if (!inflight_.contains(ctx)) continue;
+      const DataHeader h = ctx->data.h;
+      ucp_request_cancel(worker_, ctx->request);
+      // The callback ran inside the cancel (ctx itself is deleted later, from deferred_).
+      if (!inflight_.contains(ctx)) cancelled.push_back(h);
+    }
+    if (receiver_transfer_id != 0 && !cancelled.empty()) PostDiscards(peer, cancelled);
   }
 
   void FinishOp(OpCtx* ctx, absl::Status st) {
@@ -560,6 +709,10 @@ class UcxWire final : public Wire {
     peer.queued.clear();
     if (peer.waiter) peer.waiter->Set(absl::UnavailableError(why.message()));
     by_ep_.erase(peer.ep);
+    // Tag receives belong to the worker, not the endpoint: the ones no data has matched are
+    // cancelled here (matched ones complete or fail with the endpoint).
+    CancelPosted(id, 0);
+    CancelDiscards(id);
     ucp_request_param_t rp{};
     rp.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
     rp.flags = UCP_EP_CLOSE_FLAG_FORCE;
@@ -681,6 +834,46 @@ class UcxWire final : public Wire {
     ucp_request_free(request);
   }
 
+  static void OnDiscardDone(void* request, ucs_status_t, const ucp_tag_recv_info_t*,
+                            void* user_data) {
+    auto* d = static_cast<Discard*>(user_data);
+    d->wire->discards_.erase(d);
+    delete d;
+    ucp_request_free(request);
+  }
+
+  static void OnTagRecvDone(void* request, ucs_status_t status, const ucp_tag_recv_info_t* info,
+                            void* user_data) {
+    auto* ctx = static_cast<OpCtx*>(user_data);
+    if (ctx->abandoned) {
+      ucp_request_free(request);
+      ctx->wire->abandoned_.erase(ctx);
+      delete ctx;
+      return;
+    }
+    ctx->request = nullptr;
+    absl::Status st;
+    if (status == UCS_OK) {
+      ctx->length = info != nullptr ? info->length : 0;  // shorter than posted: truncated
+      UcxWire* w = ctx->wire;
+      const PeerId id = ctx->peer;
+      w->deferred_.push_back([w, id] {
+        Peer* p = w->LivePeer(id);
+        if (p != nullptr && !p->data_seen) {
+          p->data_seen = true;
+          w->UpdateKind(*p);
+        }
+      });
+    } else if (status == UCS_ERR_MESSAGE_TRUNCATED) {
+      st = absl::DataLossError(absl::StrCat("the chunk is longer than the ", ctx->length,
+                                            " bytes its receive was posted for"));
+    } else {
+      st = UcsError("UCX tag receive", status);
+    }
+    ctx->wire->FinishOp(ctx, st);
+    ucp_request_free(request);
+  }
+
   static void OnEpError(void* arg, ucp_ep_h, ucs_status_t status) {
     auto* a = static_cast<EpArg*>(arg);
     UcxWire* w = a->wire;
@@ -798,6 +991,9 @@ class UcxWire final : public Wire {
   std::unordered_map<ucp_ep_h, PeerId> by_ep_;
   std::unordered_set<OpCtx*> inflight_;
   std::unordered_set<OpCtx*> abandoned_;
+  std::unordered_set<Discard*> discards_;
+  uint8_t discard_byte_ = 0;
+  std::chrono::steady_clock::time_point next_discard_scan_;
   std::vector<void*> closing_;
   bool closing_all_ = false;
 

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -30,6 +31,7 @@ struct DataHeader {
   uint64_t length = 0;  // bytes the sender put in this chunk
   uint32_t segment = 0;
   uint32_t reserved = 0;
+  uint64_t sender_transfer_id = 0;  // with posted receives, chunks are named by the sender's id
 };
 
 struct DataSink {
@@ -74,6 +76,25 @@ class Wire {
   // cancel by itself (UCX shared memory without peer-failure handling) may be abandoned: nothing
   // can touch their memory any more.
   virtual void ClosePeer(PeerId peer, absl::Status why, bool peer_dead = false) = 0;
+
+  // Pre-posted receives (UCX tag matching, what ucx_perftest's tag_bw does): before claiming a
+  // transfer the receiver posts where every chunk goes, and the sender's chunks land there without
+  // an arrival callback (no OnDataBegin). A wire that returns false delivers chunks through
+  // OnDataBegin/OnDataEnd instead, and its SendData must then not expect posted receives.
+  virtual bool PostsReceives() const { return false; }
+  // Posts the receive of chunk `expected` (receiver_transfer_id, segment, offset, length) from
+  // `peer` into `dst` (registration `mem`). Completes exactly once with OnDataEnd(peer, expected,
+  // bytes that arrived, status): a shorter message completes OK with its length, a longer one with
+  // DataLoss. Must be called before the sender can send the chunk (i.e. before the claim).
+  virtual void PostReceive(PeerId /*peer*/, const DataHeader& /*expected*/, uint8_t* /*dst*/,
+                           uint64_t /*mem*/) {}
+  // Cancels the receives posted for `receiver_transfer_id` that no data has matched yet: they
+  // complete with an error. Matched ones complete normally (or with the connection).
+  virtual void CancelReceives(PeerId /*peer*/, uint64_t /*receiver_transfer_id*/) {}
+  // Discards the chunks `chunks` (sender_transfer_id, segment, offset) of an offer from `peer` the
+  // receiver refused, which the sender sent before any claim: their bytes are not received, and
+  // the sender's sends complete. Nothing is reported back.
+  virtual void DiscardChunks(PeerId /*peer*/, std::vector<DataHeader> /*chunks*/) {}
 
   // Registers memory for zero-copy use; returns a nonzero handle.
   virtual absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) = 0;

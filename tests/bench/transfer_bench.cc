@@ -1,13 +1,18 @@
-// transfer_bench: KV hand-off bandwidth of the transfer engine between two processes, over UCX
-// TCP (listener) and shared memory (worker-address exchange), next to ucx_perftest on the same
-// transport and message size in the same run, and the ratio.
+// transfer_bench: KV hand-off bandwidth and latency of the transfer engine between two processes,
+// over UCX TCP (listener) and shared memory (worker-address exchange), next to ucx_perftest on the
+// same transport and message size in the same invocation.
 //
-//   transfer_bench [--modes tcp,shm] [--sizes-mib 1,4,16,64,256] [--iters 5]
+//   transfer_bench                      (the issue-14 figures: 16 and 256 MiB, tcp and shm, 3
+//   rounds) transfer_bench [--modes tcp,shm] [--sizes-mib 16,256] [--rounds 3] [--iters 3]
+//                  [--latency-mib 1] [--lat-iters 15] [--chunk-mib 4]
 //
-// The engine figure is one hand-off of SIZE bytes in 8 segments, timed from Send to the sender's
-// confirmation (manifest, claim, data, checksums on both sides, confirmation), median of --iters.
-// ucx_perftest runs `-t tag_bw` and `-t ucp_am_bw` with the same size (one message of SIZE bytes
-// per iteration) and UCX_TLS=tcp or sm,self; its "overall" MB/s (MiB/s) is reported.
+// Bandwidth: each round times --iters hand-offs of SIZE bytes in 8 segments, each from Send to the
+// sender's confirmation (offer, claim, data, checksums on both sides, seal, confirmation), and
+// takes their median; then runs `ucx_perftest -t tag_bw -s SIZE` (UCX_TLS=tcp or sm,self) and
+// reads its "overall" MB/s (MiB/s). The figure per (transport, size) is the median of the rounds;
+// ratio = engine / tag_bw. Latency: the median time of one --latency-mib hand-off against
+// `ucx_perftest -t tag_lat` at that size, whose reported latency is half a round trip (the round
+// trip is quoted). The last line is `transfer_bench ratio: <min over the bandwidth ratios>`.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -17,6 +22,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -45,7 +51,7 @@ et::UcxOptions Ucx(const std::string& mode) {
   return uo;
 }
 
-uint64_t g_chunk_mib = 16;
+uint64_t g_chunk_mib = 4;
 
 et::EngineOptions Engine() {
   et::EngineOptions eo;
@@ -55,13 +61,29 @@ et::EngineOptions Engine() {
   return eo;
 }
 
-std::string RequestId(uint64_t mib, int i) {
-  return "b-" + std::to_string(mib) + "-" + std::to_string(i);
+// The hand-offs one mode runs, in order: (MiB, count).
+using Plan = std::vector<std::pair<uint64_t, int>>;
+
+std::string PlanString(const Plan& plan) {
+  std::string out;
+  for (const auto& [mib, n] : plan)
+    out += (out.empty() ? "" : ",") + std::to_string(mib) + ":" + std::to_string(n);
+  return out;
 }
 
-// Child: receives iters+1 hand-offs per size, in order.
-int RunReceiver(const std::string& mode, const std::vector<uint64_t>& sizes, int iters,
-                const std::string& address_file) {
+Plan ParsePlan(const std::string& s) {
+  Plan plan;
+  for (auto item : absl::StrSplit(s, ',', absl::SkipEmpty())) {
+    std::vector<std::string> kv = absl::StrSplit(item, ':');
+    if (kv.size() == 2) plan.emplace_back(std::stoull(kv[0]), std::stoi(kv[1]));
+  }
+  return plan;
+}
+
+std::string RequestId(int seq) { return "b-" + std::to_string(seq); }
+
+// Child: receives the plan's hand-offs, in order.
+int RunReceiver(const std::string& mode, const Plan& plan, const std::string& address_file) {
   prometheus::Registry registry;
   auto rx = et::MakeUcxTransport(Ucx(mode), Engine(), registry, epd::common::SystemClock::Get());
   if (!rx.ok()) {
@@ -73,16 +95,52 @@ int RunReceiver(const std::string& mode, const std::vector<uint64_t>& sizes, int
     out << (*rx)->LocalAddress();
   }
   std::rename((address_file + ".tmp").c_str(), address_file.c_str());
-  for (uint64_t mib : sizes) {
-    for (int i = 0; i <= iters; ++i) {
-      auto m =
-          et::testing::BulkManifest(RequestId(mib, i), "bench", kSegments, (mib << 20) / kSegments);
-      // Receive buffers come pre-faulted, as from a worker's pool.
-      auto buf = (*rx)->Allocate(et::TotalBytes(m));
-      std::memset((*buf)->data(), 0, (*buf)->size());
-      auto id = (*rx)->Receive(m, std::move(*buf), {});
-      if (!id.ok() || !(*rx)->Wait(*id, absl::Seconds(120)).ok()) return 1;
-      (*rx)->Forget(*id);
+  // Like a worker's pool: each receive is posted before its offer comes (two ahead), into a
+  // buffer that is recycled (already faulted in) once its hand-off has been taken.
+  std::vector<uint64_t> order;
+  for (const auto& [mib, count] : plan)
+    for (int i = 0; i < count; ++i) order.push_back(mib);
+  std::vector<std::unique_ptr<et::TransferBuffer>> spare;
+  auto post = [&](size_t seq) -> absl::StatusOr<et::TransferId> {
+    const uint64_t mib = order[seq];
+    auto m = et::testing::BulkManifest(RequestId(static_cast<int>(seq)), "bench", kSegments,
+                                       (mib << 20) / kSegments);
+    std::unique_ptr<et::TransferBuffer> buf;
+    for (auto it = spare.begin(); it != spare.end(); ++it) {
+      if ((*it)->size() == et::TotalBytes(m)) {
+        buf = std::move(*it);
+        spare.erase(it);
+        break;
+      }
+    }
+    if (!buf) {
+      auto fresh = (*rx)->Allocate(et::TotalBytes(m));
+      if (!fresh.ok()) return fresh.status();
+      buf = std::move(*fresh);
+      std::memset(buf->data(), 0, buf->size());
+    }
+    return (*rx)->Receive(m, std::move(buf), {});
+  };
+  std::deque<et::TransferId> posted;
+  size_t next = 0;
+  for (; next < order.size() && next < 2; ++next) {
+    auto id = post(next);
+    if (!id.ok()) return 1;
+    posted.push_back(*id);
+  }
+  while (!posted.empty()) {
+    const et::TransferId id = posted.front();
+    posted.pop_front();
+    if (!(*rx)->Wait(id, absl::Seconds(120)).ok()) return 1;
+    auto got = (*rx)->TakeReceived(id);
+    if (!got.ok()) return 1;
+    spare.clear();  // at most the one just taken is kept: sizes change between phases
+    spare.push_back(std::move(got->buffer));
+    (*rx)->Forget(id);
+    if (next < order.size()) {
+      auto nid = post(next++);
+      if (!nid.ok()) return 1;
+      posted.push_back(*nid);
     }
   }
   return 0;
@@ -119,13 +177,16 @@ int WaitPid(pid_t pid, int timeout_s) {
   return -1;
 }
 
-// ucx_perftest client+server on one size; returns MiB/s ("overall" bandwidth), or -1.
+// ucx_perftest client+server on one size; returns column `col` of its "Final:" line, or -1.
+// Final: iters lat_typical lat_avg lat_overall bw_avg bw_overall rate_avg rate_overall
+// (bw in MB/s = MiB/s, latencies in usec).
 double Perftest(const std::string& mode, const std::string& test, uint64_t bytes, int iters,
-                int port) {
+                int port, int col) {
   const std::string tls = mode == "tcp" ? "UCX_TLS=tcp" : "UCX_TLS=sm,self";
   const std::vector<std::string> env = {tls, "UCX_NET_DEVICES=lo"};
-  const std::string slog = "/tmp/transfer_bench_pt_server.log";
-  const std::string clog = "/tmp/transfer_bench_pt_client.log";
+  const std::string tag = std::to_string(getpid());
+  const std::string slog = "/tmp/transfer_bench_pt_server_" + tag + ".log";
+  const std::string clog = "/tmp/transfer_bench_pt_client_" + tag + ".log";
   pid_t server = Spawn({"ucx_perftest", "-p", std::to_string(port)}, slog, env);
   if (server < 0) return -1;
   std::this_thread::sleep_for(std::chrono::milliseconds(300));
@@ -134,52 +195,90 @@ double Perftest(const std::string& mode, const std::string& test, uint64_t bytes
                        clog, env);
   const int rc = client < 0 ? -1 : WaitPid(client, 120);
   WaitPid(server, 10);
-  if (rc != 0) return -1;
-  std::ifstream in(clog);
-  std::string line;
-  double mibs = -1;
-  while (std::getline(in, line)) {
-    if (line.rfind("Final:", 0) != 0) continue;
-    std::vector<std::string> cols = absl::StrSplit(line, ' ', absl::SkipEmpty());
-    // Final: iters p50 avg overall bw_avg bw_overall rate_avg rate_overall
-    if (cols.size() >= 7) mibs = std::stod(cols[6]);
+  double value = -1;
+  if (rc == 0) {
+    std::ifstream in(clog);
+    std::string line;
+    while (std::getline(in, line)) {
+      if (line.rfind("Final:", 0) != 0) continue;
+      std::vector<std::string> cols = absl::StrSplit(line, ' ', absl::SkipEmpty());
+      if (static_cast<int>(cols.size()) > col) value = std::stod(cols[col]);
+    }
   }
-  return mibs;
+  std::remove(slog.c_str());
+  std::remove(clog.c_str());
+  return value;
+}
+
+double Median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 == 1 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
+std::string Join(const std::vector<double>& v, double scale) {
+  std::string out;
+  char buf[32];
+  for (double x : v) {
+    std::snprintf(buf, sizeof(buf), "%s%.2f", out.empty() ? "" : " ", x * scale);
+    out += buf;
+  }
+  return out;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  CLI::App app{"transfer_bench: KV hand-off bandwidth vs ucx_perftest"};
-  std::string modes = "tcp,shm", sizes_arg = "1,4,16,64,256", role, address_file, mode;
-  int iters = 5;
-  app.add_option("--modes", modes);
-  app.add_option("--sizes-mib", sizes_arg);
-  app.add_option("--iters", iters);
+  CLI::App app{"transfer_bench: KV hand-off bandwidth and latency vs ucx_perftest"};
+  std::string modes = "tcp,shm", sizes_arg = "16,256", role, address_file, mode, plan_arg;
+  int rounds = 3, iters = 3, lat_iters = 15;
+  uint64_t latency_mib = 1;
+  app.add_option("--modes", modes, "transports: tcp (UCX listener), shm (worker address)");
+  app.add_option("--sizes-mib", sizes_arg, "bandwidth sizes");
+  app.add_option("--rounds", rounds, "rounds per size; the figure is their median");
+  app.add_option("--iters", iters, "engine hand-offs per round (their median)");
+  app.add_option("--latency-mib", latency_mib, "hand-off size for the latency figure (0: skip)");
+  app.add_option("--lat-iters", lat_iters, "hand-offs timed for the latency figure");
   app.add_option("--chunk-mib", g_chunk_mib, "engine data chunk size");
   app.add_option("--role", role);  // internal: "recv" for the child
   app.add_option("--mode", mode);
+  app.add_option("--plan", plan_arg);
   app.add_option("--address-file", address_file);
   CLI11_PARSE(app, argc, argv);
-  spdlog::set_level(spdlog::level::warn);
+  spdlog::set_level(spdlog::level::err);
   setenv("UCX_NET_DEVICES", "lo", 1);
+  if (role == "recv") return RunReceiver(mode, ParsePlan(plan_arg), address_file);
+  if (rounds < 1 || iters < 1 || lat_iters < 1 || g_chunk_mib == 0) {
+    std::cerr << "--rounds, --iters, --lat-iters and --chunk-mib must be >= 1\n";
+    return 2;
+  }
   std::vector<uint64_t> sizes;
-  for (auto s : absl::StrSplit(sizes_arg, ',')) sizes.push_back(std::stoull(std::string(s)));
-  if (role == "recv") return RunReceiver(mode, sizes, iters, address_file);
+  for (auto s : absl::StrSplit(sizes_arg, ',', absl::SkipEmpty()))
+    sizes.push_back(std::stoull(std::string(s)));
+  Plan plan;
+  for (uint64_t mib : sizes) plan.emplace_back(mib, 1 + rounds * iters);  // 1 warm-up
+  if (latency_mib > 0) plan.emplace_back(latency_mib, 2 + lat_iters);     // 2 warm-up
 
-  std::printf("%-4s %9s %12s %14s %14s %10s %10s\n", "tl", "size", "engine_GiB/s", "perf_tag_GiB/s",
-              "perf_am_GiB/s", "eng/tag", "eng/am");
+  std::printf("%-4s %8s %13s %13s %7s   %s\n", "tl", "size", "engine_GiB/s", "tag_bw_GiB/s",
+              "ratio", "rounds: engine | tag_bw (GiB/s)");
+  double min_ratio = 1e9;
+  std::vector<std::string> latency_lines;
   int port = 20000 + getpid() % 20000;
-  for (auto m : absl::StrSplit(modes, ',')) {
+  for (auto m : absl::StrSplit(modes, ',', absl::SkipEmpty())) {
     const std::string md(m);
+    if (md != "tcp" && md != "shm") {
+      std::cerr << "unknown mode " << md << " (want tcp or shm)\n";
+      return 2;
+    }
     const std::string addr_file = "/tmp/transfer_bench_addr_" + std::to_string(getpid());
     std::remove(addr_file.c_str());
     char self[4096] = {};
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0) return 2;
-    pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--sizes-mib", sizes_arg, "--iters",
-                         std::to_string(iters), "--address-file", addr_file},
-                        "/tmp/transfer_bench_recv.log", {});
+    const std::string recv_log = "/tmp/transfer_bench_recv_" + std::to_string(getpid()) + ".log";
+    pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--plan", PlanString(plan),
+                         "--chunk-mib", std::to_string(g_chunk_mib), "--address-file", addr_file},
+                        recv_log, {});
     std::string addr;
     for (int i = 0; i < 2000 && addr.empty(); ++i) {
       std::ifstream in(addr_file);
@@ -190,47 +289,91 @@ int main(int argc, char** argv) {
     auto tx = et::MakeUcxTransport(Ucx(md), Engine(), registry, epd::common::SystemClock::Get());
     if (!tx.ok() || addr.empty()) {
       std::cerr << "setup failed\n";
+      if (child > 0) WaitPid(child, 1);
       return 2;
     }
     auto peer = (*tx)->Connect(addr, absl::Seconds(10));
     if (!peer.ok()) {
       std::cerr << peer.status() << "\n";
+      WaitPid(child, 1);
       return 2;
     }
+    int seq = 0;
+    // One hand-off of `mib` MiB; its seconds from Send to the sender's confirmation, or -1.
+    auto handoff = [&](uint64_t mib) -> double {
+      auto man =
+          et::testing::BulkManifest(RequestId(seq), "bench", kSegments, (mib << 20) / kSegments);
+      auto buf = (*tx)->Allocate(et::TotalBytes(man));
+      std::memset((*buf)->data(), seq & 0xff, (*buf)->size());
+      ++seq;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto id = (*tx)->Send(*peer, man, std::move(*buf), {});
+      if (!id.ok()) return -1;
+      absl::Status st = (*tx)->Wait(*id, absl::Seconds(120));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      (*tx)->Forget(*id);
+      return st.ok() ? s : -1;
+    };
     auto kind = (*tx)->PeerTransport(*peer);
     for (uint64_t mib : sizes) {
-      std::vector<double> secs;
-      for (int i = 0; i <= iters; ++i) {
-        auto man = et::testing::BulkManifest(RequestId(mib, i), "bench", kSegments,
-                                             (mib << 20) / kSegments);
-        auto buf = (*tx)->Allocate(et::TotalBytes(man));
-        std::memset((*buf)->data(), i, (*buf)->size());
-        const auto t0 = std::chrono::steady_clock::now();
-        auto id = (*tx)->Send(*peer, man, std::move(*buf), {});
-        if (!id.ok() || !(*tx)->Wait(*id, absl::Seconds(120)).ok()) {
-          std::cerr << "transfer failed\n";
-          return 1;
-        }
-        const double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-        (*tx)->Forget(*id);
-        if (i > 0) secs.push_back(s);  // first one is the warm-up
+      if (handoff(mib) < 0) {  // warm-up
+        std::cerr << "transfer failed\n";
+        return 1;
       }
-      std::sort(secs.begin(), secs.end());
-      const double engine = static_cast<double>(mib << 20) / secs[secs.size() / 2] / (1 << 30);
-      const double tag = Perftest(md, "tag_bw", mib << 20, std::max(iters, 3), port++) / 1024;
-      const double am = Perftest(md, "ucp_am_bw", mib << 20, std::max(iters, 3), port++) / 1024;
-      std::printf("%-4s %6lluMiB %12.2f %14.2f %14.2f %10.2f %10.2f%s\n", md.c_str(),
-                  static_cast<unsigned long long>(mib), engine, tag, am,
-                  tag > 0 ? engine / tag : 0.0, am > 0 ? engine / am : 0.0,
+      std::vector<double> engine, tag;
+      for (int r = 0; r < rounds; ++r) {
+        std::vector<double> secs;
+        for (int i = 0; i < iters; ++i) {
+          const double s = handoff(mib);
+          if (s < 0) {
+            std::cerr << "transfer failed\n";
+            return 1;
+          }
+          secs.push_back(s);
+        }
+        engine.push_back(static_cast<double>(mib << 20) / Median(secs) / (1 << 30));
+        const double pt = Perftest(md, "tag_bw", mib << 20, std::max(iters, 3), port++, 6);
+        tag.push_back(pt > 0 ? pt / 1024 : 0);
+      }
+      const double e = Median(engine), t = Median(tag);
+      const double ratio = t > 0 ? e / t : 0;
+      min_ratio = std::min(min_ratio, ratio);
+      std::printf("%-4s %5lluMiB %13.2f %13.2f %7.2f   %s | %s%s\n", md.c_str(),
+                  static_cast<unsigned long long>(mib), e, t, ratio, Join(engine, 1).c_str(),
+                  Join(tag, 1).c_str(),
                   kind.ok()
                       ? (" (engine lanes: " + std::string(et::TransportLabel(*kind)) + ")").c_str()
                       : "");
       std::fflush(stdout);
     }
+    if (latency_mib > 0) {
+      std::vector<double> secs;
+      for (int i = 0; i < 2 + lat_iters; ++i) {
+        const double s = handoff(latency_mib);
+        if (s < 0) {
+          std::cerr << "transfer failed\n";
+          return 1;
+        }
+        if (i >= 2) secs.push_back(s);
+      }
+      const double engine_us = Median(secs) * 1e6;
+      // tag_lat reports half a round trip (usec, "typical" = median).
+      const double half =
+          Perftest(md, "tag_lat", latency_mib << 20, std::max(lat_iters, 10), port++, 2);
+      const double rtt_us = half > 0 ? 2 * half : 0;
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    "latency %-4s %lluMiB: engine hand-off %.0f us (median of %d), perftest "
+                    "tag_lat round trip %.0f us, round trip / hand-off %.2f",
+                    md.c_str(), static_cast<unsigned long long>(latency_mib), engine_us, lat_iters,
+                    rtt_us, engine_us > 0 ? rtt_us / engine_us : 0.0);
+      latency_lines.push_back(line);
+    }
     tx->reset();
-    WaitPid(child, 60);
+    if (WaitPid(child, 60) == 0) std::remove(recv_log.c_str());  // kept when the receiver failed
     std::remove(addr_file.c_str());
   }
+  for (const std::string& l : latency_lines) std::printf("%s\n", l.c_str());
+  std::printf("transfer_bench ratio: %.2f\n", min_ratio < 1e9 ? min_ratio : 0.0);
   return 0;
 }
