@@ -1,0 +1,254 @@
+#!/usr/bin/env python3
+"""DSpark on vs off through `epd serve` (real processes): decode tokens/s at batch 1 and 8,
+acceptance per draft position, greedy outputs identical (docs/dspark.md, docs/demo.md).
+
+  python3 tests/bench/dspark_serve_bench.py [--epd build/epd] [--model models/epd-nano] \
+      [--batches 1,8] [--max-tokens 64] [--rounds 2] [--json OUT.json]
+
+For each mode (on, off) it starts `epd serve --dspark MODE` on free ports with its own data
+directory, waits for "ready", and for each batch size b sends the prompt list in waves of b
+concurrent streaming chat requests (temperature 0), `--rounds` times. Per request it records the
+time of the first and the last content chunk and the completion tokens (usage); decode tokens/s
+of a wave = Σ (completion tokens - 1) / (last chunk of the wave - first token of the wave), i.e.
+the token rate after the prompt is processed, all b sequences together (at b > 1 the span also
+holds the prefill of requests that join later); per sequence: (completion tokens - 1) / (last -
+first chunk) of each request, median over requests. Acceptance comes from the
+decode worker's /metrics (epd_dspark_position_{drafted,accepted}_tokens_total, deltas over the
+run of one batch size). Exits 1 when a greedy answer differs between the modes or a request
+fails. Only the Python standard library is used.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+
+PROMPTS = [
+    "Tell me about files.",
+    "What is a list?",
+    "Explain regular expressions.",
+    "How do I install a package?",
+    "What is a dictionary?",
+    "Tell me about the network configuration.",
+    "How does the import system work?",
+    "Explain exceptions.",
+    "What is a socket?",
+    "Tell me about threads.",
+    "How do I read a file?",
+    "What is the shell?",
+    "Explain the logging module.",
+    "What is a tuple?",
+    "Tell me about the package manager.",
+    "How does string formatting work?",
+]
+
+
+def read_port(run_dir, name, key, timeout=60.0):
+    path = os.path.join(run_dir, name + ".json")
+    end = time.time() + timeout
+    while time.time() < end:
+        try:
+            with open(path) as f:
+                j = json.load(f)
+            if key in j:
+                return int(j[key])
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"no {key} port in {path}")
+
+
+class Serve:
+    def __init__(self, epd, model, dspark, extra):
+        self.dir = tempfile.mkdtemp(prefix=f"dspark_bench_{dspark}_")
+        cmd = [epd, "serve", "--model", model, "--data-dir", self.dir, "--http-port", "0",
+               "--grpc-port", "0", "--dspark", dspark] + extra
+        self.log = open(os.path.join(self.dir, "serve.out"), "w+")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        end = time.time() + 120
+        while time.time() < end:
+            self.log.seek(0)
+            if "epd serve: ready" in self.log.read():
+                break
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"epd serve exited {self.proc.returncode}; see {self.dir}")
+            time.sleep(0.2)
+        else:
+            raise RuntimeError("epd serve did not become ready in 120 s")
+        run = os.path.join(self.dir, "run")
+        self.http = read_port(run, "epd-router", "http")
+        self.metrics = read_port(run, "epd-decode-0", "metrics")
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def scrape(port):
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    out = {}
+    for m in re.finditer(r'^epd_dspark_position_(drafted|accepted)_tokens_total\{position="(\d+)"\}'
+                         r" ([0-9.e+]+)$", text, re.M):
+        out[(m.group(1), int(m.group(2)))] = float(m.group(3))
+    for name in ("drafted", "accepted"):
+        m = re.search(rf"^epd_dspark_{name}_tokens_total ([0-9.e+]+)$", text, re.M)
+        out[(name, 0)] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def chat(port, prompt, max_tokens, penalty):
+    body = {"model": "epd-nano", "messages": [{"role": "user", "content": prompt}],
+            "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    if penalty:
+        body["frequency_penalty"] = penalty
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"content-type": "application/json"})
+    t0 = time.time()
+    first = last = None
+    text, tokens = "", 0
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            j = json.loads(data)
+            if "error" in j:
+                raise RuntimeError(f"request failed: {j['error']}")
+            if j.get("usage"):
+                tokens = j["usage"]["completion_tokens"]
+            for ch in j.get("choices", []):
+                piece = (ch.get("delta") or {}).get("content")
+                if piece:
+                    now = time.time()
+                    first = first or now
+                    last = now
+                    text += piece
+    return {"text": text, "tokens": tokens, "t0": t0, "first": first, "last": last}
+
+
+def run_batch(port, prompts, b, max_tokens, penalty):
+    results = [None] * len(prompts)
+    waves = []
+    for w in range(0, len(prompts), b):
+        idx = list(range(w, min(w + b, len(prompts))))
+        errors = []
+
+        def one(i):
+            try:
+                results[i] = chat(port, prompts[i], max_tokens, penalty)
+            except Exception as e:  # noqa: BLE001 (reported below)
+                errors.append(f"{prompts[i]!r}: {e}")
+
+        ts = [threading.Thread(target=one, args=(i,)) for i in idx]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        rs = [results[i] for i in idx if results[i]["first"] is not None]
+        if rs:
+            span = max(r["last"] for r in rs) - min(r["first"] for r in rs)
+            rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in rs
+                     if r["tokens"] > 1 and r["last"] > r["first"]]
+            waves.append((sum(max(r["tokens"] - 1, 0) for r in rs), span, rates))
+    return results, waves
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epd", default="build/epd")
+    ap.add_argument("--model", default="models/epd-nano")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--modes", default="on,off")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
+    ap.add_argument("--serve-arg", action="append", default=[],
+                    help="extra `epd serve` argument (repeat)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    batches = [int(x) for x in a.batches.split(",")]
+    report = {"max_tokens": a.max_tokens, "prompts": len(PROMPTS), "rounds": a.rounds,
+              "frequency_penalty": a.frequency_penalty, "modes": {}}
+    answers = {}
+    ok = True
+    for mode in a.modes.split(","):
+        serve = Serve(a.epd, a.model, mode, a.serve_arg)
+        try:
+            chat(serve.http, "warm-up", 4, 0.0)
+            report["modes"][mode] = {}
+            for b in batches:
+                before = scrape(serve.metrics)
+                toks, span, rates = 0, 0.0, []
+                for _ in range(a.rounds):
+                    res, waves = run_batch(serve.http, PROMPTS, b, a.max_tokens,
+                                           a.frequency_penalty)
+                    toks += sum(w[0] for w in waves)
+                    span += sum(w[1] for w in waves)
+                    rates += [x for w in waves for x in w[2]]
+                    for p, r in zip(PROMPTS, res):
+                        prev = answers.setdefault(p, r["text"])
+                        if prev != r["text"]:
+                            ok = False
+                            print(f"MISMATCH ({mode}, batch {b}) {p!r}:\n  {prev!r}\n  {r['text']!r}")
+                after = scrape(serve.metrics)
+                acc = []
+                for j in range(1, 6):
+                    d = after.get(("drafted", j), 0) - before.get(("drafted", j), 0)
+                    n = after.get(("accepted", j), 0) - before.get(("accepted", j), 0)
+                    acc.append({"position": j, "drafted": int(d), "accepted": int(n),
+                                "rate": round(n / d, 4) if d else None})
+                drafted = after[("drafted", 0)] - before[("drafted", 0)]
+                accepted = after[("accepted", 0)] - before[("accepted", 0)]
+                rec = {"decode_tokens": toks, "decode_seconds": round(span, 3),
+                       "decode_tok_s": round(toks / span, 2) if span else None,
+                       "per_sequence_tok_s_median": round(sorted(rates)[len(rates) // 2], 2)
+                       if rates else None,
+                       "drafted": int(drafted), "accepted": int(accepted),
+                       "acceptance": round(accepted / drafted, 4) if drafted else None,
+                       "per_position": acc}
+                report["modes"][mode][str(b)] = rec
+                print(f"dspark {mode:3s} batch {b}: {rec['decode_tok_s']} decode tok/s "
+                      f"({toks} tokens in {span:.2f} s; per sequence median "
+                      f"{rec['per_sequence_tok_s_median']}); drafted {int(drafted)}, accepted "
+                      f"{int(accepted)}; per position "
+                      + " ".join(f"{x['position']}:{x['accepted']}/{x['drafted']}" for x in acc),
+                      flush=True)
+        finally:
+            serve.stop()
+    if "on" in report["modes"] and "off" in report["modes"]:
+        for b in batches:
+            on, off = report["modes"]["on"][str(b)], report["modes"]["off"][str(b)]
+            if on["decode_tok_s"] and off["decode_tok_s"]:
+                print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f}")
+    report["greedy_identical"] = ok
+    print("greedy outputs identical across modes and batch sizes" if ok else "FAIL: outputs differ")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=2)
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
