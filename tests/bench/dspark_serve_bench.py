@@ -6,13 +6,15 @@ acceptance per draft position, greedy outputs identical (docs/dspark.md, docs/de
       [--batches 1,8] [--max-tokens 64] [--rounds 2] [--json OUT.json]
 
 For each mode (on, off) it starts `epd serve --dspark MODE` on free ports with its own data
-directory, waits for "ready", and for each batch size b sends the prompt list in waves of b
-concurrent streaming chat requests (temperature 0), `--rounds` times. Per request it records the
-time of the first and the last content chunk and the completion tokens (usage); decode tokens/s
-of a wave = Σ (completion tokens - 1) / (last chunk of the wave - first token of the wave), i.e.
-the token rate after the prompt is processed, all b sequences together (at b > 1 the span also
-holds the prefill of requests that join later); per sequence: (completion tokens - 1) / (last -
-first chunk) of each request, median over requests. Acceptance comes from the
+directory, waits for "ready", and for each batch size b sends every prompt as one streaming chat
+request (temperature 0) with n = b: the decode worker forks the hand-off into b sequences that
+decode as one batch from the first token to the last, `--rounds` times. Decode time is measured
+end to end, not from chunk arrival times (the decode worker's sender thread bundles the tokens of
+several steps into one message when it is scheduled late, which on a loaded machine makes chunk
+times meaningless): per prompt, the end-to-end time of the request minus that of the same request
+with max_tokens 1 (prefill + first token; every prompt is in the prefix cache before timing
+starts). Decode tokens/s = Σ (completion tokens - b) / Σ those differences, the b sequences
+together; per sequence = that / b. Acceptance comes from the
 decode worker's /metrics (epd_dspark_position_{drafted,accepted}_tokens_total, deltas over the
 run of one batch size). Exits 1 when a greedy answer differs between the modes or a request
 fails. Only the Python standard library is used.
@@ -111,10 +113,12 @@ def scrape(port):
     return out
 
 
-def chat(port, prompt, max_tokens, penalty):
+def chat(port, prompt, max_tokens, penalty, n=1):
     body = {"model": "epd-nano", "messages": [{"role": "user", "content": prompt}],
             "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
+    if n > 1:
+        body["n"] = n
     if penalty:
         body["frequency_penalty"] = penalty
     req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
@@ -122,7 +126,7 @@ def chat(port, prompt, max_tokens, penalty):
                                  headers={"content-type": "application/json"})
     t0 = time.time()
     first = last = None
-    text, tokens = "", 0
+    texts, tokens = {}, 0
     with urllib.request.urlopen(req, timeout=300) as r:
         for raw in r:
             line = raw.decode().strip()
@@ -142,37 +146,24 @@ def chat(port, prompt, max_tokens, penalty):
                     now = time.time()
                     first = first or now
                     last = now
-                    text += piece
-    return {"text": text, "tokens": tokens, "t0": t0, "first": first, "last": last}
+                    i = ch.get("index", 0)
+                    texts[i] = texts.get(i, "") + piece
+    return {"texts": [texts.get(i, "") for i in range(n)], "tokens": tokens, "n": n, "t0": t0,
+            "first": first, "last": last, "end": time.time()}
 
 
 def run_batch(port, prompts, b, max_tokens, penalty):
-    results = [None] * len(prompts)
-    waves = []
-    for w in range(0, len(prompts), b):
-        idx = list(range(w, min(w + b, len(prompts))))
-        errors = []
-
-        def one(i):
-            try:
-                results[i] = chat(port, prompts[i], max_tokens, penalty)
-            except Exception as e:  # noqa: BLE001 (reported below)
-                errors.append(f"{prompts[i]!r}: {e}")
-
-        ts = [threading.Thread(target=one, args=(i,)) for i in idx]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        if errors:
-            raise RuntimeError("; ".join(errors))
-        rs = [results[i] for i in idx if results[i]["first"] is not None]
-        if rs:
-            span = max(r["last"] for r in rs) - min(r["first"] for r in rs)
-            rates = [(r["tokens"] - 1) / (r["last"] - r["first"]) for r in rs
-                     if r["tokens"] > 1 and r["last"] > r["first"]]
-            waves.append((sum(max(r["tokens"] - 1, 0) for r in rs), span, rates))
-    return results, waves
+    """Per prompt: one request with max_tokens 1 (prefill + first token) and one with
+    max_tokens, both n = b, both with the prompt already in the prefix cache (warmed before).
+    Decode seconds = the difference of their end-to-end times; decode tokens = completion tokens
+    of the full request minus the b first tokens."""
+    results, rows = [], []
+    for p in prompts:
+        probe = chat(port, p, 1, penalty, b)
+        full = chat(port, p, max_tokens, penalty, b)
+        results.append(full)
+        rows.append((max(full["tokens"] - b, 0), (full["end"] - full["t0"]) - (probe["end"] - probe["t0"])))
+    return results, rows
 
 
 def main():
@@ -196,22 +187,24 @@ def main():
     for mode in a.modes.split(","):
         serve = Serve(a.epd, a.model, mode, a.serve_arg)
         try:
-            chat(serve.http, "warm-up", 4, 0.0)
+            for p in PROMPTS:  # every prompt in the prefix cache before anything is timed
+                chat(serve.http, p, 1, a.frequency_penalty)
             report["modes"][mode] = {}
             for b in batches:
                 before = scrape(serve.metrics)
-                toks, span, rates = 0, 0.0, []
+                toks, span, per_seq = 0, 0.0, []
                 for _ in range(a.rounds):
-                    res, waves = run_batch(serve.http, PROMPTS, b, a.max_tokens,
-                                           a.frequency_penalty)
-                    toks += sum(w[0] for w in waves)
-                    span += sum(w[1] for w in waves)
-                    rates += [x for w in waves for x in w[2]]
+                    res, rows = run_batch(serve.http, PROMPTS, b, a.max_tokens,
+                                          a.frequency_penalty)
+                    toks += sum(t for t, _ in rows)
+                    span += sum(d for _, d in rows)
                     for p, r in zip(PROMPTS, res):
-                        prev = answers.setdefault(p, r["text"])
-                        if prev != r["text"]:
-                            ok = False
-                            print(f"MISMATCH ({mode}, batch {b}) {p!r}:\n  {prev!r}\n  {r['text']!r}")
+                        for text in r["texts"]:
+                            prev = answers.setdefault(p, text)
+                            if prev != text:
+                                ok = False
+                                print(f"MISMATCH ({mode}, batch {b}) {p!r}:\n  {prev!r}\n"
+                                      f"  {text!r}")
                 after = scrape(serve.metrics)
                 acc = []
                 for j in range(1, 6):
@@ -223,15 +216,14 @@ def main():
                 accepted = after[("accepted", 0)] - before[("accepted", 0)]
                 rec = {"decode_tokens": toks, "decode_seconds": round(span, 3),
                        "decode_tok_s": round(toks / span, 2) if span else None,
-                       "per_sequence_tok_s_median": round(sorted(rates)[len(rates) // 2], 2)
-                       if rates else None,
+                       "per_sequence_tok_s": round(toks / b / span, 2) if span else None,
                        "drafted": int(drafted), "accepted": int(accepted),
                        "acceptance": round(accepted / drafted, 4) if drafted else None,
                        "per_position": acc}
                 report["modes"][mode][str(b)] = rec
                 print(f"dspark {mode:3s} batch {b}: {rec['decode_tok_s']} decode tok/s "
-                      f"({toks} tokens in {span:.2f} s; per sequence median "
-                      f"{rec['per_sequence_tok_s_median']}); drafted {int(drafted)}, accepted "
+                      f"({toks} tokens in {span:.3f} s; per sequence "
+                      f"{rec['per_sequence_tok_s']}); drafted {int(drafted)}, accepted "
                       f"{int(accepted)}; per position "
                       + " ".join(f"{x['position']}:{x['accepted']}/{x['drafted']}" for x in acc),
                       flush=True)
@@ -243,6 +235,7 @@ def main():
             if on["decode_tok_s"] and off["decode_tok_s"]:
                 print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f}")
     report["greedy_identical"] = ok
+    report["answers"] = answers
     print("greedy outputs identical across modes and batch sizes" if ok else "FAIL: outputs differ")
     if a.json:
         with open(a.json, "w") as f:
