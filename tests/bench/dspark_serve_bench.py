@@ -3,11 +3,12 @@
 acceptance per draft position, greedy outputs identical (docs/dspark.md, docs/demo.md).
 
   python3 tests/bench/dspark_serve_bench.py [--epd build/epd] [--model models/epd-nano] \
-      [--batches 1,8] [--max-tokens 64] [--rounds 2] [--json OUT.json]
+      [--batches 1,8] [--max-tokens 64] [--rounds 3] [--json OUT.json]
 
-For each mode (on, off) it starts `epd serve --dspark MODE` on free ports with its own data
-directory, waits for "ready", and for each batch size b sends every prompt as one streaming chat
-request (temperature 0) with n = b: the decode worker forks the hand-off into b sequences that
+It starts `epd serve --dspark on` and `epd serve --dspark off` side by side on free ports, each
+with its own data directory, and for each batch size b sends every prompt to both (alternating
+which goes first, so both see the same machine load) as one streaming chat request (temperature
+0) with n = b: the decode worker forks the hand-off into b sequences that
 decode as one batch from the first token to the last, `--rounds` times. Decode time is measured
 end to end, not from chunk arrival times (the decode worker's sender thread bundles the tokens of
 several steps into one message when it is scheduled late, which on a loaded machine makes chunk
@@ -29,7 +30,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
 
@@ -152,18 +152,15 @@ def chat(port, prompt, max_tokens, penalty, n=1):
             "first": first, "last": last, "end": time.time()}
 
 
-def run_batch(port, prompts, b, max_tokens, penalty):
-    """Per prompt: one request with max_tokens 1 (prefill + first token) and one with
-    max_tokens, both n = b, both with the prompt already in the prefix cache (warmed before).
-    Decode seconds = the difference of their end-to-end times; decode tokens = completion tokens
-    of the full request minus the b first tokens."""
-    results, rows = [], []
-    for p in prompts:
-        probe = chat(port, p, 1, penalty, b)
-        full = chat(port, p, max_tokens, penalty, b)
-        results.append(full)
-        rows.append((max(full["tokens"] - b, 0), (full["end"] - full["t0"]) - (probe["end"] - probe["t0"])))
-    return results, rows
+def measure(port, prompt, b, max_tokens, penalty):
+    """(decode tokens, decode seconds, result): one request with max_tokens 1 (prefill + first
+    token) and one with max_tokens, both n = b, the prompt already in the prefix cache. Decode
+    seconds = the difference of their end-to-end times; decode tokens = completion tokens of the
+    full request minus the b first tokens."""
+    probe = chat(port, prompt, 1, penalty, b)
+    full = chat(port, prompt, max_tokens, penalty, b)
+    return (max(full["tokens"] - b, 0), (full["end"] - full["t0"]) - (probe["end"] - probe["t0"]),
+            full)
 
 
 def main():
@@ -171,69 +168,77 @@ def main():
     ap.add_argument("--epd", default="build/epd")
     ap.add_argument("--model", default="models/epd-nano")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--modes", default="on,off")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--serve-arg", action="append", default=[],
                     help="extra `epd serve` argument (repeat)")
     ap.add_argument("--json")
     a = ap.parse_args()
     batches = [int(x) for x in a.batches.split(",")]
+    modes = ("on", "off")
     report = {"max_tokens": a.max_tokens, "prompts": len(PROMPTS), "rounds": a.rounds,
-              "frequency_penalty": a.frequency_penalty, "modes": {}}
+              "frequency_penalty": a.frequency_penalty, "modes": {m: {} for m in modes}}
     answers = {}
     ok = True
-    for mode in a.modes.split(","):
-        serve = Serve(a.epd, a.model, mode, a.serve_arg)
-        try:
+    serves = {}
+    try:
+        for m in modes:
+            serves[m] = Serve(a.epd, a.model, m, a.serve_arg)
+        for m in modes:
             for p in PROMPTS:  # every prompt in the prefix cache before anything is timed
-                chat(serve.http, p, 1, a.frequency_penalty)
-            report["modes"][mode] = {}
-            for b in batches:
-                before = scrape(serve.metrics)
-                toks, span, per_seq = 0, 0.0, []
-                for _ in range(a.rounds):
-                    res, rows = run_batch(serve.http, PROMPTS, b, a.max_tokens,
-                                          a.frequency_penalty)
-                    toks += sum(t for t, _ in rows)
-                    span += sum(d for _, d in rows)
-                    for p, r in zip(PROMPTS, res):
+                chat(serves[m].http, p, 1, a.frequency_penalty)
+        for b in batches:
+            before = {m: scrape(serves[m].metrics) for m in modes}
+            toks = {m: 0 for m in modes}
+            span = {m: 0.0 for m in modes}
+            for rnd in range(a.rounds):
+                for k, p in enumerate(PROMPTS):
+                    # Alternate which mode goes first: both see the same machine load.
+                    order = modes if (rnd + k) % 2 == 0 else modes[::-1]
+                    for m in order:
+                        t, d, r = measure(serves[m].http, p, b, a.max_tokens, a.frequency_penalty)
+                        toks[m] += t
+                        span[m] += d
                         for text in r["texts"]:
                             prev = answers.setdefault(p, text)
                             if prev != text:
                                 ok = False
-                                print(f"MISMATCH ({mode}, batch {b}) {p!r}:\n  {prev!r}\n"
+                                print(f"MISMATCH ({m}, batch {b}) {p!r}:\n  {prev!r}\n"
                                       f"  {text!r}")
-                after = scrape(serve.metrics)
+            for m in modes:
+                after = scrape(serves[m].metrics)
                 acc = []
                 for j in range(1, 6):
-                    d = after.get(("drafted", j), 0) - before.get(("drafted", j), 0)
-                    n = after.get(("accepted", j), 0) - before.get(("accepted", j), 0)
+                    d = after.get(("drafted", j), 0) - before[m].get(("drafted", j), 0)
+                    n = after.get(("accepted", j), 0) - before[m].get(("accepted", j), 0)
                     acc.append({"position": j, "drafted": int(d), "accepted": int(n),
                                 "rate": round(n / d, 4) if d else None})
-                drafted = after[("drafted", 0)] - before[("drafted", 0)]
-                accepted = after[("accepted", 0)] - before[("accepted", 0)]
-                rec = {"decode_tokens": toks, "decode_seconds": round(span, 3),
-                       "decode_tok_s": round(toks / span, 2) if span else None,
-                       "per_sequence_tok_s": round(toks / b / span, 2) if span else None,
+                drafted = after[("drafted", 0)] - before[m][("drafted", 0)]
+                accepted = after[("accepted", 0)] - before[m][("accepted", 0)]
+                sp = span[m]
+                rec = {"decode_tokens": toks[m], "decode_seconds": round(sp, 3),
+                       "decode_tok_s": round(toks[m] / sp, 2) if sp > 0 else None,
+                       "per_sequence_tok_s": round(toks[m] / b / sp, 2) if sp > 0 else None,
                        "drafted": int(drafted), "accepted": int(accepted),
                        "acceptance": round(accepted / drafted, 4) if drafted else None,
                        "per_position": acc}
-                report["modes"][mode][str(b)] = rec
-                print(f"dspark {mode:3s} batch {b}: {rec['decode_tok_s']} decode tok/s "
-                      f"({toks} tokens in {span:.3f} s; per sequence "
+                report["modes"][m][str(b)] = rec
+                print(f"dspark {m:3s} batch {b}: {rec['decode_tok_s']} decode tok/s "
+                      f"({toks[m]} tokens in {sp:.3f} s; per sequence "
                       f"{rec['per_sequence_tok_s']}); drafted {int(drafted)}, accepted "
-                      f"{int(accepted)}; per position "
+                      f"{int(accepted)}; per position (accepted/drafted) "
                       + " ".join(f"{x['position']}:{x['accepted']}/{x['drafted']}" for x in acc),
                       flush=True)
-        finally:
-            serve.stop()
-    if "on" in report["modes"] and "off" in report["modes"]:
-        for b in batches:
             on, off = report["modes"]["on"][str(b)], report["modes"]["off"][str(b)]
             if on["decode_tok_s"] and off["decode_tok_s"]:
-                print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f}")
+                report["modes"]["on"][str(b)]["vs_off"] = round(
+                    on["decode_tok_s"] / off["decode_tok_s"], 3)
+                print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f}",
+                      flush=True)
+    finally:
+        for sv in serves.values():
+            sv.stop()
     report["greedy_identical"] = ok
     report["answers"] = answers
     print("greedy outputs identical across modes and batch sizes" if ok else "FAIL: outputs differ")
