@@ -15,7 +15,9 @@ several steps into one message when it is scheduled late, which on a loaded mach
 times meaningless): per prompt, the end-to-end time of the request minus that of the same request
 with max_tokens 1 (prefill + first token; every prompt is in the prefix cache before timing
 starts). Decode tokens/s = Σ (completion tokens - b) / Σ those differences, the b sequences
-together; per sequence = that / b. Acceptance comes from the
+together; per sequence = that / b. The same difference of the decode worker's CPU time
+(/proc/PID/stat utime + stime, 10 ms ticks) gives tokens per decode-worker CPU second, a figure
+the machine's load does not move. Acceptance comes from the
 decode worker's /metrics (epd_dspark_position_{drafted,accepted}_tokens_total, deltas over the
 run of one batch size). Exits 1 when a greedy answer differs between the modes or a request
 fails. Only the Python standard library is used.
@@ -89,6 +91,25 @@ class Serve:
         run = os.path.join(self.dir, "run")
         self.http = read_port(run, "epd-router", "http")
         self.metrics = read_port(run, "epd-decode-0", "metrics")
+        self.decode_pid = None  # the epd-decode child: its CPU time is read from /proc
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv0 = f.read().split(b"\0")[0].decode()
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == self.proc.pid and argv0.endswith("/epd-decode"):
+                self.decode_pid = int(pid)
+
+    def decode_cpu_s(self):
+        """User + system CPU seconds of the decode worker so far (clock ticks of /proc)."""
+        with open(f"/proc/{self.decode_pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
     def stop(self):
         self.proc.send_signal(signal.SIGTERM)
@@ -152,15 +173,18 @@ def chat(port, prompt, max_tokens, penalty, n=1):
             "first": first, "last": last, "end": time.time()}
 
 
-def measure(port, prompt, b, max_tokens, penalty):
+def measure(serve, prompt, b, max_tokens, penalty):
     """(decode tokens, decode seconds, result): one request with max_tokens 1 (prefill + first
     token) and one with max_tokens, both n = b, the prompt already in the prefix cache. Decode
     seconds = the difference of their end-to-end times; decode tokens = completion tokens of the
     full request minus the b first tokens."""
-    probe = chat(port, prompt, 1, penalty, b)
-    full = chat(port, prompt, max_tokens, penalty, b)
+    c0 = serve.decode_cpu_s()
+    probe = chat(serve.http, prompt, 1, penalty, b)
+    c1 = serve.decode_cpu_s()
+    full = chat(serve.http, prompt, max_tokens, penalty, b)
+    c2 = serve.decode_cpu_s()
     return (max(full["tokens"] - b, 0), (full["end"] - full["t0"]) - (probe["end"] - probe["t0"]),
-            full)
+            full, (c2 - c1) - (c1 - c0))
 
 
 def main():
@@ -192,14 +216,16 @@ def main():
             before = {m: scrape(serves[m].metrics) for m in modes}
             toks = {m: 0 for m in modes}
             span = {m: 0.0 for m in modes}
+            cpu = {m: 0.0 for m in modes}
             for rnd in range(a.rounds):
                 for k, p in enumerate(PROMPTS):
                     # Alternate which mode goes first: both see the same machine load.
                     order = modes if (rnd + k) % 2 == 0 else modes[::-1]
                     for m in order:
-                        t, d, r = measure(serves[m].http, p, b, a.max_tokens, a.frequency_penalty)
+                        t, d, r, c = measure(serves[m], p, b, a.max_tokens, a.frequency_penalty)
                         toks[m] += t
                         span[m] += d
+                        cpu[m] += c
                         for text in r["texts"]:
                             prev = answers.setdefault(p, text)
                             if prev != text:
@@ -220,13 +246,16 @@ def main():
                 rec = {"decode_tokens": toks[m], "decode_seconds": round(sp, 3),
                        "decode_tok_s": round(toks[m] / sp, 2) if sp > 0 else None,
                        "per_sequence_tok_s": round(toks[m] / b / sp, 2) if sp > 0 else None,
+                       "decode_cpu_seconds": round(cpu[m], 3),
+                       "decode_tok_per_cpu_s": round(toks[m] / cpu[m], 1) if cpu[m] > 0 else None,
                        "drafted": int(drafted), "accepted": int(accepted),
                        "acceptance": round(accepted / drafted, 4) if drafted else None,
                        "per_position": acc}
                 report["modes"][m][str(b)] = rec
                 print(f"dspark {m:3s} batch {b}: {rec['decode_tok_s']} decode tok/s "
                       f"({toks[m]} tokens in {sp:.3f} s; per sequence "
-                      f"{rec['per_sequence_tok_s']}); drafted {int(drafted)}, accepted "
+                      f"{rec['per_sequence_tok_s']}; {rec['decode_tok_per_cpu_s']} tokens per "
+                      f"decode-worker CPU second); drafted {int(drafted)}, accepted "
                       f"{int(accepted)}; per position (accepted/drafted) "
                       + " ".join(f"{x['position']}:{x['accepted']}/{x['drafted']}" for x in acc),
                       flush=True)
@@ -234,8 +263,9 @@ def main():
             if on["decode_tok_s"] and off["decode_tok_s"]:
                 report["modes"]["on"][str(b)]["vs_off"] = round(
                     on["decode_tok_s"] / off["decode_tok_s"], 3)
-                print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f}",
-                      flush=True)
+                print(f"batch {b}: on/off = {on['decode_tok_s'] / off['decode_tok_s']:.3f} (wall), "
+                      f"{(on['decode_tok_per_cpu_s'] or 0) / (off['decode_tok_per_cpu_s'] or 1):.3f}"
+                      " (decode-worker CPU time)", flush=True)
     finally:
         for sv in serves.values():
             sv.stop()
