@@ -119,8 +119,8 @@ int main(int argc, char** argv) {
                                "How does string formatting work?"};
     prompts = std::min(prompts, 16);
     for (int i = 0; i < prompts; ++i) {
-      auto text = epd::model::RenderChat({{"user", questions[i]}}, {},
-                                         epd::model::ChatRenderOptions{});
+      auto text =
+          epd::model::RenderChat({{"user", questions[i]}}, {}, epd::model::ChatRenderOptions{});
       if (!text.ok()) return 1;
       chat_prompts.push_back((*tok)->Encode(*text));
     }
@@ -174,9 +174,11 @@ int main(int argc, char** argv) {
   std::printf(
       "DSpark verification, %s, prompt %d, %d tokens x %d prompts, T=%.2f, "
       "%s target scorer, thread CPU time\n\n",
-      tmp ? "nano model" : model_dir.c_str(), chat ? -1 : prompt_len, tokens, prompts,
-      temperature, scorer_name.c_str());
-  if (chat) std::printf("(chat prompts: the first %d questions; generation ends at EOS)\n\n", prompts);
+      tmp ? "nano model" : model_dir.c_str(), chat ? -1 : prompt_len, tokens, prompts, temperature,
+      scorer_name.c_str());
+  if (chat) {
+    std::printf("(chat prompts: the first %d questions; generation ends at EOS)\n\n", prompts);
+  }
   std::printf("%4s %8s %10s %10s %12s %10s %10s\n", "k", "steps", "draft/st", "accept/st",
               "step ms", "tok/s", "vs k=0");
   // (step ms and tok/s in thread CPU time)

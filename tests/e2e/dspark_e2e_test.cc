@@ -218,8 +218,8 @@ TEST_F(DSparkE2ETest, TrainedHeadsAcceptDraftsAndKeepGreedyOutputs) {
     const double a1 = metric("epd_dspark_position_accepted_tokens_total{position=\"1\"}");
     ASSERT_GT(d1, 0);
     EXPECT_GE(a1, 0.3 * d1) << "first-draft acceptance " << a1 << "/" << d1;
-    std::printf("trained heads, k = 5: first drafts accepted %.0f/%.0f; all drafts %.0f/%.0f\n",
-                a1, d1, metric("epd_dspark_accepted_tokens_total"),
+    std::printf("trained heads, k = 5: first drafts accepted %.0f/%.0f; all drafts %.0f/%.0f\n", a1,
+                d1, metric("epd_dspark_accepted_tokens_total"),
                 metric("epd_dspark_drafted_tokens_total"));
   }
   {
