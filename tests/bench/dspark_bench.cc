@@ -4,7 +4,11 @@
 // confidence head's calibration; rollback cost (journal vs full state copy).
 //
 //   build-dspark/dspark_bench [--model DIR] [--prompt 100] [--tokens 96] [--prompts 3]
-//                             [--temperature 0] [--scorer sequential|extend]
+//                             [--temperature 0] [--scorer sequential|extend] [--chat]
+//
+// --chat: the prompts are chat questions rendered as the server renders them (up to 16, the
+// model's tokenizer; generation ends at EOS) instead of --prompt synthetic ids: the figures of a
+// trained model on the text it answers (docs/dspark.md, trained heads).
 #include <time.h>
 
 #include <chrono>
@@ -18,9 +22,11 @@
 #include "decode_pool/dspark/k_policy.h"
 #include "decode_pool/dspark/verifier.h"
 #include "kernels/backend.h"
+#include "model/chat_format.h"
 #include "model/model.h"
 #include "model/nano_generator.h"
 #include "model/sampling.h"
+#include "model/tokenizer.h"
 #include "tests/testing/dspark_reference.h"
 #include "tests/testing/dspark_target_scorer.h"
 #include "tests/testing/subprocess.h"
@@ -59,6 +65,8 @@ int main(int argc, char** argv) {
   int prompt_len = 100, tokens = 96, prompts = 3;
   float temperature = 0.f;
   std::string scorer_name = "sequential";
+  bool chat = false;
+  app.add_flag("--chat", chat, "chat questions through the model's tokenizer as the prompts");
   app.add_option("--model", model_dir, "model directory (default: generate the nano model)");
   app.add_option("--prompt", prompt_len, "prompt tokens");
   app.add_option("--tokens", tokens, "generated tokens per prompt");
@@ -86,7 +94,39 @@ int main(int argc, char** argv) {
   }
   const epd::model::Model& model = **loaded;
   const int V = static_cast<int>(model.config().vocab_size);
+  std::vector<std::vector<int32_t>> chat_prompts;
+  if (chat) {
+    auto tok = epd::model::Tokenizer::FromFile(model_dir + "/tokenizer.json");
+    if (!tok.ok()) {
+      std::fprintf(stderr, "tokenizer: %s\n", tok.status().ToString().c_str());
+      return 1;
+    }
+    const char* questions[] = {"Tell me about files.",
+                               "What is a list?",
+                               "Explain regular expressions.",
+                               "How do I install a package?",
+                               "What is a dictionary?",
+                               "Tell me about the network configuration.",
+                               "How does the import system work?",
+                               "Explain exceptions.",
+                               "What is a socket?",
+                               "Tell me about threads.",
+                               "How do I read a file?",
+                               "What is the shell?",
+                               "Explain the logging module.",
+                               "What is a tuple?",
+                               "Tell me about the package manager.",
+                               "How does string formatting work?"};
+    prompts = std::min(prompts, 16);
+    for (int i = 0; i < prompts; ++i) {
+      auto text =
+          epd::model::RenderChat({{"user", questions[i]}}, {}, epd::model::ChatRenderOptions{});
+      if (!text.ok()) return 1;
+      chat_prompts.push_back((*tok)->Encode(*text));
+    }
+  }
   auto prompt_of = [&](int salt) {
+    if (chat) return chat_prompts[static_cast<size_t>(salt)];
     std::vector<int32_t> p(prompt_len);
     for (int i = 0; i < prompt_len; ++i) p[i] = 3 + (i * 37 + salt * 101) % std::min(V - 3, 1500);
     return p;
@@ -94,6 +134,7 @@ int main(int argc, char** argv) {
   epd::model::SamplingParams params;
   params.max_tokens = tokens;
   params.temperature = temperature;
+  if (chat) params.stop_token_ids = {static_cast<int32_t>(model.config().eos_token_id)};
   epd::testing::SequentialTargetScorer sequential(model);
   epd::testing::ExtendTargetScorer extend(model);
   epd::testing::TargetScorer& scorer =
@@ -133,8 +174,11 @@ int main(int argc, char** argv) {
   std::printf(
       "DSpark verification, %s, prompt %d, %d tokens x %d prompts, T=%.2f, "
       "%s target scorer, thread CPU time\n\n",
-      tmp ? "nano model" : model_dir.c_str(), prompt_len, tokens, prompts, temperature,
+      tmp ? "nano model" : model_dir.c_str(), chat ? -1 : prompt_len, tokens, prompts, temperature,
       scorer_name.c_str());
+  if (chat) {
+    std::printf("(chat prompts: the first %d questions; generation ends at EOS)\n\n", prompts);
+  }
   std::printf("%4s %8s %10s %10s %12s %10s %10s\n", "k", "steps", "draft/st", "accept/st",
               "step ms", "tok/s", "vs k=0");
   // (step ms and tok/s in thread CPU time)

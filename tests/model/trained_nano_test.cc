@@ -28,7 +28,8 @@ namespace {
 using testing::SourcePath;
 
 // sha256 of models/epd-nano/model.safetensors; the same value is in docs/demo.md.
-constexpr char kTrainedNanoSha256[] = "e18edee54bcd40ef3548b7ce0529f12d479316b1d8b36093866086026035b5dc";
+constexpr char kTrainedNanoSha256[] =
+    "d864ae7ab737f9bb29a6fcd092d266204fef43fc1bfadaa5f37d04a87a48ad63";
 // The README's curl prompt (README.md, docs/demo.md).
 constexpr char kReadmePrompt[] = "Tell me about files.";
 

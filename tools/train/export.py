@@ -6,7 +6,11 @@ block (the Engram table per 1x32), packed MXFP4 routed experts with E8M0 scales 
 values come from the trained state when it holds the tensor, else from the starting checkpoint.
 config.json, tokenizer.json, tokenizer_config.json and engram_constants.json are copied.
 
-  python3 tools/train/export.py --init DIR --state state.pt --out DIR
+  python3 tools/train/export.py --init DIR --state state.pt --out DIR [--only-prefix mtp.]
+
+--only-prefix P: only tensors whose name starts with P are taken from the state and quantized;
+every other tensor (and its scale) is copied byte for byte from --init (used to add the trained
+DSpark stages to the trained main model without touching its weights).
 """
 
 import argparse
@@ -23,12 +27,15 @@ import ckpt  # noqa: E402
 COPIED = ("config.json", "tokenizer.json", "tokenizer_config.json", "engram_constants.json")
 
 
-def export(init_dir, state, out_dir):
+def export(init_dir, state, out_dir, only_prefix=None):
     """state: {checkpoint name: float32 numpy array} (trained values)."""
     tensors = ckpt.read_safetensors(os.path.join(init_dir, "model.safetensors"))
     base = ckpt.dequantized(tensors)
     out = []
     for name, (dt, shape, raw) in tensors.items():
+        if only_prefix is not None and not name.startswith(only_prefix):
+            out.append((name, dt, raw))  # as stored (BF16 values are exact: same bits again)
+            continue
         if name.endswith(".scale"):
             continue
         value = state.get(name, base.get(name))
@@ -60,8 +67,9 @@ def export(init_dir, state, out_dir):
         f.write("\n")
     for name in COPIED:
         src = os.path.join(init_dir, name)
-        if os.path.exists(src):
-            shutil.copyfile(src, os.path.join(out_dir, name))
+        dst = os.path.join(out_dir, name)
+        if os.path.exists(src) and not (os.path.exists(dst) and os.path.samefile(src, dst)):
+            shutil.copyfile(src, dst)
     return total
 
 
@@ -71,9 +79,10 @@ def main():
     ap.add_argument("--init", required=True)
     ap.add_argument("--state", required=True, help="train.py's state.pt")
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only-prefix", default=None)
     a = ap.parse_args()
     sd = torch.load(a.state)["params"]
-    export(a.init, {k: v.numpy() for k, v in sd.items()}, a.out)
+    export(a.init, {k: v.numpy() for k, v in sd.items()}, a.out, a.only_prefix)
     print(f"export: wrote {a.out}")
 
 

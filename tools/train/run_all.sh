@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # The whole demo-model pipeline in one command (tools/train/README.md, docs/demo.md):
-# data -> tokenizer -> random starting checkpoint -> training -> export -> parity references.
+# data -> tokenizer -> random starting checkpoint -> training -> export -> parity references
+# -> DSpark stages (greedy answers of the trained model, heads trained on its frozen hidden states,
+# exported into the same checkpoint with the main weights copied byte for byte).
 #
-#   bash tools/train/run_all.sh [--minutes 55] [--seed 18] [--out models/epd-nano]
+#   bash tools/train/run_all.sh [--minutes 55] [--dspark-minutes 40] [--seed 18] [--out models/epd-nano]
+#   bash tools/train/run_all.sh --dspark-only [--dspark-minutes 40] [--seed 18]  # step 6 alone, on OUT
 #
 # Needs: a built ./build/epd (bash deploy/build.sh) and, not part of CI,
 #   apt-get install -y --no-install-recommends python3-torch python3-numpy libopenblas0-pthread \
@@ -12,11 +15,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 MINUTES=55
+DSPARK_MINUTES=40
+DSPARK_ONLY=0
 SEED=18
 OUT=models/epd-nano
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --minutes) MINUTES="$2"; shift 2 ;;
+    --dspark-minutes) DSPARK_MINUTES="$2"; shift 2 ;;
+    --dspark-only) DSPARK_ONLY=1; shift ;;
     --seed) SEED="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     *) echo "run_all.sh: unknown argument $1" >&2; exit 2 ;;
@@ -30,6 +37,7 @@ mkdir -p "$W"
 
 # 1. Data: Debian-packaged documentation -> chat samples, fixed split (seeded).
 nice -n 19 "$PY" tools/train/prep_data.py --out "$W" --seed "$SEED"
+if [[ "$DSPARK_ONLY" == 0 ]]; then
 # 2. Tokenizer (the project's BPE trainer, model/bpe_trainer.cc) + random starting checkpoint.
 rm -rf "$W/init"
 nice -n 19 ./build/epd gen-model --out "$W/init" --tokenizer-corpus "$W/tokenizer_corpus.txt" \
@@ -49,4 +57,22 @@ nice -n 19 "$PY" tools/train/parity.py --model "$OUT" --ids "$W/heldout.ids" \
   --out tests/data/trained_nano_parity
 cp "$W/words.txt" tests/data/trained_nano_parity/words.txt
 cp "$W/heldout_plain.txt" tests/data/trained_nano_parity/heldout.txt
+else
+  if [[ ! -f "$W/init/model.safetensors" ]]; then  # the random start of the DSpark stages
+    nice -n 19 ./build/epd gen-model --out "$W/init" --tokenizer-corpus "$W/tokenizer_corpus.txt" \
+      --seed "$SEED"
+  fi
+  nice -n 19 ./build/epd tokenize --model "$OUT" --in "$W/train.txt" --out "$W/train.ids"
+fi
+# 6. DSpark stages (mtp.*): the trained model's own greedy answers to 400 training prompts (the
+# C++ engine), the heads trained on the frozen main model's hidden states (train_dspark.py), then
+# exported into OUT: only mtp.* tensors change, every main tensor is copied byte for byte.
+nice -n 19 "$PY" tools/train/dspark_data.py --epd ./build/epd --model "$OUT" \
+  --train "$W/train.ids" --out "$W/greedy.ids" --n 400 --max-tokens 96 --seed "$SEED"
+rm -rf "$W/dspark"
+nice -n 19 "$PY" tools/train/train_dspark.py --model "$OUT" --train "$W/train.ids" \
+  --greedy "$W/greedy.ids" --mtp-init "$W/init" --out "$W/dspark" --minutes "$DSPARK_MINUTES" \
+  --seed "$SEED"
+nice -n 19 "$PY" tools/train/export.py --init "$OUT" --state "$W/dspark/state.pt" --out "$OUT" \
+  --only-prefix mtp.
 sha256sum "$OUT/model.safetensors"

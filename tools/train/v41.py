@@ -235,6 +235,7 @@ class V41(nn.Module):
             self.params[key] = nn.Parameter(torch.from_numpy(np.array(arr, np.float32)))
         self.fp8_names = set()
         self.fp4_names = set()
+        self.prequantized = set()  # "train" numerics: weights already holding quantized values
 
     def set_formats(self, tensors):
         """Records which tensors the checkpoint stores as FP8 / FP4 (fake-quant targets)."""
@@ -244,9 +245,19 @@ class V41(nn.Module):
             elif dt == "I8":
                 self.fp4_names.add(name)
 
+    def freeze_quantized(self, keep=lambda name: False):
+        """Replaces every tensor for which keep(name) is false by its fake-quantized value, once,
+        and stops quantizing it per call ("train" numerics, frozen weights: same values, cheaper)."""
+        with torch.no_grad():
+            for name, key in self.names.items():
+                if not keep(name):
+                    self.params[key].data = self.w(name).detach().clone()
+                    self.params[key].requires_grad_(False)
+                    self.prequantized.add(name)
+
     def w(self, name):
         p = self.params[self.names[name]]
-        if self.numerics == "train":
+        if self.numerics == "train" and name not in self.prequantized:
             if name in self.fp8_names:
                 return ste(p, w_fp8(p))
             if name in self.fp4_names:
