@@ -45,6 +45,7 @@ struct GetResult {
   std::string value;
   MissReason miss = MissReason::kAbsent;
   Tier tier = Tier::kAuto;  // the tier that served it
+  bool in_dest = false;     // the value went to the caller's ValueDest (value is empty)
 };
 
 struct TierStats {
@@ -64,7 +65,8 @@ class KvStore {
 
   LookupResult Lookup(std::span<const BlockHash> chain_hashes);
   // InvalidArgument (counted in epd_kv_bad_requests_total) for a malformed key or value.
-  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key);
+  // With `dest`, a hit is copied straight into dest(n) when it returns a buffer (in_dest = true).
+  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key, const ValueDest& dest = nullptr);
   absl::Status Put(Tier tier, std::string_view key, std::span<const uint8_t> value);
   // Pins (pin=true) or unpins a global-KV block in G1; a block only in G3 is loaded first.
   // Returns whether the block was found (and, for unpin, was pinned).

@@ -44,13 +44,20 @@ enum class BulkTransport {
   kUcx,     // values of at least bulk_min_bytes over UCX (the daemon's transfer engine); gRPC
             // carries only the control messages. Falls back to inline when the daemon has no
             // bulk endpoint.
+  kShm,     // every Get/Put as a one-key BatchGet/BatchPut: through the client's shared-memory
+            // segment on the same host (needs shared_memory), inline otherwise.
 };
 
 struct KvClientOptions {
   int deadline_ms = 10000;                      // Default: 10 s per call (and per bulk transfer)
   int max_message_bytes = 300 << 20;            // Default: 300 MiB (matches the daemon)
   BulkTransport bulk = BulkTransport::kInline;  // Default: inline
-  uint64_t bulk_min_bytes = 64 << 10;           // kUcx: smaller values stay inline. Default: 64 KiB
+  // BatchGet/BatchPut against a daemon on the same host (same boot id and pid namespace): values
+  // move through a memfd segment of this client that the daemon maps for the call, instead of
+  // inside the gRPC messages (docs/kvstore.md "Shared memory"). Falls back to inline across hosts
+  // or when the daemon cannot map it. Default: on
+  bool shared_memory = true;
+  uint64_t bulk_min_bytes = 64 << 10;  // kUcx: smaller values stay inline. Default: 64 KiB
   // kUcx: the transfer handshake's shared secret (must equal the daemon's --cluster-token).
   // Empty = $EPD_CLUSTER_TOKEN, else "epd-dev".
   std::string cluster_token;
@@ -66,6 +73,12 @@ struct KvClientOptions {
   std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)> debug_wrap_wire;
 };
 
+// One put of a batch.
+struct KvPut {
+  std::string_view key;
+  std::string_view value;
+};
+
 // What a worker or the router needs from "the kvstore": one daemon (KvStoreClient) or several on
 // a consistent-hash ring (ShardedKvClient, kvstore/sharded_kv_client.h). Thread-safe.
 class KvStoreApi {
@@ -75,6 +88,15 @@ class KvStoreApi {
                                               std::span<const BlockHash> chain_hashes) = 0;
   virtual absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) = 0;
   virtual absl::Status Put(Tier tier, std::string_view key, std::string_view value) = 0;
+  // Gets `keys` (a prefix's blocks) with one status per key, in order. The outer status fails
+  // only when the call as a whole failed. With stop_at_first_miss the keys after the first miss
+  // or failed key are not read (reported as misses). This default calls Get per key.
+  virtual absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(
+      Tier tier, std::span<const std::string> keys, bool stop_at_first_miss);
+  // Puts `items` with one status per item, in order (OK once stored). This default calls Put
+  // per item.
+  virtual absl::StatusOr<std::vector<absl::Status>> BatchPut(Tier tier,
+                                                             std::span<const KvPut> items);
 };
 
 class KvStoreClient final : public KvStoreApi {
@@ -90,6 +112,14 @@ class KvStoreClient final : public KvStoreApi {
   absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
   // OK only once the daemon acknowledged the put (for G3: it is in the WAL).
   absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
+  // One RPC for all keys (values through shared memory on the same host, else inline).
+  absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(Tier tier,
+                                                                  std::span<const std::string> keys,
+                                                                  bool stop_at_first_miss) override;
+  absl::StatusOr<std::vector<absl::Status>> BatchPut(Tier tier,
+                                                     std::span<const KvPut> items) override;
+  // Whether this client's batched calls use shared memory right now (same host, accepted).
+  bool shared_memory_active();
   absl::StatusOr<bool> Pin(std::string_view key, bool pin);
   absl::StatusOr<std::vector<TierStats>> Stats();
   const std::string& target() const { return target_; }
