@@ -94,6 +94,21 @@ LookupResult KvStore::Lookup(std::span<const BlockHash> chain_hashes) {
   return r;
 }
 
+absl::StatusOr<LookupResult> KvStore::Lookup(std::string_view /*config_fingerprint*/,
+                                             std::span<const BlockHash> chain_hashes) {
+  return Lookup(chain_hashes);
+}
+
+absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key) {
+  return Get(tier, key, nullptr);
+}
+
+absl::Status KvStore::Put(Tier tier, std::string_view key, std::string_view value) {
+  return Put(
+      tier, key,
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(value.data()), value.size()));
+}
+
 absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const ValueDest& dest) {
   GetResult r;
   if (tier == Tier::kG2) {

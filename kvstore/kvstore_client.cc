@@ -73,8 +73,10 @@ MissReason ParseMissReason(const std::string& s) {
 // KvStoreClient of that process: one UCX worker and progress thread instead of one per client.
 // Kept alive by its clients (weak cache). Thread-safe.
 struct SharedEngine {
-  prometheus::Registry registry;  // the engine's own epd_transfer_* families
-  std::unique_ptr<transfer::TransferEngine> engine;
+  prometheus::Registry own_registry;  // the engine's epd_transfer_* families when none is given
+  std::unique_ptr<transfer::TransferEngine> engine;  // null when injected (not owned)
+  transfer::TransferEngine* injected = nullptr;
+  transfer::TransferEngine* get() const { return injected != nullptr ? injected : engine.get(); }
   ~SharedEngine() {
     if (engine) engine->Shutdown();
   }
@@ -82,27 +84,31 @@ struct SharedEngine {
 
 absl::StatusOr<std::shared_ptr<SharedEngine>> MakeEngine(
     const transfer::UcxOptions& uo, const transfer::EngineOptions& eo,
-    const std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)>& wrap) {
+    const std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)>& wrap,
+    prometheus::Registry* registry) {
   auto shared = std::make_shared<SharedEngine>();
   std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
   if (wrap) wire = wrap(std::move(wire));
-  auto engine = transfer::TransferEngine::Create(std::move(wire), eo, shared->registry,
-                                                 common::SystemClock::Get());
+  auto engine = transfer::TransferEngine::Create(
+      std::move(wire), eo, registry != nullptr ? *registry : shared->own_registry,
+      common::SystemClock::Get());
   if (!engine.ok()) return engine.status();
   shared->engine = std::move(*engine);
   return shared;
 }
 
 absl::StatusOr<std::shared_ptr<SharedEngine>> GetSharedEngine(const transfer::UcxOptions& uo,
-                                                              const transfer::EngineOptions& eo) {
+                                                              const transfer::EngineOptions& eo,
+                                                              prometheus::Registry* registry) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<SharedEngine>> cache;
   const std::string key =
       absl::StrCat(eo.cluster_token, "\n", uo.net_devices, "\n",
-                   uo.mode == transfer::UcxOptions::Mode::kListener ? uo.listen_ip : "addr");
+                   uo.mode == transfer::UcxOptions::Mode::kListener ? uo.listen_ip : "addr", "\n",
+                   reinterpret_cast<uintptr_t>(registry));
   std::lock_guard<std::mutex> lock(mu);
   if (auto live = cache[key].lock()) return live;
-  auto made = MakeEngine(uo, eo, nullptr);
+  auto made = MakeEngine(uo, eo, nullptr, registry);
   if (made.ok()) cache[key] = *made;
   return made;
 }
@@ -119,7 +125,7 @@ class KvStoreClient::Impl {
     nonce_ = absl::StrCat("kv-", getpid(), "-", rd(), "-", rd());
   }
   ~Impl() {
-    if (engine_ && has_peer_) engine_->engine->Disconnect(peer_);
+    if (engine_ && has_peer_) engine_->get()->Disconnect(peer_);
   }
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -252,8 +258,13 @@ class KvStoreClient::Impl {
   }
 
   absl::StatusOr<transfer::TransferEngine*> EngineLocked() {
-    if (engine_) return engine_->engine.get();
+    if (engine_) return engine_->get();
     if (!engine_error_.ok()) return engine_error_;
+    if (options_.bulk_engine != nullptr) {  // injected by the owning process
+      engine_ = std::make_shared<SharedEngine>();
+      engine_->injected = options_.bulk_engine;
+      return engine_->get();
+    }
     // The daemon's mode decides ours: UCX refuses endpoints whose error-handling modes differ, and
     // the daemon connects back to us for gets, so against a TCP-listener daemon we listen too.
     if (auto s = HelloLocked(); !s.ok()) return s;
@@ -272,8 +283,9 @@ class KvStoreClient::Impl {
     }
     eo.node_name = "kvstore-client";
     // A fault-injecting client gets an engine of its own; the others share one per process.
-    auto engine = options_.debug_wrap_wire ? MakeEngine(uo, eo, options_.debug_wrap_wire)
-                                           : GetSharedEngine(uo, eo);
+    auto engine = options_.debug_wrap_wire
+                      ? MakeEngine(uo, eo, options_.debug_wrap_wire, options_.registry)
+                      : GetSharedEngine(uo, eo, options_.registry);
     if (!engine.ok()) {
       engine_error_ = engine.status();
       spdlog::warn("kvstore client: no UCX bulk path ({}); values travel inline",
@@ -281,7 +293,7 @@ class KvStoreClient::Impl {
       return engine_error_;
     }
     engine_ = std::move(*engine);
-    return engine_->engine.get();
+    return engine_->get();
   }
 
   std::mutex mu_;  // guards the engine and the daemon connection
@@ -298,32 +310,6 @@ class KvStoreClient::Impl {
   std::vector<std::unique_ptr<ClientSegment>> free_segments_;
   std::atomic<size_t> value_hint_{64 << 10};  // the largest value seen (sizes a get's segment)
 };
-
-absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> KvStoreApi::BatchGet(
-    Tier tier, std::span<const std::string> keys, bool stop_at_first_miss) {
-  std::vector<absl::StatusOr<GetResult>> out;
-  out.reserve(keys.size());
-  bool stopped = false;
-  for (const std::string& key : keys) {
-    if (stopped) {
-      GetResult skipped;
-      skipped.tier = tier;
-      out.push_back(std::move(skipped));
-      continue;
-    }
-    out.push_back(Get(tier, key));
-    stopped = stop_at_first_miss && (!out.back().ok() || !out.back()->found);
-  }
-  return out;
-}
-
-absl::StatusOr<std::vector<absl::Status>> KvStoreApi::BatchPut(Tier tier,
-                                                               std::span<const KvPut> items) {
-  std::vector<absl::Status> out;
-  out.reserve(items.size());
-  for (const KvPut& it : items) out.push_back(Put(tier, it.key, it.value));
-  return out;
-}
 
 double KvStoreClient::transfer_errors() const {
   double total = 0;

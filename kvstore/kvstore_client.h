@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "kvstore/hash_ring.h"
 #include "kvstore/kvstore.h"
+#include "kvstore/store_api.h"
 #include "kvstore/types.h"
 
 namespace epd::v1 {
@@ -33,8 +34,9 @@ namespace prometheus {
 class Registry;
 }
 namespace epd::transfer {
+class TransferEngine;
 class Wire;
-}
+}  // namespace epd::transfer
 
 namespace epd::kvstore {
 
@@ -66,37 +68,18 @@ struct KvClientOptions {
   // (the daemon connects back to it for gets; use an address the daemon can reach).
   // Default: 127.0.0.1
   std::string ucx_listen_ip = "127.0.0.1";
-  // kUcx: where epd_kv_transfer_errors_total{reason,direction} of this client is counted (must
-  // outlive the client). Null: a private registry (read it with transfer_errors()).
+  // kUcx: the owning process's registry (must outlive the client and the engine it creates):
+  // epd_kv_transfer_errors_total{reason,direction} of this client is counted there, and so are
+  // the epd_transfer_* families of the engine the client creates (one per process and registry;
+  // they merge with other engines' series of the same labels), so the process's /metrics shows
+  // them. Null: a private registry (read the errors with transfer_errors()).
   prometheus::Registry* registry = nullptr;
+  // kUcx: a transfer engine the owning process created and owns (its handshake fingerprint must
+  // be kBulkFingerprint, kvstore/bulk.h, and its cluster token the daemon's); must outlive the
+  // client. Null: the client creates or shares one (above).
+  transfer::TransferEngine* bulk_engine = nullptr;
   // TEST ONLY (kUcx): wraps the client's UCX wire, e.g. with transfer::MakeFaultWire.
   std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)> debug_wrap_wire;
-};
-
-// One put of a batch.
-struct KvPut {
-  std::string_view key;
-  std::string_view value;
-};
-
-// What a worker or the router needs from "the kvstore": one daemon (KvStoreClient) or several on
-// a consistent-hash ring (ShardedKvClient, kvstore/sharded_kv_client.h). Thread-safe.
-class KvStoreApi {
- public:
-  virtual ~KvStoreApi() = default;
-  virtual absl::StatusOr<LookupResult> Lookup(std::string_view config_fingerprint,
-                                              std::span<const BlockHash> chain_hashes) = 0;
-  virtual absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) = 0;
-  virtual absl::Status Put(Tier tier, std::string_view key, std::string_view value) = 0;
-  // Gets `keys` (a prefix's blocks) with one status per key, in order. The outer status fails
-  // only when the call as a whole failed. With stop_at_first_miss the keys after the first miss
-  // or failed key are not read (reported as misses). This default calls Get per key.
-  virtual absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(
-      Tier tier, std::span<const std::string> keys, bool stop_at_first_miss);
-  // Puts `items` with one status per item, in order (OK once stored). This default calls Put
-  // per item.
-  virtual absl::StatusOr<std::vector<absl::Status>> BatchPut(Tier tier,
-                                                             std::span<const KvPut> items);
 };
 
 class KvStoreClient final : public KvStoreApi {
@@ -120,7 +103,7 @@ class KvStoreClient final : public KvStoreApi {
                                                      std::span<const KvPut> items) override;
   // Whether this client's batched calls use shared memory right now (same host, accepted).
   bool shared_memory_active();
-  absl::StatusOr<bool> Pin(std::string_view key, bool pin);
+  absl::StatusOr<bool> Pin(std::string_view key, bool pin) override;
   absl::StatusOr<std::vector<TierStats>> Stats();
   const std::string& target() const { return target_; }
   // Bulk transfers of this client that failed (all reasons, both directions).

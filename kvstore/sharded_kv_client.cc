@@ -151,6 +151,14 @@ absl::Status ShardedKvClient::Put(Tier tier, std::string_view key, std::string_v
   return Note(shard, shard.client->Put(tier, key, value));
 }
 
+absl::StatusOr<bool> ShardedKvClient::Pin(std::string_view key, bool pin) {
+  Shard& shard = *shards_[ShardIndex(key)];
+  if (auto s = CheckUp(shard); !s.ok()) return s;
+  auto r = shard.client->Pin(key, pin);
+  Note(shard, r.status()).IgnoreError();
+  return r;
+}
+
 absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> ShardedKvClient::BatchGet(
     Tier tier, std::span<const std::string> keys, bool stop_at_first_miss) {
   if (shards_.size() == 1) {

@@ -47,6 +47,7 @@ class ShardedKvClient final : public KvStoreApi {
                                       std::span<const BlockHash> chain_hashes) override;
   absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
   absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
+  absl::StatusOr<bool> Pin(std::string_view key, bool pin) override;
   // One BatchGet/BatchPut per daemon that owns some of the keys; a down daemon's keys fail with
   // its status, the others are served. stop_at_first_miss is applied to the merged result.
   absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(Tier tier,

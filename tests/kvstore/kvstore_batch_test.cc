@@ -16,8 +16,11 @@
 #include <thread>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
 #include "epd/v1/kvstore.grpc.pb.h"
+#include "kvstore/kvstore.h"
 #include "kvstore/kvstore_client.h"
 #include "kvstore/sharded_kv_client.h"
 #include "tests/kvstore/daemon_util.h"
@@ -298,6 +301,74 @@ TEST(KvStoreBatchTest, ShardedClientSplitsABatchOverItsDaemons) {
     EXPECT_EQ(Scrape(d->metrics_port, "epd_kv_batch_calls_total{op=\"get\"}"), 1);
     EXPECT_EQ(Scrape(d->metrics_port, "epd_kv_batch_calls_total{op=\"put\"}"), 1);
   }
+}
+
+// The same calls through KvStoreApi against the in-process KvStore and against a daemon's client:
+// the same answers, and failures as the same status codes.
+std::string Transcript(KvStoreApi& store) {
+  std::string t;
+  auto code = [](const absl::Status& s) { return absl::StatusCodeToString(s.code()); };
+  const std::vector<std::string> keys = Keys(0, 4);
+  const std::vector<std::string> values{Payload(1, kBlock), Payload(2, 10), Payload(3, 1),
+                                        Payload(4, kBlock)};
+  std::vector<KvPut> puts;
+  for (int i = 0; i < 3; ++i) puts.push_back({keys[i], values[i]});
+  puts.push_back({"short-key", values[3]});
+  auto put = store.BatchPut(Tier::kG3, puts);
+  absl::StrAppend(&t, "batchput ", code(put.status()));
+  if (put.ok())
+    for (const auto& s : *put) absl::StrAppend(&t, " ", code(s));
+  absl::StrAppend(&t, "\nput g2 ", code(store.Put(Tier::kG2, "snap", values[1])));
+  std::vector<BlockHash> chain;
+  for (int i = 0; i < 4; ++i) chain.push_back(Key(i));
+  auto look = store.Lookup("fp", chain);
+  absl::StrAppend(&t, "\nlookup ", code(look.status()), " ", look.ok() ? look->cached_blocks : -1);
+  auto get = store.Get(Tier::kG3, keys[1]);
+  absl::StrAppend(&t, "\nget ", code(get.status()), " ", get.ok() && get->value == values[1]);
+  auto bad = store.Get(Tier::kG3, "short-key");
+  absl::StrAppend(&t, "\nget bad ", code(bad.status()));
+  auto snap = store.Get(Tier::kG2, "snap");
+  absl::StrAppend(&t, "\nget g2 ", snap.ok() && snap->found && snap->value == values[1]);
+  auto batch = store.BatchGet(Tier::kAuto, keys, true);
+  absl::StrAppend(&t, "\nbatchget ", code(batch.status()));
+  if (batch.ok()) {
+    for (size_t i = 0; i < batch->size(); ++i) {
+      const auto& r = (*batch)[i];
+      absl::StrAppend(&t, " ", code(r.status()), ":",
+                      r.ok() ? (r->found ? (r->value == values[i] ? "same" : "DIFF")
+                                         : std::string(MissReasonName(r->miss)))
+                             : "-");
+    }
+  }
+  auto pin = store.Pin(keys[0], true);
+  absl::StrAppend(&t, "\npin ", code(pin.status()), " ", pin.ok() && *pin);
+  auto pin_missing = store.Pin(keys[3], true);
+  absl::StrAppend(&t, "\npin missing ", code(pin_missing.status()), " ",
+                  pin_missing.ok() && *pin_missing);
+  return t;
+}
+
+TEST(KvStoreBatchTest, TheInProcessStoreAndADaemonClientAnswerAlikeThroughOneInterface) {
+  TempDir dir;
+  Daemon d;
+  StartDaemon(dir, "d", &d);
+  common::FakeClock clock;
+  prometheus::Registry registry;
+  KvStoreConfig config;
+  config.data_dir = dir.File("in-process");
+  config.g1.capacity_bytes = 16 * kBlock;
+  auto local = KvStore::Open(config, clock, registry);
+  ASSERT_TRUE(local.ok()) << local.status();
+  const std::string in_process = Transcript(**local);
+  const std::string remote = Transcript(*d.client);
+  EXPECT_EQ(in_process, remote);
+  // And the transcript says what it should.
+  EXPECT_NE(in_process.find("batchput OK OK OK OK INVALID_ARGUMENT"), std::string::npos)
+      << in_process;
+  EXPECT_NE(in_process.find("get bad INVALID_ARGUMENT"), std::string::npos) << in_process;
+  EXPECT_NE(in_process.find("batchget OK OK:same OK:same OK:same OK:absent"), std::string::npos)
+      << in_process;
+  EXPECT_NE(in_process.find("pin missing OK 0"), std::string::npos) << in_process;
 }
 
 }  // namespace
