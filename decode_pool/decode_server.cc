@@ -499,7 +499,9 @@ class DecodeHandler final : public worker::JobHandler {
             sl.out_lp.insert(sl.out_lp.end(), q.logprobs.begin() + from,
                              q.logprobs.begin() + q.output.size());
         }
-        if (q.done && !sl.finished) {
+        if (!q.error.ok()) {
+          sl.error = q.error;  // this request alone failed in the step
+        } else if (q.done && !sl.finished) {
           sl.finished = true;
           sl.finish = q.finish_reason;
         }

@@ -41,6 +41,12 @@ absl::StatusOr<std::unique_ptr<DecodeSequence>> DecodeStage::Begin(
   return seq;
 }
 
+void DecodeStage::Fail(DecodeSequence& seq, absl::Status why) const {
+  seq.done = true;
+  seq.finish_reason = "error";
+  seq.error = std::move(why);
+}
+
 bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> logits) const {
   if (seq.done) return false;
   if (seq.sampler->IsStopToken(tok)) {
@@ -175,10 +181,15 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
     states.push_back(s->state.get());
     tokens.push_back({s->pending});
   }
-  auto res = model::DecodeStep(model_, states, tokens);
+  std::vector<absl::Status> failed;
+  auto res = model::DecodeStep(model_, states, tokens, &failed);
   if (!res.ok()) return res.status();
   const int64_t vocab = model_.config().vocab_size;
   for (size_t i = 0; i < live.size(); ++i) {
+    if (!failed[i].ok()) {
+      Fail(*live[i], std::move(failed[i]));
+      continue;
+    }
     const std::vector<float>& l = (*res)[i].logits;
     const size_t before = live[i]->output.size();
     Offer(*live[i], std::span<const float>(l.data() + l.size() - vocab, vocab));
@@ -193,8 +204,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   std::vector<DraftProposal> props;
   std::vector<model::SequenceState*> states;
   std::vector<std::vector<int32_t>> tokens;
-  std::vector<model::StepCheckpoint> checkpoints(live.size());
-  std::vector<char> calibrated(live.size(), 0);
+  std::vector<model::StepCheckpoint> checkpoints;
+  std::vector<DecodeSequence*> stepped;  // the sequences whose draft succeeded, in order
+  std::vector<char> calibrated;  // per stepped sequence: k chosen by the calibrated policy
   props.reserve(live.size());
   // Calibration + backoff apply to greedy requests under the policy (for T > 0 the k sequence
   // must depend on the request alone, see below).
@@ -212,16 +224,17 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     int k = options_.fixed_k;
     const bool calib =
         options_.calibrate && k < 0 && s.sampler->params().greedy() && options_.max_k > 0;
-    calibrated[i] = calib;
     if (calib) k = backoff || !policy_.WorthDrafting(b) ? 0 : cap;  // draft all, choose below
     if (cap == 0) k = 0;
     // T > 0: k changes how the seeded Rng is consumed, so the policy sees batch 1 (k then
     // depends on the request alone and a seed reproduces its output whatever else is running).
     const int policy_batch = s.sampler->params().greedy() ? b : 1;
     auto prop = drafter_.Propose(*s.state, s.pending, *s.sampler, k, policy_batch);
-    if (!prop.ok())
-      return absl::Status(prop.status().code(),
-                          absl::StrCat("dspark draft: ", prop.status().message()));
+    if (!prop.ok()) {
+      Fail(s, absl::Status(prop.status().code(),
+                           absl::StrCat("dspark draft: ", prop.status().message())));
+      continue;
+    }
     if (!prop->confidence.empty()) ++st.draft_passes;
     if (calib && !prop->confidence.empty()) {
       // Greedy drafts are a prefix-consistent chain: any k <= the drafted count is valid.
@@ -246,20 +259,30 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     std::vector<int32_t> ids = {s.pending};
     ids.insert(ids.end(), prop->drafts.begin(), prop->drafts.end());
-    if (prop->k > 0) checkpoints[i] = model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()));
+    checkpoints.push_back(prop->k > 0 ? model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()))
+                                      : model::StepCheckpoint{});
+    stepped.push_back(&s);
+    calibrated.push_back(calib);
     states.push_back(s.state.get());
     tokens.push_back(std::move(ids));
     props.push_back(std::move(*prop));
   }
-  auto res = model::DecodeStep(model_, states, tokens);
+  std::vector<absl::Status> failed;
+  auto res = model::DecodeStep(model_, states, tokens, &failed);
   if (!res.ok()) return res.status();
-  for (size_t i = 0; i < live.size(); ++i) {
-    DecodeSequence& s = *live[i];
+  for (size_t i = 0; i < stepped.size(); ++i) {
+    DecodeSequence& s = *stepped[i];
+    if (!failed[i].ok()) {
+      Fail(s, std::move(failed[i]));
+      continue;
+    }
     const DraftProposal& p = props[i];
     const std::vector<float>& logits = (*res)[i].logits;
-    if (static_cast<int64_t>(logits.size()) != (p.k + 1) * V)
-      return absl::InternalError(absl::StrCat("decode step returned ", logits.size() / V,
-                                              " logit rows for ", p.k + 1, " positions"));
+    if (static_cast<int64_t>(logits.size()) != (p.k + 1) * V) {
+      Fail(s, absl::InternalError(absl::StrCat("decode step returned ", logits.size() / V,
+                                               " logit rows for ", p.k + 1, " positions")));
+      continue;
+    }
     // Constrained: row j is masked by the grammar after drafts 0..j-1; the rows after the first
     // draft the grammar refuses are left as they are (verification rejects that draft: its
     // masked probability is 0), so the output equals the unspeculated constrained output.
@@ -280,8 +303,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     if (p.k > 0) {
       const std::span<const int32_t> keep =
           std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);
-      if (absl::Status r = model_.Rollback(*s.state, checkpoints[i], keep, (*res)[i]); !r.ok())
-        return absl::Status(r.code(), absl::StrCat("dspark rollback: ", r.message()));
+      if (absl::Status r = model_.Rollback(*s.state, checkpoints[i], keep, (*res)[i]); !r.ok()) {
+        Fail(s, absl::Status(r.code(), absl::StrCat("dspark rollback: ", r.message())));
+        continue;
+      }
     }
     if (calibrated[i] && p.k > 0) {
       // Position j was tested iff drafts 1..j-1 were accepted.

@@ -41,7 +41,10 @@ struct DecodeSequence {
   std::vector<model::Logprobs> logprobs;
   int32_t pending = -1;  // last sampled token, not yet fed to the model
   bool done = false;
-  std::string finish_reason;  // "stop" | "length" once done
+  std::string finish_reason;  // "stop" | "length" | "error" once done
+  // Why this sequence failed in a step (then done, finish_reason "error"): only it fails, the
+  // other sequences of the batch go on (DecodeStage::Step).
+  absl::Status error;
   int64_t drafted = 0;        // DSpark drafts verified for this sequence (sum of k)
   int64_t accepted = 0;       // of which accepted
   // Constrained decoding (decode_pool/grammar/): the output so far against the request's
@@ -117,7 +120,10 @@ class DecodeStage {
 
   // Advances every sequence of `batch` that is not done (one batched DecodeStep): one token each
   // with DSpark off, 1..k+1 with DSpark on. `stats` (optional) receives what the step did.
-  // On error no sequence of the batch may be used further (the caller fails them).
+  // A sequence that fails on its own (a bad token, a state the model refuses, its draft or
+  // rollback) is marked done with `error` set and drops out; the others advance as if it had not
+  // been in the batch. A returned error (none today but an internal inconsistency) means no
+  // sequence of the batch may be used further (the caller fails them).
   [[nodiscard]] absl::Status Step(std::span<DecodeSequence* const> batch,
                                   DecodeStepStats* stats = nullptr);
 
@@ -138,6 +144,8 @@ class DecodeStage {
   // Appends an already chosen token (its row's raw logits for logprobs); returns false once the
   // sequence is done (stop id: not appended; max_tokens reached: appended, then done).
   bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits) const;
+  // Ends `seq` with `why` (done, finish_reason "error"); the rest of the batch goes on.
+  void Fail(DecodeSequence& seq, absl::Status why) const;
   absl::Status StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
   absl::Status StepDSpark(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
 

@@ -146,17 +146,22 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
 
 absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
     const Model& model, std::span<SequenceState* const> states,
-    std::span<const std::vector<int32_t>> tokens) {
+    std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed) {
   if (states.size() != tokens.size()) {
     return absl::InvalidArgumentError("decode step: one token list per sequence");
   }
+  if (failed != nullptr) failed->assign(states.size(), absl::OkStatus());
   std::vector<ForwardResult> out;
   out.reserve(states.size());
   for (size_t b = 0; b < states.size(); ++b) {
     auto r = model.Extend(*states[b], tokens[b], /*all_logits=*/true);
-    if (!r.ok())
-      return absl::Status(r.status().code(),
-                          absl::StrCat("sequence ", b, ": ", r.status().message()));
+    if (!r.ok()) {
+      absl::Status st(r.status().code(), absl::StrCat("sequence ", b, ": ", r.status().message()));
+      if (failed == nullptr) return st;
+      (*failed)[b] = std::move(st);
+      out.emplace_back();
+      continue;
+    }
     out.push_back(std::move(*r));
   }
   return out;

@@ -75,8 +75,12 @@ int64_t DecoderTailRows(const ModelConfig& config);
 // One decode step for a batch: sequence b gets tokens[b] (1..k+1 positions: the last token and
 // k drafts) at its own position; logits of every position. Each row behaves exactly like a
 // single-token Decode (so greedy verification equals plain decoding).
+// `failed` null: the first sequence that fails fails the call (the states of the batch are then
+// unspecified). `failed` given: it receives one status per sequence; a sequence that fails gets
+// its status there and an empty result (its state must not be used further) and the others run
+// as if it were not in the batch — one bad request does not fail its neighbours.
 [[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
     const Model& model, std::span<SequenceState* const> states,
-    std::span<const std::vector<int32_t>> tokens);
+    std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed = nullptr);
 
 }  // namespace epd::model

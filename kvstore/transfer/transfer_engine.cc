@@ -326,7 +326,9 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   if (stopping_) {
     bad = absl::CancelledError("transfer engine shutting down");
   } else if (pit == peers_.end() || pit->second->state != Peer::State::kReady) {
-    bad = absl::FailedPreconditionError(absl::StrCat("Send: peer ", peer, " is not connected"));
+    // A peer that is gone (closed, failed, died) is a transient condition of the cluster, not of the
+    // request: UNAVAILABLE, so the router re-dispatches the request elsewhere.
+    bad = absl::UnavailableError(absl::StrCat("Send: peer ", peer, " is not connected"));
   }
   if (!bad.ok()) {
     if (mem != 0) {

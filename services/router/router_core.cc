@@ -451,8 +451,7 @@ RouterCore::DecodeRead RouterCore::ReadDecode(RequestState& state, const Plan& p
   epd::v1::SubmitResponse m;
   while (decode.Read(&m)) {
     if (!m.error().empty()) {
-      r.error = absl::InternalError(
-          absl::StrCat("decode worker '", plan.decode.id, "' failed: ", m.error()));
+      r.error = StageError(m, absl::StrCat("decode worker '", plan.decode.id, "'"));
       run.cancel();
       break;
     }
@@ -545,15 +544,17 @@ RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan
                      "worker_failed"),
             /*worker_lost=*/true};
   }
+  const bool stopped = state.assembler.stopped();
+  // A decode worker found unreachable is dropped even when a side stage failed first (its
+  // hand-off to that worker is what failed): the retry must not pick it again.
+  const bool unreachable = !stopped && fin.code() == absl::StatusCode::kUnavailable;
+  if (unreachable) {
+    registry_.MarkFailed(plan.decode.id, std::string(fin.message()));
+    client_.Forget(plan.decode);
+  }
   if (!sides.error().ok()) return {sides.error()};
   if (!error.ok()) return {error};
-  const bool stopped = state.assembler.stopped();
   if (!stopped && !fin.ok()) {
-    const bool unreachable = fin.code() == absl::StatusCode::kUnavailable;
-    if (unreachable) {
-      registry_.MarkFailed(plan.decode.id, std::string(fin.message()));
-      client_.Forget(plan.decode);
-    }
     return {ApiError(absl::StatusCode::kUnavailable,
                      absl::StrCat("decode worker '", plan.decode.id, "' failed",
                                   streamed_any ? " mid-generation" : "", ": ", fin.message()),

@@ -37,6 +37,14 @@ std::vector<StageJob> BuildChain(const epd::v1::Job& base, const Plan& plan) {
   return chain;
 }
 
+absl::Status StageError(const epd::v1::SubmitResponse& m, const std::string& who) {
+  std::string message = absl::StrCat(who, " failed: ", m.error());
+  if (m.error_code() == absl::StatusCodeToString(absl::StatusCode::kUnavailable)) {
+    return absl::UnavailableError(std::move(message));
+  }
+  return absl::InternalError(std::move(message));
+}
+
 SideStages::SideStages(WorkerClient& client, Registry& registry, std::vector<StageJob> stages,
                        std::function<void()> on_failure,
                        std::function<void(const std::string&)> on_handoff)
@@ -67,8 +75,7 @@ void SideStages::Watch(Stage* s) {
   bool handed_off = false;
   while (s->stream->Read(&m)) {
     if (!m.error().empty() && !handed_off) {
-      st = absl::InternalError(
-          absl::StrCat(PoolName(w.pool), " worker '", w.id, "' failed: ", m.error()));
+      st = StageError(m, absl::StrCat(PoolName(w.pool), " worker '", w.id, "'"));
     }
     if (w.pool == PoolKind::kEncoder && m.has_cached_tokens()) {
       absl::MutexLock lock(&mu_);

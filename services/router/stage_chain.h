@@ -29,6 +29,12 @@ struct StageJob {
 // of `base` with its stage, final flag and neighbours' worker ids and transfer addresses.
 std::vector<StageJob> BuildChain(const epd::v1::Job& base, const Plan& plan);
 
+// The status of a stage's error message `m` (m.error() non-empty), its message prefixed with
+// `who`: Unavailable when the worker reported the failure as UNAVAILABLE (m.error_code(): a
+// hand-off whose peer was gone, a transport that failed), which the router may retry elsewhere;
+// Internal otherwise (a property of the request, not of the cluster).
+absl::Status StageError(const epd::v1::SubmitResponse& m, const std::string& who);
+
 // The side (non-final) stages of one attempt. Start submits them (last first: a stage waits for
 // its inbound hand-off keyed by request_id) and reads each stream on its own thread. A stage that
 // reports an error, or whose stream fails before it handed off, records error() and calls

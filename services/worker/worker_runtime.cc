@@ -103,6 +103,7 @@ class ControlService final : public epd::v1::WorkerControl::Service {
     epd::v1::SubmitResponse r;
     r.set_request_id(job->request_id());
     r.set_error(std::string(st.message()));
+    r.set_error_code(absl::StatusCodeToString(st.code()));
     r.set_finish_reason("error");
     emit(r);
     return grpc::Status::OK;

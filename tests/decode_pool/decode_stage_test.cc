@@ -255,6 +255,41 @@ TEST_F(DecodeStageDSparkTest, DecodeAloneEqualsTheStagedChainOnLongPrompts) {
   EXPECT_EQ((*alone)->output.size(), 12u);
 }
 
+// One request that fails inside a batched step (here a token the model refuses) fails alone: it
+// is done with its error, and its neighbour's output equals its output run alone (shared/REVIEW.md:
+// one bad request used to fail its whole batch). DSpark off (the model refuses the token) and on
+// (the draft pass refuses it).
+TEST_F(DecodeStageDSparkTest, ASequenceThatFailsInAStepFailsAloneAndTheBatchGoesOn) {
+  const int32_t vocab = static_cast<int32_t>(model_->config().vocab_size);
+  SamplingParams params;
+  params.max_tokens = 10;
+  for (int on = 0; on < 2; ++on) {
+    SCOPED_TRACE(on == 1 ? "dspark" : "plain");
+    DecodeStage stage(*model_, {.dspark = on == 1, .fixed_k = 3});
+    auto alone = stage.StartFromPrompt(Prompt(60, 3), params);
+    ASSERT_TRUE(alone.ok()) << alone.status();
+    while (!(*alone)->done) {
+      DecodeSequence* b[] = {alone->get()};
+      ASSERT_TRUE(stage.Step(b).ok());
+    }
+    auto good = stage.StartFromPrompt(Prompt(60, 3), params);
+    auto bad = stage.StartFromPrompt(Prompt(25, 4), params);
+    ASSERT_TRUE(good.ok() && bad.ok());
+    for (int step = 0; !(*good)->done; ++step) {
+      if (step == 1) (*bad)->pending = vocab + 7;
+      std::vector<DecodeSequence*> b;
+      if (!(*bad)->done) b.push_back(bad->get());  // the bad one first in the batch
+      b.push_back(good->get());
+      ASSERT_TRUE(stage.Step(b).ok());
+    }
+    EXPECT_TRUE((*bad)->done);
+    EXPECT_EQ((*bad)->finish_reason, "error");
+    EXPECT_EQ((*bad)->error.code(), absl::StatusCode::kInvalidArgument) << (*bad)->error;
+    EXPECT_EQ((*good)->output, (*alone)->output);
+    EXPECT_TRUE((*good)->error.ok());
+  }
+}
+
 // max_tokens caps the output even when a step accepts several drafts.
 TEST_F(DecodeStageDSparkTest, NeverEmitsPastMaxTokens) {
   DecodeStage spec(*model_, {.dspark = true, .fixed_k = 5});

@@ -24,6 +24,8 @@ struct Script {
   std::vector<epd::v1::SubmitResponse> messages;
   absl::Status status;              // the stream's final status
   bool block_until_cancel = false;  // after the messages, wait for Cancel
+  bool broken = false;              // Finish reports `status` even after a Cancel (the
+                                    // connection had broken before the router cancelled)
 };
 
 class ScriptedStream final : public JobStream {
@@ -41,7 +43,7 @@ class ScriptedStream final : public JobStream {
   }
   absl::Status Finish() override {
     absl::MutexLock lock(&mu_);
-    return cancelled_ ? absl::CancelledError("cancelled") : script_.status;
+    return cancelled_ && !script_.broken ? absl::CancelledError("cancelled") : script_.status;
   }
   void Cancel() override {
     absl::MutexLock lock(&mu_);
@@ -380,6 +382,74 @@ TEST_F(RouterCoreTest, SideStageErrorFailsTheRequestAndCancelsDecode) {
   EXPECT_NE(out.status().message().find("entry_count"), absl::string_view::npos);
   EXPECT_EQ(client_.Cancels("d0"), 1);
   EXPECT_EQ(registry_.Count(PoolKind::kPrefill), 1);  // a request error is not a dead worker
+  EXPECT_EQ(client_.jobs.size(), 3u);                 // and it is not re-dispatched
+}
+
+// A hand-off whose peer just died (the worker reports error_code UNAVAILABLE, e.g. "Send: peer 3
+// is not connected") is a property of the cluster, not of the request: the request is
+// dispatched again, and the decode worker whose stream broke is dropped from the registry.
+TEST_F(RouterCoreTest, HandoffToAPeerThatJustDiedIsRedispatched) {
+  ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  std::string dead;
+  int prefill_jobs = 0;
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job& job) {
+    Script s;
+    epd::v1::SubmitResponse r;
+    if (w.pool == PoolKind::kDecode) {
+      if (dead.empty()) {  // the first decode worker dies before its hand-off arrives
+        dead = w.id;
+        s.status = absl::UnavailableError("Socket closed");
+        s.block_until_cancel = true;  // the router notices once the hand-off failed
+        s.broken = true;
+        return s;
+      }
+      return Bytes("ok");
+    }
+    if (w.pool == PoolKind::kPrefill && ++prefill_jobs == 1) {
+      EXPECT_EQ(job.next_worker_id(), dead);
+      r.set_error("prefill -> decode hand-off: Send: peer 3 is not connected");
+      r.set_error_code("UNAVAILABLE");
+    } else {
+      r.set_finish_reason("handoff");
+    }
+    s.messages.push_back(r);
+    return s;
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "ok");
+  EXPECT_EQ(prefill_jobs, 2);
+  EXPECT_EQ(registry_.Count(PoolKind::kPrefill), 1);  // the sender is fine
+  EXPECT_EQ(registry_.Count(PoolKind::kDecode), 1);   // the dead decode worker is dropped
+  EXPECT_NE(out->decode_worker, dead);
+}
+
+TEST_F(RouterCoreTest, DecodeReportingUnavailableBeforeAnyTokenIsRedispatched) {
+  ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("d1", PoolKind::kDecode)).ok());
+  client_.script = [&](const WorkerInfo&, const epd::v1::Job&) {
+    if (client_.jobs.empty()) {
+      Script s;
+      epd::v1::SubmitResponse r;
+      r.set_error("prefill -> decode hand-off: UCX peer is not connected");
+      r.set_error_code("UNAVAILABLE");
+      r.set_finish_reason("error");
+      s.messages.push_back(r);
+      return s;
+    }
+    return Bytes("ok");
+  };
+  auto req = core_.Prepare(Completion("hello"));
+  Recorder rec;
+  auto out = core_.Run(*req, &rec);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ(rec.content, "ok");
+  EXPECT_EQ(client_.jobs.size(), 2u);
 }
 
 std::vector<int32_t> Ids(const std::string& text) {

@@ -204,6 +204,16 @@ TEST_P(UcxTest, SigkillOfTheReceiverFailsTheSenderCleanly) {
   EXPECT_FALSE(st.ok());
   EXPECT_LT(took, std::chrono::seconds(8));
   tx->Forget(*id);
+  // The next hand-off to the dead peer is refused at once as UNAVAILABLE (the router re-dispatches
+  // on that code), and it holds nothing.
+  auto again = tx->Send(*p, m, std::move(*tx->Allocate(TotalBytes(m))), opts);
+  if (again.ok()) {
+    absl::Status st2 = tx->Wait(*again, absl::Seconds(10));
+    EXPECT_EQ(st2.code(), absl::StatusCode::kUnavailable) << st2;
+    tx->Forget(*again);
+  } else {
+    EXPECT_EQ(again.status().code(), absl::StatusCode::kUnavailable) << again.status();
+  }
   ExpectReleased(*tx);
 }
 
