@@ -13,9 +13,9 @@ Scheduler::Scheduler(SchedulerOptions options, Registry& registry, PrefixOracle&
       oracle_(oracle),
       decisions_(prometheus::BuildCounter()
                      .Name("epd_route_decisions_total")
-                     .Help("Requests by the chain of pools that served them (epd, ed, d)")
+                     .Help("Requests by the chain of pools that served them (epd, d)")
                      .Register(metrics)) {
-  for (const char* route : {"epd", "ed", "d"}) decisions_.Add({{"route", route}});
+  for (const char* route : {"epd", "d"}) decisions_.Add({{"route", route}});
 }
 
 absl::StatusOr<Plan> Scheduler::Schedule(const std::vector<int32_t>& prompt_ids) {
@@ -30,9 +30,15 @@ absl::StatusOr<Plan> Scheduler::Schedule(const std::vector<int32_t>& prompt_ids)
   const int64_t uncached = static_cast<int64_t>(prompt_ids.size()) - plan.cached_tokens;
   if (uncached > options_.direct_decode_max_tokens) {
     plan.encoder = registry_.Pick(PoolKind::kEncoder, hint.workers);
-    // Prefill starts from the encoder's hand-off: without a live encoder the decode worker
-    // computes the whole prompt (route "d") rather than sending prefill a job it must refuse.
+    // Prefill starts from the encoder's hand-off and decode from prefill's: the chain is all
+    // three or decode alone. Without a live encoder, or without a live prefill worker (decode
+    // cannot start from an encoder's output: it carries no decoder-layer state and no logits), the
+    // decode worker computes the whole prompt (route "d").
     if (plan.encoder) plan.prefill = registry_.Pick(PoolKind::kPrefill, hint.workers);
+    if (plan.encoder && !plan.prefill) {
+      registry_.Release(plan.encoder->id);
+      plan.encoder.reset();
+    }
   }
   // Only the encoder reuses a stored prefix (the tail rule applies to it); a chain without it
   // computes the whole prompt and the router reports 0 cached (router_core.cc).

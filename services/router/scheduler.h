@@ -34,7 +34,7 @@ struct Plan {
   WorkerInfo decode;
   int32_t cached_tokens = 0;  // the prefix hint (capped by the tail rule when an encoder runs)
   std::string fingerprint;
-  std::string route;  // "epd" | "ed" | "d" (prefill never runs without an encoder)
+  std::string route;  // "epd" | "d" (the chain is all three pools or decode alone)
 };
 
 // Thread-safe.

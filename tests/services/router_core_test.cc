@@ -667,18 +667,20 @@ TEST_F(RouterCoreTest, NChoicesAreNotMigrated) {
 TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
   ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
   ASSERT_TRUE(registry_.Register(Worker("e1", PoolKind::kEncoder)).ok());
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   ASSERT_TRUE(registry_.Register(Worker("d0", PoolKind::kDecode)).ok());
   std::string dead;
-  client_.script = [&](const WorkerInfo& w, const epd::v1::Job& job) {
+  int decode_jobs = 0;
+  client_.script = [&](const WorkerInfo& w, const epd::v1::Job&) {
     Script s;
     if (w.pool == PoolKind::kDecode) {
-      if (dead.empty()) {  // the first chain's encoder dies: its decode waits in vain
-        dead = job.prev_worker_id();
+      if (decode_jobs++ == 0) {  // the first chain's encoder dies: its decode waits in vain
         s.block_until_cancel = true;
         return s;
       }
       return Bytes("ok");
     }
+    if (w.pool == PoolKind::kEncoder && dead.empty()) dead = w.id;
     if (w.id == dead) {
       s.status = absl::UnavailableError("Socket closed");
     } else {
@@ -693,6 +695,7 @@ TEST_F(RouterCoreTest, EncoderDeathBeforeTheHandoffIsRetriedOnAnotherEncoder) {
   auto out = core_.Run(*req, &rec);
   ASSERT_TRUE(out.ok()) << out.status();
   EXPECT_EQ(rec.content, "ok");
+  EXPECT_EQ(decode_jobs, 2);
   EXPECT_EQ(registry_.Count(PoolKind::kEncoder), 1);  // the dead one is dropped
   EXPECT_EQ(client_.forgotten, std::vector<std::string>{dead});
 }

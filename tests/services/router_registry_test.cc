@@ -148,7 +148,17 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   EXPECT_FALSE(plan->prefill.has_value());
   EXPECT_EQ(plan->fingerprint, "fp1");
   sched.Release(*plan);
+  // Decode cannot start from an encoder's output either: an encoder with no live prefill worker
+  // is not used (nor held).
+  registry_.MarkFailed("p0", "test");
   ASSERT_TRUE(registry_.Register(Worker("e0", PoolKind::kEncoder)).ok());
+  plan = sched.Schedule(prompt);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->route, "d");
+  EXPECT_FALSE(plan->encoder.has_value());
+  EXPECT_FALSE(plan->prefill.has_value());
+  sched.Release(*plan);
+  ASSERT_TRUE(registry_.Register(Worker("p0", PoolKind::kPrefill)).ok());
   oracle.hint = {.cached_tokens = 8, .workers = {"d1"}};
   // 2 uncached tokens <= 4: decode alone, on the worker holding the prefix.
   plan = sched.Schedule(prompt);
@@ -163,7 +173,7 @@ TEST_F(RegistryTest, SchedulerBuildsTheChainFromLivePoolsAndUsesThePrefixHint) {
   EXPECT_EQ(plan->route, "epd");
   const std::string text = Scrape(metrics_);
   EXPECT_NE(text.find("epd_route_decisions_total{route=\"epd\"} 1"), std::string::npos);
-  EXPECT_NE(text.find("epd_route_decisions_total{route=\"d\"} 2"), std::string::npos);
+  EXPECT_NE(text.find("epd_route_decisions_total{route=\"d\"} 3"), std::string::npos);
 }
 
 // The tail rule: with an encoder in the chain the prefix hint never reaches into the last
