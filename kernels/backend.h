@@ -242,6 +242,17 @@ class Backend {
                                const float* scale, const float* base, int sinkhorn_iters,
                                float hc_eps, float norm_eps, float* pre, float* post,
                                float* comb) = 0;
+  // HcMixes of rows that are each a single-token reference call (decode). The same math; the
+  // reference's torch computes the pre/post sigmoids of a 4-element tensor on its scalar path
+  // (glibc's expf) and those of a prompt on its vectorized path (Sleef's expf), which the CPU
+  // backend reproduces. Default: HcMixes.
+  virtual absl::Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim,
+                                          const float* fn, const float* scale, const float* base,
+                                          int sinkhorn_iters, float hc_eps, float norm_eps,
+                                          float* pre, float* post, float* comb) {
+    return HcMixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                   comb);
+  }
   // y[r, :] = bf16(sum_j pre[r, j] * h[r, j, :]). y [rows, dim].
   virtual absl::Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
                              float* y) = 0;
@@ -279,6 +290,13 @@ class Backend {
   // value), q_weight/k_weight [hc, dim] (MODEL.md §3 Engram).
   virtual absl::Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
                                   const float* q_weight, const float* k_weight, float norm_eps) = 0;
+  // EngramGate of rows that are each a single-token reference call (decode): see
+  // HcMixesSingleToken. Default: EngramGate.
+  virtual absl::Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc,
+                                             int64_t dim, const float* q_weight,
+                                             const float* k_weight, float norm_eps) {
+    return EngramGate(h, e, rows, hc, dim, q_weight, k_weight, norm_eps);
+  }
   // Embedding: h[r, j, :] = table[ids[r], :] for j < hc; table [vocab, dim].
   virtual absl::Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
                              int hc, float* h) = 0;
@@ -295,6 +313,20 @@ class Backend {
   // ---- Sampling ----
   // out[r] = the first index of the largest value of x[r, :] (x [rows, n]).
   virtual absl::Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+};
+
+// Every op of the Backend interface (each virtual method returning a Status), by name. The parity
+// suite (tests/gpu/backend_parity_test.cc) has one case per name and fails when a name has none;
+// a unit test there also checks this list against the declarations above, so a new op must be
+// added here (and get a parity case) to pass.
+inline constexpr std::string_view kBackendOpNames[] = {
+    "Allocate",     "Upload",        "Download",       "Synchronize",  "Copy",
+    "LinearQuant",  "LinearBf16",    "LinearF32",      "RmsNorm",      "RopeTables",
+    "Rope",         "RoundBf16",     "ScaleRoundBf16", "Add",          "SparseAttention",
+    "CompressPool", "IndexerScores", "MaskScores",     "StableTopK",   "CandidateMask",
+    "SelectTopK",   "HcMixes",       "HcPre",          "HcPost",       "HcMean",
+    "MoeRoute",     "SwiGlu",        "SumSlots",       "Fp8RowLookup", "EngramGate",
+    "Embed",        "QuantDequant",  "Argmax",
 };
 
 struct CpuBackendOptions {

@@ -53,25 +53,9 @@ float DecodeE4M3(uint8_t code) {
 }
 
 float RoundE4M3(float x) {
-  // Fast path, bit-identical to DecodeE4M3(EncodeE4M3(x)) (checked exhaustively on random and
-  // boundary values in numerics_test): RNE to 3 mantissa bits in the normal range, to the
-  // 2^-9 grid in the subnormal range, saturation at 448.
-  if (std::isnan(x)) return DecodeE4M3(0x7f);
-  const float a = std::fabs(x);
-  float r;
-  if (a >= 448.f) {
-    r = 448.f;
-  } else if (a < 0x1p-6f) {
-    r = std::nearbyint(a * 512.f) * 0x1p-9f;
-  } else {
-    uint32_t u;
-    std::memcpy(&u, &a, 4);
-    u += 0x7ffffu + ((u >> 20) & 1u);
-    u &= 0xfff00000u;
-    std::memcpy(&r, &u, 4);
-    if (r > 448.f) r = 448.f;
-  }
-  return std::signbit(x) ? -r : r;
+  // Bit-identical to DecodeE4M3(EncodeE4M3(x)) (checked on random and boundary values in
+  // numerics_test); the one copy shared with the CUDA kernels.
+  return codec::RoundE4M3(x);
 }
 
 float RoundE4M3Reference(float x) { return DecodeE4M3(EncodeE4M3(x)); }
@@ -88,38 +72,11 @@ uint8_t EncodeE8M0(float p) {
 }
 
 float Pow2Ceil(float v) {
-  uint32_t u;
-  std::memcpy(&u, &v, 4);
-  int exp = static_cast<int>((u >> 23) & 0xff);
-  if ((u & 0x7fffff) != 0) exp += 1;
-  // exp is the biased exponent of the result; subnormal inputs (exp field 0) give 2^-126 or less.
-  uint32_t r = static_cast<uint32_t>(std::clamp(exp, 1, 254)) << 23;
-  float f;
-  std::memcpy(&f, &r, 4);
-  return f;
+  return codec::Pow2Ceil(v);
 }
 
 uint8_t EncodeE2M1(float x) {
-  const uint8_t sign = std::signbit(x) ? 0x8 : 0x0;
-  const float a = std::fabs(x);
-  uint8_t c;
-  if (a <= 0.25f)
-    c = 0;
-  else if (a < 0.75f)
-    c = 1;
-  else if (a <= 1.25f)
-    c = 2;
-  else if (a < 1.75f)
-    c = 3;
-  else if (a <= 2.5f)
-    c = 4;
-  else if (a < 3.5f)
-    c = 5;
-  else if (a <= 5.f)
-    c = 6;
-  else
-    c = 7;
-  return sign | c;
+  return codec::EncodeE2M1(x);
 }
 
 void QuantizeFp8Row(const float* x, int64_t k, float* q, float* scales) {

@@ -12,23 +12,14 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels/codec.h"
+
 namespace epd::kernels::format {
 
-// ---- bf16 ----
-inline uint16_t F32ToBf16Bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);  // quiet NaN
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest even
-  return static_cast<uint16_t>(u >> 16);
-}
-inline float Bf16BitsToF32(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float RoundBf16(float f) { return Bf16BitsToF32(F32ToBf16Bits(f)); }
+// ---- bf16 ---- (the codecs are shared with the CUDA kernels: kernels/codec.h)
+using codec::Bf16BitsToF32;
+using codec::F32ToBf16Bits;
+using codec::RoundBf16;
 void RoundBf16InPlace(float* x, int64_t n);
 
 // ---- E4M3 (float8_e4m3fn: bias 7, max 448, subnormal quantum 2^-9, no inf) ----

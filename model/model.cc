@@ -474,8 +474,8 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
   return backend_.SumSlots(ys.data(), rows, slots, D, out);
 }
 
-absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows,
-                           float* h) const {
+absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h,
+                           bool single_token_calls) const {
   const ModelConfig& c = config_;
   const EngramWeights& E = *weights_->layers[l].engram;
   const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
@@ -490,8 +490,11 @@ absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64
   RETURN_IF_ERROR(backend_.Fp8RowLookup(E.table.data, E.table_scale.data, ehd, ids.data(),
                                         rows * nid, in.data()));
   RETURN_IF_ERROR(backend_.LinearQuant(in.data(), rows, E.wkv, e.data()));
-  return backend_.EngramGate(h, e.data(), rows, static_cast<int>(hc), D, E.q_weight.data(),
-                             E.k_weight.data(), c.norm_eps);
+  return single_token_calls
+             ? backend_.EngramGateSingleToken(h, e.data(), rows, static_cast<int>(hc), D,
+                                              E.q_weight.data(), E.k_weight.data(), c.norm_eps)
+             : backend_.EngramGate(h, e.data(), rows, static_cast<int>(hc), D, E.q_weight.data(),
+                                   E.k_weight.data(), c.norm_eps);
 }
 
 vector<int64_t> Model::EngramHashes(const SequenceState& state,
@@ -522,11 +525,20 @@ absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState
   const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
   vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D),
       y(S * D);
+  // Decode-semantics rows are single-token reference calls, whose sigmoids torch computes on its
+  // scalar path (Backend::HcMixesSingleToken).
+  auto mixes = [&](const float* hr, const vector<float>& fn, const vector<float>& scale,
+                   const vector<float>& base, float* p, float* q, float* cm) {
+    return call.per_row_keys
+               ? backend_.HcMixesSingleToken(1, hr, static_cast<int>(hc), D, fn.data(),
+                                             scale.data(), base.data(), c.hc_sinkhorn_iters,
+                                             c.hc_eps, c.norm_eps, p, q, cm)
+               : backend_.HcMixes(1, hr, static_cast<int>(hc), D, fn.data(), scale.data(),
+                                  base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, p, q, cm);
+  };
   for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcMixes(
-        1, h + i * hc * D, static_cast<int>(hc), D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
-        L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data() + i * hc,
-        aQ.data() + i * hc, aC.data() + i * hc * hc));
+    RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base,
+                          aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc));
     RETURN_IF_ERROR(
         backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D));
   }
@@ -537,10 +549,8 @@ absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState
   for (int64_t i = 0; i < S; ++i) {
     RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
                                     aQ.data() + i * hc, aC.data() + i * hc * hc, h + i * hc * D));
-    RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D, L.hc_ffn_fn.data(),
-                                     L.hc_ffn_scale.data(), L.hc_ffn_base.data(),
-                                     c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre + i * hc,
-                                     fQ.data() + i * hc, fC.data() + i * hc * hc));
+    RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre + i * hc,
+                          fQ.data() + i * hc, fC.data() + i * hc * hc));
     RETURN_IF_ERROR(backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
                                    x.data() + i * D));
   }
@@ -620,7 +630,8 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
         static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
                          c.engram_layer_ids.begin());
     if (trace) trace->engram_in[l] = io.h;
-    RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h));
+    RETURN_IF_ERROR(
+        Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h, call.per_row_keys));
     if (trace) trace->engram_out[l] = io.h;
     return absl::OkStatus();
   };

@@ -251,9 +251,10 @@ class Model {
   absl::Status Moe(int l, const float* x, int64_t rows, float* out,
                    std::vector<int32_t>* experts = nullptr) const;
   // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows,
-  // ids_per_row].
-  absl::Status Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows,
-                      float* h) const;
+  // ids_per_row]. `single_token_calls`: each row is a decode-time reference call
+  // (Backend::EngramGateSingleToken).
+  absl::Status Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows, float* h,
+                      bool single_token_calls = false) const;
   // Hash ids [rows, n_engram_layers, per_layer] for `ids` at positions state.pos.. (uses history).
   std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
 

@@ -221,7 +221,18 @@ class CpuBackend final : public Backend {
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
       cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                   pre + r * hc, post + r * hc, comb + r * hc * hc);
+                   pre + r * hc, post + r * hc, comb + r * hc * hc, /*torch_vector_exp=*/true);
+    }
+    return OkStatus();
+  }
+  Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                            const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                            float norm_eps, float* pre, float* post, float* comb) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
+    ScopedScalarKernels s(!options_.simd);
+    for (int64_t r = 0; r < rows; ++r) {
+      cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                   pre + r * hc, post + r * hc, comb + r * hc * hc, /*torch_vector_exp=*/false);
     }
     return OkStatus();
   }
@@ -293,11 +304,14 @@ class CpuBackend final : public Backend {
   }
   Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
                 const float* row_weights, float* h) override {
+    // torch's F.silu: x / (1 + exp(-x)) with Sleef's exp (its vectorized path, which covers a
+    // [rows, inter] tensor whenever inter % 16 == 0, as in every released and test model; the
+    // rows are kept independent of each other for batch invariance).
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t j = 0; j < inter; ++j) {
         const float uu = std::clamp(u[i * inter + j], -lim, lim);
         const float gg = std::min(g[i * inter + j], lim);
-        const float silu = gg / (1.f + std::exp(-gg));
+        const float silu = gg / (1.f + cpu::TorchExp(-gg));
         h[i * inter + j] = format::RoundBf16(row_weights ? silu * uu * row_weights[i] : silu * uu);
       }
     }
@@ -329,10 +343,24 @@ class CpuBackend final : public Backend {
     }
     return OkStatus();
   }
-  Status EngramGate(float* h, const float* e, int64_t rows, int hc_, int64_t D,
+  Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t D,
                     const float* q_weight, const float* k_weight, float norm_eps) override {
+    return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/true);
+  }
+  Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc, int64_t D,
+                               const float* q_weight, const float* k_weight,
+                               float norm_eps) override {
+    return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/false);
+  }
+  // The reference's torch expression, bit for bit: dot = (h * (qw * kw) * key).sum(-1) *
+  // rsqrt(mean(h^2) + eps) * rsqrt(mean(key^2) + eps) * fp32(dim^-0.5) (torch's sum order),
+  // gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))), h = bf16(h + gate * value).
+  static Status Engram(float* h, const float* e, int64_t rows, int hc_, int64_t D,
+                       const float* q_weight, const float* k_weight, float norm_eps,
+                       bool torch_vector_exp) {
     const int64_t hc = hc_;
     const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+    std::vector<float> prod(D);
     for (int64_t r = 0; r < rows; ++r) {
       const float* er = e + r * (hc + 1) * D;
       const float* value = er + hc * D;
@@ -341,24 +369,15 @@ class CpuBackend final : public Backend {
         const float* key = er + j * D;
         const float* qw = q_weight + j * D;
         const float* kw = k_weight + j * D;
-        // The reference normalizes h and the key first (fp32), then takes the weighted dot;
-        // summed in double (closest to the reference's result, see docs/model.md).
-        double sh = 0, sk = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          sh += static_cast<double>(hj[d]) * hj[d];
-          sk += static_cast<double>(key[d]) * key[d];
-        }
-        const float rh = 1.f / std::sqrt(static_cast<float>(sh / D) + norm_eps);
-        const float rk = 1.f / std::sqrt(static_cast<float>(sk / D) + norm_eps);
-        double dd = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          const float hn = hj[d] * rh, kn = key[d] * rk;
-          dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
-        }
-        const float dot = static_cast<float>(dd) * inv_sqrt_d;
+        for (int64_t d = 0; d < D; ++d) prod[d] = hj[d] * (qw[d] * kw[d]) * key[d];
+        const float rh = 1.f / std::sqrt(cpu::TorchMeanSquare(hj, D) + norm_eps);
+        const float rk = 1.f / std::sqrt(cpu::TorchMeanSquare(key, D) + norm_eps);
+        const float dot = cpu::TorchSum(prod.data(), D) * rh * rk * inv_sqrt_d;
         const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
-        const float gate =
-            1.f / (1.f + std::exp(-(sg * std::sqrt(std::max(std::fabs(dot), 1e-6f)))));
+        const float x = sg * std::sqrt(std::max(std::fabs(dot), 1e-6f));
+        // torch.sigmoid: Sleef's exp on its vectorized path (prompts), glibc's on its scalar
+        // path (a single-token call's 4 gates).
+        const float gate = 1.f / (1.f + (torch_vector_exp ? cpu::TorchExp(-x) : std::exp(-x)));
         for (int64_t d = 0; d < D; ++d) hj[d] = format::RoundBf16(hj[d] + gate * value[d]);
       }
     }

@@ -47,6 +47,37 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
   return s;
 }
 
+// The reference's plain matmuls, in their summation order (products rounded, then added):
+// - fp32 (torch on the reference BLAS, sgemm's dot loop): index order.
+inline float DotSeq(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+// - bf16 (torch -> oneDNN, whose AVX512-BF16 kernels accumulate with vdpbf16ps: per pair of
+//   elements, the odd one's product is added first, then the even one's): 1, 0, 3, 2, ...; an odd
+//   last element comes last. Products of bf16 values are exact in fp32.
+// GCC 12.2 -O2/-O3 miscompiles this two-adds-per-iteration reduction (its loop vectorizer
+// returns a wrong sum, not just another order); the empty asm makes the accumulator opaque.
+#if defined(__x86_64__)
+#define EPD_OPAQUE(v) asm("" : "+x"(v))
+#elif defined(__aarch64__)
+#define EPD_OPAQUE(v) asm("" : "+w"(v))
+#else
+#define EPD_OPAQUE(v) asm("" : "+m"(v))
+#endif
+// s + DotDp over elements [i, n) (i even).
+inline float DotDpFrom(const float* a, const float* b, int64_t i, int64_t n, float s) {
+  for (; i + 2 <= n; i += 2) {
+    s += a[i + 1] * b[i + 1];
+    EPD_OPAQUE(s);
+    s += a[i] * b[i];
+  }
+  if (i < n) s += a[i] * b[i];
+  return s;
+}
+inline float DotDp(const float* a, const float* b, int64_t n) { return DotDpFrom(a, b, 0, n, 0.f); }
+
 // ---- Packed weights: checkpoint codes decoded on the fly (exact element values) ----
 const float* E4M3Values() {
   static const std::array<float, 256> t = [] {
@@ -159,39 +190,61 @@ EPD_AVX2 inline __m256 Dot8x8(const float* x, const float* w, int64_t ldw, int64
   return Tree8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-// Dot8 of one pair.
-EPD_AVX2 inline float Dot8Avx(const float* a, const float* b, int64_t n) {
+// Lane j = DotSeq (dp = false) or DotDp (dp = true) of x and rows[j], n % 8 == 0: 8x8 tiles are
+// transposed so that lane j walks row j's elements in the dot's order.
+EPD_AVX2 inline __m256 DotOrdered8(const float* x, const float* const* rows, int64_t n, bool dp) {
   __m256 acc = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  for (int64_t d = 0; d < n; d += 8) {
+    const __m256 r0 = _mm256_loadu_ps(rows[0] + d), r1 = _mm256_loadu_ps(rows[1] + d),
+                 r2 = _mm256_loadu_ps(rows[2] + d), r3 = _mm256_loadu_ps(rows[3] + d),
+                 r4 = _mm256_loadu_ps(rows[4] + d), r5 = _mm256_loadu_ps(rows[5] + d),
+                 r6 = _mm256_loadu_ps(rows[6] + d), r7 = _mm256_loadu_ps(rows[7] + d);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    // c[i]: element d+i of the 8 rows.
+    const __m256 c[8] = {
+        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
+        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
+        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
+        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+    for (int i = 0; i < 8; ++i) {
+      const int e = dp ? (i ^ 1) : i;
+      acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(x[d + e]), c[e]));
+    }
   }
-  alignas(32) float l[8];
-  _mm256_store_ps(l, acc);
-  float s = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  return acc;
 }
 
-// y[r, o] = f(Dot8(x[r], w[o], in)) for 8 outputs at a time; f = RoundBf16 when `round`.
-EPD_AVX2 void LinearDot8Avx(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
-                            float* y, bool round) {
+// y[r, o] = f(DotSeq or DotDp of x[r], w[o]) for 8 outputs at a time; f = RoundBf16 when `round`.
+EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const float* w, int64_t out,
+                               int64_t in, float* y, bool round, bool dp) {
   const int64_t n8 = in / 8 * 8, o8 = out / 8 * 8;
   alignas(32) float d[8];
+  const float* wr[8];
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * in;
     float* yr = y + r * out;
     for (int64_t o = 0; o < o8; o += 8) {
-      _mm256_store_ps(d, Dot8x8(xr, w + o * in, in, n8));
+      for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
+      _mm256_store_ps(d, DotOrdered8(xr, wr, n8, dp));
       for (int k = 0; k < 8; ++k) {
         float s = d[k];
-        const float* wk = w + (o + k) * in;
-        for (int64_t i = n8; i < in; ++i) s += xr[i] * wk[i];
+        if (dp) {
+          s = DotDpFrom(xr, wr[k], n8, in, s);
+        } else {
+          for (int64_t i = n8; i < in; ++i) s += xr[i] * wr[k][i];
+        }
         yr[o + k] = round ? RoundBf16(s) : s;
       }
     }
     for (int64_t o = o8; o < out; ++o) {
-      const float s = Dot8Avx(xr, w + o * in, in);
+      const float s = dp ? DotDp(xr, w + o * in, in) : DotSeq(xr, w + o * in, in);
       yr[o] = round ? RoundBf16(s) : s;
     }
   }
@@ -366,19 +419,19 @@ void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
 
 void LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
 #ifdef EPD_AVX2_PATH
-  if (UseSimd()) return LinearDot8Avx(x, rows, w, out, in, y, /*round=*/true);
+  if (UseSimd()) return LinearOrderedAvx(x, rows, w, out, in, y, /*round=*/true, /*dp=*/true);
 #endif
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t o = 0; o < out; ++o) y[r * out + o] = RoundBf16(Dot8(x + r * in, w + o * in, in));
+    for (int64_t o = 0; o < out; ++o) y[r * out + o] = RoundBf16(DotDp(x + r * in, w + o * in, in));
   }
 }
 
 void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
 #ifdef EPD_AVX2_PATH
-  if (UseSimd()) return LinearDot8Avx(x, rows, w, out, in, y, /*round=*/false);
+  if (UseSimd()) return LinearOrderedAvx(x, rows, w, out, in, y, /*round=*/false, /*dp=*/false);
 #endif
   for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t o = 0; o < out; ++o) y[r * out + o] = Dot8(x + r * in, w + o * in, in);
+    for (int64_t o = 0; o < out; ++o) y[r * out + o] = DotSeq(x + r * in, w + o * in, in);
   }
 }
 
@@ -386,10 +439,7 @@ void RmsNormBf16(const float* x, const float* w, int64_t rows, int64_t dim, floa
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
     float* yr = y + r * dim;
-    double ss = 0;
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float mean = static_cast<float>(ss / static_cast<double>(dim));
-    const float inv = 1.f / std::sqrt(mean + eps);
+    const float inv = 1.f / std::sqrt(TorchMeanSquare(xr, dim) + eps);
     for (int64_t i = 0; i < dim; ++i) yr[i] = RoundBf16(w[i] * (xr[i] * inv));
   }
 }
@@ -416,14 +466,133 @@ inline const float* KvRow(const SparseAttentionArgs& a, int32_t t) {
   return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
                              : a.kv + static_cast<int64_t>(t) * a.head_dim;
 }
+
 }  // namespace
+
+// torch 1.13's CPU fp32 exp (Sleef_expf8_u10 of its AVX2 kernels, which fuses its multiply-adds):
+// q = rint(d / ln 2), s = d - q ln2 (two FMA steps), a degree-6 polynomial by FMA, scaled by
+// 2^q in two halves; 0 below -104, inf above 100. Bit for bit with torch.exp on every float
+// (checked on 7M values); glibc's expf differs from it on about 7% of inputs.
+float TorchExp(float d) {
+  if (std::isnan(d)) return d;
+  if (d < -104.f) return 0.f;
+  if (d > 100.f) return INFINITY;
+  const float qf = std::nearbyint(d * 1.442695040888963407359924681001892137426645954152985934f);
+  const int q = static_cast<int>(qf);
+  float s = std::fma(qf, -0.693145751953125f, d);
+  s = std::fma(qf, -1.428606765330187045e-06f, s);
+  float u = 0.000198527617612853646278381f;
+  u = std::fma(u, s, 0.00139304355252534151077271f);
+  u = std::fma(u, s, 0.00833336077630519866943359f);
+  u = std::fma(u, s, 0.0416664853692054748535156f);
+  u = std::fma(u, s, 0.166666671633720397949219f);
+  u = std::fma(u, s, 0.5f);
+  u = 1.0f + std::fma(s * s, u, s);
+  auto pow2i = [](int e) {
+    const uint32_t b = static_cast<uint32_t>(e + 0x7f) << 23;
+    float f;
+    std::memcpy(&f, &b, sizeof f);
+    return f;
+  };
+  return u * pow2i(q >> 1) * pow2i(q - (q >> 1));
+}
+
+// torch 1.13's CPU fp32 sum over a contiguous last dim of n floats (ReduceOps' SumKernel, AVX2
+// build), in its order. multi_row_sum: `rows` accumulators summed over `size` steps, with
+// cascade levels every 16 steps (16^j-step blocks move up a level, so long sums stay accurate).
+namespace {
+template <int kRows, typename Load>
+void MultiRowSum(int64_t size, Load load, float (&out)[kRows][8], int lanes) {
+  constexpr int kLevels = 4;
+  int64_t level_power = 4;  // max(4, CeilLog2(size) / 4)
+  {
+    int64_t c = 0;
+    while ((int64_t{1} << c) < size) ++c;
+    level_power = std::max<int64_t>(4, std::max<int64_t>(c, 1) / kLevels);
+  }
+  const int64_t step = int64_t{1} << level_power, mask0 = step - 1;
+  float acc[kLevels][kRows][8] = {};
+  int64_t i = 0;
+  while (i + step <= size) {
+    for (int64_t j = 0; j < step; ++j, ++i) {
+      for (int k = 0; k < kRows; ++k) {
+        for (int l = 0; l < lanes; ++l) acc[0][k][l] += load(i, k, l);
+      }
+    }
+    for (int lv = 1; lv < kLevels; ++lv) {
+      for (int k = 0; k < kRows; ++k) {
+        for (int l = 0; l < lanes; ++l) {
+          acc[lv][k][l] += acc[lv - 1][k][l];
+          acc[lv - 1][k][l] = 0.f;
+        }
+      }
+      if ((i & (mask0 << (lv * level_power))) != 0) break;
+    }
+  }
+  for (; i < size; ++i) {
+    for (int k = 0; k < kRows; ++k) {
+      for (int l = 0; l < lanes; ++l) acc[0][k][l] += load(i, k, l);
+    }
+  }
+  for (int lv = 1; lv < kLevels; ++lv) {
+    for (int k = 0; k < kRows; ++k) {
+      for (int l = 0; l < lanes; ++l) acc[0][k][l] += acc[lv][k][l];
+    }
+  }
+  for (int k = 0; k < kRows; ++k) {
+    for (int l = 0; l < lanes; ++l) out[k][l] = acc[0][k][l];
+  }
+}
+}  // namespace
+
+// n >= 8 (vectorized_inner_sum, 8-float vectors v_i = x[8i..8i+7]): row_sum over the n/8 vectors
+// with 4 accumulators (multi_row_sum over groups of 4 vectors, leftover vectors into the first,
+// then acc_0 + acc_1 + acc_2 + acc_3), then s = 0 + the n % 8 leftover floats in order + the 8
+// lanes in order. n < 8 (scalar_inner_sum): the same row_sum over scalars.
+float TorchSum(const float* x, int64_t n) {
+  float p[4][8];
+  if (n < 8) {
+    MultiRowSum<4>(
+        n / 4, [x](int64_t i, int k, int) { return x[4 * i + k]; }, p, 1);
+    for (int64_t i = n / 4 * 4; i < n; ++i) p[0][0] += x[i];
+    for (int k = 1; k < 4; ++k) p[0][0] += p[k][0];
+    return p[0][0];
+  }
+  const int64_t nv = n / 8;
+  MultiRowSum<4>(
+      nv / 4, [x](int64_t i, int k, int l) { return x[8 * (4 * i + k) + l]; }, p, 8);
+  for (int64_t i = nv / 4 * 4; i < nv; ++i) {
+    for (int l = 0; l < 8; ++l) p[0][l] += x[8 * i + l];
+  }
+  for (int k = 1; k < 4; ++k) {
+    for (int l = 0; l < 8; ++l) p[0][l] += p[k][l];
+  }
+  float s = 0.f;
+  for (int64_t i = nv * 8; i < n; ++i) s += x[i];
+  for (int l = 0; l < 8; ++l) s += p[0][l];
+  return s;
+}
+
+float TorchChunkSum(const float* x, int64_t n) { return TorchSum(x, n); }
+
+// torch's `x.square().mean(-1)` in fp32: the squares (rounded), TorchSum, then / n.
+float TorchMeanSquare(const float* x, int64_t n) {
+  thread_local std::vector<float> sq;
+  sq.resize(n);
+  for (int64_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
+  return TorchSum(sq.data(), n) / static_cast<float>(n);
+}
 
 #ifdef EPD_AVX2_PATH
 namespace {
-// SparseAttention for head_dim % 8 == 0: the same operations, 8 dims per instruction.
+// SparseAttention for head_dim % 8 == 0: the same operations, 8 keys (scores) or 8 dims (the
+// P.V update) per instruction.
 EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
   const int hd = a.head_dim;
   std::vector<float> num(hd), p(64);
+  const float* rows[64];
+  int js[64];
+  alignas(32) float d8[8];
   for (int64_t r = 0; r < a.rows; ++r) {
     const int32_t* idx = a.idx + r * a.list_len;
     for (int h = 0; h < a.heads; ++h) {
@@ -433,41 +602,42 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
       std::fill(num.begin(), num.end(), 0.f);
       for (int64_t c0 = 0; c0 < a.list_len; c0 += 64) {
         const int64_t n = std::min<int64_t>(64, a.list_len - c0);
-        float cmax = -INFINITY;
-        bool any = false;
+        int nv = 0;
         for (int64_t j = 0; j < n; ++j) {
           const int32_t t = idx[c0 + j];
-          if (t < 0) {
-            p[j] = -INFINITY;
-            continue;
-          }
-          any = true;
-          p[j] = Dot8Avx(q, KvRow(a, t), hd) * a.scale;
-          cmax = std::max(cmax, p[j]);
+          p[j] = -INFINITY;
+          if (t < 0) continue;
+          rows[nv] = KvRow(a, t);
+          js[nv++] = static_cast<int>(j);
         }
-        if (!any) continue;  // alpha = exp(0) = 1: the scalar code's chunk is a no-op too
+        if (nv == 0) continue;  // alpha = exp(0) = 1, every p is 0: the chunk is a no-op
+        float cmax = -INFINITY;
+        int v = 0;
+        for (; v + 8 <= nv; v += 8) {
+          _mm256_store_ps(d8, DotOrdered8(q, rows + v, hd, /*dp=*/false));
+          for (int k = 0; k < 8; ++k) p[js[v + k]] = d8[k] * a.scale;
+        }
+        for (; v < nv; ++v) p[js[v]] = DotSeq(q, rows[v], hd) * a.scale;
+        for (int k = 0; k < nv; ++k) cmax = std::max(cmax, p[js[k]]);
         const float m_new = std::max(m, cmax);
-        const float alpha = std::exp(m - m_new);
-        den *= alpha;
+        const float alpha = TorchExp(m - m_new);
         const __m256 av = _mm256_set1_ps(alpha);
         for (int d = 0; d < hd; d += 8)
           _mm256_storeu_ps(num.data() + d, _mm256_mul_ps(_mm256_loadu_ps(num.data() + d), av));
-        for (int64_t j = 0; j < n; ++j) {
-          const int32_t t = idx[c0 + j];
-          if (t < 0) continue;
-          const float pj = std::exp(p[j] - m_new);
-          den += pj;
-          const __m256 pb = _mm256_set1_ps(RoundBf16(pj));
-          const float* k = KvRow(a, t);
+        for (int64_t j = 0; j < n; ++j) p[j] = idx[c0 + j] < 0 ? 0.f : TorchExp(p[j] - m_new);
+        for (int k = 0; k < nv; ++k) {
+          const __m256 pb = _mm256_set1_ps(RoundBf16(p[js[k]]));
+          const float* kr = rows[k];
           for (int d = 0; d < hd; d += 8) {
             _mm256_storeu_ps(num.data() + d,
                              _mm256_add_ps(_mm256_loadu_ps(num.data() + d),
-                                           _mm256_mul_ps(pb, _mm256_loadu_ps(k + d))));
+                                           _mm256_mul_ps(pb, _mm256_loadu_ps(kr + d))));
           }
         }
+        den = den * alpha + TorchChunkSum(p.data(), n);
         m = m_new;
       }
-      den += std::exp(a.sink[h] - m);
+      den += TorchExp(a.sink[h] - m);
       for (int d = 0; d < hd; ++d) out[d] = RoundBf16(num[d] / den);
     }
   }
@@ -475,6 +645,11 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
 }  // namespace
 #endif
 
+// The reference kernel (MODEL.md §3 step 8), per row and head, over the list in 64-entry chunks:
+// scores s = DotSeq(q, k) * scale (-1 entries: -inf); m' = max(m, chunk max); alpha = exp(m -
+// m'); p = exp(s - m') (0 for -1 entries); den = den * alpha + TorchChunkSum(p) (the chunk's
+// probabilities summed first, in torch's order); num = num * alpha, then num += bf16(p_j) * k_j
+// entry by entry in list order; finally den += exp(sink - m), out = bf16(num / den).
 void SparseAttention(const SparseAttentionArgs& a) {
 #ifdef EPD_AVX2_PATH
   if (UseSimd() && a.head_dim % 8 == 0) return SparseAttentionAvx(a);
@@ -497,26 +672,27 @@ void SparseAttention(const SparseAttentionArgs& a) {
             p[j] = -INFINITY;
             continue;
           }
-          const float dot = Dot8(q, KvRow(a, t), hd);
-          p[j] = dot * a.scale;
+          p[j] = DotSeq(q, KvRow(a, t), hd) * a.scale;
           cmax = std::max(cmax, p[j]);
         }
         const float m_new = std::max(m, cmax);
-        const float alpha = std::exp(m - m_new);
-        den *= alpha;
+        const float alpha = TorchExp(m - m_new);
         for (int d = 0; d < hd; ++d) num[d] *= alpha;
         for (int64_t j = 0; j < n; ++j) {
           const int32_t t = idx[c0 + j];
-          if (t < 0) continue;
-          const float pj = std::exp(p[j] - m_new);
-          den += pj;
-          const float pb = RoundBf16(pj);
+          if (t < 0) {
+            p[j] = 0.f;
+            continue;
+          }
+          p[j] = TorchExp(p[j] - m_new);
+          const float pb = RoundBf16(p[j]);
           const float* k = KvRow(a, t);
           for (int d = 0; d < hd; ++d) num[d] += pb * k[d];
         }
+        den = den * alpha + TorchChunkSum(p.data(), n);
         m = m_new;
       }
-      den += std::exp(a.sink[h] - m);
+      den += TorchExp(a.sink[h] - m);
       for (int d = 0; d < hd; ++d) out[d] = RoundBf16(num[d] / den);
     }
   }
@@ -542,7 +718,9 @@ EPD_AVX2 int64_t IndexerScoresAvx(const float* q, const float* w, int heads, con
     for (int g = 0; g < groups; ++g) {
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       const float* qg = qd.data() + g * dim * 8;
-      for (int64_t e = 0; e < dim; ++e) {
+      // DotDp's order: e = 1, 0, 3, 2, ...; an odd last element last.
+      for (int64_t i = 0; i < dim; ++i) {
+        const int64_t e = (i ^ 1) < dim ? (i ^ 1) : i;
         const __m256 qv = _mm256_loadu_ps(qg + e * 8);
         const float* ke = k0 + e;
         a0 = _mm256_add_ps(a0, _mm256_mul_ps(qv, _mm256_set_m128(_mm_broadcast_ss(ke + dim),
@@ -586,9 +764,7 @@ void IndexerScores(const float* q, const float* w, int heads, const float* keys,
     float acc = 0.f;
     for (int h = 0; h < heads; ++h) {
       const float* qh = q + h * dim;
-      float d = 0.f;
-      for (int64_t e = 0; e < dim; ++e) d += qh[e] * kt[e];
-      const float s = std::max(RoundBf16(d), 0.f);
+      const float s = std::max(RoundBf16(DotDp(qh, kt, dim)), 0.f);
       acc += RoundBf16(s * w[h]);
     }
     score[t] = RoundBf16(acc);
@@ -607,23 +783,25 @@ std::vector<int32_t> StableTopK(const float* v, int64_t n, int64_t k) {
 
 void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* scale,
              const float* base, int sinkhorn_iters, float hc_eps, float norm_eps, float* pre,
-             float* post, float* comb) {
+             float* post, float* comb, bool torch_vector_exp) {
   const int64_t n = hc * dim;
   const int nm = (2 + hc) * hc;
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(h[i]) * h[i];
-  const float rs = 1.f / std::sqrt(static_cast<float>(ss / static_cast<double>(n)) + norm_eps);
+  const float rs = 1.f / std::sqrt(TorchMeanSquare(h, n) + norm_eps);
   std::vector<float> m(nm);
 #ifdef EPD_AVX2_PATH
   if (UseSimd()) {
-    LinearDot8Avx(h, 1, fn, nm, n, m.data(), /*round=*/false);
+    LinearOrderedAvx(h, 1, fn, nm, n, m.data(), /*round=*/false, /*dp=*/false);
     for (int j = 0; j < nm; ++j) m[j] *= rs;
   } else
 #endif
   {
-    for (int j = 0; j < nm; ++j) m[j] = Dot8(h, fn + j * n, n) * rs;
+    for (int j = 0; j < nm; ++j) m[j] = DotSeq(h, fn + j * n, n) * rs;
   }
-  auto sigmoid = [](float x) { return 1.f / (1.f + std::exp(-x)); };
+  // torch.sigmoid: 1 / (1 + exp(-x)) with Sleef's exp on its vectorized path, glibc's expf on
+  // its scalar path (single-token calls: 4-element tensors).
+  auto sigmoid = [torch_vector_exp](float x) {
+    return 1.f / (1.f + (torch_vector_exp ? TorchExp(-x) : std::exp(-x)));
+  };
   for (int j = 0; j < hc; ++j) pre[j] = sigmoid(m[j] * scale[0] + base[j]) + hc_eps;
   for (int j = 0; j < hc; ++j) post[j] = 2.f * sigmoid(m[hc + j] * scale[1] + base[hc + j]);
   for (int j = 0; j < hc; ++j) {
@@ -635,7 +813,7 @@ void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* 
     }
     float sum = 0.f;
     for (int k = 0; k < hc; ++k) {
-      row[k] = std::exp(row[k] - mx);
+      row[k] = TorchExp(row[k] - mx);  // torch.exp: always its vectorized path
       sum += row[k];
     }
     for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
@@ -693,11 +871,12 @@ EPD_AVX2 void HcPostAvx(const float* y, const float* res, int hc, int64_t dim, c
   tmp.resize(hc * dim);
   for (int k = 0; k < hc; ++k) {
     for (int64_t d = 0; d < dim; d += 8) {
-      __m256 s = _mm256_mul_ps(_mm256_set1_ps(post[k]), _mm256_loadu_ps(y + d));
+      __m256 s = _mm256_setzero_ps();
       for (int j = 0; j < hc; ++j) {
         s = _mm256_add_ps(
             s, _mm256_mul_ps(_mm256_set1_ps(comb[j * hc + k]), _mm256_loadu_ps(res + j * dim + d)));
       }
+      s = _mm256_add_ps(_mm256_mul_ps(_mm256_set1_ps(post[k]), _mm256_loadu_ps(y + d)), s);
       _mm256_storeu_ps(tmp.data() + k * dim + d, RoundBf16x8(s));
     }
   }
@@ -725,9 +904,10 @@ void HcPost(const float* y, const float* res, int hc, int64_t dim, const float* 
   std::vector<float> tmp(hc * dim);
   for (int k = 0; k < hc; ++k) {
     for (int64_t d = 0; d < dim; ++d) {
-      float s = post[k] * y[d];
+      // The reference: post * y + sum over j (torch.sum, in order j) of comb * res.
+      float s = 0.f;
       for (int j = 0; j < hc; ++j) s += comb[j * hc + k] * res[j * dim + d];
-      tmp[k * dim + d] = RoundBf16(s);
+      tmp[k * dim + d] = RoundBf16(post[k] * y[d] + s);
     }
   }
   std::copy(tmp.begin(), tmp.end(), out);

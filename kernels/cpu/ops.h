@@ -17,7 +17,17 @@ void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_
 void RmsNormBf16(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y);
 void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs, const float* cos,
           const float* sin, bool inverse);
+// The reference's sparse attention (MODEL.md §3 step 8; the exact operation order is in ops.cc):
+// scores are fp32 dots summed in index order, each 64-entry chunk's probabilities are summed in
+// torch's order (TorchChunkSum) before they join the denominator.
 void SparseAttention(const SparseAttentionArgs& a);
+// torch 1.13's CPU fp32 exp (Sleef expf u10 with FMA), bit for bit.
+float TorchExp(float d);
+// torch 1.13's CPU fp32 `sum(-1)` of n contiguous floats (AVX2 build), bit for bit.
+float TorchSum(const float* x, int64_t n);
+float TorchChunkSum(const float* x, int64_t n);  // TorchSum of one attention chunk
+// torch's fp32 `x.square().mean(-1)` (the reference's RMSNorm and mHC statistic).
+float TorchMeanSquare(const float* x, int64_t n);
 
 // Indexer scores of one query row against keys [n, dim] (MODEL.md §3 step 6): for each key t,
 // score[t] = bf16(sum over heads h in order of bf16(max(bf16(q_h . k_t), 0) * w[h])), each dot
@@ -58,7 +68,7 @@ std::vector<int32_t> StableTopK(const float* v, int64_t n, int64_t k);
 // [(2+hc)*hc]. Outputs pre [hc], post [hc], comb [hc, hc] (comb[j*hc+k]: source j -> dest k).
 void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* scale,
              const float* base, int sinkhorn_iters, float hc_eps, float norm_eps, float* pre,
-             float* post, float* comb);
+             float* post, float* comb, bool torch_vector_exp = true);
 // y[d] = bf16(sum_j pre[j] * h[j, d]).
 void HcPre(const float* h, int hc, int64_t dim, const float* pre, float* y);
 // out[k, d] = bf16(post[k] * y[d] + sum_j comb[j, k] * res[j, d]). out may alias res.

@@ -14,6 +14,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/device/device.h"
 #include "model/config.h"
 #include "model/engram.h"
 #include "model/model.h"
@@ -130,10 +131,17 @@ void AddGenerateFlags(CLI::App& app, GenerateOptions* o) {
   app.add_option("--force-ids", o->force_ids_file,
                  "Teacher forcing: JSON list of ids (or {\"generated_ids\": [...]}) fed as the "
                  "generated tokens; logits of every step are still dumped");
+  app.add_option("--device", o->device,
+                 "Backend the model runs on: cpu, cuda or cuda:N (docs/cuda.md)")
+      ->capture_default_str();
 }
 
 absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
   if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
+  // The device first: a missing GPU fails at once, before the model is read.
+  auto device = kernels::ParseDeviceSpec(o.device);
+  if (!device.ok()) return device.status();
+  if (auto s = kernels::CheckModelCanRunOn(*device); !s.ok()) return s;
   if (o.max_tokens < 0) return absl::InvalidArgumentError("--max-tokens must be >= 0");
   if (o.prompt.empty() == o.prompt_ids_file.empty()) {
     return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
@@ -211,7 +219,11 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
   auto state = m.NewSequence();
   absl::StatusOr<model::ForwardResult> first;
   if (o.monolithic) {
-    first = m.Prefill(*state, prompt, /*all_logits=*/false);
+    // --tail-rows with --monolithic: the bounded monolithic reference (PrefillOptions), which a
+    // staged run with the same tail equals bit for bit (REVIEW: the flag was ignored here).
+    model::PrefillOptions po;
+    po.decoder_tail_rows = o.tail_rows;
+    first = m.Prefill(*state, prompt, /*all_logits=*/false, po);
   } else {
     const int64_t tail = o.tail_rows > 0 ? o.tail_rows : static_cast<int64_t>(prompt.size());
     auto enc = model::EncoderPass(m, *state, prompt, tail);

@@ -30,6 +30,9 @@ struct GenerateOptions {
   // instead of the argmax; the logits of every step are still computed and dumped. The run
   // generates min(max_tokens, list length) tokens and does not stop at EOS.
   std::string force_ids_file;
+  // Backend: "cpu" (the reference) or "cuda[:N]". The model forward runs only on the CPU today;
+  // cuda fails at once with a message naming the device and the reason (docs/cuda.md).
+  std::string device = "cpu";
 };
 
 struct GenerateResult {

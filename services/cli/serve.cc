@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
+#include "kernels/device/device.h"
 #include "services/runtime/child_process.h"
 #include "services/runtime/shutdown.h"
 
@@ -168,6 +169,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
     set_str("dspark", "--dspark", &o->dspark);
+    set_str("device", "--device", &o->device);
     set_str("tls_cert", "--tls-cert", &o->tls_cert);
     set_str("tls_key", "--tls-key", &o->tls_key);
     if (o->dspark != "on" && o->dspark != "off") {
@@ -197,6 +199,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--device", o->device,
+                 "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
                  "KV pool bytes of each decode worker (default: a quarter of the host memory)")
       ->check(CLI::NonNegativeNumber);
@@ -244,6 +248,17 @@ std::string RandomClusterToken() {
 }  // namespace
 
 int RunServe(ServeOptions o) {
+  // The device first: with --device cuda and no usable GPU (or a model that cannot run there)
+  // nothing is started.
+  auto device = kernels::ParseDeviceSpec(o.device);
+  if (!device.ok()) {
+    std::cerr << "epd serve: " << device.status().message() << "\n";
+    return 1;
+  }
+  if (auto s = kernels::CheckModelCanRunOn(*device); !s.ok()) {
+    std::cerr << "epd serve: --device " << o.device << ": " << s.message() << "\n";
+    return 1;
+  }
   InstallShutdownHandlers();
   const std::string bin = SelfDir();
   // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
@@ -369,7 +384,8 @@ int RunServe(ServeOptions o) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
       std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
                                        "--kvstore",          kv_addr,    "--model",
-                                       o.model_dir,          "--dspark", o.dspark};
+                                       o.model_dir,          "--dspark", o.dspark,
+                                       "--device",           o.device};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
       if (name == netns_name) {

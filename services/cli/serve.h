@@ -30,6 +30,7 @@ struct ServeOptions {
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
+  std::string device = "cpu";      // Default: cpu. Backend of every worker: cpu | cuda[:N]
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port
   // Supervision (docs/serve.md): a process that exits is restarted after a backoff that doubles

@@ -18,6 +18,7 @@
 
 #include "common/clock.h"
 #include "kernels/backend.h"
+#include "kernels/device/device.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "model/fingerprint.h"
 #include "services/runtime/process.h"
@@ -155,6 +156,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
+  std::string device = "cpu";
   int64_t selftest_bytes = 4 << 20;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
   app.add_option("--kvstore", kvstore,
@@ -180,12 +182,24 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "DSpark speculative decoding on|off (part of the config fingerprint; every worker "
                  "of a deployment must agree)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--device", device,
+                 "Backend the model runs on: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
   app.add_option("--transfer-selftest-bytes", selftest_bytes,
                  "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
                  "0 = skip)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   if (add_flags) add_flags(app);
   CLI11_PARSE(app, argc, argv);
+  // The device first: a missing GPU fails at once, before any port or model is opened.
+  auto device_spec = kernels::ParseDeviceSpec(device);
+  if (!device_spec.ok()) {
+    std::cerr << "epd-" << label << ": " << device_spec.status().message() << "\n";
+    return 1;
+  }
+  if (auto s = kernels::CheckModelCanRunOn(*device_spec); !s.ok()) {
+    std::cerr << "epd-" << label << ": --device " << device << ": " << s.message() << "\n";
+    return 1;
+  }
   signal(SIGPIPE, SIG_IGN);
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
       t != nullptr && app.count("--cluster-token") == 0)

@@ -74,17 +74,40 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
   call.rows = P;
   std::vector<int64_t> hashes = model_->EngramHashes(*state, prompt_);
   const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  int exact_layers = 0;
   for (int l = 0; l < c.n_layers; ++l) {
     const std::string ls = std::to_string(l);
     std::vector<float> x = Bf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
     ASSERT_EQ(x.size(), static_cast<size_t>(P * D)) << "layer " << l;
-    ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
+    ForwardTrace trace;
+    ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data(), &trace).ok());
     const double ar = RelRms(out, Bf16("debug/attn_out_layer" + ls + "_prefill.bin"));
-    EXPECT_LE(ar, 3e-3) << "attention layer " << l;
+    // Bit-exact but for a prompt row or two in a few layers whose attention output sits within an
+    // fp32 ulp of a bf16 rounding midpoint (docs/model.md, "Measured parity").
+    EXPECT_LE(ar, 5e-4) << "attention layer " << l;
+    exact_layers += ar == 0;
+    if (auto it = trace.topk.find(l); it != trace.topk.end()) {
+      // The index source's top-k rows (compressed positions) against the reference's (offset
+      // by the prefill's window length, P).
+      std::vector<int32_t> want = I32("debug/topk_idxs_layer" + ls + "_prefill.bin");
+      const int64_t kg = static_cast<int64_t>(want.size()) / P, k = call.topk_k;
+      int64_t equal = 0;
+      for (int64_t i = 0; i < P; ++i) {
+        bool same = true;
+        for (int64_t j = 0; j < kg; ++j) {
+          const int32_t g = want[i * kg + j], ours = j < k ? it->second[i * k + j] : -1;
+          same = same && (g < 0 ? ours < 0 : ours == g - P);
+        }
+        equal += same;
+      }
+      std::printf("[%s] layer %d: top-k rows equal to golden %lld/%lld\n", set_.c_str(), l,
+                  static_cast<long long>(equal), static_cast<long long>(P));
+      EXPECT_EQ(equal, P) << "top-k of layer " << l;
+    }
     std::vector<float> f = Bf16("debug/ffn_in_layer" + ls + "_prefill.bin");
     ASSERT_TRUE(model_->Moe(l, f.data(), P, out.data()).ok());
     const double mr = RelRms(out, Bf16("debug/ffn_out_layer" + ls + "_prefill.bin"));
-    EXPECT_LE(mr, 1e-3) << "MoE layer " << l;
+    EXPECT_EQ(mr, 0.0) << "MoE layer " << l;
     std::printf("[%s] layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", set_.c_str(), l, ar,
                 mr);
   }
@@ -104,9 +127,12 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
       dw[i] = want[i] - in[i];
     }
     const double er = RelRms(d, dw);
-    EXPECT_LE(er, 1e-3) << "engram layer " << l;
+    EXPECT_EQ(er, 0.0) << "engram layer " << l;
     std::printf("[%s] engram layer %d: delta rel_rms %.3g\n", set_.c_str(), l, er);
   }
+  std::printf("[%s] attention bit-exact on %d of %d layers\n", set_.c_str(), exact_layers,
+              c.n_layers);
+  EXPECT_GE(exact_layers, c.n_layers - 2);
 }
 
 // Teacher-forced prefill + decode + DSpark on the monolithic path and on the staged path
@@ -125,18 +151,30 @@ TEST_P(GoldenParityTest, TeacherForcedDecodeStagedAndMonolithic) {
   ASSERT_EQ(pre->rows, P);
   const double f0 = RelRms(trace.ffn_in[0], Bf16("debug/ffn_in_layer0_prefill.bin"));
   const double a1 = RelRms(trace.attn_in[1], Bf16("debug/attn_in_layer1_prefill.bin"));
-  EXPECT_LE(f0, 5e-4);
-  EXPECT_LE(a1, 1e-3);
+  EXPECT_EQ(f0, 0.0);
+  EXPECT_EQ(a1, 0.0);
   for (int l = 0; l < c.n_layers; ++l) {
     std::printf(
         "[%s] free-running layer %d: attn_in %.3g ffn_in %.3g\n", set_.c_str(), l,
         RelRms(trace.attn_in[l], Bf16("debug/attn_in_layer" + std::to_string(l) + "_prefill.bin")),
         RelRms(trace.ffn_in[l], Bf16("debug/ffn_in_layer" + std::to_string(l) + "_prefill.bin")));
   }
+  for (int l : c.engram_layer_ids) {
+    const std::string ls = std::to_string(l);
+    std::printf("[%s] free-running engram layer %d: in %.3g out %.3g\n", set_.c_str(), l,
+                RelRms(trace.engram_in[l], Bf16("debug/engram_in_layer" + ls + "_prefill.bin")),
+                RelRms(trace.engram_out[l], Bf16("debug/engram_out_layer" + ls + "_prefill.bin")));
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const std::string ls = std::to_string(l);
+    std::printf("[%s] free-running layer %d: attn_out %.3g ffn_out %.3g\n", set_.c_str(), l,
+                RelRms(trace.attn_out[l], Bf16("debug/attn_out_layer" + ls + "_prefill.bin")),
+                RelRms(trace.ffn_out[l], Bf16("debug/ffn_out_layer" + ls + "_prefill.bin")));
+  }
   const double pr = RelRms(pre->logits, F32("logits_prefill_all.bin"));
   std::printf("[%s] prefill logits rel_rms %.4g (envelope %.4g)\n", set_.c_str(), pr,
               g_.prefill_rel_rms);
-  EXPECT_LE(pr, 0.06);
+  EXPECT_LE(pr, 0.02);
   EXPECT_EQ(Argmax(pre->logits.data() + (P - 1) * V, V), g_.generated[0]);
 
   // The staged path on the same prompt (tail = whole prompt: exact).
@@ -224,11 +262,10 @@ TEST_P(GoldenParityTest, TeacherForcedDecodeStagedAndMonolithic) {
         "[%s] decode step %d: logits rel_rms %.4g argmax %d (golden %d), dspark input "
         "rel_rms %.3g\n",
         set_.c_str(), s, rr, am, g_.generated[s], mhr);
-    // Free running (only the input ids forced), the prefill's ulp-level differences grow through
-    // the layers: measured up to 0.069 (set c, step 6; a valid alternative implementation of the
-    // reference lands at 0.039 over the file). Decode arithmetic itself is exact on golden inputs
-    // (DecodeModuleTeacherForcing).
-    EXPECT_LE(rr, 0.075) << "step " << s;
+    // Free running (only the input ids forced): measured 0.003-0.0065 on both sets (the issue's
+    // bar is 0.06; a valid alternative implementation of the reference lands at 0.039 over the
+    // file). Decode arithmetic itself is exact on golden inputs (DecodeModuleTeacherForcing).
+    EXPECT_LE(rr, 0.02) << "step " << s;
     EXPECT_EQ(am, g_.generated[s]) << "step " << s;
 
     if (c.n_mtp_layers == 0) continue;
@@ -257,6 +294,9 @@ TEST_P(GoldenParityTest, TeacherForcedDecodeStagedAndMonolithic) {
   for (const auto& [l, n] : equal_rows) {
     std::printf("[%s] layer %d decode top-k rows equal to golden: %d/%d\n", set_.c_str(), l, n,
                 steps);
+    // Free running, the inputs are exact up to the few near-midpoint prompt rows (docs/model.md)
+    // and the tie rule is the reference's: every row must be the reference's.
+    EXPECT_EQ(n, steps) << "layer " << l;
   }
 }
 
@@ -372,22 +412,25 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
         if (c.engram_layer_ids[li] != l) continue;
         ASSERT_TRUE(model_
                         ->Engram(l, hashes.data() + li * per,
-                                 static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data())
+                                 static_cast<int64_t>(c.engram_layer_ids.size()) * per, 1, h.data(),
+                                 /*single_token_calls=*/true)
                         .ok());
       }
       const LayerWeights& L = wt.layers[l];
-      ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_attn_fn.data(), L.hc_attn_scale.data(),
-                             L.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-                             aP.data(), aQ.data(), aC.data())
+      ASSERT_TRUE(be.HcMixesSingleToken(1, h.data(), hc, D, L.hc_attn_fn.data(),
+                                        L.hc_attn_scale.data(), L.hc_attn_base.data(),
+                                        c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, aP.data(),
+                                        aQ.data(), aC.data())
                       .ok());
       ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, pre.data(), x.data()).ok());
       ASSERT_TRUE(be.RmsNorm(x.data(), L.attn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
       ForwardTrace t;
       ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, y.data(), &t).ok());
       ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, aQ.data(), aC.data(), h.data()).ok());
-      ASSERT_TRUE(be.HcMixes(1, h.data(), hc, D, L.hc_ffn_fn.data(), L.hc_ffn_scale.data(),
-                             L.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-                             pre.data(), fQ.data(), fC.data())
+      ASSERT_TRUE(be.HcMixesSingleToken(1, h.data(), hc, D, L.hc_ffn_fn.data(),
+                                        L.hc_ffn_scale.data(), L.hc_ffn_base.data(),
+                                        c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre.data(),
+                                        fQ.data(), fC.data())
                       .ok());
       ASSERT_TRUE(be.HcPre(1, h.data(), hc, D, aP.data(), x.data()).ok());
       ASSERT_TRUE(be.RmsNorm(x.data(), L.ffn_norm.data(), 1, D, c.norm_eps, x.data()).ok());
@@ -395,7 +438,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
       ASSERT_TRUE(be.HcPost(1, y.data(), h.data(), hc, D, fQ.data(), fC.data(), h.data()).ok());
       const double e = RelRms(h.data(), blocks.data() + (s * c.n_layers + l) * hc * D, hc * D);
       errs += absl::StrCat(" ", std::to_string(e).substr(0, 7));
-      EXPECT_LE(e, 3e-3) << "layer " << l << " step " << s;
+      EXPECT_EQ(e, 0.0) << "layer " << l << " step " << s;
       if (golden_topk.count(l)) {
         const std::vector<int32_t>& gt = golden_topk[l];
         const int64_t k = static_cast<int64_t>(gt.size()) / steps;

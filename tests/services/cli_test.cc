@@ -1,6 +1,7 @@
 // The `epd` binary as a user runs it.
 #include <gtest/gtest.h>
 
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -82,6 +83,50 @@ TEST(CliTest, UnknownPresetIsRejected) {
                        &out),
             0);
   EXPECT_NE(out.find("huge"), std::string::npos) << out;
+}
+
+// --device cuda on a machine without a GPU (CI): every entry point fails at once (exit != 0, no
+// model read, nothing started) with a message naming the missing device and the cause. On a GPU
+// machine the same commands still fail, saying that the model forward cannot run there yet.
+void ExpectCudaRefused(const std::string& cmd, const std::string& device) {
+  std::string out;
+  EXPECT_NE(RunCommand(cmd + " 2>&1", &out), 0) << cmd;
+  EXPECT_NE(out.find(device), std::string::npos) << cmd << ":\n" << out;
+  const bool no_gpu = out.find(device + " is not available") != std::string::npos &&
+                      (out.find("no CUDA device") != std::string::npos ||
+                       out.find("no CUDA backend") != std::string::npos);
+  const bool gpu_but_host_model = out.find("cannot run there yet") != std::string::npos;
+  EXPECT_TRUE(no_gpu || gpu_but_host_model) << cmd << ":\n" << out;
+}
+
+TEST(CliTest, DeviceCudaWithoutAGpuFailsAtOnceNamingTheDevice) {
+  TempDir d;
+  {
+    std::ofstream ids(d.File("ids.json"));
+    ids << "[1, 2, 3]";
+  }
+  const std::string model = SourcePath("models/epd-nano");
+  ExpectCudaRefused(BinaryPath("epd") + " generate --device cuda --model " + model +
+                        " --prompt-ids " + d.File("ids.json"),
+                    "cuda:0");
+  ExpectCudaRefused(BinaryPath("epd") + " generate --device cuda:1 --model " + model +
+                        " --prompt-ids " + d.File("ids.json"),
+                    "cuda:1");
+  ExpectCudaRefused(BinaryPath("epd") + " serve --device cuda --data-dir " + d.File("serve"),
+                    "cuda:0");
+  EXPECT_FALSE(std::filesystem::exists(d.File("serve"))) << "epd serve started something";
+  for (const char* worker : {"epd-encoder", "epd-prefill", "epd-decode"}) {
+    ExpectCudaRefused(BinaryPath(worker) +
+                          " --device cuda --router 127.0.0.1:1 --kvstore 127.0.0.1:1 --model " +
+                          model,
+                      "cuda:0");
+  }
+  std::string out;
+  EXPECT_NE(RunCommand(BinaryPath("epd") + " generate --device tpu:0 --model " + model +
+                           " --prompt-ids " + d.File("ids.json") + " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--device tpu:0: expected cpu, cuda or cuda:N"), std::string::npos) << out;
 }
 
 }  // namespace

@@ -133,6 +133,26 @@ INSTANTIATE_TEST_SUITE_P(Sets, GenerateGoldenTest, ::testing::ValuesIn(Sets()),
                            return s;
                          });
 
+// --monolithic --tail-rows N is the bounded monolithic reference: byte for byte the staged run
+// with the same tail (N >= the window, so the decode steps agree too), and not the exact forward.
+TEST(GenerateTest, MonolithicHonoursTailRows) {
+  TempDir dir;
+  const std::string model = SourcePath(kGolden);
+  const std::string args = "--model " + model + " --prompt-ids " +
+                           SourcePath(kGolden + "/prompt.json") + " --force-ids " +
+                           SourcePath(kGolden + "/manifest.json") + " --max-tokens 3";
+  std::string dumps[3], out, err;
+  const char* modes[3] = {" --tail-rows 133", " --monolithic --tail-rows 133", " --monolithic"};
+  for (int i = 0; i < 3; ++i) {
+    const std::string dump = dir.File("d" + std::to_string(i) + ".bin");
+    ASSERT_EQ(Generate(dir, args + modes[i] + " --dump-logits " + dump, &out, &err), 0) << err;
+    dumps[i] = ReadBytes(dump);
+    ASSERT_EQ(dumps[i].size(), 3u * kVocab * sizeof(float)) << modes[i];
+  }
+  EXPECT_TRUE(dumps[0] == dumps[1]) << "staged --tail-rows 133 != monolithic --tail-rows 133";
+  EXPECT_FALSE(dumps[1] == dumps[2]) << "--tail-rows 133 changed nothing in the monolithic run";
+}
+
 TEST(GenerateTest, ForceIdsFeedsTheGivenIds) {
   // Forcing ids that differ from the argmax: the output ids are the forced ones, the argmax ids
   // the model's own; a bad file is named.

@@ -1,0 +1,56 @@
+#pragma once
+
+// Helpers shared by the kernels/cuda .cu files (device side only).
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/codec.h"
+
+namespace epd::kernels::cuda {
+
+constexpr int kThreads = 256;
+
+inline unsigned GridFor(int64_t n, int threads = kThreads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+// fp32 transcendental functions: evaluated in double and rounded once to fp32, i.e. the
+// correctly rounded fp32 result in all but vanishingly rare cases. glibc's expf/log1pf/cosf/sinf
+// (the CPU reference) are within 0.51-0.56 ulp, so the two agree except where glibc itself misses
+// the correctly rounded value (docs/cuda.md: the ops that use these carry a 1-ulp-per-step
+// tolerance in the parity suite).
+__device__ __forceinline__ float ExpF(float x) {
+  return static_cast<float>(exp(static_cast<double>(x)));
+}
+__device__ __forceinline__ float Log1pF(float x) {
+  return static_cast<float>(log1p(static_cast<double>(x)));
+}
+__device__ __forceinline__ float CosF(float x) {
+  return static_cast<float>(cos(static_cast<double>(x)));
+}
+__device__ __forceinline__ float SinF(float x) {
+  return static_cast<float>(sin(static_cast<double>(x)));
+}
+
+// The lane combination of the CPU's Dot8: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
+__device__ __forceinline__ float Tree8(const float* l) {
+  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+}
+
+// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread: 8 lanes over i = j mod 8 in order, the
+// tree, then the tail in order.
+__device__ __forceinline__ float Dot8(const float* a, const float* b, int64_t n) {
+  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  }
+  float s = Tree8(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+}  // namespace epd::kernels::cuda

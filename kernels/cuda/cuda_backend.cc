@@ -1,0 +1,511 @@
+// CudaBackend: the argument checks, memory, streams and scratch of the CUDA backend; the kernels
+// are in the .cu files of this folder (launch.h). Every check mirrors the CPU backend's
+// (kernels/cpu/cpu_backend.cc), so both refuse the same calls.
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <string>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_device.h"
+#include "kernels/cuda/launch.h"
+
+namespace epd::kernels {
+namespace {
+
+using absl::InvalidArgumentError;
+using absl::OkStatus;
+using absl::Status;
+
+Status Bad(const char* op, const std::string& why) {
+  return InvalidArgumentError(absl::StrCat("cuda backend: ", op, ": ", why));
+}
+
+Status Cuda(const char* op, cudaError_t rc) {
+  if (rc == cudaSuccess) return OkStatus();
+  return absl::InternalError(
+      absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc), ": ", cudaGetErrorString(rc)));
+}
+
+#define EPD_CUDA_RETURN_IF_ERROR(op, expr)                                  \
+  do {                                                                      \
+    if (cudaError_t rc_ = (expr); rc_ != cudaSuccess) return Cuda(op, rc_); \
+  } while (0)
+
+class CudaBackend final : public Backend {
+ public:
+  explicit CudaBackend(int device) : device_(device) {}
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    if (streams_[0] != nullptr) cudaStreamSynchronize(streams_[0]);
+    if (scratch_ != nullptr) cudaFree(scratch_);
+    for (cudaStream_t s : streams_) {
+      if (s != nullptr) cudaStreamDestroy(s);
+    }
+  }
+
+  Status Init() {
+    EPD_CUDA_RETURN_IF_ERROR("init", cudaSetDevice(device_));
+    for (cudaStream_t& s : streams_) {
+      EPD_CUDA_RETURN_IF_ERROR("init", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    }
+    return OkStatus();
+  }
+
+  std::string_view Name() const override { return "cuda"; }
+
+  // ---- Memory ----
+  MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
+    if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
+    if (stream.id < 0 || stream.id >= kCudaStreams)
+      return Bad("Allocate", absl::StrCat("stream ", stream.id, " (the backend has streams 0..",
+                                          kCudaStreams - 1, ")"));
+    if (bytes == 0) return Buffer(nullptr, 0, MemoryKind::kDevice, stream, nullptr);
+    EPD_CUDA_RETURN_IF_ERROR("Allocate", cudaSetDevice(device_));
+    void* p = nullptr;
+    if (cudaError_t rc = cudaMalloc(&p, static_cast<size_t>(bytes)); rc != cudaSuccess) {
+      cudaGetLastError();
+      if (rc == cudaErrorMemoryAllocation) {
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cuda backend: Allocate: out of device memory for ", bytes,
+                         " bytes on cuda:", device_));
+      }
+      return Cuda("Allocate", rc);
+    }
+    const int device = device_;
+    return Buffer(p, bytes, MemoryKind::kDevice, stream, [device](void* q) {
+      int prev = 0;
+      cudaGetDevice(&prev);
+      cudaSetDevice(device);
+      cudaFree(q);  // synchronizes: no queued op still reads q
+      cudaSetDevice(prev);
+    });
+  }
+  Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
+    if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {
+      return Bad("Upload", absl::StrCat(bytes, " bytes at offset ", dst_offset,
+                                        " do not fit a buffer of ", dst.bytes()));
+    }
+    if (dst.kind() != MemoryKind::kDevice) return Bad("Upload", "the buffer is not device memory");
+    if (bytes == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("Upload", cudaSetDevice(device_));
+    cudaStream_t s = StreamOf(dst);
+    if (Status st = OrderAfter("Upload", s, streams_[0]); !st.ok()) return st;
+    EPD_CUDA_RETURN_IF_ERROR(
+        "Upload", cudaMemcpyAsync(dst.as<uint8_t>() + dst_offset, host, static_cast<size_t>(bytes),
+                                  cudaMemcpyHostToDevice, s));
+    EPD_CUDA_RETURN_IF_ERROR("Upload", cudaStreamSynchronize(s));
+    return OkStatus();
+  }
+  Status Download(const Buffer& src, int64_t src_offset, int64_t bytes, void* host) override {
+    if (bytes < 0 || src_offset < 0 || src_offset + bytes > src.bytes()) {
+      return Bad("Download", absl::StrCat(bytes, " bytes at offset ", src_offset,
+                                          " are not inside a buffer of ", src.bytes()));
+    }
+    if (src.kind() != MemoryKind::kDevice)
+      return Bad("Download", "the buffer is not device memory");
+    if (bytes == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("Download", cudaSetDevice(device_));
+    cudaStream_t s = StreamOf(src);
+    if (Status st = OrderAfter("Download", s, streams_[0]); !st.ok()) return st;
+    EPD_CUDA_RETURN_IF_ERROR(
+        "Download", cudaMemcpyAsync(host, src.as<uint8_t>() + src_offset,
+                                    static_cast<size_t>(bytes), cudaMemcpyDeviceToHost, s));
+    EPD_CUDA_RETURN_IF_ERROR("Download", cudaStreamSynchronize(s));
+    return OkStatus();
+  }
+  Status Synchronize(Stream stream) override {
+    if (stream.id < 0 || stream.id >= kCudaStreams)
+      return Bad("Synchronize", absl::StrCat("stream ", stream.id));
+    EPD_CUDA_RETURN_IF_ERROR("Synchronize", cudaSetDevice(device_));
+    EPD_CUDA_RETURN_IF_ERROR("Synchronize", cudaStreamSynchronize(streams_[stream.id]));
+    return OkStatus();
+  }
+  Status Copy(void* dst, const void* src, int64_t bytes) override {
+    if (bytes < 0) return Bad("Copy", "negative size");
+    if (bytes == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("Copy", cudaSetDevice(device_));
+    EPD_CUDA_RETURN_IF_ERROR("Copy", cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
+                                                     cudaMemcpyDeviceToDevice, streams_[0]));
+    return OkStatus();
+  }
+
+  // ---- Linears ----
+  Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
+    if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
+    if (w.packed()) {
+      if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
+        return Bad("LinearQuant", "FP4 weight with an odd number of columns");
+      if (w.codes.bytes() != w.code_bytes() ||
+          w.scale_codes.bytes() != w.scale_rows() * w.scale_cols())
+        return Bad("LinearQuant", "packed weight bytes do not match its shape");
+      if (w.codes.kind() != MemoryKind::kDevice || w.scale_codes.kind() != MemoryKind::kDevice)
+        return Bad("LinearQuant", "packed weight codes are not in device memory");
+    } else if (static_cast<int64_t>(w.values.size()) != w.out * w.in ||
+               static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
+      return Bad("LinearQuant", "weight values do not match [out, in]");
+    }
+    if (rows > kMaxGemmRows)
+      return Bad("LinearQuant", absl::StrCat(rows, " rows > ", kMaxGemmRows));
+    if (rows == 0 || w.out == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaSetDevice(device_));
+    const int64_t k = w.in, nb = (k + 31) / 32;
+    const size_t q_bytes = Align(rows * k * 4), s_bytes = Align(rows * nb * 4);
+    const size_t wv_bytes = w.packed() ? 0 : Align(w.out * w.in * 4);
+    const size_t ws_bytes = w.packed() ? 0 : Align(static_cast<int64_t>(w.scales.size()) * 4);
+    auto scratch = Scratch("LinearQuant", q_bytes + s_bytes + wv_bytes + ws_bytes);
+    if (!scratch.ok()) return scratch.status();
+    auto* q = reinterpret_cast<float*>(*scratch);
+    auto* s = reinterpret_cast<float*>(*scratch + q_bytes);
+    cuda::GemmWeight gw;
+    gw.out = w.out;
+    gw.in = w.in;
+    const uint8_t* scale_codes = nullptr;
+    const float* scale_values = nullptr;
+    if (w.packed()) {
+      gw.kind = w.format == WeightFormat::kFp8E4M3 ? cuda::WeightKind::kFp8Packed
+                                                   : cuda::WeightKind::kFp4Packed;
+      gw.data = w.codes.data();
+      scale_codes = w.scale_codes.as<uint8_t>();
+    } else {
+      // Decoded weights live in host vectors: copy them to scratch (stream-ordered).
+      auto* wv = reinterpret_cast<float*>(*scratch + q_bytes + s_bytes);
+      auto* wsv = reinterpret_cast<float*>(*scratch + q_bytes + s_bytes + wv_bytes);
+      EPD_CUDA_RETURN_IF_ERROR("LinearQuant",
+                               cudaMemcpyAsync(wv, w.values.data(), w.values.size() * 4,
+                                               cudaMemcpyHostToDevice, streams_[0]));
+      if (!w.scales.empty()) {
+        EPD_CUDA_RETURN_IF_ERROR("LinearQuant",
+                                 cudaMemcpyAsync(wsv, w.scales.data(), w.scales.size() * 4,
+                                                 cudaMemcpyHostToDevice, streams_[0]));
+      }
+      gw.kind = cuda::WeightKind::kF32;
+      gw.data = wv;
+      scale_values = wsv;
+    }
+    EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cuda::QuantizeFp8Rows(x, rows, k, q, s, streams_[0]));
+    EPD_CUDA_RETURN_IF_ERROR(
+        "LinearQuant", cuda::GemmQuant(q, s, rows, gw, scale_codes, scale_values, w.block_rows,
+                                       w.block_cols, w.scale_cols(), y, streams_[0]));
+    if (!w.packed()) {
+      // The host vectors must outlive the copies: wait (decoded weights are a test/tool form).
+      EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaStreamSynchronize(streams_[0]));
+    }
+    return OkStatus();
+  }
+  Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+                    float* y) override {
+    if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
+    return Plain("LinearBf16", x, rows, w, out, in, true, y);
+  }
+  Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+                   float* y) override {
+    if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
+    return Plain("LinearF32", x, rows, w, out, in, false, y);
+  }
+
+  // ---- Norms, RoPE, rounding ----
+  Status RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
+                 float* y) override {
+    if (rows < 0 || dim <= 0) return Bad("RmsNorm", "shape");
+    return Run("RmsNorm", [&] { return cuda::RmsNorm(x, w, rows, dim, eps, y, streams_[0]); });
+  }
+  Status RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
+                    float* cos, float* sin) override {
+    if (rows < 0 || n_pairs < 0) return Bad("RopeTables", "negative shape");
+    return Run("RopeTables", [&] {
+      return cuda::RopeTables(freqs, n_pairs, positions, rows, cos, sin, streams_[0]);
+    });
+  }
+  Status Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+              const float* cos, const float* sin, bool inverse) override {
+    if (rows < 0 || heads < 0 || offset < 0 || offset + 2 * n_pairs > stride)
+      return Bad("Rope", "the rotated pairs do not fit the row stride");
+    return Run("Rope", [&] {
+      return cuda::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse, streams_[0]);
+    });
+  }
+  Status RoundBf16(float* x, int64_t n) override {
+    return Run("RoundBf16", [&] { return cuda::ScaleRoundBf16(x, n, 1.f, false, streams_[0]); });
+  }
+  Status ScaleRoundBf16(float* x, int64_t n, float scale) override {
+    return Run("ScaleRoundBf16",
+               [&] { return cuda::ScaleRoundBf16(x, n, scale, true, streams_[0]); });
+  }
+  Status Add(float* x, const float* y, int64_t n) override {
+    return Run("Add", [&] { return cuda::Add(x, y, n, streams_[0]); });
+  }
+
+  // ---- Attention ----
+  Status SparseAttention(const SparseAttentionArgs& args) override {
+    if (args.rows < 0 || args.heads < 0 || args.head_dim <= 0 || args.list_len < 0)
+      return Bad("SparseAttention", "shape");
+    if (args.head_dim > 16384)
+      return Bad("SparseAttention", absl::StrCat("head_dim ", args.head_dim, " > 16384"));
+    cuda::AttentionArgs a;
+    a.q = args.q;
+    a.kv = args.kv;
+    a.sink = args.sink;
+    a.idx = args.idx;
+    a.kv_ext = args.kv_ext;
+    a.kv_ext_start = args.kv_ext_start;
+    a.rows = args.rows;
+    a.heads = args.heads;
+    a.head_dim = args.head_dim;
+    a.list_len = args.list_len;
+    a.scale = args.scale;
+    a.out = args.out;
+    return Run("SparseAttention", [&] { return cuda::SparseAttention(a, streams_[0]); });
+  }
+  Status CompressPool(const float* kv, const float* score, int ratio, int64_t hd,
+                      float* out) override {
+    if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
+    return Run("CompressPool",
+               [&] { return cuda::CompressPool(kv, score, ratio, hd, out, streams_[0]); });
+  }
+  Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                       int64_t dim, float* score) override {
+    if (heads < 0 || n < 0 || dim < 0) return Bad("IndexerScores", "negative shape");
+    return Run("IndexerScores",
+               [&] { return cuda::IndexerScores(q, w, heads, keys, n, dim, score, streams_[0]); });
+  }
+  Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
+                    int64_t mask_cols) override {
+    return Run("MaskScores",
+               [&] { return cuda::MaskScores(score, n, valid, mask, mask_cols, streams_[0]); });
+  }
+  Status StableTopK(const float* v, int64_t n, int64_t k, int32_t* out) override {
+    if (n < 0 || k < 0) return Bad("StableTopK", "negative size");
+    if (n > kMaxTopK) return Bad("StableTopK", absl::StrCat(n, " values > ", kMaxTopK));
+    if (n == 0 || k == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("StableTopK", cudaSetDevice(device_));
+    const size_t bytes = cuda::TopKScratchBytes(n);
+    auto scratch = Scratch("StableTopK", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("StableTopK",
+               [&] { return cuda::StableTopK(v, n, k, out, *scratch, bytes, streams_[0]); });
+  }
+  Status CandidateMask(const float* score, int64_t n, int64_t bs, int64_t visible,
+                       int64_t keep_blocks, uint8_t* mask) override {
+    if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
+    if (n == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("CandidateMask", cudaSetDevice(device_));
+    const size_t bytes = cuda::CandidateMaskScratchBytes(n, bs);
+    auto scratch = Scratch("CandidateMask", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("CandidateMask", [&] {
+      return cuda::CandidateMask(score, n, bs, visible, keep_blocks, mask, *scratch, bytes,
+                                 streams_[0]);
+    });
+  }
+  Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
+                    int32_t* out) override {
+    if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
+    if (n > kMaxTopK) return Bad("SelectTopK", absl::StrCat(n, " values > ", kMaxTopK));
+    if (k == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("SelectTopK", cudaSetDevice(device_));
+    const size_t bytes = cuda::TopKScratchBytes(n);
+    auto scratch = Scratch("SelectTopK", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("SelectTopK", [&] {
+      return cuda::SelectTopK(score, n, k, visible, offset, out, *scratch, bytes, streams_[0]);
+    });
+  }
+
+  // ---- mHC ----
+  Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                 const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                 float norm_eps, float* pre, float* post, float* comb) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
+    if (rows > kMaxGemmRows) return Bad("HcMixes", absl::StrCat(rows, " rows > ", kMaxGemmRows));
+    if (rows == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("HcMixes", cudaSetDevice(device_));
+    const int64_t nm = (2 + hc) * hc;
+    auto scratch = Scratch("HcMixes", Align(rows * nm * 4));
+    if (!scratch.ok()) return scratch.status();
+    auto* m = reinterpret_cast<float*>(*scratch);
+    cuda::GemmWeight gw;
+    gw.kind = cuda::WeightKind::kF32;
+    gw.data = fn;
+    gw.out = nm;
+    gw.in = hc * dim;
+    EPD_CUDA_RETURN_IF_ERROR("HcMixes", cuda::GemmPlain(h, rows, gw, false, m, streams_[0]));
+    return Run("HcMixes", [&] {
+      return cuda::HcMixesFinish(rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                                 pre, post, comb, streams_[0]);
+    });
+  }
+  Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+               float* y) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPre", "shape");
+    return Run("HcPre", [&] { return cuda::HcPre(rows, h, hc, dim, pre, y, streams_[0]); });
+  }
+  Status HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                const float* post, const float* comb, float* out) override {
+    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPost", "shape");
+    if (rows == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("HcPost", cudaSetDevice(device_));
+    auto scratch = Scratch("HcPost", Align(rows * hc * dim * 4));
+    if (!scratch.ok()) return scratch.status();
+    return Run("HcPost", [&] {
+      return cuda::HcPost(rows, y, res, hc, dim, post, comb, reinterpret_cast<float*>(*scratch),
+                          out, streams_[0]);
+    });
+  }
+  Status HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y,
+                int64_t y_stride) override {
+    if (rows < 0 || hc <= 0 || dim < 0) return Bad("HcMean", "shape");
+    return Run("HcMean", [&] { return cuda::HcMean(rows, h, hc, dim, y, y_stride, streams_[0]); });
+  }
+
+  // ---- MoE ----
+  Status MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
+                  float route_scale, int32_t* experts, float* weights, int32_t* ranked) override {
+    const int64_t E = n_experts, K = top_k;
+    if (K < 1 || K > E) return Bad("MoeRoute", absl::StrCat("top_k ", K, " of ", E, " experts"));
+    if (rows <= 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("MoeRoute", cudaSetDevice(device_));
+    auto scratch = Scratch("MoeRoute", cuda::MoeRouteScratchBytes(rows, n_experts, top_k));
+    if (!scratch.ok()) return scratch.status();
+    return Run("MoeRoute", [&] {
+      return cuda::MoeRoute(z, rows, n_experts, bias, top_k, route_scale, experts, weights, ranked,
+                            *scratch, streams_[0]);
+    });
+  }
+  Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
+                const float* row_weights, float* h) override {
+    return Run("SwiGlu",
+               [&] { return cuda::SwiGlu(g, u, rows, inter, lim, row_weights, h, streams_[0]); });
+  }
+  Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out) override {
+    return Run("SumSlots", [&] { return cuda::SumSlots(ys, rows, slots, dim, out, streams_[0]); });
+  }
+
+  // ---- Engram ----
+  Status Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                      const int64_t* ids, int64_t n, float* out) override {
+    if (dim % 32 != 0) return Bad("Fp8RowLookup", "dim must be a multiple of 32");
+    return Run("Fp8RowLookup", [&] {
+      return cuda::Fp8RowLookup(table, table_scale, dim, ids, n, out, streams_[0]);
+    });
+  }
+  Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t D,
+                    const float* q_weight, const float* k_weight, float norm_eps) override {
+    const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+    return Run("EngramGate", [&] {
+      return cuda::EngramGate(h, e, rows, hc, D, q_weight, k_weight, norm_eps, inv_sqrt_d,
+                              streams_[0]);
+    });
+  }
+  Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+               float* h) override {
+    return Run("Embed", [&] { return cuda::Embed(table, dim, ids, rows, hc, h, streams_[0]); });
+  }
+
+  Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
+    const int k = kind == Qdq::kFp8Window ? 0 : (kind == Qdq::kFp4Index ? 1 : 2);
+    return Run("QuantDequant", [&] { return cuda::QuantDequant(k, x, rows, dim, streams_[0]); });
+  }
+
+  Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    if (n <= 0) return Bad("Argmax", "empty rows");
+    return Run("Argmax", [&] { return cuda::Argmax(x, rows, n, out, streams_[0]); });
+  }
+
+ private:
+  static constexpr int64_t kMaxTopK = int64_t{1} << 30;  // CUB's int item count, 32-bit indices
+  static constexpr int64_t kMaxGemmRows = int64_t{65535} * 16;  // grid.y limit x the row tile
+
+  static size_t Align(int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; }
+
+  template <typename F>
+  Status Run(const char* op, F&& launch) {
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaSetDevice(device_));
+    const cudaError_t rc = launch();
+    if (rc != cudaSuccess) {
+      cudaGetLastError();  // clear a non-sticky launch error
+      return Cuda(op, rc);
+    }
+    return OkStatus();
+  }
+
+  Status Plain(const char* op, const float* x, int64_t rows, const float* w, int64_t out,
+               int64_t in, bool round, float* y) {
+    if (rows > kMaxGemmRows) return Bad(op, absl::StrCat(rows, " rows > ", kMaxGemmRows));
+    cuda::GemmWeight gw;
+    gw.kind = cuda::WeightKind::kF32;
+    gw.data = w;
+    gw.out = out;
+    gw.in = in;
+    return Run(op, [&] { return cuda::GemmPlain(x, rows, gw, round, y, streams_[0]); });
+  }
+
+  cudaStream_t StreamOf(const Buffer& b) const {
+    const int64_t id = b.stream().id;
+    return streams_[id >= 0 && id < kCudaStreams ? id : 0];
+  }
+
+  // `waiter` runs its next work after everything queued on `signaler` so far.
+  Status OrderAfter(const char* op, cudaStream_t waiter, cudaStream_t signaler) {
+    if (waiter == signaler) return OkStatus();
+    cudaEvent_t ev = nullptr;
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+    cudaError_t rc = cudaEventRecord(ev, signaler);
+    if (rc == cudaSuccess) rc = cudaStreamWaitEvent(waiter, ev, 0);
+    cudaEventDestroy(ev);  // released once the wait is done
+    return Cuda(op, rc);
+  }
+
+  // Device scratch of at least `bytes` for the op being queued on stream 0. Grown in stream
+  // order (the old block is freed after every op queued before), never shrunk.
+  absl::StatusOr<uint8_t*> Scratch(const char* op, size_t bytes) {
+    if (bytes <= scratch_bytes_) return scratch_;
+    const size_t grow = std::max(bytes, scratch_bytes_ * 2);
+    if (scratch_ != nullptr) {
+      EPD_CUDA_RETURN_IF_ERROR(op, cudaStreamSynchronize(streams_[0]));
+      EPD_CUDA_RETURN_IF_ERROR(op, cudaFree(scratch_));
+      scratch_ = nullptr;
+      scratch_bytes_ = 0;
+    }
+    void* p = nullptr;
+    if (cudaError_t rc = cudaMalloc(&p, grow); rc != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op,
+                                                       ": no device memory for ", grow,
+                                                       " bytes of scratch on cuda:", device_));
+    }
+    scratch_ = static_cast<uint8_t*>(p);
+    scratch_bytes_ = grow;
+    return scratch_;
+  }
+
+  int device_;
+  std::array<cudaStream_t, kCudaStreams> streams_{};
+  uint8_t* scratch_ = nullptr;
+  size_t scratch_bytes_ = 0;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
+  std::string why;
+  const int count = cuda::DeviceCount(&why);
+  if (count == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cuda:", device, " is not available: no CUDA device (", why, ")"));
+  }
+  if (device < 0 || device >= count) {
+    return absl::NotFoundError(absl::StrCat("cuda:", device, " does not exist: this machine has ",
+                                            count, " CUDA device(s), cuda:0..cuda:", count - 1));
+  }
+  auto backend = std::make_unique<CudaBackend>(device);
+  if (Status s = backend->Init(); !s.ok()) return s;
+  return std::unique_ptr<Backend>(std::move(backend));
+}
+
+}  // namespace epd::kernels

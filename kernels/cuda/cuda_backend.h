@@ -1,0 +1,29 @@
+#pragma once
+
+// The CUDA backend (kernels/backend.h on one GPU). CUDA-free header: host code includes it
+// without nvcc. Only kernels/ (and the device factory, kernels/device) include it.
+//
+// Memory: Allocate gives device memory (cudaMalloc; freed by the Buffer); op arguments are device
+// pointers (a Buffer's data()). Packed QuantWeights must hold their codes in this backend's
+// buffers; decoded ones (values/scales host vectors) are copied to device scratch per call.
+// Streams: ids 0..kCudaStreams-1 are CUDA streams; every op is queued on stream 0; Upload and
+// Download run on the buffer's stream, ordered after the queued ops, and return when done.
+// Errors: bad arguments give InvalidArgument naming the op (checked before any launch, like the
+// CPU backend); a CUDA error gives Internal naming the op and the CUDA error; an error raised
+// while a kernel runs surfaces at the next Synchronize/Download.
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace epd::kernels {
+
+inline constexpr int kCudaStreams = 4;
+
+// The backend on CUDA device `device`. FailedPrecondition naming "cuda:<device>" and the cause
+// when there is no usable GPU (no driver, no device); NotFound when `device` is not one of the
+// present devices.
+absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
+
+}  // namespace epd::kernels

@@ -1,0 +1,121 @@
+#pragma once
+
+// Launchers of the CUDA kernels behind CudaBackend (kernels/cuda/cuda_backend.cc). Plain C++ on
+// the CUDA runtime API types: the .cu files implement them and never see absl; the backend class
+// (host code) checks the arguments, owns the streams and the scratch memory, and calls these.
+// Every pointer is device memory; every launcher only queues work on `stream` and returns the
+// launch error (cudaSuccess when queued). The arithmetic of each kernel mirrors the CPU reference
+// (kernels/cpu/ops.cc, kernels/cpu/cpu_backend.cc, kernels/format.cc) operation by operation;
+// the comment in the .cu file names the reference function each kernel mirrors.
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+namespace epd::kernels::cuda {
+
+// ---- Linears (linear.cu) ----
+// How a GEMM reads its weight rows.
+enum class WeightKind { kF32, kFp8Packed, kFp4Packed };
+struct GemmWeight {
+  WeightKind kind = WeightKind::kF32;
+  const void* data = nullptr;  // kF32: float [out, in]; kFp8Packed: E4M3 [out, in];
+                               // kFp4Packed: E2M1 pairs [out, in/2]
+  int64_t out = 0;
+  int64_t in = 0;
+};
+// FP8 activation quantization (format::QuantizeFp8Row per row): q [rows, k], scales [rows, nb].
+cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, float* scales,
+                            cudaStream_t stream);
+// LinearQuant's GEMM on quantized rows: y[r, o] = bf16(sum_b Dot8(q_r, w_o)_b * s[r, b] *
+// wscale[o / block_rows, b*32 / block_cols]). `scale_codes` (E8M0 bytes) or `scale_values`
+// (floats), one of them non-null.
+cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
+                      const uint8_t* scale_codes, const float* scale_values, int block_rows,
+                      int block_cols, int64_t scale_cols, float* y, cudaStream_t stream);
+// y[r, o] = Dot8(x_r, w_o) (rounded to bf16 when round_bf16). w kind kF32.
+cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool round_bf16, float* y,
+                      cudaStream_t stream);
+
+// ---- Element-wise and per-row ops (rowwise.cu) ----
+cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
+                    cudaStream_t stream);
+cudaError_t RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
+                       float* cos, float* sin, cudaStream_t stream);
+cudaError_t Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+                 const float* cos, const float* sin, bool inverse, cudaStream_t stream);
+cudaError_t ScaleRoundBf16(float* x, int64_t n, float scale, bool scaled, cudaStream_t stream);
+cudaError_t Add(float* x, const float* y, int64_t n, cudaStream_t stream);
+// m [rows, nm] = Dot8 products (GemmPlain), finished here into pre/post/comb.
+cudaError_t HcMixesFinish(int64_t rows, const float* h, int hc, int64_t dim, const float* m,
+                          const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                          float norm_eps, float* pre, float* post, float* comb,
+                          cudaStream_t stream);
+cudaError_t HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre, float* y,
+                  cudaStream_t stream);
+// tmp [rows, hc, dim] scratch; out may alias res.
+cudaError_t HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                   const float* post, const float* comb, float* tmp, float* out,
+                   cudaStream_t stream);
+cudaError_t HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y, int64_t y_stride,
+                   cudaStream_t stream);
+cudaError_t SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float limit,
+                   const float* row_weights, float* h, cudaStream_t stream);
+cudaError_t SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out,
+                     cudaStream_t stream);
+cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                         const int64_t* ids, int64_t n, float* out, cudaStream_t stream);
+// inv_sqrt_d = fp32(pow(double(dim), -0.5)), computed on the host as the reference does.
+cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
+                       const float* q_weight, const float* k_weight, float norm_eps,
+                       float inv_sqrt_d, cudaStream_t stream);
+cudaError_t Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+                  float* h, cudaStream_t stream);
+// kind: 0 = FP8 window, 1 = FP4 index, 2 = FP4 KV (Backend::Qdq order).
+cudaError_t QuantDequant(int kind, float* x, int64_t rows, int64_t dim, cudaStream_t stream);
+
+// ---- Attention (attention.cu) ----
+struct AttentionArgs {
+  const float* q = nullptr;
+  const float* kv = nullptr;
+  const float* sink = nullptr;
+  const int32_t* idx = nullptr;
+  const float* kv_ext = nullptr;
+  int64_t kv_ext_start = 0;
+  int64_t rows = 0;
+  int heads = 0;
+  int head_dim = 0;
+  int64_t list_len = 0;
+  float scale = 1.f;
+  float* out = nullptr;
+};
+cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream);
+cudaError_t CompressPool(const float* kv, const float* score, int ratio, int64_t dim, float* out,
+                         cudaStream_t stream);
+cudaError_t IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                          int64_t dim, float* score, cudaStream_t stream);
+cudaError_t MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
+                       int64_t mask_cols, cudaStream_t stream);
+
+// ---- Selection (select.cu) ----
+// Scratch bytes StableTopK / SelectTopK need for n values.
+size_t TopKScratchBytes(int64_t n);
+// out[0..min(k,n)) = the stable top-k of v (descending, ties to the lower index).
+cudaError_t StableTopK(const float* v, int64_t n, int64_t k, int32_t* out, void* scratch,
+                       size_t scratch_bytes, cudaStream_t stream);
+// Scratch bytes CandidateMask needs for n keys in blocks of `block`.
+size_t CandidateMaskScratchBytes(int64_t n, int64_t block);
+cudaError_t CandidateMask(const float* score, int64_t n, int64_t block, int64_t visible,
+                          int64_t keep_blocks, uint8_t* mask, void* scratch, size_t scratch_bytes,
+                          cudaStream_t stream);
+cudaError_t SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
+                       int32_t* out, void* scratch, size_t scratch_bytes, cudaStream_t stream);
+// Scratch bytes MoeRoute needs.
+size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
+cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
+                     float route_scale, int32_t* experts, float* weights, int32_t* ranked,
+                     void* scratch, cudaStream_t stream);
+cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream);
+
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,193 @@
+// The linears of CudaBackend: FP8 activation quantization, the block-scaled FP8/FP4 GEMM of
+// LinearQuant and the plain Dot8 GEMM of LinearBf16/LinearF32 (and HcMixes' projection).
+// Mirrors kernels/cpu/ops.cc (LinearQuant, LinearBf16, LinearF32, Dot8) and
+// kernels/format.cc (QuantizeFp8Row): every output is computed by one thread in the reference's
+// order, so results do not depend on the tile, the batch or the launch.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+using codec::Abs;
+using codec::Clamp;
+using codec::DecodeE2M1;
+using codec::DecodeE4M3;
+using codec::DecodeE8M0;
+using codec::IsNan;
+using codec::Pow2Ceil;
+using codec::RoundBf16;
+using codec::RoundE4M3;
+using codec::StdMax;
+
+// format::QuantizeFp8Row: one warp per block of 32 (the last block of a row may be shorter).
+// amax = max(|x|) over the block ignoring NaN (std::max keeps the running value), then
+// max(amax, 1e-4), scale = Pow2Ceil(amax * fp32(1/448)), q = RoundE4M3(clamp(x / scale, ±448)).
+__global__ void QuantizeFp8Kernel(const float* x, int64_t rows, int64_t k, int64_t nb, float* q,
+                                  float* scales) {
+  const int64_t warp = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (warp >= rows * nb) return;  // whole warps leave together
+  const int64_t r = warp / nb, b = warp % nb;
+  const int64_t i = b * 32 + lane;
+  const bool in = i < k;
+  const float v = in ? x[r * k + i] : 0.f;
+  float a = in ? Abs(v) : 0.f;
+  if (IsNan(a)) a = 0.f;
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, off));
+  const float amax = StdMax(a, 1e-4f);
+  const float s = Pow2Ceil(amax * (1.f / 448.f));
+  if (lane == 0) scales[r * nb + b] = s;
+  if (in) q[r * k + i] = RoundE4M3(Clamp(v / s, -448.f, 448.f));
+}
+
+constexpr int kTileO = 64, kTileR = 16, kChunk = 32, kRowsPerThread = kTileR / (kThreads / kTileO);
+
+__device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_t i) {
+  switch (w.kind) {
+    case WeightKind::kFp8Packed:
+      return DecodeE4M3(static_cast<const uint8_t*>(w.data)[o * w.in + i]);
+    case WeightKind::kFp4Packed: {
+      const uint8_t byte = static_cast<const uint8_t*>(w.data)[o * (w.in / 2) + i / 2];
+      return DecodeE2M1((i & 1) ? static_cast<uint8_t>(byte >> 4)
+                                : static_cast<uint8_t>(byte & 0xf));
+    }
+    case WeightKind::kF32:
+    default:
+      return static_cast<const float*>(w.data)[o * w.in + i];
+  }
+}
+
+// One tile of kTileR rows x kTileO outputs; K in chunks of 32 through shared memory. Thread t owns
+// output t % 64 for rows (t / 64) * 4 .. +3 and keeps, per row, the 8 Dot8 lanes.
+// kQuant: the chunk is one quantization block: its Dot8 is finished per chunk and added as
+//   acc += d * act_scale * weight_scale (ops.cc LinearQuant).
+// !kQuant: the lanes run over the whole row (ops.cc LinearBf16/LinearF32): the tree and the tail
+//   (i >= in/8*8, all inside the last chunk) are taken at the last chunk.
+template <bool kQuant>
+__global__ void __launch_bounds__(kThreads)
+    GemmKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
+               const uint8_t* scale_codes, const float* scale_values, int block_rows,
+               int block_cols, int64_t scale_cols, bool round_bf16, float* y) {
+  __shared__ float xs[kTileR][kChunk + 1];
+  __shared__ float ws[kTileO][kChunk + 1];
+  __shared__ float xsc[kTileR];
+  __shared__ float wsc[kTileO];
+  const int t = threadIdx.x;
+  const int ol = t % kTileO, rg = t / kTileO;
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kTileO;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileR;
+  const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk;
+  const int64_t n8_row = K / 8 * 8;
+  float lanes[kRowsPerThread][8];
+  float acc[kRowsPerThread];
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerThread; ++rr) {
+    acc[rr] = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) lanes[rr][j] = 0.f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t c0 = b * kChunk;
+    const int n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
+    for (int e = t; e < kTileR * kChunk; e += kThreads) {
+      const int rl = e / kChunk, i = e % kChunk;
+      const int64_t r = r0 + rl;
+      xs[rl][i] = (r < rows && i < n) ? x[r * K + c0 + i] : 0.f;
+    }
+    for (int e = t; e < kTileO * kChunk; e += kThreads) {
+      const int ot = e / kChunk, i = e % kChunk;
+      const int64_t o = o0 + ot;
+      ws[ot][i] = (o < w.out && i < n) ? WeightAt(w, o, c0 + i) : 0.f;
+    }
+    if (kQuant) {
+      if (t < kTileR) {
+        const int64_t r = r0 + t;
+        xsc[t] = r < rows ? act_scale[r * nb + b] : 0.f;
+      }
+      if (t < kTileO) {
+        const int64_t o = o0 + t;
+        float sc = 0.f;
+        if (o < w.out) {
+          const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
+          sc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
+        }
+        wsc[t] = sc;
+      }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerThread; ++rr) {
+      const int rl = rg * kRowsPerThread + rr;
+      if (kQuant) {
+        // Dot8 of this block (n <= 32 elements).
+        const int n8 = n / 8 * 8;
+        float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+        for (int i = 0; i < n8; i += 8) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) l[j] += xs[rl][i + j] * ws[ol][i + j];
+        }
+        float d = Tree8(l);
+        for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
+        acc[rr] += d * xsc[rl] * wsc[ol];
+      } else {
+        const int n8 = static_cast<int>(c0 + n <= n8_row ? n : n8_row - c0);
+        for (int i = 0; i < n8; i += 8) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) lanes[rr][j] += xs[rl][i + j] * ws[ol][i + j];
+        }
+        if (b == nb - 1) {
+          float s = Tree8(lanes[rr]);
+          for (int i = n8; i < n; ++i) s += xs[rl][i] * ws[ol][i];
+          acc[rr] = s;
+        }
+      }
+    }
+    __syncthreads();
+  }
+  const int64_t o = o0 + ol;
+  if (o >= w.out) return;
+#pragma unroll
+  for (int rr = 0; rr < kRowsPerThread; ++rr) {
+    const int64_t r = r0 + rg * kRowsPerThread + rr;
+    if (r >= rows) continue;
+    // K == 0: no chunk ran; the reference's empty Dot8 is +0.
+    const float v = nb == 0 ? 0.f : acc[rr];
+    y[r * w.out + o] = (kQuant || round_bf16) ? RoundBf16(v) : v;
+  }
+}
+
+dim3 GemmGrid(int64_t rows, int64_t out) {
+  return dim3(static_cast<unsigned>((out + kTileO - 1) / kTileO),
+              static_cast<unsigned>((rows + kTileR - 1) / kTileR));
+}
+
+}  // namespace
+
+cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, float* scales,
+                            cudaStream_t stream) {
+  const int64_t nb = (k + 31) / 32;
+  if (rows == 0 || nb == 0) return cudaSuccess;
+  QuantizeFp8Kernel<<<GridFor(rows * nb * 32), kThreads, 0, stream>>>(x, rows, k, nb, q, scales);
+  return cudaGetLastError();
+}
+
+cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
+                      const uint8_t* scale_codes, const float* scale_values, int block_rows,
+                      int block_cols, int64_t scale_cols, float* y, cudaStream_t stream) {
+  if (rows == 0 || w.out == 0) return cudaSuccess;
+  GemmKernel<true><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
+      q, s, rows, w, scale_codes, scale_values, block_rows, block_cols, scale_cols, true, y);
+  return cudaGetLastError();
+}
+
+cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool round_bf16, float* y,
+                      cudaStream_t stream) {
+  if (rows == 0 || w.out == 0) return cudaSuccess;
+  GemmKernel<false><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
+      x, nullptr, rows, w, nullptr, nullptr, 1, 1, 0, round_bf16, y);
+  return cudaGetLastError();
+}
+
+}  // namespace epd::kernels::cuda

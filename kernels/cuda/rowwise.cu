@@ -1,0 +1,403 @@
+// Element-wise and per-row ops of CudaBackend. Each kernel names the reference it mirrors
+// (kernels/cpu/ops.cc, kernels/cpu/cpu_backend.cc, kernels/format.cc); a value is computed by one
+// thread in the reference's order, and the sums the reference takes in double are taken in double
+// in the same sequential order, so these results are bit-identical to the CPU's apart from the
+// transcendental functions (common.cuh: ExpF, Log1pF, CosF, SinF).
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+using codec::Abs;
+using codec::Clamp;
+using codec::DecodeE2M1;
+using codec::DecodeE4M3;
+using codec::DecodeE8M0;
+using codec::EncodeE2M1;
+using codec::Pow2Ceil;
+using codec::RoundBf16;
+using codec::RoundE4M3;
+using codec::StdMax;
+using codec::StdMin;
+
+__device__ __forceinline__ int64_t Tid() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+// ops.cc RmsNormBf16: one block per row; the sum of squares in double, sequentially (thread 0),
+// then y = bf16(w * (x * inv)) in parallel. x and y may alias: every read of the sum is done
+// before the barrier.
+__global__ void RmsNormKernel(const float* x, const float* w, int64_t dim, float eps, float* y) {
+  __shared__ float inv_s;
+  const float* xr = x + blockIdx.x * dim;
+  float* yr = y + blockIdx.x * dim;
+  if (threadIdx.x == 0) {
+    double ss = 0;
+    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
+    const float mean = static_cast<float>(ss / static_cast<double>(dim));
+    inv_s = 1.f / sqrtf(mean + eps);
+  }
+  __syncthreads();
+  const float inv = inv_s;
+  for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = RoundBf16(w[i] * (xr[i] * inv));
+}
+
+// rope.cc RopeCosSin: angle = fp32(pos) * freq.
+__global__ void RopeTablesKernel(const float* freqs, int n_pairs, const int64_t* positions,
+                                 int64_t rows, float* cos, float* sin) {
+  const int64_t e = Tid();
+  if (e >= rows * n_pairs) return;
+  const int64_t r = e / n_pairs;
+  const int i = static_cast<int>(e % n_pairs);
+  const float ang = static_cast<float>(positions[r]) * freqs[i];
+  cos[e] = CosF(ang);
+  sin[e] = SinF(ang);
+}
+
+// ops.cc Rope.
+__global__ void RopeKernel(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+                           const float* cos, const float* sin, bool inverse) {
+  const int64_t e = Tid();
+  if (e >= rows * heads * n_pairs) return;
+  const int i = static_cast<int>(e % n_pairs);
+  const int64_t rh = e / n_pairs;
+  const int64_t r = rh / heads;
+  float* v = x + rh * stride + offset;
+  const float c = cos[r * n_pairs + i], s = sin[r * n_pairs + i];
+  const float a = v[2 * i], b = v[2 * i + 1];
+  const float si = inverse ? -s : s;
+  v[2 * i] = RoundBf16(a * c - b * si);
+  v[2 * i + 1] = RoundBf16(a * si + b * c);
+}
+
+// cpu_backend.cc RoundBf16 / ScaleRoundBf16.
+__global__ void ScaleRoundKernel(float* x, int64_t n, float scale, bool scaled) {
+  const int64_t i = Tid();
+  if (i < n) x[i] = RoundBf16(scaled ? x[i] * scale : x[i]);
+}
+
+__global__ void AddKernel(float* x, const float* y, int64_t n) {
+  const int64_t i = Tid();
+  if (i < n) x[i] += y[i];
+}
+
+__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + ExpF(-x)); }
+
+// ops.cc HcMixes after the projection (m = Dot8(h, fn_j) from GemmPlain): one thread per row.
+__global__ void HcMixesKernel(int64_t rows, const float* h, int hc, int64_t dim, const float* mm,
+                              const float* scale, const float* base, int sinkhorn_iters,
+                              float hc_eps, float norm_eps, float* pre, float* post, float* comb) {
+  const int64_t r = Tid();
+  if (r >= rows) return;
+  const int64_t n = hc * dim;
+  const int nm = (2 + hc) * hc;
+  const float* hr = h + r * n;
+  double ss = 0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(hr[i]) * hr[i];
+  const float rs = 1.f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + norm_eps);
+  const float* m0 = mm + r * nm;
+  float* pr = pre + r * hc;
+  float* po = post + r * hc;
+  float* cb = comb + r * hc * hc;
+  for (int j = 0; j < hc; ++j) pr[j] = Sigmoid((m0[j] * rs) * scale[0] + base[j]) + hc_eps;
+  for (int j = 0; j < hc; ++j) {
+    po[j] = 2.f * Sigmoid((m0[hc + j] * rs) * scale[1] + base[hc + j]);
+  }
+  for (int j = 0; j < hc; ++j) {
+    float* row = cb + j * hc;
+    float mx = -INFINITY;
+    for (int k = 0; k < hc; ++k) {
+      row[k] = (m0[2 * hc + j * hc + k] * rs) * scale[2] + base[2 * hc + j * hc + k];
+      mx = StdMax(mx, row[k]);
+    }
+    float sum = 0.f;
+    for (int k = 0; k < hc; ++k) {
+      row[k] = ExpF(row[k] - mx);
+      sum += row[k];
+    }
+    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
+  }
+  auto col_norm = [&] {
+    for (int k = 0; k < hc; ++k) {
+      float s = 0.f;
+      for (int j = 0; j < hc; ++j) s += cb[j * hc + k];
+      for (int j = 0; j < hc; ++j) cb[j * hc + k] /= (s + hc_eps);
+    }
+  };
+  auto row_norm = [&] {
+    for (int j = 0; j < hc; ++j) {
+      float s = 0.f;
+      for (int k = 0; k < hc; ++k) s += cb[j * hc + k];
+      for (int k = 0; k < hc; ++k) cb[j * hc + k] /= (s + hc_eps);
+    }
+  };
+  col_norm();
+  for (int it = 1; it < sinkhorn_iters; ++it) {
+    row_norm();
+    col_norm();
+  }
+}
+
+// ops.cc HcPre: y[r, d] = bf16(sum_j pre[r, j] * h[r, j, d]), j in order from 0.
+__global__ void HcPreKernel(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
+                            float* y) {
+  const int64_t e = Tid();
+  if (e >= rows * dim) return;
+  const int64_t r = e / dim, d = e % dim;
+  float s = 0.f;
+  for (int j = 0; j < hc; ++j) s += pre[r * hc + j] * h[(r * hc + j) * dim + d];
+  y[e] = RoundBf16(s);
+}
+
+// ops.cc HcPost: thread (r, d) computes every k into tmp, then copies its own column: it is the
+// only reader of res[r, :, d], so out may alias res.
+__global__ void HcPostKernel(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                             const float* post, const float* comb, float* tmp, float* out) {
+  const int64_t e = Tid();
+  if (e >= rows * dim) return;
+  const int64_t r = e / dim, d = e % dim;
+  const float* cb = comb + r * hc * hc;
+  for (int k = 0; k < hc; ++k) {
+    float s = post[r * hc + k] * y[r * dim + d];
+    for (int j = 0; j < hc; ++j) s += cb[j * hc + k] * res[(r * hc + j) * dim + d];
+    tmp[(r * hc + k) * dim + d] = RoundBf16(s);
+  }
+  for (int k = 0; k < hc; ++k) out[(r * hc + k) * dim + d] = tmp[(r * hc + k) * dim + d];
+}
+
+// cpu_backend.cc HcMean.
+__global__ void HcMeanKernel(int64_t rows, const float* h, int hc, int64_t dim, float* y,
+                             int64_t y_stride) {
+  const int64_t e = Tid();
+  if (e >= rows * dim) return;
+  const int64_t i = e / dim, d = e % dim;
+  float sum = 0.f;
+  for (int64_t j = 0; j < hc; ++j) sum += h[(i * hc + j) * dim + d];
+  y[i * y_stride + d] = RoundBf16(sum / static_cast<float>(hc));
+}
+
+// cpu_backend.cc SwiGlu.
+__global__ void SwiGluKernel(const float* g, const float* u, int64_t n, int64_t inter, float lim,
+                             const float* row_weights, float* h) {
+  const int64_t e = Tid();
+  if (e >= n) return;
+  const float uu = Clamp(u[e], -lim, lim);
+  const float gg = StdMin(g[e], lim);
+  const float silu = gg / (1.f + ExpF(-gg));
+  h[e] = RoundBf16(row_weights != nullptr ? silu * uu * row_weights[e / inter] : silu * uu);
+}
+
+// cpu_backend.cc SumSlots: slots summed in order from 0.
+__global__ void SumSlotsKernel(const float* ys, int64_t rows, int64_t slots, int64_t dim,
+                               float* out) {
+  const int64_t e = Tid();
+  if (e >= rows * dim) return;
+  const int64_t r = e / dim, d = e % dim;
+  float acc = 0.f;
+  for (int64_t j = 0; j < slots; ++j) acc += ys[(r * slots + j) * dim + d];
+  out[e] = RoundBf16(acc);
+}
+
+// cpu_backend.cc Fp8RowLookup.
+__global__ void Fp8RowLookupKernel(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                                   const int64_t* ids, int64_t n, float* out) {
+  const int64_t e = Tid();
+  if (e >= n * dim) return;
+  const int64_t r = e / dim, i = e % dim;
+  const int64_t id = ids[r];
+  out[e] = RoundBf16(DecodeE4M3(table[id * dim + i]) *
+                     DecodeE8M0(table_scale[id * (dim / 32) + i / 32]));
+}
+
+// cpu_backend.cc EngramGate: one block per (row, hc stream). The three sums the reference takes in
+// double are taken in double in index order (threads 0 and 1, then thread 0); the update of h is
+// parallel after the barrier.
+__global__ void EngramGateKernel(float* h, const float* e, int hc, int64_t D, const float* q_weight,
+                                 const float* k_weight, float norm_eps, float inv_sqrt_d) {
+  __shared__ double sums[2];
+  __shared__ float gate_s;
+  const int64_t r = blockIdx.x / hc;
+  const int64_t j = blockIdx.x % hc;
+  const float* er = e + r * (hc + 1) * D;
+  const float* value = er + hc * D;
+  float* hj = h + (r * hc + j) * D;
+  const float* key = er + j * D;
+  const float* qw = q_weight + j * D;
+  const float* kw = k_weight + j * D;
+  if (threadIdx.x < 2) {
+    const float* v = threadIdx.x == 0 ? hj : key;
+    double s = 0;
+    for (int64_t d = 0; d < D; ++d) s += static_cast<double>(v[d]) * v[d];
+    sums[threadIdx.x] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const float rh = 1.f / sqrtf(static_cast<float>(sums[0] / D) + norm_eps);
+    const float rk = 1.f / sqrtf(static_cast<float>(sums[1] / D) + norm_eps);
+    double dd = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      const float hn = hj[d] * rh, kn = key[d] * rk;
+      dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
+    }
+    const float dot = static_cast<float>(dd) * inv_sqrt_d;
+    const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
+    gate_s = 1.f / (1.f + ExpF(-(sg * sqrtf(StdMax(fabsf(dot), 1e-6f)))));
+  }
+  __syncthreads();
+  const float gate = gate_s;
+  for (int64_t d = threadIdx.x; d < D; d += blockDim.x) hj[d] = RoundBf16(hj[d] + gate * value[d]);
+}
+
+// cpu_backend.cc Embed.
+__global__ void EmbedKernel(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
+                            int hc, float* h) {
+  const int64_t e = Tid();
+  if (e >= rows * hc * dim) return;
+  const int64_t d = e % dim, i = e / (hc * dim);
+  h[e] = table[static_cast<int64_t>(ids[i]) * dim + d];
+}
+
+// format.cc Fp8QuantDequantRow / Fp4IndexQuantDequantRow / Fp4KvQuantDequantRow: one thread per
+// (row, block); the block's amax sequentially as the reference (max ignores NaN either way).
+__global__ void QuantDequantKernel(int kind, float* x, int64_t rows, int64_t dim, int block,
+                                   int64_t nb) {
+  const int64_t e = Tid();
+  if (e >= rows * nb) return;
+  const int64_t r = e / nb, b0 = (e % nb) * block;
+  float* xb = x + r * dim + b0;
+  const int n = static_cast<int>(dim - b0 < block ? dim - b0 : block);
+  float amax = 0.f;
+  for (int i = 0; i < n; ++i) amax = StdMax(amax, Abs(xb[i]));
+  if (kind == 0) {
+    const float s = Pow2Ceil(StdMax(amax, 1e-4f) * (1.f / 448.f));
+    for (int i = 0; i < n; ++i) xb[i] = RoundBf16(RoundE4M3(Clamp(xb[i] / s, -448.f, 448.f)) * s);
+  } else {
+    const float s = kind == 1 ? Pow2Ceil(StdMax(amax, 6.f * 0x1p-126f) * (1.f / 6.f))
+                              : RoundE4M3(StdMax(amax, 6.f * 0x1p-9f) / 6.f);
+    for (int i = 0; i < n; ++i) {
+      xb[i] = RoundBf16(DecodeE2M1(EncodeE2M1(Clamp(xb[i] / s, -6.f, 6.f))) * s);
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y,
+                    cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  RmsNormKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, w, dim, eps, y);
+  return cudaGetLastError();
+}
+
+cudaError_t RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
+                       float* cos, float* sin, cudaStream_t stream) {
+  const int64_t n = rows * n_pairs;
+  if (n == 0) return cudaSuccess;
+  RopeTablesKernel<<<GridFor(n), kThreads, 0, stream>>>(freqs, n_pairs, positions, rows, cos, sin);
+  return cudaGetLastError();
+}
+
+cudaError_t Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
+                 const float* cos, const float* sin, bool inverse, cudaStream_t stream) {
+  const int64_t n = rows * heads * n_pairs;
+  if (n == 0) return cudaSuccess;
+  RopeKernel<<<GridFor(n), kThreads, 0, stream>>>(x, rows, heads, stride, offset, n_pairs, cos, sin,
+                                                  inverse);
+  return cudaGetLastError();
+}
+
+cudaError_t ScaleRoundBf16(float* x, int64_t n, float scale, bool scaled, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  ScaleRoundKernel<<<GridFor(n), kThreads, 0, stream>>>(x, n, scale, scaled);
+  return cudaGetLastError();
+}
+
+cudaError_t Add(float* x, const float* y, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  AddKernel<<<GridFor(n), kThreads, 0, stream>>>(x, y, n);
+  return cudaGetLastError();
+}
+
+cudaError_t HcMixesFinish(int64_t rows, const float* h, int hc, int64_t dim, const float* m,
+                          const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                          float norm_eps, float* pre, float* post, float* comb,
+                          cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  HcMixesKernel<<<GridFor(rows, 64), 64, 0, stream>>>(
+      rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post, comb);
+  return cudaGetLastError();
+}
+
+cudaError_t HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre, float* y,
+                  cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  HcPreKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(rows, h, hc, dim, pre, y);
+  return cudaGetLastError();
+}
+
+cudaError_t HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
+                   const float* post, const float* comb, float* tmp, float* out,
+                   cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  HcPostKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(rows, y, res, hc, dim, post, comb, tmp,
+                                                             out);
+  return cudaGetLastError();
+}
+
+cudaError_t HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y, int64_t y_stride,
+                   cudaStream_t stream) {
+  if (rows * dim == 0) return cudaSuccess;
+  HcMeanKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(rows, h, hc, dim, y, y_stride);
+  return cudaGetLastError();
+}
+
+cudaError_t SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float limit,
+                   const float* row_weights, float* h, cudaStream_t stream) {
+  const int64_t n = rows * inter;
+  if (n <= 0) return cudaSuccess;
+  SwiGluKernel<<<GridFor(n), kThreads, 0, stream>>>(g, u, n, inter, limit, row_weights, h);
+  return cudaGetLastError();
+}
+
+cudaError_t SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out,
+                     cudaStream_t stream) {
+  if (rows * dim <= 0) return cudaSuccess;
+  SumSlotsKernel<<<GridFor(rows * dim), kThreads, 0, stream>>>(ys, rows, slots, dim, out);
+  return cudaGetLastError();
+}
+
+cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
+                         const int64_t* ids, int64_t n, float* out, cudaStream_t stream) {
+  if (n * dim <= 0) return cudaSuccess;
+  Fp8RowLookupKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(table, table_scale, dim, ids, n,
+                                                                out);
+  return cudaGetLastError();
+}
+
+cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
+                       const float* q_weight, const float* k_weight, float norm_eps,
+                       float inv_sqrt_d, cudaStream_t stream) {
+  if (rows * hc == 0) return cudaSuccess;
+  EngramGateKernel<<<static_cast<unsigned>(rows * hc), kThreads, 0, stream>>>(
+      h, e, hc, dim, q_weight, k_weight, norm_eps, inv_sqrt_d);
+  return cudaGetLastError();
+}
+
+cudaError_t Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+                  float* h, cudaStream_t stream) {
+  const int64_t n = rows * hc * dim;
+  if (n <= 0) return cudaSuccess;
+  EmbedKernel<<<GridFor(n), kThreads, 0, stream>>>(table, dim, ids, rows, hc, h);
+  return cudaGetLastError();
+}
+
+cudaError_t QuantDequant(int kind, float* x, int64_t rows, int64_t dim, cudaStream_t stream) {
+  const int block = kind == 2 ? 16 : 32;
+  const int64_t nb = (dim + block - 1) / block;
+  if (rows * nb <= 0) return cudaSuccess;
+  QuantDequantKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(kind, x, rows, dim, block, nb);
+  return cudaGetLastError();
+}
+
+}  // namespace epd::kernels::cuda

@@ -1,0 +1,324 @@
+// Selection ops of CudaBackend: stable top-k, candidate selection, index-list selection, MoE
+// routing, argmax. Integer results, exact: the same indices as kernels/cpu (ops.cc StableTopK,
+// cpu_backend.cc CandidateMask / SelectTopK / MoeRoute / Argmax) for the same inputs.
+//
+// Stable top-k is a radix sort (CUB, deterministic) of 64-bit keys (descending value, then
+// ascending index): key = (~ordered(v) << 32) | index, where ordered() maps fp32 to uint32 in
+// value order and -0 to +0 (the reference's comparator treats them as equal). NaN values have no
+// defined place in the reference (its comparator is not a strict weak order with NaN) and none
+// here.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+using codec::F32Bits;
+using codec::IsNan;
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+size_t CubBytes64(int64_t n) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const uint64_t*>(nullptr),
+                                 static_cast<uint64_t*>(nullptr), static_cast<int>(n));
+  return bytes;
+}
+size_t CubBytes32(int64_t n) {
+  size_t bytes = 0;
+  cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const uint32_t*>(nullptr),
+                                 static_cast<uint32_t*>(nullptr), static_cast<int>(n));
+  return bytes;
+}
+
+// Scratch layout of a top-k over n values: keys in/out [n] u64, sorted selection [n] u32 x 2,
+// then CUB's temporary storage.
+struct TopKLayout {
+  size_t keys_in = 0, keys_out = 0, sel_in = 0, sel_out = 0, temp = 0, temp_bytes = 0, total = 0;
+  explicit TopKLayout(int64_t n) {
+    const size_t k64 = AlignUp(static_cast<size_t>(n) * 8),
+                 k32 = AlignUp(static_cast<size_t>(n) * 4);
+    keys_out = k64;
+    sel_in = 2 * k64;
+    sel_out = sel_in + k32;
+    temp = sel_out + k32;
+    const size_t a = CubBytes64(n), b = CubBytes32(n);
+    temp_bytes = AlignUp(a > b ? a : b);
+    total = temp + temp_bytes;
+  }
+};
+
+__device__ __forceinline__ uint64_t TopKKey(float v, int64_t i) {
+  uint32_t u = F32Bits(v == 0.f ? 0.f : v);
+  u = (u & 0x80000000u) ? ~u : (u | 0x80000000u);  // ascending uint32 order == value order
+  return (static_cast<uint64_t>(~u) << 32) | static_cast<uint64_t>(i);
+}
+
+__global__ void TopKKeysKernel(const float* v, int64_t n, uint64_t* keys) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) keys[i] = TopKKey(v[i], i);
+}
+
+__global__ void TopKTakeKernel(const uint64_t* sorted, int64_t k, int32_t* out) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j < k) out[j] = static_cast<int32_t>(sorted[j] & 0xffffffffu);
+}
+
+__global__ void TopKTakeU32Kernel(const uint64_t* sorted, int64_t k, uint32_t* out) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j < k) out[j] = static_cast<uint32_t>(sorted[j] & 0xffffffffu);
+}
+
+// Sorts the keys of v [n] into layout.keys_out (ascending = the top-k order).
+cudaError_t SortTopK(const float* v, int64_t n, uint8_t* scratch, const TopKLayout& l,
+                     cudaStream_t stream) {
+  auto* keys_in = reinterpret_cast<uint64_t*>(scratch + l.keys_in);
+  auto* keys_out = reinterpret_cast<uint64_t*>(scratch + l.keys_out);
+  TopKKeysKernel<<<GridFor(n), kThreads, 0, stream>>>(v, n, keys_in);
+  cudaError_t rc = cudaGetLastError();
+  if (rc != cudaSuccess) return rc;
+  size_t temp_bytes = l.temp_bytes;
+  return cub::DeviceRadixSort::SortKeys(scratch + l.temp, temp_bytes,
+                                        static_cast<const uint64_t*>(keys_in), keys_out,
+                                        static_cast<int>(n), 0, 64, stream);
+}
+
+// cpu_backend.cc CandidateMask, step 1: block scores (max over each block; NaN never taken, as
+// std::max(running, NaN) keeps the running value), the block holding key visible-1 = +inf.
+__global__ void BlockScoresKernel(const float* score, int64_t n, int64_t bs, int64_t visible,
+                                  float* bscore, int64_t nb) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b >= nb) return;
+  float m = -INFINITY;
+  const int64_t end = (b + 1) * bs < n ? (b + 1) * bs : n;
+  for (int64_t t = b * bs; t < end; ++t) m = codec::StdMax(m, score[t]);
+  if (visible > 0 && (visible - 1) / bs == b) m = INFINITY;
+  bscore[b] = m;
+}
+
+// Step 2: keys of the kept blocks that are not all -inf -> 1 (mask zeroed before).
+__global__ void MarkBlocksKernel(const uint64_t* sorted, int64_t keep, const float* bscore,
+                                 int64_t bs, int64_t n, uint8_t* mask) {
+  const int64_t j = blockIdx.x;
+  if (j >= keep) return;
+  const int64_t b = static_cast<int64_t>(sorted[j] & 0xffffffffu);
+  if (bscore[b] == -INFINITY) return;
+  const int64_t end = (b + 1) * bs < n ? (b + 1) * bs : n;
+  for (int64_t t = b * bs + threadIdx.x; t < end; t += blockDim.x) mask[t] = 1;
+}
+
+__global__ void SelectOutKernel(const uint32_t* sel, int64_t k, int64_t visible, int64_t offset,
+                                int32_t* out) {
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= k) return;
+  const int64_t s = sel[j];
+  out[j] = s >= visible ? -1 : static_cast<int32_t>(s + offset);
+}
+
+// cpu_backend.cc MoeRoute, one thread per row. s = sqrt(softplus(z)), biased = s + bias, the
+// stable top-k of biased by k passes (each takes the largest unchosen value, ties to the lower
+// expert id), weights = s normalised over the chosen in top-k order (k > 1) times route_scale,
+// then the experts sorted ascending with their weights.
+__global__ void MoeRouteKernel(const float* z, int64_t rows, int E, const float* bias, int K,
+                               float route_scale, int32_t* experts, float* weights, int32_t* ranked,
+                               float* s_all, float* biased_all, uint8_t* chosen_all,
+                               int32_t* sel_all, float* wts_all) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  float* s = s_all + r * E;
+  float* biased = biased_all + r * E;
+  uint8_t* chosen = chosen_all + r * E;
+  int32_t* sel = sel_all + r * K;
+  float* wts = wts_all + r * K;
+  for (int e = 0; e < E; ++e) {
+    const float v = z[r * E + e];
+    const float sp = v > 20.f ? v : Log1pF(ExpF(v));
+    s[e] = sqrtf(sp);
+    biased[e] = s[e] + bias[e];
+    chosen[e] = 0;
+  }
+  for (int j = 0; j < K; ++j) {
+    int best = -1;
+    for (int e = 0; e < E; ++e) {
+      if (chosen[e] || IsNan(biased[e])) continue;
+      if (best < 0 || biased[e] > biased[best]) best = e;
+    }
+    if (best < 0) {  // only NaN left: the lowest unchosen id (the reference leaves this open)
+      for (int e = 0; e < E && best < 0; ++e) {
+        if (!chosen[e]) best = e;
+      }
+    }
+    chosen[best] = 1;
+    sel[j] = best;
+  }
+  float sum = 0.f;
+  for (int j = 0; j < K; ++j) {
+    wts[j] = s[sel[j]];
+    sum += wts[j];
+  }
+  for (int j = 0; j < K; ++j) {
+    if (K > 1) wts[j] = wts[j] / (sum + 1e-20f);
+    wts[j] *= route_scale;
+  }
+  if (ranked != nullptr) {
+    for (int j = 0; j < K; ++j) ranked[r * K + j] = sel[j];
+  }
+  // Ascending expert id (selection sort; ids are distinct).
+  for (int j = 0; j < K; ++j) {
+    int m = j;
+    for (int i = j + 1; i < K; ++i) {
+      if (sel[i] < sel[m]) m = i;
+    }
+    const int32_t te = sel[j];
+    sel[j] = sel[m];
+    sel[m] = te;
+    const float tw = wts[j];
+    wts[j] = wts[m];
+    wts[m] = tw;
+    experts[r * K + j] = sel[j];
+    weights[r * K + j] = wts[j];
+  }
+}
+
+// cpu_backend.cc Argmax (std::max_element: the first index of the largest value; a NaN is never
+// taken after the first element, and a NaN first element stays the answer). One block per row:
+// each thread scans a strided part, the partial results combine as (larger value, then lower
+// index), which is order-independent.
+__global__ void ArgmaxKernel(const float* x, int64_t n, int32_t* out) {
+  __shared__ float bv[kThreads];
+  __shared__ int64_t bi[kThreads];
+  const float* xr = x + blockIdx.x * n;
+  float v = 0.f;
+  int64_t idx = -1;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    const float xi = xr[i];
+    if (IsNan(xi)) continue;
+    if (idx < 0 || v < xi) {
+      v = xi;
+      idx = i;
+    }
+  }
+  bv[threadIdx.x] = v;
+  bi[threadIdx.x] = idx;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s) {
+      const float ov = bv[threadIdx.x + s];
+      const int64_t oi = bi[threadIdx.x + s];
+      const int64_t mi = bi[threadIdx.x];
+      const float mv = bv[threadIdx.x];
+      const bool take = oi >= 0 && (mi < 0 || mv < ov || (!(ov < mv) && oi < mi));
+      if (take) {
+        bv[threadIdx.x] = ov;
+        bi[threadIdx.x] = oi;
+      }
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) {
+    out[blockIdx.x] = (IsNan(xr[0]) || bi[0] < 0) ? 0 : static_cast<int32_t>(bi[0]);
+  }
+}
+
+}  // namespace
+
+size_t TopKScratchBytes(int64_t n) { return TopKLayout(n).total; }
+
+cudaError_t StableTopK(const float* v, int64_t n, int64_t k, int32_t* out, void* scratch,
+                       size_t scratch_bytes, cudaStream_t stream) {
+  k = k < n ? k : n;
+  if (k <= 0) return cudaSuccess;
+  const TopKLayout l(n);
+  if (scratch_bytes < l.total) return cudaErrorInvalidValue;
+  auto* base = static_cast<uint8_t*>(scratch);
+  cudaError_t rc = SortTopK(v, n, base, l, stream);
+  if (rc != cudaSuccess) return rc;
+  TopKTakeKernel<<<GridFor(k), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(base + l.keys_out), k, out);
+  return cudaGetLastError();
+}
+
+size_t CandidateMaskScratchBytes(int64_t n, int64_t block) {
+  const int64_t nb = (n + block - 1) / block;
+  return AlignUp(static_cast<size_t>(nb) * 4) + TopKLayout(nb).total;
+}
+
+cudaError_t CandidateMask(const float* score, int64_t n, int64_t block, int64_t visible,
+                          int64_t keep_blocks, uint8_t* mask, void* scratch, size_t scratch_bytes,
+                          cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t nb = (n + block - 1) / block;
+  const TopKLayout l(nb);
+  const size_t head = AlignUp(static_cast<size_t>(nb) * 4);
+  if (scratch_bytes < head + l.total) return cudaErrorInvalidValue;
+  auto* bscore = static_cast<float*>(scratch);
+  auto* base = static_cast<uint8_t*>(scratch) + head;
+  BlockScoresKernel<<<GridFor(nb), kThreads, 0, stream>>>(score, n, block, visible, bscore, nb);
+  cudaError_t rc = cudaGetLastError();
+  if (rc != cudaSuccess) return rc;
+  rc = cudaMemsetAsync(mask, 0, static_cast<size_t>(n), stream);
+  if (rc != cudaSuccess) return rc;
+  const int64_t keep = keep_blocks < nb ? keep_blocks : nb;
+  if (keep <= 0) return cudaSuccess;
+  rc = SortTopK(bscore, nb, base, l, stream);
+  if (rc != cudaSuccess) return rc;
+  MarkBlocksKernel<<<static_cast<unsigned>(keep), 128, 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(base + l.keys_out), keep, bscore, block, n, mask);
+  return cudaGetLastError();
+}
+
+cudaError_t SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
+                       int32_t* out, void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  if (k <= 0) return cudaSuccess;
+  const TopKLayout l(n);
+  if (scratch_bytes < l.total) return cudaErrorInvalidValue;
+  auto* base = static_cast<uint8_t*>(scratch);
+  cudaError_t rc = SortTopK(score, n, base, l, stream);
+  if (rc != cudaSuccess) return rc;
+  auto* sel_in = reinterpret_cast<uint32_t*>(base + l.sel_in);
+  auto* sel_out = reinterpret_cast<uint32_t*>(base + l.sel_out);
+  TopKTakeU32Kernel<<<GridFor(k), kThreads, 0, stream>>>(
+      reinterpret_cast<const uint64_t*>(base + l.keys_out), k, sel_in);
+  rc = cudaGetLastError();
+  if (rc != cudaSuccess) return rc;
+  size_t temp_bytes = l.temp_bytes;
+  rc = cub::DeviceRadixSort::SortKeys(base + l.temp, temp_bytes,
+                                      static_cast<const uint32_t*>(sel_in), sel_out,
+                                      static_cast<int>(k), 0, 32, stream);
+  if (rc != cudaSuccess) return rc;
+  SelectOutKernel<<<GridFor(k), kThreads, 0, stream>>>(sel_out, k, visible, offset, out);
+  return cudaGetLastError();
+}
+
+size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k) {
+  const size_t re = static_cast<size_t>(rows) * n_experts, rk = static_cast<size_t>(rows) * top_k;
+  return AlignUp(re * 4) * 2 + AlignUp(re) + AlignUp(rk * 4) * 2;
+}
+
+cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
+                     float route_scale, int32_t* experts, float* weights, int32_t* ranked,
+                     void* scratch, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  const size_t re = static_cast<size_t>(rows) * n_experts, rk = static_cast<size_t>(rows) * top_k;
+  auto* base = static_cast<uint8_t*>(scratch);
+  auto* s = reinterpret_cast<float*>(base);
+  auto* biased = reinterpret_cast<float*>(base + AlignUp(re * 4));
+  auto* chosen = base + 2 * AlignUp(re * 4);
+  auto* sel = reinterpret_cast<int32_t*>(chosen + AlignUp(re));
+  auto* wts = reinterpret_cast<float*>(chosen + AlignUp(re) + AlignUp(rk * 4));
+  MoeRouteKernel<<<GridFor(rows, 64), 64, 0, stream>>>(z, rows, n_experts, bias, top_k, route_scale,
+                                                       experts, weights, ranked, s, biased, chosen,
+                                                       sel, wts);
+  return cudaGetLastError();
+}
+
+cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  ArgmaxKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, n, out);
+  return cudaGetLastError();
+}
+
+}  // namespace epd::kernels::cuda

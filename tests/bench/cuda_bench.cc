@@ -1,0 +1,204 @@
+// GPU benchmarks of the CUDA backend (built only with CUDA; run by tests/gpu/device_check.sh).
+// Each line states its ratio to a physical limit of one H200 SXM (NVIDIA H200 datasheet):
+//   HBM3e bandwidth 4.8 TB/s; FP8 Tensor Core 3,958 TFLOPS with 2:4 sparsity = 1,979 TFLOPS dense.
+// - attention: decode sparse attention (Backend::SparseAttention, the release config's 64 heads x
+//   512 dims, one KV head; a list of 128 window + 512 selected entries per row) over a KV of
+//   64K..1M rows, and the indexer scoring (Backend::IndexerScores, 32 heads x 128 dims) over the
+//   context / 4 compressed keys of a ratio-4 layer: bytes read / time against 4.8 TB/s.
+// - fp8_gemm: Backend::LinearQuant on packed FP8 (and FP4 experts) weights of the release
+//   config's shapes: 2*M*N*K / time against 1,979 TFLOPS, and weight bytes / time against
+//   4.8 TB/s.
+// - launch: the host cost of one queued op (Backend::Add of one element), 10000 in a row.
+// Output: one line per measurement, `BENCH <section> <case> <value> <unit> ratio=<r>`.
+// Usage: cuda_bench [--quick]   (--quick: fewer iterations and contexts up to 256K)
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_device.h"
+
+namespace {
+
+using epd::kernels::Backend;
+using epd::kernels::Buffer;
+using Clock = std::chrono::steady_clock;
+
+constexpr double kHbmBytesPerS = 4.8e12;
+constexpr double kFp8DenseFlops = 1979e12;
+
+[[noreturn]] void Die(const std::string& what) {
+  std::fprintf(stderr, "cuda_bench: %s\n", what.c_str());
+  std::exit(1);
+}
+
+template <typename T>
+void Check(const T& s, const char* what) {
+  if (!s.ok()) Die(std::string(what) + ": " + std::string(s.message()));
+}
+
+Buffer Upload(Backend& b, const void* data, int64_t bytes) {
+  auto buf = b.Allocate(bytes);
+  Check(buf.status(), "Allocate");
+  if (data != nullptr) Check(b.Upload(data, bytes, *buf), "Upload");
+  return std::move(*buf);
+}
+
+// Median seconds of `iters` timed calls of f (each followed by Synchronize), after 2 warm-ups.
+template <typename F>
+double Time(Backend& b, int iters, F&& f) {
+  for (int i = 0; i < 2; ++i) {
+    Check(f(), "op");
+    Check(b.Synchronize(), "Synchronize");
+  }
+  std::vector<double> t;
+  for (int i = 0; i < iters; ++i) {
+    const auto a = Clock::now();
+    Check(f(), "op");
+    Check(b.Synchronize(), "Synchronize");
+    t.push_back(std::chrono::duration<double>(Clock::now() - a).count());
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+void Attention(Backend& b, bool quick) {
+  const int heads = 64, hd = 512, list_len = 640, index_heads = 32, index_dim = 128;
+  std::mt19937 rng(1);
+  std::vector<int64_t> contexts = {64 << 10, 128 << 10, 256 << 10};
+  if (!quick) contexts.insert(contexts.end(), {512 << 10, 1 << 20});
+  for (int64_t ctx : contexts) {
+    // KV rows are not initialised (timing only); q, sink, idx are.
+    Buffer kv = Upload(b, nullptr, ctx * hd * 4);
+    for (int64_t rows : {int64_t{1}, int64_t{32}}) {
+      std::vector<float> q(rows * heads * hd, 0.01f), sink(heads, 0.f);
+      std::vector<int32_t> idx(rows * list_len);
+      std::uniform_int_distribution<int64_t> pick(0, ctx - 129);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < 512; ++j) idx[r * list_len + j] = static_cast<int32_t>(pick(rng));
+        for (int j = 0; j < 128; ++j)
+          idx[r * list_len + 512 + j] = static_cast<int32_t>(ctx - 128 + j);
+      }
+      Buffer qb = Upload(b, q.data(), q.size() * 4), sb = Upload(b, sink.data(), heads * 4),
+             ib = Upload(b, idx.data(), idx.size() * 4),
+             ob = Upload(b, nullptr, rows * heads * hd * 4);
+      epd::kernels::SparseAttentionArgs a;
+      a.q = qb.as<float>();
+      a.kv = kv.as<const float>();
+      a.sink = sb.as<float>();
+      a.idx = ib.as<int32_t>();
+      a.rows = rows;
+      a.heads = heads;
+      a.head_dim = hd;
+      a.list_len = list_len;
+      a.scale = 0.044f;
+      a.out = ob.as<float>();
+      const double s = Time(b, quick ? 5 : 20, [&] { return b.SparseAttention(a); });
+      // Bytes the op must read at least: each row's listed KV rows once, q, idx; plus out.
+      const double bytes = rows * (list_len * hd * 4.0 + heads * hd * 4.0 * 2 + list_len * 4.0);
+      std::printf(
+          "BENCH attention sparse_decode ctx=%lld rows=%lld heads=%d hd=%d list=%d  %.1f us  "
+          "%.3f TB/s  ratio=%.4f (of 4.8 TB/s)\n",
+          static_cast<long long>(ctx), static_cast<long long>(rows), heads, hd, list_len, s * 1e6,
+          bytes / s / 1e12, bytes / s / kHbmBytesPerS);
+    }
+    // The indexer over the compressed keys of a ratio-4 layer (one query row).
+    const int64_t n = ctx / 4;
+    Buffer keys = Upload(b, nullptr, n * index_dim * 4);
+    std::vector<float> q(index_heads * index_dim, 0.01f), w(index_heads, 1.f);
+    Buffer qb = Upload(b, q.data(), q.size() * 4), wb = Upload(b, w.data(), w.size() * 4),
+           sc = Upload(b, nullptr, n * 4);
+    Check(b.Copy(keys.data(), kv.data(), n * index_dim * 4), "Copy");
+    const double s = Time(b, quick ? 5 : 20, [&] {
+      return b.IndexerScores(qb.as<float>(), wb.as<float>(), index_heads, keys.as<float>(), n,
+                             index_dim, sc.as<float>());
+    });
+    const double bytes = n * index_dim * 4.0 + n * 4.0;
+    std::printf(
+        "BENCH attention indexer ctx=%lld keys=%lld heads=%d dim=%d  %.1f us  %.3f TB/s  "
+        "ratio=%.4f (of 4.8 TB/s)\n",
+        static_cast<long long>(ctx), static_cast<long long>(n), index_heads, index_dim, s * 1e6,
+        bytes / s / 1e12, bytes / s / kHbmBytesPerS);
+  }
+}
+
+void Gemm(Backend& b, bool quick) {
+  struct Shape {
+    const char* name;
+    int64_t out, in;
+    epd::kernels::WeightFormat fmt;
+  };
+  // Release config (tests/data/configs/deepseek-v4.1-flash): hidden 5120, q_lora 1280,
+  // 64 heads x 512, o_lora 1024 x 8 groups, expert intermediate 2304 (FP4).
+  const Shape shapes[] = {
+      {"wq_a", 1280, 5120, epd::kernels::WeightFormat::kFp8E4M3},
+      {"wq_b", 32768, 1280, epd::kernels::WeightFormat::kFp8E4M3},
+      {"wkv", 512, 5120, epd::kernels::WeightFormat::kFp8E4M3},
+      {"wo_b", 5120, 8192, epd::kernels::WeightFormat::kFp8E4M3},
+      {"expert_w13_fp4", 4608, 5120, epd::kernels::WeightFormat::kFp4E2M1},
+      {"expert_w2_fp4", 5120, 2304, epd::kernels::WeightFormat::kFp4E2M1},
+  };
+  std::mt19937 rng(2);
+  for (const Shape& sh : shapes) {
+    epd::kernels::QuantWeight w;
+    w.out = sh.out;
+    w.in = sh.in;
+    w.format = sh.fmt;
+    w.block_rows = sh.fmt == epd::kernels::WeightFormat::kFp8E4M3 ? 32 : 1;
+    w.block_cols = 32;
+    std::vector<uint8_t> codes(w.code_bytes()), scales(w.scale_rows() * w.scale_cols(), 120);
+    for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x7e);
+    w.codes = Upload(b, codes.data(), codes.size());
+    w.scale_codes = Upload(b, scales.data(), scales.size());
+    for (int64_t m : {int64_t{1}, int64_t{32}, int64_t{128}, int64_t{2048}}) {
+      if (quick && m == 2048) continue;
+      std::vector<float> x(m * sh.in, 0.5f);
+      Buffer xb = Upload(b, x.data(), x.size() * 4), yb = Upload(b, nullptr, m * sh.out * 4);
+      const double s = Time(b, quick ? 3 : 10,
+                            [&] { return b.LinearQuant(xb.as<float>(), m, w, yb.as<float>()); });
+      const double flops = 2.0 * m * sh.out * sh.in;
+      const double wbytes = static_cast<double>(codes.size() + scales.size());
+      std::printf(
+          "BENCH fp8_gemm %s M=%lld N=%lld K=%lld  %.1f us  %.2f TFLOPS  ratio=%.5f (of "
+          "1979 TFLOPS dense FP8)  weights %.3f TB/s ratio=%.4f (of 4.8 TB/s)\n",
+          sh.name, static_cast<long long>(m), static_cast<long long>(sh.out),
+          static_cast<long long>(sh.in), s * 1e6, flops / s / 1e12, flops / s / kFp8DenseFlops,
+          wbytes / s / 1e12, wbytes / s / kHbmBytesPerS);
+    }
+  }
+}
+
+void Launch(Backend& b) {
+  Buffer x = Upload(b, nullptr, 256), y = Upload(b, nullptr, 256);
+  const int n = 10000;
+  Check(b.Synchronize(), "Synchronize");
+  const auto a = Clock::now();
+  for (int i = 0; i < n; ++i) Check(b.Add(x.as<float>(), y.as<float>(), 1), "Add");
+  Check(b.Synchronize(), "Synchronize");
+  const double s = std::chrono::duration<double>(Clock::now() - a).count();
+  std::printf("BENCH launch add_1_element x%d  %.2f us per op  (host + launch; ratio=n/a)\n", n,
+              s / n * 1e6);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
+  auto backend = epd::kernels::MakeCudaBackend(0);
+  if (!backend.ok()) {
+    std::printf("cuda_bench: skipped: no GPU (%s)\n",
+                std::string(backend.status().message()).c_str());
+    return 2;
+  }
+  std::printf("cuda_bench on %s\n", epd::kernels::cuda::DeviceSummary().c_str());
+  Launch(**backend);
+  Gemm(**backend, quick);
+  Attention(**backend, quick);
+  return 0;
+}

@@ -1,0 +1,1096 @@
+// Parity of a candidate Backend against the CPU reference, op by op, over the Backend interface
+// (as llama.cpp's test-backend-ops does). One table of cases, one per name of
+// kernels::kBackendOpNames; a name without a case FAILS, and the list itself is checked against the
+// declarations of kernels/backend.h.
+//
+// Two binaries are built from this file:
+// - backend_parity_test (label unit): candidate = the CPU backend with its SIMD (AVX2) paths,
+//   reference = the scalar CPU code. The SIMD contract is bit-identity, so every case is exact.
+//   This runs in CI (and under ASan/UBSan) and exercises the harness itself.
+// - backend_parity_cuda_test (label gpu, EPD_PARITY_CUDA): candidate = the CUDA backend on cuda:0;
+//   without a GPU every case reports "skipped: no GPU". Each case applies the tolerance written
+//   next to it: exact wherever the result is exact by construction (bf16 rounding, codecs,
+//   integer outputs, top-k, routing choices, argmax); the ops that call exp/log1p/cos/sin allow
+//   the last-bit differences between glibc's fp32 functions and the GPU's (kernels/cuda/
+//   common.cuh); LinearBf16/LinearF32 allow the summation-order freedom of their contract.
+#include <gtest/gtest-spi.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <random>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "kernels/format.h"
+#include "kernels/rope.h"
+
+#if defined(EPD_PARITY_CUDA)
+#include "kernels/cuda/cuda_backend.h"
+#define EPD_PARITY_SUITE CudaVsCpuReference
+#else
+#define EPD_PARITY_SUITE CpuSimdVsScalar
+#endif
+
+namespace epd::kernels {
+namespace {
+
+using format::RoundBf16;
+
+// ---- Tolerances ----
+struct Tol {
+  enum Kind { kExact, kUlps, kRel } kind = kExact;
+  double v = 0;
+  static Tol Exact() { return {kExact, 0}; }
+  // fp32 units in the last place (a bf16 ulp is 65536 of them).
+  static Tol Ulps(double n) { return {kUlps, n}; }
+  static Tol Bf16Ulps(double n) { return {kUlps, n * 65536}; }
+  // |a - b| <= v * max |reference| over the tensor.
+  static Tol Rel(double v) { return {kRel, v}; }
+};
+
+uint32_t Bits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+// Distance on the ordered fp32 line (-0 and +0 are 0 apart).
+int64_t UlpDistance(float a, float b) {
+  auto ord = [](float f) -> int64_t {
+    const uint32_t u = Bits(f);
+    return (u & 0x80000000u) ? -static_cast<int64_t>(u & 0x7fffffffu) : static_cast<int64_t>(u);
+  };
+  return std::llabs(ord(a) - ord(b));
+}
+
+// ---- The two sides ----
+// Host data in and out of one backend's memory.
+class Side {
+ public:
+  Side(Backend& b, std::string name) : b_(b), name_(std::move(name)) {}
+  Backend& b() { return b_; }
+  const std::string& name() const { return name_; }
+
+  template <typename T>
+  T* In(const std::vector<T>& host) {
+    Buffer& buf = New(static_cast<int64_t>(host.size() * sizeof(T)));
+    if (!host.empty()) {
+      auto s = b_.Upload(host.data(), static_cast<int64_t>(host.size() * sizeof(T)), buf);
+      EXPECT_TRUE(s.ok()) << name_ << ": " << s;
+    }
+    return buf.as<T>();
+  }
+  // An output of n elements, filled with a poison pattern (0x7f bytes: a NaN for floats).
+  template <typename T>
+  T* Out(int64_t n) {
+    return In(std::vector<T>(n, Poison<T>()));
+  }
+  template <typename T>
+  std::vector<T> Read(const T* p, int64_t n) {
+    std::vector<T> host(n);
+    auto s = b_.Synchronize();
+    EXPECT_TRUE(s.ok()) << name_ << ": " << s;
+    for (Buffer& buf : bufs_) {
+      const auto* base = buf.as<uint8_t>();
+      const auto* q = reinterpret_cast<const uint8_t*>(p);
+      if (q >= base && q + n * sizeof(T) <= base + buf.bytes()) {
+        s = b_.Download(buf, q - base, static_cast<int64_t>(n * sizeof(T)), host.data());
+        EXPECT_TRUE(s.ok()) << name_ << ": " << s;
+        return host;
+      }
+    }
+    ADD_FAILURE() << name_ << ": Read of a pointer this side did not allocate";
+    return host;
+  }
+  // Packed QuantWeight in this backend's memory (codes/scale_codes uploaded).
+  QuantWeight Packed(const QuantWeight& shape, const std::vector<uint8_t>& codes,
+                     const std::vector<uint8_t>& scale_codes) {
+    QuantWeight w;
+    w.out = shape.out;
+    w.in = shape.in;
+    w.block_rows = shape.block_rows;
+    w.block_cols = shape.block_cols;
+    w.format = shape.format;
+    w.codes = Alloc(codes);
+    w.scale_codes = Alloc(scale_codes);
+    return w;
+  }
+
+ private:
+  template <typename T>
+  static T Poison() {
+    T t;
+    std::memset(&t, 0x7f, sizeof(T));
+    return t;
+  }
+  Buffer& New(int64_t bytes) {
+    auto buf = b_.Allocate(std::max<int64_t>(bytes, 1));
+    EXPECT_TRUE(buf.ok()) << name_ << ": " << buf.status();
+    bufs_.push_back(buf.ok() ? std::move(*buf) : Buffer());
+    return bufs_.back();
+  }
+  Buffer Alloc(const std::vector<uint8_t>& bytes) {
+    auto buf = b_.Allocate(static_cast<int64_t>(bytes.size()));
+    EXPECT_TRUE(buf.ok()) << name_ << ": " << buf.status();
+    if (!buf.ok()) return Buffer();
+    auto s = b_.Upload(bytes.data(), static_cast<int64_t>(bytes.size()), *buf);
+    EXPECT_TRUE(s.ok()) << name_ << ": " << s;
+    return std::move(*buf);
+  }
+
+  Backend& b_;
+  std::string name_;
+  std::vector<Buffer> bufs_;
+};
+
+struct Env {
+  Side& ref;
+  Side& cand;
+  std::mt19937& rng;
+  bool cand_is_cpu;  // the CPU SIMD candidate: every tolerance is exact (same libm, same order)
+};
+
+#define EXPECT_OP_OK(side, expr)                                            \
+  do {                                                                      \
+    const absl::Status st_ = (expr);                                        \
+    EXPECT_TRUE(st_.ok()) << (side).name() << ": " << #expr << ": " << st_; \
+  } while (0)
+
+// Compares reference and candidate outputs element by element.
+void Compare(const Env& env, const std::vector<float>& ref, const std::vector<float>& cand, Tol tol,
+             const std::string& what) {
+  ASSERT_EQ(ref.size(), cand.size()) << what;
+  if (env.cand_is_cpu) tol = Tol::Exact();
+  double max_ref = 0;
+  for (float v : ref) {
+    if (std::isfinite(v)) max_ref = std::max(max_ref, std::fabs(static_cast<double>(v)));
+  }
+  int64_t bad = 0, first = -1;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    const float a = ref[i], b = cand[i];
+    bool ok;
+    if (std::isnan(a) || std::isnan(b)) {
+      ok = std::isnan(a) && std::isnan(b);
+    } else if (tol.kind == Tol::kExact) {
+      ok = Bits(a) == Bits(b);
+    } else if (tol.kind == Tol::kUlps) {
+      ok = UlpDistance(a, b) <= static_cast<int64_t>(tol.v) || Bits(a) == Bits(b);
+    } else {
+      ok = a == b || std::fabs(static_cast<double>(a) - b) <= tol.v * max_ref;
+    }
+    if (!ok) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " elements differ beyond "
+                    << (tol.kind == Tol::kExact ? "exact"
+                                                : (tol.kind == Tol::kUlps ? "ulps" : "rel"))
+                    << " " << tol.v << "; first at " << first << ": reference "
+                    << (first >= 0 ? ref[first] : 0.f) << " candidate "
+                    << (first >= 0 ? cand[first] : 0.f);
+}
+template <typename T>
+void CompareExact(const std::vector<T>& ref, const std::vector<T>& cand, const std::string& what) {
+  ASSERT_EQ(ref.size(), cand.size()) << what;
+  int64_t bad = 0, first = -1;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (ref[i] != cand[i]) {
+      if (first < 0) first = static_cast<int64_t>(i);
+      ++bad;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << ref.size() << " differ; first at " << first
+                    << ": reference " << (first >= 0 ? +ref[first] : 0) << " candidate "
+                    << (first >= 0 ? +cand[first] : 0);
+}
+
+// ---- Random inputs ----
+std::vector<float> Normal(std::mt19937& rng, int64_t n, float sigma = 1.f) {
+  std::normal_distribution<float> nd(0.f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = nd(rng);
+  return v;
+}
+std::vector<float> Bf16(std::mt19937& rng, int64_t n, float sigma = 1.f) {
+  auto v = Normal(rng, n, sigma);
+  for (auto& x : v) x = RoundBf16(x);
+  return v;
+}
+// Values from a small set (ties), with -0, +0 and -inf.
+std::vector<float> Tied(std::mt19937& rng, int64_t n) {
+  const float set[] = {-0.f, 0.f, 1.f, -1.f, 2.5f, 2.5f, -INFINITY, 0.5f, 3.f};
+  std::uniform_int_distribution<int> d(0, 8);
+  std::vector<float> v(n);
+  for (auto& x : v) x = set[d(rng)];
+  return v;
+}
+// E4M3 codes without the NaN codes.
+std::vector<uint8_t> Fp8Codes(std::mt19937& rng, int64_t n) {
+  std::uniform_int_distribution<int> d(0, 255);
+  std::vector<uint8_t> v(n);
+  for (auto& c : v) {
+    do {
+      c = static_cast<uint8_t>(d(rng));
+    } while ((c & 0x7f) == 0x7f);
+  }
+  return v;
+}
+std::vector<uint8_t> Bytes(std::mt19937& rng, int64_t n, int lo = 0, int hi = 255) {
+  std::uniform_int_distribution<int> d(lo, hi);
+  std::vector<uint8_t> v(n);
+  for (auto& c : v) c = static_cast<uint8_t>(d(rng));
+  return v;
+}
+
+// ---- Golden inputs (tests/data/golden/v41-tiny-a: the reference's own activations) ----
+// The repository root: $EPD_SOURCE_DIR (a prebuilt binary run elsewhere, tests/gpu/
+// pack_prebuilt.sh), else the source folder this binary was built from.
+std::string SourceDir() {
+  const char* dir = std::getenv("EPD_SOURCE_DIR");
+  return dir != nullptr ? dir : EPD_DEFAULT_SOURCE_DIR;
+}
+std::string GoldenPath(const std::string& rel) {
+  return SourceDir() + "/tests/data/golden/v41-tiny-a/" + rel;
+}
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+// debug/*.bin: raw bf16 bit patterns; [301, 256] for the attention/FFN inputs.
+std::vector<float> GoldenBf16(const std::string& rel) {
+  const std::string b = ReadFile(GoldenPath(rel));
+  std::vector<float> v(b.size() / 2);
+  for (size_t i = 0; i < v.size(); ++i) {
+    uint16_t u;
+    std::memcpy(&u, b.data() + 2 * i, 2);
+    v[i] = format::Bf16BitsToF32(u);
+  }
+  return v;
+}
+// logits_*.bin: raw little-endian fp32.
+std::vector<float> GoldenF32(const std::string& rel) {
+  const std::string b = ReadFile(GoldenPath(rel));
+  std::vector<float> v(b.size() / 4);
+  if (!v.empty()) std::memcpy(v.data(), b.data(), v.size() * 4);
+  return v;
+}
+constexpr int64_t kGoldenRows = 301, kGoldenHidden = 256, kGoldenVocab = 512;
+constexpr int32_t kGoldenFirstToken = 99;  // manifest.json results.generated_ids[0]
+
+// ---- The cases ----
+using Case = std::function<void(Env&)>;
+
+std::map<std::string, Case>& Cases() {
+  static std::map<std::string, Case> cases;
+  return cases;
+}
+struct Register {
+  Register(const char* name, Case c) { Cases()[name] = std::move(c); }
+};
+#define PARITY_CASE(Op)                                           \
+  void Op##Case(Env& env);                                        \
+  const Register kRegister##Op(#Op, [](Env& e) { Op##Case(e); }); \
+  void Op##Case(Env& env)
+
+// ---- Memory ----
+PARITY_CASE(Allocate) {
+  // Tolerance: exact (bytes). Bad sizes are refused by both.
+  const std::vector<uint8_t> bytes = Bytes(env.rng, 1000);
+  for (Side* s : {&env.ref, &env.cand}) {
+    auto buf = s->b().Allocate(1000);
+    ASSERT_TRUE(buf.ok()) << s->name() << ": " << buf.status();
+    EXPECT_EQ(buf->bytes(), 1000);
+    EXPECT_EQ(buf->kind(), s->b().memory_kind());
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(buf->data()) % 64, 0u) << s->name();
+    ASSERT_TRUE(s->b().Upload(bytes.data(), 1000, *buf).ok());
+    std::vector<uint8_t> back(1000);
+    ASSERT_TRUE(s->b().Download(*buf, 0, 1000, back.data()).ok());
+    CompareExact(bytes, back, s->name() + " round trip");
+    EXPECT_EQ(s->b().Allocate(-1).status().code(), absl::StatusCode::kInvalidArgument);
+    auto empty = s->b().Allocate(0);
+    ASSERT_TRUE(empty.ok());
+    EXPECT_TRUE(empty->empty());
+  }
+}
+
+PARITY_CASE(Upload) {
+  // Tolerance: exact. Out-of-range uploads are refused by both.
+  const std::vector<uint8_t> base = Bytes(env.rng, 256), part = Bytes(env.rng, 100);
+  std::vector<std::vector<uint8_t>> got;
+  for (Side* s : {&env.ref, &env.cand}) {
+    auto buf = s->b().Allocate(256);
+    ASSERT_TRUE(buf.ok());
+    ASSERT_TRUE(s->b().Upload(base.data(), 256, *buf).ok());
+    ASSERT_TRUE(s->b().Upload(part.data(), 100, *buf, 77).ok());
+    EXPECT_EQ(s->b().Upload(part.data(), 100, *buf, 200).code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(s->b().Upload(part.data(), -1, *buf, 0).code(), absl::StatusCode::kInvalidArgument);
+    std::vector<uint8_t> back(256);
+    ASSERT_TRUE(s->b().Download(*buf, 0, 256, back.data()).ok());
+    got.push_back(back);
+  }
+  std::vector<uint8_t> want = base;
+  std::copy(part.begin(), part.end(), want.begin() + 77);
+  CompareExact(want, got[0], "reference");
+  CompareExact(want, got[1], "candidate");
+}
+
+PARITY_CASE(Download) {
+  // Tolerance: exact. Out-of-range downloads are refused by both.
+  const std::vector<uint8_t> base = Bytes(env.rng, 300);
+  std::vector<std::vector<uint8_t>> got;
+  for (Side* s : {&env.ref, &env.cand}) {
+    auto buf = s->b().Allocate(300);
+    ASSERT_TRUE(buf.ok());
+    ASSERT_TRUE(s->b().Upload(base.data(), 300, *buf).ok());
+    std::vector<uint8_t> back(120);
+    ASSERT_TRUE(s->b().Download(*buf, 150, 120, back.data()).ok());
+    EXPECT_EQ(s->b().Download(*buf, 250, 120, back.data()).code(),
+              absl::StatusCode::kInvalidArgument);
+    got.push_back(back);
+  }
+  CompareExact(got[0], got[1], "bytes [150, 270)");
+  CompareExact(std::vector<uint8_t>(base.begin() + 150, base.begin() + 270), got[0], "reference");
+}
+
+PARITY_CASE(Synchronize) {
+  // Tolerance: exact. An op queued before Synchronize is complete after it; stream 99 is refused.
+  const auto x = Bf16(env.rng, 4096), y = Bf16(env.rng, 4096);
+  std::vector<std::vector<float>> out;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* px = s->In(x);
+    EXPECT_OP_OK(*s, s->b().Add(px, s->In(y), 4096));
+    EXPECT_OP_OK(*s, s->b().Synchronize(Stream{0}));
+    EXPECT_EQ(s->b().Synchronize(Stream{99}).code(), absl::StatusCode::kInvalidArgument);
+    out.push_back(s->Read(px, 4096));
+  }
+  Compare(env, out[0], out[1], Tol::Exact(), "x + y");
+}
+
+PARITY_CASE(Copy) {
+  // Tolerance: exact.
+  const auto x = Normal(env.rng, 777);
+  std::vector<std::vector<float>> out;
+  for (Side* s : {&env.ref, &env.cand}) {
+    const float* src = s->In(x);
+    float* dst = s->Out<float>(777);
+    EXPECT_OP_OK(*s, s->b().Copy(dst + 10, src + 20, 700 * sizeof(float)));
+    EXPECT_EQ(s->b().Copy(dst, src, -4).code(), absl::StatusCode::kInvalidArgument);
+    out.push_back(s->Read(dst, 777));
+  }
+  Compare(env, out[0], out[1], Tol::Exact(), "copy");
+  EXPECT_EQ(Bits(out[1][10]), Bits(x[20]));
+}
+
+// ---- Linears ----
+void LinearQuantShape(Env& env, int64_t rows, int64_t out, int64_t in, WeightFormat fmt) {
+  QuantWeight shape;
+  shape.out = out;
+  shape.in = in;
+  shape.format = fmt;
+  shape.block_rows = fmt == WeightFormat::kFp8E4M3 ? 32 : 1;
+  shape.block_cols = 32;
+  const auto codes =
+      fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in) : Bytes(env.rng, out * in / 2);
+  const auto scales = Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
+  // Activations of mixed magnitudes (per-32 scales differ between blocks).
+  auto x = Bf16(env.rng, rows * in);
+  for (int64_t i = 0; i < rows * in; ++i)
+    x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+  // The decoded form of the same weight.
+  QuantWeight dec;
+  dec.out = out;
+  dec.in = in;
+  dec.format = fmt;
+  dec.block_rows = shape.block_rows;
+  dec.block_cols = shape.block_cols;
+  dec.values.resize(out * in);
+  for (int64_t i = 0; i < out * in; ++i) {
+    dec.values[i] = fmt == WeightFormat::kFp8E4M3
+                        ? format::DecodeE4M3(codes[i])
+                        : format::DecodeE2M1(i % 2 ? codes[i / 2] >> 4 : codes[i / 2] & 0xf);
+  }
+  for (uint8_t c : scales) dec.scales.push_back(format::DecodeE8M0(c));
+  std::vector<std::vector<float>> packed_out, dec_out;
+  for (Side* s : {&env.ref, &env.cand}) {
+    const QuantWeight w = s->Packed(shape, codes, scales);
+    const float* px = s->In(x);
+    float* y = s->Out<float>(rows * out);
+    float* y2 = s->Out<float>(rows * out);
+    EXPECT_OP_OK(*s, s->b().LinearQuant(px, rows, w, y));
+    EXPECT_OP_OK(*s, s->b().LinearQuant(px, rows, dec, y2));
+    packed_out.push_back(s->Read(y, rows * out));
+    dec_out.push_back(s->Read(y2, rows * out));
+  }
+  const std::string what = std::string(fmt == WeightFormat::kFp8E4M3 ? "FP8" : "FP4") + " [" +
+                           std::to_string(out) + ", " + std::to_string(in) + "]";
+  // Tolerance: exact (per-32 quantization, exact block products, fp32 block sum in block order).
+  Compare(env, packed_out[0], packed_out[1], Tol::Exact(), what + " packed");
+  Compare(env, dec_out[0], dec_out[1], Tol::Exact(), what + " decoded");
+  Compare(env, packed_out[1], dec_out[1], Tol::Exact(), what + " candidate packed == decoded");
+}
+
+PARITY_CASE(LinearQuant) {
+  LinearQuantShape(env, 5, 72, 96, WeightFormat::kFp8E4M3);
+  LinearQuantShape(env, 3, 40, 80, WeightFormat::kFp8E4M3);  // K % 32 != 0: a short last block
+  LinearQuantShape(env, 4, 40, 64, WeightFormat::kFp4E2M1);
+  LinearQuantShape(env, 1, 9, 128, WeightFormat::kFp4E2M1);
+  // Golden activations (the reference's layer-5 FFN input [301, 256]) through a random FP8 weight.
+  {
+    const auto g = GoldenBf16("debug/ffn_in_layer5_prefill.bin");
+    ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+    QuantWeight shape;
+    shape.out = 96;
+    shape.in = kGoldenHidden;
+    const auto codes = Fp8Codes(env.rng, shape.out * shape.in);
+    const auto scales = Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      const QuantWeight w = s->Packed(shape, codes, scales);
+      float* y = s->Out<float>(kGoldenRows * shape.out);
+      EXPECT_OP_OK(*s, s->b().LinearQuant(s->In(g), kGoldenRows, w, y));
+      res.push_back(s->Read(y, kGoldenRows * shape.out));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), "FP8 on golden activations");
+  }
+  // Bad packed bytes: refused by both.
+  QuantWeight shape;
+  shape.out = 8;
+  shape.in = 64;
+  for (Side* s : {&env.ref, &env.cand}) {
+    QuantWeight w = s->Packed(shape, Fp8Codes(env.rng, 8 * 63), Bytes(env.rng, 2, 127, 127));
+    const float* px = s->In(Bf16(env.rng, 64));
+    float* y = s->Out<float>(8);
+    EXPECT_EQ(s->b().LinearQuant(px, 1, w, y).code(), absl::StatusCode::kInvalidArgument)
+        << s->name();
+  }
+}
+
+void PlainLinear(Env& env, bool bf16) {
+  for (auto [rows, out, in] :
+       {std::tuple<int64_t, int64_t, int64_t>{5, 37, 203}, {1, 64, 256}, {17, 9, 7}, {2, 3, 0}}) {
+    const auto x = Bf16(env.rng, rows * in), w = Bf16(env.rng, out * in, 0.05f);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* y = s->Out<float>(rows * out);
+      EXPECT_OP_OK(*s, bf16 ? s->b().LinearBf16(s->In(x), rows, s->In(w), out, in, y)
+                            : s->b().LinearF32(s->In(x), rows, s->In(w), out, in, y));
+      res.push_back(s->Read(y, rows * out));
+    }
+    // Tolerance: the contract leaves the fp32 summation order open: LinearBf16 within one bf16
+    // ulp; LinearF32 within 1e-5 of the largest output (both are exact on the CUDA backend,
+    // which takes Dot8's order, and on the CPU SIMD path).
+    Compare(
+        env, res[0], res[1], bf16 ? Tol::Bf16Ulps(1) : Tol::Rel(1e-5),
+        "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) + "]");
+  }
+}
+PARITY_CASE(LinearBf16) { PlainLinear(env, true); }
+PARITY_CASE(LinearF32) { PlainLinear(env, false); }
+
+// ---- Norms, RoPE, rounding ----
+PARITY_CASE(RmsNorm) {
+  // Tolerance: exact (sum of squares in double in index order; fp32 scaling; bf16).
+  const int64_t rows = 3, dim = 517;
+  const auto x = Bf16(env.rng, rows * dim, 3.f), w = Bf16(env.rng, dim);
+  std::vector<std::vector<float>> res, alias;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->Out<float>(rows * dim);
+    float* px = s->In(x);
+    EXPECT_OP_OK(*s, s->b().RmsNorm(px, s->In(w), rows, dim, 1e-6f, y));
+    res.push_back(s->Read(y, rows * dim));
+    EXPECT_OP_OK(*s, s->b().RmsNorm(px, s->In(w), rows, dim, 1e-6f, px));  // in place
+    alias.push_back(s->Read(px, rows * dim));
+    EXPECT_EQ(s->b().RmsNorm(px, px, 1, 0, 1e-6f, px).code(), absl::StatusCode::kInvalidArgument);
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "rmsnorm");
+  Compare(env, alias[0], alias[1], Tol::Exact(), "rmsnorm in place");
+  // Golden: the reference's layer-3 attention input [301, 256], eps 1e-20 as the config.
+  const auto g = GoldenBf16("debug/attn_in_layer3_prefill.bin");
+  ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+  const auto gw = Bf16(env.rng, kGoldenHidden);
+  std::vector<std::vector<float>> gold;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->Out<float>(kGoldenRows * kGoldenHidden);
+    EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(g), s->In(gw), kGoldenRows, kGoldenHidden, 1e-20f, y));
+    gold.push_back(s->Read(y, kGoldenRows * kGoldenHidden));
+  }
+  Compare(env, gold[0], gold[1], Tol::Exact(), "rmsnorm on golden activations");
+  Compare(env, res[1], alias[1], Tol::Exact(), "candidate in place == out of place");
+}
+
+PARITY_CASE(RopeTables) {
+  // Tolerance: 1 fp32 ulp (cos/sin: glibc's fp32 functions vs the GPU's correctly rounded ones).
+  const std::vector<float> freqs = RopeFrequencies(64, 10000.0, true, 16.0, 4096.0, 32.0, 1.0);
+  const std::vector<int64_t> pos = {0, 1, 17, 4095, 65535, 1000000, 7};
+  const int n_pairs = static_cast<int>(freqs.size());
+  const int64_t rows = static_cast<int64_t>(pos.size());
+  std::vector<std::vector<float>> c, sn;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* pc = s->Out<float>(rows * n_pairs);
+    float* ps = s->Out<float>(rows * n_pairs);
+    EXPECT_OP_OK(*s, s->b().RopeTables(s->In(freqs), n_pairs, s->In(pos), rows, pc, ps));
+    c.push_back(s->Read(pc, rows * n_pairs));
+    sn.push_back(s->Read(ps, rows * n_pairs));
+  }
+  Compare(env, c[0], c[1], Tol::Ulps(1), "cos");
+  Compare(env, sn[0], sn[1], Tol::Ulps(1), "sin");
+}
+
+PARITY_CASE(Rope) {
+  // Tolerance: exact (fp32 products and differences, bf16), on the same tables.
+  const int64_t rows = 3;
+  const int heads = 4, stride = 96, offset = 32, n_pairs = 32;
+  const std::vector<float> freqs = RopeFrequencies(64, 10000.0, false, 1, 1, 1, 1);
+  std::vector<float> cs(rows * n_pairs), sn(rows * n_pairs);
+  for (int64_t r = 0; r < rows; ++r)
+    RopeCosSin(freqs, 100 * r + 3, cs.data() + r * n_pairs, sn.data() + r * n_pairs);
+  const auto x = Bf16(env.rng, rows * heads * stride);
+  for (bool inverse : {false, true}) {
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* px = s->In(x);
+      EXPECT_OP_OK(
+          *s, s->b().Rope(px, rows, heads, stride, offset, n_pairs, s->In(cs), s->In(sn), inverse));
+      EXPECT_EQ(s->b().Rope(px, rows, heads, 40, offset, n_pairs, nullptr, nullptr, inverse).code(),
+                absl::StatusCode::kInvalidArgument);
+      res.push_back(s->Read(px, rows * heads * stride));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), inverse ? "inverse" : "forward");
+  }
+}
+
+std::vector<float> WithSpecials(std::mt19937& rng, int64_t n) {
+  auto v = Normal(rng, n, 100.f);
+  const float specials[] = {NAN,         INFINITY,    -INFINITY,
+                            -0.f,        0.f,         1e-40f,
+                            -1e-42f,     3.4e38f,     1.00390625f /* a bf16 tie */,
+                            1.01171875f, -2.00781250f};
+  for (size_t i = 0; i < std::size(specials); ++i) v[i * 7] = specials[i];
+  return v;
+}
+
+PARITY_CASE(RoundBf16) {
+  // Tolerance: exact (RNE, NaN kept NaN).
+  const auto x = WithSpecials(env.rng, 1000);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* px = s->In(x);
+    EXPECT_OP_OK(*s, s->b().RoundBf16(px, 1000));
+    res.push_back(s->Read(px, 1000));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "round");
+}
+
+PARITY_CASE(ScaleRoundBf16) {
+  // Tolerance: exact.
+  const auto x = WithSpecials(env.rng, 1000);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* px = s->In(x);
+    EXPECT_OP_OK(*s, s->b().ScaleRoundBf16(px, 1000, 0.0883883f));
+    res.push_back(s->Read(px, 1000));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "scale round");
+}
+
+PARITY_CASE(Add) {
+  // Tolerance: exact.
+  const auto x = WithSpecials(env.rng, 999), y = Normal(env.rng, 999);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* px = s->In(x);
+    EXPECT_OP_OK(*s, s->b().Add(px, s->In(y), 999));
+    res.push_back(s->Read(px, 999));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "add");
+}
+
+// ---- Attention ----
+PARITY_CASE(SparseAttention) {
+  // Tolerance: 1 bf16 ulp (exp in the online softmax: glibc expf vs the GPU; the rest of the
+  // arithmetic is the reference's, chunk by chunk).
+  const int64_t rows = 3, kv_rows = 300, ext_rows = 50, list_len = 150;
+  const int heads = 4, hd = 64;
+  const auto q = Bf16(env.rng, rows * heads * hd), kv = Bf16(env.rng, kv_rows * hd),
+             ext = Bf16(env.rng, ext_rows * hd), sink = Normal(env.rng, heads);
+  std::vector<int32_t> idx(rows * list_len);
+  std::uniform_int_distribution<int32_t> pick(-1, kv_rows + ext_rows - 1);
+  for (auto& t : idx) t = pick(env.rng);
+  for (int64_t j = 64; j < 128; ++j) idx[1 * list_len + j] = -1;      // a chunk with no entry
+  for (int64_t j = 0; j < list_len; ++j) idx[2 * list_len + j] = -1;  // a row with none
+  idx[2 * list_len + 149] = 5;
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    SparseAttentionArgs a;
+    a.q = s->In(q);
+    a.kv = s->In(kv);
+    a.kv_ext = s->In(ext);
+    a.kv_ext_start = kv_rows;
+    a.sink = s->In(sink);
+    a.idx = s->In(idx);
+    a.rows = rows;
+    a.heads = heads;
+    a.head_dim = hd;
+    a.list_len = list_len;
+    a.scale = 0.125f;
+    a.out = s->Out<float>(rows * heads * hd);
+    EXPECT_OP_OK(*s, s->b().SparseAttention(a));
+    res.push_back(s->Read(a.out, rows * heads * hd));
+  }
+  Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "attention");
+}
+
+PARITY_CASE(CompressPool) {
+  // Tolerance: 1 bf16 ulp (exp of the softmax).
+  for (int ratio : {4, 8, 1}) {
+    const int64_t dim = 128;
+    const auto kv = Bf16(env.rng, ratio * dim), score = Normal(env.rng, ratio * dim, 2.f);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* out = s->Out<float>(dim);
+      EXPECT_OP_OK(*s, s->b().CompressPool(s->In(kv), s->In(score), ratio, dim, out));
+      EXPECT_EQ(s->b().CompressPool(nullptr, nullptr, 9, dim, out).code(),
+                absl::StatusCode::kInvalidArgument);
+      res.push_back(s->Read(out, dim));
+    }
+    Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "ratio " + std::to_string(ratio));
+  }
+}
+
+PARITY_CASE(IndexerScores) {
+  // Tolerance: exact (fp32 dots in index order, bf16 steps, heads in order).
+  for (int heads : {8, 6}) {
+    const int64_t n = 37, dim = 64;
+    const auto q = Bf16(env.rng, heads * dim), w = Bf16(env.rng, heads),
+               keys = Bf16(env.rng, n * dim);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* out = s->Out<float>(n);
+      EXPECT_OP_OK(*s, s->b().IndexerScores(s->In(q), s->In(w), heads, s->In(keys), n, dim, out));
+      res.push_back(s->Read(out, n));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), std::to_string(heads) + " heads");
+  }
+}
+
+PARITY_CASE(MaskScores) {
+  // Tolerance: exact.
+  const int64_t n = 200;
+  const auto score = Normal(env.rng, n);
+  const auto mask = Bytes(env.rng, n, 0, 1);
+  for (bool with_mask : {false, true}) {
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* p = s->In(score);
+      EXPECT_OP_OK(*s, s->b().MaskScores(p, n, 150, with_mask ? s->In(mask) : nullptr, 180));
+      res.push_back(s->Read(p, n));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), with_mask ? "with mask" : "without mask");
+  }
+}
+
+PARITY_CASE(StableTopK) {
+  // Tolerance: exact (indices; ties to the lower index; -0 == +0).
+  for (auto [n, k] : {std::pair<int64_t, int64_t>{1000, 100}, {50, 80}, {4096, 1}}) {
+    const auto v = n == 1000 ? Tied(env.rng, n) : Normal(env.rng, n);
+    const int64_t m = std::min(k, n);
+    std::vector<std::vector<int32_t>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      int32_t* out = s->Out<int32_t>(m);
+      EXPECT_OP_OK(*s, s->b().StableTopK(s->In(v), n, k, out));
+      res.push_back(s->Read(out, m));
+    }
+    CompareExact(res[0], res[1], "n " + std::to_string(n) + " k " + std::to_string(k));
+  }
+}
+
+PARITY_CASE(CandidateMask) {
+  // Tolerance: exact (0/1 mask).
+  const int64_t n = 1000, block = 64;
+  auto score = Normal(env.rng, n);
+  for (int64_t t = 128; t < 256; ++t) score[t] = -INFINITY;  // all -inf blocks are never kept
+  for (auto [visible, keep] : {std::pair<int64_t, int64_t>{900, 5}, {0, 3}, {1000, 40}}) {
+    std::vector<std::vector<uint8_t>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      uint8_t* mask = s->Out<uint8_t>(n);
+      EXPECT_OP_OK(*s, s->b().CandidateMask(s->In(score), n, block, visible, keep, mask));
+      res.push_back(s->Read(mask, n));
+    }
+    CompareExact(res[0], res[1],
+                 "visible " + std::to_string(visible) + " keep " + std::to_string(keep));
+  }
+}
+
+PARITY_CASE(SelectTopK) {
+  // Tolerance: exact (ascending index list, -1 beyond visible).
+  const int64_t n = 500, k = 64;
+  const auto score = Tied(env.rng, n);
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    int32_t* out = s->Out<int32_t>(k);
+    EXPECT_OP_OK(*s, s->b().SelectTopK(s->In(score), n, k, 450, 1000, out));
+    EXPECT_EQ(s->b().SelectTopK(s->In(score), n, n + 1, 450, 0, out).code(),
+              absl::StatusCode::kInvalidArgument);
+    res.push_back(s->Read(out, k));
+  }
+  CompareExact(res[0], res[1], "selection");
+}
+
+// ---- mHC ----
+PARITY_CASE(HcMixes) {
+  // Tolerance: 1e-5 of the largest output (sigmoid/exp in fp32 through 20 Sinkhorn iterations;
+  // the projection and the double sum of squares are the reference's order).
+  const int64_t rows = 3, dim = 64;
+  const int hc = 4, nm = (2 + hc) * hc;
+  const auto h = Bf16(env.rng, rows * hc * dim), fn = Normal(env.rng, nm * hc * dim, 0.05f),
+             base = Normal(env.rng, nm, 0.5f);
+  const std::vector<float> scale = {0.7f, 1.3f, 2.0f};
+  std::vector<std::vector<float>> pre, post, comb;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* p = s->Out<float>(rows * hc);
+    float* q = s->Out<float>(rows * hc);
+    float* c = s->Out<float>(rows * hc * hc);
+    EXPECT_OP_OK(*s, s->b().HcMixes(rows, s->In(h), hc, dim, s->In(fn), s->In(scale), s->In(base),
+                                    20, 1e-6f, 1e-6f, p, q, c));
+    pre.push_back(s->Read(p, rows * hc));
+    post.push_back(s->Read(q, rows * hc));
+    comb.push_back(s->Read(c, rows * hc * hc));
+  }
+  Compare(env, pre[0], pre[1], Tol::Rel(1e-5), "pre");
+  Compare(env, post[0], post[1], Tol::Rel(1e-5), "post");
+  Compare(env, comb[0], comb[1], Tol::Rel(1e-5), "comb");
+}
+
+PARITY_CASE(HcPre) {
+  // Tolerance: exact (fp32 sum over the streams in order, bf16).
+  const int64_t rows = 3, dim = 100;
+  const int hc = 4;
+  const auto h = Bf16(env.rng, rows * hc * dim), pre = Normal(env.rng, rows * hc);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->Out<float>(rows * dim);
+    EXPECT_OP_OK(*s, s->b().HcPre(rows, s->In(h), hc, dim, s->In(pre), y));
+    res.push_back(s->Read(y, rows * dim));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "pre mix");
+}
+
+PARITY_CASE(HcPost) {
+  // Tolerance: exact; also with out aliasing res.
+  const int64_t rows = 2, dim = 96;
+  const int hc = 4;
+  const auto y = Bf16(env.rng, rows * dim), res_in = Bf16(env.rng, rows * hc * dim),
+             post = Normal(env.rng, rows * hc), comb = Normal(env.rng, rows * hc * hc, 0.3f);
+  std::vector<std::vector<float>> out, alias;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* o = s->Out<float>(rows * hc * dim);
+    float* r = s->In(res_in);
+    EXPECT_OP_OK(*s, s->b().HcPost(rows, s->In(y), r, hc, dim, s->In(post), s->In(comb), o));
+    out.push_back(s->Read(o, rows * hc * dim));
+    EXPECT_OP_OK(*s, s->b().HcPost(rows, s->In(y), r, hc, dim, s->In(post), s->In(comb), r));
+    alias.push_back(s->Read(r, rows * hc * dim));
+  }
+  Compare(env, out[0], out[1], Tol::Exact(), "post mix");
+  Compare(env, alias[0], alias[1], Tol::Exact(), "post mix in place");
+  Compare(env, out[1], alias[1], Tol::Exact(), "candidate in place == out of place");
+}
+
+PARITY_CASE(HcMean) {
+  // Tolerance: exact.
+  const int64_t rows = 3, dim = 50, stride = 70;
+  const int hc = 4;
+  const auto h = Bf16(env.rng, rows * hc * dim);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->In(std::vector<float>(rows * stride, 7.f));
+    EXPECT_OP_OK(*s, s->b().HcMean(rows, s->In(h), hc, dim, y, stride));
+    res.push_back(s->Read(y, rows * stride));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "mean (untouched gaps stay 7)");
+}
+
+// ---- MoE ----
+PARITY_CASE(MoeRoute) {
+  // Tolerance: experts and their top-k order exact; weights 4 fp32 ulps (softplus: exp, log1p).
+  for (int top_k : {6, 1}) {
+    const int64_t rows = 7;
+    const int E = 64;
+    auto z = Normal(env.rng, rows * E, 3.f);
+    z[3] = 25.f;  // the softplus shortcut (z > 20)
+    const auto bias = Normal(env.rng, E, 0.1f);
+    std::vector<std::vector<int32_t>> ex, rk;
+    std::vector<std::vector<float>> wt;
+    for (Side* s : {&env.ref, &env.cand}) {
+      int32_t* e = s->Out<int32_t>(rows * top_k);
+      int32_t* r = s->Out<int32_t>(rows * top_k);
+      float* w = s->Out<float>(rows * top_k);
+      EXPECT_OP_OK(*s, s->b().MoeRoute(s->In(z), rows, E, s->In(bias), top_k, 2.5f, e, w, r));
+      EXPECT_EQ(s->b().MoeRoute(s->In(z), rows, E, s->In(bias), E + 1, 2.5f, e, w, r).code(),
+                absl::StatusCode::kInvalidArgument);
+      ex.push_back(s->Read(e, rows * top_k));
+      rk.push_back(s->Read(r, rows * top_k));
+      wt.push_back(s->Read(w, rows * top_k));
+    }
+    const std::string what = "top_k " + std::to_string(top_k);
+    CompareExact(ex[0], ex[1], what + " experts");
+    CompareExact(rk[0], rk[1], what + " ranked");
+    Compare(env, wt[0], wt[1], Tol::Ulps(4), what + " weights");
+  }
+}
+
+PARITY_CASE(SwiGlu) {
+  // Tolerance: 1 bf16 ulp (exp of the SiLU).
+  const int64_t rows = 4, inter = 96;
+  auto g = Normal(env.rng, rows * inter, 4.f), u = Normal(env.rng, rows * inter, 4.f);
+  g[0] = 30.f;
+  u[1] = -30.f;
+  const auto rw = Normal(env.rng, rows);
+  for (bool weighted : {false, true}) {
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* h = s->Out<float>(rows * inter);
+      EXPECT_OP_OK(*s, s->b().SwiGlu(s->In(g), s->In(u), rows, inter, 7.f,
+                                     weighted ? s->In(rw) : nullptr, h));
+      res.push_back(s->Read(h, rows * inter));
+    }
+    Compare(env, res[0], res[1], Tol::Bf16Ulps(1), weighted ? "weighted" : "plain");
+  }
+}
+
+PARITY_CASE(SumSlots) {
+  // Tolerance: exact (slots in order).
+  const int64_t rows = 3, slots = 6, dim = 70;
+  const auto ys = Bf16(env.rng, rows * slots * dim);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* out = s->Out<float>(rows * dim);
+    EXPECT_OP_OK(*s, s->b().SumSlots(s->In(ys), rows, slots, dim, out));
+    res.push_back(s->Read(out, rows * dim));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "sum");
+}
+
+// ---- Engram ----
+PARITY_CASE(Fp8RowLookup) {
+  // Tolerance: exact (E4M3 x E8M0, bf16).
+  const int64_t vocab = 10, dim = 64, n = 6;
+  const auto table = Fp8Codes(env.rng, vocab * dim);
+  const auto scales = Bytes(env.rng, vocab * dim / 32, 110, 140);
+  const std::vector<int64_t> ids = {3, 0, 9, 3, 5, 1};
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* out = s->Out<float>(n * dim);
+    EXPECT_OP_OK(*s, s->b().Fp8RowLookup(s->In(table), s->In(scales), dim, s->In(ids), n, out));
+    EXPECT_EQ(s->b().Fp8RowLookup(nullptr, nullptr, 33, nullptr, 0, out).code(),
+              absl::StatusCode::kInvalidArgument);
+    res.push_back(s->Read(out, n * dim));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "lookup");
+}
+
+PARITY_CASE(EngramGate) {
+  // Tolerance: 1 bf16 ulp (the gate's exp; the three double sums are in the reference's order).
+  const int64_t rows = 2, D = 64;
+  const int hc = 4;
+  const auto h = Bf16(env.rng, rows * hc * D), e = Bf16(env.rng, rows * (hc + 1) * D),
+             qw = Bf16(env.rng, hc * D), kw = Bf16(env.rng, hc * D);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* ph = s->In(h);
+    EXPECT_OP_OK(*s, s->b().EngramGate(ph, s->In(e), rows, hc, D, s->In(qw), s->In(kw), 1e-6f));
+    res.push_back(s->Read(ph, rows * hc * D));
+  }
+  Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "gate");
+}
+
+PARITY_CASE(Embed) {
+  // Tolerance: exact (copies).
+  const int64_t vocab = 20, dim = 48, rows = 5;
+  const int hc = 4;
+  const auto table = Bf16(env.rng, vocab * dim);
+  const std::vector<int32_t> ids = {19, 0, 7, 7, 3};
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* h = s->Out<float>(rows * hc * dim);
+    EXPECT_OP_OK(*s, s->b().Embed(s->In(table), dim, s->In(ids), rows, hc, h));
+    res.push_back(s->Read(h, rows * hc * dim));
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "embed");
+}
+
+PARITY_CASE(QuantDequant) {
+  // Tolerance: exact (codecs and scales from the fp32 bits).
+  using Q = Backend::Qdq;
+  const auto g = GoldenBf16("debug/attn_in_layer6_prefill.bin");
+  ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
+  for (Q kind : {Q::kFp8Window, Q::kFp4Index, Q::kFp4Kv}) {
+    std::vector<std::vector<float>> gold;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* p = s->In(g);
+      EXPECT_OP_OK(*s, s->b().QuantDequant(kind, p, kGoldenRows, kGoldenHidden));
+      gold.push_back(s->Read(p, kGoldenRows * kGoldenHidden));
+    }
+    Compare(env, gold[0], gold[1], Tol::Exact(),
+            "golden activations, kind " + std::to_string(static_cast<int>(kind)));
+  }
+  for (Q kind : {Q::kFp8Window, Q::kFp4Index, Q::kFp4Kv}) {
+    for (int64_t dim : {int64_t{96}, int64_t{100}}) {
+      const int64_t rows = 3;
+      auto x = Bf16(env.rng, rows * dim, 2.f);
+      for (int64_t i = 0; i < rows * dim; ++i) x[i] = RoundBf16(x[i] * std::ldexp(1.f, i % 11 - 5));
+      x[5] = 0.f;
+      std::vector<std::vector<float>> res;
+      for (Side* s : {&env.ref, &env.cand}) {
+        float* p = s->In(x);
+        EXPECT_OP_OK(*s, s->b().QuantDequant(kind, p, rows, dim));
+        res.push_back(s->Read(p, rows * dim));
+      }
+      Compare(env, res[0], res[1], Tol::Exact(),
+              "kind " + std::to_string(static_cast<int>(kind)) + " dim " + std::to_string(dim));
+    }
+  }
+}
+
+PARITY_CASE(Argmax) {
+  // Tolerance: exact (the first index of the largest value).
+  const int64_t rows = 4, n = 1000;
+  auto x = Tied(env.rng, rows * n);
+  x[1 * n + 0] = NAN;      // a NaN first element is the answer
+  x[2 * n + 500] = NAN;    // a later NaN is never taken
+  x[3 * n + 999] = 1e30f;  // the last element
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    int32_t* out = s->Out<int32_t>(rows);
+    EXPECT_OP_OK(*s, s->b().Argmax(s->In(x), rows, n, out));
+    EXPECT_EQ(s->b().Argmax(s->In(x), 1, 0, out).code(), absl::StatusCode::kInvalidArgument);
+    res.push_back(s->Read(out, rows));
+  }
+  CompareExact(res[0], res[1], "argmax");
+  // Golden: the reference's prefill logits [301, 512]; the last row's argmax is the first
+  // generated token of the golden run.
+  const auto logits = GoldenF32("logits_prefill_all.bin");
+  ASSERT_EQ(static_cast<int64_t>(logits.size()), kGoldenRows * kGoldenVocab);
+  std::vector<std::vector<int32_t>> gold;
+  for (Side* s : {&env.ref, &env.cand}) {
+    int32_t* out = s->Out<int32_t>(kGoldenRows);
+    EXPECT_OP_OK(*s, s->b().Argmax(s->In(logits), kGoldenRows, kGoldenVocab, out));
+    gold.push_back(s->Read(out, kGoldenRows));
+  }
+  CompareExact(gold[0], gold[1], "argmax of the golden prefill logits");
+  EXPECT_EQ(gold[1].back(), kGoldenFirstToken) << env.cand.name();
+}
+
+// ---- The table against the interface (checked once, in the unit binary) ----
+#if !defined(EPD_PARITY_CUDA)
+TEST(BackendParityTable, EveryOpOfTheInterfaceHasACase) {
+  for (std::string_view op : kBackendOpNames) {
+    EXPECT_EQ(Cases().count(std::string(op)), 1u) << "no parity case for Backend::" << op;
+  }
+  std::set<std::string> names(std::begin(kBackendOpNames), std::end(kBackendOpNames));
+  for (const auto& [name, c] : Cases()) {
+    EXPECT_EQ(names.count(name), 1u) << "case " << name << " is not an op of kBackendOpNames";
+  }
+}
+
+// The comparison itself can fail: a one-ulp difference under an exact tolerance, a two-bf16-ulp
+// difference under a one-bf16-ulp tolerance, and a changed index are all reported.
+TEST(BackendParityTable, TheComparisonCatchesADifference) {
+  auto ref = MakeCpuBackend(CpuBackendOptions{.simd = false});
+  Side a(*ref, "a"), b(*ref, "b");
+  std::mt19937 rng(1);
+  Env gpu_like{a, b, rng, /*cand_is_cpu=*/false};
+  const std::vector<float> x = {1.f, 2.f, 3.f};
+  std::vector<float> y = x;
+  y[1] = std::nextafter(2.f, 3.f);
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, y, Tol::Exact(), "t"), "1 of 3 elements differ");
+  Compare(gpu_like, x, y, Tol::Ulps(1), "within one ulp");
+  std::vector<float> z = x;
+  z[2] = RoundBf16(3.f + 2 * 0.015625f);  // two bf16 ulps above 3
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, z, Tol::Bf16Ulps(1), "t"), "1 of 3 elements");
+  std::vector<float> nan = x;
+  nan[0] = NAN;
+  EXPECT_NONFATAL_FAILURE(Compare(gpu_like, x, nan, Tol::Rel(1.0), "t"), "1 of 3 elements");
+  EXPECT_NONFATAL_FAILURE(CompareExact(std::vector<int32_t>{4, 5}, std::vector<int32_t>{4, 6}, "t"),
+                          "1 of 2 differ");
+  // The CPU SIMD candidate is always held to exact.
+  Env cpu{a, b, rng, /*cand_is_cpu=*/true};
+  EXPECT_NONFATAL_FAILURE(Compare(cpu, x, y, Tol::Ulps(4), "t"), "1 of 3 elements differ");
+}
+
+TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {
+  std::ifstream in(SourceDir() + "/kernels/backend.h");
+  ASSERT_TRUE(in) << "cannot read kernels/backend.h";
+  std::stringstream ss;
+  ss << in.rdbuf();
+  const std::string text = ss.str();
+  // Every "virtual absl::Status Name(" or "virtual absl::StatusOr<T> Name(" (no std::regex: GCC 12
+  // warns inside it under the sanitizers).
+  std::set<std::string> declared;
+  const std::string key = "virtual absl::Status";
+  for (size_t p = text.find(key); p != std::string::npos; p = text.find(key, p + 1)) {
+    size_t q = p + key.size();
+    if (text.compare(q, 2, "Or") == 0) q = text.find('>', q) + 1;
+    while (q < text.size() && std::isspace(static_cast<unsigned char>(text[q]))) ++q;
+    size_t e = q;
+    while (e < text.size() && (std::isalnum(static_cast<unsigned char>(text[e])) || text[e] == '_'))
+      ++e;
+    if (e < text.size() && text[e] == '(') declared.insert(text.substr(q, e - q));
+  }
+  const std::set<std::string> listed(std::begin(kBackendOpNames), std::end(kBackendOpNames));
+  EXPECT_EQ(declared, listed) << "kBackendOpNames must name every Status-returning op";
+  EXPECT_GE(declared.size(), 30u);
+}
+#endif
+
+// ---- The parameterised run ----
+class BackendParity : public ::testing::TestWithParam<std::string_view> {
+ protected:
+  void SetUp() override {
+    ref_ = MakeCpuBackend(CpuBackendOptions{.simd = false});
+#if defined(EPD_PARITY_CUDA)
+    auto cuda = MakeCudaBackend(0);
+    if (!cuda.ok()) {
+      GTEST_SKIP() << "skipped: no GPU (" << cuda.status().message() << ")";
+    }
+    cand_ = std::move(*cuda);
+    cand_is_cpu_ = false;
+#else
+    cand_ = MakeCpuBackend(CpuBackendOptions{.simd = true});
+    cand_is_cpu_ = true;
+#endif
+  }
+  std::unique_ptr<Backend> ref_, cand_;
+  bool cand_is_cpu_ = true;
+};
+
+TEST_P(BackendParity, MatchesTheCpuReference) {
+  const std::string op(GetParam());
+  auto it = Cases().find(op);
+  ASSERT_NE(it, Cases().end()) << "no parity case for Backend::" << op;
+  Side ref(*ref_, "cpu-scalar");
+  Side cand(*cand_, cand_is_cpu_ ? "cpu-simd" : "cuda:0");
+  std::mt19937 rng(static_cast<uint32_t>(std::hash<std::string>{}(op)&0xffffffffu));
+  Env env{ref, cand, rng, cand_is_cpu_};
+  it->second(env);
+}
+
+INSTANTIATE_TEST_SUITE_P(EPD_PARITY_SUITE, BackendParity, ::testing::ValuesIn(kBackendOpNames),
+                         [](const ::testing::TestParamInfo<std::string_view>& info) {
+                           return std::string(info.param);
+                         });
+
+}  // namespace
+}  // namespace epd::kernels
