@@ -16,11 +16,12 @@ class EncoderHandler final : public worker::JobHandler {
   explicit EncoderHandler(const worker::WorkerSetup& setup)
       : setup_(setup), stage_(*setup.model, worker::HandoffTailRows(setup.model->config())) {
     auto& reg = *setup.registry;
-    replays_ = &prometheus::BuildCounter()
-                    .Name("epd_swa_replay_total")
-                    .Help("SWA replays (encoder: rings after a snapshot miss; decoder: tail), per stage")
-                    .Register(reg)
-                    .Add({{"stage", "encoder"}});
+    replays_ =
+        &prometheus::BuildCounter()
+             .Name("epd_swa_replay_total")
+             .Help("SWA replays (encoder: rings after a snapshot miss; decoder: tail), per stage")
+             .Register(reg)
+             .Add({{"stage", "encoder"}});
     replayed_tokens_ = &prometheus::BuildCounter()
                             .Name("epd_swa_replay_tokens_total")
                             .Help("Tokens run through SWA replays, per stage")
@@ -58,6 +59,8 @@ class EncoderHandler final : public worker::JobHandler {
         o.ucx_listen_ip = setup.advertise_address;
         o.ucx_net_devices = setup.ucx_net_devices;
         o.cluster_token = setup.cluster_token;
+        // The bulk engine's epd_transfer_* and epd_kv_transfer_errors_total on our /metrics.
+        o.registry = &reg;
       }
       // --kvstore may list several daemons: blocks and snapshots go to their owners on the ring.
       auto store = kvstore::ShardedKvClient::Create(
@@ -132,7 +135,7 @@ class EncoderHandler final : public worker::JobHandler {
   worker::WorkerSetup setup_;
   EncoderStage stage_;
   std::unique_ptr<kvstore::ShardedKvClient> store_;  // null without --kvstore
-  absl::Status store_error_;                          // a --kvstore list that did not parse
+  absl::Status store_error_;                         // a --kvstore list that did not parse
   prometheus::Counter* replays_;
   prometheus::Counter* replayed_tokens_;
   std::map<std::string, prometheus::Counter*> errors_;

@@ -60,14 +60,22 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
   std::optional<std::string> snapshot;
   if (store != nullptr && prefix.hint > 0) {
     P = std::min(prefix.hint / B * B, PrefixCap(N, tail_rows_, B));
-    for (int64_t b = 0; b < P / B; ++b) {
-      auto got = store->Get(kvstore::Tier::kAuto, kvstore::AsBytes(hashes[b]));
-      if (!got.ok()) {
-        Fail(report, "get", got.status());
-        break;
+    // The whole prefix in one call (one RPC; same-host values through shared memory).
+    std::vector<std::string> keys;
+    keys.reserve(static_cast<size_t>(P / B));
+    for (int64_t b = 0; b < P / B; ++b) keys.emplace_back(kvstore::AsBytes(hashes[b]));
+    auto got = store->BatchGet(kvstore::Tier::kAuto, keys, /*stop_at_first_miss=*/true);
+    if (!got.ok()) {
+      Fail(report, "get", got.status());
+    } else {
+      for (auto& item : *got) {
+        if (!item.ok()) {
+          Fail(report, "get", item.status());
+          break;
+        }
+        if (!item->found) break;  // expired/evicted since the lookup: the longest prefix read
+        blocks.push_back(std::move(item->value));
       }
-      if (!got->found) break;  // expired/evicted since the lookup: the longest prefix read
-      blocks.push_back(std::move(got->value));
     }
     P = static_cast<int64_t>(blocks.size()) * B;
     if (P > 0) {
@@ -163,14 +171,25 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
         ok = false;
       }
     }
-    for (size_t i = static_cast<size_t>(stored); ok && i < new_blocks.size(); ++i) {
-      absl::Status s = store->Put(kvstore::Tier::kG3, kvstore::AsBytes(mine[i]), new_blocks[i]);
-      if (!s.ok()) {
-        Fail(report, "put", s);
+    // The new blocks in one call; the prefix is stored up to the first block that failed.
+    std::vector<kvstore::KvPut> puts;
+    for (size_t i = static_cast<size_t>(stored); ok && i < new_blocks.size(); ++i)
+      puts.push_back({kvstore::AsBytes(mine[i]), new_blocks[i]});
+    if (!puts.empty()) {
+      auto put = store->BatchPut(kvstore::Tier::kG3, puts);
+      if (!put.ok()) {
+        Fail(report, "put", put.status());
         ok = false;
-        break;
+      } else {
+        for (const absl::Status& s : *put) {
+          if (!s.ok()) {
+            Fail(report, "put", s);
+            ok = false;
+            break;
+          }
+          ++report->blocks_written;
+        }
       }
-      ++report->blocks_written;
     }
     // The snapshot is only useful with every block before it stored.
     if (ok && new_snapshot) {

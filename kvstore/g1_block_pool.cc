@@ -186,6 +186,32 @@ std::optional<G1BlockPool::BlockRef> G1BlockPool::Acquire(const BlockHash& key) 
   return ref;
 }
 
+std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const ValueDest& dest,
+                                                 bool* in_dest) {
+  *in_dest = false;
+  if (!dest) return Read(key);
+  metrics_.gets->Increment();
+  auto ref = Acquire(key);
+  if (!ref.has_value()) {
+    all_metrics_.CountMiss(Tier::kG1, MissReason::kAbsent);
+    return std::nullopt;
+  }
+  uint8_t* out = dest(ref->length());
+  if (out == nullptr) {
+    std::string copy(ref->length(), '\0');
+    auto s = arena_->CopyOut(
+        ref->index(), std::span<uint8_t>(reinterpret_cast<uint8_t*>(copy.data()), copy.size()));
+    if (!s.ok()) return std::nullopt;
+    metrics_.get_bytes->Increment(static_cast<double>(copy.size()));
+    return copy;
+  }
+  auto s = arena_->CopyOut(ref->index(), std::span<uint8_t>(out, ref->length()));
+  if (!s.ok()) return std::nullopt;
+  metrics_.get_bytes->Increment(static_cast<double>(ref->length()));
+  *in_dest = true;
+  return std::string();
+}
+
 std::optional<std::string> G1BlockPool::Read(const BlockHash& key) {
   metrics_.gets->Increment();
   auto ref = Acquire(key);

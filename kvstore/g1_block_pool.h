@@ -104,6 +104,9 @@ class G1BlockPool {
   std::optional<BlockRef> Acquire(const BlockHash& key);
   // Counted get: a copy of the block's bytes, or nullopt (miss counted as "absent").
   std::optional<std::string> Read(const BlockHash& key);
+  // Counted get into dest(length) when it returns a buffer (then the result is an empty string),
+  // else like Read. nullopt on a miss or a failed copy.
+  std::optional<std::string> ReadInto(const BlockHash& key, const ValueDest& dest, bool* in_dest);
   // Counted probe (lookups/hits{tier="g1"}) without taking a reference or touching the LRU.
   bool Lookup(const BlockHash& key);
   // Uncounted presence check, touches nothing.

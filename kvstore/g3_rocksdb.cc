@@ -44,8 +44,8 @@ class TtlFilter final : public rocksdb::CompactionFilter {
       if (value.size() != 16) return false;
       write_ms = LoadLe<int64_t>(reinterpret_cast<const uint8_t*>(value.data()));
     } else if (!G3HeaderWriteMs(std::span<const uint8_t>(
-                   reinterpret_cast<const uint8_t*>(value.data()), value.size()),
-               &write_ms)) {
+                                    reinterpret_cast<const uint8_t*>(value.data()), value.size()),
+                                &write_ms)) {
       return false;
     }
     return G3Expired(write_ms, clock_.NowUnixMs(), ttl_ms_);
@@ -192,7 +192,7 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   return absl::OkStatus();
 }
 
-G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
+G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key, const ValueDest& dest) {
   GetResult r;
   metrics_.gets->Increment();
   metrics_.lookups->Increment();
@@ -218,8 +218,8 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
     all_metrics_.CountBadRequest("internal");
     r.miss = MissReason::kAbsent;
   } else {
-    auto decoded = DecodeG3Value(std::span<const uint8_t>(
-        reinterpret_cast<const uint8_t*>(stored.data()), stored.size()));
+    auto decoded = DecodeG3Value(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(stored.data()), stored.size()));
     if (!decoded.ok()) {
       spdlog::warn("G3: block {} dropped: {}", common::ToHex(key),
                    std::string(decoded.status().message()));
@@ -231,7 +231,13 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key) {
       drop = true;
     } else {
       const auto payload = decoded->payload;
-      r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
+      uint8_t* out = dest ? dest(payload.size()) : nullptr;
+      if (out != nullptr) {
+        if (!payload.empty()) std::memcpy(out, payload.data(), payload.size());
+        r.in_dest = true;
+      } else {
+        r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
+      }
       r.miss = MissReason::kNone;
       metrics_.hits->Increment();
       metrics_.get_bytes->Increment(static_cast<double>(payload.size()));

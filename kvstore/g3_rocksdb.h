@@ -65,11 +65,13 @@ class G3RocksStore {
   absl::Status Put(const BlockHash& key, std::span<const uint8_t> value);
 
   struct GetResult {
-    std::string value;                      // the payload on a hit
+    std::string value;                      // the payload on a hit (empty when in_dest)
     MissReason miss = MissReason::kAbsent;  // kNone on a hit
+    bool in_dest = false;                   // the payload was copied to dest's buffer instead
   };
-  // Counted get (lookups/hits/gets and misses by reason).
-  GetResult Get(const BlockHash& key);
+  // Counted get (lookups/hits/gets and misses by reason). With `dest`, a verified hit is copied
+  // straight from RocksDB's pinned value into dest(n) when it returns a buffer.
+  GetResult Get(const BlockHash& key, const ValueDest& dest = nullptr);
   // Counted probe from the index (no value read): present and not expired.
   bool Lookup(const BlockHash& key);
   // Uncounted presence check from the index.

@@ -28,6 +28,21 @@ KvMetrics::KvMetrics(prometheus::Registry& registry) {
   auto* capacity = gauge("epd_kv_capacity_bytes", "Configured capacity, per tier");
   puts_in_flight_ =
       &gauge("epd_kv_puts_in_flight", "Put requests received and not yet answered")->Add({});
+  auto* batch_calls = counter("epd_kv_batch_calls_total", "Batched get/put calls, per op");
+  batch_gets_ = &batch_calls->Add({{"op", "get"}});
+  batch_puts_ = &batch_calls->Add({{"op", "put"}});
+  auto* batch_keys = counter("epd_kv_batch_keys_total", "Keys of batched get/put calls, per op");
+  batch_get_keys_ = &batch_keys->Add({{"op", "get"}});
+  batch_put_keys_ = &batch_keys->Add({{"op", "put"}});
+  shm_mapped_ = &gauge("epd_kv_shm_segments_mapped",
+                       "Client shared-memory segments mapped by the daemon right now")
+                     ->Add({});
+  auto* shm_bytes =
+      counter("epd_kv_shm_bytes_total", "Value bytes moved through client shared-memory segments");
+  shm_get_bytes_ = &shm_bytes->Add({{"direction", "get"}});
+  shm_put_bytes_ = &shm_bytes->Add({{"direction", "put"}});
+  shm_refused_ = counter("epd_kv_shm_refused_total",
+                         "Shared-memory segments offered by a client and not used, per reason");
   bad_requests_ = counter("epd_kv_bad_requests_total", "Rejected requests, per reason");
   for (Tier t : {Tier::kG1, Tier::kG2, Tier::kG3}) {
     const std::string label(TierLabel(t));
@@ -67,6 +82,10 @@ void KvMetrics::CountMiss(Tier t, MissReason reason) {
     case MissReason::kNone:
       break;
   }
+}
+
+void KvMetrics::CountShmRefused(std::string_view reason) {
+  shm_refused_->Add({{"reason", std::string(reason)}}).Increment();
 }
 
 void KvMetrics::CountBadRequest(std::string_view reason) {

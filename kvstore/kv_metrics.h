@@ -45,12 +45,31 @@ class KvMetrics {
   void CountBadRequest(std::string_view reason);
   // epd_kv_puts_in_flight: put RPCs received and not yet answered.
   prometheus::Gauge& puts_in_flight() { return *puts_in_flight_; }
+  // epd_kv_batch_calls_total{op="get"|"put"} and epd_kv_batch_keys_total{op}: batched calls.
+  prometheus::Counter& batch_calls(bool put) { return put ? *batch_puts_ : *batch_gets_; }
+  prometheus::Counter& batch_keys(bool put) { return put ? *batch_put_keys_ : *batch_get_keys_; }
+  // epd_kv_shm_segments_mapped: client shared-memory segments the daemon has mapped right now
+  // (each only for the duration of one call; 0 when idle).
+  prometheus::Gauge& shm_mapped() { return *shm_mapped_; }
+  // epd_kv_shm_bytes_total{direction="get"|"put"}: value bytes moved through client segments.
+  prometheus::Counter& shm_bytes(bool put) { return put ? *shm_put_bytes_ : *shm_get_bytes_; }
+  // epd_kv_shm_refused_total{reason}: segments offered and not used (values went inline);
+  // reason: "open", "not_memfd", "inode", "size", "map".
+  void CountShmRefused(std::string_view reason);
 
  private:
   static int Index(Tier t) { return t == Tier::kG2 ? 1 : (t == Tier::kG3 ? 2 : 0); }
 
   prometheus::Family<prometheus::Counter>* bad_requests_;
   prometheus::Gauge* puts_in_flight_;
+  prometheus::Counter* batch_gets_;
+  prometheus::Counter* batch_puts_;
+  prometheus::Counter* batch_get_keys_;
+  prometheus::Counter* batch_put_keys_;
+  prometheus::Gauge* shm_mapped_;
+  prometheus::Counter* shm_get_bytes_;
+  prometheus::Counter* shm_put_bytes_;
+  prometheus::Family<prometheus::Counter>* shm_refused_;
   TierMetrics tiers_[3];
 };
 

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
 #include <filesystem>
 
 #include "absl/strings/str_cat.h"
@@ -93,12 +94,35 @@ LookupResult KvStore::Lookup(std::span<const BlockHash> chain_hashes) {
   return r;
 }
 
+absl::StatusOr<LookupResult> KvStore::Lookup(std::string_view /*config_fingerprint*/,
+                                             std::span<const BlockHash> chain_hashes) {
+  return Lookup(chain_hashes);
+}
+
 absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key) {
+  return Get(tier, key, nullptr);
+}
+
+absl::Status KvStore::Put(Tier tier, std::string_view key, std::string_view value) {
+  return Put(
+      tier, key,
+      std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(value.data()), value.size()));
+}
+
+absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const ValueDest& dest) {
   GetResult r;
   if (tier == Tier::kG2) {
     auto g = g2_->Get(key);
     r.found = g.value != nullptr;
-    if (r.found) r.value = *g.value;
+    if (r.found) {
+      uint8_t* out = dest ? dest(g.value->size()) : nullptr;
+      if (out != nullptr) {
+        if (!g.value->empty()) std::memcpy(out, g.value->data(), g.value->size());
+        r.in_dest = true;
+      } else {
+        r.value = *g.value;
+      }
+    }
     r.miss = g.miss;
     r.tier = Tier::kG2;
     return r;
@@ -106,9 +130,11 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key) {
   auto k = ParseBlockKey(key);
   if (!k.ok()) return k.status();
   if ((tier == Tier::kG1 || tier == Tier::kAuto) && g1_ != nullptr) {
-    if (auto v = g1_->Read(*k); v.has_value()) {
+    bool in_dest = false;
+    if (auto v = g1_->ReadInto(*k, dest, &in_dest); v.has_value()) {
       r.found = true;
       r.value = std::move(*v);
+      r.in_dest = in_dest;
       r.miss = MissReason::kNone;
       r.tier = Tier::kG1;
       return r;
@@ -123,14 +149,26 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key) {
     r.miss = MissReason::kAbsent;
     return r;
   }
-  auto g = g3_->Get(*k);
+  // A promotion into G1 needs the bytes: capture where dest put them.
+  std::span<const uint8_t> in_dest_bytes;
+  ValueDest capture;
+  if (dest) {
+    capture = [&](size_t n) {
+      uint8_t* out = dest(n);
+      if (out != nullptr) in_dest_bytes = std::span<const uint8_t>(out, n);
+      return out;
+    };
+  }
+  auto g = g3_->Get(*k, capture);
   r.miss = g.miss;
   r.tier = Tier::kG3;
   r.found = g.miss == MissReason::kNone;
   if (r.found) {
     r.value = std::move(g.value);
-    if (tier == Tier::kAuto && g1_ != nullptr && r.value.size() <= g1_->block_bytes()) {
-      (void)g1_->Put(*k, AsSpan(r.value));  // best effort: a full G1 just skips the promotion
+    r.in_dest = g.in_dest;
+    const std::span<const uint8_t> bytes = r.in_dest ? in_dest_bytes : AsSpan(r.value);
+    if (tier == Tier::kAuto && g1_ != nullptr && bytes.size() <= g1_->block_bytes()) {
+      (void)g1_->Put(*k, bytes);  // best effort: a full G1 just skips the promotion
     }
   }
   return r;

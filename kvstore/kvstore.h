@@ -20,6 +20,7 @@
 #include "kvstore/g2_swa_pool.h"
 #include "kvstore/g3_rocksdb.h"
 #include "kvstore/kv_metrics.h"
+#include "kvstore/store_api.h"
 #include "kvstore/types.h"
 #include "prometheus/registry.h"
 
@@ -34,41 +35,27 @@ struct KvStoreConfig {
   absl::Status Validate() const;
 };
 
-struct LookupResult {
-  int cached_blocks = 0;              // longest prefix of the given hashes held in G1 or G3
-  std::vector<Tier> tiers;            // where each cached block was found (G1 preferred)
-  bool swa_snapshot_present = false;  // G2 holds a live snapshot at the last cached block
-};
-
-struct GetResult {
-  bool found = false;
-  std::string value;
-  MissReason miss = MissReason::kAbsent;
-  Tier tier = Tier::kAuto;  // the tier that served it
-};
-
-struct TierStats {
-  Tier tier = Tier::kAuto;
-  uint64_t entries = 0;
-  uint64_t bytes = 0;
-  uint64_t capacity_bytes = 0;
-};
-
-class KvStore {
+class KvStore final : public KvStoreApi {
  public:
   // `clock` and `registry` must outlive the store.
   static absl::StatusOr<std::unique_ptr<KvStore>> Open(const KvStoreConfig& config,
                                                        const common::Clock& clock,
                                                        prometheus::Registry& registry);
-  ~KvStore();
+  ~KvStore() override;
 
   LookupResult Lookup(std::span<const BlockHash> chain_hashes);
+  // KvStoreApi (BatchGet/BatchPut: the interface's per-key loop, no RPC to save in process).
+  absl::StatusOr<LookupResult> Lookup(std::string_view config_fingerprint,
+                                      std::span<const BlockHash> chain_hashes) override;
+  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
+  absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
   // InvalidArgument (counted in epd_kv_bad_requests_total) for a malformed key or value.
-  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key);
+  // With `dest`, a hit is copied straight into dest(n) when it returns a buffer (in_dest = true).
+  absl::StatusOr<GetResult> Get(Tier tier, std::string_view key, const ValueDest& dest);
   absl::Status Put(Tier tier, std::string_view key, std::span<const uint8_t> value);
   // Pins (pin=true) or unpins a global-KV block in G1; a block only in G3 is loaded first.
   // Returns whether the block was found (and, for unpin, was pinned).
-  absl::StatusOr<bool> Pin(std::string_view key, bool pin);
+  absl::StatusOr<bool> Pin(std::string_view key, bool pin) override;
   std::vector<TierStats> Stats() const;
   // Expires G2 entries and sweeps G3 (TTL, then capacity). Called periodically by the daemon.
   void Sweep();

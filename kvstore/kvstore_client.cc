@@ -13,9 +13,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "common/hash.h"
 #include "epd/v1/kvstore.grpc.pb.h"
 #include "kvstore/bulk.h"
 #include "kvstore/kvstore_service.h"
+#include "kvstore/shm_segment.h"
 #include "kvstore/transfer/transfer_engine.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "prometheus/registry.h"
@@ -71,8 +73,10 @@ MissReason ParseMissReason(const std::string& s) {
 // KvStoreClient of that process: one UCX worker and progress thread instead of one per client.
 // Kept alive by its clients (weak cache). Thread-safe.
 struct SharedEngine {
-  prometheus::Registry registry;  // the engine's own epd_transfer_* families
-  std::unique_ptr<transfer::TransferEngine> engine;
+  prometheus::Registry own_registry;  // the engine's epd_transfer_* families when none is given
+  std::unique_ptr<transfer::TransferEngine> engine;  // null when injected (not owned)
+  transfer::TransferEngine* injected = nullptr;
+  transfer::TransferEngine* get() const { return injected != nullptr ? injected : engine.get(); }
   ~SharedEngine() {
     if (engine) engine->Shutdown();
   }
@@ -80,27 +84,31 @@ struct SharedEngine {
 
 absl::StatusOr<std::shared_ptr<SharedEngine>> MakeEngine(
     const transfer::UcxOptions& uo, const transfer::EngineOptions& eo,
-    const std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)>& wrap) {
+    const std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)>& wrap,
+    prometheus::Registry* registry) {
   auto shared = std::make_shared<SharedEngine>();
   std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
   if (wrap) wire = wrap(std::move(wire));
-  auto engine = transfer::TransferEngine::Create(std::move(wire), eo, shared->registry,
-                                                 common::SystemClock::Get());
+  auto engine = transfer::TransferEngine::Create(
+      std::move(wire), eo, registry != nullptr ? *registry : shared->own_registry,
+      common::SystemClock::Get());
   if (!engine.ok()) return engine.status();
   shared->engine = std::move(*engine);
   return shared;
 }
 
 absl::StatusOr<std::shared_ptr<SharedEngine>> GetSharedEngine(const transfer::UcxOptions& uo,
-                                                              const transfer::EngineOptions& eo) {
+                                                              const transfer::EngineOptions& eo,
+                                                              prometheus::Registry* registry) {
   static std::mutex mu;
   static std::map<std::string, std::weak_ptr<SharedEngine>> cache;
   const std::string key =
       absl::StrCat(eo.cluster_token, "\n", uo.net_devices, "\n",
-                   uo.mode == transfer::UcxOptions::Mode::kListener ? uo.listen_ip : "addr");
+                   uo.mode == transfer::UcxOptions::Mode::kListener ? uo.listen_ip : "addr", "\n",
+                   reinterpret_cast<uintptr_t>(registry));
   std::lock_guard<std::mutex> lock(mu);
   if (auto live = cache[key].lock()) return live;
-  auto made = MakeEngine(uo, eo, nullptr);
+  auto made = MakeEngine(uo, eo, nullptr, registry);
   if (made.ok()) cache[key] = *made;
   return made;
 }
@@ -117,7 +125,7 @@ class KvStoreClient::Impl {
     nonce_ = absl::StrCat("kv-", getpid(), "-", rd(), "-", rd());
   }
   ~Impl() {
-    if (engine_ && has_peer_) engine_->engine->Disconnect(peer_);
+    if (engine_ && has_peer_) engine_->get()->Disconnect(peer_);
   }
   void Prepare(grpc::ClientContext* ctx) const {
     ctx->set_deadline(std::chrono::system_clock::now() +
@@ -164,6 +172,68 @@ class KvStoreClient::Impl {
     return peer_;
   }
 
+  // --- shared memory (kvstore/shm_segment.h) ---
+  // Whether batched calls may name a segment: asks the daemon's host id once.
+  bool ShmUsable() {
+    if (!options_.shared_memory) return false;
+    std::lock_guard<std::mutex> lock(shm_mu_);
+    if (shm_state_ != 0) return shm_state_ > 0;
+    v1::HelloRequest req;
+    v1::HelloResponse resp;
+    grpc::ClientContext ctx;
+    Prepare(&ctx);
+    if (!stub_->Hello(&ctx, req, &resp).ok()) return false;  // asked again next call
+    const std::string mine = HostId();
+    shm_state_ = !mine.empty() && resp.host_id() == mine ? 1 : -1;
+    return shm_state_ > 0;
+  }
+  void DisableShm(std::string_view why) {
+    std::lock_guard<std::mutex> lock(shm_mu_);
+    if (shm_state_ > 0) {
+      spdlog::warn("kvstore client: shared memory refused by the daemon ({}); values travel inline",
+                   std::string(why));
+    }
+    shm_state_ = -1;
+    free_segments_.clear();
+  }
+  bool ShmActive() {
+    std::lock_guard<std::mutex> lock(shm_mu_);
+    return shm_state_ > 0;
+  }
+  // A segment of at least `bytes` (reused from this client's pool), or null (then inline).
+  std::unique_ptr<ClientSegment> TakeSegment(size_t bytes) {
+    std::unique_ptr<ClientSegment> seg;
+    {
+      std::lock_guard<std::mutex> lock(shm_mu_);
+      if (!free_segments_.empty()) {
+        seg = std::move(free_segments_.back());
+        free_segments_.pop_back();
+      }
+    }
+    if (seg == nullptr) {
+      auto made = ClientSegment::Create(bytes);
+      if (!made.ok()) {
+        spdlog::warn("kvstore client: no shared-memory segment: {}",
+                     std::string(made.status().message()));
+        return nullptr;
+      }
+      return *std::move(made);
+    }
+    if (!seg->Reserve(bytes).ok()) return nullptr;
+    return seg;
+  }
+  void ReturnSegment(std::unique_ptr<ClientSegment> seg) {
+    if (seg == nullptr) return;
+    std::lock_guard<std::mutex> lock(shm_mu_);
+    if (shm_state_ > 0 && free_segments_.size() < 4) free_segments_.push_back(std::move(seg));
+  }
+  void NoteValueBytes(size_t n) {
+    size_t cur = value_hint_.load();
+    while (n > cur && !value_hint_.compare_exchange_weak(cur, n)) {
+    }
+  }
+  size_t value_hint() const { return value_hint_.load(); }
+
   std::unique_ptr<v1::KvStore::Stub> stub_;
   KvClientOptions options_;
   prometheus::Registry own_registry_;
@@ -188,8 +258,13 @@ class KvStoreClient::Impl {
   }
 
   absl::StatusOr<transfer::TransferEngine*> EngineLocked() {
-    if (engine_) return engine_->engine.get();
+    if (engine_) return engine_->get();
     if (!engine_error_.ok()) return engine_error_;
+    if (options_.bulk_engine != nullptr) {  // injected by the owning process
+      engine_ = std::make_shared<SharedEngine>();
+      engine_->injected = options_.bulk_engine;
+      return engine_->get();
+    }
     // The daemon's mode decides ours: UCX refuses endpoints whose error-handling modes differ, and
     // the daemon connects back to us for gets, so against a TCP-listener daemon we listen too.
     if (auto s = HelloLocked(); !s.ok()) return s;
@@ -208,8 +283,9 @@ class KvStoreClient::Impl {
     }
     eo.node_name = "kvstore-client";
     // A fault-injecting client gets an engine of its own; the others share one per process.
-    auto engine = options_.debug_wrap_wire ? MakeEngine(uo, eo, options_.debug_wrap_wire)
-                                           : GetSharedEngine(uo, eo);
+    auto engine = options_.debug_wrap_wire
+                      ? MakeEngine(uo, eo, options_.debug_wrap_wire, options_.registry)
+                      : GetSharedEngine(uo, eo, options_.registry);
     if (!engine.ok()) {
       engine_error_ = engine.status();
       spdlog::warn("kvstore client: no UCX bulk path ({}); values travel inline",
@@ -217,7 +293,7 @@ class KvStoreClient::Impl {
       return engine_error_;
     }
     engine_ = std::move(*engine);
-    return engine_->engine.get();
+    return engine_->get();
   }
 
   std::mutex mu_;  // guards the engine and the daemon connection
@@ -229,6 +305,10 @@ class KvStoreClient::Impl {
   bool has_peer_ = false;
   std::string nonce_;
   std::atomic<uint64_t> seq_{0};
+  std::mutex shm_mu_;  // guards shm_state_ and free_segments_
+  int shm_state_ = 0;  // 0: not asked yet, 1: same host, -1: not usable
+  std::vector<std::unique_ptr<ClientSegment>> free_segments_;
+  std::atomic<size_t> value_hint_{64 << 10};  // the largest value seen (sizes a get's segment)
 };
 
 double KvStoreClient::transfer_errors() const {
@@ -276,6 +356,12 @@ absl::StatusOr<LookupResult> KvStoreClient::Lookup(std::string_view config_finge
 }
 
 absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
+  if (impl_->options_.bulk == BulkTransport::kShm) {
+    const std::string k(key);
+    auto batch = BatchGet(tier, std::span<const std::string>(&k, 1), false);
+    if (!batch.ok()) return batch.status();
+    return std::move(batch->front());
+  }
   v1::GetRequest req;
   req.set_tier(ToProto(tier));
   req.set_key(std::string(key));
@@ -337,6 +423,12 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
 }
 
 absl::Status KvStoreClient::Put(Tier tier, std::string_view key, std::string_view value) {
+  if (impl_->options_.bulk == BulkTransport::kShm) {
+    const KvPut item{key, value};
+    auto batch = BatchPut(tier, std::span<const KvPut>(&item, 1));
+    if (!batch.ok()) return batch.status();
+    return batch->front();
+  }
   if (impl_->WantsBulk(value.size())) {
     absl::Status s = BulkPut(tier, key, value);
     if (!absl::IsNotFound(s) && !absl::IsUnimplemented(s)) return s;
@@ -402,6 +494,151 @@ absl::Status KvStoreClient::BulkPut(Tier tier, std::string_view key, std::string
   engine->Cancel(*send, "bulk put failed");
   engine->Forget(*send);
   return s;
+}
+
+bool KvStoreClient::shared_memory_active() { return impl_->ShmUsable() && impl_->ShmActive(); }
+
+absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> KvStoreClient::BatchGet(
+    Tier tier, std::span<const std::string> keys, bool stop_at_first_miss) {
+  v1::BatchGetRequest req;
+  req.set_tier(ToProto(tier));
+  for (const std::string& k : keys) req.add_keys(k);
+  req.set_stop_at_first_miss(stop_at_first_miss);
+  std::unique_ptr<ClientSegment> seg;
+  if (!keys.empty() && impl_->ShmUsable()) {
+    seg = impl_->TakeSegment(keys.size() * (impl_->value_hint() + 64));
+    if (seg != nullptr) {
+      auto* shm = req.mutable_shm();
+      shm->set_pid(getpid());
+      shm->set_fd(seg->fd());
+      shm->set_inode(seg->inode());
+      shm->set_size(seg->size());
+    }
+  }
+  v1::BatchGetResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  if (auto s = FromGrpc(impl_->stub_->BatchGet(&ctx, req, &resp), "batch get"); !s.ok()) {
+    impl_->ReturnSegment(std::move(seg));
+    return s;
+  }
+  if (seg != nullptr && !resp.shm_used()) {
+    impl_->DisableShm(resp.shm_refused());
+    seg.reset();
+  }
+  if (resp.items_size() != static_cast<int>(keys.size())) {
+    impl_->ReturnSegment(std::move(seg));
+    return absl::InternalError(absl::StrCat("kvstore batch get: asked for ", keys.size(),
+                                            " keys, the daemon answered ", resp.items_size()));
+  }
+  std::vector<absl::StatusOr<GetResult>> out;
+  out.reserve(keys.size());
+  for (v1::BatchGetItem& item : *resp.mutable_items()) {
+    if (!item.error().empty() || item.error_code() != 0) {
+      out.push_back(absl::Status(static_cast<absl::StatusCode>(item.error_code()),
+                                 absl::StrCat("kvstore batch get: ", item.error())));
+      continue;
+    }
+    GetResult r;
+    r.found = item.found();
+    r.tier = FromProto(item.tier());
+    if (item.in_shm()) {
+      if (seg == nullptr || item.offset() > seg->size() ||
+          item.byte_length() > seg->size() - item.offset()) {
+        out.push_back(absl::DataLossError(
+            absl::StrCat("kvstore batch get: the daemon placed a value at [", item.offset(), ", +",
+                         item.byte_length(), ") outside this client's segment")));
+        continue;
+      }
+      const std::span<const uint8_t> bytes(seg->data() + item.offset(), item.byte_length());
+      if (common::Xxh3_64(bytes) != item.checksum()) {
+        out.push_back(absl::DataLossError(
+            absl::StrCat("kvstore batch get: the ", item.byte_length(),
+                         " bytes in shared memory do not match the daemon's checksum")));
+        continue;
+      }
+      r.value.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    } else {
+      r.value = std::move(*item.mutable_value());
+    }
+    if (r.found) impl_->NoteValueBytes(r.value.size());
+    r.miss = r.found ? MissReason::kNone : ParseMissReason(item.miss_reason());
+    if (!r.found && r.miss == MissReason::kNone) r.miss = MissReason::kAbsent;
+    out.push_back(std::move(r));
+  }
+  impl_->ReturnSegment(std::move(seg));
+  return out;
+}
+
+absl::StatusOr<std::vector<absl::Status>> KvStoreClient::BatchPut(Tier tier,
+                                                                  std::span<const KvPut> items) {
+  v1::BatchPutRequest req;
+  req.set_tier(ToProto(tier));
+  std::unique_ptr<ClientSegment> seg;
+  if (!items.empty() && impl_->ShmUsable()) {
+    size_t total = 0;
+    for (const KvPut& it : items) total += (it.value.size() + 63) & ~static_cast<size_t>(63);
+    seg = impl_->TakeSegment(total);
+  }
+  size_t used = 0;
+  for (const KvPut& it : items) {
+    v1::BatchPutItem* item = req.add_items();
+    item->set_key(std::string(it.key));
+    if (seg != nullptr) {
+      if (!it.value.empty()) std::memcpy(seg->data() + used, it.value.data(), it.value.size());
+      const std::span<const uint8_t> bytes(seg->data() + used, it.value.size());
+      item->set_in_shm(true);
+      item->set_offset(used);
+      item->set_byte_length(it.value.size());
+      item->set_checksum(common::Xxh3_64(bytes));
+      used += (it.value.size() + 63) & ~static_cast<size_t>(63);
+    } else {
+      item->set_value(std::string(it.value));
+    }
+  }
+  if (seg != nullptr) {
+    auto* shm = req.mutable_shm();
+    shm->set_pid(getpid());
+    shm->set_fd(seg->fd());
+    shm->set_inode(seg->inode());
+    shm->set_size(seg->size());
+  }
+  v1::BatchPutResponse resp;
+  grpc::ClientContext ctx;
+  impl_->Prepare(&ctx);
+  absl::Status rpc = FromGrpc(impl_->stub_->BatchPut(&ctx, req, &resp), "batch put");
+  impl_->ReturnSegment(std::move(seg));
+  if (!rpc.ok()) return rpc;
+  if (resp.results_size() != static_cast<int>(items.size())) {
+    return absl::InternalError(absl::StrCat("kvstore batch put: sent ", items.size(),
+                                            " items, the daemon answered ", resp.results_size()));
+  }
+  std::vector<absl::Status> out;
+  out.reserve(items.size());
+  std::vector<KvPut> retry;  // values the daemon could not read from the segment
+  std::vector<size_t> retry_at;
+  for (int i = 0; i < resp.results_size(); ++i) {
+    const v1::BatchPutResult& r = resp.results(i);
+    if (r.stored()) {
+      out.push_back(absl::OkStatus());
+      continue;
+    }
+    const auto code = static_cast<absl::StatusCode>(r.error_code());
+    if (req.items(i).in_shm() && !resp.shm_refused().empty()) {
+      retry.push_back(items[static_cast<size_t>(i)]);
+      retry_at.push_back(out.size());
+    }
+    out.push_back(absl::Status(code == absl::StatusCode::kOk ? absl::StatusCode::kInternal : code,
+                               absl::StrCat("kvstore batch put: ", r.error())));
+  }
+  if (!retry.empty()) {
+    // The daemon could not map the segment: inline from now on, and once more for these.
+    impl_->DisableShm(resp.shm_refused());
+    auto again = BatchPut(tier, retry);
+    if (!again.ok()) return again.status();
+    for (size_t j = 0; j < retry_at.size(); ++j) out[retry_at[j]] = (*again)[j];
+  }
+  return out;
 }
 
 absl::StatusOr<bool> KvStoreClient::Pin(std::string_view key, bool pin) {

@@ -21,6 +21,7 @@
 #include "absl/status/statusor.h"
 #include "kvstore/hash_ring.h"
 #include "kvstore/kvstore.h"
+#include "kvstore/store_api.h"
 #include "kvstore/types.h"
 
 namespace epd::v1 {
@@ -33,8 +34,9 @@ namespace prometheus {
 class Registry;
 }
 namespace epd::transfer {
+class TransferEngine;
 class Wire;
-}
+}  // namespace epd::transfer
 
 namespace epd::kvstore {
 
@@ -44,13 +46,20 @@ enum class BulkTransport {
   kUcx,     // values of at least bulk_min_bytes over UCX (the daemon's transfer engine); gRPC
             // carries only the control messages. Falls back to inline when the daemon has no
             // bulk endpoint.
+  kShm,     // every Get/Put as a one-key BatchGet/BatchPut: through the client's shared-memory
+            // segment on the same host (needs shared_memory), inline otherwise.
 };
 
 struct KvClientOptions {
   int deadline_ms = 10000;                      // Default: 10 s per call (and per bulk transfer)
   int max_message_bytes = 300 << 20;            // Default: 300 MiB (matches the daemon)
   BulkTransport bulk = BulkTransport::kInline;  // Default: inline
-  uint64_t bulk_min_bytes = 64 << 10;           // kUcx: smaller values stay inline. Default: 64 KiB
+  // BatchGet/BatchPut against a daemon on the same host (same boot id and pid namespace): values
+  // move through a memfd segment of this client that the daemon maps for the call, instead of
+  // inside the gRPC messages (docs/kvstore.md "Shared memory"). Falls back to inline across hosts
+  // or when the daemon cannot map it. Default: on
+  bool shared_memory = true;
+  uint64_t bulk_min_bytes = 64 << 10;  // kUcx: smaller values stay inline. Default: 64 KiB
   // kUcx: the transfer handshake's shared secret (must equal the daemon's --cluster-token).
   // Empty = $EPD_CLUSTER_TOKEN, else "epd-dev".
   std::string cluster_token;
@@ -59,22 +68,18 @@ struct KvClientOptions {
   // (the daemon connects back to it for gets; use an address the daemon can reach).
   // Default: 127.0.0.1
   std::string ucx_listen_ip = "127.0.0.1";
-  // kUcx: where epd_kv_transfer_errors_total{reason,direction} of this client is counted (must
-  // outlive the client). Null: a private registry (read it with transfer_errors()).
+  // kUcx: the owning process's registry (must outlive the client and the engine it creates):
+  // epd_kv_transfer_errors_total{reason,direction} of this client is counted there, and so are
+  // the epd_transfer_* families of the engine the client creates (one per process and registry;
+  // they merge with other engines' series of the same labels), so the process's /metrics shows
+  // them. Null: a private registry (read the errors with transfer_errors()).
   prometheus::Registry* registry = nullptr;
+  // kUcx: a transfer engine the owning process created and owns (its handshake fingerprint must
+  // be kBulkFingerprint, kvstore/bulk.h, and its cluster token the daemon's); must outlive the
+  // client. Null: the client creates or shares one (above).
+  transfer::TransferEngine* bulk_engine = nullptr;
   // TEST ONLY (kUcx): wraps the client's UCX wire, e.g. with transfer::MakeFaultWire.
   std::function<std::unique_ptr<transfer::Wire>(std::unique_ptr<transfer::Wire>)> debug_wrap_wire;
-};
-
-// What a worker or the router needs from "the kvstore": one daemon (KvStoreClient) or several on
-// a consistent-hash ring (ShardedKvClient, kvstore/sharded_kv_client.h). Thread-safe.
-class KvStoreApi {
- public:
-  virtual ~KvStoreApi() = default;
-  virtual absl::StatusOr<LookupResult> Lookup(std::string_view config_fingerprint,
-                                              std::span<const BlockHash> chain_hashes) = 0;
-  virtual absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) = 0;
-  virtual absl::Status Put(Tier tier, std::string_view key, std::string_view value) = 0;
 };
 
 class KvStoreClient final : public KvStoreApi {
@@ -90,7 +95,15 @@ class KvStoreClient final : public KvStoreApi {
   absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
   // OK only once the daemon acknowledged the put (for G3: it is in the WAL).
   absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
-  absl::StatusOr<bool> Pin(std::string_view key, bool pin);
+  // One RPC for all keys (values through shared memory on the same host, else inline).
+  absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(Tier tier,
+                                                                  std::span<const std::string> keys,
+                                                                  bool stop_at_first_miss) override;
+  absl::StatusOr<std::vector<absl::Status>> BatchPut(Tier tier,
+                                                     std::span<const KvPut> items) override;
+  // Whether this client's batched calls use shared memory right now (same host, accepted).
+  bool shared_memory_active();
+  absl::StatusOr<bool> Pin(std::string_view key, bool pin) override;
   absl::StatusOr<std::vector<TierStats>> Stats();
   const std::string& target() const { return target_; }
   // Bulk transfers of this client that failed (all reasons, both directions).

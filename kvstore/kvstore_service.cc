@@ -2,12 +2,15 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "kvstore/bulk.h"
 #include "kvstore/chain_hash.h"
+#include "kvstore/shm_segment.h"
 
 namespace epd::kvstore {
 namespace {
@@ -83,7 +86,7 @@ Tier FromProto(v1::Tier tier) {
 }
 
 KvStoreServiceImpl::KvStoreServiceImpl(KvStore& store, KvServiceOptions options)
-    : store_(store), options_(options) {}
+    : store_(store), options_(options), host_id_(HostId()) {}
 
 grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequest*,
                                        v1::HelloResponse* resp) {
@@ -92,6 +95,7 @@ grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequ
     resp->set_transfer_fingerprint(kBulkFingerprint);
     resp->set_max_value_bytes(options_.bulk->max_value_bytes());
   }
+  resp->set_host_id(host_id_);
   return grpc::Status::OK;
 }
 
@@ -174,6 +178,139 @@ grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest*
   in_flight.Decrement();
   if (!s.ok()) return ToGrpc(s);
   resp->set_stored(true);
+  return grpc::Status::OK;
+}
+
+std::unique_ptr<MappedPeerSegment> KvStoreServiceImpl::MapSegment(const v1::ShmSegment& shm,
+                                                                  bool writable, std::string* why) {
+  std::string reason;
+  auto seg =
+      MappedPeerSegment::Map(shm.pid(), shm.fd(), shm.inode(), shm.size(), writable, &reason);
+  if (!seg.ok()) {
+    store_.metrics().CountShmRefused(reason);
+    *why = std::string(seg.status().message());
+    return nullptr;
+  }
+  return *std::move(seg);
+}
+
+grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchGetRequest* req,
+                                          v1::BatchGetResponse* resp) {
+  store_.metrics().batch_calls(false).Increment();
+  store_.metrics().batch_keys(false).Increment(req->keys_size());
+  const Tier tier = FromProto(req->tier());
+  std::unique_ptr<MappedPeerSegment> seg;
+  if (req->has_shm()) {
+    std::string why;
+    seg = MapSegment(req->shm(), /*writable=*/true, &why);
+    if (seg == nullptr) resp->set_shm_refused(why);
+  }
+  if (seg != nullptr) store_.metrics().shm_mapped().Increment();
+  resp->set_shm_used(seg != nullptr);
+  size_t used = 0;    // bytes of the segment handed out so far
+  size_t offset = 0;  // where the current key's value went
+  size_t length = 0;  // and its length
+  ValueDest dest;
+  if (seg != nullptr) {
+    dest = [&](size_t n) -> uint8_t* {
+      if (n < req->shm_min_bytes() || n > seg->size() - used) return nullptr;
+      offset = used;
+      length = n;
+      used = std::min(seg->size(), used + ((n + 63) & ~static_cast<size_t>(63)));  // aligned
+      return seg->data() + offset;
+    };
+  }
+  uint64_t shm_bytes = 0;
+  bool stopped = false;
+  for (const std::string& key : req->keys()) {
+    v1::BatchGetItem* item = resp->add_items();
+    if (stopped) {
+      item->set_miss_reason("skipped");
+      item->set_tier(req->tier());
+      continue;
+    }
+    auto r = store_.Get(tier, key, dest);
+    if (!r.ok()) {
+      item->set_error(std::string(r.status().message()));
+      item->set_error_code(static_cast<int>(r.status().code()));
+      stopped = req->stop_at_first_miss();
+      continue;
+    }
+    item->set_found(r->found);
+    item->set_tier(ToProto(r->tier));
+    if (r->found && r->in_dest) {
+      // An end-to-end check of the copy: the client verifies it before it uses a byte.
+      item->set_in_shm(true);
+      item->set_offset(offset);
+      item->set_byte_length(length);
+      item->set_checksum(common::Xxh3_64(std::span<const uint8_t>(seg->data() + offset, length)));
+      shm_bytes += length;
+    } else if (r->found) {
+      *item->mutable_value() = std::move(r->value);
+    }
+    item->set_miss_reason(std::string(MissReasonName(r->miss)));
+    if (!r->found) stopped = req->stop_at_first_miss();
+  }
+  if (seg != nullptr) {
+    store_.metrics().shm_bytes(false).Increment(static_cast<double>(shm_bytes));
+    store_.metrics().shm_mapped().Decrement();
+  }
+  return grpc::Status::OK;
+}
+
+grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext*, const v1::BatchPutRequest* req,
+                                          v1::BatchPutResponse* resp) {
+  store_.metrics().batch_calls(true).Increment();
+  store_.metrics().batch_keys(true).Increment(req->items_size());
+  prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
+  in_flight.Increment();
+  const Tier tier = FromProto(req->tier());
+  std::unique_ptr<MappedPeerSegment> seg;
+  std::string refused;
+  if (req->has_shm()) {
+    seg = MapSegment(req->shm(), /*writable=*/false, &refused);
+    if (seg != nullptr) store_.metrics().shm_mapped().Increment();
+    if (seg == nullptr) resp->set_shm_refused(refused);
+  }
+  uint64_t shm_bytes = 0;
+  for (const v1::BatchPutItem& it : req->items()) {
+    v1::BatchPutResult* out = resp->add_results();
+    absl::Status s;
+    std::span<const uint8_t> value = AsSpan(it.value());
+    if (it.in_shm()) {
+      if (seg == nullptr) {
+        s = absl::FailedPreconditionError(
+            absl::StrCat("batch put: value in a shared-memory segment the daemon cannot use: ",
+                         refused.empty() ? "no segment named" : refused));
+      } else if (!it.value().empty() || it.offset() > seg->size() ||
+                 it.byte_length() > seg->size() - it.offset()) {
+        store_.metrics().CountBadRequest("shm_range");
+        s = absl::InvalidArgumentError(absl::StrCat("batch put: value at [", it.offset(), ", +",
+                                                    it.byte_length(), ") is outside the ",
+                                                    seg->size(), "-byte segment"));
+      } else {
+        value = std::span<const uint8_t>(seg->data() + it.offset(), it.byte_length());
+        if (common::Xxh3_64(value) != it.checksum()) {
+          store_.metrics().CountBadRequest("shm_checksum");
+          s = absl::DataLossError(absl::StrCat("batch put: the segment's bytes at offset ",
+                                               it.offset(),
+                                               " do not match the checksum the client sent"));
+        }
+        shm_bytes += it.byte_length();
+      }
+    }
+    if (s.ok()) s = store_.Put(tier, it.key(), value);
+    out->set_stored(s.ok());
+    if (!s.ok()) {
+      out->set_error_code(static_cast<int>(s.code()));
+      out->set_error(std::string(s.message()));
+    }
+  }
+  if (seg != nullptr) {
+    store_.metrics().shm_bytes(true).Increment(static_cast<double>(shm_bytes));
+    store_.metrics().shm_mapped().Decrement();
+  }
+  in_flight.Decrement();
   return grpc::Status::OK;
 }
 

@@ -18,6 +18,7 @@ class Server;
 namespace epd::kvstore {
 
 class KvBulkEndpoint;
+class MappedPeerSegment;
 
 struct KvServiceOptions {
   // Test-only fault injection: every Put waits this long after receiving its request and before
@@ -39,12 +40,23 @@ class KvStoreServiceImpl final : public v1::KvStore::Service {
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
   grpc::Status Get(grpc::ServerContext*, const v1::GetRequest*, v1::GetResponse*) override;
   grpc::Status Put(grpc::ServerContext*, const v1::PutRequest*, v1::PutResponse*) override;
+  // A prefix's blocks in one call, each with its own status; values inline or, for a same-host
+  // client that names its memfd segment, copied straight into it (kvstore/shm_segment.h).
+  grpc::Status BatchGet(grpc::ServerContext*, const v1::BatchGetRequest*,
+                        v1::BatchGetResponse*) override;
+  grpc::Status BatchPut(grpc::ServerContext*, const v1::BatchPutRequest*,
+                        v1::BatchPutResponse*) override;
   grpc::Status Pin(grpc::ServerContext*, const v1::PinRequest*, v1::PinResponse*) override;
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
 
  private:
+  // Maps a client's segment for one call; null (counted, `why` set) when it cannot be used.
+  std::unique_ptr<MappedPeerSegment> MapSegment(const v1::ShmSegment& shm, bool writable,
+                                                std::string* why);
+
   KvStore& store_;
   KvServiceOptions options_;
+  std::string host_id_;
 };
 
 // Owns a gRPC server bound to host:port (port 0 = any) serving one KvStoreServiceImpl.

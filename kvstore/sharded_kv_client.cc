@@ -40,8 +40,7 @@ absl::StatusOr<std::unique_ptr<ShardedKvClient>> ShardedKvClient::Create(
   std::set<std::string> seen;
   for (const std::string& t : targets) {
     if (t.empty() || t.find(':') == std::string::npos)
-      return absl::InvalidArgumentError(
-          absl::StrCat("kvstore target '", t, "' is not host:port"));
+      return absl::InvalidArgumentError(absl::StrCat("kvstore target '", t, "' is not host:port"));
     if (!seen.insert(t).second)
       return absl::InvalidArgumentError(absl::StrCat("kvstore target '", t, "' is listed twice"));
   }
@@ -150,6 +149,85 @@ absl::Status ShardedKvClient::Put(Tier tier, std::string_view key, std::string_v
   Shard& shard = *shards_[ShardIndex(key)];
   if (auto s = CheckUp(shard); !s.ok()) return s;
   return Note(shard, shard.client->Put(tier, key, value));
+}
+
+absl::StatusOr<bool> ShardedKvClient::Pin(std::string_view key, bool pin) {
+  Shard& shard = *shards_[ShardIndex(key)];
+  if (auto s = CheckUp(shard); !s.ok()) return s;
+  auto r = shard.client->Pin(key, pin);
+  Note(shard, r.status()).IgnoreError();
+  return r;
+}
+
+absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> ShardedKvClient::BatchGet(
+    Tier tier, std::span<const std::string> keys, bool stop_at_first_miss) {
+  if (shards_.size() == 1) {
+    Shard& shard = *shards_[0];
+    auto r = shard.client->BatchGet(tier, keys, stop_at_first_miss);
+    Note(shard, r.status()).IgnoreError();
+    return r;
+  }
+  std::vector<std::vector<size_t>> owned(shards_.size());
+  for (size_t i = 0; i < keys.size(); ++i) owned[ShardIndex(keys[i])].push_back(i);
+  std::vector<absl::StatusOr<GetResult>> out(keys.size(), absl::UnknownError("not asked"));
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    if (owned[k].empty()) continue;
+    Shard& shard = *shards_[k];
+    std::vector<std::string> mine;
+    mine.reserve(owned[k].size());
+    for (size_t i : owned[k]) mine.push_back(keys[i]);
+    absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> r = absl::UnknownError("not asked");
+    if (absl::Status up = CheckUp(shard); !up.ok()) {
+      r = up;
+    } else {
+      r = shard.client->BatchGet(tier, mine, /*stop_at_first_miss=*/false);
+      Note(shard, r.status()).IgnoreError();
+    }
+    for (size_t j = 0; j < owned[k].size(); ++j) {
+      out[owned[k][j]] = r.ok() ? std::move((*r)[j]) : absl::StatusOr<GetResult>(r.status());
+    }
+  }
+  if (stop_at_first_miss) {
+    bool stopped = false;
+    for (auto& item : out) {
+      if (stopped) {
+        GetResult skipped;
+        skipped.tier = tier;
+        item = std::move(skipped);
+      } else if (!item.ok() || !item->found) {
+        stopped = true;
+      }
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<std::vector<absl::Status>> ShardedKvClient::BatchPut(Tier tier,
+                                                                    std::span<const KvPut> items) {
+  if (shards_.size() == 1) {
+    Shard& shard = *shards_[0];
+    auto r = shard.client->BatchPut(tier, items);
+    Note(shard, r.status()).IgnoreError();
+    return r;
+  }
+  std::vector<std::vector<size_t>> owned(shards_.size());
+  for (size_t i = 0; i < items.size(); ++i) owned[ShardIndex(items[i].key)].push_back(i);
+  std::vector<absl::Status> out(items.size());
+  for (size_t k = 0; k < shards_.size(); ++k) {
+    if (owned[k].empty()) continue;
+    Shard& shard = *shards_[k];
+    std::vector<KvPut> mine;
+    for (size_t i : owned[k]) mine.push_back(items[i]);
+    absl::StatusOr<std::vector<absl::Status>> r = absl::UnknownError("not asked");
+    if (absl::Status up = CheckUp(shard); !up.ok()) {
+      r = up;
+    } else {
+      r = shard.client->BatchPut(tier, mine);
+      Note(shard, r.status()).IgnoreError();
+    }
+    for (size_t j = 0; j < owned[k].size(); ++j) out[owned[k][j]] = r.ok() ? (*r)[j] : r.status();
+  }
+  return out;
 }
 
 }  // namespace epd::kvstore

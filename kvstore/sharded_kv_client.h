@@ -47,6 +47,14 @@ class ShardedKvClient final : public KvStoreApi {
                                       std::span<const BlockHash> chain_hashes) override;
   absl::StatusOr<GetResult> Get(Tier tier, std::string_view key) override;
   absl::Status Put(Tier tier, std::string_view key, std::string_view value) override;
+  absl::StatusOr<bool> Pin(std::string_view key, bool pin) override;
+  // One BatchGet/BatchPut per daemon that owns some of the keys; a down daemon's keys fail with
+  // its status, the others are served. stop_at_first_miss is applied to the merged result.
+  absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> BatchGet(Tier tier,
+                                                                  std::span<const std::string> keys,
+                                                                  bool stop_at_first_miss) override;
+  absl::StatusOr<std::vector<absl::Status>> BatchPut(Tier tier,
+                                                     std::span<const KvPut> items) override;
 
   // The target that owns `key`.
   std::string OwnerOf(std::string_view key) const;
@@ -60,7 +68,8 @@ class ShardedKvClient final : public KvStoreApi {
     std::unique_ptr<KvStoreClient> client;
     std::atomic<int64_t> down_until_ms{0};  // steady-clock ms; 0 = up
   };
-  explicit ShardedKvClient(ShardOptions options) : options_(options), ring_(options.virtual_nodes) {}
+  explicit ShardedKvClient(ShardOptions options)
+      : options_(options), ring_(options.virtual_nodes) {}
   size_t ShardIndex(std::string_view key) const;  // index into shards_ of the owner
   // Unavailable when the shard is marked down, else OK.
   absl::Status CheckUp(Shard& shard);

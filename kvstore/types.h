@@ -3,6 +3,7 @@
 // Small value types shared by every kvstore tier, the daemon and its client.
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 
@@ -28,6 +29,11 @@ enum class Tier : int {
 
 // Bounded label value for metrics: "g1", "g2", "g3" ("auto" never reaches a metric).
 std::string_view TierLabel(Tier tier);
+
+// Where a get may place a hit's bytes directly (e.g. a client's shared-memory segment) instead of
+// a std::string: returns a destination for n bytes, or null to get them the usual way. Called at
+// most once per get, while the store holds the bytes (G1 page referenced, G3 value pinned).
+using ValueDest = std::function<uint8_t*(size_t n)>;
 
 // Why a get returned nothing. kNone means the value was found.
 enum class MissReason : int {

@@ -280,7 +280,9 @@ RequestRecord SendTurn(httplib::Client& cli, const BenchOptions& o, const std::s
   return r;
 }
 
-// Sums epd_swa_replay_total by stage from one /metrics endpoint.
+// Sums the counters the report uses from one /metrics endpoint: epd_swa_replay_total by stage
+// ("replay/<stage>"), the kvstore's epd_kv_put_bytes_total and epd_kv_puts_total by tier
+// ("put_bytes/<tier>", "puts/<tier>").
 std::optional<std::map<std::string, double>> ReadReplaysOne(const std::string& metrics_url,
                                                             double timeout_s, std::string* why) {
   auto url = ParseHttpUrl(metrics_url);
@@ -305,13 +307,21 @@ std::optional<std::map<std::string, double>> ReadReplaysOne(const std::string& m
     *why = std::string(samples.status().message());
     return std::nullopt;
   }
-  std::map<std::string, double> replays;
+  std::map<std::string, double> counters;
+  auto label = [](const PromSample& s, const char* name) {
+    auto it = s.labels.find(name);
+    return it == s.labels.end() ? std::string() : it->second;
+  };
   for (const auto& s : *samples) {
-    if (s.name != "epd_swa_replay_total") continue;
-    auto it = s.labels.find("stage");
-    replays[it == s.labels.end() ? "" : it->second] += s.value;
+    if (s.name == "epd_swa_replay_total") {
+      counters["replay/" + label(s, "stage")] += s.value;
+    } else if (s.name == "epd_kv_put_bytes_total") {
+      counters["put_bytes/" + label(s, "tier")] += s.value;
+    } else if (s.name == "epd_kv_puts_total") {
+      counters["puts/" + label(s, "tier")] += s.value;
+    }
   }
-  return replays;
+  return counters;
 }
 
 // The same over a comma-separated list of endpoints (the encoder and prefill workers count the
@@ -427,6 +437,7 @@ absl::Status BenchOptions::Validate() const {
   if (!(duration_s > 0)) return absl::InvalidArgumentError("--duration-s must be > 0");
   if (!(timeout_s > 0)) return absl::InvalidArgumentError("--timeout-s must be > 0");
   if (model.empty()) return absl::InvalidArgumentError("--model must not be empty");
+  if (block_tokens < 1) return absl::InvalidArgumentError("--block-tokens must be >= 1");
   if (auto u = ParseHttpUrl(url); !u.ok()) {
     return absl::InvalidArgumentError(absl::StrCat("--url: ", u.status().message()));
   }
@@ -459,10 +470,32 @@ void AddBenchFlags(CLI::App& app, BenchOptions* o) {
   app.add_option("--timeout-s", o->timeout_s, "Connect/read timeout of one request")
       ->capture_default_str();
   app.add_option("--metrics-url", o->metrics_url,
-                 "/metrics URLs (comma-separated: router, encoder and prefill workers) whose "
-                 "epd_swa_replay_total is summed by stage");
+                 "/metrics URLs (comma-separated: router, encoder and prefill workers, kvstores) "
+                 "whose epd_swa_replay_total is summed by stage and epd_kv_put_bytes_total by "
+                 "tier (persisted bytes)");
+  app.add_option("--model-config", o->model_config,
+                 "The served model's config.json, for the V4-style persisted-bytes figure");
+  app.add_option("--block-tokens", o->block_tokens, "Tokens per kvstore block")
+      ->capture_default_str();
   app.add_option("--json", o->json_path, "Write the results as JSON to this file");
   app.add_option("--system-prompt", o->system_prompt, "System message of every session");
+}
+
+double V4StyleBytesPerBlock(const model::ModelConfig& c, int block_tokens) {
+  const model::KvLayout k = model::ComputeKvLayout(c);
+  double per_token = 0;
+  for (int l = 0; l < c.n_layers && l < static_cast<int>(c.compress_ratios.size()); ++l) {
+    const int ratio = c.compress_ratios[l];
+    if (ratio <= 0) continue;
+    double entry = static_cast<double>(k.main_entry_bytes);
+    if (std::find(c.index_source_layers.begin(), c.index_source_layers.end(), l) !=
+        c.index_source_layers.end()) {
+      entry += static_cast<double>(k.index_key_bytes);
+    }
+    per_token += entry / ratio;
+  }
+  return per_token * block_tokens +
+         static_cast<double>(c.n_layers) * static_cast<double>(k.swa_bytes_per_layer);
 }
 
 std::optional<double> Percentile(std::vector<double> values, double q) {
@@ -699,13 +732,39 @@ absl::StatusOr<BenchResults> RunBench(const BenchOptions& o, std::ostream& progr
     auto after = ReadReplays(o.metrics_url, o.timeout_s, &metrics_why);
     if (after) {
       results.metrics_read = true;
-      for (const auto& [stage, value] : *after) {
+      auto delta = [&](const std::string& key) -> std::optional<double> {
+        auto it = after->find(key);
+        if (it == after->end()) return std::nullopt;
         double before = 0;
         if (replays_before) {
-          auto it = replays_before->find(stage);
-          if (it != replays_before->end()) before = it->second;
+          auto b = replays_before->find(key);
+          if (b != replays_before->end()) before = b->second;
         }
-        results.swa_replays[stage] = value - before;
+        return it->second - before;
+      };
+      for (const auto& [key, value] : *after) {
+        if (key.rfind("replay/", 0) == 0) results.swa_replays[key.substr(7)] = *delta(key);
+      }
+      results.persisted_g3_bytes = delta("put_bytes/g3");
+      results.persisted_g2_bytes = delta("put_bytes/g2");
+      results.persisted_g3_blocks = delta("puts/g3");
+      if (results.persisted_g3_bytes && results.persisted_g2_bytes && results.prompt_tokens > 0) {
+        const double tokens = static_cast<double>(results.prompt_tokens);
+        results.persisted_bytes_per_token =
+            (*results.persisted_g3_bytes + *results.persisted_g2_bytes) / tokens;
+        if (!o.model_config.empty() && results.persisted_g3_blocks) {
+          auto config = model::LoadModelConfig(o.model_config);
+          if (config.ok()) {
+            results.v4_bytes_per_token = *results.persisted_g3_blocks *
+                                         V4StyleBytesPerBlock(*config, o.block_tokens) / tokens;
+            if (*results.v4_bytes_per_token > 0) {
+              results.persisted_vs_v4 =
+                  *results.persisted_bytes_per_token / *results.v4_bytes_per_token;
+            }
+          } else {
+            progress_out << "epd bench: --model-config: " << config.status().message() << "\n";
+          }
+        }
       }
     } else {
       progress_out << "epd bench: replay counts unavailable: " << metrics_why << "\n";
@@ -739,6 +798,12 @@ std::string FormatBenchResults(const BenchOptions& o, const BenchResults& r) {
   };
   s << "  SWA replays     encoder " << replay("encoder") << ", decoder " << replay("decoder")
     << "  (epd_swa_replay_total during the run)\n";
+  s << "  persisted       " << Fmt(r.persisted_bytes_per_token, 1) << " B/prompt token (G3 "
+    << Fmt(r.persisted_g3_bytes, 0) << " B in " << Fmt(r.persisted_g3_blocks, 0) << " blocks + G2 "
+    << Fmt(r.persisted_g2_bytes, 0) << " B, from the kvstore's /metrics)\n";
+  s << "  V4-style policy " << Fmt(r.v4_bytes_per_token, 1)
+    << " B/prompt token (same blocks, every layer's SWA per block, no CED); ours / V4-style "
+    << Fmt(r.persisted_vs_v4, 3) << "\n";
   for (const auto& e : r.error_samples) s << "  error: " << e << "\n";
   return s.str();
 }
@@ -758,6 +823,8 @@ json BenchResultsJson(const BenchOptions& o, const BenchResults& r) {
             {"tool_tokens", o.tool_tokens},
             {"max_tokens", o.max_tokens},
             {"seed", o.seed},
+            {"model_config", o.model_config},
+            {"block_tokens", o.block_tokens},
             {"duration_s", o.duration_s}}},
           {"requests", r.requests},
           {"ok", r.ok},
@@ -774,6 +841,13 @@ json BenchResultsJson(const BenchOptions& o, const BenchResults& r) {
           {"requests_per_s", r.requests_per_s},
           {"cached_token_ratio", opt(r.cached_token_ratio)},
           {"swa_replays", replays},
+          {"persisted",
+           {{"g3_bytes", opt(r.persisted_g3_bytes)},
+            {"g2_bytes", opt(r.persisted_g2_bytes)},
+            {"g3_blocks", opt(r.persisted_g3_blocks)},
+            {"bytes_per_prompt_token", opt(r.persisted_bytes_per_token)},
+            {"v4_style_bytes_per_prompt_token", opt(r.v4_bytes_per_token)},
+            {"ours_vs_v4_style", opt(r.persisted_vs_v4)}}},
           {"error_samples", r.error_samples}};
 }
 

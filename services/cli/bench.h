@@ -19,6 +19,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "model/config.h"
 
 namespace CLI {
 class App;
@@ -38,7 +39,11 @@ struct BenchOptions {
   double duration_s = 600;  // Default: 10 minutes; no new turn starts after it
   double timeout_s = 300;   // Default: 300 s per request (connect + read)
   std::string metrics_url;  // Default: none (replay counts print "n/a"); comma-separated list
-  std::string json_path;    // Default: none (no JSON file)
+  // The served model's config.json: with a kvstore's /metrics in metrics_url, the persisted bytes
+  // per prompt token are set against a V4-style policy on the same blocks. Default: none (n/a)
+  std::string model_config;
+  int block_tokens = 64;  // Default: 64 (the kvstore block of epd serve's workers)
+  std::string json_path;  // Default: none (no JSON file)
   std::string system_prompt =
       "You are a coding agent. Read the tool output and decide the next "
       "step.";  // Default: a short agent instruction
@@ -69,6 +74,14 @@ struct BenchResults {
   // absent when --metrics-url was not given, could not be read, or has no such series.
   std::map<std::string, double> swa_replays;
   bool metrics_read = false;
+  // Increase of the kvstores' epd_kv_put_bytes_total{tier="g3"|"g2"} and
+  // epd_kv_puts_total{tier="g3"} (blocks) during the run; nullopt without a kvstore in
+  // --metrics-url.
+  std::optional<double> persisted_g3_bytes, persisted_g2_bytes, persisted_g3_blocks;
+  std::optional<double> persisted_bytes_per_token;  // (G3 + G2) / prompt tokens
+  // A V4-style policy on the same stored blocks (V4StyleBytesPerBlock) / prompt tokens, and
+  // ours / that; nullopt without --model-config or persisted figures.
+  std::optional<double> v4_bytes_per_token, persisted_vs_v4;
   std::vector<std::string> error_samples;  // the first few error messages, for the report
 };
 
@@ -90,6 +103,13 @@ int RunBenchCommand(const BenchOptions& options);
 
 // Nearest-rank percentile of `values` (q in [0, 1]); nullopt when empty.
 std::optional<double> Percentile(std::vector<double> values, double q);
+
+// Bytes a V4-style persistence policy writes per stored block of `block_tokens` tokens: every
+// main layer keeps its own compressed KV (no CED: no layer reads another's; entry bytes / ratio
+// per token for each layer with a compress ratio, plus index-key bytes / ratio for the index
+// sources) for the block's tokens, and every main layer's SWA window (window x slot bytes) is
+// persisted at the block's end.
+double V4StyleBytesPerBlock(const model::ModelConfig& config, int block_tokens);
 
 // Deterministic synthetic tool output of about `tokens` tokens (4 ASCII characters each): the
 // kind (terminal, file, web page) rotates with `turn`; the text depends only on the arguments.

@@ -1,9 +1,15 @@
-// kvstore_bench: put/get throughput of global-KV blocks through the epd-kvstore daemon (G3
-// RocksDB tier), with the bytes inline in gRPC and over the UCX bulk path, next to plain RocksDB
-// put/get of the same values in the same run, and the ratios. Each figure is the median of
-// --repeat runs. Not part of ctest. Example:
-//   UCX_NET_DEVICES=lo build-kv/kvstore_bench --blocks 1000 --threads 4 --repeat 3
-// (block = --block-tokens 64 x --bytes-per-token 890 B by default).
+// kvstore_bench: the kvstore data path against plain RocksDB, each figure the median of three runs
+// inside one invocation (docs/kvstore.md "Benchmark"). With no arguments (~30 s):
+//   1. a 64-block prefix (64 x 56,960 B) fetched as one BatchGet from a real epd-kvstore (G1 off:
+//      every block a RocksDB read; same-host values through shared memory) / the same 64 blocks
+//      read with plain RocksDB Gets of the same data in this process: the ratio (goal >= 0.7);
+//      for context the same batch inline and the prefix as 64 Get RPCs;
+//   2. G1-hot BatchGet throughput in GB/s (goal >= 2);
+//   3. 1 MiB values put/get inline vs shared memory (kShm) vs UCX bulk (kUcx).
+// The last line is "kvstore_bench ratio: <R>" with R the figure of 1 (the median over the three
+// runs of plain time / daemon time; each run interleaves the two prefix by prefix).
+// With --per-block it runs the older per-block throughput comparison instead:
+//   UCX_NET_DEVICES=lo build/kvstore_bench --per-block --blocks 1000 --threads 4 --repeat 3
 #include <signal.h>
 
 #include <CLI/CLI.hpp>
@@ -65,6 +71,267 @@ double Median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+double Seconds(const std::function<void()>& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  fn();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+struct RunningDaemon {
+  epd::testing::Subprocess proc;
+  std::string target;
+  ~RunningDaemon() {
+    proc.Signal(SIGKILL);
+    proc.Wait(std::chrono::seconds(10));
+  }
+};
+
+std::unique_ptr<RunningDaemon> StartDaemon(const std::string& daemon,
+                                           const epd::testing::TempDir& dir, const std::string& tag,
+                                           uint64_t g1_bytes, size_t block_bytes, bool bulk) {
+  std::filesystem::remove_all(dir.File(tag));
+  std::filesystem::remove(dir.File(tag + ".json"));
+  auto d = std::make_unique<RunningDaemon>();
+  d->proc = epd::testing::Subprocess::Start(
+      {daemon, "--data-dir", dir.File(tag), "--grpc-port", "0", "--port-file",
+       dir.File(tag + ".json"), "--g1-capacity-bytes", std::to_string(g1_bytes), "--block-bytes",
+       std::to_string(block_bytes), "--bulk", bulk ? "ucx" : "off", "--log-level", "warn",
+       "--drain-timeout-ms", "1000"},
+      dir.File(tag + ".log"));
+  auto port =
+      epd::testing::WaitForPortFile(dir.File(tag + ".json"), "grpc", std::chrono::seconds(30));
+  if (!port.has_value()) {
+    std::cerr << "kvstore_bench: daemon did not start: " << d->proc.ReadLog() << "\n";
+    std::exit(1);
+  }
+  d->target = absl::StrCat("127.0.0.1:", *port);
+  return d;
+}
+
+// The default run (see the header). Returns the process exit code.
+int RunPrefixBench(const std::string& daemon, int prefixes) {
+  constexpr int kBlocks = 64;
+  constexpr size_t kBlockBytes = 64 * 890;
+  constexpr int kRepeat = 3;
+  using epd::kvstore::KvPut;
+  using epd::kvstore::Tier;
+  epd::testing::TempDir dir;
+  // prefixes x 64 blocks, each prefix a chain of 64 distinct keys.
+  std::vector<std::vector<std::string>> keys(prefixes), values(prefixes);
+  for (int p = 0; p < prefixes; ++p) {
+    for (int b = 0; b < kBlocks; ++b) {
+      const int32_t t = p * kBlocks + b;
+      keys[p].emplace_back(epd::kvstore::AsBytes(epd::kvstore::ChainHash(
+          epd::kvstore::kRootParent, std::span<const int32_t>(&t, 1), "bench")));
+      values[p].push_back(Payload(static_cast<uint64_t>(t) + 1, kBlockBytes));
+    }
+  }
+  int errors = 0;
+  auto put_all = [&](epd::kvstore::KvStoreClient& c) {
+    for (int p = 0; p < prefixes; ++p) {
+      std::vector<KvPut> puts;
+      for (int b = 0; b < kBlocks; ++b) puts.push_back({keys[p][b], values[p][b]});
+      auto r = c.BatchPut(Tier::kG3, puts);
+      if (!r.ok()) {
+        ++errors;
+        continue;
+      }
+      for (const auto& s : *r) errors += s.ok() ? 0 : 1;
+    }
+  };
+  // Prefix p as one BatchGet; returns seconds; values checked after the clock stopped.
+  auto batch_get_one = [&](epd::kvstore::KvStoreClient& c, Tier tier, int p) {
+    absl::StatusOr<std::vector<absl::StatusOr<epd::kvstore::GetResult>>> got =
+        absl::UnknownError("not run");
+    const double s = Seconds([&] { got = c.BatchGet(tier, keys[p], /*stop_at_first_miss=*/true); });
+    if (!got.ok() || got->size() != static_cast<size_t>(kBlocks)) {
+      ++errors;
+      return s;
+    }
+    for (int b = 0; b < kBlocks; ++b) {
+      const auto& item = (*got)[b];
+      if (!item.ok() || !item->found || item->value != values[p][b]) ++errors;
+    }
+    return s;
+  };
+  auto batch_get_all = [&](epd::kvstore::KvStoreClient& c, Tier tier) {
+    double s = 0;
+    for (int p = 0; p < prefixes; ++p) s += batch_get_one(c, tier, p);
+    return s;
+  };
+  auto per_block_get_one = [&](epd::kvstore::KvStoreClient& c, int p) {
+    return Seconds([&] {
+      for (int b = 0; b < kBlocks; ++b) {
+        auto r = c.Get(Tier::kG3, keys[p][b]);
+        if (!r.ok() || !r->found || r->value.size() != kBlockBytes) ++errors;
+      }
+    });
+  };
+  epd::kvstore::KvClientOptions shm_opts;  // default: shared memory on the same host
+  epd::kvstore::KvClientOptions inline_opts;
+  inline_opts.shared_memory = false;
+  const double prefix_mb = static_cast<double>(kBlocks) * kBlockBytes / 1e6;
+  const double total_gb = prefix_mb * prefixes / 1e3;
+
+  // --- 1. G3: daemon batch vs plain RocksDB, interleaved prefix by prefix so that both see the
+  // same load on a shared machine ---
+  std::vector<double> d_shm, d_inline, d_single, plain;
+  bool shm_active = false;
+  {
+    // Plain RocksDB with G3's options (WAL on, no fsync, no compression, verified reads).
+    std::filesystem::remove_all(dir.File("plain"));
+    rocksdb::Options options;
+    options.create_if_missing = true;
+    options.compression = rocksdb::kNoCompression;
+    options.write_buffer_size = 64ull << 20;
+    options.IncreaseParallelism(2);
+    rocksdb::DB* raw = nullptr;
+    if (!rocksdb::DB::Open(options, dir.File("plain"), &raw).ok()) {
+      std::cerr << "kvstore_bench: cannot open plain RocksDB\n";
+      return 1;
+    }
+    std::unique_ptr<rocksdb::DB> db(raw);
+    for (int p = 0; p < prefixes; ++p)
+      for (int b = 0; b < kBlocks; ++b)
+        if (!db->Put(rocksdb::WriteOptions(), keys[p][b], values[p][b]).ok()) ++errors;
+    rocksdb::ReadOptions ro;
+    ro.verify_checksums = true;
+    auto plain_get_one = [&](int p) {
+      std::vector<std::string> got(kBlocks);
+      const double s = Seconds([&] {
+        for (int b = 0; b < kBlocks; ++b)
+          if (!db->Get(ro, keys[p][b], &got[b]).ok()) ++errors;
+      });
+      for (int b = 0; b < kBlocks; ++b) errors += got[b] == values[p][b] ? 0 : 1;
+      return s;
+    };
+
+    auto d = StartDaemon(daemon, dir, "g3", 0, kBlockBytes, false);
+    auto shm = epd::kvstore::KvStoreClient::Create(d->target, shm_opts);
+    auto inl = epd::kvstore::KvStoreClient::Create(d->target, inline_opts);
+    put_all(*shm);
+    batch_get_all(*shm, Tier::kG3);  // warm: page cache, connections, segments
+    batch_get_all(*inl, Tier::kG3);
+    for (int p = 0; p < prefixes; ++p) plain_get_one(p);
+    shm_active = shm->shared_memory_active();
+    for (int r = 0; r < kRepeat; ++r) {
+      double ds = 0, is = 0, ss = 0, ps = 0;
+      for (int p = 0; p < prefixes; ++p) {
+        ds += batch_get_one(*shm, Tier::kG3, p);
+        ps += plain_get_one(p);
+        is += batch_get_one(*inl, Tier::kG3, p);
+        ss += per_block_get_one(*inl, p);
+      }
+      d_shm.push_back(ds);
+      plain.push_back(ps);
+      d_inline.push_back(is);
+      d_single.push_back(ss);
+    }
+    db->Close();
+  }
+
+  // --- 2. G1 hot ---
+  std::vector<double> hot_shm, hot_inline;
+  {
+    auto d =
+        StartDaemon(daemon, dir, "g1", static_cast<uint64_t>(prefixes * kBlocks + 1) * kBlockBytes,
+                    kBlockBytes, false);
+    auto shm = epd::kvstore::KvStoreClient::Create(d->target, shm_opts);
+    auto inl = epd::kvstore::KvStoreClient::Create(d->target, inline_opts);
+    put_all(*shm);  // writes through to G1
+    batch_get_all(*shm, Tier::kG1);
+    batch_get_all(*inl, Tier::kG1);
+    for (int r = 0; r < kRepeat; ++r) {
+      hot_shm.push_back(batch_get_all(*shm, Tier::kG1));
+      hot_inline.push_back(batch_get_all(*inl, Tier::kG1));
+    }
+  }
+
+  // --- 3. 1 MiB values: inline vs shared memory vs UCX ---
+  constexpr int kBig = 24;
+  constexpr size_t kBigBytes = 1 << 20;
+  std::vector<std::string> big_keys, big_values;
+  for (int i = 0; i < kBig; ++i) {
+    const int32_t t = 1'000'000 + i;
+    big_keys.emplace_back(epd::kvstore::AsBytes(epd::kvstore::ChainHash(
+        epd::kvstore::kRootParent, std::span<const int32_t>(&t, 1), "bench")));
+    big_values.push_back(Payload(static_cast<uint64_t>(t), kBigBytes));
+  }
+  struct Mode {
+    const char* name;
+    epd::kvstore::BulkTransport bulk;
+    std::vector<double> puts, gets;
+  };
+  std::vector<Mode> modes{{"inline", epd::kvstore::BulkTransport::kInline, {}, {}},
+                          {"shm", epd::kvstore::BulkTransport::kShm, {}, {}},
+                          {"ucx", epd::kvstore::BulkTransport::kUcx, {}, {}}};
+  {
+    auto d = StartDaemon(daemon, dir, "big", 0, kBlockBytes, true);
+    std::vector<std::unique_ptr<epd::kvstore::KvStoreClient>> clients;
+    for (Mode& m : modes) {
+      epd::kvstore::KvClientOptions o;
+      o.bulk = m.bulk;
+      o.bulk_min_bytes = 0;
+      clients.push_back(epd::kvstore::KvStoreClient::Create(d->target, o));
+    }
+    for (int r = 0; r <= kRepeat; ++r) {  // r == 0 warms up
+      for (size_t m = 0; m < modes.size(); ++m) {
+        auto& c = *clients[m];
+        const double put_s = Seconds([&] {
+          for (int i = 0; i < kBig; ++i)
+            errors += c.Put(Tier::kG3, big_keys[i], big_values[i]).ok() ? 0 : 1;
+        });
+        const double get_s = Seconds([&] {
+          for (int i = 0; i < kBig; ++i) {
+            auto g = c.Get(Tier::kG3, big_keys[i]);
+            errors += g.ok() && g->found && g->value == big_values[i] ? 0 : 1;
+          }
+        });
+        if (r > 0) {
+          modes[m].puts.push_back(put_s);
+          modes[m].gets.push_back(get_s);
+        }
+      }
+    }
+  }
+
+  // R: the median over the three runs of (plain time / daemon time) of the same run.
+  std::vector<double> run_ratios;
+  for (int r = 0; r < kRepeat; ++r) run_ratios.push_back(plain[r] / d_shm[r]);
+  const double ratio = Median(run_ratios);
+  std::printf("kvstore_bench: %d prefixes x %d blocks x %zu B, 1 client thread, median of %d\n",
+              prefixes, kBlocks, kBlockBytes, kRepeat);
+  std::printf("%-44s %10s %10s\n", "64-block prefix get (G3 / RocksDB reads)", "ms/prefix", "GB/s");
+  auto row = [&](const char* name, double s) {
+    std::printf("%-44s %10.3f %10.2f\n", name, s * 1e3 / prefixes, total_gb / s);
+  };
+  row(shm_active ? "daemon BatchGet, shared memory" : "daemon BatchGet (shm NOT active)",
+      Median(d_shm));
+  row("daemon BatchGet, inline gRPC", Median(d_inline));
+  row("daemon 64 x Get RPC, inline", Median(d_single));
+  row("plain RocksDB 64 x Get", Median(plain));
+  row("G1-hot BatchGet, shared memory", Median(hot_shm));
+  row("G1-hot BatchGet, inline gRPC", Median(hot_inline));
+  std::printf("%-44s %10s %10s\n", "1 MiB values (24, sequential)", "put MB/s", "get MB/s");
+  const double big_mb = static_cast<double>(kBig) * kBigBytes / 1e6;
+  for (const Mode& m : modes) {
+    std::printf("%-44s %10.1f %10.1f\n", m.name, big_mb / Median(m.puts), big_mb / Median(m.gets));
+  }
+  std::printf(
+      "1 MiB shm/inline: put %.2f, get %.2f; ucx/inline: put %.2f, get %.2f\n",
+      Median(modes[0].puts) / Median(modes[1].puts), Median(modes[0].gets) / Median(modes[1].gets),
+      Median(modes[0].puts) / Median(modes[2].puts), Median(modes[0].gets) / Median(modes[2].gets));
+  std::printf("G1-hot get: %.2f GB/s (goal >= 2)\n", total_gb / Median(hot_shm));
+  std::printf("batched prefix get daemon/plain: shm %.2f, inline %.2f, per-block RPCs %.2f\n",
+              ratio, Median(plain) / Median(d_inline), Median(plain) / Median(d_single));
+  if (errors > 0) {
+    std::printf("ERRORS: %d operations failed or returned wrong bytes\n", errors);
+    return 1;
+  }
+  std::printf("kvstore_bench ratio: %.2f\n", ratio);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -83,7 +350,14 @@ int main(int argc, char** argv) {
   int repeat = 1;
   app.add_option("--repeat", repeat, "Runs per figure; the median is printed (default 1)")
       ->check(CLI::PositiveNumber);
+  bool per_block = false;
+  app.add_flag("--per-block", per_block,
+               "Run the per-block throughput comparison (--blocks, --threads, ...) instead");
+  int prefixes = 16;
+  app.add_option("--prefixes", prefixes, "Default run: 64-block prefixes per pass (default 16)")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
+  if (!per_block) return RunPrefixBench(daemon, prefixes);
   const size_t block_bytes = static_cast<size_t>(block_tokens) * bytes_per_token;
 
   std::vector<BlockHash> keys;

@@ -137,9 +137,12 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
   EXPECT_FALSE(epd::testing::HttpGet(http_port, "/health").has_value());
 }
 
-// `epd bench` with its default flags (only --url: the test's free port) against `epd serve` with
-// its defaults: no errors. The conversations reach ~8.3K tokens on the fourth turn, past the
-// router's own default of 8192; `epd serve` passes --context-length 32768 (docs/demo.md).
+// `epd bench` with its default workload flags (--url: the test's free port; plus the kvstore's
+// /metrics and the model's config for the persisted-bytes figures) against `epd serve` with its
+// defaults: no errors. The conversations reach ~8.3K tokens on the fourth turn, past the
+// router's own default of 8192; `epd serve` passes --context-length 32768 (docs/demo.md). The
+// encoder stored blocks, so the persisted bytes per prompt token are measured, and they are
+// below the V4-style policy's on the same blocks.
 TEST(ServeTest, BenchDefaultsFitServeDefaults) {
   TempDir dir;
   const int http_port = epd::testing::PickFreePort();
@@ -154,13 +157,33 @@ TEST(ServeTest, BenchDefaultsFitServeDefaults) {
     if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
   ASSERT_TRUE(ready) << serve.ReadLog();
+  auto kv_metrics = epd::testing::WaitForPortFile(dir.File("data/run/epd-kvstore.json"), "metrics",
+                                                  std::chrono::seconds(10));
+  ASSERT_TRUE(kv_metrics.has_value()) << serve.ReadLog();
+  const std::string json_path = dir.File("bench.json");
   std::string out;
   const int rc = epd::testing::RunCommand(
-      BinaryPath("epd") + " bench --url http://127.0.0.1:" + std::to_string(http_port) + " 2>&1",
+      BinaryPath("epd") + " bench --url http://127.0.0.1:" + std::to_string(http_port) +
+          " --metrics-url http://127.0.0.1:" + std::to_string(*kv_metrics) +
+          "/metrics --model-config " + epd::testing::SourcePath("models/epd-nano/config.json") +
+          " --json " + json_path + " 2>&1",
       &out);
   EXPECT_EQ(rc, 0) << out;
   EXPECT_NE(out.find("requests        16 (16 ok, 0 errors, 0 incomplete)"), std::string::npos)
       << out;
+  std::ifstream f(json_path);
+  const nlohmann::json j = nlohmann::json::parse(f, nullptr, false);
+  ASSERT_TRUE(j.is_object()) << out;
+  const auto& p = j["persisted"];
+  ASSERT_TRUE(p["g3_blocks"].is_number()) << out;
+  EXPECT_GT(p["g3_blocks"].get<double>(), 0) << out;
+  EXPECT_GT(p["g3_bytes"].get<double>(), 0) << out;
+  ASSERT_TRUE(p["bytes_per_prompt_token"].is_number()) << out;
+  EXPECT_GT(p["bytes_per_prompt_token"].get<double>(), 0) << out;
+  ASSERT_TRUE(p["ours_vs_v4_style"].is_number()) << out;
+  EXPECT_GT(p["ours_vs_v4_style"].get<double>(), 0) << out;
+  EXPECT_LT(p["ours_vs_v4_style"].get<double>(), 1) << out;
+  EXPECT_NE(out.find("persisted       "), std::string::npos) << out;
   serve.Signal(SIGINT);
   EXPECT_TRUE(serve.Wait(std::chrono::seconds(60)).has_value());
 }

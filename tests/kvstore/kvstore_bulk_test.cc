@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <mutex>
 #include <sstream>
 #include <thread>
@@ -15,8 +16,12 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "common/clock.h"
+#include "kvstore/bulk.h"
 #include "kvstore/kvstore_client.h"
 #include "kvstore/transfer/fault_wire.h"
+#include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/ucx_wire.h"
 #include "tests/kvstore/daemon_util.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
@@ -428,6 +433,50 @@ TEST(KvStoreBulkTest, ConcurrentBulkClientsNeverLoseOrMixValues) {
   }
   EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_transfer_errors_total"), 0);
   EXPECT_TRUE(DaemonTransfersDrain(d.metrics_port));
+}
+
+// The client's bulk metrics live where the owning process says: with KvClientOptions::registry
+// the engine it creates counts its epd_transfer_* bytes there (the process's /metrics); with
+// KvClientOptions::bulk_engine the process's own engine carries the values.
+TEST(KvStoreBulkTest, TheClientsEngineAndItsMetricsAreTheOwningProcesss) {
+  TempDir dir;
+  Daemon d;
+  StartDaemon(dir, dir.File("data"), "d", &d);
+  const std::string value = Payload(42, (1 << 20) + 3);
+  prometheus::Registry process_registry;
+  {
+    KvClientOptions o = Bulk();
+    o.registry = &process_registry;
+    auto c = KvStoreClient::Create(d.target(), o);
+    ASSERT_TRUE(c->Put(Tier::kG3, AsBytes(Key(1)), value).ok());
+    auto g = c->Get(Tier::kG3, AsBytes(Key(1)));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_TRUE(g->value == value);
+  }
+  EXPECT_GE(testing::MetricValue(process_registry, "epd_transfer_bytes_total", {}),
+            2.0 * static_cast<double>(value.size()));
+
+  prometheus::Registry engine_registry;
+  transfer::EngineOptions eo;
+  eo.config_fingerprint = kBulkFingerprint;
+  const char* token = std::getenv("EPD_CLUSTER_TOKEN");
+  eo.cluster_token = token != nullptr ? token : "epd-dev";
+  eo.node_name = "test-process";
+  auto engine = transfer::TransferEngine::Create(transfer::MakeUcxWire(transfer::UcxOptions{}), eo,
+                                                 engine_registry, common::SystemClock::Get());
+  ASSERT_TRUE(engine.ok()) << engine.status();
+  {
+    KvClientOptions o = Bulk();
+    o.bulk_engine = engine->get();
+    auto c = KvStoreClient::Create(d.target(), o);
+    ASSERT_TRUE(c->Put(Tier::kG3, AsBytes(Key(2)), value).ok());
+    auto g = c->Get(Tier::kG3, AsBytes(Key(2)));
+    ASSERT_TRUE(g.ok()) << g.status();
+    EXPECT_TRUE(g->value == value);
+  }
+  EXPECT_GE(testing::MetricValue(engine_registry, "epd_transfer_bytes_total", {}),
+            2.0 * static_cast<double>(value.size()));
+  (*engine)->Shutdown();
 }
 
 }  // namespace

@@ -114,5 +114,49 @@ TEST_F(KvStoreTest, MalformedKeysAreRejectedByNameAndCounted) {
   EXPECT_EQ(MetricValue(registry_, "epd_kv_bad_requests_total", {{"reason", "key_size"}}), 2);
 }
 
+// Get with a ValueDest copies a hit straight into the caller's buffer (G1 page, G3 pinned value,
+// G2 snapshot) with the same accounting; a dest that declines gets the bytes as a string.
+TEST_F(KvStoreTest, GetIntoADestinationCopiesTheHitStraightIntoTheCallersBuffer) {
+  const auto keys = Chain(2);
+  const std::string a = Payload(1, kBlock), b = Payload(2, kBlock - 5);
+  ASSERT_TRUE(store_->Put(Tier::kG1, AsBytes(keys[0]), Bytes(a)).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(keys[1]), Bytes(b)).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG2, "snap", Bytes(b)).ok());
+  std::string buffer(kBlock, '\0');
+  size_t asked = 0;
+  ValueDest dest = [&](size_t n) {
+    asked = n;
+    return reinterpret_cast<uint8_t*>(buffer.data());
+  };
+  struct Case {
+    Tier tier;
+    std::string key;
+    const std::string* want;
+    Tier served;
+  };
+  for (const Case& c : {Case{Tier::kAuto, std::string(AsBytes(keys[0])), &a, Tier::kG1},
+                        Case{Tier::kG3, std::string(AsBytes(keys[1])), &b, Tier::kG3},
+                        Case{Tier::kG2, "snap", &b, Tier::kG2}}) {
+    asked = 0;
+    auto r = store_->Get(c.tier, c.key, dest);
+    ASSERT_TRUE(r.ok()) << r.status();
+    EXPECT_TRUE(r->found);
+    EXPECT_TRUE(r->in_dest);
+    EXPECT_TRUE(r->value.empty());
+    EXPECT_EQ(r->tier, c.served);
+    ASSERT_EQ(asked, c.want->size());
+    EXPECT_TRUE(buffer.compare(0, asked, *c.want) == 0);
+  }
+  auto declined = store_->Get(Tier::kG3, AsBytes(keys[1]), [](size_t) { return nullptr; });
+  ASSERT_TRUE(declined.ok());
+  EXPECT_FALSE(declined->in_dest);
+  EXPECT_TRUE(declined->value == b);
+  auto miss = store_->Get(Tier::kG3, AsBytes(Chain(1, 99)[0]), dest);
+  ASSERT_TRUE(miss.ok());
+  EXPECT_FALSE(miss->found);
+  EXPECT_FALSE(miss->in_dest);
+  EXPECT_EQ(MetricValue(registry_, "epd_kv_hits_total", {{"tier", "g3"}}), 2);
+}
+
 }  // namespace
 }  // namespace epd::kvstore

@@ -100,6 +100,21 @@ TEST(BenchPiecesTest, ValidateNamesTheFlag) {
   EXPECT_NE(o.Validate().message().find("--duration-s"), std::string::npos);
 }
 
+// The V4-style policy on the nano config, by hand: head_dim 128 -> a main entry is 64 + 8 = 72 B,
+// an index key (128 dims) 64 + 4 = 68 B, an SWA slot 128 + 4 = 132 B. Layers 2-5 compress 2:1,
+// 6-11 1:1; index sources 2, 4, 6, 8, 10. Per token: 4 x 72/2 + 2 x 68/2 + 6 x 72 + 3 x 68 = 848 B;
+// a 64-token block: 54,272 B; every main layer's SWA window: 12 x 128 x 132 = 202,752 B.
+TEST(BenchPiecesTest, V4StylePolicyPersistsEveryLayersKvAndSwaWindowPerBlock) {
+  auto config =
+      epd::model::LoadModelConfig(epd::testing::SourcePath("models/epd-nano/config.json"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  EXPECT_DOUBLE_EQ(V4StyleBytesPerBlock(*config, 64), 54272.0 + 202752.0);
+  EXPECT_DOUBLE_EQ(V4StyleBytesPerBlock(*config, 128) - V4StyleBytesPerBlock(*config, 64), 54272.0);
+  // Without CED every layer keeps its own KV: more than the shared sources (280 B/token here).
+  EXPECT_GT(V4StyleBytesPerBlock(*config, 64) - 202752.0,
+            64 * epd::model::ComputeKvLayout(*config).global_bytes_per_token);
+}
+
 // Runs build/epd bench; returns the exit code, fills *out with stdout+stderr.
 int RunEpdBench(const std::string& args, std::string* out) {
   return epd::testing::RunCommand(BinaryPath("epd") + " bench " + args + " 2>&1", out);
