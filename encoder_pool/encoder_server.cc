@@ -126,9 +126,11 @@ class EncoderHandler final : public worker::JobHandler {
         return stream_error;
       };
     }
+    const absl::Time started = absl::Now();
     setup_.batch_size->Increment();  // epd_batch_size: sequences in an encoder pass now
     auto res = stage_.Run(prompt, prefix, &report, stream ? &chunks : nullptr);
     setup_.batch_size->Decrement();
+    const absl::Time passed = absl::Now();
     if (!res.ok()) {
       if (stream) stream->Abort("encoder pass failed");
       if (!stream_error.ok())
@@ -168,6 +170,12 @@ class EncoderHandler final : public worker::JobHandler {
     }
     if (!st.ok())
       return absl::Status(st.code(), absl::StrCat("encoder -> prefill hand-off: ", st.message()));
+    spdlog::info("epd-encoder: request {}: {} tokens, pass {:.0f} ms, hand-off confirmed {:.0f} ms "
+                 "after the pass ({})",
+                 job.request_id(), prompt.size(), absl::ToDoubleMilliseconds(passed - started),
+                 absl::ToDoubleMilliseconds(absl::Now() - passed),
+                 stream ? absl::StrCat(stream->groups(), " groups streamed during the pass + 1")
+                        : std::string("whole"));
     epd::v1::SubmitResponse r;
     r.set_request_id(job.request_id());
     r.set_finish_reason("handoff");

@@ -1,5 +1,7 @@
 #include "prefill_pool/prefill_server.h"
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "prefill_pool/prefill_stage.h"
 
@@ -55,8 +57,14 @@ class PrefillHandler final : public worker::JobHandler {
     const absl::Duration deadline = absl::Milliseconds(setup_.handoff_deadline_ms);
     // Whole or layer-streamed (the encoder's --handoff-streaming): the first offer decides.
     bool streamed = false;
+    const absl::Time posted = absl::Now();
     auto got = setup_.handoff->ReceiveStreamable(c, h, shapes, deadline, &cancelled, &streamed);
-    if (got.ok()) (streamed ? streamed_ : whole_)->Increment();
+    if (got.ok()) {
+      (streamed ? streamed_ : whole_)->Increment();
+      spdlog::info("epd-prefill: request {}: {} hand-off of {} tokens in {:.0f} ms after the job",
+                   job.request_id(), streamed ? "streamed" : "whole", n,
+                   absl::ToDoubleMilliseconds(absl::Now() - posted));
+    }
     if (!got.ok())
       return absl::Status(got.status().code(),
                           absl::StrCat("encoder -> prefill hand-off: ", got.status().message()));

@@ -19,14 +19,14 @@
 # The texts of every on and off run must be identical. Last line: `streaming ratio: <median TTFT
 # on / median TTFT off>` (goal <= 0.8).
 #
-# Usage (root; iproute2 with tc): tests/bench/stream_bench.sh [--tokens 8000] [--rate 12mbit]
+# Usage (root; iproute2 with tc): tests/bench/stream_bench.sh [--tokens 8000] [--rate 4mbit]
 #   [--rounds 3] [--max-tokens 4] [--bin build] [--model models/epd-nano]
 # Exits 77 (skipped) without root or network namespaces. Cleans up everything it made.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 
 tokens=8000
-rate=12mbit
+rate=4mbit
 rounds=3
 max_tokens=4
 bin=build
@@ -129,7 +129,7 @@ start() {  # <host> <name> <binary> <args...>
   shift 3
   rm -f "$state/$p.ports.json"
   ip netns exec "$(ns "$h")" env UCX_TLS=tcp UCX_NET_DEVICES=eth0 \
-    "$bin/$b" --port-file "$state/$p.ports.json" --log-level warning "$@" \
+    "$bin/$b" --port-file "$state/$p.ports.json" --log-level "${EPD_LOG_LEVEL:-warn}" "$@" \
     >"$state/$p.log" 2>&1 </dev/null &
   echo $! >"$state/$p.pid"
 }
@@ -197,6 +197,9 @@ run_mode() {  # <mode> <shaped on|off> <key>
   ttfts[$3]="${ttfts[$3]} $t"
   texts[$3.$r]="$x"
   echo "round $r: $3: TTFT ${t} s  text ${x}"
+  # With EPD_LOG_LEVEL=info: the encoder's pass / hand-off times and the prefill's wait.
+  grep -h "hand-off" "$state/encoder.log" | tail -1 || true
+  grep -h "hand-off of" "$state/prefill.log" | tail -1 || true
   stop_pid "$state/encoder.pid"
   sleep 1  # the router drops the drained encoder
 }
