@@ -170,12 +170,13 @@ class EncoderHandler final : public worker::JobHandler {
     }
     if (!st.ok())
       return absl::Status(st.code(), absl::StrCat("encoder -> prefill hand-off: ", st.message()));
-    spdlog::info("epd-encoder: request {}: {} tokens, pass {:.0f} ms, hand-off confirmed {:.0f} ms "
-                 "after the pass ({})",
-                 job.request_id(), prompt.size(), absl::ToDoubleMilliseconds(passed - started),
-                 absl::ToDoubleMilliseconds(absl::Now() - passed),
-                 stream ? absl::StrCat(stream->groups(), " groups streamed during the pass + 1")
-                        : std::string("whole"));
+    spdlog::info(
+        "epd-encoder: request {}: {} tokens, pass {:.0f} ms, hand-off confirmed {:.0f} ms "
+        "after the pass ({})",
+        job.request_id(), prompt.size(), absl::ToDoubleMilliseconds(passed - started),
+        absl::ToDoubleMilliseconds(absl::Now() - passed),
+        stream ? absl::StrCat(stream->groups(), " groups streamed during the pass + 1")
+               : std::string("whole"));
     epd::v1::SubmitResponse r;
     r.set_request_id(job.request_id());
     r.set_finish_reason("handoff");
