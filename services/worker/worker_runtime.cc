@@ -1,6 +1,7 @@
 #include "services/worker/worker_runtime.h"
 
 #include <grpcpp/grpcpp.h>
+#include <malloc.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -21,6 +22,8 @@
 #include "kernels/device/device.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "model/fingerprint.h"
+#include "model/kv_pool.h"
+#include "model/model.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
 
@@ -137,6 +140,51 @@ class ControlService final : public epd::v1::WorkerControl::Service {
   std::mutex mu_;
   int active_ = 0;
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancel_;
+};
+
+// Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
+// the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
+// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool) and the C heap (in_use:
+// allocated; free: freed but still held by the allocator's arenas, counted in RSS where touched;
+// mmapped: large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
+class MemoryGauges {
+ public:
+  MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {
+    auto& pool = prometheus::BuildGauge()
+                     .Name("epd_kv_pool_bytes")
+                     .Help("Bytes of the worker's KV pool by state: used (held by sequences), "
+                           "cached (sealed blocks nobody holds, kept for prefix reuse)")
+                     .Register(reg);
+    pool_used_ = &pool.Add({{"state", "used"}});
+    pool_cached_ = &pool.Add({{"state", "cached"}});
+    auto& heap = prometheus::BuildGauge()
+                     .Name("epd_malloc_bytes")
+                     .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed, "
+                           "kept by the allocator), mmapped (large blocks mapped on their own)")
+                     .Register(reg);
+    heap_in_use_ = &heap.Add({{"state", "in_use"}});
+    heap_free_ = &heap.Add({{"state", "free"}});
+    heap_mmapped_ = &heap.Add({{"state", "mmapped"}});
+    Update();
+  }
+
+  void Update() {
+    const model::KvPool::Stats s = kv_.stats();
+    pool_used_->Set(static_cast<double>(s.used_bytes));
+    pool_cached_->Set(static_cast<double>(s.cached_bytes));
+    const struct mallinfo2 m = mallinfo2();
+    heap_in_use_->Set(static_cast<double>(m.uordblks));
+    heap_free_->Set(static_cast<double>(m.fordblks));
+    heap_mmapped_->Set(static_cast<double>(m.hblkhd));
+  }
+
+ private:
+  const model::KvPool& kv_;
+  prometheus::Gauge* pool_used_;
+  prometheus::Gauge* pool_cached_;
+  prometheus::Gauge* heap_in_use_;
+  prometheus::Gauge* heap_free_;
+  prometheus::Gauge* heap_mmapped_;
 };
 
 }  // namespace
@@ -287,6 +335,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     return 1;
   }
   ControlService service(**handler, label, runtime.registry());
+  MemoryGauges memory(runtime.registry(), (*model)->kv_pool());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(runtime_options.host + ":0", grpc::InsecureServerCredentials(), &port);
@@ -357,6 +406,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   phase->store(1);
   runtime.PublishPort("registered", 1);
   while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
+    memory.Update();
     if (heartbeat(false)) {
       spdlog::warn("epd-{}: the router forgot us; registering again", label);
       if (int rc = do_register(); rc != 0) {
