@@ -145,8 +145,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 // Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
 // the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
 // prefix reuse, at most kUnboundedCacheBytes in an unbounded pool) and the C heap (in_use:
-// allocated; free: freed but still held by the allocator's arenas, counted in RSS where touched;
-// mmapped: large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
+// allocated; free: freed chunks the allocator keeps for reuse, resident where touched; mmapped:
+// large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
 class MemoryGauges {
  public:
   MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {
@@ -159,8 +159,9 @@ class MemoryGauges {
     pool_cached_ = &pool.Add({{"state", "cached"}});
     auto& heap = prometheus::BuildGauge()
                      .Name("epd_malloc_bytes")
-                     .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed, "
-                           "kept by the allocator), mmapped (large blocks mapped on their own)")
+                     .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
+                           "chunks its arenas keep for reuse), mmapped (large blocks mapped on "
+                           "their own)")
                      .Register(reg);
     heap_in_use_ = &heap.Add({{"state", "in_use"}});
     heap_free_ = &heap.Add({{"state", "free"}});
@@ -206,6 +207,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   std::string dspark = "on";
   std::string device = "cpu";
   int64_t selftest_bytes = 4 << 20;
+  int malloc_arena_max = 2;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
   app.add_option("--kvstore", kvstore,
                  "KV store gRPC address host:port, or several comma-separated (keys placed on a "
@@ -236,8 +238,16 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
                  "0 = skip)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  app.add_option("--malloc-arena-max", malloc_arena_max,
+                 "Most C heap arenas (glibc M_ARENA_MAX; default 2; 0 = glibc's 8 per core). "
+                 "Each arena keeps its own freed memory, and a worker's per-stream threads "
+                 "spread over new arenas, so more arenas means more resident memory "
+                 "(docs/chaos.md, Soak)")
+      ->check(CLI::Range(0, 1024));
   if (add_flags) add_flags(app);
   CLI11_PARSE(app, argc, argv);
+  // Before any thread is made: a thread takes its arena on its first allocation.
+  if (malloc_arena_max > 0) mallopt(M_ARENA_MAX, malloc_arena_max);
   // The device first: a missing GPU fails at once, before any port or model is opened.
   auto device_spec = kernels::ParseDeviceSpec(device);
   if (!device_spec.ok()) {
