@@ -771,8 +771,8 @@ int RunChaos(const ChaosOptions& o) {
       for (const ProcSample& smp : v) {
         if (csv) {
           csv << smp.t << "," << name << "," << smp.pid << "," << smp.rss_kb << "," << smp.fds
-              << "," << smp.pool_cached_kb << "," << smp.heap_free_kb << ","
-              << smp.heap_in_use_kb << "\n";
+              << "," << smp.pool_cached_kb << "," << smp.heap_free_kb << "," << smp.heap_in_use_kb
+              << "\n";
         }
         if (smp.t >= warmup_s) after.push_back(smp);
       }

@@ -36,29 +36,32 @@ void WatchPool::Run(std::function<void()> task) {
   if (static_cast<size_t>(idle_) < queue_.size() && live_ < options_.max_threads && !stop_) {
     const int id = next_id_++;
     ++live_;
+    ++idle_;  // counted free from now, so the next Run does not make another one for this task
     threads_.emplace(id, std::thread([this, id] { Loop(id); }));
   }
 }
 
 void WatchPool::Loop(int id) {
   mu_.Lock();
+  // The thread is counted in idle_ whenever it holds mu_ here.
   for (;;) {
     if (!queue_.empty()) {
       std::function<void()> task = std::move(queue_.front());
       queue_.pop_front();
+      --idle_;
       mu_.Unlock();
       task();
       task = nullptr;  // its captures go before the lock is taken again
       mu_.Lock();
+      ++idle_;
       continue;
     }
     if (stop_) break;
-    ++idle_;
     const bool woke =
         mu_.AwaitWithTimeout(absl::Condition(this, &WatchPool::ReadyLocked), options_.idle);
-    --idle_;
     if (!woke && live_ > options_.keep_threads) break;
   }
+  --idle_;
   --live_;
   exited_.push_back(id);
   mu_.Unlock();
@@ -69,6 +72,11 @@ bool WatchPool::ReadyLocked() const { return !queue_.empty() || stop_; }
 int WatchPool::threads() const {
   absl::MutexLock lock(&mu_);
   return live_;
+}
+
+int WatchPool::idle_threads() const {
+  absl::MutexLock lock(&mu_);
+  return idle_;
 }
 
 int WatchPool::threads_started() const {

@@ -34,7 +34,8 @@ class WatchPool {
 
   void Run(std::function<void()> task);
 
-  int threads() const;         // live threads (for tests and the soak)
+  int threads() const;          // live threads
+  int idle_threads() const;     // live threads not running a task
   int threads_started() const;  // threads made since construction
 
  private:
@@ -47,7 +48,7 @@ class WatchPool {
   std::deque<std::function<void()>> queue_ ABSL_GUARDED_BY(mu_);
   std::map<int, std::thread> threads_ ABSL_GUARDED_BY(mu_);  // by id
   std::vector<int> exited_ ABSL_GUARDED_BY(mu_);             // returned, not yet joined
-  int idle_ ABSL_GUARDED_BY(mu_) = 0;                        // waiting for a task
+  int idle_ ABSL_GUARDED_BY(mu_) = 0;                        // live threads not running a task
   int live_ ABSL_GUARDED_BY(mu_) = 0;
   int next_id_ ABSL_GUARDED_BY(mu_) = 0;
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
