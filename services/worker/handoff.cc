@@ -5,6 +5,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -295,9 +296,13 @@ std::vector<SegmentShape> ShapesOfGroup(const std::vector<SegmentShape>& shapes,
   return out;
 }
 
+// The error of one group, named; its payloads (kvstore/transfer/transfer_error.h) are kept.
 absl::Status InGroup(const absl::Status& s, int group, int groups) {
-  return absl::Status(
-      s.code(), absl::StrCat(s.message(), " (streamed group ", group, " of ", groups + 1, ")"));
+  absl::Status out(s.code(),
+                   absl::StrCat(s.message(), " (streamed group ", group, " of ", groups + 1, ")"));
+  s.ForEachPayload(
+      [&out](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+  return out;
 }
 
 // The KV source layer of "kv.<L>" / "keys.<L>", else -1.

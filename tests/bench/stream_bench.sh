@@ -86,6 +86,7 @@ cleanup() {
   if [ -z "${EPD_KEEP_STATE:-}" ]; then rm -rf "$state"; fi
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT
 
 if ! ip netns add "$(ns probe)" 2>/dev/null; then
   echo "stream_bench: skipped (ip netns add not permitted here)"; exit 77

@@ -17,6 +17,7 @@
 #include "kvstore/transfer/fault_wire.h"
 #include "kvstore/transfer/loopback_wire.h"
 #include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "model/model.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
@@ -322,6 +323,10 @@ TEST_F(StreamedHandoffTest, CorruptedByteInGroupTwoFailsTheRequestCleanly) {
   const std::string msg(out.received.status().message());
   EXPECT_NE(msg.find("checksum"), std::string::npos) << msg;
   EXPECT_NE(msg.find("streamed group 2 of 6"), std::string::npos) << msg;
+  // The engine's machine-readable cause survives the group's naming.
+  auto info = transfer::TransferErrorOf(out.received.status());
+  ASSERT_TRUE(info.has_value());
+  EXPECT_EQ(info->reason, "checksum");
   EXPECT_FALSE(out.sent.ok());
   EXPECT_TRUE(Drained(*tx_));
   EXPECT_TRUE(Drained(*rx_));
