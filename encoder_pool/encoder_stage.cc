@@ -137,8 +137,11 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
   std::optional<model::EncoderOutput> out;
   // EncoderPass over [a, b), chained to `out`, cut at multiples of chunks->chunk_tokens, with the
   // chunk callback after each piece.
-  auto pass = [&](int64_t a, int64_t b) -> absl::Status {
-    const int64_t step = chunks != nullptr ? chunks->chunk_tokens : 0;
+  // `cut_blocks`: the new blocks of each piece are cut right after it (CutPrefixBlocks rebuilds
+  // compressor tails from the last call's log, which covers only that piece).
+  auto pass = [&](int64_t a, int64_t b, bool cut_blocks) -> absl::Status {
+    int64_t step = chunks != nullptr ? chunks->chunk_tokens : 0;
+    if (cut_blocks && step % B != 0) step = 0;  // pieces must end on block boundaries
     while (a < b) {
       const int64_t end = step > 0 ? std::min(b, (a / step + 1) * step) : b;
       auto piece = model::EncoderPass(model_, *state, prompt.subspan(a, end - a), tail_rows_,
@@ -148,21 +151,23 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
       if (chunks != nullptr && chunks->after_chunk) {
         if (absl::Status s = chunks->after_chunk(*state); !s.ok()) return s;
       }
+      if (cut_blocks) {
+        auto cut = model::CutPrefixBlocks(model_, *state, prompt, a / B, end / B, B);
+        if (!cut.ok()) return cut.status();
+        for (std::string& v : *cut) new_blocks.push_back(std::move(v));
+      }
       a = end;
     }
     return absl::OkStatus();
   };
   if (M > P) {
-    if (absl::Status s = pass(P, M); !s.ok()) return s;
-    auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
+    if (absl::Status s = pass(P, M, /*cut_blocks=*/true); !s.ok()) return s;
     auto snap = model::CutSwaSnapshot(model_, *state, B);
-    if (!cut.ok()) return cut.status();
     if (!snap.ok()) return snap.status();
-    new_blocks = *std::move(cut);
     new_snapshot = *std::move(snap);
   }
   if (const int64_t from = std::max(P, M); from < N) {
-    if (absl::Status s = pass(from, N); !s.ok()) return s;
+    if (absl::Status s = pass(from, N, /*cut_blocks=*/false); !s.ok()) return s;
   }
   EncoderResult r;
   r.output = *std::move(out);

@@ -204,6 +204,44 @@ TEST_F(EncoderStoreTest, KvstoreRestartBetweenTurnsKeepsOutputsBitIdentical) {
   ExpectSame(*plain3, *hit3);
 }
 
+// A run cut in chunks (the streamed hand-off's passes) cuts each chunk's new blocks after it:
+// the same state and output as one pass, and a later hit on those blocks is bit-identical.
+TEST_F(EncoderStoreTest, ChunkedRunWritesBlocksThatAHitReusesBitIdentically) {
+  EncoderStage enc(*model_, 133);
+  const std::vector<int32_t> p = Prompt(700, 3);
+  auto plain = enc.Run(p);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  encoder_pool::ChunkOptions chunks;
+  chunks.chunk_tokens = 128;
+  int calls = 0;
+  chunks.after_chunk = [&](const model::SequenceState&) {
+    ++calls;
+    return absl::OkStatus();
+  };
+  PrefixReport r0;
+  auto cold = enc.Run(p, Options(0), &r0, &chunks);
+  ASSERT_TRUE(cold.ok()) << cold.status();
+  EXPECT_EQ(calls, 6);               // [0,128) .. [512,640), then [640,700)
+  EXPECT_EQ(r0.blocks_written, 10);  // blocks 0..9 of 700 tokens, cut chunk by chunk
+  EXPECT_TRUE(r0.snapshot_written);
+  EXPECT_TRUE(r0.errors.empty()) << r0.warning;
+  ExpectSame(*plain, *cold);
+
+  // Turn 2 (one pass) reuses those blocks and the snapshot: bit-identical to no store.
+  std::vector<int32_t> p2 = p;
+  const auto more = Prompt(150, 9);
+  p2.insert(p2.end(), more.begin(), more.end());
+  auto plain2 = enc.Run(p2);
+  ASSERT_TRUE(plain2.ok());
+  PrefixReport r1;
+  auto hit = enc.Run(p2, Options(640), &r1);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_EQ(r1.cached_tokens, 640);
+  EXPECT_TRUE(r1.snapshot_hit);
+  EXPECT_TRUE(r1.errors.empty()) << r1.warning;
+  ExpectSame(*plain2, *hit);
+}
+
 TEST_F(EncoderStoreTest, TailRuleCapsTheHint) {
   EncoderStage enc(*model_, 133);
   const std::vector<int32_t> p = Prompt(256, 3);
