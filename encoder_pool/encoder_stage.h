@@ -82,7 +82,8 @@ class EncoderStage {
   // returns). Store errors never fail the call; they are listed in `report`.
   // `chunks` (optional): the passes over [P, M) and [M, N) are further cut at multiples of
   // chunks->chunk_tokens and chunks->after_chunk runs after each (the streamed hand-off sends the
-  // finished chunks' KV rows from there while the next chunk computes).
+  // finished chunks' KV rows from there while the next chunk computes); the new blocks of [P, M)
+  // are then cut chunk by chunk, with the same values.
   [[nodiscard]] absl::StatusOr<EncoderResult> Run(std::span<const int32_t> prompt,
                                                   const PrefixOptions& prefix, PrefixReport* report,
                                                   const ChunkOptions* chunks = nullptr);
