@@ -23,6 +23,7 @@
 #include "model/fingerprint.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
+#include "services/worker/pool_registration.h"
 
 namespace epd::worker {
 namespace {
@@ -244,6 +245,9 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     return 1;
   }
   HandoffPeer handoff(**transport);
+  // The KV pool's slabs, registered with the wire once each as the pool allocates them (counted
+  // in epd_transfer_outstanding{resource="registrations"}); destroyed before the transport.
+  PoolRegistration pool_registration((*model)->kv_pool_ptr(), **transport);
   if (selftest_bytes > 0) {
     // epd_transfer_selftest_bandwidth_bytes_per_second{transport}: what this host's UCX moves,
     // the operator's baseline for the transfer panels. A failure is logged, not fatal.
