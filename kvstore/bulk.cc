@@ -5,9 +5,9 @@
 #include <chrono>
 #include <cstring>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "kvstore/transfer/manifest.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/transfer_engine.h"
 #include "kvstore/transfer/ucx_wire.h"
 
@@ -22,12 +22,14 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes) {
 }
 
 std::string TransferErrorReason(const absl::Status& status) {
-  const absl::string_view msg = status.message();
-  if (absl::StrContains(msg, "checksum")) return "checksum";
-  if (absl::StrContains(msg, "truncated") || absl::StrContains(msg, "byte_length"))
-    return "truncated";
-  if (absl::StrContains(msg, "differs") || absl::StrContains(msg, "handshake")) return "handshake";
-  if (absl::StrContains(msg, "lease expired")) return "lease_expired";
+  // The engine's own label where it gave one (kvstore/transfer/transfer_error.h); a receiver's
+  // rejection carries the manifest field it found wrong.
+  if (std::optional<transfer::TransferErrorInfo> info = transfer::TransferErrorOf(status)) {
+    if (info->reason == "checksum" || info->field == "checksum") return "checksum";
+    if (info->reason == "truncated" || info->field == "byte_length") return "truncated";
+    if (info->reason == "handshake") return "handshake";
+    if (info->reason == "lease_expired") return "lease_expired";
+  }
   switch (status.code()) {
     case absl::StatusCode::kDataLoss:
       return "truncated";

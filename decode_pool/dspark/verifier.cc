@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kvstore/transfer/transfer_error.h"
 
 namespace epd::decode_pool {
 
@@ -155,9 +156,8 @@ absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_stat
 absl::Status DSparkHandoffReceiveError(bool worker_dspark, const absl::Status& receive_error,
                                        bool* mismatch) {
   *mismatch = false;
-  if (receive_error.ok() ||
-      receive_error.message().find("manifest field dspark ") == absl::string_view::npos)
-    return receive_error;
+  const std::optional<transfer::TransferErrorInfo> info = transfer::TransferErrorOf(receive_error);
+  if (!info.has_value() || info->field != "dspark") return receive_error;
   *mismatch = true;
   const absl::Status c = CheckDSparkHandoff(worker_dspark, !worker_dspark);
   return absl::FailedPreconditionError(

@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "kernels/cpu/numerics.h"
+#include "kernels/torch_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -48,36 +49,11 @@ inline float Dot8(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// The reference's plain matmuls, in their summation order (products rounded, then added):
-// - fp32 (torch on the reference BLAS, sgemm's dot loop): index order.
-inline float DotSeq(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-// - bf16 (torch -> oneDNN, whose AVX512-BF16 kernels accumulate with vdpbf16ps: per pair of
-//   elements, the odd one's product is added first, then the even one's): 1, 0, 3, 2, ...; an odd
-//   last element comes last. Products of bf16 values are exact in fp32.
-// GCC 12.2 -O2/-O3 miscompiles this two-adds-per-iteration reduction (its loop vectorizer
-// returns a wrong sum, not just another order); the empty asm makes the accumulator opaque.
-#if defined(__x86_64__)
-#define EPD_OPAQUE(v) asm("" : "+x"(v))
-#elif defined(__aarch64__)
-#define EPD_OPAQUE(v) asm("" : "+w"(v))
-#else
-#define EPD_OPAQUE(v) asm("" : "+m"(v))
-#endif
-// s + DotDp over elements [i, n) (i even).
-inline float DotDpFrom(const float* a, const float* b, int64_t i, int64_t n, float s) {
-  for (; i + 2 <= n; i += 2) {
-    s += a[i + 1] * b[i + 1];
-    EPD_OPAQUE(s);
-    s += a[i] * b[i];
-  }
-  if (i < n) s += a[i] * b[i];
-  return s;
-}
-inline float DotDp(const float* a, const float* b, int64_t n) { return DotDpFrom(a, b, 0, n, 0.f); }
+// The reference's plain matmuls, in their summation order (kernels/torch_math.h, shared with the
+// CUDA kernels): fp32 in index order (DotSeq), bf16 in oneDNN's pairwise order (DotDp).
+using torch_math::DotDp;
+using torch_math::DotDpFrom;
+using torch_math::DotSeq;
 
 // ---- Packed weights: checkpoint codes decoded on the fly (exact element values) ----
 const float* E4M3Values() {
@@ -507,33 +483,7 @@ inline const float* KvRow(const SparseAttentionArgs& a, int32_t t) {
 
 }  // namespace
 
-// torch 1.13's CPU fp32 exp (Sleef_expf8_u10 of its AVX2 kernels, which fuses its multiply-adds):
-// q = rint(d / ln 2), s = d - q ln2 (two FMA steps), a degree-6 polynomial by FMA, scaled by
-// 2^q in two halves; 0 below -104, inf above 100. Bit for bit with torch.exp on every float
-// (checked on 7M values); glibc's expf differs from it on about 7% of inputs.
-float TorchExp(float d) {
-  if (std::isnan(d)) return std::bit_cast<float>(0xffffffffu);  // Sleef ORs the NaN mask in
-  if (d < -104.f) return 0.f;
-  if (d > 100.f) return INFINITY;
-  const float qf = std::nearbyint(d * 1.442695040888963407359924681001892137426645954152985934f);
-  const int q = static_cast<int>(qf);
-  float s = std::fma(qf, -0.693145751953125f, d);
-  s = std::fma(qf, -1.428606765330187045e-06f, s);
-  float u = 0.000198527617612853646278381f;
-  u = std::fma(u, s, 0.00139304355252534151077271f);
-  u = std::fma(u, s, 0.00833336077630519866943359f);
-  u = std::fma(u, s, 0.0416664853692054748535156f);
-  u = std::fma(u, s, 0.166666671633720397949219f);
-  u = std::fma(u, s, 0.5f);
-  u = 1.0f + std::fma(s * s, u, s);
-  auto pow2i = [](int e) {
-    const uint32_t b = static_cast<uint32_t>(e + 0x7f) << 23;
-    float f;
-    std::memcpy(&f, &b, sizeof f);
-    return f;
-  };
-  return u * pow2i(q >> 1) * pow2i(q - (q >> 1));
-}
+float TorchExp(float d) { return torch_math::TorchExp(d); }
 
 #ifdef EPD_AVX2_PATH
 namespace {
@@ -584,91 +534,11 @@ void TorchExpN(const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = TorchExp(x[i]);
 }
 
-// torch 1.13's CPU fp32 sum over a contiguous last dim of n floats (ReduceOps' SumKernel, AVX2
-// build), in its order. multi_row_sum: `rows` accumulators summed over `size` steps, with
-// cascade levels every 16 steps (16^j-step blocks move up a level, so long sums stay accurate).
-namespace {
-template <int kRows, typename Load>
-void MultiRowSum(int64_t size, Load load, float (&out)[kRows][8], int lanes) {
-  constexpr int kLevels = 4;
-  int64_t level_power = 4;  // max(4, CeilLog2(size) / 4)
-  {
-    int64_t c = 0;
-    while ((int64_t{1} << c) < size) ++c;
-    level_power = std::max<int64_t>(4, std::max<int64_t>(c, 1) / kLevels);
-  }
-  const int64_t step = int64_t{1} << level_power, mask0 = step - 1;
-  float acc[kLevels][kRows][8] = {};
-  int64_t i = 0;
-  while (i + step <= size) {
-    for (int64_t j = 0; j < step; ++j, ++i) {
-      for (int k = 0; k < kRows; ++k) {
-        for (int l = 0; l < lanes; ++l) acc[0][k][l] += load(i, k, l);
-      }
-    }
-    for (int lv = 1; lv < kLevels; ++lv) {
-      for (int k = 0; k < kRows; ++k) {
-        for (int l = 0; l < lanes; ++l) {
-          acc[lv][k][l] += acc[lv - 1][k][l];
-          acc[lv - 1][k][l] = 0.f;
-        }
-      }
-      if ((i & (mask0 << (lv * level_power))) != 0) break;
-    }
-  }
-  for (; i < size; ++i) {
-    for (int k = 0; k < kRows; ++k) {
-      for (int l = 0; l < lanes; ++l) acc[0][k][l] += load(i, k, l);
-    }
-  }
-  for (int lv = 1; lv < kLevels; ++lv) {
-    for (int k = 0; k < kRows; ++k) {
-      for (int l = 0; l < lanes; ++l) acc[0][k][l] += acc[lv][k][l];
-    }
-  }
-  for (int k = 0; k < kRows; ++k) {
-    for (int l = 0; l < lanes; ++l) out[k][l] = acc[0][k][l];
-  }
-}
-}  // namespace
-
-// n >= 8 (vectorized_inner_sum, 8-float vectors v_i = x[8i..8i+7]): row_sum over the n/8 vectors
-// with 4 accumulators (multi_row_sum over groups of 4 vectors, leftover vectors into the first,
-// then acc_0 + acc_1 + acc_2 + acc_3), then s = 0 + the n % 8 leftover floats in order + the 8
-// lanes in order. n < 8 (scalar_inner_sum): the same row_sum over scalars.
-float TorchSum(const float* x, int64_t n) {
-  float p[4][8];
-  if (n < 8) {
-    MultiRowSum<4>(
-        n / 4, [x](int64_t i, int k, int) { return x[4 * i + k]; }, p, 1);
-    for (int64_t i = n / 4 * 4; i < n; ++i) p[0][0] += x[i];
-    for (int k = 1; k < 4; ++k) p[0][0] += p[k][0];
-    return p[0][0];
-  }
-  const int64_t nv = n / 8;
-  MultiRowSum<4>(
-      nv / 4, [x](int64_t i, int k, int l) { return x[8 * (4 * i + k) + l]; }, p, 8);
-  for (int64_t i = nv / 4 * 4; i < nv; ++i) {
-    for (int l = 0; l < 8; ++l) p[0][l] += x[8 * i + l];
-  }
-  for (int k = 1; k < 4; ++k) {
-    for (int l = 0; l < 8; ++l) p[0][l] += p[k][l];
-  }
-  float s = 0.f;
-  for (int64_t i = nv * 8; i < n; ++i) s += x[i];
-  for (int l = 0; l < 8; ++l) s += p[0][l];
-  return s;
-}
+float TorchSum(const float* x, int64_t n) { return torch_math::TorchSum(x, n); }
 
 float TorchChunkSum(const float* x, int64_t n) { return TorchSum(x, n); }
 
-// torch's `x.square().mean(-1)` in fp32: the squares (rounded), TorchSum, then / n.
-float TorchMeanSquare(const float* x, int64_t n) {
-  thread_local std::vector<float> sq;
-  sq.resize(n);
-  for (int64_t i = 0; i < n; ++i) sq[i] = x[i] * x[i];
-  return TorchSum(sq.data(), n) / static_cast<float>(n);
-}
+float TorchMeanSquare(const float* x, int64_t n) { return torch_math::TorchMeanSquare(x, n); }
 
 #ifdef EPD_AVX2_PATH
 namespace {

@@ -3,30 +3,34 @@
 // kernels/cpu/cpu_backend.cc (CompressPool, MaskScores).
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/torch_math.h"
 
 namespace epd::kernels::cuda {
 namespace {
 
 using codec::RoundBf16;
 using codec::StdMax;
+using torch_math::DotSeq;
+using torch_math::TorchExp;
+using torch_math::TorchSum;
 
 constexpr int kAttnThreads = 128;
 constexpr int kChunkLen = 64;                      // the reference's chunk of list entries
-constexpr int kEntriesPerPass = kAttnThreads / 8;  // 8 threads (the 8 Dot8 lanes) per entry
 
 __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t) {
   return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
                              : a.kv + static_cast<int64_t>(t) * a.head_dim;
 }
 
-// ops.cc SparseAttention, one block per (row, head). Per chunk of 64 list entries:
-// 1. p[j] = Dot8(q, kv_t) * scale: the 8 threads of an entry are the 8 Dot8 lanes (each sums its
-//    lane in index order), combined by shuffles in Dot8's tree order; lane 0 adds the tail.
-// 2. thread 0: cmax, m_new, alpha (the reference's order); threads j: e_j = exp(p_j - m_new) and
-//    its bf16; thread 0: den = den * alpha + e_0 + e_1 + ... in entry order.
+// ops.cc SparseAttention, one block per (row, head), in the reference's operation order
+// (kernels/torch_math.h). Per chunk of 64 list entries:
+// 1. thread j: p[j] = DotSeq(q, kv_t) * scale (index order).
+// 2. thread 0: cmax, m_new, alpha = TorchExp(m - m_new); threads j: e_j = TorchExp(p_j - m_new)
+//    (0 for a masked entry) and its bf16; thread 0: den = den * alpha + TorchSum(e_0..e_{n-1}).
 // 3. every thread, for its dims: num[d] = num[d] * alpha, then += bf16(e_j) * kv_t[d] in entry
 //    order.
-// Finally den += exp(sink - m) and out = bf16(num / den). Online softmax starts from m = -1e30.
+// Finally den += TorchExp(sink - m) and out = bf16(num / den). Online softmax starts from
+// m = -1e30.
 __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionArgs a) {
   extern __shared__ float smem[];
   const int hd = a.head_dim;
@@ -48,33 +52,13 @@ __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionA
     den_s = 0.f;
   }
   const int32_t* idx = a.idx + r * a.list_len;
-  const int lane = tid % 8, eg = tid / 8;
-  const int n8 = hd / 8 * 8;
   __syncthreads();
   for (int64_t c0 = 0; c0 < a.list_len; c0 += kChunkLen) {
     const int n = static_cast<int>(a.list_len - c0 < kChunkLen ? a.list_len - c0 : kChunkLen);
-    if (tid < n) tj[tid] = idx[c0 + tid];
-    __syncthreads();
-    for (int j0 = 0; j0 < n; j0 += kEntriesPerPass) {
-      const int j = j0 + eg;
-      const int32_t t = j < n ? tj[j] : -1;
-      float l = 0.f;
-      const float* k = t >= 0 ? KvRow(a, t) : nullptr;
-      if (t >= 0) {
-        for (int i = lane; i < n8; i += 8) l += qs[i] * k[i];
-      }
-      // Dot8's tree: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)); all 32 lanes take part.
-      l += __shfl_xor_sync(0xffffffffu, l, 1);
-      l += __shfl_xor_sync(0xffffffffu, l, 2);
-      l += __shfl_xor_sync(0xffffffffu, l, 4);
-      if (j < n && lane == 0) {
-        if (t < 0) {
-          p[j] = -INFINITY;
-        } else {
-          for (int i = n8; i < hd; ++i) l += qs[i] * k[i];
-          p[j] = l * a.scale;
-        }
-      }
+    if (tid < n) {
+      const int32_t t = idx[c0 + tid];
+      tj[tid] = t;
+      p[tid] = t < 0 ? -INFINITY : DotSeq(qs, KvRow(a, t), hd) * a.scale;
     }
     __syncthreads();
     if (tid == 0) {
@@ -83,22 +67,18 @@ __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionA
         if (tj[j] >= 0) cmax = StdMax(cmax, p[j]);
       }
       const float m_new = StdMax(m_s, cmax);
-      alpha_s = ExpF(m_s - m_new);
+      alpha_s = TorchExp(m_s - m_new);
       mnew_s = m_new;
     }
     __syncthreads();
     if (tid < n) {
-      const float e = tj[tid] >= 0 ? ExpF(p[tid] - mnew_s) : 0.f;
+      const float e = tj[tid] >= 0 ? TorchExp(p[tid] - mnew_s) : 0.f;
       pe[tid] = e;
       pb[tid] = RoundBf16(e);
     }
     __syncthreads();
     if (tid == 0) {
-      float den = den_s * alpha_s;
-      for (int j = 0; j < n; ++j) {
-        if (tj[j] >= 0) den += pe[j];
-      }
-      den_s = den;
+      den_s = den_s * alpha_s + TorchSum(pe, n);
       m_s = mnew_s;
     }
     const float alpha = alpha_s;
@@ -113,7 +93,7 @@ __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionA
     }
     __syncthreads();
   }
-  if (tid == 0) den_s += ExpF(a.sink[h] - m_s);
+  if (tid == 0) den_s += TorchExp(a.sink[h] - m_s);
   __syncthreads();
   float* out = a.out + (r * a.heads + h) * hd;
   for (int d = tid; d < hd; d += kAttnThreads) out[d] = RoundBf16(num[d] / den_s);

@@ -321,6 +321,19 @@ class CudaBackend final : public Backend {
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                  const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                  float norm_eps, float* pre, float* post, float* comb) override {
+    return Mixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                 comb, /*vector_exp=*/true);
+  }
+  Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+                            const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+                            float norm_eps, float* pre, float* post, float* comb) override {
+    return Mixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                 comb, /*vector_exp=*/false);
+  }
+  // HcMixes and HcMixesSingleToken: the sigmoids with torch's vectorized exp or glibc's.
+  Status Mixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+               const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+               float norm_eps, float* pre, float* post, float* comb, bool vector_exp) {
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
     if (rows > kMaxGemmRows) return Bad("HcMixes", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0) return OkStatus();
@@ -337,7 +350,7 @@ class CudaBackend final : public Backend {
     EPD_CUDA_RETURN_IF_ERROR("HcMixes", cuda::GemmPlain(h, rows, gw, false, m, streams_[0]));
     return Run("HcMixes", [&] {
       return cuda::HcMixesFinish(rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                                 pre, post, comb, streams_[0]);
+                                 pre, post, comb, vector_exp, streams_[0]);
     });
   }
   Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
@@ -396,10 +409,21 @@ class CudaBackend final : public Backend {
   }
   Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t D,
                     const float* q_weight, const float* k_weight, float norm_eps) override {
+    return Engram("EngramGate", h, e, rows, hc, D, q_weight, k_weight, norm_eps, true);
+  }
+  Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc, int64_t D,
+                               const float* q_weight, const float* k_weight,
+                               float norm_eps) override {
+    return Engram("EngramGateSingleToken", h, e, rows, hc, D, q_weight, k_weight, norm_eps, false);
+  }
+  // EngramGate and EngramGateSingleToken: the gate's sigmoid with torch's vectorized exp or
+  // glibc's.
+  Status Engram(const char* op, float* h, const float* e, int64_t rows, int hc, int64_t D,
+                const float* q_weight, const float* k_weight, float norm_eps, bool vector_exp) {
     const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
-    return Run("EngramGate", [&] {
+    return Run(op, [&] {
       return cuda::EngramGate(h, e, rows, hc, D, q_weight, k_weight, norm_eps, inv_sqrt_d,
-                              streams_[0]);
+                              vector_exp, streams_[0]);
     });
   }
   Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,

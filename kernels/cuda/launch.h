@@ -34,8 +34,9 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
                       const uint8_t* scale_codes, const float* scale_values, int block_rows,
                       int block_cols, int64_t scale_cols, float* y, cudaStream_t stream);
-// y[r, o] = Dot8(x_r, w_o) (rounded to bf16 when round_bf16). w kind kF32.
-cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool round_bf16, float* y,
+// bf16: y[r, o] = bf16(DotDp(x_r, w_o)) (LinearBf16); else y[r, o] = DotSeq(x_r, w_o) (LinearF32,
+// HcMixes' projection); kernels/torch_math.h. w kind kF32.
+cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf16, float* y,
                       cudaStream_t stream);
 
 // ---- Element-wise and per-row ops (rowwise.cu) ----
@@ -47,10 +48,11 @@ cudaError_t Rope(float* x, int64_t rows, int heads, int stride, int offset, int 
                  const float* cos, const float* sin, bool inverse, cudaStream_t stream);
 cudaError_t ScaleRoundBf16(float* x, int64_t n, float scale, bool scaled, cudaStream_t stream);
 cudaError_t Add(float* x, const float* y, int64_t n, cudaStream_t stream);
-// m [rows, nm] = Dot8 products (GemmPlain), finished here into pre/post/comb.
+// m [rows, nm] = DotSeq products (GemmPlain), finished here into pre/post/comb. vector_exp:
+// torch's vectorized exp (TorchExp) in the sigmoids, else glibc's (ExpF; single-token calls).
 cudaError_t HcMixesFinish(int64_t rows, const float* h, int hc, int64_t dim, const float* m,
                           const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
-                          float norm_eps, float* pre, float* post, float* comb,
+                          float norm_eps, float* pre, float* post, float* comb, bool vector_exp,
                           cudaStream_t stream);
 cudaError_t HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre, float* y,
                   cudaStream_t stream);
@@ -67,9 +69,10 @@ cudaError_t SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, 
 cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
                          const int64_t* ids, int64_t n, float* out, cudaStream_t stream);
 // inv_sqrt_d = fp32(pow(double(dim), -0.5)), computed on the host as the reference does.
+// vector_exp: the gate's sigmoid with torch's vectorized exp (TorchExp), else glibc's (ExpF).
 cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
                        const float* q_weight, const float* k_weight, float norm_eps,
-                       float inv_sqrt_d, cudaStream_t stream);
+                       float inv_sqrt_d, bool vector_exp, cudaStream_t stream);
 cudaError_t Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                   float* h, cudaStream_t stream);
 // kind: 0 = FP8 window, 1 = FP4 index, 2 = FP4 KV (Backend::Qdq order).

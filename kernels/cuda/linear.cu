@@ -1,6 +1,6 @@
 // The linears of CudaBackend: FP8 activation quantization, the block-scaled FP8/FP4 GEMM of
-// LinearQuant and the plain Dot8 GEMM of LinearBf16/LinearF32 (and HcMixes' projection).
-// Mirrors kernels/cpu/ops.cc (LinearQuant, LinearBf16, LinearF32, Dot8) and
+// LinearQuant and the plain GEMM of LinearBf16/LinearF32 (and HcMixes' projection).
+// Mirrors kernels/cpu/ops.cc (LinearQuant, Dot8), kernels/torch_math.h (DotDp, DotSeq) and
 // kernels/format.cc (QuantizeFp8Row): every output is computed by one thread in the reference's
 // order, so results do not depend on the tile, the batch or the launch.
 #include "kernels/cuda/common.cuh"
@@ -60,16 +60,18 @@ __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_
 }
 
 // One tile of kTileR rows x kTileO outputs; K in chunks of 32 through shared memory. Thread t owns
-// output t % 64 for rows (t / 64) * 4 .. +3 and keeps, per row, the 8 Dot8 lanes.
+// output t % 64 for rows (t / 64) * 4 .. +3.
 // kQuant: the chunk is one quantization block: its Dot8 is finished per chunk and added as
 //   acc += d * act_scale * weight_scale (ops.cc LinearQuant).
-// !kQuant: the lanes run over the whole row (ops.cc LinearBf16/LinearF32): the tree and the tail
-//   (i >= in/8*8, all inside the last chunk) are taken at the last chunk.
+// !kQuant: one running sum per output over the whole row, chunk after chunk (ops.cc LinearBf16 /
+//   LinearF32, kernels/torch_math.h): bf16 in DotDp's pairwise order (per pair the odd element
+//   first; chunks are even, so only the row's odd last element stands alone), else in DotSeq's
+//   index order.
 template <bool kQuant>
 __global__ void __launch_bounds__(kThreads)
     GemmKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
                const uint8_t* scale_codes, const float* scale_values, int block_rows,
-               int block_cols, int64_t scale_cols, bool round_bf16, float* y) {
+               int block_cols, int64_t scale_cols, bool bf16, float* y) {
   __shared__ float xs[kTileR][kChunk + 1];
   __shared__ float ws[kTileO][kChunk + 1];
   __shared__ float xsc[kTileR];
@@ -79,15 +81,9 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kTileO;
   const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileR;
   const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk;
-  const int64_t n8_row = K / 8 * 8;
-  float lanes[kRowsPerThread][8];
   float acc[kRowsPerThread];
 #pragma unroll
-  for (int rr = 0; rr < kRowsPerThread; ++rr) {
-    acc[rr] = 0.f;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) lanes[rr][j] = 0.f;
-  }
+  for (int rr = 0; rr < kRowsPerThread; ++rr) acc[rr] = 0.f;
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t c0 = b * kChunk;
     const int n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
@@ -131,17 +127,19 @@ __global__ void __launch_bounds__(kThreads)
         float d = Tree8(l);
         for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
         acc[rr] += d * xsc[rl] * wsc[ol];
+      } else if (bf16) {
+        float sum = acc[rr];
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+          sum += xs[rl][i + 1] * ws[ol][i + 1];
+          sum += xs[rl][i] * ws[ol][i];
+        }
+        if (i < n) sum += xs[rl][i] * ws[ol][i];
+        acc[rr] = sum;
       } else {
-        const int n8 = static_cast<int>(c0 + n <= n8_row ? n : n8_row - c0);
-        for (int i = 0; i < n8; i += 8) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) lanes[rr][j] += xs[rl][i + j] * ws[ol][i + j];
-        }
-        if (b == nb - 1) {
-          float s = Tree8(lanes[rr]);
-          for (int i = n8; i < n; ++i) s += xs[rl][i] * ws[ol][i];
-          acc[rr] = s;
-        }
+        float sum = acc[rr];
+        for (int i = 0; i < n; ++i) sum += xs[rl][i] * ws[ol][i];
+        acc[rr] = sum;
       }
     }
     __syncthreads();
@@ -152,9 +150,8 @@ __global__ void __launch_bounds__(kThreads)
   for (int rr = 0; rr < kRowsPerThread; ++rr) {
     const int64_t r = r0 + rg * kRowsPerThread + rr;
     if (r >= rows) continue;
-    // K == 0: no chunk ran; the reference's empty Dot8 is +0.
-    const float v = nb == 0 ? 0.f : acc[rr];
-    y[r * w.out + o] = (kQuant || round_bf16) ? RoundBf16(v) : v;
+    // K == 0: no chunk ran; the reference's empty dot is +0.
+    y[r * w.out + o] = (kQuant || bf16) ? RoundBf16(acc[rr]) : acc[rr];
   }
 }
 
@@ -182,11 +179,11 @@ cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWe
   return cudaGetLastError();
 }
 
-cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool round_bf16, float* y,
+cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf16, float* y,
                       cudaStream_t stream) {
   if (rows == 0 || w.out == 0) return cudaSuccess;
   GemmKernel<false><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
-      x, nullptr, rows, w, nullptr, nullptr, 1, 1, 0, round_bf16, y);
+      x, nullptr, rows, w, nullptr, nullptr, 1, 1, 0, bf16, y);
   return cudaGetLastError();
 }
 

@@ -2,9 +2,12 @@
 // (kernels/cpu/ops.cc, kernels/cpu/cpu_backend.cc, kernels/format.cc); a value is computed by one
 // thread in the reference's order, and the sums the reference takes in double are taken in double
 // in the same sequential order, so these results are bit-identical to the CPU's apart from the
-// transcendental functions (common.cuh: ExpF, Log1pF, CosF, SinF).
+// transcendental functions (common.cuh: ExpF, Log1pF, CosF, SinF). The reference's own fp32
+// arithmetic (torch's sum order, Sleef's exp) comes from kernels/torch_math.h, the same code the
+// CPU backend runs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/torch_math.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -20,24 +23,22 @@ using codec::RoundBf16;
 using codec::RoundE4M3;
 using codec::StdMax;
 using codec::StdMin;
+using torch_math::TorchExp;
+using torch_math::TorchMeanSquare;
+using torch_math::TorchSumOf;
 
 __device__ __forceinline__ int64_t Tid() {
   return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
 }
 
-// ops.cc RmsNormBf16: one block per row; the sum of squares in double, sequentially (thread 0),
-// then y = bf16(w * (x * inv)) in parallel. x and y may alias: every read of the sum is done
-// before the barrier.
+// ops.cc RmsNormBf16: one block per row; the mean square in torch's order (thread 0), then
+// y = bf16(w * (x * inv)) in parallel. x and y may alias: every read of the sum is done before the
+// barrier.
 __global__ void RmsNormKernel(const float* x, const float* w, int64_t dim, float eps, float* y) {
   __shared__ float inv_s;
   const float* xr = x + blockIdx.x * dim;
   float* yr = y + blockIdx.x * dim;
-  if (threadIdx.x == 0) {
-    double ss = 0;
-    for (int64_t i = 0; i < dim; ++i) ss += static_cast<double>(xr[i]) * xr[i];
-    const float mean = static_cast<float>(ss / static_cast<double>(dim));
-    inv_s = 1.f / sqrtf(mean + eps);
-  }
+  if (threadIdx.x == 0) inv_s = 1.f / sqrtf(TorchMeanSquare(xr, dim) + eps);
   __syncthreads();
   const float inv = inv_s;
   for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = RoundBf16(w[i] * (xr[i] * inv));
@@ -82,27 +83,32 @@ __global__ void AddKernel(float* x, const float* y, int64_t n) {
   if (i < n) x[i] += y[i];
 }
 
-__device__ __forceinline__ float Sigmoid(float x) { return 1.f / (1.f + ExpF(-x)); }
+// torch.sigmoid: Sleef's exp on its vectorized path, glibc's expf (here ExpF) on its scalar path
+// (the 4-element tensors of a single-token call).
+__device__ __forceinline__ float Sigmoid(float x, bool vector_exp) {
+  return 1.f / (1.f + (vector_exp ? TorchExp(-x) : ExpF(-x)));
+}
 
-// ops.cc HcMixes after the projection (m = Dot8(h, fn_j) from GemmPlain): one thread per row.
+// ops.cc HcMixes after the projection (m = DotSeq(h, fn_j) from GemmPlain): one thread per row.
 __global__ void HcMixesKernel(int64_t rows, const float* h, int hc, int64_t dim, const float* mm,
                               const float* scale, const float* base, int sinkhorn_iters,
-                              float hc_eps, float norm_eps, float* pre, float* post, float* comb) {
+                              float hc_eps, float norm_eps, float* pre, float* post, float* comb,
+                              bool vector_exp) {
   const int64_t r = Tid();
   if (r >= rows) return;
   const int64_t n = hc * dim;
   const int nm = (2 + hc) * hc;
   const float* hr = h + r * n;
-  double ss = 0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(hr[i]) * hr[i];
-  const float rs = 1.f / sqrtf(static_cast<float>(ss / static_cast<double>(n)) + norm_eps);
+  const float rs = 1.f / sqrtf(TorchMeanSquare(hr, n) + norm_eps);
   const float* m0 = mm + r * nm;
   float* pr = pre + r * hc;
   float* po = post + r * hc;
   float* cb = comb + r * hc * hc;
-  for (int j = 0; j < hc; ++j) pr[j] = Sigmoid((m0[j] * rs) * scale[0] + base[j]) + hc_eps;
   for (int j = 0; j < hc; ++j) {
-    po[j] = 2.f * Sigmoid((m0[hc + j] * rs) * scale[1] + base[hc + j]);
+    pr[j] = Sigmoid((m0[j] * rs) * scale[0] + base[j], vector_exp) + hc_eps;
+  }
+  for (int j = 0; j < hc; ++j) {
+    po[j] = 2.f * Sigmoid((m0[hc + j] * rs) * scale[1] + base[hc + j], vector_exp);
   }
   for (int j = 0; j < hc; ++j) {
     float* row = cb + j * hc;
@@ -113,7 +119,7 @@ __global__ void HcMixesKernel(int64_t rows, const float* h, int hc, int64_t dim,
     }
     float sum = 0.f;
     for (int k = 0; k < hc; ++k) {
-      row[k] = ExpF(row[k] - mx);
+      row[k] = TorchExp(row[k] - mx);  // torch.exp: always its vectorized path
       sum += row[k];
     }
     for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
@@ -150,8 +156,9 @@ __global__ void HcPreKernel(int64_t rows, const float* h, int hc, int64_t dim, c
   y[e] = RoundBf16(s);
 }
 
-// ops.cc HcPost: thread (r, d) computes every k into tmp, then copies its own column: it is the
-// only reader of res[r, :, d], so out may alias res.
+// ops.cc HcPost: out = bf16(post * y + s), s = the sum over j in order of comb * res (the
+// reference's torch.sum). Thread (r, d) computes every k into tmp, then copies its own column: it
+// is the only reader of res[r, :, d], so out may alias res.
 __global__ void HcPostKernel(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
                              const float* post, const float* comb, float* tmp, float* out) {
   const int64_t e = Tid();
@@ -159,9 +166,9 @@ __global__ void HcPostKernel(int64_t rows, const float* y, const float* res, int
   const int64_t r = e / dim, d = e % dim;
   const float* cb = comb + r * hc * hc;
   for (int k = 0; k < hc; ++k) {
-    float s = post[r * hc + k] * y[r * dim + d];
+    float s = 0.f;
     for (int j = 0; j < hc; ++j) s += cb[j * hc + k] * res[(r * hc + j) * dim + d];
-    tmp[(r * hc + k) * dim + d] = RoundBf16(s);
+    tmp[(r * hc + k) * dim + d] = RoundBf16(post[r * hc + k] * y[r * dim + d] + s);
   }
   for (int k = 0; k < hc; ++k) out[(r * hc + k) * dim + d] = tmp[(r * hc + k) * dim + d];
 }
@@ -177,14 +184,14 @@ __global__ void HcMeanKernel(int64_t rows, const float* h, int hc, int64_t dim, 
   y[i * y_stride + d] = RoundBf16(sum / static_cast<float>(hc));
 }
 
-// cpu_backend.cc SwiGlu.
+// cpu_backend.cc SwiGlu (torch's F.silu with Sleef's exp).
 __global__ void SwiGluKernel(const float* g, const float* u, int64_t n, int64_t inter, float lim,
                              const float* row_weights, float* h) {
   const int64_t e = Tid();
   if (e >= n) return;
   const float uu = Clamp(u[e], -lim, lim);
   const float gg = StdMin(g[e], lim);
-  const float silu = gg / (1.f + ExpF(-gg));
+  const float silu = gg / (1.f + TorchExp(-gg));
   h[e] = RoundBf16(row_weights != nullptr ? silu * uu * row_weights[e / inter] : silu * uu);
 }
 
@@ -210,12 +217,23 @@ __global__ void Fp8RowLookupKernel(const uint8_t* table, const uint8_t* table_sc
                      DecodeE8M0(table_scale[id * (dim / 32) + i / 32]));
 }
 
-// cpu_backend.cc EngramGate: one block per (row, hc stream). The three sums the reference takes in
-// double are taken in double in index order (threads 0 and 1, then thread 0); the update of h is
-// parallel after the barrier.
+// The product the reference sums: h * (qw * kw) * key, element by element.
+struct EngramProd {
+  const float* h;
+  const float* qw;
+  const float* kw;
+  const float* key;
+  EPD_HD float operator()(int64_t d) const { return h[d] * (qw[d] * kw[d]) * key[d]; }
+};
+
+// cpu_backend.cc Engram (EngramGate / EngramGateSingleToken): one block per (row, hc stream).
+// The two mean squares (threads 0 and 1) and the product sum (thread 0) in torch's order, then
+// gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))); the update of h is parallel after the
+// barrier.
 __global__ void EngramGateKernel(float* h, const float* e, int hc, int64_t D, const float* q_weight,
-                                 const float* k_weight, float norm_eps, float inv_sqrt_d) {
-  __shared__ double sums[2];
+                                 const float* k_weight, float norm_eps, float inv_sqrt_d,
+                                 bool vector_exp) {
+  __shared__ float rnorm[2];
   __shared__ float gate_s;
   const int64_t r = blockIdx.x / hc;
   const int64_t j = blockIdx.x % hc;
@@ -226,23 +244,13 @@ __global__ void EngramGateKernel(float* h, const float* e, int hc, int64_t D, co
   const float* qw = q_weight + j * D;
   const float* kw = k_weight + j * D;
   if (threadIdx.x < 2) {
-    const float* v = threadIdx.x == 0 ? hj : key;
-    double s = 0;
-    for (int64_t d = 0; d < D; ++d) s += static_cast<double>(v[d]) * v[d];
-    sums[threadIdx.x] = s;
+    rnorm[threadIdx.x] = 1.f / sqrtf(TorchMeanSquare(threadIdx.x == 0 ? hj : key, D) + norm_eps);
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const float rh = 1.f / sqrtf(static_cast<float>(sums[0] / D) + norm_eps);
-    const float rk = 1.f / sqrtf(static_cast<float>(sums[1] / D) + norm_eps);
-    double dd = 0;
-    for (int64_t d = 0; d < D; ++d) {
-      const float hn = hj[d] * rh, kn = key[d] * rk;
-      dd += static_cast<double>(hn * (qw[d] * kw[d] * kn));
-    }
-    const float dot = static_cast<float>(dd) * inv_sqrt_d;
+    const float dot = TorchSumOf(D, EngramProd{hj, qw, kw, key}) * rnorm[0] * rnorm[1] * inv_sqrt_d;
     const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
-    gate_s = 1.f / (1.f + ExpF(-(sg * sqrtf(StdMax(fabsf(dot), 1e-6f)))));
+    gate_s = Sigmoid(sg * sqrtf(StdMax(fabsf(dot), 1e-6f)), vector_exp);
   }
   __syncthreads();
   const float gate = gate_s;
@@ -321,11 +329,12 @@ cudaError_t Add(float* x, const float* y, int64_t n, cudaStream_t stream) {
 
 cudaError_t HcMixesFinish(int64_t rows, const float* h, int hc, int64_t dim, const float* m,
                           const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
-                          float norm_eps, float* pre, float* post, float* comb,
+                          float norm_eps, float* pre, float* post, float* comb, bool vector_exp,
                           cudaStream_t stream) {
   if (rows == 0) return cudaSuccess;
-  HcMixesKernel<<<GridFor(rows, 64), 64, 0, stream>>>(
-      rows, h, hc, dim, m, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post, comb);
+  HcMixesKernel<<<GridFor(rows, 64), 64, 0, stream>>>(rows, h, hc, dim, m, scale, base,
+                                                      sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                                                      comb, vector_exp);
   return cudaGetLastError();
 }
 
@@ -377,10 +386,10 @@ cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64
 
 cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
                        const float* q_weight, const float* k_weight, float norm_eps,
-                       float inv_sqrt_d, cudaStream_t stream) {
+                       float inv_sqrt_d, bool vector_exp, cudaStream_t stream) {
   if (rows * hc == 0) return cudaSuccess;
   EngramGateKernel<<<static_cast<unsigned>(rows * hc), kThreads, 0, stream>>>(
-      h, e, hc, dim, q_weight, k_weight, norm_eps, inv_sqrt_d);
+      h, e, hc, dim, q_weight, k_weight, norm_eps, inv_sqrt_d, vector_exp);
   return cudaGetLastError();
 }
 

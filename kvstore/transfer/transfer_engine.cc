@@ -18,6 +18,7 @@
 #include <xxhash.h>
 
 #include "kvstore/transfer/manifest.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/transfer_metrics.h"
 #include "spdlog/spdlog.h"
 
@@ -304,8 +305,10 @@ absl::StatusOr<PeerId> TransferEngine::Connect(absl::string_view address, absl::
         absl::StrCat("connect to ", address, ": connection lost during handshake",
                      it == peers_.end() ? "" : ": " + it->second->error));
   } else if (it->second->state == Peer::State::kRefused) {
-    result = absl::FailedPreconditionError(
-        absl::StrCat("connect to ", address, " refused at handshake: ", it->second->error));
+    result = WithTransferError(
+        absl::FailedPreconditionError(
+            absl::StrCat("connect to ", address, " refused at handshake: ", it->second->error)),
+        "handshake");
   } else {
     return id;
   }
@@ -1249,7 +1252,7 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
   if (t.terminal()) return;
   t.state = TransferState::kFailed;
   if (t.has_peer) t.kind = wire_->PeerKind(t.peer);
-  t.error = std::move(error);
+  t.error = WithTransferError(std::move(error), reason, field);
   t.ended_ns = clock_.NowMonoNs();
   const absl::string_view seg_label = segment >= 0 && segment < t.manifest.segments_size()
                                           ? SegmentKindLabel(t.manifest.segments(segment).kind())

@@ -86,20 +86,30 @@ Result Generate(const std::string& target, const std::string& request_id, const 
   return r;
 }
 
-// One series of the /metrics page on `port`; nullopt when the page or the series is missing.
-std::optional<double> Metric(const std::string& host, int port, const std::string& series) {
+// The /metrics page on `port`; nullopt when it cannot be read.
+std::optional<std::string> MetricsPage(const std::string& host, int port) {
   httplib::Client cli(host, port);
   cli.set_connection_timeout(2, 0);
   cli.set_read_timeout(5, 0);
   auto res = cli.Get("/metrics");
   if (!res || res->status != 200) return std::nullopt;
-  const std::string& body = res->body;
+  return res->body;
+}
+
+// One series of a /metrics page; nullopt when it is missing.
+std::optional<double> Series(const std::string& body, const std::string& series) {
   size_t pos = 0;
   while ((pos = body.find(series + " ", pos)) != std::string::npos) {
     if (pos == 0 || body[pos - 1] == '\n') return std::stod(body.substr(pos + series.size() + 1));
     ++pos;
   }
   return std::nullopt;
+}
+
+// One series of the /metrics page on `port`; nullopt when the page or the series is missing.
+std::optional<double> Metric(const std::string& host, int port, const std::string& series) {
+  auto page = MetricsPage(host, port);
+  return page ? Series(*page, series) : std::nullopt;
 }
 
 std::optional<int> Published(const std::string& run_dir, const std::string& name,
@@ -113,6 +123,11 @@ struct ProcSample {
   pid_t pid = 0;
   int64_t rss_kb = 0;
   int64_t fds = 0;
+  // From a worker's /metrics (-1 elsewhere or when unread): its KV pool's cached bytes and the
+  // C heap's free bytes (freed, kept by the allocator) and bytes in use (worker_runtime.cc).
+  int64_t pool_cached_kb = -1;
+  int64_t heap_free_kb = -1;
+  int64_t heap_in_use_kb = -1;
 };
 std::optional<ProcSample> SampleProcess(pid_t pid) {
   ProcSample s;
@@ -519,6 +534,19 @@ int RunChaos(const ChaosOptions& o) {
         for (const auto& [name, pid] : procs) {
           if (auto smp = SampleProcess(pid)) {
             smp->t = t;
+            const bool worker = name.find("-encoder-") != std::string::npos ||
+                                name.find("-prefill-") != std::string::npos ||
+                                name.find("-decode-") != std::string::npos;
+            const auto port = worker ? Published(run_dir, name, "metrics") : std::nullopt;
+            if (auto page = port ? MetricsPage(host_of(name), *port) : std::nullopt) {
+              auto kb = [&](const std::string& series) -> int64_t {
+                auto v = Series(*page, series);
+                return v ? static_cast<int64_t>(*v / 1024) : -1;
+              };
+              smp->pool_cached_kb = kb("epd_kv_pool_bytes{state=\"cached\"}");
+              smp->heap_free_kb = kb("epd_malloc_bytes{state=\"free\"}");
+              smp->heap_in_use_kb = kb("epd_malloc_bytes{state=\"in_use\"}");
+            }
             std::lock_guard<std::mutex> lock(mu);
             samples[name].push_back(*smp);
           }
@@ -736,13 +764,14 @@ int RunChaos(const ChaosOptions& o) {
     std::ofstream csv;
     if (!o.samples_csv.empty()) {
       csv.open(o.samples_csv);
-      csv << "t_s,process,pid,rss_kb,fds\n";
+      csv << "t_s,process,pid,rss_kb,fds,pool_cached_kb,heap_free_kb,heap_in_use_kb\n";
     }
     for (const auto& [name, v] : samples) {
       std::vector<ProcSample> after;
       for (const ProcSample& smp : v) {
         if (csv) {
           csv << smp.t << "," << name << "," << smp.pid << "," << smp.rss_kb << "," << smp.fds
+              << "," << smp.pool_cached_kb << "," << smp.heap_free_kb << "," << smp.heap_in_use_kb
               << "\n";
         }
         if (smp.t >= warmup_s) after.push_back(smp);

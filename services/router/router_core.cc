@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <optional>
-#include <thread>
 
 #include "absl/strings/cord.h"
 #include "absl/strings/str_cat.h"
@@ -500,7 +499,7 @@ RouterCore::AttemptResult RouterCore::RunAttempt(RequestState& state, const Plan
   auto run = std::make_shared<ActiveRun>();
   std::unique_ptr<JobStream> decode = client_.Submit(plan.decode, decode_job.job);
   SideStages sides(
-      client_, registry_, chain, [d = decode.get()] { d->Cancel(); },
+      client_, registry_, watchers_, chain, [d = decode.get()] { d->Cancel(); },
       [this, run](const std::string& worker_id) { Unlist(run, worker_id); });
   run->cancel = [&decode, &sides] {
     decode->Cancel();

@@ -29,6 +29,7 @@
 #include "services/router/registry.h"
 #include "services/router/scheduler.h"
 #include "services/router/text_codec.h"
+#include "services/router/watch_pool.h"
 
 namespace epd::services::router {
 
@@ -218,6 +219,8 @@ class RouterCore {
   prometheus::Counter& generated_tokens_;
   prometheus::Gauge& inflight_gauge_;
   prometheus::Family<prometheus::Counter>& migrations_;
+  // Threads reading the side stages' streams (declared last: joined before the rest goes).
+  WatchPool watchers_;
 };
 
 // Streams reasoning and content deltas from raw output text as it grows: text before the

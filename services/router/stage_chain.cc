@@ -45,11 +45,12 @@ absl::Status StageError(const epd::v1::SubmitResponse& m, const std::string& who
   return absl::InternalError(std::move(message));
 }
 
-SideStages::SideStages(WorkerClient& client, Registry& registry, std::vector<StageJob> stages,
-                       std::function<void()> on_failure,
+SideStages::SideStages(WorkerClient& client, Registry& registry, WatchPool& watchers,
+                       std::vector<StageJob> stages, std::function<void()> on_failure,
                        std::function<void(const std::string&)> on_handoff)
     : client_(client),
       registry_(registry),
+      watchers_(watchers),
       on_failure_(std::move(on_failure)),
       on_handoff_(std::move(on_handoff)) {
   for (auto& s : stages) {
@@ -65,7 +66,13 @@ void SideStages::Start() {
   for (size_t i = stages_.size(); i-- > 0;) {
     stages_[i]->stream = client_.Submit(stages_[i]->stage.worker, stages_[i]->stage.job);
   }
-  for (auto& s : stages_) s->thread = std::thread([this, p = s.get()] { Watch(p); });
+  started_ = true;
+  for (auto& s : stages_) {
+    watchers_.Run([this, p = s.get()] {
+      Watch(p);
+      p->watched.Notify();  // the last touch of this object: Stop may return and free it
+    });
+  }
 }
 
 void SideStages::Watch(Stage* s) {
@@ -127,9 +134,8 @@ void SideStages::Stop() {
     ignore_failures_ = true;
   }
   CancelAll();
-  for (auto& s : stages_) {
-    if (s->thread.joinable()) s->thread.join();
-  }
+  if (!started_) return;
+  for (auto& s : stages_) s->watched.WaitForNotification();
 }
 
 absl::Status SideStages::error() const {

@@ -1,6 +1,7 @@
 #include "services/worker/worker_runtime.h"
 
 #include <grpcpp/grpcpp.h>
+#include <malloc.h>
 #include <signal.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -21,6 +22,8 @@
 #include "kernels/device/device.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "model/fingerprint.h"
+#include "model/kv_pool.h"
+#include "model/model.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
 #include "services/worker/pool_registration.h"
@@ -140,6 +143,52 @@ class ControlService final : public epd::v1::WorkerControl::Service {
   std::map<std::string, std::shared_ptr<std::atomic<bool>>> cancel_;
 };
 
+// Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
+// the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
+// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool) and the C heap (in_use:
+// allocated; free: freed chunks the allocator keeps for reuse, resident where touched; mmapped:
+// large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
+class MemoryGauges {
+ public:
+  MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {
+    auto& pool = prometheus::BuildGauge()
+                     .Name("epd_kv_pool_bytes")
+                     .Help("Bytes of the worker's KV pool by state: used (held by sequences), "
+                           "cached (sealed blocks nobody holds, kept for prefix reuse)")
+                     .Register(reg);
+    pool_used_ = &pool.Add({{"state", "used"}});
+    pool_cached_ = &pool.Add({{"state", "cached"}});
+    auto& heap = prometheus::BuildGauge()
+                     .Name("epd_malloc_bytes")
+                     .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
+                           "chunks its arenas keep for reuse), mmapped (large blocks mapped on "
+                           "their own)")
+                     .Register(reg);
+    heap_in_use_ = &heap.Add({{"state", "in_use"}});
+    heap_free_ = &heap.Add({{"state", "free"}});
+    heap_mmapped_ = &heap.Add({{"state", "mmapped"}});
+    Update();
+  }
+
+  void Update() {
+    const model::KvPool::Stats s = kv_.stats();
+    pool_used_->Set(static_cast<double>(s.used_bytes));
+    pool_cached_->Set(static_cast<double>(s.cached_bytes));
+    const struct mallinfo2 m = mallinfo2();
+    heap_in_use_->Set(static_cast<double>(m.uordblks));
+    heap_free_->Set(static_cast<double>(m.fordblks));
+    heap_mmapped_->Set(static_cast<double>(m.hblkhd));
+  }
+
+ private:
+  const model::KvPool& kv_;
+  prometheus::Gauge* pool_used_;
+  prometheus::Gauge* pool_cached_;
+  prometheus::Gauge* heap_in_use_;
+  prometheus::Gauge* heap_free_;
+  prometheus::Gauge* heap_mmapped_;
+};
+
 }  // namespace
 
 absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool dspark) {
@@ -159,6 +208,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   std::string dspark = "on";
   std::string device = "cpu";
   int64_t selftest_bytes = 4 << 20;
+  int malloc_arena_max = 2;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
   app.add_option("--kvstore", kvstore,
                  "KV store gRPC address host:port, or several comma-separated (keys placed on a "
@@ -189,8 +239,16 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
                  "0 = skip)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  app.add_option("--malloc-arena-max", malloc_arena_max,
+                 "Most C heap arenas (glibc M_ARENA_MAX; default 2; 0 = glibc's 8 per core). "
+                 "Each arena keeps its own freed memory, and a worker's per-stream threads "
+                 "spread over new arenas, so more arenas means more resident memory "
+                 "(docs/chaos.md, Soak)")
+      ->check(CLI::Range(0, 1024));
   if (add_flags) add_flags(app);
   CLI11_PARSE(app, argc, argv);
+  // Before any thread is made: a thread takes its arena on its first allocation.
+  if (malloc_arena_max > 0) mallopt(M_ARENA_MAX, malloc_arena_max);
   // The device first: a missing GPU fails at once, before any port or model is opened.
   auto device_spec = kernels::ParseDeviceSpec(device);
   if (!device_spec.ok()) {
@@ -291,6 +349,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     return 1;
   }
   ControlService service(**handler, label, runtime.registry());
+  MemoryGauges memory(runtime.registry(), (*model)->kv_pool());
   grpc::ServerBuilder builder;
   int port = 0;
   builder.AddListeningPort(runtime_options.host + ":0", grpc::InsecureServerCredentials(), &port);
@@ -361,6 +420,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   phase->store(1);
   runtime.PublishPort("registered", 1);
   while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
+    memory.Update();
     if (heartbeat(false)) {
       spdlog::warn("epd-{}: the router forgot us; registering again", label);
       if (int rc = do_register(); rc != 0) {

@@ -13,6 +13,7 @@
 #include "decode_pool/dspark/verifier.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
@@ -401,8 +402,15 @@ TEST(DecodeDSparkHandoffTest, ReceiveErrorNamesTheSwitch) {
   const absl::Status other = absl::DeadlineExceededError("hand-off deadline passed");
   EXPECT_EQ(DSparkHandoffReceiveError(true, other, &mismatch), other);
   EXPECT_FALSE(mismatch);
-  const absl::Status engine = absl::FailedPreconditionError(
-      "accounting error in request 'r1': manifest field dspark expected on, got off");
+  // As the transfer engine fails it: the message for people, the field as a payload.
+  const absl::Status engine = transfer::WithTransferError(
+      absl::FailedPreconditionError(
+          "accounting error in request 'r1': manifest field dspark expected on, got off"),
+      "accounting", "dspark");
+  // The same words without the engine's field are not taken for the switch.
+  const absl::Status text_only = absl::FailedPreconditionError(engine.message());
+  EXPECT_EQ(DSparkHandoffReceiveError(true, text_only, &mismatch), text_only);
+  EXPECT_FALSE(mismatch);
   const absl::Status e = DSparkHandoffReceiveError(true, engine, &mismatch);
   EXPECT_TRUE(mismatch);
   EXPECT_EQ(e.code(), absl::StatusCode::kFailedPrecondition);

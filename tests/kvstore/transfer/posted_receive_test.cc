@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <optional>
 #include <thread>
 
 #include "kvstore/transfer/fault_wire.h"
 #include "kvstore/transfer/manifest.h"
 #include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "prometheus/registry.h"
 #include "tests/kvstore/transfer/transfer_testing.h"
@@ -161,6 +163,15 @@ TEST_P(PostedReceiveTest, CorruptedChunkFailsItsChecksum) {
   EXPECT_EQ(rs.code(), absl::StatusCode::kDataLoss) << rs;
   EXPECT_THAT(rs.message(), HasSubstr("field checksum"));
   EXPECT_FALSE(ss.ok());
+  // The cause travels as a status payload on both sides (callers never parse the message).
+  const std::optional<TransferErrorInfo> rinfo = TransferErrorOf(rs);
+  ASSERT_TRUE(rinfo.has_value()) << rs;
+  EXPECT_EQ(rinfo->reason, "checksum");
+  EXPECT_EQ(rinfo->field, "checksum");
+  const std::optional<TransferErrorInfo> sinfo = TransferErrorOf(ss);
+  ASSERT_TRUE(sinfo.has_value()) << ss;
+  EXPECT_EQ(sinfo->reason, "rejected_accounting");
+  EXPECT_EQ(sinfo->field, "checksum");
   ExpectAllReleased();
   ExpectConnectionStillWorks("after-corrupt");
 }
