@@ -53,7 +53,11 @@ KvPool::Slab KvPool::SlabOf(int64_t id, const SlabRec& r) const {
 
 absl::Status KvPool::NewSlabLocked(int64_t slot_bytes) {
   int64_t n = std::max<int64_t>(1, slab_bytes_ / slot_bytes);
-  if (capacity_ > 0) n = std::min(n, std::max<int64_t>(1, capacity_ / slot_bytes));
+  // With a capacity a slab is at most 1/kSlabsPerCapacity of it (at least one slot): the slabs'
+  // partly filled tails, one per block size, stay small against the capacity.
+  if (capacity_ > 0) {
+    n = std::min(n, std::max<int64_t>(1, capacity_ / kSlabsPerCapacity / slot_bytes));
+  }
   n = std::min<int64_t>(n, std::numeric_limits<int32_t>::max() - slots_.size());
   if (n <= 0) return absl::ResourceExhaustedError("kv pool: out of block ids");
   if (capacity_ > 0 && stats_.slab_bytes + n * slot_bytes > capacity_) {
@@ -133,10 +137,12 @@ void KvPool::RemoveSlabListener(int id) {
 
 KvPool::Slab KvPool::FindSlab(const void* p, int64_t bytes) const {
   std::lock_guard<std::mutex> l(mu_);
-  const auto* q = static_cast<const uint8_t*>(p);
+  // Addresses compared as integers: `p` may be any memory, not only the pool's.
+  const auto q = reinterpret_cast<uintptr_t>(p);
   for (const auto& [id, rec] : slabs_) {
-    const auto* b = rec.buffer.as<uint8_t>();
-    if (q >= b && q + bytes <= b + rec.buffer.bytes()) return SlabOf(id, rec);
+    const auto b = reinterpret_cast<uintptr_t>(rec.buffer.data());
+    if (q >= b && q + static_cast<uint64_t>(bytes) <= b + static_cast<uint64_t>(rec.buffer.bytes()))
+      return SlabOf(id, rec);
   }
   return {};
 }

@@ -29,11 +29,12 @@
 // one per stream kind and ratio). A slab is allocated when a block of its size finds no free
 // slot; a freed block's slot goes back to its size's free list (reused last-in first-out), and
 // the slab stays: the pool's memory only grows, up to its high-water, and goes back to the
-// backend only on Trim() (slabs none of whose slots holds a block) or with the pool. When a new
-// slab would take the slab memory past the capacity, the pool first trims wholly free slabs of
-// the other sizes (slots of one size cannot serve another). Slab memory = the blocks' bytes +
-// the free slots, at most one slab per size above the capacity. The slabs can be registered
-// with a transport (UCX) once: ForEachSlab / AddSlabListener.
+// backend only on Trim() (slabs none of whose slots holds a block) or with the pool. Slab memory
+// = the blocks' bytes (used + cached, bounded by the capacity) + the free slots (each size's
+// high-water minus what it holds now). With a capacity a slab is at most 1/kSlabsPerCapacity of
+// it, and when a new slab would take the slab memory past the capacity the pool first gives back
+// wholly free slabs of the other sizes (slots of one size cannot serve another). The slabs can
+// be registered with a transport (UCX) once: ForEachSlab / AddSlabListener.
 //
 // Thread-safety: KvPool is thread-safe. A KvRows is used by one thread at a time (as the
 // SequenceState holding it); different KvRows may share blocks across threads (shared blocks are
@@ -57,6 +58,8 @@ namespace epd::model {
 inline constexpr int64_t kKvBlockTokens = 64;
 inline constexpr int64_t kUnboundedCacheBytes = int64_t{64} << 20;
 inline constexpr int64_t kDefaultSlabBytes = int64_t{4} << 20;
+// With a capacity, a slab holds at most capacity / kSlabsPerCapacity bytes of slots.
+inline constexpr int64_t kSlabsPerCapacity = 16;
 
 class KvPool {
  public:
@@ -95,7 +98,7 @@ class KvPool {
   // CPU backend the pool owns, since the model reads the blocks with host code today); it must
   // outlive the pool, and its Allocate is called from whichever thread allocates a block.
   // `slab_bytes`: the size of a slab (rounded down to whole slots, at least one; with a capacity,
-  // at most the capacity's worth of slots).
+  // at most capacity / kSlabsPerCapacity).
   explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0,
                   kernels::Backend* backend = nullptr, int64_t slab_bytes = kDefaultSlabBytes);
   ~KvPool();

@@ -145,7 +145,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
 // Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
 // the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
-// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool) and the C heap (in_use:
+// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool; slabs: the memory it holds,
+// which only grows to its high-water, docs/memory.md) and the C heap (in_use:
 // allocated; free: freed chunks the allocator keeps for reuse, resident where touched; mmapped:
 // large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
 class MemoryGauges {
@@ -154,10 +155,12 @@ class MemoryGauges {
     auto& pool = prometheus::BuildGauge()
                      .Name("epd_kv_pool_bytes")
                      .Help("Bytes of the worker's KV pool by state: used (held by sequences), "
-                           "cached (sealed blocks nobody holds, kept for prefix reuse)")
+                           "cached (sealed blocks nobody holds, kept for prefix reuse), slabs "
+                           "(the memory the pool holds: used + cached + free slots)")
                      .Register(reg);
     pool_used_ = &pool.Add({{"state", "used"}});
     pool_cached_ = &pool.Add({{"state", "cached"}});
+    pool_slabs_ = &pool.Add({{"state", "slabs"}});
     auto& heap = prometheus::BuildGauge()
                      .Name("epd_malloc_bytes")
                      .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
@@ -174,6 +177,7 @@ class MemoryGauges {
     const model::KvPool::Stats s = kv_.stats();
     pool_used_->Set(static_cast<double>(s.used_bytes));
     pool_cached_->Set(static_cast<double>(s.cached_bytes));
+    pool_slabs_->Set(static_cast<double>(s.slab_bytes));
     const struct mallinfo2 m = mallinfo2();
     heap_in_use_->Set(static_cast<double>(m.uordblks));
     heap_free_->Set(static_cast<double>(m.fordblks));
@@ -184,6 +188,7 @@ class MemoryGauges {
   const model::KvPool& kv_;
   prometheus::Gauge* pool_used_;
   prometheus::Gauge* pool_cached_;
+  prometheus::Gauge* pool_slabs_;
   prometheus::Gauge* heap_in_use_;
   prometheus::Gauge* heap_free_;
   prometheus::Gauge* heap_mmapped_;
