@@ -2,8 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <functional>
 #include <map>
+#include <optional>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "encoder_pool/encoder_stage.h"
 #include "kvstore/sharded_kv_client.h"
@@ -13,8 +16,10 @@ namespace {
 
 class EncoderHandler final : public worker::JobHandler {
  public:
-  explicit EncoderHandler(const worker::WorkerSetup& setup)
-      : setup_(setup), stage_(*setup.model, worker::HandoffTailRows(setup.model->config())) {
+  EncoderHandler(const worker::WorkerSetup& setup, const EncoderOptions& options)
+      : setup_(setup),
+        options_(options),
+        stage_(*setup.model, worker::HandoffTailRows(setup.model->config())) {
     auto& reg = *setup.registry;
     replays_ =
         &prometheus::BuildCounter()
@@ -90,10 +95,49 @@ class EncoderHandler final : public worker::JobHandler {
     prefix.fingerprint = setup_.fingerprint;
     prefix.hint = job.cached_tokens();
     PrefixReport report;
+    const model::ModelConfig& c = setup_.model->config();
+    worker::HandoffHeader h{job.request_id(), setup_.fingerprint,
+                            static_cast<int64_t>(prompt.size()), 0, setup_.dspark};
+    const absl::Duration deadline = absl::Milliseconds(setup_.handoff_deadline_ms);
+    // Streamed: the pass runs in chunks; each chunk's KV rows go out while the next computes.
+    std::optional<worker::HandoffStreamSender> stream;
+    ChunkOptions chunks;
+    absl::Status stream_error;  // a group that could not be offered stops the pass
+    if (options_.handoff_streaming) {
+      const int64_t n = static_cast<int64_t>(prompt.size());
+      std::vector<worker::SegmentShape> shapes = worker::ExpectedStateShapes(c, n, false);
+      for (auto& s : worker::ExpectedEncoderOutputShapes(c, n, worker::HandoffTailRows(c)))
+        shapes.push_back(s);
+      stream.emplace(*setup_.handoff, c, job.next_transfer_address(), h, std::move(shapes),
+                     deadline, &cancelled);
+      chunks.chunk_tokens = stream->chunk_tokens();
+      chunks.after_chunk = [&](const model::SequenceState& state) -> absl::Status {
+        if (stream->sent() >= stream->groups() ||
+            (stream->sent() + 1) * stream->chunk_tokens() > state.pos)
+          return absl::OkStatus();
+        if (cancelled.load()) return absl::CancelledError("cancelled");
+        stream_error = stream->SendReady(
+            model::SerializeStateSegments(c, state,
+                                          [](const std::string& name) {
+                                            return absl::StartsWith(name, "kv.") ||
+                                                   absl::StartsWith(name, "keys.");
+                                          }),
+            state.pos);
+        return stream_error;
+      };
+    }
+    const absl::Time started = absl::Now();
     setup_.batch_size->Increment();  // epd_batch_size: sequences in an encoder pass now
-    auto res = stage_.Run(prompt, prefix, &report);
+    auto res = stage_.Run(prompt, prefix, &report, stream ? &chunks : nullptr);
     setup_.batch_size->Decrement();
-    if (!res.ok()) return res.status();
+    const absl::Time passed = absl::Now();
+    if (!res.ok()) {
+      if (stream) stream->Abort("encoder pass failed");
+      if (!stream_error.ok())
+        return absl::Status(stream_error.code(),
+                            absl::StrCat("encoder -> prefill hand-off: ", stream_error.message()));
+      return res.status();
+    }
     for (const std::string& op : report.errors) errors_.at(op)->Increment();
     if (!report.warning.empty())
       spdlog::warn("epd-encoder: request {}: kvstore degraded (prefix {} of hint {}): {}",
@@ -116,14 +160,23 @@ class EncoderHandler final : public worker::JobHandler {
     }
     std::vector<model::StateSegment> segs = std::move(res->state);
     for (auto& s : worker::PackEncoderOutput(res->output)) segs.push_back(std::move(s));
-    worker::HandoffHeader h{job.request_id(), setup_.fingerprint,
-                            static_cast<int64_t>(prompt.size()), 0, setup_.dspark};
-    auto manifest = worker::BuildHandoffManifest(setup_.model->config(), h, worker::ShapesOf(segs));
-    absl::Status st =
-        setup_.handoff->Send(job.next_transfer_address(), std::move(manifest), segs,
-                             absl::Milliseconds(setup_.handoff_deadline_ms), &cancelled);
+    absl::Status st;
+    if (stream) {
+      st = stream->Finish(segs);
+    } else {
+      auto manifest = worker::BuildHandoffManifest(c, h, worker::ShapesOf(segs));
+      st = setup_.handoff->Send(job.next_transfer_address(), std::move(manifest), segs, deadline,
+                                &cancelled);
+    }
     if (!st.ok())
       return absl::Status(st.code(), absl::StrCat("encoder -> prefill hand-off: ", st.message()));
+    spdlog::info(
+        "epd-encoder: request {}: {} tokens, pass {:.0f} ms, hand-off confirmed {:.0f} ms "
+        "after the pass ({})",
+        job.request_id(), prompt.size(), absl::ToDoubleMilliseconds(passed - started),
+        absl::ToDoubleMilliseconds(absl::Now() - passed),
+        stream ? absl::StrCat(stream->groups(), " groups streamed during the pass + 1")
+               : std::string("whole"));
     epd::v1::SubmitResponse r;
     r.set_request_id(job.request_id());
     r.set_finish_reason("handoff");
@@ -133,6 +186,7 @@ class EncoderHandler final : public worker::JobHandler {
 
  private:
   worker::WorkerSetup setup_;
+  EncoderOptions options_;
   EncoderStage stage_;
   std::unique_ptr<kvstore::ShardedKvClient> store_;  // null without --kvstore
   absl::Status store_error_;                         // a --kvstore list that did not parse
@@ -147,8 +201,8 @@ class EncoderHandler final : public worker::JobHandler {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<worker::JobHandler>> MakeEncoderHandler(
-    const worker::WorkerSetup& setup) {
-  auto h = std::make_unique<EncoderHandler>(setup);
+    const worker::WorkerSetup& setup, const EncoderOptions& options) {
+  auto h = std::make_unique<EncoderHandler>(setup, options);
   if (!h->store_error().ok()) return h->store_error();
   return h;
 }

@@ -38,7 +38,8 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt)
 }
 
 absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
-                                                const PrefixOptions& prefix, PrefixReport* report) {
+                                                const PrefixOptions& prefix, PrefixReport* report,
+                                                const ChunkOptions* chunks) {
   if (prompt.empty()) return absl::InvalidArgumentError("encoder: empty prompt");
   for (size_t i = 0; i < prompt.size(); ++i) {
     if (prompt[i] < 0 || prompt[i] >= model_.config().vocab_size)
@@ -134,22 +135,34 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
   // [P, M) first when it holds new whole blocks (cut them and the rings at M), then [M, N) chained
   // to it; without new blocks, one pass over [P, N).
   std::optional<model::EncoderOutput> out;
+  // EncoderPass over [a, b), chained to `out`, cut at multiples of chunks->chunk_tokens, with the
+  // chunk callback after each piece.
+  auto pass = [&](int64_t a, int64_t b) -> absl::Status {
+    const int64_t step = chunks != nullptr ? chunks->chunk_tokens : 0;
+    while (a < b) {
+      const int64_t end = step > 0 ? std::min(b, (a / step + 1) * step) : b;
+      auto piece = model::EncoderPass(model_, *state, prompt.subspan(a, end - a), tail_rows_,
+                                      out.has_value() ? &*out : nullptr);
+      if (!piece.ok()) return piece.status();
+      out = *std::move(piece);
+      if (chunks != nullptr && chunks->after_chunk) {
+        if (absl::Status s = chunks->after_chunk(*state); !s.ok()) return s;
+      }
+      a = end;
+    }
+    return absl::OkStatus();
+  };
   if (M > P) {
-    auto first = model::EncoderPass(model_, *state, prompt.subspan(P, M - P), tail_rows_);
-    if (!first.ok()) return first.status();
+    if (absl::Status s = pass(P, M); !s.ok()) return s;
     auto cut = model::CutPrefixBlocks(model_, *state, prompt, P / B, M / B, B);
     auto snap = model::CutSwaSnapshot(model_, *state, B);
     if (!cut.ok()) return cut.status();
     if (!snap.ok()) return snap.status();
     new_blocks = *std::move(cut);
     new_snapshot = *std::move(snap);
-    out = *std::move(first);
   }
   if (const int64_t from = std::max(P, M); from < N) {
-    auto rest = model::EncoderPass(model_, *state, prompt.subspan(from), tail_rows_,
-                                   out.has_value() ? &*out : nullptr);
-    if (!rest.ok()) return rest.status();
-    out = *std::move(rest);
+    if (absl::Status s = pass(from, N); !s.ok()) return s;
   }
   EncoderResult r;
   r.output = *std::move(out);

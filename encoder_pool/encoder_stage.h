@@ -6,6 +6,7 @@
 // Thread-safety: Run may be called from any thread; calls share the model's backend and are
 // serialized by an internal mutex.
 #include <cstdint>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <span>
@@ -34,6 +35,16 @@ struct PrefixOptions {
   std::string fingerprint;                  // the config fingerprint inside every chain hash
   int64_t hint = 0;                         // Job.cached_tokens (the router's lookup)
   int64_t block_tokens = model::kPrefixBlockTokens;
+};
+
+// Chunked passes for the streamed hand-off (docs/transfer.md "Streamed hand-offs").
+struct ChunkOptions {
+  // Every EncoderPass is cut at multiples of this many positions (0: no extra cuts). Chunking does
+  // not change the result (EncoderPass is bit-exact under any chunking).
+  int64_t chunk_tokens = 0;
+  // Called after every pass with the state at its end (state.pos = positions done): the global
+  // KV rows of [0, state.pos) are final from then on. Its error stops the run and is returned.
+  std::function<absl::Status(const model::SequenceState& state)> after_chunk;
 };
 
 // What the store path did, for the response and the metrics.
@@ -69,9 +80,12 @@ class EncoderStage {
   // EncoderPass runs over [P, N) in two chunks split at the last block boundary M of the prompt,
   // and the new blocks [P, M) not yet stored go to G3 and the rings at M to G2 (before Run
   // returns). Store errors never fail the call; they are listed in `report`.
+  // `chunks` (optional): the passes over [P, M) and [M, N) are further cut at multiples of
+  // chunks->chunk_tokens and chunks->after_chunk runs after each (the streamed hand-off sends the
+  // finished chunks' KV rows from there while the next chunk computes).
   [[nodiscard]] absl::StatusOr<EncoderResult> Run(std::span<const int32_t> prompt,
-                                                  const PrefixOptions& prefix,
-                                                  PrefixReport* report);
+                                                  const PrefixOptions& prefix, PrefixReport* report,
+                                                  const ChunkOptions* chunks = nullptr);
 
   // Largest block boundary P with N - P >= tail_rows (the decoder replays the last tail rows,
   // whose residuals only the encoder computes), 0 when none.

@@ -44,21 +44,31 @@ absl::Status AppendPackedRows(KvRows& rows, const std::vector<uint8_t>& bytes, i
 }  // namespace
 
 std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceState& s) {
+  return SerializeStateSegments(c, s, [](const std::string&) { return true; });
+}
+
+std::vector<StateSegment> SerializeStateSegments(
+    const ModelConfig& c, const SequenceState& s,
+    const std::function<bool(const std::string& name)>& keep) {
   std::vector<StateSegment> out;
   const int64_t hd = c.head_dim, ihd = c.index_head_dim;
-  StateSegment meta{"meta", {}};
-  PutI64(meta.bytes, s.pos);
-  PutI64(meta.bytes, s.published_keys);
-  PutI64(meta.bytes, s.main_hidden_pos);
-  PutI64(meta.bytes, static_cast<int64_t>(s.sources.size()));
-  for (const auto& [l, src] : s.sources) {
-    PutI64(meta.bytes, l);
-    PutI64(meta.bytes, src.n);
+  if (keep("meta")) {
+    StateSegment meta{"meta", {}};
+    PutI64(meta.bytes, s.pos);
+    PutI64(meta.bytes, s.published_keys);
+    PutI64(meta.bytes, s.main_hidden_pos);
+    PutI64(meta.bytes, static_cast<int64_t>(s.sources.size()));
+    for (const auto& [l, src] : s.sources) {
+      PutI64(meta.bytes, l);
+      PutI64(meta.bytes, src.n);
+    }
+    out.push_back(std::move(meta));
   }
-  out.push_back(std::move(meta));
   const int64_t slot = kf::PackedSwaSlotBytes(hd);
   for (size_t l = 0; l < s.swa.size(); ++l) {
-    StateSegment seg{absl::StrCat("swa.", l), std::vector<uint8_t>(c.window_size * slot)};
+    std::string name = absl::StrCat("swa.", l);
+    if (!keep(name)) continue;
+    StateSegment seg{std::move(name), std::vector<uint8_t>(c.window_size * slot)};
     for (int64_t w = 0; w < c.window_size; ++w)
       kf::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
     out.push_back(std::move(seg));
@@ -68,13 +78,17 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
     // The pool's blocks hold the packed rows: copied as they are (no re-pack).
     StateSegment kv{absl::StrCat("kv.", l), {}};
     StateSegment keys{absl::StrCat("keys.", l), {}};
-    kv.bytes.reserve(src.n * eb);
-    keys.bytes.reserve(src.n * kb);
-    src.kv.CopyPacked(0, src.n, kv.bytes, KvRowFormat::kPackedKv);
-    src.keys.CopyPacked(0, src.n, keys.bytes, KvRowFormat::kPackedKey);
-    out.push_back(std::move(kv));
-    out.push_back(std::move(keys));
-    if (src.ratio > 1) {
+    if (keep(kv.name)) {
+      kv.bytes.reserve(src.n * eb);
+      src.kv.CopyPacked(0, src.n, kv.bytes, KvRowFormat::kPackedKv);
+      out.push_back(std::move(kv));
+    }
+    if (keep(keys.name)) {
+      keys.bytes.reserve(src.n * kb);
+      src.keys.CopyPacked(0, src.n, keys.bytes, KvRowFormat::kPackedKey);
+      out.push_back(std::move(keys));
+    }
+    if (src.ratio > 1 && keep(absl::StrCat("tail.", l))) {
       StateSegment tail{absl::StrCat("tail.", l), {}};
       tail.bytes.resize((src.kv_state.size() + src.score_state.size()) * 4);
       std::memcpy(tail.bytes.data(), src.kv_state.data(), src.kv_state.size() * 4);
@@ -83,15 +97,19 @@ std::vector<StateSegment> SerializeState(const ModelConfig& c, const SequenceSta
       out.push_back(std::move(tail));
     }
   }
-  StateSegment eg{"engram", {}};
-  for (int64_t id : s.engram_history) PutI64(eg.bytes, id);
-  out.push_back(std::move(eg));
-  StateSegment mh{"main_hidden", std::vector<uint8_t>(s.main_hidden.size() * 2)};
-  for (size_t i = 0; i < s.main_hidden.size(); ++i) {
-    const uint16_t b = kf::F32ToBf16Bits(s.main_hidden[i]);
-    std::memcpy(mh.bytes.data() + 2 * i, &b, 2);
+  if (keep("engram")) {
+    StateSegment eg{"engram", {}};
+    for (int64_t id : s.engram_history) PutI64(eg.bytes, id);
+    out.push_back(std::move(eg));
   }
-  out.push_back(std::move(mh));
+  if (keep("main_hidden")) {
+    StateSegment mh{"main_hidden", std::vector<uint8_t>(s.main_hidden.size() * 2)};
+    for (size_t i = 0; i < s.main_hidden.size(); ++i) {
+      const uint16_t b = kf::F32ToBf16Bits(s.main_hidden[i]);
+      std::memcpy(mh.bytes.data() + 2 * i, &b, 2);
+    }
+    out.push_back(std::move(mh));
+  }
   return out;
 }
 

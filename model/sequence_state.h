@@ -18,6 +18,7 @@
 // idempotent on their own output), so a round trip is bit-exact.
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -34,6 +35,11 @@ struct StateSegment {
 
 [[nodiscard]] std::vector<StateSegment> SerializeState(const ModelConfig& config,
                                                        const SequenceState& state);
+// The segments of SerializeState whose name `keep` accepts, in the same order and bytes; the
+// others are not built (the layer-streamed hand-off cuts one layer group at a time).
+[[nodiscard]] std::vector<StateSegment> SerializeStateSegments(
+    const ModelConfig& config, const SequenceState& state,
+    const std::function<bool(const std::string& name)>& keep);
 // Rebuilds a state; errors name the bad or missing segment.
 [[nodiscard]] absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
     const Model& model, const std::vector<StateSegment>& segments);

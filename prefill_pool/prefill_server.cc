@@ -1,5 +1,7 @@
 #include "prefill_pool/prefill_server.h"
 
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "prefill_pool/prefill_stage.h"
 
@@ -20,7 +22,16 @@ class PrefillHandler final : public worker::JobHandler {
                              .Name("epd_swa_replay_tokens_total")
                              .Help("Tokens run through SWA bounded replays, per stage")
                              .Register(*setup.registry)
-                             .Add({{"stage", "decoder"}})) {}
+                             .Add({{"stage", "decoder"}})) {
+    auto& modes = prometheus::BuildCounter()
+                      .Name("epd_handoff_receives_total")
+                      .Help(
+                          "Encoder -> prefill hand-offs received, by how the encoder sent them "
+                          "(streamed: layer groups while it computed; whole: after its pass)")
+                      .Register(*setup.registry);
+    streamed_ = &modes.Add({{"mode", "streamed"}});
+    whole_ = &modes.Add({{"mode", "whole"}});
+  }
 
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
                    const std::atomic<bool>& cancelled) override {
@@ -44,8 +55,16 @@ class PrefillHandler final : public worker::JobHandler {
     // encoder and decode paired with it run the same setting); decode checks it against its own.
     worker::HandoffHeader h{job.request_id(), setup_.fingerprint, n, 0, setup_.dspark};
     const absl::Duration deadline = absl::Milliseconds(setup_.handoff_deadline_ms);
-    auto got = setup_.handoff->Receive(worker::BuildHandoffManifest(c, h, shapes), shapes, deadline,
-                                       &cancelled);
+    // Whole or layer-streamed (the encoder's --handoff-streaming): the first offer decides.
+    bool streamed = false;
+    const absl::Time posted = absl::Now();
+    auto got = setup_.handoff->ReceiveStreamable(c, h, shapes, deadline, &cancelled, &streamed);
+    if (got.ok()) {
+      (streamed ? streamed_ : whole_)->Increment();
+      spdlog::info("epd-prefill: request {}: {} hand-off of {} tokens in {:.0f} ms after the job",
+                   job.request_id(), streamed ? "streamed" : "whole", n,
+                   absl::ToDoubleMilliseconds(absl::Now() - posted));
+    }
     if (!got.ok())
       return absl::Status(got.status().code(),
                           absl::StrCat("encoder -> prefill hand-off: ", got.status().message()));
@@ -81,6 +100,8 @@ class PrefillHandler final : public worker::JobHandler {
   PrefillStage stage_;
   prometheus::Counter& replays_;
   prometheus::Counter& replayed_tokens_;
+  prometheus::Counter* streamed_;
+  prometheus::Counter* whole_;
 };
 
 }  // namespace

@@ -62,9 +62,10 @@ struct RealClusterOptions {
   // When set, every worker gets `--dspark on|off` (the router pairs only workers with the same
   // config fingerprint, which covers the switch).
   std::optional<bool> dspark;
-  // Extra flags for every worker, then for decode workers only.
+  // Extra flags for every worker, then for decode (encoder) workers only.
   std::vector<std::string> worker_args;
   std::vector<std::string> decode_args;
+  std::vector<std::string> encoder_args;
   // Extra flags for the router.
   std::vector<std::string> router_args;
 };
@@ -147,6 +148,8 @@ class RealCluster {
     argv.insert(argv.end(), options_.worker_args.begin(), options_.worker_args.end());
     if (kind == "decode")
       argv.insert(argv.end(), options_.decode_args.begin(), options_.decode_args.end());
+    if (kind == "encoder")
+      argv.insert(argv.end(), options_.encoder_args.begin(), options_.encoder_args.end());
     p->proc = Subprocess::Start(argv, dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
     auto reg = WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60));
     EXPECT_TRUE(reg.has_value()) << p->proc.ReadLog();
