@@ -27,8 +27,125 @@ uint64_t BlockHash(uint64_t seed, uint64_t stream, uint64_t prev, const uint8_t*
 
 // ---------------------------------------------------------------- KvPool
 
-KvPool::KvPool(int64_t capacity_bytes, uint64_t seed)
-    : seed_(seed), capacity_(std::max<int64_t>(0, capacity_bytes)) {}
+KvPool::KvPool(int64_t capacity_bytes, uint64_t seed, kernels::Backend* backend,
+               int64_t slab_bytes)
+    : seed_(seed),
+      backend_(backend),
+      slab_bytes_(std::max<int64_t>(1, slab_bytes)),
+      capacity_(std::max<int64_t>(0, capacity_bytes)) {
+  if (backend_ == nullptr || backend_->memory_kind() != kernels::MemoryKind::kHost) {
+    own_backend_ = kernels::MakeCpuBackend();
+    backend_ = own_backend_.get();
+  }
+}
+
+KvPool::~KvPool() {
+  std::lock_guard<std::mutex> l(mu_);
+  for (auto& [id, rec] : slabs_) {
+    for (auto& [lid, fn] : listeners_) fn(SlabOf(id, rec), false);
+  }
+}
+
+KvPool::Slab KvPool::SlabOf(int64_t id, const SlabRec& r) const {
+  return {id, static_cast<uint8_t*>(const_cast<void*>(r.buffer.data())), r.buffer.bytes(),
+          r.slot_bytes, r.buffer.kind()};
+}
+
+absl::Status KvPool::NewSlabLocked(int64_t slot_bytes) {
+  int64_t n = std::max<int64_t>(1, slab_bytes_ / slot_bytes);
+  // With a capacity a slab is at most 1/kSlabsPerCapacity of it (at least one slot): the slabs'
+  // partly filled tails, one per block size, stay small against the capacity.
+  if (capacity_ > 0) {
+    n = std::min(n, std::max<int64_t>(1, capacity_ / kSlabsPerCapacity / slot_bytes));
+  }
+  n = std::min<int64_t>(n, std::numeric_limits<int32_t>::max() - slots_.size());
+  if (n <= 0) return absl::ResourceExhaustedError("kv pool: out of block ids");
+  if (capacity_ > 0 && stats_.slab_bytes + n * slot_bytes > capacity_) {
+    TrimLocked(slot_bytes);  // slots of other sizes, wholly free, make room
+  }
+  absl::StatusOr<kernels::Buffer> buf = backend_->Allocate(n * slot_bytes);
+  if (!buf.ok()) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat("kv pool: slab of ", n * slot_bytes, " bytes: ", buf.status().message()));
+  }
+  const int64_t sid = next_slab_id_++;
+  SlabRec& rec = slabs_[sid];
+  rec.buffer = std::move(*buf);
+  rec.slot_bytes = slot_bytes;
+  rec.first_id = static_cast<int32_t>(slots_.size());
+  rec.slots = static_cast<int32_t>(n);
+  std::vector<int32_t>& fl = free_ids_[slot_bytes];
+  uint8_t* base = rec.buffer.as<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    Slot& s = slots_.emplace_back();
+    s.mem = base + i * slot_bytes;
+    s.bytes = slot_bytes;
+    s.slab = sid;
+  }
+  for (int64_t i = n - 1; i >= 0; --i) fl.push_back(rec.first_id + static_cast<int32_t>(i));
+  stats_.slab_bytes += rec.buffer.bytes();
+  ++stats_.slabs;
+  stats_.free_slots += n;
+  for (auto& [lid, fn] : listeners_) fn(SlabOf(sid, rec), true);
+  return absl::OkStatus();
+}
+
+int64_t KvPool::TrimLocked(int64_t except_slot_bytes) {
+  int64_t freed = 0;
+  for (auto it = slabs_.begin(); it != slabs_.end();) {
+    SlabRec& rec = it->second;
+    if (rec.in_use > 0 || rec.slot_bytes == except_slot_bytes) {
+      ++it;
+      continue;
+    }
+    for (auto& [lid, fn] : listeners_) fn(SlabOf(it->first, rec), false);
+    std::vector<int32_t>& fl = free_ids_[rec.slot_bytes];
+    const int32_t lo = rec.first_id, hi = rec.first_id + rec.slots;
+    std::erase_if(fl, [&](int32_t id) { return id >= lo && id < hi; });
+    for (int32_t id = lo; id < hi; ++id) slots_[id].mem = nullptr;
+    freed += rec.buffer.bytes();
+    stats_.slab_bytes -= rec.buffer.bytes();
+    --stats_.slabs;
+    stats_.free_slots -= rec.slots;
+    it = slabs_.erase(it);  // the Buffer goes back to the backend
+  }
+  return freed;
+}
+
+int64_t KvPool::Trim() {
+  std::lock_guard<std::mutex> l(mu_);
+  return TrimLocked(-1);
+}
+
+void KvPool::ForEachSlab(const std::function<void(const Slab&)>& fn) const {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, rec] : slabs_) fn(SlabOf(id, rec));
+}
+
+int KvPool::AddSlabListener(SlabListener fn) {
+  std::lock_guard<std::mutex> l(mu_);
+  for (const auto& [id, rec] : slabs_) fn(SlabOf(id, rec), true);
+  const int lid = next_listener_++;
+  listeners_.emplace(lid, std::move(fn));
+  return lid;
+}
+
+void KvPool::RemoveSlabListener(int id) {
+  std::lock_guard<std::mutex> l(mu_);
+  listeners_.erase(id);
+}
+
+KvPool::Slab KvPool::FindSlab(const void* p, int64_t bytes) const {
+  std::lock_guard<std::mutex> l(mu_);
+  // Addresses compared as integers: `p` may be any memory, not only the pool's.
+  const auto q = reinterpret_cast<uintptr_t>(p);
+  for (const auto& [id, rec] : slabs_) {
+    const auto b = reinterpret_cast<uintptr_t>(rec.buffer.data());
+    if (q >= b && q + static_cast<uint64_t>(bytes) <= b + static_cast<uint64_t>(rec.buffer.bytes()))
+      return SlabOf(id, rec);
+  }
+  return {};
+}
 
 absl::Status KvPool::Allocate(int64_t bytes, Block* out) {
   std::lock_guard<std::mutex> l(mu_);
@@ -43,23 +160,26 @@ absl::Status KvPool::Allocate(int64_t bytes, Block* out) {
       }
     }
   }
-  int32_t id;
-  if (!free_ids_.empty()) {
-    id = free_ids_.back();
-    free_ids_.pop_back();
-  } else {
-    id = static_cast<int32_t>(slots_.size());
-    slots_.emplace_back();
+  auto fl = free_ids_.find(bytes);
+  if (fl == free_ids_.end() || fl->second.empty()) {
+    if (absl::Status st = NewSlabLocked(bytes); !st.ok()) {
+      ++stats_.alloc_failures;
+      return st;
+    }
+    fl = free_ids_.find(bytes);
   }
+  const int32_t id = fl->second.back();
+  fl->second.pop_back();
   Slot& s = slots_[id];
-  s.mem = std::make_unique<uint8_t[]>(static_cast<size_t>(bytes));
-  s.bytes = bytes;
   s.refs = 1;
+  s.in_use = true;
   s.sealed = false;
   s.cached = false;
+  ++slabs_[s.slab].in_use;
+  --stats_.free_slots;
   stats_.used_bytes += bytes;
   ++stats_.used_blocks;
-  *out = {id, s.mem.get()};
+  *out = {id, s.mem};
   return absl::OkStatus();
 }
 
@@ -117,9 +237,12 @@ void KvPool::TrimCacheLocked() {
 }
 
 void KvPool::FreeLocked(int32_t id) {
-  slots_[id].mem.reset();  // the memory goes back to the allocator
-  slots_[id].bytes = 0;
-  free_ids_.push_back(id);
+  Slot& s = slots_[id];  // the slot goes back to its size's free list; the slab stays
+  s.in_use = false;
+  s.refs = 0;
+  --slabs_[s.slab].in_use;
+  ++stats_.free_slots;
+  free_ids_[s.bytes].push_back(id);
 }
 
 bool KvPool::EvictOneLocked() {
@@ -155,8 +278,8 @@ KvPool::Block KvPool::Seal(Block b, uint64_t hash) {
   if (it != by_hash_.end() && it->second != b.id) {
     Slot& other = slots_[it->second];
     if (other.bytes == mine.bytes &&
-        std::memcmp(other.mem.get(), mine.mem.get(), static_cast<size_t>(mine.bytes)) == 0) {
-      const Block shared{it->second, other.mem.get()};
+        std::memcmp(other.mem, mine.mem, static_cast<size_t>(mine.bytes)) == 0) {
+      const Block shared{it->second, other.mem};
       ++stats_.shared_hits;
       RefLocked(shared.id);
       UnrefLocked(b.id);

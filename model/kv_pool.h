@@ -22,15 +22,28 @@
 //
 // Capacity: bytes in use + cached <= capacity (0 = unbounded; the cache then keeps at most
 // kUnboundedCacheBytes). An allocation that does not fit after evicting every cached block fails
-// with ResourceExhausted (the decode worker preempts). A block's memory is allocated when the
-// block is and freed when it is neither used nor cached: a pool holds what its sequences hold.
+// with ResourceExhausted (the decode worker preempts).
+//
+// Memory: the blocks live in slabs, large buffers from `Backend::Allocate` (host memory on the
+// CPU backend) carved into fixed-size slots, one slot size per block size (a model has a few:
+// one per stream kind and ratio). A slab is allocated when a block of its size finds no free
+// slot; a freed block's slot goes back to its size's free list (reused last-in first-out), and
+// the slab stays: the pool's memory only grows, up to its high-water, and goes back to the
+// backend only on Trim() (slabs none of whose slots holds a block) or with the pool. Slab memory
+// = the blocks' bytes (used + cached, bounded by the capacity) + the free slots (each size's
+// high-water minus what it holds now). With a capacity a slab is at most 1/kSlabsPerCapacity of
+// it, and when a new slab would take the slab memory past the capacity the pool first gives back
+// wholly free slabs of the other sizes (slots of one size cannot serve another). The slabs can
+// be registered with a transport (UCX) once: ForEachSlab / AddSlabListener.
 //
 // Thread-safety: KvPool is thread-safe. A KvRows is used by one thread at a time (as the
 // SequenceState holding it); different KvRows may share blocks across threads (shared blocks are
 // never written).
 
 #include <cstdint>
+#include <functional>
 #include <list>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -38,11 +51,15 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "kernels/backend.h"
 
 namespace epd::model {
 
 inline constexpr int64_t kKvBlockTokens = 64;
 inline constexpr int64_t kUnboundedCacheBytes = int64_t{64} << 20;
+inline constexpr int64_t kDefaultSlabBytes = int64_t{4} << 20;
+// With a capacity, a slab holds at most capacity / kSlabsPerCapacity bytes of slots.
+inline constexpr int64_t kSlabsPerCapacity = 16;
 
 class KvPool {
  public:
@@ -55,15 +72,36 @@ class KvPool {
     int64_t shared_hits = 0;  // seals that found an identical block (memory saved)
     int64_t evictions = 0;
     int64_t alloc_failures = 0;
+    int64_t slab_bytes = 0;  // memory taken from the backend (the slabs)
+    int64_t slabs = 0;
+    int64_t free_slots = 0;  // slots of the slabs that hold no block
   };
+  // One slab: `bytes` of backend memory at `data`, slots of `slot_bytes` each.
+  struct Slab {
+    int64_t id = -1;
+    uint8_t* data = nullptr;
+    int64_t bytes = 0;
+    int64_t slot_bytes = 0;
+    kernels::MemoryKind kind = kernels::MemoryKind::kHost;
+  };
+  // Told of every slab: added = true when it is allocated (and, on AddSlabListener, for every
+  // slab already there), false just before it goes back to the backend. Called with the pool's
+  // lock held: it must not call into the pool.
+  using SlabListener = std::function<void(const Slab& slab, bool added)>;
   struct Block {
     int32_t id = -1;
     uint8_t* data = nullptr;
   };
 
   // `seed` enters every content hash (a config fingerprint: blocks of different models never
-  // match).
-  explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0);
+  // match). `backend` gives the slabs (nullptr, or a backend whose memory is not host memory: a
+  // CPU backend the pool owns, since the model reads the blocks with host code today); it must
+  // outlive the pool, and its Allocate is called from whichever thread allocates a block.
+  // `slab_bytes`: the size of a slab (rounded down to whole slots, at least one; with a capacity,
+  // at most capacity / kSlabsPerCapacity).
+  explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0,
+                  kernels::Backend* backend = nullptr, int64_t slab_bytes = kDefaultSlabBytes);
+  ~KvPool();
   KvPool(const KvPool&) = delete;
   KvPool& operator=(const KvPool&) = delete;
 
@@ -88,27 +126,59 @@ class KvPool {
   Stats stats() const;
   uint64_t seed() const { return seed_; }
 
+  // Gives every slab back to the backend that holds no block (cached blocks are kept: they are
+  // blocks). Returns the bytes given back.
+  int64_t Trim();
+  // The slabs now, in allocation order.
+  void ForEachSlab(const std::function<void(const Slab&)>& fn) const;
+  // Calls `fn(slab, true)` for each slab now, then on every slab allocated or freed later, until
+  // RemoveSlabListener(returned id).
+  int AddSlabListener(SlabListener fn);
+  void RemoveSlabListener(int id);
+  // The slab holding [p, p + bytes); id -1 when no slab of the pool holds all of it.
+  Slab FindSlab(const void* p, int64_t bytes) const;
+
  private:
   struct Slot {
-    std::unique_ptr<uint8_t[]> mem;
-    int64_t bytes = 0;
+    uint8_t* mem = nullptr;  // nullptr: its slab was given back (the id is not reused)
+    int64_t bytes = 0;       // the slot size
+    int64_t slab = -1;       // id of its slab
     int refs = 0;
+    bool in_use = false;  // holds a block (used or cached)
     bool sealed = false;
     uint64_t hash = 0;
     bool cached = false;
     std::list<int32_t>::iterator lru;
+  };
+  struct SlabRec {
+    kernels::Buffer buffer;
+    int64_t slot_bytes = 0;
+    int32_t first_id = 0;  // its slots are ids [first_id, first_id + slots)
+    int32_t slots = 0;
+    int32_t in_use = 0;
   };
   bool EvictOneLocked();
   void TrimCacheLocked();
   void RefLocked(int32_t id);
   void UnrefLocked(int32_t id);
   void FreeLocked(int32_t id);
+  absl::Status NewSlabLocked(int64_t slot_bytes);
+  int64_t TrimLocked(int64_t except_slot_bytes);
+  Slab SlabOf(int64_t id, const SlabRec& r) const;
 
   const uint64_t seed_;
+  std::unique_ptr<kernels::Backend> own_backend_;
+  kernels::Backend* backend_ = nullptr;
+  const int64_t slab_bytes_;
   mutable std::mutex mu_;
   int64_t capacity_ = 0;
   std::vector<Slot> slots_;
-  std::vector<int32_t> free_ids_;  // slots without a block (their memory freed)
+  // Free slots per slot size.
+  absl::flat_hash_map<int64_t, std::vector<int32_t>> free_ids_;
+  std::map<int64_t, SlabRec> slabs_;  // by slab id (allocation order)
+  int64_t next_slab_id_ = 0;
+  std::map<int, SlabListener> listeners_;
+  int next_listener_ = 0;
   absl::flat_hash_map<uint64_t, int32_t> by_hash_;
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;

@@ -35,7 +35,7 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
   const uint64_t seed =
       absl::HashOf(c.dim, c.head_dim, c.index_head_dim, c.window_size, c.compress_ratios,
                    c.kv_source_layers, c.vocab_size, options_.unquantized_kv);
-  kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed);
+  kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed, &backend_);
 }
 
 int64_t KvBlockBytes(const ModelConfig& c, bool unquantized_kv) {

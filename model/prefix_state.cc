@@ -93,12 +93,25 @@ absl::StatusOr<Value> Decode(std::string_view in, const std::string& what) {
   return v;
 }
 
-std::string Bytes(const std::vector<uint8_t>& b) { return std::string(b.begin(), b.end()); }
-
 std::string I64s(std::span<const int64_t> v) {
   std::string b;
   for (int64_t x : v) Put<int64_t>(b, x);
   return b;
+}
+
+// Rows [e0, e1) of a stream in its packed format, for a store block: when the range is exactly one
+// pool block (the store's 64-token block is the pool's), that block's bytes as they are; else
+// the rows copied from the blocks (KvRows::CopyPacked; packed from fp32 for the unquantized
+// switch).
+std::string PackedRows(const KvRows& rows, int64_t e0, int64_t e1, KvRowFormat packed) {
+  const int64_t rpb = rows.rows_per_block();
+  if (rows.format() != KvRowFormat::kF32 && e0 % rpb == 0 && e1 - e0 == rpb) {
+    const uint8_t* p = rows.blocks()[static_cast<size_t>(e0 / rpb)].data;
+    return std::string(reinterpret_cast<const char*>(p), static_cast<size_t>(rpb * rows.row_bytes()));
+  }
+  std::vector<uint8_t> v;
+  rows.CopyPacked(e0, e1 - e0, v, packed);
+  return std::string(v.begin(), v.end());
 }
 
 // Compressed ids of the last max_ngram-1 tokens before `end` (the Engram history at `end`).
@@ -127,9 +140,8 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
   if (static_cast<int64_t>(prompt.size()) < state.pos)
     return absl::InvalidArgumentError("prefix cut: fewer tokens than the state's position");
   const int64_t hd = c.head_dim;
-  const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(c.index_head_dim);
-  std::map<std::string, std::vector<uint8_t>> full;
-  for (StateSegment& s : SerializeState(c, state)) full[s.name] = std::move(s.bytes);
+  // The kv / keys segments come from the pool's blocks as they are (no whole-state
+  // serialization, no re-pack).
   std::vector<std::string> out;
   for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t end = (b + 1) * B;
@@ -146,16 +158,18 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
       if (src.n < e1)
         return absl::FailedPreconditionError(
             absl::StrCat("prefix cut: source ", l, " has ", src.n, " entries, block needs ", e1));
-      const std::vector<uint8_t>& kv = full[absl::StrCat("kv.", l)];
-      const std::vector<uint8_t>& keys = full[absl::StrCat("keys.", l)];
       segs.emplace_back(absl::StrCat("kv.", l),
-                        std::string(kv.begin() + e0 * eb, kv.begin() + e1 * eb));
+                        PackedRows(src.kv, e0, e1, KvRowFormat::kPackedKv));
       segs.emplace_back(absl::StrCat("keys.", l),
-                        std::string(keys.begin() + e0 * kb, keys.begin() + e1 * kb));
+                        PackedRows(src.keys, e0, e1, KvRowFormat::kPackedKey));
       if (src.ratio > 1) {
         std::string tail;
         if (b + 1 == end_block) {
-          tail = Bytes(full[absl::StrCat("tail.", l)]);
+          // The compressor tail as the hand-off holds it: fp32 kv_state, then score_state.
+          tail.resize((src.kv_state.size() + src.score_state.size()) * 4);
+          std::memcpy(tail.data(), src.kv_state.data(), src.kv_state.size() * 4);
+          std::memcpy(tail.data() + src.kv_state.size() * 4, src.score_state.data(),
+                      src.score_state.size() * 4);
         } else {
           // Rebuild the tail at `end` from the compressor log: slot q % r holds row q.
           const int64_t rows = static_cast<int64_t>(src.log_kv.size()) / hd;
@@ -195,12 +209,17 @@ absl::StatusOr<std::string> CutSwaSnapshot(const Model& model, const SequenceSta
         absl::StrCat("swa snapshot: state at ", state.pos, " is not at a block boundary"));
   }
   const int split = DecoderSplitLayer(c);
-  std::map<std::string, std::vector<uint8_t>> full;
-  for (StateSegment& s : SerializeState(c, state)) full[s.name] = std::move(s.bytes);
+  // The encoder layers' SWA rings in the hand-off's packed slot format (only those: no
+  // whole-state serialization).
+  const int64_t hd = c.head_dim, slot = kf::PackedSwaSlotBytes(hd);
   std::vector<std::pair<std::string, std::string>> segs;
   for (int l = 0; l < split; ++l) {
-    const std::string name = absl::StrCat("swa.", l);
-    segs.emplace_back(name, Bytes(full[name]));
+    std::string ring(static_cast<size_t>(c.window_size * slot), '\0');
+    for (int64_t w = 0; w < c.window_size; ++w) {
+      kf::PackSwaSlot(state.swa[l].data() + w * hd, hd,
+                      reinterpret_cast<uint8_t*>(ring.data()) + w * slot);
+    }
+    segs.emplace_back(absl::StrCat("swa.", l), std::move(ring));
   }
   segs.emplace_back("engram", I64s(state.engram_history));
   return Encode(kKindSnapshot, B, state.pos, state.pos / B - 1, segs);

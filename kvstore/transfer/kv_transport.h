@@ -47,7 +47,8 @@ struct TransportCapabilities {
 
 // Outstanding resources of one transport instance. All zero when idle and nothing is held.
 struct ResourceCounts {
-  int64_t registrations = 0;    // memory regions registered with the wire (UCX mem_map)
+  int64_t registrations = 0;    // memory regions registered with the wire (UCX mem_map), the
+                                // transfers' own and RegisterMemory's
   int64_t allocations = 0;      // live TransferBuffers made by Allocate(), wherever they are
   int64_t allocated_bytes = 0;  // their total size
   int64_t live_transfers = 0;   // transfers not yet provably stopped
@@ -70,8 +71,11 @@ class TransferBuffer {
 
  private:
   friend class TransferEngine;
-  TransferBuffer(std::shared_ptr<ResourceCounters> counters, uint8_t* data, uint64_t size);
+  TransferBuffer(std::shared_ptr<ResourceCounters> counters, uint8_t* data, uint64_t size,
+                 std::shared_ptr<const void> keepalive = nullptr);
   std::shared_ptr<ResourceCounters> counters_;
+  // Borrowed memory (KvTransport::Borrow): not freed here; the owner's keepalive is dropped.
+  std::shared_ptr<const void> keepalive_;
   uint8_t* data_;
   uint64_t size_;
 };
@@ -128,6 +132,19 @@ class KvTransport {
   // Registered memory for Send (fill it with the segments) or Receive (size it from the expected
   // manifest). Counted in Resources() until destroyed.
   virtual absl::StatusOr<std::unique_ptr<TransferBuffer>> Allocate(uint64_t bytes) = 0;
+
+  // Registers the caller's memory [addr, addr + length) with the wire once (UCX ucp_mem_map): a
+  // Send or Receive whose buffer lies inside it uses this registration instead of registering
+  // the buffer per transfer. Counted in Resources().registrations until DeregisterMemory. The
+  // memory must stay valid, and no transfer may still use it, until DeregisterMemory.
+  virtual absl::StatusOr<uint64_t> RegisterMemory(void* addr, uint64_t length) = 0;
+  virtual void DeregisterMemory(uint64_t handle) = 0;
+  // A TransferBuffer over the caller's memory [data, data + size), without a copy (a payload
+  // sent straight from, e.g., the KV pool's registered slabs). `keepalive` is held until the
+  // transport releases the buffer (the caller's memory must live that long). Counted in
+  // Resources().allocations like Allocate's buffers.
+  virtual absl::StatusOr<std::unique_ptr<TransferBuffer>> Borrow(
+      uint8_t* data, uint64_t size, std::shared_ptr<const void> keepalive) = 0;
 
   // Offers `manifest` (checksums are filled in here) with `payload` holding its segments back to
   // back. The transport owns `payload` from now on. Fails fast if the sizes disagree.

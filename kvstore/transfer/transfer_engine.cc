@@ -68,11 +68,11 @@ absl::string_view StateName(TransferState state) {
 }
 
 TransferBuffer::TransferBuffer(std::shared_ptr<ResourceCounters> counters, uint8_t* data,
-                               uint64_t size)
-    : counters_(std::move(counters)), data_(data), size_(size) {}
+                               uint64_t size, std::shared_ptr<const void> keepalive)
+    : counters_(std::move(counters)), keepalive_(std::move(keepalive)), data_(data), size_(size) {}
 
 TransferBuffer::~TransferBuffer() {
-  std::free(data_);
+  if (keepalive_ == nullptr) std::free(data_);
   counters_->allocations.fetch_sub(1);
   counters_->allocated_bytes.fetch_sub(static_cast<int64_t>(size_));
 }
@@ -161,6 +161,7 @@ struct TransferEngine::Transfer {
   epd::v1::Manifest manifest;
   std::unique_ptr<TransferBuffer> buffer;
   uint64_t mem = 0;
+  bool owns_mem = true;  // false: mem is a RegisterMemory region's (not deregistered here)
   std::vector<uint64_t> offsets;
   std::vector<uint64_t> received;
   std::vector<int64_t> segment_done_ns;
@@ -338,6 +339,76 @@ absl::StatusOr<std::unique_ptr<TransferBuffer>> TransferEngine::Allocate(uint64_
       new TransferBuffer(counters_, static_cast<uint8_t*>(p), bytes));
 }
 
+absl::StatusOr<std::unique_ptr<TransferBuffer>> TransferEngine::Borrow(
+    uint8_t* data, uint64_t size, std::shared_ptr<const void> keepalive) {
+  if (data == nullptr && size > 0) return absl::InvalidArgumentError("Borrow: null memory");
+  if (keepalive == nullptr) keepalive = std::make_shared<int>(0);  // marks the buffer borrowed
+  counters_->allocations.fetch_add(1);
+  counters_->allocated_bytes.fetch_add(static_cast<int64_t>(size));
+  return std::unique_ptr<TransferBuffer>(
+      new TransferBuffer(counters_, data, size, std::move(keepalive)));
+}
+
+absl::StatusOr<uint64_t> TransferEngine::RegisterMemory(void* addr, uint64_t length) {
+  if (addr == nullptr || length == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("RegisterMemory: empty region (", length, " bytes)"));
+  }
+  const auto start = reinterpret_cast<uintptr_t>(addr);
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    auto next = regions_.lower_bound(start);
+    if ((next != regions_.end() && next->first < start + length) ||
+        (next != regions_.begin() && std::prev(next)->first + std::prev(next)->second.length >
+                                         start)) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("RegisterMemory: ", length, " bytes at ", absl::Hex(start),
+                       " overlap a region registered before"));
+    }
+  }
+  absl::StatusOr<uint64_t> reg = wire_->Register(addr, length);
+  if (!reg.ok()) return reg.status();
+  counters_->registrations.fetch_add(1);
+  metrics_->registrations().Increment();
+  std::lock_guard<std::mutex> lock(regions_mu_);
+  regions_[start] = {length, *reg};
+  return *reg;
+}
+
+void TransferEngine::DeregisterMemory(uint64_t handle) {
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    auto it = std::find_if(regions_.begin(), regions_.end(),
+                           [&](const auto& r) { return r.second.handle == handle; });
+    if (it == regions_.end()) return;
+    regions_.erase(it);
+  }
+  wire_->Deregister(handle);
+  counters_->registrations.fetch_sub(1);
+  metrics_->registrations().Decrement();
+}
+
+absl::StatusOr<uint64_t> TransferEngine::RegistrationFor(uint8_t* p, uint64_t n, bool* owned) {
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  {
+    std::lock_guard<std::mutex> lock(regions_mu_);
+    auto it = regions_.upper_bound(start);
+    if (it != regions_.begin()) {
+      --it;
+      if (start + n <= it->first + it->second.length) {
+        *owned = false;
+        return it->second.handle;
+      }
+    }
+  }
+  absl::StatusOr<uint64_t> reg = wire_->Register(p, n);
+  if (!reg.ok()) return reg.status();
+  *owned = true;
+  counters_->registrations.fetch_add(1);
+  metrics_->registrations().Increment();
+  return *reg;
+}
+
 absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest manifest,
                                                 std::unique_ptr<TransferBuffer> payload,
                                                 const TransferOptions& options) {
@@ -357,12 +428,11 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
     s->set_checksum(0);
   }
   uint64_t mem = 0;
+  bool owns_mem = false;
   if (total > 0) {
-    absl::StatusOr<uint64_t> reg = wire_->Register(payload->data(), total);
+    absl::StatusOr<uint64_t> reg = RegistrationFor(payload->data(), total, &owns_mem);
     if (!reg.ok()) return reg.status();
     mem = *reg;
-    counters_->registrations.fetch_add(1);
-    metrics_->registrations().Increment();
   }
   std::lock_guard<std::mutex> lock(mu_);
   auto pit = peers_.find(peer);
@@ -375,7 +445,7 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
     bad = absl::UnavailableError(absl::StrCat("Send: peer ", peer, " is not connected"));
   }
   if (!bad.ok()) {
-    if (mem != 0) {
+    if (mem != 0 && owns_mem) {
       wire_->Deregister(mem);
       counters_->registrations.fetch_sub(1);
       metrics_->registrations().Decrement();
@@ -392,6 +462,7 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   t->manifest = std::move(manifest);
   t->buffer = std::move(payload);
   t->mem = mem;
+  t->owns_mem = owns_mem;
   t->offsets = offsets;
   t->state = TransferState::kOffered;
   t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
@@ -435,16 +506,15 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
     return absl::InvalidArgumentError(absl::StrCat("Receive: expected manifest sums to ", total,
                                                    " bytes but the buffer holds ", into->size()));
   uint64_t mem = 0;
+  bool owns_mem = false;
   if (total > 0) {
-    absl::StatusOr<uint64_t> reg = wire_->Register(into->data(), total);
+    absl::StatusOr<uint64_t> reg = RegistrationFor(into->data(), total, &owns_mem);
     if (!reg.ok()) return reg.status();
     mem = *reg;
-    counters_->registrations.fetch_add(1);
-    metrics_->registrations().Increment();
   }
   std::lock_guard<std::mutex> lock(mu_);
   if (stopping_ || receiving_.contains(expected.request_id())) {
-    if (mem != 0) {
+    if (mem != 0 && owns_mem) {
       wire_->Deregister(mem);
       counters_->registrations.fetch_sub(1);
       metrics_->registrations().Decrement();
@@ -463,6 +533,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
   t->manifest = std::move(expected);
   t->buffer = std::move(into);
   t->mem = mem;
+  t->owns_mem = owns_mem;
   t->state = TransferState::kExpecting;
   t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
   t->deadline_ns = now + absl::ToInt64Nanoseconds(options.deadline);
@@ -1222,7 +1293,9 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
 
 void TransferEngine::TryRelease(Transfer& t) {
   if (!t.terminal() || t.ops > 0 || t.hash_busy || t.released) return;
-  if (t.mem != 0) {
+  if (t.mem != 0 && !t.owns_mem) {
+    t.mem = 0;  // a RegisterMemory region: its owner deregisters it
+  } else if (t.mem != 0) {
     wire_->Deregister(t.mem);
     t.mem = 0;
     counters_->registrations.fetch_sub(1);

@@ -61,6 +61,10 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void Disconnect(PeerId peer) override;
   absl::StatusOr<TransportKind> PeerTransport(PeerId peer) const override;
   absl::StatusOr<std::unique_ptr<TransferBuffer>> Allocate(uint64_t bytes) override;
+  absl::StatusOr<uint64_t> RegisterMemory(void* addr, uint64_t length) override;
+  void DeregisterMemory(uint64_t handle) override;
+  absl::StatusOr<std::unique_ptr<TransferBuffer>> Borrow(
+      uint8_t* data, uint64_t size, std::shared_ptr<const void> keepalive) override;
   absl::StatusOr<TransferId> Send(PeerId peer, epd::v1::Manifest manifest,
                                   std::unique_ptr<TransferBuffer> payload,
                                   const TransferOptions& options) override;
@@ -130,6 +134,9 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void Tick(const std::vector<LivenessProbe>& probes);
   void TickLoop();
   TransportKind KindOf(PeerId peer) const;
+  // The registration of [p, p + n) for a transfer: a RegisterMemory region holding it (`owned`
+  // false) or a new registration of its own (`owned` true).
+  absl::StatusOr<uint64_t> RegistrationFor(uint8_t* p, uint64_t n, bool* owned);
   Transfer* Find(TransferId id);
 
   std::unique_ptr<Wire> wire_;
@@ -138,6 +145,14 @@ class TransferEngine final : public KvTransport, private WireHandler {
   std::unique_ptr<TransferMetrics> metrics_;
   std::shared_ptr<ResourceCounters> counters_;
   TransportCapabilities caps_;
+
+  // RegisterMemory's regions: start address -> (length, wire handle). Own lock (taken alone).
+  struct CallerRegion {
+    uint64_t length = 0;
+    uint64_t handle = 0;
+  };
+  mutable std::mutex regions_mu_;
+  std::map<uintptr_t, CallerRegion> regions_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;  // any transfer or peer changed state

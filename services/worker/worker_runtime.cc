@@ -26,6 +26,7 @@
 #include "model/model.h"
 #include "services/runtime/process.h"
 #include "services/runtime/shutdown.h"
+#include "services/worker/pool_registration.h"
 
 namespace epd::worker {
 namespace {
@@ -144,7 +145,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
 // Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
 // the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
-// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool) and the C heap (in_use:
+// prefix reuse, at most kUnboundedCacheBytes in an unbounded pool; slabs: the memory it holds,
+// which only grows to its high-water, docs/memory.md) and the C heap (in_use:
 // allocated; free: freed chunks the allocator keeps for reuse, resident where touched; mmapped:
 // large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
 class MemoryGauges {
@@ -153,10 +155,12 @@ class MemoryGauges {
     auto& pool = prometheus::BuildGauge()
                      .Name("epd_kv_pool_bytes")
                      .Help("Bytes of the worker's KV pool by state: used (held by sequences), "
-                           "cached (sealed blocks nobody holds, kept for prefix reuse)")
+                           "cached (sealed blocks nobody holds, kept for prefix reuse), slabs "
+                           "(the memory the pool holds: used + cached + free slots)")
                      .Register(reg);
     pool_used_ = &pool.Add({{"state", "used"}});
     pool_cached_ = &pool.Add({{"state", "cached"}});
+    pool_slabs_ = &pool.Add({{"state", "slabs"}});
     auto& heap = prometheus::BuildGauge()
                      .Name("epd_malloc_bytes")
                      .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
@@ -173,6 +177,7 @@ class MemoryGauges {
     const model::KvPool::Stats s = kv_.stats();
     pool_used_->Set(static_cast<double>(s.used_bytes));
     pool_cached_->Set(static_cast<double>(s.cached_bytes));
+    pool_slabs_->Set(static_cast<double>(s.slab_bytes));
     const struct mallinfo2 m = mallinfo2();
     heap_in_use_->Set(static_cast<double>(m.uordblks));
     heap_free_->Set(static_cast<double>(m.fordblks));
@@ -183,6 +188,7 @@ class MemoryGauges {
   const model::KvPool& kv_;
   prometheus::Gauge* pool_used_;
   prometheus::Gauge* pool_cached_;
+  prometheus::Gauge* pool_slabs_;
   prometheus::Gauge* heap_in_use_;
   prometheus::Gauge* heap_free_;
   prometheus::Gauge* heap_mmapped_;
@@ -302,6 +308,9 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     return 1;
   }
   HandoffPeer handoff(**transport);
+  // The KV pool's slabs, registered with the wire once each as the pool allocates them (counted
+  // in epd_transfer_outstanding{resource="registrations"}); destroyed before the transport.
+  PoolRegistration pool_registration((*model)->kv_pool_ptr(), **transport);
   if (selftest_bytes > 0) {
     // epd_transfer_selftest_bandwidth_bytes_per_second{transport}: what this host's UCX moves,
     // the operator's baseline for the transfer panels. A failure is logged, not fatal.

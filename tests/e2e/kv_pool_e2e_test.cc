@@ -3,7 +3,8 @@
 // processes, the decode worker started with a --kv-pool-bytes that holds two long requests at
 // most. More long requests than that, submitted at once, all complete; each output equals its
 // output when run alone; the worker counts preemptions on /metrics
-// (epd_kv_pool_preemptions_total) and exports its pool's blocks by state.
+// (epd_kv_pool_preemptions_total) and exports its pool's blocks by state; the pool's slabs are
+// registered with the worker's UCX wire.
 #include <grpcpp/grpcpp.h>
 #include <gtest/gtest.h>
 
@@ -91,6 +92,12 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   const double cached = ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"cached\"}").value_or(-1);
   EXPECT_EQ(used, 0.0);
   EXPECT_DOUBLE_EQ(free + cached, 16.0);
+  // The pool's memory is slabs from the backend, kept at their high-water while idle, each
+  // registered with the worker's UCX wire (an idle engine holds no registration of its own).
+  EXPECT_GT(ScrapeMetric(dm, "epd_kv_pool_bytes{state=\"slabs\"}").value_or(-1), 0.0);
+  EXPECT_GE(
+      ScrapeMetric(dm, "epd_transfer_outstanding{resource=\"registrations\"}").value_or(-1), 1.0)
+      << cluster.Logs();
 }
 
 // A request whose state can never fit the pool fails with a clear error; the worker stays up and

@@ -135,6 +135,46 @@ TEST_F(PrefixStateTest, CutAndAssembleRoundTripIsBitExact) {
 // windows truncated there. A replay of one window only (the bounded replay DESIGN.md describes)
 // is not: the rings of the later encoder layers depend on more than one window before P, and
 // with them greedy outputs departed from the no-store run (docs/chaos.md).
+// A store write takes the pool's blocks as they are: every G3 block value holds, for each KV
+// source, the bytes of that source's pool blocks for the block's tokens verbatim (the store's
+// 64-token block is the pool's block). A store read lands in pool blocks, and where an identical
+// block is already in the pool (here: the state it was cut from) it shares that block.
+TEST_F(PrefixStateTest, StoreBlocksAreThePoolBlocksBytes) {
+  const std::vector<int32_t> p = Prompt(192);
+  auto st = model_->NewSequence();
+  auto a = model::EncoderPass(*model_, *st, p, Tail());
+  ASSERT_TRUE(a.ok());
+  auto blocks = model::CutPrefixBlocks(*model_, *st, p, 0, 3);
+  ASSERT_TRUE(blocks.ok()) << blocks.status();
+  int checked = 0;
+  for (const auto& [l, src] : st->sources) {
+    for (const model::KvRows* rows : {&src.kv, &src.keys}) {
+      ASSERT_EQ(rows->rows_per_block() * std::max(1, src.ratio), kPrefixBlockTokens);
+      for (size_t b = 0; b < 3; ++b) {
+        const std::string bytes(reinterpret_cast<const char*>(rows->blocks()[b].data),
+                                static_cast<size_t>(rows->rows_per_block() * rows->row_bytes()));
+        EXPECT_NE((*blocks)[b].find(bytes), std::string::npos)
+            << "source " << l << " block " << b << ": the pool block's bytes are not in the value";
+        ++checked;
+      }
+    }
+  }
+  EXPECT_EQ(checked, 3 * 2 * static_cast<int>(st->sources.size()));
+  auto snap = model::CutSwaSnapshot(*model_, *st);
+  ASSERT_TRUE(snap.ok()) << snap.status();
+  const int64_t used = model_->kv_pool().stats().used_bytes;
+  auto back = model::AssemblePrefixState(*model_, *blocks, &*snap);
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (const auto& [l, src] : st->sources) {
+    const auto& got = (*back)->sources.at(l);
+    for (size_t b = 0; b < 3; ++b) {
+      EXPECT_EQ(got.kv.blocks()[b].id, src.kv.blocks()[b].id) << "source " << l << " block " << b;
+      EXPECT_EQ(got.keys.blocks()[b].id, src.keys.blocks()[b].id) << "source " << l;
+    }
+  }
+  EXPECT_EQ(model_->kv_pool().stats().used_bytes, used);  // shared: no new block held
+}
+
 TEST_F(PrefixStateTest, WithoutASnapshotTheReplayRebuildsTheEncoderRingsExactly) {
   const auto& c = model_->config();
   const int split = model::DecoderSplitLayer(c);

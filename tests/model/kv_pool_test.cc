@@ -5,10 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
+#include <set>
+#include <utility>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/format.h"
 #include "model/model.h"
 #include "model/sequence_state.h"
@@ -177,6 +181,126 @@ TEST(KvPoolTest, CapacityEvictsCachedBlocksThenFails) {
   EXPECT_NE(full.message().find("kv pool: full"), std::string::npos) << full;
   EXPECT_EQ(b.rows(), 96);  // nothing appended
   EXPECT_EQ(pool->stats().alloc_failures, 1);
+}
+
+// The blocks live in slabs taken from the backend (Backend::Allocate, host memory on the CPU
+// backend), carved into slots of the block size: every block pointer is a slot of a slab, a slab
+// holds `slab_bytes` worth of slots, and a new slab comes only when every slot is taken.
+TEST(KvPoolTest, BlocksAreSlotsOfTheBackendsSlabs) {
+  auto backend = kernels::MakeCpuBackend();
+  const int64_t dim = 128;
+  const int64_t key_block = 32 * kf::PackedIndexKeyBytes(dim);
+  const int64_t kv_block = 64 * kf::PackedKvEntryBytes(dim);
+  auto pool = std::make_shared<KvPool>(0, 0, backend.get(), 4 * key_block);
+  std::vector<std::pair<int64_t, int>> events;  // (slab id, +1 added / -1 freed)
+  const int listener = pool->AddSlabListener(
+      [&](const KvPool::Slab& s, bool added) { events.emplace_back(s.id, added ? 1 : -1); });
+  KvRows keys(pool, KvRowFormat::kPackedKey, dim, 2, 1);
+  KvRows kv(pool, KvRowFormat::kPackedKv, dim, 1, 0);
+  const std::vector<float> x = KeyRows(32 * 6, dim, 11);
+  ASSERT_TRUE(keys.Append(x.data(), 32 * 5 + 3).ok());  // 6 key blocks: 2 slabs of 4
+  std::vector<float> e(dim * 70);
+  for (size_t i = 0; i < e.size(); ++i) e[i] = static_cast<float>(static_cast<int>(i % 9) - 4);
+  for (int64_t r = 0; r < 70; ++r) kf::Fp4KvQuantDequantRow(e.data() + r * dim, dim);
+  ASSERT_TRUE(kv.Append(e.data(), 70).ok());  // 2 kv blocks: one slab of 1 slot each
+  KvPool::Stats s = pool->stats();
+  EXPECT_EQ(s.slabs, 4);
+  EXPECT_EQ(s.slab_bytes, 2 * 4 * key_block + 2 * kv_block);
+  EXPECT_EQ(s.free_slots, 2);
+  int64_t listed = 0;
+  pool->ForEachSlab([&](const KvPool::Slab& slab) {
+    EXPECT_EQ(slab.kind, kernels::MemoryKind::kHost);
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(slab.data) % 64, 0u);  // the backend's alignment
+    listed += slab.bytes;
+  });
+  EXPECT_EQ(listed, s.slab_bytes);
+  auto check = [&](const KvRows& rows, int64_t block_bytes) {
+    for (const KvPool::Block& b : rows.blocks()) {
+      const KvPool::Slab slab = pool->FindSlab(b.data, block_bytes);
+      ASSERT_GE(slab.id, 0) << "block " << b.id << " is not inside a slab";
+      EXPECT_EQ(slab.slot_bytes, block_bytes);
+      EXPECT_EQ((b.data - slab.data) % block_bytes, 0) << "block " << b.id << " is not a slot";
+    }
+  };
+  check(keys, key_block);
+  check(kv, kv_block);
+  EXPECT_EQ(keys.ToVector(), std::vector<float>(x.begin(), x.begin() + (32 * 5 + 3) * dim));
+  EXPECT_EQ(kv.ToVector(), e);
+  EXPECT_EQ(pool->FindSlab(x.data(), 1).id, -1);  // memory that is not the pool's
+  ASSERT_EQ(events.size(), 4u);
+  for (const auto& [id, sign] : events) EXPECT_EQ(sign, 1);
+  // Released: the unsealed blocks' slots are free, the sealed ones' cached; the slabs stay until
+  // Trim, which gives back the slabs with no block in them (the partial key block's and kv block's
+  // slab stays if a cached block lives there).
+  keys.Truncate(0);
+  kv.Truncate(0);
+  s = pool->stats();
+  EXPECT_EQ(s.used_blocks, 0);
+  EXPECT_EQ(s.cached_blocks, 6);  // 5 full key blocks + 1 full kv block
+  EXPECT_EQ(s.slab_bytes, 2 * 4 * key_block + 2 * kv_block);
+  EXPECT_EQ(pool->Trim(), kv_block);  // the partial kv block's slab: nothing in it
+  EXPECT_EQ(pool->stats().slabs, 3);
+  ASSERT_EQ(events.size(), 5u);
+  EXPECT_EQ(events.back().second, -1);
+  pool->SetCapacity(1);  // evicts every cached block
+  pool->SetCapacity(0);
+  EXPECT_EQ(pool->Trim(), 2 * 4 * key_block + kv_block);
+  s = pool->stats();
+  EXPECT_EQ(s.slabs, 0);
+  EXPECT_EQ(s.slab_bytes, 0);
+  EXPECT_EQ(s.free_slots, 0);
+  pool->RemoveSlabListener(listener);
+  // After a trim the pool grows again from the backend.
+  ASSERT_TRUE(keys.Append(x.data(), 40).ok());
+  check(keys, key_block);
+  EXPECT_EQ(keys.ToVector(), std::vector<float>(x.begin(), x.begin() + 40 * dim));
+  EXPECT_EQ(events.size(), 8u);  // the listener is gone: nothing more recorded
+}
+
+// Churn does not grow the pool: a pool released in full and refilled (other content, so nothing
+// is shared) takes the same slots again; with a capacity, cached blocks are evicted into their
+// slots rather than new slabs taken, and the slab memory stays at the capacity.
+TEST(KvPoolTest, ChurnReusesTheSameSlots) {
+  const int64_t dim = 128;
+  const int64_t block = 32 * kf::PackedIndexKeyBytes(dim);
+  for (const int64_t capacity : {int64_t{0}, 8 * block}) {
+    SCOPED_TRACE(capacity);
+    auto pool = std::make_shared<KvPool>(capacity, 0, nullptr, 8 * block);
+    std::set<const uint8_t*> first;
+    int64_t first_slab_bytes = 0;
+    for (int round = 0; round < 6; ++round) {
+      std::vector<KvRows> seqs;
+      for (int q = 0; q < 6; ++q) {
+        seqs.emplace_back(pool, KvRowFormat::kPackedKey, dim, 2, 1);
+        // A full block when bounded (sealed: cached on release, then evicted); a partial one when
+        // unbounded (freed at once: an unbounded cache would keep sealed ones, by design).
+        const int64_t n = capacity > 0 ? 32 : 30;
+        const std::vector<float> x = KeyRows(n, dim, 100 * round + q);
+        ASSERT_TRUE(seqs.back().Append(x.data(), n).ok());
+        ASSERT_EQ(seqs.back().ToVector(), x);
+      }
+      std::set<const uint8_t*> now;
+      for (const KvRows& r : seqs)
+        for (const KvPool::Block& b : r.blocks()) now.insert(b.data);
+      EXPECT_EQ(now.size(), 6u);
+      // Unbounded: one slab of 8 slots from the start. Bounded (a slab is at most 1/16 of the
+      // capacity: one slot here): the slabs reach the capacity's 8 slots in round 1 (6 used + 6
+      // cached do not fit; cached ones are evicted into their slots) and stay there.
+      const int settle = capacity > 0 ? 1 : 0;
+      if (round == settle) {
+        first = now;
+        first_slab_bytes = pool->stats().slab_bytes;
+        EXPECT_EQ(first_slab_bytes, 8 * block);
+        EXPECT_EQ(pool->stats().slabs, capacity > 0 ? 8 : 1);
+      }
+      if (round < settle) continue;
+      if (capacity == 0) {
+        for (const uint8_t* p : now) EXPECT_TRUE(first.count(p)) << "round " << round;
+      }
+      EXPECT_EQ(pool->stats().slab_bytes, first_slab_bytes) << "round " << round;
+      EXPECT_LE(pool->stats().slab_bytes, std::max<int64_t>(capacity, 8 * block));
+    }
+  }
 }
 
 TEST(KvPoolTest, Fp32RowsForTheUnquantizedBenchmarkSwitch) {
