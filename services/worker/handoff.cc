@@ -215,46 +215,9 @@ absl::Status HandoffPeer::WaitFor(transfer::TransferId id, absl::Duration deadli
 absl::Status HandoffPeer::Send(const std::string& address, epd::v1::Manifest manifest,
                                const std::vector<StateSegment>& segments, absl::Duration deadline,
                                const std::atomic<bool>* cancelled) {
-  transfer::PeerId peer = 0;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = peers_.find(address);
-    if (it != peers_.end()) {
-      peer = it->second;
-    } else {
-      auto p = transport_.Connect(address, absl::Seconds(10));
-      if (!p.ok()) return p.status();
-      peers_[address] = *p;
-      peer = *p;
-    }
-  }
-  uint64_t total = 0;
-  for (const StateSegment& s : segments) total += s.bytes.size();
-  auto buf = transport_.Allocate(total);
-  if (!buf.ok()) return buf.status();
-  uint64_t at = 0;
-  for (const StateSegment& s : segments) {
-    if (!s.bytes.empty()) std::memcpy((*buf)->data() + at, s.bytes.data(), s.bytes.size());
-    at += s.bytes.size();
-  }
-  transfer::TransferOptions opts;
-  opts.deadline = deadline;
-  opts.lease = deadline;
-  auto id = transport_.Send(peer, std::move(manifest), std::move(*buf), opts);
-  if (!id.ok()) {
-    if (absl::IsUnavailable(id.status()) || absl::IsNotFound(id.status())) {
-      std::lock_guard<std::mutex> lock(mu_);
-      peers_.erase(address);  // reconnect next time
-    }
-    return id.status();
-  }
-  absl::Status st = WaitFor(*id, deadline, cancelled);
-  transport_.Forget(*id);
-  if (absl::IsUnavailable(st)) {
-    std::lock_guard<std::mutex> lock(mu_);
-    peers_.erase(address);
-  }
-  return st;
+  auto id = Offer(address, std::move(manifest), segments, deadline);
+  if (!id.ok()) return id.status();
+  return AwaitSent(address, *id, deadline, cancelled);
 }
 
 absl::StatusOr<std::vector<StateSegment>> HandoffPeer::Receive(
