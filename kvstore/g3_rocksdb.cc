@@ -218,23 +218,39 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key, const ValueDest&
     all_metrics_.CountBadRequest("internal");
     r.miss = MissReason::kAbsent;
   } else {
-    auto decoded = DecodeG3Value(
-        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(stored.data()), stored.size()));
+    const std::span<const uint8_t> stored_bytes(reinterpret_cast<const uint8_t*>(stored.data()),
+                                                stored.size());
+    // Into dest: the checksum is verified over the copy below instead of the stored bytes.
+    auto decoded = DecodeG3Value(stored_bytes, /*verify_checksum=*/!dest);
+    const bool expired = decoded.ok() && ExpiredAt(decoded->write_ms, clock_.NowUnixMs());
+    uint8_t* out = nullptr;
+    if (decoded.ok() && dest) {
+      std::span<const uint8_t> checked = decoded->payload;
+      out = expired ? nullptr : dest(checked.size());
+      if (out != nullptr) {
+        if (!checked.empty()) std::memcpy(out, checked.data(), checked.size());
+        checked = std::span<const uint8_t>(out, checked.size());
+      }
+      if (common::Xxh3_64(checked, decoded->seed) != decoded->checksum) {
+        decoded = absl::DataLossError("G3 value: checksum mismatch");
+        out = nullptr;
+      }
+    }
     if (!decoded.ok()) {
       spdlog::warn("G3: block {} dropped: {}", common::ToHex(key),
                    std::string(decoded.status().message()));
       r.miss = MissReason::kChecksum;
       drop = true;
-    } else if (ExpiredAt(decoded->write_ms, clock_.NowUnixMs())) {
+    } else if (expired) {
       r.miss = MissReason::kExpired;
       metrics_.ttl_expiries->Increment();
       drop = true;
     } else {
       const auto payload = decoded->payload;
-      uint8_t* out = dest ? dest(payload.size()) : nullptr;
       if (out != nullptr) {
-        if (!payload.empty()) std::memcpy(out, payload.data(), payload.size());
         r.in_dest = true;
+        r.checksum = decoded->checksum;
+        r.checksum_seed = decoded->seed;
       } else {
         r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
       }

@@ -68,9 +68,13 @@ class G3RocksStore {
     std::string value;                      // the payload on a hit (empty when in_dest)
     MissReason miss = MissReason::kAbsent;  // kNone on a hit
     bool in_dest = false;                   // the payload was copied to dest's buffer instead
+    // in_dest: the stored checksum, verified over dest's copy (XXH3-64 seeded by checksum_seed).
+    uint64_t checksum = 0;
+    uint64_t checksum_seed = 0;
   };
-  // Counted get (lookups/hits/gets and misses by reason). With `dest`, a verified hit is copied
-  // straight from RocksDB's pinned value into dest(n) when it returns a buffer.
+  // Counted get (lookups/hits/gets and misses by reason). With `dest`, a hit is copied straight
+  // from RocksDB's pinned value into dest(n) when it returns a buffer, and the stored checksum is
+  // verified over that copy (one pass checks the disk's bytes and the copy).
   GetResult Get(const BlockHash& key, const ValueDest& dest = nullptr);
   // Counted probe from the index (no value read): present and not expired.
   bool Lookup(const BlockHash& key);

@@ -12,9 +12,12 @@ constexpr uint32_t kMagic = 0x4B445045;  // "EPDK" little-endian
 using common::LoadLe;
 using common::StoreLe;
 
+uint64_t Seed(const uint8_t* header) {
+  return common::Xxh3_64(std::span<const uint8_t>(header, 24));
+}
+
 uint64_t Checksum(const uint8_t* header, std::span<const uint8_t> payload) {
-  const uint64_t seed = common::Xxh3_64(std::span<const uint8_t>(header, 24));
-  return common::Xxh3_64(payload, seed);
+  return common::Xxh3_64(payload, Seed(header));
 }
 
 }  // namespace
@@ -36,7 +39,7 @@ std::string EncodeG3Value(int64_t write_ms, std::span<const uint8_t> payload) {
   return out;
 }
 
-absl::StatusOr<G3Value> DecodeG3Value(std::span<const uint8_t> stored) {
+absl::StatusOr<G3Value> DecodeG3Value(std::span<const uint8_t> stored, bool verify_checksum) {
   const size_t n = stored.size();
   if (n < kG3HeaderBytes) {
     return absl::DataLossError(absl::StrCat("G3 value of ", n, " bytes is shorter than its ",
@@ -58,7 +61,9 @@ absl::StatusOr<G3Value> DecodeG3Value(std::span<const uint8_t> stored) {
   }
   G3Value v;
   v.payload = stored.subspan(kG3HeaderBytes);
-  if (LoadLe<uint64_t>(p + 24) != Checksum(p, v.payload)) {
+  v.seed = Seed(p);
+  v.checksum = LoadLe<uint64_t>(p + 24);
+  if (verify_checksum && v.checksum != common::Xxh3_64(v.payload, v.seed)) {
     return absl::DataLossError("G3 value: checksum mismatch");
   }
   v.write_ms = LoadLe<int64_t>(p + 8);

@@ -49,7 +49,8 @@ class KvMetrics {
   prometheus::Counter& batch_calls(bool put) { return put ? *batch_puts_ : *batch_gets_; }
   prometheus::Counter& batch_keys(bool put) { return put ? *batch_put_keys_ : *batch_get_keys_; }
   // epd_kv_shm_segments_mapped: client shared-memory segments the daemon has mapped right now
-  // (each only for the duration of one call; 0 when idle).
+  // (kept across calls while the client holds the segment open; dropped within a second after
+  // it closes it or dies: kvstore/shm_segment.h PeerSegmentCache).
   prometheus::Gauge& shm_mapped() { return *shm_mapped_; }
   // epd_kv_shm_bytes_total{direction="get"|"put"}: value bytes moved through client segments.
   prometheus::Counter& shm_bytes(bool put) { return put ? *shm_put_bytes_ : *shm_get_bytes_; }

@@ -166,6 +166,11 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const Va
   if (r.found) {
     r.value = std::move(g.value);
     r.in_dest = g.in_dest;
+    if (r.in_dest) {
+      r.has_checksum = true;
+      r.checksum = g.checksum;
+      r.checksum_seed = g.checksum_seed;
+    }
     const std::span<const uint8_t> bytes = r.in_dest ? in_dest_bytes : AsSpan(r.value);
     if (tier == Tier::kAuto && g1_ != nullptr && bytes.size() <= g1_->block_bytes()) {
       (void)g1_->Put(*k, bytes);  // best effort: a full G1 just skips the promotion

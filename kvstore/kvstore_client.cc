@@ -550,14 +550,15 @@ absl::StatusOr<std::vector<absl::StatusOr<GetResult>>> KvStoreClient::BatchGet(
                          item.byte_length(), ") outside this client's segment")));
         continue;
       }
-      const std::span<const uint8_t> bytes(seg->data() + item.offset(), item.byte_length());
-      if (common::Xxh3_64(bytes) != item.checksum()) {
+      // Copied first, then the copy verified (it is what the caller gets, and hot in cache).
+      r.value.assign(reinterpret_cast<const char*>(seg->data() + item.offset()),
+                     item.byte_length());
+      if (common::Xxh3_64(r.value, item.checksum_seed()) != item.checksum()) {
         out.push_back(absl::DataLossError(
             absl::StrCat("kvstore batch get: the ", item.byte_length(),
                          " bytes in shared memory do not match the daemon's checksum")));
         continue;
       }
-      r.value.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
     } else {
       r.value = std::move(*item.mutable_value());
     }

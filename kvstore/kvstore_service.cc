@@ -86,7 +86,14 @@ Tier FromProto(v1::Tier tier) {
 }
 
 KvStoreServiceImpl::KvStoreServiceImpl(KvStore& store, KvServiceOptions options)
-    : store_(store), options_(options), host_id_(HostId()) {}
+    : store_(store),
+      options_(options),
+      host_id_(HostId()),
+      segments_(std::make_unique<PeerSegmentCache>(
+          /*max_entries=*/64, std::chrono::milliseconds(500),
+          [this](size_t n) { store_.metrics().shm_mapped().Set(static_cast<double>(n)); })) {}
+
+KvStoreServiceImpl::~KvStoreServiceImpl() = default;
 
 grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequest*,
                                        v1::HelloResponse* resp) {
@@ -181,11 +188,11 @@ grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest*
   return grpc::Status::OK;
 }
 
-std::unique_ptr<MappedPeerSegment> KvStoreServiceImpl::MapSegment(const v1::ShmSegment& shm,
+std::shared_ptr<MappedPeerSegment> KvStoreServiceImpl::MapSegment(const v1::ShmSegment& shm,
                                                                   bool writable, std::string* why) {
   std::string reason;
   auto seg =
-      MappedPeerSegment::Map(shm.pid(), shm.fd(), shm.inode(), shm.size(), writable, &reason);
+      segments_->Acquire(shm.pid(), shm.fd(), shm.inode(), shm.size(), writable, &reason);
   if (!seg.ok()) {
     store_.metrics().CountShmRefused(reason);
     *why = std::string(seg.status().message());
@@ -199,13 +206,12 @@ grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchG
   store_.metrics().batch_calls(false).Increment();
   store_.metrics().batch_keys(false).Increment(req->keys_size());
   const Tier tier = FromProto(req->tier());
-  std::unique_ptr<MappedPeerSegment> seg;
+  std::shared_ptr<MappedPeerSegment> seg;
   if (req->has_shm()) {
     std::string why;
     seg = MapSegment(req->shm(), /*writable=*/true, &why);
     if (seg == nullptr) resp->set_shm_refused(why);
   }
-  if (seg != nullptr) store_.metrics().shm_mapped().Increment();
   resp->set_shm_used(seg != nullptr);
   size_t used = 0;    // bytes of the segment handed out so far
   size_t offset = 0;  // where the current key's value went
@@ -243,7 +249,12 @@ grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchG
       item->set_in_shm(true);
       item->set_offset(offset);
       item->set_byte_length(length);
-      item->set_checksum(common::Xxh3_64(std::span<const uint8_t>(seg->data() + offset, length)));
+      if (r->has_checksum) {  // the tier verified its stored checksum over this very copy
+        item->set_checksum(r->checksum);
+        item->set_checksum_seed(r->checksum_seed);
+      } else {
+        item->set_checksum(common::Xxh3_64(std::span<const uint8_t>(seg->data() + offset, length)));
+      }
       shm_bytes += length;
     } else if (r->found) {
       *item->mutable_value() = std::move(r->value);
@@ -251,10 +262,7 @@ grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchG
     item->set_miss_reason(std::string(MissReasonName(r->miss)));
     if (!r->found) stopped = req->stop_at_first_miss();
   }
-  if (seg != nullptr) {
-    store_.metrics().shm_bytes(false).Increment(static_cast<double>(shm_bytes));
-    store_.metrics().shm_mapped().Decrement();
-  }
+  if (seg != nullptr) store_.metrics().shm_bytes(false).Increment(static_cast<double>(shm_bytes));
   return grpc::Status::OK;
 }
 
@@ -265,11 +273,10 @@ grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext*, const v1::BatchP
   prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
   in_flight.Increment();
   const Tier tier = FromProto(req->tier());
-  std::unique_ptr<MappedPeerSegment> seg;
+  std::shared_ptr<MappedPeerSegment> seg;
   std::string refused;
   if (req->has_shm()) {
     seg = MapSegment(req->shm(), /*writable=*/false, &refused);
-    if (seg != nullptr) store_.metrics().shm_mapped().Increment();
     if (seg == nullptr) resp->set_shm_refused(refused);
   }
   uint64_t shm_bytes = 0;
@@ -306,10 +313,7 @@ grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext*, const v1::BatchP
       out->set_error(std::string(s.message()));
     }
   }
-  if (seg != nullptr) {
-    store_.metrics().shm_bytes(true).Increment(static_cast<double>(shm_bytes));
-    store_.metrics().shm_mapped().Decrement();
-  }
+  if (seg != nullptr) store_.metrics().shm_bytes(true).Increment(static_cast<double>(shm_bytes));
   in_flight.Decrement();
   return grpc::Status::OK;
 }

@@ -19,6 +19,7 @@ namespace epd::kvstore {
 
 class KvBulkEndpoint;
 class MappedPeerSegment;
+class PeerSegmentCache;
 
 struct KvServiceOptions {
   // Test-only fault injection: every Put waits this long after receiving its request and before
@@ -35,6 +36,7 @@ class KvStoreServiceImpl final : public v1::KvStore::Service {
  public:
   // `store` must outlive the service.
   KvStoreServiceImpl(KvStore& store, KvServiceOptions options = {});
+  ~KvStoreServiceImpl() override;
 
   grpc::Status Hello(grpc::ServerContext*, const v1::HelloRequest*, v1::HelloResponse*) override;
   grpc::Status Lookup(grpc::ServerContext*, const v1::LookupRequest*, v1::LookupResponse*) override;
@@ -50,13 +52,15 @@ class KvStoreServiceImpl final : public v1::KvStore::Service {
   grpc::Status Stats(grpc::ServerContext*, const v1::StatsRequest*, v1::StatsResponse*) override;
 
  private:
-  // Maps a client's segment for one call; null (counted, `why` set) when it cannot be used.
-  std::unique_ptr<MappedPeerSegment> MapSegment(const v1::ShmSegment& shm, bool writable,
+  // A client's segment mapped for this call (cached across calls); null (counted, `why` set)
+  // when it cannot be used.
+  std::shared_ptr<MappedPeerSegment> MapSegment(const v1::ShmSegment& shm, bool writable,
                                                 std::string* why);
 
   KvStore& store_;
   KvServiceOptions options_;
   std::string host_id_;
+  std::unique_ptr<PeerSegmentCache> segments_;
 };
 
 // Owns a gRPC server bound to host:port (port 0 = any) serving one KvStoreServiceImpl.

@@ -28,6 +28,11 @@ struct GetResult {
   MissReason miss = MissReason::kAbsent;
   Tier tier = Tier::kAuto;  // the tier that served it
   bool in_dest = false;     // the value went to the caller's ValueDest (value is empty)
+  // in_dest, when the tier verified its stored checksum over dest's copy (G3): that checksum,
+  // XXH3-64 seeded by checksum_seed, so a daemon need not hash the copy again.
+  bool has_checksum = false;
+  uint64_t checksum = 0;
+  uint64_t checksum_seed = 0;
 };
 
 struct TierStats {

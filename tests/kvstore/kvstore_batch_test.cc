@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -123,11 +124,23 @@ TEST(KvStoreBatchTest, APrefixOf64BlocksIsOneCallEachWayThroughSharedMemoryOrInl
     }
   }
   EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_batch_calls_total{op=\"get\"}"), 2);
-  EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_shm_segments_mapped"), 0);
+  // The daemon keeps the shared-memory client's segment mapped between calls (one mapping, the
+  // same for the put and the get) ...
+  EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_shm_segments_mapped"), 1);
+  EXPECT_EQ(MemfdRefs(d.proc.pid()), 1);
   // The G3 reads kept their accounting: every block verified and counted.
   EXPECT_GE(Scrape(d.metrics_port, "epd_kv_get_bytes_total{tier=\"g3\"}") +
                 Scrape(d.metrics_port, "epd_kv_get_bytes_total{tier=\"g1\"}"),
             2 * 64.0 * (kBlock - 2));
+  // ... and lets it go within a second or so once the client has closed it.
+  shm.reset();
+  int refs = -1;
+  for (int i = 0; i < 60 && refs != 0; ++i) {
+    refs = MemfdRefs(d.proc.pid());
+    if (refs != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  EXPECT_EQ(refs, 0) << "the daemon still maps a segment its client closed";
+  EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_shm_segments_mapped"), 0);
 }
 
 // One status per block: a missing key is a miss, a malformed key fails alone, the rest is served;
@@ -195,14 +208,17 @@ TEST(KvStoreBatchTest, AForgedSegmentIsRefusedByNameAndTheValuesComeInline) {
   const int memfd = memfd_create("epd-kv-segment", MFD_CLOEXEC);
   ASSERT_GE(memfd, 0);
   ASSERT_EQ(ftruncate(memfd, 1 << 20), 0);
+  struct stat st;
+  ASSERT_EQ(fstat(memfd, &st), 0);
   for (const Case& k : {Case{getpid(), 0, "not_memfd"}, Case{getpid(), memfd, "inode"},
-                        Case{999999999, 3, "open"}}) {
+                        Case{999999999, 3, "open"}, Case{getpid(), memfd, "not_sealed"}}) {
     v1::BatchGetRequest req;
     req.set_tier(v1::TIER_G3_ROCKSDB);
     for (const auto& key : keys) req.add_keys(key);
     req.mutable_shm()->set_pid(k.pid);
     req.mutable_shm()->set_fd(k.fd);
-    req.mutable_shm()->set_inode(1);  // never the memfd's inode
+    // The right inode only for the unsealed memfd (a segment that could shrink under the daemon).
+    req.mutable_shm()->set_inode(std::string_view(k.reason) == "not_sealed" ? st.st_ino : 1);
     req.mutable_shm()->set_size(1 << 20);
     v1::BatchGetResponse resp;
     grpc::ClientContext ctx;
@@ -233,7 +249,9 @@ TEST(KvStoreBatchTest, AClientKilledDuringSharedMemoryGetsLeaksNothingInTheDaemo
   std::vector<KvPut> puts;
   for (int i = 0; i < 64; ++i) values.push_back(Payload(500 + i, kBlock));
   for (int i = 0; i < 64; ++i) puts.push_back({keys[i], values[i]});
-  auto put = d.client->BatchPut(Tier::kG3, puts);
+  KvClientOptions inline_opts;  // this process maps no segment in the daemon
+  inline_opts.shared_memory = false;
+  auto put = KvStoreClient::Create(d.target(), inline_opts)->BatchPut(Tier::kG3, puts);
   ASSERT_TRUE(put.ok()) << put.status();
 
   for (int round = 0; round < 3; ++round) {
@@ -254,7 +272,7 @@ TEST(KvStoreBatchTest, AClientKilledDuringSharedMemoryGetsLeaksNothingInTheDaemo
     peer.Signal(SIGKILL);
     peer.Wait(std::chrono::seconds(10));
   }
-  // A call in flight when the client died finishes (and unmaps) within its own duration.
+  // The daemon drops a dead client's mapping at its next sweep (every 500 ms).
   int refs = -1;
   for (int i = 0; i < 100 && refs != 0; ++i) {
     refs = MemfdRefs(d.proc.pid());
