@@ -7,6 +7,7 @@
 #include <limits>
 #include <string_view>
 #include <tuple>
+#include <utility>
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
@@ -564,6 +565,160 @@ std::vector<float> KvRows::ToVector() const {
 }
 
 KvRows::operator std::span<const float>() const {
+  view_ = ToVector();
+  return view_;
+}
+
+// ---------------------------------------------------------------- SwaRing
+
+SwaRing::SwaRing(std::shared_ptr<KvPool> pool, int64_t window, int64_t dim)
+    : pool_(std::move(pool)),
+      window_(window),
+      dim_(dim),
+      slot_bytes_(kf::PackedSwaSlotBytes(dim)) {}
+
+SwaRing::SwaRing(const SwaRing& o)
+    : pool_(o.pool_),
+      window_(o.window_),
+      dim_(o.dim_),
+      slot_bytes_(o.slot_bytes_),
+      block_(o.block_) {
+  if (allocated()) pool_->Ref(block_.id);
+}
+
+SwaRing& SwaRing::operator=(const SwaRing& o) {
+  if (this == &o) return *this;
+  SwaRing copy(o);
+  *this = std::move(copy);
+  return *this;
+}
+
+SwaRing::SwaRing(SwaRing&& o) noexcept { *this = std::move(o); }
+
+SwaRing& SwaRing::operator=(SwaRing&& o) noexcept {
+  if (this == &o) return *this;
+  Release();
+  pool_ = std::move(o.pool_);
+  window_ = o.window_;
+  dim_ = o.dim_;
+  slot_bytes_ = o.slot_bytes_;
+  block_ = std::exchange(o.block_, KvPool::Block{});
+  return *this;
+}
+
+SwaRing::~SwaRing() { Release(); }
+
+void SwaRing::Release() {
+  if (allocated()) pool_->Unref(block_.id);
+  block_ = KvPool::Block{};
+}
+
+void SwaRing::FillZero(uint8_t* slots, int64_t n) const {
+  // PackSwaSlot of a zero row: E4M3 zeros and each 32-block's scale code for an all-zero block
+  // (the same for every block), so a ring never written serializes as the float ring did.
+  static const uint8_t zero_scale = [] {
+    float z[32] = {};
+    uint8_t b[33];
+    kf::PackSwaSlot(z, 32, b);
+    return b[32];
+  }();
+  for (int64_t s = 0; s < n; ++s) {
+    uint8_t* p = slots + s * slot_bytes_;
+    std::memset(p, 0, static_cast<size_t>(dim_));
+    std::memset(p + dim_, zero_scale, static_cast<size_t>(slot_bytes_ - dim_));
+  }
+}
+
+absl::Status SwaRing::Writable() {
+  if (pool_ == nullptr) return absl::FailedPreconditionError("swa ring: no pool");
+  if (!allocated()) {
+    KvPool::Block nb;
+    if (absl::Status s = pool_->Allocate(ring_bytes(), &nb); !s.ok()) return s;
+    FillZero(nb.data, window_);
+    block_ = nb;
+    return absl::OkStatus();
+  }
+  if (!pool_->TryExclusive(block_.id)) {  // shared: copy on write
+    KvPool::Block nb;
+    if (absl::Status s = pool_->Allocate(ring_bytes(), &nb); !s.ok()) return s;
+    std::memcpy(nb.data, block_.data, static_cast<size_t>(ring_bytes()));
+    pool_->Unref(block_.id);
+    block_ = nb;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SwaRing::WriteSlot(int64_t slot, const float* x) {
+  if (absl::Status s = Writable(); !s.ok()) return s;
+  kf::PackSwaSlot(x, dim_, block_.data + slot * slot_bytes_);
+  return absl::OkStatus();
+}
+
+absl::Status SwaRing::WritePositions(int64_t first_pos, int64_t n, const float* x) {
+  if (n <= 0) return absl::OkStatus();
+  if (absl::Status s = Writable(); !s.ok()) return s;
+  for (int64_t i = std::max<int64_t>(0, n - window_); i < n; ++i)
+    kf::PackSwaSlot(x + i * dim_, dim_, block_.data + ((first_pos + i) % window_) * slot_bytes_);
+  return absl::OkStatus();
+}
+
+absl::Status SwaRing::WriteSlotPacked(int64_t slot, const uint8_t* bytes) {
+  if (absl::Status s = Writable(); !s.ok()) return s;
+  std::memcpy(block_.data + slot * slot_bytes_, bytes, static_cast<size_t>(slot_bytes_));
+  return absl::OkStatus();
+}
+
+absl::Status SwaRing::WritePacked(const uint8_t* bytes) {
+  if (absl::Status s = Writable(); !s.ok()) return s;
+  std::memcpy(block_.data, bytes, static_cast<size_t>(ring_bytes()));
+  return absl::OkStatus();
+}
+
+void SwaRing::Clear() { Release(); }
+
+void SwaRing::ReadSlot(int64_t slot, float* out) const {
+  if (!allocated()) {
+    std::fill_n(out, dim_, 0.f);
+    return;
+  }
+  kf::UnpackSwaSlot(block_.data + slot * slot_bytes_, dim_, out);
+}
+
+void SwaRing::ReadWindow(float* out) const {
+  if (!allocated()) {
+    std::fill_n(out, window_ * dim_, 0.f);
+    return;
+  }
+  for (int64_t w = 0; w < window_; ++w)
+    kf::UnpackSwaSlot(block_.data + w * slot_bytes_, dim_, out + w * dim_);
+}
+
+void SwaRing::CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const {
+  const size_t at = out.size();
+  out.resize(at + static_cast<size_t>(slot_bytes_));
+  if (allocated()) {
+    std::memcpy(out.data() + at, block_.data + slot * slot_bytes_,
+                static_cast<size_t>(slot_bytes_));
+  } else {
+    FillZero(out.data() + at, 1);
+  }
+}
+
+void SwaRing::CopyPacked(uint8_t* out) const {
+  if (allocated()) {
+    std::memcpy(out, block_.data, static_cast<size_t>(ring_bytes()));
+  } else {
+    FillZero(out, window_);
+  }
+}
+
+std::vector<float> SwaRing::ToVector() const {
+  std::vector<float> v(size());
+  if (!v.empty()) ReadWindow(v.data());
+  return v;
+}
+
+SwaRing::operator std::span<const float>() const {
   view_ = ToVector();
   return view_;
 }

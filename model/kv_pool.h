@@ -269,4 +269,74 @@ class KvRows {
 // Packed bytes per row of `format` at `dim`.
 int64_t KvRowBytes(KvRowFormat format, int64_t dim);
 
+// One sliding-window ring of a sequence (a layer's last `window` KV rows, slot = position %
+// window) in one pool block of window x the packed SWA slot (MODEL.md §4: E4M3 + UE8M0 per 32,
+// kernels/format.h PackSwaSlot; 528 B at head_dim 512), the hand-off's format: serializing a ring
+// copies its block as it is. The values written are FP8-window quantize-dequantized (bf16), which
+// the slot format holds exactly: ReadSlot gives back the floats WriteSlot was given, bit for bit.
+//
+// Value semantics: a copy shares the block (refcounted); the first write on either side copies it
+// (copy-on-write, as KvRows). The block is not allocated before the first write: a ring never
+// written reads zeros (and serializes as packed zero slots) and holds no pool bytes. Ring blocks
+// are never sealed (nothing shares them by content). The values are the same with
+// ModelOptions::unquantized_kv (that switch leaves the window's FP8 rounding in place).
+class SwaRing {
+ public:
+  SwaRing() = default;
+  SwaRing(std::shared_ptr<KvPool> pool, int64_t window, int64_t dim);
+  SwaRing(const SwaRing& o);
+  SwaRing& operator=(const SwaRing& o);
+  SwaRing(SwaRing&& o) noexcept;
+  SwaRing& operator=(SwaRing&& o) noexcept;
+  ~SwaRing();
+
+  int64_t window() const { return window_; }
+  int64_t dim() const { return dim_; }
+  int64_t slot_bytes() const { return slot_bytes_; }
+  int64_t ring_bytes() const { return window_ * slot_bytes_; }
+  bool allocated() const { return block_.id >= 0; }
+  // Pool bytes this ring holds (a shared block counted in full; 0 before the first write).
+  int64_t held_bytes() const { return allocated() ? ring_bytes() : 0; }
+  const KvPool::Block& block() const { return block_; }
+
+  // Packs `x` [dim] into `slot` (copying a shared block first, allocating the block on the
+  // first write). ResourceExhausted when the pool is full (the ring is unchanged then).
+  [[nodiscard]] absl::Status WriteSlot(int64_t slot, const float* x);
+  // Rows x[0..n) [n, dim] of positions first_pos.. into their slots (position % window).
+  [[nodiscard]] absl::Status WritePositions(int64_t first_pos, int64_t n, const float* x);
+  // Slot bytes as they are (slot_bytes()).
+  [[nodiscard]] absl::Status WriteSlotPacked(int64_t slot, const uint8_t* bytes);
+  // The whole ring, ring_bytes() packed bytes.
+  [[nodiscard]] absl::Status WritePacked(const uint8_t* bytes);
+  // Zeros in every slot.
+  void Clear();
+  void ReadSlot(int64_t slot, float* out) const;
+  // Every slot in slot order, [window, dim].
+  void ReadWindow(float* out) const;
+  // `slot`'s packed bytes appended to `out`.
+  void CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const;
+  // The ring's ring_bytes() packed bytes (the block as it is, or packed zero slots).
+  void CopyPacked(uint8_t* out) const;
+
+  // ---- std::vector<float>-like surface (tests; floats = window * dim) ----
+  size_t size() const { return static_cast<size_t>(window_ * dim_); }
+  std::vector<float> ToVector() const;
+  operator std::span<const float>() const;  // NOLINT: unpacked copy, kept until the next call
+  friend bool operator==(const SwaRing& a, const SwaRing& b) {
+    return a.ToVector() == b.ToVector();
+  }
+
+ private:
+  absl::Status Writable();
+  void Release();
+  void FillZero(uint8_t* slots, int64_t n) const;
+
+  std::shared_ptr<KvPool> pool_;
+  int64_t window_ = 0;
+  int64_t dim_ = 0;
+  int64_t slot_bytes_ = 0;
+  KvPool::Block block_;
+  mutable std::vector<float> view_;
+};
+
 }  // namespace epd::model

@@ -9,6 +9,7 @@
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
+#include "kernels/format.h"
 #include "kernels/rope.h"
 
 namespace epd::model {
@@ -55,13 +56,17 @@ int64_t KvBytesFor(const ModelConfig& c, int64_t tokens, bool unquantized_kv) {
   return b;
 }
 
+int64_t SwaRingBytes(const ModelConfig& c) {
+  return int64_t{c.total_layers()} * c.window_size *
+         kernels::format::PackedSwaSlotBytes(c.head_dim);
+}
+
 std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& c, std::shared_ptr<KvPool> pool,
                                                 bool unquantized_kv) {
   auto s = std::make_unique<SequenceState>();
   const KvRowFormat kvf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKv;
   const KvRowFormat kf = unquantized_kv ? KvRowFormat::kF32 : KvRowFormat::kPackedKey;
-  s->swa.assign(c.total_layers(),
-                vector<float>(static_cast<size_t>(c.window_size) * c.head_dim, 0.f));
+  s->swa.assign(c.total_layers(), SwaRing(pool, c.window_size, c.head_dim));
   for (int l : c.kv_source_layers) {
     SequenceState::Source& src = s->sources[l];
     src.ratio = c.compress_ratios[l];
@@ -253,7 +258,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv.data(), S, hd));
 
   // Window part of the KV and of each row's list.
-  vector<float>& ring = state.swa[l];
+  SwaRing& ring = state.swa[l];
   vector<float> kv_all;
   int64_t win_rows;
   if (call.prefill) {
@@ -264,12 +269,11 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
     // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
     win_rows = W + S;
-    kv_all.assign(ring.begin(), ring.end());
-    kv_all.insert(kv_all.end(), kv.begin(), kv.end());
+    kv_all.resize((W + S) * hd);
+    ring.ReadWindow(kv_all.data());
+    std::copy(kv.begin(), kv.end(), kv_all.begin() + W * hd);
   }
-  for (int64_t i = std::max<int64_t>(0, S - W); i < S; ++i) {
-    std::copy_n(kv.data() + i * hd, hd, ring.data() + (pos[i] % W) * hd);
-  }
+  RETURN_IF_ERROR(ring.WritePositions(call.start_pos, S, kv.data()));
 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
   const int ratio = role.compress_ratio;
@@ -754,16 +758,14 @@ absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, i
                                int64_t start_pos) const {
   const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
-  const int64_t D = c.dim, hd = c.head_dim, W = c.window_size;
+  const int64_t D = c.dim, hd = c.head_dim;
   vector<float> mx(rows * D), kv(rows * hd);
   RETURN_IF_ERROR(backend_.LinearQuant(main_hidden, rows, Dw.main_proj, mx.data()));
   RETURN_IF_ERROR(backend_.RmsNorm(mx.data(), Dw.main_norm.data(), rows, D, c.norm_eps, mx.data()));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
     RETURN_IF_ERROR(StageKv(L, mx.data(), rows, start_pos, kv.data()));
-    for (int64_t i = std::max<int64_t>(0, rows - W); i < rows; ++i) {
-      std::copy_n(kv.data() + i * hd, hd, state.swa[L].data() + ((start_pos + i) % W) * hd);
-    }
+    RETURN_IF_ERROR(state.swa[L].WritePositions(start_pos, rows, kv.data()));
   }
   return absl::OkStatus();
 }
@@ -880,14 +882,11 @@ StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const
   for (const auto& [l, src] : state.sources) {
     k.sources[l] = {src.n, src.kv_state, src.score_state};
   }
-  const int64_t hd = c.head_dim, W = c.window_size;
+  const int64_t W = c.window_size;
   k.ring_slots.resize(state.swa.size());
   for (size_t l = 0; l < state.swa.size(); ++l) {
-    for (int64_t i = 0; i < std::min(rows, W); ++i) {
-      const int64_t slot = (k.start + i) % W;
-      k.ring_slots[l].insert(k.ring_slots[l].end(), state.swa[l].begin() + slot * hd,
-                             state.swa[l].begin() + (slot + 1) * hd);
-    }
+    for (int64_t i = 0; i < std::min(rows, W); ++i)
+      state.swa[l].CopySlotPacked((k.start + i) % W, k.ring_slots[l]);
   }
   return k;
 }
@@ -904,9 +903,10 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
   const int64_t end = k.start + keep, hd = c.head_dim, W = c.window_size;
   // Rings: slots of rejected positions get their previous content back.
   for (size_t l = 0; l < state.swa.size(); ++l) {
+    const int64_t sb = state.swa[l].slot_bytes();
     for (int64_t i = keep; i < std::min(k.rows, W); ++i) {
-      const int64_t slot = (k.start + i) % W;
-      std::copy_n(k.ring_slots[l].begin() + i * hd, hd, state.swa[l].begin() + slot * hd);
+      RETURN_IF_ERROR(
+          state.swa[l].WriteSlotPacked((k.start + i) % W, k.ring_slots[l].data() + i * sb));
     }
   }
   for (auto& [l, src] : state.sources) {
@@ -1001,8 +1001,9 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     RETURN_IF_ERROR(RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd),
                              static_cast<int>(nope), qpos.data(), false));
     RETURN_IF_ERROR(StageKv(L, x.data(), B, pos + 1, kv.data()));
-    vector<float> kv_all(state.swa[L]);
-    kv_all.insert(kv_all.end(), kv.begin(), kv.end());
+    vector<float> kv_all((W + B) * hd);
+    state.swa[L].ReadWindow(kv_all.data());
+    std::copy(kv.begin(), kv.end(), kv_all.begin() + W * hd);
     const int64_t nring = std::min(W - 1, pos) + 1;
     const int64_t list_len = nring + B;
     vector<int32_t> idx(B * list_len);

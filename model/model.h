@@ -40,11 +40,13 @@ struct ModelOptions {
 // Per-sequence state kept between calls. The global KV (compressed entries and index keys of
 // every KV source) lives in the model's KvPool in its packed formats, read and written through
 // each stream's block table (KvRows, model/kv_pool.h); copying a state shares those blocks
-// (copy-on-write). The rings and tails are bf16/fp32 values held as float.
+// (copy-on-write). So do the SWA rings, one pool block each in the packed SWA slot format
+// (SwaRing). The compressor tails are fp32 values held as float.
 struct SequenceState {
   int64_t pos = 0;  // tokens processed so far (next position)
-  // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window.
-  std::vector<std::vector<float>> swa;
+  // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window,
+  // packed, in the pool.
+  std::vector<SwaRing> swa;
   struct Source {
     int ratio = 0;
     KvRows kv;    // [n, head_dim] FP4-qdq compressed latents (RoPE applied), packed, paged
@@ -64,8 +66,9 @@ struct SequenceState {
   int64_t main_hidden_pos = -1;
 };
 
-// A fresh state for `config` whose global KV lives in `pool` (Model::NewSequence; tools and tests
-// that need a state without weights, e.g. a synthesized long state of the release config).
+// A fresh state for `config` whose global KV and rings live in `pool` (Model::NewSequence; tools
+// and tests that need a state without weights, e.g. a synthesized long state of the release
+// config).
 std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& config,
                                                 std::shared_ptr<KvPool> pool,
                                                 bool unquantized_kv = false);
@@ -73,6 +76,9 @@ std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& config,
 // `tokens` positions (whole blocks of every stream, unshared).
 int64_t KvBlockBytes(const ModelConfig& config, bool unquantized_kv = false);
 int64_t KvBytesFor(const ModelConfig& config, int64_t tokens, bool unquantized_kv = false);
+// Pool bytes of a state's SWA rings once written (every layer incl. the DSpark stages: `epd
+// kv-layout`'s swa_bytes_per_sequence).
+int64_t SwaRingBytes(const ModelConfig& config);
 
 // What a step of `rows` tokens may overwrite, saved before it (Model::Checkpoint) so that
 // rejected draft positions can be rolled back (Model::Rollback).
@@ -88,7 +94,8 @@ struct StepCheckpoint {
     std::vector<float> kv_state, score_state;
   };
   std::map<int, Tail> sources;
-  std::vector<std::vector<float>> ring_slots;  // [layer][min(rows, window) * head_dim]
+  // [layer][min(rows, window) packed SWA slots], the ring's bytes as they were.
+  std::vector<std::vector<uint8_t>> ring_slots;
 };
 
 // Optional capture of intermediates (for parity tests and debugging); all bf16 values as float.
@@ -141,15 +148,17 @@ class Model {
   const ModelWeights& weights() const { return *weights_; }
   const EngramConstants& engram() const { return engram_; }
 
-  // A fresh sequence whose global KV lives in `pool` (default: the model's kv_pool()).
+  // A fresh sequence whose global KV and rings live in `pool` (default: the model's kv_pool()).
   std::unique_ptr<SequenceState> NewSequence(std::shared_ptr<KvPool> pool = nullptr) const;
   // The pool the model's sequences hold their global KV in (thread-safe; SetCapacity sizes it).
   KvPool& kv_pool() const { return *kv_pool_; }
   const std::shared_ptr<KvPool>& kv_pool_ptr() const { return kv_pool_; }
   // Bytes of one kKvBlockTokens-token block of global KV over all sources (the store's block).
   int64_t KvBlockBytes() const;
-  // Pool bytes a sequence at `tokens` positions holds (whole blocks of every stream, unshared).
+  // Pool bytes of a sequence's global KV at `tokens` positions (whole blocks of every stream,
+  // unshared); its SWA rings hold SwaRingBytes() more once written.
   int64_t KvBytesFor(int64_t tokens) const;
+  int64_t SwaRingBytes() const { return model::SwaRingBytes(config_); }
 
   // Prefill at start_pos 0 (state must be fresh). Logits of every position if all_logits, else
   // of the last. Also seeds the DSpark rings when the model has DSpark stages.

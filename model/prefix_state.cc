@@ -215,10 +215,7 @@ absl::StatusOr<std::string> CutSwaSnapshot(const Model& model, const SequenceSta
   std::vector<std::pair<std::string, std::string>> segs;
   for (int l = 0; l < split; ++l) {
     std::string ring(static_cast<size_t>(c.window_size * slot), '\0');
-    for (int64_t w = 0; w < c.window_size; ++w) {
-      kf::PackSwaSlot(state.swa[l].data() + w * hd, hd,
-                      reinterpret_cast<uint8_t*>(ring.data()) + w * slot);
-    }
+    state.swa[l].CopyPacked(reinterpret_cast<uint8_t*>(ring.data()));  // no re-pack
     segs.emplace_back(absl::StrCat("swa.", l), std::move(ring));
   }
   segs.emplace_back("engram", I64s(state.engram_history));

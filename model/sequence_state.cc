@@ -68,9 +68,9 @@ std::vector<StateSegment> SerializeStateSegments(
   for (size_t l = 0; l < s.swa.size(); ++l) {
     std::string name = absl::StrCat("swa.", l);
     if (!keep(name)) continue;
+    // The ring's pool block as it is (no re-pack).
     StateSegment seg{std::move(name), std::vector<uint8_t>(c.window_size * slot)};
-    for (int64_t w = 0; w < c.window_size; ++w)
-      kf::PackSwaSlot(s.swa[l].data() + w * hd, hd, seg.bytes.data() + w * slot);
+    s.swa[l].CopyPacked(seg.bytes.data());
     out.push_back(std::move(seg));
   }
   const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
@@ -147,8 +147,7 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
   for (size_t l = 0; l < st->swa.size(); ++l) {
     auto b = get(absl::StrCat("swa.", l), c.window_size * slot);
     if (!b.ok()) return b.status();
-    for (int64_t w = 0; w < c.window_size; ++w)
-      kf::UnpackSwaSlot((*b)->data() + w * slot, hd, st->swa[l].data() + w * hd);
+    if (absl::Status s = st->swa[l].WritePacked((*b)->data()); !s.ok()) return s;
   }
   const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
   for (int64_t i = 0; i < ns; ++i) {

@@ -446,7 +446,7 @@ int main(int argc, char** argv) {
       {  // encoder bounded replay vs exact rings: wipe rings of [0, split), replay the last window
         SequenceState s = *mono;
         const int split = DecoderSplitLayer(c);
-        for (int l = 0; l < split; ++l) std::fill(s.swa[l].begin(), s.swa[l].end(), 0.0f);
+        for (int l = 0; l < split; ++l) s.swa[l].Clear();  // zeros
         std::span<const int32_t> last(all_ids.data() + P - W, W);
         std::span<const int32_t> hist(all_ids.data() + P - W - hist_n, hist_n);
         Must(EncoderReplay(m, s, last, hist), "replay");

@@ -83,17 +83,19 @@ TEST_F(KvPoolDecodeTest, EightSequencesShareA1KPrefixAndDecodeAsAlone) {
     ASSERT_TRUE(q.ok()) << q.status();
     together.push_back(std::move(*q));
   }
-  // Each state ends at 1088 = 17 full blocks: 16 shared + 1 of its own, per stream.
-  EXPECT_EQ(pool.stats().used_bytes, block * (shared_blocks + kSeqs * 1));
+  // Each state ends at 1088 = 17 full blocks: 16 shared + 1 of its own, per stream; and its own
+  // packed SWA rings.
+  const int64_t rings = model_->SwaRingBytes();
+  EXPECT_EQ(pool.stats().used_bytes, block * (shared_blocks + kSeqs * 1) + kSeqs * rings);
   EXPECT_GE(pool.stats().shared_hits, (kSeqs - 1) * shared_blocks);
   std::vector<DecodeSequence*> batch;
   for (auto& q : together) batch.push_back(q.get());
   RunToEnd(stage, batch);
   // Blocks in use = the shared prefix's once + what each sequence holds beyond it.
   int64_t own = 0;
-  for (auto& q : together) own += model_->KvBytesFor(q->state->pos) - shared_blocks * block;
+  for (auto& q : together) own += model_->KvBytesFor(q->state->pos) - shared_blocks * block + rings;
   EXPECT_EQ(pool.stats().used_bytes, shared_blocks * block + own);
-  EXPECT_LT(pool.stats().used_bytes, kSeqs * model_->KvBytesFor(kPrefix + kSuffix));
+  EXPECT_LT(pool.stats().used_bytes, kSeqs * (model_->KvBytesFor(kPrefix + kSuffix) + rings));
   std::vector<std::vector<int32_t>> outputs;
   for (auto& q : together) outputs.push_back(q->output);
   together.clear();
@@ -118,14 +120,14 @@ TEST_F(KvPoolDecodeTest, ForkedStatesShareBlocksCopyOnWrite) {
   auto st = model_->NewSequence();
   ASSERT_TRUE(model_->Prefill(*st, prompt, false).ok());
   const int64_t held = model_->kv_pool().stats().used_bytes;
-  EXPECT_EQ(held, model_->KvBytesFor(300));
+  EXPECT_EQ(held, model_->KvBytesFor(300) + model_->SwaRingBytes());  // global KV + rings
   auto fork = std::make_unique<model::SequenceState>(*st);
   EXPECT_EQ(model_->kv_pool().stats().used_bytes, held);  // nothing copied
   auto a = model_->Decode(*st, 42);
   auto b = model_->Decode(*fork, 42);
   ASSERT_TRUE(a.ok() && b.ok());
   EXPECT_EQ(a->logits, b->logits);
-  // Each wrote its partial last blocks: those (only) are now separate.
+  // Each wrote its partial last blocks and its rings: those (only) are now separate.
   EXPECT_GT(model_->kv_pool().stats().used_bytes, held);
   EXPECT_LT(model_->kv_pool().stats().used_bytes, 2 * held);
 }
@@ -153,7 +155,8 @@ TEST_F(KvPoolDecodeTest, NChoicesFromOneHandoffShareItsBlocks) {
     ASSERT_TRUE(q.ok()) << q.status();
     forks.push_back(std::move(*q));
   }
-  EXPECT_EQ(pool.stats().used_bytes - before, model_->KvBytesFor(200));  // held once
+  // Held once (the rings too, until a choice steps).
+  EXPECT_EQ(pool.stats().used_bytes - before, model_->KvBytesFor(200) + model_->SwaRingBytes());
   proto->reset();
   std::vector<DecodeSequence*> batch;
   for (auto& q : forks) batch.push_back(q.get());

@@ -33,13 +33,16 @@ std::vector<int32_t> LongPrompt(int n, int salt) {
 
 TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   // A 256-token prompt holds 4 blocks, 5 after its first decode step and one more per 64 tokens:
-  // 8 at 512. A request is admitted when its 4 blocks plus 2 headroom blocks per live sequence
-  // (itself included) are free: with 16 blocks a second request always gets in while the first
-  // runs (<= 8 + 4 + 4), a third never does (>= 5 + 4 + 4 + 6), and once the two hold more than
-  // 12 blocks (they do before the older one ends) the headroom is gone and the younger is swapped
-  // out, to resume when the older finishes.
+  // 8 at 512, and its SWA rings (R bytes, from the hand-off on). A request is admitted when its 4
+  // blocks + R plus 2 headroom blocks per live sequence (itself included) are free: with 16 blocks
+  // + 2R a second request always gets in while the first runs (<= 8 + 4 + 4 blocks + 2R), a third
+  // never does (>= 5 + 4 + 4 + 6 blocks + 3R), and once the two hold more than 12 blocks (they do
+  // before the older one ends) the headroom is gone and the younger is swapped out, to resume when
+  // the older finishes.
   const int64_t block = model_->KvBlockBytes();
-  const int64_t pool_bytes = 16 * block;
+  const int64_t pool_bytes = 16 * block + 2 * model_->SwaRingBytes();
+  // epd_kv_pool_blocks counts the pool's bytes in 64-token blocks of global KV.
+  const double pool_blocks = static_cast<double>(pool_bytes) / static_cast<double>(block);
   ASSERT_EQ(model_->KvBytesFor(256), 4 * block);
   // (A generous heartbeat miss limit: this test is about the pool, and a loaded 2-core machine
   // may delay a heartbeat past the 3 x 200 ms default.)
@@ -49,7 +52,8 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   const int dm = cluster.metrics("decode");
   ASSERT_GT(dm, 0);
   EXPECT_EQ(ScrapeMetric(dm, "epd_kv_pool_preemptions_total").value_or(-1), 0.0);
-  EXPECT_EQ(ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"free\"}").value_or(-1), 16.0);
+  EXPECT_NEAR(ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"free\"}").value_or(-1), pool_blocks,
+              1e-3);
   EXPECT_EQ(ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"used\"}").value_or(-1), 0.0);
 
   constexpr int kRequests = 4, kTokens = 256;
@@ -91,7 +95,7 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   const double free = ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"free\"}").value_or(-1);
   const double cached = ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"cached\"}").value_or(-1);
   EXPECT_EQ(used, 0.0);
-  EXPECT_DOUBLE_EQ(free + cached, 16.0);
+  EXPECT_NEAR(free + cached, pool_blocks, 1e-3);
   // The pool's memory is slabs from the backend, kept at their high-water while idle, each
   // registered with the worker's UCX wire (an idle engine holds no registration of its own).
   EXPECT_GT(ScrapeMetric(dm, "epd_kv_pool_bytes{state=\"slabs\"}").value_or(-1), 0.0);
@@ -103,10 +107,11 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
 // A request whose state can never fit the pool fails with a clear error; the worker stays up and
 // serves the next request.
 TEST_F(KvPoolE2eTest, ARequestLargerThanThePoolIsRefused) {
-  const int64_t block = model_->KvBlockBytes();
+  const int64_t block = model_->KvBlockBytes(), rings = model_->SwaRingBytes();
   testing::RealCluster cluster(
-      {.model_dir = model_dir(), .decode_args = {"--kv-pool-bytes", std::to_string(8 * block)}});
-  Generation big = Generate(cluster.grpc_port(), LongPrompt(640, 9), 4);  // 10 blocks + 2
+      {.model_dir = model_dir(),
+       .decode_args = {"--kv-pool-bytes", std::to_string(8 * block + rings)}});
+  Generation big = Generate(cluster.grpc_port(), LongPrompt(640, 9), 4);  // 10 blocks + R + 2
   EXPECT_FALSE(big.status.ok());
   EXPECT_NE(big.status.error_message().find("KV pool"), std::string::npos)
       << big.status.error_message();

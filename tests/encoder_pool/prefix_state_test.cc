@@ -172,7 +172,8 @@ TEST_F(PrefixStateTest, StoreBlocksAreThePoolBlocksBytes) {
       EXPECT_EQ(got.keys.blocks()[b].id, src.keys.blocks()[b].id) << "source " << l;
     }
   }
-  EXPECT_EQ(model_->kv_pool().stats().used_bytes, used);  // shared: no new block held
+  // Shared: no new global KV block held; the assembled state's own rings only.
+  EXPECT_EQ(model_->kv_pool().stats().used_bytes, used + model_->SwaRingBytes());
 }
 
 TEST_F(PrefixStateTest, WithoutASnapshotTheReplayRebuildsTheEncoderRingsExactly) {

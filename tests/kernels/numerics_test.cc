@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -166,6 +167,22 @@ TEST(PackedLayoutTest, RoundTripsEqualQuantDequant) {
     PackSwaSlot(x.data(), 512, sb.data());
     UnpackSwaSlot(sb.data(), 512, sout.data());
     EXPECT_EQ(sout, sref);
+  }
+}
+
+// The SWA slot decode (table path; the model reads every window slot through it) is the codec
+// for every E4M3 code under every UE8M0 scale code, bit for bit (NaNs included).
+TEST(PackedLayoutTest, SwaSlotUnpackIsTheCodecForEveryCode) {
+  std::vector<uint8_t> slot(PackedSwaSlotBytes(256));
+  for (int c = 0; c < 256; ++c) slot[c] = static_cast<uint8_t>(c);
+  std::vector<float> out(256);
+  for (int s = 0; s < 256; ++s) {
+    for (int b = 0; b < 8; ++b) slot[256 + b] = static_cast<uint8_t>((s + 37 * b) % 256);
+    UnpackSwaSlot(slot.data(), 256, out.data());
+    for (int c = 0; c < 256; ++c) {
+      const float want = RoundBf16(DecodeE4M3(slot[c]) * DecodeE8M0(slot[256 + c / 32]));
+      ASSERT_EQ(0, std::memcmp(&out[c], &want, sizeof(float))) << "code " << c << " scale " << s;
+    }
   }
 }
 

@@ -1,6 +1,7 @@
 // The paged, packed KV pool (model/kv_pool.h): blocks, reference counts, copy-on-write, sharing by
 // content hash, the LRU cache of freed sealed blocks and capacity errors; a sequence's global KV
-// held in it at exactly the packed bytes `epd kv-layout` accounts (StateByteAccounting).
+// held in it at exactly the packed bytes `epd kv-layout` accounts (StateByteAccounting), and so are
+// its SWA rings (SwaRing: one packed block per ring, copy-on-write).
 #include "model/kv_pool.h"
 
 #include <gtest/gtest.h>
@@ -314,6 +315,114 @@ TEST(KvPoolTest, Fp32RowsForTheUnquantizedBenchmarkSwitch) {
   EXPECT_EQ(packed.size(), 16u);
 }
 
+// Rows the packed SWA slot holds exactly (FP8-window quantize-dequantized), distinct per `salt`.
+std::vector<float> WindowRows(int64_t n, int64_t dim, int salt) {
+  std::vector<float> v(n * dim);
+  for (int64_t i = 0; i < n * dim; ++i)
+    v[i] = static_cast<float>(((i * 5 + salt * 11) % 29) - 14) * 0.37f;
+  for (int64_t r = 0; r < n; ++r) kf::Fp8QuantDequantRow(v.data() + r * dim, dim);
+  return v;
+}
+
+TEST(SwaRingTest, PackedSlotsRoundTripBitForBit) {
+  auto pool = std::make_shared<KvPool>();
+  const int64_t W = 8, dim = 64, sb = kf::PackedSwaSlotBytes(dim);
+  SwaRing ring(pool, W, dim);
+  // Never written: no pool bytes, zeros, and the bytes of packed zero rows (what the float ring
+  // serialized to).
+  EXPECT_FALSE(ring.allocated());
+  EXPECT_EQ(ring.held_bytes(), 0);
+  EXPECT_EQ(ring.ToVector(), std::vector<float>(W * dim, 0.f));
+  std::vector<uint8_t> zeros(W * sb), want(W * sb);
+  ring.CopyPacked(zeros.data());
+  const std::vector<float> z(dim, 0.f);
+  for (int64_t w = 0; w < W; ++w) kf::PackSwaSlot(z.data(), dim, want.data() + w * sb);
+  EXPECT_EQ(zeros, want);
+  EXPECT_EQ(pool->stats().used_bytes, 0);
+
+  // Positions 3..13 (11 rows, window 8): the last 8 land in slots p % 8, as the float ring did.
+  const std::vector<float> x = WindowRows(11, dim, 1);
+  ASSERT_TRUE(ring.WritePositions(3, 11, x.data()).ok());
+  EXPECT_EQ(ring.held_bytes(), W * sb);
+  EXPECT_EQ(pool->stats().used_bytes, W * sb);
+  std::vector<float> got(W * dim);
+  ring.ReadWindow(got.data());
+  for (int64_t i = 3; i < 11; ++i) {
+    const int64_t slot = (3 + i) % W;
+    EXPECT_EQ(0, std::memcmp(got.data() + slot * dim, x.data() + i * dim, dim * sizeof(float)))
+        << "position " << 3 + i;
+    std::vector<uint8_t> packed(sb);
+    kf::PackSwaSlot(x.data() + i * dim, dim, packed.data());  // the hand-off's bytes
+    EXPECT_EQ(0, std::memcmp(ring.block().data + slot * sb, packed.data(), sb));
+    std::vector<float> one(dim);
+    ring.ReadSlot(slot, one.data());
+    EXPECT_EQ(0, std::memcmp(one.data(), x.data() + i * dim, dim * sizeof(float)));
+  }
+  ring.Clear();
+  EXPECT_EQ(pool->stats().used_bytes, 0);
+}
+
+TEST(SwaRingTest, CopySharesTheBlockUntilOneSideWrites) {
+  auto pool = std::make_shared<KvPool>();
+  const int64_t W = 4, dim = 32, sb = kf::PackedSwaSlotBytes(dim);
+  SwaRing a(pool, W, dim);
+  const std::vector<float> x = WindowRows(W, dim, 2), y = WindowRows(1, dim, 3);
+  ASSERT_TRUE(a.WritePositions(0, W, x.data()).ok());
+  SwaRing b = a;
+  EXPECT_EQ(b.block().id, a.block().id);
+  EXPECT_EQ(pool->refs(a.block().id), 2);
+  EXPECT_EQ(pool->stats().used_bytes, W * sb);  // held once
+  ASSERT_TRUE(b.WriteSlot(1, y.data()).ok());   // copy on write
+  EXPECT_NE(b.block().id, a.block().id);
+  EXPECT_EQ(pool->refs(a.block().id), 1);
+  EXPECT_EQ(pool->stats().used_bytes, 2 * W * sb);
+  EXPECT_EQ(a.ToVector(), x);  // the other side is unchanged
+  std::vector<float> want = x;
+  std::copy(y.begin(), y.end(), want.begin() + dim);
+  EXPECT_EQ(b.ToVector(), want);
+  ASSERT_TRUE(a.WriteSlot(2, y.data()).ok());  // a holds the only reference: written in place
+  EXPECT_EQ(pool->stats().used_bytes, 2 * W * sb);
+  SwaRing moved = std::move(b);
+  EXPECT_EQ(pool->stats().used_bytes, 2 * W * sb);
+}
+
+TEST(SwaRingTest, FullPoolFailsTheWriteAndLeavesTheRing) {
+  const int64_t W = 4, dim = 32, sb = kf::PackedSwaSlotBytes(dim);
+  auto pool = std::make_shared<KvPool>(W * sb);  // room for one ring
+  SwaRing a(pool, W, dim), b(pool, W, dim);
+  const std::vector<float> x = WindowRows(1, dim, 4);
+  ASSERT_TRUE(a.WriteSlot(0, x.data()).ok());
+  absl::Status s = b.WriteSlot(0, x.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_FALSE(b.allocated());
+  SwaRing c = a;  // shared: its copy on write does not fit either
+  EXPECT_EQ(c.WriteSlot(1, x.data()).code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(c.block().id, a.block().id);
+  EXPECT_EQ(c.ToVector(), a.ToVector());
+}
+
+// The release config's rings (total_layers(): every layer and the DSpark stages), written
+// whole: the pool holds exactly `epd kv-layout`'s swa_bytes_per_sequence, 528 B per slot.
+TEST(KvPoolTest, ReleaseConfigRingsHoldThePackedSlotBytes) {
+  auto config =
+      LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
+  ASSERT_TRUE(config.ok()) << config.status();
+  const ModelConfig& c = *config;
+  auto pool = std::make_shared<KvPool>();
+  auto st = NewSequenceState(c, pool);
+  ASSERT_EQ(st->swa.size(), static_cast<size_t>(c.total_layers()));
+  const std::vector<float> x = WindowRows(c.window_size, c.head_dim, 5);
+  for (SwaRing& r : st->swa) ASSERT_TRUE(r.WritePositions(0, c.window_size, x.data()).ok());
+  int64_t swa = -1;
+  for (const auto& [name, bytes] : StateByteAccounting(c, 4096))
+    if (name == "swa") swa = bytes;
+  EXPECT_EQ(kf::PackedSwaSlotBytes(c.head_dim), 528);
+  EXPECT_EQ(swa, int64_t{c.total_layers()} * c.window_size * 528);
+  EXPECT_EQ(SwaRingBytes(c), swa);
+  EXPECT_EQ(pool->stats().used_bytes, swa);
+  EXPECT_EQ(st->swa.back().ToVector(), x);
+}
+
 // The release config (no weights needed): a synthesized 4096-token state holds 890 B per token of
 // global KV in the pool (MODEL.md §4: 3 x 178 + 356), the accounting figure of `epd kv-layout`.
 TEST(KvPoolTest, ReleaseConfigHolds890BytesPerToken) {
@@ -358,15 +467,28 @@ TEST_F(KvPoolModelTest, HeldBytesEqualTheAccounting) {
   std::vector<int32_t> ids(256);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = 3 + static_cast<int32_t>((i * 31) % 1000);
   ASSERT_TRUE(model_->Prefill(*st, ids, false).ok());
-  int64_t global = -1;
-  for (const auto& [name, bytes] : StateByteAccounting(c, 256))
+  int64_t global = -1, swa = -1;
+  for (const auto& [name, bytes] : StateByteAccounting(c, 256)) {
     if (name == "global_kv") global = bytes;
-  EXPECT_EQ(pool->stats().used_bytes, global);
+    if (name == "swa") swa = bytes;
+  }
+  // Global KV + every layer's packed ring (the prefill seeds the DSpark stages' rings too).
+  EXPECT_EQ(pool->stats().used_bytes, global + swa);
   EXPECT_EQ(model_->KvBytesFor(256), global);
   EXPECT_EQ(model_->KvBlockBytes() * 4, global);
-  int64_t held = 0;
+  EXPECT_EQ(model_->SwaRingBytes(), swa);
+  int64_t held = 0, rings = 0;
   for (const auto& [l, src] : st->sources) held += src.kv.held_bytes() + src.keys.held_bytes();
+  for (const SwaRing& r : st->swa) rings += r.held_bytes();
   EXPECT_EQ(held, global);
+  EXPECT_EQ(rings, swa);
+  // The hand-off's swa segments are the rings' blocks as they are.
+  for (const StateSegment& seg : SerializeState(c, *st)) {
+    if (seg.name.rfind("swa.", 0) != 0) continue;
+    const SwaRing& r = st->swa.at(std::stoi(seg.name.substr(4)));
+    ASSERT_EQ(seg.bytes.size(), static_cast<size_t>(r.ring_bytes()));
+    EXPECT_EQ(0, std::memcmp(seg.bytes.data(), r.block().data, seg.bytes.size())) << seg.name;
+  }
   // The hand-off's kv/keys segments are the blocks' bytes as they are.
   for (const StateSegment& seg : SerializeState(c, *st)) {
     if (seg.name.rfind("kv.", 0) != 0) continue;
@@ -377,6 +499,44 @@ TEST_F(KvPoolModelTest, HeldBytesEqualTheAccounting) {
                              static_cast<size_t>(kv.rows_per_block() * kv.row_bytes())));
   }
   st.reset();
+  EXPECT_EQ(pool->stats().used_bytes, 0);
+}
+
+// A copied state (n > 1) shares its rings' blocks with the original until one side steps; the
+// step copies them (copy-on-write), and both sides then compute what they would alone.
+TEST_F(KvPoolModelTest, CopiedStateSharesItsRingsUntilOneSideSteps) {
+  auto pool = std::make_shared<KvPool>();
+  auto a = model_->NewSequence(pool);
+  std::vector<int32_t> ids(100);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = 5 + static_cast<int32_t>((i * 17) % 900);
+  ASSERT_TRUE(model_->Prefill(*a, ids, false).ok());
+  const int64_t before = pool->stats().used_bytes;
+  const std::vector<float> ring0 = a->swa[0].ToVector();
+  auto b = std::make_unique<SequenceState>(*a);
+  EXPECT_EQ(pool->stats().used_bytes, before);  // the copy holds nothing of its own
+  for (size_t l = 0; l < a->swa.size(); ++l) {
+    ASSERT_TRUE(a->swa[l].allocated()) << l;
+    EXPECT_EQ(a->swa[l].block().id, b->swa[l].block().id) << l;
+  }
+  auto rb = model_->Decode(*b, 42);
+  ASSERT_TRUE(rb.ok()) << rb.status();
+  EXPECT_GE(pool->stats().used_bytes, before + model_->SwaRingBytes());
+  for (size_t l = 0; l < a->swa.size(); ++l)
+    EXPECT_NE(a->swa[l].block().id, b->swa[l].block().id) << l;
+  EXPECT_EQ(a->swa[0].ToVector(), ring0);  // the original's rings are untouched
+  auto ra = model_->Decode(*a, 42);
+  ASSERT_TRUE(ra.ok()) << ra.status();
+  EXPECT_EQ(ra->logits, rb->logits);
+  for (size_t l = 0; l < a->swa.size(); ++l) EXPECT_EQ(a->swa[l], b->swa[l]) << l;
+  // And both equal a state that never shared: prefill + the same decode on its own.
+  auto alone = model_->NewSequence(pool);
+  ASSERT_TRUE(model_->Prefill(*alone, ids, false).ok());
+  auto r = model_->Decode(*alone, 42);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->logits, ra->logits);
+  a.reset();
+  b.reset();
+  alone.reset();
   EXPECT_EQ(pool->stats().used_bytes, 0);
 }
 

@@ -103,7 +103,7 @@ TEST_P(StagesTest, EncoderReplayRebuildsRings) {
   auto st = model_->NewSequence();
   *st = *mono;
   const int split = DecoderSplitLayer(model_->config());
-  for (int l = 0; l < split; ++l) std::fill(st->swa[l].begin(), st->swa[l].end(), 0.f);
+  for (int l = 0; l < split; ++l) st->swa[l].Clear();  // zeros
   std::span<const int32_t> p(prompt_);
   const int64_t hd = model_->config().head_dim, W = model_->config().window_size;
   ASSERT_TRUE(EncoderReplay(*model_, *st, p.subspan(P - W), p.subspan(P - W - 3, 3)).ok());
@@ -111,14 +111,13 @@ TEST_P(StagesTest, EncoderReplayRebuildsRings) {
   // Deeper rings are approximate (the replayed rows near the replay start see truncated windows);
   // the newest positions, whose windows are nearly complete, are close.
   for (int l = 1; l < split; ++l) {
+    const std::vector<float> got = st->swa[l].ToVector(), want = mono->swa[l].ToVector();
     std::vector<float> got_new, want_new;
     for (int64_t q = P - 16; q < P; ++q) {
-      got_new.insert(got_new.end(), st->swa[l].begin() + (q % W) * hd,
-                     st->swa[l].begin() + (q % W + 1) * hd);
-      want_new.insert(want_new.end(), mono->swa[l].begin() + (q % W) * hd,
-                      mono->swa[l].begin() + (q % W + 1) * hd);
+      got_new.insert(got_new.end(), got.begin() + (q % W) * hd, got.begin() + (q % W + 1) * hd);
+      want_new.insert(want_new.end(), want.begin() + (q % W) * hd, want.begin() + (q % W + 1) * hd);
     }
-    const double all = RelRms(st->swa[l], mono->swa[l]), newest = RelRms(got_new, want_new);
+    const double all = RelRms(got, want), newest = RelRms(got_new, want_new);
     std::printf("encoder replay: ring %d rel_rms %.3g (newest 16 positions %.3g)\n", l, all,
                 newest);
     EXPECT_LT(newest, 0.1) << l;
@@ -126,9 +125,8 @@ TEST_P(StagesTest, EncoderReplayRebuildsRings) {
     if (l == 1) {
       // Position 300's layer-0 window (173..300) lies wholly inside the replay: exact. (FP8 ring
       // values turn tiny upstream differences into whole quanta, hence the few-% figures above.)
-      EXPECT_TRUE(std::equal(st->swa[1].begin() + ((P - 1) % W) * hd,
-                             st->swa[1].begin() + ((P - 1) % W + 1) * hd,
-                             mono->swa[1].begin() + ((P - 1) % W) * hd));
+      EXPECT_TRUE(std::equal(got.begin() + ((P - 1) % W) * hd, got.begin() + ((P - 1) % W + 1) * hd,
+                             want.begin() + ((P - 1) % W) * hd));
     }
   }
   for (const auto& [l, src] : mono->sources) EXPECT_EQ(st->sources[l].kv, src.kv);

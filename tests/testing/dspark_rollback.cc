@@ -40,10 +40,8 @@ void StepJournal::Begin(const SequenceState& state) {
 void StepJournal::BeforePosition(const SequenceState& state) {
   const int64_t slot = state.pos % window_;
   std::vector<float> saved(state.swa.size() * head_dim_);
-  for (size_t l = 0; l < state.swa.size(); ++l) {
-    std::memcpy(saved.data() + l * head_dim_, state.swa[l].data() + slot * head_dim_,
-                head_dim_ * sizeof(float));
-  }
+  for (size_t l = 0; l < state.swa.size(); ++l)
+    state.swa[l].ReadSlot(slot, saved.data() + l * head_dim_);
   slots_.push_back(std::move(saved));
 }
 
@@ -59,8 +57,8 @@ absl::Status StepJournal::Rollback(SequenceState& state, int64_t keep) {
   for (int64_t i = positions() - 1; i >= keep; --i) {
     const int64_t slot = (base_.pos + i) % window_;
     for (size_t l = 0; l < state.swa.size(); ++l) {
-      std::memcpy(state.swa[l].data() + slot * head_dim_, slots_[i].data() + l * head_dim_,
-                  head_dim_ * sizeof(float));
+      if (absl::Status s = state.swa[l].WriteSlot(slot, slots_[i].data() + l * head_dim_); !s.ok())
+        return s;
     }
   }
   const Small& m = keep == 0 ? base_ : after_[keep - 1];
@@ -109,6 +107,9 @@ bool SameBits(const std::vector<T>& a, const std::vector<T>& b) {
 bool SameBits(const model::KvRows& a, const model::KvRows& b) {
   return SameBits(a.ToVector(), b.ToVector());
 }
+bool SameBits(const model::SwaRing& a, const model::SwaRing& b) {
+  return SameBits(a.ToVector(), b.ToVector());
+}
 }  // namespace
 
 std::string DiffStates(const SequenceState& a, const SequenceState& b) {
@@ -138,7 +139,7 @@ std::string DiffStates(const SequenceState& a, const SequenceState& b) {
 
 int64_t StateBytes(const SequenceState& s) {
   int64_t b = 0;
-  for (const auto& r : s.swa) b += static_cast<int64_t>(r.size() * 4);
+  for (const auto& r : s.swa) b += r.held_bytes();
   for (const auto& [l, src] : s.sources) {
     b += src.kv.held_bytes() + src.keys.held_bytes() +
          static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4);
