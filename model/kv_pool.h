@@ -7,7 +7,8 @@
 // table into the pool, one block per kKvBlockTokens (64, the store's block) tokens of the stream,
 // holding that many tokens' rows (64 / ratio) in their packed MODEL.md §4 formats (288 B per
 // entry, 68 B per key at the released sizes), so a worker holds exactly the bytes `epd
-// kv-layout` accounts per token.
+// kv-layout` accounts per token. Each SWA ring of a sequence is a SwaRing: one pool block of
+// window packed slots (below).
 //
 // Sharing: blocks are reference-counted. Copying a KvRows shares its blocks (a copied
 // SequenceState, a snapshot, an n > 1 fork); a write into a shared block copies it first
