@@ -2,8 +2,11 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <ucp/api/ucp.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <condition_variable>
@@ -100,6 +103,7 @@ class UcxWire final : public Wire {
     ucp_params_t params{};
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
     params.features = UCP_FEATURE_AM | UCP_FEATURE_RMA | UCP_FEATURE_TAG;
+    if (options_.event_wakeup) params.features |= UCP_FEATURE_WAKEUP;
     params.mt_workers_shared = 1;
     st = ucp_init(&params, config, &context_);
     ucp_config_release(config);
@@ -110,6 +114,19 @@ class UcxWire final : public Wire {
     wp.thread_mode = UCS_THREAD_MODE_SINGLE;
     st = ucp_worker_create(context_, &wp, &worker_);
     if (st != UCS_OK) return UcsError("ucp_worker_create", st);
+    if (options_.event_wakeup) {
+      // The progress thread sleeps in poll() on the worker's event fd and an eventfd that Post
+      // and Stop write: a message or a command wakes it at once instead of after a nap.
+      int efd = -1;
+      st = ucp_worker_get_efd(worker_, &efd);
+      wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+      if (st == UCS_OK && wake_fd_ >= 0) {
+        worker_efd_ = efd;
+      } else {
+        spdlog::warn("UCX wire: no event wakeup ({}); the progress thread naps instead",
+                     st != UCS_OK ? ucs_status_string(st) : "eventfd failed");
+      }
+    }
 
     for (unsigned id : {kAmControl, kAmData}) {
       ucp_am_handler_param_t hp{};
@@ -167,6 +184,7 @@ class UcxWire final : public Wire {
       stop_requested_ = true;
     }
     qcv_.notify_all();
+    Wake();
     thread_.join();
     Cleanup();
   }
@@ -362,6 +380,30 @@ class UcxWire final : public Wire {
       commands_.push_back(std::move(fn));
     }
     qcv_.notify_all();
+    Wake();
+  }
+
+  void Wake() {
+    if (wake_fd_ < 0) return;
+    const uint64_t one = 1;
+    [[maybe_unused]] ssize_t n = write(wake_fd_, &one, sizeof(one));  // EAGAIN: already signalled
+  }
+
+  // Sleeps until UCX has an event, a command is posted, or `timeout` passes. False when the
+  // worker cannot be armed right now (events pending: progress again at once).
+  bool WaitForEvents(std::chrono::microseconds timeout) {
+    if (ucp_worker_arm(worker_) == UCS_ERR_BUSY) return false;
+    {
+      std::lock_guard<std::mutex> lock(qmu_);
+      if (!commands_.empty() || stop_requested_) return false;
+    }
+    pollfd fds[2] = {{worker_efd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+    const int ms = static_cast<int>((timeout.count() + 999) / 1000);
+    if (poll(fds, 2, ms) > 0 && (fds[1].revents & POLLIN) != 0) {
+      uint64_t drained = 0;
+      [[maybe_unused]] ssize_t n = read(wake_fd_, &drained, sizeof(drained));
+    }
+    return true;
   }
 
   void Run() {
@@ -404,6 +446,11 @@ class UcxWire final : public Wire {
         continue;
       }
       if (now - last_active < absl::ToChronoMicroseconds(options_.spin)) continue;
+      if (worker_efd_ >= 0) {
+        // Event-driven: the timeout only paces the housekeeping (closes, discards).
+        WaitForEvents(std::chrono::microseconds(inflight_.empty() ? 10000 : 1000));
+        continue;
+      }
       std::unique_lock<std::mutex> lock(qmu_);
       qcv_.wait_for(lock, std::chrono::microseconds(inflight_.empty() ? 500 : 50),
                     [&] { return !commands_.empty() || stop_requested_; });
@@ -456,6 +503,9 @@ class UcxWire final : public Wire {
     abandoned_.clear();
     if (context_ != nullptr) ucp_cleanup(context_);
     context_ = nullptr;
+    if (wake_fd_ >= 0) close(wake_fd_);
+    wake_fd_ = -1;
+    worker_efd_ = -1;
   }
 
   bool ErrorHandling() const {
@@ -980,6 +1030,8 @@ class UcxWire final : public Wire {
   std::thread thread_;
   std::atomic<PeerId> next_peer_{1};
 
+  int worker_efd_ = -1;  // UCX's event fd (owned by the worker); -1: nap instead
+  int wake_fd_ = -1;     // eventfd written by Post and Stop
   std::mutex qmu_;
   std::condition_variable qcv_;
   std::deque<std::function<void()>> commands_;

@@ -36,10 +36,13 @@ struct UcxOptions {
   // memory and peer death is caught by the engine (pid liveness for same-host peers, deadlines
   // otherwise). Default: on for kListener, off for kWorkerAddress (see docs/transfer.md).
   std::optional<bool> peer_error_handling;
-  // The progress thread spins this long after UCX last made progress, then naps (50 us while
-  // operations are in flight, 500 us when idle). Longer spins cost a core on small hosts; on the
+  // The progress thread spins this long after UCX last made progress, then sleeps until an event
+  // (event_wakeup) or naps (50 us while operations are in flight, 500 us when idle). Longer spins cost a core on small hosts; on the
   // 2-core dev VM 2 ms made hand-offs slower than 200 us (docs/transfer.md). Default: 200 us.
   absl::Duration spin = absl::Microseconds(200);
+  // After the spin, sleep in poll() on UCX's event fd (UCP_FEATURE_WAKEUP) and a command eventfd
+  // instead of napping: a message or a posted command wakes the thread at once. Default: on.
+  bool event_wakeup = true;
 };
 
 std::unique_ptr<Wire> MakeUcxWire(const UcxOptions& options);

@@ -79,6 +79,17 @@ int MemfdRefs(pid_t pid) {
   return n;
 }
 
+// MemfdRefs(pid) once it is 0, or when `limit` has passed.
+int MemfdRefsAfter(pid_t pid, std::chrono::milliseconds limit) {
+  const auto end = std::chrono::steady_clock::now() + limit;
+  int refs = MemfdRefs(pid);
+  while (refs != 0 && std::chrono::steady_clock::now() < end) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    refs = MemfdRefs(pid);
+  }
+  return refs;
+}
+
 // Puts 64 blocks with one BatchPut and reads them back with one BatchGet, through shared memory
 // and inline; every block bit-identical, one status per block, one call each way.
 TEST(KvStoreBatchTest, APrefixOf64BlocksIsOneCallEachWayThroughSharedMemoryOrInline) {
@@ -134,12 +145,8 @@ TEST(KvStoreBatchTest, APrefixOf64BlocksIsOneCallEachWayThroughSharedMemoryOrInl
             2 * 64.0 * (kBlock - 2));
   // ... and lets it go within a second or so once the client has closed it.
   shm.reset();
-  int refs = -1;
-  for (int i = 0; i < 60 && refs != 0; ++i) {
-    refs = MemfdRefs(d.proc.pid());
-    if (refs != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_EQ(refs, 0) << "the daemon still maps a segment its client closed";
+  EXPECT_EQ(MemfdRefsAfter(d.proc.pid(), std::chrono::seconds(3)), 0)
+      << "the daemon still maps a segment its client closed";
   EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_shm_segments_mapped"), 0);
 }
 
@@ -273,12 +280,8 @@ TEST(KvStoreBatchTest, AClientKilledDuringSharedMemoryGetsLeaksNothingInTheDaemo
     peer.Wait(std::chrono::seconds(10));
   }
   // The daemon drops a dead client's mapping at its next sweep (every 500 ms).
-  int refs = -1;
-  for (int i = 0; i < 100 && refs != 0; ++i) {
-    refs = MemfdRefs(d.proc.pid());
-    if (refs != 0) std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  EXPECT_EQ(refs, 0) << "the daemon still maps or holds a dead client's segment";
+  EXPECT_EQ(MemfdRefsAfter(d.proc.pid(), std::chrono::seconds(5)), 0)
+      << "the daemon still maps or holds a dead client's segment";
   EXPECT_EQ(Scrape(d.metrics_port, "epd_kv_shm_segments_mapped"), 0);
   EXPECT_GT(Scrape(d.metrics_port, "epd_kv_shm_bytes_total{direction=\"get\"}"), 0);
   auto c = KvStoreClient::Create(d.target());
