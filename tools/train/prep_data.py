@@ -170,7 +170,8 @@ def usable_heading(h):
 
 def samples(heading, paras, rng, max_words=180):
     """A section's paragraphs in chunks of <= max_words (a paragraph is never split), each with
-    its own question about the heading."""
+    its own question about the heading: (question, answer, topic) with topic the heading as the
+    question spells it."""
     low = heading[0].lower() + heading[1:] if not heading[:2].isupper() else heading
     chunks, words, cur = [], 0, []
     for p in paras:
@@ -181,7 +182,11 @@ def samples(heading, paras, rng, max_words=180):
         words += len(p.split())
     if cur:
         chunks.append(cur)
-    return [(rng.choice(QUESTIONS).format(t=heading, l=low), "\n\n".join(c)) for c in chunks]
+    out = []
+    for c in chunks:
+        q = rng.choice(QUESTIONS)
+        out.append((q.format(t=heading, l=low), "\n\n".join(c), heading if q == "{t}" else low))
+    return out
 
 
 def main():
@@ -190,6 +195,10 @@ def main():
     ap.add_argument("--seed", type=int, default=18)
     ap.add_argument("--py-sources", default=PY_SOURCES)
     ap.add_argument("--debref", default=DEBREF)
+    ap.add_argument("--titled", action="store_true",
+                    help="each training/held-out answer starts with its topic as the question "
+                         "spells it, then ': ' (\"logging: This module defines...\"); "
+                         "heldout_plain.txt, the tokenizer corpus and words.txt are unchanged")
     a = ap.parse_args()
     if not os.path.isdir(a.py_sources) or not os.path.exists(a.debref):
         raise SystemExit("missing sources: apt-get install -y --no-install-recommends "
@@ -208,14 +217,18 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     train, held, held_plain, corpus = [], [], [], []
     corpus_bytes = 0
+    train_plain = []  # the untitled samples: words.txt counts these
     for k, (h, paras) in enumerate(sections):
-        for q, ans in samples(h, paras, rng):
-            s = f"{BOS}{USER}{q}{ASSISTANT}{THINK_END}{ans}{EOS}"
+        for q, ans, topic in samples(h, paras, rng):
+            plain = f"{BOS}{USER}{q}{ASSISTANT}{THINK_END}{ans}{EOS}"
+            shown = f"{topic}: {ans}" if a.titled else ans
+            s = f"{BOS}{USER}{q}{ASSISTANT}{THINK_END}{shown}{EOS}"
             if k % 50 == 0:
                 held.append(s)
                 held_plain.append(ans)
             else:
                 train.append(s)
+                train_plain.append(plain)
                 if corpus_bytes < 3_000_000:
                     corpus.append(q + "\n" + ans)
                     corpus_bytes += len(q) + len(ans) + 2
@@ -225,7 +238,7 @@ def main():
         with open(os.path.join(a.out, name), "w", encoding="utf-8") as f:
             f.write(sep.join(items))
     counts = {}
-    for item in train:
+    for item in train_plain:
         for w in re.findall(r"[A-Za-z]+", re.sub(r"<｜[^｜]*｜>|</think>", " ", item)):
             counts[w.lower()] = counts.get(w.lower(), 0) + 1
     top = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))[:5000]

@@ -43,6 +43,25 @@ def batch_at(ids, starts, seq):
     return x, y
 
 
+THINK_END_ID = 2043  # </think> in the nano tokenizer: the assistant's answer starts after it
+
+
+def title_weights(x, weight, tokens):
+    """[B, S] loss weights: `weight` at the positions whose target is one of the first `tokens`
+    tokens after a </think> (the answer's opening words), 1 elsewhere."""
+    w = np.ones(x.shape, dtype=np.float32)
+    for b, p in zip(*np.nonzero(x == THINK_END_ID)):
+        w[b, p:p + tokens] = weight
+    return w
+
+
+def weighted_loss(logits, y, w):
+    ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).reshape(-1),
+                         reduction="none")
+    wt = torch.from_numpy(w).reshape(-1)
+    return (ce * wt).sum() / wt.sum()
+
+
 def evaluate(model, hasher, ids, seq, max_windows=24):
     """Mean next-token loss over consecutive non-overlapping windows of the held-out ids."""
     n = min(max_windows, (len(ids) - 1) // seq)
@@ -74,6 +93,10 @@ def main():
     ap.add_argument("--seed", type=int, default=18)
     ap.add_argument("--save-every-min", type=float, default=10.0)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--title-weight", type=float, default=1.0,
+                    help="loss weight of the first --title-tokens targets after each </think> "
+                         "(the start of an answer: its topic in the titled samples); 1 = plain")
+    ap.add_argument("--title-tokens", type=int, default=4)
     ap.add_argument("--head-init-scale", type=float, default=0.2,
                     help="scales the random LM head first (gen-model's gain 3 is overconfident)")
     a = ap.parse_args()
@@ -135,7 +158,11 @@ def main():
         rows = {l: torch.from_numpy(r) for l, r in hasher.rows(x).items()}
         stats = []
         logits, _ = model(torch.from_numpy(x), rows, stats=stats)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), torch.from_numpy(y).reshape(-1))
+        if a.title_weight == 1.0:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]),
+                                   torch.from_numpy(y).reshape(-1))
+        else:
+            loss = weighted_loss(logits, y, title_weights(x, a.title_weight, a.title_tokens))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
