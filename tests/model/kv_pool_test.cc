@@ -24,13 +24,25 @@ namespace {
 
 namespace kf = kernels::format;
 
-// Rows the packed index-key format holds exactly (FP4 quantize-dequantized), distinct per `salt`.
-std::vector<float> KeyRows(int64_t n, int64_t dim, int salt) {
+// Rows that `quant_dequant` leaves unchanged (each row quantize-dequantized once), distinct per
+// `salt`: what a packed format holds exactly.
+std::vector<float> ExactRows(int64_t n, int64_t dim, int salt, int mul, int mod, float step,
+                             void (*quant_dequant)(float*, int64_t)) {
   std::vector<float> v(n * dim);
   for (int64_t i = 0; i < n * dim; ++i)
-    v[i] = static_cast<float>(((i * 7 + salt * 13) % 23) - 11) * 0.25f;
-  for (int64_t r = 0; r < n; ++r) kf::Fp4IndexQuantDequantRow(v.data() + r * dim, dim);
+    v[i] = static_cast<float>(((i * mul + salt * 13) % mod) - mod / 2) * step;
+  for (int64_t r = 0; r < n; ++r) quant_dequant(v.data() + r * dim, dim);
   return v;
+}
+
+// Rows the packed index-key format holds exactly (FP4 quantize-dequantized).
+std::vector<float> KeyRows(int64_t n, int64_t dim, int salt) {
+  return ExactRows(n, dim, salt, 7, 23, 0.25f, kf::Fp4IndexQuantDequantRow);
+}
+
+// Rows the packed SWA slot holds exactly (FP8-window quantize-dequantized).
+std::vector<float> WindowRows(int64_t n, int64_t dim, int salt) {
+  return ExactRows(n, dim, salt, 5, 29, 0.37f, kf::Fp8QuantDequantRow);
 }
 
 // The unpack every pool read goes through (kernels/format.cc, SIMD when the CPU has AVX2) gives
@@ -315,14 +327,6 @@ TEST(KvPoolTest, Fp32RowsForTheUnquantizedBenchmarkSwitch) {
   EXPECT_EQ(packed.size(), 16u);
 }
 
-// Rows the packed SWA slot holds exactly (FP8-window quantize-dequantized), distinct per `salt`.
-std::vector<float> WindowRows(int64_t n, int64_t dim, int salt) {
-  std::vector<float> v(n * dim);
-  for (int64_t i = 0; i < n * dim; ++i)
-    v[i] = static_cast<float>(((i * 5 + salt * 11) % 29) - 14) * 0.37f;
-  for (int64_t r = 0; r < n; ++r) kf::Fp8QuantDequantRow(v.data() + r * dim, dim);
-  return v;
-}
 
 TEST(SwaRingTest, PackedSlotsRoundTripBitForBit) {
   auto pool = std::make_shared<KvPool>();
