@@ -223,14 +223,7 @@ absl::Status HandoffPeer::Send(const std::string& address, epd::v1::Manifest man
 absl::StatusOr<std::vector<StateSegment>> HandoffPeer::Receive(
     const epd::v1::Manifest& expected, const std::vector<SegmentShape>& shapes,
     absl::Duration deadline, const std::atomic<bool>* cancelled) {
-  uint64_t total = 0;
-  for (const SegmentShape& s : shapes) total += s.bytes;
-  auto buf = transport_.Allocate(total);
-  if (!buf.ok()) return buf.status();
-  transfer::TransferOptions opts;
-  opts.deadline = deadline;
-  opts.lease = deadline;
-  auto id = transport_.Receive(expected, std::move(*buf), opts);
+  auto id = Post(expected, shapes, deadline);
   if (!id.ok()) return id.status();
   if (absl::Status st = WaitFor(*id, deadline, cancelled); !st.ok()) {
     transport_.Forget(*id);

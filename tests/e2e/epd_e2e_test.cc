@@ -13,10 +13,6 @@
 #include <thread>
 
 #include "epd/v1/inference.grpc.pb.h"
-#include "kernels/backend.h"
-#include "model/model.h"
-#include "model/sampling.h"
-#include "model/stages.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
@@ -39,35 +35,11 @@ class Cluster : public testing::RealCluster {
                      .worker_args = {"--drain-timeout-ms", "20000"}}) {}
 };
 
-// The monolithic reference forward in this process: Model::Prefill over all layers with the
-// semantics E/P/D computes (bounded decoder replay of window + DSpark block tail rows; the exact
-// forward for prompts up to that length), then Decode (greedy; EOS ends it and is not emitted).
+// The monolithic reference forward in this process (tests/testing/nano_model.h).
 std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens,
                                std::string* finish) {
-  auto backend = kernels::MakeCpuBackend();
-  auto model = model::Model::Load(testing::NanoModelDirTest::model_dir(), *backend);
-  EXPECT_TRUE(model.ok()) << model.status();
-  auto st = (*model)->NewSequence();
-  model::PrefillOptions bounded;
-  bounded.decoder_tail_rows = model::DecoderTailRows((*model)->config());
-  auto r = (*model)->Prefill(*st, prompt, false, bounded);
-  EXPECT_TRUE(r.ok());
-  std::vector<int32_t> out;
-  int32_t tok = model::ArgMax(r->logits);
-  const int32_t eos = static_cast<int32_t>((*model)->config().eos_token_id);
-  *finish = "length";
-  while (static_cast<int>(out.size()) < max_tokens) {
-    if (tok == eos) {
-      *finish = "stop";
-      break;
-    }
-    out.push_back(tok);
-    if (static_cast<int>(out.size()) == max_tokens) break;
-    auto d = (*model)->Decode(*st, tok);
-    EXPECT_TRUE(d.ok());
-    tok = model::ArgMax(d->logits);
-  }
-  return out;
+  return testing::BoundedReferenceGreedy(testing::NanoModelDirTest::model_dir(), prompt,
+                                         max_tokens, finish);
 }
 
 class EpdE2ETest : public testing::NanoModelDirTest {};

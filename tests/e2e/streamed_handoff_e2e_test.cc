@@ -8,10 +8,6 @@
 #include <string>
 #include <vector>
 
-#include "kernels/backend.h"
-#include "model/model.h"
-#include "model/sampling.h"
-#include "model/stages.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 
@@ -22,29 +18,6 @@ using epd::testing::Generate;
 using epd::testing::Generation;
 using epd::testing::Prompt;
 using epd::testing::ScrapeMetric;
-
-// Greedy Model::Prefill (bounded decoder replay, as E/P/D computes) + Decode in this process.
-std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens) {
-  auto backend = kernels::MakeCpuBackend();
-  auto model = model::Model::Load(testing::NanoModelDirTest::model_dir(), *backend);
-  EXPECT_TRUE(model.ok()) << model.status();
-  auto st = (*model)->NewSequence();
-  model::PrefillOptions bounded;
-  bounded.decoder_tail_rows = model::DecoderTailRows((*model)->config());
-  auto r = (*model)->Prefill(*st, prompt, false, bounded);
-  EXPECT_TRUE(r.ok());
-  std::vector<int32_t> out;
-  int32_t tok = model::ArgMax(r->logits);
-  const int32_t eos = static_cast<int32_t>((*model)->config().eos_token_id);
-  while (static_cast<int>(out.size()) < max_tokens && tok != eos) {
-    out.push_back(tok);
-    if (static_cast<int>(out.size()) == max_tokens) break;
-    auto d = (*model)->Decode(*st, tok);
-    EXPECT_TRUE(d.ok());
-    tok = model::ArgMax(d->logits);
-  }
-  return out;
-}
 
 class StreamedHandoffE2ETest : public testing::NanoModelDirTest {};
 
@@ -77,7 +50,8 @@ TEST_F(StreamedHandoffE2ETest, StreamingOnAndOffGiveIdenticalTokens) {
   ASSERT_EQ(outputs["on"].size(), prompts.size());
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(outputs["on"][i], outputs["off"][i]) << "prompt " << i;
-    EXPECT_EQ(outputs["on"][i], Reference(Prompt(prompts[i].second, prompts[i].first), 12))
+    EXPECT_EQ(outputs["on"][i], testing::BoundedReferenceGreedy(testing::NanoModelDirTest::model_dir(),
+                                            Prompt(prompts[i].second, prompts[i].first), 12))
         << "prompt " << i;
   }
 }
