@@ -1,14 +1,17 @@
 #include "kvstore/bulk.h"
 
 #include <spdlog/spdlog.h>
+#include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <memory>
 
 #include "absl/strings/str_cat.h"
 #include "kvstore/transfer/manifest.h"
-#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/ucx_wire.h"
 
 namespace epd::kvstore {
@@ -19,6 +22,38 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes) {
   m.set_config_fingerprint(kBulkFingerprint);
   transfer::AddRawBytesSegment(m, epd::v1::SEGMENT_BLOCK, -1, 0, 0, bytes);
   return m;
+}
+
+epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes, uint64_t checksum) {
+  epd::v1::Manifest m = BulkManifest(request_id, bytes);
+  m.mutable_segments(0)->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+  m.mutable_segments(0)->set_checksum(checksum);
+  return m;
+}
+
+uint64_t CopyAndChecksum(std::span<const uint8_t> src, uint8_t* dst) {
+  constexpr size_t kPiece = 64 << 10;  // stays in L2 between the copy and the hash
+  if (src.size() <= kPiece) {
+    if (!src.empty()) std::memcpy(dst, src.data(), src.size());
+    return XXH3_64bits(dst, src.size());
+  }
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (state == nullptr) {  // out of memory for 576 bytes: copy, then hash in one call
+    std::memcpy(dst, src.data(), src.size());
+    return XXH3_64bits(dst, src.size());
+  }
+  XXH3_64bits_reset(state.get());
+  for (size_t off = 0; off < src.size(); off += kPiece) {
+    const size_t n = std::min(kPiece, src.size() - off);
+    std::memcpy(dst + off, src.data() + off, n);
+    XXH3_64bits_update(state.get(), dst + off, n);
+  }
+  return XXH3_64bits_digest(state.get());
+}
+
+uint64_t BulkChecksum(std::span<const uint8_t> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
 }
 
 std::string TransferErrorReason(const absl::Status& status) {
@@ -76,6 +111,7 @@ absl::StatusOr<std::unique_ptr<KvBulkEndpoint>> KvBulkEndpoint::Create(
   std::unique_ptr<KvBulkEndpoint> ep(new KvBulkEndpoint(options, registry));
   transfer::UcxOptions uo;
   uo.net_devices = options.net_devices;
+  uo.spin = kBulkProgressSpin;
   if (options.listener) {
     uo.mode = transfer::UcxOptions::Mode::kListener;
     uo.listen_ip = options.listen_ip;
@@ -166,9 +202,37 @@ void KvBulkEndpoint::DropPeer(transfer::PeerId peer) {
   }
 }
 
+absl::StatusOr<std::unique_ptr<transfer::TransferBuffer>> KvBulkEndpoint::AllocateValue(
+    uint64_t bytes) {
+  return engine_->Allocate(bytes);
+}
+
 absl::Status KvBulkEndpoint::StartGetSend(const std::string& client_address,
                                           const std::string& request_id,
                                           std::span<const uint8_t> value) {
+  auto buffer = engine_->Allocate(value.size());
+  if (!buffer.ok()) {
+    errors_.Count(buffer.status(), "get");
+    return absl::Status(buffer.status().code(),
+                        absl::StrCat("bulk get of request '", request_id,
+                                     "' could not be offered: ", buffer.status().message()));
+  }
+  std::shared_ptr<transfer::TransferBuffer> copy = std::move(*buffer);
+  // The checksum is computed while copying (one pass), so the offer carries it.
+  const uint64_t checksum = CopyAndChecksum(value, copy->data());
+  return Offer(client_address, request_id, std::move(copy), checksum);
+}
+
+absl::Status KvBulkEndpoint::StartGetSend(const std::string& client_address,
+                                          const std::string& request_id,
+                                          std::shared_ptr<transfer::TransferBuffer> value) {
+  const uint64_t checksum = BulkChecksum(std::span<const uint8_t>(value->data(), value->size()));
+  return Offer(client_address, request_id, std::move(value), checksum);
+}
+
+absl::Status KvBulkEndpoint::Offer(const std::string& client_address, const std::string& request_id,
+                                   std::shared_ptr<transfer::TransferBuffer> value,
+                                   uint64_t checksum) {
   absl::Status last;
   for (int attempt = 0; attempt < 2; ++attempt) {
     auto peer = PeerFor(client_address, attempt > 0);
@@ -176,16 +240,18 @@ absl::Status KvBulkEndpoint::StartGetSend(const std::string& client_address,
       last = peer.status();
       continue;
     }
-    auto buffer = engine_->Allocate(value.size());
-    if (!buffer.ok()) {
-      last = buffer.status();
+    // A view of `value` for this attempt: a refused Send drops the view, not the bytes.
+    auto view = engine_->Borrow(value->data(), value->size(), value);
+    if (!view.ok()) {
+      last = view.status();
       break;
     }
-    if (!value.empty()) std::memcpy((*buffer)->data(), value.data(), value.size());
     transfer::TransferOptions to;
     to.deadline = options_.deadline;
     to.lease = options_.deadline;
-    auto id = engine_->Send(*peer, BulkManifest(request_id, value.size()), std::move(*buffer), to);
+    to.checksums_in_manifest = true;
+    auto id = engine_->Send(*peer, BulkManifest(request_id, value->size(), checksum),
+                            std::move(*view), to);
     if (id.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       sends_.push_back({*id, *peer});

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -19,6 +20,7 @@
 #include "kvstore/kvstore_service.h"
 #include "kvstore/shm_segment.h"
 #include "kvstore/transfer/transfer_engine.h"
+#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "prometheus/registry.h"
 
@@ -270,6 +272,7 @@ class KvStoreClient::Impl {
     if (auto s = HelloLocked(); !s.ok()) return s;
     transfer::UcxOptions uo;
     uo.net_devices = options_.ucx_net_devices;
+    uo.spin = kBulkProgressSpin;
     if (daemon_address_.rfind("ucx+tcp://", 0) == 0) {
       uo.mode = transfer::UcxOptions::Mode::kListener;
       uo.listen_ip = options_.ucx_listen_ip;
@@ -366,6 +369,9 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
   req.set_tier(ToProto(tier));
   req.set_key(std::string(key));
   transfer::TransferEngine* engine = nullptr;
+  // kUcx: the receive is posted before the rpc (its length comes with the offer), so the daemon's
+  // offer, the bytes and the checksums move while the answer does (docs/kvstore.md "Bulk path").
+  std::optional<transfer::TransferId> open;
   if (impl_->options_.bulk == BulkTransport::kUcx) {
     auto e = impl_->Engine();
     if (e.ok()) {
@@ -374,18 +380,24 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
       bulk->set_client_address(engine->LocalAddress());
       bulk->set_request_id(impl_->NextRequestId());
       bulk->set_min_bytes(impl_->options_.bulk_min_bytes);
+      auto id = engine->ReceiveAny(BulkManifest(bulk->request_id(), 0),
+                                   static_cast<uint64_t>(impl_->options_.max_message_bytes),
+                                   impl_->TransferOpts());
+      if (id.ok()) open = *id;  // else (engine stopping) the offer waits for Receive below
     }
   }
   v1::GetResponse resp;
   grpc::ClientContext ctx;
   impl_->Prepare(&ctx);
-  if (auto s = FromGrpc(impl_->stub_->Get(&ctx, req, &resp), "get"); !s.ok()) return s;
+  const absl::Status rpc = FromGrpc(impl_->stub_->Get(&ctx, req, &resp), "get");
+  if (open.has_value() && (!rpc.ok() || !resp.bulk())) engine->Withdraw(*open);
+  if (!rpc.ok()) return rpc;
   GetResult r;
   r.found = resp.found();
   if (resp.bulk()) {
     if (engine == nullptr) return absl::InternalError("kvstore get: unsolicited bulk answer");
-    // The daemon has offered the value: receive it into a fresh buffer; the engine compares the
-    // offer with the length the daemon announced and checks the checksum before we copy a byte.
+    // The daemon has offered the value: the engine checks every chunk and the checksum before we
+    // copy a byte; the length the daemon announced must be the length that arrived.
     const std::string& rid = req.bulk().request_id();
     auto fail = [&](const absl::Status& s) {
       impl_->errors_.Count(s, "get");
@@ -393,24 +405,36 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
                           absl::StrCat("kvstore get: bulk transfer of ", resp.byte_length(),
                                        " bytes (request '", rid, "') failed: ", s.message()));
     };
-    auto buffer = engine->Allocate(resp.byte_length());
-    if (!buffer.ok()) return fail(buffer.status());
-    auto id = engine->Receive(BulkManifest(rid, resp.byte_length()), std::move(*buffer),
-                              impl_->TransferOpts());
-    if (!id.ok()) return fail(id.status());
-    absl::Status s = engine->Wait(*id, absl::Milliseconds(impl_->options_.deadline_ms + 1000));
+    transfer::TransferId id = 0;
+    if (open.has_value()) {
+      id = *open;
+    } else {
+      auto buffer = engine->Allocate(resp.byte_length());
+      if (!buffer.ok()) return fail(buffer.status());
+      auto made = engine->Receive(BulkManifest(rid, resp.byte_length()), std::move(*buffer),
+                                  impl_->TransferOpts());
+      if (!made.ok()) return fail(made.status());
+      id = *made;
+    }
+    absl::Status s = engine->Wait(id, absl::Milliseconds(impl_->options_.deadline_ms + 1000));
     if (s.ok()) {
-      auto received = engine->TakeReceived(*id);
-      if (received.ok()) {
+      auto received = engine->TakeReceived(id);
+      if (!received.ok()) {
+        s = received.status();
+      } else if (received->buffer->size() != resp.byte_length()) {
+        s = transfer::WithTransferError(
+            absl::DataLossError(absl::StrCat(
+                "accounting error in request '", rid, "': the daemon announced ",
+                resp.byte_length(), " bytes but its offer carried ", received->buffer->size())),
+            "truncated", "byte_length");
+      } else {
         r.value.assign(reinterpret_cast<const char*>(received->buffer->data()),
                        received->buffer->size());
-      } else {
-        s = received.status();
       }
     }
     if (!s.ok()) {
-      engine->Cancel(*id, "bulk get failed");
-      engine->Forget(*id);
+      engine->Cancel(id, "bulk get failed");
+      engine->Forget(id);
       return fail(s);
     }
   } else {
@@ -453,15 +477,20 @@ absl::Status KvStoreClient::BulkPut(Tier tier, std::string_view key, std::string
   const std::string rid = impl_->NextRequestId();
   // 1. Offer the bytes (the engine computes the checksum; the daemon holds the offer, manifest
   //    only, until its Put handler claims it).
+  //    The checksum is computed while the value is copied into the engine's buffer (one pass), so
+  //    the offer carries it and no seal has to follow.
   absl::StatusOr<transfer::TransferId> send = absl::UnknownError("not sent");
+  transfer::TransferOptions to = impl_->TransferOpts();
+  to.checksums_in_manifest = true;
   for (int attempt = 0; attempt < 2; ++attempt) {
     auto peer = impl_->DaemonPeer(attempt > 0);
     if (!peer.ok()) return peer.status();
     auto buffer = engine->Allocate(value.size());
     if (!buffer.ok()) return buffer.status();
-    if (!value.empty()) std::memcpy((*buffer)->data(), value.data(), value.size());
-    send = engine->Send(*peer, BulkManifest(rid, value.size()), std::move(*buffer),
-                        impl_->TransferOpts());
+    const uint64_t checksum = CopyAndChecksum(
+        std::span<const uint8_t>(reinterpret_cast<const uint8_t*>(value.data()), value.size()),
+        (*buffer)->data());
+    send = engine->Send(*peer, BulkManifest(rid, value.size(), checksum), std::move(*buffer), to);
     if (send.ok()) break;  // else the cached connection is gone: reconnect once
   }
   if (!send.ok()) {

@@ -127,13 +127,35 @@ grpc::Status KvStoreServiceImpl::Lookup(grpc::ServerContext*, const v1::LookupRe
 
 grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext*, const v1::GetRequest* req,
                                      v1::GetResponse* resp) {
-  auto r = store_.Get(FromProto(req->tier()), req->key());
+  // A bulk get has the store copy the hit straight into an engine buffer (no intermediate string),
+  // which then goes to the client as it is.
+  const bool bulk = req->has_bulk() && options_.bulk != nullptr;
+  std::shared_ptr<transfer::TransferBuffer> bulk_value;
+  ValueDest dest;
+  if (bulk) {
+    dest = [&](size_t n) -> uint8_t* {
+      if (n < req->bulk().min_bytes()) return nullptr;
+      auto buffer = options_.bulk->AllocateValue(n);
+      if (!buffer.ok()) return nullptr;  // the value comes the usual way
+      bulk_value = std::move(*buffer);
+      return bulk_value->data();
+    };
+  }
+  auto r = store_.Get(FromProto(req->tier()), req->key(), dest);
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(r->found);
-  if (r->found && req->has_bulk() && options_.bulk != nullptr &&
-      r->value.size() >= req->bulk().min_bytes()) {
-    // Offer the bytes over UCX; the client receives them after this answer. If the offer cannot
-    // be made (client unreachable: counted), the value goes inline instead.
+  if (r->found && r->in_dest) {
+    // Offer the bytes over UCX; the client receives them (its receive is already posted). If the
+    // offer cannot be made (client unreachable: counted), the value goes inline instead.
+    const absl::Status s = options_.bulk->StartGetSend(req->bulk().client_address(),
+                                                       req->bulk().request_id(), bulk_value);
+    if (s.ok()) {
+      resp->set_bulk(true);
+      resp->set_byte_length(bulk_value->size());
+    } else {
+      resp->set_value(reinterpret_cast<const char*>(bulk_value->data()), bulk_value->size());
+    }
+  } else if (r->found && bulk && r->value.size() >= req->bulk().min_bytes()) {
     const absl::Status s = options_.bulk->StartGetSend(req->bulk().client_address(),
                                                        req->bulk().request_id(), AsSpan(r->value));
     if (s.ok()) {

@@ -86,6 +86,11 @@ struct TransferOptions {
   // Sender only: how long an offer waits to be claimed before the sender drops its copy.
   // Default: 10 s.
   absl::Duration lease = absl::Seconds(10);
+  // Sender only: the manifest already carries every segment's checksum (checksum_kind
+  // CHECKSUM_XXH3_64, computed by the caller, e.g. while it copied the bytes into the buffer). The
+  // offer carries them: no hashing pass over the payload here and no seal message; the receiver
+  // checks the bytes against them as always. Default: false (the engine hashes while data moves).
+  bool checksums_in_manifest = false;
 };
 
 enum class TransferState {
@@ -146,8 +151,9 @@ class KvTransport {
   virtual absl::StatusOr<std::unique_ptr<TransferBuffer>> Borrow(
       uint8_t* data, uint64_t size, std::shared_ptr<const void> keepalive) = 0;
 
-  // Offers `manifest` (checksums are filled in here) with `payload` holding its segments back to
-  // back. The transport owns `payload` from now on. Fails fast if the sizes disagree.
+  // Offers `manifest` (checksums are filled in here unless options.checksums_in_manifest) with
+  // `payload` holding its segments back to back. The transport owns `payload` from now on. Fails
+  // fast if the sizes disagree.
   virtual absl::StatusOr<TransferId> Send(PeerId peer, epd::v1::Manifest manifest,
                                           std::unique_ptr<TransferBuffer> payload,
                                           const TransferOptions& options) = 0;

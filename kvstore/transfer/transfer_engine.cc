@@ -192,6 +192,10 @@ struct TransferEngine::Transfer {
   std::vector<uint64_t> digests;
   int unhashed = 0;              // segments not fully hashed yet
   bool hash_busy = false;        // a hashing job for this transfer is queued or running
+  // The job was handed to a thread blocked in Wait() on this transfer (it hashes instead of waking
+  // the hashing thread and then being woken by it); waiters counts those threads.
+  bool hash_for_waiter = false;
+  int waiters = 0;
   bool checksums_known = false;  // receiver: the sender's checksums arrived (seal or offer)
   bool sealed = false;           // sender: the seal went out
   // Receiver over a wire with posted receives: every chunk's receive was posted before the claim;
@@ -199,6 +203,7 @@ struct TransferEngine::Transfer {
   bool posted = false;
   bool receives_cancelled = false;
   bool data_started = false;  // sender: its chunks are on their way (before the claim: posted wire)
+  uint64_t open_max = 0;      // ReceiveAny: the offer decides the length (at most this); 0: Receive
 
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
@@ -243,9 +248,14 @@ void TransferEngine::Shutdown() {
   // The hashing thread finishes its step (it reads a buffer) and exits; queued jobs are dropped.
   if (hasher_.joinable()) hasher_.join();
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    // Threads hashing inside Wait() finish their step too (stopping_ ends their job).
+    cv_.wait(lock, [&] { return helpers_hashing_ == 0; });
     hash_queue_.clear();
-    for (auto& [id, t] : transfers_) t->hash_busy = false;
+    for (auto& [id, t] : transfers_) {
+      t->hash_busy = false;
+      t->hash_for_waiter = false;
+    }
   }
   // Stop force-closes every connection and completes every pending operation, so afterwards no
   // UCX operation references a buffer.
@@ -422,8 +432,16 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   const std::vector<uint64_t> offsets = SegmentOffsets(manifest);
   // The checksums are computed by the hashing thread while the offer, the claim and the bytes
   // move; they follow in a TransferSeal (protocol 2).
+  // (Or the caller computed them: options.checksums_in_manifest.)
   for (int i = 0; i < manifest.segments_size(); ++i) {
     auto* s = manifest.mutable_segments(i);
+    if (options.checksums_in_manifest) {
+      if (s->checksum_kind() != epd::v1::CHECKSUM_XXH3_64)
+        return absl::InvalidArgumentError(absl::StrCat("Send: checksums_in_manifest but ",
+                                                       DescribeSegment(manifest, i),
+                                                       " has no XXH3-64 checksum"));
+      continue;
+    }
     s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
     s->set_checksum(0);
   }
@@ -478,16 +496,23 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   *offer->mutable_manifest() = t->manifest;
   offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
   offer->set_chunk_bytes(options_.chunk_bytes);
-  offer->set_checksums_follow(true);
+  offer->set_checksums_follow(!options.checksums_in_manifest);
   // With posted receives the chunks follow the offer at once: the receiver's wire holds them
   // (unexpected) until the manifest check posts their receives, or discards them if it refuses.
   const bool early_data = wire_->PostsReceives();
   offer->set_data_without_claim(early_data);
   SendControl(peer, msg);
   InitHashing(*t);
-  for (int i = 0; i < t->manifest.segments_size(); ++i)
-    if (const uint64_t len = t->manifest.segments(i).byte_length(); len > 0)
-      t->ranges[i][0] = {len, true};
+  if (options.checksums_in_manifest) {
+    t->unhashed = 0;   // nothing to hash here
+    t->sealed = true;  // and no seal to send: the offer carried the checksums
+    for (int i = 0; i < t->manifest.segments_size(); ++i)
+      t->digests[i] = t->manifest.segments(i).checksum();
+  } else {
+    for (int i = 0; i < t->manifest.segments_size(); ++i)
+      if (const uint64_t len = t->manifest.segments(i).byte_length(); len > 0)
+        t->ranges[i][0] = {len, true};
+  }
   const TransferId id = t->id;
   Transfer& ref = *t;
   transfers_[id] = std::move(t);
@@ -500,9 +525,26 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
                                                    std::unique_ptr<TransferBuffer> into,
                                                    const TransferOptions& options) {
   if (!into) return absl::InvalidArgumentError("Receive: no destination buffer");
+  return StartReceive(std::move(expected), std::move(into), 0, options);
+}
+
+absl::StatusOr<TransferId> TransferEngine::ReceiveAny(epd::v1::Manifest expected,
+                                                      uint64_t max_bytes,
+                                                      const TransferOptions& options) {
+  if (max_bytes == 0) return absl::InvalidArgumentError("ReceiveAny: max_bytes must be > 0");
+  if (expected.segments_size() == 0)
+    return absl::InvalidArgumentError("ReceiveAny: the expected manifest has no segments");
+  for (auto& s : *expected.mutable_segments()) s.set_byte_length(0);  // the offer decides
+  return StartReceive(std::move(expected), nullptr, max_bytes, options);
+}
+
+absl::StatusOr<TransferId> TransferEngine::StartReceive(epd::v1::Manifest expected,
+                                                        std::unique_ptr<TransferBuffer> into,
+                                                        uint64_t open_max,
+                                                        const TransferOptions& options) {
   if (expected.request_id().empty()) return absl::InvalidArgumentError("Receive: empty request_id");
   const uint64_t total = TotalBytes(expected);
-  if (total != into->size())
+  if (into && total != into->size())
     return absl::InvalidArgumentError(absl::StrCat("Receive: expected manifest sums to ", total,
                                                    " bytes but the buffer holds ", into->size()));
   uint64_t mem = 0;
@@ -535,6 +577,7 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
   t->mem = mem;
   t->owns_mem = owns_mem;
   t->state = TransferState::kExpecting;
+  t->open_max = open_max;
   t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
   t->deadline_ns = now + absl::ToInt64Nanoseconds(options.deadline);
   t->bytes_total = total;
@@ -553,6 +596,43 @@ absl::StatusOr<TransferId> TransferEngine::Receive(epd::v1::Manifest expected,
     if (offer->seal.has_value()) HandleSeal(offer->peer, *offer->seal);
   }
   return id;
+}
+
+void TransferEngine::Withdraw(TransferId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Transfer* t = Find(id);
+  if (t == nullptr) return;
+  if (!t->sender && t->state == TransferState::kExpecting && !t->has_peer) {
+    // No offer reached it: an unused reservation ends quietly (no failure metric, no message).
+    t->state = TransferState::kFailed;
+    t->error = absl::CancelledError(
+        absl::StrCat("receive of request '", t->request_id, "' withdrawn before any offer"));
+    t->ended_ns = clock_.NowMonoNs();
+    auto it = receiving_.find(t->request_id);
+    if (it != receiving_.end() && it->second == t->id) receiving_.erase(it);
+    RememberEndedReceive(t->request_id, t->error, t->ended_ns);
+    TryRelease(*t);
+    cv_.notify_all();
+  } else if (!t->terminal()) {
+    Fail(*t,
+         absl::CancelledError(
+             absl::StrCat("transfer of request '", t->request_id, "' cancelled: withdrawn")),
+         "cancelled", true);
+  }
+  if (!t->sender && t->released) t->buffer.reset();
+  t->collected = true;
+}
+
+void TransferEngine::RememberEndedReceive(const std::string& request_id, const absl::Status& error,
+                                          int64_t now_ns) {
+  constexpr size_t kMaxEndedReceives = 4096;
+  constexpr int64_t kEndedReceiveTtlNs = 60'000'000'000;
+  if (ended_receives_.size() >= kMaxEndedReceives && !ended_order_.empty()) {
+    ended_receives_.erase(ended_order_.front());
+    ended_order_.pop_front();
+  }
+  ended_receives_[request_id] = {std::string(error.message()), now_ns + kEndedReceiveTtlNs};
+  ended_order_.push_back(request_id);
 }
 
 void TransferEngine::Cancel(TransferId id, absl::string_view reason) {
@@ -582,11 +662,36 @@ absl::StatusOr<TransferStatus> TransferEngine::Status(TransferId id) const {
 
 absl::Status TransferEngine::Wait(TransferId id, absl::Duration timeout) {
   std::unique_lock<std::mutex> lock(mu_);
-  const bool ended = cv_.wait_for(lock, absl::ToChronoNanoseconds(timeout), [&] {
-    Transfer* t = Find(id);
-    return t == nullptr || t->terminal();
-  });
+  const auto until = std::chrono::steady_clock::now() + absl::ToChronoNanoseconds(timeout);
   Transfer* t = Find(id);
+  if (t == nullptr) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
+  ++t->waiters;
+  bool ended = true;
+  while (true) {
+    t = Find(id);
+    if (t == nullptr || t->terminal()) break;
+    if (t->hash_for_waiter && !stopping_) {
+      // Hash the landed bytes here, while we wait for them anyway (ScheduleHash).
+      t->hash_for_waiter = false;
+      ++helpers_hashing_;
+      RunHashJob(lock, *t);
+      --helpers_hashing_;
+      cv_.notify_all();  // Shutdown may be waiting for helpers_hashing_ to reach 0
+      continue;
+    }
+    if (cv_.wait_until(lock, until) == std::cv_status::timeout) {
+      t = Find(id);
+      ended = t == nullptr || t->terminal();
+      break;
+    }
+  }
+  t = Find(id);
+  if (t != nullptr && --t->waiters == 0 && t->hash_for_waiter) {
+    // A job handed to waiters that all left: the hashing thread does it.
+    t->hash_for_waiter = false;
+    hash_queue_.push_back(id);
+    hash_cv_.notify_one();
+  }
   if (t == nullptr) return absl::NotFoundError(absl::StrCat("unknown transfer ", id));
   if (!ended)
     return absl::DeadlineExceededError(absl::StrCat("Wait: transfer ", id, " still ",
@@ -790,6 +895,7 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   t.has_peer = true;
   t.remote_id = offer.sender_transfer_id();
   t.kind = KindOf(peer);
+  if (t.open_max > 0 && !SizeOpenReceive(t, peer, offer)) return;
   if (std::optional<ManifestMismatch> mm = CompareManifests(t.manifest, offer.manifest())) {
     DiscardEarlyData(peer, offer);
     metrics_->AddAccountingError(mm->segment_label);
@@ -842,6 +948,56 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   msg.mutable_claim()->set_receiver_transfer_id(t.id);
   SendControl(peer, msg);
   MaybeFinishReceive(t);
+}
+
+bool TransferEngine::SizeOpenReceive(Transfer& t, PeerId peer,
+                                     const epd::v1::TransferOffer& offer) {
+  const epd::v1::Manifest& m = offer.manifest();
+  uint64_t total = 0;
+  bool overflow = false;
+  for (const auto& s : m.segments()) {
+    overflow |= total + s.byte_length() < total;
+    total += s.byte_length();
+  }
+  std::string problem;
+  std::string field = "byte_length";
+  if (m.segments_size() != t.manifest.segments_size()) {
+    problem = absl::StrCat("the offer has ", m.segments_size(), " segments, ",
+                           t.manifest.segments_size(), " expected");
+    field = "segments";
+  } else if (overflow || total > t.open_max) {
+    problem = absl::StrCat("the offer carries ", total, " bytes, over the receive's limit of ",
+                           t.open_max);
+  }
+  if (!problem.empty()) {
+    const std::string msg =
+        absl::StrCat("accounting error in request '", t.request_id, "': ", problem);
+    DiscardEarlyData(peer, offer);
+    metrics_->AddAccountingError("header");
+    spdlog::warn("transfer: {}", msg);
+    Fail(t, absl::FailedPreconditionError(msg), "accounting", true, -1, field, true);
+    return false;
+  }
+  for (int i = 0; i < m.segments_size(); ++i)
+    t.manifest.mutable_segments(i)->set_byte_length(m.segments(i).byte_length());
+  absl::StatusOr<std::unique_ptr<TransferBuffer>> buffer = Allocate(total);
+  absl::StatusOr<uint64_t> reg = uint64_t{0};
+  bool owns_mem = false;
+  if (buffer.ok() && total > 0) reg = RegistrationFor((*buffer)->data(), total, &owns_mem);
+  if (!buffer.ok() || !reg.ok()) {
+    DiscardEarlyData(peer, offer);
+    Fail(t, !buffer.ok() ? buffer.status() : reg.status(), "memory", true);
+    return false;
+  }
+  t.buffer = std::move(*buffer);
+  t.mem = *reg;
+  t.owns_mem = owns_mem;
+  t.offsets = SegmentOffsets(t.manifest);
+  t.received.assign(m.segments_size(), 0);
+  t.segment_done_ns.assign(m.segments_size(), 0);
+  t.bytes_total = total;
+  t.open_max = 0;  // sized: from here on an ordinary receive
+  return true;
 }
 
 void TransferEngine::HandleClaim(PeerId peer, const epd::v1::TransferClaim& claim) {
@@ -1086,6 +1242,11 @@ bool TransferEngine::Overlaps(const Transfer& t, int si, uint64_t offset, uint64
 void TransferEngine::ScheduleHash(Transfer& t) {
   if (t.hash_busy || t.terminal() || t.unhashed == 0) return;
   t.hash_busy = true;
+  if (t.waiters > 0) {
+    t.hash_for_waiter = true;  // a thread in Wait() takes it (one thread hop fewer)
+    cv_.notify_all();
+    return;
+  }
   hash_queue_.push_back(t.id);
   hash_cv_.notify_one();
 }
@@ -1099,43 +1260,50 @@ void TransferEngine::HashLoop() {
     hash_queue_.pop_front();
     Transfer* t = Find(id);
     if (t == nullptr) continue;
-    // Hash the landed bytes of each segment in order, a step at a time, without mu_ (the buffer
-    // cannot be released while hash_busy is set).
-    while (!t->terminal() && !stopping_) {
-      int si = -1;
-      for (int i = 0; i < static_cast<int>(t->ranges.size()) && si < 0; ++i) {
-        const auto& r = t->ranges[i];
-        if (!r.empty() && r.begin()->first == t->hashed[i] && r.begin()->second.second) si = i;
-      }
-      if (si < 0) break;
-      auto first = t->ranges[si].begin();
-      const uint64_t offset = first->first;
-      const uint64_t n = std::min(first->second.first, kHashStep);
-      if (n < first->second.first) t->ranges[si][offset + n] = {first->second.first - n, true};
-      t->ranges[si].erase(first);
-      const uint8_t* p = t->buffer->data() + t->offsets[si] + offset;
-      XXH3_state_t* state = t->hash_states[si].get();
-      lock.unlock();
-      XXH3_64bits_update(state, p, n);
-      lock.lock();
-      t->hashed[si] += n;
-      if (t->hashed[si] == t->manifest.segments(si).byte_length()) {
-        t->digests[si] = XXH3_64bits_digest(state);
-        --t->unhashed;
-      }
-    }
-    t->hash_busy = false;
-    if (stopping_) return;
-    if (!t->terminal()) {
-      if (t->sender) {
-        MaybeSeal(*t);
-      } else {
-        MaybeFinishReceive(*t);
-      }
-    }
-    TryRelease(*t);
-    cv_.notify_all();
+    RunHashJob(lock, *t);
   }
+}
+
+void TransferEngine::RunHashJob(std::unique_lock<std::mutex>& lock, Transfer& t) {
+  // Hash the landed bytes of each segment in order, a step at a time, without mu_ (the buffer
+  // cannot be released while hash_busy is set).
+  while (!t.terminal() && !stopping_) {
+    int si = -1;
+    for (int i = 0; i < static_cast<int>(t.ranges.size()) && si < 0; ++i) {
+      const auto& r = t.ranges[i];
+      if (!r.empty() && r.begin()->first == t.hashed[i] && r.begin()->second.second) si = i;
+    }
+    if (si < 0) break;
+    auto first = t.ranges[si].begin();
+    const uint64_t offset = first->first;
+    const uint64_t n = std::min(first->second.first, kHashStep);
+    if (n < first->second.first) t.ranges[si][offset + n] = {first->second.first - n, true};
+    t.ranges[si].erase(first);
+    const uint8_t* p = t.buffer->data() + t.offsets[si] + offset;
+    XXH3_state_t* state = t.hash_states[si].get();
+    lock.unlock();
+    XXH3_64bits_update(state, p, n);
+    lock.lock();
+    t.hashed[si] += n;
+    if (t.hashed[si] == t.manifest.segments(si).byte_length()) {
+      t.digests[si] = XXH3_64bits_digest(state);
+      --t.unhashed;
+    }
+  }
+  t.hash_busy = false;
+  if (stopping_) {
+    cv_.notify_all();
+    return;
+  }
+  if (!t.terminal()) {
+    if (t.sender) {
+      MaybeSeal(t);
+    } else {
+      MaybeFinishReceive(t);
+    }
+  }
+  TryRelease(t);
+  cv_.notify_all();
 }
 
 void TransferEngine::MaybeSeal(Transfer& t) {
@@ -1275,17 +1443,7 @@ void TransferEngine::Fail(Transfer& t, absl::Status error, absl::string_view rea
   if (!t.sender) {
     auto it = receiving_.find(t.request_id);
     if (it != receiving_.end() && it->second == t.id) receiving_.erase(it);
-    if (!t.has_peer) {
-      constexpr size_t kMaxEndedReceives = 4096;
-      constexpr int64_t kEndedReceiveTtlNs = 60'000'000'000;
-      if (ended_receives_.size() >= kMaxEndedReceives && !ended_order_.empty()) {
-        ended_receives_.erase(ended_order_.front());
-        ended_order_.pop_front();
-      }
-      ended_receives_[t.request_id] = {std::string(t.error.message()),
-                                       t.ended_ns + kEndedReceiveTtlNs};
-      ended_order_.push_back(t.request_id);
-    }
+    if (!t.has_peer) RememberEndedReceive(t.request_id, t.error, t.ended_ns);
   }
   TryRelease(t);
   cv_.notify_all();

@@ -71,6 +71,18 @@ class TransferEngine final : public KvTransport, private WireHandler {
   absl::StatusOr<TransferId> Receive(epd::v1::Manifest expected,
                                      std::unique_ptr<TransferBuffer> into,
                                      const TransferOptions& options) override;
+  // A receive whose length the offer decides (posted before the receiver knows it): like Receive,
+  // but `expected`'s byte_lengths are not compared; the offer's segments must total at most
+  // `max_bytes`, and the engine allocates the buffer (of the offered size) when it accepts the
+  // offer. Every other manifest field, every chunk and the checksums are checked as for Receive;
+  // the caller compares the length it learns elsewhere with the received buffer's size.
+  // (kvstore bulk get: posted before the Get rpc, so the bytes move while the answer does.)
+  absl::StatusOr<TransferId> ReceiveAny(epd::v1::Manifest expected, uint64_t max_bytes,
+                                        const TransferOptions& options);
+  // Ends a receive that is no longer wanted. One no offer has reached yet ends quietly (an unused
+  // reservation: no failure counted, nothing sent; a late offer for it is refused); any other is
+  // Cancel()ed. Either way the record is collected (as by Forget).
+  void Withdraw(TransferId id);
   void Cancel(TransferId id, absl::string_view reason) override;
   absl::StatusOr<TransferStatus> Status(TransferId id) const override;
   absl::Status Wait(TransferId id, absl::Duration timeout) override;
@@ -97,6 +109,17 @@ class TransferEngine final : public KvTransport, private WireHandler {
                  absl::Status status) override;
   void OnPeerDown(PeerId peer, absl::Status why) override;
 
+  // Receive and ReceiveAny (`into` null and open_max > 0: ReceiveAny).
+  absl::StatusOr<TransferId> StartReceive(epd::v1::Manifest expected,
+                                          std::unique_ptr<TransferBuffer> into, uint64_t open_max,
+                                          const TransferOptions& options);
+  // ReceiveAny's transfer meets its offer: sizes the manifest and the buffer from it. False (and
+  // `t` failed) when the offer is too large or has a different number of segments.
+  bool SizeOpenReceive(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
+  // Records that the receive of `request_id` ended before any offer came (a late one is refused).
+  void RememberEndedReceive(const std::string& request_id, const absl::Status& error,
+                            int64_t now_ns);
+
   // All below: mu_ held.
   void HandleHello(PeerId peer, const epd::v1::TransferHello& hello);
   void HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer);
@@ -113,6 +136,10 @@ class TransferEngine final : public KvTransport, private WireHandler {
   bool Overlaps(const Transfer& t, int segment, uint64_t offset, uint64_t length) const;
   void ScheduleHash(Transfer& t);
   void HashLoop();  // the hashing thread (takes mu_ itself)
+  // One hashing job of `t` (hash_busy set): hashes its landed bytes, releasing `lock` (on mu_)
+  // while hashing, then seals (sender) or checks the receive. Run by the hashing thread or by a
+  // thread waiting for `t` in Wait().
+  void RunHashJob(std::unique_lock<std::mutex>& lock, Transfer& t);
   void MaybeSeal(Transfer& t);
   void HandleSeal(PeerId peer, const epd::v1::TransferSeal& seal);
   // Fails `t` locally; tells the peer unless `tell_peer` is false.
@@ -175,6 +202,7 @@ class TransferEngine final : public KvTransport, private WireHandler {
   std::thread ticker_;
   std::condition_variable hash_cv_;    // hash_queue_ gained a job, or stopping_
   std::deque<TransferId> hash_queue_;  // transfers with bytes to hash (each at most once)
+  int helpers_hashing_ = 0;            // threads running a hashing job inside Wait()
   std::thread hasher_;
 };
 

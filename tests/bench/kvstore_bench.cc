@@ -8,6 +8,7 @@
 //   3. 1 MiB values put/get inline vs shared memory (kShm) vs UCX bulk (kUcx).
 // The last line is "kvstore_bench ratio: <R>" with R the figure of 1 (the median over the three
 // runs of plain time / daemon time; each run interleaves the two prefix by prefix).
+// With --values N it runs only part 3 (N rounds, ~1 s each).
 // With --per-block it runs the older per-block throughput comparison instead:
 //   UCX_NET_DEVICES=lo build/kvstore_bench --per-block --blocks 1000 --threads 4 --repeat 3
 #include <signal.h>
@@ -106,6 +107,84 @@ std::unique_ptr<RunningDaemon> StartDaemon(const std::string& daemon,
   }
   d->target = absl::StrCat("127.0.0.1:", *port);
   return d;
+}
+
+// 1 MiB values put/get (G3) through one daemon by each transport, sequential, `rounds` rounds
+// after a warm-up round; the modes alternate inside each round so they see the same load.
+// Wrong bytes and failed calls are added to *errors_out.
+struct ValueMode {
+  const char* name;
+  epd::kvstore::BulkTransport bulk;
+  std::vector<double> puts, gets;
+};
+
+std::vector<ValueMode> RunValueBench(const std::string& daemon, const epd::testing::TempDir& dir,
+                                     int rounds, int* errors_out, const std::string& only = "") {
+  using epd::kvstore::Tier;
+  constexpr size_t kBlockBytes = 64 * 890;
+  int errors = 0;
+  constexpr int kBig = 24;
+  constexpr size_t kBigBytes = 1 << 20;
+  std::vector<std::string> big_keys, big_values;
+  for (int i = 0; i < kBig; ++i) {
+    const int32_t t = 1'000'000 + i;
+    big_keys.emplace_back(epd::kvstore::AsBytes(epd::kvstore::ChainHash(
+        epd::kvstore::kRootParent, std::span<const int32_t>(&t, 1), "bench")));
+    big_values.push_back(Payload(static_cast<uint64_t>(t), kBigBytes));
+  }
+  std::vector<ValueMode> modes{{"inline", epd::kvstore::BulkTransport::kInline, {}, {}},
+                               {"shm", epd::kvstore::BulkTransport::kShm, {}, {}},
+                               {"ucx", epd::kvstore::BulkTransport::kUcx, {}, {}}};
+  if (!only.empty()) {  // one mode alone (for profiling it)
+    std::erase_if(modes, [&](const ValueMode& m) { return only != m.name; });
+  }
+  {
+    auto d = StartDaemon(daemon, dir, "big", 0, kBlockBytes, true);
+    std::vector<std::unique_ptr<epd::kvstore::KvStoreClient>> clients;
+    for (ValueMode& m : modes) {
+      epd::kvstore::KvClientOptions o;
+      o.bulk = m.bulk;
+      o.bulk_min_bytes = 0;
+      clients.push_back(epd::kvstore::KvStoreClient::Create(d->target, o));
+    }
+    for (int r = 0; r <= rounds; ++r) {  // r == 0 warms up
+      for (size_t m = 0; m < modes.size(); ++m) {
+        auto& c = *clients[m];
+        const double put_s = Seconds([&] {
+          for (int i = 0; i < kBig; ++i)
+            errors += c.Put(Tier::kG3, big_keys[i], big_values[i]).ok() ? 0 : 1;
+        });
+        const double get_s = Seconds([&] {
+          for (int i = 0; i < kBig; ++i) {
+            auto g = c.Get(Tier::kG3, big_keys[i]);
+            errors += g.ok() && g->found && g->value == big_values[i] ? 0 : 1;
+          }
+        });
+        if (r > 0) {
+          modes[m].puts.push_back(put_s);
+          modes[m].gets.push_back(get_s);
+        }
+      }
+    }
+  }
+
+  *errors_out += errors;
+  return modes;
+}
+
+void PrintValueTable(const std::vector<ValueMode>& modes) {
+  constexpr int kBig = 24;
+  constexpr size_t kBigBytes = 1 << 20;
+  std::printf("%-44s %10s %10s\n", "1 MiB values (24, sequential)", "put MB/s", "get MB/s");
+  const double big_mb = static_cast<double>(kBig) * kBigBytes / 1e6;
+  for (const ValueMode& m : modes) {
+    std::printf("%-44s %10.1f %10.1f\n", m.name, big_mb / Median(m.puts), big_mb / Median(m.gets));
+  }
+  if (modes.size() < 3) return;
+  std::printf(
+      "1 MiB shm/inline: put %.2f, get %.2f; ucx/inline: put %.2f, get %.2f\n",
+      Median(modes[0].puts) / Median(modes[1].puts), Median(modes[0].gets) / Median(modes[1].gets),
+      Median(modes[0].puts) / Median(modes[2].puts), Median(modes[0].gets) / Median(modes[2].gets));
 }
 
 // The default run (see the header). Returns the process exit code.
@@ -248,52 +327,7 @@ int RunPrefixBench(const std::string& daemon, int prefixes) {
   }
 
   // --- 3. 1 MiB values: inline vs shared memory vs UCX ---
-  constexpr int kBig = 24;
-  constexpr size_t kBigBytes = 1 << 20;
-  std::vector<std::string> big_keys, big_values;
-  for (int i = 0; i < kBig; ++i) {
-    const int32_t t = 1'000'000 + i;
-    big_keys.emplace_back(epd::kvstore::AsBytes(epd::kvstore::ChainHash(
-        epd::kvstore::kRootParent, std::span<const int32_t>(&t, 1), "bench")));
-    big_values.push_back(Payload(static_cast<uint64_t>(t), kBigBytes));
-  }
-  struct Mode {
-    const char* name;
-    epd::kvstore::BulkTransport bulk;
-    std::vector<double> puts, gets;
-  };
-  std::vector<Mode> modes{{"inline", epd::kvstore::BulkTransport::kInline, {}, {}},
-                          {"shm", epd::kvstore::BulkTransport::kShm, {}, {}},
-                          {"ucx", epd::kvstore::BulkTransport::kUcx, {}, {}}};
-  {
-    auto d = StartDaemon(daemon, dir, "big", 0, kBlockBytes, true);
-    std::vector<std::unique_ptr<epd::kvstore::KvStoreClient>> clients;
-    for (Mode& m : modes) {
-      epd::kvstore::KvClientOptions o;
-      o.bulk = m.bulk;
-      o.bulk_min_bytes = 0;
-      clients.push_back(epd::kvstore::KvStoreClient::Create(d->target, o));
-    }
-    for (int r = 0; r <= kRepeat; ++r) {  // r == 0 warms up
-      for (size_t m = 0; m < modes.size(); ++m) {
-        auto& c = *clients[m];
-        const double put_s = Seconds([&] {
-          for (int i = 0; i < kBig; ++i)
-            errors += c.Put(Tier::kG3, big_keys[i], big_values[i]).ok() ? 0 : 1;
-        });
-        const double get_s = Seconds([&] {
-          for (int i = 0; i < kBig; ++i) {
-            auto g = c.Get(Tier::kG3, big_keys[i]);
-            errors += g.ok() && g->found && g->value == big_values[i] ? 0 : 1;
-          }
-        });
-        if (r > 0) {
-          modes[m].puts.push_back(put_s);
-          modes[m].gets.push_back(get_s);
-        }
-      }
-    }
-  }
+  std::vector<ValueMode> modes = RunValueBench(daemon, dir, kRepeat, &errors);
 
   // R: the median over the three runs of (plain time / daemon time) of the same run.
   std::vector<double> run_ratios;
@@ -312,15 +346,7 @@ int RunPrefixBench(const std::string& daemon, int prefixes) {
   row("plain RocksDB 64 x Get", Median(plain));
   row("G1-hot BatchGet, shared memory", Median(hot_shm));
   row("G1-hot BatchGet, inline gRPC", Median(hot_inline));
-  std::printf("%-44s %10s %10s\n", "1 MiB values (24, sequential)", "put MB/s", "get MB/s");
-  const double big_mb = static_cast<double>(kBig) * kBigBytes / 1e6;
-  for (const Mode& m : modes) {
-    std::printf("%-44s %10.1f %10.1f\n", m.name, big_mb / Median(m.puts), big_mb / Median(m.gets));
-  }
-  std::printf(
-      "1 MiB shm/inline: put %.2f, get %.2f; ucx/inline: put %.2f, get %.2f\n",
-      Median(modes[0].puts) / Median(modes[1].puts), Median(modes[0].gets) / Median(modes[1].gets),
-      Median(modes[0].puts) / Median(modes[2].puts), Median(modes[0].gets) / Median(modes[2].gets));
+  PrintValueTable(modes);
   std::printf("G1-hot get: %.2f GB/s (goal >= 2)\n", total_gb / Median(hot_shm));
   std::printf("batched prefix get daemon/plain: shm %.2f, inline %.2f, per-block RPCs %.2f\n",
               ratio, Median(plain) / Median(d_inline), Median(plain) / Median(d_single));
@@ -356,7 +382,24 @@ int main(int argc, char** argv) {
   int prefixes = 16;
   app.add_option("--prefixes", prefixes, "Default run: 64-block prefixes per pass (default 16)")
       ->check(CLI::PositiveNumber);
+  int values_rounds = 0;
+  app.add_option("--values", values_rounds,
+                 "Run only the 1 MiB values table (part 3), this many rounds (median printed)")
+      ->check(CLI::PositiveNumber);
+  std::string values_mode;
+  app.add_option("--values-mode", values_mode, "With --values: only this mode (inline|shm|ucx)")
+      ->check(CLI::IsMember({"inline", "shm", "ucx"}));
   CLI11_PARSE(app, argc, argv);
+  if (values_rounds > 0) {
+    epd::testing::TempDir dir;
+    int errors = 0;
+    PrintValueTable(RunValueBench(daemon, dir, values_rounds, &errors, values_mode));
+    if (errors > 0) {
+      std::printf("ERRORS: %d operations failed or returned wrong bytes\n", errors);
+      return 1;
+    }
+    return 0;
+  }
   if (!per_block) return RunPrefixBench(daemon, prefixes);
   const size_t block_bytes = static_cast<size_t>(block_tokens) * bytes_per_token;
 
