@@ -120,6 +120,7 @@ absl::StatusOr<std::unique_ptr<KvBulkEndpoint>> KvBulkEndpoint::Create(
   eo.config_fingerprint = kBulkFingerprint;
   eo.cluster_token = options.cluster_token;
   eo.node_name = "epd-kvstore";
+  eo.pool_bytes = kBulkPoolBytes;
   std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
   if (options.wrap_wire) wire = options.wrap_wire(std::move(wire));
   auto engine = transfer::TransferEngine::Create(std::move(wire), eo, registry, clock);

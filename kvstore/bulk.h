@@ -52,6 +52,10 @@ inline constexpr char kBulkFingerprint[] = "epd.kvstore.bulk.v1";
 // need next (on the 2-core dev VM 1 MiB bulk gets were ~1.6x faster than with the 200 us default;
 // docs/kvstore.md "Bulk path").
 inline constexpr absl::Duration kBulkProgressSpin = absl::ZeroDuration();
+// Idle engine buffers the kvstore's engines keep registered for reuse (EngineOptions::pool_bytes):
+// a value's buffer is registered with UCX once, not per transfer, and its pages are not faulted
+// in again.
+inline constexpr uint64_t kBulkPoolBytes = 64ull << 20;
 
 // The one-segment manifest of a value of `bytes` bytes (checksum unset: the sender fills it in).
 epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes);

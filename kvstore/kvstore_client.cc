@@ -285,6 +285,7 @@ class KvStoreClient::Impl {
       eo.cluster_token = t != nullptr ? t : "epd-dev";
     }
     eo.node_name = "kvstore-client";
+    eo.pool_bytes = kBulkPoolBytes;
     // A fault-injecting client gets an engine of its own; the others share one per process.
     auto engine = options_.debug_wrap_wire
                       ? MakeEngine(uo, eo, options_.debug_wrap_wire, options_.registry)

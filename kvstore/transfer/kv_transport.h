@@ -53,6 +53,10 @@ struct ResourceCounts {
   int64_t allocated_bytes = 0;  // their total size
   int64_t live_transfers = 0;   // transfers not yet provably stopped
   int64_t wire_ops = 0;         // wire operations (sends/receives) still in flight
+  // Idle buffers the engine keeps registered for Allocate to reuse (EngineOptions::pool_bytes;
+  // not counted above: no transfer holds them). Freed by Shutdown.
+  int64_t pooled_buffers = 0;
+  int64_t pooled_bytes = 0;
 };
 
 // Counters shared by a transport and the buffers it allocated (buffers may outlive the transport).

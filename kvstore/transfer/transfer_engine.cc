@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
@@ -12,6 +13,7 @@
 #include <optional>
 #include <span>
 
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "common/hash.h"
 #define XXH_INLINE_ALL
@@ -66,6 +68,123 @@ absl::string_view StateName(TransferState state) {
   }
   return "unknown";
 }
+
+// EngineOptions::pool_bytes. Idle slabs by capacity (a power of two), each registered with the
+// wire and listed in the engine's regions_ (so RegistrationFor finds it). A buffer handed out
+// holds a Lease whose destructor gives the slab back. The pool outlives the engine while buffers
+// are out; Close (engine Shutdown, after the wire stopped) frees the idle slabs and makes later
+// returns plain frees, so nothing touches the engine afterwards.
+class TransferEngine::BufferPool : public std::enable_shared_from_this<BufferPool> {
+ public:
+  struct Slab {
+    uint8_t* data = nullptr;
+    uint64_t capacity = 0;
+    uint64_t mem = 0;  // wire registration (0: none)
+  };
+  class Lease {
+   public:
+    Lease(std::shared_ptr<BufferPool> pool, const Slab& slab)
+        : pool_(std::move(pool)), slab_(slab) {}
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    ~Lease() { pool_->Return(slab_); }
+
+   private:
+    std::shared_ptr<BufferPool> pool_;
+    Slab slab_;
+  };
+
+  BufferPool(TransferEngine* engine, uint64_t limit) : engine_(engine), limit_(limit) {}
+
+  // A slab of at least `bytes` (reused or new), or nullopt when the pool is closed.
+  std::optional<Slab> Take(uint64_t bytes) {
+    const uint64_t capacity = std::bit_ceil(std::max<uint64_t>(bytes, 64));
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return std::nullopt;
+      auto it = idle_.find(capacity);
+      if (it != idle_.end() && !it->second.empty()) {
+        Slab slab = it->second.back();
+        it->second.pop_back();
+        idle_bytes_ -= capacity;
+        return slab;
+      }
+    }
+    void* p = std::aligned_alloc(64, capacity);
+    if (p == nullptr) return std::nullopt;
+    Slab slab{static_cast<uint8_t*>(p), capacity, 0};
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) {
+      std::free(p);
+      return std::nullopt;
+    }
+    // Registered once, for its whole life; listed so that transfers over it register nothing.
+    absl::StatusOr<uint64_t> reg = engine_->wire_->Register(slab.data, capacity);
+    if (reg.ok()) {
+      slab.mem = *reg;
+      std::lock_guard<std::mutex> rlock(engine_->regions_mu_);
+      engine_->regions_[reinterpret_cast<uintptr_t>(slab.data)] = {capacity, slab.mem};
+    }
+    slab_regions_.insert(reinterpret_cast<uintptr_t>(slab.data));
+    return slab;
+  }
+
+  void Return(const Slab& slab) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!closed_ && idle_bytes_ + slab.capacity <= limit_) {
+      idle_[slab.capacity].push_back(slab);
+      idle_bytes_ += slab.capacity;
+      return;
+    }
+    if (!closed_) Unregister(slab);
+    std::free(slab.data);
+  }
+
+  // Engine shutdown (the wire has stopped: no operation touches a slab any more).
+  void Close() {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    for (auto& [capacity, slabs] : idle_) {
+      for (const Slab& slab : slabs) {
+        Unregister(slab);
+        std::free(slab.data);
+      }
+    }
+    idle_.clear();
+    idle_bytes_ = 0;
+    // Slabs still out are freed when returned; their registrations went with the wire.
+    std::lock_guard<std::mutex> rlock(engine_->regions_mu_);
+    for (auto it = engine_->regions_.begin(); it != engine_->regions_.end();) {
+      it = slab_regions_.contains(it->first) ? engine_->regions_.erase(it) : std::next(it);
+    }
+  }
+
+  void Count(ResourceCounts& c) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [capacity, slabs] : idle_)
+      c.pooled_buffers += static_cast<int64_t>(slabs.size());
+    c.pooled_bytes = static_cast<int64_t>(idle_bytes_);
+  }
+
+ private:
+  void Unregister(const Slab& slab) {  // mu_ held, not closed
+    slab_regions_.erase(reinterpret_cast<uintptr_t>(slab.data));
+    if (slab.mem == 0) return;
+    {
+      std::lock_guard<std::mutex> rlock(engine_->regions_mu_);
+      engine_->regions_.erase(reinterpret_cast<uintptr_t>(slab.data));
+    }
+    engine_->wire_->Deregister(slab.mem);
+  }
+
+  TransferEngine* engine_;  // valid until Close
+  const uint64_t limit_;
+  mutable std::mutex mu_;
+  bool closed_ = false;
+  std::map<uint64_t, std::vector<Slab>> idle_;  // by capacity
+  uint64_t idle_bytes_ = 0;
+  absl::flat_hash_set<uintptr_t> slab_regions_;  // every live slab's start address
+};
 
 TransferBuffer::TransferBuffer(std::shared_ptr<ResourceCounters> counters, uint8_t* data,
                                uint64_t size, std::shared_ptr<const void> keepalive)
@@ -218,6 +337,8 @@ absl::StatusOr<std::unique_ptr<TransferEngine>> TransferEngine::Create(
   if (absl::Status st = engine->wire_->Start(engine.get()); !st.ok()) return st;
   engine->caps_ = engine->wire_->Capabilities();
   engine->caps_.chunk_bytes = options.chunk_bytes;
+  if (options.pool_bytes > 0)
+    engine->pool_ = std::make_shared<BufferPool>(engine.get(), options.pool_bytes);
   engine->ticker_ = std::thread([e = engine.get()] { e->TickLoop(); });
   engine->hasher_ = std::thread([e = engine.get()] { e->HashLoop(); });
   return engine;
@@ -260,13 +381,16 @@ void TransferEngine::Shutdown() {
   // Stop force-closes every connection and completes every pending operation, so afterwards no
   // UCX operation references a buffer.
   wire_->Stop();
-  std::lock_guard<std::mutex> lock(mu_);
-  for (auto& [id, t] : transfers_) {
-    t->ops = 0;
-    TryRelease(*t);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [id, t] : transfers_) {
+      t->ops = 0;
+      TryRelease(*t);
+    }
+    transfers_.clear();
+    pending_offers_.clear();
   }
-  transfers_.clear();
-  pending_offers_.clear();
+  if (pool_ != nullptr) pool_->Close();
 }
 
 TransportCapabilities TransferEngine::Capabilities() const { return caps_; }
@@ -339,6 +463,15 @@ absl::StatusOr<TransportKind> TransferEngine::PeerTransport(PeerId peer) const {
 }
 
 absl::StatusOr<std::unique_ptr<TransferBuffer>> TransferEngine::Allocate(uint64_t bytes) {
+  if (pool_ != nullptr && bytes >= options_.pool_min_bytes && bytes <= options_.pool_bytes) {
+    if (std::optional<BufferPool::Slab> slab = pool_->Take(bytes)) {
+      auto lease = std::make_shared<BufferPool::Lease>(pool_, *slab);
+      counters_->allocations.fetch_add(1);
+      counters_->allocated_bytes.fetch_add(static_cast<int64_t>(bytes));
+      return std::unique_ptr<TransferBuffer>(
+          new TransferBuffer(counters_, slab->data, bytes, std::move(lease)));
+    }
+  }
   const uint64_t rounded = std::max<uint64_t>(64, (bytes + 63) / 64 * 64);
   void* p = std::aligned_alloc(64, rounded);
   if (p == nullptr)
@@ -742,6 +875,7 @@ ResourceCounts TransferEngine::Resources() const {
   c.allocated_bytes = counters_->allocated_bytes.load();
   c.live_transfers = counters_->live_transfers.load();
   c.wire_ops = counters_->wire_ops.load();
+  if (pool_ != nullptr) pool_->Count(c);
   return c;
 }
 

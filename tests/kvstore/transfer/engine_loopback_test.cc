@@ -4,8 +4,12 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
+#include <span>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
+#include "common/hash.h"
 #include "kvstore/transfer/fault_wire.h"
 #include "kvstore/transfer/loopback_wire.h"
 #include "kvstore/transfer/manifest.h"
@@ -56,6 +60,7 @@ class EngineTest : public ::testing::Test {
     o.config_fingerprint = "fp";
     o.cluster_token = "tok";
     o.chunk_bytes = chunk;
+    o.pool_bytes = pool_bytes_;
     auto tx = TransferEngine::Create(MakeFaultWire(MakeLoopbackWire(net_, "tx"), plan), o,
                                      registry_, clock_);
     ASSERT_TRUE(tx.ok()) << tx.status();
@@ -125,6 +130,7 @@ class EngineTest : public ::testing::Test {
     }
   }
 
+  uint64_t pool_bytes_ = 0;  // EngineOptions::pool_bytes of both engines (set before Make)
   common::FakeClock clock_;
   prometheus::Registry registry_;
   std::shared_ptr<LoopbackNetwork> net_;
@@ -392,6 +398,167 @@ TEST_F(EngineTest, SizeMismatchIsRefusedLocally) {
   auto id = tx_->Send(peer, m, std::move(*buf), {});
   EXPECT_EQ(id.status().code(), absl::StatusCode::kInvalidArgument);
   ExpectAllReleased();
+}
+
+// ReceiveAny: posted before the length is known; the offer's length is taken (within the limit),
+// every other manifest field, every chunk and the checksums are checked as for Receive.
+TEST_F(EngineTest, ReceiveAnyTakesTheOfferedLengthWithinItsLimit) {
+  Make();
+  const PeerId peer = ConnectOk();
+  const auto m = testing::BulkManifest("any", "fp", 3, 100'000);
+  auto r = rx_->ReceiveAny(testing::BulkManifest("any", "fp", 3, 0), 1 << 20, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(rx_->Resources().allocations, 0);  // no buffer until the offer says how large
+  const TransferId s = StartSend(peer, m);
+  ASSERT_TRUE(rx_->Wait(*r, absl::Seconds(10)).ok());
+  ASSERT_TRUE(tx_->Wait(s, absl::Seconds(10)).ok());
+  auto got = rx_->TakeReceived(*r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->buffer->size(), 300'000u);
+  EXPECT_EQ(got->manifest.segments(1).byte_length(), 100'000u);
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+  got->buffer.reset();
+  tx_->Forget(s);
+
+  // Over the limit: refused as an accounting error on both sides, nothing allocated.
+  auto small = rx_->ReceiveAny(testing::BulkManifest("big", "fp", 3, 0), 200'000, {});
+  ASSERT_TRUE(small.ok()) << small.status();
+  const TransferId s2 = StartSend(peer, testing::BulkManifest("big", "fp", 3, 100'000));
+  absl::Status rs = rx_->Wait(*small, absl::Seconds(10));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kFailedPrecondition) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr("over the receive's limit of 200000"));
+  EXPECT_EQ(tx_->Wait(s2, absl::Seconds(10)).code(), absl::StatusCode::kFailedPrecondition);
+
+  // Another fingerprint: the usual manifest check names the field.
+  auto other = rx_->ReceiveAny(testing::BulkManifest("fpx", "other", 1, 0), 1 << 20, {});
+  ASSERT_TRUE(other.ok()) << other.status();
+  const TransferId s3 = StartSend(peer, testing::BulkManifest("fpx", "fp", 1, 1000));
+  rs = rx_->Wait(*other, absl::Seconds(10));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kFailedPrecondition) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr("config_fingerprint"));
+  EXPECT_FALSE(tx_->Wait(s3, absl::Seconds(10)).ok());
+  for (TransferId id : {*small, *other}) rx_->Forget(id);
+  for (TransferId id : {s2, s3}) tx_->Forget(id);
+  EXPECT_FALSE(rx_->ReceiveAny(testing::BulkManifest("zero", "fp", 1, 0), 0, {}).ok());
+  ExpectAllReleased();
+}
+
+// A receive withdrawn before any offer is an unused reservation: no failure counted, and an offer
+// arriving later is refused at once (not held until its lease expires).
+TEST_F(EngineTest, WithdrawnReceiveEndsQuietlyAndALateOfferIsRefused) {
+  Make();
+  const PeerId peer = ConnectOk();
+  auto r = rx_->ReceiveAny(testing::BulkManifest("gone", "fp", 1, 0), 1 << 20, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  const double failures = MetricSum(registry_, "epd_transfer_failures_total");
+  rx_->Withdraw(*r);
+  EXPECT_EQ(MetricSum(registry_, "epd_transfer_failures_total"), failures);
+  auto st = rx_->Status(*r);  // ended (or already collected)
+  EXPECT_TRUE(!st.ok() || st->state == TransferState::kFailed);
+  const TransferId s = StartSend(peer, testing::BulkManifest("gone", "fp", 1, 5000));
+  absl::Status ss = tx_->Wait(s, absl::Seconds(10));  // no clock advance: refused, not expired
+  EXPECT_FALSE(ss.ok());
+  EXPECT_THAT(ss.message(), HasSubstr("withdrawn"));
+  tx_->Forget(s);
+
+  // Withdrawing a receive whose offer was accepted cancels it like Cancel (the sender learns).
+  auto r2 = rx_->ReceiveAny(testing::BulkManifest("mid", "fp", 1, 0), 1 << 20, {});
+  ASSERT_TRUE(r2.ok()) << r2.status();
+  const TransferId s2 = StartSend(peer, testing::BulkManifest("mid", "fp", 1, 5000));
+  ASSERT_TRUE(tx_->Wait(s2, absl::Seconds(10)).ok());  // the loopback finishes it at once
+  rx_->Withdraw(*r2);                                  // done already: just collected
+  tx_->Forget(s2);
+  ExpectAllReleased();
+}
+
+// checksums_in_manifest: the sender's precomputed checksums travel in the offer (no seal); the
+// receiver still hashes what arrived and refuses a mismatch.
+TEST_F(EngineTest, ChecksumsInTheManifestAreCheckedByTheReceiver) {
+  Make();
+  const PeerId peer = ConnectOk();
+  auto send = [&](const std::string& rid, int64_t delta) {
+    auto m = testing::BulkManifest(rid, "fp", 1, 70'000);
+    auto buf = tx_->Allocate(70'000);
+    EXPECT_TRUE(buf.ok());
+    FillPayload(m, (*buf)->data(), 42);
+    m.mutable_segments(0)->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+    m.mutable_segments(0)->set_checksum(
+        common::Xxh3_64(std::span<const uint8_t>((*buf)->data(), 70'000)) + delta);
+    TransferOptions o;
+    o.checksums_in_manifest = true;
+    return tx_->Send(peer, m, std::move(*buf), o);
+  };
+  const TransferId r = StartReceive(testing::BulkManifest("pre", "fp", 1, 70'000));
+  auto s = send("pre", 0);
+  ASSERT_TRUE(s.ok()) << s.status();
+  ASSERT_TRUE(rx_->Wait(r, absl::Seconds(10)).ok());
+  ASSERT_TRUE(tx_->Wait(*s, absl::Seconds(10)).ok());
+  rx_->Forget(r);
+  tx_->Forget(*s);
+
+  const TransferId bad_r = StartReceive(testing::BulkManifest("lie", "fp", 1, 70'000));
+  auto bad = send("lie", 1);
+  ASSERT_TRUE(bad.ok()) << bad.status();
+  absl::Status rs = rx_->Wait(bad_r, absl::Seconds(10));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kDataLoss) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr("field checksum"));
+  EXPECT_FALSE(tx_->Wait(*bad, absl::Seconds(10)).ok());
+  rx_->Forget(bad_r);
+  tx_->Forget(*bad);
+
+  // Without a checksum kind the send is refused before anything moves.
+  auto m = testing::BulkManifest("nokind", "fp", 1, 10);
+  m.mutable_segments(0)->set_checksum_kind(epd::v1::CHECKSUM_UNSPECIFIED);
+  auto buf = tx_->Allocate(10);
+  TransferOptions o;
+  o.checksums_in_manifest = true;
+  EXPECT_EQ(tx_->Send(peer, m, std::move(*buf), o).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ExpectAllReleased();
+}
+
+// EngineOptions::pool_bytes: a freed buffer is kept (registered) and handed out again; idle
+// buffers are not counted as outstanding, and buffers still held at shutdown stay valid.
+TEST_F(EngineTest, PooledBuffersAreReusedAndNeverCountedAsOutstanding) {
+  pool_bytes_ = 4 << 20;
+  Make();
+  const PeerId peer = ConnectOk();
+  auto a = tx_->Allocate(1 << 20);
+  ASSERT_TRUE(a.ok());
+  uint8_t* first = (*a)->data();
+  a->reset();
+  EXPECT_EQ(tx_->Resources().pooled_bytes, 1 << 20);
+  EXPECT_EQ(tx_->Resources().allocations, 0);
+  auto b = tx_->Allocate((1 << 20) - 5);  // same size class: the same memory again
+  ASSERT_TRUE(b.ok());
+  EXPECT_EQ((*b)->data(), first);
+  EXPECT_EQ(tx_->Resources().pooled_bytes, 0);
+  b->reset();
+  for (int round = 0; round < 3; ++round) {  // transfers over pooled buffers on both sides
+    const std::string rid = absl::StrCat("pooled-", round);
+    const auto m = testing::BulkManifest(rid, "fp", 2, 300'000);
+    const TransferId r = StartReceive(m);
+    const TransferId s = StartSend(peer, m);
+    ASSERT_TRUE(rx_->Wait(r, absl::Seconds(10)).ok());
+    ASSERT_TRUE(tx_->Wait(s, absl::Seconds(10)).ok());
+    auto got = rx_->TakeReceived(r);
+    ASSERT_TRUE(got.ok()) << got.status();
+    EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "");
+    tx_->Forget(s);
+  }
+  ExpectAllReleased();  // registrations 0: the pool's are its own, made once
+  EXPECT_EQ(rx_->Resources().pooled_bytes, 1 << 20);
+  // Below pool_min_bytes: plain memory, never pooled.
+  auto tiny = tx_->Allocate(100);
+  ASSERT_TRUE(tiny.ok());
+  tiny->reset();
+  EXPECT_EQ(tx_->Resources().pooled_bytes, 1 << 20);
+  // A buffer held across the engine's end stays usable and is freed by its holder.
+  auto held = rx_->Allocate(1 << 20);
+  ASSERT_TRUE(held.ok());
+  rx_.reset();
+  std::memset((*held)->data(), 7, 1 << 20);
+  held->reset();
 }
 
 }  // namespace
