@@ -121,6 +121,9 @@ absl::StatusOr<std::unique_ptr<KvBulkEndpoint>> KvBulkEndpoint::Create(
   eo.cluster_token = options.cluster_token;
   eo.node_name = "epd-kvstore";
   eo.pool_bytes = kBulkPoolBytes;
+  // Puts: an offer is received as soon as it arrives (usually before its Put rpc), bounded by
+  // the largest value accepted.
+  eo.eager_receive_bytes = options.max_value_bytes;
   std::unique_ptr<transfer::Wire> wire = transfer::MakeUcxWire(uo);
   if (options.wrap_wire) wire = options.wrap_wire(std::move(wire));
   auto engine = transfer::TransferEngine::Create(std::move(wire), eo, registry, clock);
@@ -156,17 +159,27 @@ absl::StatusOr<std::unique_ptr<transfer::TransferBuffer>> KvBulkEndpoint::Receiv
     return fail(absl::InvalidArgumentError(absl::StrCat(
         "value of ", bytes, " bytes is over the limit of ", options_.max_value_bytes)));
   }
-  auto buffer = engine_->Allocate(bytes);
-  if (!buffer.ok()) return fail(buffer.status());
+  // The offer usually came before this rpc and is already being received (the engine's eager
+  // receives): this takes it over. The offer may carry at most `bytes` (else it is refused as an
+  // accounting error) and must carry exactly that many to be stored.
   transfer::TransferOptions to;
   to.deadline = options_.deadline;
-  auto id = engine_->Receive(BulkManifest(request_id, bytes), std::move(*buffer), to);
+  auto id = engine_->ReceiveAny(BulkManifest(request_id, 0), std::max<uint64_t>(bytes, 1), to);
   if (!id.ok()) return fail(id.status());
   absl::Status s = engine_->Wait(*id, options_.deadline + absl::Seconds(1));
   if (s.ok()) {
     auto received = engine_->TakeReceived(*id);
-    if (received.ok()) return std::move(received->buffer);
-    s = received.status();
+    if (!received.ok()) {
+      s = received.status();
+    } else if (received->buffer->size() != bytes) {
+      s = transfer::WithTransferError(
+          absl::DataLossError(absl::StrCat(
+              "accounting error in request '", request_id, "': the put announced ", bytes,
+              " bytes but its offer carried ", received->buffer->size(), " (truncated)")),
+          "truncated", "byte_length");
+    } else {
+      return std::move(received->buffer);
+    }
   }
   engine_->Cancel(*id, "bulk put failed");
   engine_->Forget(*id);  // the engine frees the buffer once no UCX operation can touch it

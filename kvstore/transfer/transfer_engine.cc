@@ -323,6 +323,11 @@ struct TransferEngine::Transfer {
   bool receives_cancelled = false;
   bool data_started = false;  // sender: its chunks are on their way (before the claim: posted wire)
   uint64_t open_max = 0;      // ReceiveAny: the offer decides the length (at most this); 0: Receive
+  // EngineOptions::eager_receive_bytes: received before any Receive asked for it; until one takes
+  // it over (or eager_expires_ns) it holds eager_bytes of the engine's eager budget.
+  bool eager = false;
+  uint64_t eager_bytes = 0;
+  int64_t eager_expires_ns = 0;
 
   bool terminal() const { return state == TransferState::kDone || state == TransferState::kFailed; }
 };
@@ -688,6 +693,20 @@ absl::StatusOr<TransferId> TransferEngine::StartReceive(epd::v1::Manifest expect
     mem = *reg;
   }
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto e = eager_.find(expected.request_id()); e != eager_.end() && !stopping_) {
+    // Its offer came first and is being (or was) received eagerly: take it over.
+    const TransferId id = e->second;
+    eager_.erase(e);
+    if (Transfer* t = Find(id); t != nullptr) {
+      if (mem != 0 && owns_mem) {
+        wire_->Deregister(mem);
+        counters_->registrations.fetch_sub(1);
+        metrics_->registrations().Decrement();
+      }
+      AdoptEagerReceive(*t, expected, open_max, options);
+      return id;
+    }
+  }
   if (stopping_ || receiving_.contains(expected.request_id())) {
     if (mem != 0 && owns_mem) {
       wire_->Deregister(mem);
@@ -1017,6 +1036,19 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
                         ")"));
     return;
   }
+  if (options_.eager_receive_bytes > 0 && offer.data_without_claim() && wire_->PostsReceives()) {
+    uint64_t total = 0;
+    bool overflow = false;
+    for (const auto& seg : offer.manifest().segments()) {
+      overflow |= total + seg.byte_length() < total;
+      total += seg.byte_length();
+    }
+    if (!overflow && total > 0 && eager_bytes_ <= options_.eager_receive_bytes &&
+        total <= options_.eager_receive_bytes - eager_bytes_) {
+      StartEagerReceive(peer, offer, total);
+      return;
+    }
+  }
   auto pending = std::make_unique<PendingOffer>();
   pending->peer = peer;
   pending->offer = offer;
@@ -1082,6 +1114,75 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   msg.mutable_claim()->set_receiver_transfer_id(t.id);
   SendControl(peer, msg);
   MaybeFinishReceive(t);
+}
+
+void TransferEngine::StartEagerReceive(PeerId peer, const epd::v1::TransferOffer& offer,
+                                       uint64_t total) {
+  const int64_t now = clock_.NowMonoNs();
+  const int64_t lease_ns = static_cast<int64_t>(offer.lease_ms()) * 1'000'000;
+  auto t = std::make_unique<Transfer>();
+  t->id = next_id_++;
+  t->request_id = offer.manifest().request_id();
+  t->manifest = offer.manifest();  // sized and checked against itself; the Receive compares later
+  t->state = TransferState::kExpecting;
+  t->open_max = total;
+  t->deadline_ms = static_cast<int64_t>(offer.lease_ms());
+  t->deadline_ns = now + lease_ns;
+  t->eager = true;
+  t->eager_bytes = total;
+  t->eager_expires_ns = now + lease_ns;
+  counters_->live_transfers.fetch_add(1);
+  metrics_->live_transfers().Increment();
+  const TransferId id = t->id;
+  Transfer& ref = *t;
+  transfers_[id] = std::move(t);
+  receiving_[ref.request_id] = id;
+  eager_[ref.request_id] = id;
+  eager_bytes_ += total;
+  AcceptOffer(ref, peer, offer);
+}
+
+void TransferEngine::AdoptEagerReceive(Transfer& t, const epd::v1::Manifest& expected,
+                                       uint64_t open_max, const TransferOptions& options) {
+  t.eager = false;
+  eager_bytes_ -= std::min(eager_bytes_, t.eager_bytes);
+  t.eager_bytes = 0;
+  if (!t.terminal()) {
+    t.deadline_ms = absl::ToInt64Milliseconds(options.deadline);
+    t.deadline_ns = clock_.NowMonoNs() + absl::ToInt64Nanoseconds(options.deadline);
+  }
+  if (t.state == TransferState::kFailed) return;  // the caller's Wait reports why
+  epd::v1::Manifest want = expected;
+  std::string problem;
+  std::string field;
+  std::optional<ManifestMismatch> mm;
+  if (open_max > 0 && want.segments_size() == t.manifest.segments_size()) {
+    for (int i = 0; i < want.segments_size(); ++i)
+      want.mutable_segments(i)->set_byte_length(t.manifest.segments(i).byte_length());
+    if (t.bytes_total > open_max) {
+      mm = ManifestMismatch{};
+      mm->segment_label = "header";
+      mm->field = "byte_length";
+      mm->message =
+          absl::StrCat("accounting error in request '", t.request_id, "': the offer carries ",
+                       t.bytes_total, " bytes, over the receive's limit of ", open_max);
+    }
+  }
+  if (!mm.has_value()) mm = CompareManifests(want, t.manifest);
+  if (!mm.has_value()) return;
+  metrics_->AddAccountingError(mm->segment_label);
+  spdlog::warn("transfer: {}", mm->message);
+  if (!t.terminal()) {
+    Fail(t, absl::FailedPreconditionError(mm->message), "accounting", true, mm->segment_index,
+         mm->field, true);
+    return;
+  }
+  // Already received in full, but not what this receiver expects: it gets the error, not bytes.
+  t.state = TransferState::kFailed;
+  t.error = WithTransferError(absl::FailedPreconditionError(mm->message), "accounting", mm->field);
+  metrics_->AddFailure("all", TransportLabel(t.kind), "accounting");
+  if (t.released) t.buffer.reset();
+  cv_.notify_all();
 }
 
 bool TransferEngine::SizeOpenReceive(Transfer& t, PeerId peer,
@@ -1752,6 +1853,28 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
     if (e != ended_receives_.end() && now < e->second.expires_ns) break;
     if (e != ended_receives_.end()) ended_receives_.erase(e);
     ended_order_.pop_front();
+  }
+  // Eager receives no Receive took within the sender's lease: dropped.
+  for (auto it = eager_.begin(); it != eager_.end();) {
+    Transfer* t = Find(it->second);
+    if (t != nullptr && now < t->eager_expires_ns) {
+      ++it;
+      continue;
+    }
+    if (t != nullptr) {
+      t->eager = false;
+      eager_bytes_ -= std::min(eager_bytes_, t->eager_bytes);
+      t->eager_bytes = 0;
+      if (!t->terminal())
+        Fail(*t,
+             absl::DeadlineExceededError(absl::StrCat("request '", t->request_id,
+                                                      "' was received eagerly but no Receive took "
+                                                      "it within the sender's lease")),
+             "lease_expired", true);
+      if (t->released) t->buffer.reset();
+      t->collected = true;
+    }
+    eager_.erase(it++);
   }
   // Collect records nobody will ask about any more.
   int terminal = 0;

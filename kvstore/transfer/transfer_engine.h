@@ -46,6 +46,13 @@ struct EngineOptions {
   // registration of every transfer. 0: off (every Allocate is fresh memory). Default: 0.
   uint64_t pool_bytes = 0;
   uint64_t pool_min_bytes = 64ull << 10;  // Default: 64 KiB
+  // Receiver: an offer that arrives before its Receive is received at once, into a buffer of the
+  // offered size, instead of waiting for the Receive's claim, when the eager receives no Receive
+  // has taken yet stay within eager_receive_bytes in all. The Receive/ReceiveAny of its request id
+  // then takes it over (its expectation is compared with the offer then; every chunk and checksum
+  // was checked as always); one that nobody takes is dropped when the sender's lease ends. Needs a
+  // wire with posted receives. 0: off (an offer waits for its Receive). Default: 0.
+  uint64_t eager_receive_bytes = 0;
 
   absl::Status Validate() const;
 };
@@ -125,6 +132,12 @@ class TransferEngine final : public KvTransport, private WireHandler {
   // ReceiveAny's transfer meets its offer: sizes the manifest and the buffer from it. False (and
   // `t` failed) when the offer is too large or has a different number of segments.
   bool SizeOpenReceive(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
+  // EngineOptions::eager_receive_bytes: receives an unexpected offer of `total` bytes now.
+  void StartEagerReceive(PeerId peer, const epd::v1::TransferOffer& offer, uint64_t total);
+  // A Receive/ReceiveAny takes over the eager receive `t`: compares its expectation (byte_lengths
+  // from the offer when open_max > 0, which bounds them) with what was offered.
+  void AdoptEagerReceive(Transfer& t, const epd::v1::Manifest& expected, uint64_t open_max,
+                         const TransferOptions& options);
   // Records that the receive of `request_id` ended before any offer came (a late one is refused).
   void RememberEndedReceive(const std::string& request_id, const absl::Status& error,
                             int64_t now_ns);
@@ -196,6 +209,10 @@ class TransferEngine final : public KvTransport, private WireHandler {
   TransferId next_id_ = 1;
   std::map<TransferId, std::unique_ptr<Transfer>> transfers_;
   absl::flat_hash_map<std::string, TransferId> receiving_;  // request_id -> receive transfer
+  // Eager receives (EngineOptions::eager_receive_bytes) no Receive has taken yet, by request_id,
+  // and the bytes they hold.
+  absl::flat_hash_map<std::string, TransferId> eager_;
+  uint64_t eager_bytes_ = 0;
   absl::flat_hash_map<PeerId, std::unique_ptr<Peer>> peers_;
   std::map<std::string, std::unique_ptr<PendingOffer>> pending_offers_;  // by request_id
   // Receives that ended before any offer arrived (cancelled, deadline): an offer arriving later

@@ -37,7 +37,9 @@ class PostedReceiveTest : public ::testing::TestWithParam<std::string> {
     o.cluster_token = "tok";
     o.chunk_bytes = 256 << 10;
     o.release_grace = absl::Milliseconds(200);
-    auto rx = TransferEngine::Create(MakeUcxWire(Ucx()), o, registry_, clock_);
+    EngineOptions ro = o;
+    ro.eager_receive_bytes = eager_receive_bytes_;
+    auto rx = TransferEngine::Create(MakeUcxWire(Ucx()), ro, registry_, clock_);
     ASSERT_TRUE(rx.ok()) << rx.status();
     rx_ = std::move(*rx);
     auto tx = TransferEngine::Create(MakeFaultWire(MakeUcxWire(Ucx()), plan), o, registry_, clock_);
@@ -132,6 +134,7 @@ class PostedReceiveTest : public ::testing::TestWithParam<std::string> {
     return p;
   }
 
+  uint64_t eager_receive_bytes_ = 0;  // the receiver's EngineOptions (set before Make)
   common::SystemClock& clock_ = common::SystemClock::Get();
   prometheus::Registry registry_;
   std::unique_ptr<TransferEngine> rx_;
@@ -250,6 +253,45 @@ TEST_P(PostedReceiveTest, UnclaimedOfferReleasesItsEarlyChunksAtLeaseExpiry) {
   tx_->Forget(s);
   ExpectAllReleased();
   ExpectConnectionStillWorks("after-unclaimed");
+}
+
+// EngineOptions::eager_receive_bytes: an offer with no Receive yet is received at once (the
+// sender completes before any Receive exists); the ReceiveAny that comes later takes it over and
+// gets the verified bytes; one over the receive's limit is refused; one nobody takes is freed when
+// the sender's lease ends.
+TEST_P(PostedReceiveTest, EagerReceiveCompletesBeforeItsReceiveWhichThenTakesItOver) {
+  eager_receive_bytes_ = 16 << 20;
+  Make({});
+  const auto m = Bulk("eager");  // 8 MiB
+  const TransferId s = StartSend(m, 13);
+  ASSERT_TRUE(tx_->Wait(s, absl::Seconds(30)).ok());  // received and verified: no Receive yet
+  tx_->Forget(s);
+  auto r = rx_->ReceiveAny(testing::BulkManifest("eager", "fp", 8, 0), 8 << 20, {});
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE(rx_->Wait(*r, absl::Seconds(1)).ok());
+  auto got = rx_->TakeReceived(*r);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->buffer->size(), 8u << 20);
+  EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 13), "");
+  got->buffer.reset();
+
+  const TransferId s2 = StartSend(Bulk("eager-big"), 14);
+  ASSERT_TRUE(tx_->Wait(s2, absl::Seconds(30)).ok());
+  tx_->Forget(s2);
+  auto small = rx_->ReceiveAny(testing::BulkManifest("eager-big", "fp", 8, 0), 1 << 20, {});
+  ASSERT_TRUE(small.ok()) << small.status();
+  absl::Status rs = rx_->Wait(*small, absl::Seconds(1));
+  EXPECT_EQ(rs.code(), absl::StatusCode::kFailedPrecondition) << rs;
+  EXPECT_THAT(rs.message(), HasSubstr("over the receive's limit"));
+  rx_->Forget(*small);
+
+  TransferOptions short_lease;
+  short_lease.lease = absl::Milliseconds(300);
+  const TransferId s3 = StartSend(Bulk("eager-nobody"), 15, short_lease);
+  ASSERT_TRUE(tx_->Wait(s3, absl::Seconds(30)).ok());
+  tx_->Forget(s3);
+  ExpectAllReleased();  // the unclaimed one goes at its lease's end
+  ExpectConnectionStillWorks("after-eager");
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, PostedReceiveTest, ::testing::Values("tcp", "shm"),
