@@ -66,6 +66,8 @@ class EncoderHandler final : public worker::JobHandler {
         o.cluster_token = setup.cluster_token;
         // The bulk engine's epd_transfer_* and epd_kv_transfer_errors_total on our /metrics.
         o.registry = &reg;
+      } else {
+        o.bulk = kvstore::BulkTransport::kInline;  // --kvstore-bulk inline
       }
       // --kvstore may list several daemons: blocks and snapshots go to their owners on the ring.
       auto store = kvstore::ShardedKvClient::Create(

@@ -51,9 +51,11 @@ enum class BulkTransport {
 };
 
 struct KvClientOptions {
-  int deadline_ms = 10000;                      // Default: 10 s per call (and per bulk transfer)
-  int max_message_bytes = 300 << 20;            // Default: 300 MiB (matches the daemon)
-  BulkTransport bulk = BulkTransport::kInline;  // Default: inline
+  int deadline_ms = 10000;            // Default: 10 s per call (and per bulk transfer)
+  int max_message_bytes = 300 << 20;  // Default: 300 MiB (matches the daemon)
+  // Default: kUcx (values of at least bulk_min_bytes over UCX where the daemon has a bulk
+  // endpoint, inline otherwise: at 1 MiB it is at least as fast as inline, docs/kvstore.md).
+  BulkTransport bulk = BulkTransport::kUcx;
   // BatchGet/BatchPut against a daemon on the same host (same boot id and pid namespace): values
   // move through a memfd segment of this client that the daemon maps for the call, instead of
   // inside the gRPC messages (docs/kvstore.md "Shared memory"). Falls back to inline across hosts

@@ -207,7 +207,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   services::RuntimeOptions runtime_options;
   services::AddRuntimeFlags(app, &runtime_options);
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
-  std::string advertise, kvstore_bulk = "inline";
+  std::string advertise, kvstore_bulk = "ucx";
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
@@ -219,8 +219,9 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
                  "KV store gRPC address host:port, or several comma-separated (keys placed on a "
                  "consistent-hash ring; every worker and the router must list the same daemons)");
   app.add_option("--kvstore-bulk", kvstore_bulk,
-                 "How kvstore values move: inline (in the gRPC messages) or ucx (values of at "
-                 "least --kvstore-bulk-min-bytes over UCX; the daemon needs --bulk ucx)")
+                 "How kvstore values move: ucx (default: values of at least "
+                 "--kvstore-bulk-min-bytes over UCX where the daemon has --bulk ucx, else inline) "
+                 "or inline (in the gRPC messages)")
       ->check(CLI::IsMember({"inline", "ucx"}));
   app.add_option("--kvstore-bulk-min-bytes", kvstore_bulk_min_bytes,
                  "--kvstore-bulk ucx: smaller values stay inline (default 64 KiB)");

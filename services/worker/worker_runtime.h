@@ -43,14 +43,14 @@ struct WorkerSetup {
   HandoffPeer* handoff = nullptr;
   std::string fingerprint;
   std::string kvstore;  // kvstore gRPC address(es), comma-separated (may be empty)
-  // Values of at least kvstore_bulk_min_bytes move over UCX (--kvstore-bulk ucx), this
+  // Values of at least kvstore_bulk_min_bytes move over UCX (--kvstore-bulk ucx, the default), this
   // worker's UCX listener bound to advertise_address; else inline gRPC.
   bool kvstore_bulk_ucx = false;
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
   std::string advertise_address;  // --advertise-address (else --host)
   std::string ucx_net_devices;    // --ucx-net-devices (empty: environment)
   std::string cluster_token;      // --cluster-token / $EPD_CLUSTER_TOKEN
-  bool dspark = true;   // --dspark on|off: DSpark state in hand-offs, draft + verify in decode
+  bool dspark = true;  // --dspark on|off: DSpark state in hand-offs, draft + verify in decode
   prometheus::Registry* registry = nullptr;
   prometheus::Gauge* batch_size = nullptr;  // epd_batch_size{pool}
   int handoff_deadline_ms = 30000;

@@ -96,6 +96,13 @@ KvClientOptions Bulk(uint64_t min_bytes = 0) {
   return o;
 }
 
+// The inline client these tests compare with (kUcx is the default).
+KvClientOptions Inline() {
+  KvClientOptions o;
+  o.bulk = BulkTransport::kInline;
+  return o;
+}
+
 std::string Value(int i) { return Payload(i, kBlock); }
 
 TEST(KvStoreBulkTest, RoundTripIsBitIdenticalForEverySizeAndTier) {
@@ -103,7 +110,7 @@ TEST(KvStoreBulkTest, RoundTripIsBitIdenticalForEverySizeAndTier) {
   Daemon d;
   ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d));
   auto bulk = KvStoreClient::Create(d.target(), Bulk());
-  auto inline_client = KvStoreClient::Create(d.target());
+  auto inline_client = KvStoreClient::Create(d.target(), Inline());
   const std::vector<size_t> sizes = {0, 1, 4095, kBlock, (1 << 20) + 7, (9 << 20) + 3};
   uint64_t total = 0;
   int key = 0;
@@ -221,7 +228,7 @@ TEST(KvStoreBulkTest, CorruptOrTruncatedGetFailsThatRequestOnTheClientAndIsCount
     Daemon d;
     ASSERT_NO_FATAL_FAILURE(
         StartDaemon(dir, dir.File("data"), "run", &d, {"--debug-bulk-fault", fault}));
-    auto inline_client = KvStoreClient::Create(d.target());
+    auto inline_client = KvStoreClient::Create(d.target(), Inline());
     const std::string v = Payload(3, 2 << 20);
     ASSERT_TRUE(inline_client->Put(Tier::kG3, AsBytes(Key(1)), v).ok());
     auto bulk = KvStoreClient::Create(d.target(), Bulk());
@@ -323,7 +330,7 @@ TEST(KvStoreBulkTest, ClientKilledMidGetFreesTheSendAndTheDaemonServesTheNextCli
   ASSERT_NO_FATAL_FAILURE(
       StartDaemon(dir, dir.File("data"), "run", &d, {"--debug-bulk-fault", "delay"}));
   const std::string v = Payload(9, 32 << 20);
-  ASSERT_TRUE(KvStoreClient::Create(d.target())->Put(Tier::kG3, AsBytes(Key(9)), v).ok());
+  ASSERT_TRUE(KvStoreClient::Create(d.target(), Inline())->Put(Tier::kG3, AsBytes(Key(9)), v).ok());
   Subprocess peer = Subprocess::Start({BinaryPath("kvstore_bulk_peer"), "--target", d.target(),
                                        "--key", "9", "--bytes", "0", "--seed", "0", "--get"},
                                       dir.File("peer.log"));
@@ -341,7 +348,7 @@ TEST(KvStoreBulkTest, ClientKilledMidGetFreesTheSendAndTheDaemonServesTheNextCli
       WaitForAtLeast(d.metrics_port, "epd_kv_transfer_errors_total", {"direction=\"get\""}, 1), 1);
   EXPECT_TRUE(DaemonTransfersDrain(d.metrics_port));
   // The next client is served: inline at once, and over bulk (slowly, through the slow link).
-  auto next = KvStoreClient::Create(d.target());
+  auto next = KvStoreClient::Create(d.target(), Inline());
   auto g = next->Get(Tier::kG3, AsBytes(Key(9)));
   ASSERT_TRUE(g.ok() && g->found) << g.status();
   EXPECT_TRUE(g->value == v);
