@@ -360,6 +360,11 @@ inline constexpr std::string_view kBackendOpNames[] = {
 struct CpuBackendOptions {
   // Use the SIMD (AVX2) paths where the CPU has them; false forces the scalar code (same results).
   bool simd = true;
+  // Test seam (tests/model/weights_memory_test.cc): memory_kind() and every Buffer say kDevice
+  // while the bytes stay host memory, so a test can check that the model puts into a device
+  // backend's memory what a GPU needs there, and that its results do not change. Never set in a
+  // serving process.
+  bool report_device_memory = false;
 };
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
 

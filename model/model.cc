@@ -531,8 +531,8 @@ absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState
       y(S * D);
   // Decode-semantics rows are single-token reference calls, whose sigmoids torch computes on its
   // scalar path (Backend::HcMixesSingleToken).
-  auto mixes = [&](const float* hr, const vector<float>& fn, const vector<float>& scale,
-                   const vector<float>& base, float* p, float* q, float* cm) {
+  auto mixes = [&](const float* hr, const WeightArray& fn, const WeightArray& scale,
+                   const WeightArray& base, float* p, float* q, float* cm) {
     return call.per_row_keys
                ? backend_.HcMixesSingleToken(1, hr, static_cast<int>(hc), D, fn.data(),
                                              scale.data(), base.data(), c.hc_sinkhorn_iters,
@@ -1077,11 +1077,24 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     RETURN_IF_ERROR(backend_.Argmax(li, 1, V, &out.ids[i + 1]));
     if (static_cast<int64_t>(forced_ids.size()) > i) out.ids[i + 1] = forced_ids[i];
     std::copy_n(x.data() + i * D, D, cat.data());
-    std::copy_n(e, R, cat.data() + D);
+    RETURN_IF_ERROR(backend_.Copy(cat.data() + D, e, R * static_cast<int64_t>(sizeof(float))));
     RETURN_IF_ERROR(
         backend_.LinearF32(cat.data(), 1, Dw.confidence.data(), 1, D + R, &out.confidence[i]));
   }
   return out;
+}
+
+absl::Status Model::MarkovBias(int32_t token, std::vector<float>& bias) const {
+  const ModelConfig& c = config_;
+  if (c.n_mtp_layers == 0 || !weights_->dspark)
+    return absl::FailedPreconditionError("model: MarkovBias needs DSpark stages");
+  if (token < 0 || token >= c.vocab_size)
+    return absl::InvalidArgumentError(absl::StrCat("model: MarkovBias token ", token,
+                                                   " is outside the vocabulary"));
+  const int64_t V = c.vocab_size, R = c.dspark_markov_rank;
+  bias.resize(V);
+  return backend_.LinearF32(weights_->dspark->markov_embed.data() + token * R, 1,
+                            weights_->dspark->markov_head.data(), V, R, bias.data());
 }
 
 }  // namespace epd::model

@@ -197,6 +197,9 @@ class Model {
   // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids.
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
                                                   std::span<const int32_t> forced_ids = {}) const;
+  // The DSpark Markov head's logit bias for chain token `token` ([vocab]: markov_head times
+  // markov_embed[token]), the same op and bits Draft adds to a draft position's logits.
+  [[nodiscard]] absl::Status MarkovBias(int32_t token, std::vector<float>& bias) const;
 
   // ---- Module entry points (tests, staged runners) ----
   // Per-call scratch shared by the layers of one call (the reference's shared_attn singleton).

@@ -28,7 +28,16 @@ class Loader {
     return std::move(*b);
   }
 
-  absl::StatusOr<std::vector<float>> Bf16(const std::string& name, std::vector<int64_t> shape) {
+  // Float values computed on the host, copied into backend memory.
+  absl::StatusOr<WeightArray> Array(const std::vector<float>& values) {
+    const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(float));
+    auto b = backend_.Allocate(bytes);
+    if (!b.ok()) return b.status();
+    if (absl::Status st = backend_.Upload(values.data(), bytes, *b); !st.ok()) return st;
+    return WeightArray(std::move(*b), static_cast<int64_t>(values.size()));
+  }
+
+  absl::StatusOr<WeightArray> Bf16(const std::string& name, std::vector<int64_t> shape) {
     auto v = s_.Get(name, DType::kBF16, shape);
     if (!v.ok()) return v.status();
     std::vector<float> out(v->numel());
@@ -38,15 +47,30 @@ class Loader {
       std::memcpy(&b, p + i, 2);
       out[i] = kf::Bf16BitsToF32(b);
     }
-    return out;
+    return Array(out);
   }
 
-  absl::StatusOr<std::vector<float>> F32(const std::string& name, std::vector<int64_t> shape) {
+  absl::StatusOr<WeightArray> F32(const std::string& name, std::vector<int64_t> shape) {
     auto v = s_.Get(name, DType::kF32, shape);
     if (!v.ok()) return v.status();
     std::vector<float> out(v->numel());
     std::memcpy(out.data(), v->data, v->bytes);
-    return out;
+    return Array(out);
+  }
+
+  // A checkpoint tensor read in place (host-memory backend) or copied into device memory, whose
+  // buffer `copy` then holds it.
+  absl::StatusOr<TensorView> InPlace(const std::string& name, DType dtype,
+                                     std::vector<int64_t> shape, kernels::Buffer* copy) {
+    auto v = s_.Get(name, dtype, shape);
+    if (!v.ok()) return v.status();
+    if (backend_.memory_kind() == kernels::MemoryKind::kHost) return *v;
+    auto b = Put(*v, v->bytes);
+    if (!b.ok()) return b.status();
+    *copy = std::move(*b);
+    TensorView t = *v;
+    t.data = copy->as<uint8_t>();
+    return t;
   }
 
   absl::StatusOr<QuantWeight> Fp8(const std::string& prefix, int64_t out, int64_t in) {
@@ -82,8 +106,7 @@ class Loader {
   }
 
   // FP8 weight dequantized to its (bf16-exact) values: wo_a, as convert.py does.
-  absl::StatusOr<std::vector<float>> Fp8Dequant(const std::string& prefix, int64_t out,
-                                                int64_t in) {
+  absl::StatusOr<WeightArray> Fp8Dequant(const std::string& prefix, int64_t out, int64_t in) {
     auto w = s_.Get(prefix + ".weight", DType::kF8E4M3, {out, in});
     if (!w.ok()) return w.status();
     const int64_t scols = (in + 31) / 32;
@@ -96,7 +119,7 @@ class Loader {
                                       kf::DecodeE8M0(s->data[(o / 32) * scols + i / 32]));
       }
     }
-    return v;
+    return Array(v);
   }
 
  private:
@@ -190,10 +213,10 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
       while (c.engram_layer_ids[ei] != l) ++ei;
       auto e = std::make_unique<EngramWeights>();
       const int64_t rows = c.engram_num_embeddings[ei];
-      EPD_ASSIGN(e->table,
-                 store->Get(p + "engram.embed.weight", DType::kF8E4M3, {rows, c.engram_head_dim}));
-      EPD_ASSIGN(e->table_scale, store->Get(p + "engram.embed.scale", DType::kF8E8M0,
-                                            {rows, c.engram_head_dim / 32}));
+      EPD_ASSIGN(e->table, ld.InPlace(p + "engram.embed.weight", DType::kF8E4M3,
+                                      {rows, c.engram_head_dim}, &e->table_copy));
+      EPD_ASSIGN(e->table_scale, ld.InPlace(p + "engram.embed.scale", DType::kF8E8M0,
+                                            {rows, c.engram_head_dim / 32}, &e->table_scale_copy));
       const int64_t in =
           int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads * c.engram_head_dim;
       EPD_ASSIGN(e->wkv, ld.Fp8(p + "engram.wkv", (hc + 1) * c.dim, in));
@@ -223,41 +246,90 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
   return mw;
 }
 
-namespace {
-int64_t Bytes(const std::vector<float>& v) {
-  return static_cast<int64_t>(v.size() * sizeof(float));
-}
-int64_t Bytes(const ExpertWeights& e) {
-  return e.w1.resident_bytes() + e.w2.resident_bytes() + e.w3.resident_bytes();
-}
-}  // namespace
-
 int64_t ModelWeights::ResidentBytes() const {
-  int64_t n = Bytes(embed) + Bytes(head) + Bytes(norm);
-  for (const LayerWeights& L : layers) {
-    n += Bytes(L.attn_norm) + Bytes(L.ffn_norm) + Bytes(L.hc_attn_fn) + Bytes(L.hc_attn_base) +
-         Bytes(L.hc_attn_scale) + Bytes(L.hc_ffn_fn) + Bytes(L.hc_ffn_base) + Bytes(L.hc_ffn_scale);
+  int64_t n = 0;
+  ForEachPiece([&](const Piece& p) { n += p.bytes; });
+  return n;
+}
+
+void ModelWeights::ForEachPiece(const std::function<void(const Piece&)>& fn) const {
+  auto array = [&](const std::string& name, const WeightArray& v) {
+    if (!v.empty()) fn({name, v.data(), v.bytes(), v.kind()});
+  };
+  auto quant = [&](const std::string& name, const QuantWeight& w) {
+    if (w.packed()) {
+      fn({name + ".codes", w.codes.data(), w.codes.bytes(), w.codes.kind()});
+      fn({name + ".scale", w.scale_codes.data(), w.scale_codes.bytes(), w.scale_codes.kind()});
+    } else if (!w.values.empty()) {
+      const auto f = static_cast<int64_t>(sizeof(float));
+      fn({name + ".values", w.values.data(), static_cast<int64_t>(w.values.size()) * f,
+          kernels::MemoryKind::kHost});
+      fn({name + ".scales", w.scales.data(), static_cast<int64_t>(w.scales.size()) * f,
+          kernels::MemoryKind::kHost});
+    }
+  };
+  auto expert = [&](const std::string& p, const ExpertWeights& e) {
+    quant(p + "w1", e.w1);
+    quant(p + "w2", e.w2);
+    quant(p + "w3", e.w3);
+  };
+  array("embed", embed);
+  array("head", head);
+  array("norm", norm);
+  for (size_t l = 0; l < layers.size(); ++l) {
+    const LayerWeights& L = layers[l];
+    const std::string p = absl::StrCat("layers.", l, ".");
+    array(p + "attn_norm", L.attn_norm);
+    array(p + "ffn_norm", L.ffn_norm);
+    array(p + "hc_attn_fn", L.hc_attn_fn);
+    array(p + "hc_attn_base", L.hc_attn_base);
+    array(p + "hc_attn_scale", L.hc_attn_scale);
+    array(p + "hc_ffn_fn", L.hc_ffn_fn);
+    array(p + "hc_ffn_base", L.hc_ffn_base);
+    array(p + "hc_ffn_scale", L.hc_ffn_scale);
     const AttentionWeights& A = L.attn;
-    n += Bytes(A.attn_sink) + Bytes(A.q_norm) + Bytes(A.kv_norm) + A.wq_a.resident_bytes() +
-         A.wq_b.resident_bytes() + A.wkv.resident_bytes() + Bytes(A.wo_a) +
-         A.wo_b.resident_bytes() + Bytes(A.cmp_wkv) + Bytes(A.cmp_wgate) + Bytes(A.cmp_norm) +
-         Bytes(A.idx_wk) + Bytes(A.idx_k_norm) + A.idx_wq_b.resident_bytes() +
-         Bytes(A.idx_weights_proj);
-    n += Bytes(L.ffn.gate) + Bytes(L.ffn.gate_bias);
-    for (const ExpertWeights& e : L.ffn.experts) n += Bytes(e);
-    for (const ExpertWeights& e : L.ffn.shared) n += Bytes(e);
+    array(p + "attn.attn_sink", A.attn_sink);
+    array(p + "attn.q_norm", A.q_norm);
+    array(p + "attn.kv_norm", A.kv_norm);
+    quant(p + "attn.wq_a", A.wq_a);
+    quant(p + "attn.wq_b", A.wq_b);
+    quant(p + "attn.wkv", A.wkv);
+    array(p + "attn.wo_a", A.wo_a);
+    quant(p + "attn.wo_b", A.wo_b);
+    array(p + "attn.compressor.wkv", A.cmp_wkv);
+    array(p + "attn.compressor.wgate", A.cmp_wgate);
+    array(p + "attn.compressor.norm", A.cmp_norm);
+    array(p + "attn.indexer.wk", A.idx_wk);
+    array(p + "attn.indexer.k_norm", A.idx_k_norm);
+    quant(p + "attn.indexer.wq_b", A.idx_wq_b);
+    array(p + "attn.indexer.weights_proj", A.idx_weights_proj);
+    array(p + "ffn.gate", L.ffn.gate);
+    array(p + "ffn.gate_bias", L.ffn.gate_bias);
+    for (size_t e = 0; e < L.ffn.experts.size(); ++e)
+      expert(absl::StrCat(p, "ffn.experts.", e, "."), L.ffn.experts[e]);
+    for (size_t e = 0; e < L.ffn.shared.size(); ++e)
+      expert(absl::StrCat(p, "ffn.shared_experts.", e, "."), L.ffn.shared[e]);
     if (L.engram) {
       const EngramWeights& E = *L.engram;
-      n += E.table.bytes + E.table_scale.bytes + E.wkv.resident_bytes() + Bytes(E.q_weight) +
-           Bytes(E.k_weight);
+      // Read in place from the checkpoint's mapping (host) unless copied into the backend.
+      fn({p + "engram.embed", E.table.data, E.table.bytes,
+          E.table_copy.empty() ? kernels::MemoryKind::kHost : E.table_copy.kind()});
+      fn({p + "engram.embed_scale", E.table_scale.data, E.table_scale.bytes,
+          E.table_scale_copy.empty() ? kernels::MemoryKind::kHost : E.table_scale_copy.kind()});
+      quant(p + "engram.wkv", E.wkv);
+      array(p + "engram.q_weight", E.q_weight);
+      array(p + "engram.k_weight", E.k_weight);
     }
   }
   if (dspark) {
     const DSparkWeights& d = *dspark;
-    n += d.main_proj.resident_bytes() + Bytes(d.main_norm) + Bytes(d.norm) + Bytes(d.markov_embed) +
-         Bytes(d.markov_head) + Bytes(d.confidence);
+    quant("mtp.main_proj", d.main_proj);
+    array("mtp.main_norm", d.main_norm);
+    array("mtp.norm", d.norm);
+    array("mtp.markov_embed", d.markov_embed);
+    array("mtp.markov_head", d.markov_head);
+    array("mtp.confidence", d.confidence);
   }
-  return n;
 }
 
 }  // namespace epd::model

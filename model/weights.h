@@ -1,15 +1,17 @@
 #pragma once
 
 // All weights of a V4.1 model in compute form (MODEL.md §2), checked by name, dtype and shape
-// against the config. FP8/FP4 weights stay in the checkpoint's format in backend memory
-// (kernels::QuantWeight, packed codes + E8M0 scale bytes; the kernels dequantize on the fly);
-// BF16 tensors become float arrays of the same values; wo_a (FP8, used as a bf16 linear) is
-// dequantized to bf16 values. The Engram tables stay in the mmapped checkpoint and are
-// dequantized per row on lookup.
+// against the config, all in the backend's memory (device memory for a GPU backend). FP8/FP4
+// weights stay in the checkpoint's format (kernels::QuantWeight, packed codes + E8M0 scale bytes;
+// the kernels dequantize on the fly); BF16 tensors become float arrays of the same values
+// (WeightArray); wo_a (FP8, used as a bf16 linear) is dequantized to bf16 values. The Engram
+// tables are read in place from the mmapped checkpoint by a host-memory backend and copied into
+// a device backend's memory; they are dequantized per row on lookup.
 //
 // Ownership: ModelWeights keeps the TensorStore (mmaps) alive. Immutable after Load; thread-safe
 // for concurrent reads.
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -23,13 +25,31 @@ namespace epd::model {
 
 using kernels::QuantWeight;
 
+// A float weight array in backend memory (device memory for a GPU backend). The model hands
+// data() to Backend ops only; there is no element access, so a host read of a weight does not
+// compile (what a device backend needs: docs/cuda.md). Move-only.
+class WeightArray {
+ public:
+  WeightArray() = default;
+  WeightArray(kernels::Buffer buffer, int64_t size) : buffer_(std::move(buffer)), size_(size) {}
+  const float* data() const { return size_ == 0 ? nullptr : buffer_.as<float>(); }
+  int64_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  int64_t bytes() const { return size_ * static_cast<int64_t>(sizeof(float)); }
+  kernels::MemoryKind kind() const { return buffer_.kind(); }
+
+ private:
+  kernels::Buffer buffer_;
+  int64_t size_ = 0;
+};
+
 struct ExpertWeights {
   QuantWeight w1, w2, w3;  // w1/w3 [inter, dim], w2 [dim, inter]
 };
 
 struct MoeWeights {
-  std::vector<float> gate;       // [n_experts, dim] (bf16 values, used in fp32)
-  std::vector<float> gate_bias;  // [n_experts]
+  WeightArray gate;       // [n_experts, dim] (bf16 values, used in fp32)
+  WeightArray gate_bias;  // [n_experts]
   std::vector<ExpertWeights> experts;
   std::vector<ExpertWeights> shared;  // n_shared_experts (FP8)
   int n_experts = 0;
@@ -37,55 +57,58 @@ struct MoeWeights {
 };
 
 struct AttentionWeights {
-  std::vector<float> attn_sink;  // [n_heads] fp32
-  std::vector<float> q_norm;     // [q_lora]
-  std::vector<float> kv_norm;    // [head_dim]
+  WeightArray attn_sink;  // [n_heads] fp32
+  WeightArray q_norm;     // [q_lora]
+  WeightArray kv_norm;    // [head_dim]
   QuantWeight wq_a;              // [q_lora, dim]
   QuantWeight wq_b;              // [n_heads*head_dim, q_lora]
   QuantWeight wkv;               // [head_dim, dim]
-  std::vector<float> wo_a;       // [o_groups*o_lora, n_heads/o_groups*head_dim], dequantized bf16
+  WeightArray wo_a;       // [o_groups*o_lora, n_heads/o_groups*head_dim], dequantized bf16
   QuantWeight wo_b;              // [dim, o_groups*o_lora]
   // KV source only.
-  std::vector<float> cmp_wkv;     // [head_dim, dim]
-  std::vector<float> cmp_wgate;   // [head_dim, dim] (ratio 2 only)
-  std::vector<float> cmp_norm;    // [head_dim]
-  std::vector<float> idx_wk;      // [index_head_dim, head_dim]
-  std::vector<float> idx_k_norm;  // [index_head_dim]
+  WeightArray cmp_wkv;     // [head_dim, dim]
+  WeightArray cmp_wgate;   // [head_dim, dim] (ratio 2 only)
+  WeightArray cmp_norm;    // [head_dim]
+  WeightArray idx_wk;      // [index_head_dim, head_dim]
+  WeightArray idx_k_norm;  // [index_head_dim]
   // Index source only.
   QuantWeight idx_wq_b;                 // [index_n_heads*index_head_dim, q_lora]
-  std::vector<float> idx_weights_proj;  // [index_n_heads, dim]
+  WeightArray idx_weights_proj;  // [index_n_heads, dim]
 };
 
 struct EngramWeights {
-  TensorView table;             // F8_E4M3 [rows, engram_head_dim] (Backend::Fp8RowLookup)
-  TensorView table_scale;       // F8_E8M0 [rows, engram_head_dim/32]
+  TensorView table;        // F8_E4M3 [rows, engram_head_dim] (Backend::Fp8RowLookup)
+  TensorView table_scale;  // F8_E8M0 [rows, engram_head_dim/32]
+  // A device backend's copies of the two tables (table.data / table_scale.data point into them);
+  // empty for a host-memory backend, which reads the mmapped checkpoint in place.
+  kernels::Buffer table_copy, table_scale_copy;
   QuantWeight wkv;              // [(hc+1)*dim, (max_ngram-1)*n_heads*head_dim]
-  std::vector<float> q_weight;  // [hc, dim]
-  std::vector<float> k_weight;  // [hc, dim]
+  WeightArray q_weight;  // [hc, dim]
+  WeightArray k_weight;  // [hc, dim]
 };
 
 struct LayerWeights {
-  std::vector<float> attn_norm, ffn_norm;  // [dim]
+  WeightArray attn_norm, ffn_norm;  // [dim]
   AttentionWeights attn;
   MoeWeights ffn;
-  std::vector<float> hc_attn_fn, hc_attn_base, hc_attn_scale;
-  std::vector<float> hc_ffn_fn, hc_ffn_base, hc_ffn_scale;
+  WeightArray hc_attn_fn, hc_attn_base, hc_attn_scale;
+  WeightArray hc_ffn_fn, hc_ffn_base, hc_ffn_scale;
   std::unique_ptr<EngramWeights> engram;  // engram layers only
 };
 
 struct DSparkWeights {
   QuantWeight main_proj;            // [dim, n_targets*dim]
-  std::vector<float> main_norm;     // [dim]
-  std::vector<float> norm;          // [dim] (mtp.{last}.norm)
-  std::vector<float> markov_embed;  // [vocab, rank]
-  std::vector<float> markov_head;   // [vocab, rank]
-  std::vector<float> confidence;    // [1, dim + rank]
+  WeightArray main_norm;     // [dim]
+  WeightArray norm;          // [dim] (mtp.{last}.norm)
+  WeightArray markov_embed;  // [vocab, rank]
+  WeightArray markov_head;   // [vocab, rank]
+  WeightArray confidence;    // [1, dim + rank]
 };
 
 struct ModelWeights {
-  std::vector<float> embed;          // [vocab, dim]
-  std::vector<float> head;           // [vocab, dim]
-  std::vector<float> norm;           // [dim]
+  WeightArray embed;          // [vocab, dim]
+  WeightArray head;           // [vocab, dim]
+  WeightArray norm;           // [dim]
   std::vector<LayerWeights> layers;  // total_layers(): main layers then DSpark stages
   std::unique_ptr<DSparkWeights> dspark;
   std::shared_ptr<const TensorStore> store;
@@ -98,6 +121,16 @@ struct ModelWeights {
   // Bytes the weights hold in memory (packed codes, float arrays, the Engram tables read in
   // place), to compare with the checkpoint's bytes (TensorStore::total_bytes()).
   int64_t ResidentBytes() const;
+
+  // Every piece of memory the weights hold, by tensor name (a QuantWeight gives its codes and
+  // its scale bytes; decoded QuantWeights, tests only, give their float arrays as host memory).
+  struct Piece {
+    std::string name;
+    const void* data = nullptr;
+    int64_t bytes = 0;
+    kernels::MemoryKind kind = kernels::MemoryKind::kHost;
+  };
+  void ForEachPiece(const std::function<void(const Piece&)>& fn) const;
 };
 
 }  // namespace epd::model

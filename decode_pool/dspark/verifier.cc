@@ -54,19 +54,6 @@ VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q
   return o;
 }
 
-void Drafter::MarkovBias(int32_t token, std::vector<float>& bias) const {
-  const model::DSparkWeights& d = *model_.weights().dspark;
-  const int64_t V = model_.config().vocab_size, R = model_.config().dspark_markov_rank;
-  const float* e = d.markov_embed.data() + token * R;
-  bias.resize(V);
-  for (int64_t v = 0; v < V; ++v) {
-    const float* h = d.markov_head.data() + v * R;
-    float acc = 0.f;
-    for (int64_t r = 0; r < R; ++r) acc += e[r] * h[r];
-    bias[v] = acc;
-  }
-}
-
 absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t last,
                                                Sampler& sampler, int k, int batch) const {
   const model::ModelConfig& c = model_.config();
@@ -96,8 +83,8 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
     const float* base = draft->logits.data() + i * V;
     std::copy_n(base, V, li.data());
     if (i > 0 && p.drafts[i - 1] != draft->ids[i]) {
-      MarkovBias(draft->ids[i], b_old);
-      MarkovBias(p.drafts[i - 1], b_new);
+      if (absl::Status st = model_.MarkovBias(draft->ids[i], b_old); !st.ok()) return st;
+      if (absl::Status st = model_.MarkovBias(p.drafts[i - 1], b_new); !st.ok()) return st;
       for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
     }
     int32_t x;

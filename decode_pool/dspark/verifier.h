@@ -75,9 +75,6 @@ class Drafter {
                        model::Sampler& sampler) const;
 
  private:
-  // Markov-head bias [vocab] for a chain token (fp32, DSparkWeights::markov_*).
-  void MarkovBias(int32_t token, std::vector<float>& bias) const;
-
   const model::Model& model_;
   const KPolicy* policy_;
 };

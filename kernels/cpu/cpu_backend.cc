@@ -32,18 +32,20 @@ class CpuBackend final : public Backend {
   std::string_view Name() const override { return "cpu"; }
 
   // ---- Memory ----
-  MemoryKind memory_kind() const override { return MemoryKind::kHost; }
+  MemoryKind memory_kind() const override {
+    return options_.report_device_memory ? MemoryKind::kDevice : MemoryKind::kHost;
+  }
   absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
     if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
     if (stream.id != 0) return Bad("Allocate", "the CPU backend has only stream 0");
-    if (bytes == 0) return Buffer(nullptr, 0, MemoryKind::kHost, stream, nullptr);
+    if (bytes == 0) return Buffer(nullptr, 0, memory_kind(), stream, nullptr);
     const size_t rounded = (static_cast<size_t>(bytes) + 63) / 64 * 64;
     void* p = std::aligned_alloc(64, rounded);
     if (p == nullptr) {
       return absl::ResourceExhaustedError(
           absl::StrCat("cpu backend: Allocate: out of host memory for ", bytes, " bytes"));
     }
-    return Buffer(p, bytes, MemoryKind::kHost, stream, [](void* q) { std::free(q); });
+    return Buffer(p, bytes, memory_kind(), stream, [](void* q) { std::free(q); });
   }
   Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
     if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {

@@ -165,6 +165,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("prefills", "--prefills", &o->prefills);
     set_int("decodes", "--decodes", &o->decodes);
     set_int("context_length", "--context-length", &o->context_length);
+    set_int("dspark_k", "--dspark-k", &o->dspark_k);
     set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
@@ -172,6 +173,10 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_str("device", "--device", &o->device);
     set_str("tls_cert", "--tls-cert", &o->tls_cert);
     set_str("tls_key", "--tls-key", &o->tls_key);
+    if (o->dspark_k < -1 || o->dspark_k > 5) {
+      return absl::InvalidArgumentError("--config " + o->config_file +
+                                        ": dspark_k must be -1 (the k policy) or 0..5");
+    }
     if (o->dspark != "on" && o->dspark != "off") {
       return absl::InvalidArgumentError("--config " + o->config_file +
                                         ": dspark must be \"on\" or \"off\"");
@@ -199,6 +204,10 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--dspark-k", o->dspark_k,
+                 "DSpark drafts verified per decode step: -1 = the k policy (default), 0..5 = "
+                 "fixed (passed to every decode worker)")
+      ->check(CLI::Range(-1, 5));
   app.add_option("--device", o->device,
                  "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
@@ -388,6 +397,8 @@ int RunServe(ServeOptions o) {
                                        "--device",           o.device};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+      if (kind == "decode" && o.dspark_k >= 0)
+        argv.insert(argv.end(), {"--dspark-k", std::to_string(o.dspark_k)});
       if (name == netns_name) {
         // Its own network: only eth0 (a veth) reaches the others, so UCX runs over TCP on it
         // (no shared memory, which would bypass the network).

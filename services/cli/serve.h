@@ -30,6 +30,7 @@ struct ServeOptions {
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
+  int dspark_k = -1;               // Default: -1 = the k policy; 0..5 = drafts per step, fixed
   std::string device = "cpu";      // Default: cpu. Backend of every worker: cpu | cuda[:N]
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port
@@ -55,9 +56,8 @@ struct ServeOptions {
 void AddServeFlags(CLI::App& app, ServeOptions* options);
 
 // Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
-// encoders, prefills, decodes, swa_ttl_minutes, global_ttl_hours, api_key, dspark, tls_cert,
-// tls_key); flags given on the
-// command line win.
+// encoders, prefills, decodes, context_length, swa_ttl_minutes, global_ttl_hours, api_key,
+// dspark, dspark_k, device, tls_cert, tls_key); flags given on the command line win.
 absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
 
 // Runs until interrupted. Returns the process exit code.

@@ -1,12 +1,16 @@
 // Packed weights (issue 11): FP8/FP4 weights stay in the checkpoint's format in backend memory and
 // the kernels dequantize them on the fly. The linears give the same bits as on the decoded
 // weights (SIMD and scalar), and the weights' resident bytes stay close to the checkpoint's bytes
-// on the golden checkpoint and on the nano model (goal <= 1.3).
+// on the golden checkpoint and on the nano model (goal <= 1.3). Every weight lives in the
+// backend's memory: on a backend that reports device memory (CpuBackendOptions::
+// report_device_memory, host bytes underneath) every piece is in a backend buffer, none is read
+// from the checkpoint's mapping, and the forward's results do not change.
 #include <gtest/gtest.h>
 
 #include <cstdio>
 #include <cstring>
 #include <random>
+#include <set>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -119,6 +123,86 @@ TEST_F(PackedNanoTest, NanoResidentBytesNearCheckpointBytes) {
   const double r = ResidentRatio(model_dir(), model_dir());
   EXPECT_LE(r, 1.3);
   EXPECT_GE(r, 0.9);
+}
+
+TEST_F(PackedNanoTest, EveryWeightLivesInTheBackendsMemory) {
+  auto cfg = LoadModelConfig(model_dir() + "/config.json");
+  ASSERT_TRUE(cfg.ok()) << cfg.status();
+  for (const bool device : {false, true}) {
+    SCOPED_TRACE(device ? "device-memory backend" : "host-memory backend");
+    auto store = TensorStore::Open(model_dir(), false);
+    ASSERT_TRUE(store.ok()) << store.status();
+    std::shared_ptr<const TensorStore> shared(std::move(*store));
+    // The checkpoint's mapped byte ranges: nothing of a device backend's weights may point there.
+    std::vector<std::pair<const uint8_t*, const uint8_t*>> mapped;
+    for (const std::string& name : shared->Names()) {
+      auto t = shared->Get(name);
+      ASSERT_TRUE(t.ok()) << t.status();
+      mapped.push_back({t->data, t->data + t->bytes});
+    }
+    auto backend = kernels::MakeCpuBackend({.report_device_memory = device});
+    auto w = ModelWeights::Load(*cfg, shared, backend.get());
+    ASSERT_TRUE(w.ok()) << w.status();
+    int pieces = 0, in_place = 0;
+    std::set<std::string> names;
+    (*w)->ForEachPiece([&](const ModelWeights::Piece& p) {
+      ++pieces;
+      EXPECT_TRUE(names.insert(p.name).second) << "piece listed twice: " << p.name;
+      EXPECT_NE(p.data, nullptr) << p.name;
+      EXPECT_GT(p.bytes, 0) << p.name;
+      const auto* b = static_cast<const uint8_t*>(p.data);
+      bool from_mapping = false;
+      for (const auto& [lo, hi] : mapped) from_mapping |= b >= lo && b < hi;
+      in_place += from_mapping;
+      if (device) {
+        EXPECT_EQ(p.kind, kernels::MemoryKind::kDevice) << p.name;
+        EXPECT_FALSE(from_mapping) << p.name << " is read from the checkpoint's mapping";
+      } else {
+        EXPECT_EQ(p.kind, kernels::MemoryKind::kHost) << p.name;
+        EXPECT_EQ(from_mapping, p.name.find(".engram.embed") != std::string::npos) << p.name;
+      }
+    });
+    EXPECT_GT(pieces, 100);
+    // Host memory: the two Engram tables of each Engram layer are read in place, nothing else.
+    EXPECT_EQ(in_place, device ? 0 : 2 * static_cast<int>(cfg->engram_layer_ids.size()));
+  }
+}
+
+TEST_F(PackedNanoTest, ADeviceMemoryBackendGivesTheSameLogitsAndDrafts) {
+  auto host = kernels::MakeCpuBackend();
+  auto dev = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto a = Model::Load(model_dir(), *host);
+  auto b = Model::Load(model_dir(), *dev);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_TRUE(b.ok()) << b.status();
+  const std::vector<int32_t> prompt = {0, 17, 300, 42, 9, 1000, 5, 77, 123, 64, 2};
+  auto sa = (*a)->NewSequence();
+  auto sb = (*b)->NewSequence();
+  auto ra = (*a)->Prefill(*sa, prompt, false);
+  auto rb = (*b)->Prefill(*sb, prompt, false);
+  ASSERT_TRUE(ra.ok() && rb.ok());
+  EXPECT_EQ(ra->logits, rb->logits);
+  for (int32_t t : {3, 900, 41}) {
+    ra = (*a)->Decode(*sa, t);
+    rb = (*b)->Decode(*sb, t);
+    ASSERT_TRUE(ra.ok() && rb.ok());
+    EXPECT_EQ(ra->logits, rb->logits);
+  }
+  auto da = (*a)->Draft(*sa, 41);
+  auto db = (*b)->Draft(*sb, 41);
+  ASSERT_TRUE(da.ok()) << da.status();
+  ASSERT_TRUE(db.ok()) << db.status();
+  EXPECT_EQ(da->logits, db->logits);
+  EXPECT_EQ(da->ids, db->ids);
+  EXPECT_EQ(da->confidence, db->confidence);
+  // MarkovBias (the decode worker's re-chaining of drafts) runs on the backend too.
+  std::vector<float> ba, bb;
+  ASSERT_TRUE((*a)->MarkovBias(da->ids[1], ba).ok());
+  ASSERT_TRUE((*b)->MarkovBias(db->ids[1], bb).ok());
+  EXPECT_EQ(ba, bb);
+  EXPECT_EQ(static_cast<int64_t>(ba.size()), (*a)->config().vocab_size);
+  EXPECT_FALSE((*a)->MarkovBias(-1, ba).ok());
+  EXPECT_FALSE((*a)->MarkovBias(static_cast<int32_t>((*a)->config().vocab_size), ba).ok());
 }
 
 }  // namespace

@@ -85,6 +85,29 @@ TEST(CliTest, UnknownPresetIsRejected) {
   EXPECT_NE(out.find("huge"), std::string::npos) << out;
 }
 
+// `epd serve --dspark-k` (passed to every decode worker) takes -1 (the k policy) or 0..5; a value
+// outside, by flag or by --config, fails at once naming it, before anything starts.
+TEST(CliTest, ServeDSparkKOutsideItsRangeIsRejected) {
+  TempDir d;
+  std::string out;
+  EXPECT_NE(RunCommand(BinaryPath("epd") + " serve --dspark-k 6 --data-dir " + d.File("a") +
+                           " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--dspark-k"), std::string::npos) << out;
+  {
+    std::ofstream cfg(d.File("serve.json"));
+    cfg << R"({"dspark_k": 9})";
+  }
+  EXPECT_NE(RunCommand(BinaryPath("epd") + " serve --config " + d.File("serve.json") +
+                           " --data-dir " + d.File("b") + " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("dspark_k must be -1 (the k policy) or 0..5"), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(d.File("a"))) << "epd serve started something";
+  EXPECT_FALSE(std::filesystem::exists(d.File("b"))) << "epd serve started something";
+}
+
 // --device cuda on a machine without a GPU (CI): every entry point fails at once (exit != 0, no
 // model read, nothing started) with a message naming the missing device and the cause. On a GPU
 // machine the same commands still fail, saying that the model forward cannot run there yet.

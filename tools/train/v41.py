@@ -482,6 +482,11 @@ class V41(nn.Module):
         sc = torch.sqrt(F.softplus(logits))
         bias = self.w(pre + "gate.bias").detach()
         _, idx = stable_topk_mask((sc + bias).detach(), topk)
+        if getattr(self, "route_margins", None) is not None and topk < n_exp:
+            # Gap between the last chosen and the first unchosen biased score, per token: a gap
+            # below the two implementations' arithmetic difference is a routing near-tie.
+            top = torch.topk((sc + bias).detach(), topk + 1, dim=-1).values
+            self.route_margins.append((pre, (top[:, topk - 1] - top[:, topk]).view(B, S)))
         wsel = sc.gather(1, idx)
         if topk > 1:
             wsel = wsel / (wsel.sum(-1, keepdim=True) + 1e-20)
