@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <filesystem>
@@ -409,7 +410,11 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   };
   auto heartbeat = [&](bool draining) {
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(interval_ms));
+    // At least a second: with a short interval (tests run 200 ms) a loaded host's round trip can
+    // exceed it, and a beat that arrives late still counts, while one abandoned at its deadline
+    // is a miss. The router judges liveness on its own clock (interval x miss limit).
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(std::max(interval_ms, 1000)));
     epd::v1::HeartbeatRequest hb;
     hb.set_worker_id(worker_id);
     hb.set_config_fingerprint(*fingerprint);
