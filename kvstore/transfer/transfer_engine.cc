@@ -733,12 +733,8 @@ absl::StatusOr<TransferId> TransferEngine::StartReceive(epd::v1::Manifest expect
   t->deadline_ms = absl::ToInt64Milliseconds(options.deadline);
   t->deadline_ns = now + absl::ToInt64Nanoseconds(options.deadline);
   t->bytes_total = total;
-  counters_->live_transfers.fetch_add(1);
-  metrics_->live_transfers().Increment();
-  const TransferId id = t->id;
-  Transfer& ref = *t;
-  transfers_[id] = std::move(t);
-  receiving_[ref.request_id] = id;
+  Transfer& ref = AddReceive(std::move(t));
+  const TransferId id = ref.id;
   ended_receives_.erase(ref.request_id);  // a new receive for the id: offers are welcome again
   auto pending = pending_offers_.find(ref.request_id);
   if (pending != pending_offers_.end()) {
@@ -1116,6 +1112,15 @@ void TransferEngine::AcceptOffer(Transfer& t, PeerId peer, const epd::v1::Transf
   MaybeFinishReceive(t);
 }
 
+TransferEngine::Transfer& TransferEngine::AddReceive(std::unique_ptr<Transfer> t) {
+  counters_->live_transfers.fetch_add(1);
+  metrics_->live_transfers().Increment();
+  Transfer& ref = *t;
+  receiving_[ref.request_id] = ref.id;
+  transfers_[ref.id] = std::move(t);
+  return ref;
+}
+
 void TransferEngine::StartEagerReceive(PeerId peer, const epd::v1::TransferOffer& offer,
                                        uint64_t total) {
   const int64_t now = clock_.NowMonoNs();
@@ -1131,13 +1136,8 @@ void TransferEngine::StartEagerReceive(PeerId peer, const epd::v1::TransferOffer
   t->eager = true;
   t->eager_bytes = total;
   t->eager_expires_ns = now + lease_ns;
-  counters_->live_transfers.fetch_add(1);
-  metrics_->live_transfers().Increment();
-  const TransferId id = t->id;
-  Transfer& ref = *t;
-  transfers_[id] = std::move(t);
-  receiving_[ref.request_id] = id;
-  eager_[ref.request_id] = id;
+  Transfer& ref = AddReceive(std::move(t));
+  eager_[ref.request_id] = ref.id;
   eager_bytes_ += total;
   AcceptOffer(ref, peer, offer);
 }
