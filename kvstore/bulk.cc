@@ -31,27 +31,6 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes, ui
   return m;
 }
 
-uint64_t CopyAndChecksum(std::span<const uint8_t> src, uint8_t* dst) {
-  constexpr size_t kPiece = 64 << 10;  // stays in L2 between the copy and the hash
-  if (src.size() <= kPiece) {
-    if (!src.empty()) std::memcpy(dst, src.data(), src.size());
-    return XXH3_64bits(dst, src.size());
-  }
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
-                                                                 &XXH3_freeState);
-  if (state == nullptr) {  // out of memory for 576 bytes: copy, then hash in one call
-    std::memcpy(dst, src.data(), src.size());
-    return XXH3_64bits(dst, src.size());
-  }
-  XXH3_64bits_reset(state.get());
-  for (size_t off = 0; off < src.size(); off += kPiece) {
-    const size_t n = std::min(kPiece, src.size() - off);
-    std::memcpy(dst + off, src.data() + off, n);
-    XXH3_64bits_update(state.get(), dst + off, n);
-  }
-  return XXH3_64bits_digest(state.get());
-}
-
 uint64_t BulkChecksum(std::span<const uint8_t> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }

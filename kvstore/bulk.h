@@ -31,6 +31,7 @@
 #include "common/clock.h"
 #include "epd/v1/transfer.pb.h"
 #include "kvstore/transfer/kv_transport.h"
+#include "kvstore/transfer/manifest.h"
 #include "kvstore/transfer/wire.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -62,9 +63,8 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes);
 // The same with the value's XXH3-64 checksum set (for TransferOptions::checksums_in_manifest).
 epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes, uint64_t checksum);
 
-// Copies `src` to `dst` and returns its XXH3-64 (the transfer checksum), in one pass: each piece
-// is hashed while it is still in cache from the copy.
-uint64_t CopyAndChecksum(std::span<const uint8_t> src, uint8_t* dst);
+// CopyAndChecksum (copy + transfer checksum in one pass): kvstore/transfer/manifest.h.
+using transfer::CopyAndChecksum;
 // The transfer checksum (XXH3-64) of `bytes`.
 uint64_t BulkChecksum(std::span<const uint8_t> bytes);
 

@@ -9,6 +9,7 @@
 // (kvstore must not depend on model/); the model code fills a HandoffLayout from its config.
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -95,6 +96,9 @@ epd::v1::Segment* AddRawBytesSegment(epd::v1::Manifest& manifest, epd::v1::Segme
                                      int layer, int64_t pos_begin, int64_t pos_end, uint64_t bytes);
 
 uint64_t TotalBytes(const epd::v1::Manifest& manifest);
+// Copies `src` to `dst` and returns its transfer checksum (XXH3-64) in one pass: each piece is
+// hashed while it is still in cache from the copy. For TransferOptions::checksums_in_manifest.
+uint64_t CopyAndChecksum(std::span<const uint8_t> src, uint8_t* dst);
 std::vector<uint64_t> SegmentOffsets(const epd::v1::Manifest& manifest);
 
 struct ManifestMismatch {
