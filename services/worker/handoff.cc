@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <span>
 #include <thread>
 
 #include "absl/strings/cord.h"
@@ -468,29 +467,14 @@ absl::StatusOr<transfer::TransferId> HandoffPeer::Offer(const std::string& addre
   for (const StateSegment& s : segments) total += s.bytes.size();
   auto buf = transport_.Allocate(total);
   if (!buf.ok()) return buf.status();
-  // Each segment is hashed while it is copied into the transfer's buffer (one pass over the bytes
-  // instead of a copy and a separate hashing pass; the offer carries the checksums and no seal
-  // follows); the receiver checks every byte against them as always. A manifest that does not
-  // list exactly these segments is left to the engine to hash.
-  bool hashed = manifest.segments_size() == static_cast<int>(segments.size());
-  for (size_t i = 0; hashed && i < segments.size(); ++i)
-    hashed = manifest.segments(static_cast<int>(i)).byte_length() == segments[i].bytes.size();
   uint64_t at = 0;
-  for (size_t i = 0; i < segments.size(); ++i) {
-    const std::vector<uint8_t>& bytes = segments[i].bytes;
-    if (hashed) {
-      epd::v1::Segment* seg = manifest.mutable_segments(static_cast<int>(i));
-      seg->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
-      seg->set_checksum(transfer::CopyAndChecksum(bytes, (*buf)->data() + at));
-    } else if (!bytes.empty()) {
-      std::memcpy((*buf)->data() + at, bytes.data(), bytes.size());
-    }
-    at += bytes.size();
+  for (const StateSegment& s : segments) {
+    if (!s.bytes.empty()) std::memcpy((*buf)->data() + at, s.bytes.data(), s.bytes.size());
+    at += s.bytes.size();
   }
   transfer::TransferOptions opts;
   opts.deadline = deadline;
   opts.lease = deadline;
-  opts.checksums_in_manifest = hashed;
   auto id = transport_.Send(*peer, std::move(manifest), std::move(*buf), opts);
   if (!id.ok() && (absl::IsUnavailable(id.status()) || absl::IsNotFound(id.status())))
     DropPeer(address);

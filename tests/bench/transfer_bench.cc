@@ -12,7 +12,13 @@
 // reads its "overall" MB/s (MiB/s). The figure per (transport, size) is the median of the rounds;
 // ratio = engine / tag_bw. Latency: the median time of one --latency-mib hand-off against
 // `ucx_perftest -t tag_lat` at that size, whose reported latency is half a round trip (the round
-// trip is quoted). The last line is `transfer_bench ratio: <min over the bandwidth ratios>`.
+// trip is quoted). Then the two ways a worker hand-off can fill its transfer from segments it
+// holds (1 MiB and 16 MiB, median of --lat-iters, timed from the first copy to the sender's
+// confirmation): copy each segment into the buffer and let the engine hash while the data moves,
+// or hash each segment while copying it and send the checksums in the offer
+// (`checksums_in_manifest`, what the kvstore bulk path does; worker hand-offs keep the engine's
+// hashing, docs/transfer.md says why). The last line is
+// `transfer_bench ratio: <min over the bandwidth ratios>`.
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
@@ -258,6 +264,10 @@ int main(int argc, char** argv) {
   Plan plan;
   for (uint64_t mib : sizes) plan.emplace_back(mib, 1 + rounds * iters);  // 1 warm-up
   if (latency_mib > 0) plan.emplace_back(latency_mib, 2 + lat_iters);     // 2 warm-up
+  if (lat_iters > 0) {  // hand-offs from segments: plain and checksums-in-offer, alternated
+    plan.emplace_back(1, 2 * (2 + lat_iters));
+    plan.emplace_back(16, 2 * (2 + lat_iters));
+  }
 
   std::printf("%-4s %8s %13s %13s %7s   %s\n", "tl", "size", "engine_GiB/s", "tag_bw_GiB/s",
               "ratio", "rounds: engine | tag_bw (GiB/s)");
@@ -299,6 +309,37 @@ int main(int argc, char** argv) {
       return 2;
     }
     int seq = 0;
+    // A worker hand-off from segments the sender holds: copies them into a transfer buffer, plain
+    // (the engine hashes) or hashing each as it goes (checksums in the offer); seconds from the
+    // first copy to the sender's confirmation, or -1.
+    std::vector<std::vector<uint8_t>> held;
+    auto from_segments = [&](uint64_t mib, bool in_offer) -> double {
+      const uint64_t seg = (mib << 20) / kSegments;
+      held.resize(kSegments);
+      for (auto& h : held) h.assign(seg, static_cast<uint8_t>(seq));
+      auto man = et::testing::BulkManifest(RequestId(seq), "bench", kSegments, seg);
+      ++seq;
+      const auto t0 = std::chrono::steady_clock::now();
+      auto buf = (*tx)->Allocate(et::TotalBytes(man));
+      if (!buf.ok()) return -1;
+      for (int i = 0; i < kSegments; ++i) {
+        uint8_t* dst = (*buf)->data() + i * seg;
+        if (in_offer) {
+          man.mutable_segments(i)->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+          man.mutable_segments(i)->set_checksum(et::CopyAndChecksum(held[i], dst));
+        } else {
+          std::memcpy(dst, held[i].data(), seg);
+        }
+      }
+      et::TransferOptions opts;
+      opts.checksums_in_manifest = in_offer;
+      auto id = (*tx)->Send(*peer, man, std::move(*buf), opts);
+      if (!id.ok()) return -1;
+      absl::Status st = (*tx)->Wait(*id, absl::Seconds(120));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      (*tx)->Forget(*id);
+      return st.ok() ? s : -1;
+    };
     // One hand-off of `mib` MiB; its seconds from Send to the sender's confirmation, or -1.
     auto handoff = [&](uint64_t mib) -> double {
       auto man =
@@ -367,6 +408,28 @@ int main(int argc, char** argv) {
                     "tag_lat round trip %.0f us, round trip / hand-off %.2f",
                     md.c_str(), static_cast<unsigned long long>(latency_mib), engine_us, lat_iters,
                     rtt_us, engine_us > 0 ? rtt_us / engine_us : 0.0);
+      latency_lines.push_back(line);
+    }
+    for (uint64_t mib : {uint64_t{1}, uint64_t{16}}) {
+      if (lat_iters <= 0) break;
+      std::vector<double> plain, in_offer;
+      for (int i = 0; i < 2 + lat_iters; ++i) {  // alternated; 2 warm-up pairs
+        const double a = from_segments(mib, false), b = from_segments(mib, true);
+        if (a < 0 || b < 0) {
+          std::cerr << "transfer failed\n";
+          return 1;
+        }
+        if (i >= 2) {
+          plain.push_back(a);
+          in_offer.push_back(b);
+        }
+      }
+      char line[256];
+      std::snprintf(line, sizeof(line),
+                    "hand-off from segments %-4s %2lluMiB: copy + engine hashing %.0f us, "
+                    "copy-and-hash + checksums in the offer %.0f us (medians of %d; %.2fx)",
+                    md.c_str(), static_cast<unsigned long long>(mib), Median(plain) * 1e6,
+                    Median(in_offer) * 1e6, lat_iters, Median(plain) / Median(in_offer));
       latency_lines.push_back(line);
     }
     tx->reset();
