@@ -44,6 +44,18 @@ std::string BusyDecode(ServeCluster& c) {
   return "";
 }
 
+// A prompt whose greedy answer runs at least `min_tokens` tokens, or {}: the demo model ends
+// some answers after a token or two, and a decode worker killed mid-stream must still be
+// generating when the first chunk reaches the client.
+std::vector<int32_t> LongAnswerPrompt(ServeCluster& c, int min_tokens) {
+  for (int salt = 2; salt < 40; ++salt) {
+    std::vector<int32_t> p = Prompt(150, salt);
+    Generation g = Generate(c.grpc_port(), p, min_tokens);
+    if (g.status.ok() && static_cast<int>(g.ids.size()) >= min_tokens) return p;
+  }
+  return {};
+}
+
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path);
   std::stringstream ss;
@@ -70,8 +82,9 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
       victim_pid = c.Pid(victim);
       if (victim_pid > 0) kill(victim_pid, SIGKILL);
     };
-    const auto prompt = Prompt(150, 2);
     // Long enough that the worker is still generating when the first chunk reaches the client.
+    const auto prompt = LongAnswerPrompt(c, 100);
+    ASSERT_FALSE(prompt.empty()) << "no prompt of 40 has a greedy answer of 100 tokens";
     const int max_tokens = 200;
     Generation g = Generate(c.grpc_port(), prompt, max_tokens, opts);
     ASSERT_FALSE(victim.empty()) << "no decode worker was busy";
