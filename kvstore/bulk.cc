@@ -35,6 +35,15 @@ uint64_t BulkChecksum(std::span<const uint8_t> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
+absl::Status BulkLengthMismatch(const std::string& request_id, std::string_view who,
+                                uint64_t announced, uint64_t carried) {
+  return transfer::WithTransferError(
+      absl::DataLossError(absl::StrCat("accounting error in request '", request_id, "': the ",
+                                       std::string(who), " announced ", announced,
+                                       " bytes but its offer carried ", carried, " (truncated)")),
+      "truncated", "byte_length");
+}
+
 std::string TransferErrorReason(const absl::Status& status) {
   // The engine's own label where it gave one (kvstore/transfer/transfer_error.h); a receiver's
   // rejection carries the manifest field it found wrong.
@@ -151,11 +160,7 @@ absl::StatusOr<std::unique_ptr<transfer::TransferBuffer>> KvBulkEndpoint::Receiv
     if (!received.ok()) {
       s = received.status();
     } else if (received->buffer->size() != bytes) {
-      s = transfer::WithTransferError(
-          absl::DataLossError(absl::StrCat(
-              "accounting error in request '", request_id, "': the put announced ", bytes,
-              " bytes but its offer carried ", received->buffer->size(), " (truncated)")),
-          "truncated", "byte_length");
+      s = BulkLengthMismatch(request_id, "put", bytes, received->buffer->size());
     } else {
       return std::move(received->buffer);
     }

@@ -21,6 +21,7 @@
 #include <mutex>
 #include <span>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
@@ -67,6 +68,10 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes, ui
 using transfer::CopyAndChecksum;
 // The transfer checksum (XXH3-64) of `bytes`.
 uint64_t BulkChecksum(std::span<const uint8_t> bytes);
+// The accounting error of a value whose offer carried `carried` bytes where `who` (the put, the
+// daemon) announced `announced` (DataLoss, reason "truncated", field byte_length).
+absl::Status BulkLengthMismatch(const std::string& request_id, std::string_view who,
+                                uint64_t announced, uint64_t carried);
 
 // Bounded metric label of a failed transfer status: checksum, truncated, peer_down, deadline,
 // rejected (manifest mismatch / refused), handshake, cancelled, other.

@@ -20,7 +20,6 @@
 #include "kvstore/kvstore_service.h"
 #include "kvstore/shm_segment.h"
 #include "kvstore/transfer/transfer_engine.h"
-#include "kvstore/transfer/transfer_error.h"
 #include "kvstore/transfer/ucx_wire.h"
 #include "prometheus/registry.h"
 
@@ -423,11 +422,7 @@ absl::StatusOr<GetResult> KvStoreClient::Get(Tier tier, std::string_view key) {
       if (!received.ok()) {
         s = received.status();
       } else if (received->buffer->size() != resp.byte_length()) {
-        s = transfer::WithTransferError(
-            absl::DataLossError(absl::StrCat(
-                "accounting error in request '", rid, "': the daemon announced ",
-                resp.byte_length(), " bytes but its offer carried ", received->buffer->size())),
-            "truncated", "byte_length");
+        s = BulkLengthMismatch(rid, "daemon", resp.byte_length(), received->buffer->size());
       } else {
         r.value.assign(reinterpret_cast<const char*>(received->buffer->data()),
                        received->buffer->size());

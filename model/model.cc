@@ -1071,7 +1071,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   vector<float> bias(V), cat(D + R);
   for (int64_t i = 0; i < B; ++i) {
     const float* e = Dw.markov_embed.data() + out.ids[i] * R;
-    RETURN_IF_ERROR(backend_.LinearF32(e, 1, Dw.markov_head.data(), V, R, bias.data()));
+    RETURN_IF_ERROR(MarkovBias(out.ids[i], bias));
     float* li = out.logits.data() + i * V;
     RETURN_IF_ERROR(backend_.Add(li, bias.data(), V));
     RETURN_IF_ERROR(backend_.Argmax(li, 1, V, &out.ids[i + 1]));

@@ -20,20 +20,23 @@ class Loader {
  public:
   Loader(const TensorStore& s, kernels::Backend& backend) : s_(s), backend_(backend) {}
 
-  // The bytes of a checkpoint tensor in backend memory, as they are.
-  absl::StatusOr<kernels::Buffer> Put(const TensorView& t, int64_t bytes) {
+  // `bytes` host bytes copied into a new buffer in backend memory.
+  absl::StatusOr<kernels::Buffer> Upload(const void* host, int64_t bytes) {
     auto b = backend_.Allocate(bytes);
     if (!b.ok()) return b.status();
-    if (absl::Status st = backend_.Upload(t.data, bytes, *b); !st.ok()) return st;
+    if (absl::Status st = backend_.Upload(host, bytes, *b); !st.ok()) return st;
     return std::move(*b);
+  }
+
+  // The bytes of a checkpoint tensor in backend memory, as they are.
+  absl::StatusOr<kernels::Buffer> Put(const TensorView& t, int64_t bytes) {
+    return Upload(t.data, bytes);
   }
 
   // Float values computed on the host, copied into backend memory.
   absl::StatusOr<WeightArray> Array(const std::vector<float>& values) {
-    const int64_t bytes = static_cast<int64_t>(values.size() * sizeof(float));
-    auto b = backend_.Allocate(bytes);
+    auto b = Upload(values.data(), static_cast<int64_t>(values.size() * sizeof(float)));
     if (!b.ok()) return b.status();
-    if (absl::Status st = backend_.Upload(values.data(), bytes, *b); !st.ok()) return st;
     return WeightArray(std::move(*b), static_cast<int64_t>(values.size()));
   }
 

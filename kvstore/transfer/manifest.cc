@@ -218,6 +218,15 @@ uint64_t TotalBytes(const Manifest& manifest) {
   return total;
 }
 
+std::optional<uint64_t> CheckedTotalBytes(const Manifest& manifest) {
+  uint64_t total = 0;
+  for (const Segment& s : manifest.segments()) {
+    if (total + s.byte_length() < total) return std::nullopt;
+    total += s.byte_length();
+  }
+  return total;
+}
+
 std::vector<uint64_t> SegmentOffsets(const Manifest& manifest) {
   std::vector<uint64_t> offsets;
   offsets.reserve(manifest.segments_size());

@@ -96,6 +96,8 @@ epd::v1::Segment* AddRawBytesSegment(epd::v1::Manifest& manifest, epd::v1::Segme
                                      int layer, int64_t pos_begin, int64_t pos_end, uint64_t bytes);
 
 uint64_t TotalBytes(const epd::v1::Manifest& manifest);
+// TotalBytes of a manifest from a peer: nullopt when its byte_lengths overflow 64 bits.
+std::optional<uint64_t> CheckedTotalBytes(const epd::v1::Manifest& manifest);
 // Copies `src` to `dst` and returns its transfer checksum (XXH3-64) in one pass: each piece is
 // hashed while it is still in cache from the copy. For TransferOptions::checksums_in_manifest.
 uint64_t CopyAndChecksum(std::span<const uint8_t> src, uint8_t* dst);

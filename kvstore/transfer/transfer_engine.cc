@@ -1033,15 +1033,10 @@ void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offe
     return;
   }
   if (options_.eager_receive_bytes > 0 && offer.data_without_claim() && wire_->PostsReceives()) {
-    uint64_t total = 0;
-    bool overflow = false;
-    for (const auto& seg : offer.manifest().segments()) {
-      overflow |= total + seg.byte_length() < total;
-      total += seg.byte_length();
-    }
-    if (!overflow && total > 0 && eager_bytes_ <= options_.eager_receive_bytes &&
-        total <= options_.eager_receive_bytes - eager_bytes_) {
-      StartEagerReceive(peer, offer, total);
+    const std::optional<uint64_t> total = CheckedTotalBytes(offer.manifest());
+    if (total.has_value() && *total > 0 && eager_bytes_ <= options_.eager_receive_bytes &&
+        *total <= options_.eager_receive_bytes - eager_bytes_) {
+      StartEagerReceive(peer, offer, *total);
       return;
     }
   }
@@ -1121,6 +1116,12 @@ TransferEngine::Transfer& TransferEngine::AddReceive(std::unique_ptr<Transfer> t
   return ref;
 }
 
+void TransferEngine::EndEager(Transfer& t) {
+  t.eager = false;
+  eager_bytes_ -= std::min(eager_bytes_, t.eager_bytes);
+  t.eager_bytes = 0;
+}
+
 void TransferEngine::StartEagerReceive(PeerId peer, const epd::v1::TransferOffer& offer,
                                        uint64_t total) {
   const int64_t now = clock_.NowMonoNs();
@@ -1144,17 +1145,13 @@ void TransferEngine::StartEagerReceive(PeerId peer, const epd::v1::TransferOffer
 
 void TransferEngine::AdoptEagerReceive(Transfer& t, const epd::v1::Manifest& expected,
                                        uint64_t open_max, const TransferOptions& options) {
-  t.eager = false;
-  eager_bytes_ -= std::min(eager_bytes_, t.eager_bytes);
-  t.eager_bytes = 0;
+  EndEager(t);
   if (!t.terminal()) {
     t.deadline_ms = absl::ToInt64Milliseconds(options.deadline);
     t.deadline_ns = clock_.NowMonoNs() + absl::ToInt64Nanoseconds(options.deadline);
   }
   if (t.state == TransferState::kFailed) return;  // the caller's Wait reports why
   epd::v1::Manifest want = expected;
-  std::string problem;
-  std::string field;
   std::optional<ManifestMismatch> mm;
   if (open_max > 0 && want.segments_size() == t.manifest.segments_size()) {
     for (int i = 0; i < want.segments_size(); ++i)
@@ -1188,19 +1185,15 @@ void TransferEngine::AdoptEagerReceive(Transfer& t, const epd::v1::Manifest& exp
 bool TransferEngine::SizeOpenReceive(Transfer& t, PeerId peer,
                                      const epd::v1::TransferOffer& offer) {
   const epd::v1::Manifest& m = offer.manifest();
-  uint64_t total = 0;
-  bool overflow = false;
-  for (const auto& s : m.segments()) {
-    overflow |= total + s.byte_length() < total;
-    total += s.byte_length();
-  }
+  const std::optional<uint64_t> checked = CheckedTotalBytes(m);
+  const uint64_t total = checked.value_or(TotalBytes(m));
   std::string problem;
   std::string field = "byte_length";
   if (m.segments_size() != t.manifest.segments_size()) {
     problem = absl::StrCat("the offer has ", m.segments_size(), " segments, ",
                            t.manifest.segments_size(), " expected");
     field = "segments";
-  } else if (overflow || total > t.open_max) {
+  } else if (!checked.has_value() || total > t.open_max) {
     problem = absl::StrCat("the offer carries ", total, " bytes, over the receive's limit of ",
                            t.open_max);
   }
@@ -1862,9 +1855,7 @@ void TransferEngine::Tick(const std::vector<LivenessProbe>& probes) {
       continue;
     }
     if (t != nullptr) {
-      t->eager = false;
-      eager_bytes_ -= std::min(eager_bytes_, t->eager_bytes);
-      t->eager_bytes = 0;
+      EndEager(*t);
       if (!t->terminal())
         Fail(*t,
              absl::DeadlineExceededError(absl::StrCat("request '", t->request_id,

@@ -134,6 +134,8 @@ class TransferEngine final : public KvTransport, private WireHandler {
   bool SizeOpenReceive(Transfer& t, PeerId peer, const epd::v1::TransferOffer& offer);
   // EngineOptions::eager_receive_bytes: receives an unexpected offer of `total` bytes now.
   void StartEagerReceive(PeerId peer, const epd::v1::TransferOffer& offer, uint64_t total);
+  // An eager receive stops holding its bytes of the eager budget (taken over or dropped).
+  void EndEager(Transfer& t);
   // Counts a new receive transfer live and files it under its id and request id (mu_ held).
   Transfer& AddReceive(std::unique_ptr<Transfer> t);
   // A Receive/ReceiveAny takes over the eager receive `t`: compares its expectation (byte_lengths

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/device/device.h"
 #include "services/runtime/child_process.h"
 #include "services/runtime/shutdown.h"
@@ -173,9 +174,10 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_str("device", "--device", &o->device);
     set_str("tls_cert", "--tls-cert", &o->tls_cert);
     set_str("tls_key", "--tls-key", &o->tls_key);
-    if (o->dspark_k < -1 || o->dspark_k > 5) {
-      return absl::InvalidArgumentError("--config " + o->config_file +
-                                        ": dspark_k must be -1 (the k policy) or 0..5");
+    if (o->dspark_k < -1 || o->dspark_k > kMaxDSparkK) {
+      return absl::InvalidArgumentError(absl::StrCat("--config ", o->config_file,
+                                                     ": dspark_k must be -1 (the k policy) or 0..",
+                                                     kMaxDSparkK));
     }
     if (o->dspark != "on" && o->dspark != "off") {
       return absl::InvalidArgumentError("--config " + o->config_file +
@@ -205,9 +207,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--dspark-k", o->dspark_k,
-                 "DSpark drafts verified per decode step: -1 = the k policy (default), 0..5 = "
-                 "fixed (passed to every decode worker)")
-      ->check(CLI::Range(-1, 5));
+                 "DSpark drafts verified per decode step: -1 = the k policy (default), 0.." +
+                     std::to_string(kMaxDSparkK) + " = fixed (passed to every decode worker)")
+      ->check(CLI::Range(-1, kMaxDSparkK));
   app.add_option("--device", o->device,
                  "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,

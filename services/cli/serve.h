@@ -15,6 +15,10 @@ class App;
 
 namespace epd::services {
 
+// The largest fixed DSpark k `epd serve --dspark-k` takes (the decode worker's max_k, the nano
+// model's DSpark block of 5 drafts).
+inline constexpr int kMaxDSparkK = 5;
+
 struct ServeOptions {
   std::string model_dir;           // Default: <data_dir>/models/nano, generated on first start
   std::string data_dir = "./data"; // Default: ./data (kvstore RocksDB, logs, generated model)
@@ -30,7 +34,7 @@ struct ServeOptions {
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
-  int dspark_k = -1;               // Default: -1 = the k policy; 0..5 = drafts per step, fixed
+  int dspark_k = -1;               // Default: -1 = the k policy; 0..kMaxDSparkK = fixed k
   std::string device = "cpu";      // Default: cpu. Backend of every worker: cpu | cuda[:N]
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port

@@ -112,6 +112,9 @@ std::unique_ptr<RunningDaemon> StartDaemon(const std::string& daemon,
 // 1 MiB values put/get (G3) through one daemon by each transport, sequential, `rounds` rounds
 // after a warm-up round; the modes alternate inside each round so they see the same load.
 // Wrong bytes and failed calls are added to *errors_out.
+constexpr int kBig = 24;  // 1 MiB values per round (part 3)
+constexpr size_t kBigBytes = size_t{1} << 20;
+
 struct ValueMode {
   const char* name;
   epd::kvstore::BulkTransport bulk;
@@ -123,8 +126,6 @@ std::vector<ValueMode> RunValueBench(const std::string& daemon, const epd::testi
   using epd::kvstore::Tier;
   constexpr size_t kBlockBytes = 64 * 890;
   int errors = 0;
-  constexpr int kBig = 24;
-  constexpr size_t kBigBytes = 1 << 20;
   std::vector<std::string> big_keys, big_values;
   for (int i = 0; i < kBig; ++i) {
     const int32_t t = 1'000'000 + i;
@@ -173,8 +174,6 @@ std::vector<ValueMode> RunValueBench(const std::string& daemon, const epd::testi
 }
 
 void PrintValueTable(const std::vector<ValueMode>& modes) {
-  constexpr int kBig = 24;
-  constexpr size_t kBigBytes = 1 << 20;
   std::printf("%-44s %10s %10s\n", "1 MiB values (24, sequential)", "put MB/s", "get MB/s");
   const double big_mb = static_cast<double>(kBig) * kBigBytes / 1e6;
   for (const ValueMode& m : modes) {

@@ -309,6 +309,17 @@ int main(int argc, char** argv) {
       return 2;
     }
     int seq = 0;
+    // Sends `buf` under `man` and waits for the sender's confirmation: seconds since t0, or -1.
+    auto send_and_wait = [&](const epd::v1::Manifest& man, std::unique_ptr<et::TransferBuffer> buf,
+                             const et::TransferOptions& opts,
+                             std::chrono::steady_clock::time_point t0) -> double {
+      auto id = (*tx)->Send(*peer, man, std::move(buf), opts);
+      if (!id.ok()) return -1;
+      absl::Status st = (*tx)->Wait(*id, absl::Seconds(120));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      (*tx)->Forget(*id);
+      return st.ok() ? s : -1;
+    };
     // A worker hand-off from segments the sender holds: copies them into a transfer buffer, plain
     // (the engine hashes) or hashing each as it goes (checksums in the offer); seconds from the
     // first copy to the sender's confirmation, or -1.
@@ -333,12 +344,7 @@ int main(int argc, char** argv) {
       }
       et::TransferOptions opts;
       opts.checksums_in_manifest = in_offer;
-      auto id = (*tx)->Send(*peer, man, std::move(*buf), opts);
-      if (!id.ok()) return -1;
-      absl::Status st = (*tx)->Wait(*id, absl::Seconds(120));
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      (*tx)->Forget(*id);
-      return st.ok() ? s : -1;
+      return send_and_wait(man, std::move(*buf), opts, t0);
     };
     // One hand-off of `mib` MiB; its seconds from Send to the sender's confirmation, or -1.
     auto handoff = [&](uint64_t mib) -> double {
@@ -347,13 +353,7 @@ int main(int argc, char** argv) {
       auto buf = (*tx)->Allocate(et::TotalBytes(man));
       std::memset((*buf)->data(), seq & 0xff, (*buf)->size());
       ++seq;
-      const auto t0 = std::chrono::steady_clock::now();
-      auto id = (*tx)->Send(*peer, man, std::move(*buf), {});
-      if (!id.ok()) return -1;
-      absl::Status st = (*tx)->Wait(*id, absl::Seconds(120));
-      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      (*tx)->Forget(*id);
-      return st.ok() ? s : -1;
+      return send_and_wait(man, std::move(*buf), {}, std::chrono::steady_clock::now());
     };
     auto kind = (*tx)->PeerTransport(*peer);
     for (uint64_t mib : sizes) {
