@@ -13,6 +13,7 @@
 #include "services/router/output_assembly.h"
 #include "services/router/request_validator.h"
 #include "services/router/utf8.h"
+#include "services/runtime/http_util.h"
 
 namespace epd::services::router {
 namespace {
@@ -715,6 +716,7 @@ absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
   const int threads = std::max(4, options_.threads);
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server_->set_payload_max_length(64u << 20);
+  ConfigureListener(*server_);
   Routes();
   int bound = port;
   if (port == 0) {
@@ -728,14 +730,13 @@ absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
     return absl::UnavailableError(absl::StrCat("cannot bind HTTP server on ", host, ":", port,
                                                " (port in use?)"));
   }
-  thread_ = std::thread([this] { server_->listen_after_bind(); });
+  listener_.Start(server_.get());
   return bound;
 }
 
 void OpenAiHttpServer::Stop() {
   if (!server_) return;
-  server_->stop();
-  if (thread_.joinable()) thread_.join();
+  listener_.Stop();
   server_.reset();
 }
 

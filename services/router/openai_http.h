@@ -13,6 +13,7 @@
 #include "prometheus/registry.h"
 #include "services/router/admission.h"
 #include "services/router/router_core.h"
+#include "services/runtime/listen_thread.h"
 
 namespace httplib {
 class Server;
@@ -64,7 +65,7 @@ class OpenAiHttpServer {
   std::shared_ptr<prometheus::Registry> metrics_;
   HttpOptions options_;
   std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
+  ListenThread listener_;
 };
 
 }  // namespace epd::services::router

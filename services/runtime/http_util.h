@@ -16,4 +16,11 @@ inline void UseExclusiveBind(httplib::Server& server) {
   });
 }
 
+// The options every epd listener gets before it binds: exclusive bind, and an accept loop that
+// wakes every 50 ms (ListenThread::Stop, listen_thread.h, relies on it).
+inline void ConfigureListener(httplib::Server& server) {
+  UseExclusiveBind(server);
+  server.set_idle_interval(0, 50'000);
+}
+
 }  // namespace epd::services

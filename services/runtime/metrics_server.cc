@@ -35,8 +35,7 @@ std::string MetricsServer::Scrape() const {
 absl::StatusOr<int> MetricsServer::Start(const std::string& host, int port) {
   if (server_) return absl::FailedPreconditionError("metrics server already started");
   server_ = std::make_unique<httplib::Server>();
-  UseExclusiveBind(*server_);
-  server_->set_idle_interval(0, 50'000);
+  ConfigureListener(*server_);
   server_->Get("/metrics", [this](const httplib::Request&, httplib::Response& res) {
     res.set_content(Scrape(), "text/plain; version=0.0.4; charset=utf-8");
   });
@@ -65,23 +64,13 @@ absl::StatusOr<int> MetricsServer::Start(const std::string& host, int port) {
     }
     port_ = port;
   }
-  listening_done_ = std::make_shared<std::atomic<bool>>(false);
-  thread_ = std::thread([srv = server_.get(), done = listening_done_] {
-    srv->listen_after_bind();
-    *done = true;
-  });
+  listener_.Start(server_.get());
   return port_;
 }
 
 void MetricsServer::Stop() {
   if (!server_) return;
-  // httplib's stop() is a no-op while the accept loop has not started yet, so repeat it until the
-  // loop has provably ended (the idle interval makes the loop re-check its socket every 50 ms).
-  while (thread_.joinable() && !*listening_done_) {
-    server_->stop();
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  if (thread_.joinable()) thread_.join();
+  listener_.Stop();
   server_.reset();
 }
 

@@ -10,6 +10,7 @@
 
 #include "absl/status/statusor.h"
 #include "prometheus/registry.h"
+#include "services/runtime/listen_thread.h"
 
 namespace httplib {
 class Server;
@@ -46,8 +47,7 @@ class MetricsServer {
   std::shared_ptr<prometheus::Registry> registry_;
   std::string process_name_;
   std::unique_ptr<httplib::Server> server_;
-  std::thread thread_;
-  std::shared_ptr<std::atomic<bool>> listening_done_;
+  ListenThread listener_;
   int port_ = 0;
   std::shared_ptr<HealthFn> health_;
 };

@@ -1,9 +1,13 @@
 #include <gtest/gtest.h>
+#include <httplib.h>
 
 #include <fstream>
+#include <future>
 #include <thread>
 
 #include "prometheus/counter.h"
+#include "services/runtime/http_util.h"
+#include "services/runtime/listen_thread.h"
 #include "services/runtime/metrics_server.h"
 #include "services/runtime/shutdown.h"
 #include "tests/testing/subprocess.h"
@@ -48,6 +52,32 @@ TEST(MetricsServerTest, BusyPortIsAClearError) {
   auto again = b.Start("127.0.0.1", *port);
   ASSERT_FALSE(again.ok());
   EXPECT_NE(again.status().message().find(std::to_string(*port)), std::string::npos);
+}
+
+TEST(ListenThreadTest, StopRightAfterStartEndsTheAcceptLoop) {
+  // A SIGTERM during a router's startup stops its HTTP server before the accept loop may have
+  // started. httplib ignores stop() then, so a plain stop + join hung forever (the router never
+  // exited: ProcessRuntimeTest.SigtermDrainsToCleanExit under CI load). The loop runs on a
+  // detached thread so a hang fails the test instead of blocking it.
+  auto finished = std::make_shared<std::promise<int>>();
+  auto result = finished->get_future();
+  std::thread([finished] {
+    int stopped = 0;
+    for (int i = 0; i < 200; ++i) {
+      httplib::Server server;
+      ConfigureListener(server);
+      if (server.bind_to_any_port("127.0.0.1") <= 0) break;
+      ListenThread listener;
+      listener.Start(&server);
+      if (i % 2 == 1) std::this_thread::sleep_for(std::chrono::microseconds(50 * (i % 7)));
+      listener.Stop();
+      ++stopped;
+    }
+    finished->set_value(stopped);
+  }).detach();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(60)), std::future_status::ready)
+      << "ListenThread::Stop did not return";
+  EXPECT_EQ(result.get(), 200);
 }
 
 TEST(ShutdownTest, RequestWakesWaiter) {
