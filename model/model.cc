@@ -11,6 +11,7 @@
 #include "common/status_macros.h"
 #include "kernels/format.h"
 #include "kernels/rope.h"
+#include "model/scratch.h"
 
 namespace epd::model {
 namespace {
@@ -37,7 +38,10 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
       absl::HashOf(c.dim, c.head_dim, c.index_head_dim, c.window_size, c.compress_ratios,
                    c.kv_source_layers, c.vocab_size, options_.unquantized_kv);
   kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed, &backend_);
+  scratch_pool_ = std::make_unique<ScratchPool>(backend_, options_.scratch_cache_bytes);
 }
+
+Model::~Model() = default;
 
 int64_t KvBlockBytes(const ModelConfig& c, bool unquantized_kv) {
   return KvBytesFor(c, kKvBlockTokens, unquantized_kv);
@@ -116,13 +120,15 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
   return std::make_unique<Model>(std::move(*cfg), std::move(*w), std::move(ek), backend, options);
 }
 
-absl::Status Model::RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
-                             const int64_t* positions, bool inverse) const {
+absl::Status Model::RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
+                             int offset, const int64_t* positions, bool inverse) const {
   const vector<float>& f = roles_[l].compress_ratio > 0 ? freqs_yarn_ : freqs_plain_;
   const int np = static_cast<int>(f.size());
-  vector<float> cs(rows * np), sn(rows * np);
-  RETURN_IF_ERROR(backend_.RopeTables(f.data(), np, positions, rows, cs.data(), sn.data()));
-  return backend_.Rope(x, rows, heads, stride, offset, np, cs.data(), sn.data(), inverse);
+  ASSIGN_OR_RETURN(const float* freqs, ws.Copy(f));
+  ASSIGN_OR_RETURN(float* cs, ws.Alloc<float>(rows * np));
+  ASSIGN_OR_RETURN(float* sn, ws.Alloc<float>(rows * np));
+  RETURN_IF_ERROR(backend_.RopeTables(freqs, np, positions, rows, cs, sn));
+  return backend_.Rope(x, rows, heads, stride, offset, np, cs, sn, inverse);
 }
 
 absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
@@ -135,54 +141,62 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
   const int ratio = role.compress_ratio;
   const vector<int64_t> pos(pos_ptr, pos_ptr + S);
   SequenceState::Source& s = state.sources[l];
-  vector<float> latents;
-  vector<int64_t> gpos;
+  Scratch ws(backend_, scratch_pool_.get());
+  float* latents = nullptr;  // [emitted entries, hd], in emission order
+  vector<int64_t> gpos;      // their first positions
   if (ratio == 1) {
-    latents.resize(S * hd);
-    RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents.data()));
-    RETURN_IF_ERROR(
-        backend_.RmsNorm(latents.data(), A.cmp_norm.data(), S, hd, c.norm_eps, latents.data()));
+    ASSIGN_OR_RETURN(latents, ws.Alloc<float>(S * hd));
+    RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents));
+    RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(), S, hd, c.norm_eps, latents));
     gpos = pos;
   } else {
-    vector<float> kvf(S * hd), scf(S * hd);
-    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf.data()));
-    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf.data()));
-    // Per-row tail inputs of this call, for rolling back rejected positions.
+    ASSIGN_OR_RETURN(float* kvf, ws.Alloc<float>(S * hd));
+    ASSIGN_OR_RETURN(float* scf, ws.Alloc<float>(S * hd));
+    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf));
+    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf));
+    // Per-row tail inputs of this call, for rolling back rejected positions. The tail state and
+    // these logs are host memory (the sequence state's; docs/cuda.md).
     s.log_start = pos[0];
-    s.log_kv = kvf;
-    s.log_score = scf;
+    RETURN_IF_ERROR(ws.DownloadTo(kvf, S * hd, s.log_kv));
+    RETURN_IF_ERROR(ws.DownloadTo(scf, S * hd, s.log_score));
+    int64_t emits = 0;
+    for (int64_t i = 0; i < S; ++i) emits += (pos[i] + 1) % ratio == 0 ? 1 : 0;
+    const int64_t tail = static_cast<int64_t>(s.kv_state.size());
+    ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
+    ASSIGN_OR_RETURN(float* kv_tail, ws.Alloc<float>(tail));
+    ASSIGN_OR_RETURN(float* score_tail, ws.Alloc<float>(tail));
     for (int64_t i = 0; i < S; ++i) {
       const int64_t slot = pos[i] % ratio;
-      std::copy_n(kvf.data() + i * hd, hd, s.kv_state.data() + slot * hd);
-      std::copy_n(scf.data() + i * hd, hd, s.score_state.data() + slot * hd);
+      std::copy_n(s.log_kv.data() + i * hd, hd, s.kv_state.data() + slot * hd);
+      std::copy_n(s.log_score.data() + i * hd, hd, s.score_state.data() + slot * hd);
       if ((pos[i] + 1) % ratio != 0) continue;
-      vector<float> lat(hd);
-      RETURN_IF_ERROR(
-          backend_.CompressPool(s.kv_state.data(), s.score_state.data(), ratio, hd, lat.data()));
-      RETURN_IF_ERROR(
-          backend_.RmsNorm(lat.data(), A.cmp_norm.data(), 1, hd, c.norm_eps, lat.data()));
-      latents.insert(latents.end(), lat.begin(), lat.end());
+      float* lat = latents + static_cast<int64_t>(gpos.size()) * hd;
+      RETURN_IF_ERROR(ws.Upload(kv_tail, s.kv_state.data(), tail));
+      RETURN_IF_ERROR(ws.Upload(score_tail, s.score_state.data(), tail));
+      RETURN_IF_ERROR(backend_.CompressPool(kv_tail, score_tail, ratio, hd, lat));
+      RETURN_IF_ERROR(backend_.RmsNorm(lat, A.cmp_norm.data(), 1, hd, c.norm_eps, lat));
       gpos.push_back(pos[i] + 1 - ratio);
     }
   }
   const int64_t ne = static_cast<int64_t>(gpos.size());
   if (ne > 0) {
     const int64_t ihd = c.index_head_dim;
-    vector<float> keys(ne * ihd);
-    RETURN_IF_ERROR(backend_.LinearBf16(latents.data(), ne, A.idx_wk.data(), ihd, hd, keys.data()));
-    RETURN_IF_ERROR(
-        backend_.RmsNorm(keys.data(), A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys.data()));
-    RETURN_IF_ERROR(RopeRows(l, keys.data(), ne, 1, static_cast<int>(ihd),
-                             static_cast<int>(ihd - rd), gpos.data(), false));
+    ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * ihd));
+    ASSIGN_OR_RETURN(const int64_t* gpos_dev, ws.Copy(gpos));
+    RETURN_IF_ERROR(backend_.LinearBf16(latents, ne, A.idx_wk.data(), ihd, hd, keys));
+    RETURN_IF_ERROR(backend_.RmsNorm(keys, A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys));
+    RETURN_IF_ERROR(RopeRows(ws, l, keys, ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd),
+                             gpos_dev, false));
     if (!options_.unquantized_kv)  // benchmark switch, see ModelOptions
-      RETURN_IF_ERROR(
-          backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys.data(), ne, ihd));
-    RETURN_IF_ERROR(
-        RopeRows(l, latents.data(), ne, 1, static_cast<int>(hd), nope, gpos.data(), false));
+      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys, ne, ihd));
+    RETURN_IF_ERROR(RopeRows(ws, l, latents, ne, 1, static_cast<int>(hd), nope, gpos_dev, false));
     if (!options_.unquantized_kv)
-      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents.data(), ne, hd));
-    RETURN_IF_ERROR(s.kv.Append(latents.data(), ne));
-    if (absl::Status st = s.keys.Append(keys.data(), ne); !st.ok()) {
+      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents, ne, hd));
+    // The pool packs the rows into its blocks (host slabs).
+    RETURN_IF_ERROR(ws.Read(latents, ne * hd, [&](const float* v) { return s.kv.Append(v, ne); }));
+    if (absl::Status st =
+            ws.Read(keys, ne * ihd, [&](const float* v) { return s.keys.Append(v, ne); });
+        !st.ok()) {
       s.kv.Truncate(s.n);
       return st;
     }
@@ -192,30 +206,39 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
   return absl::OkStatus();
 }
 
-absl::Status Model::ScoreKeys(const KvRows& keys, int layer, int64_t rows, const float* q,
-                              const float* w, int heads, int64_t n, float* score,
-                              std::map<int, vector<float>>& unpacked) const {
+absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows,
+                              const float* q, const float* w, int heads, int64_t n,
+                              int64_t available, float* score, UnpackedKeys& unpacked) const {
   const int64_t ihd = keys.dim();
   if (n <= 0) return absl::OkStatus();
   if (rows > 1) {
-    vector<float>& u = unpacked[layer];
-    const int64_t have = static_cast<int64_t>(u.size()) / ihd;
-    if (have < n) {
-      u.resize(n * ihd);
-      keys.Unpack(have, n - have, u.data() + have * ihd);
+    auto it = unpacked.find(layer);
+    if (it == unpacked.end() || it->second.second < n) {
+      // Every key the source has (the rows of this call score prefixes of them): unpacked once.
+      const int64_t all = std::max(n, available);
+      ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(all * ihd));
+      RETURN_IF_ERROR(ws.Fill(u, all * ihd, [&](float* d) {
+        keys.Unpack(0, all, d);
+        return absl::OkStatus();
+      }));
+      it =
+          unpacked.insert_or_assign(layer, std::make_pair(static_cast<const float*>(u), all)).first;
     }
-    return backend_.IndexerScores(q, w, heads, u.data(), n, ihd, score);
+    return backend_.IndexerScores(q, w, heads, it->second.first, n, ihd, score);
   }
   // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 2048 keys
   // (1 MiB of scratch at 128 dims: few kernel calls, still cache-resident).
   int64_t chunk = keys.rows_per_block();
   while (chunk < 2048 || chunk % 8 != 0) chunk += keys.rows_per_block();
-  thread_local vector<float> scratch;
-  scratch.resize(chunk * ihd);
+  chunk = std::min(chunk, n);
+  ASSIGN_OR_RETURN(float* part, ws.Alloc<float>(chunk * ihd));
   for (int64_t t0 = 0; t0 < n; t0 += chunk) {
     const int64_t cnt = std::min(chunk, n - t0);
-    keys.Unpack(t0, cnt, scratch.data());
-    RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, scratch.data(), cnt, ihd, score + t0));
+    RETURN_IF_ERROR(ws.Fill(part, cnt * ihd, [&](float* d) {
+      keys.Unpack(t0, cnt, d);
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, part, cnt, ihd, score + t0));
   }
   return absl::OkStatus();
 }
@@ -242,38 +265,42 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   const AttentionWeights& A = weights_->layers[l].attn;
   const int64_t S = call.rows, D = c.dim, hd = c.head_dim, H = c.n_heads, W = c.window_size;
   const int rd = c.rope_head_dim, nope = c.nope_head_dim();
+  Scratch ws(backend_, scratch_pool_.get());
   vector<int64_t> pos(S);
   for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
+  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
 
-  vector<float> qr(S * c.q_lora_rank), q(S * H * hd), kv(S * hd);
-  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wq_a, qr.data()));
+  ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
+  ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
+  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
+  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wq_a, qr));
+  RETURN_IF_ERROR(backend_.RmsNorm(qr, A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr));
+  RETURN_IF_ERROR(backend_.LinearQuant(qr, S, A.wq_b, q));
   RETURN_IF_ERROR(
-      backend_.RmsNorm(qr.data(), A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr.data()));
-  RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), S, A.wq_b, q.data()));
-  RETURN_IF_ERROR(
-      RopeRows(l, q.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), false));
-  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wkv, kv.data()));
-  RETURN_IF_ERROR(backend_.RmsNorm(kv.data(), A.kv_norm.data(), S, hd, c.norm_eps, kv.data()));
-  RETURN_IF_ERROR(RopeRows(l, kv.data(), S, 1, static_cast<int>(hd), nope, pos.data(), false));
-  RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv.data(), S, hd));
+      RopeRows(ws, l, q, S, static_cast<int>(H), static_cast<int>(hd), nope, pos_dev, false));
+  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wkv, kv));
+  RETURN_IF_ERROR(backend_.RmsNorm(kv, A.kv_norm.data(), S, hd, c.norm_eps, kv));
+  RETURN_IF_ERROR(RopeRows(ws, l, kv, S, 1, static_cast<int>(hd), nope, pos_dev, false));
+  RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, S, hd));
 
   // Window part of the KV and of each row's list.
   SwaRing& ring = state.swa[l];
-  vector<float> kv_all;
-  int64_t win_rows;
-  if (call.prefill) {
-    // start_pos 0: the chunk's own rows are the window (reference prefill).
-    win_rows = S;
-    kv_all.assign(kv.begin(), kv.end());
-  } else {
+  const float* kv_all = kv;  // start_pos 0: the chunk's own rows are the window (reference prefill)
+  const int64_t win_rows = call.prefill ? S : W + S;
+  if (!call.prefill) {
     // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
     // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
-    win_rows = W + S;
-    kv_all.resize((W + S) * hd);
-    ring.ReadWindow(kv_all.data());
-    std::copy(kv.begin(), kv.end(), kv_all.begin() + W * hd);
+    ASSIGN_OR_RETURN(float* joined, ws.Alloc<float>((W + S) * hd));
+    RETURN_IF_ERROR(ws.Fill(joined, W * hd, [&](float* d) {
+      ring.ReadWindow(d);
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(
+        backend_.Copy(joined + W * hd, kv, S * hd * static_cast<int64_t>(sizeof(float))));
+    kv_all = joined;
   }
-  RETURN_IF_ERROR(ring.WritePositions(call.start_pos, S, kv.data()));
+  RETURN_IF_ERROR(ws.Read(
+      kv, S * hd, [&](const float* v) { return ring.WritePositions(call.start_pos, S, v); }));
 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
   const int ratio = role.compress_ratio;
@@ -298,22 +325,24 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const int call_keysrc =
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
         const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
-        vector<float> qi(S * nI * ihd), w(S * nI);
-        RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), S, A.idx_wq_b, qi.data()));
-        RETURN_IF_ERROR(RopeRows(l, qi.data(), S, static_cast<int>(nI), static_cast<int>(ihd),
-                                 static_cast<int>(ihd - rd), pos.data(), false));
-        RETURN_IF_ERROR(
-            backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi.data(), S * nI, ihd));
-        RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w.data()));
+        ASSIGN_OR_RETURN(float* qi, ws.Alloc<float>(S * nI * ihd));
+        ASSIGN_OR_RETURN(float* w, ws.Alloc<float>(S * nI));
+        RETURN_IF_ERROR(backend_.LinearQuant(qr, S, A.idx_wq_b, qi));
+        RETURN_IF_ERROR(RopeRows(ws, l, qi, S, static_cast<int>(nI), static_cast<int>(ihd),
+                                 static_cast<int>(ihd - rd), pos_dev, false));
+        RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi, S * nI, ihd));
+        RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w));
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
-        RETURN_IF_ERROR(backend_.ScaleRoundBf16(w.data(), S * nI, wscale));
-        vector<float> score(nk);
-        std::map<int, vector<float>> unpacked_keys;  // multi-row calls: keys unpacked once
+        RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
+        ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(nk));
+        ASSIGN_OR_RETURN(int32_t * topk, ws.Alloc<int32_t>(S * k));
+        UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
-          call.cand.assign(S * nk, 0);
+          ASSIGN_OR_RETURN(call.cand, backend_.Allocate(S * nk));
           call.cand_cols = nk;
         }
+        const uint8_t* cand = call.cand_cols > 0 ? call.cand.as<uint8_t>() : nullptr;
         for (int64_t i = 0; i < S; ++i) {
           const int64_t visible = (pos[i] + 1) / ratio;
           // Decode semantics: each row sees the keys a single-token call at its position would.
@@ -322,21 +351,21 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                  : call_keysrc;
           const SequenceState::Source& ks = state.sources.at(keysrc);
           const int64_t scored = std::max<int64_t>(0, std::min({nk, ks.n, visible}));
-          RETURN_IF_ERROR(ScoreKeys(ks.keys, keysrc, S, qi.data() + i * nI * ihd, w.data() + i * nI,
-                                    static_cast<int>(nI), scored, score.data(), unpacked_keys));
-          RETURN_IF_ERROR(backend_.MaskScores(score.data(), nk, scored, nullptr, 0));
+          RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc, S, qi + i * nI * ihd, w + i * nI,
+                                    static_cast<int>(nI), scored, ks.n, score, unpacked_keys));
+          RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored, nullptr, 0));
           if (role.is_candidate_source) {
-            RETURN_IF_ERROR(backend_.CandidateMask(score.data(), nk, c.candidate_block_size,
-                                                   visible, c.candidate_topk_blocks,
-                                                   call.cand.data() + i * nk));
+            RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
+                                                   c.candidate_topk_blocks,
+                                                   call.cand.as<uint8_t>() + i * nk));
           }
           if (role.uses_candidates && call.cand_cols > 0) {
-            RETURN_IF_ERROR(backend_.MaskScores(
-                score.data(), nk, nk, call.cand.data() + i * call.cand_cols, call.cand_cols));
+            RETURN_IF_ERROR(
+                backend_.MaskScores(score, nk, nk, cand + i * call.cand_cols, call.cand_cols));
           }
-          RETURN_IF_ERROR(backend_.SelectTopK(score.data(), nk, k, visible, win_rows,
-                                              call.topk.data() + i * k));
+          RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
         }
+        RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
       }
       if (trace) {
         std::vector<int32_t>& t = trace->topk[l];  // compressed positions, -1 = none
@@ -360,20 +389,19 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     const int64_t base = std::max<int64_t>(0, p - W + 1);
     const int64_t lo = p >= call.window_floor ? std::max(base, call.window_floor) : base;
     for (int64_t j = 0; j < W; ++j) {
-      const int64_t q = base + j;
-      if (q > p || q < lo) continue;
-      li[j] = static_cast<int32_t>(call.prefill          ? q
-                                   : q >= call.start_pos ? W + (q - call.start_pos)
-                                                         : q % W);
+      const int64_t qp = base + j;
+      if (qp > p || qp < lo) continue;
+      li[j] = static_cast<int32_t>(call.prefill           ? qp
+                                   : qp >= call.start_pos ? W + (qp - call.start_pos)
+                                                          : qp % W);
     }
     for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
   }
 
-  vector<float> o(S * H * hd);
+  ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(S * H * hd));
   kernels::SparseAttentionArgs args;
-  args.q = q.data();
-  args.kv = kv_all.data();
-  vector<float> kv_sel;
+  args.q = q;
+  args.kv = kv_all;
   if (ratio > 0 && nk > 0) {
     // Top-k entries (list values >= win_rows): the selected compressed entries, unpacked from the
     // pool's blocks into a compact buffer in first-use order; the list is renumbered to it (the
@@ -388,34 +416,45 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       }
       v = static_cast<int32_t>(win_rows + m);
     }
-    kv_sel.resize(sel.size() * hd);
-    src->kv.Gather(sel.data(), static_cast<int64_t>(sel.size()), kv_sel.data());
-    args.kv_ext = kv_sel.data();
+    const int64_t ns = static_cast<int64_t>(sel.size());
+    ASSIGN_OR_RETURN(float* kv_sel, ws.Alloc<float>(ns * hd));
+    RETURN_IF_ERROR(ws.Fill(kv_sel, ns * hd, [&](float* d) {
+      src->kv.Gather(sel.data(), ns, d);
+      return absl::OkStatus();
+    }));
+    args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
   }
+  ASSIGN_OR_RETURN(const int32_t* idx_dev, ws.Copy(idx));
   args.sink = A.attn_sink.data();
-  args.idx = idx.data();
+  args.idx = idx_dev;
   args.rows = S;
   args.heads = static_cast<int>(H);
   args.head_dim = static_cast<int>(hd);
   args.list_len = list_len;
   args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
-  args.out = o.data();
+  args.out = o;
   RETURN_IF_ERROR(backend_.SparseAttention(args));
   RETURN_IF_ERROR(
-      RopeRows(l, o.data(), S, static_cast<int>(H), static_cast<int>(hd), nope, pos.data(), true));
+      RopeRows(ws, l, o, S, static_cast<int>(H), static_cast<int>(hd), nope, pos_dev, true));
+  return OutputProjection(ws, A, o, S, out);
+}
 
-  // Grouped wo_a (bf16) then wo_b (FP8).
+absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
+                                     int64_t rows, float* out) const {
+  // Grouped wo_a (bf16, one call per row and group: the reference's per-group einsum) then wo_b
+  // (FP8).
+  const ModelConfig& c = config_;
+  const int64_t H = c.n_heads, hd = c.head_dim;
   const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
-  vector<float> oa(S * G * R);
-  for (int64_t i = 0; i < S; ++i) {
+  ASSIGN_OR_RETURN(float* oa, ws.Alloc<float>(rows * G * R));
+  for (int64_t i = 0; i < rows; ++i) {
     for (int64_t g = 0; g < G; ++g) {
-      RETURN_IF_ERROR(backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1,
-                                          A.wo_a.data() + g * R * gin, R, gin,
-                                          oa.data() + (i * G + g) * R));
+      RETURN_IF_ERROR(backend_.LinearBf16(o + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin,
+                                          R, gin, oa + (i * G + g) * R));
     }
   }
-  return backend_.LinearQuant(oa.data(), S, A.wo_b, out);
+  return backend_.LinearQuant(oa, rows, A.wo_b, out);
 }
 
 absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
@@ -424,58 +463,76 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
   const MoeWeights& M = weights_->layers[l].ffn;
   const int64_t D = c.dim, E = M.n_experts, I = c.moe_inter_dim;
   const float lim = c.swiglu_limit;
-  vector<float> z(rows * E);
-  RETURN_IF_ERROR(backend_.LinearF32(x, rows, M.gate.data(), E, D, z.data()));
-  if (experts) experts->assign(rows * M.top_k, -1);
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(float* z, ws.Alloc<float>(rows * E));
+  RETURN_IF_ERROR(backend_.LinearF32(x, rows, M.gate.data(), E, D, z));
   // Routing first, then each expert runs once over the rows routed to it (rows are independent,
   // so this equals one call per row and expert); each row then sums its experts' outputs in
-  // ascending expert id order, then the shared experts (the reference order).
+  // ascending expert id order, then the shared experts (the reference order). The host groups
+  // the rows by expert from the downloaded routing.
   const int64_t K = M.top_k, NS = static_cast<int64_t>(M.shared.size()), slots = K + NS;
-  vector<int32_t> sel_all(rows * K);
-  vector<float> wts_all(rows * K);
-  RETURN_IF_ERROR(backend_.MoeRoute(z.data(), rows, static_cast<int>(E), M.gate_bias.data(),
-                                    M.top_k, c.route_scale, sel_all.data(), wts_all.data(),
-                                    experts ? experts->data() : nullptr));
-  // ys[r, slot, D]: slot j < K is the row's j-th expert in ascending id order, then the shared.
-  vector<float> ys(rows * slots * D);
-  vector<float> xg, g, u, hbuf, yg;
-  auto run = [&](const ExpertWeights& ew, const vector<int64_t>& rws, const vector<int64_t>& slot,
-                 const float* weights) -> absl::Status {
-    const int64_t n = static_cast<int64_t>(rws.size());
-    if (n == 0) return absl::OkStatus();
-    xg.resize(n * D);
-    g.resize(n * I);
-    u.resize(n * I);
-    hbuf.resize(n * I);
-    yg.resize(n * D);
-    for (int64_t i = 0; i < n; ++i) std::copy_n(x + rws[i] * D, D, xg.data() + i * D);
-    RETURN_IF_ERROR(backend_.LinearQuant(xg.data(), n, ew.w1, g.data()));
-    RETURN_IF_ERROR(backend_.LinearQuant(xg.data(), n, ew.w3, u.data()));
-    RETURN_IF_ERROR(backend_.SwiGlu(g.data(), u.data(), n, I, lim, weights, hbuf.data()));
-    RETURN_IF_ERROR(backend_.LinearQuant(hbuf.data(), n, ew.w2, yg.data()));
-    for (int64_t i = 0; i < n; ++i)
-      std::copy_n(yg.data() + i * D, D, ys.data() + (rws[i] * slots + slot[i]) * D);
-    return absl::OkStatus();
-  };
+  ASSIGN_OR_RETURN(int32_t * sel_dev, ws.Alloc<int32_t>(rows * K));
+  ASSIGN_OR_RETURN(float* wts_dev, ws.Alloc<float>(rows * K));
+  int32_t* experts_dev = nullptr;
+  if (experts) {
+    ASSIGN_OR_RETURN(experts_dev, ws.Filled<int32_t>(rows * K, -1));
+  }
+  RETURN_IF_ERROR(backend_.MoeRoute(z, rows, static_cast<int>(E), M.gate_bias.data(), M.top_k,
+                                    c.route_scale, sel_dev, wts_dev, experts_dev));
+  ASSIGN_OR_RETURN(const vector<int32_t> sel_all, ws.ToHost(sel_dev, rows * K));
+  ASSIGN_OR_RETURN(const vector<float> wts_all, ws.ToHost(wts_dev, rows * K));
+  if (experts) RETURN_IF_ERROR(ws.DownloadTo(experts_dev, rows * K, *experts));
+  // ys[r, slot, D]: slot j < K is the row's j-th expert in ascending id order, then the shared;
+  // every slot is written (each row has K distinct experts).
+  ASSIGN_OR_RETURN(float* ys, ws.Alloc<float>(rows * slots * D));
+  // Each routed expert's rows (ascending), then every row for each shared expert: the rows to
+  // gather from x, the ys rows (row * slots + slot) to scatter the outputs to, and the routed
+  // rows' weights; one upload each for the call.
+  vector<int64_t> from, to, starts;
+  vector<float> weights;
   for (int64_t e = 0; e < E; ++e) {
-    vector<int64_t> rws, slot;
-    vector<float> w;
+    starts.push_back(static_cast<int64_t>(from.size()));
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < K; ++j) {
         if (sel_all[r * K + j] != e) continue;
-        rws.push_back(r);
-        slot.push_back(j);
-        w.push_back(wts_all[r * K + j]);
+        from.push_back(r);
+        to.push_back(r * slots + j);
+        weights.push_back(wts_all[r * K + j]);
       }
     }
-    RETURN_IF_ERROR(run(M.experts[e], rws, slot, w.data()));
   }
-  vector<int64_t> all(rows);
-  for (int64_t r = 0; r < rows; ++r) all[r] = r;
   for (int64_t si = 0; si < NS; ++si) {
-    RETURN_IF_ERROR(run(M.shared[si], all, vector<int64_t>(rows, K + si), nullptr));
+    starts.push_back(static_cast<int64_t>(from.size()));
+    for (int64_t r = 0; r < rows; ++r) {
+      from.push_back(r);
+      to.push_back(r * slots + K + si);
+    }
   }
-  return backend_.SumSlots(ys.data(), rows, slots, D, out);
+  starts.push_back(static_cast<int64_t>(from.size()));
+  ASSIGN_OR_RETURN(const int64_t* from_dev, ws.Copy(from));
+  ASSIGN_OR_RETURN(const int64_t* to_dev, ws.Copy(to));
+  ASSIGN_OR_RETURN(const float* weights_dev, ws.Copy(weights));
+  // One expert's rows (at most all of them): gathered input, gate/up/hidden, output.
+  ASSIGN_OR_RETURN(float* xg, ws.Alloc<float>(rows * D));
+  ASSIGN_OR_RETURN(float* g, ws.Alloc<float>(rows * I));
+  ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(rows * I));
+  ASSIGN_OR_RETURN(float* hbuf, ws.Alloc<float>(rows * I));
+  ASSIGN_OR_RETURN(float* yg, ws.Alloc<float>(rows * D));
+  auto run = [&](const ExpertWeights& ew, size_t list, bool routed) -> absl::Status {
+    const int64_t at = starts[list], n = starts[list + 1] - at;
+    if (n == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(backend_.CopyRows(x, from_dev + at, xg, nullptr, n, D));
+    RETURN_IF_ERROR(backend_.LinearQuant(xg, n, ew.w1, g));
+    RETURN_IF_ERROR(backend_.LinearQuant(xg, n, ew.w3, u));
+    RETURN_IF_ERROR(backend_.SwiGlu(g, u, n, I, lim, routed ? weights_dev + at : nullptr, hbuf));
+    RETURN_IF_ERROR(backend_.LinearQuant(hbuf, n, ew.w2, yg));
+    return backend_.CopyRows(yg, nullptr, ys, to_dev + at, n, D);
+  };
+  for (int64_t e = 0; e < E; ++e) RETURN_IF_ERROR(run(M.experts[e], static_cast<size_t>(e), true));
+  for (int64_t si = 0; si < NS; ++si) {
+    RETURN_IF_ERROR(run(M.shared[si], static_cast<size_t>(E + si), false));
+  }
+  return backend_.SumSlots(ys, rows, slots, D, out);
 }
 
 absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h,
@@ -486,18 +543,21 @@ absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64
   const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
   if (E.table.shape.size() != 2 || E.table.shape[1] != ehd)
     return absl::InternalError("model: Engram table shape does not match engram_head_dim");
-  vector<float> in(rows * nid * ehd), e(rows * (hc + 1) * D);
   vector<int64_t> ids(rows * nid);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < nid; ++j) ids[r * nid + j] = hash_ids[r * stride + j];
   }
-  RETURN_IF_ERROR(backend_.Fp8RowLookup(E.table.data, E.table_scale.data, ehd, ids.data(),
-                                        rows * nid, in.data()));
-  RETURN_IF_ERROR(backend_.LinearQuant(in.data(), rows, E.wkv, e.data()));
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const int64_t* ids_dev, ws.Copy(ids));
+  ASSIGN_OR_RETURN(float* in, ws.Alloc<float>(rows * nid * ehd));
+  ASSIGN_OR_RETURN(float* e, ws.Alloc<float>(rows * (hc + 1) * D));
+  RETURN_IF_ERROR(
+      backend_.Fp8RowLookup(E.table.data, E.table_scale.data, ehd, ids_dev, rows * nid, in));
+  RETURN_IF_ERROR(backend_.LinearQuant(in, rows, E.wkv, e));
   return single_token_calls
-             ? backend_.EngramGateSingleToken(h, e.data(), rows, static_cast<int>(hc), D,
+             ? backend_.EngramGateSingleToken(h, e, rows, static_cast<int>(hc), D,
                                               E.q_weight.data(), E.k_weight.data(), c.norm_eps)
-             : backend_.EngramGate(h, e.data(), rows, static_cast<int>(hc), D, E.q_weight.data(),
+             : backend_.EngramGate(h, e, rows, static_cast<int>(hc), D, E.q_weight.data(),
                                    E.k_weight.data(), c.norm_eps);
 }
 
@@ -522,13 +582,19 @@ vector<int64_t> Model::EngramHashes(const SequenceState& state,
   return out;
 }
 
-absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState& state,
-                          ForwardTrace* trace) const {
+absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& call,
+                          SequenceState& state, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
   const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
-  vector<float> aP(S * hc), aQ(S * hc), aC(S * hc * hc), fQ(S * hc), fC(S * hc * hc), x(S * D),
-      y(S * D);
+  Scratch ws(backend_, scratch_pool_.get(), &outer);
+  ASSIGN_OR_RETURN(float* aP, ws.Alloc<float>(S * hc));
+  ASSIGN_OR_RETURN(float* aQ, ws.Alloc<float>(S * hc));
+  ASSIGN_OR_RETURN(float* aC, ws.Alloc<float>(S * hc * hc));
+  ASSIGN_OR_RETURN(float* fQ, ws.Alloc<float>(S * hc));
+  ASSIGN_OR_RETURN(float* fC, ws.Alloc<float>(S * hc * hc));
+  ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(S * D));
+  ASSIGN_OR_RETURN(float* y, ws.Alloc<float>(S * D));
   // Decode-semantics rows are single-token reference calls, whose sigmoids torch computes on its
   // scalar path (Backend::HcMixesSingleToken).
   auto mixes = [&](const float* hr, const WeightArray& fn, const WeightArray& scale,
@@ -542,31 +608,31 @@ absl::Status Model::Block(int l, float* h, float* pre, Call& call, SequenceState
   };
   for (int64_t i = 0; i < S; ++i) {
     RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base,
-                          aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc));
+                          aP + i * hc, aQ + i * hc, aC + i * hc * hc));
     RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x.data() + i * D));
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
   }
-  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), L.attn_norm.data(), S, D, c.norm_eps, x.data()));
-  if (trace) trace->attn_in[l] = x;
-  RETURN_IF_ERROR(Attention(l, x.data(), call, state, y.data(), trace));
-  if (trace) trace->attn_out[l] = y;
+  RETURN_IF_ERROR(backend_.RmsNorm(x, L.attn_norm.data(), S, D, c.norm_eps, x));
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->attn_in[l]));
+  RETURN_IF_ERROR(Attention(l, x, call, state, y, trace));
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->attn_out[l]));
   for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    aQ.data() + i * hc, aC.data() + i * hc * hc, h + i * hc * D));
+    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    aQ + i * hc, aC + i * hc * hc, h + i * hc * D));
     RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre + i * hc,
-                          fQ.data() + i * hc, fC.data() + i * hc * hc));
-    RETURN_IF_ERROR(backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP.data() + i * hc,
-                                   x.data() + i * D));
+                          fQ + i * hc, fC + i * hc * hc));
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP + i * hc, x + i * D));
   }
-  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), L.ffn_norm.data(), S, D, c.norm_eps, x.data()));
-  if (trace) trace->ffn_in[l] = x;
-  RETURN_IF_ERROR(Moe(l, x.data(), S, y.data(), trace ? &trace->experts[l] : nullptr));
-  if (trace) trace->ffn_out[l] = y;
+  RETURN_IF_ERROR(backend_.RmsNorm(x, L.ffn_norm.data(), S, D, c.norm_eps, x));
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->ffn_in[l]));
+  RETURN_IF_ERROR(Moe(l, x, S, y, trace ? &trace->experts[l] : nullptr));
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->ffn_out[l]));
   for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    fQ.data() + i * hc, fC.data() + i * hc * hc, h + i * hc * D));
+    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    fQ + i * hc, fC + i * hc * hc, h + i * hc * D));
   }
-  if (trace) trace->block_out[l].assign(h, h + S * hc * D);
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->block_out[l]));
   return absl::OkStatus();
 }
 
@@ -591,20 +657,32 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   call.published_at_start = state.published_keys;
   call.window_floor = spec.window_floor;
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  // The residual stream lives in backend memory for the stage; `io` (host) carries it between
+  // stages and processes.
+  Scratch ws(backend_, scratch_pool_.get());
+  float* h = nullptr;
+  float* pre = nullptr;
+  float* main_hidden = nullptr;
   if (spec.first_layer == 0) {
     io.rows = S;
-    io.h.assign(S * hc * D, 0.f);
-    io.pre.assign(S * hc, 0.f);
-    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, ids.data(), S, static_cast<int>(hc),
-                                   io.h.data()));
-    for (int64_t i = 0; i < S; ++i) io.pre[i * hc] = 1.f;
-    io.main_hidden.assign(S * nt * D, 0.f);
+    ASSIGN_OR_RETURN(const int32_t* ids_dev, ws.Copy(ids.data(), S));
+    ASSIGN_OR_RETURN(h, ws.Alloc<float>(S * hc * D));
+    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, ids_dev, S, static_cast<int>(hc), h));
+    vector<float> pre0(S * hc, 0.f);
+    for (int64_t i = 0; i < S; ++i) pre0[i * hc] = 1.f;
+    ASSIGN_OR_RETURN(pre, ws.Copy(pre0));
   } else if (io.rows != S || io.h.size() != static_cast<size_t>(S * hc * D) ||
              io.pre.size() != static_cast<size_t>(S * hc)) {
     return absl::InvalidArgumentError("model: residual rows do not match the tokens");
+  } else {
+    ASSIGN_OR_RETURN(h, ws.Copy(io.h));
+    ASSIGN_OR_RETURN(pre, ws.Copy(io.pre));
   }
-  if (io.main_hidden.size() != static_cast<size_t>(S * nt * D))
-    io.main_hidden.assign(S * nt * D, 0.f);
+  if (spec.first_layer != 0 && io.main_hidden.size() == static_cast<size_t>(S * nt * D)) {
+    ASSIGN_OR_RETURN(main_hidden, ws.Copy(io.main_hidden));
+  } else {
+    ASSIGN_OR_RETURN(main_hidden, ws.Filled<float>(S * nt * D, 0.f));
+  }
   const int nel = static_cast<int>(c.engram_layer_ids.size());
   const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
   bool engram_in_range = false;
@@ -628,15 +706,14 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     }
   }
   if (trace) trace->engram_hash_ids = hashes;
-  float* h = io.h.data();
   auto engram = [&](int l) -> absl::Status {
     const int li =
         static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
                          c.engram_layer_ids.begin());
-    if (trace) trace->engram_in[l] = io.h;
+    if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->engram_in[l]));
     RETURN_IF_ERROR(
         Engram(l, hashes.data() + li * per, int64_t{nel} * per, S, h, call.per_row_keys));
-    if (trace) trace->engram_out[l] = io.h;
+    if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->engram_out[l]));
     return absl::OkStatus();
   };
   for (int l = spec.first_layer; l < last; ++l) {
@@ -648,12 +725,11 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
       const int64_t ti =
           std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
           c.dspark_target_layer_ids.begin();
-      RETURN_IF_ERROR(
-          backend_.HcMean(S, h, static_cast<int>(hc), D, io.main_hidden.data() + ti * D, nt * D));
+      RETURN_IF_ERROR(backend_.HcMean(S, h, static_cast<int>(hc), D, main_hidden + ti * D, nt * D));
     }
     call.compress = spec.compress || l != spec.first_layer;
     call.window_floor = l >= spec.floor_first_layer ? spec.window_floor : 0;
-    RETURN_IF_ERROR(Block(l, h, io.pre.data(), call, state, trace));
+    RETURN_IF_ERROR(Block(ws, l, h, pre, call, state, trace));
   }
   if (spec.compress_only_layer >= 0) {
     // The next layer's compressor + index keys only (its attention input needs just the residual
@@ -667,39 +743,49 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     if (roles_[l].has_engram) {
       RETURN_IF_ERROR(engram(l));
     }
-    vector<float> x(S * D);
+    ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(S * D));
     vector<int64_t> pos(S);
     for (int64_t i = 0; i < S; ++i) {
-      RETURN_IF_ERROR(backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D,
-                                     io.pre.data() + i * hc, x.data() + i * D));
+      RETURN_IF_ERROR(
+          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
       pos[i] = spec.start_pos + i;
     }
-    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), weights_->layers[l].attn_norm.data(), S, D,
-                                     c.norm_eps, x.data()));
-    RETURN_IF_ERROR(Compress(l, x.data(), pos.data(), S, state));
+    RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->layers[l].attn_norm.data(), S, D, c.norm_eps, x));
+    RETURN_IF_ERROR(Compress(l, x, pos.data(), S, state));
   }
   if (call.per_row_keys && options_.stale_index_keys) {
     state.published_keys = DecodeKeySource(c.n_layers, spec.start_pos + S - 1, call);
   }
-  return absl::OkStatus();
+  RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, io.h));
+  RETURN_IF_ERROR(ws.DownloadTo(pre, S * hc, io.pre));
+  return ws.DownloadTo(main_hidden, S * nt * D, io.main_hidden);
 }
 
 absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
                                           ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const int64_t S = io.rows, D = c.dim, hc = c.hc_mult, V = c.vocab_size;
-  vector<float> x(S * D);
-  for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcPre(1, io.h.data() + i * hc * D, static_cast<int>(hc), D,
-                                   io.pre.data() + i * hc, x.data() + i * D));
+  if (S <= 0 || io.h.size() != static_cast<size_t>(S * hc * D) ||
+      io.pre.size() != static_cast<size_t>(S * hc)) {
+    return absl::InvalidArgumentError("model: Head needs the residual of its rows");
   }
-  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), weights_->norm.data(), S, D, c.norm_eps, x.data()));
-  if (trace) trace->final_norm = x;
-  const int64_t first = all_logits ? 0 : S - 1;
-  vector<float> logits((S - first) * V);
-  RETURN_IF_ERROR(backend_.LinearF32(x.data() + first * D, S - first, weights_->head.data(), V, D,
-                                     logits.data()));
-  return logits;
+  // Rows are normed independently: only the rows whose logits (or trace) are wanted.
+  const int64_t first = all_logits || trace ? 0 : S - 1, n = S - first;
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const float* h, ws.Copy(io.h.data() + first * hc * D, n * hc * D));
+  ASSIGN_OR_RETURN(const float* pre, ws.Copy(io.pre.data() + first * hc, n * hc));
+  ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(n * D));
+  for (int64_t i = 0; i < n; ++i) {
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
+  }
+  RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->norm.data(), n, D, c.norm_eps, x));
+  if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, n * D, trace->final_norm));
+  const int64_t out_rows = all_logits ? S : 1;
+  ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(out_rows * V));
+  RETURN_IF_ERROR(
+      backend_.LinearF32(x + (n - out_rows) * D, out_rows, weights_->head.data(), V, D, logits));
+  return ws.ToHost(logits, out_rows * V);
 }
 
 void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
@@ -740,17 +826,18 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   return res;
 }
 
-absl::Status Model::StageKv(int L, const float* main_x, int64_t rows, int64_t start_pos,
-                            float* kv) const {
+absl::Status Model::StageKv(Scratch& ws, int L, const float* main_x, int64_t rows,
+                            int64_t start_pos, float* kv) const {
   const ModelConfig& c = config_;
   const AttentionWeights& A = weights_->layers[L].attn;
   const int64_t hd = c.head_dim;
   vector<int64_t> pos(rows);
   for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
+  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
   RETURN_IF_ERROR(backend_.LinearQuant(main_x, rows, A.wkv, kv));
   RETURN_IF_ERROR(backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv));
   RETURN_IF_ERROR(
-      RopeRows(L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos.data(), false));
+      RopeRows(ws, L, kv, rows, 1, static_cast<int>(hd), c.nope_head_dim(), pos_dev, false));
   return backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, rows, hd);
 }
 
@@ -759,13 +846,18 @@ absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, i
   const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
   const int64_t D = c.dim, hd = c.head_dim;
-  vector<float> mx(rows * D), kv(rows * hd);
-  RETURN_IF_ERROR(backend_.LinearQuant(main_hidden, rows, Dw.main_proj, mx.data()));
-  RETURN_IF_ERROR(backend_.RmsNorm(mx.data(), Dw.main_norm.data(), rows, D, c.norm_eps, mx.data()));
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const float* mh, ws.Copy(main_hidden, rows * Dw.main_proj.in));
+  ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(rows * D));
+  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(rows * hd));
+  RETURN_IF_ERROR(backend_.LinearQuant(mh, rows, Dw.main_proj, mx));
+  RETURN_IF_ERROR(backend_.RmsNorm(mx, Dw.main_norm.data(), rows, D, c.norm_eps, mx));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
-    RETURN_IF_ERROR(StageKv(L, mx.data(), rows, start_pos, kv.data()));
-    RETURN_IF_ERROR(state.swa[L].WritePositions(start_pos, rows, kv.data()));
+    RETURN_IF_ERROR(StageKv(ws, L, mx, rows, start_pos, kv));
+    RETURN_IF_ERROR(ws.Read(kv, rows * hd, [&](const float* v) {
+      return state.swa[L].WritePositions(start_pos, rows, v);
+    }));
   }
   return absl::OkStatus();
 }
@@ -969,41 +1061,53 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
                 hd = c.head_dim;
   const int64_t H = c.n_heads, W = c.window_size, nope = c.nope_head_dim();
   const int64_t pos = state.main_hidden_pos;
+  Scratch ws(backend_, scratch_pool_.get());
   vector<int32_t> block(B, static_cast<int32_t>(c.dspark_noise_token_id));
   block[0] = last_token;
-  vector<float> h(B * hc * D), pre(B * hc, 0.f);
-  RETURN_IF_ERROR(
-      backend_.Embed(weights_->embed.data(), D, block.data(), B, static_cast<int>(hc), h.data()));
-  for (int64_t i = 0; i < B; ++i) pre[i * hc] = 1.f;
+  ASSIGN_OR_RETURN(const int32_t* block_dev, ws.Copy(block));
+  ASSIGN_OR_RETURN(float* h, ws.Alloc<float>(B * hc * D));
+  RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, block_dev, B, static_cast<int>(hc), h));
+  vector<float> pre0(B * hc, 0.f);
+  for (int64_t i = 0; i < B; ++i) pre0[i * hc] = 1.f;
+  ASSIGN_OR_RETURN(float* pre, ws.Copy(pre0));
   vector<int64_t> qpos(B);
   for (int64_t i = 0; i < B; ++i) qpos[i] = pos + 1 + i;
+  ASSIGN_OR_RETURN(const int64_t* qpos_dev, ws.Copy(qpos));
+  ASSIGN_OR_RETURN(float* aP, ws.Alloc<float>(B * hc));
+  ASSIGN_OR_RETURN(float* aQ, ws.Alloc<float>(B * hc));
+  ASSIGN_OR_RETURN(float* aC, ws.Alloc<float>(B * hc * hc));
+  ASSIGN_OR_RETURN(float* fQ, ws.Alloc<float>(B * hc));
+  ASSIGN_OR_RETURN(float* fC, ws.Alloc<float>(B * hc * hc));
+  ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(B * D));
+  ASSIGN_OR_RETURN(float* y, ws.Alloc<float>(B * D));
+  ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(B * c.q_lora_rank));
+  ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(B * H * hd));
+  ASSIGN_OR_RETURN(float* kv_all, ws.Alloc<float>((W + B) * hd));
+  ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(B * H * hd));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
     const LayerWeights& LW = weights_->layers[L];
     const AttentionWeights& A = LW.attn;
-    vector<float> aP(B * hc), aQ(B * hc), aC(B * hc * hc), fQ(B * hc), fC(B * hc * hc), x(B * D),
-        y(B * D);
     for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcMixes(
-          1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_attn_fn.data(),
-          LW.hc_attn_scale.data(), LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-          c.norm_eps, aP.data() + i * hc, aQ.data() + i * hc, aC.data() + i * hc * hc));
-      RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
-                                     pre.data() + i * hc, x.data() + i * D));
+      RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D,
+                                       LW.hc_attn_fn.data(), LW.hc_attn_scale.data(),
+                                       LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                                       c.norm_eps, aP + i * hc, aQ + i * hc, aC + i * hc * hc));
+      RETURN_IF_ERROR(
+          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
     }
-    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), LW.attn_norm.data(), B, D, c.norm_eps, x.data()));
+    RETURN_IF_ERROR(backend_.RmsNorm(x, LW.attn_norm.data(), B, D, c.norm_eps, x));
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
-    vector<float> qr(B * c.q_lora_rank), q(B * H * hd), kv(B * hd);
-    RETURN_IF_ERROR(backend_.LinearQuant(x.data(), B, A.wq_a, qr.data()));
-    RETURN_IF_ERROR(
-        backend_.RmsNorm(qr.data(), A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr.data()));
-    RETURN_IF_ERROR(backend_.LinearQuant(qr.data(), B, A.wq_b, q.data()));
-    RETURN_IF_ERROR(RopeRows(L, q.data(), B, static_cast<int>(H), static_cast<int>(hd),
-                             static_cast<int>(nope), qpos.data(), false));
-    RETURN_IF_ERROR(StageKv(L, x.data(), B, pos + 1, kv.data()));
-    vector<float> kv_all((W + B) * hd);
-    state.swa[L].ReadWindow(kv_all.data());
-    std::copy(kv.begin(), kv.end(), kv_all.begin() + W * hd);
+    RETURN_IF_ERROR(backend_.LinearQuant(x, B, A.wq_a, qr));
+    RETURN_IF_ERROR(backend_.RmsNorm(qr, A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr));
+    RETURN_IF_ERROR(backend_.LinearQuant(qr, B, A.wq_b, q));
+    RETURN_IF_ERROR(RopeRows(ws, L, q, B, static_cast<int>(H), static_cast<int>(hd),
+                             static_cast<int>(nope), qpos_dev, false));
+    RETURN_IF_ERROR(ws.Fill(kv_all, W * hd, [&](float* d) {
+      state.swa[L].ReadWindow(d);
+      return absl::OkStatus();
+    }));
+    RETURN_IF_ERROR(StageKv(ws, L, x, B, pos + 1, kv_all + W * hd));
     const int64_t nring = std::min(W - 1, pos) + 1;
     const int64_t list_len = nring + B;
     vector<int32_t> idx(B * list_len);
@@ -1011,90 +1115,89 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
       for (int64_t j = 0; j < nring; ++j) idx[i * list_len + j] = static_cast<int32_t>(j);
       for (int64_t j = 0; j < B; ++j) idx[i * list_len + nring + j] = static_cast<int32_t>(W + j);
     }
-    vector<float> o(B * H * hd);
+    ASSIGN_OR_RETURN(const int32_t* idx_dev, ws.Copy(idx));
     kernels::SparseAttentionArgs args;
-    args.q = q.data();
-    args.kv = kv_all.data();
+    args.q = q;
+    args.kv = kv_all;
     args.sink = A.attn_sink.data();
-    args.idx = idx.data();
+    args.idx = idx_dev;
     args.rows = B;
     args.heads = static_cast<int>(H);
     args.head_dim = static_cast<int>(hd);
     args.list_len = list_len;
     args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
-    args.out = o.data();
+    args.out = o;
     RETURN_IF_ERROR(backend_.SparseAttention(args));
-    RETURN_IF_ERROR(RopeRows(L, o.data(), B, static_cast<int>(H), static_cast<int>(hd),
-                             static_cast<int>(nope), qpos.data(), true));
-    const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
-    vector<float> oa(B * G * R);
+    RETURN_IF_ERROR(RopeRows(ws, L, o, B, static_cast<int>(H), static_cast<int>(hd),
+                             static_cast<int>(nope), qpos_dev, true));
+    RETURN_IF_ERROR(OutputProjection(ws, A, o, B, y));
     for (int64_t i = 0; i < B; ++i) {
-      for (int64_t g = 0; g < G; ++g) {
-        RETURN_IF_ERROR(backend_.LinearBf16(o.data() + i * H * hd + g * gin, 1,
-                                            A.wo_a.data() + g * R * gin, R, gin,
-                                            oa.data() + (i * G + g) * R));
-      }
+      RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                      aQ + i * hc, aC + i * hc * hc, h + i * hc * D));
+      RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D,
+                                       LW.hc_ffn_fn.data(), LW.hc_ffn_scale.data(),
+                                       LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
+                                       c.norm_eps, pre + i * hc, fQ + i * hc, fC + i * hc * hc));
+      RETURN_IF_ERROR(
+          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP + i * hc, x + i * D));
     }
-    RETURN_IF_ERROR(backend_.LinearQuant(oa.data(), B, A.wo_b, y.data()));
+    RETURN_IF_ERROR(backend_.RmsNorm(x, LW.ffn_norm.data(), B, D, c.norm_eps, x));
+    RETURN_IF_ERROR(Moe(L, x, B, y));
     for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D,
-                                      static_cast<int>(hc), D, aQ.data() + i * hc,
-                                      aC.data() + i * hc * hc, h.data() + i * hc * D));
-      RETURN_IF_ERROR(backend_.HcMixes(
-          1, h.data() + i * hc * D, static_cast<int>(hc), D, LW.hc_ffn_fn.data(),
-          LW.hc_ffn_scale.data(), LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps,
-          pre.data() + i * hc, fQ.data() + i * hc, fC.data() + i * hc * hc));
-      RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
-                                     aP.data() + i * hc, x.data() + i * D));
-    }
-    RETURN_IF_ERROR(backend_.RmsNorm(x.data(), LW.ffn_norm.data(), B, D, c.norm_eps, x.data()));
-    RETURN_IF_ERROR(Moe(L, x.data(), B, y.data()));
-    for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcPost(1, y.data() + i * D, h.data() + i * hc * D,
-                                      static_cast<int>(hc), D, fQ.data() + i * hc,
-                                      fC.data() + i * hc * hc, h.data() + i * hc * D));
+      RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                      fQ + i * hc, fC + i * hc * hc, h + i * hc * D));
     }
   }
-  vector<float> x(B * D), xn(B * D);
+  ASSIGN_OR_RETURN(float* xn, ws.Alloc<float>(B * D));
   for (int64_t i = 0; i < B; ++i) {
-    RETURN_IF_ERROR(backend_.HcPre(1, h.data() + i * hc * D, static_cast<int>(hc), D,
-                                   pre.data() + i * hc, x.data() + i * D));
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
   }
-  RETURN_IF_ERROR(backend_.RmsNorm(x.data(), Dw.norm.data(), B, D, c.norm_eps, xn.data()));
-  DraftResult out;
-  out.logits.resize(B * V);
-  RETURN_IF_ERROR(backend_.LinearF32(xn.data(), B, weights_->head.data(), V, D, out.logits.data()));
+  RETURN_IF_ERROR(backend_.RmsNorm(x, Dw.norm.data(), B, D, c.norm_eps, xn));
+  ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(B * V));
+  RETURN_IF_ERROR(backend_.LinearF32(xn, B, weights_->head.data(), V, D, logits));
   const int64_t R = c.dspark_markov_rank;
+  DraftResult out;
   out.ids.assign(B + 1, 0);
   out.ids[0] = last_token;
-  out.confidence.resize(B);
-  vector<float> bias(V), cat(D + R);
+  ASSIGN_OR_RETURN(float* bias, ws.Alloc<float>(V));
+  ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(1));
+  ASSIGN_OR_RETURN(float* cat, ws.Alloc<float>(D + R));
+  ASSIGN_OR_RETURN(float* confidence, ws.Alloc<float>(B));
   for (int64_t i = 0; i < B; ++i) {
-    const float* e = Dw.markov_embed.data() + out.ids[i] * R;
-    RETURN_IF_ERROR(MarkovBias(out.ids[i], bias));
-    float* li = out.logits.data() + i * V;
-    RETURN_IF_ERROR(backend_.Add(li, bias.data(), V));
-    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, &out.ids[i + 1]));
+    RETURN_IF_ERROR(MarkovBiasInto(out.ids[i], bias));
+    float* li = logits + i * V;
+    RETURN_IF_ERROR(backend_.Add(li, bias, V));
+    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, best));
+    RETURN_IF_ERROR(ws.Download(best, 1, &out.ids[i + 1]));
     if (static_cast<int64_t>(forced_ids.size()) > i) out.ids[i + 1] = forced_ids[i];
-    std::copy_n(x.data() + i * D, D, cat.data());
-    RETURN_IF_ERROR(backend_.Copy(cat.data() + D, e, R * static_cast<int64_t>(sizeof(float))));
-    RETURN_IF_ERROR(
-        backend_.LinearF32(cat.data(), 1, Dw.confidence.data(), 1, D + R, &out.confidence[i]));
+    const float* e = Dw.markov_embed.data() + static_cast<int64_t>(out.ids[i]) * R;
+    RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));
+    RETURN_IF_ERROR(backend_.Copy(cat + D, e, R * static_cast<int64_t>(sizeof(float))));
+    RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));
   }
+  ASSIGN_OR_RETURN(out.logits, ws.ToHost(logits, B * V));
+  ASSIGN_OR_RETURN(out.confidence, ws.ToHost(confidence, B));
   return out;
 }
 
-absl::Status Model::MarkovBias(int32_t token, std::vector<float>& bias) const {
+absl::Status Model::MarkovBiasInto(int32_t token, float* bias) const {
   const ModelConfig& c = config_;
   if (c.n_mtp_layers == 0 || !weights_->dspark)
     return absl::FailedPreconditionError("model: MarkovBias needs DSpark stages");
   if (token < 0 || token >= c.vocab_size)
-    return absl::InvalidArgumentError(absl::StrCat("model: MarkovBias token ", token,
-                                                   " is outside the vocabulary"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: MarkovBias token ", token, " is outside the vocabulary"));
   const int64_t V = c.vocab_size, R = c.dspark_markov_rank;
-  bias.resize(V);
   return backend_.LinearF32(weights_->dspark->markov_embed.data() + token * R, 1,
-                            weights_->dspark->markov_head.data(), V, R, bias.data());
+                            weights_->dspark->markov_head.data(), V, R, bias);
+}
+
+absl::Status Model::MarkovBias(int32_t token, std::vector<float>& bias) const {
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(float* b, ws.Alloc<float>(config_.vocab_size));
+  RETURN_IF_ERROR(MarkovBiasInto(token, b));
+  return ws.DownloadTo(b, config_.vocab_size, bias);
 }
 
 }  // namespace epd::model

@@ -25,6 +25,9 @@
 
 namespace epd::model {
 
+class Scratch;      // model/scratch.h: a call's arrays in backend memory
+class ScratchPool;  // model/scratch.h: backend buffers kept for the next calls' Scratch
+
 struct ModelOptions {
   // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default:
   // true.
@@ -35,6 +38,8 @@ struct ModelOptions {
   bool unquantized_kv = false;
   // Capacity of the model's KV pool in bytes (0 = unbounded); see Model::kv_pool().
   int64_t kv_pool_bytes = 0;
+  // Backend memory kept between calls for their arrays (model/scratch.h), in bytes.
+  int64_t scratch_cache_bytes = int64_t{256} << 20;
 };
 
 // Per-sequence state kept between calls. The global KV (compressed entries and index keys of
@@ -137,6 +142,7 @@ class Model {
  public:
   Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramConstants engram,
         kernels::Backend& backend, ModelOptions options = {});
+  ~Model();
 
   // Loads config.json, the safetensors checkpoint and engram_constants.json from `dir`.
   [[nodiscard]] static absl::StatusOr<std::unique_ptr<Model>> Load(const std::string& dir,
@@ -153,6 +159,8 @@ class Model {
   // The pool the model's sequences hold their global KV in (thread-safe; SetCapacity sizes it).
   KvPool& kv_pool() const { return *kv_pool_; }
   const std::shared_ptr<KvPool>& kv_pool_ptr() const { return kv_pool_; }
+  // The backend buffers the model's calls take their arrays from and give back (thread-safe).
+  ScratchPool& scratch_pool() const { return *scratch_pool_; }
   // Bytes of one kKvBlockTokens-token block of global KV over all sources (the store's block).
   int64_t KvBlockBytes() const;
   // Pool bytes of a sequence's global KV at `tokens` positions (whole blocks of every stream,
@@ -209,7 +217,8 @@ class Model {
     bool prefill = true;
     std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied)
     int64_t topk_k = 0;
-    std::vector<uint8_t> cand;  // [rows, n_comp] candidate mask of the candidate source
+    kernels::Buffer cand;  // [rows, cand_cols] candidate mask of the candidate source
+                           // (backend memory)
     int64_t cand_cols = 0;
     bool per_row_keys = false;    // emulate single-token calls for the stale index keys
     int published_at_start = -1;  // state.published_keys when the call started
@@ -255,7 +264,8 @@ class Model {
                                         int64_t rows, int64_t start_pos) const;
 
   // The module entry points return the first backend error (the backend's ops return
-  // absl::Status).
+  // absl::Status). Their activation pointers (x, out, h) are the backend's memory (host memory
+  // on the CPU backend); hash ids are host memory.
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace = nullptr) const;
@@ -283,17 +293,24 @@ class Model {
                         SequenceState& state) const;
   // Indexer scores of one query row against keys [0, n) of a source, read through the pool:
   // single-row calls unpack the keys a few blocks at a time into a small scratch (cache-resident);
-  // multi-row calls unpack them once per call into `unpacked[layer]`. The scores do not depend on
-  // the chunking (each key's score is computed on its own).
-  absl::Status ScoreKeys(const KvRows& keys, int layer, int64_t rows, const float* q,
-                         const float* w, int heads, int64_t n, float* score,
-                         std::map<int, std::vector<float>>& unpacked) const;
-  absl::Status Block(int l, float* h, float* pre, Call& call, SequenceState& state,
+  // multi-row calls unpack all `available` rows of the source once per call into
+  // `unpacked[layer]`. The scores do not depend on the chunking (each key's score is computed on
+  // its own).
+  using UnpackedKeys = std::map<int, std::pair<const float*, int64_t>>;
+  absl::Status ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows, const float* q,
+                         const float* w, int heads, int64_t n, int64_t available, float* score,
+                         UnpackedKeys& unpacked) const;
+  absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
                      ForwardTrace* trace) const;
-  absl::Status RopeRows(int l, float* x, int64_t rows, int heads, int stride, int offset,
-                        const int64_t* positions, bool inverse) const;
-  absl::Status StageKv(int stage_layer, const float* main_x, int64_t rows, int64_t start_pos,
-                       float* kv) const;
+  absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
+                        int offset, const int64_t* positions, bool inverse) const;
+  absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
+                       int64_t start_pos, float* kv) const;
+  // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
+  absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
+                                int64_t rows, float* out) const;
+  // The Markov head's bias for `token` into bias [vocab] (backend memory).
+  absl::Status MarkovBiasInto(int32_t token, float* bias) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;
@@ -303,6 +320,7 @@ class Model {
   ModelOptions options_;
   std::vector<float> freqs_plain_, freqs_yarn_;
   std::shared_ptr<KvPool> kv_pool_;
+  std::unique_ptr<ScratchPool> scratch_pool_;  // internally synchronized
 };
 
 }  // namespace epd::model

@@ -5,6 +5,10 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <numeric>
 #include <string>
 
@@ -25,9 +29,32 @@ Status Bad(const char* op, const std::string& why) {
   return InvalidArgumentError(absl::StrCat("cpu backend: ", op, ": ", why));
 }
 
+// The live allocations of a backend with CpuBackendOptions::check_operands, by start address.
+// Shared with the buffers' deleters, which may run after the backend is gone.
+struct Allocations {
+  std::mutex mu;
+  std::map<uintptr_t, int64_t> live;
+
+  bool Contains(const void* p) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = live.upper_bound(a);
+    if (it == live.begin()) return false;
+    --it;
+    return a < it->first + static_cast<uintptr_t>(it->second);
+  }
+};
+
+// With check_operands, fails the op unless every non-null pointer operand lies in memory this
+// backend allocated (what a device backend needs: a host vector is not device memory).
+#define EPD_CHECK_OPERANDS(op, ...) \
+  if (Status operands_ = CheckOperands(op, __VA_ARGS__); !operands_.ok()) return operands_
+
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(CpuBackendOptions options) : options_(options) {}
+  explicit CpuBackend(CpuBackendOptions options)
+      : options_(options),
+        allocations_(options.check_operands ? std::make_shared<Allocations>() : nullptr) {}
 
   std::string_view Name() const override { return "cpu"; }
 
@@ -45,7 +72,20 @@ class CpuBackend final : public Backend {
       return absl::ResourceExhaustedError(
           absl::StrCat("cpu backend: Allocate: out of host memory for ", bytes, " bytes"));
     }
-    return Buffer(p, bytes, memory_kind(), stream, [](void* q) { std::free(q); });
+    if (allocations_ == nullptr) {
+      return Buffer(p, bytes, memory_kind(), stream, [](void* q) { std::free(q); });
+    }
+    {
+      std::lock_guard<std::mutex> lock(allocations_->mu);
+      allocations_->live[reinterpret_cast<uintptr_t>(p)] = bytes;
+    }
+    return Buffer(p, bytes, memory_kind(), stream, [a = allocations_](void* q) {
+      {
+        std::lock_guard<std::mutex> lock(a->mu);
+        a->live.erase(reinterpret_cast<uintptr_t>(q));
+      }
+      std::free(q);
+    });
   }
   Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
     if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {
@@ -68,6 +108,7 @@ class CpuBackend final : public Backend {
     return OkStatus();  // every op has finished when it returns
   }
   Status Copy(void* dst, const void* src, int64_t bytes) override {
+    EPD_CHECK_OPERANDS("Copy", {{"dst", dst}, {"src", src}});
     if (bytes < 0) return Bad("Copy", "negative size");
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return OkStatus();
@@ -75,6 +116,11 @@ class CpuBackend final : public Backend {
 
   // ---- Linears ----
   Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
+    EPD_CHECK_OPERANDS("LinearQuant",
+                       {{"x", x},
+                        {"w.codes", w.packed() ? w.codes.data() : nullptr},
+                        {"w.scale_codes", w.packed() ? w.scale_codes.data() : nullptr},
+                        {"y", y}});
     if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
     if (w.packed()) {
       if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
@@ -92,6 +138,7 @@ class CpuBackend final : public Backend {
   }
   Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
                     float* y) override {
+    EPD_CHECK_OPERANDS("LinearBf16", {{"x", x}, {"w", w}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearBf16(x, rows, w, out, in, y);
@@ -99,6 +146,7 @@ class CpuBackend final : public Backend {
   }
   Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
                    float* y) override {
+    EPD_CHECK_OPERANDS("LinearF32", {{"x", x}, {"w", w}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearF32(x, rows, w, out, in, y);
@@ -108,12 +156,15 @@ class CpuBackend final : public Backend {
   // ---- Norms, RoPE, rounding ----
   Status RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
                  float* y) override {
+    EPD_CHECK_OPERANDS("RmsNorm", {{"x", x}, {"w", w}, {"y", y}});
     if (rows < 0 || dim <= 0) return Bad("RmsNorm", "shape");
     cpu::RmsNormBf16(x, w, rows, dim, eps, y);
     return OkStatus();
   }
   Status RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
                     float* cos, float* sin) override {
+    EPD_CHECK_OPERANDS("RopeTables",
+                       {{"freqs", freqs}, {"positions", positions}, {"cos", cos}, {"sin", sin}});
     if (rows < 0 || n_pairs < 0) return Bad("RopeTables", "negative shape");
     for (int64_t r = 0; r < rows; ++r)
       RopeCosSin(freqs, n_pairs, positions[r], cos + r * n_pairs, sin + r * n_pairs);
@@ -121,26 +172,36 @@ class CpuBackend final : public Backend {
   }
   Status Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
               const float* cos, const float* sin, bool inverse) override {
+    EPD_CHECK_OPERANDS("Rope", {{"x", x}, {"cos", cos}, {"sin", sin}});
     if (rows < 0 || heads < 0 || offset < 0 || offset + 2 * n_pairs > stride)
       return Bad("Rope", "the rotated pairs do not fit the row stride");
     cpu::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse);
     return OkStatus();
   }
   Status RoundBf16(float* x, int64_t n) override {
+    EPD_CHECK_OPERANDS("RoundBf16", {{"x", x}});
     for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i]);
     return OkStatus();
   }
   Status ScaleRoundBf16(float* x, int64_t n, float scale) override {
+    EPD_CHECK_OPERANDS("ScaleRoundBf16", {{"x", x}});
     for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i] * scale);
     return OkStatus();
   }
   Status Add(float* x, const float* y, int64_t n) override {
+    EPD_CHECK_OPERANDS("Add", {{"x", x}, {"y", y}});
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
     return OkStatus();
   }
 
   // ---- Attention ----
   Status SparseAttention(const SparseAttentionArgs& args) override {
+    EPD_CHECK_OPERANDS("SparseAttention", {{"q", args.q},
+                                           {"kv", args.kv},
+                                           {"sink", args.sink},
+                                           {"idx", args.idx},
+                                           {"kv_ext", args.kv_ext},
+                                           {"out", args.out}});
     if (args.rows < 0 || args.heads < 0 || args.head_dim <= 0 || args.list_len < 0)
       return Bad("SparseAttention", "shape");
     ScopedScalarKernels s(!options_.simd);
@@ -149,6 +210,7 @@ class CpuBackend final : public Backend {
   }
   Status CompressPool(const float* kv, const float* score, int ratio, int64_t hd,
                       float* out) override {
+    EPD_CHECK_OPERANDS("CompressPool", {{"kv", kv}, {"score", score}, {"out", out}});
     if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
     for (int64_t ch = 0; ch < hd; ++ch) {
       float mx = -INFINITY;
@@ -167,6 +229,7 @@ class CpuBackend final : public Backend {
   }
   Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                        int64_t dim, float* score) override {
+    EPD_CHECK_OPERANDS("IndexerScores", {{"q", q}, {"w", w}, {"keys", keys}, {"score", score}});
     if (heads < 0 || n < 0 || dim < 0) return Bad("IndexerScores", "negative shape");
     ScopedScalarKernels s(!options_.simd);
     cpu::IndexerScores(q, w, heads, keys, n, dim, score);
@@ -174,6 +237,7 @@ class CpuBackend final : public Backend {
   }
   Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
                     int64_t mask_cols) override {
+    EPD_CHECK_OPERANDS("MaskScores", {{"score", score}, {"mask", mask}});
     for (int64_t t = std::max<int64_t>(valid, 0); t < n; ++t) score[t] = -INFINITY;
     if (mask != nullptr) {
       for (int64_t t = 0; t < n; ++t) {
@@ -183,6 +247,7 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
   Status StableTopK(const float* v, int64_t n, int64_t k, int32_t* out) override {
+    EPD_CHECK_OPERANDS("StableTopK", {{"v", v}, {"out", out}});
     if (n < 0 || k < 0) return Bad("StableTopK", "negative size");
     const std::vector<int32_t> idx = cpu::StableTopK(v, n, k);
     std::copy(idx.begin(), idx.end(), out);
@@ -190,6 +255,7 @@ class CpuBackend final : public Backend {
   }
   Status CandidateMask(const float* score, int64_t n, int64_t bs, int64_t visible,
                        int64_t keep_blocks, uint8_t* mask) override {
+    EPD_CHECK_OPERANDS("CandidateMask", {{"score", score}, {"mask", mask}});
     if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
     const int64_t nb = (n + bs - 1) / bs;
     std::vector<float> bscore(nb, -INFINITY);
@@ -206,6 +272,7 @@ class CpuBackend final : public Backend {
   }
   Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
                     int32_t* out) override {
+    EPD_CHECK_OPERANDS("SelectTopK", {{"score", score}, {"out", out}});
     if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     std::vector<int32_t> sel = cpu::StableTopK(score, n, k);
     std::sort(sel.begin(), sel.end());
@@ -219,6 +286,13 @@ class CpuBackend final : public Backend {
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                  const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                  float norm_eps, float* pre, float* post, float* comb) override {
+    EPD_CHECK_OPERANDS("HcMixes", {{"h", h},
+                                   {"fn", fn},
+                                   {"scale", scale},
+                                   {"base", base},
+                                   {"pre", pre},
+                                   {"post", post},
+                                   {"comb", comb}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
@@ -230,6 +304,13 @@ class CpuBackend final : public Backend {
   Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                             const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                             float norm_eps, float* pre, float* post, float* comb) override {
+    EPD_CHECK_OPERANDS("HcMixesSingleToken", {{"h", h},
+                                              {"fn", fn},
+                                              {"scale", scale},
+                                              {"base", base},
+                                              {"pre", pre},
+                                              {"post", post},
+                                              {"comb", comb}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
@@ -240,6 +321,7 @@ class CpuBackend final : public Backend {
   }
   Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
                float* y) override {
+    EPD_CHECK_OPERANDS("HcPre", {{"h", h}, {"pre", pre}, {"y", y}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPre", "shape");
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r)
@@ -248,6 +330,8 @@ class CpuBackend final : public Backend {
   }
   Status HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
                 const float* post, const float* comb, float* out) override {
+    EPD_CHECK_OPERANDS("HcPost",
+                       {{"y", y}, {"res", res}, {"post", post}, {"comb", comb}, {"out", out}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPost", "shape");
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
@@ -258,6 +342,7 @@ class CpuBackend final : public Backend {
   }
   Status HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y,
                 int64_t y_stride) override {
+    EPD_CHECK_OPERANDS("HcMean", {{"h", h}, {"y", y}});
     if (rows < 0 || hc <= 0 || dim < 0) return Bad("HcMean", "shape");
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t d = 0; d < dim; ++d) {
@@ -272,6 +357,9 @@ class CpuBackend final : public Backend {
   // ---- MoE ----
   Status MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
                   float route_scale, int32_t* experts, float* weights, int32_t* ranked) override {
+    EPD_CHECK_OPERANDS(
+        "MoeRoute",
+        {{"z", z}, {"bias", bias}, {"experts", experts}, {"weights", weights}, {"ranked", ranked}});
     const int64_t E = n_experts, K = top_k;
     if (K < 1 || K > E) return Bad("MoeRoute", absl::StrCat("top_k ", K, " of ", E, " experts"));
     std::vector<float> s(E), biased(E);
@@ -306,6 +394,7 @@ class CpuBackend final : public Backend {
   }
   Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
                 const float* row_weights, float* h) override {
+    EPD_CHECK_OPERANDS("SwiGlu", {{"g", g}, {"u", u}, {"row_weights", row_weights}, {"h", h}});
     // torch's F.silu: x / (1 + exp(-x)) with Sleef's exp (its vectorized path, which covers a
     // [rows, inter] tensor whenever inter % 16 == 0, as in every released and test model; the
     // rows are kept independent of each other for batch invariance).
@@ -323,7 +412,21 @@ class CpuBackend final : public Backend {
     }
     return OkStatus();
   }
+  Status CopyRows(const float* src, const int64_t* src_rows, float* dst, const int64_t* dst_rows,
+                  int64_t n, int64_t dim) override {
+    EPD_CHECK_OPERANDS(
+        "CopyRows", {{"src", src}, {"src_rows", src_rows}, {"dst", dst}, {"dst_rows", dst_rows}});
+    if (n < 0 || dim < 0) return Bad("CopyRows", "negative shape");
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t from = src_rows != nullptr ? src_rows[i] : i;
+      const int64_t to = dst_rows != nullptr ? dst_rows[i] : i;
+      if (from < 0 || to < 0) return Bad("CopyRows", absl::StrCat("negative row at ", i));
+      std::memcpy(dst + to * dim, src + from * dim, static_cast<size_t>(dim) * sizeof(float));
+    }
+    return OkStatus();
+  }
   Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out) override {
+    EPD_CHECK_OPERANDS("SumSlots", {{"ys", ys}, {"out", out}});
     std::vector<float> acc(dim);
     for (int64_t r = 0; r < rows; ++r) {
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -339,6 +442,9 @@ class CpuBackend final : public Backend {
   // ---- Engram ----
   Status Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
                       const int64_t* ids, int64_t n, float* out) override {
+    EPD_CHECK_OPERANDS(
+        "Fp8RowLookup",
+        {{"table", table}, {"table_scale", table_scale}, {"ids", ids}, {"out", out}});
     if (dim % 32 != 0) return Bad("Fp8RowLookup", "dim must be a multiple of 32");
     for (int64_t r = 0; r < n; ++r) {
       const uint8_t* w = table + ids[r] * dim;
@@ -351,11 +457,15 @@ class CpuBackend final : public Backend {
   }
   Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t D,
                     const float* q_weight, const float* k_weight, float norm_eps) override {
+    EPD_CHECK_OPERANDS("EngramGate",
+                       {{"h", h}, {"e", e}, {"q_weight", q_weight}, {"k_weight", k_weight}});
     return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/true);
   }
   Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc, int64_t D,
                                const float* q_weight, const float* k_weight,
                                float norm_eps) override {
+    EPD_CHECK_OPERANDS("EngramGateSingleToken",
+                       {{"h", h}, {"e", e}, {"q_weight", q_weight}, {"k_weight", k_weight}});
     return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/false);
   }
   // The reference's torch expression, bit for bit: dot = (h * (qw * kw) * key).sum(-1) *
@@ -391,6 +501,7 @@ class CpuBackend final : public Backend {
   }
   Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                float* h) override {
+    EPD_CHECK_OPERANDS("Embed", {{"table", table}, {"ids", ids}, {"h", h}});
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t j = 0; j < hc; ++j)
         std::copy_n(table + static_cast<int64_t>(ids[i]) * dim, dim, h + (i * hc + j) * dim);
@@ -399,6 +510,7 @@ class CpuBackend final : public Backend {
   }
 
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
+    EPD_CHECK_OPERANDS("QuantDequant", {{"x", x}});
     for (int64_t r = 0; r < rows; ++r) {
       switch (kind) {
         case Qdq::kFp8Window:
@@ -416,6 +528,7 @@ class CpuBackend final : public Backend {
   }
 
   Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
+    EPD_CHECK_OPERANDS("Argmax", {{"x", x}, {"out", out}});
     if (n <= 0) return Bad("Argmax", "empty rows");
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * n;
@@ -425,7 +538,20 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  Status CheckOperands(const char* op,
+                       std::initializer_list<std::pair<const char*, const void*>> operands) {
+    if (allocations_ == nullptr) return OkStatus();
+    for (const auto& [name, p] : operands) {
+      if (p != nullptr && !allocations_->Contains(p)) {
+        return absl::InternalError(absl::StrCat("cpu backend: ", op, ": operand ", name,
+                                                " is not memory of this backend"));
+      }
+    }
+    return OkStatus();
+  }
+
   CpuBackendOptions options_;
+  std::shared_ptr<Allocations> allocations_;  // check_operands only
 };
 
 }  // namespace

@@ -395,6 +395,12 @@ class CudaBackend final : public Backend {
     return Run("SwiGlu",
                [&] { return cuda::SwiGlu(g, u, rows, inter, lim, row_weights, h, streams_[0]); });
   }
+  Status CopyRows(const float* src, const int64_t* src_rows, float* dst, const int64_t* dst_rows,
+                  int64_t n, int64_t dim) override {
+    if (n < 0 || dim < 0) return Bad("CopyRows", "negative shape");
+    return Run("CopyRows",
+               [&] { return cuda::CopyRows(src, src_rows, dst, dst_rows, n, dim, streams_[0]); });
+  }
   Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out) override {
     return Run("SumSlots", [&] { return cuda::SumSlots(ys, rows, slots, dim, out, streams_[0]); });
   }

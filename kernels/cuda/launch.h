@@ -64,6 +64,8 @@ cudaError_t HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y, 
                    cudaStream_t stream);
 cudaError_t SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float limit,
                    const float* row_weights, float* h, cudaStream_t stream);
+cudaError_t CopyRows(const float* src, const int64_t* src_rows, float* dst,
+                     const int64_t* dst_rows, int64_t n, int64_t dim, cudaStream_t stream);
 cudaError_t SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out,
                      cudaStream_t stream);
 cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,

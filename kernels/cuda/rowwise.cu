@@ -195,6 +195,17 @@ __global__ void SwiGluKernel(const float* g, const float* u, int64_t n, int64_t 
   h[e] = RoundBf16(row_weights != nullptr ? silu * uu * row_weights[e / inter] : silu * uu);
 }
 
+// cpu_backend.cc CopyRows: one thread per element; a null index list is the identity.
+__global__ void CopyRowsKernel(const float* src, const int64_t* src_rows, float* dst,
+                               const int64_t* dst_rows, int64_t n, int64_t dim) {
+  const int64_t e = Tid();
+  if (e >= n * dim) return;
+  const int64_t i = e / dim, d = e % dim;
+  const int64_t from = src_rows != nullptr ? src_rows[i] : i;
+  const int64_t to = dst_rows != nullptr ? dst_rows[i] : i;
+  dst[to * dim + d] = src[from * dim + d];
+}
+
 // cpu_backend.cc SumSlots: slots summed in order from 0.
 __global__ void SumSlotsKernel(const float* ys, int64_t rows, int64_t slots, int64_t dim,
                                float* out) {
@@ -366,6 +377,13 @@ cudaError_t SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, 
   const int64_t n = rows * inter;
   if (n <= 0) return cudaSuccess;
   SwiGluKernel<<<GridFor(n), kThreads, 0, stream>>>(g, u, n, inter, limit, row_weights, h);
+  return cudaGetLastError();
+}
+
+cudaError_t CopyRows(const float* src, const int64_t* src_rows, float* dst,
+                     const int64_t* dst_rows, int64_t n, int64_t dim, cudaStream_t stream) {
+  if (n * dim <= 0) return cudaSuccess;
+  CopyRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(src, src_rows, dst, dst_rows, n, dim);
   return cudaGetLastError();
 }
 

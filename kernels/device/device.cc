@@ -66,9 +66,10 @@ absl::Status CheckModelCanRunOn(const DeviceSpec& spec) {
 #endif
   return absl::FailedPreconditionError(absl::StrCat(
       where,
-      " is present and the CUDA backend opens on it, but the model forward cannot run "
-      "there yet: model/model.cc keeps its activations in host memory (std::vector<float>), which "
-      "a device backend cannot read; run with --device cpu (docs/cuda.md)"));
+      " is present and the CUDA backend opens on it, but epd cannot run there yet: the "
+      "model forward runs in backend memory (model/scratch.h) but has not been verified on a "
+      "GPU (tests/gpu/cuda_model_test, run by tests/gpu/device_check.sh); run with --device cpu "
+      "(docs/cuda.md)"));
 }
 
 }  // namespace epd::kernels

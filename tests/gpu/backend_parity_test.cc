@@ -907,6 +907,27 @@ PARITY_CASE(SumSlots) {
   Compare(env, res[0], res[1], Tol::Exact(), "sum");
 }
 
+PARITY_CASE(CopyRows) {
+  // Tolerance: exact (copies). A gather (destination rows in order), a scatter (source rows in
+  // order) and both lists at once, as the MoE groups rows by expert and puts them back.
+  const int64_t rows = 7, dim = 70;
+  const auto src = Normal(env.rng, rows * dim);
+  const std::vector<int64_t> gather = {6, 0, 3, 3}, scatter = {9, 2, 11, 0};
+  for (int mode = 0; mode < 3; ++mode) {
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* dst = s->In(std::vector<float>(12 * dim, -1.f));
+      EXPECT_OP_OK(*s, s->b().CopyRows(s->In(src), mode != 1 ? s->In(gather) : nullptr, dst,
+                                       mode != 0 ? s->In(scatter) : nullptr, 4, dim));
+      res.push_back(s->Read(dst, 12 * dim));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(),
+            mode == 0   ? "gather"
+            : mode == 1 ? "scatter"
+                        : "both");
+  }
+}
+
 // ---- Engram ----
 PARITY_CASE(Fp8RowLookup) {
   // Tolerance: exact (E4M3 x E8M0, bf16).

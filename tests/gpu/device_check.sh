@@ -60,7 +60,7 @@ echo "== configure + build (Release, sm_$ARCHS, -j$JOBS) =="
 BIN=""  # folder of cuda_bench; the tests are in $BIN/tests (build) or $BIN (prebuilt)
 TESTS=""
 TARGETS="backend_parity_cuda_test backend_parity_test cuda_kernels_test device_test codec_test
-         cuda_weights_test cuda_bench"
+         cuda_weights_test cuda_model_test cuda_bench"
 if [ "${EPD_GPU_FORCE_PREBUILT:-0}" != 1 ] && step configure 120 "$LOGS/configure.log" \
      cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPD_CUDA_ARCHS="$ARCHS" \
            -DCMAKE_CUDA_ARCHITECTURES="$ARCHS"; then
@@ -90,7 +90,8 @@ if [ -n "$TESTS" ] && [ -x "$TESTS/backend_parity_cuda_test" ]; then
     step ctest_unit_parity 60 "$LOGS/ctest_unit.log" \
       bash -c "cd '$BUILD' && ctest -R 'BackendParity|CodecTest|DeviceTest' -L unit -j 8 --timeout 50"
   else
-    for t in cuda_kernels_test cuda_weights_test backend_parity_test codec_test device_test; do
+    for t in cuda_kernels_test cuda_weights_test cuda_model_test backend_parity_test codec_test \
+             device_test; do
       step "$t" 120 "$LOGS/$t.log" "$TESTS/$t"
     done
   fi

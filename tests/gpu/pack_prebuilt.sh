@@ -11,8 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 BUILD="${EPD_BUILD_DIR:-build}"
 OUTDIR="${1:-.gpu-prebuilt}"
-BINS="tests/backend_parity_cuda_test tests/backend_parity_test tests/cuda_kernels_test tests/cuda_weights_test
-      tests/device_test tests/codec_test cuda_bench"
+BINS="tests/backend_parity_cuda_test tests/backend_parity_test tests/cuda_kernels_test
+      tests/cuda_weights_test tests/cuda_model_test tests/device_test tests/codec_test cuda_bench"
 targets=""
 for b in $BINS; do targets="$targets $(basename "$b")"; done
 # shellcheck disable=SC2086

@@ -38,7 +38,8 @@ TEST(DeviceTest, CudaIsRefusedNamingTheDevice) {
   const DeviceSpec spec{DeviceSpec::Kind::kCuda, 0};
   auto b = MakeBackend(spec);
   const absl::Status model = CheckModelCanRunOn(spec);
-  // The model forward keeps host activations: cuda is refused with or without a GPU.
+  // The forward has not been verified on a GPU (tests/gpu/cuda_model_test): cuda is refused with
+  // or without one.
   EXPECT_EQ(model.code(), absl::StatusCode::kFailedPrecondition) << model;
   EXPECT_NE(model.message().find("cuda:0"), std::string::npos) << model;
   if (b.ok()) {

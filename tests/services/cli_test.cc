@@ -110,7 +110,8 @@ TEST(CliTest, ServeDSparkKOutsideItsRangeIsRejected) {
 
 // --device cuda on a machine without a GPU (CI): every entry point fails at once (exit != 0, no
 // model read, nothing started) with a message naming the missing device and the cause. On a GPU
-// machine the same commands still fail, saying that the model forward cannot run there yet.
+// machine the same commands still fail, saying that epd cannot run there yet (the forward has not
+// been verified on a GPU).
 void ExpectCudaRefused(const std::string& cmd, const std::string& device) {
   std::string out;
   EXPECT_NE(RunCommand(cmd + " 2>&1", &out), 0) << cmd;

@@ -93,15 +93,19 @@ inline std::vector<float> ReadGoldenBf16(const std::string& set, const std::stri
 }
 
 // The golden tiny model of `set` on `backend`; errors name the file that failed.
+// `weights_in_backend`: the weights are loaded into the backend's memory (as Model::Load does)
+// instead of being read in place from the checkpoint's mapping.
 inline absl::StatusOr<std::unique_ptr<model::Model>> LoadGoldenModel(
-    kernels::Backend& backend, const std::string& set, model::ModelOptions options = {}) {
+    kernels::Backend& backend, const std::string& set, model::ModelOptions options = {},
+    bool weights_in_backend = false) {
   const std::string dir = std::string(kGoldenRoot) + set + "/";
   auto cfg = model::LoadModelConfig(SourcePath(dir + "config.json"));
   if (!cfg.ok()) return cfg.status();
   auto store = model::TensorStore::Open(SourcePath(dir + "model.safetensors"), false);
   if (!store.ok()) return store.status();
   auto w =
-      model::ModelWeights::Load(*cfg, std::shared_ptr<const model::TensorStore>(std::move(*store)));
+      model::ModelWeights::Load(*cfg, std::shared_ptr<const model::TensorStore>(std::move(*store)),
+                                weights_in_backend ? &backend : nullptr);
   if (!w.ok()) return w.status();
   auto k = model::ParseEngramConstantsJson(ReadGoldenText(set, "manifest.json"));
   if (!k.ok()) return k.status();

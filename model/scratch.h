@@ -1,0 +1,168 @@
+#pragma once
+
+// A forward call's scratch in the backend's memory (host memory on the CPU backend, device memory
+// on CUDA), and the copies at the edges of the forward: token ids and index lists built on the
+// host go up, routing and top-k results the host needs come down, and so do the rows the KV pool
+// (host slabs today, docs/cuda.md) keeps. Every op of the forward gets pointers into a Scratch or
+// into the weights, never into a host vector (`CpuBackendOptions::check_operands` tests it).
+#include <algorithm>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
+#include "kernels/backend.h"
+
+namespace epd::model {
+
+// Backend buffers kept for the Scratch of later calls. A call's arrays have the same few sizes
+// layer after layer and step after step, and a device allocation (cudaMalloc, cudaFree)
+// synchronizes the device, so a decode step in its steady state should allocate nothing. Buffers
+// are kept by size class (powers of two, at least 4 KiB) up to `max_cached_bytes`; a buffer
+// given back beyond that is freed. Thread-safe; must not outlive its backend.
+class ScratchPool {
+ public:
+  ScratchPool(kernels::Backend& backend, int64_t max_cached_bytes)
+      : backend_(backend), max_cached_(max_cached_bytes) {}
+  ScratchPool(const ScratchPool&) = delete;
+  ScratchPool& operator=(const ScratchPool&) = delete;
+
+  // A buffer of at least `bytes` (its bytes() is the size class).
+  absl::StatusOr<kernels::Buffer> Take(int64_t bytes);
+  void Give(kernels::Buffer buffer);
+
+  int64_t cached_bytes() const;
+  // Backend allocations made so far (a steady state makes none).
+  int64_t allocations() const;
+
+ private:
+  kernels::Backend& backend_;
+  const int64_t max_cached_;
+  mutable std::mutex mu_;
+  std::map<int64_t, std::vector<kernels::Buffer>> free_;  // by size class
+  int64_t cached_ = 0;
+  int64_t allocations_ = 0;
+};
+
+class Scratch {
+ public:
+  // `pool` (optional): where the arrays come from and go back to when the scratch ends.
+  // `parent`: an enclosing call's scratch, whose arrays Upload/Download also reach.
+  explicit Scratch(kernels::Backend& backend, ScratchPool* pool = nullptr,
+                   Scratch* parent = nullptr)
+      : backend_(backend), pool_(pool), parent_(parent) {}
+  ~Scratch() {
+    if (pool_ == nullptr) return;
+    for (auto& [start, buffer] : buffers_) pool_->Give(std::move(buffer));
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+
+  // n elements, uninitialized.
+  template <typename T>
+  absl::StatusOr<T*> Alloc(int64_t n) {
+    if (n < 0) return absl::InvalidArgumentError(absl::StrCat("scratch: negative size ", n));
+    const int64_t bytes = std::max<int64_t>(1, n) * static_cast<int64_t>(sizeof(T));
+    auto buf = pool_ != nullptr ? pool_->Take(bytes) : backend_.Allocate(bytes);
+    if (!buf.ok()) return buf.status();
+    T* p = buf->template as<T>();
+    buffers_.emplace(reinterpret_cast<uintptr_t>(p), std::move(*buf));
+    return p;
+  }
+  // n elements with the host values `host` (n of them).
+  template <typename T>
+  absl::StatusOr<T*> Copy(const T* host, int64_t n) {
+    auto p = Alloc<T>(n);
+    if (!p.ok()) return p.status();
+    if (absl::Status s = Upload(*p, host, n); !s.ok()) return s;
+    return *p;
+  }
+  template <typename T>
+  absl::StatusOr<T*> Copy(const std::vector<T>& host) {
+    return Copy(host.data(), static_cast<int64_t>(host.size()));
+  }
+  // n elements, each `value`.
+  template <typename T>
+  absl::StatusOr<T*> Filled(int64_t n, T value) {
+    return Copy(std::vector<T>(static_cast<size_t>(std::max<int64_t>(0, n)), value));
+  }
+
+  // Host -> the n elements at dst (inside one of this scratch's arrays).
+  template <typename T>
+  absl::Status Upload(T* dst, const T* host, int64_t n) {
+    if (n == 0) return absl::OkStatus();
+    int64_t offset = 0;
+    kernels::Buffer* b = Find(dst, n * static_cast<int64_t>(sizeof(T)), &offset);
+    if (b == nullptr) return absl::InternalError("scratch: upload target is not scratch memory");
+    return backend_.Upload(host, n * static_cast<int64_t>(sizeof(T)), *b, offset);
+  }
+  // The n elements at src (inside one of this scratch's arrays) -> host.
+  template <typename T>
+  absl::Status Download(const T* src, int64_t n, T* host) {
+    if (n == 0) return absl::OkStatus();
+    int64_t offset = 0;
+    kernels::Buffer* b = Find(src, n * static_cast<int64_t>(sizeof(T)), &offset);
+    if (b == nullptr) return absl::InternalError("scratch: download source is not scratch memory");
+    return backend_.Download(*b, offset, n * static_cast<int64_t>(sizeof(T)), host);
+  }
+  template <typename T>
+  absl::Status DownloadTo(const T* src, int64_t n, std::vector<T>& host) {
+    host.resize(static_cast<size_t>(n));
+    return Download(src, n, host.data());
+  }
+  template <typename T>
+  absl::StatusOr<std::vector<T>> ToHost(const T* src, int64_t n) {
+    std::vector<T> out(static_cast<size_t>(n));
+    if (absl::Status s = Download(src, n, out.data()); !s.ok()) return s;
+    return out;
+  }
+
+  // Writes n elements at dst (scratch memory) with `write(T* where)`: in place when the backend's
+  // memory is host memory, else into a host staging array that is then uploaded.
+  template <typename T, typename F>
+  absl::Status Fill(T* dst, int64_t n, F&& write) {
+    if (host_visible()) return write(dst);
+    std::vector<T> tmp(static_cast<size_t>(n));
+    if (absl::Status s = write(tmp.data()); !s.ok()) return s;
+    return Upload(dst, tmp.data(), n);
+  }
+  // Reads n elements at src (scratch memory) with `read(const T* where)`: in place when the
+  // backend's memory is host memory, else from a downloaded copy.
+  template <typename T, typename F>
+  absl::Status Read(const T* src, int64_t n, F&& read) {
+    if (host_visible()) return read(src);
+    std::vector<T> tmp(static_cast<size_t>(n));
+    if (absl::Status s = Download(src, n, tmp.data()); !s.ok()) return s;
+    return read(static_cast<const T*>(tmp.data()));
+  }
+
+  // Whether the host may read and write this backend's memory directly (the CPU backend).
+  bool host_visible() const { return backend_.memory_kind() == kernels::MemoryKind::kHost; }
+  kernels::Backend& backend() { return backend_; }
+
+ private:
+  // The buffer holding [p, p + bytes), and p's offset in it.
+  kernels::Buffer* Find(const void* p, int64_t bytes, int64_t* offset) {
+    const auto a = reinterpret_cast<uintptr_t>(p);
+    auto it = buffers_.upper_bound(a);
+    if (it != buffers_.begin()) {
+      --it;
+      const int64_t off = static_cast<int64_t>(a - it->first);
+      if (off + bytes <= it->second.bytes()) {
+        *offset = off;
+        return &it->second;
+      }
+    }
+    return parent_ != nullptr ? parent_->Find(p, bytes, offset) : nullptr;
+  }
+
+  kernels::Backend& backend_;
+  ScratchPool* pool_;
+  Scratch* parent_;
+  std::map<uintptr_t, kernels::Buffer> buffers_;  // by start address
+};
+
+}  // namespace epd::model

@@ -1,0 +1,106 @@
+// model/scratch.h: a call's arrays in backend memory, the copies at the forward's edges, and the
+// pool that keeps backend buffers between calls (a device allocation synchronizes the device).
+#include "model/scratch.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kernels/backend.h"
+#include "tests/testing/nano_model.h"
+
+namespace epd::model {
+namespace {
+
+TEST(ScratchPoolTest, BuffersAreReusedBySizeClassUpToTheCap) {
+  auto b = kernels::MakeCpuBackend();
+  ScratchPool pool(*b, 16384);
+  auto x = pool.Take(5000);
+  ASSERT_TRUE(x.ok()) << x.status();
+  EXPECT_EQ(x->bytes(), 8192);
+  const void* p = x->data();
+  pool.Give(std::move(*x));
+  EXPECT_EQ(pool.cached_bytes(), 8192);
+  auto y = pool.Take(6000);  // same class: the same buffer, no new allocation
+  ASSERT_TRUE(y.ok());
+  EXPECT_EQ(y->data(), p);
+  EXPECT_EQ(pool.allocations(), 1);
+  auto z = pool.Take(100);  // smallest class: 4 KiB
+  ASSERT_TRUE(z.ok());
+  EXPECT_EQ(z->bytes(), 4096);
+  auto w = pool.Take(9000);
+  ASSERT_TRUE(w.ok());
+  EXPECT_EQ(w->bytes(), 16384);
+  EXPECT_EQ(pool.allocations(), 3);
+  pool.Give(std::move(*y));
+  pool.Give(std::move(*z));
+  pool.Give(std::move(*w));  // over the 16 KiB cap: freed
+  EXPECT_EQ(pool.cached_bytes(), 8192 + 4096);
+}
+
+TEST(ScratchTest, CopiesReachOwnAndParentArraysOnlyAndStageOnADevice) {
+  for (const bool device : {false, true}) {
+    SCOPED_TRACE(device ? "device memory (staged)" : "host memory (in place)");
+    auto b = kernels::MakeCpuBackend({.report_device_memory = device});
+    ScratchPool pool(*b, 1 << 20);
+    Scratch outer(*b, &pool);
+    auto a = outer.Copy(std::vector<float>{1, 2, 3, 4});
+    ASSERT_TRUE(a.ok()) << a.status();
+    EXPECT_EQ(outer.host_visible(), !device);
+    {
+      Scratch inner(*b, &pool, &outer);
+      auto c = inner.Filled<int32_t>(3, 7);
+      ASSERT_TRUE(c.ok());
+      EXPECT_EQ(*inner.ToHost(*c, 3), (std::vector<int32_t>{7, 7, 7}));
+      // The parent's arrays are reachable from the inner scratch, at an offset too.
+      const float two[2] = {9, 8};
+      ASSERT_TRUE(inner.Upload(*a + 1, two, 2).ok());
+      EXPECT_EQ(*inner.ToHost(static_cast<const float*>(*a), 4), (std::vector<float>{1, 9, 8, 4}));
+      // Fill / Read: in place on host memory, through a staging copy on a device.
+      ASSERT_TRUE(inner
+                      .Fill(*a, 4,
+                            [](float* d) {
+                              for (int i = 0; i < 4; ++i) d[i] = 10.f + i;
+                              return absl::OkStatus();
+                            })
+                      .ok());
+      float sum = 0;
+      ASSERT_TRUE(inner
+                      .Read(static_cast<const float*>(*a), 4,
+                            [&](const float* v) {
+                              for (int i = 0; i < 4; ++i) sum += v[i];
+                              return absl::OkStatus();
+                            })
+                      .ok());
+      EXPECT_EQ(sum, 46.f);
+    }
+    // The inner scratch gave its array back to the pool.
+    EXPECT_EQ(pool.cached_bytes(), 4096);
+    // Memory that is not a scratch array, or a range past an array's end, is refused.
+    std::vector<float> host(4);
+    EXPECT_FALSE(outer.Download(host.data(), 4, host.data()).ok());
+    EXPECT_FALSE(outer.Download(static_cast<const float*>(*a), 2048, host.data()).ok());
+  }
+}
+
+using ScratchModelTest = testing::NanoModelTest;
+
+TEST_F(ScratchModelTest, ADecodeStepInItsSteadyStateAllocatesNothing) {
+  auto st = model_->NewSequence();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back(5 + i);
+  ASSERT_TRUE(model_->Prefill(*st, prompt, false).ok());
+  ASSERT_TRUE(model_->Decode(*st, 11).ok());
+  ASSERT_TRUE(model_->Draft(*st, 11).ok());
+  const int64_t warm = model_->scratch_pool().allocations();
+  EXPECT_GT(warm, 0);
+  for (int32_t t : {12, 13, 14, 15}) {
+    ASSERT_TRUE(model_->Decode(*st, t).ok());
+    ASSERT_TRUE(model_->Draft(*st, t).ok());
+  }
+  EXPECT_EQ(model_->scratch_pool().allocations(), warm);
+  EXPECT_GT(model_->scratch_pool().cached_bytes(), 0);
+}
+
+}  // namespace
+}  // namespace epd::model
