@@ -277,12 +277,12 @@ class Backend {
   // [rows, inter]; row_weights [rows] or null.
   virtual absl::Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter,
                               float limit, const float* row_weights, float* h) = 0;
-  // out[r, :] = bf16(sum_j ys[r, j, :]) (in order j), ys [rows, slots, dim].
   // Row copies: dst[dst_rows[i], :] = src[src_rows[i], :] for i < n, rows of `dim` floats; a null
   // index list means rows 0..n-1 (a gather: dst_rows null; a scatter: src_rows null). Each
   // destination row must appear once. Exact (the MoE's grouping of rows by expert).
   virtual absl::Status CopyRows(const float* src, const int64_t* src_rows, float* dst,
                                 const int64_t* dst_rows, int64_t n, int64_t dim) = 0;
+  // out[r, :] = bf16(sum_j ys[r, j, :]) (in order j), ys [rows, slots, dim].
   virtual absl::Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim,
                                 float* out) = 0;
 
@@ -372,8 +372,11 @@ struct CpuBackendOptions {
   // serving process.
   bool report_device_memory = false;
   // Test seam (tests/model/operand_memory_test.cc): every op fails, naming the op and the operand,
-  // unless each pointer it is given lies in memory this backend allocated and has not freed. A
-  // forward that passes on it hands a device backend only device memory. Never set in a serving
+  // unless each pointer it is given starts in memory this backend allocated and has not freed. A
+  // forward that passes on it hands a device backend only device memory; use it with
+  // report_device_memory, so the model takes its device paths (the KV pool's slabs then come from
+  // a separate host backend, and the host copies stage through Upload / Download). Checks start
+  // addresses only; a decoded QuantWeight (host values) is not checked. Never set in a serving
   // process (each op then takes a lock per operand).
   bool check_operands = false;
 };

@@ -39,6 +39,12 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
                    c.kv_source_layers, c.vocab_size, options_.unquantized_kv);
   kv_pool_ = std::make_shared<KvPool>(options_.kv_pool_bytes, seed, &backend_);
   scratch_pool_ = std::make_unique<ScratchPool>(backend_, options_.scratch_cache_bytes);
+  vector<float> both = freqs_plain_;
+  both.insert(both.end(), freqs_yarn_.begin(), freqs_yarn_.end());
+  const auto bytes = static_cast<int64_t>(both.size() * sizeof(float));
+  if (auto f = backend_.Allocate(bytes); f.ok() && backend_.Upload(both.data(), bytes, *f).ok()) {
+    freqs_dev_ = std::move(*f);
+  }
 }
 
 Model::~Model() = default;
@@ -122,9 +128,15 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
 
 absl::Status Model::RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                              int offset, const int64_t* positions, bool inverse) const {
-  const vector<float>& f = roles_[l].compress_ratio > 0 ? freqs_yarn_ : freqs_plain_;
+  const bool yarn = roles_[l].compress_ratio > 0;
+  const vector<float>& f = yarn ? freqs_yarn_ : freqs_plain_;
   const int np = static_cast<int>(f.size());
-  ASSIGN_OR_RETURN(const float* freqs, ws.Copy(f));
+  const float* freqs = nullptr;
+  if (!freqs_dev_.empty()) {
+    freqs = freqs_dev_.as<float>() + (yarn ? freqs_plain_.size() : 0);
+  } else {
+    ASSIGN_OR_RETURN(freqs, ws.Copy(f));
+  }
   ASSIGN_OR_RETURN(float* cs, ws.Alloc<float>(rows * np));
   ASSIGN_OR_RETURN(float* sn, ws.Alloc<float>(rows * np));
   RETURN_IF_ERROR(backend_.RopeTables(freqs, np, positions, rows, cs, sn));
@@ -339,25 +351,39 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         ASSIGN_OR_RETURN(int32_t * topk, ws.Alloc<int32_t>(S * k));
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
-          ASSIGN_OR_RETURN(call.cand, backend_.Allocate(S * nk));
+          if (call.scratch != nullptr) {
+            ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
+          } else {
+            ASSIGN_OR_RETURN(call.cand_owned, backend_.Allocate(S * nk));
+            call.cand = call.cand_owned.as<uint8_t>();
+          }
           call.cand_cols = nk;
         }
-        const uint8_t* cand = call.cand_cols > 0 ? call.cand.as<uint8_t>() : nullptr;
+        const uint8_t* cand = call.cand_cols > 0 ? call.cand : nullptr;
+        // Each row's key source (decode semantics: the keys a single-token call at its position
+        // would see) and how many of its keys it scores; multi-row calls unpack, per source, the
+        // most any row scores.
+        vector<int> keysrc(S);
+        vector<int64_t> scored(S);
+        std::map<int, int64_t> most_scored;
         for (int64_t i = 0; i < S; ++i) {
           const int64_t visible = (pos[i] + 1) / ratio;
-          // Decode semantics: each row sees the keys a single-token call at its position would.
-          const int keysrc = options_.stale_index_keys && call.per_row_keys
-                                 ? DecodeKeySource(l, pos[i], call)
-                                 : call_keysrc;
-          const SequenceState::Source& ks = state.sources.at(keysrc);
-          const int64_t scored = std::max<int64_t>(0, std::min({nk, ks.n, visible}));
-          RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc, S, qi + i * nI * ihd, w + i * nI,
-                                    static_cast<int>(nI), scored, ks.n, score, unpacked_keys));
-          RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored, nullptr, 0));
+          keysrc[i] = options_.stale_index_keys && call.per_row_keys
+                          ? DecodeKeySource(l, pos[i], call)
+                          : call_keysrc;
+          scored[i] = std::max<int64_t>(0, std::min({nk, state.sources.at(keysrc[i]).n, visible}));
+          most_scored[keysrc[i]] = std::max(most_scored[keysrc[i]], scored[i]);
+        }
+        for (int64_t i = 0; i < S; ++i) {
+          const int64_t visible = (pos[i] + 1) / ratio;
+          const SequenceState::Source& ks = state.sources.at(keysrc[i]);
+          RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc[i], S, qi + i * nI * ihd, w + i * nI,
+                                    static_cast<int>(nI), scored[i], most_scored[keysrc[i]], score,
+                                    unpacked_keys));
+          RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored[i], nullptr, 0));
           if (role.is_candidate_source) {
             RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
-                                                   c.candidate_topk_blocks,
-                                                   call.cand.as<uint8_t>() + i * nk));
+                                                   c.candidate_topk_blocks, call.cand + i * nk));
           }
           if (role.uses_candidates && call.cand_cols > 0) {
             RETURN_IF_ERROR(
@@ -660,6 +686,7 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   // The residual stream lives in backend memory for the stage; `io` (host) carries it between
   // stages and processes.
   Scratch ws(backend_, scratch_pool_.get());
+  call.scratch = &ws;
   float* h = nullptr;
   float* pre = nullptr;
   float* main_hidden = nullptr;

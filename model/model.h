@@ -217,8 +217,10 @@ class Model {
     bool prefill = true;
     std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied)
     int64_t topk_k = 0;
-    kernels::Buffer cand;  // [rows, cand_cols] candidate mask of the candidate source
-                           // (backend memory)
+    uint8_t* cand = nullptr;  // [rows, cand_cols] candidate mask of the candidate source
+                              // (backend memory: from `scratch`, else from cand_owned)
+    kernels::Buffer cand_owned;
+    Scratch* scratch = nullptr;  // the call's scratch (RunStage's): arrays that span its layers
     int64_t cand_cols = 0;
     bool per_row_keys = false;    // emulate single-token calls for the stale index keys
     int published_at_start = -1;  // state.published_keys when the call started
@@ -293,9 +295,9 @@ class Model {
                         SequenceState& state) const;
   // Indexer scores of one query row against keys [0, n) of a source, read through the pool:
   // single-row calls unpack the keys a few blocks at a time into a small scratch (cache-resident);
-  // multi-row calls unpack all `available` rows of the source once per call into
-  // `unpacked[layer]`. The scores do not depend on the chunking (each key's score is computed on
-  // its own).
+  // multi-row calls unpack once per call, into `unpacked[layer]`, the `available` keys (the most
+  // any row of the call scores). The scores do not depend on the chunking (each key's score is
+  // computed on its own).
   using UnpackedKeys = std::map<int, std::pair<const float*, int64_t>>;
   absl::Status ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows, const float* q,
                          const float* w, int heads, int64_t n, int64_t available, float* score,
@@ -319,6 +321,9 @@ class Model {
   kernels::Backend& backend_;
   ModelOptions options_;
   std::vector<float> freqs_plain_, freqs_yarn_;
+  // The same two tables in backend memory ([plain; yarn]; empty if the upload failed: RopeRows
+  // then uploads them per call).
+  kernels::Buffer freqs_dev_;
   std::shared_ptr<KvPool> kv_pool_;
   std::unique_ptr<ScratchPool> scratch_pool_;  // internally synchronized
 };

@@ -13,6 +13,14 @@ int64_t SizeClass(int64_t bytes) {
 
 absl::StatusOr<kernels::Buffer> ScratchPool::Take(int64_t bytes) {
   const int64_t cls = SizeClass(bytes);
+  if (cls > max_cached_) {
+    // Never kept (Give frees it): the exact size, not a power of two.
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++allocations_;
+    }
+    return backend_.Allocate(bytes);
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = free_.find(cls);

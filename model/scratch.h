@@ -66,11 +66,9 @@ class Scratch {
   absl::StatusOr<T*> Alloc(int64_t n) {
     if (n < 0) return absl::InvalidArgumentError(absl::StrCat("scratch: negative size ", n));
     const int64_t bytes = std::max<int64_t>(1, n) * static_cast<int64_t>(sizeof(T));
-    auto buf = pool_ != nullptr ? pool_->Take(bytes) : backend_.Allocate(bytes);
-    if (!buf.ok()) return buf.status();
-    T* p = buf->template as<T>();
-    buffers_.emplace(reinterpret_cast<uintptr_t>(p), std::move(*buf));
-    return p;
+    auto p = AllocBytes(bytes);
+    if (!p.ok()) return p.status();
+    return static_cast<T*>(*p);
   }
   // n elements with the host values `host` (n of them).
   template <typename T>
@@ -144,6 +142,30 @@ class Scratch {
   kernels::Backend& backend() { return backend_; }
 
  private:
+  // Arrays up to kSmallBytes share chunks of kChunkBytes (one pool operation for many arrays; a
+  // call makes dozens of small ones); larger arrays get a buffer each. A chunk's arrays start at
+  // multiples of 256 bytes from its start (a buffer itself has the backend's alignment: 256 on
+  // CUDA, 64 on the CPU).
+  static constexpr int64_t kSmallBytes = 16 << 10, kChunkBytes = 64 << 10, kAlign = 256;
+  absl::StatusOr<void*> AllocBytes(int64_t bytes) {
+    const int64_t rounded = (bytes + kAlign - 1) / kAlign * kAlign;
+    if (rounded <= kSmallBytes && chunk_ != nullptr && chunk_used_ + rounded <= kChunkBytes) {
+      void* p = chunk_ + chunk_used_;
+      chunk_used_ += rounded;
+      return p;
+    }
+    const int64_t take = rounded <= kSmallBytes ? kChunkBytes : rounded;
+    auto buf = pool_ != nullptr ? pool_->Take(take) : backend_.Allocate(take);
+    if (!buf.ok()) return buf.status();
+    auto* base = buf->template as<uint8_t>();
+    buffers_.emplace(reinterpret_cast<uintptr_t>(base), std::move(*buf));
+    if (rounded <= kSmallBytes) {
+      chunk_ = base;
+      chunk_used_ = rounded;
+    }
+    return base;
+  }
+
   // The buffer holding [p, p + bytes), and p's offset in it.
   kernels::Buffer* Find(const void* p, int64_t bytes, int64_t* offset) {
     const auto a = reinterpret_cast<uintptr_t>(p);
@@ -162,6 +184,8 @@ class Scratch {
   kernels::Backend& backend_;
   ScratchPool* pool_;
   Scratch* parent_;
+  uint8_t* chunk_ = nullptr;  // the chunk small arrays are carved from
+  int64_t chunk_used_ = 0;
   std::map<uintptr_t, kernels::Buffer> buffers_;  // by start address
 };
 

@@ -74,12 +74,18 @@ TEST(ScratchTest, CopiesReachOwnAndParentArraysOnlyAndStageOnADevice) {
                       .ok());
       EXPECT_EQ(sum, 46.f);
     }
-    // The inner scratch gave its array back to the pool.
-    EXPECT_EQ(pool.cached_bytes(), 4096);
-    // Memory that is not a scratch array, or a range past an array's end, is refused.
-    std::vector<float> host(4);
+    // The inner scratch gave its chunk (small arrays share 64 KiB chunks) back to the pool.
+    EXPECT_EQ(pool.cached_bytes(), 64 << 10);
+    // Memory that is not scratch memory, or a range past the end of the buffer holding an array,
+    // is refused.
+    std::vector<float> host(32 << 10);
     EXPECT_FALSE(outer.Download(host.data(), 4, host.data()).ok());
-    EXPECT_FALSE(outer.Download(static_cast<const float*>(*a), 2048, host.data()).ok());
+    EXPECT_FALSE(outer.Download(static_cast<const float*>(*a), 32 << 10, host.data()).ok());
+    // Small arrays share a chunk, each at a multiple of 256 bytes from its start.
+    auto b2 = outer.Alloc<uint8_t>(1);
+    ASSERT_TRUE(b2.ok());
+    const auto gap = reinterpret_cast<uintptr_t>(*b2) - reinterpret_cast<uintptr_t>(*a);
+    EXPECT_EQ(gap, 256u);
   }
 }
 
