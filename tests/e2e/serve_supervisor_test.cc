@@ -63,6 +63,43 @@ std::string ReadFile(const std::string& path) {
   return ss.str();
 }
 
+// A chat question whose greedy answer through the OpenAI API runs at least `min_tokens` tokens
+// (else the longest of the candidates), so that an SSE stream is still running when its decode
+// worker is killed after its first chunks.
+std::string LongAnswerQuestion(ServeCluster& c, int min_tokens) {
+  const char* const questions[] = {
+      "tell me a long story about a kvstore",    "explain how a file system works in detail",
+      "describe the python standard library",    "how do I list and sort files in the shell",
+      "what does the debian package manager do", "explain sockets and network connections",
+      "write about the history of unix",         "how do regular expressions work"};
+  std::string best;
+  int64_t best_tokens = -1;
+  const std::string body_file = c.data_dir() + "/probe_body.json";
+  for (const char* q : questions) {
+    const nlohmann::json body = {{"model", "epd-nano"},
+                                 {"messages", {{{"role", "user"}, {"content", q}}}},
+                                 {"max_tokens", 200},
+                                 {"temperature", 0}};
+    std::ofstream(body_file) << body.dump();
+    std::string out;
+    epd::testing::RunCommand("curl -s --max-time 120 -H 'content-type: application/json' --data @" +
+                                 body_file + " http://127.0.0.1:" + std::to_string(c.http_port()) +
+                                 "/v1/chat/completions",
+                             &out);
+    const auto j = nlohmann::json::parse(out, nullptr, /*allow_exceptions=*/false);
+    if (j.is_discarded() || !j.contains("usage")) continue;
+    const int64_t n = j["usage"].value("completion_tokens", int64_t{0});
+    if (n > best_tokens) {
+      best = q;
+      best_tokens = n;
+    }
+    if (n >= min_tokens) break;
+  }
+  std::printf("SSE question: \"%s\" (greedy answer %lld tokens)\n", best.c_str(),
+              static_cast<long long>(best_tokens));
+  return best;
+}
+
 TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeavesNothing) {
   ServeCluster c({"--decodes", "2"});
   ASSERT_TRUE(c.WaitReady()) << c.Logs();
@@ -115,12 +152,13 @@ TEST(ServeSupervisorTest, EveryProcessKilledDuringAStreamComesBackAndCtrlCLeaves
   {
     ASSERT_TRUE(c.WaitWorkers({1, 1, 2}, std::chrono::seconds(90))) << c.Logs();
     const std::string out = c.data_dir() + "/sse.txt";
-    const nlohmann::json body = {
-        {"model", "epd-nano"},
-        {"messages", {{{"role", "user"}, {"content", "tell me a long story about a kvstore"}}}},
-        {"max_tokens", 200},
-        {"temperature", 0},
-        {"stream", true}};
+    const std::string question = LongAnswerQuestion(c, 100);
+    ASSERT_FALSE(question.empty()) << "no chat question got an answer" << c.Logs();
+    const nlohmann::json body = {{"model", "epd-nano"},
+                                 {"messages", {{{"role", "user"}, {"content", question}}}},
+                                 {"max_tokens", 200},
+                                 {"temperature", 0},
+                                 {"stream", true}};
     std::ofstream(c.data_dir() + "/sse_body.json") << body.dump();
     std::thread curl([&] {
       epd::testing::RunCommand(
