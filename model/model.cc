@@ -285,15 +285,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
   ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
   ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
-  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wq_a, qr));
-  RETURN_IF_ERROR(backend_.RmsNorm(qr, A.q_norm.data(), S, c.q_lora_rank, c.norm_eps, qr));
-  RETURN_IF_ERROR(backend_.LinearQuant(qr, S, A.wq_b, q));
-  RETURN_IF_ERROR(
-      RopeRows(ws, l, q, S, static_cast<int>(H), static_cast<int>(hd), nope, pos_dev, false));
-  RETURN_IF_ERROR(backend_.LinearQuant(x, S, A.wkv, kv));
-  RETURN_IF_ERROR(backend_.RmsNorm(kv, A.kv_norm.data(), S, hd, c.norm_eps, kv));
-  RETURN_IF_ERROR(RopeRows(ws, l, kv, S, 1, static_cast<int>(hd), nope, pos_dev, false));
-  RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp8Window, kv, S, hd));
+  RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr, q));
+  RETURN_IF_ERROR(StageKv(ws, l, x, S, call.start_pos, kv));
 
   // Window part of the KV and of each row's list.
   SwaRing& ring = state.swa[l];
@@ -466,6 +459,17 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   return OutputProjection(ws, A, o, S, out);
 }
 
+absl::Status Model::QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
+                                    const int64_t* positions, float* qr, float* q) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[l].attn;
+  RETURN_IF_ERROR(backend_.LinearQuant(x, rows, A.wq_a, qr));
+  RETURN_IF_ERROR(backend_.RmsNorm(qr, A.q_norm.data(), rows, c.q_lora_rank, c.norm_eps, qr));
+  RETURN_IF_ERROR(backend_.LinearQuant(qr, rows, A.wq_b, q));
+  return RopeRows(ws, l, q, rows, static_cast<int>(c.n_heads), static_cast<int>(c.head_dim),
+                  c.nope_head_dim(), positions, false);
+}
+
 absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
                                      int64_t rows, float* out) const {
   // Grouped wo_a (bf16, one call per row and group: the reference's per-group einsum) then wo_b
@@ -608,56 +612,90 @@ vector<int64_t> Model::EngramHashes(const SequenceState& state,
   return out;
 }
 
+absl::Status Model::HcMix::Allocate(Scratch& ws, int64_t rows, int64_t hc) {
+  ASSIGN_OR_RETURN(attn_pre, ws.Alloc<float>(rows * hc));
+  ASSIGN_OR_RETURN(attn_post, ws.Alloc<float>(rows * hc));
+  ASSIGN_OR_RETURN(attn_comb, ws.Alloc<float>(rows * hc * hc));
+  ASSIGN_OR_RETURN(ffn_post, ws.Alloc<float>(rows * hc));
+  ASSIGN_OR_RETURN(ffn_comb, ws.Alloc<float>(rows * hc * hc));
+  return absl::OkStatus();
+}
+
+absl::Status Model::HcMixRow(bool single_token, const float* h, const WeightArray& fn,
+                             const WeightArray& scale, const WeightArray& base, float* pre,
+                             float* post, float* comb) const {
+  const ModelConfig& c = config_;
+  const int hc = static_cast<int>(c.hc_mult);
+  return single_token
+             ? backend_.HcMixesSingleToken(1, h, hc, c.dim, fn.data(), scale.data(), base.data(),
+                                           c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre, post,
+                                           comb)
+             : backend_.HcMixes(1, h, hc, c.dim, fn.data(), scale.data(), base.data(),
+                                c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre, post, comb);
+}
+
+absl::Status Model::HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
+                                      const float* h, const float* pre, HcMix& m, float* x) const {
+  const int64_t D = config_.dim, hc = config_.hc_mult;
+  for (int64_t i = 0; i < rows; ++i) {
+    RETURN_IF_ERROR(HcMixRow(single_token, h + i * hc * D, L.hc_attn_fn, L.hc_attn_scale,
+                             L.hc_attn_base, m.attn_pre + i * hc, m.attn_post + i * hc,
+                             m.attn_comb + i * hc * hc));
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::HcBeforeFfn(const LayerWeights& L, bool single_token, int64_t rows,
+                                const float* y, float* h, float* pre, HcMix& m, float* x) const {
+  const int64_t D = config_.dim, hc = config_.hc_mult;
+  for (int64_t i = 0; i < rows; ++i) {
+    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    m.attn_post + i * hc, m.attn_comb + i * hc * hc,
+                                    h + i * hc * D));
+    RETURN_IF_ERROR(HcMixRow(single_token, h + i * hc * D, L.hc_ffn_fn, L.hc_ffn_scale,
+                             L.hc_ffn_base, pre + i * hc, m.ffn_post + i * hc,
+                             m.ffn_comb + i * hc * hc));
+    RETURN_IF_ERROR(
+        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, m.attn_pre + i * hc, x + i * D));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::HcAfterFfn(int64_t rows, const float* y, float* h, const HcMix& m) const {
+  const int64_t D = config_.dim, hc = config_.hc_mult;
+  for (int64_t i = 0; i < rows; ++i) {
+    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
+                                    m.ffn_post + i * hc, m.ffn_comb + i * hc * hc, h + i * hc * D));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& call,
                           SequenceState& state, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
   const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
   Scratch ws(backend_, scratch_pool_.get(), &outer);
-  ASSIGN_OR_RETURN(float* aP, ws.Alloc<float>(S * hc));
-  ASSIGN_OR_RETURN(float* aQ, ws.Alloc<float>(S * hc));
-  ASSIGN_OR_RETURN(float* aC, ws.Alloc<float>(S * hc * hc));
-  ASSIGN_OR_RETURN(float* fQ, ws.Alloc<float>(S * hc));
-  ASSIGN_OR_RETURN(float* fC, ws.Alloc<float>(S * hc * hc));
+  HcMix m;
+  RETURN_IF_ERROR(m.Allocate(ws, S, hc));
   ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(S * D));
   ASSIGN_OR_RETURN(float* y, ws.Alloc<float>(S * D));
   // Decode-semantics rows are single-token reference calls, whose sigmoids torch computes on its
   // scalar path (Backend::HcMixesSingleToken).
-  auto mixes = [&](const float* hr, const WeightArray& fn, const WeightArray& scale,
-                   const WeightArray& base, float* p, float* q, float* cm) {
-    return call.per_row_keys
-               ? backend_.HcMixesSingleToken(1, hr, static_cast<int>(hc), D, fn.data(),
-                                             scale.data(), base.data(), c.hc_sinkhorn_iters,
-                                             c.hc_eps, c.norm_eps, p, q, cm)
-               : backend_.HcMixes(1, hr, static_cast<int>(hc), D, fn.data(), scale.data(),
-                                  base.data(), c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, p, q, cm);
-  };
-  for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base,
-                          aP + i * hc, aQ + i * hc, aC + i * hc * hc));
-    RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
-  }
+  const bool single = call.per_row_keys;
+  RETURN_IF_ERROR(HcBeforeAttention(L, single, S, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.attn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->attn_in[l]));
   RETURN_IF_ERROR(Attention(l, x, call, state, y, trace));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->attn_out[l]));
-  for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    aQ + i * hc, aC + i * hc * hc, h + i * hc * D));
-    RETURN_IF_ERROR(mixes(h + i * hc * D, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre + i * hc,
-                          fQ + i * hc, fC + i * hc * hc));
-    RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP + i * hc, x + i * D));
-  }
+  RETURN_IF_ERROR(HcBeforeFfn(L, single, S, y, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.ffn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->ffn_in[l]));
   RETURN_IF_ERROR(Moe(l, x, S, y, trace ? &trace->experts[l] : nullptr));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->ffn_out[l]));
-  for (int64_t i = 0; i < S; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    fQ + i * hc, fC + i * hc * hc, h + i * hc * D));
-  }
+  RETURN_IF_ERROR(HcAfterFfn(S, y, h, m));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->block_out[l]));
   return absl::OkStatus();
 }
@@ -1100,11 +1138,8 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   vector<int64_t> qpos(B);
   for (int64_t i = 0; i < B; ++i) qpos[i] = pos + 1 + i;
   ASSIGN_OR_RETURN(const int64_t* qpos_dev, ws.Copy(qpos));
-  ASSIGN_OR_RETURN(float* aP, ws.Alloc<float>(B * hc));
-  ASSIGN_OR_RETURN(float* aQ, ws.Alloc<float>(B * hc));
-  ASSIGN_OR_RETURN(float* aC, ws.Alloc<float>(B * hc * hc));
-  ASSIGN_OR_RETURN(float* fQ, ws.Alloc<float>(B * hc));
-  ASSIGN_OR_RETURN(float* fC, ws.Alloc<float>(B * hc * hc));
+  HcMix m;
+  RETURN_IF_ERROR(m.Allocate(ws, B, hc));
   ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(B * D));
   ASSIGN_OR_RETURN(float* y, ws.Alloc<float>(B * D));
   ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(B * c.q_lora_rank));
@@ -1115,21 +1150,10 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     const int L = c.n_layers + s;
     const LayerWeights& LW = weights_->layers[L];
     const AttentionWeights& A = LW.attn;
-    for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D,
-                                       LW.hc_attn_fn.data(), LW.hc_attn_scale.data(),
-                                       LW.hc_attn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                                       c.norm_eps, aP + i * hc, aQ + i * hc, aC + i * hc * hc));
-      RETURN_IF_ERROR(
-          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
-    }
+    RETURN_IF_ERROR(HcBeforeAttention(LW, /*single_token=*/false, B, h, pre, m, x));
     RETURN_IF_ERROR(backend_.RmsNorm(x, LW.attn_norm.data(), B, D, c.norm_eps, x));
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
-    RETURN_IF_ERROR(backend_.LinearQuant(x, B, A.wq_a, qr));
-    RETURN_IF_ERROR(backend_.RmsNorm(qr, A.q_norm.data(), B, c.q_lora_rank, c.norm_eps, qr));
-    RETURN_IF_ERROR(backend_.LinearQuant(qr, B, A.wq_b, q));
-    RETURN_IF_ERROR(RopeRows(ws, L, q, B, static_cast<int>(H), static_cast<int>(hd),
-                             static_cast<int>(nope), qpos_dev, false));
+    RETURN_IF_ERROR(QueryProjection(ws, L, x, B, qpos_dev, qr, q));
     RETURN_IF_ERROR(ws.Fill(kv_all, W * hd, [&](float* d) {
       state.swa[L].ReadWindow(d);
       return absl::OkStatus();
@@ -1158,22 +1182,10 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     RETURN_IF_ERROR(RopeRows(ws, L, o, B, static_cast<int>(H), static_cast<int>(hd),
                              static_cast<int>(nope), qpos_dev, true));
     RETURN_IF_ERROR(OutputProjection(ws, A, o, B, y));
-    for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                      aQ + i * hc, aC + i * hc * hc, h + i * hc * D));
-      RETURN_IF_ERROR(backend_.HcMixes(1, h + i * hc * D, static_cast<int>(hc), D,
-                                       LW.hc_ffn_fn.data(), LW.hc_ffn_scale.data(),
-                                       LW.hc_ffn_base.data(), c.hc_sinkhorn_iters, c.hc_eps,
-                                       c.norm_eps, pre + i * hc, fQ + i * hc, fC + i * hc * hc));
-      RETURN_IF_ERROR(
-          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, aP + i * hc, x + i * D));
-    }
+    RETURN_IF_ERROR(HcBeforeFfn(LW, /*single_token=*/false, B, y, h, pre, m, x));
     RETURN_IF_ERROR(backend_.RmsNorm(x, LW.ffn_norm.data(), B, D, c.norm_eps, x));
     RETURN_IF_ERROR(Moe(L, x, B, y));
-    for (int64_t i = 0; i < B; ++i) {
-      RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                      fQ + i * hc, fC + i * hc * hc, h + i * hc * D));
-    }
+    RETURN_IF_ERROR(HcAfterFfn(B, y, h, m));
   }
   ASSIGN_OR_RETURN(float* xn, ws.Alloc<float>(B * D));
   for (int64_t i = 0; i < B; ++i) {

@@ -308,6 +308,33 @@ class Model {
                         int offset, const int64_t* positions, bool inverse) const;
   absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
                        int64_t start_pos, float* kv) const;
+  // The mHC steps of a block around its two sublayers, row by row (the reference's order), and
+  // the mixes they carry from one step to the next ([rows, hc] and [rows, hc, hc], backend
+  // memory). `single_token`: decode-semantics rows (Backend::HcMixesSingleToken). The attention
+  // input's pre-mix is the delayed one in `pre`; the FFN mixes write the next block's into `pre`.
+  struct HcMix {
+    float* attn_pre = nullptr;
+    float* attn_post = nullptr;
+    float* attn_comb = nullptr;
+    float* ffn_post = nullptr;
+    float* ffn_comb = nullptr;
+    absl::Status Allocate(Scratch& ws, int64_t rows, int64_t hc);
+  };
+  absl::Status HcMixRow(bool single_token, const float* h, const WeightArray& fn,
+                        const WeightArray& scale, const WeightArray& base, float* pre, float* post,
+                        float* comb) const;
+  // h, pre -> the attention's input x (before its norm).
+  absl::Status HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
+                                 const float* h, const float* pre, HcMix& m, float* x) const;
+  // The attention's output y into h; the FFN's mixes; the FFN's input x (before its norm).
+  absl::Status HcBeforeFfn(const LayerWeights& L, bool single_token, int64_t rows, const float* y,
+                           float* h, float* pre, HcMix& m, float* x) const;
+  // The FFN's output y into h.
+  absl::Status HcAfterFfn(int64_t rows, const float* y, float* h, const HcMix& m) const;
+  // Attention's query: x [rows, dim] -> qr [rows, q_lora_rank] (normed; the indexer's input too)
+  // and q [rows, heads, head_dim] with RoPE at `positions` (backend memory).
+  absl::Status QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
+                               const int64_t* positions, float* qr, float* q) const;
   // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
   absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
                                 int64_t rows, float* out) const;
