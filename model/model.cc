@@ -183,9 +183,19 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
       std::copy_n(s.log_score.data() + i * hd, hd, s.score_state.data() + slot * hd);
       if ((pos[i] + 1) % ratio != 0) continue;
       float* lat = latents + static_cast<int64_t>(gpos.size()) * hd;
-      RETURN_IF_ERROR(ws.Upload(kv_tail, s.kv_state.data(), tail));
-      RETURN_IF_ERROR(ws.Upload(score_tail, s.score_state.data(), tail));
-      RETURN_IF_ERROR(backend_.CompressPool(kv_tail, score_tail, ratio, hd, lat));
+      // The group is positions pos[i]-ratio+1..pos[i], slot j = the group's j-th position. When
+      // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf (in
+      // backend memory already); a group begun in an earlier call pools the host tail state.
+      const float* kv_in = kv_tail;
+      const float* score_in = score_tail;
+      if (i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio) {
+        kv_in = kvf + (i + 1 - ratio) * hd;
+        score_in = scf + (i + 1 - ratio) * hd;
+      } else {
+        RETURN_IF_ERROR(ws.Upload(kv_tail, s.kv_state.data(), tail));
+        RETURN_IF_ERROR(ws.Upload(score_tail, s.score_state.data(), tail));
+      }
+      RETURN_IF_ERROR(backend_.CompressPool(kv_in, score_in, ratio, hd, lat));
       RETURN_IF_ERROR(backend_.RmsNorm(lat, A.cmp_norm.data(), 1, hd, c.norm_eps, lat));
       gpos.push_back(pos[i] + 1 - ratio);
     }
