@@ -30,7 +30,8 @@ class ScratchPool {
   ScratchPool(const ScratchPool&) = delete;
   ScratchPool& operator=(const ScratchPool&) = delete;
 
-  // A buffer of at least `bytes` (its bytes() is the size class).
+  // A buffer of at least `bytes`: its bytes() is the size class, or exactly `bytes` when that class
+  // is over the cap (such a buffer is freed when given back).
   absl::StatusOr<kernels::Buffer> Take(int64_t bytes);
   void Give(kernels::Buffer buffer);
 
@@ -47,6 +48,7 @@ class ScratchPool {
   int64_t allocations_ = 0;
 };
 
+// One call's arrays (not thread-safe: one per call and thread).
 class Scratch {
  public:
   // `pool` (optional): where the arrays come from and go back to when the scratch ends.
