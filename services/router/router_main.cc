@@ -242,6 +242,8 @@ int main(int argc, char** argv) {
   }
   http_server.Stop();
   grpc_server.Stop();
+  // Its /health reads `core`, which goes before `runtime` does.
+  runtime.metrics_server().Stop();
   spdlog::info("epd-router: stopped");
   return 0;
 }

@@ -1,5 +1,6 @@
 #include "services/runtime/shutdown.h"
 
+#include <errno.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -40,11 +41,24 @@ void InstallShutdownHandlers() {
   std::call_once(once, [] {
     if (pipe(g_pipe) != 0) return;
     std::thread([] {
-      char c;
-      while (read(g_pipe[0], &c, 1) == 1) RequestShutdown();
+      // The handler may run on this very thread: its read() then returns EINTR with the byte
+      // still in the pipe, so read again (ending the loop there lost the shutdown for good).
+      for (;;) {
+        char c;
+        const ssize_t n = read(g_pipe[0], &c, 1);
+        if (n == 1) {
+          RequestShutdown();
+        } else if (n < 0 && errno == EINTR) {
+          continue;
+        } else {
+          return;
+        }
+      }
     }).detach();
     struct sigaction sa {};
     sa.sa_handler = OnSignal;
+    // Other threads' blocking calls resume after the handler instead of failing with EINTR.
+    sa.sa_flags = SA_RESTART;
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, nullptr);
     sigaction(SIGINT, &sa, nullptr);

@@ -42,7 +42,9 @@ TEST(ProcessRuntimeTest, SigtermDrainsToCleanExit) {
   EXPECT_EQ(status, 200);
   r.proc.Signal(SIGTERM);
   auto rc = r.proc.Wait(std::chrono::seconds(15));
-  ASSERT_TRUE(rc.has_value()) << "did not exit after SIGTERM";
+  ASSERT_TRUE(rc.has_value()) << "did not exit after SIGTERM; its threads:\n"
+                              << epd::testing::DescribeThreads(r.proc.pid()) << "its log:\n"
+                              << r.proc.ReadLog();
   EXPECT_EQ(*rc, 0) << r.proc.ReadLog();
   EXPECT_NE(r.proc.ReadLog().find("draining"), std::string::npos);
 }

@@ -1,5 +1,10 @@
 #include <gtest/gtest.h>
 #include <httplib.h>
+#include <signal.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <filesystem>
 
 #include <fstream>
 #include <future>
@@ -89,6 +94,38 @@ TEST(ShutdownTest, RequestWakesWaiter) {
   EXPECT_TRUE(WaitForShutdown(std::chrono::seconds(10)));
   t.join();
   EXPECT_TRUE(ShutdownRequested());
+}
+
+// The thread that waits on the handler's self-pipe, found as the other thread blocked in read()
+// (this one reads its own syscall file with read()).
+pid_t PipeWatcherThread() {
+  const pid_t self = static_cast<pid_t>(syscall(SYS_gettid));
+  for (int attempt = 0; attempt < 500; ++attempt) {
+    for (const auto& e : std::filesystem::directory_iterator("/proc/self/task")) {
+      const pid_t tid = static_cast<pid_t>(std::stol(e.path().filename()));
+      std::ifstream in(e.path() / "syscall");
+      long nr = -1;
+      if (tid != self && in >> nr && nr == SYS_read) return tid;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  return -1;
+}
+
+// A SIGTERM that the kernel hands to the watcher thread itself interrupts its read() (EINTR);
+// the shutdown must still happen (the router once hung there: ProcessRuntimeTest's SIGTERM).
+// In a fresh process (the shutdown state is once per process).
+TEST(ShutdownTest, SignalOnTheWatcherThreadItselfIsNotLost) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        InstallShutdownHandlers();
+        const pid_t watcher = PipeWatcherThread();
+        if (watcher <= 0) _exit(2);
+        syscall(SYS_tgkill, getpid(), watcher, SIGTERM);
+        _exit(WaitForShutdown(std::chrono::seconds(10)) ? 0 : 1);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 }  // namespace

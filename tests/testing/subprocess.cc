@@ -81,4 +81,28 @@ int RunCommand(const std::string& cmd, std::string* out) {
   return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
 }
 
+std::string DescribeThreads(pid_t pid) {
+  auto first_line = [](const std::filesystem::path& p) {
+    std::ifstream in(p);
+    std::string line;
+    std::getline(in, line);
+    return line;
+  };
+  std::ostringstream out;
+  const std::filesystem::path task = "/proc/" + std::to_string(pid) + "/task";
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(task, ec)) {
+    const std::string stat = first_line(entry.path() / "stat");
+    // State is the field after the parenthesised name.
+    const size_t close = stat.rfind(')');
+    const char state = close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+    out << "  thread " << entry.path().filename().string() << " '"
+        << first_line(entry.path() / "comm") << "' state " << state << " wchan "
+        << first_line(entry.path() / "wchan") << " syscall "
+        << first_line(entry.path() / "syscall") << "\n";
+  }
+  if (ec) out << "  (cannot list " << task.string() << ": " << ec.message() << ")\n";
+  return out.str();
+}
+
 }  // namespace epd::testing

@@ -43,4 +43,8 @@ std::optional<std::string> HttpGet(int port, const std::string& path, int* statu
 // Runs a shell command, returns its exit status and appends its stdout to *out.
 int RunCommand(const std::string& cmd, std::string* out = nullptr);
 
+// One line per thread of a live process (from /proc: name, state, kernel wait channel, system
+// call): for the failure message of a test whose process did not exit when it should have.
+std::string DescribeThreads(pid_t pid);
+
 }  // namespace epd::testing
