@@ -5,7 +5,6 @@
 #include <unistd.h>
 
 #include <filesystem>
-
 #include <fstream>
 #include <future>
 #include <thread>

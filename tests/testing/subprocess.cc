@@ -2,10 +2,11 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <httplib.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -13,12 +14,9 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <thread>
-
-#include <httplib.h>
-#include <nlohmann/json.hpp>
-
 
 namespace epd::testing {
 
@@ -95,11 +93,12 @@ std::string DescribeThreads(pid_t pid) {
     const std::string stat = first_line(entry.path() / "stat");
     // State is the field after the parenthesised name.
     const size_t close = stat.rfind(')');
-    const char state = close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
+    const char state =
+        close != std::string::npos && close + 2 < stat.size() ? stat[close + 2] : '?';
     out << "  thread " << entry.path().filename().string() << " '"
         << first_line(entry.path() / "comm") << "' state " << state << " wchan "
-        << first_line(entry.path() / "wchan") << " syscall "
-        << first_line(entry.path() / "syscall") << "\n";
+        << first_line(entry.path() / "wchan") << " syscall " << first_line(entry.path() / "syscall")
+        << "\n";
   }
   if (ec) out << "  (cannot list " << task.string() << ": " << ec.message() << ")\n";
   return out.str();
