@@ -296,7 +296,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
   ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
   RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr, q));
-  RETURN_IF_ERROR(StageKv(ws, l, x, S, call.start_pos, kv));
+  RETURN_IF_ERROR(StageKv(ws, l, x, S, pos_dev, kv));
 
   // Window part of the KV and of each row's list.
   SwaRing& ring = state.swa[l];
@@ -902,13 +902,10 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
 }
 
 absl::Status Model::StageKv(Scratch& ws, int L, const float* main_x, int64_t rows,
-                            int64_t start_pos, float* kv) const {
+                            const int64_t* pos_dev, float* kv) const {
   const ModelConfig& c = config_;
   const AttentionWeights& A = weights_->layers[L].attn;
   const int64_t hd = c.head_dim;
-  vector<int64_t> pos(rows);
-  for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
-  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
   RETURN_IF_ERROR(backend_.LinearQuant(main_x, rows, A.wkv, kv));
   RETURN_IF_ERROR(backend_.RmsNorm(kv, A.kv_norm.data(), rows, hd, c.norm_eps, kv));
   RETURN_IF_ERROR(
@@ -925,11 +922,14 @@ absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, i
   ASSIGN_OR_RETURN(const float* mh, ws.Copy(main_hidden, rows * Dw.main_proj.in));
   ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(rows * D));
   ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(rows * hd));
+  vector<int64_t> pos(rows);
+  for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
+  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
   RETURN_IF_ERROR(backend_.LinearQuant(mh, rows, Dw.main_proj, mx));
   RETURN_IF_ERROR(backend_.RmsNorm(mx, Dw.main_norm.data(), rows, D, c.norm_eps, mx));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
-    RETURN_IF_ERROR(StageKv(ws, L, mx, rows, start_pos, kv));
+    RETURN_IF_ERROR(StageKv(ws, L, mx, rows, pos_dev, kv));
     RETURN_IF_ERROR(ws.Read(kv, rows * hd, [&](const float* v) {
       return state.swa[L].WritePositions(start_pos, rows, v);
     }));
@@ -1168,7 +1168,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
       state.swa[L].ReadWindow(d);
       return absl::OkStatus();
     }));
-    RETURN_IF_ERROR(StageKv(ws, L, x, B, pos + 1, kv_all + W * hd));
+    RETURN_IF_ERROR(StageKv(ws, L, x, B, qpos_dev, kv_all + W * hd));
     const int64_t nring = std::min(W - 1, pos) + 1;
     const int64_t list_len = nring + B;
     vector<int32_t> idx(B * list_len);

@@ -306,8 +306,10 @@ class Model {
                      ForwardTrace* trace) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
+  // The window KV rows of `rows` positions (`positions`: their absolute positions, in backend
+  // memory, as the query's RoPE takes them).
   absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
-                       int64_t start_pos, float* kv) const;
+                       const int64_t* positions, float* kv) const;
   // The mHC steps of a block around its two sublayers, row by row (the reference's order), and
   // the mixes they carry from one step to the next ([rows, hc] and [rows, hc, hc], backend
   // memory). `single_token`: decode-semantics rows (Backend::HcMixesSingleToken). The attention

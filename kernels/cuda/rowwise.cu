@@ -195,7 +195,9 @@ __global__ void SwiGluKernel(const float* g, const float* u, int64_t n, int64_t 
   h[e] = RoundBf16(row_weights != nullptr ? silu * uu * row_weights[e / inter] : silu * uu);
 }
 
-// cpu_backend.cc CopyRows: one thread per element; a null index list is the identity.
+// cpu_backend.cc CopyRows: one thread per element; a null index list is the identity. The CPU
+// reference refuses a negative row; reading the lists back to refuse it here would synchronize
+// every call, so a negative row's element is skipped (never written outside `dst`).
 __global__ void CopyRowsKernel(const float* src, const int64_t* src_rows, float* dst,
                                const int64_t* dst_rows, int64_t n, int64_t dim) {
   const int64_t e = Tid();
@@ -203,6 +205,7 @@ __global__ void CopyRowsKernel(const float* src, const int64_t* src_rows, float*
   const int64_t i = e / dim, d = e % dim;
   const int64_t from = src_rows != nullptr ? src_rows[i] : i;
   const int64_t to = dst_rows != nullptr ? dst_rows[i] : i;
+  if (from < 0 || to < 0) return;
   dst[to * dim + d] = src[from * dim + d];
 }
 
