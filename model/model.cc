@@ -740,12 +740,7 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   float* main_hidden = nullptr;
   if (spec.first_layer == 0) {
     io.rows = S;
-    ASSIGN_OR_RETURN(const int32_t* ids_dev, ws.Copy(ids.data(), S));
-    ASSIGN_OR_RETURN(h, ws.Alloc<float>(S * hc * D));
-    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, ids_dev, S, static_cast<int>(hc), h));
-    vector<float> pre0(S * hc, 0.f);
-    for (int64_t i = 0; i < S; ++i) pre0[i * hc] = 1.f;
-    ASSIGN_OR_RETURN(pre, ws.Copy(pre0));
+    RETURN_IF_ERROR(EmbedRows(ws, ids, &h, &pre));
   } else if (io.rows != S || io.h.size() != static_cast<size_t>(S * hc * D) ||
              io.pre.size() != static_cast<size_t>(S * hc)) {
     return absl::InvalidArgumentError("model: residual rows do not match the tokens");
@@ -899,6 +894,20 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   Commit(state, ids, state.pos + io.rows, io);
   res.main_hidden = std::move(io.main_hidden);
   return res;
+}
+
+absl::Status Model::EmbedRows(Scratch& ws, std::span<const int32_t> ids, float** h,
+                              float** pre) const {
+  const int64_t rows = static_cast<int64_t>(ids.size()), D = config_.dim, hc = config_.hc_mult;
+  ASSIGN_OR_RETURN(const int32_t* ids_dev, ws.Copy(ids.data(), rows));
+  ASSIGN_OR_RETURN(*h, ws.Alloc<float>(rows * hc * D));
+  RETURN_IF_ERROR(
+      backend_.Embed(weights_->embed.data(), D, ids_dev, rows, static_cast<int>(hc), *h));
+  // Before the first block, each row's delayed pre-mix takes its first copy: [1, 0, ..., 0].
+  vector<float> pre0(rows * hc, 0.f);
+  for (int64_t i = 0; i < rows; ++i) pre0[i * hc] = 1.f;
+  ASSIGN_OR_RETURN(*pre, ws.Copy(pre0));
+  return absl::OkStatus();
 }
 
 absl::Status Model::StageKv(Scratch& ws, int L, const float* main_x, int64_t rows,
@@ -1139,12 +1148,9 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   Scratch ws(backend_, scratch_pool_.get());
   vector<int32_t> block(B, static_cast<int32_t>(c.dspark_noise_token_id));
   block[0] = last_token;
-  ASSIGN_OR_RETURN(const int32_t* block_dev, ws.Copy(block));
-  ASSIGN_OR_RETURN(float* h, ws.Alloc<float>(B * hc * D));
-  RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, block_dev, B, static_cast<int>(hc), h));
-  vector<float> pre0(B * hc, 0.f);
-  for (int64_t i = 0; i < B; ++i) pre0[i * hc] = 1.f;
-  ASSIGN_OR_RETURN(float* pre, ws.Copy(pre0));
+  float* h = nullptr;
+  float* pre = nullptr;
+  RETURN_IF_ERROR(EmbedRows(ws, block, &h, &pre));
   vector<int64_t> qpos(B);
   for (int64_t i = 0; i < B; ++i) qpos[i] = pos + 1 + i;
   ASSIGN_OR_RETURN(const int64_t* qpos_dev, ws.Copy(qpos));

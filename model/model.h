@@ -306,6 +306,9 @@ class Model {
                      ForwardTrace* trace) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
+  // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
+  // the delayed pre-mix [rows, hc] in `*pre`, both from `ws`.
+  absl::Status EmbedRows(Scratch& ws, std::span<const int32_t> ids, float** h, float** pre) const;
   // The window KV rows of `rows` positions (`positions`: their absolute positions, in backend
   // memory, as the query's RoPE takes them).
   absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
