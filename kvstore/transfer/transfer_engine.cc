@@ -79,7 +79,8 @@ class TransferEngine::BufferPool : public std::enable_shared_from_this<BufferPoo
   struct Slab {
     uint8_t* data = nullptr;
     uint64_t capacity = 0;
-    uint64_t mem = 0;  // wire registration (0: none)
+    uint64_t mem = 0;       // wire registration (0: none)
+    uint64_t returned = 0;  // when it was last returned (the pool's return count then)
   };
   class Lease {
    public:
@@ -129,9 +130,14 @@ class TransferEngine::BufferPool : public std::enable_shared_from_this<BufferPoo
     return slab;
   }
 
-  void Return(const Slab& slab) {
+  // Keeps `slab` for the next Take of its size. When the idle slabs would then exceed the limit,
+  // the least recently returned ones go first (back to the system), so a run of hand-offs of a new
+  // size is pooled even while slabs of an earlier size sit idle.
+  void Return(Slab slab) {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!closed_ && idle_bytes_ + slab.capacity <= limit_) {
+    if (!closed_ && slab.capacity <= limit_) {
+      while (idle_bytes_ + slab.capacity > limit_) EvictOldestLocked();
+      slab.returned = ++returns_;
       idle_[slab.capacity].push_back(slab);
       idle_bytes_ += slab.capacity;
       return;
@@ -167,6 +173,22 @@ class TransferEngine::BufferPool : public std::enable_shared_from_this<BufferPoo
   }
 
  private:
+  // Frees the idle slab returned longest ago (mu_ held, not closed, some slab idle).
+  void EvictOldestLocked() {
+    auto oldest = idle_.end();
+    for (auto it = idle_.begin(); it != idle_.end(); ++it) {
+      if (!it->second.empty() &&
+          (oldest == idle_.end() || it->second.front().returned < oldest->second.front().returned))
+        oldest = it;
+    }
+    const Slab slab = oldest->second.front();
+    oldest->second.erase(oldest->second.begin());
+    if (oldest->second.empty()) idle_.erase(oldest);
+    idle_bytes_ -= slab.capacity;
+    Unregister(slab);
+    std::free(slab.data);
+  }
+
   void Unregister(const Slab& slab) {  // mu_ held, not closed
     slab_regions_.erase(reinterpret_cast<uintptr_t>(slab.data));
     if (slab.mem == 0) return;
@@ -183,6 +205,7 @@ class TransferEngine::BufferPool : public std::enable_shared_from_this<BufferPoo
   bool closed_ = false;
   std::map<uint64_t, std::vector<Slab>> idle_;  // by capacity
   uint64_t idle_bytes_ = 0;
+  uint64_t returns_ = 0;
   absl::flat_hash_set<uintptr_t> slab_regions_;  // every live slab's start address
 };
 
@@ -309,8 +332,8 @@ struct TransferEngine::Transfer {
   std::vector<std::map<uint64_t, std::pair<uint64_t, bool>>> ranges;
   std::vector<std::unique_ptr<XXH3_state_t, XxhStateDeleter>> hash_states;
   std::vector<uint64_t> digests;
-  int unhashed = 0;              // segments not fully hashed yet
-  bool hash_busy = false;        // a hashing job for this transfer is queued or running
+  int unhashed = 0;        // segments not fully hashed yet
+  bool hash_busy = false;  // a hashing job for this transfer is queued or running
   // The job was handed to a thread blocked in Wait() on this transfer (it hashes instead of waking
   // the hashing thread and then being woken by it); waiters counts those threads.
   bool hash_for_waiter = false;
@@ -507,11 +530,11 @@ absl::StatusOr<uint64_t> TransferEngine::RegisterMemory(void* addr, uint64_t len
     std::lock_guard<std::mutex> lock(regions_mu_);
     auto next = regions_.lower_bound(start);
     if ((next != regions_.end() && next->first < start + length) ||
-        (next != regions_.begin() && std::prev(next)->first + std::prev(next)->second.length >
-                                         start)) {
-      return absl::AlreadyExistsError(
-          absl::StrCat("RegisterMemory: ", length, " bytes at ", absl::Hex(start),
-                       " overlap a region registered before"));
+        (next != regions_.begin() &&
+         std::prev(next)->first + std::prev(next)->second.length > start)) {
+      return absl::AlreadyExistsError(absl::StrCat("RegisterMemory: ", length, " bytes at ",
+                                                   absl::Hex(start),
+                                                   " overlap a region registered before"));
     }
   }
   absl::StatusOr<uint64_t> reg = wire_->Register(addr, length);

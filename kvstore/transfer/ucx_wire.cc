@@ -87,7 +87,8 @@ struct EpArg {
 
 class UcxWire final : public Wire {
  public:
-  explicit UcxWire(const UcxOptions& options) : options_(options) {}
+  explicit UcxWire(const UcxOptions& options)
+      : options_(options), spin_(absl::ToChronoMicroseconds(EffectiveSpin(options))) {}
   ~UcxWire() override { Stop(); }
 
   absl::Status Start(WireHandler* handler) override {
@@ -445,7 +446,7 @@ class UcxWire final : public Wire {
         last_active = now;
         continue;
       }
-      if (now - last_active < absl::ToChronoMicroseconds(options_.spin)) continue;
+      if (now - last_active < spin_) continue;
       if (worker_efd_ >= 0) {
         // Event-driven: the timeout only paces the housekeeping (closes, discards).
         WaitForEvents(std::chrono::microseconds(inflight_.empty() ? 10000 : 1000));
@@ -1021,6 +1022,7 @@ class UcxWire final : public Wire {
   }
 
   UcxOptions options_;
+  const std::chrono::microseconds spin_;
   WireHandler* handler_ = nullptr;
   ucp_context_h context_ = nullptr;
   ucp_worker_h worker_ = nullptr;
@@ -1057,6 +1059,12 @@ class UcxWire final : public Wire {
 };
 
 }  // namespace
+
+absl::Duration EffectiveSpin(const UcxOptions& options) {
+  if (options.spin.has_value()) return *options.spin;
+  return std::thread::hardware_concurrency() > kSpinMinCores ? absl::Microseconds(200)
+                                                             : absl::ZeroDuration();
+}
 
 std::unique_ptr<Wire> MakeUcxWire(const UcxOptions& options) {
   return std::make_unique<UcxWire>(options);

@@ -22,6 +22,9 @@
 
 namespace epd::transfer {
 
+// UcxOptions::spin's default spins only on hosts with more cores than this.
+inline constexpr unsigned kSpinMinCores = 4;
+
 struct UcxOptions {
   enum class Mode { kListener, kWorkerAddress };
   Mode mode = Mode::kWorkerAddress;     // Default: worker-address exchange (shm on one host)
@@ -37,13 +40,19 @@ struct UcxOptions {
   // otherwise). Default: on for kListener, off for kWorkerAddress (see docs/transfer.md).
   std::optional<bool> peer_error_handling;
   // The progress thread spins this long after UCX last made progress, then sleeps until an event
-  // (event_wakeup) or naps (50 us while operations are in flight, 500 us when idle). Longer spins cost a core on small hosts; on the
-  // 2-core dev VM 2 ms made hand-offs slower than 200 us (docs/transfer.md). Default: 200 us.
-  absl::Duration spin = absl::Microseconds(200);
+  // (event_wakeup) or naps (50 us while operations are in flight, 500 us when idle). A spin saves
+  // a wake-up only where the thread has a core to itself; on a small host it takes the core the
+  // other side's copy and the hashing threads need. Unset (the default): 200 us on hosts with more
+  // than kSpinMinCores cores, 0 on smaller ones (the 2-core dev VM: 1 MiB shm hand-off 1.29 ->
+  // 0.86 ms, 256 MiB shm 3.9 -> 5.1 GiB/s, medians of three transfer_bench runs; docs/transfer.md).
+  std::optional<absl::Duration> spin;
   // After the spin, sleep in poll() on UCX's event fd (UCP_FEATURE_WAKEUP) and a command eventfd
   // instead of napping: a message or a posted command wakes the thread at once. Default: on.
   bool event_wakeup = true;
 };
+
+// The progress thread's spin under `options` on this host (UcxOptions::spin or its default).
+absl::Duration EffectiveSpin(const UcxOptions& options);
 
 std::unique_ptr<Wire> MakeUcxWire(const UcxOptions& options);
 

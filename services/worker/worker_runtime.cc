@@ -155,18 +155,20 @@ class MemoryGauges {
   MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {
     auto& pool = prometheus::BuildGauge()
                      .Name("epd_kv_pool_bytes")
-                     .Help("Bytes of the worker's KV pool by state: used (held by sequences), "
-                           "cached (sealed blocks nobody holds, kept for prefix reuse), slabs "
-                           "(the memory the pool holds: used + cached + free slots)")
+                     .Help(
+                         "Bytes of the worker's KV pool by state: used (held by sequences), "
+                         "cached (sealed blocks nobody holds, kept for prefix reuse), slabs "
+                         "(the memory the pool holds: used + cached + free slots)")
                      .Register(reg);
     pool_used_ = &pool.Add({{"state", "used"}});
     pool_cached_ = &pool.Add({{"state", "cached"}});
     pool_slabs_ = &pool.Add({{"state", "slabs"}});
     auto& heap = prometheus::BuildGauge()
                      .Name("epd_malloc_bytes")
-                     .Help("C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
-                           "chunks its arenas keep for reuse), mmapped (large blocks mapped on "
-                           "their own)")
+                     .Help(
+                         "C heap (glibc mallinfo2) by state: in_use (allocated), free (freed "
+                         "chunks its arenas keep for reuse), mmapped (large blocks mapped on "
+                         "their own)")
                      .Register(reg);
     heap_in_use_ = &heap.Add({{"state", "in_use"}});
     heap_free_ = &heap.Add({{"state", "free"}});
@@ -303,6 +305,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   eo.config_fingerprint = *fingerprint;
   eo.cluster_token = cluster_token;
   eo.node_name = worker_id;
+  eo.pool_bytes = transfer::kHandoffPoolBytes;  // hand-off buffers reused, registered once
   auto transport =
       transfer::MakeUcxTransport(uo, eo, runtime.registry(), common::SystemClock::Get());
   if (!transport.ok()) {
@@ -345,8 +348,9 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   setup.registry = &runtime.registry();
   setup.batch_size = &prometheus::BuildGauge()
                           .Name("epd_batch_size")
-                          .Help("Sequences running in this worker's step now, per pool (decode: "
-                                "the last batched step; 0 when idle)")
+                          .Help(
+                              "Sequences running in this worker's step now, per pool (decode: "
+                              "the last batched step; 0 when idle)")
                           .Register(runtime.registry())
                           .Add({{"pool", label}});
   setup.handoff_deadline_ms = handoff_deadline_ms;

@@ -4,7 +4,12 @@
 //
 //   transfer_bench                      (the issue-14 figures: 16 and 256 MiB, tcp and shm, 3
 //   rounds) transfer_bench [--modes tcp,shm] [--sizes-mib 16,256] [--rounds 3] [--iters 3]
-//                  [--latency-mib 1] [--lat-iters 15] [--chunk-mib 4]
+//                  [--latency-mib 1] [--lat-iters 15] [--chunk-mib 4] [--pool-mib 256]
+//                  [--spin-us -1]
+//
+// Both engines are configured as the workers' hand-off engines are (a pool of registered buffers,
+// kHandoffPoolBytes; the progress threads' default spin for this host), unless --pool-mib /
+// --spin-us say otherwise.
 //
 // Bandwidth: each round times --iters hand-offs of SIZE bytes in 8 segments, each from Send to the
 // sender's confirmation (offer, claim, data, checksums on both sides, seal, confirmation), and
@@ -50,10 +55,15 @@ namespace {
 
 constexpr int kSegments = 8;
 
+int64_t g_spin_us = -1;  // UcxOptions::spin in us; -1: its default (EffectiveSpin)
+// EngineOptions::pool_bytes in MiB; default: the workers' hand-off engines' pool.
+uint64_t g_pool_mib = et::kHandoffPoolBytes >> 20;
+
 et::UcxOptions Ucx(const std::string& mode) {
   et::UcxOptions uo;
   uo.mode = mode == "tcp" ? et::UcxOptions::Mode::kListener : et::UcxOptions::Mode::kWorkerAddress;
   uo.net_devices = "lo";
+  if (g_spin_us >= 0) uo.spin = absl::Microseconds(g_spin_us);
   return uo;
 }
 
@@ -64,6 +74,7 @@ et::EngineOptions Engine() {
   eo.config_fingerprint = "bench";
   eo.cluster_token = "bench";
   eo.chunk_bytes = g_chunk_mib << 20;
+  eo.pool_bytes = g_pool_mib << 20;
   return eo;
 }
 
@@ -246,6 +257,10 @@ int main(int argc, char** argv) {
   app.add_option("--latency-mib", latency_mib, "hand-off size for the latency figure (0: skip)");
   app.add_option("--lat-iters", lat_iters, "hand-offs timed for the latency figure");
   app.add_option("--chunk-mib", g_chunk_mib, "engine data chunk size");
+  app.add_option("--pool-mib", g_pool_mib,
+                 "engine buffer pool in MiB (EngineOptions::pool_bytes; default: the workers')");
+  app.add_option("--spin-us", g_spin_us,
+                 "UCX progress thread spin in us (UcxOptions::spin; -1: its default on this host)");
   app.add_option("--role", role);  // internal: "recv" for the child
   app.add_option("--mode", mode);
   app.add_option("--plan", plan_arg);
@@ -286,9 +301,11 @@ int main(int argc, char** argv) {
     const ssize_t n = readlink("/proc/self/exe", self, sizeof(self) - 1);
     if (n <= 0) return 2;
     const std::string recv_log = "/tmp/transfer_bench_recv_" + std::to_string(getpid()) + ".log";
-    pid_t child = Spawn({self, "--role", "recv", "--mode", md, "--plan", PlanString(plan),
-                         "--chunk-mib", std::to_string(g_chunk_mib), "--address-file", addr_file},
-                        recv_log, {});
+    pid_t child =
+        Spawn({self, "--role", "recv", "--mode", md, "--plan", PlanString(plan), "--chunk-mib",
+               std::to_string(g_chunk_mib), "--pool-mib", std::to_string(g_pool_mib), "--spin-us",
+               std::to_string(g_spin_us), "--address-file", addr_file},
+              recv_log, {});
     std::string addr;
     for (int i = 0; i < 2000 && addr.empty(); ++i) {
       std::ifstream in(addr_file);
