@@ -593,10 +593,20 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   const std::vector<uint64_t> offsets = SegmentOffsets(manifest);
   // The checksums are computed by the hashing thread while the offer, the claim and the bytes
   // move; they follow in a TransferSeal (protocol 2).
-  // (Or the caller computed them: options.checksums_in_manifest.)
+  // (Or the caller computed them: options.checksums_in_manifest; or the payload is small and
+  // they are computed here, EngineOptions::inline_hash_bytes.)
+  bool in_manifest = options.checksums_in_manifest;
+  if (!in_manifest && total > 0 && total <= options_.inline_hash_bytes) {
+    for (int i = 0; i < manifest.segments_size(); ++i) {
+      auto* s = manifest.mutable_segments(i);
+      s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
+      s->set_checksum(XXH3_64bits(payload->data() + offsets[i], s->byte_length()));
+    }
+    in_manifest = true;
+  }
   for (int i = 0; i < manifest.segments_size(); ++i) {
     auto* s = manifest.mutable_segments(i);
-    if (options.checksums_in_manifest) {
+    if (in_manifest) {
       if (s->checksum_kind() != epd::v1::CHECKSUM_XXH3_64)
         return absl::InvalidArgumentError(absl::StrCat("Send: checksums_in_manifest but ",
                                                        DescribeSegment(manifest, i),
@@ -657,14 +667,14 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   *offer->mutable_manifest() = t->manifest;
   offer->set_lease_ms(absl::ToInt64Milliseconds(options.lease));
   offer->set_chunk_bytes(options_.chunk_bytes);
-  offer->set_checksums_follow(!options.checksums_in_manifest);
+  offer->set_checksums_follow(!in_manifest);
   // With posted receives the chunks follow the offer at once: the receiver's wire holds them
   // (unexpected) until the manifest check posts their receives, or discards them if it refuses.
   const bool early_data = wire_->PostsReceives();
   offer->set_data_without_claim(early_data);
   SendControl(peer, msg);
   InitHashing(*t);
-  if (options.checksums_in_manifest) {
+  if (in_manifest) {
     t->unhashed = 0;   // nothing to hash here
     t->sealed = true;  // and no seal to send: the offer carried the checksums
     for (int i = 0; i < t->manifest.segments_size(); ++i)
@@ -1398,7 +1408,7 @@ DataSink TransferEngine::OnDataBegin(PeerId peer, const DataHeader& h, uint64_t 
 
 void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_length,
                                absl::Status status) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   counters_->wire_ops.fetch_sub(1);
   Transfer* t = Find(h.receiver_transfer_id);
   if (t == nullptr) return;
@@ -1425,7 +1435,11 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
         t->segment_done_ns[h.segment] = clock_.NowMonoNs();
       auto r = t->ranges[h.segment].find(h.offset);
       if (r != t->ranges[h.segment].end()) r->second.second = true;
-      ScheduleHash(*t);  // the chunk is hashed while the next ones land
+      if (options_.inline_hash_bytes > 0 && t->bytes_total <= options_.inline_hash_bytes) {
+        HashOnThisThread(lock, *t);
+      } else {
+        ScheduleHash(*t);  // the chunk is hashed while the next ones land
+      }
       MaybeFinishReceive(*t);
     } else {
       Fail(*t,
@@ -1500,6 +1514,13 @@ void TransferEngine::ScheduleHash(Transfer& t) {
   }
   hash_queue_.push_back(t.id);
   hash_cv_.notify_one();
+}
+
+void TransferEngine::HashOnThisThread(std::unique_lock<std::mutex>& lock, Transfer& t) {
+  // A job already queued or running (a waiter's, the hashing thread's) takes this chunk too.
+  if (t.hash_busy || t.terminal() || t.unhashed == 0) return;
+  t.hash_busy = true;
+  RunHashJob(lock, t);  // keeps `t` alive (hash_busy) while mu_ is released
 }
 
 void TransferEngine::HashLoop() {

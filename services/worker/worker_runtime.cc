@@ -306,6 +306,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   eo.cluster_token = cluster_token;
   eo.node_name = worker_id;
   eo.pool_bytes = transfer::kHandoffPoolBytes;  // hand-off buffers reused, registered once
+  eo.inline_hash_bytes = transfer::kHandoffInlineHashBytes;  // small hand-offs: fewer wake-ups
   auto transport =
       transfer::MakeUcxTransport(uo, eo, runtime.registry(), common::SystemClock::Get());
   if (!transport.ok()) {

@@ -5,11 +5,12 @@
 //   transfer_bench                      (the issue-14 figures: 16 and 256 MiB, tcp and shm, 3
 //   rounds) transfer_bench [--modes tcp,shm] [--sizes-mib 16,256] [--rounds 3] [--iters 3]
 //                  [--latency-mib 1] [--lat-iters 15] [--chunk-mib 4] [--pool-mib 256]
-//                  [--spin-us -1]
+//                  [--spin-us -1] [--inline-hash-kib 1024]
 //
 // Both engines are configured as the workers' hand-off engines are (a pool of registered buffers,
-// kHandoffPoolBytes; the progress threads' default spin for this host), unless --pool-mib /
-// --spin-us say otherwise.
+// kHandoffPoolBytes; small transfers hashed inline, kHandoffInlineHashBytes; the progress
+// threads' default spin for this host), unless --pool-mib / --inline-hash-kib / --spin-us say
+// otherwise.
 //
 // Bandwidth: each round times --iters hand-offs of SIZE bytes in 8 segments, each from Send to the
 // sender's confirmation (offer, claim, data, checksums on both sides, seal, confirmation), and
@@ -58,6 +59,8 @@ constexpr int kSegments = 8;
 int64_t g_spin_us = -1;  // UcxOptions::spin in us; -1: its default (EffectiveSpin)
 // EngineOptions::pool_bytes in MiB; default: the workers' hand-off engines' pool.
 uint64_t g_pool_mib = et::kHandoffPoolBytes >> 20;
+// EngineOptions::inline_hash_bytes in KiB; default: the workers' hand-off engines'.
+uint64_t g_inline_hash_kib = et::kHandoffInlineHashBytes >> 10;
 
 et::UcxOptions Ucx(const std::string& mode) {
   et::UcxOptions uo;
@@ -75,6 +78,7 @@ et::EngineOptions Engine() {
   eo.cluster_token = "bench";
   eo.chunk_bytes = g_chunk_mib << 20;
   eo.pool_bytes = g_pool_mib << 20;
+  eo.inline_hash_bytes = g_inline_hash_kib << 10;
   return eo;
 }
 
@@ -259,6 +263,9 @@ int main(int argc, char** argv) {
   app.add_option("--chunk-mib", g_chunk_mib, "engine data chunk size");
   app.add_option("--pool-mib", g_pool_mib,
                  "engine buffer pool in MiB (EngineOptions::pool_bytes; default: the workers')");
+  app.add_option("--inline-hash-kib", g_inline_hash_kib,
+                 "hash transfers up to this in Send() / on the wire thread (EngineOptions::"
+                 "inline_hash_bytes; default: the workers')");
   app.add_option("--spin-us", g_spin_us,
                  "UCX progress thread spin in us (UcxOptions::spin; -1: its default on this host)");
   app.add_option("--role", role);  // internal: "recv" for the child
@@ -303,7 +310,8 @@ int main(int argc, char** argv) {
     const std::string recv_log = "/tmp/transfer_bench_recv_" + std::to_string(getpid()) + ".log";
     pid_t child =
         Spawn({self, "--role", "recv", "--mode", md, "--plan", PlanString(plan), "--chunk-mib",
-               std::to_string(g_chunk_mib), "--pool-mib", std::to_string(g_pool_mib), "--spin-us",
+               std::to_string(g_chunk_mib), "--pool-mib", std::to_string(g_pool_mib),
+               "--inline-hash-kib", std::to_string(g_inline_hash_kib), "--spin-us",
                std::to_string(g_spin_us), "--address-file", addr_file},
               recv_log, {});
     std::string addr;

@@ -61,6 +61,7 @@ class EngineTest : public ::testing::Test {
     o.cluster_token = "tok";
     o.chunk_bytes = chunk;
     o.pool_bytes = pool_bytes_;
+    o.inline_hash_bytes = inline_hash_bytes_;
     auto tx = TransferEngine::Create(MakeFaultWire(MakeLoopbackWire(net_, "tx"), plan), o,
                                      registry_, clock_);
     ASSERT_TRUE(tx.ok()) << tx.status();
@@ -130,7 +131,8 @@ class EngineTest : public ::testing::Test {
     }
   }
 
-  uint64_t pool_bytes_ = 0;  // EngineOptions::pool_bytes of both engines (set before Make)
+  uint64_t pool_bytes_ = 0;         // EngineOptions::pool_bytes of both engines (set before Make)
+  uint64_t inline_hash_bytes_ = 0;  // EngineOptions::inline_hash_bytes of both (before Make)
   common::FakeClock clock_;
   prometheus::Registry registry_;
   std::shared_ptr<LoopbackNetwork> net_;
@@ -606,6 +608,52 @@ TEST_F(EngineTest, APooledBufferOfANewSizePushesOutTheOldestIdleOnes) {
   ASSERT_TRUE(d.ok());
   EXPECT_EQ((*d)->data(), c_data);
   EXPECT_EQ(tx_->Resources().pooled_bytes, 1 << 20);
+}
+
+// EngineOptions::inline_hash_bytes: a small transfer is hashed by the sender in Send() (checksums
+// in the offer, no seal) and by the receiver's wire thread as each chunk lands; every byte and
+// checksum is still checked: a flipped byte fails both sides with the checksum named, and a
+// transfer over the limit takes the hashing thread and the seal as before.
+TEST_F(EngineTest, SmallTransfersHashInlineAndStillCatchACorruptedByte) {
+  inline_hash_bytes_ = 1 << 20;
+  Make();
+  const PeerId peer = ConnectOk();
+  for (int round = 0; round < 3; ++round) {
+    for (uint64_t seg : {uint64_t{1000}, uint64_t{300'000}, uint64_t{700'000}}) {  // 2 segments
+      const std::string rid = absl::StrCat("inline-", round, "-", seg);
+      const auto m = testing::BulkManifest(rid, "fp", 2, seg);
+      const TransferId r = StartReceive(m);
+      const TransferId s = StartSend(peer, m);
+      ASSERT_TRUE(rx_->Wait(r, absl::Seconds(10)).ok()) << rid;
+      ASSERT_TRUE(tx_->Wait(s, absl::Seconds(10)).ok()) << rid;
+      auto got = rx_->TakeReceived(r);
+      ASSERT_TRUE(got.ok()) << got.status();
+      EXPECT_EQ(testing::ComparePayload(m, got->buffer->data(), 42), "") << rid;
+      got->buffer.reset();
+      tx_->Forget(s);
+    }
+  }
+  ExpectAllReleased();
+
+  // The third data chunk (64 KiB chunks: inside segment 0 of 300,000 B) arrives with a byte
+  // flipped.
+  FaultPlan p;
+  p.action = FaultPlan::Action::kCorrupt;
+  p.target = FaultPlan::Target::kData;
+  p.nth = 2;
+  p.corrupt_offset = 100;
+  Make(p);
+  const PeerId peer2 = ConnectOk();
+  const auto m = testing::BulkManifest("inline-corrupt", "fp", 2, 300'000);
+  const TransferId r = StartReceive(m);
+  const TransferId s = StartSend(peer2, m);
+  const absl::Status rs = rx_->Wait(r, absl::Seconds(10));
+  EXPECT_TRUE(absl::IsDataLoss(rs)) << rs;
+  EXPECT_NE(rs.message().find("checksum"), std::string::npos) << rs;
+  EXPECT_FALSE(tx_->Wait(s, absl::Seconds(10)).ok());
+  rx_->Forget(r);
+  tx_->Forget(s);
+  ExpectAllReleased();
 }
 
 }  // namespace
