@@ -3,6 +3,7 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/hash.h"
 
 namespace epd::kvstore {
 
@@ -122,6 +123,7 @@ absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& k
     Slot& s = slots_[idx];
     s.in_use = true;
     s.published = false;
+    s.has_checksum = false;
     s.length = length;
     s.key = key;
     r.pool_ = this;
@@ -163,9 +165,15 @@ void G1BlockPool::CancelReservation(uint32_t index) {
 
 absl::Status G1BlockPool::Put(const BlockHash& key, std::span<const uint8_t> bytes) {
   if (Contains(key)) return absl::OkStatus();
+  const uint64_t checksum = common::Xxh3_64(bytes);
   auto r = Reserve(key, bytes.size());
   if (!r.ok()) return r.status();
   if (auto s = arena_->CopyIn(r->index(), bytes); !s.ok()) return s;
+  {
+    absl::MutexLock lock(&mu_);  // the page is reserved: nobody else sees it yet
+    slots_[r->index()].has_checksum = true;
+    slots_[r->index()].checksum = checksum;
+  }
   return r->Commit();
 }
 
@@ -187,14 +195,20 @@ std::optional<G1BlockPool::BlockRef> G1BlockPool::Acquire(const BlockHash& key) 
 }
 
 std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const ValueDest& dest,
-                                                 bool* in_dest) {
+                                                 bool* in_dest, std::optional<uint64_t>* checksum) {
   *in_dest = false;
+  if (checksum != nullptr) checksum->reset();
   if (!dest) return Read(key);
   metrics_.gets->Increment();
   auto ref = Acquire(key);
   if (!ref.has_value()) {
     all_metrics_.CountMiss(Tier::kG1, MissReason::kAbsent);
     return std::nullopt;
+  }
+  if (checksum != nullptr) {
+    absl::MutexLock lock(&mu_);  // the reference keeps the page (and its checksum) in place
+    const Slot& s = slots_[ref->index()];
+    if (s.has_checksum) *checksum = s.checksum;
   }
   uint8_t* out = dest(ref->length());
   if (out == nullptr) {

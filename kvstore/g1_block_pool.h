@@ -97,7 +97,8 @@ class G1BlockPool {
   // InvalidArgument if length > block_bytes; ResourceExhausted if every page is referenced,
   // pinned or reserved.
   absl::StatusOr<Reservation> Reserve(const BlockHash& key, size_t length);
-  // Reserve + CopyIn + Commit. A key already present is left as is (OK).
+  // Reserve + CopyIn + Commit. A key already present is left as is (OK). The block keeps the
+  // XXH3-64 of `bytes` (ReadInto's checksum).
   absl::Status Put(const BlockHash& key, std::span<const uint8_t> bytes);
 
   // Counted probe (lookups/hits{tier="g1"}). Takes a reference: the block stays until released.
@@ -105,8 +106,12 @@ class G1BlockPool {
   // Counted get: a copy of the block's bytes, or nullopt (miss counted as "absent").
   std::optional<std::string> Read(const BlockHash& key);
   // Counted get into dest(length) when it returns a buffer (then the result is an empty string),
-  // else like Read. nullopt on a miss or a failed copy.
-  std::optional<std::string> ReadInto(const BlockHash& key, const ValueDest& dest, bool* in_dest);
+  // else like Read. nullopt on a miss or a failed copy. `checksum` (optional): set to the block's
+  // stored XXH3-64 (seed 0) when it has one (blocks written by Put; a block filled through a
+  // Reservation has none), else reset. A reader that checks its copy against it checks the page
+  // as it was put, end to end, instead of hashing whatever the page holds now.
+  std::optional<std::string> ReadInto(const BlockHash& key, const ValueDest& dest, bool* in_dest,
+                                      std::optional<uint64_t>* checksum = nullptr);
   // Counted probe (lookups/hits{tier="g1"}) without taking a reference or touching the LRU.
   bool Lookup(const BlockHash& key);
   // Uncounted presence check, touches nothing.
@@ -139,6 +144,8 @@ class G1BlockPool {
     bool in_use = false;
     std::list<uint32_t>::iterator lru_it;
     bool on_lru = false;
+    bool has_checksum = false;  // written by Put: the XXH3-64 of the bytes put
+    uint64_t checksum = 0;
   };
 
   void Unref(uint32_t index);

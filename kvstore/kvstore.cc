@@ -131,10 +131,16 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const Va
   if (!k.ok()) return k.status();
   if ((tier == Tier::kG1 || tier == Tier::kAuto) && g1_ != nullptr) {
     bool in_dest = false;
-    if (auto v = g1_->ReadInto(*k, dest, &in_dest); v.has_value()) {
+    std::optional<uint64_t> stored;
+    if (auto v = g1_->ReadInto(*k, dest, &in_dest, &stored); v.has_value()) {
       r.found = true;
       r.value = std::move(*v);
       r.in_dest = in_dest;
+      if (in_dest && stored.has_value()) {  // the checksum of the bytes put, not of the copy
+        r.has_checksum = true;
+        r.checksum = *stored;
+        r.checksum_seed = 0;
+      }
       r.miss = MissReason::kNone;
       r.tier = Tier::kG1;
       return r;

@@ -213,8 +213,7 @@ grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest*
 std::shared_ptr<MappedPeerSegment> KvStoreServiceImpl::MapSegment(const v1::ShmSegment& shm,
                                                                   bool writable, std::string* why) {
   std::string reason;
-  auto seg =
-      segments_->Acquire(shm.pid(), shm.fd(), shm.inode(), shm.size(), writable, &reason);
+  auto seg = segments_->Acquire(shm.pid(), shm.fd(), shm.inode(), shm.size(), writable, &reason);
   if (!seg.ok()) {
     store_.metrics().CountShmRefused(reason);
     *why = std::string(seg.status().message());
@@ -271,7 +270,8 @@ grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchG
       item->set_in_shm(true);
       item->set_offset(offset);
       item->set_byte_length(length);
-      if (r->has_checksum) {  // the tier verified its stored checksum over this very copy
+      if (r->has_checksum) {  // the tier's stored checksum (G3: verified over this very copy;
+                              // G1: of the bytes put, so the client's check covers the page too)
         item->set_checksum(r->checksum);
         item->set_checksum_seed(r->checksum_seed);
       } else {

@@ -28,7 +28,8 @@ struct GetResult {
   MissReason miss = MissReason::kAbsent;
   Tier tier = Tier::kAuto;  // the tier that served it
   bool in_dest = false;     // the value went to the caller's ValueDest (value is empty)
-  // in_dest, when the tier verified its stored checksum over dest's copy (G3): that checksum,
+  // in_dest, when the tier has a stored checksum of the value (G3: verified over dest's copy;
+  // G1: the checksum of the bytes put, for the reader to check its copy against): that checksum,
   // XXH3-64 seeded by checksum_seed, so a daemon need not hash the copy again.
   bool has_checksum = false;
   uint64_t checksum = 0;

@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
 
+#include "common/hash.h"
 #include "tests/kvstore/test_util.h"
 
 namespace epd::kvstore {
@@ -51,6 +53,51 @@ TEST(G1BlockPoolTest, PutReadRoundTripsAndRejectsOversizedValues) {
   EXPECT_EQ(MetricValue(f.registry, "epd_kv_bad_requests_total", {{"reason", "value_size"}}), 1);
   EXPECT_EQ(f.pool->stats().entries, 1u);
   EXPECT_EQ(f.pool->stats().bytes, 700u);
+}
+
+// A block written by Put keeps the XXH3-64 of the bytes put, and ReadInto hands it to the reader
+// (the daemon passes it to the client, which checks its copy against it): a page that changed
+// after the put no longer matches, where a checksum of the copy would have matched it. A block
+// filled through a Reservation (a DMA into the page) has no stored checksum.
+TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMatchesIt) {
+  Fixture f(4);
+  const std::string v = Payload(7, 900);
+  ASSERT_TRUE(f.pool->Put(Key(1), Bytes(v)).ok());
+  std::string copy;
+  auto into = [&](size_t n) -> uint8_t* {
+    copy.assign(n, '\0');
+    return reinterpret_cast<uint8_t*>(copy.data());
+  };
+  bool in_dest = false;
+  std::optional<uint64_t> checksum;
+  ASSERT_TRUE(f.pool->ReadInto(Key(1), into, &in_dest, &checksum).has_value());
+  ASSERT_TRUE(in_dest);
+  ASSERT_TRUE(checksum.has_value());
+  EXPECT_EQ(*checksum, common::Xxh3_64(v));
+  EXPECT_EQ(copy, v);
+  {  // a bit flips in the page after the put
+    auto ref = f.pool->Acquire(Key(1));
+    ASSERT_TRUE(ref.has_value());
+    static_cast<uint8_t*>(ref->address())[123] ^= 0x10;
+  }
+  ASSERT_TRUE(f.pool->ReadInto(Key(1), into, &in_dest, &checksum).has_value());
+  ASSERT_TRUE(checksum.has_value());
+  EXPECT_NE(common::Xxh3_64(copy), *checksum);  // the reader's check fails: caught
+
+  auto r = f.pool->Reserve(Key(2), 100);
+  ASSERT_TRUE(r.ok());
+  std::memset(r->address(), 5, 100);
+  ASSERT_TRUE(r->Commit().ok());
+  ASSERT_TRUE(f.pool->ReadInto(Key(2), into, &in_dest, &checksum).has_value());
+  EXPECT_TRUE(in_dest);
+  EXPECT_FALSE(checksum.has_value());
+  // Reused for a Put: the page's new block has its own checksum again.
+  ASSERT_TRUE(f.pool->Erase(Key(2)));
+  const std::string w = Payload(8, 300);
+  ASSERT_TRUE(f.pool->Put(Key(3), Bytes(w)).ok());
+  ASSERT_TRUE(f.pool->ReadInto(Key(3), into, &in_dest, &checksum).has_value());
+  ASSERT_TRUE(checksum.has_value());
+  EXPECT_EQ(*checksum, common::Xxh3_64(w));
 }
 
 TEST(G1BlockPoolTest, ReservationIsInvisibleUntilCommitAndFreedIfAbandoned) {
