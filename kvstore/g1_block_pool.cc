@@ -123,7 +123,7 @@ absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& k
     Slot& s = slots_[idx];
     s.in_use = true;
     s.published = false;
-    s.has_checksum = false;
+    s.checksum.reset();
     s.length = length;
     s.key = key;
     r.pool_ = this;
@@ -163,15 +163,15 @@ void G1BlockPool::CancelReservation(uint32_t index) {
   UpdateGaugesLocked();
 }
 
-absl::Status G1BlockPool::Put(const BlockHash& key, std::span<const uint8_t> bytes) {
+absl::Status G1BlockPool::Put(const BlockHash& key, std::span<const uint8_t> bytes,
+                              std::optional<ValueChecksum> known) {
   if (Contains(key)) return absl::OkStatus();
-  const uint64_t checksum = common::Xxh3_64(bytes);
   auto r = Reserve(key, bytes.size());
   if (!r.ok()) return r.status();
   if (auto s = arena_->CopyIn(r->index(), bytes); !s.ok()) return s;
+  const ValueChecksum checksum = known ? *known : ValueChecksum{common::Xxh3_64(bytes), 0};
   {
     absl::MutexLock lock(&mu_);  // the page is reserved: nobody else sees it yet
-    slots_[r->index()].has_checksum = true;
     slots_[r->index()].checksum = checksum;
   }
   return r->Commit();
@@ -195,7 +195,8 @@ std::optional<G1BlockPool::BlockRef> G1BlockPool::Acquire(const BlockHash& key) 
 }
 
 std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const ValueDest& dest,
-                                                 bool* in_dest, std::optional<uint64_t>* checksum) {
+                                                 bool* in_dest,
+                                                 std::optional<ValueChecksum>* checksum) {
   *in_dest = false;
   if (checksum != nullptr) checksum->reset();
   if (!dest) return Read(key);
@@ -207,8 +208,7 @@ std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const Val
   }
   if (checksum != nullptr) {
     absl::MutexLock lock(&mu_);  // the reference keeps the page (and its checksum) in place
-    const Slot& s = slots_[ref->index()];
-    if (s.has_checksum) *checksum = s.checksum;
+    *checksum = slots_[ref->index()].checksum;
   }
   uint8_t* out = dest(ref->length());
   if (out == nullptr) {

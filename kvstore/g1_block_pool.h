@@ -29,6 +29,12 @@
 
 namespace epd::kvstore {
 
+// A value's XXH3-64 and the seed it was computed with.
+struct ValueChecksum {
+  uint64_t value = 0;
+  uint64_t seed = 0;
+};
+
 struct G1Config {
   size_t block_bytes = 64 * 890;         // Default: 64 tokens x 890 B/token (official config)
   size_t capacity_bytes = 256ull << 20;  // Default: 256 MiB (capacity / block_bytes pages)
@@ -97,9 +103,12 @@ class G1BlockPool {
   // InvalidArgument if length > block_bytes; ResourceExhausted if every page is referenced,
   // pinned or reserved.
   absl::StatusOr<Reservation> Reserve(const BlockHash& key, size_t length);
-  // Reserve + CopyIn + Commit. A key already present is left as is (OK). The block keeps the
-  // XXH3-64 of `bytes` (ReadInto's checksum).
-  absl::Status Put(const BlockHash& key, std::span<const uint8_t> bytes);
+  // Reserve + CopyIn + Commit. A key already present is left as is (OK). The block keeps a
+  // checksum of `bytes` (ReadInto's): `known` when the caller has one it verified over these very
+  // bytes (a G3 hit being promoted), else their XXH3-64 with seed 0, computed once a page is
+  // reserved.
+  absl::Status Put(const BlockHash& key, std::span<const uint8_t> bytes,
+                   std::optional<ValueChecksum> known = std::nullopt);
 
   // Counted probe (lookups/hits{tier="g1"}). Takes a reference: the block stays until released.
   std::optional<BlockRef> Acquire(const BlockHash& key);
@@ -107,11 +116,11 @@ class G1BlockPool {
   std::optional<std::string> Read(const BlockHash& key);
   // Counted get into dest(length) when it returns a buffer (then the result is an empty string),
   // else like Read. nullopt on a miss or a failed copy. `checksum` (optional): set to the block's
-  // stored XXH3-64 (seed 0) when it has one (blocks written by Put; a block filled through a
-  // Reservation has none), else reset. A reader that checks its copy against it checks the page
+  // stored checksum when it has one (blocks written by Put; a block filled through a Reservation
+  // has none), else reset. A reader that checks its copy against it checks the page
   // as it was put, end to end, instead of hashing whatever the page holds now.
   std::optional<std::string> ReadInto(const BlockHash& key, const ValueDest& dest, bool* in_dest,
-                                      std::optional<uint64_t>* checksum = nullptr);
+                                      std::optional<ValueChecksum>* checksum = nullptr);
   // Counted probe (lookups/hits{tier="g1"}) without taking a reference or touching the LRU.
   bool Lookup(const BlockHash& key);
   // Uncounted presence check, touches nothing.
@@ -144,8 +153,7 @@ class G1BlockPool {
     bool in_use = false;
     std::list<uint32_t>::iterator lru_it;
     bool on_lru = false;
-    bool has_checksum = false;  // written by Put: the XXH3-64 of the bytes put
-    uint64_t checksum = 0;
+    std::optional<ValueChecksum> checksum;  // written by Put: of the bytes put
   };
 
   void Unref(uint32_t index);

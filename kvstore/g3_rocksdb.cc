@@ -247,10 +247,10 @@ G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key, const ValueDest&
       drop = true;
     } else {
       const auto payload = decoded->payload;
+      r.checksum = decoded->checksum;  // verified above over the bytes returned
+      r.checksum_seed = decoded->seed;
       if (out != nullptr) {
         r.in_dest = true;
-        r.checksum = decoded->checksum;
-        r.checksum_seed = decoded->seed;
       } else {
         r.value.assign(reinterpret_cast<const char*>(payload.data()), payload.size());
       }

@@ -68,7 +68,8 @@ class G3RocksStore {
     std::string value;                      // the payload on a hit (empty when in_dest)
     MissReason miss = MissReason::kAbsent;  // kNone on a hit
     bool in_dest = false;                   // the payload was copied to dest's buffer instead
-    // in_dest: the stored checksum, verified over dest's copy (XXH3-64 seeded by checksum_seed).
+    // On a hit: the stored checksum (XXH3-64 seeded by checksum_seed), verified over the bytes
+    // returned (dest's copy when in_dest, else `value`).
     uint64_t checksum = 0;
     uint64_t checksum_seed = 0;
   };

@@ -131,15 +131,15 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const Va
   if (!k.ok()) return k.status();
   if ((tier == Tier::kG1 || tier == Tier::kAuto) && g1_ != nullptr) {
     bool in_dest = false;
-    std::optional<uint64_t> stored;
+    std::optional<ValueChecksum> stored;
     if (auto v = g1_->ReadInto(*k, dest, &in_dest, &stored); v.has_value()) {
       r.found = true;
       r.value = std::move(*v);
       r.in_dest = in_dest;
       if (in_dest && stored.has_value()) {  // the checksum of the bytes put, not of the copy
         r.has_checksum = true;
-        r.checksum = *stored;
-        r.checksum_seed = 0;
+        r.checksum = stored->value;
+        r.checksum_seed = stored->seed;
       }
       r.miss = MissReason::kNone;
       r.tier = Tier::kG1;
@@ -179,7 +179,9 @@ absl::StatusOr<GetResult> KvStore::Get(Tier tier, std::string_view key, const Va
     }
     const std::span<const uint8_t> bytes = r.in_dest ? in_dest_bytes : AsSpan(r.value);
     if (tier == Tier::kAuto && g1_ != nullptr && bytes.size() <= g1_->block_bytes()) {
-      (void)g1_->Put(*k, bytes);  // best effort: a full G1 just skips the promotion
+      // Best effort (a full G1 just skips the promotion), with G3's checksum, verified over these
+      // very bytes: no second hash on the get path.
+      (void)g1_->Put(*k, bytes, ValueChecksum{g.checksum, g.checksum_seed});
     }
   }
   return r;
@@ -215,7 +217,8 @@ absl::StatusOr<bool> KvStore::Pin(std::string_view key, bool pin) {
   if (g1_->Pin(*k)) return true;
   auto g = g3_->Get(*k);
   if (g.miss != MissReason::kNone) return false;
-  if (auto s = g1_->Put(*k, AsSpan(g.value)); !s.ok()) return s;
+  if (auto s = g1_->Put(*k, AsSpan(g.value), ValueChecksum{g.checksum, g.checksum_seed}); !s.ok())
+    return s;
   return g1_->Pin(*k);
 }
 

@@ -596,7 +596,7 @@ absl::StatusOr<TransferId> TransferEngine::Send(PeerId peer, epd::v1::Manifest m
   // (Or the caller computed them: options.checksums_in_manifest; or the payload is small and
   // they are computed here, EngineOptions::inline_hash_bytes.)
   bool in_manifest = options.checksums_in_manifest;
-  if (!in_manifest && total > 0 && total <= options_.inline_hash_bytes) {
+  if (!in_manifest && HashesInline(total)) {
     for (int i = 0; i < manifest.segments_size(); ++i) {
       auto* s = manifest.mutable_segments(i);
       s->set_checksum_kind(epd::v1::CHECKSUM_XXH3_64);
@@ -1435,7 +1435,7 @@ void TransferEngine::OnDataEnd(PeerId peer, const DataHeader& h, uint64_t wire_l
         t->segment_done_ns[h.segment] = clock_.NowMonoNs();
       auto r = t->ranges[h.segment].find(h.offset);
       if (r != t->ranges[h.segment].end()) r->second.second = true;
-      if (options_.inline_hash_bytes > 0 && t->bytes_total <= options_.inline_hash_bytes) {
+      if (HashesInline(t->bytes_total)) {
         HashOnThisThread(lock, *t);
       } else {
         ScheduleHash(*t);  // the chunk is hashed while the next ones land

@@ -177,6 +177,11 @@ class TransferEngine final : public KvTransport, private WireHandler {
   void DiscardEarlyData(PeerId peer, const epd::v1::TransferOffer& offer);
   bool Overlaps(const Transfer& t, int segment, uint64_t offset, uint64_t length) const;
   void ScheduleHash(Transfer& t);
+  // Whether a transfer of `bytes` is hashed by the thread at hand (EngineOptions::
+  // inline_hash_bytes): the sender in Send(), the receiver on the wire thread.
+  bool HashesInline(uint64_t bytes) const {
+    return bytes > 0 && bytes <= options_.inline_hash_bytes;
+  }
   // A small receive's landed chunk (EngineOptions::inline_hash_bytes): hashed here and now, with
   // `lock` (on mu_) released while hashing; the receive may be confirmed before it returns.
   void HashOnThisThread(std::unique_lock<std::mutex>& lock, Transfer& t);

@@ -69,11 +69,12 @@ TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMat
     return reinterpret_cast<uint8_t*>(copy.data());
   };
   bool in_dest = false;
-  std::optional<uint64_t> checksum;
+  std::optional<ValueChecksum> checksum;
   ASSERT_TRUE(f.pool->ReadInto(Key(1), into, &in_dest, &checksum).has_value());
   ASSERT_TRUE(in_dest);
   ASSERT_TRUE(checksum.has_value());
-  EXPECT_EQ(*checksum, common::Xxh3_64(v));
+  EXPECT_EQ(checksum->value, common::Xxh3_64(v));
+  EXPECT_EQ(checksum->seed, 0u);
   EXPECT_EQ(copy, v);
   {  // a bit flips in the page after the put
     auto ref = f.pool->Acquire(Key(1));
@@ -82,7 +83,7 @@ TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMat
   }
   ASSERT_TRUE(f.pool->ReadInto(Key(1), into, &in_dest, &checksum).has_value());
   ASSERT_TRUE(checksum.has_value());
-  EXPECT_NE(common::Xxh3_64(copy), *checksum);  // the reader's check fails: caught
+  EXPECT_NE(common::Xxh3_64(copy), checksum->value);  // the reader's check fails: caught
 
   auto r = f.pool->Reserve(Key(2), 100);
   ASSERT_TRUE(r.ok());
@@ -97,7 +98,14 @@ TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMat
   ASSERT_TRUE(f.pool->Put(Key(3), Bytes(w)).ok());
   ASSERT_TRUE(f.pool->ReadInto(Key(3), into, &in_dest, &checksum).has_value());
   ASSERT_TRUE(checksum.has_value());
-  EXPECT_EQ(*checksum, common::Xxh3_64(w));
+  EXPECT_EQ(checksum->value, common::Xxh3_64(w));
+  // A checksum the caller already verified over the bytes (a G3 hit's, seeded) is kept as given.
+  const std::string x = Payload(9, 500);
+  ASSERT_TRUE(f.pool->Put(Key(4), Bytes(x), ValueChecksum{common::Xxh3_64(Bytes(x), 77), 77}).ok());
+  ASSERT_TRUE(f.pool->ReadInto(Key(4), into, &in_dest, &checksum).has_value());
+  ASSERT_TRUE(checksum.has_value());
+  EXPECT_EQ(checksum->seed, 77u);
+  EXPECT_EQ(checksum->value, common::Xxh3_64(Bytes(copy), 77));
 }
 
 TEST(G1BlockPoolTest, ReservationIsInvisibleUntilCommitAndFreedIfAbandoned) {

@@ -4,6 +4,7 @@
 
 #include <numeric>
 
+#include "common/hash.h"
 #include "kvstore/kvstore.h"
 #include "tests/kvstore/test_util.h"
 #include "tests/testing/subprocess.h"
@@ -156,6 +157,41 @@ TEST_F(KvStoreTest, GetIntoADestinationCopiesTheHitStraightIntoTheCallersBuffer)
   EXPECT_FALSE(miss->found);
   EXPECT_FALSE(miss->in_dest);
   EXPECT_EQ(MetricValue(registry_, "epd_kv_hits_total", {{"tier", "g3"}}), 2);
+}
+
+// Every hit into a destination comes with a checksum the reader can check its copy against: G3's
+// stored (seeded) one, verified over the copy; after a G3 hit promotes the block into G1, the G1
+// hit carries that same checksum (the promotion hashes nothing again); a block put into G1 carries
+// the XXH3-64 of the bytes put (seed 0).
+TEST_F(KvStoreTest, HitsIntoADestinationCarryAChecksumOfTheBytesStored) {
+  const auto keys = Chain(2);
+  const std::string a = Payload(3, kBlock - 7), b = Payload(4, kBlock);
+  ASSERT_TRUE(store_->Put(Tier::kG3, AsBytes(keys[0]), Bytes(a)).ok());
+  ASSERT_TRUE(store_->Put(Tier::kG1, AsBytes(keys[1]), Bytes(b)).ok());
+  std::string buffer(kBlock, '\0');
+  ValueDest dest = [&](size_t) { return reinterpret_cast<uint8_t*>(buffer.data()); };
+  auto check = [&](std::string_view key, const std::string& want, Tier served) {
+    auto r = store_->Get(Tier::kAuto, key, dest);
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(r->found && r->in_dest);
+    EXPECT_EQ(r->tier, served);
+    ASSERT_TRUE(r->has_checksum);
+    EXPECT_EQ(common::Xxh3_64(Bytes(want), r->checksum_seed), r->checksum);
+    EXPECT_EQ(buffer.compare(0, want.size(), want), 0);
+  };
+  ASSERT_FALSE(store_->g1()->Contains(keys[0]));
+  check(AsBytes(keys[0]), a, Tier::kG3);  // and promoted
+  ASSERT_TRUE(store_->g1()->Contains(keys[0]));
+  auto g3 = store_->Get(Tier::kG3, AsBytes(keys[0]), dest);
+  ASSERT_TRUE(g3.ok() && g3->has_checksum);
+  EXPECT_NE(g3->checksum_seed, 0u);  // G3's seed comes from the value's header
+  auto g1 = store_->Get(Tier::kAuto, AsBytes(keys[0]), dest);
+  ASSERT_TRUE(g1.ok());
+  EXPECT_EQ(g1->tier, Tier::kG1);
+  EXPECT_EQ(g1->checksum, g3->checksum);
+  EXPECT_EQ(g1->checksum_seed, g3->checksum_seed);
+  check(AsBytes(keys[0]), a, Tier::kG1);
+  check(AsBytes(keys[1]), b, Tier::kG1);
 }
 
 }  // namespace
