@@ -26,6 +26,7 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
@@ -137,6 +138,38 @@ struct QuantWeight {
            static_cast<int64_t>((values.size() + scales.size()) * sizeof(float));
   }
 };
+
+// The argument checks every backend makes on LinearQuant's weight: why `w` cannot be one (empty
+// when it can). Shape and bytes only; where the bytes live is the backend's own check.
+inline std::string QuantWeightProblem(const QuantWeight& w) {
+  if (w.out < 0 || w.in < 0 || w.block_rows <= 0 || w.block_cols <= 0) return "shape";
+  if (w.packed()) {
+    if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
+      return "FP4 weight with an odd number of columns";
+    if (w.codes.bytes() != w.code_bytes() ||
+        w.scale_codes.bytes() != w.scale_rows() * w.scale_cols())
+      return "packed weight bytes do not match its shape";
+  } else if (static_cast<int64_t>(w.values.size()) != w.out * w.in ||
+             static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
+    return "weight values do not match [out, in]";
+  }
+  return {};
+}
+// GroupedLinearQuant's weights ws[0 .. n): each a LinearQuant weight, all of one shape, block
+// size, format and storage form.
+inline std::string WeightGroupProblem(const QuantWeight* const* ws, int n) {
+  for (int g = 0; g < n; ++g) {
+    if (ws == nullptr || ws[g] == nullptr) return "weight " + std::to_string(g) + " is null";
+    const QuantWeight& w = *ws[g];
+    if (std::string why = QuantWeightProblem(w); !why.empty())
+      return "weight " + std::to_string(g) + ": " + why;
+    const QuantWeight& w0 = *ws[0];
+    if (w.out != w0.out || w.in != w0.in || w.block_rows != w0.block_rows ||
+        w.block_cols != w0.block_cols || w.format != w0.format || w.packed() != w0.packed())
+      return "weight " + std::to_string(g) + " differs in shape or format from weight 0";
+  }
+  return {};
+}
 
 // Sparse single-KV-head attention with sink (MODEL.md §3 step 8).
 struct SparseAttentionArgs {
@@ -282,6 +315,31 @@ class Backend {
   // destination row must appear once. Exact (the MoE's grouping of rows by expert).
   virtual absl::Status CopyRows(const float* src, const int64_t* src_rows, float* dst,
                                 const int64_t* dst_rows, int64_t n, int64_t dim) = 0;
+  // Groups a MoE call's rows by expert on the backend (no host round trip): the entries of
+  // list e < n_experts are the rows routed to expert e, ascending; those of list n_experts + s
+  // (s < n_shared) are every row, for shared expert s. experts, weights [rows, top_k]: MoeRoute's
+  // outputs (each row's top_k distinct experts in ascending id order; a device backend does not
+  // check this, the CPU backend does). Out:
+  // - starts [n_experts + n_shared + 1]: list L is entries starts[L] .. starts[L+1]
+  //   (starts[n_experts] = rows * top_k, the last = rows * (top_k + n_shared));
+  // - src_rows [rows * (top_k + n_shared)]: the row each entry reads (CopyRows' gather list);
+  // - slot_rows [same]: r * (top_k + n_shared) + slot, the entry's row of SumSlots' ys (slot j <
+  //   top_k: the row's j-th expert, then the shared experts);
+  // - entry_weights [rows * top_k]: each routed entry's routing weight (SwiGlu's row_weights).
+  // Exact (integer bookkeeping and copies).
+  virtual absl::Status MoeGroup(const int32_t* experts, const float* weights, int64_t rows,
+                                int n_experts, int top_k, int n_shared, int64_t* starts,
+                                int64_t* src_rows, int64_t* slot_rows, float* entry_weights) = 0;
+  // Grouped LinearQuant (the MoE's experts in one call): rows starts[g] .. starts[g+1] of x
+  // [rows, in] go through ws[g] into the same rows of y [rows, out], for g < n_groups; starts
+  // [n_groups + 1] lies in backend memory (MoeGroup's output, or a run of it), non-decreasing,
+  // with 0 <= starts[0] and starts[n_groups] <= rows; rows outside starts[0] .. starts[n_groups]
+  // are neither read into y nor written. Every weight has the same shape, blocks and format (a
+  // model whose experts differ, as routed FP4 and shared FP8 do, makes one call per run of
+  // like weights). Bit-identical to one LinearQuant per group (rows are independent).
+  virtual absl::Status GroupedLinearQuant(const float* x, int64_t rows, const int64_t* starts,
+                                          const QuantWeight* const* ws, int n_groups,
+                                          float* y) = 0;
   // out[r, :] = bf16(sum_j ys[r, j, :]) (in order j), ys [rows, slots, dim].
   virtual absl::Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim,
                                 float* out) = 0;
@@ -351,6 +409,8 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "HcPost",
     "HcMean",
     "MoeRoute",
+    "MoeGroup",
+    "GroupedLinearQuant",
     "SwiGlu",
     "SumSlots",
     "CopyRows",

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <utility>
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
@@ -503,76 +504,85 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
   const MoeWeights& M = weights_->layers[l].ffn;
   const int64_t D = c.dim, E = M.n_experts, I = c.moe_inter_dim;
   const float lim = c.swiglu_limit;
-  Scratch ws(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(float* z, ws.Alloc<float>(rows * E));
-  RETURN_IF_ERROR(backend_.LinearF32(x, rows, M.gate.data(), E, D, z));
-  // Routing first, then each expert runs once over the rows routed to it (rows are independent,
-  // so this equals one call per row and expert); each row then sums its experts' outputs in
-  // ascending expert id order, then the shared experts (the reference order). The host groups
-  // the rows by expert from the downloaded routing.
+  // Routing, then the backend groups the rows by expert (MoeGroup: no host round trip) and every
+  // expert runs over its rows in one grouped call per projection (GroupedLinearQuant; rows are
+  // independent, so this equals one call per row and expert); each row then sums its experts'
+  // outputs in ascending expert id order, then the shared experts (the reference order). Rows go
+  // through in chunks of kMoeRowsPerCall (rows are independent), which bounds the grouped
+  // buffers: each holds a chunk's rows once per expert slot.
   const int64_t K = M.top_k, NS = static_cast<int64_t>(M.shared.size()), slots = K + NS;
-  ASSIGN_OR_RETURN(int32_t * sel_dev, ws.Alloc<int32_t>(rows * K));
-  ASSIGN_OR_RETURN(float* wts_dev, ws.Alloc<float>(rows * K));
-  int32_t* experts_dev = nullptr;
+  const int64_t lists = E + NS;
+  vector<const kernels::QuantWeight*> w1(lists), w3(lists), w2(lists);
+  for (int64_t i = 0; i < lists; ++i) {
+    const ExpertWeights& ew = i < E ? M.experts[i] : M.shared[i - E];
+    w1[i] = &ew.w1;
+    w3[i] = &ew.w3;
+    w2[i] = &ew.w2;
+  }
+  // One grouped call per run of lists whose weights share shape and format (routed FP4 experts,
+  // then the FP8 shared expert in the released checkpoints).
+  vector<std::pair<int, int>> runs;
+  for (int i = 0; i < static_cast<int>(lists); ++i) {
+    auto like = [&](const vector<const kernels::QuantWeight*>& w, int a, int b) {
+      const kernels::QuantWeight* two[] = {w[a], w[b]};
+      return kernels::WeightGroupProblem(two, 2).empty();
+    };
+    if (!runs.empty() && like(w1, runs.back().first, i) && like(w3, runs.back().first, i) &&
+        like(w2, runs.back().first, i)) {
+      runs.back().second = i + 1;
+    } else {
+      runs.emplace_back(i, i + 1);
+    }
+  }
+  if (experts) experts->assign(static_cast<size_t>(rows * K), -1);
+  Scratch ws(backend_, scratch_pool_.get());
+  const int64_t chunk = std::min<int64_t>(rows, kMoeRowsPerCall);
+  const int64_t entries = chunk * slots;
+  ASSIGN_OR_RETURN(float* z, ws.Alloc<float>(chunk * E));
+  ASSIGN_OR_RETURN(int32_t * sel, ws.Alloc<int32_t>(chunk * K));
+  ASSIGN_OR_RETURN(float* wts, ws.Alloc<float>(chunk * K));
+  int32_t* ranked = nullptr;
   if (experts) {
-    ASSIGN_OR_RETURN(experts_dev, ws.Filled<int32_t>(rows * K, -1));
+    ASSIGN_OR_RETURN(ranked, ws.Filled<int32_t>(chunk * K, -1));
   }
-  RETURN_IF_ERROR(backend_.MoeRoute(z, rows, static_cast<int>(E), M.gate_bias.data(), M.top_k,
-                                    c.route_scale, sel_dev, wts_dev, experts_dev));
-  ASSIGN_OR_RETURN(const vector<int32_t> sel_all, ws.ToHost(sel_dev, rows * K));
-  ASSIGN_OR_RETURN(const vector<float> wts_all, ws.ToHost(wts_dev, rows * K));
-  if (experts) RETURN_IF_ERROR(ws.DownloadTo(experts_dev, rows * K, *experts));
-  // ys[r, slot, D]: slot j < K is the row's j-th expert in ascending id order, then the shared;
-  // every slot is written (each row has K distinct experts).
-  ASSIGN_OR_RETURN(float* ys, ws.Alloc<float>(rows * slots * D));
-  // Each routed expert's rows (ascending), then every row for each shared expert: the rows to
-  // gather from x, the ys rows (row * slots + slot) to scatter the outputs to, and the routed
-  // rows' weights; one upload each for the call.
-  vector<int64_t> from, to, starts;
-  vector<float> weights;
-  for (int64_t e = 0; e < E; ++e) {
-    starts.push_back(static_cast<int64_t>(from.size()));
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t j = 0; j < K; ++j) {
-        if (sel_all[r * K + j] != e) continue;
-        from.push_back(r);
-        to.push_back(r * slots + j);
-        weights.push_back(wts_all[r * K + j]);
-      }
+  ASSIGN_OR_RETURN(int64_t * starts, ws.Alloc<int64_t>(lists + 1));
+  ASSIGN_OR_RETURN(int64_t * from, ws.Alloc<int64_t>(entries));
+  ASSIGN_OR_RETURN(int64_t * to, ws.Alloc<int64_t>(entries));
+  ASSIGN_OR_RETURN(float* entry_weights, ws.Alloc<float>(chunk * K));
+  // Every entry's gathered input, gate/up/hidden and output; ys [chunk, slots, D] for SumSlots
+  // (every slot is written: each row has K distinct experts).
+  ASSIGN_OR_RETURN(float* xg, ws.Alloc<float>(entries * D));
+  ASSIGN_OR_RETURN(float* g, ws.Alloc<float>(entries * I));
+  ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(entries * I));
+  ASSIGN_OR_RETURN(float* hbuf, ws.Alloc<float>(entries * I));
+  ASSIGN_OR_RETURN(float* yg, ws.Alloc<float>(entries * D));
+  ASSIGN_OR_RETURN(float* ys, ws.Alloc<float>(entries * D));
+  for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
+    const int64_t n = std::min(chunk, rows - r0), routed = n * K, all = n * slots;
+    const float* xc = x + r0 * D;
+    RETURN_IF_ERROR(backend_.LinearF32(xc, n, M.gate.data(), E, D, z));
+    RETURN_IF_ERROR(backend_.MoeRoute(z, n, static_cast<int>(E), M.gate_bias.data(), M.top_k,
+                                      c.route_scale, sel, wts, ranked));
+    if (experts) RETURN_IF_ERROR(ws.Download(ranked, routed, experts->data() + r0 * K));
+    RETURN_IF_ERROR(backend_.MoeGroup(sel, wts, n, static_cast<int>(E), static_cast<int>(K),
+                                      static_cast<int>(NS), starts, from, to, entry_weights));
+    RETURN_IF_ERROR(backend_.CopyRows(xc, from, xg, nullptr, all, D));
+    for (const auto& [b, e] : runs) {
+      RETURN_IF_ERROR(backend_.GroupedLinearQuant(xg, all, starts + b, w1.data() + b, e - b, g));
+      RETURN_IF_ERROR(backend_.GroupedLinearQuant(xg, all, starts + b, w3.data() + b, e - b, u));
     }
-  }
-  for (int64_t si = 0; si < NS; ++si) {
-    starts.push_back(static_cast<int64_t>(from.size()));
-    for (int64_t r = 0; r < rows; ++r) {
-      from.push_back(r);
-      to.push_back(r * slots + K + si);
+    // The routed entries (the first n * K) carry their routing weight; the shared ones none.
+    RETURN_IF_ERROR(backend_.SwiGlu(g, u, routed, I, lim, entry_weights, hbuf));
+    RETURN_IF_ERROR(backend_.SwiGlu(g + routed * I, u + routed * I, all - routed, I, lim, nullptr,
+                                    hbuf + routed * I));
+    for (const auto& [b, e] : runs) {
+      RETURN_IF_ERROR(
+          backend_.GroupedLinearQuant(hbuf, all, starts + b, w2.data() + b, e - b, yg));
     }
+    RETURN_IF_ERROR(backend_.CopyRows(yg, nullptr, ys, to, all, D));
+    RETURN_IF_ERROR(backend_.SumSlots(ys, n, slots, D, out + r0 * D));
   }
-  starts.push_back(static_cast<int64_t>(from.size()));
-  ASSIGN_OR_RETURN(const int64_t* from_dev, ws.Copy(from));
-  ASSIGN_OR_RETURN(const int64_t* to_dev, ws.Copy(to));
-  ASSIGN_OR_RETURN(const float* weights_dev, ws.Copy(weights));
-  // One expert's rows (at most all of them): gathered input, gate/up/hidden, output.
-  ASSIGN_OR_RETURN(float* xg, ws.Alloc<float>(rows * D));
-  ASSIGN_OR_RETURN(float* g, ws.Alloc<float>(rows * I));
-  ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(rows * I));
-  ASSIGN_OR_RETURN(float* hbuf, ws.Alloc<float>(rows * I));
-  ASSIGN_OR_RETURN(float* yg, ws.Alloc<float>(rows * D));
-  auto run = [&](const ExpertWeights& ew, size_t list, bool routed) -> absl::Status {
-    const int64_t at = starts[list], n = starts[list + 1] - at;
-    if (n == 0) return absl::OkStatus();
-    RETURN_IF_ERROR(backend_.CopyRows(x, from_dev + at, xg, nullptr, n, D));
-    RETURN_IF_ERROR(backend_.LinearQuant(xg, n, ew.w1, g));
-    RETURN_IF_ERROR(backend_.LinearQuant(xg, n, ew.w3, u));
-    RETURN_IF_ERROR(backend_.SwiGlu(g, u, n, I, lim, routed ? weights_dev + at : nullptr, hbuf));
-    RETURN_IF_ERROR(backend_.LinearQuant(hbuf, n, ew.w2, yg));
-    return backend_.CopyRows(yg, nullptr, ys, to_dev + at, n, D);
-  };
-  for (int64_t e = 0; e < E; ++e) RETURN_IF_ERROR(run(M.experts[e], static_cast<size_t>(e), true));
-  for (int64_t si = 0; si < NS; ++si) {
-    RETURN_IF_ERROR(run(M.shared[si], static_cast<size_t>(E + si), false));
-  }
-  return backend_.SumSlots(ys, rows, slots, D, out);
+  return absl::OkStatus();
 }
 
 absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h,

@@ -271,7 +271,9 @@ class Model {
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace = nullptr) const;
-  // MoE of layer l: x [rows, dim] -> out [rows, dim].
+  // MoE of layer l: x [rows, dim] -> out [rows, dim]. Rows go through in chunks of
+  // kMoeRowsPerCall (the grouped buffers hold each row once per expert slot).
+  static constexpr int64_t kMoeRowsPerCall = 2048;
   absl::Status Moe(int l, const float* x, int64_t rows, float* out,
                    std::vector<int32_t>* experts = nullptr) const;
   // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows,

@@ -121,17 +121,8 @@ class CpuBackend final : public Backend {
                         {"w.codes", w.packed() ? w.codes.data() : nullptr},
                         {"w.scale_codes", w.packed() ? w.scale_codes.data() : nullptr},
                         {"y", y}});
-    if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
-    if (w.packed()) {
-      if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
-        return Bad("LinearQuant", "FP4 weight with an odd number of columns");
-      if (w.codes.bytes() != w.code_bytes() ||
-          w.scale_codes.bytes() != w.scale_rows() * w.scale_cols())
-        return Bad("LinearQuant", "packed weight bytes do not match its shape");
-    } else if (static_cast<int64_t>(w.values.size()) != w.out * w.in ||
-               static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
-      return Bad("LinearQuant", "weight values do not match [out, in]");
-    }
+    if (rows < 0) return Bad("LinearQuant", "shape");
+    if (std::string why = QuantWeightProblem(w); !why.empty()) return Bad("LinearQuant", why);
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearQuant(x, rows, w, y);
     return OkStatus();
@@ -389,6 +380,74 @@ class CpuBackend final : public Backend {
         experts[r * K + j] = sel[order[j]];
         weights[r * K + j] = wts[order[j]];
       }
+    }
+    return OkStatus();
+  }
+  Status MoeGroup(const int32_t* experts, const float* weights, int64_t rows, int n_experts,
+                  int top_k, int n_shared, int64_t* starts, int64_t* src_rows, int64_t* slot_rows,
+                  float* entry_weights) override {
+    EPD_CHECK_OPERANDS("MoeGroup", {{"experts", experts},
+                                    {"weights", weights},
+                                    {"starts", starts},
+                                    {"src_rows", src_rows},
+                                    {"slot_rows", slot_rows},
+                                    {"entry_weights", entry_weights}});
+    const int64_t E = n_experts, K = top_k, NS = n_shared, slots = K + NS;
+    if (rows < 0 || K < 1 || K > E || NS < 0)
+      return Bad("MoeGroup", absl::StrCat("top_k ", K, " of ", E, " experts, ", NS, " shared"));
+    // The routing must be MoeRoute's: K distinct ids in [0, E), ascending, per row.
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int32_t e = experts[r * K + j];
+        if (e < 0 || e >= E || (j > 0 && e <= experts[r * K + j - 1])) {
+          return Bad("MoeGroup", absl::StrCat("row ", r, " does not route to ", K,
+                                              " distinct experts in ascending order"));
+        }
+      }
+    }
+    // Counting sort by expert; within a list the rows stay ascending.
+    std::vector<int64_t> next(E + NS + 1, 0);
+    for (int64_t i = 0; i < rows * K; ++i) ++next[experts[i] + 1];
+    for (int64_t s = 0; s < NS; ++s) next[E + s + 1] = rows;
+    for (int64_t l = 0; l < E + NS; ++l) next[l + 1] += next[l];
+    std::copy(next.begin(), next.end(), starts);
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < K; ++j) {
+        const int64_t at = next[experts[r * K + j]]++;
+        src_rows[at] = r;
+        slot_rows[at] = r * slots + j;
+        entry_weights[at] = weights[r * K + j];
+      }
+      for (int64_t s = 0; s < NS; ++s) {
+        const int64_t at = next[E + s]++;
+        src_rows[at] = r;
+        slot_rows[at] = r * slots + K + s;
+      }
+    }
+    return OkStatus();
+  }
+  Status GroupedLinearQuant(const float* x, int64_t rows, const int64_t* starts,
+                            const QuantWeight* const* ws, int n_groups, float* y) override {
+    EPD_CHECK_OPERANDS("GroupedLinearQuant", {{"x", x}, {"starts", starts}, {"y", y}});
+    if (rows < 0 || n_groups < 0) return Bad("GroupedLinearQuant", "negative shape");
+    if (std::string why = WeightGroupProblem(ws, n_groups); !why.empty())
+      return Bad("GroupedLinearQuant", why);
+    if (starts[0] < 0 || starts[n_groups] > rows) {
+      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", starts[0], " to ",
+                                                    starts[n_groups], ", outside 0 to ", rows));
+    }
+    for (int g = 0; g < n_groups; ++g) {
+      if (starts[g + 1] < starts[g])
+        return Bad("GroupedLinearQuant", absl::StrCat("starts decrease at group ", g));
+    }
+    ScopedScalarKernels s(!options_.simd);
+    for (int g = 0; g < n_groups; ++g) {
+      const QuantWeight& w = *ws[g];
+      EPD_CHECK_OPERANDS("GroupedLinearQuant",
+                         {{"w.codes", w.packed() ? w.codes.data() : nullptr},
+                          {"w.scale_codes", w.packed() ? w.scale_codes.data() : nullptr}});
+      const int64_t at = starts[g], n = starts[g + 1] - at;
+      if (n > 0) cpu::LinearQuant(x + at * w.in, n, w, y + at * w.out);
     }
     return OkStatus();
   }

@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_device.h"
@@ -43,6 +45,7 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     if (streams_[0] != nullptr) cudaStreamSynchronize(streams_[0]);
     if (scratch_ != nullptr) cudaFree(scratch_);
+    for (auto& [key, p] : group_tables_) cudaFree(p);
     for (cudaStream_t s : streams_) {
       if (s != nullptr) cudaStreamDestroy(s);
     }
@@ -137,19 +140,11 @@ class CudaBackend final : public Backend {
 
   // ---- Linears ----
   Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
-    if (rows < 0 || w.block_rows <= 0 || w.block_cols <= 0) return Bad("LinearQuant", "shape");
-    if (w.packed()) {
-      if (w.format == WeightFormat::kFp4E2M1 && w.in % 2 != 0)
-        return Bad("LinearQuant", "FP4 weight with an odd number of columns");
-      if (w.codes.bytes() != w.code_bytes() ||
-          w.scale_codes.bytes() != w.scale_rows() * w.scale_cols())
-        return Bad("LinearQuant", "packed weight bytes do not match its shape");
-      if (w.codes.kind() != MemoryKind::kDevice || w.scale_codes.kind() != MemoryKind::kDevice)
-        return Bad("LinearQuant", "packed weight codes are not in device memory");
-    } else if (static_cast<int64_t>(w.values.size()) != w.out * w.in ||
-               static_cast<int64_t>(w.scales.size()) != w.scale_rows() * w.scale_cols()) {
-      return Bad("LinearQuant", "weight values do not match [out, in]");
-    }
+    if (rows < 0) return Bad("LinearQuant", "shape");
+    if (std::string why = QuantWeightProblem(w); !why.empty()) return Bad("LinearQuant", why);
+    if (w.packed() &&
+        (w.codes.kind() != MemoryKind::kDevice || w.scale_codes.kind() != MemoryKind::kDevice))
+      return Bad("LinearQuant", "packed weight codes are not in device memory");
     if (rows > kMaxGemmRows)
       return Bad("LinearQuant", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0 || w.out == 0) return OkStatus();
@@ -390,6 +385,60 @@ class CudaBackend final : public Backend {
                             *scratch, streams_[0]);
     });
   }
+  Status MoeGroup(const int32_t* experts, const float* weights, int64_t rows, int n_experts,
+                  int top_k, int n_shared, int64_t* starts, int64_t* src_rows, int64_t* slot_rows,
+                  float* entry_weights) override {
+    const int64_t E = n_experts, K = top_k, NS = n_shared;
+    if (rows < 0 || K < 1 || K > E || NS < 0)
+      return Bad("MoeGroup", absl::StrCat("top_k ", K, " of ", E, " experts, ", NS, " shared"));
+    return Run("MoeGroup", [&] {
+      return cuda::MoeGroup(experts, weights, rows, n_experts, top_k, n_shared, starts, src_rows,
+                            slot_rows, entry_weights, streams_[0]);
+    });
+  }
+  // The starts live in device memory: unlike the CPU backend, this does not check them (they
+  // are MoeGroup's output); a decoded (host-value) weight group reads them back and runs one
+  // LinearQuant per group (tests and tools only).
+  Status GroupedLinearQuant(const float* x, int64_t rows, const int64_t* starts,
+                            const QuantWeight* const* ws, int n_groups, float* y) override {
+    if (rows < 0 || n_groups < 0) return Bad("GroupedLinearQuant", "negative shape");
+    if (std::string why = WeightGroupProblem(ws, n_groups); !why.empty())
+      return Bad("GroupedLinearQuant", why);
+    if (n_groups == 0) return OkStatus();  // no group covers a row
+    const QuantWeight& w0 = *ws[0];
+    if (!w0.packed()) return GroupByGroup(x, rows, starts, ws, n_groups, y);
+    for (int g = 0; g < n_groups; ++g) {
+      if (ws[g]->codes.kind() != MemoryKind::kDevice ||
+          ws[g]->scale_codes.kind() != MemoryKind::kDevice)
+        return Bad("GroupedLinearQuant",
+                   absl::StrCat("weight ", g, ": packed codes are not in device memory"));
+    }
+    if (cuda::GroupedGemmRowTiles(rows, n_groups) > 65535) {
+      return Bad("GroupedLinearQuant",
+                 absl::StrCat(rows, " rows in ", n_groups, " groups exceed the grid"));
+    }
+    if (rows == 0 || w0.out == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
+    auto table = GroupTable(ws, n_groups);
+    if (!table.ok()) return table.status();
+    const int64_t k = w0.in, nb = (k + 31) / 32;
+    const size_t q_bytes = Align(rows * k * 4), s_bytes = Align(rows * nb * 4);
+    auto scratch = Scratch("GroupedLinearQuant", q_bytes + s_bytes);
+    if (!scratch.ok()) return scratch.status();
+    auto* q = reinterpret_cast<float*>(*scratch);
+    auto* sc = reinterpret_cast<float*>(*scratch + q_bytes);
+    cuda::GemmWeight gw;
+    gw.kind = w0.format == WeightFormat::kFp8E4M3 ? cuda::WeightKind::kFp8Packed
+                                                  : cuda::WeightKind::kFp4Packed;
+    gw.out = w0.out;
+    gw.in = w0.in;
+    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
+                             cuda::QuantizeFp8Rows(x, rows, k, q, sc, streams_[0]));
+    return Run("GroupedLinearQuant", [&] {
+      return cuda::GroupedGemmQuant(q, sc, rows, starts, n_groups, *table, gw, w0.block_rows,
+                                    w0.block_cols, w0.scale_cols(), y, streams_[0]);
+    });
+  }
   Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
                 const float* row_weights, float* h) override {
     return Run("SwiGlu",
@@ -475,6 +524,68 @@ class CudaBackend final : public Backend {
     return Run(op, [&] { return cuda::GemmPlain(x, rows, gw, round, y, streams_[0]); });
   }
 
+  // GroupedLinearQuant of decoded weights: the starts come back to the host, then one
+  // LinearQuant per group.
+  Status GroupByGroup(const float* x, int64_t rows, const int64_t* starts,
+                      const QuantWeight* const* ws, int n_groups, float* y) {
+    std::vector<int64_t> at(static_cast<size_t>(n_groups) + 1);
+    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
+    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
+                             cudaMemcpyAsync(at.data(), starts, at.size() * sizeof(int64_t),
+                                             cudaMemcpyDeviceToHost, streams_[0]));
+    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
+    if (at[0] < 0 || at[n_groups] > rows) {
+      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", at[0], " to ",
+                                                    at[n_groups], ", outside 0 to ", rows));
+    }
+    for (int g = 0; g < n_groups; ++g) {
+      const int64_t n = at[g + 1] - at[g];
+      if (n < 0) return Bad("GroupedLinearQuant", absl::StrCat("starts decrease at group ", g));
+      const QuantWeight& w = *ws[g];
+      if (Status st = LinearQuant(x + at[g] * w.in, n, w, y + at[g] * w.out); !st.ok()) return st;
+    }
+    return OkStatus();
+  }
+
+  // The device array of a group's packed weights (codes and scale pointers), made once per
+  // distinct group and kept: the key is the pointers themselves, so a table is right for any
+  // weights at those addresses. A steady state uploads nothing.
+  absl::StatusOr<const cuda::GroupWeight*> GroupTable(const QuantWeight* const* ws, int n) {
+    std::vector<const void*> key(2 * static_cast<size_t>(n));
+    std::vector<cuda::GroupWeight> host(static_cast<size_t>(n));
+    for (int g = 0; g < n; ++g) {
+      host[g].codes = ws[g]->codes.data();
+      host[g].scale_codes = ws[g]->scale_codes.as<uint8_t>();
+      key[2 * g] = host[g].codes;
+      key[2 * g + 1] = host[g].scale_codes;
+    }
+    if (auto it = group_tables_.find(key); it != group_tables_.end())
+      return static_cast<const cuda::GroupWeight*>(it->second);
+    if (group_tables_.size() >= kMaxGroupTables) {
+      // Weights came and went (tests that load many models): start over.
+      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
+      for (auto& [k, p] : group_tables_) cudaFree(p);
+      group_tables_.clear();
+    }
+    void* p = nullptr;
+    const size_t bytes = host.size() * sizeof(cuda::GroupWeight);
+    if (cudaError_t rc = cudaMalloc(&p, bytes); rc != cudaSuccess) {
+      cudaGetLastError();
+      return absl::ResourceExhaustedError(
+          absl::StrCat("cuda backend: GroupedLinearQuant: no device memory for a weight table of ",
+                       bytes, " bytes on cuda:", device_));
+    }
+    // Synchronous (pageable host memory): the table is complete before any kernel reads it.
+    if (cudaError_t rc = cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice);
+        rc != cudaSuccess) {
+      cudaFree(p);
+      return Cuda("GroupedLinearQuant", rc);
+    }
+    auto* table = static_cast<const cuda::GroupWeight*>(p);
+    group_tables_.emplace(std::move(key), p);
+    return table;
+  }
+
   cudaStream_t StreamOf(const Buffer& b) const {
     const int64_t id = b.stream().id;
     return streams_[id >= 0 && id < kCudaStreams ? id : 0];
@@ -518,6 +629,8 @@ class CudaBackend final : public Backend {
   std::array<cudaStream_t, kCudaStreams> streams_{};
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
+  static constexpr size_t kMaxGroupTables = 4096;
+  std::map<std::vector<const void*>, void*> group_tables_;  // GroupTable
 };
 
 }  // namespace

@@ -34,6 +34,20 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
                       const uint8_t* scale_codes, const float* scale_values, int block_rows,
                       int block_cols, int64_t scale_cols, float* y, cudaStream_t stream);
+// One group's packed weight (GroupedGemmQuant): E4M3 or E2M1 codes and E8M0 scale bytes.
+struct GroupWeight {
+  const void* codes = nullptr;
+  const uint8_t* scale_codes = nullptr;
+};
+// Row tiles GroupedGemmQuant launches for `rows` rows in `n_groups` groups: a bound on the sum of
+// ceil(n_g / 16) (the grid's y, at most 65535).
+inline int64_t GroupedGemmRowTiles(int64_t rows, int n_groups) { return (rows + 15) / 16 + n_groups; }
+// GemmQuant of packed weights by group (GroupedLinearQuant): rows starts[g] .. starts[g+1] of
+// q / s through groups[g] (device array); `w` gives the shared kind, out and in (w.data unused).
+cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const int64_t* starts,
+                             int n_groups, const GroupWeight* groups, const GemmWeight& w,
+                             int block_rows, int block_cols, int64_t scale_cols, float* y,
+                             cudaStream_t stream);
 // bf16: y[r, o] = bf16(DotDp(x_r, w_o)) (LinearBf16); else y[r, o] = DotSeq(x_r, w_o) (LinearF32,
 // HcMixes' projection); kernels/torch_math.h. w kind kF32.
 cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf16, float* y,
@@ -121,6 +135,11 @@ size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
 cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
                      float route_scale, int32_t* experts, float* weights, int32_t* ranked,
                      void* scratch, cudaStream_t stream);
+// Backend::MoeGroup on the device (no host round trip): counts per list, their prefix sums,
+// then each list's entries in ascending row order.
+cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows, int n_experts,
+                     int top_k, int n_shared, int64_t* starts, int64_t* src_rows,
+                     int64_t* slot_rows, float* entry_weights, cudaStream_t stream);
 cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda

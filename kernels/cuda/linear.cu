@@ -43,6 +43,7 @@ __global__ void QuantizeFp8Kernel(const float* x, int64_t rows, int64_t k, int64
 }
 
 constexpr int kTileO = 64, kTileR = 16, kChunk = 32, kRowsPerThread = kTileR / (kThreads / kTileO);
+static_assert(kTileR == 16, "launch.h's GroupedGemmRowTiles counts 16-row tiles");
 
 __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_t i) {
   switch (w.kind) {
@@ -67,19 +68,19 @@ __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_
 //   LinearF32, kernels/torch_math.h): bf16 in DotDp's pairwise order (per pair the odd element
 //   first; chunks are even, so only the row's odd last element stands alone), else in DotSeq's
 //   index order.
+// The tile at outputs o0.. and rows r0.. of a block (GemmKernel, GroupedGemmQuantKernel).
 template <bool kQuant>
-__global__ void __launch_bounds__(kThreads)
-    GemmKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
-               const uint8_t* scale_codes, const float* scale_values, int block_rows,
-               int block_cols, int64_t scale_cols, bool bf16, float* y) {
+__device__ __forceinline__ void GemmTile(const float* x, const float* act_scale, int64_t rows,
+                                         const GemmWeight& w, const uint8_t* scale_codes,
+                                         const float* scale_values, int block_rows,
+                                         int block_cols, int64_t scale_cols, bool bf16, float* y,
+                                         int64_t o0, int64_t r0) {
   __shared__ float xs[kTileR][kChunk + 1];
   __shared__ float ws[kTileO][kChunk + 1];
   __shared__ float xsc[kTileR];
   __shared__ float wsc[kTileO];
   const int t = threadIdx.x;
   const int ol = t % kTileO, rg = t / kTileO;
-  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kTileO;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kTileR;
   const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk;
   float acc[kRowsPerThread];
 #pragma unroll
@@ -155,6 +156,40 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <bool kQuant>
+__global__ void __launch_bounds__(kThreads)
+    GemmKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
+               const uint8_t* scale_codes, const float* scale_values, int block_rows,
+               int block_cols, int64_t scale_cols, bool bf16, float* y) {
+  GemmTile<kQuant>(x, act_scale, rows, w, scale_codes, scale_values, block_rows, block_cols,
+                   scale_cols, bf16, y, static_cast<int64_t>(blockIdx.x) * kTileO,
+                   static_cast<int64_t>(blockIdx.y) * kTileR);
+}
+
+// GroupedLinearQuant: block row y is the y-th row tile counted over the groups in order (group g
+// has ceil(n_g / kTileR) tiles; blocks past the last tile leave). A tile never spans two groups,
+// so each output is the same thread computation as GemmKernel's for that group's rows alone.
+__global__ void __launch_bounds__(kThreads)
+    GroupedGemmQuantKernel(const float* q, const float* act_scale, const int64_t* starts,
+                           int n_groups, const GroupWeight* groups, GemmWeight w, int block_rows,
+                           int block_cols, int64_t scale_cols, float* y) {
+  int64_t tile = blockIdx.y;
+  int g = 0;
+  for (; g < n_groups; ++g) {
+    const int64_t n = starts[g + 1] - starts[g];
+    const int64_t tiles = (n + kTileR - 1) / kTileR;
+    if (tile < tiles) break;
+    tile -= tiles;
+  }
+  if (g == n_groups) return;  // whole blocks leave together
+  const int64_t at = starts[g], n = starts[g + 1] - at, nb = (w.in + kChunk - 1) / kChunk;
+  GemmWeight gw = w;
+  gw.data = groups[g].codes;
+  GemmTile<true>(q + at * w.in, act_scale + at * nb, n, gw, groups[g].scale_codes, nullptr,
+                 block_rows, block_cols, scale_cols, true, y + at * w.out,
+                 static_cast<int64_t>(blockIdx.x) * kTileO, tile * kTileR);
+}
+
 dim3 GemmGrid(int64_t rows, int64_t out) {
   return dim3(static_cast<unsigned>((out + kTileO - 1) / kTileO),
               static_cast<unsigned>((rows + kTileR - 1) / kTileR));
@@ -176,6 +211,18 @@ cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWe
   if (rows == 0 || w.out == 0) return cudaSuccess;
   GemmKernel<true><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
       q, s, rows, w, scale_codes, scale_values, block_rows, block_cols, scale_cols, true, y);
+  return cudaGetLastError();
+}
+
+cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const int64_t* starts,
+                             int n_groups, const GroupWeight* groups, const GemmWeight& w,
+                             int block_rows, int block_cols, int64_t scale_cols, float* y,
+                             cudaStream_t stream) {
+  if (rows == 0 || w.out == 0 || n_groups == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((w.out + kTileO - 1) / kTileO),
+                  static_cast<unsigned>(GroupedGemmRowTiles(rows, n_groups)));
+  GroupedGemmQuantKernel<<<grid, kThreads, 0, stream>>>(q, s, starts, n_groups, groups, w,
+                                                        block_rows, block_cols, scale_cols, y);
   return cudaGetLastError();
 }
 

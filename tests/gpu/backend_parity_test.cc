@@ -24,6 +24,7 @@
 #include <fstream>
 #include <functional>
 #include <map>
+#include <numeric>
 #include <random>
 #include <set>
 #include <sstream>
@@ -873,6 +874,181 @@ PARITY_CASE(MoeRoute) {
     CompareExact(rk[0], rk[1], what + " ranked");
     Compare(env, wt[0], wt[1], Tol::Ulps(4), what + " weights");
   }
+}
+
+// A valid routing for MoeGroup: each row's top_k distinct experts in ascending order, with
+// random weights; expert 0 gets no rows when `starve_first` (an empty list).
+void RandomRouting(std::mt19937& rng, int64_t rows, int E, int K, bool starve_first,
+                   std::vector<int32_t>* experts, std::vector<float>* weights) {
+  std::vector<int32_t> ids(E);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin() + (starve_first ? 1 : 0), ids.end(), rng);
+    std::vector<int32_t> pick(ids.end() - K, ids.end());
+    std::sort(pick.begin(), pick.end());
+    experts->insert(experts->end(), pick.begin(), pick.end());
+  }
+  *weights = Normal(rng, rows * K);
+}
+
+PARITY_CASE(MoeGroup) {
+  // Tolerance: exact (integer bookkeeping; the weights are copied). 300 rows cross the device
+  // kernel's 256-row tiles; the lists must be each expert's rows ascending, then the shared.
+  for (auto [rows, E, K, NS] : {std::tuple<int64_t, int, int, int>{300, 16, 3, 1},
+                                {5, 8, 1, 0},
+                                {70, 4, 4, 2},
+                                {0, 8, 2, 1}}) {
+    std::vector<int32_t> experts;
+    std::vector<float> weights;
+    RandomRouting(env.rng, rows, E, K, /*starve_first=*/K < E, &experts, &weights);
+    const int64_t lists = E + NS, all = rows * (K + NS);
+    std::vector<std::vector<int64_t>> st, from, to;
+    std::vector<std::vector<float>> ew;
+    for (Side* s : {&env.ref, &env.cand}) {
+      int64_t* starts = s->Out<int64_t>(lists + 1);
+      int64_t* src = s->Out<int64_t>(std::max<int64_t>(all, 1));
+      int64_t* slot = s->Out<int64_t>(std::max<int64_t>(all, 1));
+      float* w = s->Out<float>(std::max<int64_t>(rows * K, 1));
+      EXPECT_OP_OK(*s, s->b().MoeGroup(s->In(experts), s->In(weights), rows, E, K, NS, starts, src,
+                                       slot, w));
+      EXPECT_EQ(s->b().MoeGroup(s->In(experts), s->In(weights), rows, E, E + 1, NS, starts, src,
+                                slot, w)
+                    .code(),
+                absl::StatusCode::kInvalidArgument);
+      st.push_back(s->Read(starts, lists + 1));
+      from.push_back(s->Read(src, all));
+      to.push_back(s->Read(slot, all));
+      ew.push_back(s->Read(w, rows * K));
+    }
+    const std::string what = "rows " + std::to_string(rows) + " E " + std::to_string(E);
+    CompareExact(st[0], st[1], what + " starts");
+    CompareExact(from[0], from[1], what + " src_rows");
+    CompareExact(to[0], to[1], what + " slot_rows");
+    Compare(env, ew[0], ew[1], Tol::Exact(), what + " entry weights");
+    // The reference against the definition: list e holds exactly the rows routed to e, ascending.
+    const auto& starts = st[0];
+    ASSERT_EQ(starts.back(), all) << what;
+    for (int64_t e = 0; e < E; ++e) {
+      std::vector<int64_t> want;
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int j = 0; j < K; ++j) {
+          if (experts[r * K + j] == e) want.push_back(r * (K + NS) + j);
+        }
+      }
+      EXPECT_EQ(std::vector<int64_t>(to[0].begin() + starts[e], to[0].begin() + starts[e + 1]),
+                want)
+          << what << " expert " << e;
+    }
+    if (K < E && rows > 0) {
+      EXPECT_EQ(starts[1], 0) << what << ": expert 0 was given no rows";
+    }
+  }
+  // A routing that is not MoeRoute's (an id out of range) is refused by the CPU backend (a
+  // device backend does not read its inputs back to check).
+  const std::vector<int32_t> bad = {0, 9};
+  int64_t* starts = env.ref.Out<int64_t>(9);
+  int64_t* src = env.ref.Out<int64_t>(2);
+  int64_t* slot = env.ref.Out<int64_t>(2);
+  float* w = env.ref.Out<float>(2);
+  EXPECT_EQ(env.ref.b()
+                .MoeGroup(env.ref.In(bad), env.ref.In(std::vector<float>{1.f, 1.f}), 1, 8, 2, 0,
+                          starts, src, slot, w)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+PARITY_CASE(GroupedLinearQuant) {
+  // Tolerance: exact (the same Dot8 blocks per output as LinearQuant). Groups of 0, 17, 1, 0, 40
+  // and 5 rows cross the device GEMM's 16-row tiles; the result must also equal one LinearQuant
+  // per group on each side (the op's contract).
+  const std::vector<int64_t> starts = {0, 0, 17, 18, 18, 58, 63};
+  const int n_groups = static_cast<int>(starts.size()) - 1;
+  const int64_t rows = starts.back();
+  for (auto [out, in, fmt] :
+       {std::tuple<int64_t, int64_t, WeightFormat>{72, 96, WeightFormat::kFp8E4M3},
+        {40, 64, WeightFormat::kFp4E2M1},
+        {33, 80, WeightFormat::kFp8E4M3}}) {
+    QuantWeight shape;
+    shape.out = out;
+    shape.in = in;
+    shape.format = fmt;
+    shape.block_rows = fmt == WeightFormat::kFp8E4M3 ? 32 : 1;
+    shape.block_cols = 32;
+    std::vector<std::vector<uint8_t>> codes, scales;
+    for (int g = 0; g < n_groups; ++g) {
+      codes.push_back(fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in)
+                                                    : Bytes(env.rng, out * in / 2));
+      scales.push_back(Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130));
+    }
+    auto x = Bf16(env.rng, rows * in);
+    for (int64_t i = 0; i < rows * in; ++i)
+      x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+    std::vector<std::vector<float>> grouped, single;
+    for (Side* s : {&env.ref, &env.cand}) {
+      std::vector<QuantWeight> w;
+      for (int g = 0; g < n_groups; ++g) w.push_back(s->Packed(shape, codes[g], scales[g]));
+      std::vector<const QuantWeight*> ws;
+      for (const QuantWeight& q : w) ws.push_back(&q);
+      const float* px = s->In(x);
+      float* y = s->Out<float>(rows * out);
+      float* y1 = s->Out<float>(rows * out);
+      EXPECT_OP_OK(*s, s->b().GroupedLinearQuant(px, rows, s->In(starts), ws.data(), n_groups, y));
+      for (int g = 0; g < n_groups; ++g) {
+        EXPECT_OP_OK(*s, s->b().LinearQuant(px + starts[g] * in, starts[g + 1] - starts[g], w[g],
+                                            y1 + starts[g] * out));
+      }
+      grouped.push_back(s->Read(y, rows * out));
+      single.push_back(s->Read(y1, rows * out));
+      // A run of the groups (2 .. 5, rows 17 .. 58, as the model makes for routed and shared
+      // experts of different formats) writes only its rows: the rest keep what was there.
+      const std::vector<float> before(rows * out, -7.f);
+      float* yr = s->In(before);
+      EXPECT_OP_OK(*s,
+                   s->b().GroupedLinearQuant(px, rows, s->In(starts) + 2, ws.data() + 2, 3, yr));
+      std::vector<float> run = s->Read(yr, rows * out);
+      std::vector<float> want = before;
+      for (int64_t i = starts[2] * out; i < starts[5] * out; ++i) want[i] = grouped.back()[i];
+      EXPECT_EQ(run, want) << s->name() << ": a run of groups";
+      // Weights of different shapes are refused by every backend.
+      QuantWeight other = s->Packed(QuantWeight{.out = out, .in = in + 32, .format = fmt},
+                                    Fp8Codes(env.rng, out * (in + 32)),
+                                    Bytes(env.rng, ((out + 31) / 32) * ((in + 63) / 32), 127, 127));
+      std::vector<const QuantWeight*> mixed = ws;
+      mixed[2] = &other;
+      EXPECT_EQ(
+          s->b().GroupedLinearQuant(px, rows, s->In(starts), mixed.data(), n_groups, y).code(),
+          absl::StatusCode::kInvalidArgument)
+          << s->name();
+    }
+    const std::string what = std::string(fmt == WeightFormat::kFp8E4M3 ? "FP8" : "FP4") + " [" +
+                             std::to_string(out) + ", " + std::to_string(in) + "]";
+    Compare(env, grouped[0], grouped[1], Tol::Exact(), what + " grouped");
+    Compare(env, grouped[0], single[0], Tol::Exact(), what + " grouped vs per group (reference)");
+    Compare(env, grouped[1], single[1], Tol::Exact(), what + " grouped vs per group (candidate)");
+  }
+  // Starts that run past the rows (or begin before row 0) are refused by the CPU backend (a
+  // device backend does not read them back).
+  QuantWeight shape;
+  shape.out = 8;
+  shape.in = 32;
+  QuantWeight w = env.ref.Packed(shape, Fp8Codes(env.rng, 8 * 32), Bytes(env.rng, 1, 127, 127));
+  const QuantWeight* ws[] = {&w, &w};
+  float* y = env.ref.Out<float>(8 * 8);
+  EXPECT_EQ(env.ref.b()
+                .GroupedLinearQuant(env.ref.In(Bf16(env.rng, 8 * 32)), 8,
+                                    env.ref.In(std::vector<int64_t>{0, 5, 9}), ws, 2, y)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(env.ref.b()
+                .GroupedLinearQuant(env.ref.In(Bf16(env.rng, 8 * 32)), 8,
+                                    env.ref.In(std::vector<int64_t>{-1, 5, 8}), ws, 2, y)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(env.ref.b()
+                .GroupedLinearQuant(env.ref.In(Bf16(env.rng, 8 * 32)), 8,
+                                    env.ref.In(std::vector<int64_t>{0, 6, 5}), ws, 2, y)
+                .code(),
+            absl::StatusCode::kInvalidArgument);
 }
 
 PARITY_CASE(SwiGlu) {
