@@ -483,18 +483,34 @@ absl::Status Model::QueryProjection(Scratch& ws, int l, const float* x, int64_t 
 
 absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
                                      int64_t rows, float* out) const {
-  // Grouped wo_a (bf16, one call per row and group: the reference's per-group einsum) then wo_b
-  // (FP8).
+  // Grouped wo_a (bf16: the reference's per-group einsum) then wo_b (FP8). o [rows, G, gin] is
+  // regrouped to [G, rows, gin] (CopyRows), each group's rows go through its weight in one
+  // LinearBf16, and the outputs go back to [rows, G, R]: LinearBf16 is row-independent, so this
+  // equals one call per row and group, in G + 2 calls instead of rows x G.
   const ModelConfig& c = config_;
   const int64_t H = c.n_heads, hd = c.head_dim;
   const int64_t G = c.o_groups, gin = H / G * hd, R = c.o_lora_rank;
   ASSIGN_OR_RETURN(float* oa, ws.Alloc<float>(rows * G * R));
-  for (int64_t i = 0; i < rows; ++i) {
+  if (rows == 1) {  // one row's groups are already contiguous
     for (int64_t g = 0; g < G; ++g) {
-      RETURN_IF_ERROR(backend_.LinearBf16(o + i * H * hd + g * gin, 1, A.wo_a.data() + g * R * gin,
-                                          R, gin, oa + (i * G + g) * R));
+      RETURN_IF_ERROR(
+          backend_.LinearBf16(o + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin, oa + g * R));
     }
+    return backend_.LinearQuant(oa, rows, A.wo_b, out);
   }
+  vector<int64_t> order(rows * G);  // entry g * rows + i is row i's group g
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < rows; ++i) order[g * rows + i] = i * G + g;
+  }
+  ASSIGN_OR_RETURN(const int64_t* order_dev, ws.Copy(order));
+  ASSIGN_OR_RETURN(float* og, ws.Alloc<float>(rows * G * gin));
+  ASSIGN_OR_RETURN(float* oag, ws.Alloc<float>(rows * G * R));
+  RETURN_IF_ERROR(backend_.CopyRows(o, order_dev, og, nullptr, rows * G, gin));
+  for (int64_t g = 0; g < G; ++g) {
+    RETURN_IF_ERROR(backend_.LinearBf16(og + g * rows * gin, rows, A.wo_a.data() + g * R * gin, R,
+                                        gin, oag + g * rows * R));
+  }
+  RETURN_IF_ERROR(backend_.CopyRows(oag, nullptr, oa, order_dev, rows * G, R));
   return backend_.LinearQuant(oa, rows, A.wo_b, out);
 }
 
@@ -576,8 +592,7 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
     RETURN_IF_ERROR(backend_.SwiGlu(g + routed * I, u + routed * I, all - routed, I, lim, nullptr,
                                     hbuf + routed * I));
     for (const auto& [b, e] : runs) {
-      RETURN_IF_ERROR(
-          backend_.GroupedLinearQuant(hbuf, all, starts + b, w2.data() + b, e - b, yg));
+      RETURN_IF_ERROR(backend_.GroupedLinearQuant(hbuf, all, starts + b, w2.data() + b, e - b, yg));
     }
     RETURN_IF_ERROR(backend_.CopyRows(yg, nullptr, ys, to, all, D));
     RETURN_IF_ERROR(backend_.SumSlots(ys, n, slots, D, out + r0 * D));
@@ -641,55 +656,43 @@ absl::Status Model::HcMix::Allocate(Scratch& ws, int64_t rows, int64_t hc) {
   return absl::OkStatus();
 }
 
-absl::Status Model::HcMixRow(bool single_token, const float* h, const WeightArray& fn,
-                             const WeightArray& scale, const WeightArray& base, float* pre,
-                             float* post, float* comb) const {
+absl::Status Model::HcMixRows(bool single_token, int64_t rows, const float* h,
+                              const WeightArray& fn, const WeightArray& scale,
+                              const WeightArray& base, float* pre, float* post, float* comb) const {
   const ModelConfig& c = config_;
   const int hc = static_cast<int>(c.hc_mult);
   return single_token
-             ? backend_.HcMixesSingleToken(1, h, hc, c.dim, fn.data(), scale.data(), base.data(),
+             ? backend_.HcMixesSingleToken(rows, h, hc, c.dim, fn.data(), scale.data(), base.data(),
                                            c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre, post,
                                            comb)
-             : backend_.HcMixes(1, h, hc, c.dim, fn.data(), scale.data(), base.data(),
+             : backend_.HcMixes(rows, h, hc, c.dim, fn.data(), scale.data(), base.data(),
                                 c.hc_sinkhorn_iters, c.hc_eps, c.norm_eps, pre, post, comb);
 }
 
+// The mHC steps take every row in one call: each op is row-independent (Backend contract), so
+// this equals one call per row, with a fixed number of launches per layer on a device.
 absl::Status Model::HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
                                       const float* h, const float* pre, HcMix& m, float* x) const {
-  const int64_t D = config_.dim, hc = config_.hc_mult;
-  for (int64_t i = 0; i < rows; ++i) {
-    RETURN_IF_ERROR(HcMixRow(single_token, h + i * hc * D, L.hc_attn_fn, L.hc_attn_scale,
-                             L.hc_attn_base, m.attn_pre + i * hc, m.attn_post + i * hc,
-                             m.attn_comb + i * hc * hc));
-    RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
-  }
-  return absl::OkStatus();
+  const int64_t D = config_.dim;
+  const int hc = static_cast<int>(config_.hc_mult);
+  RETURN_IF_ERROR(HcMixRows(single_token, rows, h, L.hc_attn_fn, L.hc_attn_scale, L.hc_attn_base,
+                            m.attn_pre, m.attn_post, m.attn_comb));
+  return backend_.HcPre(rows, h, hc, D, pre, x);
 }
 
 absl::Status Model::HcBeforeFfn(const LayerWeights& L, bool single_token, int64_t rows,
                                 const float* y, float* h, float* pre, HcMix& m, float* x) const {
-  const int64_t D = config_.dim, hc = config_.hc_mult;
-  for (int64_t i = 0; i < rows; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    m.attn_post + i * hc, m.attn_comb + i * hc * hc,
-                                    h + i * hc * D));
-    RETURN_IF_ERROR(HcMixRow(single_token, h + i * hc * D, L.hc_ffn_fn, L.hc_ffn_scale,
-                             L.hc_ffn_base, pre + i * hc, m.ffn_post + i * hc,
-                             m.ffn_comb + i * hc * hc));
-    RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, m.attn_pre + i * hc, x + i * D));
-  }
-  return absl::OkStatus();
+  const int64_t D = config_.dim;
+  const int hc = static_cast<int>(config_.hc_mult);
+  RETURN_IF_ERROR(backend_.HcPost(rows, y, h, hc, D, m.attn_post, m.attn_comb, h));
+  RETURN_IF_ERROR(HcMixRows(single_token, rows, h, L.hc_ffn_fn, L.hc_ffn_scale, L.hc_ffn_base, pre,
+                            m.ffn_post, m.ffn_comb));
+  return backend_.HcPre(rows, h, hc, D, m.attn_pre, x);
 }
 
 absl::Status Model::HcAfterFfn(int64_t rows, const float* y, float* h, const HcMix& m) const {
-  const int64_t D = config_.dim, hc = config_.hc_mult;
-  for (int64_t i = 0; i < rows; ++i) {
-    RETURN_IF_ERROR(backend_.HcPost(1, y + i * D, h + i * hc * D, static_cast<int>(hc), D,
-                                    m.ffn_post + i * hc, m.ffn_comb + i * hc * hc, h + i * hc * D));
-  }
-  return absl::OkStatus();
+  return backend_.HcPost(rows, y, h, static_cast<int>(config_.hc_mult), config_.dim, m.ffn_post,
+                         m.ffn_comb, h);
 }
 
 absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& call,
@@ -825,11 +828,8 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     }
     ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(S * D));
     vector<int64_t> pos(S);
-    for (int64_t i = 0; i < S; ++i) {
-      RETURN_IF_ERROR(
-          backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
-      pos[i] = spec.start_pos + i;
-    }
+    for (int64_t i = 0; i < S; ++i) pos[i] = spec.start_pos + i;
+    RETURN_IF_ERROR(backend_.HcPre(S, h, static_cast<int>(hc), D, pre, x));
     RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->layers[l].attn_norm.data(), S, D, c.norm_eps, x));
     RETURN_IF_ERROR(Compress(l, x, pos.data(), S, state));
   }
@@ -855,10 +855,7 @@ absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
   ASSIGN_OR_RETURN(const float* h, ws.Copy(io.h.data() + first * hc * D, n * hc * D));
   ASSIGN_OR_RETURN(const float* pre, ws.Copy(io.pre.data() + first * hc, n * hc));
   ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(n * D));
-  for (int64_t i = 0; i < n; ++i) {
-    RETURN_IF_ERROR(
-        backend_.HcPre(1, h + i * hc * D, static_cast<int>(hc), D, pre + i * hc, x + i * D));
-  }
+  RETURN_IF_ERROR(backend_.HcPre(n, h, static_cast<int>(hc), D, pre, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->norm.data(), n, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, n * D, trace->final_norm));
   const int64_t out_rows = all_logits ? S : 1;

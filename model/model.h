@@ -327,9 +327,10 @@ class Model {
     float* ffn_comb = nullptr;
     absl::Status Allocate(Scratch& ws, int64_t rows, int64_t hc);
   };
-  absl::Status HcMixRow(bool single_token, const float* h, const WeightArray& fn,
-                        const WeightArray& scale, const WeightArray& base, float* pre, float* post,
-                        float* comb) const;
+  // One sublayer's mixes of `rows` rows of h (single-token semantics for decode rows).
+  absl::Status HcMixRows(bool single_token, int64_t rows, const float* h, const WeightArray& fn,
+                         const WeightArray& scale, const WeightArray& base, float* pre, float* post,
+                         float* comb) const;
   // h, pre -> the attention's input x (before its norm).
   absl::Status HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
                                  const float* h, const float* pre, HcMix& m, float* x) const;
