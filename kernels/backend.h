@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -243,10 +244,11 @@ class Backend {
 
   // ---- Attention ----
   virtual absl::Status SparseAttention(const SparseAttentionArgs& args) = 0;
-  // Compressor pooling (MODEL.md §3 step 5) of one group: kv, score [ratio, dim] (ratio <= 8);
-  // out[ch] = bf16(sum_r kv[r, ch] * softmax_r(score[:, ch])[r]).
-  virtual absl::Status CompressPool(const float* kv, const float* score, int ratio, int64_t dim,
-                                    float* out) = 0;
+  // Compressor pooling (MODEL.md §3 step 5) of `groups` groups: kv, score [groups, ratio, dim]
+  // (ratio <= 8); out[g, ch] = bf16(sum_r kv[g, r, ch] * softmax_r(score[g, :, ch])[r]),
+  // out [groups, dim]. Groups are independent.
+  virtual absl::Status CompressPool(const float* kv, const float* score, int64_t groups, int ratio,
+                                    int64_t dim, float* out) = 0;
   // Indexer scores of one query row against keys [n, dim] (MODEL.md §3 step 6): for each key t,
   // score[t] = bf16(sum over heads h in order of bf16(max(bf16(q_h . k_t), 0) * w[h])), each dot
   // an fp32 sum in index order. q [heads, dim], w [heads], score [n].
@@ -267,6 +269,26 @@ class Backend {
   // for keys >= visible, else key + offset.
   virtual absl::Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible,
                                   int64_t offset, int32_t* out) = 0;
+  // ---- The indexer's selection, many query rows in one call (prefill) ----
+  // Per row r < rows, with valid [rows] and visible [rows] in backend memory:
+  // IndexerScoresRows: score row r [n] = IndexerScores(q row r [heads, dim], w row r [heads],
+  //   keys, valid[r]) then -inf for valid[r] <= t < n (MaskScores(score_r, n, valid[r])); keys
+  //   holds at least max(valid) rows, 0 <= valid[r] <= n. q [rows, heads, dim], w [rows, heads],
+  //   score [rows, n].
+  virtual absl::Status IndexerScoresRows(const float* q, const float* w, int heads,
+                                         const float* keys, int64_t n, int64_t dim, int64_t rows,
+                                         const int64_t* valid, float* score) = 0;
+  // CandidateMaskRows: mask row r [n] = CandidateMask(score row r, n, block, visible[r],
+  //   keep_blocks). score [rows, n], mask [rows, n].
+  virtual absl::Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
+                                         const int64_t* visible, int64_t keep_blocks,
+                                         uint8_t* mask) = 0;
+  // SelectTopKRows: out row r [k] = SelectTopK(score row r, n, k, visible[r], offset), where a
+  //   mask, when given ([rows, mask_cols]), first sets score -inf at t >= mask_cols or
+  //   !mask[r, t] (as MaskScores; score itself is not written). k <= n.
+  virtual absl::Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
+                                      const int64_t* visible, int64_t offset, const uint8_t* mask,
+                                      int64_t mask_cols, int32_t* out) = 0;
 
   // ---- mHC (MODEL.md §3), `rows` independent rows ----
   // h [rows, hc, dim] bf16; fn [(2+hc)*hc, hc*dim], scale [3], base [(2+hc)*hc] fp32. Out: pre,
@@ -338,8 +360,7 @@ class Backend {
   // model whose experts differ, as routed FP4 and shared FP8 do, makes one call per run of
   // like weights). Bit-identical to one LinearQuant per group (rows are independent).
   virtual absl::Status GroupedLinearQuant(const float* x, int64_t rows, const int64_t* starts,
-                                          const QuantWeight* const* ws, int n_groups,
-                                          float* y) = 0;
+                                          const QuantWeight* const* ws, int n_groups, float* y) = 0;
   // out[r, :] = bf16(sum_j ys[r, j, :]) (in order j), ys [rows, slots, dim].
   virtual absl::Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim,
                                 float* out) = 0;
@@ -404,6 +425,9 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "StableTopK",
     "CandidateMask",
     "SelectTopK",
+    "IndexerScoresRows",
+    "CandidateMaskRows",
+    "SelectTopKRows",
     "HcMixes",
     "HcPre",
     "HcPost",
@@ -439,6 +463,10 @@ struct CpuBackendOptions {
   // addresses only; a decoded QuantWeight (host values) is not checked. Never set in a serving
   // process (each op then takes a lock per operand).
   bool check_operands = false;
+  // Test seam (tests/model/op_count_test.cc): when set, every op call adds one to
+  // (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant does
+  // per weight, counts once per check). Not thread-safe: one thread at a time.
+  std::map<std::string, int64_t>* op_calls = nullptr;
 };
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
 

@@ -178,6 +178,16 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
     ASSIGN_OR_RETURN(float* kv_tail, ws.Alloc<float>(tail));
     ASSIGN_OR_RETURN(float* score_tail, ws.Alloc<float>(tail));
+    // Groups whose rows are all in this call pool straight from kvf/scf; consecutive ones go in
+    // one CompressPool call (a run: `run` groups from row run_row, into latents from run_lat).
+    int64_t run = 0, run_row = 0, run_lat = 0;
+    auto flush_run = [&]() -> absl::Status {
+      if (run == 0) return absl::OkStatus();
+      const int64_t n = run;
+      run = 0;
+      return backend_.CompressPool(kvf + run_row * hd, scf + run_row * hd, n, ratio, hd,
+                                   latents + run_lat * hd);
+    };
     for (int64_t i = 0; i < S; ++i) {
       const int64_t slot = pos[i] % ratio;
       std::copy_n(s.log_kv.data() + i * hd, hd, s.kv_state.data() + slot * hd);
@@ -187,18 +197,27 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
       // The group is positions pos[i]-ratio+1..pos[i], slot j = the group's j-th position. When
       // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf (in
       // backend memory already); a group begun in an earlier call pools the host tail state.
-      const float* kv_in = kv_tail;
-      const float* score_in = score_tail;
-      if (i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio) {
-        kv_in = kvf + (i + 1 - ratio) * hd;
-        score_in = scf + (i + 1 - ratio) * hd;
-      } else {
+      const bool in_call = i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio;
+      if (!in_call) {
         RETURN_IF_ERROR(ws.Upload(kv_tail, s.kv_state.data(), tail));
         RETURN_IF_ERROR(ws.Upload(score_tail, s.score_state.data(), tail));
+        RETURN_IF_ERROR(backend_.CompressPool(kv_tail, score_tail, 1, ratio, hd, lat));
+      } else if (run > 0 && run_row + run * ratio == i + 1 - ratio &&
+                 run_lat + run == static_cast<int64_t>(gpos.size())) {
+        ++run;  // the next group of the run: its rows follow the previous group's
+      } else {
+        RETURN_IF_ERROR(flush_run());
+        run_row = i + 1 - ratio;
+        run_lat = static_cast<int64_t>(gpos.size());
+        run = 1;
       }
-      RETURN_IF_ERROR(backend_.CompressPool(kv_in, score_in, ratio, hd, lat));
-      RETURN_IF_ERROR(backend_.RmsNorm(lat, A.cmp_norm.data(), 1, hd, c.norm_eps, lat));
       gpos.push_back(pos[i] + 1 - ratio);
+    }
+    RETURN_IF_ERROR(flush_run());
+    // Every entry's norm in one call (rows are independent).
+    if (!gpos.empty()) {
+      RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(),
+                                       static_cast<int64_t>(gpos.size()), hd, c.norm_eps, latents));
     }
   }
   const int64_t ne = static_cast<int64_t>(gpos.size());
@@ -235,19 +254,8 @@ absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_
   const int64_t ihd = keys.dim();
   if (n <= 0) return absl::OkStatus();
   if (rows > 1) {
-    auto it = unpacked.find(layer);
-    if (it == unpacked.end() || it->second.second < n) {
-      // Every key the source has (the rows of this call score prefixes of them): unpacked once.
-      const int64_t all = std::max(n, available);
-      ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(all * ihd));
-      RETURN_IF_ERROR(ws.Fill(u, all * ihd, [&](float* d) {
-        keys.Unpack(0, all, d);
-        return absl::OkStatus();
-      }));
-      it =
-          unpacked.insert_or_assign(layer, std::make_pair(static_cast<const float*>(u), all)).first;
-    }
-    return backend_.IndexerScores(q, w, heads, it->second.first, n, ihd, score);
+    ASSIGN_OR_RETURN(const float* u, UnpackKeys(ws, keys, layer, n, available, unpacked));
+    return backend_.IndexerScores(q, w, heads, u, n, ihd, score);
   }
   // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 2048 keys
   // (1 MiB of scratch at 128 dims: few kernel calls, still cache-resident).
@@ -264,6 +272,23 @@ absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_
     RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, part, cnt, ihd, score + t0));
   }
   return absl::OkStatus();
+}
+
+absl::StatusOr<const float*> Model::UnpackKeys(Scratch& ws, const KvRows& keys, int layer,
+                                               int64_t n, int64_t available,
+                                               UnpackedKeys& unpacked) const {
+  auto it = unpacked.find(layer);
+  if (it == unpacked.end() || it->second.second < n) {
+    // Every key the source has (the rows of this call score prefixes of them): unpacked once.
+    const int64_t all = std::max(n, available), ihd = keys.dim();
+    ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(all * ihd));
+    RETURN_IF_ERROR(ws.Fill(u, all * ihd, [&](float* d) {
+      keys.Unpack(0, all, d);
+      return absl::OkStatus();
+    }));
+    it = unpacked.insert_or_assign(layer, std::make_pair(static_cast<const float*>(u), all)).first;
+  }
+  return it->second.first;
 }
 
 int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
@@ -351,7 +376,6 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
         RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
-        ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(nk));
         ASSIGN_OR_RETURN(int32_t * topk, ws.Alloc<int32_t>(S * k));
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
@@ -378,22 +402,59 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
           scored[i] = std::max<int64_t>(0, std::min({nk, state.sources.at(keysrc[i]).n, visible}));
           most_scored[keysrc[i]] = std::max(most_scored[keysrc[i]], scored[i]);
         }
-        for (int64_t i = 0; i < S; ++i) {
-          const int64_t visible = (pos[i] + 1) / ratio;
-          const SequenceState::Source& ks = state.sources.at(keysrc[i]);
-          RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc[i], S, qi + i * nI * ihd, w + i * nI,
-                                    static_cast<int>(nI), scored[i], most_scored[keysrc[i]], score,
-                                    unpacked_keys));
-          RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored[i], nullptr, 0));
-          if (role.is_candidate_source) {
-            RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
-                                                   c.candidate_topk_blocks, call.cand + i * nk));
+        const bool one_source =
+            std::all_of(keysrc.begin(), keysrc.end(), [&](int s) { return s == keysrc[0]; });
+        if (S > 1 && one_source) {
+          // Every row at once (prefill): the same ops per row as below, in a fixed number of
+          // calls per chunk of rows.
+          const int ks = keysrc[0];
+          vector<int64_t> visible(S);
+          for (int64_t i = 0; i < S; ++i) visible[i] = (pos[i] + 1) / ratio;
+          ASSIGN_OR_RETURN(const int64_t* valid_dev, ws.Copy(scored));
+          ASSIGN_OR_RETURN(const int64_t* visible_dev, ws.Copy(visible));
+          const float* u = nullptr;
+          if (most_scored[ks] > 0) {
+            ASSIGN_OR_RETURN(u, UnpackKeys(ws, state.sources.at(ks).keys, ks, most_scored[ks],
+                                           most_scored[ks], unpacked_keys));
           }
-          if (role.uses_candidates && call.cand_cols > 0) {
-            RETURN_IF_ERROR(
-                backend_.MaskScores(score, nk, nk, cand + i * call.cand_cols, call.cand_cols));
+          const int64_t cr =
+              std::clamp<int64_t>(kIndexerScoresPerCall / nk, 1, std::min(S, kIndexerRowsPerCall));
+          ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(cr * nk));
+          for (int64_t r0 = 0; r0 < S; r0 += cr) {
+            const int64_t n = std::min(cr, S - r0);
+            RETURN_IF_ERROR(backend_.IndexerScoresRows(qi + r0 * nI * ihd, w + r0 * nI,
+                                                       static_cast<int>(nI), u, nk, ihd, n,
+                                                       valid_dev + r0, score));
+            if (role.is_candidate_source) {
+              RETURN_IF_ERROR(backend_.CandidateMaskRows(score, n, nk, c.candidate_block_size,
+                                                         visible_dev + r0, c.candidate_topk_blocks,
+                                                         call.cand + r0 * nk));
+            }
+            const bool masked = role.uses_candidates && call.cand_cols > 0;
+            RETURN_IF_ERROR(backend_.SelectTopKRows(score, n, nk, k, visible_dev + r0, win_rows,
+                                                    masked ? cand + r0 * call.cand_cols : nullptr,
+                                                    masked ? call.cand_cols : 0, topk + r0 * k));
           }
-          RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
+        } else {
+          // One row at a time (single-row calls; decode-semantics rows reading several sources).
+          ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(nk));
+          for (int64_t i = 0; i < S; ++i) {
+            const int64_t visible = (pos[i] + 1) / ratio;
+            const SequenceState::Source& ks = state.sources.at(keysrc[i]);
+            RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc[i], S, qi + i * nI * ihd, w + i * nI,
+                                      static_cast<int>(nI), scored[i], most_scored[keysrc[i]],
+                                      score, unpacked_keys));
+            RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored[i], nullptr, 0));
+            if (role.is_candidate_source) {
+              RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
+                                                     c.candidate_topk_blocks, call.cand + i * nk));
+            }
+            if (role.uses_candidates && call.cand_cols > 0) {
+              RETURN_IF_ERROR(
+                  backend_.MaskScores(score, nk, nk, cand + i * call.cand_cols, call.cand_cols));
+            }
+            RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
+          }
         }
         RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
       }

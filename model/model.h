@@ -304,6 +304,14 @@ class Model {
   absl::Status ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows, const float* q,
                          const float* w, int heads, int64_t n, int64_t available, float* score,
                          UnpackedKeys& unpacked) const;
+  // Keys [0, max(n, available)) of a source unpacked into backend memory, once per call.
+  absl::StatusOr<const float*> UnpackKeys(Scratch& ws, const KvRows& keys, int layer, int64_t n,
+                                          int64_t available, UnpackedKeys& unpacked) const;
+  // The indexer's scores, candidate masks and top-k of a multi-row call whose rows all read one
+  // key source go through the *Rows ops in chunks of at most kIndexerRowsPerCall rows and
+  // kIndexerScoresPerCall scores (rows x keys), a fixed number of calls per chunk.
+  static constexpr int64_t kIndexerRowsPerCall = 4096;
+  static constexpr int64_t kIndexerScoresPerCall = int64_t{1} << 22;
   absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
                      ForwardTrace* trace) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,

@@ -199,22 +199,28 @@ class CpuBackend final : public Backend {
     cpu::SparseAttention(args);
     return OkStatus();
   }
-  Status CompressPool(const float* kv, const float* score, int ratio, int64_t hd,
-                      float* out) override {
-    EPD_CHECK_OPERANDS("CompressPool", {{"kv", kv}, {"score", score}, {"out", out}});
+  Status CompressPool(const float* kv_all, const float* score_all, int64_t groups, int ratio,
+                      int64_t hd, float* out_all) override {
+    EPD_CHECK_OPERANDS("CompressPool", {{"kv", kv_all}, {"score", score_all}, {"out", out_all}});
     if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
-    for (int64_t ch = 0; ch < hd; ++ch) {
-      float mx = -INFINITY;
-      for (int r = 0; r < ratio; ++r) mx = std::max(mx, score[r * hd + ch]);
-      float sum = 0.f;
-      float e[8];
-      for (int r = 0; r < ratio; ++r) {
-        e[r] = std::exp(score[r * hd + ch] - mx);
-        sum += e[r];
+    if (groups < 0 || hd < 0) return Bad("CompressPool", "negative shape");
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* kv = kv_all + g * ratio * hd;
+      const float* score = score_all + g * ratio * hd;
+      float* out = out_all + g * hd;
+      for (int64_t ch = 0; ch < hd; ++ch) {
+        float mx = -INFINITY;
+        for (int r = 0; r < ratio; ++r) mx = std::max(mx, score[r * hd + ch]);
+        float sum = 0.f;
+        float e[8];
+        for (int r = 0; r < ratio; ++r) {
+          e[r] = std::exp(score[r * hd + ch] - mx);
+          sum += e[r];
+        }
+        float acc = 0.f;
+        for (int r = 0; r < ratio; ++r) acc += kv[r * hd + ch] * (e[r] / sum);
+        out[ch] = format::RoundBf16(acc);
       }
-      float acc = 0.f;
-      for (int r = 0; r < ratio; ++r) acc += kv[r * hd + ch] * (e[r] / sum);
-      out[ch] = format::RoundBf16(acc);
     }
     return OkStatus();
   }
@@ -248,6 +254,11 @@ class CpuBackend final : public Backend {
                        int64_t keep_blocks, uint8_t* mask) override {
     EPD_CHECK_OPERANDS("CandidateMask", {{"score", score}, {"mask", mask}});
     if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
+    CandidateMaskRow(score, n, bs, visible, keep_blocks, mask);
+    return OkStatus();
+  }
+  static void CandidateMaskRow(const float* score, int64_t n, int64_t bs, int64_t visible,
+                               int64_t keep_blocks, uint8_t* mask) {
     const int64_t nb = (n + bs - 1) / bs;
     std::vector<float> bscore(nb, -INFINITY);
     for (int64_t t = 0; t < n; ++t) bscore[t / bs] = std::max(bscore[t / bs], score[t]);
@@ -259,7 +270,6 @@ class CpuBackend final : public Backend {
       if (bscore[b] == -INFINITY) continue;
       for (int64_t t = b * bs; t < std::min(n, (b + 1) * bs); ++t) mask[t] = 1;
     }
-    return OkStatus();
   }
   Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
                     int32_t* out) override {
@@ -269,6 +279,61 @@ class CpuBackend final : public Backend {
     std::sort(sel.begin(), sel.end());
     for (int64_t j = 0; j < k; ++j) {
       out[j] = sel[j] >= visible ? -1 : static_cast<int32_t>(sel[j] + offset);
+    }
+    return OkStatus();
+  }
+
+  Status IndexerScoresRows(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                           int64_t dim, int64_t rows, const int64_t* valid, float* score) override {
+    EPD_CHECK_OPERANDS("IndexerScoresRows",
+                       {{"q", q}, {"w", w}, {"keys", keys}, {"valid", valid}, {"score", score}});
+    if (heads < 0 || n < 0 || dim < 0 || rows < 0)
+      return Bad("IndexerScoresRows", "negative shape");
+    for (int64_t r = 0; r < rows; ++r) {
+      if (valid[r] < 0 || valid[r] > n) {
+        return Bad("IndexerScoresRows",
+                   absl::StrCat("row ", r, " scores ", valid[r], " keys, not in [0, ", n, "]"));
+      }
+    }
+    ScopedScalarKernels s(!options_.simd);
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = score + r * n;
+      cpu::IndexerScores(q + r * heads * dim, w + r * heads, heads, keys, valid[r], dim, sr);
+      std::fill(sr + valid[r], sr + n, -INFINITY);
+    }
+    return OkStatus();
+  }
+  Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
+                           const int64_t* visible, int64_t keep_blocks, uint8_t* mask) override {
+    EPD_CHECK_OPERANDS("CandidateMaskRows",
+                       {{"score", score}, {"visible", visible}, {"mask", mask}});
+    if (bs <= 0 || n < 0 || rows < 0) return Bad("CandidateMaskRows", "block size must be > 0");
+    for (int64_t r = 0; r < rows; ++r)
+      CandidateMaskRow(score + r * n, n, bs, visible[r], keep_blocks, mask + r * n);
+    return OkStatus();
+  }
+  Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
+                        const int64_t* visible, int64_t offset, const uint8_t* mask,
+                        int64_t mask_cols, int32_t* out) override {
+    EPD_CHECK_OPERANDS("SelectTopKRows",
+                       {{"score", score}, {"visible", visible}, {"mask", mask}, {"out", out}});
+    if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
+    if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
+    std::vector<float> row(static_cast<size_t>(n));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy(score + r * n, score + (r + 1) * n, row.begin());
+      if (mask != nullptr) {
+        const uint8_t* mr = mask + r * mask_cols;
+        for (int64_t t = 0; t < n; ++t) {
+          if (t >= mask_cols || !mr[t]) row[t] = -INFINITY;
+        }
+      }
+      std::vector<int32_t> sel = cpu::StableTopK(row.data(), n, k);
+      std::sort(sel.begin(), sel.end());
+      int32_t* o = out + r * k;
+      for (int64_t j = 0; j < k; ++j) {
+        o[j] = sel[j] >= visible[r] ? -1 : static_cast<int32_t>(sel[j] + offset);
+      }
     }
     return OkStatus();
   }
@@ -599,6 +664,7 @@ class CpuBackend final : public Backend {
  private:
   Status CheckOperands(const char* op,
                        std::initializer_list<std::pair<const char*, const void*>> operands) {
+    if (options_.op_calls != nullptr) ++(*options_.op_calls)[op];
     if (allocations_ == nullptr) return OkStatus();
     for (const auto& [name, p] : operands) {
       if (p != nullptr && !allocations_->Contains(p)) {

@@ -99,11 +99,15 @@ __global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionA
   for (int d = tid; d < hd; d += kAttnThreads) out[d] = RoundBf16(num[d] / den_s);
 }
 
-// cpu_backend.cc CompressPool: one thread per channel.
-__global__ void CompressPoolKernel(const float* kv, const float* score, int ratio, int64_t hd,
-                                   float* out) {
-  const int64_t ch = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (ch >= hd) return;
+// cpu_backend.cc CompressPool: one thread per group and channel.
+__global__ void CompressPoolKernel(const float* kv_all, const float* score_all, int64_t groups,
+                                   int ratio, int64_t hd, float* out_all) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= groups * hd) return;
+  const int64_t g = i / hd, ch = i % hd;
+  const float* kv = kv_all + g * ratio * hd;
+  const float* score = score_all + g * ratio * hd;
+  float* out = out_all + g * hd;
   float mx = -INFINITY;
   for (int r = 0; r < ratio; ++r) mx = StdMax(mx, score[r * hd + ch]);
   float sum = 0.f;
@@ -135,6 +139,33 @@ __global__ void IndexerScoresKernel(const float* q, const float* w, int heads, c
   score[t] = RoundBf16(acc);
 }
 
+// cpu_backend.cc IndexerScoresRows: IndexerScoresKernel's thread for key t of row blockIdx.y,
+// -inf past the row's valid keys.
+__global__ void IndexerScoresRowsKernel(const float* q, const float* w, int heads,
+                                        const float* keys, int64_t n, int64_t dim,
+                                        const int64_t* valid, float* score) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t r = blockIdx.y;
+  if (t >= n) return;
+  float* sr = score + r * n;
+  if (t >= valid[r]) {
+    sr[t] = -INFINITY;
+    return;
+  }
+  const float* qr = q + r * heads * dim;
+  const float* wr = w + r * heads;
+  const float* kt = keys + t * dim;
+  float acc = 0.f;
+  for (int h = 0; h < heads; ++h) {
+    const float* qh = qr + h * dim;
+    float d = 0.f;
+    for (int64_t e = 0; e < dim; ++e) d += qh[e] * kt[e];
+    const float s = StdMax(RoundBf16(d), 0.f);
+    acc += RoundBf16(s * wr[h]);
+  }
+  sr[t] = RoundBf16(acc);
+}
+
 // cpu_backend.cc MaskScores.
 __global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const uint8_t* mask,
                                  int64_t mask_cols) {
@@ -159,10 +190,11 @@ cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t CompressPool(const float* kv, const float* score, int ratio, int64_t dim, float* out,
-                         cudaStream_t stream) {
-  if (dim <= 0) return cudaSuccess;
-  CompressPoolKernel<<<GridFor(dim), kThreads, 0, stream>>>(kv, score, ratio, dim, out);
+cudaError_t CompressPool(const float* kv, const float* score, int64_t groups, int ratio,
+                         int64_t dim, float* out, cudaStream_t stream) {
+  if (dim <= 0 || groups <= 0) return cudaSuccess;
+  CompressPoolKernel<<<GridFor(groups * dim), kThreads, 0, stream>>>(kv, score, groups, ratio, dim,
+                                                                     out);
   return cudaGetLastError();
 }
 
@@ -170,6 +202,15 @@ cudaError_t IndexerScores(const float* q, const float* w, int heads, const float
                           int64_t dim, float* score, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
   IndexerScoresKernel<<<GridFor(n, 128), 128, 0, stream>>>(q, w, heads, keys, n, dim, score);
+  return cudaGetLastError();
+}
+
+cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const float* keys,
+                              int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
+                              float* score, cudaStream_t stream) {
+  if (n <= 0 || rows <= 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((n + 127) / 128), static_cast<unsigned>(rows));
+  IndexerScoresRowsKernel<<<grid, 128, 0, stream>>>(q, w, heads, keys, n, dim, valid, score);
   return cudaGetLastError();
 }
 

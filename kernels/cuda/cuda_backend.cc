@@ -257,11 +257,12 @@ class CudaBackend final : public Backend {
     a.out = args.out;
     return Run("SparseAttention", [&] { return cuda::SparseAttention(a, streams_[0]); });
   }
-  Status CompressPool(const float* kv, const float* score, int ratio, int64_t hd,
+  Status CompressPool(const float* kv, const float* score, int64_t groups, int ratio, int64_t hd,
                       float* out) override {
     if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
+    if (groups < 0 || hd < 0) return Bad("CompressPool", "negative shape");
     return Run("CompressPool",
-               [&] { return cuda::CompressPool(kv, score, ratio, hd, out, streams_[0]); });
+               [&] { return cuda::CompressPool(kv, score, groups, ratio, hd, out, streams_[0]); });
   }
   Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                        int64_t dim, float* score) override {
@@ -309,6 +310,51 @@ class CudaBackend final : public Backend {
     if (!scratch.ok()) return scratch.status();
     return Run("SelectTopK", [&] {
       return cuda::SelectTopK(score, n, k, visible, offset, out, *scratch, bytes, streams_[0]);
+    });
+  }
+
+  Status IndexerScoresRows(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                           int64_t dim, int64_t rows, const int64_t* valid, float* score) override {
+    if (heads < 0 || n < 0 || dim < 0 || rows < 0)
+      return Bad("IndexerScoresRows", "negative shape");
+    if (rows > kMaxGridY)
+      return Bad("IndexerScoresRows", absl::StrCat(rows, " rows > ", kMaxGridY));
+    return Run("IndexerScoresRows", [&] {
+      return cuda::IndexerScoresRows(q, w, heads, keys, n, dim, rows, valid, score, streams_[0]);
+    });
+  }
+  Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
+                           const int64_t* visible, int64_t keep_blocks, uint8_t* mask) override {
+    if (bs <= 0 || n < 0 || rows < 0) return Bad("CandidateMaskRows", "block size must be > 0");
+    if (rows > kMaxGridY)
+      return Bad("CandidateMaskRows", absl::StrCat(rows, " rows > ", kMaxGridY));
+    if (rows * n > kMaxTopK)
+      return Bad("CandidateMaskRows", absl::StrCat(rows, " x ", n, " scores > ", kMaxTopK));
+    if (n == 0 || rows == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("CandidateMaskRows", cudaSetDevice(device_));
+    const size_t bytes = cuda::CandidateMaskRowsScratchBytes(rows, n, bs);
+    auto scratch = Scratch("CandidateMaskRows", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("CandidateMaskRows", [&] {
+      return cuda::CandidateMaskRows(score, rows, n, bs, visible, keep_blocks, mask, *scratch,
+                                     bytes, streams_[0]);
+    });
+  }
+  Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
+                        const int64_t* visible, int64_t offset, const uint8_t* mask,
+                        int64_t mask_cols, int32_t* out) override {
+    if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
+    if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
+    if (rows * n > kMaxTopK)
+      return Bad("SelectTopKRows", absl::StrCat(rows, " x ", n, " scores > ", kMaxTopK));
+    if (k == 0 || rows == 0) return OkStatus();
+    EPD_CUDA_RETURN_IF_ERROR("SelectTopKRows", cudaSetDevice(device_));
+    const size_t bytes = cuda::SelectTopKRowsScratchBytes(rows, n, k);
+    auto scratch = Scratch("SelectTopKRows", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("SelectTopKRows", [&] {
+      return cuda::SelectTopKRows(score, rows, n, k, visible, offset, mask, mask_cols, out,
+                                  *scratch, bytes, streams_[0]);
     });
   }
 
@@ -497,6 +543,7 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  static constexpr int64_t kMaxGridY = 65535;            // a kernel's grid.y (one row per y)
   static constexpr int64_t kMaxTopK = int64_t{1} << 30;  // CUB's int item count, 32-bit indices
   static constexpr int64_t kMaxGemmRows = int64_t{65535} * 16;  // grid.y limit x the row tile
 
@@ -535,8 +582,8 @@ class CudaBackend final : public Backend {
                                              cudaMemcpyDeviceToHost, streams_[0]));
     EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
     if (at[0] < 0 || at[n_groups] > rows) {
-      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", at[0], " to ",
-                                                    at[n_groups], ", outside 0 to ", rows));
+      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", at[0], " to ", at[n_groups],
+                                                    ", outside 0 to ", rows));
     }
     for (int g = 0; g < n_groups; ++g) {
       const int64_t n = at[g + 1] - at[g];

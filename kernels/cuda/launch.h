@@ -41,7 +41,9 @@ struct GroupWeight {
 };
 // Row tiles GroupedGemmQuant launches for `rows` rows in `n_groups` groups: a bound on the sum of
 // ceil(n_g / 16) (the grid's y, at most 65535).
-inline int64_t GroupedGemmRowTiles(int64_t rows, int n_groups) { return (rows + 15) / 16 + n_groups; }
+inline int64_t GroupedGemmRowTiles(int64_t rows, int n_groups) {
+  return (rows + 15) / 16 + n_groups;
+}
 // GemmQuant of packed weights by group (GroupedLinearQuant): rows starts[g] .. starts[g+1] of
 // q / s through groups[g] (device array); `w` gives the shared kind, out and in (w.data unused).
 cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const int64_t* starts,
@@ -78,8 +80,8 @@ cudaError_t HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y, 
                    cudaStream_t stream);
 cudaError_t SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float limit,
                    const float* row_weights, float* h, cudaStream_t stream);
-cudaError_t CopyRows(const float* src, const int64_t* src_rows, float* dst,
-                     const int64_t* dst_rows, int64_t n, int64_t dim, cudaStream_t stream);
+cudaError_t CopyRows(const float* src, const int64_t* src_rows, float* dst, const int64_t* dst_rows,
+                     int64_t n, int64_t dim, cudaStream_t stream);
 cudaError_t SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out,
                      cudaStream_t stream);
 cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
@@ -110,12 +112,16 @@ struct AttentionArgs {
   float* out = nullptr;
 };
 cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream);
-cudaError_t CompressPool(const float* kv, const float* score, int ratio, int64_t dim, float* out,
-                         cudaStream_t stream);
+cudaError_t CompressPool(const float* kv, const float* score, int64_t groups, int ratio,
+                         int64_t dim, float* out, cudaStream_t stream);
 cudaError_t IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                           int64_t dim, float* score, cudaStream_t stream);
 cudaError_t MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
                        int64_t mask_cols, cudaStream_t stream);
+// Backend::IndexerScoresRows; rows <= 65535 (grid.y).
+cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const float* keys,
+                              int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
+                              float* score, cudaStream_t stream);
 
 // ---- Selection (select.cu) ----
 // Scratch bytes StableTopK / SelectTopK need for n values.
@@ -130,6 +136,17 @@ cudaError_t CandidateMask(const float* score, int64_t n, int64_t block, int64_t 
                           cudaStream_t stream);
 cudaError_t SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
                        int32_t* out, void* scratch, size_t scratch_bytes, cudaStream_t stream);
+// Backend::CandidateMaskRows / SelectTopKRows: one segmented radix sort (CUB) over every row.
+// rows * n (and rows * blocks) < 2^31 (CUB's int item count); rows <= 65535.
+size_t CandidateMaskRowsScratchBytes(int64_t rows, int64_t n, int64_t block);
+cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
+                              const int64_t* visible, int64_t keep_blocks, uint8_t* mask,
+                              void* scratch, size_t scratch_bytes, cudaStream_t stream);
+size_t SelectTopKRowsScratchBytes(int64_t rows, int64_t n, int64_t k);
+cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
+                           const int64_t* visible, int64_t offset, const uint8_t* mask,
+                           int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
+                           cudaStream_t stream);
 // Scratch bytes MoeRoute needs.
 size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
 cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,

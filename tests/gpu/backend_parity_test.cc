@@ -654,17 +654,27 @@ PARITY_CASE(SparseAttention) {
 }
 
 PARITY_CASE(CompressPool) {
-  // Tolerance: 1 bf16 ulp (exp of the softmax).
+  // Tolerance: 1 bf16 ulp (exp of the softmax). Several groups in one call equal one call per
+  // group on each side (groups are independent).
   for (int ratio : {4, 8, 1}) {
-    const int64_t dim = 128;
-    const auto kv = Bf16(env.rng, ratio * dim), score = Normal(env.rng, ratio * dim, 2.f);
+    const int64_t dim = 128, groups = 3;
+    const auto kv = Bf16(env.rng, groups * ratio * dim),
+               score = Normal(env.rng, groups * ratio * dim, 2.f);
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
-      float* out = s->Out<float>(dim);
-      EXPECT_OP_OK(*s, s->b().CompressPool(s->In(kv), s->In(score), ratio, dim, out));
-      EXPECT_EQ(s->b().CompressPool(nullptr, nullptr, 9, dim, out).code(),
+      const float *pk = s->In(kv), *ps = s->In(score);
+      float* out = s->Out<float>(groups * dim);
+      EXPECT_OP_OK(*s, s->b().CompressPool(pk, ps, groups, ratio, dim, out));
+      EXPECT_EQ(s->b().CompressPool(nullptr, nullptr, 1, 9, dim, out).code(),
                 absl::StatusCode::kInvalidArgument);
-      res.push_back(s->Read(out, dim));
+      res.push_back(s->Read(out, groups * dim));
+      float* one = s->Out<float>(groups * dim);
+      for (int64_t g = 0; g < groups; ++g) {
+        EXPECT_OP_OK(*s, s->b().CompressPool(pk + g * ratio * dim, ps + g * ratio * dim, 1, ratio,
+                                             dim, one + g * dim));
+      }
+      Compare(env, res.back(), s->Read(one, groups * dim), Tol::Exact(),
+              s->name() + ": groups in one call vs one call per group");
     }
     Compare(env, res[0], res[1], Tol::Bf16Ulps(1), "ratio " + std::to_string(ratio));
   }
@@ -747,6 +757,102 @@ PARITY_CASE(SelectTopK) {
     res.push_back(s->Read(out, k));
   }
   CompareExact(res[0], res[1], "selection");
+}
+
+// The rows ops must equal their one-row ops row by row, on each side (the op's contract), and
+// the two sides must agree.
+PARITY_CASE(IndexerScoresRows) {
+  // Tolerance: exact (IndexerScores per row, then -inf past the row's valid keys).
+  const int heads = 6;
+  const int64_t rows = 5, n = 70, dim = 64;
+  const std::vector<int64_t> valid = {70, 0, 33, 1, 64};
+  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads),
+             keys = Bf16(env.rng, n * dim);
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    const float *pq = s->In(q), *pw = s->In(w), *pk = s->In(keys);
+    float* out = s->Out<float>(rows * n);
+    EXPECT_OP_OK(*s, s->b().IndexerScoresRows(pq, pw, heads, pk, n, dim, rows, s->In(valid), out));
+    std::vector<float> one_by_one;
+    for (int64_t r = 0; r < rows; ++r) {
+      float* o = s->Out<float>(n);
+      EXPECT_OP_OK(*s, s->b().IndexerScores(pq + r * heads * dim, pw + r * heads, heads, pk,
+                                            valid[r], dim, o));
+      EXPECT_OP_OK(*s, s->b().MaskScores(o, n, valid[r], nullptr, 0));
+      const std::vector<float> row = s->Read(o, n);
+      one_by_one.insert(one_by_one.end(), row.begin(), row.end());
+    }
+    res.push_back(s->Read(out, rows * n));
+    Compare(env, res.back(), one_by_one, Tol::Exact(), s->name() + ": rows vs one row at a time");
+  }
+  Compare(env, res[0], res[1], Tol::Exact(), "rows");
+  // A row that asks for more keys than the scores hold is refused by the CPU backend.
+  EXPECT_EQ(env.ref.b()
+                .IndexerScoresRows(env.ref.In(q), env.ref.In(w), heads, env.ref.In(keys), n, dim,
+                                   rows, env.ref.In(std::vector<int64_t>{1, 2, 71, 3, 4}),
+                                   env.ref.Out<float>(rows * n))
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+PARITY_CASE(CandidateMaskRows) {
+  // Tolerance: exact (0/1 mask).
+  const int64_t rows = 4, n = 1000, block = 64, keep = 5;
+  auto score = Normal(env.rng, rows * n);
+  for (int64_t t = 128; t < 256; ++t) score[n + t] = -INFINITY;  // row 1: an all -inf block
+  const std::vector<int64_t> visible = {900, 0, 1000, 65};
+  std::vector<std::vector<uint8_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    const float* ps = s->In(score);
+    uint8_t* mask = s->Out<uint8_t>(rows * n);
+    EXPECT_OP_OK(*s, s->b().CandidateMaskRows(ps, rows, n, block, s->In(visible), keep, mask));
+    std::vector<uint8_t> one_by_one;
+    for (int64_t r = 0; r < rows; ++r) {
+      uint8_t* m = s->Out<uint8_t>(n);
+      EXPECT_OP_OK(*s, s->b().CandidateMask(ps + r * n, n, block, visible[r], keep, m));
+      const std::vector<uint8_t> row = s->Read(m, n);
+      one_by_one.insert(one_by_one.end(), row.begin(), row.end());
+    }
+    res.push_back(s->Read(mask, rows * n));
+    CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
+  }
+  CompareExact(res[0], res[1], "rows");
+}
+
+PARITY_CASE(SelectTopKRows) {
+  // Tolerance: exact (ascending index lists, -1 beyond each row's visible keys), with ties.
+  const int64_t rows = 6, n = 500, k = 64, mask_cols = 480;
+  const auto score = Tied(env.rng, rows * n);
+  const auto mask = Bytes(env.rng, rows * mask_cols, 0, 1);
+  const std::vector<int64_t> visible = {450, 0, 500, 64, 1, 300};
+  for (bool with_mask : {false, true}) {
+    std::vector<std::vector<int32_t>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      const float* ps = s->In(score);
+      const uint8_t* pm = with_mask ? s->In(mask) : nullptr;
+      int32_t* out = s->Out<int32_t>(rows * k);
+      EXPECT_OP_OK(*s,
+                   s->b().SelectTopKRows(ps, rows, n, k, s->In(visible), 1000, pm, mask_cols, out));
+      std::vector<int32_t> one_by_one;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* row = s->In(std::vector<float>(score.begin() + r * n, score.begin() + (r + 1) * n));
+        if (pm != nullptr)
+          EXPECT_OP_OK(*s, s->b().MaskScores(row, n, n, pm + r * mask_cols, mask_cols));
+        int32_t* o = s->Out<int32_t>(k);
+        EXPECT_OP_OK(*s, s->b().SelectTopK(row, n, k, visible[r], 1000, o));
+        const std::vector<int32_t> got = s->Read(o, k);
+        one_by_one.insert(one_by_one.end(), got.begin(), got.end());
+      }
+      // The scores are not written.
+      EXPECT_EQ(s->Read(ps, rows * n), score) << s->name();
+      EXPECT_EQ(
+          s->b().SelectTopKRows(ps, rows, n, n + 1, s->In(visible), 0, nullptr, 0, out).code(),
+          absl::StatusCode::kInvalidArgument);
+      res.push_back(s->Read(out, rows * k));
+      CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
+    }
+    CompareExact(res[0], res[1], with_mask ? "rows, masked" : "rows");
+  }
 }
 
 // ---- mHC ----
@@ -911,10 +1017,11 @@ PARITY_CASE(MoeGroup) {
       float* w = s->Out<float>(std::max<int64_t>(rows * K, 1));
       EXPECT_OP_OK(*s, s->b().MoeGroup(s->In(experts), s->In(weights), rows, E, K, NS, starts, src,
                                        slot, w));
-      EXPECT_EQ(s->b().MoeGroup(s->In(experts), s->In(weights), rows, E, E + 1, NS, starts, src,
-                                slot, w)
-                    .code(),
-                absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(
+          s->b()
+              .MoeGroup(s->In(experts), s->In(weights), rows, E, E + 1, NS, starts, src, slot, w)
+              .code(),
+          absl::StatusCode::kInvalidArgument);
       st.push_back(s->Read(starts, lists + 1));
       from.push_back(s->Read(src, all));
       to.push_back(s->Read(slot, all));

@@ -50,7 +50,7 @@ TEST(BackendOpsTest, BadArgumentsAreErrorsNamingTheOp) {
   absl::Status s = b->SelectTopK(v.data(), 4, 5, 4, 0, idx.data());
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(s.message().find("SelectTopK"), std::string_view::npos) << s;
-  EXPECT_EQ(b->CompressPool(v.data(), v.data(), 9, 1, v.data()).code(),
+  EXPECT_EQ(b->CompressPool(v.data(), v.data(), 1, 9, 1, v.data()).code(),
             absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b->MoeRoute(v.data(), 1, 4, v.data(), 5, 1.f, idx.data(), v.data()).code(),
             absl::StatusCode::kInvalidArgument);

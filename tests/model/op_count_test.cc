@@ -1,0 +1,63 @@
+// Issue 12: a device backend must not be launch-bound on a long prompt. The number of backend
+// calls a prefill makes per layer must not grow with the prompt's rows for the ops that the model
+// batches over rows (the mHC steps, the linears, the indexer's scores / candidate masks / top-k,
+// the MoE's routing, grouping and grouped GEMMs, the compressor's pooling, the attention):
+// counted on the CPU backend (CpuBackendOptions::op_calls) for prompts of two lengths.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "kernels/backend.h"
+#include "model/model.h"
+#include "tests/testing/golden_model.h"
+
+namespace epd::model {
+namespace {
+
+class OpCountTest : public ::testing::TestWithParam<std::string> {};
+
+std::map<std::string, int64_t> CountPrefill(const std::string& set, int64_t rows) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend({.op_calls = &calls});
+  auto m = testing::LoadGoldenModel(*backend, set);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return {};
+  const int64_t vocab = (*m)->config().vocab_size;
+  std::vector<int32_t> ids(rows);
+  for (int64_t i = 0; i < rows; ++i) ids[i] = static_cast<int32_t>((i * 7 + 3) % vocab);
+  calls.clear();  // loading's uploads and ops are not the forward's
+  auto seq = (*m)->NewSequence();
+  auto r = (*m)->Prefill(*seq, ids, /*all_logits=*/false);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return calls;
+}
+
+TEST_P(OpCountTest, APrefillsCallsDoNotGrowWithItsRows) {
+  const auto short_prompt = CountPrefill(GetParam(), 64);
+  const auto long_prompt = CountPrefill(GetParam(), 256);
+  ASSERT_FALSE(short_prompt.empty());
+  // Every op is called as often for 256 rows as for 64 (no op of the forward is called per row,
+  // per compressed entry or per row and group).
+  std::set<std::string> ops;
+  for (const auto& [op, n] : short_prompt) ops.insert(op);
+  for (const auto& [op, n] : long_prompt) ops.insert(op);
+  for (const std::string& op : ops) {
+    const auto a = short_prompt.find(op), b = long_prompt.find(op);
+    const int64_t na = a == short_prompt.end() ? 0 : a->second;
+    const int64_t nb = b == long_prompt.end() ? 0 : b->second;
+    EXPECT_EQ(na, nb) << op << ": " << na << " calls at 64 rows, " << nb << " at 256";
+  }
+  // The batched indexer path is the one a prefill takes.
+  EXPECT_GT(long_prompt.count("SelectTopKRows"), 0u);
+  EXPECT_EQ(long_prompt.count("SelectTopK"), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),
+                         testing::GoldenSetName);
+
+}  // namespace
+}  // namespace epd::model
