@@ -758,9 +758,16 @@ absl::Status Model::HcAfterFfn(int64_t rows, const float* y, float* h, const HcM
 
 absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& call,
                           SequenceState& state, ForwardTrace* trace) const {
+  BlockSequence one{&call, &state, 0, nullptr};
+  return Block(outer, l, h, pre, std::span<BlockSequence>(&one, 1), call.rows, trace);
+}
+
+absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
+                          std::span<BlockSequence> seqs, int64_t S, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
-  const int64_t S = call.rows, D = c.dim, hc = c.hc_mult;
+  const int64_t D = c.dim, hc = c.hc_mult;
+  const Call& call = *seqs.front().call;  // the sequences' calls share their kind
   Scratch ws(backend_, scratch_pool_.get(), &outer);
   HcMix m;
   RETURN_IF_ERROR(m.Allocate(ws, S, hc));
@@ -772,7 +779,25 @@ absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& cal
   RETURN_IF_ERROR(HcBeforeAttention(L, single, S, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.attn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->attn_in[l]));
-  RETURN_IF_ERROR(Attention(l, x, call, state, y, trace));
+  // Attention reads and writes each sequence's own KV: one call per sequence on its rows. The
+  // other steps are row-independent and take every row of the batch at once.
+  float* zeros = nullptr;
+  for (BlockSequence& q : seqs) {
+    const int64_t at = q.row0 * D, n = q.call->rows * D;
+    if (q.status == nullptr) {
+      RETURN_IF_ERROR(Attention(l, x + at, *q.call, *q.state, y + at, trace));
+      continue;
+    }
+    if (q.status->ok()) *q.status = Attention(l, x + at, *q.call, *q.state, y + at, nullptr);
+    if (!q.status->ok()) {
+      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
+      // run on; rows are independent, so its neighbours' results do not change).
+      if (zeros == nullptr) {
+        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(S * D, 0.f));
+      }
+      RETURN_IF_ERROR(backend_.Copy(y + at, zeros, n * static_cast<int64_t>(sizeof(float))));
+    }
+  }
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->attn_out[l]));
   RETURN_IF_ERROR(HcBeforeFfn(L, single, S, y, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.ffn_norm.data(), S, D, c.norm_eps, x));
@@ -1056,6 +1081,113 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
         DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos));
   }
   return r;
+}
+
+bool Model::Batchable(const SequenceState& state, std::span<const int32_t> ids) const {
+  if (state.pos == 0 || ids.empty()) return false;
+  for (int32_t id : ids) {
+    if (id < 0 || id >= config_.vocab_size) return false;
+  }
+  return !(ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size()));
+}
+
+absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState* const> states,
+                                                         std::span<const vector<int32_t>> tokens,
+                                                         vector<absl::Status>& status) const {
+  const ModelConfig& c = config_;
+  const size_t B = states.size();
+  if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
+  status.assign(B, absl::OkStatus());
+  vector<ForwardResult> out(B);
+  if (B == 0) return out;
+  const int64_t D = c.dim, hc = c.hc_mult;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  const int nel = static_cast<int>(c.engram_layer_ids.size());
+  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  vector<int32_t> ids;
+  vector<int64_t> row0(B), hashes;
+  for (size_t b = 0; b < B; ++b) {
+    if (!Batchable(*states[b], tokens[b])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: sequence ", b, " cannot join a batched decode step"));
+    }
+    row0[b] = static_cast<int64_t>(ids.size());
+    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
+    if (nel > 0) {
+      const vector<int64_t> hb = EngramHashes(*states[b], tokens[b]);  // [rows, nel, per]
+      hashes.insert(hashes.end(), hb.begin(), hb.end());
+    }
+  }
+  const int64_t R = static_cast<int64_t>(ids.size());
+  Scratch ws(backend_, scratch_pool_.get());
+  float* h = nullptr;
+  float* pre = nullptr;
+  RETURN_IF_ERROR(EmbedRows(ws, ids, &h, &pre));
+  ASSIGN_OR_RETURN(float* main_hidden, ws.Filled<float>(R * nt * D, 0.f));
+  vector<Call> calls(B);
+  vector<BlockSequence> seqs(B);
+  for (size_t b = 0; b < B; ++b) {
+    Call& k = calls[b];  // what RunStage makes for a decode-mode Extend
+    k.start_pos = states[b]->pos;
+    k.rows = static_cast<int64_t>(tokens[b].size());
+    k.prefill = false;
+    k.per_row_keys = true;
+    k.published_at_start = states[b]->published_keys;
+    k.scratch = &ws;
+    seqs[b] = BlockSequence{&k, states[b], row0[b], &status[b]};
+  }
+  for (int l = 0; l < c.n_layers; ++l) {
+    const LayerRole& role = roles_[l];
+    if (role.has_engram) {
+      const int li =
+          static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
+                           c.engram_layer_ids.begin());
+      RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, R, h,
+                             /*single_token_calls=*/true));
+    }
+    if (role.is_dspark_target) {
+      const int64_t ti =
+          std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
+          c.dspark_target_layer_ids.begin();
+      RETURN_IF_ERROR(backend_.HcMean(R, h, static_cast<int>(hc), D, main_hidden + ti * D, nt * D));
+    }
+    RETURN_IF_ERROR(Block(ws, l, h, pre, std::span<BlockSequence>(seqs), R, nullptr));
+  }
+  vector<float> hh, pp, mh;
+  RETURN_IF_ERROR(ws.DownloadTo(h, R * hc * D, hh));
+  RETURN_IF_ERROR(ws.DownloadTo(pre, R * hc, pp));
+  RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, mh));
+  for (size_t b = 0; b < B; ++b) {
+    if (!status[b].ok()) continue;
+    SequenceState& state = *states[b];
+    const int64_t n = calls[b].rows, pos = state.pos;
+    if (options_.stale_index_keys) {
+      state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, calls[b]);
+    }
+    Hidden io;
+    io.rows = n;
+    io.h.assign(hh.begin() + row0[b] * hc * D, hh.begin() + (row0[b] + n) * hc * D);
+    io.pre.assign(pp.begin() + row0[b] * hc, pp.begin() + (row0[b] + n) * hc);
+    io.main_hidden.assign(mh.begin() + row0[b] * nt * D, mh.begin() + (row0[b] + n) * nt * D);
+    auto logits = Head(io, /*all_logits=*/true);
+    if (!logits.ok()) {
+      status[b] = logits.status();
+      continue;
+    }
+    ForwardResult r;
+    r.logits = std::move(*logits);
+    r.rows = n;
+    Commit(state, tokens[b], pos + n, io);
+    r.main_hidden = std::move(io.main_hidden);
+    if (c.n_mtp_layers > 0) {
+      if (absl::Status st = DSparkSeed(state, r.main_hidden.data(), n, pos); !st.ok()) {
+        status[b] = st;
+        continue;
+      }
+    }
+    out[b] = std::move(r);
+  }
+  return out;
 }
 
 bool Model::StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const {

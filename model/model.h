@@ -194,6 +194,19 @@ class Model {
                                                      std::span<const int32_t> ids, bool all_logits,
                                                      ForwardTrace* trace = nullptr,
                                                      ExtendMode mode = ExtendMode::kDecode) const;
+  // Extend (kDecode, logits of every row) of several sequences in one forward (a decode step's
+  // batch): the row-independent steps (embedding, Engram, mHC, norms, MoE) take every row of the
+  // batch at once, so the weights are read once per step; attention runs per sequence on its
+  // rows; the head per sequence. Each result is bit-identical to that sequence's own Extend.
+  // status[b] receives sequence b's own failure (its result is then empty and its state must not
+  // be used further) without failing the others; the call fails only when a step shared by the
+  // batch does (every state is then unspecified). Every sequence must be Batchable.
+  [[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> ExtendBatch(
+      std::span<SequenceState* const> states, std::span<const std::vector<int32_t>> tokens,
+      std::vector<absl::Status>& status) const;
+  // Whether Extend(state, ids) can go in an ExtendBatch: after a prefill, tokens in range, and
+  // not a multi-token step that must run row by row (a later layer's stale index keys).
+  bool Batchable(const SequenceState& state, std::span<const int32_t> ids) const;
   // Verification support: Checkpoint before an Extend of `rows` tokens; Rollback after it keeps
   // the first accepted.size() tokens (the Extend's `step` result supplies their DSpark inputs),
   // leaving the state exactly as if only they had been decoded.
@@ -314,6 +327,17 @@ class Model {
   static constexpr int64_t kIndexerScoresPerCall = int64_t{1} << 22;
   absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
                      ForwardTrace* trace) const;
+  // One sequence of a block over several (ExtendBatch): its call, its state, its first row in
+  // the batch and, when given, where its own failure goes (it then does not fail the block).
+  struct BlockSequence {
+    Call* call = nullptr;
+    SequenceState* state = nullptr;
+    int64_t row0 = 0;
+    absl::Status* status = nullptr;
+  };
+  // The block over the rows [0, rows) of several sequences (calls of one kind).
+  absl::Status Block(Scratch& outer, int l, float* h, float* pre, std::span<BlockSequence> seqs,
+                     int64_t rows, ForwardTrace* trace) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and

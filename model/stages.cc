@@ -144,25 +144,58 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
   return res;
 }
 
-absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
-    const Model& model, std::span<SequenceState* const> states,
-    std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed) {
+absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
+                                                      std::span<SequenceState* const> states,
+                                                      std::span<const std::vector<int32_t>> tokens,
+                                                      std::vector<absl::Status>* failed) {
   if (states.size() != tokens.size()) {
     return absl::InvalidArgumentError("decode step: one token list per sequence");
   }
   if (failed != nullptr) failed->assign(states.size(), absl::OkStatus());
-  std::vector<ForwardResult> out;
-  out.reserve(states.size());
+  std::vector<ForwardResult> out(states.size());
+  auto fail = [&](size_t b, const absl::Status& s) -> absl::Status {
+    absl::Status st(s.code(), absl::StrCat("sequence ", b, ": ", s.message()));
+    if (failed != nullptr) (*failed)[b] = st;
+    return st;
+  };
+  // The sequences that can share one forward (Model::Batchable: the usual decode step) go through
+  // Model::ExtendBatch, which reads the weights once for all of them; the rest one by one.
+  std::vector<size_t> batch, alone;
   for (size_t b = 0; b < states.size(); ++b) {
+    (model.Batchable(*states[b], tokens[b]) ? batch : alone).push_back(b);
+  }
+  if (batch.size() < 2) {
+    alone.insert(alone.end(), batch.begin(), batch.end());
+    batch.clear();
+  }
+  if (!batch.empty()) {
+    std::vector<SequenceState*> bs;
+    std::vector<std::vector<int32_t>> bt;
+    for (size_t b : batch) {
+      bs.push_back(states[b]);
+      bt.push_back(tokens[b]);
+    }
+    std::vector<absl::Status> status;
+    auto r = model.ExtendBatch(bs, bt, status);
+    for (size_t i = 0; i < batch.size(); ++i) {
+      const absl::Status& st = r.ok() ? status[i] : r.status();
+      if (!st.ok()) {
+        absl::Status named = fail(batch[i], st);
+        if (failed == nullptr) return named;
+        continue;
+      }
+      out[batch[i]] = std::move((*r)[i]);
+    }
+  }
+  std::sort(alone.begin(), alone.end());
+  for (size_t b : alone) {
     auto r = model.Extend(*states[b], tokens[b], /*all_logits=*/true);
     if (!r.ok()) {
-      absl::Status st(r.status().code(), absl::StrCat("sequence ", b, ": ", r.status().message()));
-      if (failed == nullptr) return st;
-      (*failed)[b] = std::move(st);
-      out.emplace_back();
+      absl::Status named = fail(b, r.status());
+      if (failed == nullptr) return named;
       continue;
     }
-    out.push_back(std::move(*r));
+    out[b] = std::move(*r);
   }
   return out;
 }

@@ -1,8 +1,11 @@
 // Model reference-forward benchmark on the golden tiny checkpoint (CPU backend).
-// Prints prefill tokens/s, decode ms/step, DSpark draft ms, and the ratio of one 5-position
-// verification step (Model::Extend) to 5 sequential decodes, measured in the same run.
+// Prints prefill tokens/s, decode ms/step, DSpark draft ms, the ratio of one 5-position
+// verification step (Model::Extend) to 5 sequential decodes, and the ratio of a decode step of 8
+// sequences in one batched forward (DecodeStep -> Model::ExtendBatch) to the same 8 sequences
+// stepped one at a time, all measured in the same run.
 // Usage: model_bench [model_dir] [--scalar]   (default: tests/data/golden/v41-tiny-a; --scalar
 // forces the scalar CPU kernels, which give the same results)
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -11,6 +14,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
 #include "model/model.h"
+#include "model/stages.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
 
@@ -87,5 +91,45 @@ int main(int argc, char** argv) {
       "verify step, 5 positions in one Extend: %.2f ms; 5 sequential decodes: %.2f ms; "
       "ratio %.2f\n",
       ext5_ms, seq5_ms, ext5_ms / seq5_ms);
+  // Decode steps of kBatch sequences: one batched forward per step vs one forward per sequence
+  // (median of 5 runs of 4 steps each).
+  constexpr int kBatch = 8, kSteps = 4, kRuns = 5;
+  auto seed_seq = model.NewSequence();
+  (void)model.Prefill(*seed_seq, prompt, false);
+  std::vector<double> batched_ms, alone_ms;
+  for (int r = 0; r < kRuns; ++r) {
+    for (int mode = 0; mode < 2; ++mode) {
+      std::vector<std::unique_ptr<SequenceState>> seqs;
+      std::vector<SequenceState*> ptrs;
+      for (int b = 0; b < kBatch; ++b) {
+        seqs.push_back(std::make_unique<SequenceState>(*seed_seq));
+        ptrs.push_back(seqs.back().get());
+      }
+      auto t0 = Clock::now();
+      for (int step = 0; step < kSteps; ++step) {
+        std::vector<std::vector<int32_t>> toks;
+        for (int b = 0; b < kBatch; ++b) toks.push_back({static_cast<int32_t>(10 + b + step)});
+        if (mode == 0) {
+          (void)DecodeStep(model, ptrs, toks);
+        } else {
+          for (int b = 0; b < kBatch; ++b) {
+            (void)DecodeStep(model, std::span<SequenceState* const>(&ptrs[b], 1),
+                             std::span<const std::vector<int32_t>>(&toks[b], 1));
+          }
+        }
+      }
+      (mode == 0 ? batched_ms : alone_ms).push_back(Ms(t0, Clock::now()) / kSteps);
+    }
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double bm = median(batched_ms), am = median(alone_ms);
+  std::printf(
+      "decode step of %d sequences: batched %.2f ms (%.0f tokens/s), one at a time %.2f ms "
+      "(%.0f tokens/s), median of %d\n",
+      kBatch, bm, kBatch / bm * 1e3, am, kBatch / am * 1e3, kRuns);
+  std::printf("model_bench ratio: %.2f\n", bm / am);
   return 0;
 }

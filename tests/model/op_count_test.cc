@@ -7,12 +7,14 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <set>
 #include <string>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "model/model.h"
+#include "model/stages.h"
 #include "tests/testing/golden_model.h"
 
 namespace epd::model {
@@ -54,6 +56,48 @@ TEST_P(OpCountTest, APrefillsCallsDoNotGrowWithItsRows) {
   // The batched indexer path is the one a prefill takes.
   EXPECT_GT(long_prompt.count("SelectTopKRows"), 0u);
   EXPECT_EQ(long_prompt.count("SelectTopK"), 0u);
+}
+
+// A decode step of several sequences is one forward (Model::ExtendBatch): the weights' ops run
+// once for the batch; only the attention (and what reads each sequence's own KV) and the head
+// run per sequence.
+std::map<std::string, int64_t> CountDecodeStep(const std::string& set, int batch) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend({.op_calls = &calls});
+  auto m = testing::LoadGoldenModel(*backend, set);
+  EXPECT_TRUE(m.ok()) << m.status();
+  if (!m.ok()) return {};
+  std::vector<std::unique_ptr<SequenceState>> seqs;
+  std::vector<SequenceState*> ptrs;
+  std::vector<std::vector<int32_t>> toks;
+  for (int b = 0; b < batch; ++b) {
+    seqs.push_back((*m)->NewSequence());
+    std::vector<int32_t> prompt(40 + 8 * b);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i % 50);
+    EXPECT_TRUE((*m)->Prefill(*seqs.back(), prompt, false).ok());
+    ptrs.push_back(seqs.back().get());
+    toks.push_back({static_cast<int32_t>(7 + b)});
+  }
+  calls.clear();
+  auto r = DecodeStep(**m, ptrs, toks);
+  EXPECT_TRUE(r.ok()) << r.status();
+  return calls;
+}
+
+TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
+  const auto one = CountDecodeStep(GetParam(), 1);
+  const auto four = CountDecodeStep(GetParam(), 4);
+  ASSERT_FALSE(one.empty());
+  for (const char* op :
+       {"MoeRoute", "MoeGroup", "GroupedLinearQuant", "SwiGlu", "SumSlots", "HcMixesSingleToken",
+        "HcPost", "Embed", "EngramGate", "EngramGateSingleToken", "Fp8RowLookup"}) {
+    const auto a = one.find(op), b = four.find(op);
+    EXPECT_EQ(a == one.end() ? 0 : a->second, b == four.end() ? 0 : b->second)
+        << op << " runs per sequence";
+  }
+  EXPECT_EQ(four.at("SparseAttention"), 4 * one.at("SparseAttention"));
+  // The head (one HcPre, norm and LinearF32 per sequence) is the per-sequence rest of the mHC.
+  EXPECT_EQ(four.at("HcPre") - one.at("HcPre"), 3);
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),

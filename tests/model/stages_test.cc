@@ -4,6 +4,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <memory>
+#include <string>
+#include <vector>
 
 #include "kernels/backend.h"
 #include "model/model.h"
@@ -152,6 +155,43 @@ TEST_P(StagesTest, DecodeStepBatchEqualsPerSequenceDecode) {
   }
   EXPECT_EQ((*out)[0].logits, want);
   EXPECT_EQ((*out)[1].logits, model_->Decode(*rb, 4)->logits);
+}
+
+// A decode step's batch shares one forward (Model::ExtendBatch). A sequence that fails inside it
+// (here its own KV pool is full, so its next compressed block cannot be allocated) fails alone,
+// with ResourceExhausted named for it; its neighbour's logits equal its own decode at every step.
+TEST_P(StagesTest, ASequenceFailingInsideABatchedStepFailsAlone) {
+  std::span<const int32_t> p(prompt_);
+  auto full = std::make_shared<KvPool>(0, model_->kv_pool().seed());
+  auto bad = model_->NewSequence(full);
+  auto good = model_->NewSequence(), ref = model_->NewSequence();
+  ASSERT_TRUE(model_->Prefill(*bad, p.subspan(0, 40), false).ok());
+  ASSERT_TRUE(model_->Prefill(*good, p.subspan(0, 90), false).ok());
+  ASSERT_TRUE(model_->Prefill(*ref, p.subspan(0, 90), false).ok());
+  full->SetCapacity(full->stats().used_bytes);  // no room for one more block
+  bool failed_once = false;
+  for (int step = 0; step < 80 && !failed_once; ++step) {
+    std::vector<SequenceState*> batch = {bad.get(), good.get()};
+    std::vector<std::vector<int32_t>> toks = {{int32_t(5 + step % 7)}, {int32_t(9 + step % 5)}};
+    std::vector<absl::Status> failed;
+    auto out = DecodeStep(*model_, batch, toks, &failed);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_TRUE(failed[1].ok()) << failed[1];
+    EXPECT_EQ((*out)[1].logits, model_->Decode(*ref, toks[1][0])->logits) << "step " << step;
+    if (!failed[0].ok()) {
+      failed_once = true;
+      EXPECT_EQ(failed[0].code(), absl::StatusCode::kResourceExhausted) << failed[0];
+      EXPECT_NE(failed[0].message().find("sequence 0"), std::string::npos) << failed[0];
+      EXPECT_TRUE((*out)[0].logits.empty());
+    }
+  }
+  EXPECT_TRUE(failed_once) << "the full pool never refused a block";
+  // The neighbour goes on alone.
+  std::vector<SequenceState*> one = {good.get()};
+  std::vector<std::vector<int32_t>> tok = {{3}};
+  auto out = DecodeStep(*model_, one, tok);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[0].logits, model_->Decode(*ref, 3)->logits);
 }
 
 }  // namespace
