@@ -1153,29 +1153,27 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState
     }
     RETURN_IF_ERROR(Block(ws, l, h, pre, std::span<BlockSequence>(seqs), R, nullptr));
   }
-  vector<float> hh, pp, mh;
-  RETURN_IF_ERROR(ws.DownloadTo(h, R * hc * D, hh));
-  RETURN_IF_ERROR(ws.DownloadTo(pre, R * hc, pp));
-  RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, mh));
+  // The head over every row at once (rows are independent), then each sequence's slices.
+  Hidden all;
+  all.rows = R;
+  RETURN_IF_ERROR(ws.DownloadTo(h, R * hc * D, all.h));
+  RETURN_IF_ERROR(ws.DownloadTo(pre, R * hc, all.pre));
+  RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
+  ASSIGN_OR_RETURN(const vector<float> logits, Head(all, /*all_logits=*/true));
+  const int64_t V = c.vocab_size;
   for (size_t b = 0; b < B; ++b) {
     if (!status[b].ok()) continue;
     SequenceState& state = *states[b];
-    const int64_t n = calls[b].rows, pos = state.pos;
+    const int64_t n = calls[b].rows, pos = state.pos, r0 = row0[b];
     if (options_.stale_index_keys) {
       state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, calls[b]);
     }
     Hidden io;
     io.rows = n;
-    io.h.assign(hh.begin() + row0[b] * hc * D, hh.begin() + (row0[b] + n) * hc * D);
-    io.pre.assign(pp.begin() + row0[b] * hc, pp.begin() + (row0[b] + n) * hc);
-    io.main_hidden.assign(mh.begin() + row0[b] * nt * D, mh.begin() + (row0[b] + n) * nt * D);
-    auto logits = Head(io, /*all_logits=*/true);
-    if (!logits.ok()) {
-      status[b] = logits.status();
-      continue;
-    }
+    io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
+                          all.main_hidden.begin() + (r0 + n) * nt * D);
     ForwardResult r;
-    r.logits = std::move(*logits);
+    r.logits.assign(logits.begin() + r0 * V, logits.begin() + (r0 + n) * V);
     r.rows = n;
     Commit(state, tokens[b], pos + n, io);
     r.main_hidden = std::move(io.main_hidden);

@@ -197,7 +197,7 @@ class Model {
   // Extend (kDecode, logits of every row) of several sequences in one forward (a decode step's
   // batch): the row-independent steps (embedding, Engram, mHC, norms, MoE) take every row of the
   // batch at once, so the weights are read once per step; attention runs per sequence on its
-  // rows; the head per sequence. Each result is bit-identical to that sequence's own Extend.
+  // rows; the head over every row. Each result is bit-identical to that sequence's own Extend.
   // status[b] receives sequence b's own failure (its result is then empty and its state must not
   // be used further) without failing the others; the call fails only when a step shared by the
   // batch does (every state is then unspecified). Every sequence must be Batchable.
