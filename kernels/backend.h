@@ -172,6 +172,19 @@ inline std::string WeightGroupProblem(const QuantWeight* const* ws, int n) {
   return {};
 }
 
+// GroupedLinearQuant's starts [n + 1] (host memory) for `rows` rows: why they cannot be (empty
+// when they can): non-decreasing, within 0 .. rows.
+inline std::string StartsProblem(const int64_t* starts, int n, int64_t rows) {
+  if (starts[0] < 0 || starts[n] > rows) {
+    return "starts run from " + std::to_string(starts[0]) + " to " + std::to_string(starts[n]) +
+           ", outside 0 to " + std::to_string(rows);
+  }
+  for (int g = 0; g < n; ++g) {
+    if (starts[g + 1] < starts[g]) return "starts decrease at group " + std::to_string(g);
+  }
+  return {};
+}
+
 // Sparse single-KV-head attention with sink (MODEL.md §3 step 8).
 struct SparseAttentionArgs {
   const float* q = nullptr;      // [rows, heads, head_dim] bf16

@@ -275,12 +275,16 @@ class CpuBackend final : public Backend {
                     int32_t* out) override {
     EPD_CHECK_OPERANDS("SelectTopK", {{"score", score}, {"out", out}});
     if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
+    SelectTopKRow(score, n, k, visible, offset, out);
+    return OkStatus();
+  }
+  static void SelectTopKRow(const float* score, int64_t n, int64_t k, int64_t visible,
+                            int64_t offset, int32_t* out) {
     std::vector<int32_t> sel = cpu::StableTopK(score, n, k);
     std::sort(sel.begin(), sel.end());
     for (int64_t j = 0; j < k; ++j) {
       out[j] = sel[j] >= visible ? -1 : static_cast<int32_t>(sel[j] + offset);
     }
-    return OkStatus();
   }
 
   Status IndexerScoresRows(const float* q, const float* w, int heads, const float* keys, int64_t n,
@@ -328,12 +332,7 @@ class CpuBackend final : public Backend {
           if (t >= mask_cols || !mr[t]) row[t] = -INFINITY;
         }
       }
-      std::vector<int32_t> sel = cpu::StableTopK(row.data(), n, k);
-      std::sort(sel.begin(), sel.end());
-      int32_t* o = out + r * k;
-      for (int64_t j = 0; j < k; ++j) {
-        o[j] = sel[j] >= visible[r] ? -1 : static_cast<int32_t>(sel[j] + offset);
-      }
+      SelectTopKRow(row.data(), n, k, visible[r], offset, out + r * k);
     }
     return OkStatus();
   }
@@ -497,14 +496,8 @@ class CpuBackend final : public Backend {
     if (rows < 0 || n_groups < 0) return Bad("GroupedLinearQuant", "negative shape");
     if (std::string why = WeightGroupProblem(ws, n_groups); !why.empty())
       return Bad("GroupedLinearQuant", why);
-    if (starts[0] < 0 || starts[n_groups] > rows) {
-      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", starts[0], " to ",
-                                                    starts[n_groups], ", outside 0 to ", rows));
-    }
-    for (int g = 0; g < n_groups; ++g) {
-      if (starts[g + 1] < starts[g])
-        return Bad("GroupedLinearQuant", absl::StrCat("starts decrease at group ", g));
-    }
+    if (std::string why = StartsProblem(starts, n_groups, rows); !why.empty())
+      return Bad("GroupedLinearQuant", why);
     ScopedScalarKernels s(!options_.simd);
     for (int g = 0; g < n_groups; ++g) {
       const QuantWeight& w = *ws[g];

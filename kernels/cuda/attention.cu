@@ -15,7 +15,7 @@ using torch_math::TorchExp;
 using torch_math::TorchSum;
 
 constexpr int kAttnThreads = 128;
-constexpr int kChunkLen = 64;                      // the reference's chunk of list entries
+constexpr int kChunkLen = 64;  // the reference's chunk of list entries
 
 __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t) {
   return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
@@ -121,13 +121,10 @@ __global__ void CompressPoolKernel(const float* kv_all, const float* score_all, 
   out[ch] = RoundBf16(acc);
 }
 
-// ops.cc IndexerScores: one thread per key; each head's dot an fp32 sum in index order, heads in
-// order.
-__global__ void IndexerScoresKernel(const float* q, const float* w, int heads, const float* keys,
-                                    int64_t n, int64_t dim, float* score) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= n) return;
-  const float* kt = keys + t * dim;
+// ops.cc IndexerScores of one key kt against q [heads, dim], w [heads]: each head's dot an fp32
+// sum in index order, heads in order.
+__device__ __forceinline__ float IndexerScoreOfKey(const float* q, const float* w, int heads,
+                                                   const float* kt, int64_t dim) {
   float acc = 0.f;
   for (int h = 0; h < heads; ++h) {
     const float* qh = q + h * dim;
@@ -136,10 +133,18 @@ __global__ void IndexerScoresKernel(const float* q, const float* w, int heads, c
     const float s = StdMax(RoundBf16(d), 0.f);
     acc += RoundBf16(s * w[h]);
   }
-  score[t] = RoundBf16(acc);
+  return RoundBf16(acc);
 }
 
-// cpu_backend.cc IndexerScoresRows: IndexerScoresKernel's thread for key t of row blockIdx.y,
+// ops.cc IndexerScores: one thread per key.
+__global__ void IndexerScoresKernel(const float* q, const float* w, int heads, const float* keys,
+                                    int64_t n, int64_t dim, float* score) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  score[t] = IndexerScoreOfKey(q, w, heads, keys + t * dim, dim);
+}
+
+// cpu_backend.cc IndexerScoresRows: IndexerScoresKernel's score of key t for row blockIdx.y,
 // -inf past the row's valid keys.
 __global__ void IndexerScoresRowsKernel(const float* q, const float* w, int heads,
                                         const float* keys, int64_t n, int64_t dim,
@@ -152,18 +157,7 @@ __global__ void IndexerScoresRowsKernel(const float* q, const float* w, int head
     sr[t] = -INFINITY;
     return;
   }
-  const float* qr = q + r * heads * dim;
-  const float* wr = w + r * heads;
-  const float* kt = keys + t * dim;
-  float acc = 0.f;
-  for (int h = 0; h < heads; ++h) {
-    const float* qh = qr + h * dim;
-    float d = 0.f;
-    for (int64_t e = 0; e < dim; ++e) d += qh[e] * kt[e];
-    const float s = StdMax(RoundBf16(d), 0.f);
-    acc += RoundBf16(s * wr[h]);
-  }
-  sr[t] = RoundBf16(acc);
+  sr[t] = IndexerScoreOfKey(q + r * heads * dim, w + r * heads, heads, keys + t * dim, dim);
 }
 
 // cpu_backend.cc MaskScores.

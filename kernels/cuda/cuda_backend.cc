@@ -581,13 +581,10 @@ class CudaBackend final : public Backend {
                              cudaMemcpyAsync(at.data(), starts, at.size() * sizeof(int64_t),
                                              cudaMemcpyDeviceToHost, streams_[0]));
     EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
-    if (at[0] < 0 || at[n_groups] > rows) {
-      return Bad("GroupedLinearQuant", absl::StrCat("starts run from ", at[0], " to ", at[n_groups],
-                                                    ", outside 0 to ", rows));
-    }
+    if (std::string why = StartsProblem(at.data(), n_groups, rows); !why.empty())
+      return Bad("GroupedLinearQuant", why);
     for (int g = 0; g < n_groups; ++g) {
       const int64_t n = at[g + 1] - at[g];
-      if (n < 0) return Bad("GroupedLinearQuant", absl::StrCat("starts decrease at group ", g));
       const QuantWeight& w = *ws[g];
       if (Status st = LinearQuant(x + at[g] * w.in, n, w, y + at[g] * w.out); !st.ok()) return st;
     }

@@ -22,35 +22,22 @@ using codec::IsNan;
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
-size_t CubBytes64(int64_t n) {
+// CUB's temporary storage for a radix sort of n keys of type Key.
+template <typename Key>
+size_t CubBytes(int64_t n) {
   size_t bytes = 0;
-  cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const uint64_t*>(nullptr),
-                                 static_cast<uint64_t*>(nullptr), static_cast<int>(n));
+  cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const Key*>(nullptr),
+                                 static_cast<Key*>(nullptr), static_cast<int>(n));
   return bytes;
 }
-size_t CubBytes32(int64_t n) {
+// The same for a segmented sort of `items` keys in `segments` segments (int offsets).
+template <typename Key>
+size_t CubSegmentedBytes(int64_t items, int64_t segments) {
   size_t bytes = 0;
-  cub::DeviceRadixSort::SortKeys(nullptr, bytes, static_cast<const uint32_t*>(nullptr),
-                                 static_cast<uint32_t*>(nullptr), static_cast<int>(n));
-  return bytes;
-}
-
-size_t CubSegmentedBytes64(int64_t items, int64_t segments) {
-  size_t bytes = 0;
-  cub::DeviceSegmentedRadixSort::SortKeys(nullptr, bytes, static_cast<const uint64_t*>(nullptr),
-                                          static_cast<uint64_t*>(nullptr), static_cast<int>(items),
-                                          static_cast<int>(segments),
-                                          static_cast<const int*>(nullptr),
-                                          static_cast<const int*>(nullptr));
-  return bytes;
-}
-size_t CubSegmentedBytes32(int64_t items, int64_t segments) {
-  size_t bytes = 0;
-  cub::DeviceSegmentedRadixSort::SortKeys(nullptr, bytes, static_cast<const uint32_t*>(nullptr),
-                                          static_cast<uint32_t*>(nullptr), static_cast<int>(items),
-                                          static_cast<int>(segments),
-                                          static_cast<const int*>(nullptr),
-                                          static_cast<const int*>(nullptr));
+  cub::DeviceSegmentedRadixSort::SortKeys(
+      nullptr, bytes, static_cast<const Key*>(nullptr), static_cast<Key*>(nullptr),
+      static_cast<int>(items), static_cast<int>(segments), static_cast<const int*>(nullptr),
+      static_cast<const int*>(nullptr));
   return bytes;
 }
 
@@ -65,7 +52,7 @@ struct TopKLayout {
     sel_in = 2 * k64;
     sel_out = sel_in + k32;
     temp = sel_out + k32;
-    const size_t a = CubBytes64(n), b = CubBytes32(n);
+    const size_t a = CubBytes<uint64_t>(n), b = CubBytes<uint32_t>(n);
     temp_bytes = AlignUp(a > b ? a : b);
     total = temp + temp_bytes;
   }
@@ -93,7 +80,8 @@ struct RowsTopKLayout {
     off_n = sel_out + s32;
     off_k = off_n + off;
     temp = off_k + off;
-    const size_t a = CubSegmentedBytes64(rows * n, rows), b = CubSegmentedBytes32(rows * k, rows);
+    const size_t a = CubSegmentedBytes<uint64_t>(rows * n, rows),
+                 b = CubSegmentedBytes<uint32_t>(rows * k, rows);
     temp_bytes = AlignUp(a > b ? a : b);
     total = temp + temp_bytes;
   }
@@ -139,7 +127,7 @@ cudaError_t SortTopKRows(const float* v, int64_t rows, int64_t n, const uint8_t*
   auto* off = reinterpret_cast<int*>(scratch + l.off_n);
   SegmentOffsetsKernel<<<GridFor(rows + 1), kThreads, 0, stream>>>(rows, n, off);
   TopKKeysRowsKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(v, rows, n, mask, mask_cols,
-                                                                  keys_in);
+                                                                 keys_in);
   cudaError_t rc = cudaGetLastError();
   if (rc != cudaSuccess) return rc;
   size_t temp_bytes = l.temp_bytes;
@@ -490,8 +478,8 @@ cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64
   if (scratch_bytes < head + l.total) return cudaErrorInvalidValue;
   auto* bscore = static_cast<float*>(scratch);
   auto* base = static_cast<uint8_t*>(scratch) + head;
-  BlockScoresRowsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(score, rows, n, block,
-                                                                      visible, bscore, nb);
+  BlockScoresRowsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(score, rows, n, block, visible,
+                                                                     bscore, nb);
   cudaError_t rc = cudaGetLastError();
   if (rc != cudaSuccess) return rc;
   rc = cudaMemsetAsync(mask, 0, static_cast<size_t>(rows * n), stream);
@@ -534,8 +522,8 @@ cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t 
       static_cast<int>(rows * k), static_cast<int>(rows), static_cast<const int*>(off_k),
       static_cast<const int*>(off_k + 1), 0, 32, stream);
   if (rc != cudaSuccess) return rc;
-  SelectOutRowsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(sel_out, rows, k, visible,
-                                                                   offset, out);
+  SelectOutRowsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(sel_out, rows, k, visible, offset,
+                                                                  out);
   return cudaGetLastError();
 }
 
@@ -566,7 +554,7 @@ cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows,
                      int64_t* slot_rows, float* entry_weights, cudaStream_t stream) {
   const int lists = n_experts + n_shared;
   MoeCountKernel<<<static_cast<unsigned>(n_experts), kThreads, 0, stream>>>(experts, rows, top_k,
-                                                                              starts);
+                                                                            starts);
   MoeStartsKernel<<<1, 1, 0, stream>>>(rows, n_experts, n_shared, starts);
   if (rows > 0) {
     MoeFillKernel<<<static_cast<unsigned>(lists), kThreads, 0, stream>>>(

@@ -396,20 +396,37 @@ PARITY_CASE(Copy) {
 }
 
 // ---- Linears ----
-void LinearQuantShape(Env& env, int64_t rows, int64_t out, int64_t in, WeightFormat fmt) {
+// A released-layout LinearQuant weight's shape (FP8: 32x32 blocks; FP4: 1x32), no bytes.
+QuantWeight QuantShape(int64_t out, int64_t in, WeightFormat fmt) {
   QuantWeight shape;
   shape.out = out;
   shape.in = in;
   shape.format = fmt;
   shape.block_rows = fmt == WeightFormat::kFp8E4M3 ? 32 : 1;
   shape.block_cols = 32;
-  const auto codes =
-      fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in) : Bytes(env.rng, out * in / 2);
-  const auto scales = Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
-  // Activations of mixed magnitudes (per-32 scales differ between blocks).
-  auto x = Bf16(env.rng, rows * in);
-  for (int64_t i = 0; i < rows * in; ++i)
-    x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+  return shape;
+}
+// Random codes for `shape` (no FP8 NaN codes).
+std::vector<uint8_t> RandomCodes(std::mt19937& rng, const QuantWeight& shape) {
+  return shape.format == WeightFormat::kFp8E4M3 ? Fp8Codes(rng, shape.out * shape.in)
+                                                : Bytes(rng, shape.out * shape.in / 2);
+}
+// Random E8M0 scales near 1 for `shape`.
+std::vector<uint8_t> RandomScales(std::mt19937& rng, const QuantWeight& shape) {
+  return Bytes(rng, shape.scale_rows() * shape.scale_cols(), 118, 130);
+}
+// Activations of mixed magnitudes (per-32 scales differ between blocks).
+std::vector<float> MixedActivations(std::mt19937& rng, int64_t n) {
+  auto x = Bf16(rng, n);
+  for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+  return x;
+}
+
+void LinearQuantShape(Env& env, int64_t rows, int64_t out, int64_t in, WeightFormat fmt) {
+  const QuantWeight shape = QuantShape(out, in, fmt);
+  const auto codes = RandomCodes(env.rng, shape);
+  const auto scales = RandomScales(env.rng, shape);
+  const auto x = MixedActivations(env.rng, rows * in);
   // The decoded form of the same weight.
   QuantWeight dec;
   dec.out = out;
@@ -1075,21 +1092,13 @@ PARITY_CASE(GroupedLinearQuant) {
        {std::tuple<int64_t, int64_t, WeightFormat>{72, 96, WeightFormat::kFp8E4M3},
         {40, 64, WeightFormat::kFp4E2M1},
         {33, 80, WeightFormat::kFp8E4M3}}) {
-    QuantWeight shape;
-    shape.out = out;
-    shape.in = in;
-    shape.format = fmt;
-    shape.block_rows = fmt == WeightFormat::kFp8E4M3 ? 32 : 1;
-    shape.block_cols = 32;
+    const QuantWeight shape = QuantShape(out, in, fmt);
     std::vector<std::vector<uint8_t>> codes, scales;
     for (int g = 0; g < n_groups; ++g) {
-      codes.push_back(fmt == WeightFormat::kFp8E4M3 ? Fp8Codes(env.rng, out * in)
-                                                    : Bytes(env.rng, out * in / 2));
-      scales.push_back(Bytes(env.rng, shape.scale_rows() * shape.scale_cols(), 118, 130));
+      codes.push_back(RandomCodes(env.rng, shape));
+      scales.push_back(RandomScales(env.rng, shape));
     }
-    auto x = Bf16(env.rng, rows * in);
-    for (int64_t i = 0; i < rows * in; ++i)
-      x[i] = RoundBf16(x[i] * std::ldexp(1.f, (i / 32) % 7 - 3));
+    const auto x = MixedActivations(env.rng, rows * in);
     std::vector<std::vector<float>> grouped, single;
     for (Side* s : {&env.ref, &env.cand}) {
       std::vector<QuantWeight> w;

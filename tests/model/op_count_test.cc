@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -22,20 +23,33 @@ namespace {
 
 class OpCountTest : public ::testing::TestWithParam<std::string> {};
 
-std::map<std::string, int64_t> CountPrefill(const std::string& set, int64_t rows) {
+// The backend calls `measured` makes on a golden model, after `setup` (whose calls, like the
+// loading's, are not counted).
+std::map<std::string, int64_t> CountOps(const std::string& set,
+                                        const std::function<void(Model&)>& setup,
+                                        const std::function<void(Model&)>& measured) {
   std::map<std::string, int64_t> calls;
   auto backend = kernels::MakeCpuBackend({.op_calls = &calls});
   auto m = testing::LoadGoldenModel(*backend, set);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
-  const int64_t vocab = (*m)->config().vocab_size;
-  std::vector<int32_t> ids(rows);
-  for (int64_t i = 0; i < rows; ++i) ids[i] = static_cast<int32_t>((i * 7 + 3) % vocab);
-  calls.clear();  // loading's uploads and ops are not the forward's
-  auto seq = (*m)->NewSequence();
-  auto r = (*m)->Prefill(*seq, ids, /*all_logits=*/false);
-  EXPECT_TRUE(r.ok()) << r.status();
+  setup(**m);
+  calls.clear();
+  measured(**m);
   return calls;
+}
+
+std::map<std::string, int64_t> CountPrefill(const std::string& set, int64_t rows) {
+  return CountOps(
+      set, [](Model&) {},
+      [&](Model& m) {
+        const int64_t vocab = m.config().vocab_size;
+        std::vector<int32_t> ids(rows);
+        for (int64_t i = 0; i < rows; ++i) ids[i] = static_cast<int32_t>((i * 7 + 3) % vocab);
+        auto seq = m.NewSequence();
+        auto r = m.Prefill(*seq, ids, /*all_logits=*/false);
+        EXPECT_TRUE(r.ok()) << r.status();
+      });
 }
 
 TEST_P(OpCountTest, APrefillsCallsDoNotGrowWithItsRows) {
@@ -62,26 +76,27 @@ TEST_P(OpCountTest, APrefillsCallsDoNotGrowWithItsRows) {
 // the head run once for the batch; only the attention (and what reads each sequence's own KV)
 // runs per sequence.
 std::map<std::string, int64_t> CountDecodeStep(const std::string& set, int batch) {
-  std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend({.op_calls = &calls});
-  auto m = testing::LoadGoldenModel(*backend, set);
-  EXPECT_TRUE(m.ok()) << m.status();
-  if (!m.ok()) return {};
   std::vector<std::unique_ptr<SequenceState>> seqs;
   std::vector<SequenceState*> ptrs;
   std::vector<std::vector<int32_t>> toks;
-  for (int b = 0; b < batch; ++b) {
-    seqs.push_back((*m)->NewSequence());
-    std::vector<int32_t> prompt(40 + 8 * b);
-    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i % 50);
-    EXPECT_TRUE((*m)->Prefill(*seqs.back(), prompt, false).ok());
-    ptrs.push_back(seqs.back().get());
-    toks.push_back({static_cast<int32_t>(7 + b)});
-  }
-  calls.clear();
-  auto r = DecodeStep(**m, ptrs, toks);
-  EXPECT_TRUE(r.ok()) << r.status();
-  return calls;
+  return CountOps(
+      set,
+      [&](Model& m) {
+        for (int b = 0; b < batch; ++b) {
+          seqs.push_back(m.NewSequence());
+          std::vector<int32_t> prompt(40 + 8 * b);
+          for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i % 50);
+          EXPECT_TRUE(m.Prefill(*seqs.back(), prompt, false).ok());
+          ptrs.push_back(seqs.back().get());
+          toks.push_back({static_cast<int32_t>(7 + b)});
+        }
+      },
+      [&](Model& m) {
+        auto r = DecodeStep(m, ptrs, toks);
+        EXPECT_TRUE(r.ok()) << r.status();
+        ptrs.clear();
+        seqs.clear();  // the sequences go before their model
+      });
 }
 
 TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
