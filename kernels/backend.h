@@ -34,6 +34,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "kernels/row_codec.h"
 
 namespace epd::kernels {
 
@@ -181,6 +182,22 @@ inline std::string StartsProblem(const int64_t* starts, int n, int64_t rows) {
   }
   for (int g = 0; g < n; ++g) {
     if (starts[g + 1] < starts[g]) return "starts decrease at group " + std::to_string(g);
+  }
+  return {};
+}
+
+// Bytes of one row of `codec` (kernels/row_codec.h) at `dim`.
+inline int64_t RowCodecBytes(RowCodec codec, int64_t dim) {
+  return row_codec::RowBytes(codec, dim);
+}
+// Why rows of `dim` cannot be in `codec` (empty when they can): the block of the codec's scales
+// must divide dim.
+inline std::string RowCodecProblem(RowCodec codec, int64_t dim) {
+  if (dim <= 0) return "dim " + std::to_string(dim) + " is not positive";
+  const int64_t block = row_codec::Block(codec);
+  if (dim % block != 0) {
+    return "dim " + std::to_string(dim) + " is not a multiple of the codec's block of " +
+           std::to_string(block);
   }
   return {};
 }
@@ -398,6 +415,23 @@ class Backend {
   virtual absl::Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
                              int hc, float* h) = 0;
 
+  // ---- Paged packed rows (the KV pool's blocks) ----
+  // A paged stream's row r lives at pages[r / rows_per_page] + (r % rows_per_page) *
+  // RowCodecBytes(codec, dim); `pages` (an array in backend memory) holds page addresses in
+  // backend memory. `rows` [n] (backend memory) lists the rows an op touches; null means rows
+  // first .. first + n - 1.
+  // PackRows: row rows[i] = codec(x[i, :]) for i < n, x [n, dim]. The codec quantizes (values
+  // the codec holds exactly, as the model writes, are stored exactly). Each row is listed at
+  // most once.
+  virtual absl::Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim,
+                                uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
+                                int64_t first) = 0;
+  // UnpackRows: out[i, :] = the values of row rows[i] (bf16-exact for the packed codecs, as
+  // kernels/format.h's Unpack*), out [n, dim]. Exact.
+  virtual absl::Status UnpackRows(RowCodec codec, const uint8_t* const* pages,
+                                  int64_t rows_per_page, int64_t dim, const int32_t* rows,
+                                  int64_t first, int64_t n, float* out) = 0;
+
   // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
   enum class Qdq {
@@ -454,6 +488,8 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Fp8RowLookup",
     "EngramGate",
     "Embed",
+    "PackRows",
+    "UnpackRows",
     "QuantDequant",
     "Argmax",
     "HcMixesSingleToken",

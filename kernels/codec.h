@@ -97,6 +97,18 @@ EPD_HD float RoundE4M3(float x) {
   return (F32Bits(x) & 0x80000000u) ? -r : r;
 }
 
+// The E4M3 code of x (format::EncodeE4M3: RNE, |x| >= 448 -> ±448, NaN -> 0x7f), from the
+// bits of RoundE4M3(x).
+EPD_HD uint8_t EncodeE4M3(float x) {
+  if (IsNan(x)) return 0x7f;
+  const float r = RoundE4M3(x);
+  const uint8_t sign = (F32Bits(r) & 0x80000000u) ? 0x80 : 0x00;
+  const float a = Abs(r);
+  if (a < 0x1p-6f) return sign | static_cast<uint8_t>(a * 512.f);  // subnormal (or zero)
+  const uint32_t u = F32Bits(a);
+  return sign | static_cast<uint8_t>(((((u >> 23) & 0xffu) - 120u) << 3) | ((u >> 20) & 7u));
+}
+
 // ---- E8M0 ----
 EPD_HD float DecodeE8M0(uint8_t code) {
   if (code == 255) return BitsF32(0x7fc00000u);
@@ -111,6 +123,10 @@ EPD_HD float Pow2Ceil(float v) {
   exp = exp < 1 ? 1 : (exp > 254 ? 254 : exp);
   return BitsF32(static_cast<uint32_t>(exp) << 23);
 }
+
+// The E8M0 code of a normal power of two p (format::EncodeE8M0 on Pow2Ceil's outputs): its
+// exponent field.
+EPD_HD uint8_t EncodeE8M0Pow2(float p) { return static_cast<uint8_t>((F32Bits(p) >> 23) & 0xffu); }
 
 // ---- E2M1 ----
 // Round to nearest with ties to the even code; |x| > 6 saturates.

@@ -644,6 +644,70 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
 
+  // ---- Paged packed rows ----
+  Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
+                  int64_t rows_per_page, const int32_t* rows, int64_t first) override {
+    EPD_CHECK_OPERANDS("PackRows", {{"x", x}, {"pages", pages}, {"rows", rows}});
+    if (Status s = PagedProblem("PackRows", codec, n, dim, pages, rows_per_page, rows, first);
+        !s.ok()) {
+      return s;
+    }
+    const int64_t rb = RowCodecBytes(codec, dim);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      uint8_t* d = pages[r / rows_per_page] + (r % rows_per_page) * rb;
+      const float* row = x + i * dim;
+      switch (codec) {
+        case RowCodec::kKvEntry:
+          format::PackKvEntry(row, dim, d);
+          break;
+        case RowCodec::kIndexKey:
+          format::PackIndexKey(row, dim, d);
+          break;
+        case RowCodec::kSwaSlot:
+          format::PackSwaSlot(row, dim, d);
+          break;
+        case RowCodec::kF32:
+          std::memcpy(d, row, static_cast<size_t>(rb));
+          break;
+      }
+    }
+    return OkStatus();
+  }
+  Status UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page, int64_t dim,
+                    const int32_t* rows, int64_t first, int64_t n, float* out) override {
+    EPD_CHECK_OPERANDS("UnpackRows", {{"pages", pages}, {"rows", rows}, {"out", out}});
+    if (Status s = PagedProblem("UnpackRows", codec, n, dim, pages, rows_per_page, rows, first);
+        !s.ok()) {
+      return s;
+    }
+    const int64_t rb = RowCodecBytes(codec, dim);
+    for (int64_t i = 0; i < n;) {
+      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      // A run of consecutive rows within one page in one go (the common case: a range).
+      int64_t take = 1;
+      if (rows == nullptr) take = std::min(n - i, rows_per_page - r % rows_per_page);
+      const uint8_t* src = pages[r / rows_per_page] + (r % rows_per_page) * rb;
+      float* o = out + i * dim;
+      switch (codec) {
+        case RowCodec::kKvEntry:
+          for (int64_t j = 0; j < take; ++j) format::UnpackKvEntry(src + j * rb, dim, o + j * dim);
+          break;
+        case RowCodec::kIndexKey:
+          for (int64_t j = 0; j < take; ++j) format::UnpackIndexKey(src + j * rb, dim, o + j * dim);
+          break;
+        case RowCodec::kSwaSlot:
+          for (int64_t j = 0; j < take; ++j) format::UnpackSwaSlot(src + j * rb, dim, o + j * dim);
+          break;
+        case RowCodec::kF32:
+          std::memcpy(o, src, static_cast<size_t>(take * rb));
+          break;
+      }
+      i += take;
+    }
+    return OkStatus();
+  }
+
   Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     EPD_CHECK_OPERANDS("Argmax", {{"x", x}, {"out", out}});
     if (n <= 0) return Bad("Argmax", "empty rows");
@@ -655,6 +719,26 @@ class CpuBackend final : public Backend {
   }
 
  private:
+  // PackRows / UnpackRows argument checks; with check_operands, also every page a listed row
+  // lies in (the page addresses the table holds).
+  Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
+                      const uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
+                      int64_t first) {
+    if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
+    if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
+    if (rows == nullptr && first < 0) return Bad(op, absl::StrCat("first row ", first));
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      if (r < 0) return Bad(op, absl::StrCat("negative row ", r, " at ", i));
+      const uint8_t* page = pages[r / rows_per_page];
+      if (page == nullptr) return Bad(op, absl::StrCat("row ", r, " is on a null page"));
+      if (allocations_ != nullptr && !allocations_->Contains(page)) {
+        return absl::InternalError(absl::StrCat("cpu backend: ", op, ": the page of row ", r,
+                                                " is not memory of this backend"));
+      }
+    }
+    return OkStatus();
+  }
   Status CheckOperands(const char* op,
                        std::initializer_list<std::pair<const char*, const void*>> operands) {
     if (options_.op_calls != nullptr) ++(*options_.op_calls)[op];

@@ -532,6 +532,24 @@ class CudaBackend final : public Backend {
     return Run("Embed", [&] { return cuda::Embed(table, dim, ids, rows, hc, h, streams_[0]); });
   }
 
+  // ---- Paged packed rows ----
+  Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
+                  int64_t rows_per_page, const int32_t* rows, int64_t first) override {
+    if (Status s = PagedProblem("PackRows", codec, n, dim, rows_per_page, rows, first); !s.ok())
+      return s;
+    return Run("PackRows", [&] {
+      return cuda::PackRows(codec, x, n, dim, pages, rows_per_page, rows, first, streams_[0]);
+    });
+  }
+  Status UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page, int64_t dim,
+                    const int32_t* rows, int64_t first, int64_t n, float* out) override {
+    if (Status s = PagedProblem("UnpackRows", codec, n, dim, rows_per_page, rows, first); !s.ok())
+      return s;
+    return Run("UnpackRows", [&] {
+      return cuda::UnpackRows(codec, pages, rows_per_page, dim, rows, first, n, out, streams_[0]);
+    });
+  }
+
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
     const int k = kind == Qdq::kFp8Window ? 0 : (kind == Qdq::kFp4Index ? 1 : 2);
     return Run("QuantDequant", [&] { return cuda::QuantDequant(k, x, rows, dim, streams_[0]); });
@@ -543,6 +561,15 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // The checks the CPU reference makes that need no device read (a listed row's value and its
+  // page are device memory: a negative row is skipped by the kernels, never written outside).
+  static Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
+                             int64_t rows_per_page, const int32_t* rows, int64_t first) {
+    if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
+    if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
+    if (rows == nullptr && first < 0) return Bad(op, absl::StrCat("first row ", first));
+    return OkStatus();
+  }
   static constexpr int64_t kMaxGridY = 65535;            // a kernel's grid.y (one row per y)
   static constexpr int64_t kMaxTopK = int64_t{1} << 30;  // CUB's int item count, 32-bit indices
   static constexpr int64_t kMaxGemmRows = int64_t{65535} * 16;  // grid.y limit x the row tile

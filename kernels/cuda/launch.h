@@ -13,6 +13,8 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/row_codec.h"
+
 namespace epd::kernels::cuda {
 
 // ---- Linears (linear.cu) ----
@@ -158,5 +160,14 @@ cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows,
                      int top_k, int n_shared, int64_t* starts, int64_t* src_rows,
                      int64_t* slot_rows, float* entry_weights, cudaStream_t stream);
 cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream);
+
+// ---- Paged packed rows (kv_rows.cu) ----
+// Backend::PackRows / UnpackRows (the arguments checked by the backend).
+cudaError_t PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
+                     int64_t rows_per_page, const int32_t* rows, int64_t first,
+                     cudaStream_t stream);
+cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
+                       int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out,
+                       cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda

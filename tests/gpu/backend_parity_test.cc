@@ -1285,6 +1285,124 @@ PARITY_CASE(Embed) {
   Compare(env, res[0], res[1], Tol::Exact(), "embed");
 }
 
+// ---- Paged packed rows ----
+// The codecs with the dims the cases use (each a multiple of its block).
+struct PagedCodec {
+  RowCodec codec;
+  int64_t dim;
+  const char* name;
+};
+constexpr PagedCodec kPagedCodecs[] = {{RowCodec::kKvEntry, 64, "kv entry"},
+                                       {RowCodec::kIndexKey, 64, "index key"},
+                                       {RowCodec::kSwaSlot, 96, "swa slot"},
+                                       {RowCodec::kF32, 10, "f32"}};
+constexpr int64_t kPages = 4, kRowsPerPage = 3;
+
+// kPages pages of `page_bytes` on side `s` (the given bytes each) and their table.
+uint8_t* const* PagesOn(Side& s, const std::vector<std::vector<uint8_t>>& bytes,
+                        std::vector<uint8_t*>& pages) {
+  pages.clear();
+  for (const auto& b : bytes) pages.push_back(s.In(b));
+  return s.In(pages);
+}
+
+PARITY_CASE(PackRows) {
+  // Tolerance: exact (the packed bytes). Rows at every magnitude (the scale floors, saturation,
+  // zeros, FP4/FP8 ties), in a scattered row list and as a range over page boundaries.
+  for (const PagedCodec& pc : kPagedCodecs) {
+    const int64_t rb = RowCodecBytes(pc.codec, pc.dim), n = 5;
+    std::vector<float> x = Normal(env.rng, n * pc.dim);
+    const float mags[] = {1e-7f, 1.f, 3e3f, 0.f, 6.f};
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t d = 0; d < pc.dim; ++d) x[i * pc.dim + d] *= mags[i];
+    }
+    for (int64_t d = 0; d < pc.dim; d += 3) x[4 * pc.dim + d] = 0.25f * static_cast<float>(d % 7);
+    const std::vector<int32_t> list = {7, 0, 11, 4, 5};
+    for (int mode = 0; mode < 2; ++mode) {
+      std::vector<std::vector<uint8_t>> res;
+      for (Side* s : {&env.ref, &env.cand}) {
+        std::vector<uint8_t*> pages;
+        uint8_t* const* table = PagesOn(*s,
+                                        std::vector<std::vector<uint8_t>>(
+                                            kPages, std::vector<uint8_t>(kRowsPerPage * rb, 0x5a)),
+                                        pages);
+        EXPECT_OP_OK(*s, s->b().PackRows(pc.codec, s->In(x), n, pc.dim, table, kRowsPerPage,
+                                         mode == 0 ? s->In(list) : nullptr, 2));
+        std::vector<uint8_t> all;
+        for (uint8_t* page : pages) {
+          auto b = s->Read(page, kRowsPerPage * rb);
+          all.insert(all.end(), b.begin(), b.end());
+        }
+        res.push_back(all);
+        if (pc.codec != RowCodec::kF32) {
+          EXPECT_EQ(
+              s->b().PackRows(pc.codec, s->In(x), 1, 8, table, kRowsPerPage, nullptr, 0).code(),
+              absl::StatusCode::kInvalidArgument)
+              << s->name() << ": dim 8 is not a whole scale block";
+        }
+      }
+      CompareExact(res[0], res[1], std::string(pc.name) + (mode == 0 ? " (list)" : " (range)"));
+    }
+  }
+}
+
+PARITY_CASE(UnpackRows) {
+  // Tolerance: exact (codes x scales, bf16). Pages of valid codes (no NaN scales), read through a
+  // scattered list with a repeated row and as a range over page boundaries.
+  for (const PagedCodec& pc : kPagedCodecs) {
+    const int64_t rb = RowCodecBytes(pc.codec, pc.dim);
+    std::vector<std::vector<uint8_t>> bytes(kPages);
+    for (auto& page : bytes) {
+      for (int64_t r = 0; r < kRowsPerPage; ++r) {
+        std::vector<uint8_t> row;
+        switch (pc.codec) {
+          case RowCodec::kKvEntry: {
+            row = Bytes(env.rng, pc.dim / 2);
+            auto sc = Fp8Codes(env.rng, pc.dim / 16);
+            for (auto& c : sc) c &= 0x7f;  // positive scales
+            row.insert(row.end(), sc.begin(), sc.end());
+            break;
+          }
+          case RowCodec::kIndexKey: {
+            row = Bytes(env.rng, pc.dim / 2);
+            auto sc = Bytes(env.rng, pc.dim / 32, 100, 150);
+            row.insert(row.end(), sc.begin(), sc.end());
+            break;
+          }
+          case RowCodec::kSwaSlot: {
+            row = Fp8Codes(env.rng, pc.dim);
+            auto sc = Bytes(env.rng, pc.dim / 32, 100, 150);
+            row.insert(row.end(), sc.begin(), sc.end());
+            break;
+          }
+          case RowCodec::kF32: {
+            auto v = Normal(env.rng, pc.dim);
+            row.resize(rb);
+            std::memcpy(row.data(), v.data(), static_cast<size_t>(rb));
+            break;
+          }
+        }
+        page.insert(page.end(), row.begin(), row.end());
+      }
+    }
+    const std::vector<int32_t> list = {11, 0, 4, 4, 7, 2};
+    const int64_t n = static_cast<int64_t>(list.size());
+    for (int mode = 0; mode < 2; ++mode) {
+      std::vector<std::vector<float>> res;
+      for (Side* s : {&env.ref, &env.cand}) {
+        std::vector<uint8_t*> pages;
+        uint8_t* const* table = PagesOn(*s, bytes, pages);
+        float* out = s->Out<float>(n * pc.dim);
+        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table, kRowsPerPage, pc.dim,
+                                           mode == 0 ? s->In(list) : nullptr, 1, n, out));
+        res.push_back(s->Read(out, n * pc.dim));
+      }
+      Compare(env, res[0], res[1], Tol::Exact(),
+              std::string(pc.name) + (mode == 0 ? " (list)" : " (range)"));
+    }
+  }
+}
+
 PARITY_CASE(QuantDequant) {
   // Tolerance: exact (codecs and scales from the fp32 bits).
   using Q = Backend::Qdq;

@@ -1,6 +1,7 @@
 // The codecs shared by the host and the CUDA kernels (kernels/codec.h) against the host
 // reference definitions of kernels/format.cc: every E4M3/E8M0/E2M1 code, and RoundE4M3 /
-// Pow2Ceil / EncodeE2M1 / bf16 rounding on boundary and random fp32 values.
+// Pow2Ceil / EncodeE2M1 / EncodeE4M3 / EncodeE8M0 (of Pow2Ceil's powers) / bf16 rounding on
+// boundary and random fp32 values.
 #include "kernels/codec.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <random>
 
 #include "kernels/format.h"
+#include "kernels/row_codec.h"
 
 namespace epd::kernels {
 namespace {
@@ -50,11 +52,13 @@ TEST(CodecTest, RoundingAndEncodingMatchTheHostReference) {
   for (float x : xs) {
     EXPECT_TRUE(Same(codec::RoundE4M3(x), format::RoundE4M3Reference(x))) << x;
     EXPECT_EQ(codec::EncodeE2M1(x), format::EncodeE2M1(x)) << x;
+    EXPECT_EQ(codec::EncodeE4M3(x), format::EncodeE4M3(x)) << x;
     const float ax = std::fabs(x);
     if (std::isfinite(ax) && ax > 0) {
       EXPECT_TRUE(Same(codec::Pow2Ceil(ax), format::Pow2Ceil(ax))) << x;
       const float p = codec::Pow2Ceil(ax);
       EXPECT_GE(p, std::fmin(ax, 0x1p127f)) << x;
+      EXPECT_EQ(codec::EncodeE8M0Pow2(p), format::EncodeE8M0(p)) << x;
     }
     // bf16: RNE of the top 16 bits, NaN stays NaN.
     const float r = codec::RoundBf16(x);
@@ -73,6 +77,66 @@ TEST(CodecTest, RoundingAndEncodingMatchTheHostReference) {
       EXPECT_EQ(Bits(r), want) << x;
     }
   }
+}
+
+// The row codecs the CUDA kernels run (kernels/row_codec.h, block by block and element by element)
+// give the bytes of format.cc's Pack* and the values of its Unpack* (its SIMD paths included), on
+// rows at every magnitude: the scale floors, saturation, zeros, ties, NaN and infinities.
+TEST(CodecTest, RowCodecsMatchTheHostPackedFormats) {
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  const float mags[] = {0.f, 1e-30f, 1e-7f, 1e-3f, 1.f, 6.f, 448.f, 3e4f, 1e38f};
+  for (RowCodec codec : {RowCodec::kKvEntry, RowCodec::kIndexKey, RowCodec::kSwaSlot}) {
+    const int64_t dim = 128, rb = row_codec::RowBytes(codec, dim), block = row_codec::Block(codec);
+    for (int trial = 0; trial < 400; ++trial) {
+      std::vector<float> x(dim);
+      const float mag = mags[trial % 9];
+      for (float& v : x) v = nd(rng) * mag;
+      if (trial % 5 == 0) {
+        for (int64_t d = 0; d < dim; d += 4) x[d] = 0.25f * static_cast<float>(d % 13) * mag;
+      }
+      if (trial == 7) x[3] = NAN;
+      if (trial == 8) x[40] = INFINITY;
+      std::vector<uint8_t> want(rb), got(rb, 0xa5);
+      switch (codec) {
+        case RowCodec::kKvEntry:
+          format::PackKvEntry(x.data(), dim, want.data());
+          break;
+        case RowCodec::kIndexKey:
+          format::PackIndexKey(x.data(), dim, want.data());
+          break;
+        default:
+          format::PackSwaSlot(x.data(), dim, want.data());
+          break;
+      }
+      for (int64_t b = 0; b < dim / block; ++b)
+        row_codec::PackBlock(codec, x.data(), dim, b, got.data());
+      ASSERT_EQ(got, want) << "codec " << static_cast<int>(codec) << " trial " << trial;
+      std::vector<float> unpacked(dim);
+      switch (codec) {
+        case RowCodec::kKvEntry:
+          format::UnpackKvEntry(want.data(), dim, unpacked.data());
+          break;
+        case RowCodec::kIndexKey:
+          format::UnpackIndexKey(want.data(), dim, unpacked.data());
+          break;
+        default:
+          format::UnpackSwaSlot(want.data(), dim, unpacked.data());
+          break;
+      }
+      for (int64_t d = 0; d < dim; ++d) {
+        ASSERT_TRUE(Same(row_codec::UnpackElement(codec, want.data(), dim, d), unpacked[d]))
+            << "codec " << static_cast<int>(codec) << " trial " << trial << " element " << d;
+      }
+    }
+  }
+  // kF32: the bytes as they are.
+  const float v[2] = {1.5f, -0.f};
+  uint8_t bytes[8];
+  row_codec::PackBlock(RowCodec::kF32, v, 2, 0, bytes);
+  row_codec::PackBlock(RowCodec::kF32, v, 2, 1, bytes);
+  EXPECT_EQ(std::memcmp(bytes, v, 8), 0);
+  EXPECT_TRUE(Same(row_codec::UnpackElement(RowCodec::kF32, bytes, 2, 1), -0.f));
 }
 
 }  // namespace

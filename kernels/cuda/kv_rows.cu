@@ -1,0 +1,67 @@
+// The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend. One thread
+// packs one scale block and one thread unpacks one element, through kernels/row_codec.h (the
+// arithmetic of kernels/format.cc's PackKvEntry / PackIndexKey / PackSwaSlot and their Unpack
+// functions, checked against them on the host in tests/kernels/codec_test.cc), so the bytes and
+// values are bit-identical to the CPU backend's.
+#include "kernels/cuda/common.cuh"
+#include "kernels/cuda/launch.h"
+#include "kernels/row_codec.h"
+
+namespace epd::kernels::cuda {
+namespace {
+
+__device__ __forceinline__ int64_t Tid() {
+  return static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+}
+
+// One thread per (row i, scale block b). A negative listed row is refused by the CPU reference;
+// here it is skipped (never written outside the pages).
+__global__ void PackRowsKernel(RowCodec codec, const float* x, int64_t n, int64_t dim,
+                               uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
+                               int64_t first) {
+  const int64_t nb = dim / row_codec::Block(codec);
+  const int64_t t = Tid();
+  if (t >= n * nb) return;
+  const int64_t i = t / nb, b = t % nb;
+  const int64_t r = rows != nullptr ? rows[i] : first + i;
+  if (r < 0) return;
+  uint8_t* out = pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
+  row_codec::PackBlock(codec, x + i * dim, dim, b, out);
+}
+
+// One thread per element (i, d).
+__global__ void UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
+                                 int64_t dim, const int32_t* rows, int64_t first, int64_t n,
+                                 float* out) {
+  const int64_t e = Tid();
+  if (e >= n * dim) return;
+  const int64_t i = e / dim, d = e % dim;
+  const int64_t r = rows != nullptr ? rows[i] : first + i;
+  if (r < 0) return;
+  const uint8_t* in =
+      pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
+  out[e] = row_codec::UnpackElement(codec, in, dim, d);
+}
+
+}  // namespace
+
+cudaError_t PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
+                     int64_t rows_per_page, const int32_t* rows, int64_t first,
+                     cudaStream_t stream) {
+  const int64_t threads = n * (dim / row_codec::Block(codec));
+  if (threads <= 0) return cudaSuccess;
+  PackRowsKernel<<<GridFor(threads), kThreads, 0, stream>>>(codec, x, n, dim, pages, rows_per_page,
+                                                            rows, first);
+  return cudaGetLastError();
+}
+
+cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
+                       int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out,
+                       cudaStream_t stream) {
+  if (n * dim <= 0) return cudaSuccess;
+  UnpackRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(codec, pages, rows_per_page, dim,
+                                                              rows, first, n, out);
+  return cudaGetLastError();
+}
+
+}  // namespace epd::kernels::cuda
