@@ -418,19 +418,27 @@ class Backend {
   // ---- Paged packed rows (the KV pool's blocks) ----
   // A paged stream's row r lives at pages[r / rows_per_page] + (r % rows_per_page) *
   // RowCodecBytes(codec, dim); `pages` (an array in backend memory) holds page addresses in
-  // backend memory. `rows` [n] (backend memory) lists the rows an op touches; null means rows
-  // first .. first + n - 1.
-  // PackRows: row rows[i] = codec(x[i, :]) for i < n, x [n, dim]. The codec quantizes (values
-  // the codec holds exactly, as the model writes, are stored exactly). Each row is listed at
-  // most once.
+  // backend memory. The i-th row an op touches is rows[i] + first, `rows` [n] a list in backend
+  // memory, or first + i when rows is null.
+  // PackRows: that row = codec(x[i, :]) for i < n, x [n, dim]. The codec quantizes (values the
+  // codec holds exactly, as the model writes, are stored exactly). Each row is listed at most
+  // once; a negative row is an error.
   virtual absl::Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim,
                                 uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
                                 int64_t first) = 0;
-  // UnpackRows: out[i, :] = the values of row rows[i] (bf16-exact for the packed codecs, as
-  // kernels/format.h's Unpack*), out [n, dim]. Exact.
+  // UnpackRows: out[i, :] = the values of that row (bf16-exact for the packed codecs, as
+  // kernels/format.h's Unpack*), out [n, dim]; a negative row (a top-k's -1 with an offset)
+  // leaves out[i, :] as it is. Exact.
   virtual absl::Status UnpackRows(RowCodec codec, const uint8_t* const* pages,
                                   int64_t rows_per_page, int64_t dim, const int32_t* rows,
                                   int64_t first, int64_t n, float* out) = 0;
+
+  // The top-k part of a call's attention lists, built on the backend (a decode call's lists then
+  // need no round trip through the host): list[r * list_len + offset + j] = -1 when
+  // topk[r * k + j] < 0, else base + r * k + j (the row of UnpackRows(topk, first = -key offset)
+  // that gathers each slot's entry), for r < rows, j < k; other entries are untouched. Exact.
+  virtual absl::Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base,
+                                 int32_t* list, int64_t list_len, int64_t offset) = 0;
 
   // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
@@ -490,6 +498,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Embed",
     "PackRows",
     "UnpackRows",
+    "TopKSlots",
     "QuantDequant",
     "Argmax",
     "HcMixesSingleToken",
@@ -512,9 +521,9 @@ struct CpuBackendOptions {
   // addresses only; a decoded QuantWeight (host values) is not checked. Never set in a serving
   // process (each op then takes a lock per operand).
   bool check_operands = false;
-  // Test seam (tests/model/op_count_test.cc): when set, every op call adds one to
-  // (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant does
-  // per weight, counts once per check). Not thread-safe: one thread at a time.
+  // Test seam (tests/model/op_count_test.cc): when set, every op call, Upload and Download adds
+  // one to (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant
+  // does per weight, counts once per check). Not thread-safe: one thread at a time.
   std::map<std::string, int64_t>* op_calls = nullptr;
 };
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});

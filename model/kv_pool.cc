@@ -11,6 +11,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/format.h"
 
 namespace epd::model {
@@ -26,18 +27,79 @@ uint64_t BlockHash(uint64_t seed, uint64_t stream, uint64_t prev, const uint8_t*
 
 }  // namespace
 
+void AbortUnlessOk(const absl::Status& s, const char* what) {
+  if (s.ok()) return;
+  std::fprintf(stderr, "kv pool: %s: %s\n", what, std::string(s.message()).c_str());
+  std::abort();
+}
+
 // ---------------------------------------------------------------- KvPool
 
-KvPool::KvPool(int64_t capacity_bytes, uint64_t seed, kernels::Backend* backend,
-               int64_t slab_bytes)
+KvPool::KvPool(int64_t capacity_bytes, uint64_t seed, kernels::Backend* backend, int64_t slab_bytes)
     : seed_(seed),
       backend_(backend),
       slab_bytes_(std::max<int64_t>(1, slab_bytes)),
       capacity_(std::max<int64_t>(0, capacity_bytes)) {
-  if (backend_ == nullptr || backend_->memory_kind() != kernels::MemoryKind::kHost) {
+  if (backend_ == nullptr) {
     own_backend_ = kernels::MakeCpuBackend();
     backend_ = own_backend_.get();
   }
+  host_memory_ = backend_->memory_kind() == kernels::MemoryKind::kHost;
+}
+
+kernels::Buffer& KvPool::BufferOf(int32_t id, int64_t* offset) const {
+  std::lock_guard<std::mutex> l(mu_);
+  const Slot& s = slots_[id];
+  // A referenced block's slab stays (Trim frees only slabs with no block): the reference is
+  // good after the lock goes.
+  auto& rec = const_cast<SlabRec&>(slabs_.at(s.slab));
+  *offset = s.mem - rec.buffer.as<uint8_t>();
+  return rec.buffer;
+}
+
+absl::Status KvPool::Write(const Block& b, int64_t offset, const void* src, int64_t bytes) {
+  if (bytes <= 0) return absl::OkStatus();
+  if (host_memory_) {
+    std::memcpy(b.data + offset, src, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  int64_t at = 0;
+  kernels::Buffer& buf = BufferOf(b.id, &at);
+  return backend_->Upload(src, bytes, buf, at + offset);
+}
+
+absl::Status KvPool::Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const {
+  if (bytes <= 0) return absl::OkStatus();
+  if (host_memory_) {
+    std::memcpy(dst, b.data + offset, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  int64_t at = 0;
+  const kernels::Buffer& buf = BufferOf(b.id, &at);
+  return backend_->Download(buf, at + offset, bytes, dst);
+}
+
+absl::Status KvPool::CopyBlock(const Block& dst, const Block& src, int64_t bytes) {
+  if (host_memory_) {
+    std::memcpy(dst.data, src.data, static_cast<size_t>(bytes));
+    return absl::OkStatus();
+  }
+  return backend_->Copy(dst.data, src.data, bytes);
+}
+
+absl::StatusOr<const void*> KvPool::Zeros(int64_t bytes) {
+  std::lock_guard<std::mutex> l(mu_);
+  if (zeros_.bytes() < bytes) {
+    ASSIGN_OR_RETURN(kernels::Buffer buf, backend_->Allocate(bytes));
+    const std::vector<uint8_t> zero(static_cast<size_t>(bytes), 0);
+    if (host_memory_) {
+      std::memcpy(buf.data(), zero.data(), zero.size());
+    } else {
+      RETURN_IF_ERROR(backend_->Upload(zero.data(), bytes, buf));
+    }
+    zeros_ = std::move(buf);
+  }
+  return static_cast<const void*>(zeros_.data());
 }
 
 KvPool::~KvPool() {
@@ -272,14 +334,29 @@ bool KvPool::sealed(int32_t id) const {
   return slots_[id].sealed;
 }
 
-KvPool::Block KvPool::Seal(Block b, uint64_t hash) {
+KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes) {
   std::lock_guard<std::mutex> l(mu_);
   Slot& mine = slots_[b.id];
   auto it = by_hash_.find(hash);
   if (it != by_hash_.end() && it->second != b.id) {
     Slot& other = slots_[it->second];
+    // The other block's bytes: in place on a host pool, else downloaded (under the lock: the
+    // block cannot go meanwhile; a hash hit is a shared prefix, not every seal).
+    const uint8_t* theirs = other.mem;
+    std::vector<uint8_t> copy;
+    if (!host_memory_ && other.bytes == mine.bytes) {
+      copy.resize(static_cast<size_t>(other.bytes));
+      SlabRec& rec = slabs_.at(other.slab);
+      if (!backend_
+               ->Download(rec.buffer, other.mem - rec.buffer.as<uint8_t>(), other.bytes,
+                          copy.data())
+               .ok()) {
+        return b;  // unreadable: keep ours unshared
+      }
+      theirs = copy.data();
+    }
     if (other.bytes == mine.bytes &&
-        std::memcmp(other.mem, mine.mem, static_cast<size_t>(mine.bytes)) == 0) {
+        std::memcmp(theirs, bytes, static_cast<size_t>(mine.bytes)) == 0) {
       const Block shared{it->second, other.mem};
       ++stats_.shared_hits;
       RefLocked(shared.id);
@@ -386,8 +463,12 @@ KvRows& KvRows::operator=(KvRows&& o) noexcept {
   rows_ = std::exchange(o.rows_, 0);
   blocks_ = std::move(o.blocks_);
   hashes_ = std::move(o.hashes_);
+  pages_ = std::move(o.pages_);
+  table_ = std::move(o.table_);
+  table_valid_ = std::exchange(o.table_valid_, 0);
   o.blocks_.clear();
   o.hashes_.clear();
+  o.pages_.clear();
   return *this;
 }
 
@@ -397,7 +478,20 @@ void KvRows::ReleaseAll() {
   for (const KvPool::Block& b : blocks_) pool_->Unref(b.id);
   blocks_.clear();
   hashes_.clear();
+  table_valid_ = 0;
   rows_ = 0;
+}
+
+kernels::RowCodec KvRows::codec() const {
+  switch (format_) {
+    case KvRowFormat::kPackedKv:
+      return kernels::RowCodec::kKvEntry;
+    case KvRowFormat::kPackedKey:
+      return kernels::RowCodec::kIndexKey;
+    case KvRowFormat::kF32:
+      break;
+  }
+  return kernels::RowCodec::kF32;
 }
 
 absl::Status KvRows::Writable(size_t b) {
@@ -413,68 +507,122 @@ absl::Status KvRows::Writable(size_t b) {
   if (!pool_->TryExclusive(cur.id)) {  // shared: copy on write
     KvPool::Block nb;
     if (absl::Status s = pool_->Allocate(rows_per_block_ * row_bytes_, &nb); !s.ok()) return s;
-    std::memcpy(nb.data, cur.data, static_cast<size_t>(rows_per_block_ * row_bytes_));
+    if (absl::Status s = pool_->CopyBlock(nb, cur, rows_per_block_ * row_bytes_); !s.ok()) {
+      pool_->Unref(nb.id);
+      return s;
+    }
     pool_->Unref(cur.id);
     cur = nb;
+    Invalidate(b);
   }
   hashes_[b] = 0;
   return absl::OkStatus();
 }
 
-void KvRows::SealBlock(size_t b) {
-  hashes_[b] =
-      BlockHash(pool_->seed(), stream_, PrevHash(b), blocks_[b].data, rows_per_block_ * row_bytes_);
-  blocks_[b] = pool_->Seal(blocks_[b], hashes_[b]);
+absl::Status KvRows::SealBlock(size_t b) {
+  const int64_t bytes = rows_per_block_ * row_bytes_;
+  std::vector<uint8_t> copy;
+  const uint8_t* content = blocks_[b].data;
+  if (!pool_->host_memory()) {  // the hash is taken on the host
+    copy.resize(static_cast<size_t>(bytes));
+    RETURN_IF_ERROR(pool_->Read(blocks_[b], 0, bytes, copy.data()));
+    content = copy.data();
+  }
+  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), content, bytes);
+  const KvPool::Block sealed = pool_->Seal(blocks_[b], hashes_[b], content);
+  if (sealed.id != blocks_[b].id) {
+    blocks_[b] = sealed;
+    Invalidate(b);
+  }
+  return absl::OkStatus();
 }
 
-absl::Status KvRows::Append(const float* x, int64_t n) {
+absl::StatusOr<uint8_t* const*> KvRows::Pages() const {
+  if (pages_.size() != blocks_.size()) pages_.resize(blocks_.size());
+  for (size_t b = table_valid_; b < blocks_.size(); ++b) pages_[b] = blocks_[b].data;
+  if (pool_->host_memory()) {
+    table_valid_ = blocks_.size();
+    return pages_.data();
+  }
+  kernels::Backend& be = pool_->backend();
+  const auto need = static_cast<int64_t>(std::max<size_t>(1, blocks_.size()) * sizeof(uint8_t*));
+  if (table_.bytes() < need) {  // grows by doubling; the new table is uploaded whole
+    ASSIGN_OR_RETURN(table_, be.Allocate(std::max(need, 2 * table_.bytes())));
+    table_valid_ = 0;
+    for (size_t b = 0; b < blocks_.size(); ++b) pages_[b] = blocks_[b].data;
+  }
+  if (table_valid_ < blocks_.size()) {
+    const auto from = static_cast<int64_t>(table_valid_ * sizeof(uint8_t*));
+    RETURN_IF_ERROR(be.Upload(
+        pages_.data() + table_valid_,
+        static_cast<int64_t>((blocks_.size() - table_valid_) * sizeof(uint8_t*)), table_, from));
+    table_valid_ = blocks_.size();
+  }
+  return static_cast<uint8_t* const*>(table_.data());
+}
+
+absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
   const int64_t start = rows_;
-  for (int64_t i = 0; i < n;) {
-    const size_t b = static_cast<size_t>(rows_ / rows_per_block_);
+  // Every block the rows touch, allocated or made exclusive first: a failure appends nothing.
+  const auto first_block = static_cast<size_t>(rows_ / rows_per_block_);
+  const auto last_block = static_cast<size_t>((rows_ + n - 1) / rows_per_block_);
+  for (size_t b = first_block; b <= last_block; ++b) {
     if (absl::Status s = Writable(b); !s.ok()) {
       Truncate(start);
       return s;
     }
-    const int64_t slot = rows_ % rows_per_block_;
-    const int64_t take = std::min(n - i, rows_per_block_ - slot);
-    uint8_t* dst = blocks_[b].data + slot * row_bytes_;
-    for (int64_t j = 0; j < take; ++j) {
-      const float* row = x + (i + j) * dim_;
-      uint8_t* d = dst + j * row_bytes_;
-      switch (format_) {
-        case KvRowFormat::kPackedKv:
-          kf::PackKvEntry(row, dim_, d);
-          break;
-        case KvRowFormat::kPackedKey:
-          kf::PackIndexKey(row, dim_, d);
-          break;
-        case KvRowFormat::kF32:
-          std::memcpy(d, row, static_cast<size_t>(row_bytes_));
-          break;
-      }
+  }
+  absl::StatusOr<uint8_t* const*> pages = Pages();
+  absl::Status st = pages.status();
+  if (st.ok()) {
+    st = pool_->backend().PackRows(codec(), x, n, dim_, *pages, rows_per_block_, nullptr, rows_);
+  }
+  if (!st.ok()) {
+    Truncate(start);
+    return st;
+  }
+  rows_ += n;
+  for (size_t b = first_block; b <= last_block; ++b) {
+    if (static_cast<int64_t>(b + 1) * rows_per_block_ > rows_) break;
+    if (absl::Status s = SealBlock(b); !s.ok()) {
+      Truncate(start);
+      return s;
     }
-    rows_ += take;
-    i += take;
-    if (slot + take == rows_per_block_) SealBlock(b);
   }
   return absl::OkStatus();
+}
+
+absl::Status KvRows::Append(const float* x, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
+  if (pool_ != nullptr && !pool_->host_memory()) {  // staged into the backend's memory
+    kernels::Backend& be = pool_->backend();
+    ASSIGN_OR_RETURN(kernels::Buffer buf, be.Allocate(n * dim_ * 4));
+    RETURN_IF_ERROR(be.Upload(x, n * dim_ * 4, buf));
+    return AppendFrom(buf.as<float>(), n);
+  }
+  return AppendFrom(x, n);
 }
 
 absl::Status KvRows::AppendPacked(const uint8_t* bytes, int64_t n) {
   const int64_t start = rows_;
   for (int64_t i = 0; i < n;) {
     const size_t b = static_cast<size_t>(rows_ / rows_per_block_);
-    if (absl::Status s = Writable(b); !s.ok()) {
+    absl::Status s = Writable(b);
+    const int64_t slot = rows_ % rows_per_block_;
+    const int64_t take = std::min(n - i, rows_per_block_ - slot);
+    if (s.ok()) {
+      s = pool_->Write(blocks_[b], slot * row_bytes_, bytes + i * row_bytes_, take * row_bytes_);
+    }
+    if (s.ok()) {
+      rows_ += take;
+      i += take;
+      if (slot + take == rows_per_block_) s = SealBlock(b);
+    }
+    if (!s.ok()) {
       Truncate(start);
       return s;
     }
-    const int64_t slot = rows_ % rows_per_block_;
-    const int64_t take = std::min(n - i, rows_per_block_ - slot);
-    std::memcpy(blocks_[b].data + slot * row_bytes_, bytes + i * row_bytes_,
-                static_cast<size_t>(take * row_bytes_));
-    rows_ += take;
-    i += take;
-    if (slot + take == rows_per_block_) SealBlock(b);
   }
   return absl::OkStatus();
 }
@@ -487,62 +635,81 @@ void KvRows::Truncate(int64_t n) {
     blocks_.pop_back();
     hashes_.pop_back();
   }
+  Invalidate(blocks_.size());
   rows_ = n;
 }
 
-void KvRows::Unpack(int64_t first, int64_t n, float* out) const {
-  for (int64_t r = first; r < first + n;) {
-    const int64_t slot = r % rows_per_block_;
-    const int64_t take = std::min(first + n - r, rows_per_block_ - slot);
-    const uint8_t* src = blocks_[r / rows_per_block_].data + slot * row_bytes_;
-    float* o = out + (r - first) * dim_;
-    switch (format_) {
-      case KvRowFormat::kPackedKv:
-        for (int64_t j = 0; j < take; ++j)
-          kf::UnpackKvEntry(src + j * row_bytes_, dim_, o + j * dim_);
-        break;
-      case KvRowFormat::kPackedKey:
-        for (int64_t j = 0; j < take; ++j)
-          kf::UnpackIndexKey(src + j * row_bytes_, dim_, o + j * dim_);
-        break;
-      case KvRowFormat::kF32:
-        std::memcpy(o, src, static_cast<size_t>(take * row_bytes_));
-        break;
-    }
-    r += take;
+absl::Status KvRows::UnpackTo(int64_t first, int64_t n, float* out) const {
+  if (n <= 0) return absl::OkStatus();
+  // Rows inside the blocks held (a block's rows past rows() are its unwritten tail).
+  const int64_t held = static_cast<int64_t>(blocks_.size()) * rows_per_block_;
+  if (first < 0 || first + n > held) {
+    return absl::OutOfRangeError(
+        absl::StrCat("kv rows: rows ", first, "..", first + n, " of ", held, " in the blocks"));
   }
+  ASSIGN_OR_RETURN(uint8_t* const* pages, Pages());
+  return pool_->backend().UnpackRows(codec(), pages, rows_per_block_, dim_, nullptr, first, n, out);
+}
+
+absl::Status KvRows::GatherTo(const int32_t* idx, int64_t n, float* out, int64_t offset) const {
+  if (n <= 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(uint8_t* const* pages, Pages());
+  return pool_->backend().UnpackRows(codec(), pages, rows_per_block_, dim_, idx, offset, n, out);
+}
+
+void KvRows::Unpack(int64_t first, int64_t n, float* out) const {
+  if (n <= 0) return;
+  if (pool_->host_memory()) return AbortUnlessOk(UnpackTo(first, n, out), "unpack");
+  kernels::Backend& be = pool_->backend();
+  absl::StatusOr<kernels::Buffer> buf = be.Allocate(n * dim_ * 4);
+  AbortUnlessOk(buf.status(), "unpack");
+  AbortUnlessOk(UnpackTo(first, n, buf->as<float>()), "unpack");
+  AbortUnlessOk(be.Download(*buf, 0, n * dim_ * 4, out), "unpack");
 }
 
 void KvRows::Gather(const int32_t* idx, int64_t n, float* out) const {
-  for (int64_t i = 0; i < n; ++i) Unpack(idx[i], 1, out + i * dim_);
+  if (n <= 0) return;
+  if (pool_->host_memory()) return AbortUnlessOk(GatherTo(idx, n, out), "gather");
+  kernels::Backend& be = pool_->backend();
+  absl::StatusOr<kernels::Buffer> ids = be.Allocate(n * 4);
+  absl::StatusOr<kernels::Buffer> buf = be.Allocate(n * dim_ * 4);
+  AbortUnlessOk(ids.status(), "gather");
+  AbortUnlessOk(buf.status(), "gather");
+  AbortUnlessOk(be.Upload(idx, n * 4, *ids), "gather");
+  AbortUnlessOk(GatherTo(ids->as<int32_t>(), n, buf->as<float>()), "gather");
+  AbortUnlessOk(be.Download(*buf, 0, n * dim_ * 4, out), "gather");
 }
 
-void KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
-                        KvRowFormat packed_format) const {
+absl::Status KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
+                                KvRowFormat packed_format) const {
   if (format_ != KvRowFormat::kF32) {
     for (int64_t r = first; r < first + n;) {
       const int64_t slot = r % rows_per_block_;
       const int64_t take = std::min(first + n - r, rows_per_block_ - slot);
-      const uint8_t* src = blocks_[r / rows_per_block_].data + slot * row_bytes_;
-      out.insert(out.end(), src, src + take * row_bytes_);
+      const size_t at = out.size();
+      out.resize(at + static_cast<size_t>(take * row_bytes_));
+      RETURN_IF_ERROR(pool_->Read(blocks_[static_cast<size_t>(r / rows_per_block_)],
+                                  slot * row_bytes_, take * row_bytes_, out.data() + at));
       r += take;
     }
-    return;
+    return absl::OkStatus();
   }
   const int64_t pb = KvRowBytes(packed_format, dim_);
   const size_t at = out.size();
   out.resize(at + static_cast<size_t>(n * pb));
-  std::vector<float> row(dim_);
+  std::vector<float> rows(static_cast<size_t>(n * dim_));
+  Unpack(first, n, rows.data());
   for (int64_t r = 0; r < n; ++r) {
-    Unpack(first + r, 1, row.data());
+    const float* row = rows.data() + r * dim_;
     if (packed_format == KvRowFormat::kPackedKv) {
-      kf::PackKvEntry(row.data(), dim_, out.data() + at + r * pb);
+      kf::PackKvEntry(row, dim_, out.data() + at + r * pb);
     } else if (packed_format == KvRowFormat::kPackedKey) {
-      kf::PackIndexKey(row.data(), dim_, out.data() + at + r * pb);
+      kf::PackIndexKey(row, dim_, out.data() + at + r * pb);
     } else {
-      std::memcpy(out.data() + at + r * pb, row.data(), static_cast<size_t>(pb));
+      std::memcpy(out.data() + at + r * pb, row, static_cast<size_t>(pb));
     }
   }
+  return absl::OkStatus();
 }
 
 void KvRows::resize(size_t floats) {
@@ -603,6 +770,8 @@ SwaRing& SwaRing::operator=(SwaRing&& o) noexcept {
   dim_ = o.dim_;
   slot_bytes_ = o.slot_bytes_;
   block_ = std::exchange(o.block_, KvPool::Block{});
+  table_ = std::move(o.table_);
+  table_ok_ = std::exchange(o.table_ok_, false);
   return *this;
 }
 
@@ -611,6 +780,7 @@ SwaRing::~SwaRing() { Release(); }
 void SwaRing::Release() {
   if (allocated()) pool_->Unref(block_.id);
   block_ = KvPool::Block{};
+  table_ok_ = false;
 }
 
 void SwaRing::FillZero(uint8_t* slots, int64_t n) const {
@@ -633,45 +803,93 @@ absl::Status SwaRing::Writable() {
   if (pool_ == nullptr) return absl::FailedPreconditionError("swa ring: no pool");
   if (!allocated()) {
     KvPool::Block nb;
-    if (absl::Status s = pool_->Allocate(ring_bytes(), &nb); !s.ok()) return s;
-    FillZero(nb.data, window_);
+    RETURN_IF_ERROR(pool_->Allocate(ring_bytes(), &nb));
+    std::vector<uint8_t> zero(static_cast<size_t>(ring_bytes()));
+    FillZero(zero.data(), window_);
+    if (absl::Status s = pool_->Write(nb, 0, zero.data(), ring_bytes()); !s.ok()) {
+      pool_->Unref(nb.id);
+      return s;
+    }
     block_ = nb;
+    table_ok_ = false;
     return absl::OkStatus();
   }
   if (!pool_->TryExclusive(block_.id)) {  // shared: copy on write
     KvPool::Block nb;
-    if (absl::Status s = pool_->Allocate(ring_bytes(), &nb); !s.ok()) return s;
-    std::memcpy(nb.data, block_.data, static_cast<size_t>(ring_bytes()));
+    RETURN_IF_ERROR(pool_->Allocate(ring_bytes(), &nb));
+    if (absl::Status s = pool_->CopyBlock(nb, block_, ring_bytes()); !s.ok()) {
+      pool_->Unref(nb.id);
+      return s;
+    }
     pool_->Unref(block_.id);
     block_ = nb;
+    table_ok_ = false;
   }
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint8_t* const*> SwaRing::Page() const {
+  page_ = block_.data;
+  if (pool_->host_memory()) return &page_;
+  if (!table_ok_) {
+    kernels::Backend& be = pool_->backend();
+    if (table_.empty()) {
+      ASSIGN_OR_RETURN(table_, be.Allocate(static_cast<int64_t>(sizeof(uint8_t*))));
+    }
+    RETURN_IF_ERROR(be.Upload(&page_, static_cast<int64_t>(sizeof(uint8_t*)), table_));
+    table_ok_ = true;
+  }
+  return static_cast<uint8_t* const*>(table_.data());
+}
+
 absl::Status SwaRing::WriteSlot(int64_t slot, const float* x) {
-  if (absl::Status s = Writable(); !s.ok()) return s;
-  kf::PackSwaSlot(x, dim_, block_.data + slot * slot_bytes_);
-  return absl::OkStatus();
+  RETURN_IF_ERROR(Writable());
+  std::vector<uint8_t> packed(static_cast<size_t>(slot_bytes_));
+  kf::PackSwaSlot(x, dim_, packed.data());
+  return pool_->Write(block_, slot * slot_bytes_, packed.data(), slot_bytes_);
 }
 
 absl::Status SwaRing::WritePositions(int64_t first_pos, int64_t n, const float* x) {
   if (n <= 0) return absl::OkStatus();
-  if (absl::Status s = Writable(); !s.ok()) return s;
-  for (int64_t i = std::max<int64_t>(0, n - window_); i < n; ++i)
-    kf::PackSwaSlot(x + i * dim_, dim_, block_.data + ((first_pos + i) % window_) * slot_bytes_);
+  RETURN_IF_ERROR(Writable());
+  if (pool_->host_memory()) {
+    for (int64_t i = std::max<int64_t>(0, n - window_); i < n; ++i)
+      kf::PackSwaSlot(x + i * dim_, dim_, block_.data + ((first_pos + i) % window_) * slot_bytes_);
+    return absl::OkStatus();
+  }
+  kernels::Backend& be = pool_->backend();
+  const int64_t i0 = std::max<int64_t>(0, n - window_);
+  ASSIGN_OR_RETURN(kernels::Buffer buf, be.Allocate((n - i0) * dim_ * 4));
+  RETURN_IF_ERROR(be.Upload(x + i0 * dim_, (n - i0) * dim_ * 4, buf));
+  return WritePositionsFrom(first_pos + i0, n - i0, buf.as<float>());
+}
+
+absl::Status SwaRing::WritePositionsFrom(int64_t first_pos, int64_t n, const float* x) {
+  if (n <= 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Writable());
+  ASSIGN_OR_RETURN(uint8_t* const* page, Page());
+  // The last `window` rows, in at most two runs of consecutive slots (the ring wraps once).
+  const int64_t i0 = std::max<int64_t>(0, n - window_);
+  const int64_t s0 = (first_pos + i0) % window_;
+  const int64_t run = std::min(n - i0, window_ - s0);
+  kernels::Backend& be = pool_->backend();
+  const kernels::RowCodec codec = kernels::RowCodec::kSwaSlot;
+  RETURN_IF_ERROR(be.PackRows(codec, x + i0 * dim_, run, dim_, page, window_, nullptr, s0));
+  if (i0 + run < n) {
+    RETURN_IF_ERROR(
+        be.PackRows(codec, x + (i0 + run) * dim_, n - i0 - run, dim_, page, window_, nullptr, 0));
+  }
   return absl::OkStatus();
 }
 
 absl::Status SwaRing::WriteSlotPacked(int64_t slot, const uint8_t* bytes) {
-  if (absl::Status s = Writable(); !s.ok()) return s;
-  std::memcpy(block_.data + slot * slot_bytes_, bytes, static_cast<size_t>(slot_bytes_));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(Writable());
+  return pool_->Write(block_, slot * slot_bytes_, bytes, slot_bytes_);
 }
 
 absl::Status SwaRing::WritePacked(const uint8_t* bytes) {
-  if (absl::Status s = Writable(); !s.ok()) return s;
-  std::memcpy(block_.data, bytes, static_cast<size_t>(ring_bytes()));
-  return absl::OkStatus();
+  RETURN_IF_ERROR(Writable());
+  return pool_->Write(block_, 0, bytes, ring_bytes());
 }
 
 void SwaRing::Clear() { Release(); }
@@ -681,7 +899,9 @@ void SwaRing::ReadSlot(int64_t slot, float* out) const {
     std::fill_n(out, dim_, 0.f);
     return;
   }
-  kf::UnpackSwaSlot(block_.data + slot * slot_bytes_, dim_, out);
+  std::vector<uint8_t> packed(static_cast<size_t>(slot_bytes_));
+  AbortUnlessOk(pool_->Read(block_, slot * slot_bytes_, slot_bytes_, packed.data()), "read slot");
+  kf::UnpackSwaSlot(packed.data(), dim_, out);
 }
 
 void SwaRing::ReadWindow(float* out) const {
@@ -689,27 +909,44 @@ void SwaRing::ReadWindow(float* out) const {
     std::fill_n(out, window_ * dim_, 0.f);
     return;
   }
+  const uint8_t* bytes = block_.data;
+  std::vector<uint8_t> copy;
+  if (!pool_->host_memory()) {
+    copy.resize(static_cast<size_t>(ring_bytes()));
+    AbortUnlessOk(pool_->Read(block_, 0, ring_bytes(), copy.data()), "read window");
+    bytes = copy.data();
+  }
   for (int64_t w = 0; w < window_; ++w)
-    kf::UnpackSwaSlot(block_.data + w * slot_bytes_, dim_, out + w * dim_);
+    kf::UnpackSwaSlot(bytes + w * slot_bytes_, dim_, out + w * dim_);
 }
 
-void SwaRing::CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const {
+absl::Status SwaRing::ReadWindowTo(float* out) const {
+  if (!allocated()) {  // never written: zeros
+    if (pool_ == nullptr) return absl::FailedPreconditionError("swa ring: no pool");
+    ASSIGN_OR_RETURN(const void* zeros, pool_->Zeros(window_ * dim_ * 4));
+    return pool_->backend().Copy(out, zeros, window_ * dim_ * 4);
+  }
+  ASSIGN_OR_RETURN(uint8_t* const* page, Page());
+  return pool_->backend().UnpackRows(kernels::RowCodec::kSwaSlot, page, window_, dim_, nullptr, 0,
+                                     window_, out);
+}
+
+absl::Status SwaRing::CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const {
   const size_t at = out.size();
   out.resize(at + static_cast<size_t>(slot_bytes_));
-  if (allocated()) {
-    std::memcpy(out.data() + at, block_.data + slot * slot_bytes_,
-                static_cast<size_t>(slot_bytes_));
-  } else {
+  if (!allocated()) {
     FillZero(out.data() + at, 1);
+    return absl::OkStatus();
   }
+  return pool_->Read(block_, slot * slot_bytes_, slot_bytes_, out.data() + at);
 }
 
-void SwaRing::CopyPacked(uint8_t* out) const {
-  if (allocated()) {
-    std::memcpy(out, block_.data, static_cast<size_t>(ring_bytes()));
-  } else {
+absl::Status SwaRing::CopyPacked(uint8_t* out) const {
+  if (!allocated()) {
     FillZero(out, window_);
+    return absl::OkStatus();
   }
+  return pool_->Read(block_, 0, ring_bytes(), out);
 }
 
 std::vector<float> SwaRing::ToVector() const {

@@ -41,6 +41,7 @@
 // SequenceState holding it); different KvRows may share blocks across threads (shared blocks are
 // never written).
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <list>
@@ -52,6 +53,7 @@
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "kernels/backend.h"
 
 namespace epd::model {
@@ -95,9 +97,11 @@ class KvPool {
   };
 
   // `seed` enters every content hash (a config fingerprint: blocks of different models never
-  // match). `backend` gives the slabs (nullptr, or a backend whose memory is not host memory: a
-  // CPU backend the pool owns, since the model reads the blocks with host code today); it must
-  // outlive the pool, and its Allocate is called from whichever thread allocates a block.
+  // match). `backend` gives the slabs and runs the ops on the blocks (nullptr: a CPU backend the
+  // pool owns): with a device backend the blocks are device memory, which the model reads and
+  // writes with the backend's PackRows / UnpackRows, and host code through Write / Read (the
+  // backend's Upload / Download). It must outlive the pool; its Allocate, Upload, Download and
+  // Copy are called from whichever thread uses the pool.
   // `slab_bytes`: the size of a slab (rounded down to whole slots, at least one; with a capacity,
   // at most capacity / kSlabsPerCapacity).
   explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0,
@@ -113,11 +117,24 @@ class KvPool {
   int refs(int32_t id) const;
   // Registers a full block under `hash`; returns the block the caller should hold from now on
   // (an identical block already present, with the caller's reference moved to it, or `b`).
-  Block Seal(Block b, uint64_t hash);
+  // `bytes`: the block's content in host memory (b.data itself on a host pool).
+  Block Seal(Block b, uint64_t hash, const uint8_t* bytes);
   // True when the caller holds the only reference; the block is then unsealed (its hash
   // forgotten, so nobody can start sharing it) and the caller may write it. False: shared.
   bool TryExclusive(int32_t id);
   bool sealed(int32_t id) const;
+
+  // The backend whose memory holds the blocks, and whether that is host memory.
+  kernels::Backend& backend() const { return *backend_; }
+  bool host_memory() const { return host_memory_; }
+  // Host bytes into / out of block b at `offset` (memcpy on a host pool, else Upload /
+  // Download). The caller holds a reference to b.
+  [[nodiscard]] absl::Status Write(const Block& b, int64_t offset, const void* src, int64_t bytes);
+  [[nodiscard]] absl::Status Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const;
+  // dst's first `bytes` = src's (the backend's Copy on a device pool).
+  [[nodiscard]] absl::Status CopyBlock(const Block& dst, const Block& src, int64_t bytes);
+  // At least `bytes` zero bytes in the backend's memory (kept by the pool, never written).
+  absl::StatusOr<const void*> Zeros(int64_t bytes);
 
   void SetCapacity(int64_t bytes);
   int64_t capacity_bytes() const;
@@ -166,10 +183,13 @@ class KvPool {
   absl::Status NewSlabLocked(int64_t slot_bytes);
   int64_t TrimLocked(int64_t except_slot_bytes);
   Slab SlabOf(int64_t id, const SlabRec& r) const;
+  // The slab buffer holding block `id` and the block's offset in it.
+  kernels::Buffer& BufferOf(int32_t id, int64_t* offset) const;
 
   const uint64_t seed_;
   std::unique_ptr<kernels::Backend> own_backend_;
   kernels::Backend* backend_ = nullptr;
+  bool host_memory_ = true;
   const int64_t slab_bytes_;
   mutable std::mutex mu_;
   int64_t capacity_ = 0;
@@ -183,6 +203,7 @@ class KvPool {
   absl::flat_hash_map<uint64_t, int32_t> by_hash_;
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;
+  kernels::Buffer zeros_;  // Zeros()
 };
 
 // Row codecs of a KvRows.
@@ -219,21 +240,31 @@ class KvRows {
   }
   std::span<const KvPool::Block> blocks() const { return blocks_; }
 
-  // Appends rows [n, dim] (values the format holds exactly: FP4 quantize-dequantized for the
-  // packed formats). ResourceExhausted when the pool is full (nothing is appended then).
+  // Appends rows [n, dim] in host memory (values the format holds exactly: FP4
+  // quantize-dequantized for the packed formats). ResourceExhausted when the pool is full
+  // (nothing is appended then).
   [[nodiscard]] absl::Status Append(const float* x, int64_t n);
+  // The same from rows in the pool backend's memory (the model's path: one PackRows, then the
+  // blocks it filled are sealed).
+  [[nodiscard]] absl::Status AppendFrom(const float* x, int64_t n);
   // Appends rows given in the packed format (row_bytes() each; fp32 bytes for kF32).
   [[nodiscard]] absl::Status AppendPacked(const uint8_t* bytes, int64_t n);
   // Keeps the first n rows (n <= rows()); blocks past them are released.
   void Truncate(int64_t n);
-  // rows [first, first+n) as floats.
+  // rows [first, first+n) as floats into the pool backend's memory (one UnpackRows).
+  [[nodiscard]] absl::Status UnpackTo(int64_t first, int64_t n, float* out) const;
+  // rows idx[0..n) + offset (idx in the backend's memory) as floats into the backend's memory;
+  // a negative row leaves its output row as it is (a top-k's -1).
+  [[nodiscard]] absl::Status GatherTo(const int32_t* idx, int64_t n, float* out,
+                                      int64_t offset = 0) const;
+  // The same into host memory (tests, tools; staged through the backend on a device pool, which
+  // aborts on a backend failure).
   void Unpack(int64_t first, int64_t n, float* out) const;
-  // rows idx[0..n) as floats.
   void Gather(const int32_t* idx, int64_t n, float* out) const;
   // rows [first, first+n) in the packed format, appended to `out` (no re-pack: the bytes the
   // blocks hold; kF32 rows are packed with `packed_format`).
-  void CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
-                  KvRowFormat packed_format) const;
+  [[nodiscard]] absl::Status CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
+                                        KvRowFormat packed_format) const;
 
   // ---- std::vector<float>-like surface (floats = rows * dim) ----
   size_t size() const { return static_cast<size_t>(rows_ * dim_); }
@@ -249,11 +280,13 @@ class KvRows {
   // blocks_.size().
   absl::Status Writable(size_t b);
   uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
-  void SealBlock(size_t b);
+  absl::Status SealBlock(size_t b);
   void ReleaseAll();
-  const uint8_t* RowPtr(int64_t r) const {
-    return blocks_[r / rows_per_block_].data + (r % rows_per_block_) * row_bytes_;
-  }
+  // Block b changed (replaced or gone): the backend's page table is stale from b on.
+  void Invalidate(size_t b) const { table_valid_ = std::min(table_valid_, b); }
+  // The page table of the blocks, in the backend's memory (host: a host array).
+  absl::StatusOr<uint8_t* const*> Pages() const;
+  kernels::RowCodec codec() const;
 
   std::shared_ptr<KvPool> pool_;
   KvRowFormat format_ = KvRowFormat::kF32;
@@ -265,7 +298,18 @@ class KvRows {
   std::vector<KvPool::Block> blocks_;
   std::vector<uint64_t> hashes_;  // per block: content hash chain (valid when sealed)
   mutable std::vector<float> view_;
+  // Pages(): the block addresses, and on a device pool their copy in device memory, whose first
+  // table_valid_ entries are current.
+  mutable std::vector<uint8_t*> pages_;
+  mutable kernels::Buffer table_;
+  mutable size_t table_valid_ = 0;
 };
+
+// A read of pool memory whose caller cannot return a status (host-facing test/tool surfaces,
+// and the state serializers that return plain values): a failure there is a failed device read,
+// which leaves a CUDA context unusable, so the process ends with the message (a supervised
+// worker is restarted).
+void AbortUnlessOk(const absl::Status& s, const char* what);
 
 // Packed bytes per row of `format` at `dim`.
 int64_t KvRowBytes(KvRowFormat format, int64_t dim);
@@ -305,19 +349,24 @@ class SwaRing {
   [[nodiscard]] absl::Status WriteSlot(int64_t slot, const float* x);
   // Rows x[0..n) [n, dim] of positions first_pos.. into their slots (position % window).
   [[nodiscard]] absl::Status WritePositions(int64_t first_pos, int64_t n, const float* x);
+  // The same from rows in the pool backend's memory (the model's path: PackRows).
+  [[nodiscard]] absl::Status WritePositionsFrom(int64_t first_pos, int64_t n, const float* x);
   // Slot bytes as they are (slot_bytes()).
   [[nodiscard]] absl::Status WriteSlotPacked(int64_t slot, const uint8_t* bytes);
   // The whole ring, ring_bytes() packed bytes.
   [[nodiscard]] absl::Status WritePacked(const uint8_t* bytes);
   // Zeros in every slot.
   void Clear();
+  // Into host memory (a device pool's bytes are downloaded; it aborts on a backend failure).
   void ReadSlot(int64_t slot, float* out) const;
   // Every slot in slot order, [window, dim].
   void ReadWindow(float* out) const;
+  // Every slot in slot order into the pool backend's memory (the model's path: UnpackRows).
+  [[nodiscard]] absl::Status ReadWindowTo(float* out) const;
   // `slot`'s packed bytes appended to `out`.
-  void CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const;
+  [[nodiscard]] absl::Status CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const;
   // The ring's ring_bytes() packed bytes (the block as it is, or packed zero slots).
-  void CopyPacked(uint8_t* out) const;
+  [[nodiscard]] absl::Status CopyPacked(uint8_t* out) const;
 
   // ---- std::vector<float>-like surface (tests; floats = window * dim) ----
   size_t size() const { return static_cast<size_t>(window_ * dim_); }
@@ -331,6 +380,8 @@ class SwaRing {
   absl::Status Writable();
   void Release();
   void FillZero(uint8_t* slots, int64_t n) const;
+  // The ring's one-entry page table in the backend's memory.
+  absl::StatusOr<uint8_t* const*> Page() const;
 
   std::shared_ptr<KvPool> pool_;
   int64_t window_ = 0;
@@ -338,6 +389,9 @@ class SwaRing {
   int64_t slot_bytes_ = 0;
   KvPool::Block block_;
   mutable std::vector<float> view_;
+  mutable uint8_t* page_ = nullptr;  // Page(): block_.data, and its copy in device memory
+  mutable kernels::Buffer table_;
+  mutable bool table_ok_ = false;
 };
 
 }  // namespace epd::model

@@ -234,11 +234,9 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     RETURN_IF_ERROR(RopeRows(ws, l, latents, ne, 1, static_cast<int>(hd), nope, gpos_dev, false));
     if (!options_.unquantized_kv)
       RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents, ne, hd));
-    // The pool packs the rows into its blocks (host slabs).
-    RETURN_IF_ERROR(ws.Read(latents, ne * hd, [&](const float* v) { return s.kv.Append(v, ne); }));
-    if (absl::Status st =
-            ws.Read(keys, ne * ihd, [&](const float* v) { return s.keys.Append(v, ne); });
-        !st.ok()) {
+    // The pool packs the rows into its blocks (the backend's PackRows, in its memory).
+    RETURN_IF_ERROR(s.kv.AppendFrom(latents, ne));
+    if (absl::Status st = s.keys.AppendFrom(keys, ne); !st.ok()) {
       s.kv.Truncate(s.n);
       return st;
     }
@@ -265,10 +263,7 @@ absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_
   ASSIGN_OR_RETURN(float* part, ws.Alloc<float>(chunk * ihd));
   for (int64_t t0 = 0; t0 < n; t0 += chunk) {
     const int64_t cnt = std::min(chunk, n - t0);
-    RETURN_IF_ERROR(ws.Fill(part, cnt * ihd, [&](float* d) {
-      keys.Unpack(t0, cnt, d);
-      return absl::OkStatus();
-    }));
+    RETURN_IF_ERROR(keys.UnpackTo(t0, cnt, part));
     RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, part, cnt, ihd, score + t0));
   }
   return absl::OkStatus();
@@ -282,10 +277,7 @@ absl::StatusOr<const float*> Model::UnpackKeys(Scratch& ws, const KvRows& keys, 
     // Every key the source has (the rows of this call score prefixes of them): unpacked once.
     const int64_t all = std::max(n, available), ihd = keys.dim();
     ASSIGN_OR_RETURN(float* u, ws.Alloc<float>(all * ihd));
-    RETURN_IF_ERROR(ws.Fill(u, all * ihd, [&](float* d) {
-      keys.Unpack(0, all, d);
-      return absl::OkStatus();
-    }));
+    RETURN_IF_ERROR(keys.UnpackTo(0, all, u));
     it = unpacked.insert_or_assign(layer, std::make_pair(static_cast<const float*>(u), all)).first;
   }
   return it->second.first;
@@ -332,19 +324,16 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
     // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
     ASSIGN_OR_RETURN(float* joined, ws.Alloc<float>((W + S) * hd));
-    RETURN_IF_ERROR(ws.Fill(joined, W * hd, [&](float* d) {
-      ring.ReadWindow(d);
-      return absl::OkStatus();
-    }));
+    RETURN_IF_ERROR(ring.ReadWindowTo(joined));
     RETURN_IF_ERROR(
         backend_.Copy(joined + W * hd, kv, S * hd * static_cast<int64_t>(sizeof(float))));
     kv_all = joined;
   }
-  RETURN_IF_ERROR(ws.Read(
-      kv, S * hd, [&](const float* v) { return ring.WritePositions(call.start_pos, S, v); }));
+  RETURN_IF_ERROR(ring.WritePositionsFrom(call.start_pos, S, kv));
 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
   const int ratio = role.compress_ratio;
+  const bool device_lists = S <= options_.device_list_rows;
   int64_t nk = 0;
   const SequenceState::Source* src = nullptr;
   if (ratio > 0) {
@@ -362,6 +351,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       const int64_t k = std::min<int64_t>(c.index_topk, nk);
       call.topk_k = k;
       call.topk.assign(S * k, -1);
+      call.topk_dev = nullptr;
       if (nk > 0) {
         const int call_keysrc =
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
@@ -376,7 +366,15 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
         RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
-        ASSIGN_OR_RETURN(int32_t * topk, ws.Alloc<int32_t>(S * k));
+        int32_t* topk = nullptr;
+        if (!device_lists) {
+          ASSIGN_OR_RETURN(topk, ws.Alloc<int32_t>(S * k));
+        } else if (call.scratch != nullptr) {  // the later layers of the call reuse it
+          ASSIGN_OR_RETURN(topk, call.scratch->Alloc<int32_t>(S * k));
+        } else {
+          ASSIGN_OR_RETURN(call.topk_owned, backend_.Allocate(S * k * 4));
+          topk = call.topk_owned.as<int32_t>();
+        }
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
           if (call.scratch != nullptr) {
@@ -456,7 +454,17 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
             RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
           }
         }
-        RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
+        if (!device_lists) {
+          RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
+        } else {
+          call.topk_dev = topk;
+          if (trace != nullptr) {  // the host copy only for the trace
+            RETURN_IF_ERROR(
+                call.scratch != nullptr
+                    ? call.scratch->Download(topk, S * k, call.topk.data())
+                    : backend_.Download(call.topk_owned, 0, S * k * 4, call.topk.data()));
+          }
+        }
       }
       if (trace) {
         std::vector<int32_t>& t = trace->topk[l];  // compressed positions, -1 = none
@@ -486,14 +494,27 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                    : qp >= call.start_pos ? W + (qp - call.start_pos)
                                                           : qp % W);
     }
-    for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
+    if (!device_lists) {
+      for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
+    }
   }
+  ASSIGN_OR_RETURN(int32_t * idx_dev, ws.Alloc<int32_t>(S * list_len));
 
   ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(S * H * hd));
   kernels::SparseAttentionArgs args;
   args.q = q;
   args.kv = kv_all;
-  if (ratio > 0 && nk > 0) {
+  const bool device_slots = ratio > 0 && nk > 0 && k > 0 && device_lists;
+  if (device_slots) {
+    // Top-k slot (i, j) reads row i * k + j of a per-slot gather of the selected compressed
+    // entries (a -1 slot gathers nothing and its list entry stays -1): the values and their
+    // order in each list are those of the compact path below, so is the attention.
+    if (call.topk_dev == nullptr) return absl::InternalError("attention: no top-k on the backend");
+    ASSIGN_OR_RETURN(float* kv_sel, ws.Alloc<float>(S * k * hd));
+    RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -win_rows));
+    args.kv_ext = kv_sel;
+    args.kv_ext_start = win_rows;
+  } else if (ratio > 0 && nk > 0) {
     // Top-k entries (list values >= win_rows): the selected compressed entries, unpacked from the
     // pool's blocks into a compact buffer in first-use order; the list is renumbered to it (the
     // values and their order in each list are unchanged, so is the attention).
@@ -509,14 +530,15 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     }
     const int64_t ns = static_cast<int64_t>(sel.size());
     ASSIGN_OR_RETURN(float* kv_sel, ws.Alloc<float>(ns * hd));
-    RETURN_IF_ERROR(ws.Fill(kv_sel, ns * hd, [&](float* d) {
-      src->kv.Gather(sel.data(), ns, d);
-      return absl::OkStatus();
-    }));
+    ASSIGN_OR_RETURN(const int32_t* sel_dev, ws.Copy(sel));
+    RETURN_IF_ERROR(src->kv.GatherTo(sel_dev, ns, kv_sel));
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
   }
-  ASSIGN_OR_RETURN(const int32_t* idx_dev, ws.Copy(idx));
+  RETURN_IF_ERROR(ws.Upload(idx_dev, idx.data(), S * list_len));
+  if (device_slots) {  // the top-k part of the lists, over the uploaded window part
+    RETURN_IF_ERROR(backend_.TopKSlots(call.topk_dev, S, k, win_rows, idx_dev, list_len, W));
+  }
   args.sink = A.attn_sink.data();
   args.idx = idx_dev;
   args.rows = S;
@@ -1032,9 +1054,7 @@ absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, i
   for (int s = 0; s < c.n_mtp_layers; ++s) {
     const int L = c.n_layers + s;
     RETURN_IF_ERROR(StageKv(ws, L, mx, rows, pos_dev, kv));
-    RETURN_IF_ERROR(ws.Read(kv, rows * hd, [&](const float* v) {
-      return state.swa[L].WritePositions(start_pos, rows, v);
-    }));
+    RETURN_IF_ERROR(state.swa[L].WritePositionsFrom(start_pos, rows, kv));
   }
   return absl::OkStatus();
 }
@@ -1260,7 +1280,8 @@ StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const
   k.ring_slots.resize(state.swa.size());
   for (size_t l = 0; l < state.swa.size(); ++l) {
     for (int64_t i = 0; i < std::min(rows, W); ++i)
-      state.swa[l].CopySlotPacked((k.start + i) % W, k.ring_slots[l]);
+      AbortUnlessOk(state.swa[l].CopySlotPacked((k.start + i) % W, k.ring_slots[l]),
+                    "checkpoint a ring slot");
   }
   return k;
 }
@@ -1368,10 +1389,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     RETURN_IF_ERROR(backend_.RmsNorm(x, LW.attn_norm.data(), B, D, c.norm_eps, x));
     // DSpark attention: ring slots (slot order) + all draft rows, no causal mask.
     RETURN_IF_ERROR(QueryProjection(ws, L, x, B, qpos_dev, qr, q));
-    RETURN_IF_ERROR(ws.Fill(kv_all, W * hd, [&](float* d) {
-      state.swa[L].ReadWindow(d);
-      return absl::OkStatus();
-    }));
+    RETURN_IF_ERROR(state.swa[L].ReadWindowTo(kv_all));
     RETURN_IF_ERROR(StageKv(ws, L, x, B, qpos_dev, kv_all + W * hd));
     const int64_t nring = std::min(W - 1, pos) + 1;
     const int64_t list_len = nring + B;

@@ -40,6 +40,12 @@ struct ModelOptions {
   int64_t kv_pool_bytes = 0;
   // Backend memory kept between calls for their arrays (model/scratch.h), in bytes.
   int64_t scratch_cache_bytes = int64_t{256} << 20;
+  // A call of at most this many rows (decode steps, verification blocks) keeps its top-k in
+  // backend memory: TopKSlots writes the top-k part of its attention lists and the selected
+  // entries are gathered per list slot (rows x top-k entries), with no host round trip. Larger
+  // calls (prefill) download the top-k and gather each selected entry once (a compact,
+  // deduplicated buffer). Both give the same bits (OpCountTest); 0 = always the compact path.
+  int64_t device_list_rows = 16;
 };
 
 // Per-sequence state kept between calls. The global KV (compressed entries and index keys of
@@ -228,8 +234,13 @@ class Model {
     int64_t start_pos = 0;
     int64_t rows = 0;
     bool prefill = true;
-    std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied)
+    std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied);
+                                // host copy: calls of more than device_list_rows rows, traces
     int64_t topk_k = 0;
+    // The same in backend memory, for calls of at most device_list_rows rows (from `scratch`,
+    // else from topk_owned): their lists are completed and gathered on the backend.
+    int32_t* topk_dev = nullptr;
+    kernels::Buffer topk_owned;
     uint8_t* cand = nullptr;  // [rows, cand_cols] candidate mask of the candidate source
                               // (backend memory: from `scratch`, else from cand_owned)
     kernels::Buffer cand_owned;

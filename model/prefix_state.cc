@@ -5,6 +5,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/format.h"
 #include "model/engram.h"
 #include "model/sequence_state.h"
@@ -99,18 +100,13 @@ std::string I64s(std::span<const int64_t> v) {
   return b;
 }
 
-// Rows [e0, e1) of a stream in its packed format, for a store block: when the range is exactly one
-// pool block (the store's 64-token block is the pool's), that block's bytes as they are; else
-// the rows copied from the blocks (KvRows::CopyPacked; packed from fp32 for the unquantized
-// switch).
-std::string PackedRows(const KvRows& rows, int64_t e0, int64_t e1, KvRowFormat packed) {
-  const int64_t rpb = rows.rows_per_block();
-  if (rows.format() != KvRowFormat::kF32 && e0 % rpb == 0 && e1 - e0 == rpb) {
-    const uint8_t* p = rows.blocks()[static_cast<size_t>(e0 / rpb)].data;
-    return std::string(reinterpret_cast<const char*>(p), static_cast<size_t>(rpb * rows.row_bytes()));
-  }
+// Rows [e0, e1) of a stream in its packed format, for a store block: the bytes the pool's blocks
+// hold (KvRows::CopyPacked: read from device memory on a device pool; packed from fp32 for the
+// unquantized switch).
+absl::StatusOr<std::string> PackedRows(const KvRows& rows, int64_t e0, int64_t e1,
+                                       KvRowFormat packed) {
   std::vector<uint8_t> v;
-  rows.CopyPacked(e0, e1 - e0, v, packed);
+  RETURN_IF_ERROR(rows.CopyPacked(e0, e1 - e0, v, packed));
   return std::string(v.begin(), v.end());
 }
 
@@ -158,10 +154,10 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
       if (src.n < e1)
         return absl::FailedPreconditionError(
             absl::StrCat("prefix cut: source ", l, " has ", src.n, " entries, block needs ", e1));
-      segs.emplace_back(absl::StrCat("kv.", l),
-                        PackedRows(src.kv, e0, e1, KvRowFormat::kPackedKv));
-      segs.emplace_back(absl::StrCat("keys.", l),
-                        PackedRows(src.keys, e0, e1, KvRowFormat::kPackedKey));
+      ASSIGN_OR_RETURN(std::string kv, PackedRows(src.kv, e0, e1, KvRowFormat::kPackedKv));
+      ASSIGN_OR_RETURN(std::string keys, PackedRows(src.keys, e0, e1, KvRowFormat::kPackedKey));
+      segs.emplace_back(absl::StrCat("kv.", l), std::move(kv));
+      segs.emplace_back(absl::StrCat("keys.", l), std::move(keys));
       if (src.ratio > 1) {
         std::string tail;
         if (b + 1 == end_block) {
@@ -215,7 +211,7 @@ absl::StatusOr<std::string> CutSwaSnapshot(const Model& model, const SequenceSta
   std::vector<std::pair<std::string, std::string>> segs;
   for (int l = 0; l < split; ++l) {
     std::string ring(static_cast<size_t>(c.window_size * slot), '\0');
-    state.swa[l].CopyPacked(reinterpret_cast<uint8_t*>(ring.data()));  // no re-pack
+    RETURN_IF_ERROR(state.swa[l].CopyPacked(reinterpret_cast<uint8_t*>(ring.data())));
     segs.emplace_back(absl::StrCat("swa.", l), std::move(ring));
   }
   segs.emplace_back("engram", I64s(state.engram_history));

@@ -70,7 +70,7 @@ std::vector<StateSegment> SerializeStateSegments(
     if (!keep(name)) continue;
     // The ring's pool block as it is (no re-pack).
     StateSegment seg{std::move(name), std::vector<uint8_t>(c.window_size * slot)};
-    s.swa[l].CopyPacked(seg.bytes.data());
+    AbortUnlessOk(s.swa[l].CopyPacked(seg.bytes.data()), "serialize a ring");
     out.push_back(std::move(seg));
   }
   const int64_t eb = kf::PackedKvEntryBytes(hd), kb = kf::PackedIndexKeyBytes(ihd);
@@ -80,12 +80,14 @@ std::vector<StateSegment> SerializeStateSegments(
     StateSegment keys{absl::StrCat("keys.", l), {}};
     if (keep(kv.name)) {
       kv.bytes.reserve(src.n * eb);
-      src.kv.CopyPacked(0, src.n, kv.bytes, KvRowFormat::kPackedKv);
+      AbortUnlessOk(src.kv.CopyPacked(0, src.n, kv.bytes, KvRowFormat::kPackedKv),
+                    "serialize kv rows");
       out.push_back(std::move(kv));
     }
     if (keep(keys.name)) {
       keys.bytes.reserve(src.n * kb);
-      src.keys.CopyPacked(0, src.n, keys.bytes, KvRowFormat::kPackedKey);
+      AbortUnlessOk(src.keys.CopyPacked(0, src.n, keys.bytes, KvRowFormat::kPackedKey),
+                    "serialize index keys");
       out.push_back(std::move(keys));
     }
     if (src.ratio > 1 && keep(absl::StrCat("tail.", l))) {

@@ -92,6 +92,7 @@ class CpuBackend final : public Backend {
       return Bad("Upload", absl::StrCat(bytes, " bytes at offset ", dst_offset,
                                         " do not fit a buffer of ", dst.bytes()));
     }
+    if (options_.op_calls != nullptr) ++(*options_.op_calls)["Upload"];
     if (bytes > 0) std::memcpy(dst.as<uint8_t>() + dst_offset, host, bytes);
     return OkStatus();
   }
@@ -100,6 +101,7 @@ class CpuBackend final : public Backend {
       return Bad("Download", absl::StrCat(bytes, " bytes at offset ", src_offset,
                                           " are not inside a buffer of ", src.bytes()));
     }
+    if (options_.op_calls != nullptr) ++(*options_.op_calls)["Download"];
     if (bytes > 0) std::memcpy(host, src.as<uint8_t>() + src_offset, bytes);
     return OkStatus();
   }
@@ -648,13 +650,14 @@ class CpuBackend final : public Backend {
   Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
                   int64_t rows_per_page, const int32_t* rows, int64_t first) override {
     EPD_CHECK_OPERANDS("PackRows", {{"x", x}, {"pages", pages}, {"rows", rows}});
-    if (Status s = PagedProblem("PackRows", codec, n, dim, pages, rows_per_page, rows, first);
+    if (Status s = PagedProblem("PackRows", codec, n, dim, pages, rows_per_page, rows, first,
+                                /*skip_negative=*/false);
         !s.ok()) {
       return s;
     }
     const int64_t rb = RowCodecBytes(codec, dim);
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      const int64_t r = (rows != nullptr ? rows[i] : i) + first;
       uint8_t* d = pages[r / rows_per_page] + (r % rows_per_page) * rb;
       const float* row = x + i * dim;
       switch (codec) {
@@ -677,13 +680,18 @@ class CpuBackend final : public Backend {
   Status UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page, int64_t dim,
                     const int32_t* rows, int64_t first, int64_t n, float* out) override {
     EPD_CHECK_OPERANDS("UnpackRows", {{"pages", pages}, {"rows", rows}, {"out", out}});
-    if (Status s = PagedProblem("UnpackRows", codec, n, dim, pages, rows_per_page, rows, first);
+    if (Status s = PagedProblem("UnpackRows", codec, n, dim, pages, rows_per_page, rows, first,
+                                /*skip_negative=*/true);
         !s.ok()) {
       return s;
     }
     const int64_t rb = RowCodecBytes(codec, dim);
     for (int64_t i = 0; i < n;) {
-      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      const int64_t r = (rows != nullptr ? rows[i] : i) + first;
+      if (r < 0) {  // a skipped slot (a top-k's -1): out row i stays as it is
+        ++i;
+        continue;
+      }
       // A run of consecutive rows within one page in one go (the common case: a range).
       int64_t take = 1;
       if (rows == nullptr) take = std::min(n - i, rows_per_page - r % rows_per_page);
@@ -708,6 +716,20 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
 
+  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
+                   int64_t list_len, int64_t offset) override {
+    EPD_CHECK_OPERANDS("TopKSlots", {{"topk", topk}, {"list", list}});
+    if (rows < 0 || k < 0 || offset < 0 || offset + k > list_len)
+      return Bad("TopKSlots", absl::StrCat(k, " slots at ", offset, " in lists of ", list_len));
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t j = 0; j < k; ++j) {
+        list[r * list_len + offset + j] =
+            topk[r * k + j] < 0 ? -1 : static_cast<int32_t>(base + r * k + j);
+      }
+    }
+    return OkStatus();
+  }
+
   Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
     EPD_CHECK_OPERANDS("Argmax", {{"x", x}, {"out", out}});
     if (n <= 0) return Bad("Argmax", "empty rows");
@@ -723,12 +745,12 @@ class CpuBackend final : public Backend {
   // lies in (the page addresses the table holds).
   Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
                       const uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
-                      int64_t first) {
+                      int64_t first, bool skip_negative) {
     if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
     if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
-    if (rows == nullptr && first < 0) return Bad(op, absl::StrCat("first row ", first));
     for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = rows != nullptr ? rows[i] : first + i;
+      const int64_t r = (rows != nullptr ? rows[i] : i) + first;
+      if (r < 0 && skip_negative) continue;
       if (r < 0) return Bad(op, absl::StrCat("negative row ", r, " at ", i));
       const uint8_t* page = pages[r / rows_per_page];
       if (page == nullptr) return Bad(op, absl::StrCat("row ", r, " is on a null page"));

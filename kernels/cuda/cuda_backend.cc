@@ -550,6 +550,15 @@ class CudaBackend final : public Backend {
     });
   }
 
+  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
+                   int64_t list_len, int64_t offset) override {
+    if (rows < 0 || k < 0 || offset < 0 || offset + k > list_len)
+      return Bad("TopKSlots", absl::StrCat(k, " slots at ", offset, " in lists of ", list_len));
+    return Run("TopKSlots", [&] {
+      return cuda::TopKSlots(topk, rows, k, base, list, list_len, offset, streams_[0]);
+    });
+  }
+
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
     const int k = kind == Qdq::kFp8Window ? 0 : (kind == Qdq::kFp4Index ? 1 : 2);
     return Run("QuantDequant", [&] { return cuda::QuantDequant(k, x, rows, dim, streams_[0]); });
@@ -567,7 +576,9 @@ class CudaBackend final : public Backend {
                              int64_t rows_per_page, const int32_t* rows, int64_t first) {
     if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
     if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
-    if (rows == nullptr && first < 0) return Bad(op, absl::StrCat("first row ", first));
+    if (rows == nullptr && first < 0 && n > 0) {
+      return Bad(op, absl::StrCat("negative row ", first));
+    }
     return OkStatus();
   }
   static constexpr int64_t kMaxGridY = 65535;            // a kernel's grid.y (one row per y)

@@ -1,5 +1,6 @@
-// The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend. One thread
-// packs one scale block and one thread unpacks one element, through kernels/row_codec.h (the
+// The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend, and
+// TopKSlots (the top-k part of a decode call's attention lists, gathered with UnpackRows). One
+// thread packs one scale block and one thread unpacks one element, through kernels/row_codec.h (the
 // arithmetic of kernels/format.cc's PackKvEntry / PackIndexKey / PackSwaSlot and their Unpack
 // functions, checked against them on the host in tests/kernels/codec_test.cc), so the bytes and
 // values are bit-identical to the CPU backend's.
@@ -23,7 +24,7 @@ __global__ void PackRowsKernel(RowCodec codec, const float* x, int64_t n, int64_
   const int64_t t = Tid();
   if (t >= n * nb) return;
   const int64_t i = t / nb, b = t % nb;
-  const int64_t r = rows != nullptr ? rows[i] : first + i;
+  const int64_t r = (rows != nullptr ? rows[i] : i) + first;
   if (r < 0) return;
   uint8_t* out = pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
   row_codec::PackBlock(codec, x + i * dim, dim, b, out);
@@ -36,14 +37,31 @@ __global__ void UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, in
   const int64_t e = Tid();
   if (e >= n * dim) return;
   const int64_t i = e / dim, d = e % dim;
-  const int64_t r = rows != nullptr ? rows[i] : first + i;
-  if (r < 0) return;
+  const int64_t r = (rows != nullptr ? rows[i] : i) + first;
+  if (r < 0) return;  // a skipped slot: out row i stays as it is
   const uint8_t* in =
       pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
   out[e] = row_codec::UnpackElement(codec, in, dim, d);
 }
 
+// cpu_backend.cc TopKSlots: one thread per (row, slot).
+__global__ void TopKSlotsKernel(const int32_t* topk, int64_t rows, int64_t k, int64_t base,
+                                int32_t* list, int64_t list_len, int64_t offset) {
+  const int64_t e = Tid();
+  if (e >= rows * k) return;
+  const int64_t r = e / k, j = e % k;
+  list[r * list_len + offset + j] = topk[e] < 0 ? -1 : static_cast<int32_t>(base + e);
+}
+
 }  // namespace
+
+cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
+                      int64_t list_len, int64_t offset, cudaStream_t stream) {
+  if (rows * k <= 0) return cudaSuccess;
+  TopKSlotsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(topk, rows, k, base, list, list_len,
+                                                              offset);
+  return cudaGetLastError();
+}
 
 cudaError_t PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
                      int64_t rows_per_page, const int32_t* rows, int64_t first,

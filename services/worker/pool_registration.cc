@@ -31,6 +31,12 @@ void PoolRegistration::OnSlab(const model::KvPool::Slab& slab, bool added) {
     handles_.erase(it);
     return;
   }
+  if (slab.kind != kernels::MemoryKind::kHost) {
+    // Device memory: the wire here has no CUDA transport, so the hand-off reads the blocks
+    // through the pool (KvRows::CopyPacked: a download into host memory) and sends that.
+    ++device_slabs_;
+    return;
+  }
   absl::StatusOr<uint64_t> h =
       transport_.RegisterMemory(slab.data, static_cast<uint64_t>(slab.bytes));
   if (!h.ok()) {
@@ -45,6 +51,11 @@ void PoolRegistration::OnSlab(const model::KvPool::Slab& slab, bool added) {
 int64_t PoolRegistration::registered_slabs() const {
   std::lock_guard<std::mutex> lock(mu_);
   return static_cast<int64_t>(handles_.size());
+}
+
+int64_t PoolRegistration::device_slabs() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return device_slabs_;
 }
 
 int64_t PoolRegistration::failures() const {

@@ -7,6 +7,9 @@
 // The pool tells the registration of every slab it allocates and every slab it gives back
 // (KvPool::AddSlabListener); each is registered / deregistered then. A slab the wire refuses is
 // counted (failures()) and logged; transfers from it then register their buffer themselves.
+// A slab of device memory (a pool on a GPU backend) is not registered: the wire has no CUDA
+// transport here, and the hand-off reads device blocks through the pool into host memory
+// (counted: device_slabs()).
 //
 // Thread-safety: thread-safe. Destroy it before the transport.
 
@@ -30,6 +33,8 @@ class PoolRegistration {
 
   int64_t registered_slabs() const;
   int64_t failures() const;
+  // Device-memory slabs seen and not registered.
+  int64_t device_slabs() const;
   // The wire handle of the slab holding [p, p + bytes); 0 when none is registered.
   uint64_t HandleFor(const void* p, int64_t bytes) const;
 
@@ -42,6 +47,7 @@ class PoolRegistration {
   mutable std::mutex mu_;
   std::map<int64_t, uint64_t> handles_;  // slab id -> wire handle
   int64_t failures_ = 0;
+  int64_t device_slabs_ = 0;
 };
 
 }  // namespace epd::worker

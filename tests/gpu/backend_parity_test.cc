@@ -126,13 +126,16 @@ class Side {
     return w;
   }
 
- private:
+ public:
+  // The bytes Out fills an output with.
   template <typename T>
   static T Poison() {
     T t;
     std::memset(&t, 0x7f, sizeof(T));
     return t;
   }
+
+ private:
   Buffer& New(int64_t bytes) {
     auto buf = b_.Allocate(std::max<int64_t>(bytes, 1));
     EXPECT_TRUE(buf.ok()) << name_ << ": " << buf.status();
@@ -1327,7 +1330,7 @@ PARITY_CASE(PackRows) {
                                             kPages, std::vector<uint8_t>(kRowsPerPage * rb, 0x5a)),
                                         pages);
         EXPECT_OP_OK(*s, s->b().PackRows(pc.codec, s->In(x), n, pc.dim, table, kRowsPerPage,
-                                         mode == 0 ? s->In(list) : nullptr, 2));
+                                         mode == 0 ? s->In(list) : nullptr, mode == 0 ? 0 : 2));
         std::vector<uint8_t> all;
         for (uint8_t* page : pages) {
           auto b = s->Read(page, kRowsPerPage * rb);
@@ -1385,22 +1388,47 @@ PARITY_CASE(UnpackRows) {
         page.insert(page.end(), row.begin(), row.end());
       }
     }
-    const std::vector<int32_t> list = {11, 0, 4, 4, 7, 2};
+    // A list; a range from row 1; a top-k list with -1s read at an offset of -2 (the -1s, rows
+    // below 0 then, leave their output rows as they were: the poison).
+    const std::vector<int32_t> list = {11, 0, 4, 4, 7, 2}, topk = {-1, 5, 13, -1, 2, 9};
     const int64_t n = static_cast<int64_t>(list.size());
-    for (int mode = 0; mode < 2; ++mode) {
+    const char* modes[] = {" (list)", " (range)", " (top-k with offset)"};
+    for (int mode = 0; mode < 3; ++mode) {
       std::vector<std::vector<float>> res;
       for (Side* s : {&env.ref, &env.cand}) {
         std::vector<uint8_t*> pages;
         uint8_t* const* table = PagesOn(*s, bytes, pages);
         float* out = s->Out<float>(n * pc.dim);
-        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table, kRowsPerPage, pc.dim,
-                                           mode == 0 ? s->In(list) : nullptr, 1, n, out));
+        const int32_t* rows = mode == 0 ? s->In(list) : mode == 2 ? s->In(topk) : nullptr;
+        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table, kRowsPerPage, pc.dim, rows,
+                                           mode == 2 ? -2 : (mode == 1 ? 1 : 0), n, out));
         res.push_back(s->Read(out, n * pc.dim));
+        if (mode == 2) {
+          EXPECT_EQ(Bits(res.back()[0]), Bits(Side::Poison<float>()))
+              << s->name() << ": a -1 slot was written";
+        }
       }
-      Compare(env, res[0], res[1], Tol::Exact(),
-              std::string(pc.name) + (mode == 0 ? " (list)" : " (range)"));
+      Compare(env, res[0], res[1], Tol::Exact(), std::string(pc.name) + modes[mode]);
     }
   }
+}
+
+PARITY_CASE(TopKSlots) {
+  // Tolerance: exact (integers). Two rows of a 3-slot top-k with -1s, into lists of 7 at slot 4;
+  // the other entries keep what they held.
+  const std::vector<int32_t> topk = {130, -1, 129, -1, -1, 200};
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    int32_t* list = s->In(std::vector<int32_t>(14, 77));
+    EXPECT_OP_OK(*s, s->b().TopKSlots(s->In(topk), 2, 3, 128, list, 7, 4));
+    EXPECT_EQ(s->b().TopKSlots(s->In(topk), 2, 3, 128, list, 7, 5).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": slots past the list";
+    res.push_back(s->Read(list, 14));
+  }
+  CompareExact(res[0], res[1], "top-k slots");
+  const std::vector<int32_t> want = {77, 77, 77, 77, 128, -1, 130, 77, 77, 77, 77, -1, -1, 133};
+  EXPECT_EQ(res[0], want);
 }
 
 PARITY_CASE(QuantDequant) {

@@ -323,10 +323,9 @@ TEST(KvPoolTest, Fp32RowsForTheUnquantizedBenchmarkSwitch) {
   ASSERT_TRUE(r.Append(v.data(), 1).ok());
   EXPECT_EQ(r.ToVector(), v);
   std::vector<uint8_t> packed;
-  r.CopyPacked(0, 1, packed, KvRowFormat::kF32);
+  ASSERT_TRUE(r.CopyPacked(0, 1, packed, KvRowFormat::kF32).ok());
   EXPECT_EQ(packed.size(), 16u);
 }
-
 
 TEST(SwaRingTest, PackedSlotsRoundTripBitForBit) {
   auto pool = std::make_shared<KvPool>();
@@ -338,7 +337,7 @@ TEST(SwaRingTest, PackedSlotsRoundTripBitForBit) {
   EXPECT_EQ(ring.held_bytes(), 0);
   EXPECT_EQ(ring.ToVector(), std::vector<float>(W * dim, 0.f));
   std::vector<uint8_t> zeros(W * sb), want(W * sb);
-  ring.CopyPacked(zeros.data());
+  ASSERT_TRUE(ring.CopyPacked(zeros.data()).ok());
   const std::vector<float> z(dim, 0.f);
   for (int64_t w = 0; w < W; ++w) kf::PackSwaSlot(z.data(), dim, want.data() + w * sb);
   EXPECT_EQ(zeros, want);
@@ -407,6 +406,109 @@ TEST(SwaRingTest, FullPoolFailsTheWriteAndLeavesTheRing) {
 
 // The release config's rings (total_layers(): every layer and the DSpark stages), written
 // whole: the pool holds exactly `epd kv-layout`'s swa_bytes_per_sequence, 528 B per slot.
+// What a pool of a device backend does, on a CPU backend labelled as one (report_device_memory)
+// that refuses every operand it did not allocate (check_operands): the rows, rings, their page
+// tables and zeros live in that backend's memory, the model's paths (AppendFrom, UnpackTo,
+// GatherTo, WritePositionsFrom, ReadWindowTo) are one backend op each on it, the host paths
+// stage through Upload / Download, and every read, fork, seal, share and truncation gives what a
+// host pool gives.
+TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
+  auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto host = std::make_shared<KvPool>();
+  auto dev = std::make_shared<KvPool>(0, 0, checked.get());
+  EXPECT_TRUE(host->host_memory());
+  EXPECT_FALSE(dev->host_memory());
+  const int64_t dim = 128, W = 8, hd = 64;
+  const std::vector<float> x = KeyRows(50, dim, 4), win = WindowRows(13, hd, 2);
+  // Backend copies of the inputs, for the model's paths.
+  auto in = [&](const std::vector<float>& v) {
+    auto b = checked->Allocate(static_cast<int64_t>(v.size() * 4));
+    EXPECT_TRUE(b.ok());
+    EXPECT_TRUE(checked->Upload(v.data(), static_cast<int64_t>(v.size() * 4), *b).ok());
+    return std::move(*b);
+  };
+  kernels::Buffer x_dev = in(x), win_dev = in(win);
+  struct Seen {
+    std::vector<float> rows, fork, gathered, window, fresh_window;
+    std::vector<uint8_t> packed, ring;
+    int64_t shared_hits = 0;
+  };
+  auto run = [&](const std::shared_ptr<KvPool>& pool) {
+    Seen seen;
+    const bool on_dev = !pool->host_memory();
+    KvRows a(pool, KvRowFormat::kPackedKey, dim, /*ratio=*/4, /*stream=*/1);  // 16 rows a block
+    // 20 rows from the host (staged on the device pool), 30 through the model's path.
+    EXPECT_TRUE(a.Append(x.data(), 20).ok());
+    if (on_dev) {
+      EXPECT_TRUE(a.AppendFrom(x_dev.as<float>() + 20 * dim, 30).ok());
+      // A host pointer is not backend memory: refused, nothing appended.
+      absl::Status bad = a.AppendFrom(x.data(), 1);
+      EXPECT_NE(bad.message().find("operand x"), std::string::npos) << bad;
+    } else {
+      EXPECT_TRUE(a.AppendFrom(x.data() + 20 * dim, 30).ok());
+    }
+    EXPECT_EQ(a.rows(), 50);
+    seen.rows = a.ToVector();
+    // A fork writes into the shared partial block (copy on write) after a rollback.
+    KvRows b = a;
+    b.Truncate(40);
+    EXPECT_TRUE(b.Append(x.data(), 3).ok());
+    seen.fork = b.ToVector();
+    EXPECT_EQ(a.ToVector(), seen.rows);
+    // The same first block in another stream-1 sequence is held once.
+    KvRows c(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+    EXPECT_TRUE(c.Append(x.data(), 16).ok());
+    EXPECT_EQ(c.blocks()[0].id, a.blocks()[0].id);
+    seen.shared_hits = pool->stats().shared_hits;
+    const int32_t idx[4] = {49, 0, 17, 17};
+    seen.gathered.resize(4 * dim);
+    a.Gather(idx, 4, seen.gathered.data());
+    EXPECT_TRUE(a.CopyPacked(5, 30, seen.packed, KvRowFormat::kPackedKey).ok());
+    // A ring: positions 2..14 from the host path would be the same as through the model's path.
+    SwaRing ring(pool, W, hd), fresh(pool, W, hd);
+    if (on_dev) {
+      EXPECT_TRUE(ring.WritePositionsFrom(2, 13, win_dev.as<float>()).ok());
+    } else {
+      EXPECT_TRUE(ring.WritePositions(2, 13, win.data()).ok());
+    }
+    seen.window.resize(W * hd);
+    ring.ReadWindow(seen.window.data());
+    seen.ring.resize(ring.ring_bytes());
+    EXPECT_TRUE(ring.CopyPacked(seen.ring.data()).ok());
+    // ReadWindowTo into backend memory: the window, and zeros for a ring never written.
+    auto out = on_dev ? checked->Allocate(2 * W * hd * 4) : kernels::MakeCpuBackend()->Allocate(0);
+    std::vector<float> host_out(2 * W * hd);
+    float* o = on_dev ? out->as<float>() : host_out.data();
+    EXPECT_TRUE(ring.ReadWindowTo(o).ok());
+    EXPECT_TRUE(fresh.ReadWindowTo(o + W * hd).ok());
+    EXPECT_FALSE(fresh.allocated());
+    if (on_dev) {
+      EXPECT_TRUE(checked->Download(*out, 0, 2 * W * hd * 4, host_out.data()).ok());
+    }
+    EXPECT_TRUE(std::equal(host_out.begin(), host_out.begin() + W * hd, seen.window.begin()));
+    seen.fresh_window.assign(host_out.begin() + W * hd, host_out.end());
+    int slabs = 0;
+    pool->ForEachSlab([&](const KvPool::Slab& slab) {
+      ++slabs;
+      EXPECT_EQ(slab.kind, on_dev ? kernels::MemoryKind::kDevice : kernels::MemoryKind::kHost);
+    });
+    EXPECT_GT(slabs, 0);
+    return seen;
+  };
+  const Seen want = run(host), got = run(dev);
+  EXPECT_EQ(got.rows, want.rows);
+  EXPECT_EQ(want.rows, x);
+  EXPECT_EQ(got.fork, want.fork);
+  EXPECT_EQ(got.gathered, want.gathered);
+  EXPECT_EQ(got.packed, want.packed);
+  EXPECT_EQ(got.window, want.window);
+  EXPECT_EQ(got.ring, want.ring);
+  EXPECT_EQ(got.fresh_window, std::vector<float>(W * hd, 0.f));
+  EXPECT_EQ(want.fresh_window, got.fresh_window);
+  EXPECT_EQ(got.shared_hits, want.shared_hits);
+  EXPECT_EQ(got.shared_hits, 1);
+}
+
 TEST(KvPoolTest, ReleaseConfigRingsHoldThePackedSlotBytes) {
   auto config =
       LoadModelConfig(testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));

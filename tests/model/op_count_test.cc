@@ -2,7 +2,9 @@
 // calls a prefill makes per layer must not grow with the prompt's rows for the ops that the model
 // batches over rows (the mHC steps, the linears, the indexer's scores / candidate masks / top-k,
 // the MoE's routing, grouping and grouped GEMMs, the compressor's pooling, the attention):
-// counted on the CPU backend (CpuBackendOptions::op_calls) for prompts of two lengths.
+// counted on the CPU backend (CpuBackendOptions::op_calls) for prompts of two lengths. A decode
+// step runs the weights once for its batch, and its top-k does not cross to the host (the
+// Uploads and Downloads counted beside the ops).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -111,6 +113,51 @@ TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
         << op << " runs per sequence";
   }
   EXPECT_EQ(four.at("SparseAttention"), 4 * one.at("SparseAttention"));
+}
+
+// A decode step's top-k stays on the backend (ModelOptions::device_list_rows): its index layers'
+// top-k does not come down to the host and no gather list goes up; TopKSlots completes each
+// list on the backend. Against the compact path (device_list_rows = 0) on the same steps: the
+// same logits bit for bit, one Download fewer per index layer (SelectTopK) and one Upload fewer
+// per layer that attends to a top-k (TopKSlots).
+TEST_P(OpCountTest, ADecodeStepsTopKStaysOnTheBackend) {
+  struct Run {
+    std::map<std::string, int64_t> calls;
+    std::vector<float> logits;
+  };
+  auto run = [&](int64_t device_list_rows) {
+    Run r;
+    auto backend = kernels::MakeCpuBackend({.op_calls = &r.calls});
+    auto m = testing::LoadGoldenModel(*backend, GetParam(),
+                                      ModelOptions{.device_list_rows = device_list_rows});
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    auto seq = (*m)->NewSequence();
+    std::vector<int32_t> prompt(150);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i * 7 % 90);
+    EXPECT_TRUE((*m)->Prefill(*seq, prompt, false).ok());
+    r.calls.clear();
+    for (int32_t t : {5, 9, 11}) {  // three steps: odd and even positions (stale index keys)
+      auto step = (*m)->Decode(*seq, t);
+      EXPECT_TRUE(step.ok()) << step.status();
+      if (step.ok()) r.logits.insert(r.logits.end(), step->logits.begin(), step->logits.end());
+    }
+    seq.reset();
+    return r;
+  };
+  const Run device = run(16), compact = run(0);
+  auto count = [](const Run& r, const char* op) {
+    const auto it = r.calls.find(op);
+    return it == r.calls.end() ? int64_t{0} : it->second;
+  };
+  ASSERT_FALSE(device.logits.empty());
+  EXPECT_EQ(device.logits, compact.logits);
+  EXPECT_GT(count(device, "SelectTopK"), 0);
+  EXPECT_EQ(count(device, "SelectTopK"), count(compact, "SelectTopK"));
+  EXPECT_GE(count(device, "TopKSlots"), count(device, "SelectTopK"));
+  EXPECT_EQ(count(compact, "TopKSlots"), 0);
+  EXPECT_EQ(count(device, "Download"), count(compact, "Download") - count(device, "SelectTopK"));
+  EXPECT_EQ(count(device, "Upload"), count(compact, "Upload") - count(device, "TopKSlots"));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),

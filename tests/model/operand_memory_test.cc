@@ -2,9 +2,10 @@
 // CpuBackendOptions::check_operands every op fails unless each pointer it gets lies in memory
 // that backend allocated; the whole serving surface of the model (prefill, decode, multi-token
 // verification, the staged encoder / decoder replay / batched decode, DSpark drafts, the Markov
-// bias) runs on it, with report_device_memory (so the host copies at the KV pool's edge take their
-// staging path, upload / download, instead of reading in place), and gives the same bits as the
-// plain CPU backend. What a device backend needs, checked without a GPU.
+// bias) runs on it, with report_device_memory (so the KV pool's slabs are that backend's memory,
+// read and written by its PackRows / UnpackRows ops, and the host copies at the pool's edge take
+// their staging path, upload / download), and gives the same bits as the plain CPU backend. What
+// a device backend needs, checked without a GPU.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -70,7 +71,7 @@ TEST_P(OperandMemoryTest, TheForwardGivesItsBackendOnlyBackendMemory) {
   ASSERT_TRUE(want.ok()) << want.status();
   // Device labels (report_device_memory): the weights are all copied in (a host backend reads
   // the Engram tables from the checkpoint's mapping, which is not backend memory), and the KV
-  // pool's rows take the staged path (upload / download).
+  // pool lives in the backend's memory.
   auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
   auto m = LoadInto(*checked, GetParam());
   ASSERT_TRUE(m.ok()) << m.status();
@@ -79,6 +80,13 @@ TEST_P(OperandMemoryTest, TheForwardGivesItsBackendOnlyBackendMemory) {
   EXPECT_TRUE(BitEqual(got->logits, want->logits));
   EXPECT_EQ(got->ids, want->ids);
   EXPECT_GT(got->logits.size(), 150u * static_cast<size_t>((*m)->config().vocab_size));
+  // The KV the surface wrote is in the backend's memory: every slab of the pool is.
+  int slabs = 0;
+  (*m)->kv_pool().ForEachSlab([&](const KvPool::Slab& slab) {
+    ++slabs;
+    EXPECT_EQ(slab.kind, kernels::MemoryKind::kDevice);
+  });
+  EXPECT_GT(slabs, 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, OperandMemoryTest,

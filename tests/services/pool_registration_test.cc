@@ -160,6 +160,24 @@ TEST_P(PoolRegistrationTest, SlabsRegisteredOnceAndBlocksSentFromThem) {
   EXPECT_EQ(tx_->Resources().registrations, 0);
 }
 
+// A pool in a device backend's memory (a CPU backend labelled as one): its slabs are not handed
+// to the wire (no CUDA transport), nor counted as failures.
+TEST_P(PoolRegistrationTest, DeviceSlabsAreNotRegistered) {
+  auto device = kernels::MakeCpuBackend({.report_device_memory = true});
+  const int64_t dim = 128;
+  auto pool = std::make_shared<KvPool>(0, 0, device.get(), 4 * 32 * kf::PackedIndexKeyBytes(dim));
+  PoolRegistration reg(pool, *tx_);
+  KvRows keys(pool, KvRowFormat::kPackedKey, dim, 2, 1);
+  const std::vector<float> x = KeyRows(32 * 5, dim, 2);
+  ASSERT_TRUE(keys.Append(x.data(), 32 * 5).ok());
+  EXPECT_EQ(pool->stats().slabs, 2);
+  EXPECT_EQ(reg.device_slabs(), 2);
+  EXPECT_EQ(reg.registered_slabs(), 0);
+  EXPECT_EQ(reg.failures(), 0);
+  EXPECT_EQ(tx_->Resources().registrations, 0);
+  EXPECT_EQ(keys.ToVector(), x);
+}
+
 INSTANTIATE_TEST_SUITE_P(Ucx, PoolRegistrationTest, ::testing::Values("tcp", "shm"));
 
 }  // namespace
