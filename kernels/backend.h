@@ -19,8 +19,10 @@
 // Errors: every op returns absl::Status; bad shapes or arguments give InvalidArgument naming the
 // op and the cause, and leave the outputs unspecified.
 //
-// Thread-safety: a Backend may be used from one thread at a time; the weights it reads are
-// immutable and may be shared.
+// Thread-safety: a Backend's ops may be used from one thread at a time; Allocate, Upload,
+// Download and Copy may also be called from other threads meanwhile (the KV pool's host surfaces,
+// a hand-off serializing a sequence, use them; both backends make them from thread-safe runtime
+// calls). The weights it reads are immutable and may be shared.
 
 #include <cstdint>
 #include <functional>

@@ -308,7 +308,11 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   Scratch ws(backend_, scratch_pool_.get());
   vector<int64_t> pos(S);
   for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
-  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
+  const int64_t* pos_dev = call.pos_dev;
+  if (pos_dev == nullptr) {  // uploaded once per call when it has a scratch
+    ASSIGN_OR_RETURN(pos_dev, call.scratch != nullptr ? call.scratch->Copy(pos) : ws.Copy(pos));
+    if (call.scratch != nullptr) call.pos_dev = pos_dev;
+  }
 
   ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
   ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
@@ -480,9 +484,16 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   // One layout for every kind of call, so that a row's list (and thus its attention, which works
   // in 64-entry chunks of the list) depends only on its position, the window floor and its top-k:
   // slot j holds position max(0, p-W+1) + j (oldest first), -1 when that is after p or below the
-  // floor; the top-k entries start at slot W.
-  vector<int32_t> idx(S * list_len, -1);
-  for (int64_t i = 0; i < S; ++i) {
+  // floor; the top-k entries start at slot W. A small call's window part is the same for each of
+  // its layers with this list length and floor: built and uploaded once (call.window_lists).
+  const bool cached_lists = device_lists && call.scratch != nullptr;
+  const int32_t* window_list = nullptr;
+  if (cached_lists) {
+    auto it = call.window_lists.find({list_len, call.window_floor});
+    if (it != call.window_lists.end()) window_list = it->second;
+  }
+  vector<int32_t> idx(window_list != nullptr ? 0 : S * list_len, -1);
+  for (int64_t i = 0; i < S && window_list == nullptr; ++i) {
     int32_t* li = idx.data() + i * list_len;
     const int64_t p = pos[i];
     const int64_t base = std::max<int64_t>(0, p - W + 1);
@@ -514,7 +525,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -win_rows));
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
-  } else if (ratio > 0 && nk > 0) {
+  } else if (ratio > 0 && nk > 0 && !device_lists) {
     // Top-k entries (list values >= win_rows): the selected compressed entries, unpacked from the
     // pool's blocks into a compact buffer in first-use order; the list is renumbered to it (the
     // values and their order in each list are unchanged, so is the attention).
@@ -535,7 +546,16 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
   }
-  RETURN_IF_ERROR(ws.Upload(idx_dev, idx.data(), S * list_len));
+  if (cached_lists) {
+    if (window_list == nullptr) {
+      ASSIGN_OR_RETURN(window_list, call.scratch->Copy(idx));
+      call.window_lists[{list_len, call.window_floor}] = window_list;
+    }
+    RETURN_IF_ERROR(
+        backend_.Copy(idx_dev, window_list, S * list_len * static_cast<int64_t>(sizeof(int32_t))));
+  } else {
+    RETURN_IF_ERROR(ws.Upload(idx_dev, idx.data(), S * list_len));
+  }
   if (device_slots) {  // the top-k part of the lists, over the uploaded window part
     RETURN_IF_ERROR(backend_.TopKSlots(call.topk_dev, S, k, win_rows, idx_dev, list_len, W));
   }

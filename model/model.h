@@ -241,6 +241,11 @@ class Model {
     // else from topk_owned): their lists are completed and gathered on the backend.
     int32_t* topk_dev = nullptr;
     kernels::Buffer topk_owned;
+    // Uploaded once per call into `scratch` (when it has one) and shared by its layers: the rows'
+    // positions, and for calls of at most device_list_rows rows the window part of the attention
+    // lists (top-k part -1) by (list length, window floor).
+    const int64_t* pos_dev = nullptr;
+    std::map<std::pair<int64_t, int64_t>, const int32_t*> window_lists;
     uint8_t* cand = nullptr;  // [rows, cand_cols] candidate mask of the candidate source
                               // (backend memory: from `scratch`, else from cand_owned)
     kernels::Buffer cand_owned;
