@@ -7,7 +7,9 @@
 //                              deployment passes its own (e.g. 1,0.02,0.05: memory-bound).
 //   --kv-pool-bytes N          capacity of the paged KV pool (model/kv_pool.h); requests are
 //                              admitted by free blocks and preempted (swapped out) when it runs
-//                              out (decode_server.cc). Default 0: a quarter of the host memory.
+//                              out (decode_server.cc). Default 0: sized from the backend's
+//                              memory (model::DefaultKvPoolCapacity: 90 % of a device's free
+//                              memory after the weights, a quarter of the host's on the CPU).
 #include <string>
 #include <vector>
 
@@ -38,8 +40,8 @@ int main(int argc, char** argv) {
   auto add_flags = [&](CLI::App& app) {
     app.add_option("--kv-pool-bytes", options.kv_pool_bytes,
                    "Bytes of the paged KV pool the worker's sequences hold their global KV in "
-                   "(admission and preemption go by it; default 0 = a quarter of the host's "
-                   "memory)")
+                   "(admission and preemption go by it; default 0 = 90% of a GPU's free "
+                   "memory after the weights, a quarter of the host's memory on the CPU)")
         ->check(CLI::NonNegativeNumber);
     app.add_option("--dspark-k", options.fixed_k,
                    "DSpark drafts verified per step: -1 = chosen per step by the k policy, 0.." +

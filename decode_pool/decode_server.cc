@@ -66,12 +66,10 @@ std::shared_ptr<const grammar::TokenMasker> LoadMasker(const worker::WorkerSetup
       bytes, excluded, static_cast<int32_t>(setup.model->config().eos_token_id));
 }
 
-// The pool's capacity: --kv-pool-bytes, else a quarter of the host's physical memory.
-int64_t PoolCapacity(int64_t flag) {
+// The pool's capacity: --kv-pool-bytes, else sized from the backend's memory.
+int64_t PoolCapacity(int64_t flag, const model::Model& model) {
   if (flag > 0) return flag;
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
-  return static_cast<int64_t>(pages) * page / 4;
+  return model::DefaultKvPoolCapacity(model.backend(), model.options().scratch_cache_bytes);
 }
 
 DecodeStageOptions WithSetup(DecodeStageOptions o, const worker::WorkerSetup& setup) {
@@ -126,7 +124,7 @@ class DecodeHandler final : public worker::JobHandler {
                          .Register(*setup.registry)
                          .Add({})),
         loop_([this] { Loop(); }) {
-    setup_.model->kv_pool().SetCapacity(PoolCapacity(options.kv_pool_bytes));
+    setup_.model->kv_pool().SetCapacity(PoolCapacity(options.kv_pool_bytes, *setup_.model));
     UpdatePoolGauges();
   }
 
@@ -154,7 +152,8 @@ class DecodeHandler final : public worker::JobHandler {
     if (!job.sampling().constraint().empty()) {
       auto g = grammars_.Get(job.sampling().constraint());
       if (!g.ok())
-        return absl::InvalidArgumentError(absl::StrCat("decode: constraint: ", g.status().message()));
+        return absl::InvalidArgumentError(
+            absl::StrCat("decode: constraint: ", g.status().message()));
       constraint = *std::move(g);
     }
     // n > 1: one hand-off, then n sequences forked from it: the received state is deserialized
@@ -274,7 +273,10 @@ class DecodeHandler final : public worker::JobHandler {
           }
           const Slot& q = *slots[i];
           if (q.out.size() == sent[i] && !q.finished) continue;
-          Fresh f{static_cast<int>(i), {q.out.begin() + sent[i], q.out.end()}, {}, q.finished,
+          Fresh f{static_cast<int>(i),
+                  {q.out.begin() + sent[i], q.out.end()},
+                  {},
+                  q.finished,
                   q.finish};
           if (q.out_lp.size() >= q.out.size())
             f.lp.assign(q.out_lp.begin() + sent[i], q.out_lp.end());

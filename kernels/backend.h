@@ -240,6 +240,10 @@ class Backend {
                                 void* host) = 0;
   // Waits until every op queued on `stream` has finished.
   virtual absl::Status Synchronize(Stream stream = {}) = 0;
+  // Bytes of this backend's memory still free for Allocate, or -1 when the backend does not
+  // know (host memory: the operating system's). A device backend's decode worker sizes its KV
+  // pool from it.
+  virtual int64_t free_memory_bytes() const { return -1; }
   // dst = src (bytes), both in backend memory; may not overlap.
   virtual absl::Status Copy(void* dst, const void* src, int64_t bytes) = 0;
 
@@ -527,6 +531,9 @@ struct CpuBackendOptions {
   // one to (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant
   // does per weight, counts once per check). Not thread-safe: one thread at a time.
   std::map<std::string, int64_t>* op_calls = nullptr;
+  // Test seam (tests/decode/kv_pool_decode_test.cc): what free_memory_bytes() reports (-1: does
+  // not know, as host memory). Never set in a serving process.
+  int64_t free_memory_bytes = -1;
 };
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
 

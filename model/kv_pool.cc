@@ -1,5 +1,7 @@
 #include "model/kv_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -31,6 +33,18 @@ void AbortUnlessOk(const absl::Status& s, const char* what) {
   if (s.ok()) return;
   std::fprintf(stderr, "kv pool: %s: %s\n", what, std::string(s.message()).c_str());
   std::abort();
+}
+
+int64_t DefaultKvPoolCapacity(const kernels::Backend& backend, int64_t reserve_bytes) {
+  if (backend.memory_kind() == kernels::MemoryKind::kDevice) {
+    // What the device has free once the weights are in, less the activations' scratch cache and
+    // a tenth of the rest (the runtime's context, per-call buffers, the page tables).
+    const int64_t free = backend.free_memory_bytes();
+    if (free > 0) return std::max<int64_t>(1, (free - reserve_bytes) / 10 * 9);
+  }
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
+  return static_cast<int64_t>(pages) * page / 4;
 }
 
 // ---------------------------------------------------------------- KvPool

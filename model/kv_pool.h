@@ -206,6 +206,12 @@ class KvPool {
   kernels::Buffer zeros_;  // Zeros()
 };
 
+// A worker's KV pool capacity when none is configured (docs/memory.md): on a device backend 90 %
+// of its free memory (measured once the weights are in) less `reserve_bytes` (the activations'
+// scratch cache); on the host, or a device that cannot say, a quarter of the host's physical
+// memory. At least 1 (0 would mean unbounded).
+int64_t DefaultKvPoolCapacity(const kernels::Backend& backend, int64_t reserve_bytes);
+
 // Row codecs of a KvRows.
 enum class KvRowFormat {
   kPackedKv,   // compressed entry: E2M1 + E4M3 per 16 (kernels/format.h PackKvEntry)

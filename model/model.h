@@ -156,6 +156,8 @@ class Model {
                                                                    ModelOptions options = {});
 
   const ModelConfig& config() const { return config_; }
+  const ModelOptions& options() const { return options_; }
+  kernels::Backend& backend() const { return backend_; }
   const std::vector<LayerRole>& roles() const { return roles_; }
   const ModelWeights& weights() const { return *weights_; }
   const EngramConstants& engram() const { return engram_; }

@@ -62,6 +62,7 @@ class CpuBackend final : public Backend {
   MemoryKind memory_kind() const override {
     return options_.report_device_memory ? MemoryKind::kDevice : MemoryKind::kHost;
   }
+  int64_t free_memory_bytes() const override { return options_.free_memory_bytes; }
   absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
     if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
     if (stream.id != 0) return Bad("Allocate", "the CPU backend has only stream 0");

@@ -63,6 +63,12 @@ class CudaBackend final : public Backend {
 
   // ---- Memory ----
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
+  int64_t free_memory_bytes() const override {
+    size_t free = 0, total = 0;
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess)
+      return -1;
+    return static_cast<int64_t>(free);
+  }
   absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
     if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
     if (stream.id < 0 || stream.id >= kCudaStreams)

@@ -213,7 +213,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--device", o->device,
                  "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
-                 "KV pool bytes of each decode worker (default: a quarter of the host memory)")
+                 "KV pool bytes of each decode worker (default: 90% of a GPU's free memory "
+                 "after the weights, a quarter of the host memory on the CPU)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");

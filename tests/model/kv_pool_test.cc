@@ -5,6 +5,7 @@
 #include "model/kv_pool.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -507,6 +508,23 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
   EXPECT_EQ(want.fresh_window, got.fresh_window);
   EXPECT_EQ(got.shared_hits, want.shared_hits);
   EXPECT_EQ(got.shared_hits, 1);
+}
+
+// A worker's default pool capacity: from the device's free memory on a device backend (less the
+// scratch reserve and a tenth), else a quarter of the host's memory.
+TEST(KvPoolTest, TheDefaultCapacityComesFromTheBackendsMemory) {
+  const int64_t host_quarter =
+      static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 4;
+  auto host = kernels::MakeCpuBackend();
+  EXPECT_EQ(DefaultKvPoolCapacity(*host, 256 << 20), host_quarter);
+  const int64_t free = int64_t{100} << 30, reserve = int64_t{256} << 20;
+  auto device = kernels::MakeCpuBackend({.report_device_memory = true, .free_memory_bytes = free});
+  EXPECT_EQ(DefaultKvPoolCapacity(*device, reserve), (free - reserve) / 10 * 9);
+  auto nearly_full =
+      kernels::MakeCpuBackend({.report_device_memory = true, .free_memory_bytes = 1000});
+  EXPECT_EQ(DefaultKvPoolCapacity(*nearly_full, reserve), 1);  // bounded, never 0 (unbounded)
+  auto unknown = kernels::MakeCpuBackend({.report_device_memory = true});
+  EXPECT_EQ(DefaultKvPoolCapacity(*unknown, reserve), host_quarter);
 }
 
 TEST(KvPoolTest, ReleaseConfigRingsHoldThePackedSlotBytes) {
