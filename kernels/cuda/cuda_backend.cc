@@ -541,7 +541,8 @@ class CudaBackend final : public Backend {
   // ---- Paged packed rows ----
   Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
                   int64_t rows_per_page, const int32_t* rows, int64_t first) override {
-    if (Status s = PagedProblem("PackRows", codec, n, dim, rows_per_page, rows, first); !s.ok())
+    if (Status s = PagedProblem("PackRows", codec, n, dim, rows_per_page, rows, first, false);
+        !s.ok())
       return s;
     return Run("PackRows", [&] {
       return cuda::PackRows(codec, x, n, dim, pages, rows_per_page, rows, first, streams_[0]);
@@ -549,7 +550,8 @@ class CudaBackend final : public Backend {
   }
   Status UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page, int64_t dim,
                     const int32_t* rows, int64_t first, int64_t n, float* out) override {
-    if (Status s = PagedProblem("UnpackRows", codec, n, dim, rows_per_page, rows, first); !s.ok())
+    if (Status s = PagedProblem("UnpackRows", codec, n, dim, rows_per_page, rows, first, true);
+        !s.ok())
       return s;
     return Run("UnpackRows", [&] {
       return cuda::UnpackRows(codec, pages, rows_per_page, dim, rows, first, n, out, streams_[0]);
@@ -578,11 +580,14 @@ class CudaBackend final : public Backend {
  private:
   // The checks the CPU reference makes that need no device read (a listed row's value and its
   // page are device memory: a negative row is skipped by the kernels, never written outside).
+  // PackRows refuses a negative row (checked here for a range; a listed one is skipped by the
+  // kernel), UnpackRows skips it as the CPU does.
   static Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
-                             int64_t rows_per_page, const int32_t* rows, int64_t first) {
+                             int64_t rows_per_page, const int32_t* rows, int64_t first,
+                             bool skip_negative) {
     if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
     if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
-    if (rows == nullptr && first < 0 && n > 0) {
+    if (!skip_negative && rows == nullptr && first < 0 && n > 0) {
       return Bad(op, absl::StrCat("negative row ", first));
     }
     return OkStatus();

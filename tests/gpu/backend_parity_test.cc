@@ -1388,22 +1388,23 @@ PARITY_CASE(UnpackRows) {
         page.insert(page.end(), row.begin(), row.end());
       }
     }
-    // A list; a range from row 1; a top-k list with -1s read at an offset of -2 (the -1s, rows
-    // below 0 then, leave their output rows as they were: the poison).
+    // A list; a range from row 1; a top-k list with -1s read at an offset of -2, and a range
+    // from row -2 (rows below 0 leave their output rows as they were: the poison).
     const std::vector<int32_t> list = {11, 0, 4, 4, 7, 2}, topk = {-1, 5, 13, -1, 2, 9};
     const int64_t n = static_cast<int64_t>(list.size());
-    const char* modes[] = {" (list)", " (range)", " (top-k with offset)"};
-    for (int mode = 0; mode < 3; ++mode) {
+    const char* modes[] = {" (list)", " (range)", " (top-k with offset)", " (range from -2)"};
+    for (int mode = 0; mode < 4; ++mode) {
       std::vector<std::vector<float>> res;
       for (Side* s : {&env.ref, &env.cand}) {
         std::vector<uint8_t*> pages;
         uint8_t* const* table = PagesOn(*s, bytes, pages);
         float* out = s->Out<float>(n * pc.dim);
         const int32_t* rows = mode == 0 ? s->In(list) : mode == 2 ? s->In(topk) : nullptr;
-        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table, kRowsPerPage, pc.dim, rows,
-                                           mode == 2 ? -2 : (mode == 1 ? 1 : 0), n, out));
+        const int64_t first = mode >= 2 ? -2 : (mode == 1 ? 1 : 0);
+        EXPECT_OP_OK(*s,
+                     s->b().UnpackRows(pc.codec, table, kRowsPerPage, pc.dim, rows, first, n, out));
         res.push_back(s->Read(out, n * pc.dim));
-        if (mode == 2) {
+        if (mode >= 2) {
           EXPECT_EQ(Bits(res.back()[0]), Bits(Side::Poison<float>()))
               << s->name() << ": a -1 slot was written";
         }
