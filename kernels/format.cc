@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -71,13 +72,9 @@ uint8_t EncodeE8M0(float p) {
   return static_cast<uint8_t>(std::clamp(e - 1 + 127, 0, 254));
 }
 
-float Pow2Ceil(float v) {
-  return codec::Pow2Ceil(v);
-}
+float Pow2Ceil(float v) { return codec::Pow2Ceil(v); }
 
-uint8_t EncodeE2M1(float x) {
-  return codec::EncodeE2M1(x);
-}
+uint8_t EncodeE2M1(float x) { return codec::EncodeE2M1(x); }
 
 void QuantizeFp8Row(const float* x, int64_t k, float* q, float* scales) {
   const float inv448 = 1.f / 448.f;
@@ -270,9 +267,8 @@ void UnpackSwaBlock(const uint8_t* in, int64_t b0, int64_t end, const float* e4m
 // significant bits, 2^-9 <= |v| <= 448) times such a power of two is a normal fp32 number with
 // <= 4 significant bits, exact in fp32 and in bf16, so the RoundBf16 there changes nothing (a NaN
 // code stays the table's NaN). Other scale codes take that path.
-__attribute__((target("avx2"))) void UnpackSwaAvx(const uint8_t* in, int64_t dim,
-                                                  const float* e4m3, const float* e8m0,
-                                                  float* out) {
+__attribute__((target("avx2"))) void UnpackSwaAvx(const uint8_t* in, int64_t dim, const float* e4m3,
+                                                  const float* e8m0, float* out) {
   for (int64_t b0 = 0; b0 < dim; b0 += 32) {
     const uint8_t code = in[dim + b0 / 32];
     if (code < 10 || code > 244) {
@@ -299,8 +295,35 @@ void UnpackSwaSlot(const uint8_t* in, int64_t dim, float* out) {
   if (dim % 32 == 0 && HaveAvx2()) return UnpackSwaAvx(in, dim, t.e4m3, t.e8m0, out);
 #endif
   for (int64_t b0 = 0; b0 < dim; b0 += 32)
-    UnpackSwaBlock(in, b0, std::min<int64_t>(dim, b0 + 32), t.e4m3, t.e8m0[in[dim + b0 / 32]],
-                   out);
+    UnpackSwaBlock(in, b0, std::min<int64_t>(dim, b0 + 32), t.e4m3, t.e8m0[in[dim + b0 / 32]], out);
+}
+
+void PackRow(RowCodec codec, const float* x, int64_t dim, uint8_t* out) {
+  switch (codec) {
+    case RowCodec::kKvEntry:
+      return PackKvEntry(x, dim, out);
+    case RowCodec::kIndexKey:
+      return PackIndexKey(x, dim, out);
+    case RowCodec::kSwaSlot:
+      return PackSwaSlot(x, dim, out);
+    case RowCodec::kF32:
+      std::memcpy(out, x, static_cast<size_t>(dim) * sizeof(float));
+      return;
+  }
+}
+
+void UnpackRow(RowCodec codec, const uint8_t* in, int64_t dim, float* out) {
+  switch (codec) {
+    case RowCodec::kKvEntry:
+      return UnpackKvEntry(in, dim, out);
+    case RowCodec::kIndexKey:
+      return UnpackIndexKey(in, dim, out);
+    case RowCodec::kSwaSlot:
+      return UnpackSwaSlot(in, dim, out);
+    case RowCodec::kF32:
+      std::memcpy(out, in, static_cast<size_t>(dim) * sizeof(float));
+      return;
+  }
 }
 
 }  // namespace epd::kernels::format

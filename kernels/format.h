@@ -13,6 +13,7 @@
 #include <cstring>
 
 #include "kernels/codec.h"
+#include "kernels/row_codec.h"
 
 namespace epd::kernels::format {
 
@@ -76,5 +77,9 @@ void UnpackIndexKey(const uint8_t* in, int64_t dim, float* out);
 int64_t PackedSwaSlotBytes(int64_t dim);
 void PackSwaSlot(const float* x, int64_t dim, uint8_t* out);
 void UnpackSwaSlot(const uint8_t* in, int64_t dim, float* out);
+// One row in `codec` (kernels/row_codec.h: the functions above by codec; kF32 copies the fp32
+// bytes), row_codec::RowBytes(codec, dim) bytes.
+void PackRow(RowCodec codec, const float* x, int64_t dim, uint8_t* out);
+void UnpackRow(RowCodec codec, const uint8_t* in, int64_t dim, float* out);
 
 }  // namespace epd::kernels::format

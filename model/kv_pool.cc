@@ -101,17 +101,17 @@ absl::Status KvPool::CopyBlock(const Block& dst, const Block& src, int64_t bytes
   return backend_->Copy(dst.data, src.data, bytes);
 }
 
+absl::StatusOr<kernels::Buffer> KvPool::Staged(const void* host, int64_t bytes) {
+  ASSIGN_OR_RETURN(kernels::Buffer buf, backend_->Allocate(bytes));
+  RETURN_IF_ERROR(backend_->Upload(host, bytes, buf));
+  return buf;
+}
+
 absl::StatusOr<const void*> KvPool::Zeros(int64_t bytes) {
   std::lock_guard<std::mutex> l(mu_);
   if (zeros_.bytes() < bytes) {
-    ASSIGN_OR_RETURN(kernels::Buffer buf, backend_->Allocate(bytes));
     const std::vector<uint8_t> zero(static_cast<size_t>(bytes), 0);
-    if (host_memory_) {
-      std::memcpy(buf.data(), zero.data(), zero.size());
-    } else {
-      RETURN_IF_ERROR(backend_->Upload(zero.data(), bytes, buf));
-    }
-    zeros_ = std::move(buf);
+    ASSIGN_OR_RETURN(zeros_, Staged(zero.data(), bytes));
   }
   return static_cast<const void*>(zeros_.data());
 }
@@ -422,16 +422,20 @@ KvPool::Stats KvPool::stats() const {
 
 // ---------------------------------------------------------------- KvRows
 
-int64_t KvRowBytes(KvRowFormat format, int64_t dim) {
+kernels::RowCodec KvRowCodec(KvRowFormat format) {
   switch (format) {
     case KvRowFormat::kPackedKv:
-      return kf::PackedKvEntryBytes(dim);
+      return kernels::RowCodec::kKvEntry;
     case KvRowFormat::kPackedKey:
-      return kf::PackedIndexKeyBytes(dim);
+      return kernels::RowCodec::kIndexKey;
     case KvRowFormat::kF32:
-      return dim * 4;
+      break;
   }
-  return dim * 4;
+  return kernels::RowCodec::kF32;
+}
+
+int64_t KvRowBytes(KvRowFormat format, int64_t dim) {
+  return kernels::RowCodecBytes(KvRowCodec(format), dim);
 }
 
 KvRows::KvRows(std::shared_ptr<KvPool> pool, KvRowFormat format, int64_t dim, int ratio,
@@ -496,18 +500,6 @@ void KvRows::ReleaseAll() {
   rows_ = 0;
 }
 
-kernels::RowCodec KvRows::codec() const {
-  switch (format_) {
-    case KvRowFormat::kPackedKv:
-      return kernels::RowCodec::kKvEntry;
-    case KvRowFormat::kPackedKey:
-      return kernels::RowCodec::kIndexKey;
-    case KvRowFormat::kF32:
-      break;
-  }
-  return kernels::RowCodec::kF32;
-}
-
 absl::Status KvRows::Writable(size_t b) {
   if (b == blocks_.size()) {
     if (pool_ == nullptr) return absl::FailedPreconditionError("kv rows: no pool");
@@ -562,8 +554,7 @@ absl::StatusOr<uint8_t* const*> KvRows::Pages() const {
   const auto need = static_cast<int64_t>(std::max<size_t>(1, blocks_.size()) * sizeof(uint8_t*));
   if (table_.bytes() < need) {  // grows by doubling; the new table is uploaded whole
     ASSIGN_OR_RETURN(table_, be.Allocate(std::max(need, 2 * table_.bytes())));
-    table_valid_ = 0;
-    for (size_t b = 0; b < blocks_.size(); ++b) pages_[b] = blocks_[b].data;
+    table_valid_ = 0;  // pages_ is whole (above): all of it goes up
   }
   if (table_valid_ < blocks_.size()) {
     const auto from = static_cast<int64_t>(table_valid_ * sizeof(uint8_t*));
@@ -590,7 +581,8 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
   absl::StatusOr<uint8_t* const*> pages = Pages();
   absl::Status st = pages.status();
   if (st.ok()) {
-    st = pool_->backend().PackRows(codec(), x, n, dim_, *pages, rows_per_block_, nullptr, rows_);
+    st = pool_->backend().PackRows(KvRowCodec(format_), x, n, dim_, *pages, rows_per_block_,
+                                   nullptr, rows_);
   }
   if (!st.ok()) {
     Truncate(start);
@@ -610,9 +602,7 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
 absl::Status KvRows::Append(const float* x, int64_t n) {
   if (n <= 0) return absl::OkStatus();
   if (pool_ != nullptr && !pool_->host_memory()) {  // staged into the backend's memory
-    kernels::Backend& be = pool_->backend();
-    ASSIGN_OR_RETURN(kernels::Buffer buf, be.Allocate(n * dim_ * 4));
-    RETURN_IF_ERROR(be.Upload(x, n * dim_ * 4, buf));
+    ASSIGN_OR_RETURN(kernels::Buffer buf, pool_->Staged(x, n * dim_ * 4));
     return AppendFrom(buf.as<float>(), n);
   }
   return AppendFrom(x, n);
@@ -662,13 +652,15 @@ absl::Status KvRows::UnpackTo(int64_t first, int64_t n, float* out) const {
         absl::StrCat("kv rows: rows ", first, "..", first + n, " of ", held, " in the blocks"));
   }
   ASSIGN_OR_RETURN(uint8_t* const* pages, Pages());
-  return pool_->backend().UnpackRows(codec(), pages, rows_per_block_, dim_, nullptr, first, n, out);
+  return pool_->backend().UnpackRows(KvRowCodec(format_), pages, rows_per_block_, dim_, nullptr,
+                                     first, n, out);
 }
 
 absl::Status KvRows::GatherTo(const int32_t* idx, int64_t n, float* out, int64_t offset) const {
   if (n <= 0) return absl::OkStatus();
   ASSIGN_OR_RETURN(uint8_t* const* pages, Pages());
-  return pool_->backend().UnpackRows(codec(), pages, rows_per_block_, dim_, idx, offset, n, out);
+  return pool_->backend().UnpackRows(KvRowCodec(format_), pages, rows_per_block_, dim_, idx, offset,
+                                     n, out);
 }
 
 void KvRows::Unpack(int64_t first, int64_t n, float* out) const {
@@ -685,11 +677,10 @@ void KvRows::Gather(const int32_t* idx, int64_t n, float* out) const {
   if (n <= 0) return;
   if (pool_->host_memory()) return AbortUnlessOk(GatherTo(idx, n, out), "gather");
   kernels::Backend& be = pool_->backend();
-  absl::StatusOr<kernels::Buffer> ids = be.Allocate(n * 4);
+  absl::StatusOr<kernels::Buffer> ids = pool_->Staged(idx, n * 4);
   absl::StatusOr<kernels::Buffer> buf = be.Allocate(n * dim_ * 4);
   AbortUnlessOk(ids.status(), "gather");
   AbortUnlessOk(buf.status(), "gather");
-  AbortUnlessOk(be.Upload(idx, n * 4, *ids), "gather");
   AbortUnlessOk(GatherTo(ids->as<int32_t>(), n, buf->as<float>()), "gather");
   AbortUnlessOk(be.Download(*buf, 0, n * dim_ * 4, out), "gather");
 }
@@ -714,14 +705,7 @@ absl::Status KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& 
   std::vector<float> rows(static_cast<size_t>(n * dim_));
   Unpack(first, n, rows.data());
   for (int64_t r = 0; r < n; ++r) {
-    const float* row = rows.data() + r * dim_;
-    if (packed_format == KvRowFormat::kPackedKv) {
-      kf::PackKvEntry(row, dim_, out.data() + at + r * pb);
-    } else if (packed_format == KvRowFormat::kPackedKey) {
-      kf::PackIndexKey(row, dim_, out.data() + at + r * pb);
-    } else {
-      std::memcpy(out.data() + at + r * pb, row, static_cast<size_t>(pb));
-    }
+    kf::PackRow(KvRowCodec(packed_format), rows.data() + r * dim_, dim_, out.data() + at + r * pb);
   }
   return absl::OkStatus();
 }
@@ -865,16 +849,11 @@ absl::Status SwaRing::WriteSlot(int64_t slot, const float* x) {
 
 absl::Status SwaRing::WritePositions(int64_t first_pos, int64_t n, const float* x) {
   if (n <= 0) return absl::OkStatus();
-  RETURN_IF_ERROR(Writable());
-  if (pool_->host_memory()) {
-    for (int64_t i = std::max<int64_t>(0, n - window_); i < n; ++i)
-      kf::PackSwaSlot(x + i * dim_, dim_, block_.data + ((first_pos + i) % window_) * slot_bytes_);
-    return absl::OkStatus();
-  }
-  kernels::Backend& be = pool_->backend();
+  if (pool_ == nullptr) return absl::FailedPreconditionError("swa ring: no pool");
+  if (pool_->host_memory()) return WritePositionsFrom(first_pos, n, x);
+  // Staged into the backend's memory: only the rows that land (the last `window`).
   const int64_t i0 = std::max<int64_t>(0, n - window_);
-  ASSIGN_OR_RETURN(kernels::Buffer buf, be.Allocate((n - i0) * dim_ * 4));
-  RETURN_IF_ERROR(be.Upload(x + i0 * dim_, (n - i0) * dim_ * 4, buf));
+  ASSIGN_OR_RETURN(kernels::Buffer buf, pool_->Staged(x + i0 * dim_, (n - i0) * dim_ * 4));
   return WritePositionsFrom(first_pos + i0, n - i0, buf.as<float>());
 }
 

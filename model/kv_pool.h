@@ -133,6 +133,8 @@ class KvPool {
   [[nodiscard]] absl::Status Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const;
   // dst's first `bytes` = src's (the backend's Copy on a device pool).
   [[nodiscard]] absl::Status CopyBlock(const Block& dst, const Block& src, int64_t bytes);
+  // A backend buffer holding a copy of `bytes` host bytes (a host surface's input, staged).
+  absl::StatusOr<kernels::Buffer> Staged(const void* host, int64_t bytes);
   // At least `bytes` zero bytes in the backend's memory (kept by the pool, never written).
   absl::StatusOr<const void*> Zeros(int64_t bytes);
 
@@ -292,7 +294,6 @@ class KvRows {
   void Invalidate(size_t b) const { table_valid_ = std::min(table_valid_, b); }
   // The page table of the blocks, in the backend's memory (host: a host array).
   absl::StatusOr<uint8_t* const*> Pages() const;
-  kernels::RowCodec codec() const;
 
   std::shared_ptr<KvPool> pool_;
   KvRowFormat format_ = KvRowFormat::kF32;
@@ -317,6 +318,8 @@ class KvRows {
 // worker is restarted).
 void AbortUnlessOk(const absl::Status& s, const char* what);
 
+// The backend row codec of `format`.
+kernels::RowCodec KvRowCodec(KvRowFormat format);
 // Packed bytes per row of `format` at `dim`.
 int64_t KvRowBytes(KvRowFormat format, int64_t dim);
 

@@ -308,11 +308,14 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   Scratch ws(backend_, scratch_pool_.get());
   vector<int64_t> pos(S);
   for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
-  const int64_t* pos_dev = call.pos_dev;
-  if (pos_dev == nullptr) {  // uploaded once per call when it has a scratch
-    ASSIGN_OR_RETURN(pos_dev, call.scratch != nullptr ? call.scratch->Copy(pos) : ws.Copy(pos));
-    if (call.scratch != nullptr) call.pos_dev = pos_dev;
+  if (call.scratch == nullptr) {  // a module entry point's call: arrays that span its layers
+    call.own_scratch = std::make_shared<Scratch>(backend_, scratch_pool_.get());
+    call.scratch = call.own_scratch.get();
   }
+  if (call.pos_dev == nullptr) {  // uploaded once per call
+    ASSIGN_OR_RETURN(call.pos_dev, call.scratch->Copy(pos));
+  }
+  const int64_t* pos_dev = call.pos_dev;
 
   ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
   ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
@@ -370,23 +373,11 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
         RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
-        int32_t* topk = nullptr;
-        if (!device_lists) {
-          ASSIGN_OR_RETURN(topk, ws.Alloc<int32_t>(S * k));
-        } else if (call.scratch != nullptr) {  // the later layers of the call reuse it
-          ASSIGN_OR_RETURN(topk, call.scratch->Alloc<int32_t>(S * k));
-        } else {
-          ASSIGN_OR_RETURN(call.topk_owned, backend_.Allocate(S * k * 4));
-          topk = call.topk_owned.as<int32_t>();
-        }
+        // A small call's top-k is read by its later layers too: in the call's scratch.
+        ASSIGN_OR_RETURN(int32_t * topk, (device_lists ? *call.scratch : ws).Alloc<int32_t>(S * k));
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
-          if (call.scratch != nullptr) {
-            ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
-          } else {
-            ASSIGN_OR_RETURN(call.cand_owned, backend_.Allocate(S * nk));
-            call.cand = call.cand_owned.as<uint8_t>();
-          }
+          ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
           call.cand_cols = nk;
         }
         const uint8_t* cand = call.cand_cols > 0 ? call.cand : nullptr;
@@ -463,10 +454,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         } else {
           call.topk_dev = topk;
           if (trace != nullptr) {  // the host copy only for the trace
-            RETURN_IF_ERROR(
-                call.scratch != nullptr
-                    ? call.scratch->Download(topk, S * k, call.topk.data())
-                    : backend_.Download(call.topk_owned, 0, S * k * 4, call.topk.data()));
+            RETURN_IF_ERROR(call.scratch->Download(topk, S * k, call.topk.data()));
           }
         }
       }
@@ -486,9 +474,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   // slot j holds position max(0, p-W+1) + j (oldest first), -1 when that is after p or below the
   // floor; the top-k entries start at slot W. A small call's window part is the same for each of
   // its layers with this list length and floor: built and uploaded once (call.window_lists).
-  const bool cached_lists = device_lists && call.scratch != nullptr;
   const int32_t* window_list = nullptr;
-  if (cached_lists) {
+  if (device_lists) {
     auto it = call.window_lists.find({list_len, call.window_floor});
     if (it != call.window_lists.end()) window_list = it->second;
   }
@@ -546,7 +533,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
   }
-  if (cached_lists) {
+  if (device_lists) {
     if (window_list == nullptr) {
       ASSIGN_OR_RETURN(window_list, call.scratch->Copy(idx));
       call.window_lists[{list_len, call.window_floor}] = window_list;

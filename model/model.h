@@ -239,19 +239,20 @@ class Model {
     std::vector<int32_t> topk;  // [rows, k] last published top-k (window offset applied);
                                 // host copy: calls of more than device_list_rows rows, traces
     int64_t topk_k = 0;
-    // The same in backend memory, for calls of at most device_list_rows rows (from `scratch`,
-    // else from topk_owned): their lists are completed and gathered on the backend.
+    // The same in `scratch`, for calls of at most device_list_rows rows: their lists are
+    // completed and gathered on the backend.
     int32_t* topk_dev = nullptr;
-    kernels::Buffer topk_owned;
-    // Uploaded once per call into `scratch` (when it has one) and shared by its layers: the rows'
-    // positions, and for calls of at most device_list_rows rows the window part of the attention
-    // lists (top-k part -1) by (list length, window floor).
+    // Uploaded once per call into `scratch` and shared by its layers: the rows' positions, and
+    // for calls of at most device_list_rows rows the window part of the attention lists (top-k
+    // part -1) by (list length, window floor).
     const int64_t* pos_dev = nullptr;
     std::map<std::pair<int64_t, int64_t>, const int32_t*> window_lists;
     uint8_t* cand = nullptr;  // [rows, cand_cols] candidate mask of the candidate source
-                              // (backend memory: from `scratch`, else from cand_owned)
-    kernels::Buffer cand_owned;
-    Scratch* scratch = nullptr;  // the call's scratch (RunStage's): arrays that span its layers
+                              // (backend memory, in `scratch`)
+    // The call's scratch: arrays that span its layers (RunStage's; for a call a module entry
+    // point's caller made without one, Attention makes own_scratch on first use).
+    Scratch* scratch = nullptr;
+    std::shared_ptr<Scratch> own_scratch;
     int64_t cand_cols = 0;
     bool per_row_keys = false;    // emulate single-token calls for the stale index keys
     int published_at_start = -1;  // state.published_keys when the call started

@@ -29,15 +29,11 @@ absl::Status AppendPackedRows(KvRows& rows, const std::vector<uint8_t>& bytes, i
                               bool keys) {
   if (rows.format() != KvRowFormat::kF32) return rows.AppendPacked(bytes.data(), n);
   const int64_t d = rows.dim();
-  const int64_t pb = keys ? kf::PackedIndexKeyBytes(d) : kf::PackedKvEntryBytes(d);
+  const KvRowFormat packed = keys ? KvRowFormat::kPackedKey : KvRowFormat::kPackedKv;
+  const int64_t pb = KvRowBytes(packed, d);
   std::vector<float> f(n * d);
-  for (int64_t j = 0; j < n; ++j) {
-    if (keys) {
-      kf::UnpackIndexKey(bytes.data() + j * pb, d, f.data() + j * d);
-    } else {
-      kf::UnpackKvEntry(bytes.data() + j * pb, d, f.data() + j * d);
-    }
-  }
+  for (int64_t j = 0; j < n; ++j)
+    kf::UnpackRow(KvRowCodec(packed), bytes.data() + j * pb, d, f.data() + j * d);
   return rows.Append(f.data(), n);
 }
 

@@ -659,22 +659,7 @@ class CpuBackend final : public Backend {
     const int64_t rb = RowCodecBytes(codec, dim);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = (rows != nullptr ? rows[i] : i) + first;
-      uint8_t* d = pages[r / rows_per_page] + (r % rows_per_page) * rb;
-      const float* row = x + i * dim;
-      switch (codec) {
-        case RowCodec::kKvEntry:
-          format::PackKvEntry(row, dim, d);
-          break;
-        case RowCodec::kIndexKey:
-          format::PackIndexKey(row, dim, d);
-          break;
-        case RowCodec::kSwaSlot:
-          format::PackSwaSlot(row, dim, d);
-          break;
-        case RowCodec::kF32:
-          std::memcpy(d, row, static_cast<size_t>(rb));
-          break;
-      }
+      format::PackRow(codec, x + i * dim, dim, pages[r / rows_per_page] + (r % rows_per_page) * rb);
     }
     return OkStatus();
   }
@@ -687,32 +672,11 @@ class CpuBackend final : public Backend {
       return s;
     }
     const int64_t rb = RowCodecBytes(codec, dim);
-    for (int64_t i = 0; i < n;) {
+    for (int64_t i = 0; i < n; ++i) {
       const int64_t r = (rows != nullptr ? rows[i] : i) + first;
-      if (r < 0) {  // a skipped slot (a top-k's -1): out row i stays as it is
-        ++i;
-        continue;
-      }
-      // A run of consecutive rows within one page in one go (the common case: a range).
-      int64_t take = 1;
-      if (rows == nullptr) take = std::min(n - i, rows_per_page - r % rows_per_page);
-      const uint8_t* src = pages[r / rows_per_page] + (r % rows_per_page) * rb;
-      float* o = out + i * dim;
-      switch (codec) {
-        case RowCodec::kKvEntry:
-          for (int64_t j = 0; j < take; ++j) format::UnpackKvEntry(src + j * rb, dim, o + j * dim);
-          break;
-        case RowCodec::kIndexKey:
-          for (int64_t j = 0; j < take; ++j) format::UnpackIndexKey(src + j * rb, dim, o + j * dim);
-          break;
-        case RowCodec::kSwaSlot:
-          for (int64_t j = 0; j < take; ++j) format::UnpackSwaSlot(src + j * rb, dim, o + j * dim);
-          break;
-        case RowCodec::kF32:
-          std::memcpy(o, src, static_cast<size_t>(take * rb));
-          break;
-      }
-      i += take;
+      if (r < 0) continue;  // a skipped slot (a top-k's -1): out row i stays as it is
+      format::UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * rb, dim,
+                        out + i * dim);
     }
     return OkStatus();
   }

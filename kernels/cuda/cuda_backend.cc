@@ -579,9 +579,9 @@ class CudaBackend final : public Backend {
 
  private:
   // The checks the CPU reference makes that need no device read (a listed row's value and its
-  // page are device memory: a negative row is skipped by the kernels, never written outside).
-  // PackRows refuses a negative row (checked here for a range; a listed one is skipped by the
-  // kernel), UnpackRows skips it as the CPU does.
+  // page are device memory). A negative row: UnpackRows skips it as the CPU does; PackRows
+  // refuses it in a range, and its kernel skips a listed one (never writing outside the pages)
+  // where the CPU would refuse the call.
   static Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
                              int64_t rows_per_page, const int32_t* rows, int64_t first,
                              bool skip_negative) {

@@ -98,32 +98,12 @@ TEST(CodecTest, RowCodecsMatchTheHostPackedFormats) {
       if (trial == 7) x[3] = NAN;
       if (trial == 8) x[40] = INFINITY;
       std::vector<uint8_t> want(rb), got(rb, 0xa5);
-      switch (codec) {
-        case RowCodec::kKvEntry:
-          format::PackKvEntry(x.data(), dim, want.data());
-          break;
-        case RowCodec::kIndexKey:
-          format::PackIndexKey(x.data(), dim, want.data());
-          break;
-        default:
-          format::PackSwaSlot(x.data(), dim, want.data());
-          break;
-      }
+      format::PackRow(codec, x.data(), dim, want.data());
       for (int64_t b = 0; b < dim / block; ++b)
         row_codec::PackBlock(codec, x.data(), dim, b, got.data());
       ASSERT_EQ(got, want) << "codec " << static_cast<int>(codec) << " trial " << trial;
       std::vector<float> unpacked(dim);
-      switch (codec) {
-        case RowCodec::kKvEntry:
-          format::UnpackKvEntry(want.data(), dim, unpacked.data());
-          break;
-        case RowCodec::kIndexKey:
-          format::UnpackIndexKey(want.data(), dim, unpacked.data());
-          break;
-        default:
-          format::UnpackSwaSlot(want.data(), dim, unpacked.data());
-          break;
-      }
+      format::UnpackRow(codec, want.data(), dim, unpacked.data());
       for (int64_t d = 0; d < dim; ++d) {
         ASSERT_TRUE(Same(row_codec::UnpackElement(codec, want.data(), dim, d), unpacked[d]))
             << "codec " << static_cast<int>(codec) << " trial " << trial << " element " << d;
