@@ -234,9 +234,9 @@ class DecodeHandler final : public worker::JobHandler {
         auto slot = std::make_shared<Slot>();
         slot->seq = std::make_unique<DecodeSequence>();  // placeholder until admitted
         slot->start = std::move(start);
-        // Global KV + the packed SWA rings (a copy of a shared state copies them on its first
-        // step).
-        slot->need_bytes = setup_.model->KvBytesFor(n) + setup_.model->SwaRingBytes();
+        // Global KV + the packed SWA rings and compressor tails (a copy of a shared state
+        // copies them on its first step).
+        slot->need_bytes = setup_.model->KvBytesFor(n) + setup_.model->FixedStateBytes();
         slots_.push_back(slot);
         slots.push_back(std::move(slot));
       }
@@ -460,7 +460,7 @@ class DecodeHandler final : public worker::JobHandler {
         Slot& s = *victim->slot;
         s.swapped = model::SerializeState(setup_.model->config(), *victim->seq->state);
         s.need_bytes =
-            setup_.model->KvBytesFor(victim->seq->state->pos) + setup_.model->SwaRingBytes();
+            setup_.model->KvBytesFor(victim->seq->state->pos) + setup_.model->FixedStateBytes();
         victim->seq->state.reset();  // releases its blocks
         s.preempted = true;
         victim->live = false;

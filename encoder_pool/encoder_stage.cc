@@ -125,6 +125,7 @@ absl::StatusOr<EncoderResult> EncoderStage::Run(std::span<const int32_t> prompt,
     }
   }
   if (P == 0) state = model_.NewSequence();
+  state->cut_block_tokens = B;  // the compressor logs keep the tails CutPrefixBlocks cuts
   report->cached_tokens = P;
 
   // 3. EncoderPass over [P, N), split at the last block boundary M so that the new blocks and the

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <sstream>
 #include <utility>
 
@@ -72,6 +73,14 @@ int64_t SwaRingBytes(const ModelConfig& c) {
          kernels::format::PackedSwaSlotBytes(c.head_dim);
 }
 
+int64_t CompressorTailBytes(const ModelConfig& c) {
+  int64_t b = 0;
+  for (int l : c.kv_source_layers) {
+    if (c.compress_ratios[l] > 1) b += int64_t{2} * c.compress_ratios[l] * c.head_dim * 4;
+  }
+  return b;
+}
+
 std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& c, std::shared_ptr<KvPool> pool,
                                                 bool unquantized_kv) {
   auto s = std::make_unique<SequenceState>();
@@ -83,10 +92,7 @@ std::unique_ptr<SequenceState> NewSequenceState(const ModelConfig& c, std::share
     src.ratio = c.compress_ratios[l];
     src.kv = KvRows(pool, kvf, c.head_dim, src.ratio, static_cast<uint64_t>(l) * 2);
     src.keys = KvRows(pool, kf, c.index_head_dim, src.ratio, static_cast<uint64_t>(l) * 2 + 1);
-    if (src.ratio > 1) {
-      src.kv_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, 0.f);
-      src.score_state.assign(static_cast<size_t>(src.ratio) * c.head_dim, -INFINITY);
-    }
+    if (src.ratio > 1) src.tail = CompressorTail(pool, src.ratio, c.head_dim);
   }
   return s;
 }
@@ -167,17 +173,22 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     ASSIGN_OR_RETURN(float* scf, ws.Alloc<float>(S * hd));
     RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf));
     RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf));
-    // Per-row tail inputs of this call, for rolling back rejected positions. The tail state and
-    // these logs are host memory (the sequence state's; docs/cuda.md).
-    s.log_start = pos[0];
-    RETURN_IF_ERROR(ws.DownloadTo(kvf, S * hd, s.log_kv));
-    RETURN_IF_ERROR(ws.DownloadTo(scf, S * hd, s.log_score));
+    RETURN_IF_ERROR(LogCompressorRows(ws, s, state.cut_block_tokens, kvf, scf, pos));
     int64_t emits = 0;
     for (int64_t i = 0; i < S; ++i) emits += (pos[i] + 1) % ratio == 0 ? 1 : 0;
-    const int64_t tail = static_cast<int64_t>(s.kv_state.size());
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
-    ASSIGN_OR_RETURN(float* kv_tail, ws.Alloc<float>(tail));
-    ASSIGN_OR_RETURN(float* score_tail, ws.Alloc<float>(tail));
+    // The tail state (backend memory) takes the call's rows lazily: rows [written, i] just before
+    // a group begun in an earlier call pools it, and at the end the last row of each slot.
+    int64_t written = 0;
+    auto write_rows = [&](int64_t from, int64_t to) -> absl::Status {  // rows [from, to)
+      for (int64_t i = from; i < to;) {
+        int64_t n = 1;  // a run of consecutive positions in consecutive slots
+        while (i + n < to && pos[i + n] == pos[i] + n && (pos[i] % ratio) + n < ratio) ++n;
+        RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
+        i += n;
+      }
+      return absl::OkStatus();
+    };
     // Groups whose rows are all in this call pool straight from kvf/scf; consecutive ones go in
     // one CompressPool call (a run: `run` groups from row run_row, into latents from run_lat).
     int64_t run = 0, run_row = 0, run_lat = 0;
@@ -189,19 +200,16 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
                                    latents + run_lat * hd);
     };
     for (int64_t i = 0; i < S; ++i) {
-      const int64_t slot = pos[i] % ratio;
-      std::copy_n(s.log_kv.data() + i * hd, hd, s.kv_state.data() + slot * hd);
-      std::copy_n(s.log_score.data() + i * hd, hd, s.score_state.data() + slot * hd);
       if ((pos[i] + 1) % ratio != 0) continue;
       float* lat = latents + static_cast<int64_t>(gpos.size()) * hd;
       // The group is positions pos[i]-ratio+1..pos[i], slot j = the group's j-th position. When
-      // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf (in
-      // backend memory already); a group begun in an earlier call pools the host tail state.
+      // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf;
+      // a group begun in an earlier call pools the tail state.
       const bool in_call = i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio;
       if (!in_call) {
-        RETURN_IF_ERROR(ws.Upload(kv_tail, s.kv_state.data(), tail));
-        RETURN_IF_ERROR(ws.Upload(score_tail, s.score_state.data(), tail));
-        RETURN_IF_ERROR(backend_.CompressPool(kv_tail, score_tail, 1, ratio, hd, lat));
+        RETURN_IF_ERROR(write_rows(written, i + 1));
+        written = i + 1;
+        RETURN_IF_ERROR(backend_.CompressPool(s.tail.kv(), s.tail.score(), 1, ratio, hd, lat));
       } else if (run > 0 && run_row + run * ratio == i + 1 - ratio &&
                  run_lat + run == static_cast<int64_t>(gpos.size())) {
         ++run;  // the next group of the run: its rows follow the previous group's
@@ -212,6 +220,21 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
         run = 1;
       }
       gpos.push_back(pos[i] + 1 - ratio);
+    }
+    // The rows still to write: of each slot, its last row (later rows overwrite earlier ones).
+    std::vector<int64_t> last(static_cast<size_t>(ratio), -1);
+    for (int64_t i = written; i < S; ++i) last[pos[i] % ratio] = i;
+    for (int64_t i = written; i < S;) {
+      if (last[pos[i] % ratio] != i) {
+        ++i;
+        continue;
+      }
+      int64_t n = 1;
+      while (i + n < S && last[pos[i + n] % ratio] == i + n && pos[i + n] == pos[i] + n &&
+             (pos[i] % ratio) + n < ratio)
+        ++n;
+      RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
+      i += n;
     }
     RETURN_IF_ERROR(flush_run());
     // Every entry's norm in one call (rows are independent).
@@ -244,6 +267,29 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     state.published_keys = l;
   }
   return absl::OkStatus();
+}
+
+absl::Status Model::LogCompressorRows(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
+                                       const float* kv, const float* score,
+                                       const vector<int64_t>& pos) const {
+  const int64_t S = static_cast<int64_t>(pos.size()), hd = config_.head_dim;
+  const int64_t last = S > 0 ? pos.back() : 0;
+  vector<int64_t> rows, positions;
+  for (int64_t i = 0; i < S; ++i) {
+    if (!CompressorLog::LogsPosition(pos[i], last, s.ratio, cut_block)) continue;
+    rows.push_back(i);
+    positions.push_back(pos[i]);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
+  ASSIGN_OR_RETURN(s.log, CompressorLog::Make(backend_, hd, n, std::move(s.log)));
+  if (n == 0) return absl::OkStatus();
+  // A call of at most kLogRecentRows rows at consecutive positions (a decode step, a
+  // verification block) logs every row: two Copies. A larger one (a prefill: the last rows and
+  // the tails at block boundaries) gathers, one CopyRows per array.
+  if (S <= CompressorLog::kLogRecentRows && n == S && pos.back() - pos.front() == S - 1)
+    return s.log->Append(positions.front(), n, kv + rows.front() * hd, score + rows.front() * hd);
+  ASSIGN_OR_RETURN(const int64_t* rows_dev, ws.Copy(rows));
+  return s.log->AppendGathered(positions, rows_dev, kv, score);
 }
 
 absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows,
@@ -839,7 +885,8 @@ absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
 }
 
 absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
-                             const StageSpec& spec, Hidden& io, ForwardTrace* trace) const {
+                             const StageSpec& spec, Hidden& io, ForwardTrace* trace,
+                             Scratch* outer, DeviceResidual* keep) const {
   const ModelConfig& c = config_;
   const int64_t S = static_cast<int64_t>(ids.size()), D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   const int last = spec.last_layer < 0 ? c.n_layers : spec.last_layer;
@@ -860,8 +907,12 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   call.window_floor = spec.window_floor;
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   // The residual stream lives in backend memory for the stage; `io` (host) carries it between
-  // stages and processes.
-  Scratch ws(backend_, scratch_pool_.get());
+  // stages and processes, unless the caller keeps it (`keep`, in `outer`).
+  if ((keep == nullptr) != (outer == nullptr))
+    return absl::InvalidArgumentError("model: a kept residual needs the caller's scratch");
+  std::optional<Scratch> own;
+  if (outer == nullptr) own.emplace(backend_, scratch_pool_.get());
+  Scratch& ws = outer != nullptr ? *outer : *own;
   call.scratch = &ws;
   float* h = nullptr;
   float* pre = nullptr;
@@ -951,24 +1002,43 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
   if (call.per_row_keys && options_.stale_index_keys) {
     state.published_keys = DecodeKeySource(c.n_layers, spec.start_pos + S - 1, call);
   }
-  RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, io.h));
-  RETURN_IF_ERROR(ws.DownloadTo(pre, S * hc, io.pre));
+  if (keep != nullptr) {
+    *keep = {h, pre};
+    io.h.clear();
+    io.pre.clear();
+  } else {
+    RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, io.h));
+    RETURN_IF_ERROR(ws.DownloadTo(pre, S * hc, io.pre));
+  }
   return ws.DownloadTo(main_hidden, S * nt * D, io.main_hidden);
 }
 
 absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
                                           ForwardTrace* trace) const {
   const ModelConfig& c = config_;
-  const int64_t S = io.rows, D = c.dim, hc = c.hc_mult, V = c.vocab_size;
+  const int64_t S = io.rows, D = c.dim, hc = c.hc_mult;
   if (S <= 0 || io.h.size() != static_cast<size_t>(S * hc * D) ||
       io.pre.size() != static_cast<size_t>(S * hc)) {
     return absl::InvalidArgumentError("model: Head needs the residual of its rows");
   }
-  // Rows are normed independently: only the rows whose logits (or trace) are wanted.
+  // Rows are normed independently: only the rows whose logits (or trace) are wanted go up.
   const int64_t first = all_logits || trace ? 0 : S - 1, n = S - first;
   Scratch ws(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(const float* h, ws.Copy(io.h.data() + first * hc * D, n * hc * D));
-  ASSIGN_OR_RETURN(const float* pre, ws.Copy(io.pre.data() + first * hc, n * hc));
+  ASSIGN_OR_RETURN(float* h, ws.Copy(io.h.data() + first * hc * D, n * hc * D));
+  ASSIGN_OR_RETURN(float* pre, ws.Copy(io.pre.data() + first * hc, n * hc));
+  return HeadRows(ws, DeviceResidual{h, pre}, n, all_logits, trace);
+}
+
+absl::StatusOr<vector<float>> Model::HeadRows(Scratch& ws, const DeviceResidual& r, int64_t S,
+                                              bool all_logits, ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const int64_t D = c.dim, hc = c.hc_mult, V = c.vocab_size;
+  if (S <= 0 || r.h == nullptr || r.pre == nullptr)
+    return absl::InvalidArgumentError("model: Head needs the residual of its rows");
+  // Rows are normed independently: only the rows whose logits (or trace) are wanted.
+  const int64_t first = all_logits || trace ? 0 : S - 1, n = S - first;
+  const float* h = r.h + first * hc * D;
+  const float* pre = r.pre + first * hc;
   ASSIGN_OR_RETURN(float* x, ws.Alloc<float>(n * D));
   RETURN_IF_ERROR(backend_.HcPre(n, h, static_cast<int>(hc), D, pre, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->norm.data(), n, D, c.norm_eps, x));
@@ -1008,10 +1078,13 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
         std::max<int64_t>(0, static_cast<int64_t>(ids.size()) - options.decoder_tail_rows);
     spec.floor_first_layer = config_.candidate_source_layer;
   }
+  // The residual stays in backend memory from the last layer to the head.
+  Scratch ws(backend_, scratch_pool_.get());
+  DeviceResidual residual;
   Hidden io;
-  if (absl::Status s = RunStage(state, ids, spec, io, trace); !s.ok()) return s;
+  if (absl::Status s = RunStage(state, ids, spec, io, trace, &ws, &residual); !s.ok()) return s;
   ForwardResult res;
-  ASSIGN_OR_RETURN(res.logits, Head(io, all_logits, trace));
+  ASSIGN_OR_RETURN(res.logits, HeadRows(ws, residual, io.rows, all_logits, trace));
   res.rows = all_logits ? io.rows : 1;
   Commit(state, ids, state.pos + io.rows, io);
   res.main_hidden = std::move(io.main_hidden);
@@ -1180,13 +1253,13 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState
     }
     RETURN_IF_ERROR(Block(ws, l, h, pre, std::span<BlockSequence>(seqs), R, nullptr));
   }
-  // The head over every row at once (rows are independent), then each sequence's slices.
+  // The head over every row at once (rows are independent; the residual stays in backend
+  // memory), then each sequence's slices.
   Hidden all;
   all.rows = R;
-  RETURN_IF_ERROR(ws.DownloadTo(h, R * hc * D, all.h));
-  RETURN_IF_ERROR(ws.DownloadTo(pre, R * hc, all.pre));
   RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
-  ASSIGN_OR_RETURN(const vector<float> logits, Head(all, /*all_logits=*/true));
+  ASSIGN_OR_RETURN(const vector<float> logits,
+                   HeadRows(ws, DeviceResidual{h, pre}, R, /*all_logits=*/true, nullptr));
   const int64_t V = c.vocab_size;
   for (size_t b = 0; b < B; ++b) {
     if (!status[b].ok()) continue;
@@ -1242,8 +1315,12 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
   // One single-token call per row (what kDecode means), with the compressors' per-row logs of the
   // whole step kept for Rollback.
   ForwardResult out;
-  std::map<int, std::pair<vector<float>, vector<float>>> logs;
-  const int64_t start = state.pos;
+  std::map<int, std::shared_ptr<CompressorLog>> logs;  // the step's, filled row by row
+  for (auto& [l, src] : state.sources) {
+    if (src.ratio <= 1) continue;
+    ASSIGN_OR_RETURN(logs[l], CompressorLog::Make(backend_, config_.head_dim,
+                                                  static_cast<int64_t>(ids.size()), nullptr));
+  }
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t pos = state.pos;
     auto r = Forward(state, ids.subspan(i, 1), true, trace, true);
@@ -1256,18 +1333,13 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
       out.rows += 1;
     }
     out.main_hidden.insert(out.main_hidden.end(), r->main_hidden.begin(), r->main_hidden.end());
-    for (auto& [l, src] : state.sources) {
-      if (src.ratio <= 1) continue;
-      logs[l].first.insert(logs[l].first.end(), src.log_kv.begin(), src.log_kv.end());
-      logs[l].second.insert(logs[l].second.end(), src.log_score.begin(), src.log_score.end());
+    for (auto& [l, log] : logs) {  // the row's log (its one row) joins the step's
+      const CompressorLog& row = *state.sources.at(l).log;
+      for (int64_t k = 0; k < row.rows(); ++k)
+        RETURN_IF_ERROR(log->Append(row.positions()[k], 1, row.kv(k), row.score(k)));
     }
   }
-  for (auto& [l, lg] : logs) {
-    SequenceState::Source& src = state.sources.at(l);
-    src.log_start = start;
-    src.log_kv = std::move(lg.first);
-    src.log_score = std::move(lg.second);
-  }
+  for (auto& [l, log] : logs) state.sources.at(l).log = std::move(log);
   return out;
 }
 
@@ -1281,7 +1353,7 @@ StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const
   k.main_hidden = state.main_hidden;
   k.main_hidden_pos = state.main_hidden_pos;
   for (const auto& [l, src] : state.sources) {
-    k.sources[l] = {src.n, src.kv_state, src.score_state};
+    k.sources[l] = {src.n, src.tail};
   }
   const int64_t W = c.window_size;
   k.ring_slots.resize(state.swa.size());
@@ -1317,19 +1389,22 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
     src.kv.resize(src.n * hd);
     src.keys.resize(src.n * c.index_head_dim);
     if (src.ratio > 1) {
-      // Each tail slot holds the latest accepted position with that residue.
+      // Each tail slot holds the latest accepted position with that residue: a row of the step
+      // (its log, in backend memory) or, for a position before it, the checkpointed slot. With
+      // every row accepted the tail is the step's already.
+      if (keep == k.rows) continue;
       for (int r = 0; r < src.ratio; ++r) {
-        int64_t q = end - 1 - ((end - 1 - r) % src.ratio + src.ratio) % src.ratio;
-        if (q >= k.start && q - src.log_start < static_cast<int64_t>(src.log_kv.size() / hd) &&
-            q >= src.log_start) {
-          std::copy_n(src.log_kv.begin() + (q - src.log_start) * hd, hd,
-                      src.kv_state.begin() + r * hd);
-          std::copy_n(src.log_score.begin() + (q - src.log_start) * hd, hd,
-                      src.score_state.begin() + r * hd);
-        } else {
-          std::copy_n(saved.kv_state.begin() + r * hd, hd, src.kv_state.begin() + r * hd);
-          std::copy_n(saved.score_state.begin() + r * hd, hd, src.score_state.begin() + r * hd);
+        const int64_t q = end - 1 - ((end - 1 - r) % src.ratio + src.ratio) % src.ratio;
+        if (q < k.start) {
+          RETURN_IF_ERROR(src.tail.CopySlotFrom(r, saved.tail, r));
+          continue;
         }
+        const int64_t i = src.log != nullptr ? src.log->Find(q) : -1;
+        if (i < 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              "rollback: the compressor log of source ", l, " does not hold position ", q));
+        }
+        RETURN_IF_ERROR(src.tail.WriteSlotsFrom(r, 1, src.log->kv(i), src.log->score(i)));
       }
     }
   }

@@ -20,6 +20,7 @@
 #include "kernels/backend.h"
 #include "model/config.h"
 #include "model/engram.h"
+#include "model/compressor_state.h"
 #include "model/kv_pool.h"
 #include "model/weights.h"
 
@@ -52,7 +53,8 @@ struct ModelOptions {
 // every KV source) lives in the model's KvPool in its packed formats, read and written through
 // each stream's block table (KvRows, model/kv_pool.h); copying a state shares those blocks
 // (copy-on-write). So do the SWA rings, one pool block each in the packed SWA slot format
-// (SwaRing). The compressor tails are fp32 values held as float.
+// (SwaRing). So does each compressor's tail state (CompressorTail, one fp32 block); its log of
+// the last call's rows is a backend buffer (CompressorLog): model/compressor_state.h.
 struct SequenceState {
   int64_t pos = 0;  // tokens processed so far (next position)
   // Per layer (main + DSpark stages): window ring [window, head_dim], slot = position % window,
@@ -63,13 +65,15 @@ struct SequenceState {
     KvRows kv;    // [n, head_dim] FP4-qdq compressed latents (RoPE applied), packed, paged
     KvRows keys;  // [n, index_head_dim] FP4-qdq index keys, packed, paged
     int64_t n = 0;
-    std::vector<float> kv_state;     // [ratio, head_dim] fp32 tail (ratio > 1)
-    std::vector<float> score_state;  // [ratio, head_dim] fp32, -inf when empty
-    // Tail inputs of the rows of the last call (ratio > 1), for Rollback. Transient.
-    int64_t log_start = 0;
-    std::vector<float> log_kv, log_score;  // [rows, head_dim]
+    // ratio > 1: kv and score inputs [ratio, head_dim] of the unfinished group.
+    CompressorTail tail;
+    // ratio > 1: the rows of the last call Rollback and CutPrefixBlocks may need. Transient.
+    std::shared_ptr<CompressorLog> log;  // never written while shared
   };
   std::map<int, Source> sources;  // by KV source layer
+  // The block of the prefix cut (CutPrefixBlocks): the compressor logs keep the rows of the tail
+  // at each multiple of it (the encoder sets its store's block).
+  int64_t cut_block_tokens = kKvBlockTokens;
   int published_keys = -1;        // layer whose index keys were published last (reference quirk)
   std::vector<int64_t>
       engram_history;              // compressed ids of the last max_ngram-1 tokens, newest last
@@ -90,6 +94,9 @@ int64_t KvBytesFor(const ModelConfig& config, int64_t tokens, bool unquantized_k
 // Pool bytes of a state's SWA rings once written (every layer incl. the DSpark stages: `epd
 // kv-layout`'s swa_bytes_per_sequence).
 int64_t SwaRingBytes(const ModelConfig& config);
+// Pool bytes of a state's compressor tails once written (ratio > 1 sources: fp32 kv and score
+// [ratio, head_dim] each; StateByteAccounting's compressor_tails).
+int64_t CompressorTailBytes(const ModelConfig& config);
 
 // What a step of `rows` tokens may overwrite, saved before it (Model::Checkpoint) so that
 // rejected draft positions can be rolled back (Model::Rollback).
@@ -102,7 +109,7 @@ struct StepCheckpoint {
   int64_t main_hidden_pos = -1;
   struct Tail {
     int64_t n = 0;
-    std::vector<float> kv_state, score_state;
+    CompressorTail tail;  // shares the state's block (copy-on-write)
   };
   std::map<int, Tail> sources;
   // [layer][min(rows, window) packed SWA slots], the ring's bytes as they were.
@@ -172,9 +179,12 @@ class Model {
   // Bytes of one kKvBlockTokens-token block of global KV over all sources (the store's block).
   int64_t KvBlockBytes() const;
   // Pool bytes of a sequence's global KV at `tokens` positions (whole blocks of every stream,
-  // unshared); its SWA rings hold SwaRingBytes() more once written.
+  // unshared); its SWA rings and compressor tails hold FixedStateBytes() more once written.
   int64_t KvBytesFor(int64_t tokens) const;
   int64_t SwaRingBytes() const { return model::SwaRingBytes(config_); }
+  int64_t FixedStateBytes() const {
+    return model::SwaRingBytes(config_) + model::CompressorTailBytes(config_);
+  }
 
   // Prefill at start_pos 0 (state must be fresh). Logits of every position if all_logits, else
   // of the last. Also seeds the DSpark rings when the model has DSpark stages.
@@ -282,14 +292,27 @@ class Model {
     bool first_engram_done = false;
     const std::vector<int64_t>* engram_history = nullptr;  // ids before start_pos (default: state)
   };
+  // The residual stream a stage leaves in backend memory (in the caller's Scratch).
+  struct DeviceResidual {
+    float* h = nullptr;    // [rows, hc, dim]
+    float* pre = nullptr;  // [rows, hc]
+  };
   // Runs layers [first_layer, last_layer) on `ids` (one reference call). Does not advance
-  // state.pos; the stage runners (model/stages.h) and Forward do.
+  // state.pos; the stage runners (model/stages.h) and Forward do. The residual at the end goes
+  // to io.h / io.pre (host), or, given `keep`, stays in backend memory: its arrays are taken
+  // from `outer` (a scratch of the caller that outlives the call) and io.h / io.pre are left
+  // empty. io.main_hidden is always downloaded (the DSpark inputs are host state).
   [[nodiscard]] absl::Status RunStage(SequenceState& state, std::span<const int32_t> ids,
                                       const StageSpec& spec, Hidden& io,
-                                      ForwardTrace* trace = nullptr) const;
+                                      ForwardTrace* trace = nullptr, Scratch* outer = nullptr,
+                                      DeviceResidual* keep = nullptr) const;
   // Final norm + LM head on the residual: fp32 logits [rows or 1, vocab].
   [[nodiscard]] absl::StatusOr<std::vector<float>> Head(const Hidden& io, bool all_logits,
                                                         ForwardTrace* trace = nullptr) const;
+  // The same on a residual of `rows` rows in backend memory (arrays in `ws` or its parents).
+  [[nodiscard]] absl::StatusOr<std::vector<float>> HeadRows(Scratch& ws, const DeviceResidual& r,
+                                                            int64_t rows, bool all_logits,
+                                                            ForwardTrace* trace) const;
   // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input.
   void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
               const Hidden& io) const;
@@ -327,6 +350,12 @@ class Model {
                                                bool all_logits, ForwardTrace* trace) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
+  // A ratio > 1 source's log of this call: the rows of kv / score [pos.size(), head_dim] (backend
+  // memory) at the positions CompressorLog::LogsPosition keeps (`cut_block`: the state's
+  // cut_block_tokens).
+  absl::Status LogCompressorRows(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
+                                 const float* kv, const float* score,
+                                 const std::vector<int64_t>& pos) const;
   // Indexer scores of one query row against keys [0, n) of a source, read through the pool:
   // single-row calls unpack the keys a few blocks at a time into a small scratch (cache-resident);
   // multi-row calls unpack once per call, into `unpacked[layer]`, the `available` keys (the most

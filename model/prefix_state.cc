@@ -161,29 +161,23 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
       if (src.ratio > 1) {
         std::string tail;
         if (b + 1 == end_block) {
-          // The compressor tail as the hand-off holds it: fp32 kv_state, then score_state.
-          tail.resize((src.kv_state.size() + src.score_state.size()) * 4);
-          std::memcpy(tail.data(), src.kv_state.data(), src.kv_state.size() * 4);
-          std::memcpy(tail.data() + src.kv_state.size() * 4, src.score_state.data(),
-                      src.score_state.size() * 4);
+          // The compressor tail as the hand-off holds it: fp32 kv, then score.
+          tail.resize(static_cast<size_t>(src.tail.bytes()));
+          RETURN_IF_ERROR(src.tail.CopyBytes(reinterpret_cast<uint8_t*>(tail.data())));
         } else {
           // Rebuild the tail at `end` from the compressor log: slot q % r holds row q.
-          const int64_t rows = static_cast<int64_t>(src.log_kv.size()) / hd;
-          if (src.log_start > end - r || src.log_start + rows < end ||
-              src.log_score.size() != src.log_kv.size()) {
-            return absl::FailedPreconditionError(absl::StrCat(
-                "prefix cut: compressor log of source ", l, " does not cover block ", b));
-          }
-          std::vector<float> kvs(src.kv_state.size()), scs(src.score_state.size());
+          std::vector<float> t(static_cast<size_t>(2 * r * hd));
           for (int64_t q = end - r; q < end; ++q) {
-            std::copy_n(src.log_kv.data() + (q - src.log_start) * hd, hd,
-                        kvs.data() + (q % r) * hd);
-            std::copy_n(src.log_score.data() + (q - src.log_start) * hd, hd,
-                        scs.data() + (q % r) * hd);
+            const int64_t i = src.log != nullptr ? src.log->Find(q) : -1;
+            if (i < 0) {
+              return absl::FailedPreconditionError(absl::StrCat(
+                  "prefix cut: compressor log of source ", l, " does not cover block ", b));
+            }
+            RETURN_IF_ERROR(src.log->ReadRow(i, t.data() + (q % r) * hd,
+                                             t.data() + (r + q % r) * hd));
           }
-          tail.resize((kvs.size() + scs.size()) * 4);
-          std::memcpy(tail.data(), kvs.data(), kvs.size() * 4);
-          std::memcpy(tail.data() + kvs.size() * 4, scs.data(), scs.size() * 4);
+          tail.resize(t.size() * 4);
+          std::memcpy(tail.data(), t.data(), tail.size());
         }
         segs.emplace_back(absl::StrCat("tail.", l), std::move(tail));
       }

@@ -39,9 +39,11 @@ inline constexpr uint16_t kPrefixValueVersion = 1;
 // pos == end_block * B); `prompt` holds the tokens of at least positions [0, pos) (the Engram
 // history at each block end). `published_keys` is the state's (for an encoder state it is the
 // split layer at every block end: the last source to emit). The compressor tail of block b <
-// end_block - 1 is rebuilt from the per-row compressor log of the last call
-// (SequenceState::Source::log_*), which must cover its last `ratio` rows: true when the last
-// EncoderPass chunk started at or before the first of these blocks. FailedPrecondition otherwise.
+// end_block - 1 is rebuilt from the compressor log of the last call (SequenceState::Source::log,
+// model/compressor_state.h), which must hold its last `ratio` rows: true when the last
+// EncoderPass chunk started at or before the first of these blocks and block_tokens is a multiple
+// of the state's cut_block_tokens (or the block ends in the chunk's last 64 rows).
+// FailedPrecondition otherwise.
 [[nodiscard]] absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(
     const Model& model, const SequenceState& state, std::span<const int32_t> prompt,
     int64_t first_block, int64_t end_block, int64_t block_tokens = kPrefixBlockTokens);

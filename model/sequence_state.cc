@@ -88,10 +88,8 @@ std::vector<StateSegment> SerializeStateSegments(
     }
     if (src.ratio > 1 && keep(absl::StrCat("tail.", l))) {
       StateSegment tail{absl::StrCat("tail.", l), {}};
-      tail.bytes.resize((src.kv_state.size() + src.score_state.size()) * 4);
-      std::memcpy(tail.bytes.data(), src.kv_state.data(), src.kv_state.size() * 4);
-      std::memcpy(tail.bytes.data() + src.kv_state.size() * 4, src.score_state.data(),
-                  src.score_state.size() * 4);
+      tail.bytes.resize(static_cast<size_t>(src.tail.bytes()));
+      AbortUnlessOk(src.tail.CopyBytes(tail.bytes.data()), "serialize a compressor tail");
       out.push_back(std::move(tail));
     }
   }
@@ -165,12 +163,9 @@ absl::StatusOr<std::unique_ptr<SequenceState>> DeserializeState(
     if (absl::Status s = AppendPackedRows(src.kv, **kv, n, false); !s.ok()) return s;
     if (absl::Status s = AppendPackedRows(src.keys, **keys, n, true); !s.ok()) return s;
     if (src.ratio > 1) {
-      auto t = get(absl::StrCat("tail.", l),
-                   static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4));
+      auto t = get(absl::StrCat("tail.", l), src.tail.bytes());
       if (!t.ok()) return t.status();
-      std::memcpy(src.kv_state.data(), (*t)->data(), src.kv_state.size() * 4);
-      std::memcpy(src.score_state.data(), (*t)->data() + src.kv_state.size() * 4,
-                  src.score_state.size() * 4);
+      if (absl::Status s = src.tail.WriteBytes((*t)->data()); !s.ok()) return s;
     }
   }
   auto eg = get("engram", -1);

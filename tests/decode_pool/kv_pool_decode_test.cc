@@ -85,7 +85,7 @@ TEST_F(KvPoolDecodeTest, EightSequencesShareA1KPrefixAndDecodeAsAlone) {
   }
   // Each state ends at 1088 = 17 full blocks: 16 shared + 1 of its own, per stream; and its own
   // packed SWA rings.
-  const int64_t rings = model_->SwaRingBytes();
+  const int64_t rings = model_->FixedStateBytes();
   EXPECT_EQ(pool.stats().used_bytes, block * (shared_blocks + kSeqs * 1) + kSeqs * rings);
   EXPECT_GE(pool.stats().shared_hits, (kSeqs - 1) * shared_blocks);
   std::vector<DecodeSequence*> batch;
@@ -120,7 +120,7 @@ TEST_F(KvPoolDecodeTest, ForkedStatesShareBlocksCopyOnWrite) {
   auto st = model_->NewSequence();
   ASSERT_TRUE(model_->Prefill(*st, prompt, false).ok());
   const int64_t held = model_->kv_pool().stats().used_bytes;
-  EXPECT_EQ(held, model_->KvBytesFor(300) + model_->SwaRingBytes());  // global KV + rings
+  EXPECT_EQ(held, model_->KvBytesFor(300) + model_->FixedStateBytes());  // global KV + rings
   auto fork = std::make_unique<model::SequenceState>(*st);
   EXPECT_EQ(model_->kv_pool().stats().used_bytes, held);  // nothing copied
   auto a = model_->Decode(*st, 42);
@@ -156,7 +156,7 @@ TEST_F(KvPoolDecodeTest, NChoicesFromOneHandoffShareItsBlocks) {
     forks.push_back(std::move(*q));
   }
   // Held once (the rings too, until a choice steps).
-  EXPECT_EQ(pool.stats().used_bytes - before, model_->KvBytesFor(200) + model_->SwaRingBytes());
+  EXPECT_EQ(pool.stats().used_bytes - before, model_->KvBytesFor(200) + model_->FixedStateBytes());
   proto->reset();
   std::vector<DecodeSequence*> batch;
   for (auto& q : forks) batch.push_back(q.get());

@@ -40,7 +40,7 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   // before the older one ends) the headroom is gone and the younger is swapped out, to resume when
   // the older finishes.
   const int64_t block = model_->KvBlockBytes();
-  const int64_t pool_bytes = 16 * block + 2 * model_->SwaRingBytes();
+  const int64_t pool_bytes = 16 * block + 2 * model_->FixedStateBytes();
   // epd_kv_pool_blocks counts the pool's bytes in 64-token blocks of global KV.
   const double pool_blocks = static_cast<double>(pool_bytes) / static_cast<double>(block);
   ASSERT_EQ(model_->KvBytesFor(256), 4 * block);
@@ -107,7 +107,7 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
 // A request whose state can never fit the pool fails with a clear error; the worker stays up and
 // serves the next request.
 TEST_F(KvPoolE2eTest, ARequestLargerThanThePoolIsRefused) {
-  const int64_t block = model_->KvBlockBytes(), rings = model_->SwaRingBytes();
+  const int64_t block = model_->KvBlockBytes(), rings = model_->FixedStateBytes();
   testing::RealCluster cluster(
       {.model_dir = model_dir(),
        .decode_args = {"--kv-pool-bytes", std::to_string(8 * block + rings)}});

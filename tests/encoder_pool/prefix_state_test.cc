@@ -139,6 +139,35 @@ TEST_F(PrefixStateTest, CutAndAssembleRoundTripIsBitExact) {
 // source, the bytes of that source's pool blocks for the block's tokens verbatim (the store's
 // 64-token block is the pool's block). A store read lands in pool blocks, and where an identical
 // block is already in the pool (here: the state it was cut from) it shares that block.
+// The compressor log keeps the tail rows before each multiple of the state's cut_block_tokens
+// (and a call's last 64 rows), not every row: a state told of a 32-token store block cuts
+// 32-token blocks whose tails equal a pass that stopped there; a state left at the default (64)
+// refuses a 32-token cut inside a long pass with a message naming the log.
+TEST_F(PrefixStateTest, TheLogKeepsTheTailsOfTheStatesCutBlock) {
+  const std::vector<int32_t> p = Prompt(256);
+  std::span<const int32_t> all(p);
+  auto st = model_->NewSequence();
+  st->cut_block_tokens = 32;
+  ASSERT_TRUE(model::EncoderPass(*model_, *st, all.first(256), Tail()).ok());
+  auto blocks = model::CutPrefixBlocks(*model_, *st, p, 0, 8, 32);
+  ASSERT_TRUE(blocks.ok()) << blocks.status();
+  ASSERT_EQ(blocks->size(), 8u);
+  for (int64_t end : {int64_t{96}, int64_t{160}}) {
+    auto ref = model_->NewSequence();
+    ref->cut_block_tokens = 32;
+    ASSERT_TRUE(model::EncoderPass(*model_, *ref, all.first(end), Tail()).ok());
+    auto ref_blocks = model::CutPrefixBlocks(*model_, *ref, p, 0, end / 32, 32);
+    ASSERT_TRUE(ref_blocks.ok()) << ref_blocks.status();
+    EXPECT_EQ(ref_blocks->back(), (*blocks)[end / 32 - 1]) << end;
+  }
+  auto plain = model_->NewSequence();
+  ASSERT_TRUE(model::EncoderPass(*model_, *plain, all.first(256), Tail()).ok());
+  auto refused = model::CutPrefixBlocks(*model_, *plain, p, 0, 8, 32);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("compressor log"), std::string::npos)
+      << refused.status();
+}
+
 TEST_F(PrefixStateTest, StoreBlocksAreThePoolBlocksBytes) {
   const std::vector<int32_t> p = Prompt(192);
   auto st = model_->NewSequence();
@@ -173,7 +202,7 @@ TEST_F(PrefixStateTest, StoreBlocksAreThePoolBlocksBytes) {
     }
   }
   // Shared: no new global KV block held; the assembled state's own rings only.
-  EXPECT_EQ(model_->kv_pool().stats().used_bytes, used + model_->SwaRingBytes());
+  EXPECT_EQ(model_->kv_pool().stats().used_bytes, used + model_->FixedStateBytes());
 }
 
 TEST_F(PrefixStateTest, WithoutASnapshotTheReplayRebuildsTheEncoderRingsExactly) {

@@ -64,8 +64,8 @@ class BoundedReferenceTest : public testing::GoldenModelTest {
       EXPECT_EQ(src.n, o.n) << what << l;
       EXPECT_TRUE(BitEqual(src.kv, o.kv)) << what << l;
       EXPECT_TRUE(BitEqual(src.keys, o.keys)) << what << l;
-      EXPECT_TRUE(BitEqual(src.kv_state, o.kv_state)) << what << l;
-      EXPECT_TRUE(BitEqual(src.score_state, o.score_state)) << what << l;
+      EXPECT_TRUE(BitEqual(src.tail.Kv(), o.tail.Kv())) << what << l;
+      EXPECT_TRUE(BitEqual(src.tail.Score(), o.tail.Score())) << what << l;
     }
   }
   // Decode steps (DecodeStep batch of one vs Model::Decode), then a DSpark draft: bit-identical.

@@ -591,16 +591,21 @@ TEST_F(KvPoolModelTest, HeldBytesEqualTheAccounting) {
   std::vector<int32_t> ids(256);
   for (size_t i = 0; i < ids.size(); ++i) ids[i] = 3 + static_cast<int32_t>((i * 31) % 1000);
   ASSERT_TRUE(model_->Prefill(*st, ids, false).ok());
-  int64_t global = -1, swa = -1;
+  int64_t global = -1, swa = -1, tails = -1;
   for (const auto& [name, bytes] : StateByteAccounting(c, 256)) {
     if (name == "global_kv") global = bytes;
     if (name == "swa") swa = bytes;
+    if (name == "compressor_tails") tails = bytes;
   }
-  // Global KV + every layer's packed ring (the prefill seeds the DSpark stages' rings too).
-  EXPECT_EQ(pool->stats().used_bytes, global + swa);
+  // Global KV + every layer's packed ring (the prefill seeds the DSpark stages' rings too) + the
+  // compressor tails.
+  EXPECT_GT(tails, 0);
+  EXPECT_EQ(pool->stats().used_bytes, global + swa + tails);
+  EXPECT_EQ(CompressorTailBytes(c), tails);
   EXPECT_EQ(model_->KvBytesFor(256), global);
   EXPECT_EQ(model_->KvBlockBytes() * 4, global);
   EXPECT_EQ(model_->SwaRingBytes(), swa);
+  EXPECT_EQ(model_->FixedStateBytes(), swa + tails);
   int64_t held = 0, rings = 0;
   for (const auto& [l, src] : st->sources) held += src.kv.held_bytes() + src.keys.held_bytes();
   for (const SwaRing& r : st->swa) rings += r.held_bytes();

@@ -103,8 +103,8 @@ TEST_P(StagedTest, RollbackEqualsDecodingOnlyTheAcceptedTokens) {
       for (const auto& [l, src] : ref->sources) {
         EXPECT_EQ(ver->sources[l].kv, src.kv) << l;
         EXPECT_EQ(ver->sources[l].keys, src.keys) << l;
-        EXPECT_EQ(ver->sources[l].kv_state, src.kv_state) << l << " " << start << "/" << keep;
-        EXPECT_EQ(ver->sources[l].score_state, src.score_state) << l;
+        EXPECT_EQ(ver->sources[l].tail.Kv(), src.tail.Kv()) << l << " " << start << "/" << keep;
+        EXPECT_EQ(ver->sources[l].tail.Score(), src.tail.Score()) << l;
       }
       auto a = model_->Decode(*ver, 77);
       auto b = model_->Decode(*ref, 77);

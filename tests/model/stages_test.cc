@@ -79,7 +79,7 @@ TEST_P(StagesTest, LongPromptBoundedReplayKeepsGlobalKvExact) {
     EXPECT_EQ(st->sources[l].n, src.n) << l;
     EXPECT_EQ(st->sources[l].kv, src.kv) << l;
     EXPECT_EQ(st->sources[l].keys, src.keys) << l;
-    EXPECT_EQ(st->sources[l].kv_state, src.kv_state) << l;
+    EXPECT_EQ(st->sources[l].tail.Kv(), src.tail.Kv()) << l;
   }
   // Encoder rings: exact.
   const int split = DecoderSplitLayer(model_->config());

@@ -48,8 +48,8 @@ void ExpectSameState(const SequenceState& a, const SequenceState& b, const std::
     EXPECT_EQ(src.n, o.n) << what << " source " << l;
     EXPECT_TRUE(BitEqual(src.kv, o.kv)) << what << " kv " << l;
     EXPECT_TRUE(BitEqual(src.keys, o.keys)) << what << " keys " << l;
-    EXPECT_TRUE(BitEqual(src.kv_state, o.kv_state)) << what << " kv_state " << l;
-    EXPECT_TRUE(BitEqual(src.score_state, o.score_state)) << what << " score_state " << l;
+    EXPECT_TRUE(BitEqual(src.tail.Kv(), o.tail.Kv())) << what << " kv_state " << l;
+    EXPECT_TRUE(BitEqual(src.tail.Score(), o.tail.Score())) << what << " score_state " << l;
   }
 }
 

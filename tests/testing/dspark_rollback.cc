@@ -24,8 +24,8 @@ StepJournal::Small StepJournal::Capture(const SequenceState& s) {
   for (const auto& [layer, src] : s.sources) {
     SourceTail& t = m.sources[layer];
     t.n = src.n;
-    t.kv_state = src.kv_state;
-    t.score_state = src.score_state;
+    t.kv_state = src.tail.Kv();
+    t.score_state = src.tail.Score();
   }
   return m;
 }
@@ -75,8 +75,13 @@ absl::Status StepJournal::Rollback(SequenceState& state, int64_t keep) {
     src.n = t.n;
     src.kv.resize(t.n * head_dim_);
     src.keys.resize(t.n * index_head_dim_);
-    src.kv_state = t.kv_state;
-    src.score_state = t.score_state;
+    if (src.ratio > 1) {
+      std::vector<float> bytes(t.kv_state);
+      bytes.insert(bytes.end(), t.score_state.begin(), t.score_state.end());
+      if (absl::Status s = src.tail.WriteBytes(reinterpret_cast<const uint8_t*>(bytes.data()));
+          !s.ok())
+        return s;
+    }
   }
   after_.clear();
   slots_.clear();
@@ -126,8 +131,8 @@ std::string DiffStates(const SequenceState& a, const SequenceState& b) {
     if (sa.ratio != sb.ratio || sa.n != sb.n) return absl::StrCat("source ", layer, " n/ratio");
     if (!SameBits(sa.kv, sb.kv)) return absl::StrCat("source ", layer, " kv");
     if (!SameBits(sa.keys, sb.keys)) return absl::StrCat("source ", layer, " keys");
-    if (!SameBits(sa.kv_state, sb.kv_state)) return absl::StrCat("source ", layer, " kv_state");
-    if (!SameBits(sa.score_state, sb.score_state))
+    if (!SameBits(sa.tail.Kv(), sb.tail.Kv())) return absl::StrCat("source ", layer, " kv_state");
+    if (!SameBits(sa.tail.Score(), sb.tail.Score()))
       return absl::StrCat("source ", layer, " score_state");
   }
   if (a.published_keys != b.published_keys) return "published_keys";
@@ -141,8 +146,7 @@ int64_t StateBytes(const SequenceState& s) {
   int64_t b = 0;
   for (const auto& r : s.swa) b += r.held_bytes();
   for (const auto& [l, src] : s.sources) {
-    b += src.kv.held_bytes() + src.keys.held_bytes() +
-         static_cast<int64_t>((src.kv_state.size() + src.score_state.size()) * 4);
+    b += src.kv.held_bytes() + src.keys.held_bytes() + (src.ratio > 1 ? src.tail.bytes() : 0);
   }
   b += static_cast<int64_t>(s.engram_history.size() * 8 + s.main_hidden.size() * 4);
   return b;
