@@ -8,7 +8,9 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 #include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -45,6 +47,10 @@ class CudaBackend final : public Backend {
     cudaSetDevice(device_);
     if (streams_[0] != nullptr) cudaStreamSynchronize(streams_[0]);
     if (scratch_ != nullptr) cudaFree(scratch_);
+    for (cudaEvent_t e : staging_done_) {
+      if (e != nullptr) cudaEventDestroy(e);
+    }
+    if (staging_ != nullptr) cudaFreeHost(staging_);
     for (auto& [key, p] : group_tables_) cudaFree(p);
     for (cudaStream_t s : streams_) {
       if (s != nullptr) cudaStreamDestroy(s);
@@ -104,6 +110,11 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return OkStatus();
     EPD_CUDA_RETURN_IF_ERROR("Upload", cudaSetDevice(device_));
     cudaStream_t s = StreamOf(dst);
+    if (s == streams_[0] && bytes <= kStagingSlotBytes) {
+      auto staged = UploadStaged(host, bytes, dst.as<uint8_t>() + dst_offset);
+      if (!staged.ok()) return staged.status();
+      if (*staged) return OkStatus();  // else no pinned memory: the synchronous copy below
+    }
     if (Status st = OrderAfter("Upload", s, streams_[0]); !st.ok()) return st;
     EPD_CUDA_RETURN_IF_ERROR(
         "Upload", cudaMemcpyAsync(dst.as<uint8_t>() + dst_offset, host, static_cast<size_t>(bytes),
@@ -695,6 +706,45 @@ class CudaBackend final : public Backend {
     return Cuda(op, rc);
   }
 
+  // A small upload into a stream-0 buffer without waiting for the device: the host bytes are
+  // copied into the next slot of a pinned staging ring and the slot's copy is queued on stream
+  // 0, so the caller's memory is free on return and every later op of stream 0 sees the bytes
+  // (a Download from another stream orders itself after stream 0). A slot is reused once the
+  // event recorded after its copy has fired (kStagingSlots uploads later: in practice long
+  // done). A decode step's uploads (ids, positions, index lists, page tables) then no longer
+  // drain the GPU's queue each. False when the ring cannot be had (no pinned memory): the
+  // caller copies synchronously.
+  absl::StatusOr<bool> UploadStaged(const void* host, int64_t bytes, uint8_t* dst) {
+    std::lock_guard<std::mutex> lock(staging_mu_);  // Upload may come from other threads
+    if (staging_failed_) return false;
+    if (staging_ == nullptr) {
+      void* p = nullptr;
+      const size_t ring = kStagingSlots * static_cast<size_t>(kStagingSlotBytes);
+      if (cudaHostAlloc(&p, ring, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();
+        staging_failed_ = true;
+        return false;
+      }
+      staging_ = static_cast<uint8_t*>(p);
+      for (cudaEvent_t& e : staging_done_) {
+        EPD_CUDA_RETURN_IF_ERROR("Upload",
+                                 cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+      }
+    }
+    const size_t slot = staging_next_;
+    staging_next_ = (staging_next_ + 1) % kStagingSlots;
+    if (staging_used_[slot]) {
+      EPD_CUDA_RETURN_IF_ERROR("Upload", cudaEventSynchronize(staging_done_[slot]));
+    }
+    uint8_t* stage = staging_ + slot * kStagingSlotBytes;
+    std::memcpy(stage, host, static_cast<size_t>(bytes));
+    EPD_CUDA_RETURN_IF_ERROR("Upload", cudaMemcpyAsync(dst, stage, static_cast<size_t>(bytes),
+                                                       cudaMemcpyHostToDevice, streams_[0]));
+    EPD_CUDA_RETURN_IF_ERROR("Upload", cudaEventRecord(staging_done_[slot], streams_[0]));
+    staging_used_[slot] = true;
+    return true;
+  }
+
   // Device scratch of at least `bytes` for the op being queued on stream 0. Grown in stream
   // order (the old block is freed after every op queued before), never shrunk.
   absl::StatusOr<uint8_t*> Scratch(const char* op, size_t bytes) {
@@ -723,6 +773,16 @@ class CudaBackend final : public Backend {
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;
   static constexpr size_t kMaxGroupTables = 4096;
+  // UploadStaged's pinned ring: kStagingSlots slots of kStagingSlotBytes (4 MiB of pinned host
+  // memory, taken on the first small upload).
+  static constexpr int64_t kStagingSlotBytes = int64_t{64} << 10;
+  static constexpr size_t kStagingSlots = 64;
+  std::mutex staging_mu_;
+  uint8_t* staging_ = nullptr;
+  bool staging_failed_ = false;
+  size_t staging_next_ = 0;
+  std::array<cudaEvent_t, kStagingSlots> staging_done_{};
+  std::array<bool, kStagingSlots> staging_used_{};
   std::map<std::vector<const void*>, void*> group_tables_;  // GroupTable
 };
 

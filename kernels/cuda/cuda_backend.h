@@ -7,7 +7,10 @@
 // pointers (a Buffer's data()). Packed QuantWeights must hold their codes in this backend's
 // buffers; decoded ones (values/scales host vectors) are copied to device scratch per call.
 // Streams: ids 0..kCudaStreams-1 are CUDA streams; every op is queued on stream 0; Upload and
-// Download run on the buffer's stream, ordered after the queued ops, and return when done.
+// Download run on the buffer's stream, ordered after the queued ops, and return when done, except
+// an Upload of at most 64 KiB into a stream-0 buffer: it is staged in pinned memory and queued on
+// stream 0, and returns at once (the host bytes are free; every later op, and a Download from any
+// stream, sees them), so the small uploads of a decode step do not drain the GPU's queue.
 // Errors: bad arguments give InvalidArgument naming the op (checked before any launch, like the
 // CPU backend); a CUDA error gives Internal naming the op and the CUDA error; an error raised
 // while a kernel runs surfaces at the next Synchronize/Download.

@@ -1,11 +1,14 @@
 // CUDA backend checks. They run on a GPU machine and skip, saying so, everywhere else.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
+#include "kernels/backend.h"
 #include "kernels/cpu/rms_norm.h"
+#include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/rms_norm.h"
 
@@ -38,6 +41,51 @@ TEST(CudaKernelsTest, RmsNormMatchesCpuReference) {
     den += y_cpu[i] * y_cpu[i];
   }
   EXPECT_LT(std::sqrt(num / den), 1e-6) << epd::kernels::cuda::DeviceSummary();
+}
+
+// Small uploads into stream-0 buffers are staged in a pinned ring and return before the device
+// has copied them (kernels/cuda/cuda_backend.h). Each is still seen, in order, by every later op
+// and by a Download from any stream, after the ring has wrapped several times and with the
+// caller's host array overwritten at once; large uploads and other streams' buffers copy
+// synchronously with the same result.
+TEST(CudaKernelsTest, StagedUploadsAreSeenInOrderByLaterOps) {
+  SKIP_WITHOUT_GPU();
+  auto be = epd::kernels::MakeCudaBackend(0);
+  ASSERT_TRUE(be.ok()) << be.status();
+  epd::kernels::Backend& b = **be;
+  const int64_t n = 1024, rounds = 300;  // 300 uploads: the 64-slot ring wraps four times
+  auto acc = b.Allocate(n * 4);
+  auto one = b.Allocate(n * 4);
+  auto big = b.Allocate(int64_t{1} << 20);                         // > a staging slot
+  auto side = b.Allocate(n * 4, epd::kernels::Stream{1});          // another stream's buffer
+  ASSERT_TRUE(acc.ok() && one.ok() && big.ok() && side.ok());
+  std::vector<float> host(n, 0.f), expect(n, 0.f);
+  ASSERT_TRUE(b.Upload(host.data(), n * 4, *acc).ok());
+  for (int64_t r = 0; r < rounds; ++r) {
+    for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>((r * 7 + i) % 13);
+    ASSERT_TRUE(b.Upload(host.data(), n * 4, *one).ok());
+    for (int64_t i = 0; i < n; ++i) expect[i] += host[i];
+    std::fill(host.begin(), host.end(), -1.f);  // the staged copy no longer needs it
+    ASSERT_TRUE(b.Add(acc->as<float>(), one->as<float>(), n).ok());
+  }
+  std::vector<float> got(n);
+  ASSERT_TRUE(b.Download(*acc, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, expect);
+  // A Download from another stream sees the last staged upload.
+  for (int64_t i = 0; i < n; ++i) host[i] = static_cast<float>(i);
+  ASSERT_TRUE(b.Upload(host.data(), n * 4, *one).ok());
+  ASSERT_TRUE(b.Copy(side->as<float>(), one->as<float>(), n * 4).ok());
+  ASSERT_TRUE(b.Download(*side, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, host);
+  // The synchronous paths: a 1 MiB upload and one into a stream-1 buffer.
+  std::vector<uint8_t> mb(size_t{1} << 20), back(mb.size());
+  for (size_t i = 0; i < mb.size(); ++i) mb[i] = static_cast<uint8_t>(i * 31);
+  ASSERT_TRUE(b.Upload(mb.data(), static_cast<int64_t>(mb.size()), *big).ok());
+  ASSERT_TRUE(b.Download(*big, 0, static_cast<int64_t>(back.size()), back.data()).ok());
+  EXPECT_EQ(back, mb);
+  ASSERT_TRUE(b.Upload(expect.data(), n * 4, *side).ok());
+  ASSERT_TRUE(b.Download(*side, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, expect);
 }
 
 }  // namespace
