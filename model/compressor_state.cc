@@ -50,7 +50,7 @@ std::vector<uint8_t> CompressorTail::FreshBytes() const {
   std::vector<float> v(static_cast<size_t>(2 * ratio_ * dim_), 0.f);
   std::fill(v.begin() + ratio_ * dim_, v.end(), -INFINITY);
   std::vector<uint8_t> b(static_cast<size_t>(bytes()));
-  std::memcpy(b.data(), v.data(), b.size());
+  if (!b.empty()) std::memcpy(b.data(), v.data(), b.size());
   return b;
 }
 
@@ -110,7 +110,7 @@ absl::Status CompressorTail::CopySlotFrom(int64_t slot, const CompressorTail& sr
 absl::Status CompressorTail::CopyBytes(uint8_t* out) const {
   if (!allocated()) {
     const std::vector<uint8_t> fresh = FreshBytes();
-    std::memcpy(out, fresh.data(), fresh.size());
+    if (!fresh.empty()) std::memcpy(out, fresh.data(), fresh.size());
     return absl::OkStatus();
   }
   return pool_->Read(block_, 0, bytes(), out);

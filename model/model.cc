@@ -179,11 +179,18 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
     // The tail state (backend memory) takes the call's rows lazily: rows [written, i] just before
     // a group begun in an earlier call pools it, and at the end the last row of each slot.
+    // write_rows writes the rows of [from, to) that `keep`, a run of consecutive positions in
+    // consecutive slots at a time.
     int64_t written = 0;
-    auto write_rows = [&](int64_t from, int64_t to) -> absl::Status {  // rows [from, to)
+    auto write_rows = [&](int64_t from, int64_t to, auto keep) -> absl::Status {
       for (int64_t i = from; i < to;) {
-        int64_t n = 1;  // a run of consecutive positions in consecutive slots
-        while (i + n < to && pos[i + n] == pos[i] + n && (pos[i] % ratio) + n < ratio) ++n;
+        if (!keep(i)) {
+          ++i;
+          continue;
+        }
+        int64_t n = 1;
+        while (i + n < to && keep(i + n) && pos[i + n] == pos[i] + n && pos[i] % ratio + n < ratio)
+          ++n;
         RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
         i += n;
       }
@@ -207,7 +214,7 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
       // a group begun in an earlier call pools the tail state.
       const bool in_call = i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio;
       if (!in_call) {
-        RETURN_IF_ERROR(write_rows(written, i + 1));
+        RETURN_IF_ERROR(write_rows(written, i + 1, [](int64_t) { return true; }));
         written = i + 1;
         RETURN_IF_ERROR(backend_.CompressPool(s.tail.kv(), s.tail.score(), 1, ratio, hd, lat));
       } else if (run > 0 && run_row + run * ratio == i + 1 - ratio &&
@@ -224,18 +231,7 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     // The rows still to write: of each slot, its last row (later rows overwrite earlier ones).
     std::vector<int64_t> last(static_cast<size_t>(ratio), -1);
     for (int64_t i = written; i < S; ++i) last[pos[i] % ratio] = i;
-    for (int64_t i = written; i < S;) {
-      if (last[pos[i] % ratio] != i) {
-        ++i;
-        continue;
-      }
-      int64_t n = 1;
-      while (i + n < S && last[pos[i + n] % ratio] == i + n && pos[i + n] == pos[i] + n &&
-             (pos[i] % ratio) + n < ratio)
-        ++n;
-      RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
-      i += n;
-    }
+    RETURN_IF_ERROR(write_rows(written, S, [&](int64_t i) { return last[pos[i] % ratio] == i; }));
     RETURN_IF_ERROR(flush_run());
     // Every entry's norm in one call (rows are independent).
     if (!gpos.empty()) {
