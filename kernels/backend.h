@@ -439,12 +439,15 @@ class Backend {
                                   int64_t rows_per_page, int64_t dim, const int32_t* rows,
                                   int64_t first, int64_t n, float* out) = 0;
 
-  // The top-k part of a call's attention lists, built on the backend (a decode call's lists then
-  // need no round trip through the host): list[r * list_len + offset + j] = -1 when
-  // topk[r * k + j] < 0, else base + r * k + j (the row of UnpackRows(topk, first = -key offset)
-  // that gathers each slot's entry), for r < rows, j < k; other entries are untouched. Exact.
+  // The top-k part of a call's attention lists, built on the backend (the lists then need no
+  // round trip through the host): list[r * list_len + offset + j] = -1 when topk[r * k + j] < 0,
+  // else, with per_slot, base + r * k + j (the row of UnpackRows(topk, first = -key offset) that
+  // gathers each slot's entry: a decode call), and without, base + topk[r * k + j] (the entry
+  // itself, in a whole source unpacked once: a large call on a device), for r < rows, j < k;
+  // other entries are untouched. Exact.
   virtual absl::Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base,
-                                 int32_t* list, int64_t list_len, int64_t offset) = 0;
+                                 bool per_slot, int32_t* list, int64_t list_len,
+                                 int64_t offset) = 0;
 
   // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).

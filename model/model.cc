@@ -265,6 +265,17 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
   return absl::OkStatus();
 }
 
+bool Model::WholeSourceOnBackend(const Call& call) const {
+  if (options_.whole_source_bytes <= 0 || backend_.memory_kind() == kernels::MemoryKind::kHost)
+    return false;
+  const int64_t T = call.start_pos + call.rows;
+  for (int l : config_.kv_source_layers) {
+    const int r = config_.compress_ratios[l];
+    if (r > 0 && T / r * config_.head_dim * 4 > options_.whole_source_bytes) return false;
+  }
+  return true;
+}
+
 absl::Status Model::LogCompressorRows(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
                                        const float* kv, const float* score,
                                        const vector<int64_t>& pos) const {
@@ -383,6 +394,10 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
   const int ratio = role.compress_ratio;
   const bool device_lists = S <= options_.device_list_rows;
+  // A larger call on a device keeps its top-k there too when the sources fit unpacked whole
+  // (ModelOptions::whole_source_bytes): its lists index the whole unpacked source.
+  const bool whole_source = !device_lists && WholeSourceOnBackend(call);
+  const bool device_topk = device_lists || whole_source;
   int64_t nk = 0;
   const SequenceState::Source* src = nullptr;
   if (ratio > 0) {
@@ -415,8 +430,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                                 std::pow(static_cast<double>(nI), -0.5));
         RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
-        // A small call's top-k is read by its later layers too: in the call's scratch.
-        ASSIGN_OR_RETURN(int32_t * topk, (device_lists ? *call.scratch : ws).Alloc<int32_t>(S * k));
+        // A top-k kept on the backend is read by the call's later layers too: in its scratch.
+        ASSIGN_OR_RETURN(int32_t * topk, (device_topk ? *call.scratch : ws).Alloc<int32_t>(S * k));
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
         if (role.is_candidate_source) {
           ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
@@ -491,7 +506,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
             RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
           }
         }
-        if (!device_lists) {
+        if (!device_topk) {
           RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
         } else {
           call.topk_dev = topk;
@@ -534,7 +549,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                    : qp >= call.start_pos ? W + (qp - call.start_pos)
                                                           : qp % W);
     }
-    if (!device_lists) {
+    if (!device_topk) {
       for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
     }
   }
@@ -554,7 +569,15 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -win_rows));
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
-  } else if (ratio > 0 && nk > 0 && !device_lists) {
+  } else if (ratio > 0 && nk > 0 && whole_source) {
+    // The whole source unpacked once; TopKSlots (below) writes each slot's entry as it is.
+    if (k > 0 && call.topk_dev == nullptr)
+      return absl::InternalError("attention: no top-k on the backend");
+    ASSIGN_OR_RETURN(float* kv_src, ws.Alloc<float>(nk * hd));
+    RETURN_IF_ERROR(src->kv.UnpackTo(0, nk, kv_src));
+    args.kv_ext = kv_src;
+    args.kv_ext_start = win_rows;
+  } else if (ratio > 0 && nk > 0 && !device_topk) {
     // Top-k entries (list values >= win_rows): the selected compressed entries, unpacked from the
     // pool's blocks into a compact buffer in first-use order; the list is renumbered to it (the
     // values and their order in each list are unchanged, so is the attention).
@@ -586,7 +609,11 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(ws.Upload(idx_dev, idx.data(), S * list_len));
   }
   if (device_slots) {  // the top-k part of the lists, over the uploaded window part
-    RETURN_IF_ERROR(backend_.TopKSlots(call.topk_dev, S, k, win_rows, idx_dev, list_len, W));
+    RETURN_IF_ERROR(
+        backend_.TopKSlots(call.topk_dev, S, k, win_rows, /*per_slot=*/true, idx_dev, list_len, W));
+  } else if (whole_source && ratio > 0 && nk > 0 && k > 0) {  // each slot's entry, as it is
+    RETURN_IF_ERROR(
+        backend_.TopKSlots(call.topk_dev, S, k, 0, /*per_slot=*/false, idx_dev, list_len, W));
   }
   args.sink = A.attn_sink.data();
   args.idx = idx_dev;

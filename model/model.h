@@ -47,6 +47,12 @@ struct ModelOptions {
   // calls (prefill) download the top-k and gather each selected entry once (a compact,
   // deduplicated buffer). Both give the same bits (OpCountTest); 0 = always the compact path.
   int64_t device_list_rows = 16;
+  // On a device backend, a larger call (prefill) keeps its top-k in backend memory too when every
+  // KV source's compressed entries at the call's end fit this many bytes unpacked (fp32): each
+  // attention layer unpacks its source whole and TopKSlots writes the top-k part of its lists (no
+  // download of the top-k, no host-built gather). Beyond it, and on the host, the compact path.
+  // Same bits either way (OpCountTest); 0 = never.
+  int64_t whole_source_bytes = int64_t{64} << 20;
 };
 
 // Per-sequence state kept between calls. The global KV (compressed entries and index keys of
@@ -350,6 +356,8 @@ class Model {
                                                bool all_logits, ForwardTrace* trace) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
+  // Whether `call` takes the whole-source path (ModelOptions::whole_source_bytes).
+  bool WholeSourceOnBackend(const Call& call) const;
   // A ratio > 1 source's log of this call: the rows of kv / score [pos.size(), head_dim] (backend
   // memory) at the positions CompressorLog::LogsPosition keeps (`cut_block`: the state's
   // cut_block_tokens).

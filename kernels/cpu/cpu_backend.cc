@@ -681,15 +681,16 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
 
-  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
-                   int64_t list_len, int64_t offset) override {
+  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
+                   int32_t* list, int64_t list_len, int64_t offset) override {
     EPD_CHECK_OPERANDS("TopKSlots", {{"topk", topk}, {"list", list}});
     if (rows < 0 || k < 0 || offset < 0 || offset + k > list_len)
       return Bad("TopKSlots", absl::StrCat(k, " slots at ", offset, " in lists of ", list_len));
     for (int64_t r = 0; r < rows; ++r) {
       for (int64_t j = 0; j < k; ++j) {
+        const int32_t t = topk[r * k + j];
         list[r * list_len + offset + j] =
-            topk[r * k + j] < 0 ? -1 : static_cast<int32_t>(base + r * k + j);
+            t < 0 ? -1 : static_cast<int32_t>(base + (per_slot ? r * k + j : t));
       }
     }
     return OkStatus();

@@ -569,12 +569,12 @@ class CudaBackend final : public Backend {
     });
   }
 
-  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
-                   int64_t list_len, int64_t offset) override {
+  Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
+                   int32_t* list, int64_t list_len, int64_t offset) override {
     if (rows < 0 || k < 0 || offset < 0 || offset + k > list_len)
       return Bad("TopKSlots", absl::StrCat(k, " slots at ", offset, " in lists of ", list_len));
     return Run("TopKSlots", [&] {
-      return cuda::TopKSlots(topk, rows, k, base, list, list_len, offset, streams_[0]);
+      return cuda::TopKSlots(topk, rows, k, base, per_slot, list, list_len, offset, streams_[0]);
     });
   }
 

@@ -46,20 +46,21 @@ __global__ void UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, in
 
 // cpu_backend.cc TopKSlots: one thread per (row, slot).
 __global__ void TopKSlotsKernel(const int32_t* topk, int64_t rows, int64_t k, int64_t base,
-                                int32_t* list, int64_t list_len, int64_t offset) {
+                                bool per_slot, int32_t* list, int64_t list_len, int64_t offset) {
   const int64_t e = Tid();
   if (e >= rows * k) return;
   const int64_t r = e / k, j = e % k;
-  list[r * list_len + offset + j] = topk[e] < 0 ? -1 : static_cast<int32_t>(base + e);
+  const int32_t t = topk[e];
+  list[r * list_len + offset + j] = t < 0 ? -1 : static_cast<int32_t>(base + (per_slot ? e : t));
 }
 
 }  // namespace
 
-cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
-                      int64_t list_len, int64_t offset, cudaStream_t stream) {
+cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
+                      int32_t* list, int64_t list_len, int64_t offset, cudaStream_t stream) {
   if (rows * k <= 0) return cudaSuccess;
-  TopKSlotsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(topk, rows, k, base, list, list_len,
-                                                              offset);
+  TopKSlotsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(topk, rows, k, base, per_slot, list,
+                                                              list_len, offset);
   return cudaGetLastError();
 }
 

@@ -169,7 +169,7 @@ cudaError_t PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uin
 cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
                        int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out,
                        cudaStream_t stream);
-cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, int32_t* list,
-                      int64_t list_len, int64_t offset, cudaStream_t stream);
+cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
+                      int32_t* list, int64_t list_len, int64_t offset, cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda

@@ -1415,21 +1415,27 @@ PARITY_CASE(UnpackRows) {
 }
 
 PARITY_CASE(TopKSlots) {
-  // Tolerance: exact (integers). Two rows of a 3-slot top-k with -1s, into lists of 7 at slot 4;
-  // the other entries keep what they held.
+  // Tolerance: exact (integers). Two rows of a 3-slot top-k with -1s, into lists of 7 at slot 4
+  // (per slot), then at slot 3 (the entries); the other entries keep what they held.
   const std::vector<int32_t> topk = {130, -1, 129, -1, -1, 200};
   std::vector<std::vector<int32_t>> res;
   for (Side* s : {&env.ref, &env.cand}) {
     int32_t* list = s->In(std::vector<int32_t>(14, 77));
-    EXPECT_OP_OK(*s, s->b().TopKSlots(s->In(topk), 2, 3, 128, list, 7, 4));
-    EXPECT_EQ(s->b().TopKSlots(s->In(topk), 2, 3, 128, list, 7, 5).code(),
+    EXPECT_OP_OK(*s, s->b().TopKSlots(s->In(topk), 2, 3, 128, true, list, 7, 4));
+    EXPECT_EQ(s->b().TopKSlots(s->In(topk), 2, 3, 128, true, list, 7, 5).code(),
               absl::StatusCode::kInvalidArgument)
         << s->name() << ": slots past the list";
     res.push_back(s->Read(list, 14));
+    // Without per_slot: each slot's entry itself (+ base) at slot 3 of the same lists.
+    EXPECT_OP_OK(*s, s->b().TopKSlots(s->In(topk), 2, 3, 1, false, list, 7, 3));
+    res.push_back(s->Read(list, 14));
   }
-  CompareExact(res[0], res[1], "top-k slots");
+  CompareExact(res[0], res[2], "top-k slots");
+  CompareExact(res[1], res[3], "top-k entries");
   const std::vector<int32_t> want = {77, 77, 77, 77, 128, -1, 130, 77, 77, 77, 77, -1, -1, 133};
   EXPECT_EQ(res[0], want);
+  const std::vector<int32_t> entries = {77, 77, 77, 131, -1, 130, 130, 77, 77, 77, -1, -1, 201, 133};
+  EXPECT_EQ(res[1], entries);
 }
 
 PARITY_CASE(QuantDequant) {

@@ -173,6 +173,56 @@ TEST_P(OpCountTest, ADecodeStepsTopKStaysOnTheBackend) {
               static_cast<long long>(count(compact, "Download")));
 }
 
+// On a device backend a prefill's top-k stays there too while the KV sources fit unpacked whole
+// (ModelOptions::whole_source_bytes): each attention layer unpacks its source once and TopKSlots
+// writes each slot's entry into the lists; no top-k comes down and no gather list goes up.
+// Against the compact path (whole_source_bytes = 0) on the same device-labelled backend: the
+// same logits bit for bit and one Download fewer per index layer. On a host backend the compact
+// path stays (no TopKSlots).
+TEST_P(OpCountTest, APrefillsTopKStaysOnADeviceBackend) {
+  struct Run {
+    std::map<std::string, int64_t> calls;
+    std::vector<float> logits;
+    int64_t index_layers = 0;
+  };
+  auto run = [&](bool device, int64_t whole_source_bytes) {
+    Run r;
+    auto backend =
+        kernels::MakeCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
+    auto m = testing::LoadGoldenModel(
+        *backend, GetParam(), ModelOptions{.whole_source_bytes = whole_source_bytes}, device);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    r.index_layers = static_cast<int64_t>((*m)->config().index_source_layers.size());
+    auto seq = (*m)->NewSequence();
+    std::vector<int32_t> prompt(256);
+    for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i * 11 % 97);
+    r.calls.clear();
+    auto out = (*m)->Prefill(*seq, prompt, /*all_logits=*/true);
+    EXPECT_TRUE(out.ok()) << out.status();
+    if (out.ok()) r.logits = out->logits;
+    seq.reset();
+    return r;
+  };
+  const Run whole = run(true, int64_t{64} << 20), compact = run(true, 0);
+  const Run host = run(false, int64_t{64} << 20);
+  auto count = [](const Run& r, const char* op) {
+    const auto it = r.calls.find(op);
+    return it == r.calls.end() ? int64_t{0} : it->second;
+  };
+  ASSERT_FALSE(whole.logits.empty());
+  ASSERT_GT(whole.index_layers, 0);
+  EXPECT_EQ(whole.logits, compact.logits);
+  EXPECT_EQ(whole.logits, host.logits);
+  EXPECT_GT(count(whole, "TopKSlots"), 0);
+  EXPECT_EQ(count(compact, "TopKSlots"), 0);
+  EXPECT_EQ(count(host, "TopKSlots"), 0);
+  EXPECT_EQ(count(whole, "Download"), count(compact, "Download") - whole.index_layers);
+  std::printf("[%s] 256-row prefill on a device: Downloads %lld (compact path %lld)\n",
+              GetParam().c_str(), static_cast<long long>(count(whole, "Download")),
+              static_cast<long long>(count(compact, "Download")));
+}
+
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),
                          testing::GoldenSetName);
 
