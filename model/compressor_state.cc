@@ -56,23 +56,11 @@ std::vector<uint8_t> CompressorTail::FreshBytes() const {
 
 absl::Status CompressorTail::Writable() {
   if (pool_ == nullptr) return absl::FailedPreconditionError("compressor tail: no pool");
-  if (allocated() && pool_->TryExclusive(block_.id)) return absl::OkStatus();
-  KvPool::Block nb;
-  RETURN_IF_ERROR(pool_->Allocate(bytes(), &nb));
-  absl::Status s;
-  if (allocated()) {  // shared: copy on write
-    s = pool_->CopyBlock(nb, block_, bytes());
-  } else {
+  // The first write allocates the block with the fresh values; a shared one is copied.
+  return pool_->MakeWritable(block_, bytes(), [&](const KvPool::Block& nb) {
     const std::vector<uint8_t> fresh = FreshBytes();
-    s = pool_->Write(nb, 0, fresh.data(), bytes());
-  }
-  if (!s.ok()) {
-    pool_->Unref(nb.id);
-    return s;
-  }
-  Release();
-  block_ = nb;
-  return absl::OkStatus();
+    return pool_->Write(nb, 0, fresh.data(), bytes());
+  });
 }
 
 absl::Status CompressorTail::WriteSlotsFrom(int64_t slot, int64_t n, const float* kv,
@@ -103,7 +91,6 @@ absl::Status CompressorTail::CopySlotFrom(int64_t slot, const CompressorTail& sr
     return pool_->Write(block_, (ratio_ + slot) * row, fresh.data() + ratio_ * row, row);
   }
   // src's block stays referenced by src while this one may be copied on write.
-  RETURN_IF_ERROR(Writable());
   return WriteSlotsFrom(slot, 1, src.kv() + from * dim_, src.score() + from * dim_);
 }
 
@@ -121,16 +108,20 @@ absl::Status CompressorTail::WriteBytes(const uint8_t* bytes_in) {
   return pool_->Write(block_, 0, bytes_in, bytes());
 }
 
-std::vector<float> CompressorTail::Kv() const {
+std::vector<float> CompressorTail::Values() const {
   std::vector<float> all(static_cast<size_t>(2 * ratio_ * dim_));
   AbortUnlessOk(CopyBytes(reinterpret_cast<uint8_t*>(all.data())), "read a compressor tail");
+  return all;
+}
+
+std::vector<float> CompressorTail::Kv() const {
+  std::vector<float> all = Values();
   all.resize(static_cast<size_t>(ratio_ * dim_));
   return all;
 }
 
 std::vector<float> CompressorTail::Score() const {
-  std::vector<float> all(static_cast<size_t>(2 * ratio_ * dim_));
-  AbortUnlessOk(CopyBytes(reinterpret_cast<uint8_t*>(all.data())), "read a compressor tail");
+  const std::vector<float> all = Values();
   return {all.begin() + ratio_ * dim_, all.end()};
 }
 
@@ -154,13 +145,18 @@ int64_t CompressorLog::Find(int64_t q) const {
   return it != pos_.end() && *it == q ? static_cast<int64_t>(it - pos_.begin()) : -1;
 }
 
-absl::Status CompressorLog::Append(int64_t first_pos, int64_t n, const float* kv,
-                                   const float* score) {
-  if (n <= 0) return absl::OkStatus();
+absl::Status CompressorLog::Room(int64_t first_pos, int64_t n) const {
   if (rows() + n > capacity_ || (!pos_.empty() && first_pos <= pos_.back())) {
     return absl::InternalError(absl::StrCat("compressor log: ", n, " rows at ", first_pos,
                                             " do not fit after ", rows(), " of ", capacity_));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CompressorLog::Append(int64_t first_pos, int64_t n, const float* kv,
+                                   const float* score) {
+  if (n <= 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Room(first_pos, n));
   const int64_t i = rows();
   RETURN_IF_ERROR(backend_->Copy(base() + i * dim_, kv, n * dim_ * 4));
   RETURN_IF_ERROR(backend_->Copy(base() + (capacity_ + i) * dim_, score, n * dim_ * 4));
@@ -173,11 +169,9 @@ absl::Status CompressorLog::AppendGathered(const std::vector<int64_t>& positions
                                            const float* score) {
   const int64_t n = static_cast<int64_t>(positions.size());
   if (n <= 0) return absl::OkStatus();
-  if (rows() + n > capacity_ || !std::is_sorted(positions.begin(), positions.end()) ||
-      (!pos_.empty() && positions.front() <= pos_.back())) {
-    return absl::InternalError(absl::StrCat("compressor log: ", n, " rows at ", positions.front(),
-                                            " do not fit after ", rows(), " of ", capacity_));
-  }
+  if (!std::is_sorted(positions.begin(), positions.end()))
+    return absl::InternalError("compressor log: positions out of order");
+  RETURN_IF_ERROR(Room(positions.front(), n));
   const int64_t i = rows();
   RETURN_IF_ERROR(backend_->CopyRows(kv, rows_dev, base() + i * dim_, nullptr, n, dim_));
   RETURN_IF_ERROR(

@@ -61,7 +61,9 @@ class CompressorTail {
   // not allocated).
   [[nodiscard]] absl::Status CopyBytes(uint8_t* out) const;
   [[nodiscard]] absl::Status WriteBytes(const uint8_t* bytes);
-  // Host copies of the kv and score arrays [ratio, dim] (tests, tools; abort on a failed read).
+  // Host copies (tests, tools; abort on a failed read): both arrays, kv then score
+  // [2, ratio, dim] (one read); the kv or score array [ratio, dim].
+  std::vector<float> Values() const;
   std::vector<float> Kv() const;
   std::vector<float> Score() const;
 
@@ -117,6 +119,8 @@ class CompressorLog {
  private:
   CompressorLog(kernels::Backend& backend, int64_t dim, int64_t capacity, kernels::Buffer rows)
       : backend_(&backend), dim_(dim), capacity_(capacity), rows_(std::move(rows)) {}
+  // InternalError unless n rows from first_pos fit after the last row.
+  absl::Status Room(int64_t first_pos, int64_t n) const;
   const float* base() const { return rows_.as<float>(); }
   float* base() { return rows_.as<float>(); }
 

@@ -385,6 +385,24 @@ KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes) {
   return b;
 }
 
+absl::Status KvPool::MakeWritable(Block& b, int64_t bytes,
+                                  const std::function<absl::Status(const Block&)>& init,
+                                  bool* replaced) {
+  if (replaced != nullptr) *replaced = false;
+  if (b.id >= 0 && TryExclusive(b.id)) return absl::OkStatus();
+  Block nb;
+  RETURN_IF_ERROR(Allocate(bytes, &nb));
+  absl::Status s = b.id >= 0 ? CopyBlock(nb, b, bytes) : init ? init(nb) : absl::OkStatus();
+  if (!s.ok()) {
+    Unref(nb.id);
+    return s;
+  }
+  if (b.id >= 0) Unref(b.id);
+  b = nb;
+  if (replaced != nullptr) *replaced = true;
+  return absl::OkStatus();
+}
+
 bool KvPool::TryExclusive(int32_t id) {
   std::lock_guard<std::mutex> l(mu_);
   Slot& s = slots_[id];
@@ -501,26 +519,18 @@ void KvRows::ReleaseAll() {
 }
 
 absl::Status KvRows::Writable(size_t b) {
+  const int64_t bytes = rows_per_block_ * row_bytes_;
   if (b == blocks_.size()) {
     if (pool_ == nullptr) return absl::FailedPreconditionError("kv rows: no pool");
     KvPool::Block nb;
-    if (absl::Status s = pool_->Allocate(rows_per_block_ * row_bytes_, &nb); !s.ok()) return s;
+    RETURN_IF_ERROR(pool_->MakeWritable(nb, bytes, nullptr));
     blocks_.push_back(nb);
     hashes_.push_back(0);
     return absl::OkStatus();
   }
-  KvPool::Block& cur = blocks_[b];
-  if (!pool_->TryExclusive(cur.id)) {  // shared: copy on write
-    KvPool::Block nb;
-    if (absl::Status s = pool_->Allocate(rows_per_block_ * row_bytes_, &nb); !s.ok()) return s;
-    if (absl::Status s = pool_->CopyBlock(nb, cur, rows_per_block_ * row_bytes_); !s.ok()) {
-      pool_->Unref(nb.id);
-      return s;
-    }
-    pool_->Unref(cur.id);
-    cur = nb;
-    Invalidate(b);
-  }
+  bool replaced = false;  // shared: copied on write
+  RETURN_IF_ERROR(pool_->MakeWritable(blocks_[b], bytes, nullptr, &replaced));
+  if (replaced) Invalidate(b);
   hashes_[b] = 0;
   return absl::OkStatus();
 }
@@ -799,30 +809,17 @@ void SwaRing::FillZero(uint8_t* slots, int64_t n) const {
 
 absl::Status SwaRing::Writable() {
   if (pool_ == nullptr) return absl::FailedPreconditionError("swa ring: no pool");
-  if (!allocated()) {
-    KvPool::Block nb;
-    RETURN_IF_ERROR(pool_->Allocate(ring_bytes(), &nb));
-    std::vector<uint8_t> zero(static_cast<size_t>(ring_bytes()));
-    FillZero(zero.data(), window_);
-    if (absl::Status s = pool_->Write(nb, 0, zero.data(), ring_bytes()); !s.ok()) {
-      pool_->Unref(nb.id);
-      return s;
-    }
-    block_ = nb;
-    table_ok_ = false;
-    return absl::OkStatus();
-  }
-  if (!pool_->TryExclusive(block_.id)) {  // shared: copy on write
-    KvPool::Block nb;
-    RETURN_IF_ERROR(pool_->Allocate(ring_bytes(), &nb));
-    if (absl::Status s = pool_->CopyBlock(nb, block_, ring_bytes()); !s.ok()) {
-      pool_->Unref(nb.id);
-      return s;
-    }
-    pool_->Unref(block_.id);
-    block_ = nb;
-    table_ok_ = false;
-  }
+  // The first write allocates the block with packed zero slots; a shared one is copied.
+  bool replaced = false;
+  RETURN_IF_ERROR(pool_->MakeWritable(
+      block_, ring_bytes(),
+      [&](const KvPool::Block& nb) {
+        std::vector<uint8_t> zero(static_cast<size_t>(ring_bytes()));
+        FillZero(zero.data(), window_);
+        return pool_->Write(nb, 0, zero.data(), ring_bytes());
+      },
+      &replaced));
+  if (replaced) table_ok_ = false;
   return absl::OkStatus();
 }
 

@@ -122,6 +122,14 @@ class KvPool {
   // True when the caller holds the only reference; the block is then unsealed (its hash
   // forgotten, so nobody can start sharing it) and the caller may write it. False: shared.
   bool TryExclusive(int32_t id);
+  // Makes `b`, a block of `bytes` the caller holds (id < 0: none yet), one the caller alone holds
+  // and may write: b itself when it is the only reference (TryExclusive); else a copy of it with
+  // the caller's reference moved to the copy (copy-on-write); or, for none, a new block that
+  // `init` fills (nullptr: left as allocated). *replaced (optional) says whether b changed.
+  // ResourceExhausted when the pool is full, or init's error: b is unchanged then.
+  [[nodiscard]] absl::Status MakeWritable(Block& b, int64_t bytes,
+                                          const std::function<absl::Status(const Block&)>& init,
+                                          bool* replaced = nullptr);
   bool sealed(int32_t id) const;
 
   // The backend whose memory holds the blocks, and whether that is host memory.

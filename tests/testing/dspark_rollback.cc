@@ -24,8 +24,7 @@ StepJournal::Small StepJournal::Capture(const SequenceState& s) {
   for (const auto& [layer, src] : s.sources) {
     SourceTail& t = m.sources[layer];
     t.n = src.n;
-    t.kv_state = src.tail.Kv();
-    t.score_state = src.tail.Score();
+    t.tail = src.tail.Values();
   }
   return m;
 }
@@ -76,9 +75,7 @@ absl::Status StepJournal::Rollback(SequenceState& state, int64_t keep) {
     src.kv.resize(t.n * head_dim_);
     src.keys.resize(t.n * index_head_dim_);
     if (src.ratio > 1) {
-      std::vector<float> bytes(t.kv_state);
-      bytes.insert(bytes.end(), t.score_state.begin(), t.score_state.end());
-      if (absl::Status s = src.tail.WriteBytes(reinterpret_cast<const uint8_t*>(bytes.data()));
+      if (absl::Status s = src.tail.WriteBytes(reinterpret_cast<const uint8_t*>(t.tail.data()));
           !s.ok())
         return s;
     }
@@ -94,7 +91,7 @@ int64_t StepJournal::bytes() const {
   auto small = [](const Small& m) {
     int64_t s = static_cast<int64_t>(m.engram_history.size() * 8 + m.main_hidden.size() * 4 + 32);
     for (const auto& [l, t] : m.sources)
-      s += static_cast<int64_t>((t.kv_state.size() + t.score_state.size()) * 4 + 8);
+      s += static_cast<int64_t>(t.tail.size() * 4 + 8);
     return s;
   };
   b += small(base_);
@@ -131,9 +128,8 @@ std::string DiffStates(const SequenceState& a, const SequenceState& b) {
     if (sa.ratio != sb.ratio || sa.n != sb.n) return absl::StrCat("source ", layer, " n/ratio");
     if (!SameBits(sa.kv, sb.kv)) return absl::StrCat("source ", layer, " kv");
     if (!SameBits(sa.keys, sb.keys)) return absl::StrCat("source ", layer, " keys");
-    if (!SameBits(sa.tail.Kv(), sb.tail.Kv())) return absl::StrCat("source ", layer, " kv_state");
-    if (!SameBits(sa.tail.Score(), sb.tail.Score()))
-      return absl::StrCat("source ", layer, " score_state");
+    if (!SameBits(sa.tail.Values(), sb.tail.Values()))
+      return absl::StrCat("source ", layer, " compressor tail");
   }
   if (a.published_keys != b.published_keys) return "published_keys";
   if (a.engram_history != b.engram_history) return "engram_history";

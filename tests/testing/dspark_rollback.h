@@ -49,7 +49,7 @@ class StepJournal {
  private:
   struct SourceTail {
     int64_t n = 0;
-    std::vector<float> kv_state, score_state;
+    std::vector<float> tail;  // the compressor tail's values: kv then score (CompressorTail)
   };
   struct Small {
     int64_t pos = 0;
