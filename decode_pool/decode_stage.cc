@@ -91,6 +91,26 @@ void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int
   ++seq.masks;
 }
 
+bool DecodeStage::TokensOnly(const DecodeSequence& seq) const {
+  const model::SamplingParams& p = seq.sampler->params();
+  return options_.greedy_on_backend && p.greedy() && !seq.grammar && p.top_logprobs == 0;
+}
+
+model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
+                                            std::span<const int32_t> drafts, int64_t rows,
+                                            model::LogitPenalties& penalties) const {
+  if (!TokensOnly(seq)) return model::LogitsOut::kValues;
+  const model::SamplingParams& p = seq.sampler->params();
+  if (!p.has_penalties()) return model::LogitsOut::kArgmax;
+  penalties.repetition = p.repetition_penalty;
+  penalties.frequency = p.frequency_penalty;
+  penalties.presence = p.presence_penalty;
+  penalties.at.clear();
+  penalties.counts.clear();
+  seq.sampler->PenaltyEntries(drafts, rows, penalties.at, penalties.counts);
+  return model::LogitsRequest(model::LogitsOut::kArgmax, &penalties);
+}
+
 void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
   int32_t tok;
   if (seq.grammar) {
@@ -177,12 +197,16 @@ absl::Status DecodeStage::Step(std::span<DecodeSequence* const> batch, DecodeSte
 absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& st) {
   std::vector<model::SequenceState*> states;
   std::vector<std::vector<int32_t>> tokens;
-  for (DecodeSequence* s : live) {
+  std::vector<model::LogitsRequest> outs;
+  std::vector<model::LogitPenalties> penalties(live.size());
+  for (size_t i = 0; i < live.size(); ++i) {
+    DecodeSequence* s = live[i];
     states.push_back(s->state.get());
     tokens.push_back({s->pending});
+    outs.push_back(LogitsFor(*s, {}, 1, penalties[i]));
   }
   std::vector<absl::Status> failed;
-  auto res = model::DecodeStep(model_, states, tokens, &failed);
+  auto res = model::DecodeStep(model_, states, tokens, &failed, outs);
   if (!res.ok()) return res.status();
   const int64_t vocab = model_.config().vocab_size;
   for (size_t i = 0; i < live.size(); ++i) {
@@ -190,9 +214,20 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
       Fail(*live[i], std::move(failed[i]));
       continue;
     }
-    const std::vector<float>& l = (*res)[i].logits;
     const size_t before = live[i]->output.size();
-    Offer(*live[i], std::span<const float>(l.data() + l.size() - vocab, vocab));
+    if (outs[i].out == model::LogitsOut::kArgmax) {
+      // The greedy token of the penalized logits (what Sampler::Sample would pick).
+      const std::vector<int32_t>& best = (*res)[i].argmax;
+      if (best.empty()) {
+        Fail(*live[i], absl::InternalError("decode step returned no greedy token"));
+        continue;
+      }
+      if (!live[i]->sampler->IsStopToken(best.back())) live[i]->sampler->Accept(best.back());
+      Emit(*live[i], best.back(), {});
+    } else {
+      const std::vector<float>& l = (*res)[i].logits;
+      Offer(*live[i], std::span<const float>(l.data() + l.size() - vocab, vocab));
+    }
     st.emitted += static_cast<int64_t>(live[i]->output.size() - before);
   }
   return absl::OkStatus();
@@ -205,6 +240,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   std::vector<model::SequenceState*> states;
   std::vector<std::vector<int32_t>> tokens;
   std::vector<model::StepCheckpoint> checkpoints;
+  std::vector<model::LogitsRequest> outs;  // per stepped sequence
+  // Their penalties (stable addresses: outs points into it).
+  std::vector<model::LogitPenalties> penalties(live.size());
   std::vector<DecodeSequence*> stepped;  // the sequences whose draft succeeded, in order
   std::vector<char> calibrated;  // per stepped sequence: k chosen by the calibrated policy
   props.reserve(live.size());
@@ -255,20 +293,21 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     if (prop->k > cap) {  // the policy chose more than the sequence can emit
       prop->k = cap;
       prop->drafts.resize(cap);
-      prop->q.resize(static_cast<size_t>(cap) * V);
+      if (!prop->q.empty()) prop->q.resize(static_cast<size_t>(cap) * V);
     }
     std::vector<int32_t> ids = {s.pending};
     ids.insert(ids.end(), prop->drafts.begin(), prop->drafts.end());
     checkpoints.push_back(prop->k > 0 ? model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()))
                                       : model::StepCheckpoint{});
     stepped.push_back(&s);
+    outs.push_back(LogitsFor(s, prop->drafts, prop->k + 1, penalties[stepped.size() - 1]));
     calibrated.push_back(calib);
     states.push_back(s.state.get());
     tokens.push_back(std::move(ids));
     props.push_back(std::move(*prop));
   }
   std::vector<absl::Status> failed;
-  auto res = model::DecodeStep(model_, states, tokens, &failed);
+  auto res = model::DecodeStep(model_, states, tokens, &failed, outs);
   if (!res.ok()) return res.status();
   for (size_t i = 0; i < stepped.size(); ++i) {
     DecodeSequence& s = *stepped[i];
@@ -278,9 +317,12 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     const DraftProposal& p = props[i];
     const std::vector<float>& logits = (*res)[i].logits;
-    if (static_cast<int64_t>(logits.size()) != (p.k + 1) * V) {
-      Fail(s, absl::InternalError(absl::StrCat("decode step returned ", logits.size() / V,
-                                               " logit rows for ", p.k + 1, " positions")));
+    const bool tokens_only = outs[i].out == model::LogitsOut::kArgmax;
+    const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].argmax.size())
+                                    : static_cast<int64_t>(logits.size()) / V;
+    if (got != p.k + 1 || (!tokens_only && static_cast<int64_t>(logits.size()) != got * V)) {
+      Fail(s, absl::InternalError(absl::StrCat("decode step returned ", got, " logit rows for ",
+                                               p.k + 1, " positions")));
       continue;
     }
     // Constrained: row j is masked by the grammar after drafts 0..j-1; the rows after the first
@@ -299,7 +341,11 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
           break;
       }
     }
-    const VerifyOutcome o = drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
+    // Tokens only: the rows' argmax is the greedy target of each position (row j penalized as
+    // after drafts[0, j)).
+    const VerifyOutcome o =
+        tokens_only ? VerifyGreedy((*res)[i].argmax, std::span<const int32_t>(p.drafts))
+                    : drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
     if (p.k > 0) {
       const std::span<const int32_t> keep =
           std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);
@@ -325,7 +371,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     for (int j = 0; j <= o.accepted; ++j) {
       const int32_t t = j < o.accepted ? p.drafts[j] : o.token;
       if (!s.sampler->IsStopToken(t)) s.sampler->Accept(t);
-      if (!Emit(s, t, std::span<const float>(logits.data() + j * V, V))) break;
+      const std::span<const float> row =
+          tokens_only ? std::span<const float>() : std::span<const float>(logits.data() + j * V, V);
+      if (!Emit(s, t, row)) break;
     }
     st.emitted += static_cast<int64_t>(s.output.size() - before);
   }

@@ -75,6 +75,13 @@ struct DecodeStageOptions {
   // The decode worker's KV pool capacity in bytes (--kv-pool-bytes; decode_server.cc admits and
   // preempts by it). <= 0: a quarter of the host's physical memory.
   int64_t kv_pool_bytes = 0;
+  // A greedy sequence with no grammar and no logprobs takes its tokens from the backend's Argmax
+  // (model::LogitsOut::kArgmax), after its penalties applied there (Backend::PenalizeLogits):
+  // its logits rows stay in backend memory, and a step downloads 4 bytes per row instead of
+  // vocab x 4 (517 KB at the release vocabulary). The tokens are the host Sampler's (the same
+  // penalty arithmetic, kernels/penalty.h, and the same first-largest rule).
+  // false: every sequence downloads its logits (the comparison baseline). Default: true
+  bool greedy_on_backend = true;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).
@@ -141,6 +148,12 @@ class DecodeStage {
                   std::span<float> logits) const;
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
+  // Whether `seq`'s steps bring back only their rows' argmax (greedy_on_backend).
+  bool TokensOnly(const DecodeSequence& seq) const;
+  // What a step of `rows` rows (the last token, then `drafts`) asks of `seq`'s logits; its
+  // penalties go to `penalties`, which must outlive the step.
+  model::LogitsRequest LogitsFor(const DecodeSequence& seq, std::span<const int32_t> drafts,
+                                 int64_t rows, model::LogitPenalties& penalties) const;
   // Appends an already chosen token (its row's raw logits for logprobs); returns false once the
   // sequence is done (stop id: not appended; max_tokens reached: appended, then done).
   bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits) const;

@@ -461,6 +461,14 @@ class Backend {
   // ---- Sampling ----
   // out[r] = the first index of the largest value of x[r, :] (x [rows, n]).
   virtual absl::Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) = 0;
+  // Sampling penalties in place on logits (x: `total` floats, rows of the vocabulary): for each
+  // i < entries, x[at[i]] = Penalized(x[at[i]], counts[i], repetition, frequency, presence)
+  // (kernels/penalty.h: the host Sampler's arithmetic). at (distinct, in [0, total)) and counts
+  // lie in backend memory. Exact. The CPU backend refuses an index out of range; a device
+  // backend, which cannot read the list without a round trip, skips it.
+  virtual absl::Status PenalizeLogits(float* x, int64_t total, const int64_t* at,
+                                      const int32_t* counts, int64_t entries, float repetition,
+                                      float frequency, float presence) = 0;
 };
 
 // Every op of the Backend interface (each virtual method returning a Status), by name. The parity
@@ -510,6 +518,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "TopKSlots",
     "QuantDequant",
     "Argmax",
+    "PenalizeLogits",
     "HcMixesSingleToken",
     "EngramGateSingleToken",
 };
@@ -534,6 +543,9 @@ struct CpuBackendOptions {
   // one to (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant
   // does per weight, counts once per check). Not thread-safe: one thread at a time.
   std::map<std::string, int64_t>* op_calls = nullptr;
+  // Test seam (tests/decode_pool/greedy_on_backend_test.cc): when set, every Download adds its
+  // bytes. Not thread-safe: one thread at a time.
+  int64_t* download_bytes = nullptr;
   // Test seam (tests/decode/kv_pool_decode_test.cc): what free_memory_bytes() reports (-1: does
   // not know, as host memory). Never set in a serving process.
   int64_t free_memory_bytes = -1;

@@ -1049,11 +1049,12 @@ absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
   Scratch ws(backend_, scratch_pool_.get());
   ASSIGN_OR_RETURN(float* h, ws.Copy(io.h.data() + first * hc * D, n * hc * D));
   ASSIGN_OR_RETURN(float* pre, ws.Copy(io.pre.data() + first * hc, n * hc));
-  return HeadRows(ws, DeviceResidual{h, pre}, n, all_logits, trace);
+  ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, DeviceResidual{h, pre}, n, all_logits, trace));
+  return ws.ToHost(logits, (all_logits ? n : 1) * c.vocab_size);
 }
 
-absl::StatusOr<vector<float>> Model::HeadRows(Scratch& ws, const DeviceResidual& r, int64_t S,
-                                              bool all_logits, ForwardTrace* trace) const {
+absl::StatusOr<float*> Model::HeadLogits(Scratch& ws, const DeviceResidual& r, int64_t S,
+                                         bool all_logits, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const int64_t D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   if (S <= 0 || r.h == nullptr || r.pre == nullptr)
@@ -1070,7 +1071,29 @@ absl::StatusOr<vector<float>> Model::HeadRows(Scratch& ws, const DeviceResidual&
   ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(out_rows * V));
   RETURN_IF_ERROR(
       backend_.LinearF32(x + (n - out_rows) * D, out_rows, weights_->head.data(), V, D, logits));
-  return ws.ToHost(logits, out_rows * V);
+  return logits;
+}
+
+absl::Status Model::Penalize(Scratch& ws, float* logits, int64_t rows,
+                             const LogitPenalties& p) const {
+  if (p.at.size() != p.counts.size())
+    return absl::InvalidArgumentError("model: penalties need one count per entry");
+  if (p.at.empty()) return absl::OkStatus();
+  ASSIGN_OR_RETURN(const int64_t* at, ws.Copy(p.at));
+  ASSIGN_OR_RETURN(const int32_t* counts, ws.Copy(p.counts));
+  return backend_.PenalizeLogits(logits, rows * config_.vocab_size, at, counts,
+                                 static_cast<int64_t>(p.at.size()), p.repetition, p.frequency,
+                                 p.presence);
+}
+
+absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
+                                 const LogitsRequest& out, ForwardResult& res) const {
+  const int64_t V = config_.vocab_size;
+  if (out.out == LogitsOut::kValues) return ws.DownloadTo(logits, rows * V, res.logits);
+  if (out.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, logits, rows, *out.penalties));
+  ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(rows));
+  RETURN_IF_ERROR(backend_.Argmax(logits, rows, V, best));
+  return ws.DownloadTo(best, rows, res.argmax);
 }
 
 void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
@@ -1091,8 +1114,8 @@ void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t e
 
 absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
                                              bool all_logits, ForwardTrace* trace,
-                                             bool per_row_keys,
-                                             const PrefillOptions& options) const {
+                                             bool per_row_keys, const PrefillOptions& options,
+                                             const LogitsRequest& out) const {
   StageSpec spec;
   spec.start_pos = state.pos;
   spec.per_row_keys = per_row_keys;
@@ -1107,8 +1130,9 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   Hidden io;
   if (absl::Status s = RunStage(state, ids, spec, io, trace, &ws, &residual); !s.ok()) return s;
   ForwardResult res;
-  ASSIGN_OR_RETURN(res.logits, HeadRows(ws, residual, io.rows, all_logits, trace));
   res.rows = all_logits ? io.rows : 1;
+  ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, residual, io.rows, all_logits, trace));
+  RETURN_IF_ERROR(LogitsToHost(ws, logits, res.rows, out, res));
   Commit(state, ids, state.pos + io.rows, io);
   res.main_hidden = std::move(io.main_hidden);
   return res;
@@ -1191,14 +1215,14 @@ absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id,
 
 absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<const int32_t> ids,
                                             bool all_logits, ForwardTrace* trace,
-                                            ExtendMode mode) const {
+                                            ExtendMode mode, const LogitsRequest& out) const {
   if (state.pos == 0) return absl::FailedPreconditionError("model: Extend before Prefill");
   if (ids.empty()) return absl::InvalidArgumentError("model: Extend with no tokens");
   const int64_t pos = state.pos;
   if (mode == ExtendMode::kDecode && ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size())) {
-    return ExtendRowByRow(state, ids, all_logits, trace);
+    return ExtendRowByRow(state, ids, all_logits, trace, out);
   }
-  auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode);
+  auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode, {}, out);
   if (r.ok() && config_.n_mtp_layers > 0) {
     RETURN_IF_ERROR(
         DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos));
@@ -1216,10 +1240,13 @@ bool Model::Batchable(const SequenceState& state, std::span<const int32_t> ids) 
 
 absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState* const> states,
                                                          std::span<const vector<int32_t>> tokens,
-                                                         vector<absl::Status>& status) const {
+                                                         vector<absl::Status>& status,
+                                                         std::span<const LogitsRequest> outs) const {
   const ModelConfig& c = config_;
   const size_t B = states.size();
   if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
+  if (!outs.empty() && outs.size() != B)
+    return absl::InvalidArgumentError("model: one logits choice per sequence");
   status.assign(B, absl::OkStatus());
   vector<ForwardResult> out(B);
   if (B == 0) return out;
@@ -1277,12 +1304,29 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState
     RETURN_IF_ERROR(Block(ws, l, h, pre, std::span<BlockSequence>(seqs), R, nullptr));
   }
   // The head over every row at once (rows are independent; the residual stays in backend
-  // memory), then each sequence's slices.
+  // memory), then each sequence's slices: every row's values in one download when every
+  // sequence wants them, else every row's argmax in one and the values of the sequences that
+  // want them one download each.
   Hidden all;
   all.rows = R;
   RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
-  ASSIGN_OR_RETURN(const vector<float> logits,
-                   HeadRows(ws, DeviceResidual{h, pre}, R, /*all_logits=*/true, nullptr));
+  ASSIGN_OR_RETURN(float* head,
+                   HeadLogits(ws, DeviceResidual{h, pre}, R, /*all_logits=*/true, nullptr));
+  auto out_of = [&](size_t b) { return outs.empty() ? LogitsOut::kValues : outs[b].out; };
+  const bool all_values = std::all_of(outs.begin(), outs.end(), [](const LogitsRequest& o) {
+    return o.out == LogitsOut::kValues;
+  });
+  // A sequence's penalties touch its own rows only (before the argmax of every row; the rows of
+  // a sequence that wants values are not touched).
+  for (size_t b = 0; b < B && !all_values; ++b) {
+    if (status[b].ok() && out_of(b) == LogitsOut::kArgmax && outs[b].penalties != nullptr) {
+      RETURN_IF_ERROR(Penalize(ws, head + row0[b] * c.vocab_size,
+                               static_cast<int64_t>(tokens[b].size()), *outs[b].penalties));
+    }
+  }
+  ForwardResult every;
+  RETURN_IF_ERROR(
+      LogitsToHost(ws, head, R, all_values ? LogitsOut::kValues : LogitsOut::kArgmax, every));
   const int64_t V = c.vocab_size;
   for (size_t b = 0; b < B; ++b) {
     if (!status[b].ok()) continue;
@@ -1296,7 +1340,13 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState
     io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
                           all.main_hidden.begin() + (r0 + n) * nt * D);
     ForwardResult r;
-    r.logits.assign(logits.begin() + r0 * V, logits.begin() + (r0 + n) * V);
+    if (all_values) {
+      r.logits.assign(every.logits.begin() + r0 * V, every.logits.begin() + (r0 + n) * V);
+    } else if (out_of(b) == LogitsOut::kValues) {
+      if (absl::Status st = ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
+    } else {
+      r.argmax.assign(every.argmax.begin() + r0, every.argmax.begin() + r0 + n);
+    }
     r.rows = n;
     Commit(state, tokens[b], pos + n, io);
     r.main_hidden = std::move(io.main_hidden);
@@ -1334,9 +1384,12 @@ bool Model::StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) con
 
 absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
                                                     std::span<const int32_t> ids, bool all_logits,
-                                                    ForwardTrace* trace) const {
+                                                    ForwardTrace* trace,
+                                                    const LogitsRequest& lo) const {
   // One single-token call per row (what kDecode means), with the compressors' per-row logs of the
   // whole step kept for Rollback.
+  if (lo.penalties != nullptr && lo.penalties->at.size() != lo.penalties->counts.size())
+    return absl::InvalidArgumentError("model: penalties need one count per entry");
   ForwardResult out;
   std::map<int, std::shared_ptr<CompressorLog>> logs;  // the step's, filled row by row
   for (auto& [l, src] : state.sources) {
@@ -1346,13 +1399,31 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
   }
   for (size_t i = 0; i < ids.size(); ++i) {
     const int64_t pos = state.pos;
-    auto r = Forward(state, ids.subspan(i, 1), true, trace, true);
+    // The row's own request: result row `returned` of the step's penalties, moved to row 0.
+    const int64_t returned = all_logits ? static_cast<int64_t>(i) : 0;
+    LogitPenalties row_penalties;
+    LogitsRequest row_lo(lo.out);
+    if (lo.penalties != nullptr && (all_logits || i + 1 == ids.size())) {
+      const int64_t V = config_.vocab_size;
+      row_penalties = *lo.penalties;
+      row_penalties.at.clear();
+      row_penalties.counts.clear();
+      for (size_t e = 0; e < lo.penalties->at.size(); ++e) {
+        const int64_t a = lo.penalties->at[e] - returned * V;
+        if (a < 0 || a >= V) continue;
+        row_penalties.at.push_back(a);
+        row_penalties.counts.push_back(lo.penalties->counts[e]);
+      }
+      row_lo.penalties = &row_penalties;
+    }
+    auto r = Forward(state, ids.subspan(i, 1), true, trace, true, {}, row_lo);
     if (!r.ok()) return r.status();
     if (config_.n_mtp_layers > 0) {
       RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), 1, pos));
     }
     if (all_logits || i + 1 == ids.size()) {
       out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
+      out.argmax.insert(out.argmax.end(), r->argmax.begin(), r->argmax.end());
       out.rows += 1;
     }
     out.main_hidden.insert(out.main_hidden.end(), r->main_hidden.begin(), r->main_hidden.end());
@@ -1456,7 +1527,8 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
 }
 
 absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
-                                         std::span<const int32_t> forced_ids) const {
+                                         std::span<const int32_t> forced_ids,
+                                         LogitsOut lo) const {
   const ModelConfig& c = config_;
   if (c.n_mtp_layers == 0 || !weights_->dspark)
     return absl::FailedPreconditionError("model: no DSpark stages");
@@ -1552,7 +1624,9 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     RETURN_IF_ERROR(backend_.Copy(cat + D, e, R * static_cast<int64_t>(sizeof(float))));
     RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));
   }
-  ASSIGN_OR_RETURN(out.logits, ws.ToHost(logits, B * V));
+  if (lo == LogitsOut::kValues) {
+    ASSIGN_OR_RETURN(out.logits, ws.ToHost(logits, B * V));
+  }
   ASSIGN_OR_RETURN(out.confidence, ws.ToHost(confidence, B));
   return out;
 }

@@ -145,15 +145,44 @@ struct PrefillOptions {
   int64_t decoder_tail_rows = 0;
 };
 
+// What a forward brings back of its logits rows (Extend, ExtendBatch, DecodeStep, Draft).
+enum class LogitsOut {
+  kValues,  // the fp32 rows (ForwardResult::logits, DraftResult::logits)
+  kArgmax,  // each row's greedy token only (ForwardResult::argmax; a draft's ids): the rows stay
+            // in backend memory, and a step downloads rows x 4 bytes instead of rows x vocab x 4
+};
+
+// Sampling penalties applied to a sequence's logits rows on the backend before their argmax
+// (Backend::PenalizeLogits; the entries a Sampler lists with Sampler::PenaltyEntries), so a greedy
+// request with penalties also gets its tokens without its rows coming down.
+struct LogitPenalties {
+  float repetition = 1.f;
+  float frequency = 0.f;
+  float presence = 0.f;
+  std::vector<int64_t> at;      // row * vocab + token, rows of the sequence's result; distinct
+  std::vector<int32_t> counts;  // per entry: times generated (the row's pending drafts included)
+};
+
+// What a forward brings back of one sequence's logits rows.
+struct LogitsRequest {
+  LogitsRequest(LogitsOut out = LogitsOut::kValues, const LogitPenalties* penalties = nullptr)
+      : out(out), penalties(penalties) {}
+  LogitsOut out;
+  const LogitPenalties* penalties;  // kArgmax only (else ignored): borrowed for the call
+};
+
 struct ForwardResult {
   int64_t rows = 0;                // rows of logits (S with all_logits, else 1)
-  std::vector<float> logits;       // [rows, vocab] fp32
+  std::vector<float> logits;       // [rows, vocab] fp32 (LogitsOut::kValues)
+  // [rows] (LogitsOut::kArgmax): the first index of each row's largest logit (Backend::Argmax,
+  // the rule of model::ArgMax and of a greedy Sampler without penalties); logits is then empty.
+  std::vector<int32_t> argmax;
   std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
 };
 
 struct DraftResult {
   std::vector<int32_t> ids;       // [block+1]: the input token then the drafts
-  std::vector<float> logits;      // [block, vocab] fp32, markov bias included
+  std::vector<float> logits;      // [block, vocab] fp32, markov bias included (kValues only)
   std::vector<float> confidence;  // [block] raw projection
 };
 
@@ -217,17 +246,19 @@ class Model {
   [[nodiscard]] absl::StatusOr<ForwardResult> Extend(SequenceState& state,
                                                      std::span<const int32_t> ids, bool all_logits,
                                                      ForwardTrace* trace = nullptr,
-                                                     ExtendMode mode = ExtendMode::kDecode) const;
+                                                     ExtendMode mode = ExtendMode::kDecode,
+                                                     const LogitsRequest& out = {}) const;
   // Extend (kDecode, logits of every row) of several sequences in one forward (a decode step's
   // batch): the row-independent steps (embedding, Engram, mHC, norms, MoE) take every row of the
   // batch at once, so the weights are read once per step; attention runs per sequence on its
   // rows; the head over every row. Each result is bit-identical to that sequence's own Extend.
   // status[b] receives sequence b's own failure (its result is then empty and its state must not
   // be used further) without failing the others; the call fails only when a step shared by the
-  // batch does (every state is then unspecified). Every sequence must be Batchable.
+  // batch does (every state is then unspecified). Every sequence must be Batchable. `out[b]`
+  // (default: every sequence kValues) says what sequence b's result carries.
   [[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> ExtendBatch(
       std::span<SequenceState* const> states, std::span<const std::vector<int32_t>> tokens,
-      std::vector<absl::Status>& status) const;
+      std::vector<absl::Status>& status, std::span<const LogitsRequest> out = {}) const;
   // Whether Extend(state, ids) can go in an ExtendBatch: after a prefill, tokens in range, and
   // not a multi-token step that must run row by row (a later layer's stale index keys).
   bool Batchable(const SequenceState& state, std::span<const int32_t> ids) const;
@@ -239,9 +270,12 @@ class Model {
                                       std::span<const int32_t> accepted,
                                       const ForwardResult& step) const;
   // DSpark draft pass after a decode step (uses state.main_hidden of position state.pos-1).
-  // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids.
+  // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids. With
+  // `out` kArgmax the logits stay in backend memory (DraftResult::logits empty): what a greedy
+  // request without penalties needs of a draft is its ids and confidences.
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
-                                                  std::span<const int32_t> forced_ids = {}) const;
+                                                  std::span<const int32_t> forced_ids = {},
+                                                  LogitsOut out = LogitsOut::kValues) const;
   // The DSpark Markov head's logit bias for chain token `token` ([vocab]: markov_head times
   // markov_embed[token]), the same op and bits Draft adds to a draft position's logits.
   [[nodiscard]] absl::Status MarkovBias(int32_t token, std::vector<float>& bias) const;
@@ -315,10 +349,18 @@ class Model {
   // Final norm + LM head on the residual: fp32 logits [rows or 1, vocab].
   [[nodiscard]] absl::StatusOr<std::vector<float>> Head(const Hidden& io, bool all_logits,
                                                         ForwardTrace* trace = nullptr) const;
-  // The same on a residual of `rows` rows in backend memory (arrays in `ws` or its parents).
-  [[nodiscard]] absl::StatusOr<std::vector<float>> HeadRows(Scratch& ws, const DeviceResidual& r,
-                                                            int64_t rows, bool all_logits,
-                                                            ForwardTrace* trace) const;
+  // The same on a residual of `rows` rows in backend memory (arrays in `ws` or its parents),
+  // leaving the logits there: [rows or 1, vocab] in `ws`.
+  [[nodiscard]] absl::StatusOr<float*> HeadLogits(Scratch& ws, const DeviceResidual& r,
+                                                  int64_t rows, bool all_logits,
+                                                  ForwardTrace* trace) const;
+  // Brings `rows` logits rows in backend memory into res as `out` says (res.logits, or
+  // res.argmax through Backend::Argmax after its penalties).
+  [[nodiscard]] absl::Status LogitsToHost(Scratch& ws, float* logits, int64_t rows,
+                                          const LogitsRequest& out, ForwardResult& res) const;
+  // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
+  [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
+                                      const LogitPenalties& p) const;
   // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input.
   void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
               const Hidden& io) const;
@@ -349,11 +391,13 @@ class Model {
   absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
                                         bool all_logits, ForwardTrace* trace,
                                         bool per_row_keys = true,
-                                        const PrefillOptions& options = {}) const;
+                                        const PrefillOptions& options = {},
+                                        const LogitsRequest& out = {}) const;
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
   bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
   absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
-                                               bool all_logits, ForwardTrace* trace) const;
+                                               bool all_logits, ForwardTrace* trace,
+                                               const LogitsRequest& out) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
   // Whether `call` takes the whole-source path (ModelOptions::whole_source_bytes).

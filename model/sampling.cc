@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/penalty.h"
 
 namespace epd::model {
 
@@ -99,14 +100,14 @@ void Sampler::ApplyPenalties(std::span<float> logits, std::span<const int32_t> p
   const int32_t V = static_cast<int32_t>(logits.size());
   auto repetition = [&](int32_t t) {
     if (t < 0 || t >= V || params_.repetition_penalty == 1.f) return;
-    float& l = logits[t];
-    l = l > 0.f ? l / params_.repetition_penalty : l * params_.repetition_penalty;
+    logits[t] = kernels::RepetitionPenalized(logits[t], params_.repetition_penalty);
   };
   auto additive = [&](int32_t t) {
     if (t < 0 || t >= V) return;
     const int32_t c = count(t);
     if (c > 0) {
-      logits[t] -= params_.frequency_penalty * static_cast<float>(c) + params_.presence_penalty;
+      logits[t] = kernels::AdditivePenalized(logits[t], c, params_.frequency_penalty,
+                                             params_.presence_penalty);
     }
   };
   // Each token of prompt u generated u pending is penalized once (no set is materialized: the
@@ -120,6 +121,38 @@ void Sampler::ApplyPenalties(std::span<float> logits, std::span<const int32_t> p
     if (counts_.contains(t)) continue;
     if (!prompt_tokens_.contains(t)) repetition(t);
     additive(t);
+  }
+}
+
+void Sampler::PenaltyEntries(std::span<const int32_t> drafts, int64_t rows,
+                             std::vector<int64_t>& at, std::vector<int32_t>& counts) const {
+  if (!params_.has_penalties()) return;
+  const bool repetition = params_.repetition_penalty != 1.f;
+  for (int64_t j = 0; j < rows && j <= static_cast<int64_t>(drafts.size()); ++j) {
+    std::unordered_map<int32_t, int32_t> extra;
+    for (int64_t i = 0; i < j; ++i) ++extra[drafts[i]];
+    auto count = [&](int32_t t) {
+      int32_t c = 0;
+      if (auto it = counts_.find(t); it != counts_.end()) c += it->second;
+      if (auto it = extra.find(t); it != extra.end()) c += it->second;
+      return c;
+    };
+    // The tokens ApplyPenalties touches, each once: the prompt's (repetition only), the
+    // generated ones, then the pending ones.
+    auto add = [&](int32_t t) {
+      if (t < 0 || t >= vocab_) return;
+      const int32_t c = count(t);
+      if (!repetition && c == 0) return;
+      at.push_back(j * vocab_ + t);
+      counts.push_back(c);
+    };
+    for (int32_t t : prompt_tokens_) add(t);
+    for (const auto& [t, c] : counts_) {
+      if (!prompt_tokens_.contains(t)) add(t);
+    }
+    for (const auto& [t, c] : extra) {
+      if (!counts_.contains(t) && !prompt_tokens_.contains(t)) add(t);
+    }
   }
 }
 

@@ -95,6 +95,12 @@ class Sampler {
 
   // logits [vocab] -> penalized logits, as if `pending` had been generated after the history.
   void ApplyPenalties(std::span<float> logits, std::span<const int32_t> pending = {}) const;
+  // The same for `rows` rows of vocab() logits elsewhere (Backend::PenalizeLogits): row j as if
+  // drafts[0, j) had been generated. Appends, per logit a penalty changes, its index j * vocab +
+  // token to `at` and the token's generated count (drafts included) to `counts`, each logit once.
+  // Needs rows <= drafts.size() + 1.
+  void PenaltyEntries(std::span<const int32_t> drafts, int64_t rows, std::vector<int64_t>& at,
+                      std::vector<int32_t>& counts) const;
   // The distribution a T > 0 draw uses (penalties, temperature, top-k, top-p, min-p,
   // renormalized) into probs [vocab]; for T = 0 a one-hot at the greedy token.
   void Probabilities(std::span<const float> logits, std::span<const int32_t> pending,

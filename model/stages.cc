@@ -147,10 +147,15 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
 absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
                                                       std::span<SequenceState* const> states,
                                                       std::span<const std::vector<int32_t>> tokens,
-                                                      std::vector<absl::Status>* failed) {
+                                                      std::vector<absl::Status>* failed,
+                                                      std::span<const LogitsRequest> outs) {
   if (states.size() != tokens.size()) {
     return absl::InvalidArgumentError("decode step: one token list per sequence");
   }
+  if (!outs.empty() && outs.size() != states.size()) {
+    return absl::InvalidArgumentError("decode step: one logits choice per sequence");
+  }
+  auto out_of = [&](size_t b) { return outs.empty() ? LogitsRequest() : outs[b]; };
   if (failed != nullptr) failed->assign(states.size(), absl::OkStatus());
   std::vector<ForwardResult> out(states.size());
   auto fail = [&](size_t b, const absl::Status& s) -> absl::Status {
@@ -171,12 +176,14 @@ absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
   if (!batch.empty()) {
     std::vector<SequenceState*> bs;
     std::vector<std::vector<int32_t>> bt;
+    std::vector<LogitsRequest> bo;
     for (size_t b : batch) {
       bs.push_back(states[b]);
       bt.push_back(tokens[b]);
+      bo.push_back(out_of(b));
     }
     std::vector<absl::Status> status;
-    auto r = model.ExtendBatch(bs, bt, status);
+    auto r = model.ExtendBatch(bs, bt, status, bo);
     for (size_t i = 0; i < batch.size(); ++i) {
       const absl::Status& st = r.ok() ? status[i] : r.status();
       if (!st.ok()) {
@@ -189,7 +196,8 @@ absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
   }
   std::sort(alone.begin(), alone.end());
   for (size_t b : alone) {
-    auto r = model.Extend(*states[b], tokens[b], /*all_logits=*/true);
+    auto r = model.Extend(*states[b], tokens[b], /*all_logits=*/true, nullptr,
+                          Model::ExtendMode::kDecode, out_of(b));
     if (!r.ok()) {
       absl::Status named = fail(b, r.status());
       if (failed == nullptr) return named;

@@ -79,8 +79,11 @@ int64_t DecoderTailRows(const ModelConfig& config);
 // unspecified). `failed` given: it receives one status per sequence; a sequence that fails gets
 // its status there and an empty result (its state must not be used further) and the others run
 // as if it were not in the batch — one bad request does not fail its neighbours.
+// `out[b]` (default: every sequence kValues) says whether sequence b's result carries its logits
+// rows or only their argmax (LogitsOut), after which penalties (LogitsRequest).
 [[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
     const Model& model, std::span<SequenceState* const> states,
-    std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed = nullptr);
+    std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed = nullptr,
+    std::span<const LogitsRequest> out = {});
 
 }  // namespace epd::model

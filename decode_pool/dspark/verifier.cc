@@ -65,7 +65,10 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
 
   DraftProposal p;
   if (k == 0) return p;
-  auto draft = model_.Draft(state, last);
+  // A greedy chain without penalties is the draft's own ids: its logits can stay on the backend.
+  const bool ids_only = greedy && !sampler.params().has_penalties();
+  auto draft = model_.Draft(state, last, {},
+                            ids_only ? model::LogitsOut::kArgmax : model::LogitsOut::kValues);
   if (!draft.ok()) return draft.status();
   p.confidence = draft->confidence;
   if (k < 0) k = policy_->Choose(draft->confidence, batch);

@@ -16,6 +16,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
 #include "kernels/format.h"
+#include "kernels/penalty.h"
 #include "kernels/rope.h"
 
 namespace epd::kernels::cpu {
@@ -103,6 +104,7 @@ class CpuBackend final : public Backend {
                                           " are not inside a buffer of ", src.bytes()));
     }
     if (options_.op_calls != nullptr) ++(*options_.op_calls)["Download"];
+    if (options_.download_bytes != nullptr) *options_.download_bytes += bytes;
     if (bytes > 0) std::memcpy(host, src.as<uint8_t>() + src_offset, bytes);
     return OkStatus();
   }
@@ -703,6 +705,23 @@ class CpuBackend final : public Backend {
       const float* xr = x + r * n;
       out[r] = static_cast<int32_t>(std::max_element(xr, xr + n) - xr);
     }
+    return OkStatus();
+  }
+
+  Status PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
+                        int64_t entries, float repetition, float frequency,
+                        float presence) override {
+    if (entries < 0 || total < 0) return Bad("PenalizeLogits", "negative sizes");
+    if (!(repetition > 0.f)) return Bad("PenalizeLogits", "the repetition penalty must be > 0");
+    if (entries == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("PenalizeLogits", {{"x", x}, {"at", at}, {"counts", counts}});
+    for (int64_t i = 0; i < entries; ++i) {
+      if (at[i] < 0 || at[i] >= total)
+        return Bad("PenalizeLogits", absl::StrCat("entry ", i, " at ", at[i],
+                                                  " is outside the ", total, " logits"));
+    }
+    for (int64_t i = 0; i < entries; ++i)
+      x[at[i]] = Penalized(x[at[i]], counts[i], repetition, frequency, presence);
     return OkStatus();
   }
 

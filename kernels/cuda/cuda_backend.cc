@@ -588,6 +588,17 @@ class CudaBackend final : public Backend {
     return Run("Argmax", [&] { return cuda::Argmax(x, rows, n, out, streams_[0]); });
   }
 
+  Status PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
+                        int64_t entries, float repetition, float frequency,
+                        float presence) override {
+    if (entries < 0 || total < 0) return Bad("PenalizeLogits", "negative sizes");
+    if (!(repetition > 0.f)) return Bad("PenalizeLogits", "the repetition penalty must be > 0");
+    return Run("PenalizeLogits", [&] {
+      return cuda::PenalizeLogits(x, total, at, counts, entries, repetition, frequency, presence,
+                                  streams_[0]);
+    });
+  }
+
  private:
   // The checks the CPU reference makes that need no device read (a listed row's value and its
   // page are device memory). A negative row: UnpackRows skips it as the CPU does; PackRows

@@ -160,6 +160,9 @@ cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows,
                      int top_k, int n_shared, int64_t* starts, int64_t* src_rows,
                      int64_t* slot_rows, float* entry_weights, cudaStream_t stream);
 cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream);
+cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
+                           int64_t entries, float repetition, float frequency, float presence,
+                           cudaStream_t stream);
 
 // ---- Paged packed rows (kv_rows.cu) ----
 // Backend::PackRows / UnpackRows (the arguments checked by the backend).

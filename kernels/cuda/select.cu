@@ -12,6 +12,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/penalty.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -393,6 +394,19 @@ __global__ void MoeFillKernel(const int32_t* experts, const float* weights, int6
   }
 }
 
+// Backend::PenalizeLogits: one thread per entry (the entries are distinct, so no two threads
+// write one logit); kernels/penalty.h is the host Sampler's arithmetic. An entry outside the
+// logits is skipped (the CPU backend refuses the call).
+__global__ void PenalizeLogitsKernel(float* x, int64_t total, const int64_t* at,
+                                     const int32_t* counts, int64_t entries, float repetition,
+                                     float frequency, float presence) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= entries) return;
+  const int64_t a = at[i];
+  if (a < 0 || a >= total) return;
+  x[a] = Penalized(x[a], counts[i], repetition, frequency, presence);
+}
+
 }  // namespace
 
 size_t TopKScratchBytes(int64_t n) { return TopKLayout(n).total; }
@@ -567,6 +581,15 @@ cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows,
 cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
   ArgmaxKernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(x, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
+                           int64_t entries, float repetition, float frequency, float presence,
+                           cudaStream_t stream) {
+  if (entries <= 0) return cudaSuccess;
+  PenalizeLogitsKernel<<<GridFor(entries), kThreads, 0, stream>>>(x, total, at, counts, entries,
+                                                                 repetition, frequency, presence);
   return cudaGetLastError();
 }
 

@@ -5,6 +5,7 @@
 // sampling is reproducible, and the hand-off's DSpark switch error is recognized.
 #include "decode_pool/decode_stage.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <memory>
@@ -195,6 +196,110 @@ TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
     const Run r = Serve(*s, {b});
     EXPECT_EQ(r.seqs[0]->output, want);
     EXPECT_EQ(r.seqs[0]->finish_reason, "stop");
+  }
+}
+
+// Greedy sequences without grammar or logprobs take their tokens from the backend's Argmax, after
+// their penalties applied there (DecodeStageOptions::greedy_on_backend): in a mixed batch (greedy
+// ones joining at different steps, one greedy with penalties, one with logprobs, one seeded
+// T > 0), with DSpark off and on, every output, finish reason and logprob equals the run where
+// every sequence downloads its logits. And the steps download no logits row for them: on a device-labelled backend, the steps
+// of a batch of greedy sequences download one token instead of each logits row.
+TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownloadNoLogitsRows) {
+  std::vector<Request> mixed;
+  for (int i = 0; i < 3; ++i) {
+    Request r;
+    r.prompt = Prompt(30 + 41 * i, 20 + i);
+    r.params.max_tokens = 24 + 5 * i;
+    r.join_step = i;
+    mixed.push_back(std::move(r));
+  }
+  Request pen;
+  pen.prompt = Prompt(50, 31);
+  pen.params.max_tokens = 20;
+  pen.params.frequency_penalty = 0.7f;
+  pen.params.presence_penalty = 0.3f;
+  pen.params.repetition_penalty = 1.4f;
+  Request lp;
+  lp.prompt = Prompt(45, 32);
+  lp.params.max_tokens = 18;
+  lp.params.top_logprobs = 2;
+  Request hot;
+  hot.prompt = Prompt(38, 33);
+  hot.params.max_tokens = 22;
+  hot.params.temperature = 0.8f;
+  hot.params.seed = 77;
+  for (Request* r : {&pen, &lp, &hot}) mixed.push_back(*r);
+  for (bool dspark : {false, true}) {
+    Run runs[2];
+    for (int on = 0; on < 2; ++on) {
+      DecodeStage stage(*model_, {.dspark = dspark, .fixed_k = dspark ? 3 : -1,
+                                  .greedy_on_backend = on == 1});
+      runs[on] = Serve(stage, mixed);
+      ASSERT_EQ(runs[on].seqs.size(), mixed.size());
+    }
+    for (size_t i = 0; i < mixed.size(); ++i) {
+      const DecodeSequence& a = *runs[0].seqs[i];
+      const DecodeSequence& b = *runs[1].seqs[i];
+      EXPECT_FALSE(b.output.empty()) << i;
+      EXPECT_EQ(b.output, a.output) << "dspark " << dspark << " request " << i;
+      EXPECT_EQ(b.finish_reason, a.finish_reason) << i;
+      ASSERT_EQ(b.logprobs.size(), a.logprobs.size()) << i;
+      for (size_t t = 0; t < a.logprobs.size(); ++t) {
+        EXPECT_EQ(b.logprobs[t].chosen.logprob, a.logprobs[t].chosen.logprob) << i;
+        EXPECT_EQ(b.logprobs[t].top.size(), a.logprobs[t].top.size()) << i;
+      }
+    }
+  }
+  // The bytes: greedy sequences only, started first, then counted over the steps alone. Both runs
+  // make the same steps (same outputs, same k), so they differ by exactly the logits rows
+  // verified (one per sequence and step, plus its drafts), each a vocabulary row of fp32 against
+  // one int32.
+  const int64_t row = model_->config().vocab_size * static_cast<int64_t>(sizeof(float));
+  for (bool dspark : {false, true}) {
+    int64_t downloaded[2] = {0, 0}, rows[2] = {0, 0}, emitted[2] = {0, 0};
+    for (int on = 0; on < 2; ++on) {
+      // A model of its own for each run (its KV pool's sealed blocks would serve the next run).
+      int64_t bytes = 0;
+      auto backend =
+          kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &bytes});
+      auto m = model::Model::Load(model_dir(), *backend);
+      ASSERT_TRUE(m.ok()) << m.status();
+      DecodeStage stage(**m, {.dspark = dspark, .fixed_k = dspark ? 3 : -1,
+                              .greedy_on_backend = on == 1});
+      std::vector<std::unique_ptr<DecodeSequence>> seqs;
+      std::vector<DecodeSequence*> batch;
+      for (int i = 0; i < 3; ++i) {
+        SamplingParams p;
+        p.max_tokens = 20;
+        if (i == 2) {  // penalties, applied on the backend
+          p.repetition_penalty = 1.2f;
+          p.frequency_penalty = 0.5f;
+        }
+        auto s = stage.StartFromPrompt(Prompt(40 + 9 * i, 50 + i), p);
+        ASSERT_TRUE(s.ok()) << s.status();
+        batch.push_back(s->get());
+        seqs.push_back(std::move(*s));
+      }
+      bytes = 0;
+      while (std::any_of(batch.begin(), batch.end(), [](auto* s) { return !s->done; })) {
+        DecodeStepStats st;
+        ASSERT_TRUE(stage.Step(batch, &st).ok());
+        emitted[on] += st.emitted;
+        rows[on] += st.sequences + st.drafted;
+      }
+      downloaded[on] = bytes;
+      ASSERT_GT(emitted[on], 0);
+      std::printf("dspark %d, greedy on backend %d: %lld logits rows, %.0f bytes downloaded per "
+                  "emitted token (a logits row is %lld)\n",
+                  dspark, on, static_cast<long long>(rows[on]),
+                  static_cast<double>(bytes) / static_cast<double>(emitted[on]),
+                  static_cast<long long>(row));
+    }
+    ASSERT_EQ(rows[1], rows[0]);
+    ASSERT_EQ(emitted[1], emitted[0]);
+    EXPECT_GE(downloaded[0], rows[0] * row) << dspark;
+    EXPECT_EQ(downloaded[0] - downloaded[1], rows[0] * (row - int64_t{sizeof(int32_t)})) << dspark;
   }
 }
 

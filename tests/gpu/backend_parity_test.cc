@@ -32,6 +32,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/penalty.h"
 #include "kernels/format.h"
 #include "kernels/rope.h"
 
@@ -1498,6 +1499,48 @@ PARITY_CASE(Argmax) {
   }
   CompareExact(gold[0], gold[1], "argmax of the golden prefill logits");
   EXPECT_EQ(gold[1].back(), kGoldenFirstToken) << env.cand.name();
+}
+
+PARITY_CASE(PenalizeLogits) {
+  // Tolerance: exact (one division or product and one subtraction per entry, kernels/penalty.h).
+  // Three rows of 1000 logits (positive, negative, zero, ties), 400 distinct entries with counts
+  // 0..4; the repetition penalty with and without the additive ones, and the additive alone.
+  const int64_t rows = 3, n = 1000, total = rows * n;
+  std::vector<float> x = Tied(env.rng, total);
+  x[5] = 0.f;
+  x[6] = -0.f;
+  std::vector<int64_t> all(total);
+  for (int64_t i = 0; i < total; ++i) all[i] = i;
+  std::shuffle(all.begin(), all.end(), env.rng);
+  const std::vector<int64_t> at(all.begin(), all.begin() + 400);
+  std::vector<int32_t> counts(at.size());
+  for (size_t i = 0; i < counts.size(); ++i) counts[i] = static_cast<int32_t>(env.rng() % 5);
+  struct P {
+    float r, f, p;
+  };
+  const P params[] = {{1.3f, 0.4f, 0.2f}, {0.8f, 0.f, 0.f}, {1.f, -0.7f, 1.5f}};
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    for (const P& q : params) {
+      float* xs = s->In(x);
+      EXPECT_OP_OK(*s, s->b().PenalizeLogits(xs, total, s->In(at), s->In(counts),
+                                             static_cast<int64_t>(at.size()), q.r, q.f, q.p));
+      res.push_back(s->Read(xs, total));
+    }
+    EXPECT_EQ(s->b().PenalizeLogits(s->In(x), total, s->In(at), s->In(counts), 1, 0.f, 0.f, 0.f)
+                  .code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": a repetition penalty of 0";
+  }
+  for (size_t i = 0; i < std::size(params); ++i)
+    Compare(env, res[i], res[std::size(params) + i], Tol::Exact(), "penalized logits");
+  // Against the host Sampler's arithmetic, entry by entry; the other logits are untouched.
+  for (size_t k = 0; k < std::size(params); ++k) {
+    std::vector<float> want = x;
+    for (size_t i = 0; i < at.size(); ++i)
+      want[at[i]] = Penalized(x[at[i]], counts[i], params[k].r, params[k].f, params[k].p);
+    Compare(env, want, res[k], Tol::Exact(), "the Sampler's penalties");
+  }
 }
 
 // ---- The table against the interface (checked once, in the unit binary) ----

@@ -18,6 +18,7 @@
 
 #include "kernels/backend.h"
 #include "model/model.h"
+#include "model/sampling.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
 
@@ -221,6 +222,114 @@ TEST_P(OpCountTest, APrefillsTopKStaysOnADeviceBackend) {
   std::printf("[%s] 256-row prefill on a device: Downloads %lld (compact path %lld)\n",
               GetParam().c_str(), static_cast<long long>(count(whole, "Download")),
               static_cast<long long>(count(compact, "Download")));
+}
+
+// A greedy sequence's tokens can come from the backend (LogitsOut::kArgmax): its logits rows stay
+// in backend memory and only their argmax comes down. On a device-labelled backend, a batched
+// step of three single-token sequences (argmax, values, argmax) and a step of one sequence alone
+// (argmax) against the same steps with every sequence's values: the argmax equals the host's
+// ArgMax of each values row (the host Sampler's greedy token for the one with penalties, applied
+// on the backend), the values rows are equal, and the downloaded bytes differ by exactly the
+// logits rows not brought down less the tokens that were.
+TEST_P(OpCountTest, AGreedySequencesTokensComeFromTheBackend) {
+  struct Run {
+    int64_t bytes = 0;                    // downloaded during the steps
+    std::vector<ForwardResult> batch;     // the batched step's results
+    ForwardResult alone;                  // the step of one sequence
+  };
+  // Sequence 2's step and the step alone apply a sampler's penalties on the backend.
+  SamplingParams params;
+  params.repetition_penalty = 1.3f;
+  params.frequency_penalty = 0.8f;
+  params.presence_penalty = 0.25f;
+  std::unique_ptr<Sampler> sampler;
+  LogitPenalties penalties{params.repetition_penalty, params.frequency_penalty,
+                           params.presence_penalty};
+  auto run = [&](bool argmax) {
+    Run r;
+    auto backend =
+        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+    auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    std::vector<std::unique_ptr<SequenceState>> seqs;
+    std::vector<SequenceState*> ptrs;
+    std::vector<std::vector<int32_t>> toks;
+    for (int b = 0; b < 3; ++b) {
+      seqs.push_back((*m)->NewSequence());
+      std::vector<int32_t> prompt(60 + 13 * b);
+      for (size_t i = 0; i < prompt.size(); ++i)
+        prompt[i] = static_cast<int32_t>(3 + (i * 7 + b) % 90);
+      EXPECT_TRUE((*m)->Prefill(*seqs.back(), prompt, false).ok());
+      ptrs.push_back(seqs.back().get());
+      toks.push_back({static_cast<int32_t>(5 + b)});
+      if (b == 0 && sampler == nullptr) {  // its prompt and a few generated tokens (one twice)
+        sampler = std::make_unique<Sampler>(params, (*m)->config().vocab_size, prompt);
+        for (int32_t t : {7, 40, 7, 99}) sampler->Accept(t);
+      }
+    }
+    const LogitsOut A = LogitsOut::kArgmax, V = LogitsOut::kValues;
+    const LogitsRequest P(A, &penalties);
+    const std::vector<LogitsRequest> outs =
+        argmax ? std::vector<LogitsRequest>{A, V, P} : std::vector<LogitsRequest>{V, V, V};
+    r.bytes = 0;
+    auto step = DecodeStep(**m, ptrs, toks, nullptr, outs);
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (step.ok()) r.batch = std::move(*step);
+    const std::vector<LogitsRequest> one = {argmax ? P : V};
+    auto alone = DecodeStep(**m, std::span<SequenceState* const>(ptrs).first(1),
+                            std::span<const std::vector<int32_t>>(toks).subspan(1, 1), nullptr,
+                            one);
+    EXPECT_TRUE(alone.ok()) << alone.status();
+    if (alone.ok()) r.alone = std::move((*alone)[0]);
+    ptrs.clear();
+    seqs.clear();
+    return r;
+  };
+  const Run values = run(false);
+  ASSERT_EQ(values.batch.size(), 3u);
+  const int64_t vocab = static_cast<int64_t>(values.alone.logits.size());
+  ASSERT_GT(vocab, 0);
+  auto argmax_of = [&](const std::vector<float>& l) {
+    std::vector<int32_t> best;
+    for (size_t r = 0; r + vocab <= l.size(); r += vocab)
+      best.push_back(ArgMax(std::span<const float>(l.data() + r, vocab)));
+    return best;
+  };
+  // The unpenalized greedy tokens of the two penalized rows, generated 5 times each: their
+  // penalized greedy tokens must be others.
+  const int32_t plain2 = argmax_of(values.batch[2].logits)[0];
+  const int32_t plain_alone = argmax_of(values.alone.logits)[0];
+  for (int i = 0; i < 5; ++i) {
+    sampler->Accept(plain2);
+    sampler->Accept(plain_alone);
+  }
+  sampler->PenaltyEntries({}, 1, penalties.at, penalties.counts);
+  const Run tokens = run(true);
+  ASSERT_EQ(tokens.batch.size(), 3u);
+  for (int b : {0, 2}) {
+    EXPECT_TRUE(tokens.batch[b].logits.empty()) << b;
+    ASSERT_EQ(tokens.batch[b].argmax.size(), 1u) << b;
+  }
+  EXPECT_EQ(tokens.batch[0].argmax, argmax_of(values.batch[0].logits));
+  // Penalized on the backend: the host Sampler's greedy token of the same row.
+  ASSERT_FALSE(penalties.at.empty());
+  EXPECT_EQ(tokens.batch[2].argmax[0], sampler->Greedy(values.batch[2].logits));
+  EXPECT_NE(tokens.batch[2].argmax[0], plain2);
+  EXPECT_EQ(tokens.batch[1].logits, values.batch[1].logits);
+  EXPECT_TRUE(tokens.batch[1].argmax.empty());
+  EXPECT_TRUE(tokens.alone.logits.empty());
+  ASSERT_EQ(tokens.alone.argmax.size(), 1u);
+  EXPECT_EQ(tokens.alone.argmax[0], sampler->Greedy(values.alone.logits));
+  EXPECT_NE(tokens.alone.argmax[0], plain_alone);
+  // Batched: 3 rows of values (one download) against every row's token and one row of values;
+  // alone: one row of values against its token.
+  const int64_t row = vocab * static_cast<int64_t>(sizeof(float)), id = sizeof(int32_t);
+  EXPECT_EQ(values.bytes - tokens.bytes, (3 * row - (3 * id + row)) + (row - id));
+  std::printf("[%s] a batched step of 3 and a step alone download %lld bytes (%lld with every "
+              "sequence's logits)\n",
+              GetParam().c_str(), static_cast<long long>(tokens.bytes),
+              static_cast<long long>(values.bytes));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),

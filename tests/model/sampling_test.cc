@@ -1,10 +1,12 @@
 #include "model/sampling.h"
 
+#include <algorithm>
 #include <cmath>
 #include <map>
 #include <vector>
 
 #include "gtest/gtest.h"
+#include "kernels/penalty.h"
 #include "model/nano_generator.h"
 #include "model/tokenizer.h"
 
@@ -172,6 +174,57 @@ TEST(SamplerTest, FrequencyAndPresencePenalties) {
   // Greedy honours penalties: 3 (2.25) now beats 1 (1.75); with 3 pending twice, 2 wins.
   EXPECT_EQ(s.Greedy(Logits(), pending), 3);
   EXPECT_EQ(s.Greedy(Logits(), std::vector<int32_t>{3, 3}), 2);
+}
+
+// PenaltyEntries lists what ApplyPenalties changes, row by row (row j after drafts[0, j)), each
+// logit once: applied with the shared arithmetic (kernels/penalty.h, Backend::PenalizeLogits),
+// every row equals ApplyPenalties' bit for bit; with no repetition penalty the prompt's tokens are
+// not listed.
+TEST(SamplerTest, PenaltyEntriesGiveApplyPenaltiesRows) {
+  const int64_t V = 64;
+  const std::vector<int32_t> prompt = {1, 2, 3, 40, 41, 2};
+  const std::vector<int32_t> drafts = {3, 9, 3, 50};
+  std::vector<float> logits(5 * V);
+  for (size_t i = 0; i < logits.size(); ++i)
+    logits[i] = std::sin(static_cast<float>(i) * 0.37f) * 4.f;
+  for (float repetition : {1.f, 1.25f}) {
+    SamplingParams p;
+    p.repetition_penalty = repetition;
+    p.frequency_penalty = 0.6f;
+    p.presence_penalty = -0.3f;
+    Sampler s(p, V, prompt);
+    for (int32_t t : {9, 12, 9, 63}) s.Accept(t);
+    std::vector<int64_t> at;
+    std::vector<int32_t> counts;
+    s.PenaltyEntries(drafts, 5, at, counts);
+    ASSERT_EQ(at.size(), counts.size());
+    std::vector<float> got = logits;
+    std::map<int64_t, int> seen;
+    for (size_t e = 0; e < at.size(); ++e) {
+      ASSERT_GE(at[e], 0);
+      ASSERT_LT(at[e], 5 * V);
+      EXPECT_EQ(++seen[at[e]], 1) << "entry " << at[e] << " listed twice";
+      got[at[e]] = kernels::Penalized(got[at[e]], counts[e], repetition, p.frequency_penalty,
+                                      p.presence_penalty);
+      if (repetition == 1.f) {
+        EXPECT_GT(counts[e], 0);
+      }
+    }
+    for (int64_t j = 0; j < 5; ++j) {
+      std::vector<float> want(logits.begin() + j * V, logits.begin() + (j + 1) * V);
+      s.ApplyPenalties(want, std::span<const int32_t>(drafts).first(j));
+      const std::vector<float> row(got.begin() + j * V, got.begin() + (j + 1) * V);
+      EXPECT_EQ(row, want) << "row " << j << " repetition " << repetition;
+    }
+    // Row 0: the generated tokens (9, 12, 63), and with repetition the prompt's (1, 2, 3, 40, 41).
+    EXPECT_EQ(std::count_if(at.begin(), at.end(), [&](int64_t a) { return a < V; }),
+              repetition == 1.f ? 3 : 8);
+  }
+  Sampler none(SamplingParams{}, V);
+  std::vector<int64_t> at;
+  std::vector<int32_t> counts;
+  none.PenaltyEntries(drafts, 5, at, counts);
+  EXPECT_TRUE(at.empty());
 }
 
 TEST(SamplerTest, StopTokens) {
