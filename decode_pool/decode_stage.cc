@@ -297,8 +297,15 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     std::vector<int32_t> ids = {s.pending};
     ids.insert(ids.end(), prop->drafts.begin(), prop->drafts.end());
-    checkpoints.push_back(prop->k > 0 ? model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()))
-                                      : model::StepCheckpoint{});
+    model::StepCheckpoint ck = prop->k > 0
+                                   ? model_.Checkpoint(*s.state, static_cast<int64_t>(ids.size()))
+                                   : model::StepCheckpoint{};
+    if (!ck.status.ok()) {
+      Fail(s, absl::Status(ck.status.code(),
+                           absl::StrCat("dspark checkpoint: ", ck.status.message())));
+      continue;
+    }
+    checkpoints.push_back(std::move(ck));
     stepped.push_back(&s);
     outs.push_back(LogitsFor(s, prop->drafts, prop->k + 1, penalties[stepped.size() - 1]));
     calibrated.push_back(calib);

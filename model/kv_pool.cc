@@ -877,6 +877,31 @@ absl::Status SwaRing::WriteSlotPacked(int64_t slot, const uint8_t* bytes) {
   return pool_->Write(block_, slot * slot_bytes_, bytes, slot_bytes_);
 }
 
+absl::Status SwaRing::CopySlotsTo(int64_t slot, int64_t n, uint8_t* dst) const {
+  if (!allocated()) return absl::FailedPreconditionError("swa ring: no block to copy slots from");
+  if (slot < 0 || slot >= window_ || n < 0 || n > window_)
+    return absl::InvalidArgumentError("swa ring: slots outside the window");
+  const int64_t run = std::min(n, window_ - slot);
+  kernels::Backend& be = pool_->backend();
+  if (run > 0) RETURN_IF_ERROR(be.Copy(dst, block_.data + slot * slot_bytes_, run * slot_bytes_));
+  if (run < n)
+    RETURN_IF_ERROR(be.Copy(dst + run * slot_bytes_, block_.data, (n - run) * slot_bytes_));
+  return absl::OkStatus();
+}
+
+absl::Status SwaRing::WriteSlotsFrom(int64_t slot, int64_t n, const uint8_t* src) {
+  if (slot < 0 || slot >= window_ || n < 0 || n > window_)
+    return absl::InvalidArgumentError("swa ring: slots outside the window");
+  if (n == 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Writable());
+  const int64_t run = std::min(n, window_ - slot);
+  kernels::Backend& be = pool_->backend();
+  RETURN_IF_ERROR(be.Copy(block_.data + slot * slot_bytes_, src, run * slot_bytes_));
+  if (run < n)
+    RETURN_IF_ERROR(be.Copy(block_.data, src + run * slot_bytes_, (n - run) * slot_bytes_));
+  return absl::OkStatus();
+}
+
 absl::Status SwaRing::WritePacked(const uint8_t* bytes) {
   RETURN_IF_ERROR(Writable());
   return pool_->Write(block_, 0, bytes, ring_bytes());

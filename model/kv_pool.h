@@ -384,6 +384,12 @@ class SwaRing {
   [[nodiscard]] absl::Status CopySlotPacked(int64_t slot, std::vector<uint8_t>& out) const;
   // The ring's ring_bytes() packed bytes (the block as it is, or packed zero slots).
   [[nodiscard]] absl::Status CopyPacked(uint8_t* out) const;
+  // The packed bytes of the n slots from `slot` on (wrapping) into `dst`, memory of the pool's
+  // backend, with backend Copies (no host round trip): at most two. The ring must be allocated.
+  [[nodiscard]] absl::Status CopySlotsTo(int64_t slot, int64_t n, uint8_t* dst) const;
+  // The reverse: n packed slots from `src` (the pool backend's memory) into slots `slot`..
+  // (wrapping), copying a shared block first.
+  [[nodiscard]] absl::Status WriteSlotsFrom(int64_t slot, int64_t n, const uint8_t* src);
 
   // ---- std::vector<float>-like surface (tests; floats = window * dim) ----
   size_t size() const { return static_cast<size_t>(window_ * dim_); }

@@ -1026,7 +1026,7 @@ absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
     state.published_keys = DecodeKeySource(c.n_layers, spec.start_pos + S - 1, call);
   }
   if (keep != nullptr) {
-    *keep = {h, pre};
+    *keep = {h, pre, main_hidden};
     io.h.clear();
     io.pre.clear();
   } else {
@@ -1129,6 +1129,9 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   DeviceResidual residual;
   Hidden io;
   if (absl::Status s = RunStage(state, ids, spec, io, trace, &ws, &residual); !s.ok()) return s;
+  if (config_.n_mtp_layers > 0) {  // the DSpark rings, from the inputs still in backend memory
+    RETURN_IF_ERROR(DSparkSeedFrom(ws, state, residual.main_hidden, io.rows, spec.start_pos));
+  }
   ForwardResult res;
   res.rows = all_logits ? io.rows : 1;
   ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, residual, io.rows, all_logits, trace));
@@ -1166,11 +1169,18 @@ absl::Status Model::StageKv(Scratch& ws, int L, const float* main_x, int64_t row
 
 absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, int64_t rows,
                                int64_t start_pos) const {
+  const DSparkWeights& Dw = *weights_->dspark;
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const float* mh, ws.Copy(main_hidden, rows * Dw.main_proj.in));
+  return DSparkSeedFrom(ws, state, mh, rows, start_pos);
+}
+
+absl::Status Model::DSparkSeedFrom(Scratch& outer, SequenceState& state, const float* mh,
+                                   int64_t rows, int64_t start_pos) const {
   const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
   const int64_t D = c.dim, hd = c.head_dim;
-  Scratch ws(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(const float* mh, ws.Copy(main_hidden, rows * Dw.main_proj.in));
+  Scratch ws(backend_, scratch_pool_.get(), &outer);
   ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(rows * D));
   ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(rows * hd));
   vector<int64_t> pos(rows);
@@ -1199,11 +1209,7 @@ absl::StatusOr<ForwardResult> Model::Prefill(SequenceState& state, std::span<con
   if (ids.empty()) return absl::InvalidArgumentError("model: empty prompt");
   if (options.decoder_tail_rows < 0)
     return absl::InvalidArgumentError("model: decoder_tail_rows must be >= 0");
-  auto r = Forward(state, ids, all_logits, trace, /*per_row_keys=*/true, options);
-  if (r.ok() && config_.n_mtp_layers > 0) {
-    RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), 0));
-  }
-  return r;
+  return Forward(state, ids, all_logits, trace, /*per_row_keys=*/true, options);
 }
 
 absl::StatusOr<ForwardResult> Model::Decode(SequenceState& state, int32_t id,
@@ -1218,16 +1224,10 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
                                             ExtendMode mode, const LogitsRequest& out) const {
   if (state.pos == 0) return absl::FailedPreconditionError("model: Extend before Prefill");
   if (ids.empty()) return absl::InvalidArgumentError("model: Extend with no tokens");
-  const int64_t pos = state.pos;
   if (mode == ExtendMode::kDecode && ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size())) {
     return ExtendRowByRow(state, ids, all_logits, trace, out);
   }
-  auto r = Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode, {}, out);
-  if (r.ok() && config_.n_mtp_layers > 0) {
-    RETURN_IF_ERROR(
-        DSparkSeed(state, r->main_hidden.data(), static_cast<int64_t>(ids.size()), pos));
-  }
-  return r;
+  return Forward(state, ids, all_logits, trace, mode == ExtendMode::kDecode, {}, out);
 }
 
 bool Model::Batchable(const SequenceState& state, std::span<const int32_t> ids) const {
@@ -1351,7 +1351,8 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState
     Commit(state, tokens[b], pos + n, io);
     r.main_hidden = std::move(io.main_hidden);
     if (c.n_mtp_layers > 0) {
-      if (absl::Status st = DSparkSeed(state, r.main_hidden.data(), n, pos); !st.ok()) {
+      if (absl::Status st = DSparkSeedFrom(ws, state, main_hidden + r0 * nt * D, n, pos);
+          !st.ok()) {
         status[b] = st;
         continue;
       }
@@ -1398,7 +1399,6 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
                                                   static_cast<int64_t>(ids.size()), nullptr));
   }
   for (size_t i = 0; i < ids.size(); ++i) {
-    const int64_t pos = state.pos;
     // The row's own request: result row `returned` of the step's penalties, moved to row 0.
     const int64_t returned = all_logits ? static_cast<int64_t>(i) : 0;
     LogitPenalties row_penalties;
@@ -1418,9 +1418,6 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     }
     auto r = Forward(state, ids.subspan(i, 1), true, trace, true, {}, row_lo);
     if (!r.ok()) return r.status();
-    if (config_.n_mtp_layers > 0) {
-      RETURN_IF_ERROR(DSparkSeed(state, r->main_hidden.data(), 1, pos));
-    }
     if (all_logits || i + 1 == ids.size()) {
       out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
       out.argmax.insert(out.argmax.end(), r->argmax.begin(), r->argmax.end());
@@ -1449,12 +1446,27 @@ StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const
   for (const auto& [l, src] : state.sources) {
     k.sources[l] = {src.n, src.tail};
   }
-  const int64_t W = c.window_size;
-  k.ring_slots.resize(state.swa.size());
+  const int64_t W = c.window_size, n = std::min(rows, W);
+  k.ring_slots.assign(state.swa.size(), nullptr);
+  int64_t bytes = 0;
+  for (const SwaRing& ring : state.swa) bytes += ring.allocated() ? n * ring.slot_bytes() : 0;
+  if (bytes == 0) return k;
+  k.saved = std::make_shared<Scratch>(backend_, scratch_pool_.get());
+  auto at = k.saved->Alloc<uint8_t>(bytes);
+  if (!at.ok()) {
+    k.status = at.status();
+    return k;
+  }
+  uint8_t* p = *at;
   for (size_t l = 0; l < state.swa.size(); ++l) {
-    for (int64_t i = 0; i < std::min(rows, W); ++i)
-      AbortUnlessOk(state.swa[l].CopySlotPacked((k.start + i) % W, k.ring_slots[l]),
-                    "checkpoint a ring slot");
+    const SwaRing& ring = state.swa[l];
+    if (!ring.allocated()) continue;
+    if (absl::Status s = ring.CopySlotsTo(k.start % W, n, p); !s.ok()) {
+      k.status = s;
+      return k;
+    }
+    k.ring_slots[l] = p;
+    p += n * ring.slot_bytes();
   }
   return k;
 }
@@ -1468,14 +1480,29 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
         "rollback: state is not right after the checkpointed step");
   }
   if (keep < 1 || keep > k.rows) return absl::InvalidArgumentError("rollback: keep 1..rows tokens");
+  if (!k.status.ok()) {
+    return absl::Status(k.status.code(),
+                        absl::StrCat("rollback: the checkpoint failed: ", k.status.message()));
+  }
+  if (k.ring_slots.size() != state.swa.size())
+    return absl::InvalidArgumentError("rollback: the checkpoint is of another state");
   const int64_t end = k.start + keep, hd = c.head_dim, W = c.window_size;
-  // Rings: slots of rejected positions get their previous content back.
-  for (size_t l = 0; l < state.swa.size(); ++l) {
-    const int64_t sb = state.swa[l].slot_bytes();
-    for (int64_t i = keep; i < std::min(k.rows, W); ++i) {
+  // Rings: slots of rejected positions get their previous content back (backend Copies from the
+  // checkpoint's copy; packed zeros where the ring had no block).
+  const int64_t saved = std::min(k.rows, W);
+  for (size_t l = 0; l < state.swa.size() && keep < saved; ++l) {
+    SwaRing& ring = state.swa[l];
+    const int64_t sb = ring.slot_bytes();
+    if (k.ring_slots[l] != nullptr) {
       RETURN_IF_ERROR(
-          state.swa[l].WriteSlotPacked((k.start + i) % W, k.ring_slots[l].data() + i * sb));
+          ring.WriteSlotsFrom((k.start + keep) % W, saved - keep, k.ring_slots[l] + keep * sb));
+      continue;
     }
+    std::vector<uint8_t> zero;
+    // A fresh ring's slot: packed zeros.
+    RETURN_IF_ERROR(SwaRing(kv_pool_, ring.window(), ring.dim()).CopySlotPacked(0, zero));
+    for (int64_t i = keep; i < saved; ++i)
+      RETURN_IF_ERROR(ring.WriteSlotPacked((k.start + i) % W, zero.data()));
   }
   for (auto& [l, src] : state.sources) {
     const auto& saved = k.sources.at(l);

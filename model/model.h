@@ -118,8 +118,13 @@ struct StepCheckpoint {
     CompressorTail tail;  // shares the state's block (copy-on-write)
   };
   std::map<int, Tail> sources;
-  // [layer][min(rows, window) packed SWA slots], the ring's bytes as they were.
-  std::vector<std::vector<uint8_t>> ring_slots;
+  // [layer] the min(rows, window) packed SWA slots of the step's positions as they were, in
+  // backend memory (copied there with backend Copies: no host round trip), or nullptr where the
+  // ring had no block yet (its slots were packed zeros).
+  std::vector<const uint8_t*> ring_slots;
+  std::shared_ptr<Scratch> saved;  // owns ring_slots' memory (the model's scratch pool)
+  // Not ok: the checkpoint could not be taken (Rollback refuses it; the caller fails the step).
+  absl::Status status;
 };
 
 // Optional capture of intermediates (for parity tests and debugging); all bf16 values as float.
@@ -334,8 +339,9 @@ class Model {
   };
   // The residual stream a stage leaves in backend memory (in the caller's Scratch).
   struct DeviceResidual {
-    float* h = nullptr;    // [rows, hc, dim]
-    float* pre = nullptr;  // [rows, hc]
+    float* h = nullptr;            // [rows, hc, dim]
+    float* pre = nullptr;          // [rows, hc]
+    float* main_hidden = nullptr;  // [rows, n_targets * dim] (RunStage; also in io.main_hidden)
   };
   // Runs layers [first_layer, last_layer) on `ids` (one reference call). Does not advance
   // state.pos; the stage runners (model/stages.h) and Forward do. The residual at the end goes
@@ -365,8 +371,13 @@ class Model {
   void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
               const Hidden& io) const;
   // Seeds the DSpark rings with DSpark inputs [rows, n_targets*dim] at positions start_pos...
+  // (host memory; uploaded).
   [[nodiscard]] absl::Status DSparkSeed(SequenceState& state, const float* main_hidden,
                                         int64_t rows, int64_t start_pos) const;
+  // The same from inputs in backend memory (in `ws` or its parents): nothing crosses.
+  [[nodiscard]] absl::Status DSparkSeedFrom(Scratch& ws, SequenceState& state,
+                                            const float* main_hidden, int64_t rows,
+                                            int64_t start_pos) const;
 
   // The module entry points return the first backend error (the backend's ops return
   // absl::Status). Their activation pointers (x, out, h) are the backend's memory (host memory

@@ -332,6 +332,50 @@ TEST_P(OpCountTest, AGreedySequencesTokensComeFromTheBackend) {
               static_cast<long long>(values.bytes));
 }
 
+// A DSpark verification step's checkpoint and rollback of the SWA rings stay on the backend: the
+// checkpoint copies the step's slots of every ring into backend memory with backend Copies (two
+// at most per ring), and the rollback copies the rejected ones back; neither downloads nor
+// uploads. The state after the rollback equals a sequence that decoded only the kept tokens:
+// every ring, and the logits of the next step.
+TEST_P(OpCountTest, AVerificationStepsCheckpointAndRollbackStayOnTheBackend) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  std::vector<int32_t> prompt(150);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i * 5 % 80);
+  auto st = (*m)->NewSequence(), ref = (*m)->NewSequence();
+  ASSERT_TRUE((*m)->Prefill(*st, prompt, false).ok());
+  ASSERT_TRUE((*m)->Prefill(*ref, prompt, false).ok());
+  const std::vector<int32_t> step = {17, 4, 29, 8};  // the last token and three drafts
+  auto count = [&](const char* op) {
+    const auto it = calls.find(op);
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
+  calls.clear();
+  const StepCheckpoint ck = (*m)->Checkpoint(*st, static_cast<int64_t>(step.size()));
+  ASSERT_TRUE(ck.status.ok()) << ck.status;
+  EXPECT_EQ(count("Download"), 0);
+  EXPECT_EQ(count("Upload"), 0);
+  EXPECT_GE(count("Copy"), static_cast<int64_t>(st->swa.size()));
+  auto r = (*m)->Extend(*st, step, /*all_logits=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  calls.clear();
+  const std::vector<int32_t> keep = {17, 4};
+  ASSERT_TRUE((*m)->Rollback(*st, ck, keep, *r).ok());
+  EXPECT_EQ(count("Download"), 0);
+  EXPECT_EQ(count("Upload"), 0);
+  EXPECT_GT(count("Copy"), 0);
+  ASSERT_TRUE((*m)->Extend(*ref, keep, /*all_logits=*/true).ok());
+  ASSERT_EQ(st->swa.size(), ref->swa.size());
+  for (size_t l = 0; l < st->swa.size(); ++l) EXPECT_TRUE(st->swa[l] == ref->swa[l]) << l;
+  auto a = (*m)->Decode(*st, 23), b = (*m)->Decode(*ref, 23);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->logits, b->logits);
+  st.reset();
+  ref.reset();
+}
+
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),
                          testing::GoldenSetName);
 
