@@ -1238,10 +1238,9 @@ bool Model::Batchable(const SequenceState& state, std::span<const int32_t> ids) 
   return !(ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size()));
 }
 
-absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(std::span<SequenceState* const> states,
-                                                         std::span<const vector<int32_t>> tokens,
-                                                         vector<absl::Status>& status,
-                                                         std::span<const LogitsRequest> outs) const {
+absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
+    std::span<SequenceState* const> states, std::span<const vector<int32_t>> tokens,
+    vector<absl::Status>& status, std::span<const LogitsRequest> outs) const {
   const ModelConfig& c = config_;
   const size_t B = states.size();
   if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
@@ -1489,19 +1488,19 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
   const int64_t end = k.start + keep, hd = c.head_dim, W = c.window_size;
   // Rings: slots of rejected positions get their previous content back (backend Copies from the
   // checkpoint's copy; packed zeros where the ring had no block).
-  const int64_t saved = std::min(k.rows, W);
-  for (size_t l = 0; l < state.swa.size() && keep < saved; ++l) {
+  const int64_t saved_rows = std::min(k.rows, W);
+  for (size_t l = 0; l < state.swa.size() && keep < saved_rows; ++l) {
     SwaRing& ring = state.swa[l];
     const int64_t sb = ring.slot_bytes();
     if (k.ring_slots[l] != nullptr) {
-      RETURN_IF_ERROR(
-          ring.WriteSlotsFrom((k.start + keep) % W, saved - keep, k.ring_slots[l] + keep * sb));
+      RETURN_IF_ERROR(ring.WriteSlotsFrom((k.start + keep) % W, saved_rows - keep,
+                                          k.ring_slots[l] + keep * sb));
       continue;
     }
     std::vector<uint8_t> zero;
     // A fresh ring's slot: packed zeros.
     RETURN_IF_ERROR(SwaRing(kv_pool_, ring.window(), ring.dim()).CopySlotPacked(0, zero));
-    for (int64_t i = keep; i < saved; ++i)
+    for (int64_t i = keep; i < saved_rows; ++i)
       RETURN_IF_ERROR(ring.WriteSlotPacked((k.start + i) % W, zero.data()));
   }
   for (auto& [l, src] : state.sources) {
@@ -1631,26 +1630,36 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   RETURN_IF_ERROR(backend_.RmsNorm(x, Dw.norm.data(), B, D, c.norm_eps, xn));
   ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(B * V));
   RETURN_IF_ERROR(backend_.LinearF32(xn, B, weights_->head.data(), V, D, logits));
+  // The Markov chain runs on the backend: chain[i] is the token before draft position i (the
+  // input token, then each position's argmax, or the forced id), and position i's Markov
+  // embedding row is gathered by it (Embed with hc 1: a row copy), so no draft id comes down
+  // until the end (one Download for the ids, one for the confidences).
   const int64_t R = c.dspark_markov_rank;
-  DraftResult out;
-  out.ids.assign(B + 1, 0);
-  out.ids[0] = last_token;
+  const int64_t forced = std::min<int64_t>(static_cast<int64_t>(forced_ids.size()), B);
+  vector<int32_t> chain_host(B + 1, 0);
+  chain_host[0] = last_token;
+  for (int64_t i = 0; i < forced; ++i) {
+    if (forced_ids[i] < 0 || forced_ids[i] >= c.vocab_size)
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: forced draft id ", forced_ids[i], " is outside the vocabulary"));
+    chain_host[i + 1] = forced_ids[i];
+  }
+  ASSIGN_OR_RETURN(int32_t * chain, ws.Copy(chain_host));
+  ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(1));  // a forced position's own argmax
   ASSIGN_OR_RETURN(float* bias, ws.Alloc<float>(V));
-  ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(1));
-  ASSIGN_OR_RETURN(float* cat, ws.Alloc<float>(D + R));
+  ASSIGN_OR_RETURN(float* cat, ws.Alloc<float>(D + R));  // [x_i, markov_embed[chain[i]]]
   ASSIGN_OR_RETURN(float* confidence, ws.Alloc<float>(B));
   for (int64_t i = 0; i < B; ++i) {
-    RETURN_IF_ERROR(MarkovBiasInto(out.ids[i], bias));
+    RETURN_IF_ERROR(backend_.Embed(Dw.markov_embed.data(), R, chain + i, 1, 1, cat + D));
+    RETURN_IF_ERROR(backend_.LinearF32(cat + D, 1, Dw.markov_head.data(), V, R, bias));
     float* li = logits + i * V;
     RETURN_IF_ERROR(backend_.Add(li, bias, V));
-    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, best));
-    RETURN_IF_ERROR(ws.Download(best, 1, &out.ids[i + 1]));
-    if (static_cast<int64_t>(forced_ids.size()) > i) out.ids[i + 1] = forced_ids[i];
-    const float* e = Dw.markov_embed.data() + static_cast<int64_t>(out.ids[i]) * R;
+    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, i < forced ? best : chain + i + 1));
     RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));
-    RETURN_IF_ERROR(backend_.Copy(cat + D, e, R * static_cast<int64_t>(sizeof(float))));
     RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));
   }
+  DraftResult out;
+  ASSIGN_OR_RETURN(out.ids, ws.ToHost(chain, B + 1));
   if (lo == LogitsOut::kValues) {
     ASSIGN_OR_RETURN(out.logits, ws.ToHost(logits, B * V));
   }

@@ -203,8 +203,9 @@ TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
 // their penalties applied there (DecodeStageOptions::greedy_on_backend): in a mixed batch (greedy
 // ones joining at different steps, one greedy with penalties, one with logprobs, one seeded
 // T > 0), with DSpark off and on, every output, finish reason and logprob equals the run where
-// every sequence downloads its logits. And the steps download no logits row for them: on a device-labelled backend, the steps
-// of a batch of greedy sequences download one token instead of each logits row.
+// every sequence downloads its logits. And the steps download no logits row for them: on a
+// device-labelled backend, the steps of a batch of greedy sequences (one with penalties) download
+// one token instead of each logits row.
 TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownloadNoLogitsRows) {
   std::vector<Request> mixed;
   for (int i = 0; i < 3; ++i) {

@@ -376,6 +376,53 @@ TEST_P(OpCountTest, AVerificationStepsCheckpointAndRollbackStayOnTheBackend) {
   ref.reset();
 }
 
+// A DSpark draft pass chains its Markov head on the backend (each position's argmax picks the
+// next position's Markov embedding row there): it downloads its ids and confidences once each at
+// its end (and its logits when asked), not one id per position. Each draft id is the argmax of
+// its position's returned logits (the Markov bias of the chain included), and asking for the ids
+// only gives the same ids and confidences.
+TEST_P(OpCountTest, ADraftPassDownloadsOnlyAtItsEnd) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  if ((*m)->config().n_mtp_layers == 0) GTEST_SKIP() << "no DSpark stages in this set";
+  std::vector<int32_t> prompt(90);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i * 13 % 70);
+  auto st = (*m)->NewSequence();
+  ASSERT_TRUE((*m)->Prefill(*st, prompt, false).ok());
+  auto count = [&](const char* op) {
+    const auto it = calls.find(op);
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
+  calls.clear();
+  auto values = (*m)->Draft(*st, 9);
+  ASSERT_TRUE(values.ok()) << values.status();
+  EXPECT_EQ(count("Download"), 3);  // ids, logits, confidences
+  calls.clear();
+  auto ids = (*m)->Draft(*st, 9, {}, LogitsOut::kArgmax);
+  ASSERT_TRUE(ids.ok()) << ids.status();
+  EXPECT_EQ(count("Download"), 2);
+  EXPECT_TRUE(ids->logits.empty());
+  EXPECT_EQ(ids->ids, values->ids);
+  EXPECT_EQ(ids->confidence, values->confidence);
+  const int64_t V = (*m)->config().vocab_size, B = (*m)->config().dspark_block_size;
+  ASSERT_EQ(static_cast<int64_t>(values->ids.size()), B + 1);
+  EXPECT_EQ(values->ids[0], 9);
+  for (int64_t i = 0; i < B; ++i) {
+    EXPECT_EQ(values->ids[i + 1],
+              ArgMax(std::span<const float>(values->logits.data() + i * V, V)))
+        << "position " << i;
+  }
+  // Forced ids replace the chain (and are checked against the vocabulary).
+  const std::vector<int32_t> forced(B - 1, 5);
+  auto f = (*m)->Draft(*st, 9, forced);
+  ASSERT_TRUE(f.ok()) << f.status();
+  for (int64_t i = 0; i + 1 < B; ++i) EXPECT_EQ(f->ids[i + 1], 5);
+  EXPECT_FALSE((*m)->Draft(*st, 9, std::vector<int32_t>{static_cast<int32_t>(V)}).ok());
+  st.reset();
+}
+
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),
                          testing::GoldenSetName);
 
