@@ -91,24 +91,33 @@ void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int
   ++seq.masks;
 }
 
-bool DecodeStage::TokensOnly(const DecodeSequence& seq) const {
+bool DecodeStage::TokensOnly(const DecodeSequence& seq, size_t drafts) const {
   const model::SamplingParams& p = seq.sampler->params();
-  return options_.greedy_on_backend && p.greedy() && !seq.grammar && p.top_logprobs == 0;
+  if (seq.grammar || p.top_logprobs > 0) return false;
+  return p.greedy() ? options_.greedy_on_backend : options_.sample_on_backend && drafts == 0;
 }
 
 model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
                                             std::span<const int32_t> drafts, int64_t rows,
-                                            model::LogitPenalties& penalties) const {
-  if (!TokensOnly(seq)) return model::LogitsOut::kValues;
+                                            model::LogitPenalties& penalties,
+                                            model::SampleRequest& sample) const {
+  if (!TokensOnly(seq, drafts.size())) return model::LogitsOut::kValues;
   const model::SamplingParams& p = seq.sampler->params();
-  if (!p.has_penalties()) return model::LogitsOut::kArgmax;
+  const model::LogitsOut out = p.greedy() ? model::LogitsOut::kArgmax : model::LogitsOut::kSample;
+  if (out == model::LogitsOut::kSample) {
+    // The uniforms the host's Sample would draw, in its order (one per row).
+    sample.params = seq.sampler->DrawParams();
+    sample.uniforms.clear();
+    for (int64_t r = 0; r < rows; ++r) sample.uniforms.push_back(seq.sampler->rng().NextUniform());
+  }
+  if (!p.has_penalties()) return model::LogitsRequest(out, nullptr, &sample);
   penalties.repetition = p.repetition_penalty;
   penalties.frequency = p.frequency_penalty;
   penalties.presence = p.presence_penalty;
   penalties.at.clear();
   penalties.counts.clear();
   seq.sampler->PenaltyEntries(drafts, rows, penalties.at, penalties.counts);
-  return model::LogitsRequest(model::LogitsOut::kArgmax, &penalties);
+  return model::LogitsRequest(out, &penalties, &sample);
 }
 
 void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
@@ -199,15 +208,21 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
   std::vector<std::vector<int32_t>> tokens;
   std::vector<model::LogitsRequest> outs;
   std::vector<model::LogitPenalties> penalties(live.size());
+  std::vector<model::SampleRequest> samples(live.size());
+  std::vector<uint64_t> drawn_from(live.size());  // each Rng's counter before the step's draws
   for (size_t i = 0; i < live.size(); ++i) {
     DecodeSequence* s = live[i];
     states.push_back(s->state.get());
     tokens.push_back({s->pending});
-    outs.push_back(LogitsFor(*s, {}, 1, penalties[i]));
+    drawn_from[i] = s->sampler->rng().counter();
+    outs.push_back(LogitsFor(*s, {}, 1, penalties[i], samples[i]));
   }
   std::vector<absl::Status> failed;
   auto res = model::DecodeStep(model_, states, tokens, &failed, outs);
-  if (!res.ok()) return res.status();
+  if (!res.ok()) {
+    for (size_t i = 0; i < live.size(); ++i) live[i]->sampler->rng().Rewind(drawn_from[i]);
+    return res.status();
+  }
   const int64_t vocab = model_.config().vocab_size;
   for (size_t i = 0; i < live.size(); ++i) {
     if (!failed[i].ok()) {
@@ -215,11 +230,11 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
       continue;
     }
     const size_t before = live[i]->output.size();
-    if (outs[i].out == model::LogitsOut::kArgmax) {
-      // The greedy token of the penalized logits (what Sampler::Sample would pick).
-      const std::vector<int32_t>& best = (*res)[i].argmax;
+    if (outs[i].out != model::LogitsOut::kValues) {
+      // The token of the penalized logits the Sampler would pick (greedy) or draw (T > 0).
+      const std::vector<int32_t>& best = (*res)[i].tokens;
       if (best.empty()) {
-        Fail(*live[i], absl::InternalError("decode step returned no greedy token"));
+        Fail(*live[i], absl::InternalError("decode step returned no token"));
         continue;
       }
       if (!live[i]->sampler->IsStopToken(best.back())) live[i]->sampler->Accept(best.back());
@@ -243,6 +258,8 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   std::vector<model::LogitsRequest> outs;  // per stepped sequence
   // Their penalties (stable addresses: outs points into it).
   std::vector<model::LogitPenalties> penalties(live.size());
+  std::vector<model::SampleRequest> samples(live.size());
+  std::vector<uint64_t> drawn_from;  // per stepped sequence: its Rng's counter before the step
   std::vector<DecodeSequence*> stepped;  // the sequences whose draft succeeded, in order
   std::vector<char> calibrated;  // per stepped sequence: k chosen by the calibrated policy
   props.reserve(live.size());
@@ -307,7 +324,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     checkpoints.push_back(std::move(ck));
     stepped.push_back(&s);
-    outs.push_back(LogitsFor(s, prop->drafts, prop->k + 1, penalties[stepped.size() - 1]));
+    drawn_from.push_back(s.sampler->rng().counter());
+    outs.push_back(LogitsFor(s, prop->drafts, prop->k + 1, penalties[stepped.size() - 1],
+                             samples[stepped.size() - 1]));
     calibrated.push_back(calib);
     states.push_back(s.state.get());
     tokens.push_back(std::move(ids));
@@ -315,7 +334,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   }
   std::vector<absl::Status> failed;
   auto res = model::DecodeStep(model_, states, tokens, &failed, outs);
-  if (!res.ok()) return res.status();
+  if (!res.ok()) {
+    for (size_t i = 0; i < stepped.size(); ++i) stepped[i]->sampler->rng().Rewind(drawn_from[i]);
+    return res.status();
+  }
   for (size_t i = 0; i < stepped.size(); ++i) {
     DecodeSequence& s = *stepped[i];
     if (!failed[i].ok()) {
@@ -324,8 +346,8 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     const DraftProposal& p = props[i];
     const std::vector<float>& logits = (*res)[i].logits;
-    const bool tokens_only = outs[i].out == model::LogitsOut::kArgmax;
-    const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].argmax.size())
+    const bool tokens_only = outs[i].out != model::LogitsOut::kValues;
+    const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].tokens.size())
                                     : static_cast<int64_t>(logits.size()) / V;
     if (got != p.k + 1 || (!tokens_only && static_cast<int64_t>(logits.size()) != got * V)) {
       Fail(s, absl::InternalError(absl::StrCat("decode step returned ", got, " logit rows for ",
@@ -349,9 +371,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       }
     }
     // Tokens only: the rows' argmax is the greedy target of each position (row j penalized as
-    // after drafts[0, j)).
+    // after drafts[0, j)); a T > 0 sequence's one row (no drafts) is its draw, which is what
+    // Verify's rejection sampling takes with k = 0.
     const VerifyOutcome o =
-        tokens_only ? VerifyGreedy((*res)[i].argmax, std::span<const int32_t>(p.drafts))
+        tokens_only ? VerifyGreedy((*res)[i].tokens, std::span<const int32_t>(p.drafts))
                     : drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
     if (p.k > 0) {
       const std::span<const int32_t> keep =

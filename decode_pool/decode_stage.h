@@ -82,6 +82,13 @@ struct DecodeStageOptions {
   // penalty arithmetic, kernels/penalty.h, and the same first-largest rule).
   // false: every sequence downloads its logits (the comparison baseline). Default: true
   bool greedy_on_backend = true;
+  // A T > 0 sequence with no grammar and no logprobs, in a step that verifies no drafts of it,
+  // takes its token from the backend's draw (model::LogitsOut::kSample, Backend::SampleLogits)
+  // with the uniform its Sampler's Rng gives: the same token as the host Sampler (the shared
+  // arithmetic of kernels/sampling_math.h), and its logits rows stay in backend memory. A
+  // verification of T > 0 drafts (rejection sampling) still downloads its rows.
+  // false: such sequences download their logits. Default: true
+  bool sample_on_backend = true;
 };
 
 // What one Step did (DSpark counters are 0 with DSpark off).
@@ -148,12 +155,15 @@ class DecodeStage {
                   std::span<float> logits) const;
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
-  // Whether `seq`'s steps bring back only their rows' argmax (greedy_on_backend).
-  bool TokensOnly(const DecodeSequence& seq) const;
+  // Whether a step of `seq` verifying `drafts` drafts brings back only its rows' tokens: their
+  // argmax (greedy_on_backend) or its draw (sample_on_backend).
+  bool TokensOnly(const DecodeSequence& seq, size_t drafts) const;
   // What a step of `rows` rows (the last token, then `drafts`) asks of `seq`'s logits; its
-  // penalties go to `penalties`, which must outlive the step.
+  // penalties go to `penalties` and a draw's uniforms (taken from seq's Rng now) to `sample`,
+  // both of which must outlive the step.
   model::LogitsRequest LogitsFor(const DecodeSequence& seq, std::span<const int32_t> drafts,
-                                 int64_t rows, model::LogitPenalties& penalties) const;
+                                 int64_t rows, model::LogitPenalties& penalties,
+                                 model::SampleRequest& sample) const;
   // Appends an already chosen token (its row's raw logits for logprobs); returns false once the
   // sequence is done (stop id: not appended; max_tokens reached: appended, then done).
   bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits) const;

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/row_codec.h"
+#include "kernels/sampling_math.h"
 
 namespace epd::kernels {
 
@@ -469,6 +470,13 @@ class Backend {
   virtual absl::Status PenalizeLogits(float* x, int64_t total, const int64_t* at,
                                       const int32_t* counts, int64_t entries, float repetition,
                                       float frequency, float presence) = 0;
+  // Seeded T > 0 draws: out[r] = the token a draw with uniform u[r] in [0, 1) takes from the
+  // logits row x[r, :] (x [rows, n], penalties already applied) under `p`: the temperature,
+  // top-k, top-p and min-p filters and the inverse CDF of kernels/sampling_math.h, the host
+  // Sampler's arithmetic (FilteredProbs, then DrawIndex). u [rows] doubles and out [rows] lie in
+  // backend memory. Exact (the same token as the host for the same logits and u).
+  virtual absl::Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
+                                    const double* u, int32_t* out) = 0;
 };
 
 // Every op of the Backend interface (each virtual method returning a Status), by name. The parity
@@ -519,6 +527,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "QuantDequant",
     "Argmax",
     "PenalizeLogits",
+    "SampleLogits",
     "HcMixesSingleToken",
     "EngramGateSingleToken",
 };

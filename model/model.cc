@@ -1086,14 +1086,45 @@ absl::Status Model::Penalize(Scratch& ws, float* logits, int64_t rows,
                                  p.presence);
 }
 
+absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows) {
+  if (out.penalties != nullptr && out.penalties->at.size() != out.penalties->counts.size())
+    return absl::InvalidArgumentError("model: penalties need one count per entry");
+  if (out.out != LogitsOut::kSample) return absl::OkStatus();
+  if (out.sample == nullptr)
+    return absl::InvalidArgumentError("model: a sampled result needs its sample request");
+  if (const char* why = kernels::sampling::ParamsProblem(out.sample->params); why != nullptr)
+    return absl::InvalidArgumentError(absl::StrCat("model: sample request: ", why));
+  if (static_cast<int64_t>(out.sample->uniforms.size()) != rows) {
+    return absl::InvalidArgumentError(absl::StrCat("model: sample request has ",
+                                                   out.sample->uniforms.size(),
+                                                   " uniforms for ", rows, " rows"));
+  }
+  for (double u : out.sample->uniforms) {
+    if (!(u >= 0.0 && u < 1.0))
+      return absl::InvalidArgumentError(absl::StrCat("model: uniform ", u, " is outside [0, 1)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::DrawTokens(Scratch& ws, const float* logits, int64_t rows,
+                               const SampleRequest& sample, int32_t* tokens) const {
+  ASSIGN_OR_RETURN(const double* u, ws.Copy(sample.uniforms));
+  return backend_.SampleLogits(logits, rows, config_.vocab_size, sample.params, u, tokens);
+}
+
 absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
                                  const LogitsRequest& out, ForwardResult& res) const {
   const int64_t V = config_.vocab_size;
   if (out.out == LogitsOut::kValues) return ws.DownloadTo(logits, rows * V, res.logits);
+  RETURN_IF_ERROR(LogitsRequestProblem(out, rows));
   if (out.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, logits, rows, *out.penalties));
-  ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(rows));
-  RETURN_IF_ERROR(backend_.Argmax(logits, rows, V, best));
-  return ws.DownloadTo(best, rows, res.argmax);
+  ASSIGN_OR_RETURN(int32_t * tokens, ws.Alloc<int32_t>(rows));
+  if (out.out == LogitsOut::kSample) {
+    RETURN_IF_ERROR(DrawTokens(ws, logits, rows, *out.sample, tokens));
+  } else {
+    RETURN_IF_ERROR(backend_.Argmax(logits, rows, V, tokens));
+  }
+  return ws.DownloadTo(tokens, rows, res.tokens);
 }
 
 void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
@@ -1224,6 +1255,8 @@ absl::StatusOr<ForwardResult> Model::Extend(SequenceState& state, std::span<cons
                                             ExtendMode mode, const LogitsRequest& out) const {
   if (state.pos == 0) return absl::FailedPreconditionError("model: Extend before Prefill");
   if (ids.empty()) return absl::InvalidArgumentError("model: Extend with no tokens");
+  RETURN_IF_ERROR(
+      LogitsRequestProblem(out, all_logits ? static_cast<int64_t>(ids.size()) : int64_t{1}));
   if (mode == ExtendMode::kDecode && ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size())) {
     return ExtendRowByRow(state, ids, all_logits, trace, out);
   }
@@ -1246,6 +1279,12 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
   if (!outs.empty() && outs.size() != B)
     return absl::InvalidArgumentError("model: one logits choice per sequence");
+  for (size_t b = 0; b < outs.size(); ++b) {
+    if (absl::Status st = LogitsRequestProblem(outs[b], static_cast<int64_t>(tokens[b].size()));
+        !st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, ": ", st.message()));
+    }
+  }
   status.assign(B, absl::OkStatus());
   vector<ForwardResult> out(B);
   if (B == 0) return out;
@@ -1316,17 +1355,29 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     return o.out == LogitsOut::kValues;
   });
   // A sequence's penalties touch its own rows only (before the argmax of every row; the rows of
-  // a sequence that wants values are not touched).
-  for (size_t b = 0; b < B && !all_values; ++b) {
-    if (status[b].ok() && out_of(b) == LogitsOut::kArgmax && outs[b].penalties != nullptr) {
-      RETURN_IF_ERROR(Penalize(ws, head + row0[b] * c.vocab_size,
-                               static_cast<int64_t>(tokens[b].size()), *outs[b].penalties));
-    }
-  }
-  ForwardResult every;
-  RETURN_IF_ERROR(
-      LogitsToHost(ws, head, R, all_values ? LogitsOut::kValues : LogitsOut::kArgmax, every));
+  // a sequence that wants values are not touched). A sampled sequence's draws then overwrite its
+  // rows' argmax, so every token comes down in one download.
   const int64_t V = c.vocab_size;
+  ForwardResult every;
+  if (all_values) {
+    RETURN_IF_ERROR(LogitsToHost(ws, head, R, LogitsOut::kValues, every));
+  } else {
+    for (size_t b = 0; b < B; ++b) {
+      if (status[b].ok() && out_of(b) != LogitsOut::kValues && outs[b].penalties != nullptr) {
+        RETURN_IF_ERROR(Penalize(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
+                                 *outs[b].penalties));
+      }
+    }
+    ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(R));
+    RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
+    for (size_t b = 0; b < B; ++b) {
+      if (status[b].ok() && out_of(b) == LogitsOut::kSample) {
+        RETURN_IF_ERROR(DrawTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
+                                   *outs[b].sample, best + row0[b]));
+      }
+    }
+    RETURN_IF_ERROR(ws.DownloadTo(best, R, every.tokens));
+  }
   for (size_t b = 0; b < B; ++b) {
     if (!status[b].ok()) continue;
     SequenceState& state = *states[b];
@@ -1344,7 +1395,7 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     } else if (out_of(b) == LogitsOut::kValues) {
       if (absl::Status st = ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
     } else {
-      r.argmax.assign(every.argmax.begin() + r0, every.argmax.begin() + r0 + n);
+      r.tokens.assign(every.tokens.begin() + r0, every.tokens.begin() + r0 + n);
     }
     r.rows = n;
     Commit(state, tokens[b], pos + n, io);
@@ -1388,8 +1439,7 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
                                                     const LogitsRequest& lo) const {
   // One single-token call per row (what kDecode means), with the compressors' per-row logs of the
   // whole step kept for Rollback.
-  if (lo.penalties != nullptr && lo.penalties->at.size() != lo.penalties->counts.size())
-    return absl::InvalidArgumentError("model: penalties need one count per entry");
+  RETURN_IF_ERROR(LogitsRequestProblem(lo, all_logits ? static_cast<int64_t>(ids.size()) : 1));
   ForwardResult out;
   std::map<int, std::shared_ptr<CompressorLog>> logs;  // the step's, filled row by row
   for (auto& [l, src] : state.sources) {
@@ -1401,8 +1451,16 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     // The row's own request: result row `returned` of the step's penalties, moved to row 0.
     const int64_t returned = all_logits ? static_cast<int64_t>(i) : 0;
     LogitPenalties row_penalties;
-    LogitsRequest row_lo(lo.out);
-    if (lo.penalties != nullptr && (all_logits || i + 1 == ids.size())) {
+    SampleRequest row_sample;
+    const bool kept = all_logits || i + 1 == ids.size();  // a row of the result
+    // A row not returned draws nothing (its argmax, unused, keeps its logits on the backend).
+    LogitsRequest row_lo(lo.out == LogitsOut::kSample && !kept ? LogitsOut::kArgmax : lo.out);
+    if (lo.out == LogitsOut::kSample && kept) {
+      row_sample.params = lo.sample->params;
+      row_sample.uniforms = {lo.sample->uniforms[returned]};
+      row_lo.sample = &row_sample;
+    }
+    if (lo.penalties != nullptr && kept) {
       const int64_t V = config_.vocab_size;
       row_penalties = *lo.penalties;
       row_penalties.at.clear();
@@ -1417,9 +1475,9 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     }
     auto r = Forward(state, ids.subspan(i, 1), true, trace, true, {}, row_lo);
     if (!r.ok()) return r.status();
-    if (all_logits || i + 1 == ids.size()) {
+    if (kept) {
       out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
-      out.argmax.insert(out.argmax.end(), r->argmax.begin(), r->argmax.end());
+      out.tokens.insert(out.tokens.end(), r->tokens.begin(), r->tokens.end());
       out.rows += 1;
     }
     out.main_hidden.insert(out.main_hidden.end(), r->main_hidden.begin(), r->main_hidden.end());
@@ -1556,6 +1614,8 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
                                          std::span<const int32_t> forced_ids,
                                          LogitsOut lo) const {
   const ModelConfig& c = config_;
+  if (lo == LogitsOut::kSample)
+    return absl::InvalidArgumentError("model: a draft pass returns its greedy ids or its logits");
   if (c.n_mtp_layers == 0 || !weights_->dspark)
     return absl::FailedPreconditionError("model: no DSpark stages");
   if (state.main_hidden_pos < 0)

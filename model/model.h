@@ -153,12 +153,14 @@ struct PrefillOptions {
 // What a forward brings back of its logits rows (Extend, ExtendBatch, DecodeStep, Draft).
 enum class LogitsOut {
   kValues,  // the fp32 rows (ForwardResult::logits, DraftResult::logits)
-  kArgmax,  // each row's greedy token only (ForwardResult::argmax; a draft's ids): the rows stay
+  kArgmax,  // each row's greedy token only (ForwardResult::tokens; a draft's ids): the rows stay
             // in backend memory, and a step downloads rows x 4 bytes instead of rows x vocab x 4
+  kSample,  // each row's seeded T > 0 draw only (ForwardResult::tokens; LogitsRequest::sample):
+            // Backend::SampleLogits on the rows in backend memory, the host Sampler's arithmetic
 };
 
-// Sampling penalties applied to a sequence's logits rows on the backend before their argmax
-// (Backend::PenalizeLogits; the entries a Sampler lists with Sampler::PenaltyEntries), so a greedy
+// Sampling penalties applied to a sequence's logits rows on the backend before their argmax or
+// draw (Backend::PenalizeLogits; the entries a Sampler lists with Sampler::PenaltyEntries), so a
 // request with penalties also gets its tokens without its rows coming down.
 struct LogitPenalties {
   float repetition = 1.f;
@@ -168,20 +170,33 @@ struct LogitPenalties {
   std::vector<int32_t> counts;  // per entry: times generated (the row's pending drafts included)
 };
 
+// A T > 0 draw of each of a sequence's result rows on the backend (LogitsOut::kSample).
+struct SampleRequest {
+  kernels::SampleParams params;  // Sampler::DrawParams()
+  std::vector<double> uniforms;  // per result row, in [0, 1): the Sampler's Rng draws
+};
+
 // What a forward brings back of one sequence's logits rows.
 struct LogitsRequest {
-  LogitsRequest(LogitsOut out = LogitsOut::kValues, const LogitPenalties* penalties = nullptr)
-      : out(out), penalties(penalties) {}
+  LogitsRequest(LogitsOut out = LogitsOut::kValues, const LogitPenalties* penalties = nullptr,
+                const SampleRequest* sample = nullptr)
+      : out(out), penalties(penalties), sample(sample) {}
   LogitsOut out;
-  const LogitPenalties* penalties;  // kArgmax only (else ignored): borrowed for the call
+  const LogitPenalties* penalties;  // kArgmax and kSample (else ignored): borrowed for the call
+  const SampleRequest* sample;      // kSample only (required): borrowed for the call
 };
+
+// Why `out` cannot be a request for `rows` result rows (OK when it can): penalties with one count
+// per entry; a kSample request with valid filters and one uniform in [0, 1) per row.
+[[nodiscard]] absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows);
 
 struct ForwardResult {
   int64_t rows = 0;                // rows of logits (S with all_logits, else 1)
   std::vector<float> logits;       // [rows, vocab] fp32 (LogitsOut::kValues)
-  // [rows] (LogitsOut::kArgmax): the first index of each row's largest logit (Backend::Argmax,
-  // the rule of model::ArgMax and of a greedy Sampler without penalties); logits is then empty.
-  std::vector<int32_t> argmax;
+  // [rows] (LogitsOut::kArgmax, kSample); logits is then empty. kArgmax: the first index of each
+  // row's largest logit (Backend::Argmax, the rule of model::ArgMax and of a greedy Sampler
+  // without penalties). kSample: each row's draw with its uniform (Backend::SampleLogits).
+  std::vector<int32_t> tokens;
   std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
 };
 
@@ -361,9 +376,13 @@ class Model {
                                                   int64_t rows, bool all_logits,
                                                   ForwardTrace* trace) const;
   // Brings `rows` logits rows in backend memory into res as `out` says (res.logits, or
-  // res.argmax through Backend::Argmax after its penalties).
+  // res.tokens through Backend::Argmax or Backend::SampleLogits after its penalties).
   [[nodiscard]] absl::Status LogitsToHost(Scratch& ws, float* logits, int64_t rows,
                                           const LogitsRequest& out, ForwardResult& res) const;
+  // tokens [rows] (backend memory) = the draws of `rows` logits rows in backend memory
+  // (Backend::SampleLogits with the request's uniforms).
+  [[nodiscard]] absl::Status DrawTokens(Scratch& ws, const float* logits, int64_t rows,
+                                        const SampleRequest& sample, int32_t* tokens) const;
   // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
   [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
                                       const LogitPenalties& p) const;

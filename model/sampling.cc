@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/penalty.h"
+#include "kernels/sampling_math.h"
 
 namespace epd::model {
 
@@ -48,18 +49,7 @@ int32_t ArgMax(std::span<const float> v) {
 }
 
 int32_t SampleFromProbs(std::span<const float> probs, double u) {
-  double total = 0;
-  for (float p : probs) total += p;
-  const double target = u * total;
-  double acc = 0;
-  int32_t last = -1;
-  for (size_t i = 0; i < probs.size(); ++i) {
-    if (probs[i] <= 0.f) continue;
-    acc += probs[i];
-    last = static_cast<int32_t>(i);
-    if (target < acc) return last;
-  }
-  return last < 0 ? 0 : last;  // rounding at the top end
+  return kernels::sampling::DrawIndex(probs.data(), static_cast<int64_t>(probs.size()), u);
 }
 
 Logprobs ComputeLogprobs(std::span<const float> logits, int32_t chosen, int n) {
@@ -173,54 +163,15 @@ void Sampler::Probabilities(std::span<const float> logits, std::span<const int32
   }
   std::vector<float> l(logits.begin(), logits.end());
   ApplyPenalties(l, pending);
-  const float inv_t = 1.f / params_.temperature;
-  const float mx = *std::max_element(l.begin(), l.end());
-  double sum = 0;
-  for (int64_t i = 0; i < V; ++i) {
-    probs[i] = std::exp((l[i] - mx) * inv_t);
-    sum += probs[i];
-  }
-  for (float& p : probs) p = static_cast<float>(p / sum);
-  const bool use_k = params_.top_k > 0 && params_.top_k < V;
-  const bool use_p = params_.top_p < 1.f;
-  if (use_k || use_p) {
-    // Descending order, ties -> lower index first (the project's top-k rule).
-    std::vector<int32_t> idx(V);
-    std::iota(idx.begin(), idx.end(), 0);
-    auto cmp = [&](int32_t a, int32_t b) {
-      return probs[a] > probs[b] || (probs[a] == probs[b] && a < b);
-    };
-    const int64_t k = use_k ? params_.top_k : V;
-    if (use_p) {
-      std::sort(idx.begin(), idx.end(), cmp);
-    } else {
-      std::partial_sort(idx.begin(), idx.begin() + k, idx.end(), cmp);
-    }
-    int64_t keep = k;
-    if (use_p) {
-      double kept_mass = 0;
-      for (int64_t i = 0; i < k; ++i) kept_mass += probs[idx[i]];
-      // top-p over the top-k-renormalized distribution (vLLM order: top-k, then top-p).
-      double acc = 0;
-      keep = 0;
-      while (keep < k) {
-        acc += probs[idx[keep]] / kept_mass;
-        ++keep;
-        if (acc >= params_.top_p) break;
-      }
-    }
-    for (int64_t i = keep; i < V; ++i) probs[idx[i]] = 0.f;
-  }
-  if (params_.min_p > 0.f) {
-    const float pmax = *std::max_element(probs.begin(), probs.end());
-    const float cut = params_.min_p * pmax;
-    for (float& p : probs) {
-      if (p < cut) p = 0.f;
-    }
-  }
-  double total = 0;
-  for (float p : probs) total += p;
-  for (float& p : probs) p = static_cast<float>(p / total);
+  std::vector<int32_t> order;
+  kernels::sampling::FilteredProbs(l.data(), V, DrawParams(), probs.data(), order);
+}
+
+kernels::SampleParams Sampler::DrawParams() const {
+  return {.temperature = params_.temperature,
+          .top_k = params_.top_k,
+          .top_p = params_.top_p,
+          .min_p = params_.min_p};
 }
 
 int32_t Sampler::Sample(std::span<const float> logits, std::span<const int32_t> pending) {

@@ -14,6 +14,8 @@
 //      probs >= min_p * max prob), renormalize, and draw exactly from that distribution by
 //      inverse CDF with a counter-based uniform. The reference draws with Gumbel-max over
 //      torch's global RNG; any exact sampler of the same distribution is equivalent in law.
+//      The arithmetic (exp, blocked sums) is kernels/sampling_math.h's, which a backend's
+//      SampleLogits shares: a draw on the GPU takes the token a draw here takes.
 //
 // Randomness: Rng is counter-based (SplitMix64 of seed + counter): same seed and same sequence of
 // draws -> same output, no global state. Thread-safety: Sampler, Rng and StopMatcher are not
@@ -28,6 +30,7 @@
 #include <vector>
 
 #include "absl/status/status.h"
+#include "kernels/sampling_math.h"
 
 namespace epd::model {
 
@@ -61,6 +64,9 @@ class Rng {
   // Uniform in [0, 1) with 53 random bits.
   double NextUniform();
   uint64_t counter() const { return counter_; }
+  // Back to an earlier counter(): the draws after it are made again (a step that drew uniforms
+  // for the backend and then failed).
+  void Rewind(uint64_t counter) { counter_ = counter; }
 
  private:
   uint64_t seed_;
@@ -105,6 +111,8 @@ class Sampler {
   // renormalized) into probs [vocab]; for T = 0 a one-hot at the greedy token.
   void Probabilities(std::span<const float> logits, std::span<const int32_t> pending,
                      std::vector<float>& probs) const;
+  // The filters of a T > 0 draw, as a backend's SampleLogits takes them.
+  kernels::SampleParams DrawParams() const;
   // Greedy token of the penalized logits.
   int32_t Greedy(std::span<const float> logits, std::span<const int32_t> pending = {}) const;
   // Draws the next token (greedy when T = 0; else one uniform from rng()).

@@ -165,8 +165,16 @@ absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
   };
   // The sequences that can share one forward (Model::Batchable: the usual decode step) go through
   // Model::ExtendBatch, which reads the weights once for all of them; the rest one by one.
+  // A sequence whose logits request is bad fails alone, before any state changes.
   std::vector<size_t> batch, alone;
   for (size_t b = 0; b < states.size(); ++b) {
+    if (absl::Status st =
+            LogitsRequestProblem(out_of(b), static_cast<int64_t>(tokens[b].size()));
+        !st.ok()) {
+      absl::Status named = fail(b, st);
+      if (failed == nullptr) return named;
+      continue;
+    }
     (model.Batchable(*states[b], tokens[b]) ? batch : alone).push_back(b);
   }
   if (batch.size() < 2) {

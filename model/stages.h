@@ -80,7 +80,8 @@ int64_t DecoderTailRows(const ModelConfig& config);
 // its status there and an empty result (its state must not be used further) and the others run
 // as if it were not in the batch — one bad request does not fail its neighbours.
 // `out[b]` (default: every sequence kValues) says whether sequence b's result carries its logits
-// rows or only their argmax (LogitsOut), after which penalties (LogitsRequest).
+// rows, only their argmax, or only their draws (LogitsOut), after which penalties and with which
+// uniforms (LogitsRequest).
 [[nodiscard]] absl::StatusOr<std::vector<ForwardResult>> DecodeStep(
     const Model& model, std::span<SequenceState* const> states,
     std::span<const std::vector<int32_t>> tokens, std::vector<absl::Status>* failed = nullptr,

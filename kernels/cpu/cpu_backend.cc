@@ -18,6 +18,7 @@
 #include "kernels/format.h"
 #include "kernels/penalty.h"
 #include "kernels/rope.h"
+#include "kernels/sampling_math.h"
 
 namespace epd::kernels::cpu {
 namespace {
@@ -704,6 +705,26 @@ class CpuBackend final : public Backend {
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * n;
       out[r] = static_cast<int32_t>(std::max_element(xr, xr + n) - xr);
+    }
+    return OkStatus();
+  }
+
+  Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
+                      const double* u, int32_t* out) override {
+    if (rows < 0) return Bad("SampleLogits", "negative rows");
+    if (n <= 0) return Bad("SampleLogits", "empty rows");
+    if (const char* why = sampling::ParamsProblem(p); why != nullptr) return Bad("SampleLogits", why);
+    if (rows == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("SampleLogits", {{"x", x}, {"u", u}, {"out", out}});
+    for (int64_t r = 0; r < rows; ++r) {
+      if (!(u[r] >= 0.0 && u[r] < 1.0))
+        return Bad("SampleLogits", absl::StrCat("uniform ", r, " (", u[r], ") is outside [0, 1)"));
+    }
+    std::vector<float> probs(static_cast<size_t>(n));
+    std::vector<int32_t> order;
+    for (int64_t r = 0; r < rows; ++r) {
+      sampling::FilteredProbs(x + r * n, n, p, probs.data(), order);
+      out[r] = sampling::DrawIndex(probs.data(), n, u[r]);
     }
     return OkStatus();
   }

@@ -599,6 +599,24 @@ class CudaBackend final : public Backend {
     });
   }
 
+  // The uniforms are device memory: unlike the CPU backend, no check of their range.
+  Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
+                      const double* u, int32_t* out) override {
+    if (rows < 0) return Bad("SampleLogits", "negative rows");
+    if (n <= 0) return Bad("SampleLogits", "empty rows");
+    if (const char* why = sampling::ParamsProblem(p); why != nullptr) return Bad("SampleLogits", why);
+    if (rows * n >= (int64_t{1} << 31)) return Bad("SampleLogits", "more than 2^31 logits");
+    if (rows == 0) return OkStatus();
+    const bool sort = (p.top_k > 0 && p.top_k < n) || p.top_p < 1.f;
+    const size_t bytes = cuda::SampleLogitsScratchBytes(rows, n, sort);
+    auto scratch = Scratch("SampleLogits", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("SampleLogits", [&] {
+      return cuda::SampleLogits(x, rows, n, p.temperature, p.top_k, p.top_p, p.min_p, u, out,
+                                *scratch, bytes, streams_[0]);
+    });
+  }
+
  private:
   // The checks the CPU reference makes that need no device read (a listed row's value and its
   // page are device memory). A negative row: UnpackRows skips it as the CPU does; PackRows

@@ -163,6 +163,12 @@ cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaSt
 cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
                            int64_t entries, float repetition, float frequency, float presence,
                            cudaStream_t stream);
+// Backend::SampleLogits (kernels/sampling_math.h); sort: top_k in (0, n) or top_p < 1. rows * n
+// < 2^31 (CUB's int item count).
+size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort);
+cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperature, int top_k,
+                         float top_p, float min_p, const double* u, int32_t* out, void* scratch,
+                         size_t scratch_bytes, cudaStream_t stream);
 
 // ---- Paged packed rows (kv_rows.cu) ----
 // Backend::PackRows / UnpackRows (the arguments checked by the backend).

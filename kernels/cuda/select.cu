@@ -13,6 +13,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/penalty.h"
+#include "kernels/sampling_math.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -407,6 +408,213 @@ __global__ void PenalizeLogitsKernel(float* x, int64_t total, const int64_t* at,
   x[a] = Penalized(x[a], counts[i], repetition, frequency, presence);
 }
 
+
+// ---- SampleLogits: kernels/sampling_math.h (FilteredProbs, then DrawIndex), step by step ----
+// A blocked sum's block b of row r is one thread's sequential double sum (the host's order);
+// BlockPrefixKernel adds a row's block sums in order; a first-hit search runs block by block and
+// takes the lowest block with a hit. No atomics: the same token whatever the launch.
+using sampling::kSumBlock;
+
+// Row maxima of x [rows, n], one block per row (a max is exact in any order; NaN never taken,
+// as the host's `l > mx`).
+__global__ void RowMaxKernel(const float* x, int64_t n, float* mx) {
+  __shared__ float part[kThreads];
+  const float* xr = x + static_cast<int64_t>(blockIdx.x) * n;
+  float m = -INFINITY;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    if (xr[i] > m) m = xr[i];
+  }
+  part[threadIdx.x] = m;
+  __syncthreads();
+  for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+    if (threadIdx.x < s && part[threadIdx.x + s] > part[threadIdx.x])
+      part[threadIdx.x] = part[threadIdx.x + s];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) mx[blockIdx.x] = part[0];
+}
+
+__device__ __forceinline__ int64_t BlockEnd(int64_t b, int64_t lim) {
+  return (b + 1) * kSumBlock < lim ? (b + 1) * kSumBlock : lim;
+}
+
+// Step 1: the weights (into probs) and their block sums T [rows, nb].
+__global__ void WeightBlockSumsKernel(const float* x, int64_t rows, int64_t n, int64_t nb,
+                                      const float* mx, float inv_t, float* probs, double* T) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * nb) return;
+  const int64_t r = t / nb, b = t % nb;
+  double s = 0;
+  for (int64_t i = b * kSumBlock; i < BlockEnd(b, n); ++i) {
+    const float e = sampling::Weight(x[r * n + i], mx[r], inv_t);
+    probs[r * n + i] = e;
+    s += e;
+  }
+  T[t] = s;
+}
+
+// The sorted position j's index of row r (SortSampleKeys' keys: descending, ties lower first).
+__device__ __forceinline__ int64_t SortedIndex(const uint64_t* sorted, int64_t r, int64_t n,
+                                               int64_t j) {
+  return static_cast<int64_t>(sorted[r * n + j] & 0xffffffffu);
+}
+
+// Block sums T [rows, nb] of probs: in index order (sorted null), else over the sorted positions
+// j < lim; positive_only sums max(p, 0) (DrawIndex's terms).
+__global__ void BlockSumsKernel(const float* probs, int64_t rows, int64_t n, int64_t nb,
+                                const uint64_t* sorted, int64_t lim, bool positive_only,
+                                double* T) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * nb) return;
+  const int64_t r = t / nb, b = t % nb;
+  double s = 0;
+  for (int64_t j = b * kSumBlock; j < BlockEnd(b, lim); ++j) {
+    const float v = probs[r * n + (sorted != nullptr ? SortedIndex(sorted, r, n, j) : j)];
+    s += positive_only && !(v > 0.f) ? 0.0 : static_cast<double>(v);
+  }
+  T[t] = s;
+}
+
+// P [rows, nb + 1]: P[0] = 0, P[b + 1] = P[b] + T[b] (the blocked sum is P[nb]).
+__global__ void BlockPrefixKernel(const double* T, int64_t rows, int64_t nb, double* P) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  double acc = 0;
+  P[r * (nb + 1)] = 0;
+  for (int64_t b = 0; b < nb; ++b) {
+    acc += T[r * nb + b];
+    P[r * (nb + 1) + b + 1] = acc;
+  }
+}
+
+// probs = fp32(p / the row's blocked sum).
+__global__ void NormalizeKernel(float* probs, int64_t rows, int64_t n, int64_t nb,
+                                const double* P) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n;
+  probs[i] = static_cast<float>(static_cast<double>(probs[i]) / P[r * (nb + 1) + nb]);
+}
+
+// Top-p: in block b of row r's sorted positions j < k, the first whose prefix / kept >= top_p
+// (kept = the blocked sum of the first k), or -1: hit [rows, nb].
+__global__ void TopPFindKernel(const float* probs, const uint64_t* sorted, int64_t rows, int64_t n,
+                               int64_t nb, int64_t k, const double* P, double top_p,
+                               int64_t* hit) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * nb) return;
+  const int64_t r = t / nb, b = t % nb;
+  const double kept = P[r * (nb + 1) + nb];
+  double acc = P[r * (nb + 1) + b];
+  hit[t] = -1;
+  for (int64_t j = b * kSumBlock; j < BlockEnd(b, k); ++j) {
+    acc += static_cast<double>(probs[r * n + SortedIndex(sorted, r, n, j)]);
+    if (acc / kept >= top_p) {
+      hit[t] = j;
+      return;
+    }
+  }
+}
+
+// keep[r] = the row's first hit + 1, else k.
+__global__ void KeepKernel(const int64_t* hit, int64_t rows, int64_t nb, int64_t k,
+                           int64_t* keep) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  keep[r] = k;
+  for (int64_t b = 0; b < nb; ++b) {
+    if (hit[r * nb + b] >= 0) {
+      keep[r] = hit[r * nb + b] + 1;
+      return;
+    }
+  }
+}
+
+// Sorted positions j >= keep[r] (keep null: >= k) get probability 0.
+__global__ void DropTailKernel(float* probs, const uint64_t* sorted, int64_t rows, int64_t n,
+                               const int64_t* keep, int64_t k) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * n) return;
+  const int64_t r = i / n, j = i % n;
+  if (j >= (keep != nullptr ? keep[r] : k)) probs[r * n + SortedIndex(sorted, r, n, j)] = 0.f;
+}
+
+// Min-p: p < fp32(min_p * the row's max) -> 0.
+__global__ void MinPKernel(float* probs, int64_t rows, int64_t n, const float* pmax, float min_p) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * n) return;
+  const float cut = min_p * pmax[i / n];
+  if (probs[i] < cut) probs[i] = 0.f;
+}
+
+// DrawIndex in block b of row r: the first i with p_i > 0 and u * total < prefix_i (hit), and
+// the block's last i with p_i > 0 (last), each -1 when none.
+__global__ void DrawFindKernel(const float* probs, int64_t rows, int64_t n, int64_t nb,
+                               const double* P, const double* u, int64_t* hit, int64_t* last) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= rows * nb) return;
+  const int64_t r = t / nb, b = t % nb;
+  const double target = u[r] * P[r * (nb + 1) + nb];
+  double acc = P[r * (nb + 1) + b];
+  int64_t h = -1, l = -1;
+  for (int64_t i = b * kSumBlock; i < BlockEnd(b, n); ++i) {
+    const float p = probs[r * n + i];
+    acc += p > 0.f ? static_cast<double>(p) : 0.0;
+    if (p > 0.f) {
+      l = i;
+      if (h < 0 && target < acc) h = i;
+    }
+  }
+  hit[t] = h;
+  last[t] = l;
+}
+
+// out[r] = the row's first hit, else its last positive index, else 0.
+__global__ void DrawPickKernel(const int64_t* hit, const int64_t* last, int64_t rows, int64_t nb,
+                               int32_t* out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  int64_t pick = -1, fallback = -1;
+  for (int64_t b = 0; b < nb && pick < 0; ++b) {
+    pick = hit[r * nb + b];
+    if (last[r * nb + b] >= 0) fallback = last[r * nb + b];
+  }
+  out[r] = static_cast<int32_t>(pick >= 0 ? pick : fallback >= 0 ? fallback : 0);
+}
+
+// Scratch layout of SampleLogits over [rows, n]: probs f32 [rows, n], T f64 [rows, nb], P f64
+// [rows, nb + 1], hit / last i64 [rows, nb], keep i64 [rows], mx f32 [rows]; with a sort, keys
+// in / out u64 [rows, n], segment offsets int [rows + 1] and CUB's temporary storage.
+struct SampleLayout {
+  int64_t nb = 0;
+  size_t probs = 0, T = 0, P = 0, hit = 0, last = 0, keep = 0, mx = 0, keys_in = 0, keys_out = 0,
+         off = 0, temp = 0, temp_bytes = 0, total = 0;
+  SampleLayout(int64_t rows, int64_t n, bool sort) : nb(sampling::SumBlocks(n)) {
+    const size_t rn = static_cast<size_t>(rows * n), rb = static_cast<size_t>(rows * nb),
+                 r = static_cast<size_t>(rows);
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += AlignUp(bytes);
+      return here;
+    };
+    probs = take(rn * 4);
+    T = take(rb * 8);
+    P = take((rb + r) * 8);
+    hit = take(rb * 8);
+    last = take(rb * 8);
+    keep = take(r * 8);
+    mx = take(r * 4);
+    if (sort) {
+      keys_in = take(rn * 8);
+      keys_out = take(rn * 8);
+      off = take((r + 1) * 4);
+      temp_bytes = AlignUp(CubSegmentedBytes<uint64_t>(rows * n, rows));
+      temp = take(temp_bytes);
+    }
+    total = at;
+  }
+};
 }  // namespace
 
 size_t TopKScratchBytes(int64_t n) { return TopKLayout(n).total; }
@@ -590,6 +798,80 @@ cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int
   if (entries <= 0) return cudaSuccess;
   PenalizeLogitsKernel<<<GridFor(entries), kThreads, 0, stream>>>(x, total, at, counts, entries,
                                                                  repetition, frequency, presence);
+  return cudaGetLastError();
+}
+
+
+size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort) {
+  return SampleLayout(rows, n, sort).total;
+}
+
+cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperature, int top_k,
+                         float top_p, float min_p, const double* u, int32_t* out, void* scratch,
+                         size_t scratch_bytes, cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return cudaSuccess;
+  const bool use_k = top_k > 0 && top_k < n, use_p = top_p < 1.f;
+  const SampleLayout l(rows, n, use_k || use_p);
+  if (scratch_bytes < l.total) return cudaErrorInvalidValue;
+  auto* base = static_cast<uint8_t*>(scratch);
+  auto* probs = reinterpret_cast<float*>(base + l.probs);
+  auto* T = reinterpret_cast<double*>(base + l.T);
+  auto* P = reinterpret_cast<double*>(base + l.P);
+  auto* hit = reinterpret_cast<int64_t*>(base + l.hit);
+  auto* last = reinterpret_cast<int64_t*>(base + l.last);
+  auto* keep = reinterpret_cast<int64_t*>(base + l.keep);
+  auto* mx = reinterpret_cast<float*>(base + l.mx);
+  const int64_t nb = l.nb;
+  const unsigned row_grid = static_cast<unsigned>(rows);
+  // Blocked sum of probs (order, lim, positive_only) into P.
+  auto blocked = [&](const uint64_t* sorted, int64_t lim, bool positive_only) {
+    BlockSumsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, sorted, lim,
+                                                                 positive_only, T);
+    BlockPrefixKernel<<<GridFor(rows), kThreads, 0, stream>>>(T, rows, nb, P);
+  };
+  // 1. Softmax of x / T.
+  RowMaxKernel<<<row_grid, kThreads, 0, stream>>>(x, n, mx);
+  WeightBlockSumsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(x, rows, n, nb, mx,
+                                                                     1.f / temperature, probs, T);
+  BlockPrefixKernel<<<GridFor(rows), kThreads, 0, stream>>>(T, rows, nb, P);
+  NormalizeKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, rows, n, nb, P);
+  // 2. Top-k, then top-p over the top-k's mass.
+  if (use_k || use_p) {
+    const int64_t k = use_k ? top_k : n;
+    auto* keys_in = reinterpret_cast<uint64_t*>(base + l.keys_in);
+    auto* keys_out = reinterpret_cast<uint64_t*>(base + l.keys_out);
+    auto* off = reinterpret_cast<int*>(base + l.off);
+    SegmentOffsetsKernel<<<GridFor(rows + 1), kThreads, 0, stream>>>(rows, n, off);
+    TopKKeysRowsKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, rows, n, nullptr, 0,
+                                                                   keys_in);
+    cudaError_t rc = cudaGetLastError();
+    if (rc != cudaSuccess) return rc;
+    size_t temp_bytes = l.temp_bytes;
+    rc = cub::DeviceSegmentedRadixSort::SortKeys(
+        base + l.temp, temp_bytes, static_cast<const uint64_t*>(keys_in), keys_out,
+        static_cast<int>(rows * n), static_cast<int>(rows), static_cast<const int*>(off),
+        static_cast<const int*>(off + 1), 0, 64, stream);
+    if (rc != cudaSuccess) return rc;
+    if (use_p) {
+      blocked(keys_out, k, false);
+      TopPFindKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(
+          probs, keys_out, rows, n, nb, k, P, static_cast<double>(top_p), hit);
+      KeepKernel<<<GridFor(rows), kThreads, 0, stream>>>(hit, rows, nb, k, keep);
+    }
+    DropTailKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, keys_out, rows, n,
+                                                               use_p ? keep : nullptr, k);
+  }
+  // 3. Min-p.
+  if (min_p > 0.f) {
+    RowMaxKernel<<<row_grid, kThreads, 0, stream>>>(probs, n, mx);
+    MinPKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, rows, n, mx, min_p);
+  }
+  // 4. Renormalized; then the inverse CDF.
+  blocked(nullptr, n, false);
+  NormalizeKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, rows, n, nb, P);
+  blocked(nullptr, n, true);
+  DrawFindKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, P, u, hit, last);
+  DrawPickKernel<<<GridFor(rows), kThreads, 0, stream>>>(hit, last, rows, nb, out);
   return cudaGetLastError();
 }
 

@@ -199,14 +199,16 @@ TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
   }
 }
 
-// Greedy sequences without grammar or logprobs take their tokens from the backend's Argmax, after
-// their penalties applied there (DecodeStageOptions::greedy_on_backend): in a mixed batch (greedy
-// ones joining at different steps, one greedy with penalties, one with logprobs, one seeded
-// T > 0), with DSpark off and on, every output, finish reason and logprob equals the run where
+// Sequences without grammar or logprobs take their tokens from the backend, after their
+// penalties applied there: a greedy one its rows' Argmax (DecodeStageOptions::greedy_on_backend),
+// a T > 0 one in a step that verifies no drafts of it its draw (sample_on_backend, with the
+// uniform its Rng gives). In a mixed batch (greedy ones joining at different steps, one greedy
+// with penalties, one with logprobs, two seeded T > 0, one of them with penalties and every
+// filter), with DSpark off and on, every output, finish reason and logprob equals the run where
 // every sequence downloads its logits. And the steps download no logits row for them: on a
-// device-labelled backend, the steps of a batch of greedy sequences (one with penalties) download
-// one token instead of each logits row.
-TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownloadNoLogitsRows) {
+// device-labelled backend, the steps of a batch of greedy sequences (one with penalties) and a
+// filtered T > 0 one download one token instead of each such row.
+TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogitsRows) {
   std::vector<Request> mixed;
   for (int i = 0; i < 3; ++i) {
     Request r;
@@ -230,12 +232,23 @@ TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownload
   hot.params.max_tokens = 22;
   hot.params.temperature = 0.8f;
   hot.params.seed = 77;
-  for (Request* r : {&pen, &lp, &hot}) mixed.push_back(*r);
+  Request filtered;
+  filtered.prompt = Prompt(41, 34);
+  filtered.params.max_tokens = 21;
+  filtered.params.temperature = 1.2f;
+  filtered.params.top_k = 30;
+  filtered.params.top_p = 0.9f;
+  filtered.params.min_p = 0.02f;
+  filtered.params.presence_penalty = 0.6f;
+  filtered.params.seed = 78;
+  filtered.join_step = 2;
+  for (Request* r : {&pen, &lp, &hot, &filtered}) mixed.push_back(*r);
   for (bool dspark : {false, true}) {
     Run runs[2];
     for (int on = 0; on < 2; ++on) {
       DecodeStage stage(*model_, {.dspark = dspark, .fixed_k = dspark ? 3 : -1,
-                                  .greedy_on_backend = on == 1});
+                                  .greedy_on_backend = on == 1,
+                                  .sample_on_backend = on == 1});
       runs[on] = Serve(stage, mixed);
       ASSERT_EQ(runs[on].seqs.size(), mixed.size());
     }
@@ -252,13 +265,16 @@ TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownload
       }
     }
   }
-  // The bytes: greedy sequences only, started first, then counted over the steps alone. Both runs
-  // make the same steps (same outputs, same k), so they differ by exactly the logits rows
-  // verified (one per sequence and step, plus its drafts), each a vocabulary row of fp32 against
-  // one int32.
+  // The bytes: three greedy sequences and a filtered T > 0 one, started first, then counted over
+  // the steps alone. Both runs make the same steps (same outputs, same k), so they differ by
+  // exactly the logits rows that stay on the backend, each a vocabulary row of fp32 against one
+  // int32: every row of a greedy sequence (its last token, plus its drafts), and a T > 0
+  // sequence's row in a step that verifies no drafts of it (every step with DSpark off; with
+  // DSpark on, those whose k is 0). A step with any such row downloads every row's token once.
   const int64_t row = model_->config().vocab_size * static_cast<int64_t>(sizeof(float));
   for (bool dspark : {false, true}) {
-    int64_t downloaded[2] = {0, 0}, rows[2] = {0, 0}, emitted[2] = {0, 0};
+    int64_t downloaded[2] = {0, 0}, rows[2] = {0, 0}, emitted[2] = {0, 0}, on_backend[2] = {0, 0},
+            token_rows[2] = {0, 0};
     for (int on = 0; on < 2; ++on) {
       // A model of its own for each run (its KV pool's sealed blocks would serve the next run).
       int64_t bytes = 0;
@@ -267,15 +283,23 @@ TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownload
       auto m = model::Model::Load(model_dir(), *backend);
       ASSERT_TRUE(m.ok()) << m.status();
       DecodeStage stage(**m, {.dspark = dspark, .fixed_k = dspark ? 3 : -1,
-                              .greedy_on_backend = on == 1});
+                              .greedy_on_backend = on == 1,
+                              .sample_on_backend = on == 1});
       std::vector<std::unique_ptr<DecodeSequence>> seqs;
       std::vector<DecodeSequence*> batch;
-      for (int i = 0; i < 3; ++i) {
+      for (int i = 0; i < 4; ++i) {
         SamplingParams p;
         p.max_tokens = 20;
         if (i == 2) {  // penalties, applied on the backend
           p.repetition_penalty = 1.2f;
           p.frequency_penalty = 0.5f;
+        }
+        if (i == 3) {  // drawn on the backend
+          p.temperature = 0.9f;
+          p.top_p = 0.95f;
+          p.top_k = 50;
+          p.frequency_penalty = 0.3f;
+          p.seed = 9;
         }
         auto s = stage.StartFromPrompt(Prompt(40 + 9 * i, 50 + i), p);
         ASSERT_TRUE(s.ok()) << s.status();
@@ -284,23 +308,40 @@ TEST_F(DecodeStageDSparkTest, GreedyTokensFromTheBackendEqualTheHostsAndDownload
       }
       bytes = 0;
       while (std::any_of(batch.begin(), batch.end(), [](auto* s) { return !s->done; })) {
+        std::vector<bool> greedy;  // the step's live sequences, in batch order
+        for (DecodeSequence* s : batch) {
+          if (!s->done) greedy.push_back(s->sampler->params().greedy());
+        }
         DecodeStepStats st;
         ASSERT_TRUE(stage.Step(batch, &st).ok());
         emitted[on] += st.emitted;
         rows[on] += st.sequences + st.drafted;
+        int64_t step_on = 0;
+        for (size_t j = 0; j < greedy.size(); ++j) {
+          const int k = dspark ? st.k.at(j) : 0;
+          step_on += greedy[j] ? k + 1 : k == 0 ? 1 : 0;
+        }
+        on_backend[on] += step_on;
+        // A step with any such row brings every row's token down in one download.
+        if (step_on > 0) token_rows[on] += st.sequences + st.drafted;
       }
       downloaded[on] = bytes;
       ASSERT_GT(emitted[on], 0);
-      std::printf("dspark %d, greedy on backend %d: %lld logits rows, %.0f bytes downloaded per "
-                  "emitted token (a logits row is %lld)\n",
+      std::printf("dspark %d, tokens on backend %d: %lld logits rows (%lld of them can stay on "
+                  "the backend), %.0f bytes downloaded per emitted token (a logits row is %lld)\n",
                   dspark, on, static_cast<long long>(rows[on]),
+                  static_cast<long long>(on_backend[on]),
                   static_cast<double>(bytes) / static_cast<double>(emitted[on]),
                   static_cast<long long>(row));
     }
     ASSERT_EQ(rows[1], rows[0]);
     ASSERT_EQ(emitted[1], emitted[0]);
+    ASSERT_EQ(on_backend[1], on_backend[0]);
+    EXPECT_GT(on_backend[0], 0);
     EXPECT_GE(downloaded[0], rows[0] * row) << dspark;
-    EXPECT_EQ(downloaded[0] - downloaded[1], rows[0] * (row - int64_t{sizeof(int32_t)})) << dspark;
+    EXPECT_EQ(downloaded[0] - downloaded[1],
+              on_backend[0] * row - token_rows[0] * int64_t{sizeof(int32_t)})
+        << dspark;
   }
 }
 

@@ -35,6 +35,7 @@
 #include "kernels/penalty.h"
 #include "kernels/format.h"
 #include "kernels/rope.h"
+#include "kernels/sampling_math.h"
 
 #if defined(EPD_PARITY_CUDA)
 #include "kernels/cuda/cuda_backend.h"
@@ -1540,6 +1541,67 @@ PARITY_CASE(PenalizeLogits) {
     for (size_t i = 0; i < at.size(); ++i)
       want[at[i]] = Penalized(x[at[i]], counts[i], params[k].r, params[k].f, params[k].p);
     Compare(env, want, res[k], Tol::Exact(), "the Sampler's penalties");
+  }
+}
+
+PARITY_CASE(SampleLogits) {
+  // Tolerance: exact (a token; kernels/sampling_math.h is one arithmetic on both sides). Rows of
+  // random logits (scale 4) and of ties (Tied: equal values, -inf), the golden prefill logits,
+  // and each filter alone and together; uniforms spread over [0, 1) with both ends.
+  const int64_t rows = 6, n = 1000;
+  std::vector<float> x = Bf16(env.rng, rows * n, 4.f);
+  const std::vector<float> tied = Tied(env.rng, 2 * n);
+  std::copy(tied.begin(), tied.end(), x.begin() + 4 * n);
+  std::vector<double> u = {0.0, 0.25, 0.5, 0.75, 0.9999999999, 0.3};
+  const SampleParams params[] = {
+      {.temperature = 1.f},
+      {.temperature = 0.6f, .top_k = 50},
+      {.temperature = 1.3f, .top_p = 0.9f},
+      {.temperature = 0.8f, .min_p = 0.05f},
+      {.temperature = 1.f, .top_k = 200, .top_p = 0.7f, .min_p = 0.02f},
+      {.temperature = 2.f, .top_k = 1},
+  };
+  const auto golden = GoldenF32("logits_prefill_all.bin");
+  ASSERT_EQ(static_cast<int64_t>(golden.size()), kGoldenRows * kGoldenVocab);
+  std::vector<double> ug(kGoldenRows);
+  for (int64_t r = 0; r < kGoldenRows; ++r) ug[r] = static_cast<double>(r) / kGoldenRows;
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    for (const SampleParams& p : params) {
+      int32_t* out = s->Out<int32_t>(rows);
+      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(x), rows, n, p, s->In(u), out));
+      res.push_back(s->Read(out, rows));
+      int32_t* gout = s->Out<int32_t>(kGoldenRows);
+      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(golden), kGoldenRows, kGoldenVocab, p,
+                                           s->In(ug), gout));
+      res.push_back(s->Read(gout, kGoldenRows));
+    }
+    int32_t* out = s->Out<int32_t>(1);
+    EXPECT_EQ(s->b().SampleLogits(s->In(x), 1, n, {.temperature = 0.f}, s->In(u), out).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": temperature 0";
+    EXPECT_EQ(s->b().SampleLogits(s->In(x), 1, n, {.top_p = 0.f}, s->In(u), out).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": top_p 0";
+  }
+  const size_t half = res.size() / 2;
+  for (size_t i = 0; i < half; ++i)
+    CompareExact(res[i], res[half + i], "sampled tokens, case " + std::to_string(i));
+  // Against the host's arithmetic row by row (the Sampler's FilteredProbs and DrawIndex), and the
+  // filters bite: top_k 1 takes the argmax whatever u.
+  std::vector<float> probs(n);
+  std::vector<int32_t> order;
+  for (size_t c = 0; c < std::size(params); ++c) {
+    for (int64_t r = 0; r < rows; ++r) {
+      sampling::FilteredProbs(x.data() + r * n, n, params[c], probs.data(), order);
+      EXPECT_EQ(res[half + 2 * c][r], sampling::DrawIndex(probs.data(), n, u[r]))
+          << "case " << c << " row " << r;
+      EXPECT_GT(probs[res[half + 2 * c][r]], 0.f) << "a token of probability 0 was drawn";
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * n;
+    EXPECT_EQ(res[half + 2 * 5][r], std::max_element(xr, xr + n) - xr) << "top_k 1, row " << r;
   }
 }
 

@@ -309,19 +309,19 @@ TEST_P(OpCountTest, AGreedySequencesTokensComeFromTheBackend) {
   ASSERT_EQ(tokens.batch.size(), 3u);
   for (int b : {0, 2}) {
     EXPECT_TRUE(tokens.batch[b].logits.empty()) << b;
-    ASSERT_EQ(tokens.batch[b].argmax.size(), 1u) << b;
+    ASSERT_EQ(tokens.batch[b].tokens.size(), 1u) << b;
   }
-  EXPECT_EQ(tokens.batch[0].argmax, argmax_of(values.batch[0].logits));
+  EXPECT_EQ(tokens.batch[0].tokens, argmax_of(values.batch[0].logits));
   // Penalized on the backend: the host Sampler's greedy token of the same row.
   ASSERT_FALSE(penalties.at.empty());
-  EXPECT_EQ(tokens.batch[2].argmax[0], sampler->Greedy(values.batch[2].logits));
-  EXPECT_NE(tokens.batch[2].argmax[0], plain2);
+  EXPECT_EQ(tokens.batch[2].tokens[0], sampler->Greedy(values.batch[2].logits));
+  EXPECT_NE(tokens.batch[2].tokens[0], plain2);
   EXPECT_EQ(tokens.batch[1].logits, values.batch[1].logits);
-  EXPECT_TRUE(tokens.batch[1].argmax.empty());
+  EXPECT_TRUE(tokens.batch[1].tokens.empty());
   EXPECT_TRUE(tokens.alone.logits.empty());
-  ASSERT_EQ(tokens.alone.argmax.size(), 1u);
-  EXPECT_EQ(tokens.alone.argmax[0], sampler->Greedy(values.alone.logits));
-  EXPECT_NE(tokens.alone.argmax[0], plain_alone);
+  ASSERT_EQ(tokens.alone.tokens.size(), 1u);
+  EXPECT_EQ(tokens.alone.tokens[0], sampler->Greedy(values.alone.logits));
+  EXPECT_NE(tokens.alone.tokens[0], plain_alone);
   // Batched: 3 rows of values (one download) against every row's token and one row of values;
   // alone: one row of values against its token.
   const int64_t row = vocab * static_cast<int64_t>(sizeof(float)), id = sizeof(int32_t);
@@ -330,6 +330,123 @@ TEST_P(OpCountTest, AGreedySequencesTokensComeFromTheBackend) {
               "sequence's logits)\n",
               GetParam().c_str(), static_cast<long long>(tokens.bytes),
               static_cast<long long>(values.bytes));
+}
+
+// A T > 0 sequence's tokens can come from the backend too (LogitsOut::kSample): its rows are
+// drawn there (Backend::SampleLogits) with the uniforms the caller's Rng gave. On a
+// device-labelled backend, a batched step of a sampled sequence, a values sequence and a
+// sampled sequence with penalties and every filter verifying three rows (the last token and two
+// drafts): each draw equals the host Sampler's draw from the values rows of the same step
+// (Probabilities, row j penalized as after drafts[0, j), then SampleFromProbs with the same
+// uniform), and the bytes differ by exactly the rows not brought down less their tokens. A
+// request without its uniforms, or with one outside [0, 1), fails the call before it changes
+// any state.
+TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
+  struct Run {
+    int64_t bytes = 0;
+    std::vector<ForwardResult> batch;
+  };
+  SamplingParams hot;
+  hot.temperature = 0.9f;
+  SamplingParams filtered;
+  filtered.temperature = 1.3f;
+  filtered.top_k = 40;
+  filtered.top_p = 0.85f;
+  filtered.min_p = 0.01f;
+  filtered.repetition_penalty = 1.2f;
+  filtered.frequency_penalty = 0.4f;
+  filtered.seed = 5;
+  std::unique_ptr<Sampler> hot_sampler, filtered_sampler;
+  const std::vector<int32_t> drafts = {11, 12};
+  LogitPenalties penalties{filtered.repetition_penalty, filtered.frequency_penalty,
+                           filtered.presence_penalty};
+  SampleRequest hot_draw, filtered_draw;
+  auto run = [&](bool sample, SampleRequest* bad) {
+    Run r;
+    auto backend =
+        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+    auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    const int64_t vocab = (*m)->config().vocab_size;
+    std::vector<std::unique_ptr<SequenceState>> seqs;
+    std::vector<SequenceState*> ptrs;
+    std::vector<std::vector<int32_t>> toks;
+    for (int b = 0; b < 3; ++b) {
+      seqs.push_back((*m)->NewSequence());
+      std::vector<int32_t> prompt(50 + 17 * b);
+      for (size_t i = 0; i < prompt.size(); ++i)
+        prompt[i] = static_cast<int32_t>(4 + (i * 5 + b) % 80);
+      EXPECT_TRUE((*m)->Prefill(*seqs.back(), prompt, false).ok());
+      ptrs.push_back(seqs.back().get());
+      toks.push_back({static_cast<int32_t>(6 + b)});
+      if (hot_sampler == nullptr && b == 0) hot_sampler = std::make_unique<Sampler>(hot, vocab);
+      if (filtered_sampler == nullptr && b == 2) {
+        filtered_sampler = std::make_unique<Sampler>(filtered, vocab, prompt);
+        for (int32_t t : {11, 30, 11}) filtered_sampler->Accept(t);
+        filtered_sampler->PenaltyEntries(drafts, 3, penalties.at, penalties.counts);
+        hot_draw = {hot_sampler->DrawParams(), {hot_sampler->rng().NextUniform()}};
+        filtered_draw = {filtered_sampler->DrawParams(), {}};
+        for (int j = 0; j < 3; ++j)
+          filtered_draw.uniforms.push_back(filtered_sampler->rng().NextUniform());
+      }
+    }
+    toks[2].insert(toks[2].end(), drafts.begin(), drafts.end());
+    const LogitsOut S = LogitsOut::kSample, V = LogitsOut::kValues;
+    std::vector<LogitsRequest> outs =
+        sample ? std::vector<LogitsRequest>{{S, nullptr, &hot_draw},
+                                            V,
+                                            {S, &penalties, &filtered_draw}}
+               : std::vector<LogitsRequest>{V, V, V};
+    if (bad != nullptr) {
+      outs[0] = LogitsRequest(S, nullptr, bad);
+      const int64_t pos = ptrs[0]->pos;
+      auto step = DecodeStep(**m, ptrs, toks, nullptr, outs);
+      EXPECT_EQ(step.status().code(), absl::StatusCode::kInvalidArgument) << step.status();
+      EXPECT_EQ(ptrs[0]->pos, pos) << "a refused step changed the state";
+      return r;
+    }
+    r.bytes = 0;
+    auto step = DecodeStep(**m, ptrs, toks, nullptr, outs);
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (step.ok()) r.batch = std::move(*step);
+    ptrs.clear();
+    seqs.clear();
+    return r;
+  };
+  const Run values = run(false, nullptr);
+  const Run drawn = run(true, nullptr);
+  ASSERT_EQ(values.batch.size(), 3u);
+  ASSERT_EQ(drawn.batch.size(), 3u);
+  const int64_t vocab = static_cast<int64_t>(values.batch[0].logits.size());
+  ASSERT_GT(vocab, 0);
+  ASSERT_EQ(static_cast<int64_t>(values.batch[2].logits.size()), 3 * vocab);
+  ASSERT_FALSE(penalties.at.empty());
+  auto host_draw = [&](const Sampler& s, const std::vector<float>& l, int j, double u) {
+    std::vector<float> probs;
+    s.Probabilities(std::span<const float>(l.data() + j * vocab, vocab),
+                    std::span<const int32_t>(drafts).first(j), probs);
+    return SampleFromProbs(probs, u);
+  };
+  ASSERT_EQ(drawn.batch[0].tokens.size(), 1u);
+  EXPECT_TRUE(drawn.batch[0].logits.empty());
+  EXPECT_EQ(drawn.batch[0].tokens[0],
+            host_draw(*hot_sampler, values.batch[0].logits, 0, hot_draw.uniforms[0]));
+  EXPECT_EQ(drawn.batch[1].logits, values.batch[1].logits);
+  ASSERT_EQ(drawn.batch[2].tokens.size(), 3u);
+  for (int j = 0; j < 3; ++j) {
+    EXPECT_EQ(drawn.batch[2].tokens[j], host_draw(*filtered_sampler, values.batch[2].logits, j,
+                                                  filtered_draw.uniforms[j]))
+        << "row " << j;
+  }
+  const int64_t row = vocab * static_cast<int64_t>(sizeof(float)), id = sizeof(int32_t);
+  // Values: 5 rows in one download; drawn: every row's token (5) and the values row.
+  EXPECT_EQ(values.bytes - drawn.bytes, 5 * row - (5 * id + row));
+  // Refused: no uniforms, a uniform of 1, a temperature of 0.
+  SampleRequest none{hot_sampler->DrawParams(), {}};
+  SampleRequest one{hot_sampler->DrawParams(), {1.0}};
+  SampleRequest cold{{.temperature = 0.f}, {0.5}};
+  for (SampleRequest* bad : {&none, &one, &cold}) run(true, bad);
 }
 
 // A DSpark verification step's checkpoint and rollback of the SWA rings stay on the backend: the

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <numeric>
+#include <random>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -140,6 +142,57 @@ TEST(SamplerTest, MinPMask) {
   EXPECT_EQ(probs[3], 0.f);
   EXPECT_GT(probs[1], 0.f);
   EXPECT_GT(probs[2], 0.f);
+}
+
+// A vocabulary of many sum blocks (kernels/sampling_math.h sums in blocks of 256): top-p keeps
+// the shortest prefix of the descending order whose mass reaches p (the mass computed here in
+// long double, independently), the kept probabilities are the softmax's renormalized, and the
+// inverse CDF gives each token a share of [0, 1) equal to its probability.
+TEST(SamplerTest, FiltersAndDrawAcrossManySumBlocks) {
+  const int64_t n = 5000;
+  std::mt19937 rng(7);
+  std::normal_distribution<float> d(0.f, 0.5f);
+  std::vector<float> l(n);
+  for (float& x : l) x = d(rng);
+  SamplingParams p;
+  p.temperature = 0.8f;
+  p.top_p = 0.5f;
+  Sampler s(p, n);
+  std::vector<float> probs;
+  s.Probabilities(l, {}, probs);
+  std::vector<long double> soft(n);
+  long double z = 0;
+  const float mx = *std::max_element(l.begin(), l.end());
+  for (int64_t i = 0; i < n; ++i) z += soft[i] = std::exp(static_cast<long double>(l[i] - mx) / 0.8L);
+  for (long double& x : soft) x /= z;
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return soft[a] > soft[b]; });
+  int64_t keep = 0;
+  long double mass = 0;
+  while (mass < 0.5L) mass += soft[order[keep++]];
+  ASSERT_GT(keep, 256) << "the kept prefix should span sum blocks";
+  int64_t kept = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    const float got = probs[order[j]];
+    if (j < keep) {
+      EXPECT_NEAR(got, static_cast<double>(soft[order[j]] / mass), 1e-6) << j;
+      ++kept;
+    } else {
+      EXPECT_EQ(got, 0.f) << "sorted position " << j << " of " << keep << " kept";
+    }
+  }
+  EXPECT_EQ(kept, keep);
+  // The inverse CDF: G evenly spread uniforms; token i takes p_i * G of them, +-2.
+  const int64_t G = 100000;
+  std::vector<int64_t> hits(n, 0);
+  for (int64_t c = 0; c < G; ++c) ++hits[SampleFromProbs(probs, (c + 0.5) / G)];
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_NEAR(static_cast<double>(hits[i]), static_cast<double>(probs[i]) * G, 2.0) << i;
+    if (probs[i] == 0.f) {
+      EXPECT_EQ(hits[i], 0) << i;
+    }
+  }
 }
 
 TEST(SamplerTest, RepetitionPenaltyCoversPromptAndOutput) {
