@@ -93,6 +93,29 @@ absl::Status KvPool::Read(const Block& b, int64_t offset, int64_t bytes, void* d
   return backend_->Download(buf, at + offset, bytes, dst);
 }
 
+absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) {
+  int64_t total = 0;
+  for (const BlockRead& r : reads) total += r.bytes;
+  if (total <= 0) return absl::OkStatus();
+  if (host_memory_) {
+    for (const BlockRead& r : reads) {
+      std::memcpy(dst, r.block.data, static_cast<size_t>(r.bytes));
+      dst += r.bytes;
+    }
+    return absl::OkStatus();
+  }
+  std::lock_guard<std::mutex> l(staging_mu_);
+  if (staging_.bytes() < total) {
+    ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(total, 2 * staging_.bytes())));
+  }
+  int64_t at = 0;
+  for (const BlockRead& r : reads) {
+    RETURN_IF_ERROR(backend_->Copy(staging_.as<uint8_t>() + at, r.block.data, r.bytes));
+    at += r.bytes;
+  }
+  return backend_->Download(staging_, 0, total, dst);
+}
+
 absl::Status KvPool::CopyBlock(const Block& dst, const Block& src, int64_t bytes) {
   if (host_memory_) {
     std::memcpy(dst.data, src.data, static_cast<size_t>(bytes));
@@ -348,17 +371,38 @@ bool KvPool::sealed(int32_t id) const {
   return slots_[id].sealed;
 }
 
-KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes) {
+std::vector<int32_t> KvPool::RefRegistered(std::span<const uint64_t> hashes,
+                                           std::span<const int32_t> mine) {
+  std::lock_guard<std::mutex> l(mu_);
+  std::vector<int32_t> ids(hashes.size(), -1);
+  for (size_t i = 0; i < hashes.size(); ++i) {
+    auto it = by_hash_.find(hashes[i]);
+    if (it == by_hash_.end() || it->second == mine[i]) continue;
+    if (slots_[it->second].bytes != slots_[mine[i]].bytes) continue;  // cannot be equal
+    ids[i] = it->second;
+    RefLocked(it->second);
+  }
+  return ids;
+}
+
+KvPool::Block KvPool::BlockOf(int32_t id) const {
+  std::lock_guard<std::mutex> l(mu_);
+  return Block{id, slots_[id].mem};
+}
+
+KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes, Known known) {
   std::lock_guard<std::mutex> l(mu_);
   Slot& mine = slots_[b.id];
   auto it = by_hash_.find(hash);
   if (it != by_hash_.end() && it->second != b.id) {
     Slot& other = slots_[it->second];
-    // The other block's bytes: in place on a host pool, else downloaded (under the lock: the
-    // block cannot go meanwhile; a hash hit is a shared prefix, not every seal).
+    // The other block's bytes: in place on a host pool, as the caller read them, else
+    // downloaded (under the lock: the block cannot go meanwhile).
     const uint8_t* theirs = other.mem;
     std::vector<uint8_t> copy;
-    if (!host_memory_ && other.bytes == mine.bytes) {
+    if (!host_memory_ && known.id == it->second && known.bytes != nullptr) {
+      theirs = known.bytes;
+    } else if (!host_memory_ && other.bytes == mine.bytes) {
       copy.resize(static_cast<size_t>(other.bytes));
       SlabRec& rec = slabs_.at(other.slab);
       if (!backend_
@@ -474,7 +518,8 @@ KvRows::KvRows(const KvRows& o)
       stream_(o.stream_),
       rows_(o.rows_),
       blocks_(o.blocks_),
-      hashes_(o.hashes_) {
+      hashes_(o.hashes_),
+      pending_(o.pending_) {
   for (const KvPool::Block& b : blocks_) pool_->Ref(b.id);
 }
 
@@ -499,11 +544,13 @@ KvRows& KvRows::operator=(KvRows&& o) noexcept {
   rows_ = std::exchange(o.rows_, 0);
   blocks_ = std::move(o.blocks_);
   hashes_ = std::move(o.hashes_);
+  pending_ = std::move(o.pending_);
   pages_ = std::move(o.pages_);
   table_ = std::move(o.table_);
   table_valid_ = std::exchange(o.table_valid_, 0);
   o.blocks_.clear();
   o.hashes_.clear();
+  o.pending_.clear();
   o.pages_.clear();
   return *this;
 }
@@ -514,6 +561,7 @@ void KvRows::ReleaseAll() {
   for (const KvPool::Block& b : blocks_) pool_->Unref(b.id);
   blocks_.clear();
   hashes_.clear();
+  pending_.clear();
   table_valid_ = 0;
   rows_ = 0;
 }
@@ -544,13 +592,99 @@ absl::Status KvRows::SealBlock(size_t b) {
     RETURN_IF_ERROR(pool_->Read(blocks_[b], 0, bytes, copy.data()));
     content = copy.data();
   }
+  SealBlockWith(b, content);
+  return absl::OkStatus();
+}
+
+void KvRows::SealBlockWith(size_t b, const uint8_t* content) {
+  const int64_t bytes = rows_per_block_ * row_bytes_;
   hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), content, bytes);
   const KvPool::Block sealed = pool_->Seal(blocks_[b], hashes_[b], content);
   if (sealed.id != blocks_[b].id) {
     blocks_[b] = sealed;
     Invalidate(b);
   }
-  return absl::OkStatus();
+}
+
+absl::Status SealPending(std::span<KvRows* const> streams) {
+  std::vector<KvPool::BlockRead> reads;
+  KvPool* pool = nullptr;
+  for (KvRows* s : streams) {
+    if (s == nullptr || s->pending_.empty()) continue;
+    if (pool != nullptr && s->pool_.get() != pool)
+      return absl::InvalidArgumentError("kv rows: SealPending over streams of two pools");
+    pool = s->pool_.get();
+    for (size_t b : s->pending_) reads.push_back({s->blocks_[b], s->rows_per_block_ * s->row_bytes_});
+  }
+  if (reads.empty()) return absl::OkStatus();
+  auto read_all = [&](std::vector<uint8_t>& bytes, std::vector<const uint8_t*>& at) {
+    int64_t total = 0;
+    for (const KvPool::BlockRead& r : reads) total += r.bytes;
+    bytes.resize(static_cast<size_t>(total));
+    at.clear();
+    int64_t off = 0;
+    for (const KvPool::BlockRead& r : reads) {
+      at.push_back(bytes.data() + off);
+      off += r.bytes;
+    }
+    return pool->ReadBlocks(reads, bytes.data());
+  };
+  // 1. The pending blocks' bytes (one read), and their hashes in each stream's order (a block's
+  // hash chains its predecessor's, sealed before or pending ahead of it).
+  std::vector<uint8_t> content;
+  std::vector<const uint8_t*> content_at;
+  RETURN_IF_ERROR(read_all(content, content_at));
+  std::vector<uint64_t> hashes;
+  std::vector<int32_t> ids;
+  size_t i = 0;
+  for (KvRows* s : streams) {
+    if (s == nullptr) continue;
+    for (size_t b : s->pending_) {
+      s->hashes_[b] = BlockHash(s->pool_->seed(), s->stream_, s->PrevHash(b), content_at[i],
+                                reads[i].bytes);
+      hashes.push_back(s->hashes_[b]);
+      ids.push_back(s->blocks_[b].id);
+      ++i;
+    }
+  }
+  // 2. The blocks already registered under those hashes (a shared prefix), held and read in one
+  // more read, so that the byte comparison of each hit needs no read of its own.
+  const std::vector<int32_t> found = pool->RefRegistered(hashes, ids);
+  std::vector<KvPool::BlockRead> theirs_reads;
+  std::vector<size_t> theirs_of(found.size(), SIZE_MAX);
+  for (size_t k = 0; k < found.size(); ++k) {
+    if (found[k] < 0) continue;
+    theirs_of[k] = theirs_reads.size();
+    theirs_reads.push_back({pool->BlockOf(found[k]), reads[k].bytes});
+  }
+  std::vector<uint8_t> theirs;
+  std::vector<const uint8_t*> theirs_at;
+  absl::Status st = absl::OkStatus();
+  if (!theirs_reads.empty()) {
+    std::swap(reads, theirs_reads);
+    st = read_all(theirs, theirs_at);
+    std::swap(reads, theirs_reads);
+  }
+  // 3. Each block sealed (or swapped for the identical registered one).
+  i = 0;
+  for (KvRows* s : streams) {
+    if (s == nullptr || !st.ok()) continue;
+    for (size_t b : s->pending_) {
+      KvPool::Known known;
+      if (theirs_of[i] != SIZE_MAX) known = {found[i], theirs_at[theirs_of[i]]};
+      const KvPool::Block sealed = pool->Seal(s->blocks_[b], s->hashes_[b], content_at[i], known);
+      if (sealed.id != s->blocks_[b].id) {
+        s->blocks_[b] = sealed;
+        s->Invalidate(b);
+      }
+      ++i;
+    }
+    s->pending_.clear();
+  }
+  for (int32_t id : found) {
+    if (id >= 0) pool->Unref(id);
+  }
+  return st;
 }
 
 absl::StatusOr<uint8_t* const*> KvRows::Pages() const {
@@ -601,6 +735,10 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
   rows_ += n;
   for (size_t b = first_block; b <= last_block; ++b) {
     if (static_cast<int64_t>(b + 1) * rows_per_block_ > rows_) break;
+    if (!pool_->host_memory()) {  // sealed by SealPending, with the call's other blocks
+      pending_.push_back(b);
+      continue;
+    }
     if (absl::Status s = SealBlock(b); !s.ok()) {
       Truncate(start);
       return s;
@@ -613,7 +751,9 @@ absl::Status KvRows::Append(const float* x, int64_t n) {
   if (n <= 0) return absl::OkStatus();
   if (pool_ != nullptr && !pool_->host_memory()) {  // staged into the backend's memory
     ASSIGN_OR_RETURN(kernels::Buffer buf, pool_->Staged(x, n * dim_ * 4));
-    return AppendFrom(buf.as<float>(), n);
+    RETURN_IF_ERROR(AppendFrom(buf.as<float>(), n));
+    KvRows* self[] = {this};
+    return SealPending(self);  // a host surface's call: its blocks sealed when it returns
   }
   return AppendFrom(x, n);
 }
@@ -630,8 +770,12 @@ absl::Status KvRows::AppendPacked(const uint8_t* bytes, int64_t n) {
     }
     if (s.ok()) {
       rows_ += take;
+      if (slot == 0 && take == rows_per_block_) {  // the whole block came from these host bytes
+        SealBlockWith(b, bytes + i * row_bytes_);
+      } else if (slot + take == rows_per_block_) {
+        s = SealBlock(b);
+      }
       i += take;
-      if (slot + take == rows_per_block_) s = SealBlock(b);
     }
     if (!s.ok()) {
       Truncate(start);
@@ -649,6 +793,9 @@ void KvRows::Truncate(int64_t n) {
     blocks_.pop_back();
     hashes_.pop_back();
   }
+  // A pending block no longer full (or gone) is not sealed.
+  const auto full = static_cast<size_t>(n / rows_per_block_);
+  std::erase_if(pending_, [&](size_t b) { return b >= full; });
   Invalidate(blocks_.size());
   rows_ = n;
 }

@@ -118,7 +118,21 @@ class KvPool {
   // Registers a full block under `hash`; returns the block the caller should hold from now on
   // (an identical block already present, with the caller's reference moved to it, or `b`).
   // `bytes`: the block's content in host memory (b.data itself on a host pool).
-  Block Seal(Block b, uint64_t hash, const uint8_t* bytes);
+  // `theirs` (optional): a block the caller read beforehand, which Seal compares against
+  // instead of reading it when it is the one registered under `hash` (SealPending).
+  struct Known {
+    int32_t id = -1;
+    const uint8_t* bytes = nullptr;
+  };
+  Block Seal(Block b, uint64_t hash, const uint8_t* bytes, Known theirs);
+  Block Seal(Block b, uint64_t hash, const uint8_t* bytes) { return Seal(b, hash, bytes, Known{}); }
+  // For each hashes[i]: the block registered under it, other than mine[i], with a reference
+  // taken for the caller (who reads it, then Unrefs it), or -1 (SealPending: the blocks a
+  // batch of seals will compare against, read in one ReadBlocks).
+  std::vector<int32_t> RefRegistered(std::span<const uint64_t> hashes,
+                                     std::span<const int32_t> mine);
+  // The block of id `id` (its data pointer) while the caller holds a reference.
+  Block BlockOf(int32_t id) const;
   // True when the caller holds the only reference; the block is then unsealed (its hash
   // forgotten, so nobody can start sharing it) and the caller may write it. False: shared.
   bool TryExclusive(int32_t id);
@@ -139,6 +153,14 @@ class KvPool {
   // Download). The caller holds a reference to b.
   [[nodiscard]] absl::Status Write(const Block& b, int64_t offset, const void* src, int64_t bytes);
   [[nodiscard]] absl::Status Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const;
+  // The first `bytes` of each of several blocks into dst, one after the other (sum of the bytes):
+  // on a device pool, backend Copies into one staging buffer the pool keeps and one Download,
+  // so reading n blocks waits for the device once instead of n times.
+  struct BlockRead {
+    Block block;
+    int64_t bytes = 0;
+  };
+  [[nodiscard]] absl::Status ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst);
   // dst's first `bytes` = src's (the backend's Copy on a device pool).
   [[nodiscard]] absl::Status CopyBlock(const Block& dst, const Block& src, int64_t bytes);
   // A backend buffer holding a copy of `bytes` host bytes (a host surface's input, staged).
@@ -214,6 +236,8 @@ class KvPool {
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;
   kernels::Buffer zeros_;  // Zeros()
+  std::mutex staging_mu_;      // ReadBlocks' staging buffer
+  kernels::Buffer staging_;    // grows by doubling
 };
 
 // A worker's KV pool capacity when none is configured (docs/memory.md): on a device backend 90 %
@@ -258,11 +282,15 @@ class KvRows {
 
   // Appends rows [n, dim] in host memory (values the format holds exactly: FP4
   // quantize-dequantized for the packed formats). ResourceExhausted when the pool is full
-  // (nothing is appended then).
+  // (nothing is appended then). The blocks it fills are sealed when it returns.
   [[nodiscard]] absl::Status Append(const float* x, int64_t n);
-  // The same from rows in the pool backend's memory (the model's path: one PackRows, then the
-  // blocks it filled are sealed).
+  // The same from rows in the pool backend's memory (the model's path: one PackRows). The blocks
+  // it fills are sealed at once on a host pool; on a device pool they wait for SealPending (the
+  // model calls it once a forward has written every stream of a sequence), so that sealing
+  // reads them in one Download rather than one wait for the device per block.
   [[nodiscard]] absl::Status AppendFrom(const float* x, int64_t n);
+  // Full blocks waiting to be sealed (a device pool's AppendFrom).
+  bool has_pending_seals() const { return !pending_.empty(); }
   // Appends rows given in the packed format (row_bytes() each; fp32 bytes for kF32).
   [[nodiscard]] absl::Status AppendPacked(const uint8_t* bytes, int64_t n);
   // Keeps the first n rows (n <= rows()); blocks past them are released.
@@ -297,7 +325,10 @@ class KvRows {
   absl::Status Writable(size_t b);
   uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
   absl::Status SealBlock(size_t b);
+  // Seals block b, whose content is `content` (host memory).
+  void SealBlockWith(size_t b, const uint8_t* content);
   void ReleaseAll();
+  friend absl::Status SealPending(std::span<KvRows* const> streams);
   // Block b changed (replaced or gone): the backend's page table is stale from b on.
   void Invalidate(size_t b) const { table_valid_ = std::min(table_valid_, b); }
   // The page table of the blocks, in the backend's memory (host: a host array).
@@ -312,6 +343,7 @@ class KvRows {
   int64_t rows_ = 0;
   std::vector<KvPool::Block> blocks_;
   std::vector<uint64_t> hashes_;  // per block: content hash chain (valid when sealed)
+  std::vector<size_t> pending_;   // full blocks to seal, ascending (device pool, AppendFrom)
   mutable std::vector<float> view_;
   // Pages(): the block addresses, and on a device pool their copy in device memory, whose first
   // table_valid_ entries are current.
@@ -319,6 +351,11 @@ class KvRows {
   mutable kernels::Buffer table_;
   mutable size_t table_valid_ = 0;
 };
+
+// Seals the pending full blocks of `streams` (KvRows::AppendFrom on a device pool), all of one
+// pool: their bytes come down in one KvPool::ReadBlocks, then each block is sealed in its
+// stream's order (the hash chain). Nothing pending: no backend call.
+[[nodiscard]] absl::Status SealPending(std::span<KvRows* const> streams);
 
 // A read of pool memory whose caller cannot return a status (host-facing test/tool surfaces,
 // and the state serializers that return plain values): a failure there is a failed device read,

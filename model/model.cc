@@ -1127,8 +1127,8 @@ absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
   return ws.DownloadTo(tokens, rows, res.tokens);
 }
 
-void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
-                   const Hidden& io) const {
+absl::Status Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
+                           const Hidden& io) const {
   const ModelConfig& c = config_;
   state.pos = end_pos;
   for (int32_t id : ids) state.engram_history.push_back(EngramCompressedId(engram_, id));
@@ -1141,6 +1141,12 @@ void Model::Commit(SequenceState& state, std::span<const int32_t> ids, int64_t e
     state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());
     state.main_hidden_pos = end_pos - 1;
   }
+  std::vector<KvRows*> streams;
+  for (auto& [l, src] : state.sources) {
+    streams.push_back(&src.kv);
+    streams.push_back(&src.keys);
+  }
+  return SealPending(streams);
 }
 
 absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
@@ -1167,7 +1173,7 @@ absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<con
   res.rows = all_logits ? io.rows : 1;
   ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, residual, io.rows, all_logits, trace));
   RETURN_IF_ERROR(LogitsToHost(ws, logits, res.rows, out, res));
-  Commit(state, ids, state.pos + io.rows, io);
+  RETURN_IF_ERROR(Commit(state, ids, state.pos + io.rows, io));
   res.main_hidden = std::move(io.main_hidden);
   return res;
 }
@@ -1398,7 +1404,10 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
       r.tokens.assign(every.tokens.begin() + r0, every.tokens.begin() + r0 + n);
     }
     r.rows = n;
-    Commit(state, tokens[b], pos + n, io);
+    if (absl::Status st = Commit(state, tokens[b], pos + n, io); !st.ok()) {
+      status[b] = st;
+      continue;
+    }
     r.main_hidden = std::move(io.main_hidden);
     if (c.n_mtp_layers > 0) {
       if (absl::Status st = DSparkSeedFrom(ws, state, main_hidden + r0 * nt * D, n, pos);

@@ -386,8 +386,10 @@ class Model {
   // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
   [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
                                       const LogitPenalties& p) const;
-  // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input.
-  void Commit(SequenceState& state, std::span<const int32_t> ids, int64_t end_pos,
+  // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input, and
+  // seals the global-KV blocks the call filled (SealPending: one Download on a device pool).
+  [[nodiscard]] absl::Status Commit(SequenceState& state, std::span<const int32_t> ids,
+                                    int64_t end_pos,
               const Hidden& io) const;
   // Seeds the DSpark rings with DSpark inputs [rows, n_targets*dim] at positions start_pos...
   // (host memory; uploaded).

@@ -36,7 +36,7 @@ absl::StatusOr<EncoderOutput> EncoderPass(const Model& model, SequenceState& sta
   Model::Hidden io;
   if (absl::Status s = model.RunStage(state, ids, spec, io); !s.ok()) return s;
   Model::Hidden none;
-  model.Commit(state, ids, start + S, none);
+  if (absl::Status s = model.Commit(state, ids, start + S, none); !s.ok()) return s;
   // Tail: the previous output's rows (if contiguous) followed by this chunk's rows.
   EncoderOutput out;
   std::vector<int32_t> all_ids;

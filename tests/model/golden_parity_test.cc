@@ -379,7 +379,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
       ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data()).ok());
     }
     Model::Hidden none;
-    model_->Commit(*state, prompt_, P, none);
+    ASSERT_TRUE(model_->Commit(*state, prompt_, P, none).ok());
   }
   std::map<int, std::vector<int32_t>> golden_topk;
   for (int l = 0; l < c.n_layers; ++l) {
@@ -460,7 +460,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
                 errs.c_str());
     // (state->published_keys is already the last emitter, as RunStage leaves it.)
     Model::Hidden none;
-    model_->Commit(*state, ids, call.start_pos + 1, none);
+    ASSERT_TRUE(model_->Commit(*state, ids, call.start_pos + 1, none).ok());
   }
   for (const auto& [l, n] : equal_rows) {
     std::printf("[%s] forced decode: layer %d top-k rows equal to golden: %d/%d\n", set_.c_str(), l,

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "model/kv_pool.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/stages.h"
@@ -447,6 +448,84 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   SampleRequest one{hot_sampler->DrawParams(), {1.0}};
   SampleRequest cold{{.temperature = 0.f}, {0.5}};
   for (SampleRequest* bad : {&none, &one, &cold}) run(true, bad);
+}
+
+// On a device pool the global-KV blocks a forward fills are sealed together at its end
+// (KvRows::AppendFrom leaves them pending, Model::Commit seals them with one
+// KvPool::ReadBlocks): the decode step that crosses a 64-token boundary fills a block of several
+// streams and downloads once more than a step that fills none, not once per block. The blocks
+// are sealed after it, and a second sequence with the same tokens shares every one of them: the
+// content hash and the byte comparison still run, the registered blocks it compares against read
+// in one more Download, not one per hit. Its logits are the first's.
+TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  KvPool& pool = (*m)->kv_pool();
+  ASSERT_FALSE(pool.host_memory());
+  std::vector<int32_t> prompt(60);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i * 7 % 90);
+  auto sealed = [&](const SequenceState& st) {
+    int64_t n = 0;
+    for (const auto& [l, src] : st.sources) {
+      for (const KvRows* rows : {&src.kv, &src.keys}) {
+        for (const KvPool::Block& b : rows->blocks()) n += pool.sealed(b.id);
+      }
+    }
+    return n;
+  };
+  auto downloads = [&] {
+    const auto it = calls.find("Download");
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
+  std::unique_ptr<SequenceState> seqs[2];
+  std::vector<std::vector<float>> logits[2];
+  int64_t step_downloads[2][4] = {};
+  int64_t newly_sealed = 0;
+  for (int i = 0; i < 2; ++i) {
+    seqs[i] = (*m)->NewSequence();
+    ASSERT_TRUE((*m)->Prefill(*seqs[i], prompt, false).ok());
+    for (int s = 0; s < 4; ++s) {  // positions 60..63: the last fills each stream's first block
+      const int64_t before = sealed(*seqs[i]), d0 = downloads();
+      auto step = (*m)->Decode(*seqs[i], static_cast<int32_t>(5 + s));
+      ASSERT_TRUE(step.ok()) << step.status();
+      step_downloads[i][s] = downloads() - d0;
+      logits[i].push_back(step->logits);
+      if (i == 0 && s == 3) newly_sealed = sealed(*seqs[i]) - before;
+      if (s < 3) {
+        EXPECT_EQ(sealed(*seqs[i]), before) << "step " << s;
+      }
+    }
+    for (const auto& [l, src] : seqs[i]->sources) EXPECT_FALSE(src.kv.has_pending_seals()) << l;
+  }
+  EXPECT_GT(newly_sealed, 1) << "the boundary step should fill several streams' blocks";
+  // The first sequence reads its blocks once; the second its blocks and, once, the registered
+  // blocks they equal (the byte comparison of every hit).
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(step_downloads[i][3], step_downloads[i][2] + 1 + i) << "sequence " << i;
+    EXPECT_EQ(step_downloads[i][1], step_downloads[i][2]) << "sequence " << i;
+  }
+  EXPECT_EQ(logits[1], logits[0]);
+  // The second sequence holds the first's blocks: every sealed block of it is shared.
+  int64_t shared = 0, total = 0;
+  for (const auto& [l, src] : seqs[1]->sources) {
+    const auto& mine = src.kv.blocks();
+    const auto& theirs = seqs[0]->sources.at(l).kv.blocks();
+    ASSERT_EQ(mine.size(), theirs.size()) << l;
+    for (size_t b = 0; b < mine.size(); ++b) {
+      if (!pool.sealed(mine[b].id)) continue;
+      ++total;
+      shared += mine[b].id == theirs[b].id;
+    }
+  }
+  EXPECT_GT(total, 0);
+  EXPECT_EQ(shared, total);
+  std::printf("[%s] a block-boundary decode step seals %lld blocks: %lld Downloads, %lld in a "
+              "step that seals none\n",
+              GetParam().c_str(), static_cast<long long>(newly_sealed),
+              static_cast<long long>(step_downloads[0][3]),
+              static_cast<long long>(step_downloads[0][2]));
 }
 
 // A DSpark verification step's checkpoint and rollback of the SWA rings stay on the backend: the
