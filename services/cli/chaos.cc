@@ -1,18 +1,16 @@
 #include "services/cli/chaos.h"
 
-#include <arpa/inet.h>
 #include <dirent.h>
 #include <grpcpp/grpcpp.h>
 #include <httplib.h>
-#include <netinet/in.h>
 #include <signal.h>
 #include <stdlib.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -110,6 +108,19 @@ std::optional<double> Series(const std::string& body, const std::string& series)
 std::optional<double> Metric(const std::string& host, int port, const std::string& series) {
   auto page = MetricsPage(host, port);
   return page ? Series(*page, series) : std::nullopt;
+}
+
+// The last `n` lines of the file at `path` (all of it when shorter; empty when unreadable).
+std::string LastLines(const std::string& path, size_t n) {
+  std::ifstream in(path);
+  std::deque<std::string> lines;
+  for (std::string line; std::getline(in, line);) {
+    lines.push_back(std::move(line));
+    if (lines.size() > n) lines.pop_front();
+  }
+  std::string out;
+  for (const auto& line : lines) out += line + "\n";
+  return out;
 }
 
 std::optional<int> Published(const std::string& run_dir, const std::string& name,
@@ -320,22 +331,6 @@ int RunChaos(const ChaosOptions& o) {
     remove_data = true;
   }
   const std::string run_dir = data_dir + "/run";
-  // Free ports for the router (epd serve needs fixed ones so a restarted router keeps them).
-  auto free_port = [] {
-    const int fd = socket(AF_INET, SOCK_STREAM, 0);
-    sockaddr_in addr{};
-    addr.sin_family = AF_INET;
-    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    socklen_t len = sizeof(addr);
-    int port = 0;
-    if (fd >= 0 && bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-        getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-      port = ntohs(addr.sin_port);
-    }
-    if (fd >= 0) close(fd);
-    return port;
-  };
-  const int http_port = free_port(), grpc_port = free_port();
   std::cout << "epd chaos: seed " << o.seed << ", " << o.seconds << " s of faults, data in "
             << data_dir << "\n"
             << std::flush;
@@ -359,15 +354,19 @@ int RunChaos(const ChaosOptions& o) {
   auto host_of = [&](const std::string& c) {
     return cut && c == kNetnsWorker ? net.ns_addr() : host;
   };
-  const std::string target = host + ":" + std::to_string(grpc_port);
+  // The router's ports: its first start binds free ones (port 0) and publishes them, and epd serve
+  // restarts it on the same ones. Picking "free" ports here and passing them raced every other
+  // process binding port 0 between the pick and the router's bind (the likely cause of a CI run
+  // whose cluster did not come up within a second).
+  std::string target;
   std::vector<std::string> serve_argv = {bin + "/epd",
                                          "serve",
                                          "--data-dir",
                                          data_dir,
                                          "--http-port",
-                                         std::to_string(http_port),
+                                         "0",
                                          "--grpc-port",
-                                         std::to_string(grpc_port),
+                                         "0",
                                          "--encoders",
                                          "2",
                                          "--prefills",
@@ -420,12 +419,15 @@ int RunChaos(const ChaosOptions& o) {
     return false;
   };
   auto fail_start = [&](const char* what) {
-    std::cerr << "epd chaos: " << what << "; see " << data_dir << ".serve.log and " << data_dir
-              << "/logs\n";
     serve.Stop(std::chrono::seconds(30));
+    std::cerr << "epd chaos: " << what << "; see " << data_dir << ".serve.log and " << data_dir
+              << "/logs\n"
+              << "epd chaos: the end of " << data_dir << ".serve.log:\n"
+              << LastLines(data_dir + ".serve.log", 40) << std::flush;
     return 2;
   };
   if (!wait_healthy(std::chrono::seconds(300))) return fail_start("the cluster did not come up");
+  target = host + ":" + std::to_string(*Published(run_dir, "epd-router", "grpc"));
 
   // 1. No-fault outputs of every conversation turn.
   std::mt19937_64 prompt_rng(o.seed);

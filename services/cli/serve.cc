@@ -194,8 +194,10 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
                  "Model directory (default: the trained demo model models/epd-nano; without it "
                  "the random nano model is generated)");
   app.add_option("--data-dir", o->data_dir, "Data folder: store, logs, generated model (./data)");
-  app.add_option("--http-port", o->http_port, "OpenAI HTTP port (default 8000)");
-  app.add_option("--grpc-port", o->grpc_port, "gRPC port (default 50051)");
+  app.add_option("--http-port", o->http_port,
+                 "OpenAI HTTP port (default 8000; 0: a free one, printed when ready)");
+  app.add_option("--grpc-port", o->grpc_port,
+                 "gRPC port (default 50051; 0: a free one, printed when ready)");
   app.add_option("--encoders", o->encoders, "Encoder workers (default 1)")->check(CLI::Range(1, 64));
   app.add_option("--prefills", o->prefills, "Prefill workers (default 1)")->check(CLI::Range(1, 64));
   app.add_option("--decodes", o->decodes, "Decode workers (default 1)")->check(CLI::Range(1, 64));
@@ -379,6 +381,9 @@ int RunServe(ServeOptions o) {
     std::string flag = "--" + key + "-port";
     std::replace(flag.begin(), flag.end(), '_', '-');
     SetFlag(router->argv, flag, std::to_string(port));
+    // Port 0 asked for free ones: say the ones the router took.
+    if (key == "http") o.http_port = port;
+    if (key == "grpc") o.grpc_port = port;
   }
   const std::string router_addr =
       o.host + ":" +

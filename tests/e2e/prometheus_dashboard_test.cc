@@ -21,12 +21,13 @@
 
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "tests/e2e/serve_cluster.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-using epd::testing::BinaryPath;
+using epd::testing::ServeCluster;
 using epd::testing::SourcePath;
 using epd::testing::Subprocess;
 using epd::testing::TempDir;
@@ -130,19 +131,11 @@ TEST(PrometheusDashboardTest, EveryPanelHasDataUnderOrdinaryTraffic) {
 
   // 1. epd serve, as the README starts it.
   TempDir dir;
-  const std::string data = dir.File("data");
-  const int http_port = epd::testing::PickFreePort();
-  const int grpc_port = epd::testing::PickFreePort();
-  Subprocess serve =
-      Subprocess::Start({BinaryPath("epd"), "serve", "--data-dir", data, "--http-port",
-                         std::to_string(http_port), "--grpc-port", std::to_string(grpc_port)},
-                        dir.File("serve.log"));
-  bool ready = false;
-  for (int i = 0; i < 1800 && !ready && serve.running(); ++i) {
-    ready = serve.ReadLog().find("epd serve: ready") != std::string::npos;
-    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(ready) << serve.ReadLog();
+  ServeCluster cluster;
+  const std::string data = cluster.data_dir();
+  Subprocess& serve = cluster.serve();
+  ASSERT_TRUE(cluster.WaitReady()) << serve.ReadLog();
+  const int http_port = cluster.http_port();
 
   // 2. Prometheus with the shipped config: shorter intervals, the target list of this data dir.
   std::string config = ReadFile(SourcePath("deploy/prometheus/prometheus.yml"));

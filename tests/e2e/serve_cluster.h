@@ -1,6 +1,8 @@
 #pragma once
 
-// `epd serve` as a test fixture: starts it on free ports with a temporary data folder, reads the
+// `epd serve` as a test fixture: starts it on free ports (port 0: its router binds them and
+// publishes them, so nothing can take them between a pick and the bind) with a temporary data
+// folder, reads the
 // pid and ports each child published (data/run/<name>.json), waits for a child to come back
 // under a new pid, and lists the processes of the cluster that are still alive (every child's
 // command line names the data folder). Header-only; link epd::testing.
@@ -27,29 +29,33 @@ namespace epd::testing {
 
 class ServeCluster {
  public:
-  // `args` are added to `epd serve --data-dir ... --http-port ... --grpc-port ...`.
-  explicit ServeCluster(std::vector<std::string> args = {})
-      : http_port_(PickFreePort()), grpc_port_(PickFreePort()) {
-    std::vector<std::string> argv = {BinaryPath("epd"),      "serve",
-                                     "--data-dir",           data_dir(),
-                                     "--http-port",          std::to_string(http_port_),
-                                     "--grpc-port",          std::to_string(grpc_port_),
-                                     "--restart-backoff-ms", "100"};
+  // `args` are added to `epd serve --data-dir ... --http-port 0 --grpc-port 0 ...`.
+  explicit ServeCluster(std::vector<std::string> args = {}) {
+    std::vector<std::string> argv = {BinaryPath("epd"), "serve",       "--data-dir",
+                                     data_dir(),        "--http-port", "0",
+                                     "--grpc-port",     "0",           "--restart-backoff-ms",
+                                     "100"};
     argv.insert(argv.end(), args.begin(), args.end());
     serve_ = Subprocess::Start(argv, dir_.File("serve.log"));
   }
 
-  // Waits for "epd serve: ready" (the first start generates the nano model).
+  // Waits for "epd serve: ready" (the first start generates the nano model), then reads the
+  // router's ports (a restarted router comes back on them).
   bool WaitReady(std::chrono::seconds timeout = std::chrono::seconds(300)) {
     const auto end = std::chrono::steady_clock::now() + timeout;
     while (std::chrono::steady_clock::now() < end && serve_.running()) {
-      if (serve_.ReadLog().find("epd serve: ready") != std::string::npos) return true;
+      if (serve_.ReadLog().find("epd serve: ready") != std::string::npos) {
+        http_port_ = Published("epd-router", "http").value_or(0);
+        grpc_port_ = Published("epd-router", "grpc").value_or(0);
+        return http_port_ > 0 && grpc_port_ > 0;
+      }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     return false;
   }
 
   std::string data_dir() const { return dir_.File("data"); }
+  // The router's ports; 0 until WaitReady returned true.
   int http_port() const { return http_port_; }
   int grpc_port() const { return grpc_port_; }
   Subprocess& serve() { return serve_; }
@@ -124,7 +130,7 @@ class ServeCluster {
 
  private:
   TempDir dir_;
-  int http_port_, grpc_port_;
+  int http_port_ = 0, grpc_port_ = 0;
   Subprocess serve_;
 };
 

@@ -19,14 +19,15 @@
 
 #include "httplib.h"
 #include "nlohmann/json.hpp"
+#include "tests/e2e/serve_cluster.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
 using epd::testing::BinaryPath;
+using epd::testing::ServeCluster;
 using epd::testing::Subprocess;
-using epd::testing::TempDir;
 
 // The README's curl prompt (README.md, docs/demo.md, tests/model/trained_nano_test.cc).
 constexpr char kReadmePrompt[] = "Tell me about files.";
@@ -54,23 +55,18 @@ std::pair<int, int> DictionaryWords(const std::string& text) {
 }
 
 TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
-  TempDir dir;
-  const int http_port = epd::testing::PickFreePort();
-  const int grpc_port = epd::testing::PickFreePort();
-  Subprocess serve = Subprocess::Start({BinaryPath("epd"), "serve", "--data-dir", dir.File("data"),
-                                        "--http-port", std::to_string(http_port), "--grpc-port",
-                                        std::to_string(grpc_port), "--api-key", "node-key"},
-                                       dir.File("serve.log"));
-  bool ready = false;
-  for (int i = 0; i < 1800 && !ready && serve.running(); ++i) {
-    ready = serve.ReadLog().find("epd serve: ready") != std::string::npos;
-    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(ready) << serve.ReadLog();
+  ServeCluster cluster({"--api-key", "node-key"});
+  Subprocess& serve = cluster.serve();
+  ASSERT_TRUE(cluster.WaitReady()) << serve.ReadLog();
+  const int http_port = cluster.http_port();
+  // The ready message names the ports the router took.
+  EXPECT_NE(serve.ReadLog().find("http://127.0.0.1:" + std::to_string(http_port) + "/v1"),
+            std::string::npos)
+      << serve.ReadLog();
   // Default model: the committed trained checkpoint, not a generated random one.
   EXPECT_NE(serve.ReadLog().find("epd serve: model "), std::string::npos) << serve.ReadLog();
   EXPECT_NE(serve.ReadLog().find("models/epd-nano"), std::string::npos) << serve.ReadLog();
-  EXPECT_FALSE(std::filesystem::exists(dir.File("data") + "/models/nano/config.json"));
+  EXPECT_FALSE(std::filesystem::exists(cluster.data_dir() + "/models/nano/config.json"));
 
   httplib::Client cli("127.0.0.1", http_port);
   cli.set_read_timeout(120, 0);
@@ -144,23 +140,13 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
 // encoder stored blocks, so the persisted bytes per prompt token are measured, and they are
 // below the V4-style policy's on the same blocks.
 TEST(ServeTest, BenchDefaultsFitServeDefaults) {
-  TempDir dir;
-  const int http_port = epd::testing::PickFreePort();
-  const int grpc_port = epd::testing::PickFreePort();
-  Subprocess serve =
-      Subprocess::Start({BinaryPath("epd"), "serve", "--data-dir", dir.File("data"), "--http-port",
-                         std::to_string(http_port), "--grpc-port", std::to_string(grpc_port)},
-                        dir.File("serve.log"));
-  bool ready = false;
-  for (int i = 0; i < 1800 && !ready && serve.running(); ++i) {
-    ready = serve.ReadLog().find("epd serve: ready") != std::string::npos;
-    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(ready) << serve.ReadLog();
-  auto kv_metrics = epd::testing::WaitForPortFile(dir.File("data/run/epd-kvstore.json"), "metrics",
-                                                  std::chrono::seconds(10));
+  ServeCluster cluster;
+  Subprocess& serve = cluster.serve();
+  ASSERT_TRUE(cluster.WaitReady()) << serve.ReadLog();
+  const int http_port = cluster.http_port();
+  auto kv_metrics = cluster.Published("epd-kvstore", "metrics");
   ASSERT_TRUE(kv_metrics.has_value()) << serve.ReadLog();
-  const std::string json_path = dir.File("bench.json");
+  const std::string json_path = cluster.data_dir() + "/bench.json";
   std::string out;
   const int rc = epd::testing::RunCommand(
       BinaryPath("epd") + " bench --url http://127.0.0.1:" + std::to_string(http_port) +

@@ -15,13 +15,14 @@
 #include <nlohmann/json.hpp>
 
 #include "epd/v1/inference.grpc.pb.h"
+#include "tests/e2e/serve_cluster.h"
 #include "tests/e2e/tls_certs.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd {
 namespace {
 
-using epd::testing::BinaryPath;
+using epd::testing::ServeCluster;
 using epd::testing::Subprocess;
 using epd::testing::TempDir;
 
@@ -29,19 +30,11 @@ TEST(ServeTlsTest, EpdServeWithTlsServesVerifyingHttpsAndGrpcClients) {
   TempDir dir;
   ASSERT_TRUE(epd::testing::MakeCa(dir, "ca"));
   ASSERT_TRUE(epd::testing::MakeServerCert(dir, "ca"));
-  const int http_port = epd::testing::PickFreePort();
-  const int grpc_port = epd::testing::PickFreePort();
-  Subprocess serve = Subprocess::Start(
-      {BinaryPath("epd"), "serve", "--data-dir", dir.File("data"), "--http-port",
-       std::to_string(http_port), "--grpc-port", std::to_string(grpc_port), "--tls-cert",
-       dir.File("server.pem"), "--tls-key", dir.File("server.key")},
-      dir.File("serve.log"));
-  bool ready = false;
-  for (int i = 0; i < 1800 && !ready && serve.running(); ++i) {
-    ready = serve.ReadLog().find("epd serve: ready") != std::string::npos;
-    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  ASSERT_TRUE(ready) << serve.ReadLog();
+  ServeCluster cluster({"--tls-cert", dir.File("server.pem"), "--tls-key", dir.File("server.key")});
+  Subprocess& serve = cluster.serve();
+  ASSERT_TRUE(cluster.WaitReady()) << serve.ReadLog();
+  const int http_port = cluster.http_port();
+  const int grpc_port = cluster.grpc_port();
   EXPECT_NE(serve.ReadLog().find("https://127.0.0.1:" + std::to_string(http_port)),
             std::string::npos);
 
