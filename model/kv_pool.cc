@@ -617,23 +617,25 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
     for (size_t b : s->pending_) reads.push_back({s->blocks_[b], s->rows_per_block_ * s->row_bytes_});
   }
   if (reads.empty()) return absl::OkStatus();
-  auto read_all = [&](std::vector<uint8_t>& bytes, std::vector<const uint8_t*>& at) {
+  // Reads `list` into `bytes` (one ReadBlocks) and points `at` at each block's bytes.
+  auto read_all = [pool](const std::vector<KvPool::BlockRead>& list, std::vector<uint8_t>& bytes,
+                         std::vector<const uint8_t*>& at) {
     int64_t total = 0;
-    for (const KvPool::BlockRead& r : reads) total += r.bytes;
+    for (const KvPool::BlockRead& r : list) total += r.bytes;
     bytes.resize(static_cast<size_t>(total));
     at.clear();
     int64_t off = 0;
-    for (const KvPool::BlockRead& r : reads) {
+    for (const KvPool::BlockRead& r : list) {
       at.push_back(bytes.data() + off);
       off += r.bytes;
     }
-    return pool->ReadBlocks(reads, bytes.data());
+    return pool->ReadBlocks(list, bytes.data());
   };
   // 1. The pending blocks' bytes (one read), and their hashes in each stream's order (a block's
   // hash chains its predecessor's, sealed before or pending ahead of it).
   std::vector<uint8_t> content;
   std::vector<const uint8_t*> content_at;
-  RETURN_IF_ERROR(read_all(content, content_at));
+  RETURN_IF_ERROR(read_all(reads, content, content_at));
   std::vector<uint64_t> hashes;
   std::vector<int32_t> ids;
   size_t i = 0;
@@ -660,11 +662,7 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
   std::vector<uint8_t> theirs;
   std::vector<const uint8_t*> theirs_at;
   absl::Status st = absl::OkStatus();
-  if (!theirs_reads.empty()) {
-    std::swap(reads, theirs_reads);
-    st = read_all(theirs, theirs_at);
-    std::swap(reads, theirs_reads);
-  }
+  if (!theirs_reads.empty()) st = read_all(theirs_reads, theirs, theirs_at);
   // 3. Each block sealed (or swapped for the identical registered one).
   i = 0;
   for (KvRows* s : streams) {
