@@ -47,7 +47,8 @@ void DecodeStage::Fail(DecodeSequence& seq, absl::Status why) const {
   seq.error = std::move(why);
 }
 
-bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> logits) const {
+bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> logits,
+                       const model::Logprobs* logprobs) const {
   if (seq.done) return false;
   if (seq.sampler->IsStopToken(tok)) {
     seq.done = true;
@@ -57,7 +58,7 @@ bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> 
   if (seq.grammar) seq.grammar->Advance(options_.masker->bytes(tok));
   seq.output.push_back(tok);
   if (const int n = seq.sampler->params().top_logprobs; n > 0)
-    seq.logprobs.push_back(model::ComputeLogprobs(logits, tok, n));
+    seq.logprobs.push_back(logprobs != nullptr ? *logprobs : model::ComputeLogprobs(logits, tok, n));
   seq.pending = tok;
   if (static_cast<int32_t>(seq.output.size()) >= seq.sampler->params().max_tokens) {
     seq.done = true;
@@ -93,7 +94,7 @@ void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int
 
 bool DecodeStage::TokensOnly(const DecodeSequence& seq, size_t drafts) const {
   const model::SamplingParams& p = seq.sampler->params();
-  if (seq.grammar || p.top_logprobs > 0) return false;
+  if (seq.grammar) return false;
   return p.greedy() ? options_.greedy_on_backend : options_.sample_on_backend && drafts == 0;
 }
 
@@ -104,20 +105,27 @@ model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
   if (!TokensOnly(seq, drafts.size())) return model::LogitsOut::kValues;
   const model::SamplingParams& p = seq.sampler->params();
   const model::LogitsOut out = p.greedy() ? model::LogitsOut::kArgmax : model::LogitsOut::kSample;
+  const int top_logprobs = p.top_logprobs > 0 ? p.top_logprobs : -1;  // on the backend too
   if (out == model::LogitsOut::kSample) {
     // The uniforms the host's Sample would draw, in its order (one per row).
     sample.params = seq.sampler->DrawParams();
     sample.uniforms.clear();
     for (int64_t r = 0; r < rows; ++r) sample.uniforms.push_back(seq.sampler->rng().NextUniform());
   }
-  if (!p.has_penalties()) return model::LogitsRequest(out, nullptr, &sample);
+  if (!p.has_penalties()) {
+    model::LogitsRequest req(out, nullptr, &sample);
+    req.top_logprobs = top_logprobs;
+    return req;
+  }
   penalties.repetition = p.repetition_penalty;
   penalties.frequency = p.frequency_penalty;
   penalties.presence = p.presence_penalty;
   penalties.at.clear();
   penalties.counts.clear();
   seq.sampler->PenaltyEntries(drafts, rows, penalties.at, penalties.counts);
-  return model::LogitsRequest(out, &penalties, &sample);
+  model::LogitsRequest req(out, &penalties, &sample);
+  req.top_logprobs = top_logprobs;
+  return req;
 }
 
 void DecodeStage::Offer(DecodeSequence& seq, std::span<const float> logits) const {
@@ -233,12 +241,13 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
     if (outs[i].out != model::LogitsOut::kValues) {
       // The token of the penalized logits the Sampler would pick (greedy) or draw (T > 0).
       const std::vector<int32_t>& best = (*res)[i].tokens;
-      if (best.empty()) {
-        Fail(*live[i], absl::InternalError("decode step returned no token"));
+      const std::vector<model::Logprobs>& lps = (*res)[i].logprobs;
+      if (best.empty() || (outs[i].top_logprobs >= 0 && lps.size() != best.size())) {
+        Fail(*live[i], absl::InternalError("decode step returned no token or no logprobs"));
         continue;
       }
       if (!live[i]->sampler->IsStopToken(best.back())) live[i]->sampler->Accept(best.back());
-      Emit(*live[i], best.back(), {});
+      Emit(*live[i], best.back(), {}, lps.empty() ? nullptr : &lps.back());
     } else {
       const std::vector<float>& l = (*res)[i].logits;
       Offer(*live[i], std::span<const float>(l.data() + l.size() - vocab, vocab));
@@ -349,7 +358,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     const bool tokens_only = outs[i].out != model::LogitsOut::kValues;
     const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].tokens.size())
                                     : static_cast<int64_t>(logits.size()) / V;
-    if (got != p.k + 1 || (!tokens_only && static_cast<int64_t>(logits.size()) != got * V)) {
+    const std::vector<model::Logprobs>& lps = (*res)[i].logprobs;
+    if (got != p.k + 1 || (!tokens_only && static_cast<int64_t>(logits.size()) != got * V) ||
+        (outs[i].top_logprobs >= 0 && static_cast<int64_t>(lps.size()) != got)) {
       Fail(s, absl::InternalError(absl::StrCat("decode step returned ", got, " logit rows for ",
                                                p.k + 1, " positions")));
       continue;
@@ -403,7 +414,15 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       if (!s.sampler->IsStopToken(t)) s.sampler->Accept(t);
       const std::span<const float> row =
           tokens_only ? std::span<const float>() : std::span<const float>(logits.data() + j * V, V);
-      if (!Emit(s, t, row)) break;
+      // Row j's backend logprobs are of its own token, the one emitted here (a greedy row's
+      // argmax, which an accepted draft equals; a draw's token with k = 0).
+      const model::Logprobs* lp = lps.empty() ? nullptr : &lps[static_cast<size_t>(j)];
+      if (lp != nullptr && lp->chosen.token != t) {
+        Fail(s, absl::InternalError(absl::StrCat("decode step: row ", j, "'s logprobs are of token ",
+                                                 lp->chosen.token, ", not of ", t)));
+        break;
+      }
+      if (!Emit(s, t, row, lp)) break;
     }
     st.emitted += static_cast<int64_t>(s.output.size() - before);
   }

@@ -164,9 +164,11 @@ class DecodeStage {
   model::LogitsRequest LogitsFor(const DecodeSequence& seq, std::span<const int32_t> drafts,
                                  int64_t rows, model::LogitPenalties& penalties,
                                  model::SampleRequest& sample) const;
-  // Appends an already chosen token (its row's raw logits for logprobs); returns false once the
-  // sequence is done (stop id: not appended; max_tokens reached: appended, then done).
-  bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits) const;
+  // Appends an already chosen token (for logprobs: its row's raw logits, or `logprobs` computed
+  // on the backend for this token); returns false once the sequence is done (stop id: not
+  // appended; max_tokens reached: appended, then done).
+  bool Emit(DecodeSequence& seq, int32_t token, std::span<const float> logits,
+            const model::Logprobs* logprobs = nullptr) const;
   // Ends `seq` with `why` (done, finish_reason "error"); the rest of the batch goes on.
   void Fail(DecodeSequence& seq, absl::Status why) const;
   absl::Status StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& stats);

@@ -477,6 +477,14 @@ class Backend {
   // backend memory. Exact (the same token as the host for the same logits and u).
   virtual absl::Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
                                     const double* u, int32_t* out) = 0;
+  // Logprobs of raw logits rows (model::ComputeLogprobs; kernels/sampling_math.h): for each row r
+  // of x [rows, n], chosen_lp[r] = the logprob of token chosen[r] (in [0, n)), and the row's `top`
+  // (in [0, n]) largest entries, descending with ties to the lower index, as top_ids and top_lp
+  // [rows, top] (unused when top is 0). All in backend memory. Ids exact; a logprob may differ
+  // from the host's in its last bit (the device's double log).
+  virtual absl::Status TopLogprobs(const float* x, int64_t rows, int64_t n, const int32_t* chosen,
+                                   int64_t top, float* chosen_lp, int32_t* top_ids,
+                                   float* top_lp) = 0;
 };
 
 // Every op of the Backend interface (each virtual method returning a Status), by name. The parity
@@ -528,6 +536,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Argmax",
     "PenalizeLogits",
     "SampleLogits",
+    "TopLogprobs",
     "HcMixesSingleToken",
     "EngramGateSingleToken",
 };

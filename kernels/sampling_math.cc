@@ -1,6 +1,7 @@
 #include "kernels/sampling_math.h"
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 namespace epd::kernels::sampling {
@@ -67,6 +68,23 @@ int32_t DrawIndex(const float* probs, int64_t n, double u) {
     if (probs[i] > 0.f) return static_cast<int32_t>(i);
   }
   return 0;
+}
+
+double LogSumExp(const float* l, int64_t n) {
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < n; ++i) {
+    if (l[i] > mx) mx = l[i];
+  }
+  const double sum = BlockedSum(n, [&](int64_t i) { return static_cast<double>(Weight(l[i], mx, 1.f)); });
+  return static_cast<double>(mx) + std::log(sum);
+}
+
+void TopIndices(const float* l, int64_t n, int64_t top, int32_t* ids, std::vector<int32_t>& order) {
+  order.resize(static_cast<size_t>(n));
+  std::iota(order.begin(), order.end(), 0);
+  std::partial_sort(order.begin(), order.begin() + top, order.end(),
+                    [&](int32_t a, int32_t b) { return TopBefore(l[a], a, l[b], b); });
+  std::copy_n(order.begin(), top, ids);
 }
 
 }  // namespace epd::kernels::sampling

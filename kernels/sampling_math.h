@@ -27,6 +27,11 @@
 // i with p_i > 0 and target < prefix_i; none (rounding at the top end): the last i with p_i > 0,
 // else 0.
 //
+// Logprobs (model::ComputeLogprobs, Backend::TopLogprobs) are the log-softmax of the raw logits
+// l [n] (T = 1, no penalties or filters): lse = mx + log(BlockedSum(Weight(l_i, mx, 1))) in double
+// (mx = max l), token t's logprob fp32(l_t - lse) (Logprob); the top entries are the largest l,
+// descending, ties to the lower index (TopBefore).
+//
 // NaN logits have no defined draw (neither here nor in the reference).
 
 #include <cstdint>
@@ -55,6 +60,14 @@ inline int64_t SumBlocks(int64_t n) { return (n + kSumBlock - 1) / kSumBlock; }
 
 // Step 1's unnormalized weight of a logit.
 EPD_HD float Weight(float l, float mx, float inv_t) { return torch_math::TorchExp((l - mx) * inv_t); }
+
+// A logprob from a raw logit and its row's log-sum-exp.
+EPD_HD float Logprob(float l, double lse) { return static_cast<float>(static_cast<double>(l) - lse); }
+
+// Whether entry (va, a) comes before (vb, b) in the top-logprobs order.
+EPD_HD bool TopBefore(float va, int64_t a, float vb, int64_t b) {
+  return va > vb || (va == vb && a < b);
+}
 
 // Why `p` cannot be a draw's filters (empty when it can).
 inline const char* ParamsProblem(const SampleParams& p) {
@@ -105,6 +118,12 @@ void FilteredProbs(const float* l, int64_t n, const SampleParams& p, float* prob
 
 // The index a draw with u in [0, 1) takes from probs [n] (non-negative, any positive sum).
 int32_t DrawIndex(const float* probs, int64_t n, double u);
+
+// The log-sum-exp of raw logits l [n] (the logprobs' arithmetic above).
+double LogSumExp(const float* l, int64_t n);
+
+// The `top` entries of l [n] in the TopBefore order, into ids [top] (top <= n). `order` is scratch.
+void TopIndices(const float* l, int64_t n, int64_t top, int32_t* ids, std::vector<int32_t>& order);
 
 }  // namespace sampling
 }  // namespace epd::kernels

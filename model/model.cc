@@ -1,6 +1,7 @@
 #include "model/model.h"
 
 #include <algorithm>
+#include <cstring>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -1112,17 +1113,64 @@ absl::Status Model::DrawTokens(Scratch& ws, const float* logits, int64_t rows,
   return backend_.SampleLogits(logits, rows, config_.vocab_size, sample.params, u, tokens);
 }
 
+absl::StatusOr<const float*> Model::RawRows(Scratch& ws, const float* logits, int64_t rows,
+                                            const LogitsRequest& out) const {
+  if (out.top_logprobs < 0 || out.penalties == nullptr || out.penalties->at.empty()) return logits;
+  const int64_t n = rows * config_.vocab_size;
+  ASSIGN_OR_RETURN(float* raw, ws.Alloc<float>(n));
+  RETURN_IF_ERROR(backend_.Copy(raw, logits, n * static_cast<int64_t>(sizeof(float))));
+  return static_cast<const float*>(raw);
+}
+
+absl::Status Model::LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,
+                                   const int32_t* tokens, int top, std::vector<Logprobs>& out) const {
+  const int64_t V = config_.vocab_size, t = top;
+  // One buffer of 4-byte words: [rows] tokens, [rows] chosen logprobs, [rows, top] top ids, then
+  // [rows, top] their logprobs.
+  ASSIGN_OR_RETURN(int32_t * words, ws.Alloc<int32_t>(rows * (2 + 2 * t)));
+  RETURN_IF_ERROR(backend_.Copy(words, tokens, rows * static_cast<int64_t>(sizeof(int32_t))));
+  float* chosen_lp = reinterpret_cast<float*>(words + rows);
+  int32_t* top_ids = words + 2 * rows;
+  float* top_lp = reinterpret_cast<float*>(words + 2 * rows + rows * t);
+  RETURN_IF_ERROR(backend_.TopLogprobs(raw, rows, V, tokens, t, chosen_lp, top_ids, top_lp));
+  std::vector<int32_t> host;
+  RETURN_IF_ERROR(ws.DownloadTo(words, rows * (2 + 2 * t), host));
+  auto as_float = [&](int64_t i) {
+    float f;
+    std::memcpy(&f, &host[static_cast<size_t>(i)], sizeof f);
+    return f;
+  };
+  out.assign(static_cast<size_t>(rows), Logprobs{});
+  for (int64_t r = 0; r < rows; ++r) {
+    Logprobs& lp = out[static_cast<size_t>(r)];
+    lp.chosen = {host[static_cast<size_t>(r)], as_float(rows + r)};
+    for (int64_t j = 0; j < t; ++j) {
+      lp.top.push_back(
+          {host[static_cast<size_t>(2 * rows + r * t + j)], as_float(2 * rows + rows * t + r * t + j)});
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
                                  const LogitsRequest& out, ForwardResult& res) const {
   const int64_t V = config_.vocab_size;
   if (out.out == LogitsOut::kValues) return ws.DownloadTo(logits, rows * V, res.logits);
   RETURN_IF_ERROR(LogitsRequestProblem(out, rows));
+  ASSIGN_OR_RETURN(const float* raw, RawRows(ws, logits, rows, out));
   if (out.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, logits, rows, *out.penalties));
   ASSIGN_OR_RETURN(int32_t * tokens, ws.Alloc<int32_t>(rows));
   if (out.out == LogitsOut::kSample) {
     RETURN_IF_ERROR(DrawTokens(ws, logits, rows, *out.sample, tokens));
   } else {
     RETURN_IF_ERROR(backend_.Argmax(logits, rows, V, tokens));
+  }
+  if (out.top_logprobs >= 0) {
+    // The tokens come down with the logprobs.
+    RETURN_IF_ERROR(LogprobsToHost(ws, raw, rows, tokens, out.top_logprobs, res.logprobs));
+    res.tokens.clear();
+    for (const Logprobs& lp : res.logprobs) res.tokens.push_back(lp.chosen.token);
+    return absl::OkStatus();
   }
   return ws.DownloadTo(tokens, rows, res.tokens);
 }
@@ -1365,14 +1413,17 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   // rows' argmax, so every token comes down in one download.
   const int64_t V = c.vocab_size;
   ForwardResult every;
+  std::vector<std::vector<Logprobs>> logprobs(B);  // per sequence asking for them
   if (all_values) {
     RETURN_IF_ERROR(LogitsToHost(ws, head, R, LogitsOut::kValues, every));
   } else {
+    std::vector<const float*> raw(B, nullptr);  // rows whose logprobs are asked for, unpenalized
     for (size_t b = 0; b < B; ++b) {
-      if (status[b].ok() && out_of(b) != LogitsOut::kValues && outs[b].penalties != nullptr) {
-        RETURN_IF_ERROR(Penalize(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
-                                 *outs[b].penalties));
-      }
+      if (!status[b].ok() || out_of(b) == LogitsOut::kValues) continue;
+      const auto n = static_cast<int64_t>(tokens[b].size());
+      ASSIGN_OR_RETURN(raw[b], RawRows(ws, head + row0[b] * V, n, outs[b]));
+      if (outs[b].penalties != nullptr)
+        RETURN_IF_ERROR(Penalize(ws, head + row0[b] * V, n, *outs[b].penalties));
     }
     ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(R));
     RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
@@ -1381,6 +1432,11 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
         RETURN_IF_ERROR(DrawTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
                                    *outs[b].sample, best + row0[b]));
       }
+    }
+    for (size_t b = 0; b < B; ++b) {
+      if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
+      RETURN_IF_ERROR(LogprobsToHost(ws, raw[b], static_cast<int64_t>(tokens[b].size()),
+                                     best + row0[b], outs[b].top_logprobs, logprobs[b]));
     }
     RETURN_IF_ERROR(ws.DownloadTo(best, R, every.tokens));
   }
@@ -1402,6 +1458,7 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
       if (absl::Status st = ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
     } else {
       r.tokens.assign(every.tokens.begin() + r0, every.tokens.begin() + r0 + n);
+      r.logprobs = std::move(logprobs[b]);
     }
     r.rows = n;
     if (absl::Status st = Commit(state, tokens[b], pos + n, io); !st.ok()) {
@@ -1464,6 +1521,7 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     const bool kept = all_logits || i + 1 == ids.size();  // a row of the result
     // A row not returned draws nothing (its argmax, unused, keeps its logits on the backend).
     LogitsRequest row_lo(lo.out == LogitsOut::kSample && !kept ? LogitsOut::kArgmax : lo.out);
+    if (kept) row_lo.top_logprobs = lo.top_logprobs;
     if (lo.out == LogitsOut::kSample && kept) {
       row_sample.params = lo.sample->params;
       row_sample.uniforms = {lo.sample->uniforms[returned]};
@@ -1487,6 +1545,7 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     if (kept) {
       out.logits.insert(out.logits.end(), r->logits.begin(), r->logits.end());
       out.tokens.insert(out.tokens.end(), r->tokens.begin(), r->tokens.end());
+      out.logprobs.insert(out.logprobs.end(), r->logprobs.begin(), r->logprobs.end());
       out.rows += 1;
     }
     out.main_hidden.insert(out.main_hidden.end(), r->main_hidden.begin(), r->main_hidden.end());

@@ -22,6 +22,7 @@
 #include "model/engram.h"
 #include "model/compressor_state.h"
 #include "model/kv_pool.h"
+#include "model/sampling.h"
 #include "model/weights.h"
 
 namespace epd::model {
@@ -184,6 +185,10 @@ struct LogitsRequest {
   LogitsOut out;
   const LogitPenalties* penalties;  // kArgmax and kSample (else ignored): borrowed for the call
   const SampleRequest* sample;      // kSample only (required): borrowed for the call
+  // >= 0 with kArgmax or kSample: each row's logprobs too (ForwardResult::logprobs) with the top
+  // `top_logprobs` entries, computed on the backend from the raw rows (Backend::TopLogprobs, the
+  // arithmetic of model::ComputeLogprobs; before the penalties) and the row's token.
+  int top_logprobs = -1;
 };
 
 // Why `out` cannot be a request for `rows` result rows (OK when it can): penalties with one count
@@ -197,6 +202,7 @@ struct ForwardResult {
   // row's largest logit (Backend::Argmax, the rule of model::ArgMax and of a greedy Sampler
   // without penalties). kSample: each row's draw with its uniform (Backend::SampleLogits).
   std::vector<int32_t> tokens;
+  std::vector<Logprobs> logprobs;  // [rows] when LogitsRequest::top_logprobs >= 0 (with tokens)
   std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
 };
 
@@ -386,6 +392,15 @@ class Model {
   // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
   [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
                                       const LogitPenalties& p) const;
+  // The rows whose logprobs `out` asks for, as they are before its penalties: `logits` itself, or
+  // a copy in `ws` when penalties will change them.
+  [[nodiscard]] absl::StatusOr<const float*> RawRows(Scratch& ws, const float* logits,
+                                                     int64_t rows, const LogitsRequest& out) const;
+  // `out` = the logprobs of `rows` raw logits rows and their tokens (backend memory) with the top
+  // `top` entries (Backend::TopLogprobs), in one download.
+  [[nodiscard]] absl::Status LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,
+                                            const int32_t* tokens, int top,
+                                            std::vector<Logprobs>& out) const;
   // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input, and
   // seals the global-KV blocks the call filled (SealPending: one Download on a device pool).
   [[nodiscard]] absl::Status Commit(SequenceState& state, std::span<const int32_t> ids,

@@ -53,21 +53,16 @@ int32_t SampleFromProbs(std::span<const float> probs, double u) {
 }
 
 Logprobs ComputeLogprobs(std::span<const float> logits, int32_t chosen, int n) {
-  const float mx = *std::max_element(logits.begin(), logits.end());
-  double sum = 0;
-  for (float l : logits) sum += std::exp(static_cast<double>(l - mx));
-  const double lse = mx + std::log(sum);
-  auto lp = [&](int32_t t) { return static_cast<float>(logits[t] - lse); };
+  const auto V = static_cast<int64_t>(logits.size());
+  const double lse = kernels::sampling::LogSumExp(logits.data(), V);
+  auto lp = [&](int32_t t) { return kernels::sampling::Logprob(logits[t], lse); };
   Logprobs out;
   out.chosen = {chosen, lp(chosen)};
-  n = std::min<int>(n, static_cast<int>(logits.size()));
+  n = std::min<int>(n, static_cast<int>(V));
   if (n > 0) {
-    std::vector<int32_t> idx(logits.size());
-    std::iota(idx.begin(), idx.end(), 0);
-    std::partial_sort(idx.begin(), idx.begin() + n, idx.end(), [&](int32_t a, int32_t b) {
-      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-    });
-    for (int i = 0; i < n; ++i) out.top.push_back({idx[i], lp(idx[i])});
+    std::vector<int32_t> ids(static_cast<size_t>(n)), order;
+    kernels::sampling::TopIndices(logits.data(), V, n, ids.data(), order);
+    for (int32_t t : ids) out.top.push_back({t, lp(t)});
   }
   return out;
 }

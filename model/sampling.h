@@ -87,7 +87,8 @@ struct Logprobs {
   TokenLogprob chosen;
   std::vector<TokenLogprob> top;  // descending, ties -> lower id first
 };
-// log_softmax of the raw logits (T = 1, no penalties or filters): the chosen token and the top n.
+// log_softmax of the raw logits (T = 1, no penalties or filters): the chosen token and the top n
+// (kernels/sampling_math.h: the arithmetic Backend::TopLogprobs shares).
 Logprobs ComputeLogprobs(std::span<const float> logits, int32_t chosen, int n);
 
 // Per-request sampler. Owns the request's token history (for penalties) and its Rng.

@@ -729,6 +729,31 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
 
+  Status TopLogprobs(const float* x, int64_t rows, int64_t n, const int32_t* chosen, int64_t top,
+                     float* chosen_lp, int32_t* top_ids, float* top_lp) override {
+    if (rows < 0) return Bad("TopLogprobs", "negative rows");
+    if (n <= 0) return Bad("TopLogprobs", "empty rows");
+    if (top < 0 || top > n) return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
+    if (rows == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("TopLogprobs", {{"x", x}, {"chosen", chosen}, {"chosen_lp", chosen_lp}});
+    if (top > 0) EPD_CHECK_OPERANDS("TopLogprobs", {{"top_ids", top_ids}, {"top_lp", top_lp}});
+    for (int64_t r = 0; r < rows; ++r) {
+      if (chosen[r] < 0 || chosen[r] >= n)
+        return Bad("TopLogprobs", absl::StrCat("chosen token ", chosen[r], " of row ", r,
+                                               " is outside [0, ", n, ")"));
+    }
+    std::vector<int32_t> order;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* xr = x + r * n;
+      const double lse = sampling::LogSumExp(xr, n);
+      chosen_lp[r] = sampling::Logprob(xr[chosen[r]], lse);
+      if (top == 0) continue;
+      sampling::TopIndices(xr, n, top, top_ids + r * top, order);
+      for (int64_t j = 0; j < top; ++j) top_lp[r * top + j] = sampling::Logprob(xr[top_ids[r * top + j]], lse);
+    }
+    return OkStatus();
+  }
+
   Status PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
                         int64_t entries, float repetition, float frequency,
                         float presence) override {

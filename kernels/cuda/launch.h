@@ -169,6 +169,11 @@ size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort);
 cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperature, int top_k,
                          float top_p, float min_p, const double* u, int32_t* out, void* scratch,
                          size_t scratch_bytes, cudaStream_t stream);
+// Backend::TopLogprobs (kernels/sampling_math.h's logprobs); rows * n < 2^31.
+size_t TopLogprobsScratchBytes(int64_t rows, int64_t n);
+cudaError_t TopLogprobs(const float* x, int64_t rows, int64_t n, const int32_t* chosen, int64_t top,
+                        float* chosen_lp, int32_t* top_ids, float* top_lp, void* scratch,
+                        size_t scratch_bytes, cudaStream_t stream);
 
 // ---- Paged packed rows (kv_rows.cu) ----
 // Backend::PackRows / UnpackRows (the arguments checked by the backend).

@@ -585,6 +585,80 @@ __global__ void DrawPickKernel(const int64_t* hit, const int64_t* last, int64_t 
 // Scratch layout of SampleLogits over [rows, n]: probs f32 [rows, n], T f64 [rows, nb], P f64
 // [rows, nb + 1], hit / last i64 [rows, nb], keep i64 [rows], mx f32 [rows]; with a sort, keys
 // in / out u64 [rows, n], segment offsets int [rows + 1] and CUB's temporary storage.
+// Backend::TopLogprobs' last step (sampling_math.cc LogSumExp and TopIndices), one block per row
+// after RowMaxKernel, WeightBlockSumsKernel (T = 1) and BlockPrefixKernel: lse = mx + log(P[nb]),
+// the chosen token's logprob, then the top entries one at a time. Entry j is the TopBefore-first
+// entry after entry j - 1 (a strict total order, so no list of taken entries is kept), found by a
+// block reduction whose combine does not depend on the order. No atomics.
+__global__ void LogprobsKernel(const float* x, int64_t n, int64_t nb, const float* mx,
+                               const double* P, const int32_t* chosen, int64_t top,
+                               float* chosen_lp, int32_t* top_ids, float* top_lp) {
+  __shared__ float bv[kThreads];
+  __shared__ int64_t bi[kThreads];
+  const int64_t r = blockIdx.x;
+  const float* xr = x + r * n;
+  const double lse = static_cast<double>(mx[r]) + log(P[r * (nb + 1) + nb]);
+  if (threadIdx.x == 0) {
+    const int32_t c = chosen[r];
+    chosen_lp[r] = c >= 0 && c < n ? sampling::Logprob(xr[c], lse) : NAN;
+  }
+  float pv = 0.f;
+  int64_t pi = -1;  // the previous entry (none yet)
+  for (int64_t j = 0; j < top; ++j) {
+    float v = 0.f;
+    int64_t idx = -1;
+    for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+      const float xi = xr[i];
+      if (pi >= 0 && !sampling::TopBefore(pv, pi, xi, i)) continue;  // taken already
+      if (idx < 0 || sampling::TopBefore(xi, i, v, idx)) {
+        v = xi;
+        idx = i;
+      }
+    }
+    bv[threadIdx.x] = v;
+    bi[threadIdx.x] = idx;
+    __syncthreads();
+    for (int s = blockDim.x / 2; s > 0; s >>= 1) {
+      if (threadIdx.x < s) {
+        const float ov = bv[threadIdx.x + s];
+        const int64_t oi = bi[threadIdx.x + s];
+        if (oi >= 0 && (bi[threadIdx.x] < 0 || sampling::TopBefore(ov, oi, bv[threadIdx.x],
+                                                                   bi[threadIdx.x]))) {
+          bv[threadIdx.x] = ov;
+          bi[threadIdx.x] = oi;
+        }
+      }
+      __syncthreads();
+    }
+    pv = bv[0];
+    pi = bi[0];
+    if (threadIdx.x == 0) {
+      top_ids[r * top + j] = pi < 0 ? 0 : static_cast<int32_t>(pi);
+      top_lp[r * top + j] = pi < 0 ? NAN : sampling::Logprob(pv, lse);
+    }
+    __syncthreads();  // every thread read bv[0] and bi[0] before the next entry's writes
+  }
+}
+
+struct LogprobsLayout {
+  int64_t nb = 0;
+  size_t probs = 0, T = 0, P = 0, mx = 0, total = 0;
+  LogprobsLayout(int64_t rows, int64_t n) : nb(sampling::SumBlocks(n)) {
+    const size_t r = static_cast<size_t>(rows), rb = static_cast<size_t>(rows * nb);
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += AlignUp(bytes);
+      return here;
+    };
+    probs = take(static_cast<size_t>(rows * n) * 4);
+    T = take(rb * 8);
+    P = take((rb + r) * 8);
+    mx = take(r * 4);
+    total = at;
+  }
+};
+
 struct SampleLayout {
   int64_t nb = 0;
   size_t probs = 0, T = 0, P = 0, hit = 0, last = 0, keep = 0, mx = 0, keys_in = 0, keys_out = 0,
@@ -801,6 +875,29 @@ cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int
   return cudaGetLastError();
 }
 
+
+size_t TopLogprobsScratchBytes(int64_t rows, int64_t n) { return LogprobsLayout(rows, n).total; }
+
+cudaError_t TopLogprobs(const float* x, int64_t rows, int64_t n, const int32_t* chosen, int64_t top,
+                        float* chosen_lp, int32_t* top_ids, float* top_lp, void* scratch,
+                        size_t scratch_bytes, cudaStream_t stream) {
+  if (rows <= 0 || n <= 0) return cudaSuccess;
+  const LogprobsLayout l(rows, n);
+  if (scratch_bytes < l.total) return cudaErrorInvalidValue;
+  auto* base = static_cast<uint8_t*>(scratch);
+  auto* probs = reinterpret_cast<float*>(base + l.probs);
+  auto* T = reinterpret_cast<double*>(base + l.T);
+  auto* P = reinterpret_cast<double*>(base + l.P);
+  auto* mx = reinterpret_cast<float*>(base + l.mx);
+  const unsigned row_grid = static_cast<unsigned>(rows);
+  RowMaxKernel<<<row_grid, kThreads, 0, stream>>>(x, n, mx);
+  WeightBlockSumsKernel<<<GridFor(rows * l.nb), kThreads, 0, stream>>>(x, rows, n, l.nb, mx, 1.f,
+                                                                       probs, T);
+  BlockPrefixKernel<<<GridFor(rows), kThreads, 0, stream>>>(T, rows, l.nb, P);
+  LogprobsKernel<<<row_grid, kThreads, 0, stream>>>(x, n, l.nb, mx, P, chosen, top, chosen_lp,
+                                                    top_ids, top_lp);
+  return cudaGetLastError();
+}
 
 size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort) {
   return SampleLayout(rows, n, sort).total;

@@ -199,13 +199,14 @@ TEST_F(DecodeStageDSparkTest, PenaltiesStopIdsAndLogprobsMatchPlainLoop) {
   }
 }
 
-// Sequences without grammar or logprobs take their tokens from the backend, after their
-// penalties applied there: a greedy one its rows' Argmax (DecodeStageOptions::greedy_on_backend),
-// a T > 0 one in a step that verifies no drafts of it its draw (sample_on_backend, with the
-// uniform its Rng gives). In a mixed batch (greedy ones joining at different steps, one greedy
-// with penalties, one with logprobs, two seeded T > 0, one of them with penalties and every
-// filter), with DSpark off and on, every output, finish reason and logprob equals the run where
-// every sequence downloads its logits. And the steps download no logits row for them: on a
+// Sequences without grammar take their tokens from the backend, after their penalties applied
+// there: a greedy one its rows' Argmax (DecodeStageOptions::greedy_on_backend), a T > 0 one in a
+// step that verifies no drafts of it its draw (sample_on_backend, with the uniform its Rng
+// gives); one with logprobs gets them from the backend too (Backend::TopLogprobs). In a mixed
+// batch (greedy ones joining at different steps, one greedy with penalties, one with logprobs,
+// two seeded T > 0, one of them with penalties, every filter and logprobs), with DSpark off and
+// on, every output, finish reason and logprob (chosen and top) equals the run where every
+// sequence downloads its logits. And the steps download no logits row for them: on a
 // device-labelled backend, the steps of a batch of greedy sequences (one with penalties) and a
 // filtered T > 0 one download one token instead of each such row.
 TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogitsRows) {
@@ -241,6 +242,7 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
   filtered.params.min_p = 0.02f;
   filtered.params.presence_penalty = 0.6f;
   filtered.params.seed = 78;
+  filtered.params.top_logprobs = 3;
   filtered.join_step = 2;
   for (Request* r : {&pen, &lp, &hot, &filtered}) mixed.push_back(*r);
   for (bool dspark : {false, true}) {
@@ -260,8 +262,13 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
       EXPECT_EQ(b.finish_reason, a.finish_reason) << i;
       ASSERT_EQ(b.logprobs.size(), a.logprobs.size()) << i;
       for (size_t t = 0; t < a.logprobs.size(); ++t) {
+        EXPECT_EQ(b.logprobs[t].chosen.token, a.logprobs[t].chosen.token) << i;
         EXPECT_EQ(b.logprobs[t].chosen.logprob, a.logprobs[t].chosen.logprob) << i;
-        EXPECT_EQ(b.logprobs[t].top.size(), a.logprobs[t].top.size()) << i;
+        ASSERT_EQ(b.logprobs[t].top.size(), a.logprobs[t].top.size()) << i;
+        for (size_t e = 0; e < a.logprobs[t].top.size(); ++e) {
+          EXPECT_EQ(b.logprobs[t].top[e].token, a.logprobs[t].top[e].token) << i;
+          EXPECT_EQ(b.logprobs[t].top[e].logprob, a.logprobs[t].top[e].logprob) << i;
+        }
       }
     }
   }

@@ -1605,6 +1605,75 @@ PARITY_CASE(SampleLogits) {
   }
 }
 
+PARITY_CASE(TopLogprobs) {
+  // Tolerance: ids exact (the TopBefore order); logprobs within 2 ulps (the device's double log
+  // may differ from the host's in its last bit; everything before it is one arithmetic). Rows of
+  // random logits (scale 4) and of ties (Tied: equal values, -inf, +-0), top 0, 5 and the whole
+  // row, and the golden prefill logits with top 20; then against the host's definition
+  // (kernels/sampling_math.h), which model::ComputeLogprobs uses.
+  const int64_t rows = 5, n = 1000;
+  std::vector<float> x = Bf16(env.rng, rows * n, 4.f);
+  const std::vector<float> tied = Tied(env.rng, 2 * n);
+  std::copy(tied.begin(), tied.end(), x.begin() + 3 * n);
+  x[3 * n + 7] = 3.f;  // a chosen token that is finite
+  const std::vector<int32_t> chosen = {0, 999, 17, 7, 500};
+  const int64_t tops[] = {0, 5, n};
+  const auto golden = GoldenF32("logits_prefill_all.bin");
+  ASSERT_EQ(static_cast<int64_t>(golden.size()), kGoldenRows * kGoldenVocab);
+  std::vector<int32_t> gchosen(kGoldenRows);
+  for (int64_t r = 0; r < kGoldenRows; ++r) gchosen[r] = static_cast<int32_t>((r * 37) % kGoldenVocab);
+  std::vector<std::vector<float>> lps;
+  std::vector<std::vector<int32_t>> ids;
+  for (Side* s : {&env.ref, &env.cand}) {
+    for (int64_t top : tops) {
+      float* clp = s->Out<float>(rows);
+      int32_t* tid = s->Out<int32_t>(std::max<int64_t>(1, rows * top));
+      float* tlp = s->Out<float>(std::max<int64_t>(1, rows * top));
+      EXPECT_OP_OK(*s, s->b().TopLogprobs(s->In(x), rows, n, s->In(chosen), top, clp, tid, tlp));
+      lps.push_back(s->Read(clp, rows));
+      lps.push_back(s->Read(tlp, rows * top));
+      ids.push_back(s->Read(tid, rows * top));
+    }
+    const int64_t gtop = 20;
+    float* clp = s->Out<float>(kGoldenRows);
+    int32_t* tid = s->Out<int32_t>(kGoldenRows * gtop);
+    float* tlp = s->Out<float>(kGoldenRows * gtop);
+    EXPECT_OP_OK(*s, s->b().TopLogprobs(s->In(golden), kGoldenRows, kGoldenVocab, s->In(gchosen),
+                                        gtop, clp, tid, tlp));
+    lps.push_back(s->Read(clp, kGoldenRows));
+    lps.push_back(s->Read(tlp, kGoldenRows * gtop));
+    ids.push_back(s->Read(tid, kGoldenRows * gtop));
+    EXPECT_EQ(s->b().TopLogprobs(s->In(x), 1, n, s->In(chosen), n + 1, clp, tid, tlp).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": top above n";
+  }
+  const size_t lh = lps.size() / 2, ih = ids.size() / 2;
+  for (size_t i = 0; i < lh; ++i)
+    Compare(env, lps[i], lps[lh + i], Tol::Ulps(2), "logprobs, output " + std::to_string(i));
+  for (size_t i = 0; i < ih; ++i)
+    CompareExact(ids[i], ids[ih + i], "top ids, case " + std::to_string(i));
+  // The host's definition, row by row, for top = 5 (outputs 2 and 3 of each side).
+  std::vector<int32_t> want(5), order;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.data() + r * n;
+    const double lse = sampling::LogSumExp(xr, n);
+    sampling::TopIndices(xr, n, 5, want.data(), order);
+    for (int j = 0; j < 5; ++j) {
+      EXPECT_EQ(ids[ih + 1][r * 5 + j], want[j]) << "row " << r << " entry " << j;
+      if (j > 0) {
+        EXPECT_GE(xr[want[j - 1]], xr[want[j]]);
+      }
+    }
+    EXPECT_EQ(Bits(lps[lh + 2][r]), Bits(sampling::Logprob(xr[chosen[r]], lse))) << "row " << r;
+  }
+  // A whole row's logprobs are a distribution: their exp sums to 1.
+  for (int64_t r = 0; r < rows; ++r) {
+    double z = 0;
+    for (int64_t j = 0; j < n; ++j) z += std::exp(static_cast<double>(lps[lh + 5][r * n + j]));
+    EXPECT_NEAR(z, 1.0, 1e-4) << "row " << r;
+  }
+}
+
 // ---- The table against the interface (checked once, in the unit binary) ----
 #if !defined(EPD_PARITY_CUDA)
 TEST(BackendParityTable, EveryOpOfTheInterfaceHasACase) {

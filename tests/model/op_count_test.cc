@@ -450,6 +450,94 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   for (SampleRequest* bad : {&none, &one, &cold}) run(true, bad);
 }
 
+// A sequence that asks for logprobs gets them from the backend with its tokens
+// (LogitsRequest::top_logprobs; Backend::TopLogprobs on the raw rows, before the penalties): on a
+// device-labelled backend, a batched step of a greedy sequence with penalties verifying three
+// rows (the last token and two drafts) and a values sequence. Each row's logprobs equal
+// model::ComputeLogprobs of the values run's raw row and the row's token, bit for bit; the token
+// is the host Sampler's penalized greedy pick; and the bytes differ by exactly the three rows not
+// brought down less their tokens and their logprob words.
+TEST_P(OpCountTest, ALogprobsSequencesLogprobsComeFromTheBackend) {
+  struct Run {
+    int64_t bytes = 0;
+    std::vector<ForwardResult> batch;
+  };
+  constexpr int kTop = 4;
+  SamplingParams greedy;
+  greedy.repetition_penalty = 1.3f;
+  greedy.presence_penalty = 0.5f;
+  greedy.top_logprobs = kTop;
+  std::unique_ptr<Sampler> sampler;
+  const std::vector<int32_t> drafts = {21, 22};
+  LogitPenalties penalties{greedy.repetition_penalty, greedy.frequency_penalty,
+                           greedy.presence_penalty};
+  auto run = [&](bool on_backend) {
+    Run r;
+    auto backend =
+        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+    auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    std::vector<std::unique_ptr<SequenceState>> seqs;
+    std::vector<SequenceState*> ptrs;
+    std::vector<std::vector<int32_t>> toks;
+    for (int b = 0; b < 2; ++b) {
+      seqs.push_back((*m)->NewSequence());
+      std::vector<int32_t> prompt(44 + 13 * b);
+      for (size_t i = 0; i < prompt.size(); ++i)
+        prompt[i] = static_cast<int32_t>(5 + (i * 7 + b) % 70);
+      EXPECT_TRUE((*m)->Prefill(*seqs.back(), prompt, false).ok());
+      ptrs.push_back(seqs.back().get());
+      toks.push_back({static_cast<int32_t>(9 + b)});
+      if (sampler == nullptr && b == 0) {
+        sampler = std::make_unique<Sampler>(greedy, (*m)->config().vocab_size, prompt);
+        for (int32_t t : {21, 40}) sampler->Accept(t);
+        sampler->PenaltyEntries(drafts, 3, penalties.at, penalties.counts);
+      }
+    }
+    toks[0].insert(toks[0].end(), drafts.begin(), drafts.end());
+    std::vector<LogitsRequest> outs = {LogitsOut::kValues, LogitsOut::kValues};
+    if (on_backend) {
+      outs[0] = LogitsRequest(LogitsOut::kArgmax, &penalties);
+      outs[0].top_logprobs = kTop;
+    }
+    r.bytes = 0;
+    auto step = DecodeStep(**m, ptrs, toks, nullptr, outs);
+    EXPECT_TRUE(step.ok()) << step.status();
+    if (step.ok()) r.batch = std::move(*step);
+    return r;
+  };
+  const Run values = run(false);
+  const Run lp = run(true);
+  ASSERT_EQ(values.batch.size(), 2u);
+  ASSERT_EQ(lp.batch.size(), 2u);
+  ASSERT_FALSE(penalties.at.empty());
+  const int64_t vocab = static_cast<int64_t>(values.batch[1].logits.size());
+  ASSERT_EQ(static_cast<int64_t>(values.batch[0].logits.size()), 3 * vocab);
+  EXPECT_TRUE(lp.batch[0].logits.empty());
+  EXPECT_EQ(lp.batch[1].logits, values.batch[1].logits);
+  ASSERT_EQ(lp.batch[0].tokens.size(), 3u);
+  ASSERT_EQ(lp.batch[0].logprobs.size(), 3u);
+  for (int j = 0; j < 3; ++j) {
+    const std::span<const float> raw(values.batch[0].logits.data() + j * vocab, vocab);
+    const int32_t token = lp.batch[0].tokens[j];
+    EXPECT_EQ(token, sampler->Greedy(raw, std::span<const int32_t>(drafts).first(j))) << j;
+    const Logprobs want = ComputeLogprobs(raw, token, kTop);
+    const Logprobs& got = lp.batch[0].logprobs[j];
+    EXPECT_EQ(got.chosen.token, token) << j;
+    EXPECT_EQ(got.chosen.logprob, want.chosen.logprob) << j;
+    ASSERT_EQ(got.top.size(), static_cast<size_t>(kTop)) << j;
+    for (int t = 0; t < kTop; ++t) {
+      EXPECT_EQ(got.top[t].token, want.top[t].token) << j << " " << t;
+      EXPECT_EQ(got.top[t].logprob, want.top[t].logprob) << j << " " << t;
+    }
+  }
+  const int64_t row = vocab * static_cast<int64_t>(sizeof(float)), word = 4;
+  // Values: 4 rows in one download; logprobs: every row's token (4, one download), the values
+  // row, and the 3 rows' words (token, chosen logprob, kTop ids and logprobs: one download).
+  EXPECT_EQ(values.bytes - lp.bytes, 4 * row - (4 * word + row + 3 * (2 + 2 * kTop) * word));
+}
+
 // On a device pool the global-KV blocks a forward fills are sealed together at its end
 // (KvRows::AppendFrom leaves them pending, Model::Commit seals them with one
 // KvPool::ReadBlocks): the decode step that crosses a 64-token boundary fills a block of several
