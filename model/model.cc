@@ -1679,11 +1679,21 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
 }
 
 absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
-                                         std::span<const int32_t> forced_ids,
-                                         LogitsOut lo) const {
+                                         std::span<const int32_t> forced_ids, LogitsOut lo,
+                                         const LogitPenalties* penalties) const {
   const ModelConfig& c = config_;
   if (lo == LogitsOut::kSample)
     return absl::InvalidArgumentError("model: a draft pass returns its greedy ids or its logits");
+  if (penalties != nullptr && lo != LogitsOut::kArgmax)
+    return absl::InvalidArgumentError("model: a draft pass applies penalties to its argmax only");
+  if (penalties != nullptr) {
+    RETURN_IF_ERROR(LogitsRequestProblem(LogitsRequest(lo, penalties), 1));
+    for (int64_t a : penalties->at) {
+      if (a < 0 || a >= c.vocab_size)
+        return absl::InvalidArgumentError(
+            absl::StrCat("model: draft penalty entry ", a, " is outside one vocabulary row"));
+    }
+  }
   if (c.n_mtp_layers == 0 || !weights_->dspark)
     return absl::FailedPreconditionError("model: no DSpark stages");
   if (state.main_hidden_pos < 0)
@@ -1777,11 +1787,24 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   ASSIGN_OR_RETURN(float* bias, ws.Alloc<float>(V));
   ASSIGN_OR_RETURN(float* cat, ws.Alloc<float>(D + R));  // [x_i, markov_embed[chain[i]]]
   ASSIGN_OR_RETURN(float* confidence, ws.Alloc<float>(B));
+  const int64_t* pen_at = nullptr;  // the penalties' entries, uploaded once for every position
+  const int32_t* pen_counts = nullptr;
+  const bool penalize = penalties != nullptr && !penalties->at.empty();
+  if (penalize) {
+    ASSIGN_OR_RETURN(pen_at, ws.Copy(penalties->at));
+    ASSIGN_OR_RETURN(pen_counts, ws.Copy(penalties->counts));
+  }
   for (int64_t i = 0; i < B; ++i) {
     RETURN_IF_ERROR(backend_.Embed(Dw.markov_embed.data(), R, chain + i, 1, 1, cat + D));
     RETURN_IF_ERROR(backend_.LinearF32(cat + D, 1, Dw.markov_head.data(), V, R, bias));
     float* li = logits + i * V;
     RETURN_IF_ERROR(backend_.Add(li, bias, V));
+    if (penalize) {
+      RETURN_IF_ERROR(backend_.PenalizeLogits(li, V, pen_at, pen_counts,
+                                              static_cast<int64_t>(penalties->at.size()),
+                                              penalties->repetition, penalties->frequency,
+                                              penalties->presence));
+    }
     RETURN_IF_ERROR(backend_.Argmax(li, 1, V, i < forced ? best : chain + i + 1));
     RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));
     RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));

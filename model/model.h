@@ -298,10 +298,14 @@ class Model {
   // DSpark draft pass after a decode step (uses state.main_hidden of position state.pos-1).
   // `forced_ids` (optional, block-1 entries) replaces the greedy chaining of draft ids. With
   // `out` kArgmax the logits stay in backend memory (DraftResult::logits empty): what a greedy
-  // request without penalties needs of a draft is its ids and confidences.
+  // request needs of a draft is its ids and confidences. `penalties` (kArgmax only; one row's
+  // entries, at in [0, vocab)) are applied to every draft position's logits before its argmax:
+  // a greedy request's penalties as of the step's start (the chain's own drafts are not counted
+  // in them; drafts only decide what verification tests, never the output).
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
                                                   std::span<const int32_t> forced_ids = {},
-                                                  LogitsOut out = LogitsOut::kValues) const;
+                                                  LogitsOut out = LogitsOut::kValues,
+                                                  const LogitPenalties* penalties = nullptr) const;
   // The DSpark Markov head's logit bias for chain token `token` ([vocab]: markov_head times
   // markov_embed[token]), the same op and bits Draft adds to a draft position's logits.
   [[nodiscard]] absl::Status MarkovBias(int32_t token, std::vector<float>& bias) const;

@@ -65,23 +65,32 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
 
   DraftProposal p;
   if (k == 0) return p;
-  // A greedy chain without penalties is the draft's own ids: its logits can stay on the backend.
-  const bool ids_only = greedy && !sampler.params().has_penalties();
+  // A greedy chain is the draft's own ids, chained on the backend with the request's penalties
+  // as of now (the chain's own drafts not counted: they only change what is verified, never the
+  // output): its logits stay there.
+  model::LogitPenalties penalties;
+  if (greedy && sampler.params().has_penalties()) {
+    penalties.repetition = sampler.params().repetition_penalty;
+    penalties.frequency = sampler.params().frequency_penalty;
+    penalties.presence = sampler.params().presence_penalty;
+    sampler.PenaltyEntries({}, 1, penalties.at, penalties.counts);
+  }
   auto draft = model_.Draft(state, last, {},
-                            ids_only ? model::LogitsOut::kArgmax : model::LogitsOut::kValues);
+                            greedy ? model::LogitsOut::kArgmax : model::LogitsOut::kValues,
+                            greedy && sampler.params().has_penalties() ? &penalties : nullptr);
   if (!draft.ok()) return draft.status();
   p.confidence = draft->confidence;
   if (k < 0) k = policy_->Choose(draft->confidence, batch);
   k = std::min<int>(k, c.dspark_block_size);
   p.k = k;
-  if (greedy && !sampler.params().has_penalties()) {
+  if (greedy) {
     p.drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
     return p;
   }
-  // Re-chain the Markov head with our own choices: logits_i depend on the chain token x_i
+  // T > 0: re-chain the Markov head with our own draws: logits_i depend on the chain token x_i
   // only through bias(x_i); the returned logits carry bias(ids[i]) of the greedy chain.
   std::vector<float> li(V), b_old, b_new, qi;
-  if (!greedy) p.q.resize(static_cast<size_t>(k) * V);
+  p.q.resize(static_cast<size_t>(k) * V);
   for (int i = 0; i < k; ++i) {
     const float* base = draft->logits.data() + i * V;
     std::copy_n(base, V, li.data());
@@ -90,15 +99,9 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
       if (absl::Status st = model_.MarkovBias(p.drafts[i - 1], b_new); !st.ok()) return st;
       for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
     }
-    int32_t x;
-    if (greedy) {
-      x = sampler.Greedy(li, p.drafts);
-    } else {
-      sampler.Probabilities(li, p.drafts, qi);
-      std::copy(qi.begin(), qi.end(), p.q.begin() + static_cast<int64_t>(i) * V);
-      x = model::SampleFromProbs(qi, sampler.rng().NextUniform());
-    }
-    p.drafts.push_back(x);
+    sampler.Probabilities(li, p.drafts, qi);
+    std::copy(qi.begin(), qi.end(), p.q.begin() + static_cast<int64_t>(i) * V);
+    p.drafts.push_back(model::SampleFromProbs(qi, sampler.rng().NextUniform()));
   }
   return p;
 }

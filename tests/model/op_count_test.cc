@@ -704,6 +704,34 @@ TEST_P(OpCountTest, ADraftPassDownloadsOnlyAtItsEnd) {
   ASSERT_TRUE(f.ok()) << f.status();
   for (int64_t i = 0; i + 1 < B; ++i) EXPECT_EQ(f->ids[i + 1], 5);
   EXPECT_FALSE((*m)->Draft(*st, 9, std::vector<int32_t>{static_cast<int32_t>(V)}).ok());
+
+  // A penalized greedy chain is chained on the backend too: the penalties (a large presence
+  // penalty on the plain chain's first draft) apply to every position before its argmax, so the
+  // first draft is the argmax of position 0's logits with that penalty (position 0's bias is
+  // the input token's in both passes), and still only the ids and confidences come down.
+  const int32_t first = values->ids[1];
+  LogitPenalties pen;
+  pen.presence = 1000.f;
+  pen.at = {first};
+  pen.counts = {1};
+  calls.clear();
+  auto penalized = (*m)->Draft(*st, 9, {}, LogitsOut::kArgmax, &pen);
+  ASSERT_TRUE(penalized.ok()) << penalized.status();
+  EXPECT_EQ(count("Download"), 2);
+  EXPECT_EQ(count("PenalizeLogits"), B);
+  EXPECT_TRUE(penalized->logits.empty());
+  std::vector<float> row0(values->logits.begin(), values->logits.begin() + V);
+  row0[first] -= 1000.f;
+  EXPECT_NE(penalized->ids[1], first);
+  EXPECT_EQ(penalized->ids[1], ArgMax(row0));
+  for (int64_t i = 0; i < B; ++i) EXPECT_NE(penalized->ids[i + 1], first) << "position " << i;
+  // Penalties only with kArgmax, and entries of one row.
+  EXPECT_EQ((*m)->Draft(*st, 9, {}, LogitsOut::kValues, &pen).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  LogitPenalties outside = pen;
+  outside.at = {V};
+  EXPECT_EQ((*m)->Draft(*st, 9, {}, LogitsOut::kArgmax, &outside).status().code(),
+            absl::StatusCode::kInvalidArgument);
   st.reset();
 }
 
