@@ -1188,6 +1188,7 @@ absl::Status Model::Commit(SequenceState& state, std::span<const int32_t> ids, i
   if (nt > 0 && !io.main_hidden.empty()) {
     state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());
     state.main_hidden_pos = end_pos - 1;
+    state.main_hidden_row = -1;
   }
   std::vector<KvRows*> streams;
   for (auto& [l, src] : state.sources) {
@@ -1195,6 +1196,40 @@ absl::Status Model::Commit(SequenceState& state, std::span<const int32_t> ids, i
     streams.push_back(&src.keys);
   }
   return SealPending(streams);
+}
+
+absl::Status Model::KeepMainHidden(SequenceState& state, const float* rows_dev, int64_t n,
+                                   int64_t end_pos) const {
+  const ModelConfig& c = config_;
+  const int64_t per = static_cast<int64_t>(c.dspark_target_layer_ids.size()) * c.dim * 4;
+  if (state.main_hidden_rows == nullptr || state.main_hidden_rows.use_count() > 1 ||
+      state.main_hidden_rows->bytes() < n * per || state.main_hidden_backend != &backend_) {
+    // Room for a whole verification step (the token and a block of drafts), reused by the next
+    // (a copy of the state keeps the old buffer).
+    const int64_t rows = std::max<int64_t>(n, c.dspark_block_size + 1);
+    ASSIGN_OR_RETURN(kernels::Buffer buf, backend_.Allocate(rows * per));
+    state.main_hidden_rows = std::make_shared<kernels::Buffer>(std::move(buf));
+  }
+  RETURN_IF_ERROR(backend_.Copy(state.main_hidden_rows->data(), rows_dev, n * per));
+  state.main_hidden_backend = &backend_;
+  state.main_hidden_width = per / 4;
+  state.main_hidden_rows_n = n;
+  state.main_hidden_row = n - 1;
+  state.main_hidden_pos = end_pos - 1;
+  state.main_hidden.clear();
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::vector<float>> MainHiddenOf(const SequenceState& s) {
+  if (s.main_hidden_row < 0) return s.main_hidden;
+  if (s.main_hidden_backend == nullptr || s.main_hidden_rows == nullptr ||
+      s.main_hidden_row >= s.main_hidden_rows_n || s.main_hidden_width <= 0)
+    return absl::InternalError("sequence state: its DSpark input row is missing");
+  std::vector<float> out(static_cast<size_t>(s.main_hidden_width));
+  const int64_t bytes = s.main_hidden_width * static_cast<int64_t>(sizeof(float));
+  RETURN_IF_ERROR(s.main_hidden_backend->Download(*s.main_hidden_rows, s.main_hidden_row * bytes,
+                                                  bytes, out.data()));
+  return out;
 }
 
 absl::StatusOr<ForwardResult> Model::Forward(SequenceState& state, std::span<const int32_t> ids,
@@ -1399,9 +1434,12 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   // memory), then each sequence's slices: every row's values in one download when every
   // sequence wants them, else every row's argmax in one and the values of the sequences that
   // want them one download each.
+  // The DSpark inputs: on a device backend they stay there (each state keeps its rows, and a
+  // hand-off reads the kept one: KeepMainHidden, MainHiddenOf), else they come down.
+  const bool mh_on_backend = nt > 0 && backend_.memory_kind() != kernels::MemoryKind::kHost;
   Hidden all;
   all.rows = R;
-  RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
+  if (!mh_on_backend) RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
   ASSIGN_OR_RETURN(float* head,
                    HeadLogits(ws, DeviceResidual{h, pre}, R, /*all_logits=*/true, nullptr));
   auto out_of = [&](size_t b) { return outs.empty() ? LogitsOut::kValues : outs[b].out; };
@@ -1449,8 +1487,10 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     }
     Hidden io;
     io.rows = n;
-    io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
-                          all.main_hidden.begin() + (r0 + n) * nt * D);
+    if (!mh_on_backend) {
+      io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
+                            all.main_hidden.begin() + (r0 + n) * nt * D);
+    }
     ForwardResult r;
     if (all_values) {
       r.logits.assign(every.logits.begin() + r0 * V, every.logits.begin() + (r0 + n) * V);
@@ -1464,6 +1504,13 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     if (absl::Status st = Commit(state, tokens[b], pos + n, io); !st.ok()) {
       status[b] = st;
       continue;
+    }
+    if (mh_on_backend) {
+      if (absl::Status st = KeepMainHidden(state, main_hidden + r0 * nt * D, n, pos + n);
+          !st.ok()) {
+        status[b] = st;
+        continue;
+      }
     }
     r.main_hidden = std::move(io.main_hidden);
     if (c.n_mtp_layers > 0) {
@@ -1566,7 +1613,6 @@ StepCheckpoint Model::Checkpoint(const SequenceState& state, int64_t rows) const
   k.rows = rows;
   k.published_keys = state.published_keys;
   k.engram_history = state.engram_history;
-  k.main_hidden = state.main_hidden;
   k.main_hidden_pos = state.main_hidden_pos;
   for (const auto& [l, src] : state.sources) {
     k.sources[l] = {src.n, src.tail};
@@ -1667,11 +1713,17 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
   }
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   if (nt > 0) {
-    if (step.main_hidden.size() < static_cast<size_t>(keep * nt * c.dim)) {
-      return absl::InvalidArgumentError("rollback: step result lacks the DSpark inputs");
+    if (state.main_hidden_row >= 0) {  // the step's rows stayed in backend memory
+      if (keep > state.main_hidden_rows_n)
+        return absl::InvalidArgumentError("rollback: the step kept fewer DSpark inputs");
+      state.main_hidden_row = keep - 1;
+    } else {
+      if (step.main_hidden.size() < static_cast<size_t>(keep * nt * c.dim)) {
+        return absl::InvalidArgumentError("rollback: step result lacks the DSpark inputs");
+      }
+      state.main_hidden.assign(step.main_hidden.begin() + (keep - 1) * nt * c.dim,
+                               step.main_hidden.begin() + keep * nt * c.dim);
     }
-    state.main_hidden.assign(step.main_hidden.begin() + (keep - 1) * nt * c.dim,
-                             step.main_hidden.begin() + keep * nt * c.dim);
     state.main_hidden_pos = end - 1;
   }
   state.pos = end;

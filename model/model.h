@@ -84,9 +84,25 @@ struct SequenceState {
   int published_keys = -1;        // layer whose index keys were published last (reference quirk)
   std::vector<int64_t>
       engram_history;              // compressed ids of the last max_ngram-1 tokens, newest last
-  std::vector<float> main_hidden;  // [n_targets*dim] DSpark input of the last position
+  // [n_targets*dim] DSpark input of the last position (read it with MainHiddenOf: a batched
+  // decode step on a device backend leaves it in backend memory, main_hidden_rows, and this host
+  // copy stale).
+  std::vector<float> main_hidden;
   int64_t main_hidden_pos = -1;
+  // Set by Model::ExtendBatch on a device backend: the step's DSpark inputs [rows, n_targets*dim]
+  // (main_hidden_rows_n rows; the buffer is kept and reused by the next step unless a copy of
+  // the state shares it), row main_hidden_row being the last position's (-1: main_hidden holds
+  // it). Rollback picks the kept row; nothing comes down until a hand-off serializes the state.
+  std::shared_ptr<kernels::Buffer> main_hidden_rows;
+  int64_t main_hidden_rows_n = 0;
+  int64_t main_hidden_width = 0;  // floats per row (n_targets*dim)
+  int64_t main_hidden_row = -1;
+  kernels::Backend* main_hidden_backend = nullptr;
 };
+
+// The DSpark input of `s`'s last position ([n_targets*dim]; empty before any forward):
+// s.main_hidden, or one read of the row a decode step left in backend memory.
+[[nodiscard]] absl::StatusOr<std::vector<float>> MainHiddenOf(const SequenceState& s);
 
 // A fresh state for `config` whose global KV and rings live in `pool` (Model::NewSequence; tools
 // and tests that need a state without weights, e.g. a synthesized long state of the release
@@ -112,7 +128,6 @@ struct StepCheckpoint {
   int64_t rows = 0;
   int published_keys = -1;
   std::vector<int64_t> engram_history;
-  std::vector<float> main_hidden;
   int64_t main_hidden_pos = -1;
   struct Tail {
     int64_t n = 0;
@@ -203,7 +218,9 @@ struct ForwardResult {
   // without penalties). kSample: each row's draw with its uniform (Backend::SampleLogits).
   std::vector<int32_t> tokens;
   std::vector<Logprobs> logprobs;  // [rows] when LogitsRequest::top_logprobs >= 0 (with tokens)
-  std::vector<float> main_hidden;  // [S, n_targets*dim] DSpark inputs of every position
+  // [S, n_targets*dim] DSpark inputs of every position; empty from a batched decode step on a
+  // device backend (ExtendBatch, DecodeStep: the state keeps them there, MainHiddenOf).
+  std::vector<float> main_hidden;
 };
 
 struct DraftResult {
@@ -289,8 +306,9 @@ class Model {
   // not a multi-token step that must run row by row (a later layer's stale index keys).
   bool Batchable(const SequenceState& state, std::span<const int32_t> ids) const;
   // Verification support: Checkpoint before an Extend of `rows` tokens; Rollback after it keeps
-  // the first accepted.size() tokens (the Extend's `step` result supplies their DSpark inputs),
-  // leaving the state exactly as if only they had been decoded.
+  // the first accepted.size() tokens (the Extend's `step` result supplies their DSpark inputs, or
+  // the state's rows in backend memory after a batched step on a device backend), leaving the
+  // state exactly as if only they had been decoded.
   StepCheckpoint Checkpoint(const SequenceState& state, int64_t rows) const;
   [[nodiscard]] absl::Status Rollback(SequenceState& state, const StepCheckpoint& checkpoint,
                                       std::span<const int32_t> accepted,
@@ -405,6 +423,10 @@ class Model {
   [[nodiscard]] absl::Status LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,
                                             const int32_t* tokens, int top,
                                             std::vector<Logprobs>& out) const;
+  // Keeps a batched decode step's DSpark inputs `rows_dev` [n, n_targets*dim] (backend memory) in
+  // the state's backend buffer, the last row the state's (SequenceState::main_hidden_rows).
+  [[nodiscard]] absl::Status KeepMainHidden(SequenceState& state, const float* rows_dev, int64_t n,
+                                            int64_t end_pos) const;
   // Advances pos to end_pos, appends ids to the Engram history, keeps the last DSpark input, and
   // seals the global-KV blocks the call filled (SealPending: one Download on a device pool).
   [[nodiscard]] absl::Status Commit(SequenceState& state, std::span<const int32_t> ids,

@@ -99,9 +99,11 @@ std::vector<StateSegment> SerializeStateSegments(
     out.push_back(std::move(eg));
   }
   if (keep("main_hidden")) {
-    StateSegment mh{"main_hidden", std::vector<uint8_t>(s.main_hidden.size() * 2)};
-    for (size_t i = 0; i < s.main_hidden.size(); ++i) {
-      const uint16_t b = kf::F32ToBf16Bits(s.main_hidden[i]);
+    absl::StatusOr<std::vector<float>> main_hidden = MainHiddenOf(s);
+    AbortUnlessOk(main_hidden.status(), "read the DSpark input");
+    StateSegment mh{"main_hidden", std::vector<uint8_t>(main_hidden->size() * 2)};
+    for (size_t i = 0; i < main_hidden->size(); ++i) {
+      const uint16_t b = kf::F32ToBf16Bits((*main_hidden)[i]);
       std::memcpy(mh.bytes.data() + 2 * i, &b, 2);
     }
     out.push_back(std::move(mh));

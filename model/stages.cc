@@ -139,6 +139,7 @@ absl::StatusOr<ForwardResult> DecoderReplay(const Model& model, SequenceState& s
   if (nt > 0) {
     state.main_hidden.assign(io.main_hidden.end() - nt * c.dim, io.main_hidden.end());
     state.main_hidden_pos = state.pos - 1;
+    state.main_hidden_row = -1;
   }
   res.main_hidden = std::move(io.main_hidden);
   return res;

@@ -20,6 +20,7 @@
 #include "model/kv_pool.h"
 #include "model/model.h"
 #include "model/sampling.h"
+#include "model/sequence_state.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
 
@@ -614,6 +615,80 @@ TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
               GetParam().c_str(), static_cast<long long>(newly_sealed),
               static_cast<long long>(step_downloads[0][3]),
               static_cast<long long>(step_downloads[0][2]));
+}
+
+// A batched decode step's DSpark inputs stay on a device backend (Model::KeepMainHidden): a step
+// of a sequence verifying three drafts and a plain one downloads only its tokens, the rollback
+// picks the kept row there, and a hand-off reads it once (MainHiddenOf, SerializeState). What it
+// reads equals, bit for bit, the DSpark input a host-memory run of the same steps keeps.
+TEST_P(OpCountTest, ABatchedStepsDSparkInputsStayOnTheBackend) {
+  std::map<std::string, int64_t> calls;
+  auto dev = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto plain = kernels::MakeCpuBackend({});
+  auto m = testing::LoadGoldenModel(*dev, GetParam(), ModelOptions{}, /*device=*/true);
+  auto h = testing::LoadGoldenModel(*plain, GetParam());
+  ASSERT_TRUE(m.ok() && h.ok());
+  const ModelConfig& c = (*m)->config();
+  if (c.dspark_target_layer_ids.empty()) GTEST_SKIP() << "no DSpark inputs in this set";
+  auto count = [&](const char* op) {
+    const auto it = calls.find(op);
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
+  const std::vector<std::vector<int32_t>> steps = {{17, 4, 29, 8}, {23}};
+  std::vector<std::vector<float>> kept(2);
+  for (Model* model : {m->get(), h->get()}) {
+    std::vector<std::unique_ptr<SequenceState>> seqs;
+    std::vector<SequenceState*> ptrs;
+    for (int b = 0; b < 2; ++b) {
+      std::vector<int32_t> prompt(150 - 20 * b);
+      for (size_t i = 0; i < prompt.size(); ++i)
+        prompt[i] = static_cast<int32_t>(3 + (i * 5 + b) % 80);
+      seqs.push_back(model->NewSequence());
+      ASSERT_TRUE(model->Prefill(*seqs.back(), prompt, false).ok());
+      ptrs.push_back(seqs.back().get());
+    }
+    const StepCheckpoint ck = model->Checkpoint(*ptrs[0], 4);
+    ASSERT_TRUE(ck.status.ok()) << ck.status;
+    const std::vector<LogitsRequest> outs = {LogitsOut::kArgmax, LogitsOut::kArgmax};
+    calls.clear();
+    auto r = DecodeStep(*model, ptrs, steps, nullptr, outs);
+    ASSERT_TRUE(r.ok()) << r.status();
+    const bool on_device = model == m->get();
+    if (on_device) {
+      EXPECT_EQ(count("Download"), 1) << "the tokens only";
+      EXPECT_TRUE(ptrs[0]->main_hidden.empty());
+      EXPECT_EQ(ptrs[0]->main_hidden_row, 3);
+      EXPECT_EQ(ptrs[1]->main_hidden_row, 0);
+    }
+    calls.clear();
+    ASSERT_TRUE(model->Rollback(*ptrs[0], ck, std::vector<int32_t>{17, 4}, (*r)[0]).ok());
+    EXPECT_EQ(count("Download"), 0);
+    EXPECT_EQ(ptrs[0]->main_hidden_pos, ptrs[0]->pos - 1);
+    for (int b = 0; b < 2; ++b) {
+      calls.clear();
+      auto mh = MainHiddenOf(*ptrs[b]);
+      ASSERT_TRUE(mh.ok()) << mh.status();
+      EXPECT_EQ(count("Download"), on_device ? 1 : 0);
+      EXPECT_EQ(static_cast<int64_t>(mh->size()),
+                static_cast<int64_t>(c.dspark_target_layer_ids.size()) * c.dim);
+      if (on_device) {
+        kept[b] = std::move(*mh);
+      } else {
+        EXPECT_EQ(*mh, kept[b]) << "sequence " << b;
+        EXPECT_EQ(*mh, ptrs[b]->main_hidden);
+      }
+    }
+    if (!on_device) continue;
+    // A hand-off serializes what the backend kept.
+    std::vector<StateSegment> segs = SerializeState(c, *ptrs[0]);
+    bool found = false;
+    for (const StateSegment& s : segs) {
+      if (s.name != "main_hidden") continue;
+      found = true;
+      EXPECT_EQ(s.bytes.size(), kept[0].size() * 2);
+    }
+    EXPECT_TRUE(found);
+  }
 }
 
 // A DSpark verification step's checkpoint and rollback of the SWA rings stay on the backend: the
