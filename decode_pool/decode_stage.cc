@@ -58,7 +58,8 @@ bool DecodeStage::Emit(DecodeSequence& seq, int32_t tok, std::span<const float> 
   if (seq.grammar) seq.grammar->Advance(options_.masker->bytes(tok));
   seq.output.push_back(tok);
   if (const int n = seq.sampler->params().top_logprobs; n > 0)
-    seq.logprobs.push_back(logprobs != nullptr ? *logprobs : model::ComputeLogprobs(logits, tok, n));
+    seq.logprobs.push_back(logprobs != nullptr ? *logprobs
+                                               : model::ComputeLogprobs(logits, tok, n));
   seq.pending = tok;
   if (static_cast<int32_t>(seq.output.size()) >= seq.sampler->params().max_tokens) {
     seq.done = true;
@@ -418,8 +419,9 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       // argmax, which an accepted draft equals; a draw's token with k = 0).
       const model::Logprobs* lp = lps.empty() ? nullptr : &lps[static_cast<size_t>(j)];
       if (lp != nullptr && lp->chosen.token != t) {
-        Fail(s, absl::InternalError(absl::StrCat("decode step: row ", j, "'s logprobs are of token ",
-                                                 lp->chosen.token, ", not of ", t)));
+        Fail(s,
+             absl::InternalError(absl::StrCat("decode step: row ", j, "'s logprobs are of token ",
+                                              lp->chosen.token, ", not of ", t)));
         break;
       }
       if (!Emit(s, t, row, lp)) break;

@@ -75,7 +75,8 @@ double LogSumExp(const float* l, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if (l[i] > mx) mx = l[i];
   }
-  const double sum = BlockedSum(n, [&](int64_t i) { return static_cast<double>(Weight(l[i], mx, 1.f)); });
+  const double sum =
+      BlockedSum(n, [&](int64_t i) { return static_cast<double>(Weight(l[i], mx, 1.f)); });
   return static_cast<double>(mx) + std::log(sum);
 }
 

@@ -62,7 +62,9 @@ inline int64_t SumBlocks(int64_t n) { return (n + kSumBlock - 1) / kSumBlock; }
 EPD_HD float Weight(float l, float mx, float inv_t) { return torch_math::TorchExp((l - mx) * inv_t); }
 
 // A logprob from a raw logit and its row's log-sum-exp.
-EPD_HD float Logprob(float l, double lse) { return static_cast<float>(static_cast<double>(l) - lse); }
+EPD_HD float Logprob(float l, double lse) {
+  return static_cast<float>(static_cast<double>(l) - lse);
+}
 
 // Whether entry (va, a) comes before (vb, b) in the top-logprobs order.
 EPD_HD bool TopBefore(float va, int64_t a, float vb, int64_t b) {

@@ -1,8 +1,8 @@
 #include "model/model.h"
 
 #include <algorithm>
-#include <cstring>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -1123,7 +1123,8 @@ absl::StatusOr<const float*> Model::RawRows(Scratch& ws, const float* logits, in
 }
 
 absl::Status Model::LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,
-                                   const int32_t* tokens, int top, std::vector<Logprobs>& out) const {
+                                   const int32_t* tokens, int top,
+                                   std::vector<Logprobs>& out) const {
   const int64_t V = config_.vocab_size, t = top;
   // One buffer of 4-byte words: [rows] tokens, [rows] chosen logprobs, [rows, top] top ids, then
   // [rows, top] their logprobs.
@@ -1145,8 +1146,8 @@ absl::Status Model::LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,
     Logprobs& lp = out[static_cast<size_t>(r)];
     lp.chosen = {host[static_cast<size_t>(r)], as_float(rows + r)};
     for (int64_t j = 0; j < t; ++j) {
-      lp.top.push_back(
-          {host[static_cast<size_t>(2 * rows + r * t + j)], as_float(2 * rows + rows * t + r * t + j)});
+      lp.top.push_back({host[static_cast<size_t>(2 * rows + r * t + j)],
+                        as_float(2 * rows + rows * t + r * t + j)});
     }
   }
   return absl::OkStatus();
@@ -1852,10 +1853,9 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     float* li = logits + i * V;
     RETURN_IF_ERROR(backend_.Add(li, bias, V));
     if (penalize) {
-      RETURN_IF_ERROR(backend_.PenalizeLogits(li, V, pen_at, pen_counts,
-                                              static_cast<int64_t>(penalties->at.size()),
-                                              penalties->repetition, penalties->frequency,
-                                              penalties->presence));
+      RETURN_IF_ERROR(backend_.PenalizeLogits(
+          li, V, pen_at, pen_counts, static_cast<int64_t>(penalties->at.size()),
+          penalties->repetition, penalties->frequency, penalties->presence));
     }
     RETURN_IF_ERROR(backend_.Argmax(li, 1, V, i < forced ? best : chain + i + 1));
     RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));

@@ -18,9 +18,9 @@
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "model/compressor_state.h"
 #include "model/config.h"
 #include "model/engram.h"
-#include "model/compressor_state.h"
 #include "model/kv_pool.h"
 #include "model/sampling.h"
 #include "model/weights.h"
@@ -416,8 +416,8 @@ class Model {
                                       const LogitPenalties& p) const;
   // The rows whose logprobs `out` asks for, as they are before its penalties: `logits` itself, or
   // a copy in `ws` when penalties will change them.
-  [[nodiscard]] absl::StatusOr<const float*> RawRows(Scratch& ws, const float* logits,
-                                                     int64_t rows, const LogitsRequest& out) const;
+  [[nodiscard]] absl::StatusOr<const float*> RawRows(Scratch& ws, const float* logits, int64_t rows,
+                                                     const LogitsRequest& out) const;
   // `out` = the logprobs of `rows` raw logits rows and their tokens (backend memory) with the top
   // `top` entries (Backend::TopLogprobs), in one download.
   [[nodiscard]] absl::Status LogprobsToHost(Scratch& ws, const float* raw, int64_t rows,

@@ -75,9 +75,9 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
     penalties.presence = sampler.params().presence_penalty;
     sampler.PenaltyEntries({}, 1, penalties.at, penalties.counts);
   }
-  auto draft = model_.Draft(state, last, {},
-                            greedy ? model::LogitsOut::kArgmax : model::LogitsOut::kValues,
-                            greedy && sampler.params().has_penalties() ? &penalties : nullptr);
+  auto draft =
+      model_.Draft(state, last, {}, greedy ? model::LogitsOut::kArgmax : model::LogitsOut::kValues,
+                   greedy && sampler.params().has_penalties() ? &penalties : nullptr);
   if (!draft.ok()) return draft.status();
   p.confidence = draft->confidence;
   if (k < 0) k = policy_->Choose(draft->confidence, batch);

@@ -733,7 +733,8 @@ class CpuBackend final : public Backend {
                      float* chosen_lp, int32_t* top_ids, float* top_lp) override {
     if (rows < 0) return Bad("TopLogprobs", "negative rows");
     if (n <= 0) return Bad("TopLogprobs", "empty rows");
-    if (top < 0 || top > n) return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
+    if (top < 0 || top > n)
+      return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
     if (rows == 0) return OkStatus();
     EPD_CHECK_OPERANDS("TopLogprobs", {{"x", x}, {"chosen", chosen}, {"chosen_lp", chosen_lp}});
     if (top > 0) EPD_CHECK_OPERANDS("TopLogprobs", {{"top_ids", top_ids}, {"top_lp", top_lp}});
@@ -749,7 +750,8 @@ class CpuBackend final : public Backend {
       chosen_lp[r] = sampling::Logprob(xr[chosen[r]], lse);
       if (top == 0) continue;
       sampling::TopIndices(xr, n, top, top_ids + r * top, order);
-      for (int64_t j = 0; j < top; ++j) top_lp[r * top + j] = sampling::Logprob(xr[top_ids[r * top + j]], lse);
+      for (int64_t j = 0; j < top; ++j)
+        top_lp[r * top + j] = sampling::Logprob(xr[top_ids[r * top + j]], lse);
     }
     return OkStatus();
   }

@@ -623,15 +623,16 @@ class CudaBackend final : public Backend {
                      float* chosen_lp, int32_t* top_ids, float* top_lp) override {
     if (rows < 0) return Bad("TopLogprobs", "negative rows");
     if (n <= 0) return Bad("TopLogprobs", "empty rows");
-    if (top < 0 || top > n) return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
+    if (top < 0 || top > n)
+      return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
     if (rows * n >= (int64_t{1} << 31)) return Bad("TopLogprobs", "more than 2^31 logits");
     if (rows == 0) return OkStatus();
     const size_t bytes = cuda::TopLogprobsScratchBytes(rows, n);
     auto scratch = Scratch("TopLogprobs", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("TopLogprobs", [&] {
-      return cuda::TopLogprobs(x, rows, n, chosen, top, chosen_lp, top_ids, top_lp, *scratch,
-                               bytes, streams_[0]);
+      return cuda::TopLogprobs(x, rows, n, chosen, top, chosen_lp, top_ids, top_lp, *scratch, bytes,
+                               streams_[0]);
     });
   }
 

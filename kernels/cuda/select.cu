@@ -582,9 +582,6 @@ __global__ void DrawPickKernel(const int64_t* hit, const int64_t* last, int64_t 
   out[r] = static_cast<int32_t>(pick >= 0 ? pick : fallback >= 0 ? fallback : 0);
 }
 
-// Scratch layout of SampleLogits over [rows, n]: probs f32 [rows, n], T f64 [rows, nb], P f64
-// [rows, nb + 1], hit / last i64 [rows, nb], keep i64 [rows], mx f32 [rows]; with a sort, keys
-// in / out u64 [rows, n], segment offsets int [rows + 1] and CUB's temporary storage.
 // Backend::TopLogprobs' last step (sampling_math.cc LogSumExp and TopIndices), one block per row
 // after RowMaxKernel, WeightBlockSumsKernel (T = 1) and BlockPrefixKernel: lse = mx + log(P[nb]),
 // the chosen token's logprob, then the top entries one at a time. Entry j is the TopBefore-first
@@ -622,8 +619,8 @@ __global__ void LogprobsKernel(const float* x, int64_t n, int64_t nb, const floa
       if (threadIdx.x < s) {
         const float ov = bv[threadIdx.x + s];
         const int64_t oi = bi[threadIdx.x + s];
-        if (oi >= 0 && (bi[threadIdx.x] < 0 || sampling::TopBefore(ov, oi, bv[threadIdx.x],
-                                                                   bi[threadIdx.x]))) {
+        if (oi >= 0 && (bi[threadIdx.x] < 0 ||
+                        sampling::TopBefore(ov, oi, bv[threadIdx.x], bi[threadIdx.x]))) {
           bv[threadIdx.x] = ov;
           bi[threadIdx.x] = oi;
         }
@@ -640,6 +637,8 @@ __global__ void LogprobsKernel(const float* x, int64_t n, int64_t nb, const floa
   }
 }
 
+// Scratch layout of TopLogprobs over [rows, n]: the weights f32 [rows, n] (unused after their
+// block sums), T f64 [rows, nb], P f64 [rows, nb + 1], mx f32 [rows].
 struct LogprobsLayout {
   int64_t nb = 0;
   size_t probs = 0, T = 0, P = 0, mx = 0, total = 0;
@@ -659,6 +658,9 @@ struct LogprobsLayout {
   }
 };
 
+// Scratch layout of SampleLogits over [rows, n]: probs f32 [rows, n], T f64 [rows, nb], P f64
+// [rows, nb + 1], hit / last i64 [rows, nb], keep i64 [rows], mx f32 [rows]; with a sort, keys
+// in / out u64 [rows, n], segment offsets int [rows + 1] and CUB's temporary storage.
 struct SampleLayout {
   int64_t nb = 0;
   size_t probs = 0, T = 0, P = 0, hit = 0, last = 0, keep = 0, mx = 0, keys_in = 0, keys_out = 0,
@@ -874,7 +876,6 @@ cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int
                                                                  repetition, frequency, presence);
   return cudaGetLastError();
 }
-
 
 size_t TopLogprobsScratchBytes(int64_t rows, int64_t n) { return LogprobsLayout(rows, n).total; }
 

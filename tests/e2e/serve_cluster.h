@@ -31,10 +31,9 @@ class ServeCluster {
  public:
   // `args` are added to `epd serve --data-dir ... --http-port 0 --grpc-port 0 ...`.
   explicit ServeCluster(std::vector<std::string> args = {}) {
-    std::vector<std::string> argv = {BinaryPath("epd"), "serve",       "--data-dir",
-                                     data_dir(),        "--http-port", "0",
-                                     "--grpc-port",     "0",           "--restart-backoff-ms",
-                                     "100"};
+    std::vector<std::string> argv = {BinaryPath("epd"),      "serve", "--data-dir",  data_dir(),
+                                     "--http-port",          "0",     "--grpc-port", "0",
+                                     "--restart-backoff-ms", "100"};
     argv.insert(argv.end(), args.begin(), args.end());
     serve_ = Subprocess::Start(argv, dir_.File("serve.log"));
   }

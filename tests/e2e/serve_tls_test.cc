@@ -4,15 +4,14 @@
 // certificate against the test CA gets a chat completion from the real model over HTTPS and a
 // Generate over gRPC TLS; Ctrl-C stops the cluster.
 #include <grpcpp/grpcpp.h>
+#include <gtest/gtest.h>
 #include <httplib.h>
 #include <signal.h>
 
 #include <chrono>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "tests/e2e/serve_cluster.h"

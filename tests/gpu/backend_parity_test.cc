@@ -1621,7 +1621,8 @@ PARITY_CASE(TopLogprobs) {
   const auto golden = GoldenF32("logits_prefill_all.bin");
   ASSERT_EQ(static_cast<int64_t>(golden.size()), kGoldenRows * kGoldenVocab);
   std::vector<int32_t> gchosen(kGoldenRows);
-  for (int64_t r = 0; r < kGoldenRows; ++r) gchosen[r] = static_cast<int32_t>((r * 37) % kGoldenVocab);
+  for (int64_t r = 0; r < kGoldenRows; ++r)
+    gchosen[r] = static_cast<int32_t>((r * 37) % kGoldenVocab);
   std::vector<std::vector<float>> lps;
   std::vector<std::vector<int32_t>> ids;
   for (Side* s : {&env.ref, &env.cand}) {
