@@ -10,11 +10,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <sstream>
 #include <thread>
 
@@ -41,20 +43,36 @@ TempDir::~TempDir() {
   if (!path_.empty()) std::filesystem::remove_all(path_, ec);
 }
 
-int PickFreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
+namespace {
+// Whether `port` can be bound on 127.0.0.1 now.
+bool Bindable(int port) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  int port = -1;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
-    port = ntohs(addr.sin_port);
-  }
+  addr.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
   close(fd);
-  return port;
+  return ok;
+}
+}  // namespace
+
+int PickFreePort() {
+  // Below the kernel's ephemeral range (net.ipv4.ip_local_port_range, 32768-60999 by default):
+  // a port from that range can be taken between this pick and the program's bind by any
+  // connect() or bind(0) of the tests running beside it, which are many; below it only another
+  // pick can collide, one chance in thousands.
+  int low = 32768;
+  if (std::ifstream range("/proc/sys/net/ipv4/ip_local_port_range"); range) range >> low;
+  const int lo = 10000, hi = std::max(lo + 1000, low);
+  thread_local std::mt19937 rng(static_cast<unsigned>(std::random_device{}() ^ getpid()));
+  std::uniform_int_distribution<int> pick(lo, hi - 1);
+  for (int attempt = 0; attempt < 200; ++attempt) {
+    const int port = pick(rng);
+    if (Bindable(port)) return port;
+  }
+  return -1;
 }
 
 std::optional<std::string> HttpGet(int port, const std::string& path, int* status) {

@@ -34,7 +34,8 @@ class TempDir {
   std::string path_;
 };
 
-// A port that was free a moment ago on 127.0.0.1 (for programs that cannot take port 0).
+// A port that was free a moment ago on 127.0.0.1, below the kernel's ephemeral range (for
+// programs that cannot take port 0 and publish what they bound). -1 when none was found.
 int PickFreePort();
 
 // Minimal HTTP GET against 127.0.0.1; returns the body, nullopt on connection failure.
