@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/sampling_math.h"
 #include "model/stages.h"
 
 namespace epd::decode_pool {
@@ -96,25 +97,35 @@ void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int
 bool DecodeStage::TokensOnly(const DecodeSequence& seq, size_t drafts) const {
   const model::SamplingParams& p = seq.sampler->params();
   if (seq.grammar) return false;
-  return p.greedy() ? options_.greedy_on_backend : options_.sample_on_backend && drafts == 0;
+  if (p.greedy()) return options_.greedy_on_backend;
+  return options_.sample_on_backend && (drafts == 0 || p.top_logprobs <= 0);
 }
 
 model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
-                                            std::span<const int32_t> drafts, int64_t rows,
+                                            const DraftProposal* proposal, int64_t rows,
                                             model::LogitPenalties& penalties,
-                                            model::SampleRequest& sample) const {
+                                            model::SampleRequest& sample,
+                                            model::DraftVerification& verify) const {
+  const std::span<const int32_t> drafts =
+      proposal != nullptr ? std::span<const int32_t>(proposal->drafts) : std::span<const int32_t>();
   if (!TokensOnly(seq, drafts.size())) return model::LogitsOut::kValues;
   const model::SamplingParams& p = seq.sampler->params();
-  const model::LogitsOut out = p.greedy() ? model::LogitsOut::kArgmax : model::LogitsOut::kSample;
+  const model::LogitsOut out = p.greedy()       ? model::LogitsOut::kArgmax
+                               : drafts.empty() ? model::LogitsOut::kSample
+                                                : model::LogitsOut::kVerify;
   const int top_logprobs = p.top_logprobs > 0 ? p.top_logprobs : -1;  // on the backend too
-  if (out == model::LogitsOut::kSample) {
+  if (out == model::LogitsOut::kVerify) {
+    verify.q = proposal->q;
+    verify.drafts.assign(drafts.begin(), drafts.end());
+  }
+  if (out != model::LogitsOut::kArgmax) {
     // The uniforms the host's Sample would draw, in its order (one per row).
     sample.params = seq.sampler->DrawParams();
     sample.uniforms.clear();
     for (int64_t r = 0; r < rows; ++r) sample.uniforms.push_back(seq.sampler->rng().NextUniform());
   }
   if (!p.has_penalties()) {
-    model::LogitsRequest req(out, nullptr, &sample);
+    model::LogitsRequest req(out, nullptr, &sample, &verify);
     req.top_logprobs = top_logprobs;
     return req;
   }
@@ -124,7 +135,7 @@ model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
   penalties.at.clear();
   penalties.counts.clear();
   seq.sampler->PenaltyEntries(drafts, rows, penalties.at, penalties.counts);
-  model::LogitsRequest req(out, &penalties, &sample);
+  model::LogitsRequest req(out, &penalties, &sample, &verify);
   req.top_logprobs = top_logprobs;
   return req;
 }
@@ -218,13 +229,14 @@ absl::Status DecodeStage::StepPlain(std::span<DecodeSequence* const> live, Decod
   std::vector<model::LogitsRequest> outs;
   std::vector<model::LogitPenalties> penalties(live.size());
   std::vector<model::SampleRequest> samples(live.size());
+  std::vector<model::DraftVerification> verifies(live.size());  // unused: no drafts
   std::vector<uint64_t> drawn_from(live.size());  // each Rng's counter before the step's draws
   for (size_t i = 0; i < live.size(); ++i) {
     DecodeSequence* s = live[i];
     states.push_back(s->state.get());
     tokens.push_back({s->pending});
     drawn_from[i] = s->sampler->rng().counter();
-    outs.push_back(LogitsFor(*s, {}, 1, penalties[i], samples[i]));
+    outs.push_back(LogitsFor(*s, nullptr, 1, penalties[i], samples[i], verifies[i]));
   }
   std::vector<absl::Status> failed;
   auto res = model::DecodeStep(model_, states, tokens, &failed, outs);
@@ -269,6 +281,7 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
   // Their penalties (stable addresses: outs points into it).
   std::vector<model::LogitPenalties> penalties(live.size());
   std::vector<model::SampleRequest> samples(live.size());
+  std::vector<model::DraftVerification> verifies(live.size());
   std::vector<uint64_t> drawn_from;  // per stepped sequence: its Rng's counter before the step
   std::vector<DecodeSequence*> stepped;  // the sequences whose draft succeeded, in order
   std::vector<char> calibrated;  // per stepped sequence: k chosen by the calibrated policy
@@ -319,8 +332,7 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     if (prop->k > cap) {  // the policy chose more than the sequence can emit
       prop->k = cap;
-      prop->drafts.resize(cap);
-      if (!prop->q.empty()) prop->q.resize(static_cast<size_t>(cap) * V);
+      prop->drafts.resize(cap);  // (a T > 0 proposal's q keeps rows it no longer uses)
     }
     std::vector<int32_t> ids = {s.pending};
     ids.insert(ids.end(), prop->drafts.begin(), prop->drafts.end());
@@ -335,8 +347,8 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     checkpoints.push_back(std::move(ck));
     stepped.push_back(&s);
     drawn_from.push_back(s.sampler->rng().counter());
-    outs.push_back(LogitsFor(s, prop->drafts, prop->k + 1, penalties[stepped.size() - 1],
-                             samples[stepped.size() - 1]));
+    outs.push_back(LogitsFor(s, &*prop, prop->k + 1, penalties[stepped.size() - 1],
+                             samples[stepped.size() - 1], verifies[stepped.size() - 1]));
     calibrated.push_back(calib);
     states.push_back(s.state.get());
     tokens.push_back(std::move(ids));
@@ -357,13 +369,22 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     const DraftProposal& p = props[i];
     const std::vector<float>& logits = (*res)[i].logits;
     const bool tokens_only = outs[i].out != model::LogitsOut::kValues;
+    const bool verified = outs[i].out == model::LogitsOut::kVerify;
     const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].tokens.size())
                                     : static_cast<int64_t>(logits.size()) / V;
     const std::vector<model::Logprobs>& lps = (*res)[i].logprobs;
-    if (got != p.k + 1 || (!tokens_only && static_cast<int64_t>(logits.size()) != got * V) ||
+    if (got != (verified ? 2 : p.k + 1) ||
+        (!tokens_only && static_cast<int64_t>(logits.size()) != got * V) ||
         (outs[i].top_logprobs >= 0 && static_cast<int64_t>(lps.size()) != got)) {
       Fail(s, absl::InternalError(absl::StrCat("decode step returned ", got, " logit rows for ",
                                                p.k + 1, " positions")));
+      continue;
+    }
+    if (verified && ((*res)[i].tokens[0] < 0 || (*res)[i].tokens[0] > p.k ||
+                     (*res)[i].tokens[1] < 0 || (*res)[i].tokens[1] >= V)) {
+      Fail(s, absl::InternalError(absl::StrCat("decode step returned the verdict {",
+                                               (*res)[i].tokens[0], ", ", (*res)[i].tokens[1],
+                                               "} for ", p.k, " drafts")));
       continue;
     }
     // Constrained: row j is masked by the grammar after drafts 0..j-1; the rows after the first
@@ -384,10 +405,23 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     }
     // Tokens only: the rows' argmax is the greedy target of each position (row j penalized as
     // after drafts[0, j)); a T > 0 sequence's one row (no drafts) is its draw, which is what
-    // Verify's rejection sampling takes with k = 0.
-    const VerifyOutcome o =
-        tokens_only ? VerifyGreedy((*res)[i].tokens, std::span<const int32_t>(p.drafts))
-                    : drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
+    // Verify's rejection sampling takes with k = 0; a T > 0 sequence with drafts gets the
+    // backend's verdict (Backend::VerifyDrafts), which took UniformsUsed of its k + 1 uniforms.
+    VerifyOutcome o;
+    if (verified) {
+      o = VerifyOutcome{(*res)[i].tokens[0], (*res)[i].tokens[1]};
+      s.sampler->rng().Rewind(
+          drawn_from[i] + static_cast<uint64_t>(kernels::sampling::UniformsUsed(o.accepted, p.k)));
+    } else if (tokens_only) {
+      o = VerifyGreedy((*res)[i].tokens, std::span<const int32_t>(p.drafts));
+    } else {
+      auto v = drafter_.Verify(s.grammar ? masked : logits, p, *s.sampler);
+      if (!v.ok()) {
+        Fail(s, v.status());
+        continue;
+      }
+      o = *v;
+    }
     if (p.k > 0) {
       const std::span<const int32_t> keep =
           std::span<const int32_t>(tokens[i]).first(static_cast<size_t>(o.accepted) + 1);

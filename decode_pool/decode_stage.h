@@ -156,14 +156,17 @@ class DecodeStage {
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
   // Whether a step of `seq` verifying `drafts` drafts brings back only its rows' tokens: their
-  // argmax (greedy_on_backend) or its draw (sample_on_backend).
+  // argmax (greedy_on_backend), its draw or its verdict on T > 0 drafts (sample_on_backend; not
+  // with drafts and logprobs).
   bool TokensOnly(const DecodeSequence& seq, size_t drafts) const;
-  // What a step of `rows` rows (the last token, then `drafts`) asks of `seq`'s logits; its
-  // penalties go to `penalties` and a draw's uniforms (taken from seq's Rng now) to `sample`,
-  // both of which must outlive the step.
-  model::LogitsRequest LogitsFor(const DecodeSequence& seq, std::span<const int32_t> drafts,
+  // What a step of `rows` rows (the last token, then the proposal's drafts, if any) asks of
+  // `seq`'s logits; its penalties go to `penalties`, a draw's uniforms (taken from seq's Rng now)
+  // to `sample` and a T > 0 proposal's drafts and distributions to `verify`, all of which must
+  // outlive the step.
+  model::LogitsRequest LogitsFor(const DecodeSequence& seq, const DraftProposal* proposal,
                                  int64_t rows, model::LogitPenalties& penalties,
-                                 model::SampleRequest& sample) const;
+                                 model::SampleRequest& sample,
+                                 model::DraftVerification& verify) const;
   // Appends an already chosen token (for logprobs: its row's raw logits, or `logprobs` computed
   // on the backend for this token); returns false once the sequence is done (stop id: not
   // appended; max_tokens reached: appended, then done).

@@ -474,9 +474,19 @@ class Backend {
   // logits row x[r, :] (x [rows, n], penalties already applied) under `p`: the temperature,
   // top-k, top-p and min-p filters and the inverse CDF of kernels/sampling_math.h, the host
   // Sampler's arithmetic (FilteredProbs, then DrawIndex). u [rows] doubles and out [rows] lie in
-  // backend memory. Exact (the same token as the host for the same logits and u).
+  // backend memory. Exact (the same token as the host for the same logits and u). `probs` (null:
+  // not wanted; else [rows, n] in backend memory) receives each row's distribution
+  // (FilteredProbs): a DSpark draft's q, a verified row's p.
   virtual absl::Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
-                                    const double* u, int32_t* out) = 0;
+                                    const double* u, int32_t* out, float* probs) = 0;
+  // Speculative verification of one sequence's k >= 0 drafts (kernels/sampling_math.h,
+  // VerifyDrafts): p [k + 1, n] the target rows' distributions and q [k, n] the drafts' (both as
+  // SampleLogits' probs), drafts [k], uniforms u [k + 1]; out [2] = {drafts accepted, the token
+  // after them}. All in backend memory. Exact (one arithmetic with the host's Drafter::Verify).
+  // The CPU backend refuses a draft outside [0, n); a device backend, which cannot read the
+  // drafts without a round trip, takes one as rejected.
+  virtual absl::Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts,
+                                    int64_t k, int64_t n, const double* u, int32_t* out) = 0;
   // Logprobs of raw logits rows (model::ComputeLogprobs; kernels/sampling_math.h): for each row r
   // of x [rows, n], chosen_lp[r] = the logprob of token chosen[r] (in [0, n)), and the row's `top`
   // (in [0, n]) largest entries, descending with ties to the lower index, as top_ids and top_lp
@@ -536,6 +546,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Argmax",
     "PenalizeLogits",
     "SampleLogits",
+    "VerifyDrafts",
     "TopLogprobs",
     "HcMixesSingleToken",
     "EngramGateSingleToken",

@@ -70,6 +70,29 @@ int32_t DrawIndex(const float* probs, int64_t n, double u) {
   return 0;
 }
 
+DraftVerdict VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k,
+                          int64_t n, const double* u, std::vector<float>& residual) {
+  DraftVerdict v;
+  for (int64_t i = 0; i < k; ++i) {
+    const float* pi = p + i * n;
+    const float* qi = q + i * n;
+    if (AcceptDraft(pi[drafts[i]], qi[drafts[i]], u[i])) {
+      ++v.accepted;
+      continue;
+    }
+    residual.resize(static_cast<size_t>(n));
+    bool mass = false;
+    for (int64_t j = 0; j < n; ++j) {
+      residual[j] = std::max(0.f, pi[j] - qi[j]);
+      mass |= residual[j] > 0.f;
+    }
+    v.token = DrawIndex(mass ? residual.data() : pi, n, u[i + 1]);
+    return v;
+  }
+  v.token = DrawIndex(p + k * n, n, u[k]);
+  return v;
+}
+
 double LogSumExp(const float* l, int64_t n) {
   float mx = -INFINITY;
   for (int64_t i = 0; i < n; ++i) {

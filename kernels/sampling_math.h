@@ -27,6 +27,14 @@
 // i with p_i > 0 and target < prefix_i; none (rounding at the top end): the last i with p_i > 0,
 // else 0.
 //
+// Speculative verification of k drafts (DSpark at T > 0; Leviathan et al. 2023, Chen et al.
+// 2023), VerifyDrafts: p [k+1, n] the target's distributions (FilteredProbs of its penalized rows
+// for [last, drafts...]), q [k, n] the distributions the drafts were drawn from, uniforms u [k+1]
+// taken in order. Draft i (x) is accepted when q(x) > 0 ? u_i * q(x) < p(x) : p(x) > 0 (in
+// double); at the first rejected one (row r) the token is DrawIndex(max(0, p_r - q_r), u_{r+1}),
+// or DrawIndex(p_r, u_{r+1}) when that residual has no mass (p_r == q_r); with all k accepted it is
+// DrawIndex(p_k, u_k). UniformsUsed of them are consumed (the host Rng rewinds the rest).
+//
 // Logprobs (model::ComputeLogprobs, Backend::TopLogprobs) are the log-softmax of the raw logits
 // l [n] (T = 1, no penalties or filters): lse = mx + log(BlockedSum(Weight(l_i, mx, 1))) in double
 // (mx = max l), token t's logprob fp32(l_t - lse) (Logprob); the top entries are the largest l,
@@ -69,6 +77,16 @@ EPD_HD float Logprob(float l, double lse) {
 // Whether entry (va, a) comes before (vb, b) in the top-logprobs order.
 EPD_HD bool TopBefore(float va, int64_t a, float vb, int64_t b) {
   return va > vb || (va == vb && a < b);
+}
+
+// VerifyDrafts' test of a draft x with target and draft probabilities p(x), q(x).
+EPD_HD bool AcceptDraft(float px, float qx, double u) {
+  return qx > 0.f ? u * static_cast<double>(qx) < static_cast<double>(px) : px > 0.f;
+}
+
+// The uniforms VerifyDrafts consumed for `accepted` of k drafts (the tests made, then the draw).
+EPD_HD int64_t UniformsUsed(int64_t accepted, int64_t k) {
+  return (accepted < k ? accepted + 1 : k) + 1;
 }
 
 // Why `p` cannot be a draw's filters (empty when it can).
@@ -120,6 +138,15 @@ void FilteredProbs(const float* l, int64_t n, const SampleParams& p, float* prob
 
 // The index a draw with u in [0, 1) takes from probs [n] (non-negative, any positive sum).
 int32_t DrawIndex(const float* probs, int64_t n, double u);
+
+// The verdict on k drafts (the arithmetic above): the drafts accepted and the token after them.
+// `residual` is scratch.
+struct DraftVerdict {
+  int32_t accepted = 0;
+  int32_t token = 0;
+};
+DraftVerdict VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k,
+                          int64_t n, const double* u, std::vector<float>& residual);
 
 // The log-sum-exp of raw logits l [n] (the logprobs' arithmetic above).
 double LogSumExp(const float* l, int64_t n);

@@ -1090,7 +1090,18 @@ absl::Status Model::Penalize(Scratch& ws, float* logits, int64_t rows,
 absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows) {
   if (out.penalties != nullptr && out.penalties->at.size() != out.penalties->counts.size())
     return absl::InvalidArgumentError("model: penalties need one count per entry");
-  if (out.out != LogitsOut::kSample) return absl::OkStatus();
+  if (out.out == LogitsOut::kVerify) {
+    if (out.verify == nullptr || out.verify->q == nullptr)
+      return absl::InvalidArgumentError(
+          "model: a verified result needs its drafts and their distributions");
+    if (rows < 2 || static_cast<int64_t>(out.verify->drafts.size()) != rows - 1)
+      return absl::InvalidArgumentError(absl::StrCat("model: a verified result of ", rows,
+                                                     " rows has ", out.verify->drafts.size(),
+                                                     " drafts (needs rows - 1 >= 1)"));
+    if (out.top_logprobs >= 0)
+      return absl::InvalidArgumentError("model: a verified result brings no logprobs");
+  }
+  if (out.out != LogitsOut::kSample && out.out != LogitsOut::kVerify) return absl::OkStatus();
   if (out.sample == nullptr)
     return absl::InvalidArgumentError("model: a sampled result needs its sample request");
   if (const char* why = kernels::sampling::ParamsProblem(out.sample->params); why != nullptr)
@@ -1110,7 +1121,39 @@ absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows) {
 absl::Status Model::DrawTokens(Scratch& ws, const float* logits, int64_t rows,
                                const SampleRequest& sample, int32_t* tokens) const {
   ASSIGN_OR_RETURN(const double* u, ws.Copy(sample.uniforms));
-  return backend_.SampleLogits(logits, rows, config_.vocab_size, sample.params, u, tokens);
+  return backend_.SampleLogits(logits, rows, config_.vocab_size, sample.params, u, tokens, nullptr);
+}
+
+absl::Status Model::VerificationProblem(const LogitsRequest& out) const {
+  if (out.out != LogitsOut::kVerify) return absl::OkStatus();
+  const int64_t V = config_.vocab_size;
+  const DraftVerification& dv = *out.verify;  // LogitsRequestProblem checked it is there
+  const auto k = static_cast<int64_t>(dv.drafts.size());
+  if (dv.q->bytes() < k * V * static_cast<int64_t>(sizeof(float)))
+    return absl::InvalidArgumentError(
+        absl::StrCat("model: the distributions of ", k, " drafts do not fit their buffer"));
+  for (int32_t d : dv.drafts) {
+    if (d < 0 || d >= V)
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: draft ", d, " is outside the vocabulary"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::VerifyTokens(Scratch& ws, const float* logits, int64_t rows,
+                                 const LogitsRequest& out, int32_t* verdict) const {
+  const int64_t V = config_.vocab_size, k = rows - 1;
+  const DraftVerification& dv = *out.verify;
+  RETURN_IF_ERROR(VerificationProblem(out));
+  // The target rows' distributions (SampleLogits' probs; its draws are not used), then the
+  // verdict: two ids are all that comes down.
+  ASSIGN_OR_RETURN(float* p, ws.Alloc<float>(rows * V));
+  ASSIGN_OR_RETURN(int32_t * draws, ws.Alloc<int32_t>(rows));
+  ASSIGN_OR_RETURN(const double* u, ws.Copy(out.sample->uniforms));
+  RETURN_IF_ERROR(backend_.SampleLogits(logits, rows, V, out.sample->params, u, draws, p));
+  ASSIGN_OR_RETURN(const int32_t* drafts, ws.Copy(dv.drafts));
+  return backend_.VerifyDrafts(p, static_cast<const float*>(dv.q->data()), drafts, k, V, u,
+                               verdict);
 }
 
 absl::StatusOr<const float*> Model::RawRows(Scratch& ws, const float* logits, int64_t rows,
@@ -1161,6 +1204,10 @@ absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
   ASSIGN_OR_RETURN(const float* raw, RawRows(ws, logits, rows, out));
   if (out.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, logits, rows, *out.penalties));
   ASSIGN_OR_RETURN(int32_t * tokens, ws.Alloc<int32_t>(rows));
+  if (out.out == LogitsOut::kVerify) {
+    RETURN_IF_ERROR(VerifyTokens(ws, logits, rows, out, tokens));
+    return ws.DownloadTo(tokens, 2, res.tokens);
+  }
   if (out.out == LogitsOut::kSample) {
     RETURN_IF_ERROR(DrawTokens(ws, logits, rows, *out.sample, tokens));
   } else {
@@ -1370,8 +1417,9 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (!outs.empty() && outs.size() != B)
     return absl::InvalidArgumentError("model: one logits choice per sequence");
   for (size_t b = 0; b < outs.size(); ++b) {
-    if (absl::Status st = LogitsRequestProblem(outs[b], static_cast<int64_t>(tokens[b].size()));
-        !st.ok()) {
+    absl::Status st = LogitsRequestProblem(outs[b], static_cast<int64_t>(tokens[b].size()));
+    if (st.ok()) st = VerificationProblem(outs[b]);
+    if (!st.ok()) {
       return absl::InvalidArgumentError(absl::StrCat("sequence ", b, ": ", st.message()));
     }
   }
@@ -1471,6 +1519,11 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
         RETURN_IF_ERROR(DrawTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
                                    *outs[b].sample, best + row0[b]));
       }
+      // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
+      if (status[b].ok() && out_of(b) == LogitsOut::kVerify) {
+        RETURN_IF_ERROR(VerifyTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
+                                     outs[b], best + row0[b]));
+      }
     }
     for (size_t b = 0; b < B; ++b) {
       if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
@@ -1498,7 +1551,8 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     } else if (out_of(b) == LogitsOut::kValues) {
       if (absl::Status st = ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
     } else {
-      r.tokens.assign(every.tokens.begin() + r0, every.tokens.begin() + r0 + n);
+      r.tokens.assign(every.tokens.begin() + r0,
+                      every.tokens.begin() + r0 + (out_of(b) == LogitsOut::kVerify ? 2 : n));
       r.logprobs = std::move(logprobs[b]);
     }
     r.rows = n;
@@ -1554,6 +1608,10 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
   // One single-token call per row (what kDecode means), with the compressors' per-row logs of the
   // whole step kept for Rollback.
   RETURN_IF_ERROR(LogitsRequestProblem(lo, all_logits ? static_cast<int64_t>(ids.size()) : 1));
+  RETURN_IF_ERROR(VerificationProblem(lo));
+  // A verification needs every row at once: the rows come down as values and go back up for it
+  // at the end (this path is rare: a later layer's stale index keys).
+  const bool verify = lo.out == LogitsOut::kVerify;
   ForwardResult out;
   std::map<int, std::shared_ptr<CompressorLog>> logs;  // the step's, filled row by row
   for (auto& [l, src] : state.sources) {
@@ -1568,14 +1626,16 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     SampleRequest row_sample;
     const bool kept = all_logits || i + 1 == ids.size();  // a row of the result
     // A row not returned draws nothing (its argmax, unused, keeps its logits on the backend).
-    LogitsRequest row_lo(lo.out == LogitsOut::kSample && !kept ? LogitsOut::kArgmax : lo.out);
+    LogitsRequest row_lo(verify                                  ? LogitsOut::kValues
+                         : lo.out == LogitsOut::kSample && !kept ? LogitsOut::kArgmax
+                                                                 : lo.out);
     if (kept) row_lo.top_logprobs = lo.top_logprobs;
     if (lo.out == LogitsOut::kSample && kept) {
       row_sample.params = lo.sample->params;
       row_sample.uniforms = {lo.sample->uniforms[returned]};
       row_lo.sample = &row_sample;
     }
-    if (lo.penalties != nullptr && kept) {
+    if (lo.penalties != nullptr && kept && !verify) {
       const int64_t V = config_.vocab_size;
       row_penalties = *lo.penalties;
       row_penalties.at.clear();
@@ -1604,6 +1664,15 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     }
   }
   for (auto& [l, log] : logs) state.sources.at(l).log = std::move(log);
+  if (verify) {
+    Scratch ws(backend_, scratch_pool_.get());
+    ASSIGN_OR_RETURN(float* rows, ws.Copy(out.logits));
+    if (lo.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, rows, out.rows, *lo.penalties));
+    ASSIGN_OR_RETURN(int32_t * verdict, ws.Alloc<int32_t>(2));
+    RETURN_IF_ERROR(VerifyTokens(ws, rows, out.rows, lo, verdict));
+    RETURN_IF_ERROR(ws.DownloadTo(verdict, 2, out.tokens));
+    out.logits.clear();
+  }
   return out;
 }
 
@@ -1733,14 +1802,20 @@ absl::Status Model::Rollback(SequenceState& state, const StepCheckpoint& k,
 
 absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
                                          std::span<const int32_t> forced_ids, LogitsOut lo,
-                                         const LogitPenalties* penalties) const {
+                                         const LogitPenalties* penalties,
+                                         const SampleRequest* sample) const {
   const ModelConfig& c = config_;
-  if (lo == LogitsOut::kSample)
-    return absl::InvalidArgumentError("model: a draft pass returns its greedy ids or its logits");
-  if (penalties != nullptr && lo != LogitsOut::kArgmax)
-    return absl::InvalidArgumentError("model: a draft pass applies penalties to its argmax only");
+  if (lo == LogitsOut::kVerify)
+    return absl::InvalidArgumentError("model: a draft pass returns its ids or its logits");
+  if (penalties != nullptr && lo == LogitsOut::kValues)
+    return absl::InvalidArgumentError(
+        "model: a draft pass applies penalties to its argmax or draws only");
+  if (lo == LogitsOut::kSample) {
+    RETURN_IF_ERROR(
+        LogitsRequestProblem(LogitsRequest(lo, penalties, sample), c.dspark_block_size));
+  }
   if (penalties != nullptr) {
-    RETURN_IF_ERROR(LogitsRequestProblem(LogitsRequest(lo, penalties), 1));
+    RETURN_IF_ERROR(LogitsRequestProblem(LogitsRequest(LogitsOut::kArgmax, penalties), 1));
     for (int64_t a : penalties->at) {
       if (a < 0 || a >= c.vocab_size)
         return absl::InvalidArgumentError(
@@ -1822,7 +1897,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(B * V));
   RETURN_IF_ERROR(backend_.LinearF32(xn, B, weights_->head.data(), V, D, logits));
   // The Markov chain runs on the backend: chain[i] is the token before draft position i (the
-  // input token, then each position's argmax, or the forced id), and position i's Markov
+  // input token, then each position's argmax or draw, or the forced id), and position i's Markov
   // embedding row is gathered by it (Embed with hc 1: a row copy), so no draft id comes down
   // until the end (one Download for the ids, one for the confidences).
   const int64_t R = c.dspark_markov_rank;
@@ -1840,6 +1915,24 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   ASSIGN_OR_RETURN(float* bias, ws.Alloc<float>(V));
   ASSIGN_OR_RETURN(float* cat, ws.Alloc<float>(D + R));  // [x_i, markov_embed[chain[i]]]
   ASSIGN_OR_RETURN(float* confidence, ws.Alloc<float>(B));
+  // A drawn chain: each position's uniform, and its distribution kept for the verification.
+  DraftResult out;
+  const double* u = nullptr;
+  float* dist = nullptr;
+  if (lo == LogitsOut::kSample) {
+    ASSIGN_OR_RETURN(u, ws.Copy(sample->uniforms));
+    // From the scratch pool (a device allocation synchronizes the device), given back when the
+    // last holder lets go of it.
+    ASSIGN_OR_RETURN(kernels::Buffer qb,
+                     scratch_pool_->Take(B * V * static_cast<int64_t>(sizeof(float))));
+    ScratchPool* pool = scratch_pool_.get();
+    out.q = std::shared_ptr<kernels::Buffer>(new kernels::Buffer(std::move(qb)),
+                                             [pool](kernels::Buffer* b) {
+                                               pool->Give(std::move(*b));
+                                               delete b;
+                                             });
+    dist = static_cast<float*>(out.q->data());
+  }
   const int64_t* pen_at = nullptr;  // the penalties' entries, uploaded once for every position
   const int32_t* pen_counts = nullptr;
   const bool penalize = penalties != nullptr && !penalties->at.empty();
@@ -1857,36 +1950,21 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
           li, V, pen_at, pen_counts, static_cast<int64_t>(penalties->at.size()),
           penalties->repetition, penalties->frequency, penalties->presence));
     }
-    RETURN_IF_ERROR(backend_.Argmax(li, 1, V, i < forced ? best : chain + i + 1));
+    int32_t* next = i < forced ? best : chain + i + 1;
+    if (lo == LogitsOut::kSample) {
+      RETURN_IF_ERROR(backend_.SampleLogits(li, 1, V, sample->params, u + i, next, dist + i * V));
+    } else {
+      RETURN_IF_ERROR(backend_.Argmax(li, 1, V, next));
+    }
     RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));
     RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));
   }
-  DraftResult out;
   ASSIGN_OR_RETURN(out.ids, ws.ToHost(chain, B + 1));
   if (lo == LogitsOut::kValues) {
     ASSIGN_OR_RETURN(out.logits, ws.ToHost(logits, B * V));
   }
   ASSIGN_OR_RETURN(out.confidence, ws.ToHost(confidence, B));
   return out;
-}
-
-absl::Status Model::MarkovBiasInto(int32_t token, float* bias) const {
-  const ModelConfig& c = config_;
-  if (c.n_mtp_layers == 0 || !weights_->dspark)
-    return absl::FailedPreconditionError("model: MarkovBias needs DSpark stages");
-  if (token < 0 || token >= c.vocab_size)
-    return absl::InvalidArgumentError(
-        absl::StrCat("model: MarkovBias token ", token, " is outside the vocabulary"));
-  const int64_t V = c.vocab_size, R = c.dspark_markov_rank;
-  return backend_.LinearF32(weights_->dspark->markov_embed.data() + token * R, 1,
-                            weights_->dspark->markov_head.data(), V, R, bias);
-}
-
-absl::Status Model::MarkovBias(int32_t token, std::vector<float>& bias) const {
-  Scratch ws(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(float* b, ws.Alloc<float>(config_.vocab_size));
-  RETURN_IF_ERROR(MarkovBiasInto(token, b));
-  return ws.DownloadTo(b, config_.vocab_size, bias);
 }
 
 }  // namespace epd::model

@@ -173,6 +173,10 @@ enum class LogitsOut {
             // in backend memory, and a step downloads rows x 4 bytes instead of rows x vocab x 4
   kSample,  // each row's seeded T > 0 draw only (ForwardResult::tokens; LogitsRequest::sample):
             // Backend::SampleLogits on the rows in backend memory, the host Sampler's arithmetic
+  kVerify,  // DSpark T > 0 verification of rows [last, drafts...] (LogitsRequest::sample and
+            // ::verify): ForwardResult::tokens = {drafts accepted, the token after them}, by
+            // Backend::SampleLogits' distributions and Backend::VerifyDrafts on the rows in
+            // backend memory (Drafter::Verify's arithmetic)
 };
 
 // Sampling penalties applied to a sequence's logits rows on the backend before their argmax or
@@ -192,14 +196,24 @@ struct SampleRequest {
   std::vector<double> uniforms;  // per result row, in [0, 1): the Sampler's Rng draws
 };
 
+// What a LogitsOut::kVerify result verifies: a draft pass's drafts and the distributions they
+// were drawn from, still in backend memory (DraftResult::q).
+struct DraftVerification {
+  std::shared_ptr<kernels::Buffer> q;  // [>= drafts, vocab] fp32, of this model's backend
+  std::vector<int32_t> drafts;         // [rows - 1]
+};
+
 // What a forward brings back of one sequence's logits rows.
 struct LogitsRequest {
   LogitsRequest(LogitsOut out = LogitsOut::kValues, const LogitPenalties* penalties = nullptr,
-                const SampleRequest* sample = nullptr)
-      : out(out), penalties(penalties), sample(sample) {}
+                const SampleRequest* sample = nullptr, const DraftVerification* verify = nullptr)
+      : out(out), penalties(penalties), sample(sample), verify(verify) {}
   LogitsOut out;
-  const LogitPenalties* penalties;  // kArgmax and kSample (else ignored): borrowed for the call
-  const SampleRequest* sample;      // kSample only (required): borrowed for the call
+  // kArgmax, kSample and kVerify (else ignored): borrowed for the call.
+  const LogitPenalties* penalties;
+  // kSample and kVerify (required; one uniform per row): borrowed for the call.
+  const SampleRequest* sample;
+  const DraftVerification* verify;  // kVerify only (required): borrowed for the call
   // >= 0 with kArgmax or kSample: each row's logprobs too (ForwardResult::logprobs) with the top
   // `top_logprobs` entries, computed on the backend from the raw rows (Backend::TopLogprobs, the
   // arithmetic of model::ComputeLogprobs; before the penalties) and the row's token.
@@ -207,7 +221,8 @@ struct LogitsRequest {
 };
 
 // Why `out` cannot be a request for `rows` result rows (OK when it can): penalties with one count
-// per entry; a kSample request with valid filters and one uniform in [0, 1) per row.
+// per entry; a kSample or kVerify request with valid filters and one uniform in [0, 1) per row;
+// a kVerify request with rows - 1 >= 1 drafts and their distributions, and no logprobs.
 [[nodiscard]] absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows);
 
 struct ForwardResult {
@@ -227,6 +242,11 @@ struct DraftResult {
   std::vector<int32_t> ids;       // [block+1]: the input token then the drafts
   std::vector<float> logits;      // [block, vocab] fp32, markov bias included (kValues only)
   std::vector<float> confidence;  // [block] raw projection
+  // kSample: [block, vocab] fp32 in backend memory, the distribution each draft was drawn from
+  // (Backend::SampleLogits' probs; what a kVerify result takes, DraftVerification::q). A buffer
+  // of the model's scratch pool, given back when the last copy goes: it must not outlive the
+  // model.
+  std::shared_ptr<kernels::Buffer> q;
 };
 
 class Model {
@@ -320,13 +340,15 @@ class Model {
   // entries, at in [0, vocab)) are applied to every draft position's logits before its argmax:
   // a greedy request's penalties as of the step's start (the chain's own drafts are not counted
   // in them; drafts only decide what verification tests, never the output).
+  // With `out` kSample the chain is drawn instead (a T > 0 request's drafts): position i's draft
+  // is Backend::SampleLogits of its logits (the Markov bias of the chain drawn so far, then
+  // `penalties` as above) with sample->uniforms[i] (one per block position), and DraftResult::q
+  // keeps each position's distribution in backend memory.
   [[nodiscard]] absl::StatusOr<DraftResult> Draft(SequenceState& state, int32_t last_token,
                                                   std::span<const int32_t> forced_ids = {},
                                                   LogitsOut out = LogitsOut::kValues,
-                                                  const LogitPenalties* penalties = nullptr) const;
-  // The DSpark Markov head's logit bias for chain token `token` ([vocab]: markov_head times
-  // markov_embed[token]), the same op and bits Draft adds to a draft position's logits.
-  [[nodiscard]] absl::Status MarkovBias(int32_t token, std::vector<float>& bias) const;
+                                                  const LogitPenalties* penalties = nullptr,
+                                                  const SampleRequest* sample = nullptr) const;
 
   // ---- Module entry points (tests, staged runners) ----
   // Per-call scratch shared by the layers of one call (the reference's shared_attn singleton).
@@ -404,13 +426,21 @@ class Model {
                                                   int64_t rows, bool all_logits,
                                                   ForwardTrace* trace) const;
   // Brings `rows` logits rows in backend memory into res as `out` says (res.logits, or
-  // res.tokens through Backend::Argmax or Backend::SampleLogits after its penalties).
+  // res.tokens through Backend::Argmax, Backend::SampleLogits or VerifyTokens after its
+  // penalties).
   [[nodiscard]] absl::Status LogitsToHost(Scratch& ws, float* logits, int64_t rows,
                                           const LogitsRequest& out, ForwardResult& res) const;
   // tokens [rows] (backend memory) = the draws of `rows` logits rows in backend memory
   // (Backend::SampleLogits with the request's uniforms).
   [[nodiscard]] absl::Status DrawTokens(Scratch& ws, const float* logits, int64_t rows,
                                         const SampleRequest& sample, int32_t* tokens) const;
+  // Why a kVerify request cannot verify (its drafts outside the vocabulary, its distributions
+  // short of them); OK for any other request.
+  [[nodiscard]] absl::Status VerificationProblem(const LogitsRequest& out) const;
+  // verdict [2] (backend memory) = {drafts accepted, the token after them} of `rows` penalized
+  // logits rows in backend memory verifying out.verify's drafts (LogitsOut::kVerify).
+  [[nodiscard]] absl::Status VerifyTokens(Scratch& ws, const float* logits, int64_t rows,
+                                          const LogitsRequest& out, int32_t* verdict) const;
   // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
   [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
                                       const LogitPenalties& p) const;
@@ -551,8 +581,6 @@ class Model {
   // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
   absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
                                 int64_t rows, float* out) const;
-  // The Markov head's bias for `token` into bias [vocab] (backend memory).
-  absl::Status MarkovBiasInto(int32_t token, float* bias) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;

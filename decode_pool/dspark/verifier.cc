@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/sampling_math.h"
 #include "kvstore/transfer/transfer_error.h"
 
 namespace epd::decode_pool {
@@ -23,41 +24,21 @@ VerifyOutcome VerifyGreedy(std::span<const int32_t> target_tokens,
 
 VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q,
                               std::span<const int32_t> drafts, int64_t V, model::Rng& rng) {
-  const int k = static_cast<int>(drafts.size());
-  VerifyOutcome o;
-  for (int i = 0; i < k; ++i) {
-    const float* pi = p.data() + i * V;
-    const float* qi = q.data() + i * V;
-    const int32_t x = drafts[i];
-    const double px = pi[x], qx = qi[x];
-    const double u = rng.NextUniform();
-    // Accept with min(1, p/q); q(x) = 0 cannot be drawn, treat it as accept iff p(x) > 0.
-    const bool accept = qx > 0 ? u * qx < px : px > 0;
-    if (accept) {
-      ++o.accepted;
-      continue;
-    }
-    std::vector<float> residual(V);
-    double total = 0;
-    for (int64_t v = 0; v < V; ++v) {
-      residual[v] = std::max(0.f, pi[v] - qi[v]);
-      total += residual[v];
-    }
-    // p == q exactly leaves no residual mass (and then rejection has probability 0): fall back
-    // to p for numerical safety.
-    const std::span<const float> dist =
-        total > 0 ? std::span<const float>(residual) : std::span<const float>(pi, V);
-    o.token = model::SampleFromProbs(dist, rng.NextUniform());
-    return o;
-  }
-  o.token = model::SampleFromProbs(std::span<const float>(p.data() + k * V, V), rng.NextUniform());
-  return o;
+  const auto k = static_cast<int64_t>(drafts.size());
+  // The k + 1 uniforms VerifyDrafts may take, in order; those it did not take are given back.
+  const uint64_t start = rng.counter();
+  std::vector<double> u(static_cast<size_t>(k + 1));
+  for (double& x : u) x = rng.NextUniform();
+  std::vector<float> residual;
+  const kernels::sampling::DraftVerdict v =
+      kernels::sampling::VerifyDrafts(p.data(), q.data(), drafts.data(), k, V, u.data(), residual);
+  rng.Rewind(start + static_cast<uint64_t>(kernels::sampling::UniformsUsed(v.accepted, k)));
+  return VerifyOutcome{v.accepted, v.token};
 }
 
 absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t last,
                                                Sampler& sampler, int k, int batch) const {
   const model::ModelConfig& c = model_.config();
-  const int64_t V = c.vocab_size;
   const bool greedy = sampler.params().greedy();
   const bool can_draft = c.n_mtp_layers > 0 && model_.weights().dspark != nullptr;
   if (!can_draft) k = 0;
@@ -65,49 +46,47 @@ absl::StatusOr<DraftProposal> Drafter::Propose(SequenceState& state, int32_t las
 
   DraftProposal p;
   if (k == 0) return p;
-  // A greedy chain is the draft's own ids, chained on the backend with the request's penalties
-  // as of now (the chain's own drafts not counted: they only change what is verified, never the
-  // output): its logits stay there.
+  // The chain runs on the backend with the request's penalties as of now (the chain's own
+  // drafts not counted: a greedy chain's drafts only change what is verified, never the output;
+  // a drawn chain's distributions are those its drafts were drawn from, which is all rejection
+  // sampling needs): only ids and confidences come down.
   model::LogitPenalties penalties;
-  if (greedy && sampler.params().has_penalties()) {
+  const bool penalize = sampler.params().has_penalties();
+  if (penalize) {
     penalties.repetition = sampler.params().repetition_penalty;
     penalties.frequency = sampler.params().frequency_penalty;
     penalties.presence = sampler.params().presence_penalty;
     sampler.PenaltyEntries({}, 1, penalties.at, penalties.counts);
   }
+  // T > 0: one uniform per block position, drawn now; those after the k drafts are given back.
+  model::SampleRequest sample;
+  const uint64_t counter = sampler.rng().counter();
+  if (!greedy) {
+    sample.params = sampler.DrawParams();
+    for (int64_t i = 0; i < c.dspark_block_size; ++i)
+      sample.uniforms.push_back(sampler.rng().NextUniform());
+  }
   auto draft =
-      model_.Draft(state, last, {}, greedy ? model::LogitsOut::kArgmax : model::LogitsOut::kValues,
-                   greedy && sampler.params().has_penalties() ? &penalties : nullptr);
-  if (!draft.ok()) return draft.status();
+      model_.Draft(state, last, {}, greedy ? model::LogitsOut::kArgmax : model::LogitsOut::kSample,
+                   penalize ? &penalties : nullptr, greedy ? nullptr : &sample);
+  if (!draft.ok()) {
+    sampler.rng().Rewind(counter);
+    return draft.status();
+  }
   p.confidence = draft->confidence;
   if (k < 0) k = policy_->Choose(draft->confidence, batch);
   k = std::min<int>(k, c.dspark_block_size);
   p.k = k;
-  if (greedy) {
-    p.drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
-    return p;
-  }
-  // T > 0: re-chain the Markov head with our own draws: logits_i depend on the chain token x_i
-  // only through bias(x_i); the returned logits carry bias(ids[i]) of the greedy chain.
-  std::vector<float> li(V), b_old, b_new, qi;
-  p.q.resize(static_cast<size_t>(k) * V);
-  for (int i = 0; i < k; ++i) {
-    const float* base = draft->logits.data() + i * V;
-    std::copy_n(base, V, li.data());
-    if (i > 0 && p.drafts[i - 1] != draft->ids[i]) {
-      if (absl::Status st = model_.MarkovBias(draft->ids[i], b_old); !st.ok()) return st;
-      if (absl::Status st = model_.MarkovBias(p.drafts[i - 1], b_new); !st.ok()) return st;
-      for (int64_t v = 0; v < V; ++v) li[v] = li[v] - b_old[v] + b_new[v];
-    }
-    sampler.Probabilities(li, p.drafts, qi);
-    std::copy(qi.begin(), qi.end(), p.q.begin() + static_cast<int64_t>(i) * V);
-    p.drafts.push_back(model::SampleFromProbs(qi, sampler.rng().NextUniform()));
+  p.drafts.assign(draft->ids.begin() + 1, draft->ids.begin() + 1 + k);
+  if (!greedy) {
+    sampler.rng().Rewind(counter + static_cast<uint64_t>(k));
+    if (k > 0) p.q = std::move(draft->q);
   }
   return p;
 }
 
-VerifyOutcome Drafter::Verify(std::span<const float> logits, const DraftProposal& prop,
-                              Sampler& sampler) const {
+absl::StatusOr<VerifyOutcome> Drafter::Verify(std::span<const float> logits,
+                                              const DraftProposal& prop, Sampler& sampler) const {
   const int64_t V = model_.config().vocab_size;
   const int k = prop.k;
   const std::span<const int32_t> dspan(prop.drafts);
@@ -123,13 +102,20 @@ VerifyOutcome Drafter::Verify(std::span<const float> logits, const DraftProposal
     }
     return VerifyGreedy(target, dspan.subspan(0, target.size() - 1));
   }
-  std::vector<float> p(static_cast<size_t>(k + 1) * V), pi;
+  std::vector<float> p(static_cast<size_t>(k + 1) * V), pi, q(static_cast<size_t>(k) * V);
   for (int i = 0; i <= k; ++i) {
     sampler.Probabilities(std::span<const float>(logits.data() + i * V, V), dspan.subspan(0, i),
                           pi);
     std::copy(pi.begin(), pi.end(), p.begin() + static_cast<int64_t>(i) * V);
   }
-  return VerifyRejection(p, prop.q, prop.drafts, V, sampler.rng());
+  if (k > 0) {
+    const int64_t bytes = k * V * static_cast<int64_t>(sizeof(float));
+    absl::Status st = prop.q == nullptr || prop.q->bytes() < bytes
+                          ? absl::InternalError("the drafts' distributions are missing")
+                          : model_.backend().Download(*prop.q, 0, bytes, q.data());
+    if (!st.ok()) return absl::Status(st.code(), absl::StrCat("dspark verify: ", st.message()));
+  }
+  return VerifyRejection(p, q, prop.drafts, V, sampler.rng());
 }
 
 absl::Status CheckDSparkHandoff(bool worker_dspark, bool handoff_has_dspark_state) {

@@ -14,6 +14,7 @@
 // single-threaded); the free functions are reentrant.
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <string>
 #include <vector>
@@ -40,15 +41,18 @@ VerifyOutcome VerifyGreedy(std::span<const int32_t> target_tokens, std::span<con
 // distributions per row, q: [k, V] the draft distributions drafts[i] was drawn from. Accept draft
 // x with probability min(1, p(x)/q(x)); on rejection draw from norm(max(0, p - q)); if all k are
 // accepted draw a bonus token from p[k]. The emitted tokens are distributed exactly as sampling
-// from p autoregressively. Uses one uniform per tested draft plus one for the final draw.
+// from p autoregressively. Uses one uniform per tested draft plus one for the final draw
+// (kernels/sampling_math.h, VerifyDrafts: the backend's arithmetic).
 VerifyOutcome VerifyRejection(std::span<const float> p, std::span<const float> q,
                               std::span<const int32_t> drafts, int64_t vocab, model::Rng& rng);
 
 // A step's draft: the k draft tokens and, for T > 0, the distributions they were drawn from.
 struct DraftProposal {
-  int k = 0;                      // drafts (0: no draft pass, or the policy chose 0)
-  std::vector<int32_t> drafts;    // [k]
-  std::vector<float> q;           // [k, V] draft distributions (T > 0 only; empty when greedy)
+  int k = 0;                    // drafts (0: no draft pass, or the policy chose 0)
+  std::vector<int32_t> drafts;  // [k]
+  // T > 0 with k > 0: [>= k, V] draft distributions in the model's backend memory
+  // (model::DraftResult::q: what a LogitsOut::kVerify step takes); null when greedy.
+  std::shared_ptr<kernels::Buffer> q;
   std::vector<float> confidence;  // raw DSpark confidences (empty: no draft pass)
 };
 
@@ -63,16 +67,21 @@ class Drafter {
 
   // The draft for a sequence at state.pos whose last sampled token `last` is not yet in the
   // state. k < 0: draft, then let the policy choose k from the confidences and `batch`; k = 0: no
-  // draft pass; k > 0: that many drafts (capped at the block size). Draws from the sampler's Rng
-  // when T > 0. Does not change `state` (Model::Draft stores no KV).
+  // draft pass; k > 0: that many drafts (capped at the block size). The chain runs on the
+  // model's backend with the request's penalties as of now (Model::Draft): greedy, each
+  // position's argmax; T > 0, each position's draw with one of the sampler's uniforms (k of them
+  // are consumed) and its distribution kept in backend memory. Does not change `state`
+  // (Model::Draft stores no KV).
   [[nodiscard]] absl::StatusOr<DraftProposal> Propose(model::SequenceState& state, int32_t last,
                                                       model::Sampler& sampler, int k,
                                                       int batch = 1) const;
-  // The verify half: `logits` [k+1, V] are the target's rows for [last, drafts...] (row i = the
-  // distribution of the token after drafts[0..i)). Greedy: longest agreeing prefix; T > 0:
-  // rejection sampling with the sampler's Rng. Does not touch the sampler's history.
-  VerifyOutcome Verify(std::span<const float> logits, const DraftProposal& proposal,
-                       model::Sampler& sampler) const;
+  // The verify half on host rows: `logits` [k+1, V] are the target's rows for [last, drafts...]
+  // (row i = the distribution of the token after drafts[0..i)). Greedy: longest agreeing prefix;
+  // T > 0: rejection sampling with the sampler's Rng (the drafts' distributions come down from
+  // the backend), the arithmetic of Backend::VerifyDrafts. Does not touch the sampler's history.
+  [[nodiscard]] absl::StatusOr<VerifyOutcome> Verify(std::span<const float> logits,
+                                                     const DraftProposal& proposal,
+                                                     model::Sampler& sampler) const;
 
  private:
   const model::Model& model_;

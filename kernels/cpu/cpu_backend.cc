@@ -710,7 +710,7 @@ class CpuBackend final : public Backend {
   }
 
   Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
-                      const double* u, int32_t* out) override {
+                      const double* u, int32_t* out, float* probs_out) override {
     if (rows < 0) return Bad("SampleLogits", "negative rows");
     if (n <= 0) return Bad("SampleLogits", "empty rows");
     if (const char* why = sampling::ParamsProblem(p); why != nullptr) return Bad("SampleLogits", why);
@@ -720,12 +720,33 @@ class CpuBackend final : public Backend {
       if (!(u[r] >= 0.0 && u[r] < 1.0))
         return Bad("SampleLogits", absl::StrCat("uniform ", r, " (", u[r], ") is outside [0, 1)"));
     }
-    std::vector<float> probs(static_cast<size_t>(n));
+    std::vector<float> row(probs_out != nullptr ? 0 : static_cast<size_t>(n));
     std::vector<int32_t> order;
     for (int64_t r = 0; r < rows; ++r) {
-      sampling::FilteredProbs(x + r * n, n, p, probs.data(), order);
-      out[r] = sampling::DrawIndex(probs.data(), n, u[r]);
+      float* probs = probs_out != nullptr ? probs_out + r * n : row.data();
+      sampling::FilteredProbs(x + r * n, n, p, probs, order);
+      out[r] = sampling::DrawIndex(probs, n, u[r]);
     }
+    return OkStatus();
+  }
+
+  Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k, int64_t n,
+                      const double* u, int32_t* out) override {
+    if (k < 0) return Bad("VerifyDrafts", "negative draft count");
+    if (n <= 0) return Bad("VerifyDrafts", "empty rows");
+    EPD_CHECK_OPERANDS("VerifyDrafts", {{"p", p}, {"u", u}, {"out", out}});
+    if (k > 0) EPD_CHECK_OPERANDS("VerifyDrafts", {{"q", q}, {"drafts", drafts}});
+    for (int64_t i = 0; i <= k; ++i) {
+      if (!(u[i] >= 0.0 && u[i] < 1.0))
+        return Bad("VerifyDrafts", absl::StrCat("uniform ", i, " (", u[i], ") is outside [0, 1)"));
+      if (i < k && (drafts[i] < 0 || drafts[i] >= n))
+        return Bad("VerifyDrafts",
+                   absl::StrCat("draft ", i, " (", drafts[i], ") is outside [0, ", n, ")"));
+    }
+    std::vector<float> residual;
+    const sampling::DraftVerdict v = sampling::VerifyDrafts(p, q, drafts, k, n, u, residual);
+    out[0] = v.accepted;
+    out[1] = v.token;
     return OkStatus();
   }
 

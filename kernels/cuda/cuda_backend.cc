@@ -601,7 +601,7 @@ class CudaBackend final : public Backend {
 
   // The uniforms are device memory: unlike the CPU backend, no check of their range.
   Status SampleLogits(const float* x, int64_t rows, int64_t n, const SampleParams& p,
-                      const double* u, int32_t* out) override {
+                      const double* u, int32_t* out, float* probs) override {
     if (rows < 0) return Bad("SampleLogits", "negative rows");
     if (n <= 0) return Bad("SampleLogits", "empty rows");
     if (const char* why = sampling::ParamsProblem(p); why != nullptr) return Bad("SampleLogits", why);
@@ -612,8 +612,23 @@ class CudaBackend final : public Backend {
     auto scratch = Scratch("SampleLogits", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("SampleLogits", [&] {
-      return cuda::SampleLogits(x, rows, n, p.temperature, p.top_k, p.top_p, p.min_p, u, out,
+      return cuda::SampleLogits(x, rows, n, p.temperature, p.top_k, p.top_p, p.min_p, u, out, probs,
                                 *scratch, bytes, streams_[0]);
+    });
+  }
+
+  // The drafts and uniforms are device memory: unlike the CPU backend, no check of their range
+  // (a draft outside [0, n) is rejected).
+  Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k, int64_t n,
+                      const double* u, int32_t* out) override {
+    if (k < 0) return Bad("VerifyDrafts", "negative draft count");
+    if (n <= 0) return Bad("VerifyDrafts", "empty rows");
+    if ((k + 1) * n >= (int64_t{1} << 31)) return Bad("VerifyDrafts", "more than 2^31 entries");
+    const size_t bytes = cuda::VerifyDraftsScratchBytes(n);
+    auto scratch = Scratch("VerifyDrafts", bytes);
+    if (!scratch.ok()) return scratch.status();
+    return Run("VerifyDrafts", [&] {
+      return cuda::VerifyDrafts(p, q, drafts, k, n, u, out, *scratch, bytes, streams_[0]);
     });
   }
 

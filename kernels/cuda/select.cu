@@ -582,6 +582,41 @@ __global__ void DrawPickKernel(const int64_t* hit, const int64_t* last, int64_t 
   out[r] = static_cast<int32_t>(pick >= 0 ? pick : fallback >= 0 ? fallback : 0);
 }
 
+// ---- VerifyDrafts: kernels/sampling_math.h (VerifyDrafts), step by step ----
+// The tests (one thread, in order, as the host): *row = the row of the final draw (the first
+// rejected draft, else k), out[0] = the drafts accepted, *uf = the final draw's uniform. A draft
+// outside [0, n) is rejected (the CPU backend refuses it).
+__global__ void AcceptDraftsKernel(const float* p, const float* q, const int32_t* drafts, int64_t k,
+                                   int64_t n, const double* u, int32_t* out, int64_t* row,
+                                   double* uf) {
+  int64_t i = 0;
+  for (; i < k; ++i) {
+    const int32_t x = drafts[i];
+    if (x < 0 || x >= n || !sampling::AcceptDraft(p[i * n + x], q[i * n + x], u[i])) break;
+  }
+  out[0] = static_cast<int32_t>(i);
+  *row = i;
+  *uf = u[i < k ? i + 1 : k];
+}
+
+// The final draw's distribution d [n]: max(0, p_r - q_r) after a rejection at row r, else p_k.
+__global__ void ResidualKernel(const float* p, const float* q, int64_t k, int64_t n,
+                               const int64_t* row, float* d) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t r = *row;
+  d[i] = r < k ? fmaxf(0.f, p[r * n + i] - q[r * n + i]) : p[k * n + i];
+}
+
+// A residual without mass (P[nb], the blocked sum of its positive entries, is 0) is p_r.
+__global__ void ResidualFallbackKernel(const float* p, int64_t k, int64_t n, const int64_t* row,
+                                       const double* P, int64_t nb, float* d) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int64_t r = *row;
+  if (r < k && !(P[nb] > 0.0)) d[i] = p[r * n + i];
+}
+
 // Backend::TopLogprobs' last step (sampling_math.cc LogSumExp and TopIndices), one block per row
 // after RowMaxKernel, WeightBlockSumsKernel (T = 1) and BlockPrefixKernel: lse = mx + log(P[nb]),
 // the chosen token's logprob, then the top entries one at a time. Entry j is the TopBefore-first
@@ -905,14 +940,15 @@ size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort) {
 }
 
 cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperature, int top_k,
-                         float top_p, float min_p, const double* u, int32_t* out, void* scratch,
-                         size_t scratch_bytes, cudaStream_t stream) {
+                         float top_p, float min_p, const double* u, int32_t* out, float* probs_out,
+                         void* scratch, size_t scratch_bytes, cudaStream_t stream) {
   if (rows <= 0 || n <= 0) return cudaSuccess;
   const bool use_k = top_k > 0 && top_k < n, use_p = top_p < 1.f;
   const SampleLayout l(rows, n, use_k || use_p);
   if (scratch_bytes < l.total) return cudaErrorInvalidValue;
   auto* base = static_cast<uint8_t*>(scratch);
-  auto* probs = reinterpret_cast<float*>(base + l.probs);
+  // The distribution is built in place in probs: the caller's buffer when it wants it.
+  auto* probs = probs_out != nullptr ? probs_out : reinterpret_cast<float*>(base + l.probs);
   auto* T = reinterpret_cast<double*>(base + l.T);
   auto* P = reinterpret_cast<double*>(base + l.P);
   auto* hit = reinterpret_cast<int64_t*>(base + l.hit);
@@ -970,6 +1006,60 @@ cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperat
   blocked(nullptr, n, true);
   DrawFindKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, P, u, hit, last);
   DrawPickKernel<<<GridFor(rows), kThreads, 0, stream>>>(hit, last, rows, nb, out);
+  return cudaGetLastError();
+}
+
+// Scratch layout of VerifyDrafts over n: d f32 [n], T f64 [nb], P f64 [nb + 1], hit / last i64
+// [nb], row i64, uf f64.
+struct VerifyLayout {
+  int64_t nb = 0;
+  size_t d = 0, T = 0, P = 0, hit = 0, last = 0, row = 0, uf = 0, total = 0;
+  explicit VerifyLayout(int64_t n) : nb(sampling::SumBlocks(n)) {
+    const size_t b = static_cast<size_t>(nb);
+    size_t at = 0;
+    auto take = [&](size_t bytes) {
+      const size_t here = at;
+      at += AlignUp(bytes);
+      return here;
+    };
+    d = take(static_cast<size_t>(n) * 4);
+    T = take(b * 8);
+    P = take((b + 1) * 8);
+    hit = take(b * 8);
+    last = take(b * 8);
+    row = take(8);
+    uf = take(8);
+    total = at;
+  }
+};
+
+size_t VerifyDraftsScratchBytes(int64_t n) { return VerifyLayout(n).total; }
+
+cudaError_t VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k,
+                         int64_t n, const double* u, int32_t* out, void* scratch,
+                         size_t scratch_bytes, cudaStream_t stream) {
+  if (n <= 0 || k < 0) return cudaErrorInvalidValue;
+  const VerifyLayout l(n);
+  if (scratch_bytes < l.total) return cudaErrorInvalidValue;
+  auto* base = static_cast<uint8_t*>(scratch);
+  auto* d = reinterpret_cast<float*>(base + l.d);
+  auto* T = reinterpret_cast<double*>(base + l.T);
+  auto* P = reinterpret_cast<double*>(base + l.P);
+  auto* hit = reinterpret_cast<int64_t*>(base + l.hit);
+  auto* last = reinterpret_cast<int64_t*>(base + l.last);
+  auto* row = reinterpret_cast<int64_t*>(base + l.row);
+  auto* uf = reinterpret_cast<double*>(base + l.uf);
+  const int64_t nb = l.nb;
+  AcceptDraftsKernel<<<1, 1, 0, stream>>>(p, q, drafts, k, n, u, out, row, uf);
+  ResidualKernel<<<GridFor(n), kThreads, 0, stream>>>(p, q, k, n, row, d);
+  BlockSumsKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, nullptr, n, true, T);
+  BlockPrefixKernel<<<1, kThreads, 0, stream>>>(T, 1, nb, P);
+  ResidualFallbackKernel<<<GridFor(n), kThreads, 0, stream>>>(p, k, n, row, P, nb, d);
+  // DrawIndex of d with uf: the positive entries' blocked sums again (d may have fallen back).
+  BlockSumsKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, nullptr, n, true, T);
+  BlockPrefixKernel<<<1, kThreads, 0, stream>>>(T, 1, nb, P);
+  DrawFindKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, P, uf, hit, last);
+  DrawPickKernel<<<1, kThreads, 0, stream>>>(hit, last, 1, nb, out + 1);
   return cudaGetLastError();
 }
 

@@ -275,13 +275,14 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
   // The bytes: three greedy sequences and a filtered T > 0 one, started first, then counted over
   // the steps alone. Both runs make the same steps (same outputs, same k), so they differ by
   // exactly the logits rows that stay on the backend, each a vocabulary row of fp32 against one
-  // int32: every row of a greedy sequence (its last token, plus its drafts), and a T > 0
-  // sequence's row in a step that verifies no drafts of it (every step with DSpark off; with
-  // DSpark on, those whose k is 0). A step with any such row downloads every row's token once.
+  // int32: every row of every sequence (its last token, plus its drafts; a T > 0 sequence's
+  // drafts are verified on the backend, Backend::VerifyDrafts). The host's verification of T > 0
+  // drafts also brings down the k distributions they were drawn from, one row each. A step with
+  // any row on the backend downloads every row's token (a verification: its verdict) once.
   const int64_t row = model_->config().vocab_size * static_cast<int64_t>(sizeof(float));
   for (bool dspark : {false, true}) {
     int64_t downloaded[2] = {0, 0}, rows[2] = {0, 0}, emitted[2] = {0, 0}, on_backend[2] = {0, 0},
-            token_rows[2] = {0, 0};
+            token_rows[2] = {0, 0}, q_rows[2] = {0, 0};
     for (int on = 0; on < 2; ++on) {
       // A model of its own for each run (its KV pool's sealed blocks would serve the next run).
       int64_t bytes = 0;
@@ -326,7 +327,8 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
         int64_t step_on = 0;
         for (size_t j = 0; j < greedy.size(); ++j) {
           const int k = dspark ? st.k.at(j) : 0;
-          step_on += greedy[j] ? k + 1 : k == 0 ? 1 : 0;
+          step_on += k + 1;
+          if (!greedy[j]) q_rows[on] += k;
         }
         on_backend[on] += step_on;
         // A step with any such row brings every row's token down in one download.
@@ -344,11 +346,17 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
     ASSERT_EQ(rows[1], rows[0]);
     ASSERT_EQ(emitted[1], emitted[0]);
     ASSERT_EQ(on_backend[1], on_backend[0]);
-    EXPECT_GT(on_backend[0], 0);
+    ASSERT_EQ(q_rows[1], q_rows[0]);
+    EXPECT_EQ(on_backend[0], rows[0]);
+    if (dspark) {
+      EXPECT_GT(q_rows[0], 0) << "no T > 0 drafts were verified";
+    }
     EXPECT_GE(downloaded[0], rows[0] * row) << dspark;
     EXPECT_EQ(downloaded[0] - downloaded[1],
-              on_backend[0] * row - token_rows[0] * int64_t{sizeof(int32_t)})
+              (on_backend[0] + q_rows[0]) * row - token_rows[0] * int64_t{sizeof(int32_t)})
         << dspark;
+    // On the backend, an emitted token costs less than a quarter of one logits row.
+    EXPECT_LT(downloaded[1] * 4, emitted[1] * row) << dspark;
   }
 }
 

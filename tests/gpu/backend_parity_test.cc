@@ -1566,21 +1566,25 @@ PARITY_CASE(SampleLogits) {
   std::vector<double> ug(kGoldenRows);
   for (int64_t r = 0; r < kGoldenRows; ++r) ug[r] = static_cast<double>(r) / kGoldenRows;
   std::vector<std::vector<int32_t>> res;
+  std::vector<std::vector<float>> probs_out;  // the golden rows' distributions, per side and case
   for (Side* s : {&env.ref, &env.cand}) {
     for (const SampleParams& p : params) {
       int32_t* out = s->Out<int32_t>(rows);
-      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(x), rows, n, p, s->In(u), out));
+      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(x), rows, n, p, s->In(u), out, nullptr));
       res.push_back(s->Read(out, rows));
       int32_t* gout = s->Out<int32_t>(kGoldenRows);
-      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(golden), kGoldenRows, kGoldenVocab, p,
-                                           s->In(ug), gout));
+      float* gprobs = s->Out<float>(kGoldenRows * kGoldenVocab);
+      EXPECT_OP_OK(*s, s->b().SampleLogits(s->In(golden), kGoldenRows, kGoldenVocab, p, s->In(ug),
+                                           gout, gprobs));
       res.push_back(s->Read(gout, kGoldenRows));
+      probs_out.push_back(s->Read(gprobs, kGoldenRows * kGoldenVocab));
     }
     int32_t* out = s->Out<int32_t>(1);
-    EXPECT_EQ(s->b().SampleLogits(s->In(x), 1, n, {.temperature = 0.f}, s->In(u), out).code(),
-              absl::StatusCode::kInvalidArgument)
+    EXPECT_EQ(
+        s->b().SampleLogits(s->In(x), 1, n, {.temperature = 0.f}, s->In(u), out, nullptr).code(),
+        absl::StatusCode::kInvalidArgument)
         << s->name() << ": temperature 0";
-    EXPECT_EQ(s->b().SampleLogits(s->In(x), 1, n, {.top_p = 0.f}, s->In(u), out).code(),
+    EXPECT_EQ(s->b().SampleLogits(s->In(x), 1, n, {.top_p = 0.f}, s->In(u), out, nullptr).code(),
               absl::StatusCode::kInvalidArgument)
         << s->name() << ": top_p 0";
   }
@@ -1602,6 +1606,125 @@ PARITY_CASE(SampleLogits) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x.data() + r * n;
     EXPECT_EQ(res[half + 2 * 5][r], std::max_element(xr, xr + n) - xr) << "top_k 1, row " << r;
+  }
+  // The distributions written out are the host's FilteredProbs, bit for bit, on both sides.
+  const size_t ph = probs_out.size() / 2;
+  std::vector<float> gp(kGoldenVocab);
+  for (size_t c = 0; c < std::size(params); ++c) {
+    CompareExact(probs_out[c], probs_out[ph + c],
+                 "golden distributions, case " + std::to_string(c));
+    for (int64_t r = 0; r < kGoldenRows; r += 7) {
+      sampling::FilteredProbs(golden.data() + r * kGoldenVocab, kGoldenVocab, params[c], gp.data(),
+                              order);
+      for (int64_t j = 0; j < kGoldenVocab; ++j) {
+        ASSERT_EQ(Bits(gp[j]), Bits(probs_out[ph + c][r * kGoldenVocab + j]))
+            << "case " << c << " row " << r << " entry " << j;
+      }
+    }
+  }
+}
+
+PARITY_CASE(VerifyDrafts) {
+  // Tolerance: exact (a count and a token; kernels/sampling_math.h is one arithmetic on both
+  // sides). Target and draft distributions from random logits under filters (so both have
+  // zeros), drafts drawn from q; k = 0, 1, 3, 5; uniforms across [0, 1) so that drafts are
+  // accepted and rejected; a row where q == p (a residual without mass falls back to p), a draft
+  // of target probability 0 (always rejected) and one of draft probability 0 (accepted iff p > 0).
+  const int64_t n = 700, kmax = 5;
+  const SampleParams tp{.temperature = 0.9f, .top_k = 300, .min_p = 0.001f};
+  const SampleParams dp{.temperature = 1.2f, .top_p = 0.95f};
+  std::vector<int32_t> order;
+  struct Case {
+    int64_t k;
+    std::vector<float> p, q;
+    std::vector<int32_t> drafts;
+    std::vector<double> u;
+  };
+  std::vector<Case> cases;
+  std::uniform_real_distribution<double> unif(0.0, 1.0);
+  for (int c = 0; c < 24; ++c) {
+    Case cs;
+    cs.k = c < 2 ? c : (c % 3 == 0 ? kmax : c % 3 == 1 ? 3 : 1);
+    const std::vector<float> lp = Bf16(env.rng, (cs.k + 1) * n, 3.f);
+    std::vector<float> lq = lp;  // a draft close to the target: some drafts are accepted
+    for (float& v : lq) v += static_cast<float>(unif(env.rng) - 0.5);
+    cs.p.resize((cs.k + 1) * n);
+    cs.q.resize(std::max<int64_t>(1, cs.k) * n);
+    for (int64_t i = 0; i <= cs.k; ++i)
+      sampling::FilteredProbs(lp.data() + i * n, n, tp, cs.p.data() + i * n, order);
+    for (int64_t i = 0; i < cs.k; ++i) {
+      sampling::FilteredProbs(lq.data() + i * n, n, dp, cs.q.data() + i * n, order);
+      if (c % 4 == 2 && i == 0)  // q == p: no residual mass at row 0
+        std::copy_n(cs.p.data(), n, cs.q.data());
+      cs.drafts.push_back(sampling::DrawIndex(cs.q.data() + i * n, n, unif(env.rng)));
+    }
+    if ((c % 5 == 3 || c % 4 == 2) && cs.k > 0) {  // a draft the target cannot take (with
+                                                   // q == p: rejected without residual mass)
+      for (int64_t j = 0; j < n; ++j) {
+        if (cs.p[j] == 0.f) {
+          cs.drafts[0] = static_cast<int32_t>(j);
+          break;
+        }
+      }
+    }
+    if (c % 5 == 4 && c % 4 != 2 && cs.k > 0) {  // of draft probability 0, target > 0
+      for (int64_t j = 0; j < n; ++j) {
+        if (cs.q[j] == 0.f && cs.p[j] > 0.f) {
+          cs.drafts[0] = static_cast<int32_t>(j);
+          break;
+        }
+      }
+    }
+    for (int64_t i = 0; i <= cs.k; ++i) cs.u.push_back(c % 6 == 5 ? 0.0 : unif(env.rng) * 0.999);
+    cases.push_back(std::move(cs));
+  }
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    for (const Case& cs : cases) {
+      int32_t* out = s->Out<int32_t>(2);
+      const int32_t* drafts = cs.k > 0 ? s->In(cs.drafts) : nullptr;
+      const float* q = cs.k > 0 ? s->In(cs.q) : nullptr;
+      EXPECT_OP_OK(*s, s->b().VerifyDrafts(s->In(cs.p), q, drafts, cs.k, n, s->In(cs.u), out));
+      res.push_back(s->Read(out, 2));
+    }
+    EXPECT_EQ(s->b()
+                  .VerifyDrafts(s->In(cases[2].p), s->In(cases[2].q), s->In(cases[2].drafts), -1, n,
+                                s->In(cases[2].u), s->Out<int32_t>(2))
+                  .code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name() << ": a negative draft count";
+  }
+  const size_t half = res.size() / 2;
+  int accepted = 0, rejected = 0, fallbacks = 0;
+  std::vector<float> residual;
+  for (size_t c = 0; c < half; ++c) {
+    CompareExact(res[c], res[half + c], "verdict, case " + std::to_string(c));
+    const Case& cs = cases[c];
+    const sampling::DraftVerdict v = sampling::VerifyDrafts(
+        cs.p.data(), cs.q.data(), cs.drafts.data(), cs.k, n, cs.u.data(), residual);
+    EXPECT_EQ(res[half + c][0], v.accepted) << "case " << c;
+    EXPECT_EQ(res[half + c][1], v.token) << "case " << c;
+    accepted += v.accepted;
+    rejected += v.accepted < cs.k;
+    fallbacks += c % 4 == 2 && cs.k > 0 && v.accepted == 0;
+    // The token has probability > 0 under the distribution it was drawn from.
+    const float* row = cs.p.data() + v.accepted * n;
+    EXPECT_GT(row[v.token], 0.f) << "case " << c << ": the token's target probability";
+    if ((c % 5 == 3 || c % 4 == 2) && cs.k > 0) {
+      EXPECT_EQ(v.accepted, 0) << "case " << c;
+    }
+  }
+  EXPECT_GT(accepted, 0) << "no draft was accepted: the case tests too little";
+  EXPECT_GT(rejected, 0) << "no draft was rejected: the case tests too little";
+  EXPECT_GT(fallbacks, 0) << "no residual fell back to p";
+  // The CPU backend refuses a draft outside the row (a device takes it as rejected).
+  if (env.cand_is_cpu) {
+    const std::vector<int32_t> bad = {static_cast<int32_t>(n)};
+    EXPECT_EQ(env.ref.b()
+                  .VerifyDrafts(env.ref.In(cases[1].p), env.ref.In(cases[1].q), env.ref.In(bad), 1,
+                                n, env.ref.In(cases[1].u), env.ref.Out<int32_t>(2))
+                  .code(),
+              absl::StatusCode::kInvalidArgument);
   }
 }
 

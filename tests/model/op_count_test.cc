@@ -7,6 +7,8 @@
 // Uploads and Downloads counted beside the ops).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <functional>
@@ -17,6 +19,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "kernels/penalty.h"
+#include "kernels/sampling_math.h"
 #include "model/kv_pool.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -363,7 +367,10 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   LogitPenalties penalties{filtered.repetition_penalty, filtered.frequency_penalty,
                            filtered.presence_penalty};
   SampleRequest hot_draw, filtered_draw;
-  auto run = [&](bool sample, SampleRequest* bad) {
+  // The verified run: the drafts' distributions (host rows, uploaded to each run's backend), a
+  // first row that favours draft 11 over what the target gives it, so the test is a real one.
+  std::vector<float> q_host;
+  auto run = [&](bool sample, SampleRequest* bad, bool verify = false) {
     Run r;
     auto backend =
         kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
@@ -400,6 +407,21 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
                                             V,
                                             {S, &penalties, &filtered_draw}}
                : std::vector<LogitsRequest>{V, V, V};
+    DraftVerification verification;
+    if (verify) {
+      q_host.assign(static_cast<size_t>(2 * vocab), 0.f);
+      for (int64_t v = 0; v < vocab; ++v) {
+        q_host[v] = v == drafts[0] ? 0.5f : 0.5f / static_cast<float>(vocab - 1);
+        q_host[vocab + v] = 1.f / static_cast<float>(vocab);
+      }
+      auto q = backend->Allocate(static_cast<int64_t>(q_host.size() * sizeof(float)));
+      EXPECT_TRUE(q.ok()) << q.status();
+      if (!q.ok()) return r;
+      EXPECT_TRUE(backend->Upload(q_host.data(), q->bytes(), *q, 0).ok());
+      verification.q = std::make_shared<kernels::Buffer>(std::move(*q));
+      verification.drafts = drafts;
+      outs[2] = LogitsRequest(LogitsOut::kVerify, &penalties, &filtered_draw, &verification);
+    }
     if (bad != nullptr) {
       outs[0] = LogitsRequest(S, nullptr, bad);
       const int64_t pos = ptrs[0]->pos;
@@ -449,6 +471,75 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   SampleRequest one{hot_sampler->DrawParams(), {1.0}};
   SampleRequest cold{{.temperature = 0.f}, {0.5}};
   for (SampleRequest* bad : {&none, &one, &cold}) run(true, bad);
+
+  // The filtered sequence's two drafts verified on the backend (LogitsOut::kVerify,
+  // Backend::VerifyDrafts): the verdict, 2 ids, is the host's rejection sampling
+  // (kernels::sampling::VerifyDrafts) on the Sampler's distributions of the values rows (row j
+  // penalized as after drafts[0, j)) with the same uniforms, and only those 2 ids come down of
+  // its 3 rows.
+  const Run verified = run(true, nullptr, /*verify=*/true);
+  ASSERT_EQ(verified.batch.size(), 3u);
+  ASSERT_EQ(verified.batch[2].tokens.size(), 2u);
+  EXPECT_TRUE(verified.batch[2].logits.empty());
+  EXPECT_EQ(verified.batch[0].tokens, drawn.batch[0].tokens);
+  std::vector<float> p(static_cast<size_t>(3 * vocab)), probs, residual;
+  for (int j = 0; j < 3; ++j) {
+    filtered_sampler->Probabilities(
+        std::span<const float>(values.batch[2].logits.data() + j * vocab, vocab),
+        std::span<const int32_t>(drafts).first(j), probs);
+    std::copy(probs.begin(), probs.end(), p.begin() + j * vocab);
+  }
+  const kernels::sampling::DraftVerdict want = kernels::sampling::VerifyDrafts(
+      p.data(), q_host.data(), drafts.data(), 2, vocab, filtered_draw.uniforms.data(), residual);
+  EXPECT_EQ(verified.batch[2].tokens[0], want.accepted);
+  EXPECT_EQ(verified.batch[2].tokens[1], want.token);
+  EXPECT_EQ(verified.bytes, drawn.bytes);  // every row's token slot (5 ids) and the values row
+}
+
+// A verification the model cannot make is refused before any state changes, naming the cause:
+// distributions of one draft for two, a draft outside the vocabulary, no distributions, drafts
+// that are not the rows after the first, logprobs, a uniform short.
+TEST_P(OpCountTest, AVerificationItCannotMakeIsRefusedBeforeTheStep) {
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  const int64_t V = (*m)->config().vocab_size;
+  auto st = (*m)->NewSequence();
+  std::vector<int32_t> prompt(40);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i % 50);
+  ASSERT_TRUE((*m)->Prefill(*st, prompt, false).ok());
+  auto one_row = backend->Allocate(V * static_cast<int64_t>(sizeof(float)));
+  auto two_rows = backend->Allocate(2 * V * static_cast<int64_t>(sizeof(float)));
+  ASSERT_TRUE(one_row.ok() && two_rows.ok());
+  const auto small = std::make_shared<kernels::Buffer>(std::move(*one_row));
+  const auto q = std::make_shared<kernels::Buffer>(std::move(*two_rows));
+  SampleRequest sample{{.temperature = 0.7f}, {0.1, 0.2, 0.3}};
+  SampleRequest short_of{{.temperature = 0.7f}, {0.1, 0.2}};
+  struct Case {
+    const char* why;
+    DraftVerification v;
+    const SampleRequest* sample;
+    int top_logprobs;
+  };
+  const Case cases[] = {
+      {"do not fit their buffer", {small, {4, 5}}, &sample, -1},
+      {"outside the vocabulary", {q, {4, static_cast<int32_t>(V)}}, &sample, -1},
+      {"needs its drafts and their distributions", {nullptr, {4, 5}}, &sample, -1},
+      {"has 1 drafts", {q, {4}}, &sample, -1},
+      {"brings no logprobs", {q, {4, 5}}, &sample, 2},
+      {"uniform", {q, {4, 5}}, &short_of, -1},
+  };
+  for (const Case& c : cases) {
+    LogitsRequest out(LogitsOut::kVerify, nullptr, c.sample, &c.v);
+    out.top_logprobs = c.top_logprobs;
+    SequenceState* states[] = {st.get()};
+    const std::vector<std::vector<int32_t>> tokens = {{9, 4, 5}};
+    const int64_t pos = st->pos;
+    auto r = DecodeStep(**m, states, tokens, nullptr, std::span(&out, 1));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << c.why;
+    EXPECT_NE(r.status().message().find(c.why), std::string::npos) << r.status();
+    EXPECT_EQ(st->pos, pos) << c.why << ": a refused step changed the state";
+  }
 }
 
 // A sequence that asks for logprobs gets them from the backend with its tokens
@@ -800,7 +891,46 @@ TEST_P(OpCountTest, ADraftPassDownloadsOnlyAtItsEnd) {
   EXPECT_NE(penalized->ids[1], first);
   EXPECT_EQ(penalized->ids[1], ArgMax(row0));
   for (int64_t i = 0; i < B; ++i) EXPECT_NE(penalized->ids[i + 1], first) << "position " << i;
-  // Penalties only with kArgmax, and entries of one row.
+  // A T > 0 chain is drawn on the backend: position i's draft is the draw with uniform i from
+  // the distribution of its logits (the Markov bias of the chain drawn so far, then the
+  // penalties), which stays there (DraftResult::q); only the ids and confidences come down. The
+  // host's arithmetic on the logits of that same chain (forced ids, kValues) gives every
+  // distribution and every draw bit for bit.
+  SampleRequest sample;
+  sample.params.temperature = 1.3f;
+  sample.params.top_k = 40;
+  sample.params.top_p = 0.95f;
+  for (int64_t i = 0; i < B; ++i) sample.uniforms.push_back(std::fmod(0.13 + 0.61 * i, 1.0));
+  calls.clear();
+  auto drawn = (*m)->Draft(*st, 9, {}, LogitsOut::kSample, &pen, &sample);
+  ASSERT_TRUE(drawn.ok()) << drawn.status();
+  EXPECT_EQ(count("Download"), 2);
+  EXPECT_EQ(count("SampleLogits"), B);
+  EXPECT_TRUE(drawn->logits.empty());
+  ASSERT_NE(drawn->q, nullptr);
+  ASSERT_GE(drawn->q->bytes(), B * V * static_cast<int64_t>(sizeof(float)));
+  std::vector<float> q(static_cast<size_t>(B * V));
+  ASSERT_TRUE(backend->Download(*drawn->q, 0, B * V * sizeof(float), q.data()).ok());
+  auto chain = (*m)->Draft(*st, 9, std::span<const int32_t>(drawn->ids).subspan(1, B - 1));
+  ASSERT_TRUE(chain.ok()) << chain.status();
+  EXPECT_EQ(chain->confidence, drawn->confidence);
+  std::vector<float> probs(static_cast<size_t>(V));
+  std::vector<int32_t> order;
+  for (int64_t i = 0; i < B; ++i) {
+    std::vector<float> row(chain->logits.begin() + i * V, chain->logits.begin() + (i + 1) * V);
+    row[first] = kernels::Penalized(row[first], 1, 1.f, 0.f, pen.presence);
+    kernels::sampling::FilteredProbs(row.data(), V, sample.params, probs.data(), order);
+    EXPECT_TRUE(std::equal(probs.begin(), probs.end(), q.begin() + i * V)) << "position " << i;
+    EXPECT_EQ(drawn->ids[i + 1], kernels::sampling::DrawIndex(probs.data(), V, sample.uniforms[i]))
+        << "position " << i;
+    EXPECT_NE(drawn->ids[i + 1], first) << "position " << i;
+  }
+  // A draw needs a uniform per position in [0, 1).
+  SampleRequest short_of = sample;
+  short_of.uniforms.pop_back();
+  EXPECT_EQ((*m)->Draft(*st, 9, {}, LogitsOut::kSample, nullptr, &short_of).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  // Penalties only with kArgmax or kSample, and entries of one row.
   EXPECT_EQ((*m)->Draft(*st, 9, {}, LogitsOut::kValues, &pen).status().code(),
             absl::StatusCode::kInvalidArgument);
   LogitPenalties outside = pen;

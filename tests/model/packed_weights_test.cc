@@ -195,14 +195,22 @@ TEST_F(PackedNanoTest, ADeviceMemoryBackendGivesTheSameLogitsAndDrafts) {
   EXPECT_EQ(da->logits, db->logits);
   EXPECT_EQ(da->ids, db->ids);
   EXPECT_EQ(da->confidence, db->confidence);
-  // MarkovBias (the decode worker's re-chaining of drafts) runs on the backend too.
-  std::vector<float> ba, bb;
-  ASSERT_TRUE((*a)->MarkovBias(da->ids[1], ba).ok());
-  ASSERT_TRUE((*b)->MarkovBias(db->ids[1], bb).ok());
-  EXPECT_EQ(ba, bb);
-  EXPECT_EQ(static_cast<int64_t>(ba.size()), (*a)->config().vocab_size);
-  EXPECT_FALSE((*a)->MarkovBias(-1, ba).ok());
-  EXPECT_FALSE((*a)->MarkovBias(static_cast<int32_t>((*a)->config().vocab_size), ba).ok());
+  // A drawn (T > 0) chain too: the same draws, and the distributions they came from.
+  SampleRequest sample;
+  sample.params.temperature = 1.1f;
+  sample.params.min_p = 0.01f;
+  for (int64_t i = 0; i < (*a)->config().dspark_block_size; ++i) sample.uniforms.push_back(0.3);
+  da = (*a)->Draft(*sa, 41, {}, LogitsOut::kSample, nullptr, &sample);
+  db = (*b)->Draft(*sb, 41, {}, LogitsOut::kSample, nullptr, &sample);
+  ASSERT_TRUE(da.ok()) << da.status();
+  ASSERT_TRUE(db.ok()) << db.status();
+  EXPECT_EQ(da->ids, db->ids);
+  const size_t n =
+      static_cast<size_t>((*a)->config().dspark_block_size * (*a)->config().vocab_size);
+  std::vector<float> qa(n), qb(n);
+  ASSERT_TRUE(host->Download(*da->q, 0, n * sizeof(float), qa.data()).ok());
+  ASSERT_TRUE(dev->Download(*db->q, 0, n * sizeof(float), qb.data()).ok());
+  EXPECT_EQ(qa, qb);
 }
 
 }  // namespace

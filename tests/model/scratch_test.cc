@@ -7,6 +7,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
+#include "model/model.h"
+#include "model/stages.h"
 #include "tests/testing/nano_model.h"
 
 namespace epd::model {
@@ -106,6 +108,48 @@ TEST_F(ScratchModelTest, ADecodeStepInItsSteadyStateAllocatesNothing) {
   }
   EXPECT_EQ(model_->scratch_pool().allocations(), warm);
   EXPECT_GT(model_->scratch_pool().cached_bytes(), 0);
+}
+
+// A T > 0 DSpark step (a drawn draft chain whose distributions stay in backend memory until the
+// step verifies its drafts there) allocates nothing in its steady state either.
+TEST_F(ScratchModelTest, ASampledDraftAndVerificationStepAllocatesNothingOnceWarm) {
+  auto st = model_->NewSequence();
+  std::vector<int32_t> prompt;
+  for (int i = 0; i < 40; ++i) prompt.push_back(5 + i);
+  ASSERT_TRUE(model_->Prefill(*st, prompt, false).ok());
+  const int64_t block = model_->config().dspark_block_size;
+  SampleRequest draw;
+  draw.params.temperature = 0.8f;
+  draw.params.top_k = 20;
+  for (int64_t i = 0; i < block; ++i) draw.uniforms.push_back(0.1 + 0.15 * static_cast<double>(i));
+  SampleRequest check;  // the step's 3 rows
+  check.params = draw.params;
+  check.uniforms = {0.4, 0.7, 0.2};
+  int64_t warm = -1;
+  int32_t last = 11;
+  for (int step = 0; step < 5; ++step) {
+    if (step == 1) warm = model_->scratch_pool().allocations();
+    ASSERT_TRUE(model_->Decode(*st, last).ok());
+    auto d = model_->Draft(*st, last, {}, LogitsOut::kSample, nullptr, &draw);
+    ASSERT_TRUE(d.ok()) << d.status();
+    DraftVerification v{d->q, {d->ids[1], d->ids[2]}};
+    const LogitsRequest out(LogitsOut::kVerify, nullptr, &check, &v);
+    SequenceState* states[] = {st.get()};
+    const std::vector<std::vector<int32_t>> tokens = {{last + 1, d->ids[1], d->ids[2]}};
+    auto r = DecodeStep(*model_, states, tokens, nullptr, std::span(&out, 1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ((*r)[0].tokens.size(), 2u);
+    EXPECT_GE((*r)[0].tokens[0], 0);
+    EXPECT_LE((*r)[0].tokens[0], 2);
+    last = (*r)[0].tokens[1];
+    // The distributions are a buffer of the pool, given back with their last holder.
+    const int64_t held = model_->scratch_pool().cached_bytes();
+    v.q.reset();
+    d->q.reset();
+    EXPECT_GE(model_->scratch_pool().cached_bytes() - held,
+              block * model_->config().vocab_size * static_cast<int64_t>(sizeof(float)));
+  }
+  EXPECT_EQ(model_->scratch_pool().allocations(), warm);
 }
 
 }  // namespace

@@ -18,7 +18,9 @@ absl::StatusOr<StepStats> SpeculativeDecoder::Step(SequenceState& state, int32_t
   ids.insert(ids.end(), drafts.begin(), drafts.end());
   auto logits = scorer_.Score(state, ids);
   if (!logits.ok()) return logits.status();
-  const VerifyOutcome o = drafter_.Verify(*logits, *prop, sampler);
+  auto verdict = drafter_.Verify(*logits, *prop, sampler);
+  if (!verdict.ok()) return verdict.status();
+  const VerifyOutcome o = *verdict;
   if (absl::Status s = scorer_.Commit(state, o.accepted + 1); !s.ok()) return s;
   for (int i = 0; i < o.accepted; ++i) {
     out.push_back(drafts[i]);

@@ -1,8 +1,8 @@
 #pragma once
 
 // Everything the serving path asks of a model, on a fixed 150-token prompt: a prefill with every
-// row's logits, decode steps, a multi-token verification step and its rollback, a DSpark draft and
-// the Markov bias (models with DSpark stages), the staged encoder (two chunks), decoder bounded
+// row's logits, decode steps, a multi-token verification step and its rollback, a DSpark draft,
+// greedy and drawn (models with DSpark stages), the staged encoder (two chunks), decoder bounded
 // replay and a batched decode step. The outputs are concatenated, so two backends (or two memory
 // modes) can be compared run against run: tests/model/operand_memory_test.cc,
 // tests/gpu/cuda_model_test.cc.
@@ -54,9 +54,20 @@ inline absl::StatusOr<SurfaceRun> RunServingSurface(const model::Model& m) {
     add(d->logits);
     add(d->confidence);
     out.ids.insert(out.ids.end(), d->ids.begin(), d->ids.end());
-    std::vector<float> bias;
-    if (absl::Status s = m.MarkovBias(d->ids[1], bias); !s.ok()) return s;
-    add(bias);
+    // A drawn (T > 0) chain: its draws and the distributions they came from.
+    model::SampleRequest sample;
+    sample.params.temperature = 0.9f;
+    sample.params.top_p = 0.9f;
+    for (int64_t i = 0; i < c.dspark_block_size; ++i)
+      sample.uniforms.push_back(0.2 + 0.6 * static_cast<double>(i) / c.dspark_block_size);
+    auto s = m.Draft(*st, 9, {}, model::LogitsOut::kSample, nullptr, &sample);
+    if (!s.ok()) return s.status();
+    out.ids.insert(out.ids.end(), s->ids.begin(), s->ids.end());
+    std::vector<float> q(static_cast<size_t>(c.dspark_block_size * V));
+    if (absl::Status e = m.backend().Download(*s->q, 0, q.size() * sizeof(float), q.data());
+        !e.ok())
+      return e;
+    add(q);
   }
   // Staged: encoder chunks, decoder bounded replay, a batched decode step.
   const int64_t tail = model::DecoderTailRows(c);
