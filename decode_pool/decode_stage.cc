@@ -94,11 +94,10 @@ void DecodeStage::MaskLogits(DecodeSequence& seq, const grammar::Matcher& m, int
   ++seq.masks;
 }
 
-bool DecodeStage::TokensOnly(const DecodeSequence& seq, size_t drafts) const {
+bool DecodeStage::TokensOnly(const DecodeSequence& seq) const {
   const model::SamplingParams& p = seq.sampler->params();
   if (seq.grammar) return false;
-  if (p.greedy()) return options_.greedy_on_backend;
-  return options_.sample_on_backend && (drafts == 0 || p.top_logprobs <= 0);
+  return p.greedy() ? options_.greedy_on_backend : options_.sample_on_backend;
 }
 
 model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
@@ -108,7 +107,7 @@ model::LogitsRequest DecodeStage::LogitsFor(const DecodeSequence& seq,
                                             model::DraftVerification& verify) const {
   const std::span<const int32_t> drafts =
       proposal != nullptr ? std::span<const int32_t>(proposal->drafts) : std::span<const int32_t>();
-  if (!TokensOnly(seq, drafts.size())) return model::LogitsOut::kValues;
+  if (!TokensOnly(seq)) return model::LogitsOut::kValues;
   const model::SamplingParams& p = seq.sampler->params();
   const model::LogitsOut out = p.greedy()       ? model::LogitsOut::kArgmax
                                : drafts.empty() ? model::LogitsOut::kSample
@@ -373,9 +372,10 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
     const int64_t got = tokens_only ? static_cast<int64_t>((*res)[i].tokens.size())
                                     : static_cast<int64_t>(logits.size()) / V;
     const std::vector<model::Logprobs>& lps = (*res)[i].logprobs;
+    // A verification's result is its verdict, 2 ids, with every row's logprobs when asked.
     if (got != (verified ? 2 : p.k + 1) ||
         (!tokens_only && static_cast<int64_t>(logits.size()) != got * V) ||
-        (outs[i].top_logprobs >= 0 && static_cast<int64_t>(lps.size()) != got)) {
+        (outs[i].top_logprobs >= 0 && static_cast<int64_t>(lps.size()) != p.k + 1)) {
       Fail(s, absl::InternalError(absl::StrCat("decode step returned ", got, " logit rows for ",
                                                p.k + 1, " positions")));
       continue;
@@ -450,7 +450,8 @@ absl::Status DecodeStage::StepDSpark(std::span<DecodeSequence* const> live, Deco
       const std::span<const float> row =
           tokens_only ? std::span<const float>() : std::span<const float>(logits.data() + j * V, V);
       // Row j's backend logprobs are of its own token, the one emitted here (a greedy row's
-      // argmax, which an accepted draft equals; a draw's token with k = 0).
+      // argmax, which an accepted draft equals; a draw's token with k = 0; a verified row's
+      // draft, or the verdict's token at its row).
       const model::Logprobs* lp = lps.empty() ? nullptr : &lps[static_cast<size_t>(j)];
       if (lp != nullptr && lp->chosen.token != t) {
         Fail(s,

@@ -155,10 +155,10 @@ class DecodeStage {
                   std::span<float> logits) const;
   // Samples from `logits`; marks the sequence done on a stop token or at max_tokens.
   void Offer(DecodeSequence& seq, std::span<const float> logits) const;
-  // Whether a step of `seq` verifying `drafts` drafts brings back only its rows' tokens: their
-  // argmax (greedy_on_backend), its draw or its verdict on T > 0 drafts (sample_on_backend; not
-  // with drafts and logprobs).
-  bool TokensOnly(const DecodeSequence& seq, size_t drafts) const;
+  // Whether a step of `seq` brings back only its rows' tokens (and logprobs, when asked): their
+  // argmax (greedy_on_backend), its draw or its verdict on T > 0 drafts (sample_on_backend). Not
+  // with a grammar, whose mask is applied on the host.
+  bool TokensOnly(const DecodeSequence& seq) const;
   // What a step of `rows` rows (the last token, then the proposal's drafts, if any) asks of
   // `seq`'s logits; its penalties go to `penalties`, a draw's uniforms (taken from seq's Rng now)
   // to `sample` and a T > 0 proposal's drafts and distributions to `verify`, all of which must

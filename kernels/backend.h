@@ -482,11 +482,14 @@ class Backend {
   // Speculative verification of one sequence's k >= 0 drafts (kernels/sampling_math.h,
   // VerifyDrafts): p [k + 1, n] the target rows' distributions and q [k, n] the drafts' (both as
   // SampleLogits' probs), drafts [k], uniforms u [k + 1]; out [2] = {drafts accepted, the token
-  // after them}. All in backend memory. Exact (one arithmetic with the host's Drafter::Verify).
-  // The CPU backend refuses a draft outside [0, n); a device backend, which cannot read the
-  // drafts without a round trip, takes one as rejected.
+  // after them}. `chosen` (null: not wanted; else [k + 1]) receives each row's token for its
+  // logprobs: out[1] at r = out[0] (and at r = k), else drafts[r]. All in backend
+  // memory. Exact (one arithmetic with the host's Drafter::Verify). The CPU backend refuses a
+  // draft outside [0, n); a device backend, which cannot read the drafts without a round trip,
+  // takes one as rejected.
   virtual absl::Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts,
-                                    int64_t k, int64_t n, const double* u, int32_t* out) = 0;
+                                    int64_t k, int64_t n, const double* u, int32_t* out,
+                                    int32_t* chosen) = 0;
   // Logprobs of raw logits rows (model::ComputeLogprobs; kernels/sampling_math.h): for each row r
   // of x [rows, n], chosen_lp[r] = the logprob of token chosen[r] (in [0, n)), and the row's `top`
   // (in [0, n]) largest entries, descending with ties to the lower index, as top_ids and top_lp

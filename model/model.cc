@@ -1098,8 +1098,6 @@ absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows) {
       return absl::InvalidArgumentError(absl::StrCat("model: a verified result of ", rows,
                                                      " rows has ", out.verify->drafts.size(),
                                                      " drafts (needs rows - 1 >= 1)"));
-    if (out.top_logprobs >= 0)
-      return absl::InvalidArgumentError("model: a verified result brings no logprobs");
   }
   if (out.out != LogitsOut::kSample && out.out != LogitsOut::kVerify) return absl::OkStatus();
   if (out.sample == nullptr)
@@ -1141,7 +1139,8 @@ absl::Status Model::VerificationProblem(const LogitsRequest& out) const {
 }
 
 absl::Status Model::VerifyTokens(Scratch& ws, const float* logits, int64_t rows,
-                                 const LogitsRequest& out, int32_t* verdict) const {
+                                 const LogitsRequest& out, int32_t* verdict,
+                                 int32_t* chosen) const {
   const int64_t V = config_.vocab_size, k = rows - 1;
   const DraftVerification& dv = *out.verify;
   RETURN_IF_ERROR(VerificationProblem(out));
@@ -1152,8 +1151,8 @@ absl::Status Model::VerifyTokens(Scratch& ws, const float* logits, int64_t rows,
   ASSIGN_OR_RETURN(const double* u, ws.Copy(out.sample->uniforms));
   RETURN_IF_ERROR(backend_.SampleLogits(logits, rows, V, out.sample->params, u, draws, p));
   ASSIGN_OR_RETURN(const int32_t* drafts, ws.Copy(dv.drafts));
-  return backend_.VerifyDrafts(p, static_cast<const float*>(dv.q->data()), drafts, k, V, u,
-                               verdict);
+  return backend_.VerifyDrafts(p, static_cast<const float*>(dv.q->data()), drafts, k, V, u, verdict,
+                               chosen);
 }
 
 absl::StatusOr<const float*> Model::RawRows(Scratch& ws, const float* logits, int64_t rows,
@@ -1205,7 +1204,14 @@ absl::Status Model::LogitsToHost(Scratch& ws, float* logits, int64_t rows,
   if (out.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, logits, rows, *out.penalties));
   ASSIGN_OR_RETURN(int32_t * tokens, ws.Alloc<int32_t>(rows));
   if (out.out == LogitsOut::kVerify) {
-    RETURN_IF_ERROR(VerifyTokens(ws, logits, rows, out, tokens));
+    // The verdict in tokens' first 2 slots; with logprobs, each row's token in `chosen`.
+    int32_t* chosen = nullptr;
+    if (out.top_logprobs >= 0) {
+      ASSIGN_OR_RETURN(chosen, ws.Alloc<int32_t>(rows));
+    }
+    RETURN_IF_ERROR(VerifyTokens(ws, logits, rows, out, tokens, chosen));
+    if (chosen != nullptr)
+      RETURN_IF_ERROR(LogprobsToHost(ws, raw, rows, chosen, out.top_logprobs, res.logprobs));
     return ws.DownloadTo(tokens, 2, res.tokens);
   }
   if (out.out == LogitsOut::kSample) {
@@ -1514,21 +1520,31 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     }
     ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(R));
     RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
+    // Each row's token for its logprobs: its slot of `best`, or a verification's own array.
+    std::vector<int32_t*> chosen(B, nullptr);
+    for (size_t b = 0; b < B; ++b) chosen[b] = best + row0[b];
     for (size_t b = 0; b < B; ++b) {
       if (status[b].ok() && out_of(b) == LogitsOut::kSample) {
         RETURN_IF_ERROR(DrawTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
                                    *outs[b].sample, best + row0[b]));
       }
       // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
+      // With logprobs, each row's token goes to an array of its own.
       if (status[b].ok() && out_of(b) == LogitsOut::kVerify) {
-        RETURN_IF_ERROR(VerifyTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
-                                     outs[b], best + row0[b]));
+        const auto n = static_cast<int64_t>(tokens[b].size());
+        if (outs[b].top_logprobs >= 0) {
+          ASSIGN_OR_RETURN(chosen[b], ws.Alloc<int32_t>(n));
+        } else {
+          chosen[b] = nullptr;
+        }
+        RETURN_IF_ERROR(
+            VerifyTokens(ws, head + row0[b] * V, n, outs[b], best + row0[b], chosen[b]));
       }
     }
     for (size_t b = 0; b < B; ++b) {
       if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
-      RETURN_IF_ERROR(LogprobsToHost(ws, raw[b], static_cast<int64_t>(tokens[b].size()),
-                                     best + row0[b], outs[b].top_logprobs, logprobs[b]));
+      RETURN_IF_ERROR(LogprobsToHost(ws, raw[b], static_cast<int64_t>(tokens[b].size()), chosen[b],
+                                     outs[b].top_logprobs, logprobs[b]));
     }
     RETURN_IF_ERROR(ws.DownloadTo(best, R, every.tokens));
   }
@@ -1629,7 +1645,7 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
     LogitsRequest row_lo(verify                                  ? LogitsOut::kValues
                          : lo.out == LogitsOut::kSample && !kept ? LogitsOut::kArgmax
                                                                  : lo.out);
-    if (kept) row_lo.top_logprobs = lo.top_logprobs;
+    if (kept && !verify) row_lo.top_logprobs = lo.top_logprobs;
     if (lo.out == LogitsOut::kSample && kept) {
       row_sample.params = lo.sample->params;
       row_sample.uniforms = {lo.sample->uniforms[returned]};
@@ -1667,9 +1683,16 @@ absl::StatusOr<ForwardResult> Model::ExtendRowByRow(SequenceState& state,
   if (verify) {
     Scratch ws(backend_, scratch_pool_.get());
     ASSIGN_OR_RETURN(float* rows, ws.Copy(out.logits));
+    ASSIGN_OR_RETURN(const float* raw, RawRows(ws, rows, out.rows, lo));
     if (lo.penalties != nullptr) RETURN_IF_ERROR(Penalize(ws, rows, out.rows, *lo.penalties));
     ASSIGN_OR_RETURN(int32_t * verdict, ws.Alloc<int32_t>(2));
-    RETURN_IF_ERROR(VerifyTokens(ws, rows, out.rows, lo, verdict));
+    int32_t* chosen = nullptr;
+    if (lo.top_logprobs >= 0) {
+      ASSIGN_OR_RETURN(chosen, ws.Alloc<int32_t>(out.rows));
+    }
+    RETURN_IF_ERROR(VerifyTokens(ws, rows, out.rows, lo, verdict, chosen));
+    if (chosen != nullptr)
+      RETURN_IF_ERROR(LogprobsToHost(ws, raw, out.rows, chosen, lo.top_logprobs, out.logprobs));
     RETURN_IF_ERROR(ws.DownloadTo(verdict, 2, out.tokens));
     out.logits.clear();
   }

@@ -214,15 +214,17 @@ struct LogitsRequest {
   // kSample and kVerify (required; one uniform per row): borrowed for the call.
   const SampleRequest* sample;
   const DraftVerification* verify;  // kVerify only (required): borrowed for the call
-  // >= 0 with kArgmax or kSample: each row's logprobs too (ForwardResult::logprobs) with the top
-  // `top_logprobs` entries, computed on the backend from the raw rows (Backend::TopLogprobs, the
-  // arithmetic of model::ComputeLogprobs; before the penalties) and the row's token.
+  // >= 0 with kArgmax, kSample or kVerify: each row's logprobs too (ForwardResult::logprobs) with
+  // the top `top_logprobs` entries, computed on the backend from the raw rows
+  // (Backend::TopLogprobs, the arithmetic of model::ComputeLogprobs; before the penalties) and the
+  // row's token (kVerify: the verdict's token at its row and at the last, the row's draft
+  // elsewhere).
   int top_logprobs = -1;
 };
 
 // Why `out` cannot be a request for `rows` result rows (OK when it can): penalties with one count
 // per entry; a kSample or kVerify request with valid filters and one uniform in [0, 1) per row;
-// a kVerify request with rows - 1 >= 1 drafts and their distributions, and no logprobs.
+// a kVerify request with rows - 1 >= 1 drafts and their distributions.
 [[nodiscard]] absl::Status LogitsRequestProblem(const LogitsRequest& out, int64_t rows);
 
 struct ForwardResult {
@@ -438,9 +440,11 @@ class Model {
   // short of them); OK for any other request.
   [[nodiscard]] absl::Status VerificationProblem(const LogitsRequest& out) const;
   // verdict [2] (backend memory) = {drafts accepted, the token after them} of `rows` penalized
-  // logits rows in backend memory verifying out.verify's drafts (LogitsOut::kVerify).
+  // logits rows in backend memory verifying out.verify's drafts (LogitsOut::kVerify); `chosen`
+  // (null, or [rows] in backend memory) = each row's token for its logprobs.
   [[nodiscard]] absl::Status VerifyTokens(Scratch& ws, const float* logits, int64_t rows,
-                                          const LogitsRequest& out, int32_t* verdict) const;
+                                          const LogitsRequest& out, int32_t* verdict,
+                                          int32_t* chosen = nullptr) const;
   // Applies `p` to `rows` logits rows in backend memory (Backend::PenalizeLogits).
   [[nodiscard]] absl::Status Penalize(Scratch& ws, float* logits, int64_t rows,
                                       const LogitPenalties& p) const;

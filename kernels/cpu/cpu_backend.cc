@@ -731,7 +731,7 @@ class CpuBackend final : public Backend {
   }
 
   Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k, int64_t n,
-                      const double* u, int32_t* out) override {
+                      const double* u, int32_t* out, int32_t* chosen) override {
     if (k < 0) return Bad("VerifyDrafts", "negative draft count");
     if (n <= 0) return Bad("VerifyDrafts", "empty rows");
     EPD_CHECK_OPERANDS("VerifyDrafts", {{"p", p}, {"u", u}, {"out", out}});
@@ -747,6 +747,10 @@ class CpuBackend final : public Backend {
     const sampling::DraftVerdict v = sampling::VerifyDrafts(p, q, drafts, k, n, u, residual);
     out[0] = v.accepted;
     out[1] = v.token;
+    if (chosen != nullptr) {
+      EPD_CHECK_OPERANDS("VerifyDrafts", {{"chosen", chosen}});
+      for (int64_t r = 0; r <= k; ++r) chosen[r] = r != v.accepted && r < k ? drafts[r] : v.token;
+    }
     return OkStatus();
   }
 

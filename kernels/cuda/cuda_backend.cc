@@ -620,7 +620,7 @@ class CudaBackend final : public Backend {
   // The drafts and uniforms are device memory: unlike the CPU backend, no check of their range
   // (a draft outside [0, n) is rejected).
   Status VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k, int64_t n,
-                      const double* u, int32_t* out) override {
+                      const double* u, int32_t* out, int32_t* chosen) override {
     if (k < 0) return Bad("VerifyDrafts", "negative draft count");
     if (n <= 0) return Bad("VerifyDrafts", "empty rows");
     if ((k + 1) * n >= (int64_t{1} << 31)) return Bad("VerifyDrafts", "more than 2^31 entries");
@@ -628,7 +628,7 @@ class CudaBackend final : public Backend {
     auto scratch = Scratch("VerifyDrafts", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("VerifyDrafts", [&] {
-      return cuda::VerifyDrafts(p, q, drafts, k, n, u, out, *scratch, bytes, streams_[0]);
+      return cuda::VerifyDrafts(p, q, drafts, k, n, u, out, chosen, *scratch, bytes, streams_[0]);
     });
   }
 

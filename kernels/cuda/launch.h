@@ -170,10 +170,10 @@ size_t SampleLogitsScratchBytes(int64_t rows, int64_t n, bool sort);
 cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperature, int top_k,
                          float top_p, float min_p, const double* u, int32_t* out, float* probs,
                          void* scratch, size_t scratch_bytes, cudaStream_t stream);
-// Backend::VerifyDrafts (kernels/sampling_math.h); (k + 1) * n < 2^31.
+// Backend::VerifyDrafts (kernels/sampling_math.h); (k + 1) * n < 2^31. chosen: null or [k + 1].
 size_t VerifyDraftsScratchBytes(int64_t n);
 cudaError_t VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k,
-                         int64_t n, const double* u, int32_t* out, void* scratch,
+                         int64_t n, const double* u, int32_t* out, int32_t* chosen, void* scratch,
                          size_t scratch_bytes, cudaStream_t stream);
 // Backend::TopLogprobs (kernels/sampling_math.h's logprobs); rows * n < 2^31.
 size_t TopLogprobsScratchBytes(int64_t rows, int64_t n);

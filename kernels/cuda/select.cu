@@ -617,6 +617,15 @@ __global__ void ResidualFallbackKernel(const float* p, int64_t k, int64_t n, con
   if (r < k && !(P[nb] > 0.0)) d[i] = p[r * n + i];
 }
 
+// Each row's token for its logprobs after the verdict out = {accepted, token}: the token at the
+// verdict's row (and at row k), the row's draft elsewhere.
+__global__ void ChosenTokensKernel(const int32_t* drafts, int64_t k, const int32_t* out,
+                                   int32_t* chosen) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r > k) return;
+  chosen[r] = r != out[0] && r < k ? drafts[r] : out[1];
+}
+
 // Backend::TopLogprobs' last step (sampling_math.cc LogSumExp and TopIndices), one block per row
 // after RowMaxKernel, WeightBlockSumsKernel (T = 1) and BlockPrefixKernel: lse = mx + log(P[nb]),
 // the chosen token's logprob, then the top entries one at a time. Entry j is the TopBefore-first
@@ -1036,7 +1045,7 @@ struct VerifyLayout {
 size_t VerifyDraftsScratchBytes(int64_t n) { return VerifyLayout(n).total; }
 
 cudaError_t VerifyDrafts(const float* p, const float* q, const int32_t* drafts, int64_t k,
-                         int64_t n, const double* u, int32_t* out, void* scratch,
+                         int64_t n, const double* u, int32_t* out, int32_t* chosen, void* scratch,
                          size_t scratch_bytes, cudaStream_t stream) {
   if (n <= 0 || k < 0) return cudaErrorInvalidValue;
   const VerifyLayout l(n);
@@ -1060,6 +1069,9 @@ cudaError_t VerifyDrafts(const float* p, const float* q, const int32_t* drafts, 
   BlockPrefixKernel<<<1, kThreads, 0, stream>>>(T, 1, nb, P);
   DrawFindKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, P, uf, hit, last);
   DrawPickKernel<<<1, kThreads, 0, stream>>>(hit, last, 1, nb, out + 1);
+  if (chosen != nullptr) {
+    ChosenTokensKernel<<<GridFor(k + 1), kThreads, 0, stream>>>(drafts, k, out, chosen);
+  }
   return cudaGetLastError();
 }
 

@@ -1678,18 +1678,23 @@ PARITY_CASE(VerifyDrafts) {
     for (int64_t i = 0; i <= cs.k; ++i) cs.u.push_back(c % 6 == 5 ? 0.0 : unif(env.rng) * 0.999);
     cases.push_back(std::move(cs));
   }
-  std::vector<std::vector<int32_t>> res;
+  // res: per side and case, the verdict; chosen: each row's token (odd cases only).
+  std::vector<std::vector<int32_t>> res, chosen;
   for (Side* s : {&env.ref, &env.cand}) {
-    for (const Case& cs : cases) {
+    for (size_t c = 0; c < cases.size(); ++c) {
+      const Case& cs = cases[c];
       int32_t* out = s->Out<int32_t>(2);
+      int32_t* rows = c % 2 == 1 ? s->Out<int32_t>(cs.k + 1) : nullptr;
       const int32_t* drafts = cs.k > 0 ? s->In(cs.drafts) : nullptr;
       const float* q = cs.k > 0 ? s->In(cs.q) : nullptr;
-      EXPECT_OP_OK(*s, s->b().VerifyDrafts(s->In(cs.p), q, drafts, cs.k, n, s->In(cs.u), out));
+      EXPECT_OP_OK(*s,
+                   s->b().VerifyDrafts(s->In(cs.p), q, drafts, cs.k, n, s->In(cs.u), out, rows));
       res.push_back(s->Read(out, 2));
+      chosen.push_back(rows != nullptr ? s->Read(rows, cs.k + 1) : std::vector<int32_t>());
     }
     EXPECT_EQ(s->b()
                   .VerifyDrafts(s->In(cases[2].p), s->In(cases[2].q), s->In(cases[2].drafts), -1, n,
-                                s->In(cases[2].u), s->Out<int32_t>(2))
+                                s->In(cases[2].u), s->Out<int32_t>(2), nullptr)
                   .code(),
               absl::StatusCode::kInvalidArgument)
         << s->name() << ": a negative draft count";
@@ -1704,6 +1709,13 @@ PARITY_CASE(VerifyDrafts) {
         cs.p.data(), cs.q.data(), cs.drafts.data(), cs.k, n, cs.u.data(), residual);
     EXPECT_EQ(res[half + c][0], v.accepted) << "case " << c;
     EXPECT_EQ(res[half + c][1], v.token) << "case " << c;
+    if (c % 2 == 1) {  // the token at the verdict's row and at row k, else the row's draft
+      CompareExact(chosen[c], chosen[half + c], "chosen, case " + std::to_string(c));
+      std::vector<int32_t> want(cs.drafts.begin(), cs.drafts.begin() + cs.k);
+      want.push_back(v.token);
+      if (v.accepted < cs.k) want[static_cast<size_t>(v.accepted)] = v.token;
+      EXPECT_EQ(chosen[half + c], want) << "case " << c;
+    }
     accepted += v.accepted;
     rejected += v.accepted < cs.k;
     fallbacks += c % 4 == 2 && cs.k > 0 && v.accepted == 0;
@@ -1722,7 +1734,7 @@ PARITY_CASE(VerifyDrafts) {
     const std::vector<int32_t> bad = {static_cast<int32_t>(n)};
     EXPECT_EQ(env.ref.b()
                   .VerifyDrafts(env.ref.In(cases[1].p), env.ref.In(cases[1].q), env.ref.In(bad), 1,
-                                n, env.ref.In(cases[1].u), env.ref.Out<int32_t>(2))
+                                n, env.ref.In(cases[1].u), env.ref.Out<int32_t>(2), nullptr)
                   .code(),
               absl::StatusCode::kInvalidArgument);
   }

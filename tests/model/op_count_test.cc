@@ -421,6 +421,7 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
       verification.q = std::make_shared<kernels::Buffer>(std::move(*q));
       verification.drafts = drafts;
       outs[2] = LogitsRequest(LogitsOut::kVerify, &penalties, &filtered_draw, &verification);
+      outs[2].top_logprobs = 3;
     }
     if (bad != nullptr) {
       outs[0] = LogitsRequest(S, nullptr, bad);
@@ -475,8 +476,9 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   // The filtered sequence's two drafts verified on the backend (LogitsOut::kVerify,
   // Backend::VerifyDrafts): the verdict, 2 ids, is the host's rejection sampling
   // (kernels::sampling::VerifyDrafts) on the Sampler's distributions of the values rows (row j
-  // penalized as after drafts[0, j)) with the same uniforms, and only those 2 ids come down of
-  // its 3 rows.
+  // penalized as after drafts[0, j)) with the same uniforms, and with each row's logprobs (of its
+  // draft, or of the verdict's token at its row and the last) it is all that comes down of its 3
+  // rows.
   const Run verified = run(true, nullptr, /*verify=*/true);
   ASSERT_EQ(verified.batch.size(), 3u);
   ASSERT_EQ(verified.batch[2].tokens.size(), 2u);
@@ -493,12 +495,27 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
       p.data(), q_host.data(), drafts.data(), 2, vocab, filtered_draw.uniforms.data(), residual);
   EXPECT_EQ(verified.batch[2].tokens[0], want.accepted);
   EXPECT_EQ(verified.batch[2].tokens[1], want.token);
-  EXPECT_EQ(verified.bytes, drawn.bytes);  // every row's token slot (5 ids) and the values row
+  ASSERT_EQ(verified.batch[2].logprobs.size(), 3u);
+  for (int j = 0; j < 3; ++j) {
+    const int32_t token = j != want.accepted && j < 2 ? drafts[static_cast<size_t>(j)] : want.token;
+    const Logprobs lp = ComputeLogprobs(
+        std::span<const float>(values.batch[2].logits.data() + j * vocab, vocab), token, 3);
+    const Logprobs& got = verified.batch[2].logprobs[static_cast<size_t>(j)];
+    EXPECT_EQ(got.chosen.token, token) << "row " << j;
+    EXPECT_EQ(got.chosen.logprob, lp.chosen.logprob) << "row " << j;
+    ASSERT_EQ(got.top.size(), 3u);
+    for (size_t e = 0; e < 3; ++e) {
+      EXPECT_EQ(got.top[e].token, lp.top[e].token) << "row " << j;
+      EXPECT_EQ(got.top[e].logprob, lp.top[e].logprob) << "row " << j;
+    }
+  }
+  // Every row's token slot (5 ids), the values row, then 3 rows of (2 + 2 * 3) logprob words.
+  EXPECT_EQ(verified.bytes, drawn.bytes + 3 * (2 + 2 * 3) * 4);
 }
 
 // A verification the model cannot make is refused before any state changes, naming the cause:
 // distributions of one draft for two, a draft outside the vocabulary, no distributions, drafts
-// that are not the rows after the first, logprobs, a uniform short.
+// that are not the rows after the first, a uniform short.
 TEST_P(OpCountTest, AVerificationItCannotMakeIsRefusedBeforeTheStep) {
   auto backend = kernels::MakeCpuBackend({.report_device_memory = true});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
@@ -526,7 +543,6 @@ TEST_P(OpCountTest, AVerificationItCannotMakeIsRefusedBeforeTheStep) {
       {"outside the vocabulary", {q, {4, static_cast<int32_t>(V)}}, &sample, -1},
       {"needs its drafts and their distributions", {nullptr, {4, 5}}, &sample, -1},
       {"has 1 drafts", {q, {4}}, &sample, -1},
-      {"brings no logprobs", {q, {4, 5}}, &sample, 2},
       {"uniform", {q, {4, 5}}, &short_of, -1},
   };
   for (const Case& c : cases) {
