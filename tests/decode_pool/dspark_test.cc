@@ -2,6 +2,7 @@
 // the speculative rejection sampler against its target distribution, the k policy and the
 // DSpark config switch.
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <memory>
 #include <numeric>
@@ -11,9 +12,11 @@
 #include "decode_pool/dspark/verifier.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
+#include "kernels/sampling_math.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
+#include "model/stages.h"
 #include "tests/testing/dspark_reference.h"
 #include "tests/testing/dspark_rollback.h"
 #include "tests/testing/dspark_target_scorer.h"
@@ -369,6 +372,77 @@ TEST(DSparkRejectionTest, JointOfFirstTwoTokensMatchesTarget) {
   EXPECT_LT(chi2, 51.18);  // 24 dof, p = 0.001
   EXPECT_GT(accepted, 0);
   EXPECT_LT(accepted, drafted);
+}
+
+// The same property on the model, through the backend path a decode worker takes at T > 0: the
+// draft chain drawn on the backend (Model::Draft, kSample: q in backend memory) and verified
+// there (a kVerify step, Backend::VerifyDrafts). Over many independent seeds from one state, the
+// first emitted token follows the target's distribution of that position (FilteredProbs of its
+// values row with the same filters): a wrong acceptance ratio, residual or uniform would shift
+// it toward the draft's q.
+TEST_F(DSparkNanoTest, SampledFirstTokenOnTheBackendFollowsTheTarget) {
+  const std::vector<int32_t> prompt = Prompt(48, 9);
+  const std::unique_ptr<SequenceState> base = Prefilled(prompt);
+  const int32_t last = 77;
+  const int64_t V = model_->config().vocab_size, block = model_->config().dspark_block_size;
+  kernels::SampleParams params{.temperature = 1.4f, .top_k = 5};
+  // The target: the position's values row, filtered.
+  std::vector<float> p0(static_cast<size_t>(V));
+  {
+    auto st = std::make_unique<SequenceState>(*base);
+    SequenceState* states[] = {st.get()};
+    const std::vector<std::vector<int32_t>> tokens = {{last}};
+    auto r = model::DecodeStep(*model_, states, tokens);
+    ASSERT_TRUE(r.ok()) << r.status();
+    std::vector<int32_t> order;
+    kernels::sampling::FilteredProbs((*r)[0].logits.data(), V, params, p0.data(), order);
+  }
+  constexpr int kTrials = 500, kDrafts = 3;
+  std::map<int32_t, int> first;
+  int accepted = 0, bonus = 0;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    model::Rng rng(1000 + static_cast<uint64_t>(trial));
+    auto st = std::make_unique<SequenceState>(*base);
+    model::SampleRequest draw{params, {}};
+    for (int64_t i = 0; i < block; ++i) draw.uniforms.push_back(rng.NextUniform());
+    auto d = model_->Draft(*st, last, {}, model::LogitsOut::kSample, nullptr, &draw);
+    ASSERT_TRUE(d.ok()) << d.status();
+    model::DraftVerification v{d->q, {d->ids.begin() + 1, d->ids.begin() + 1 + kDrafts}};
+    model::SampleRequest check{params, {}};
+    for (int i = 0; i <= kDrafts; ++i) check.uniforms.push_back(rng.NextUniform());
+    const model::LogitsRequest out(model::LogitsOut::kVerify, nullptr, &check, &v);
+    SequenceState* states[] = {st.get()};
+    std::vector<std::vector<int32_t>> tokens = {{last}};
+    tokens[0].insert(tokens[0].end(), v.drafts.begin(), v.drafts.end());
+    auto r = model::DecodeStep(*model_, states, tokens, nullptr, std::span(&out, 1));
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_EQ((*r)[0].tokens.size(), 2u);
+    const int32_t a = (*r)[0].tokens[0], token = (*r)[0].tokens[1];
+    ASSERT_GE(a, 0);
+    ASSERT_LE(a, kDrafts);
+    ++first[a > 0 ? v.drafts[0] : token];
+    accepted += a > 0;
+    bonus += a == kDrafts;
+  }
+  std::vector<int> obs;
+  std::vector<double> want;
+  for (int64_t t = 0; t < V; ++t) {
+    const auto it = first.find(static_cast<int32_t>(t));
+    const int n = it == first.end() ? 0 : it->second;
+    if (p0[t] == 0.f) {
+      EXPECT_EQ(n, 0) << "token " << t << " has no target probability";
+      continue;
+    }
+    obs.push_back(n);
+    want.push_back(p0[t]);
+  }
+  ASSERT_EQ(obs.size(), 5u);
+  EXPECT_LT(ChiSquare(obs, want, kTrials), 18.47);  // 4 dof, p = 0.001
+  // Both paths were taken: drafts accepted and rejected.
+  EXPECT_GT(accepted, kTrials / 10);
+  EXPECT_LT(accepted, kTrials);
+  std::printf("first draft accepted in %d of %d trials, all %d in %d\n", accepted, kTrials, kDrafts,
+              bonus);
 }
 
 // Every draft accepted when q == p, and the bonus token comes from p[k].
