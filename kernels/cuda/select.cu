@@ -24,6 +24,16 @@ using codec::IsNan;
 constexpr size_t kAlign = 256;
 size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
+// Lays out a scratch buffer: each Take returns the offset of the next aligned piece.
+struct ScratchCursor {
+  size_t at = 0;
+  size_t Take(size_t bytes) {
+    const size_t here = at;
+    at += AlignUp(bytes);
+    return here;
+  }
+};
+
 // CUB's temporary storage for a radix sort of n keys of type Key.
 template <typename Key>
 size_t CubBytes(int64_t n) {
@@ -582,6 +592,26 @@ __global__ void DrawPickKernel(const int64_t* hit, const int64_t* last, int64_t 
   out[r] = static_cast<int32_t>(pick >= 0 ? pick : fallback >= 0 ? fallback : 0);
 }
 
+// Each row's blocked sum of probs [rows, n] (in `sorted` order when given, over the first `lim`
+// positions; positive entries only when asked): block sums T [rows, nb], their prefix P
+// [rows, nb + 1].
+void LaunchBlockedSums(const float* probs, int64_t rows, int64_t n, int64_t nb,
+                       const uint64_t* sorted, int64_t lim, bool positive_only, double* T,
+                       double* P, cudaStream_t stream) {
+  BlockSumsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, sorted, lim,
+                                                               positive_only, T);
+  BlockPrefixKernel<<<GridFor(rows), kThreads, 0, stream>>>(T, rows, nb, P);
+}
+
+// sampling::DrawIndex of each row of probs [rows, n] with u [rows] into out [rows]: the
+// positive entries' blocked sums, then the inverse CDF (T, P, hit and last are scratch).
+void LaunchDraw(const float* probs, int64_t rows, int64_t n, int64_t nb, const double* u, double* T,
+                double* P, int64_t* hit, int64_t* last, int32_t* out, cudaStream_t stream) {
+  LaunchBlockedSums(probs, rows, n, nb, nullptr, n, true, T, P, stream);
+  DrawFindKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, P, u, hit, last);
+  DrawPickKernel<<<GridFor(rows), kThreads, 0, stream>>>(hit, last, rows, nb, out);
+}
+
 // ---- VerifyDrafts: kernels/sampling_math.h (VerifyDrafts), step by step ----
 // The tests (one thread, in order, as the host): *row = the row of the final draw (the first
 // rejected draft, else k), out[0] = the drafts accepted, *uf = the final draw's uniform. A draft
@@ -688,17 +718,12 @@ struct LogprobsLayout {
   size_t probs = 0, T = 0, P = 0, mx = 0, total = 0;
   LogprobsLayout(int64_t rows, int64_t n) : nb(sampling::SumBlocks(n)) {
     const size_t r = static_cast<size_t>(rows), rb = static_cast<size_t>(rows * nb);
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += AlignUp(bytes);
-      return here;
-    };
-    probs = take(static_cast<size_t>(rows * n) * 4);
-    T = take(rb * 8);
-    P = take((rb + r) * 8);
-    mx = take(r * 4);
-    total = at;
+    ScratchCursor c;
+    probs = c.Take(static_cast<size_t>(rows * n) * 4);
+    T = c.Take(rb * 8);
+    P = c.Take((rb + r) * 8);
+    mx = c.Take(r * 4);
+    total = c.at;
   }
 };
 
@@ -712,27 +737,22 @@ struct SampleLayout {
   SampleLayout(int64_t rows, int64_t n, bool sort) : nb(sampling::SumBlocks(n)) {
     const size_t rn = static_cast<size_t>(rows * n), rb = static_cast<size_t>(rows * nb),
                  r = static_cast<size_t>(rows);
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += AlignUp(bytes);
-      return here;
-    };
-    probs = take(rn * 4);
-    T = take(rb * 8);
-    P = take((rb + r) * 8);
-    hit = take(rb * 8);
-    last = take(rb * 8);
-    keep = take(r * 8);
-    mx = take(r * 4);
+    ScratchCursor c;
+    probs = c.Take(rn * 4);
+    T = c.Take(rb * 8);
+    P = c.Take((rb + r) * 8);
+    hit = c.Take(rb * 8);
+    last = c.Take(rb * 8);
+    keep = c.Take(r * 8);
+    mx = c.Take(r * 4);
     if (sort) {
-      keys_in = take(rn * 8);
-      keys_out = take(rn * 8);
-      off = take((r + 1) * 4);
+      keys_in = c.Take(rn * 8);
+      keys_out = c.Take(rn * 8);
+      off = c.Take((r + 1) * 4);
       temp_bytes = AlignUp(CubSegmentedBytes<uint64_t>(rows * n, rows));
-      temp = take(temp_bytes);
+      temp = c.Take(temp_bytes);
     }
-    total = at;
+    total = c.at;
   }
 };
 }  // namespace
@@ -968,9 +988,7 @@ cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperat
   const unsigned row_grid = static_cast<unsigned>(rows);
   // Blocked sum of probs (order, lim, positive_only) into P.
   auto blocked = [&](const uint64_t* sorted, int64_t lim, bool positive_only) {
-    BlockSumsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, sorted, lim,
-                                                                 positive_only, T);
-    BlockPrefixKernel<<<GridFor(rows), kThreads, 0, stream>>>(T, rows, nb, P);
+    LaunchBlockedSums(probs, rows, n, nb, sorted, lim, positive_only, T, P, stream);
   };
   // 1. Softmax of x / T.
   RowMaxKernel<<<row_grid, kThreads, 0, stream>>>(x, n, mx);
@@ -1012,9 +1030,7 @@ cudaError_t SampleLogits(const float* x, int64_t rows, int64_t n, float temperat
   // 4. Renormalized; then the inverse CDF.
   blocked(nullptr, n, false);
   NormalizeKernel<<<GridFor(rows * n), kThreads, 0, stream>>>(probs, rows, n, nb, P);
-  blocked(nullptr, n, true);
-  DrawFindKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(probs, rows, n, nb, P, u, hit, last);
-  DrawPickKernel<<<GridFor(rows), kThreads, 0, stream>>>(hit, last, rows, nb, out);
+  LaunchDraw(probs, rows, n, nb, u, T, P, hit, last, out, stream);
   return cudaGetLastError();
 }
 
@@ -1025,20 +1041,15 @@ struct VerifyLayout {
   size_t d = 0, T = 0, P = 0, hit = 0, last = 0, row = 0, uf = 0, total = 0;
   explicit VerifyLayout(int64_t n) : nb(sampling::SumBlocks(n)) {
     const size_t b = static_cast<size_t>(nb);
-    size_t at = 0;
-    auto take = [&](size_t bytes) {
-      const size_t here = at;
-      at += AlignUp(bytes);
-      return here;
-    };
-    d = take(static_cast<size_t>(n) * 4);
-    T = take(b * 8);
-    P = take((b + 1) * 8);
-    hit = take(b * 8);
-    last = take(b * 8);
-    row = take(8);
-    uf = take(8);
-    total = at;
+    ScratchCursor c;
+    d = c.Take(static_cast<size_t>(n) * 4);
+    T = c.Take(b * 8);
+    P = c.Take((b + 1) * 8);
+    hit = c.Take(b * 8);
+    last = c.Take(b * 8);
+    row = c.Take(8);
+    uf = c.Take(8);
+    total = c.at;
   }
 };
 
@@ -1061,14 +1072,10 @@ cudaError_t VerifyDrafts(const float* p, const float* q, const int32_t* drafts, 
   const int64_t nb = l.nb;
   AcceptDraftsKernel<<<1, 1, 0, stream>>>(p, q, drafts, k, n, u, out, row, uf);
   ResidualKernel<<<GridFor(n), kThreads, 0, stream>>>(p, q, k, n, row, d);
-  BlockSumsKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, nullptr, n, true, T);
-  BlockPrefixKernel<<<1, kThreads, 0, stream>>>(T, 1, nb, P);
+  LaunchBlockedSums(d, 1, n, nb, nullptr, n, true, T, P, stream);  // the residual's mass
   ResidualFallbackKernel<<<GridFor(n), kThreads, 0, stream>>>(p, k, n, row, P, nb, d);
-  // DrawIndex of d with uf: the positive entries' blocked sums again (d may have fallen back).
-  BlockSumsKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, nullptr, n, true, T);
-  BlockPrefixKernel<<<1, kThreads, 0, stream>>>(T, 1, nb, P);
-  DrawFindKernel<<<GridFor(nb), kThreads, 0, stream>>>(d, 1, n, nb, P, uf, hit, last);
-  DrawPickKernel<<<1, kThreads, 0, stream>>>(hit, last, 1, nb, out + 1);
+  // DrawIndex of d with uf (its sums again: d may have fallen back to p_r).
+  LaunchDraw(d, 1, n, nb, uf, T, P, hit, last, out + 1, stream);
   if (chosen != nullptr) {
     ChosenTokensKernel<<<GridFor(k + 1), kThreads, 0, stream>>>(drafts, k, out, chosen);
   }
