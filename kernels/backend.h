@@ -450,6 +450,18 @@ class Backend {
                                  bool per_slot, int32_t* list, int64_t list_len,
                                  int64_t offset) = 0;
 
+  // Pool blocks' content (model/kv_pool.h, SealPending: a full block is sealed under a hash of
+  // its bytes, and shared with a registered block only when their bytes are equal). Block i is
+  // bytes[i] bytes at blocks[i] (or at a[i] and b[i]); `blocks`, `a`, `b` and `bytes` are arrays
+  // of n entries in backend memory, like `pages` above, and so are the outputs.
+  // DigestBlocks: out[i] = XXH3-64 (seed 0) of block i, libxxhash's value (the CUDA kernel is
+  // kernels/xxh3_lanes.h). Exact.
+  virtual absl::Status DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                                    uint64_t* out) = 0;
+  // BlocksEqual: equal[i] = 1 when block i's bytes at a[i] equal those at b[i], else 0. Exact.
+  virtual absl::Status BlocksEqual(const uint8_t* const* a, const uint8_t* const* b,
+                                   const int64_t* bytes, int64_t n, int32_t* equal) = 0;
+
   // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
   enum class Qdq {
@@ -545,6 +557,8 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "PackRows",
     "UnpackRows",
     "TopKSlots",
+    "DigestBlocks",
+    "BlocksEqual",
     "QuantDequant",
     "Argmax",
     "PenalizeLogits",

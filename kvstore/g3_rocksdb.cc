@@ -3,7 +3,6 @@
 #include <spdlog/spdlog.h>
 
 #include <cstring>
-#include <optional>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -170,6 +169,7 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   metrics_.puts->Increment();
   metrics_.put_bytes->Increment(static_cast<double>(value.size()));
   std::vector<BlockHash> victims;
+  std::vector<Meta> metas;
   {
     absl::MutexLock lock(&mu_);
     ForgetLocked(key);
@@ -180,6 +180,7 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
     while (bytes_ > config_.capacity_bytes && !by_time_.empty()) {
       const BlockHash victim = by_time_.begin()->second;
       if (victim == key) break;
+      metas.push_back(index_.at(victim));
       ForgetLocked(victim);
       victims.push_back(victim);
     }
@@ -187,7 +188,9 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   }
   if (!victims.empty()) {
     metrics_.evictions->Increment(static_cast<double>(victims.size()));
-    return DeleteKeys(victims);
+    // The value is stored either way; victims the database keeps stay indexed, and the next put
+    // or sweep evicts them again.
+    (void)DeleteForgotten(victims, metas, "G3 eviction");
   }
   return absl::OkStatus();
 }
@@ -281,25 +284,32 @@ bool G3RocksStore::Contains(const BlockHash& key) const {
 absl::Status G3RocksStore::Delete(const BlockHash& key) { return DropKey(key); }
 
 absl::Status G3RocksStore::DropKey(const BlockHash& key) {
-  std::optional<Meta> had;
+  std::vector<Meta> had;
   {
     absl::MutexLock lock(&mu_);
-    if (auto it = index_.find(key); it != index_.end()) had = it->second;
+    if (auto it = index_.find(key); it != index_.end()) had.push_back(it->second);
     ForgetLocked(key);
     UpdateGaugesLocked();
   }
-  absl::Status s = DeleteKeys({key});
+  if (had.empty()) return DeleteKeys({key});  // not indexed: nothing to put back
+  return DeleteForgotten({key}, had, "G3 delete");
+}
+
+absl::Status G3RocksStore::DeleteForgotten(const std::vector<BlockHash>& keys,
+                                           const std::vector<Meta>& metas, const char* what) {
+  absl::Status s = DeleteKeys(keys);
   if (s.ok()) return s;
-  spdlog::warn("G3: block {} could not be deleted ({}); it stays indexed", common::ToHex(key),
+  spdlog::warn("{}: {} block(s) could not be deleted ({}); they stay indexed", what, keys.size(),
                std::string(s.message()));
   all_metrics_.CountBadRequest("internal");
   absl::MutexLock lock(&mu_);
-  if (had && !index_.contains(key)) {  // not put again meanwhile
-    index_[key] = *had;
-    by_time_.emplace(had->write_unix_ms, key);
-    bytes_ += had->bytes;
-    UpdateGaugesLocked();
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (index_.contains(keys[i])) continue;  // put again meanwhile
+    index_[keys[i]] = metas[i];
+    by_time_.emplace(metas[i].write_unix_ms, keys[i]);
+    bytes_ += metas[i].bytes;
   }
+  UpdateGaugesLocked();
   return s;
 }
 
@@ -338,21 +348,8 @@ G3RocksStore::SweepResult G3RocksStore::Sweep() {
   }
   if (r.expired > 0) metrics_.ttl_expiries->Increment(static_cast<double>(r.expired));
   if (r.evicted > 0) metrics_.evictions->Increment(static_cast<double>(r.evicted));
-  if (!victims.empty()) {
-    if (auto s = DeleteKeys(victims); !s.ok()) {
-      // Still in the database: index them again, so the next sweep tries again.
-      spdlog::warn("G3 sweep: {}", std::string(s.message()));
-      all_metrics_.CountBadRequest("internal");
-      absl::MutexLock lock(&mu_);
-      for (size_t i = 0; i < victims.size(); ++i) {
-        if (index_.contains(victims[i])) continue;
-        index_[victims[i]] = metas[i];
-        by_time_.emplace(metas[i].write_unix_ms, victims[i]);
-        bytes_ += metas[i].bytes;
-      }
-      UpdateGaugesLocked();
-    }
-  }
+  // Still in the database after a failed delete: indexed again, so the next sweep tries again.
+  if (!victims.empty()) (void)DeleteForgotten(victims, metas, "G3 sweep");
   return r;
 }
 

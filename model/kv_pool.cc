@@ -1,14 +1,13 @@
 #include "model/kv_pool.h"
 
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
-#include <string_view>
-#include <tuple>
 #include <utility>
 
 #include "absl/hash/hash.h"
@@ -21,10 +20,15 @@ namespace {
 
 namespace kf = kernels::format;
 
-uint64_t BlockHash(uint64_t seed, uint64_t stream, uint64_t prev, const uint8_t* data,
-                   int64_t bytes) {
-  return absl::Hash<std::tuple<uint64_t, uint64_t, uint64_t, std::string_view>>{}(std::make_tuple(
-      seed, stream, prev, std::string_view(reinterpret_cast<const char*>(data), bytes)));
+// A block's digest: XXH3-64 of its bytes (Backend::DigestBlocks computes the same on a device).
+uint64_t Digest(const uint8_t* data, int64_t bytes) {
+  return XXH3_64bits(data, static_cast<size_t>(bytes));
+}
+
+// The block's place in the chain: the pool's seed, its stream, its predecessor's hash and its
+// content digest. (In-process only: absl's hash is seeded per process.)
+uint64_t BlockHash(uint64_t seed, uint64_t stream, uint64_t prev, uint64_t digest) {
+  return absl::HashOf(seed, stream, prev, digest);
 }
 
 }  // namespace
@@ -94,26 +98,105 @@ absl::Status KvPool::Read(const Block& b, int64_t offset, int64_t bytes, void* d
 }
 
 absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) {
-  int64_t total = 0;
-  for (const BlockRead& r : reads) total += r.bytes;
-  if (total <= 0) return absl::OkStatus();
   if (host_memory_) {
     for (const BlockRead& r : reads) {
-      std::memcpy(dst, r.block.data, static_cast<size_t>(r.bytes));
+      std::memcpy(dst, r.block.data + r.offset, static_cast<size_t>(r.bytes));
       dst += r.bytes;
     }
     return absl::OkStatus();
   }
+  int64_t total = 0;
+  for (const BlockRead& r : reads) total += r.bytes;
+  if (total <= 0) return absl::OkStatus();
   std::lock_guard<std::mutex> l(staging_mu_);
+  const int64_t cap = std::min(total, kMaxStagingBytes);
+  if (staging_.bytes() < cap) {
+    ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(
+                                   cap, std::min(2 * staging_.bytes(), kMaxStagingBytes))));
+  }
+  // Fill the staging buffer range by range (a range larger than what is left is split), and
+  // bring it down whenever it is full, and at the end.
+  int64_t at = 0;
+  for (const BlockRead& r : reads) {
+    for (int64_t done = 0; done < r.bytes;) {
+      const int64_t take = std::min(r.bytes - done, staging_.bytes() - at);
+      RETURN_IF_ERROR(
+          backend_->Copy(staging_.as<uint8_t>() + at, r.block.data + r.offset + done, take));
+      at += take;
+      done += take;
+      if (at == staging_.bytes()) {
+        RETURN_IF_ERROR(backend_->Download(staging_, 0, at, dst));
+        dst += at;
+        at = 0;
+      }
+    }
+  }
+  if (at > 0) return backend_->Download(staging_, 0, at, dst);
+  return absl::OkStatus();
+}
+
+absl::Status KvPool::DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out) {
+  if (blocks.empty()) return absl::OkStatus();
+  if (host_memory_) {
+    for (size_t i = 0; i < blocks.size(); ++i) {
+      out[i] = Digest(blocks[i].block.data + blocks[i].offset, blocks[i].bytes);
+    }
+    return absl::OkStatus();
+  }
+  // staging: the block addresses [n], their lengths [n], the digests [n].
+  const auto n = static_cast<int64_t>(blocks.size());
+  std::vector<uint64_t> args(static_cast<size_t>(2 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    args[i] = reinterpret_cast<uintptr_t>(blocks[i].block.data + blocks[i].offset);
+    args[n + i] = static_cast<uint64_t>(blocks[i].bytes);
+  }
+  std::lock_guard<std::mutex> l(staging_mu_);
+  const int64_t total = 3 * n * 8;
   if (staging_.bytes() < total) {
     ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(total, 2 * staging_.bytes())));
   }
-  int64_t at = 0;
-  for (const BlockRead& r : reads) {
-    RETURN_IF_ERROR(backend_->Copy(staging_.as<uint8_t>() + at, r.block.data, r.bytes));
-    at += r.bytes;
+  RETURN_IF_ERROR(backend_->Upload(args.data(), 2 * n * 8, staging_));
+  auto* base = staging_.as<uint64_t>();
+  RETURN_IF_ERROR(backend_->DigestBlocks(reinterpret_cast<const uint8_t* const*>(base),
+                                         reinterpret_cast<const int64_t*>(base + n), n,
+                                         base + 2 * n));
+  return backend_->Download(staging_, 2 * n * 8, n * 8, out);
+}
+
+absl::Status KvPool::BlocksEqual(std::span<const BlockPair> pairs, bool* equal) {
+  if (pairs.empty()) return absl::OkStatus();
+  if (host_memory_) {
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      equal[i] =
+          std::memcmp(pairs[i].a.data, pairs[i].b.data, static_cast<size_t>(pairs[i].bytes)) == 0;
+    }
+    return absl::OkStatus();
   }
-  return backend_->Download(staging_, 0, total, dst);
+  // staging: a's addresses [n], b's [n], the lengths [n], the answers (int32) [n].
+  const auto n = static_cast<int64_t>(pairs.size());
+  std::vector<uint64_t> args(static_cast<size_t>(3 * n));
+  for (int64_t i = 0; i < n; ++i) {
+    args[i] = reinterpret_cast<uintptr_t>(pairs[i].a.data);
+    args[n + i] = reinterpret_cast<uintptr_t>(pairs[i].b.data);
+    args[2 * n + i] = static_cast<uint64_t>(pairs[i].bytes);
+  }
+  std::vector<int32_t> got(static_cast<size_t>(n));
+  {
+    std::lock_guard<std::mutex> l(staging_mu_);
+    const int64_t total = 3 * n * 8 + n * 4;
+    if (staging_.bytes() < total) {
+      ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(total, 2 * staging_.bytes())));
+    }
+    RETURN_IF_ERROR(backend_->Upload(args.data(), 3 * n * 8, staging_));
+    auto* base = staging_.as<uint64_t>();
+    RETURN_IF_ERROR(backend_->BlocksEqual(reinterpret_cast<const uint8_t* const*>(base),
+                                          reinterpret_cast<const uint8_t* const*>(base + n),
+                                          reinterpret_cast<const int64_t*>(base + 2 * n), n,
+                                          reinterpret_cast<int32_t*>(base + 3 * n)));
+    RETURN_IF_ERROR(backend_->Download(staging_, 3 * n * 8, n * 4, got.data()));
+  }
+  for (int64_t i = 0; i < n; ++i) equal[i] = got[i] != 0;
+  return absl::OkStatus();
 }
 
 absl::Status KvPool::CopyBlock(const Block& dst, const Block& src, int64_t bytes) {
@@ -396,13 +479,20 @@ KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes, Known k
   auto it = by_hash_.find(hash);
   if (it != by_hash_.end() && it->second != b.id) {
     Slot& other = slots_[it->second];
-    // The other block's bytes: in place on a host pool, as the caller read them, else
-    // downloaded (under the lock: the block cannot go meanwhile).
+    // Compared by the caller (SealPending, on the backend), else the other block's bytes: in
+    // place on a host pool, else downloaded (under the lock: the block cannot go meanwhile).
+    if (!host_memory_ && known.id == it->second) {
+      if (!known.equal || other.bytes != mine.bytes) return b;  // a collision: keep ours unshared
+      const Block shared{it->second, other.mem};
+      ++stats_.shared_hits;
+      RefLocked(shared.id);
+      UnrefLocked(b.id);
+      return shared;
+    }
+    if (bytes == nullptr) return b;  // ours not read: it cannot be compared, so stays unshared
     const uint8_t* theirs = other.mem;
     std::vector<uint8_t> copy;
-    if (!host_memory_ && known.id == it->second && known.bytes != nullptr) {
-      theirs = known.bytes;
-    } else if (!host_memory_ && other.bytes == mine.bytes) {
+    if (!host_memory_ && other.bytes == mine.bytes) {
       copy.resize(static_cast<size_t>(other.bytes));
       SlabRec& rec = slabs_.at(other.slab);
       if (!backend_
@@ -598,7 +688,7 @@ absl::Status KvRows::SealBlock(size_t b) {
 
 void KvRows::SealBlockWith(size_t b, const uint8_t* content) {
   const int64_t bytes = rows_per_block_ * row_bytes_;
-  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), content, bytes);
+  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), Digest(content, bytes));
   const KvPool::Block sealed = pool_->Seal(blocks_[b], hashes_[b], content);
   if (sealed.id != blocks_[b].id) {
     blocks_[b] = sealed;
@@ -607,70 +697,73 @@ void KvRows::SealBlockWith(size_t b, const uint8_t* content) {
 }
 
 absl::Status SealPending(std::span<KvRows* const> streams) {
-  std::vector<KvPool::BlockRead> reads;
+  std::vector<KvPool::BlockRead> pending;
   KvPool* pool = nullptr;
   for (KvRows* s : streams) {
     if (s == nullptr || s->pending_.empty()) continue;
     if (pool != nullptr && s->pool_.get() != pool)
       return absl::InvalidArgumentError("kv rows: SealPending over streams of two pools");
     pool = s->pool_.get();
-    for (size_t b : s->pending_) reads.push_back({s->blocks_[b], s->rows_per_block_ * s->row_bytes_});
-  }
-  if (reads.empty()) return absl::OkStatus();
-  // Reads `list` into `bytes` (one ReadBlocks) and points `at` at each block's bytes.
-  auto read_all = [pool](const std::vector<KvPool::BlockRead>& list, std::vector<uint8_t>& bytes,
-                         std::vector<const uint8_t*>& at) {
-    int64_t total = 0;
-    for (const KvPool::BlockRead& r : list) total += r.bytes;
-    bytes.resize(static_cast<size_t>(total));
-    at.clear();
-    int64_t off = 0;
-    for (const KvPool::BlockRead& r : list) {
-      at.push_back(bytes.data() + off);
-      off += r.bytes;
+    for (size_t b : s->pending_) {
+      pending.push_back({s->blocks_[b], s->rows_per_block_ * s->row_bytes_});
     }
-    return pool->ReadBlocks(list, bytes.data());
-  };
-  // 1. The pending blocks' bytes (one read), and their hashes in each stream's order (a block's
-  // hash chains its predecessor's, sealed before or pending ahead of it).
-  std::vector<uint8_t> content;
-  std::vector<const uint8_t*> content_at;
-  RETURN_IF_ERROR(read_all(reads, content, content_at));
+  }
+  if (pending.empty()) return absl::OkStatus();
+  // 1. The pending blocks' digests (computed where the blocks are; one Download), and their
+  // hashes in each stream's order (a block's hash chains its predecessor's, sealed before or
+  // pending ahead of it).
+  std::vector<uint64_t> digests(pending.size());
+  RETURN_IF_ERROR(pool->DigestBlocks(pending, digests.data()));
   std::vector<uint64_t> hashes;
   std::vector<int32_t> ids;
   size_t i = 0;
   for (KvRows* s : streams) {
     if (s == nullptr) continue;
     for (size_t b : s->pending_) {
-      s->hashes_[b] = BlockHash(s->pool_->seed(), s->stream_, s->PrevHash(b), content_at[i],
-                                reads[i].bytes);
+      s->hashes_[b] = BlockHash(s->pool_->seed(), s->stream_, s->PrevHash(b), digests[i]);
       hashes.push_back(s->hashes_[b]);
       ids.push_back(s->blocks_[b].id);
       ++i;
     }
   }
-  // 2. The blocks already registered under those hashes (a shared prefix), held and read in one
-  // more read, so that the byte comparison of each hit needs no read of its own.
+  // 2. What each block will be compared with at its seal: the block already registered under
+  // its hash (a shared prefix; held until the seals are done), or else an earlier block of this
+  // call with the same hash, which its own seal registers first (two sequences of one batch
+  // filling equal blocks). All compared on the backend in one BlocksEqual.
   const std::vector<int32_t> found = pool->RefRegistered(hashes, ids);
-  std::vector<KvPool::BlockRead> theirs_reads;
-  std::vector<size_t> theirs_of(found.size(), SIZE_MAX);
-  for (size_t k = 0; k < found.size(); ++k) {
-    if (found[k] < 0) continue;
-    theirs_of[k] = theirs_reads.size();
-    theirs_reads.push_back({pool->BlockOf(found[k]), reads[k].bytes});
+  std::vector<KvPool::Known> known(pending.size());
+  std::vector<KvPool::BlockPair> pairs;
+  std::vector<size_t> pair_of;
+  absl::flat_hash_map<uint64_t, size_t> first_with;  // hash -> the first pending block with it
+  for (size_t k = 0; k < pending.size(); ++k) {
+    auto [it, inserted] = first_with.try_emplace(hashes[k], k);
+    KvPool::Block theirs;
+    if (found[k] >= 0) {
+      theirs = pool->BlockOf(found[k]);
+    } else if (!inserted && found[it->second] < 0) {
+      theirs = pending[it->second].block;
+    } else {
+      continue;
+    }
+    known[k].id = theirs.id;
+    pairs.push_back({pending[k].block, theirs, pending[k].bytes});
+    pair_of.push_back(k);
   }
-  std::vector<uint8_t> theirs;
-  std::vector<const uint8_t*> theirs_at;
   absl::Status st = absl::OkStatus();
-  if (!theirs_reads.empty()) st = read_all(theirs_reads, theirs, theirs_at);
-  // 3. Each block sealed (or swapped for the identical registered one).
+  if (!pairs.empty()) {
+    auto equal = std::make_unique<bool[]>(pairs.size());
+    st = pool->BlocksEqual(pairs, equal.get());
+    for (size_t p = 0; st.ok() && p < pairs.size(); ++p) known[pair_of[p]].equal = equal[p];
+  }
+  // 3. Each block sealed (or swapped for the identical registered one). After a failed
+  // comparison every block is still sealed, unshared.
   i = 0;
   for (KvRows* s : streams) {
-    if (s == nullptr || !st.ok()) continue;
+    if (s == nullptr) continue;
     for (size_t b : s->pending_) {
-      KvPool::Known known;
-      if (theirs_of[i] != SIZE_MAX) known = {found[i], theirs_at[theirs_of[i]]};
-      const KvPool::Block sealed = pool->Seal(s->blocks_[b], s->hashes_[b], content_at[i], known);
+      KvPool::Known k = known[i];
+      if (!st.ok()) k = KvPool::Known{};
+      const KvPool::Block sealed = pool->Seal(s->blocks_[b], s->hashes_[b], nullptr, k);
       if (sealed.id != s->blocks_[b].id) {
         s->blocks_[b] = sealed;
         s->Invalidate(b);
@@ -842,17 +935,18 @@ void KvRows::Gather(const int32_t* idx, int64_t n, float* out) const {
 
 absl::Status KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
                                 KvRowFormat packed_format) const {
-  if (format_ != KvRowFormat::kF32) {
+  if (format_ != KvRowFormat::kF32) {  // the blocks' bytes as they are, in one read
+    std::vector<KvPool::BlockRead> reads;
     for (int64_t r = first; r < first + n;) {
       const int64_t slot = r % rows_per_block_;
       const int64_t take = std::min(first + n - r, rows_per_block_ - slot);
-      const size_t at = out.size();
-      out.resize(at + static_cast<size_t>(take * row_bytes_));
-      RETURN_IF_ERROR(pool_->Read(blocks_[static_cast<size_t>(r / rows_per_block_)],
-                                  slot * row_bytes_, take * row_bytes_, out.data() + at));
+      reads.push_back({blocks_[static_cast<size_t>(r / rows_per_block_)], take * row_bytes_,
+                       slot * row_bytes_});
       r += take;
     }
-    return absl::OkStatus();
+    const size_t at = out.size();
+    out.resize(at + static_cast<size_t>(n * row_bytes_));
+    return pool_->ReadBlocks(reads, out.data() + at);
   }
   const int64_t pb = KvRowBytes(packed_format, dim_);
   const size_t at = out.size();

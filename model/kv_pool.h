@@ -13,7 +13,8 @@
 // Sharing: blocks are reference-counted. Copying a KvRows shares its blocks (a copied
 // SequenceState, a snapshot, an n > 1 fork); a write into a shared block copies it first
 // (copy-on-write). A block that fills up is sealed under a content hash chain (the model's
-// config seed, the stream, the previous block's hash, the block's bytes); when a block with the
+// config seed, the stream, the previous block's hash, the XXH3-64 digest of the block's bytes,
+// which a device pool computes on the device); when a block with the
 // same hash and the same bytes is already in the pool (in use by another sequence, or cached),
 // the sequence takes that one and its own copy is freed, so sequences with a common prefix hold
 // its blocks once. The hash is over content rather than tokens because a token prefix does not
@@ -117,18 +118,20 @@ class KvPool {
   int refs(int32_t id) const;
   // Registers a full block under `hash`; returns the block the caller should hold from now on
   // (an identical block already present, with the caller's reference moved to it, or `b`).
-  // `bytes`: the block's content in host memory (b.data itself on a host pool).
-  // `theirs` (optional): a block the caller read beforehand, which Seal compares against
-  // instead of reading it when it is the one registered under `hash` (SealPending).
+  // `bytes`: the block's content in host memory (b.data itself on a host pool; null on a device
+  // pool when the caller has not read it: then only `theirs` can make it shared).
+  // `theirs` (optional): a block the caller compared b with beforehand (SealPending, on the
+  // backend: BlocksEqual), which Seal takes instead of reading it when it is the one registered
+  // under `hash`.
   struct Known {
     int32_t id = -1;
-    const uint8_t* bytes = nullptr;
+    bool equal = false;  // b's bytes equal block id's
   };
   Block Seal(Block b, uint64_t hash, const uint8_t* bytes, Known theirs);
   Block Seal(Block b, uint64_t hash, const uint8_t* bytes) { return Seal(b, hash, bytes, Known{}); }
   // For each hashes[i]: the block registered under it, other than mine[i], with a reference
-  // taken for the caller (who reads it, then Unrefs it), or -1 (SealPending: the blocks a
-  // batch of seals will compare against, read in one ReadBlocks).
+  // taken for the caller (who compares with it, then Unrefs it), or -1 (SealPending: the blocks
+  // a batch of seals will compare against, in one BlocksEqual).
   std::vector<int32_t> RefRegistered(std::span<const uint64_t> hashes,
                                      std::span<const int32_t> mine);
   // The block of id `id` (its data pointer) while the caller holds a reference.
@@ -153,14 +156,29 @@ class KvPool {
   // Download). The caller holds a reference to b.
   [[nodiscard]] absl::Status Write(const Block& b, int64_t offset, const void* src, int64_t bytes);
   [[nodiscard]] absl::Status Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const;
-  // The first `bytes` of each of several blocks into dst, one after the other (sum of the bytes):
-  // on a device pool, backend Copies into one staging buffer the pool keeps and one Download,
-  // so reading n blocks waits for the device once instead of n times.
+  // A range of a block: `bytes` from `offset`.
   struct BlockRead {
     Block block;
     int64_t bytes = 0;
+    int64_t offset = 0;
   };
+  // Several ranges into dst, one after the other (sum of the bytes): on a device pool, backend
+  // Copies into a staging buffer the pool keeps and one Download per kMaxStagingBytes, so a
+  // stream of n blocks read for a hand-off waits for the device once, not n times (the host
+  // bounce of a transfer wire without a CUDA transport). The caller holds the blocks.
   [[nodiscard]] absl::Status ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst);
+  static constexpr int64_t kMaxStagingBytes = int64_t{16} << 20;
+  // out[i] = XXH3-64 of block i's range (the content digest a seal hashes; offset 0): on a
+  // device pool the backend's DigestBlocks into the staging buffer, so only the 8 bytes of each
+  // come down (one Upload of the addresses, one Download for all the blocks).
+  [[nodiscard]] absl::Status DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out);
+  // equal[i] = whether the first `bytes` of pairs[i].a and pairs[i].b are equal (the backend's
+  // BlocksEqual on a device pool: one Upload, one Download of 4 bytes a pair).
+  struct BlockPair {
+    Block a, b;
+    int64_t bytes = 0;
+  };
+  [[nodiscard]] absl::Status BlocksEqual(std::span<const BlockPair> pairs, bool* equal);
   // dst's first `bytes` = src's (the backend's Copy on a device pool).
   [[nodiscard]] absl::Status CopyBlock(const Block& dst, const Block& src, int64_t bytes);
   // A backend buffer holding a copy of `bytes` host bytes (a host surface's input, staged).
@@ -236,7 +254,7 @@ class KvPool {
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;
   kernels::Buffer zeros_;  // Zeros()
-  std::mutex staging_mu_;      // ReadBlocks' staging buffer
+  std::mutex staging_mu_;  // ReadBlocks', DigestBlocks' and BlocksEqual's staging buffer
   kernels::Buffer staging_;    // grows by doubling
 };
 
@@ -306,7 +324,8 @@ class KvRows {
   void Unpack(int64_t first, int64_t n, float* out) const;
   void Gather(const int32_t* idx, int64_t n, float* out) const;
   // rows [first, first+n) in the packed format, appended to `out` (no re-pack: the bytes the
-  // blocks hold; kF32 rows are packed with `packed_format`).
+  // blocks hold, in one KvPool::ReadBlocks, one Download on a device pool; kF32 rows are packed
+  // with `packed_format`).
   [[nodiscard]] absl::Status CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
                                         KvRowFormat packed_format) const;
 
@@ -353,8 +372,11 @@ class KvRows {
 };
 
 // Seals the pending full blocks of `streams` (KvRows::AppendFrom on a device pool), all of one
-// pool: their bytes come down in one KvPool::ReadBlocks, then each block is sealed in its
-// stream's order (the hash chain). Nothing pending: no backend call.
+// pool, without bringing their bytes to the host: their content digests come down in one
+// KvPool::DigestBlocks (8 bytes a block), each block's hash is chained in its stream's order,
+// and a block whose hash is already registered (or taken by an earlier block of the same call) is
+// compared with that block on the backend (one KvPool::BlocksEqual for all of them) before it is
+// shared. Nothing pending: no backend call.
 [[nodiscard]] absl::Status SealPending(std::span<KvRows* const> streams);
 
 // A read of pool memory whose caller cannot return a status (host-facing test/tool surfaces,

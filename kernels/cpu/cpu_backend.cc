@@ -1,6 +1,8 @@
 // The CPU reference backend: host memory, one (synchronous) stream, the kernels of ops.h and the
 // small per-element steps of the forward pass (routing, SwiGLU, candidate selection, ...), each
 // with the operation order of the reference.
+#include <xxhash.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -695,6 +697,34 @@ class CpuBackend final : public Backend {
         list[r * list_len + offset + j] =
             t < 0 ? -1 : static_cast<int32_t>(base + (per_slot ? r * k + j : t));
       }
+    }
+    return OkStatus();
+  }
+
+  Status DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                      uint64_t* out) override {
+    if (n < 0) return Bad("DigestBlocks", "negative block count");
+    if (n == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("DigestBlocks", {{"blocks", blocks}, {"bytes", bytes}, {"out", out}});
+    for (int64_t i = 0; i < n; ++i) {
+      if (bytes[i] < 0)
+        return Bad("DigestBlocks", absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
+    }
+    for (int64_t i = 0; i < n; ++i) out[i] = XXH3_64bits(blocks[i], static_cast<size_t>(bytes[i]));
+    return OkStatus();
+  }
+
+  Status BlocksEqual(const uint8_t* const* a, const uint8_t* const* b, const int64_t* bytes,
+                     int64_t n, int32_t* equal) override {
+    if (n < 0) return Bad("BlocksEqual", "negative block count");
+    if (n == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("BlocksEqual", {{"a", a}, {"b", b}, {"bytes", bytes}, {"equal", equal}});
+    for (int64_t i = 0; i < n; ++i) {
+      if (bytes[i] < 0)
+        return Bad("BlocksEqual", absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
+    }
+    for (int64_t i = 0; i < n; ++i) {
+      equal[i] = std::memcmp(a[i], b[i], static_cast<size_t>(bytes[i])) == 0 ? 1 : 0;
     }
     return OkStatus();
   }

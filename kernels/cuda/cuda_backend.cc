@@ -578,6 +578,21 @@ class CudaBackend final : public Backend {
     });
   }
 
+  Status DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                      uint64_t* out) override {
+    if (n < 0) return Bad("DigestBlocks", "negative block count");
+    if (n >= (int64_t{1} << 31)) return Bad("DigestBlocks", absl::StrCat(n, " blocks >= 2^31"));
+    return Run("DigestBlocks",
+               [&] { return cuda::DigestBlocks(blocks, bytes, n, out, streams_[0]); });
+  }
+  Status BlocksEqual(const uint8_t* const* a, const uint8_t* const* b, const int64_t* bytes,
+                     int64_t n, int32_t* equal) override {
+    if (n < 0) return Bad("BlocksEqual", "negative block count");
+    if (n >= (int64_t{1} << 31)) return Bad("BlocksEqual", absl::StrCat(n, " pairs >= 2^31"));
+    return Run("BlocksEqual",
+               [&] { return cuda::BlocksEqual(a, b, bytes, n, equal, streams_[0]); });
+  }
+
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
     const int k = kind == Qdq::kFp8Window ? 0 : (kind == Qdq::kFp4Index ? 1 : 2);
     return Run("QuantDequant", [&] { return cuda::QuantDequant(k, x, rows, dim, streams_[0]); });

@@ -1,5 +1,6 @@
-// The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend, and
-// TopKSlots (the top-k part of a decode call's attention lists, gathered with UnpackRows). One
+// The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend, TopKSlots
+// (the top-k part of a decode call's attention lists, gathered with UnpackRows), and the pool
+// blocks' DigestBlocks / BlocksEqual (sealing: kernels/xxh3_lanes.h, XXH3-64 as libxxhash). One
 // thread packs one scale block and one thread unpacks one element, through kernels/row_codec.h (the
 // arithmetic of kernels/format.cc's PackKvEntry / PackIndexKey / PackSwaSlot and their Unpack
 // functions, checked against them on the host in tests/kernels/codec_test.cc), so the bytes and
@@ -7,6 +8,7 @@
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/row_codec.h"
+#include "kernels/xxh3_lanes.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -54,6 +56,47 @@ __global__ void TopKSlotsKernel(const int32_t* topk, int64_t rows, int64_t k, in
   list[r * list_len + offset + j] = t < 0 ? -1 : static_cast<int32_t>(base + (per_slot ? e : t));
 }
 
+// XXH3's default secret, read by every DigestBlocks thread.
+__constant__ uint8_t kXxh3Secret[xxh3::kSecretBytes] = EPD_XXH3_DEFAULT_SECRET;
+
+// Eight threads per block (xxh3::kLanes, within one warp): a long block's lane i accumulates in
+// thread i (16 of each 64-byte stripe's bytes), the group's first thread gathers the eight
+// accumulators by shuffle and merges them; a block of at most 240 bytes is hashed by that thread
+// alone. A negative length (the CPU refuses it) hashes as empty. The grid is whole warps, so every
+// thread reaches the shuffle.
+__global__ void DigestBlocksKernel(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                                   uint64_t* out) {
+  const int64_t t = Tid();
+  const int64_t g = t / xxh3::kLanes;
+  const int lane = static_cast<int>(t % xxh3::kLanes);
+  const bool live = g < n;
+  const int64_t len = live ? (bytes[g] < 0 ? 0 : bytes[g]) : 0;
+  const bool is_long = live && static_cast<uint64_t>(len) > xxh3::kMidMax;
+  const uint64_t acc =
+      is_long ? xxh3::LongLane(blocks[g], static_cast<uint64_t>(len), kXxh3Secret, lane) : 0;
+  uint64_t all[xxh3::kLanes];
+  for (int j = 0; j < xxh3::kLanes; ++j) {
+    all[j] = __shfl_sync(0xffffffffU, static_cast<unsigned long long>(acc), j, xxh3::kLanes);
+  }
+  if (!live || lane != 0) return;
+  out[g] = is_long ? xxh3::MergeLanes(all, static_cast<uint64_t>(len), kXxh3Secret)
+                   : xxh3::ShortDigest(blocks[g], static_cast<uint64_t>(len), kXxh3Secret);
+}
+
+// One thread block per pair: each thread compares a strided share of the bytes, and the block's
+// vote (__syncthreads_or) is the answer. A negative length (the CPU refuses it) is unequal.
+__global__ void BlocksEqualKernel(const uint8_t* const* a, const uint8_t* const* b,
+                                  const int64_t* bytes, int32_t* equal) {
+  const int64_t g = blockIdx.x;
+  const int64_t len = bytes[g];
+  const uint8_t* x = a[g];
+  const uint8_t* y = b[g];
+  int differ = len < 0 ? 1 : 0;
+  for (int64_t i = threadIdx.x; i < len && differ == 0; i += blockDim.x) differ = x[i] != y[i];
+  differ = __syncthreads_or(differ);
+  if (threadIdx.x == 0) equal[g] = differ != 0 ? 0 : 1;
+}
+
 }  // namespace
 
 cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
@@ -61,6 +104,20 @@ cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base
   if (rows * k <= 0) return cudaSuccess;
   TopKSlotsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(topk, rows, k, base, per_slot, list,
                                                               list_len, offset);
+  return cudaGetLastError();
+}
+
+cudaError_t DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                         uint64_t* out, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  DigestBlocksKernel<<<GridFor(n * xxh3::kLanes), kThreads, 0, stream>>>(blocks, bytes, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t BlocksEqual(const uint8_t* const* a, const uint8_t* const* b, const int64_t* bytes,
+                        int64_t n, int32_t* equal, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  BlocksEqualKernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(a, b, bytes, equal);
   return cudaGetLastError();
 }
 

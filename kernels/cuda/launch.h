@@ -191,5 +191,10 @@ cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows
                        cudaStream_t stream);
 cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
                       int32_t* list, int64_t list_len, int64_t offset, cudaStream_t stream);
+// Backend::DigestBlocks / BlocksEqual (n < 2^31: eight threads a block, one thread block a pair).
+cudaError_t DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
+                         uint64_t* out, cudaStream_t stream);
+cudaError_t BlocksEqual(const uint8_t* const* a, const uint8_t* const* b, const int64_t* bytes,
+                        int64_t n, int32_t* equal, cudaStream_t stream);
 
 }  // namespace epd::kernels::cuda

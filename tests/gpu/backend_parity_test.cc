@@ -15,6 +15,7 @@
 //   common.cuh); LinearBf16/LinearF32 allow the summation-order freedom of their contract.
 #include <gtest/gtest-spi.h>
 #include <gtest/gtest.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cctype>
@@ -32,8 +33,8 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "kernels/penalty.h"
 #include "kernels/format.h"
+#include "kernels/penalty.h"
 #include "kernels/rope.h"
 #include "kernels/sampling_math.h"
 
@@ -1438,6 +1439,73 @@ PARITY_CASE(TopKSlots) {
   EXPECT_EQ(res[0], want);
   const std::vector<int32_t> entries = {77, 77, 77, 131, -1, 130, 130, 77, 77, 77, -1, -1, 201, 133};
   EXPECT_EQ(res[1], entries);
+}
+
+PARITY_CASE(DigestBlocks) {
+  // Tolerance: exact (XXH3-64: both sides must give libxxhash's value). Blocks of every length
+  // class of the algorithm (empty, 1-3, 4-8, 9-16, 17-128, 129-240, then stripes and 1 KiB
+  // blocks) up to a release-size pool block, one starting at an odd address.
+  const std::vector<int64_t> lens = {0,   1,   3,   4,   8,    9,    16,       17,
+                                     128, 129, 240, 241, 1024, 1025, 64 * 288, 57'349};
+  std::vector<std::vector<uint8_t>> blocks;
+  for (int64_t len : lens) blocks.push_back(Bytes(env.rng, len + 1));
+  const auto n = static_cast<int64_t>(lens.size());
+  std::vector<std::vector<uint64_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    std::vector<uint8_t*> at;
+    PagesOn(*s, blocks, at);
+    at[3] += 1;  // an odd address
+    uint64_t* out = s->Out<uint64_t>(n);
+    EXPECT_OP_OK(*s, s->b().DigestBlocks(s->In(at), s->In(lens), n, out));
+    EXPECT_OP_OK(*s, s->b().DigestBlocks(s->In(at), s->In(lens), 0, out));
+    EXPECT_EQ(s->b().DigestBlocks(s->In(at), s->In(lens), -1, out).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name();
+    res.push_back(s->Read(out, n));
+  }
+  CompareExact(res[0], res[1], "digests");
+  for (int64_t i = 0; i < n; ++i) {
+    EXPECT_EQ(res[0][i], XXH3_64bits(blocks[i].data() + (i == 3 ? 1 : 0), lens[i])) << lens[i];
+  }
+  // The CPU refuses a negative length (a device cannot read it without a round trip).
+  const std::vector<int64_t> bad = {-1};
+  std::vector<uint8_t*> at;
+  PagesOn(env.ref, {blocks[0]}, at);
+  EXPECT_EQ(
+      env.ref.b().DigestBlocks(env.ref.In(at), env.ref.In(bad), 1, env.ref.Out<uint64_t>(1)).code(),
+      absl::StatusCode::kInvalidArgument);
+}
+
+PARITY_CASE(BlocksEqual) {
+  // Tolerance: exact (0 or 1). Pairs of equal blocks, blocks that differ in their first, middle
+  // or last byte only, an empty pair, and a pair compared over a prefix they share.
+  const int64_t big = 64 * 288;
+  const std::vector<uint8_t> base = Bytes(env.rng, big);
+  auto flip = [&](int64_t at) {
+    std::vector<uint8_t> v = base;
+    v[at] ^= 0x10;
+    return v;
+  };
+  std::vector<std::vector<uint8_t>> a = {base, base, base, base, base, base};
+  std::vector<std::vector<uint8_t>> b = {base,          flip(0), flip(big / 2),
+                                         flip(big - 1), flip(0), flip(big - 1)};
+  const std::vector<int64_t> lens = {big, big, big, big, 0, big - 1};
+  const std::vector<int32_t> want = {1, 0, 0, 0, 1, 1};
+  const auto n = static_cast<int64_t>(lens.size());
+  std::vector<std::vector<int32_t>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    std::vector<uint8_t*> pa, pb;
+    PagesOn(*s, a, pa);
+    PagesOn(*s, b, pb);
+    int32_t* out = s->Out<int32_t>(n);
+    EXPECT_OP_OK(*s, s->b().BlocksEqual(s->In(pa), s->In(pb), s->In(lens), n, out));
+    EXPECT_EQ(s->b().BlocksEqual(s->In(pa), s->In(pb), s->In(lens), -1, out).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name();
+    res.push_back(s->Read(out, n));
+  }
+  CompareExact(res[0], res[1], "equal");
+  EXPECT_EQ(res[0], want);
 }
 
 PARITY_CASE(QuantDequant) {

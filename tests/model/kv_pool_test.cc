@@ -9,8 +9,10 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <set>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -414,7 +416,9 @@ TEST(SwaRingTest, FullPoolFailsTheWriteAndLeavesTheRing) {
 // stage through Upload / Download, and every read, fork, seal, share and truncation gives what a
 // host pool gives.
 TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
-  auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  std::map<std::string, int64_t> calls;
+  auto checked = kernels::MakeCpuBackend(
+      {.report_device_memory = true, .check_operands = true, .op_calls = &calls});
   auto host = std::make_shared<KvPool>();
   auto dev = std::make_shared<KvPool>(0, 0, checked.get());
   EXPECT_TRUE(host->host_memory());
@@ -464,7 +468,12 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
     const int32_t idx[4] = {49, 0, 17, 17};
     seen.gathered.resize(4 * dim);
     a.Gather(idx, 4, seen.gathered.data());
+    // Rows 5..34 lie in three blocks (partial, whole, partial): one Download on a device pool.
+    const int64_t downloads = calls["Download"];
     EXPECT_TRUE(a.CopyPacked(5, 30, seen.packed, KvRowFormat::kPackedKey).ok());
+    if (on_dev) {
+      EXPECT_EQ(calls["Download"] - downloads, 1);
+    }
     // A ring: positions 2..14 from the host path would be the same as through the model's path.
     SwaRing ring(pool, W, hd), fresh(pool, W, hd);
     if (on_dev) {
@@ -508,6 +517,117 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
   EXPECT_EQ(want.fresh_window, got.fresh_window);
   EXPECT_EQ(got.shared_hits, want.shared_hits);
   EXPECT_EQ(got.shared_hits, 1);
+}
+
+// Sealing on a device pool brings no block down (SealPending): one DigestBlocks for all the
+// call's full blocks (8 bytes each), then one BlocksEqual for the blocks whose hash is taken
+// (4 bytes each). Two streams of one call that fill equal blocks share one (the second compared
+// with the first, which registers first); a different block is not compared with anything; a
+// host surface's block (Append, AppendPacked from host bytes, hashed on the host) meets the same
+// digest and shares the registered block.
+TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
+  std::map<std::string, int64_t> calls;
+  int64_t down = 0;
+  auto checked = kernels::MakeCpuBackend({.report_device_memory = true,
+                                          .check_operands = true,
+                                          .op_calls = &calls,
+                                          .download_bytes = &down});
+  auto pool = std::make_shared<KvPool>(0, 0, checked.get());
+  const int64_t dim = 128;
+  const std::vector<float> x = KeyRows(16, dim, 4), y = KeyRows(16, dim, 9);
+  auto in = [&](const std::vector<float>& v) {
+    auto b = checked->Allocate(static_cast<int64_t>(v.size() * 4));
+    EXPECT_TRUE(b.ok());
+    EXPECT_TRUE(checked->Upload(v.data(), static_cast<int64_t>(v.size() * 4), *b).ok());
+    return std::move(*b);
+  };
+  kernels::Buffer x_dev = in(x), y_dev = in(y);
+  // ratio 4: 16 rows a block.
+  KvRows a(pool, KvRowFormat::kPackedKey, dim, 4, 1), b(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  KvRows c(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  ASSERT_TRUE(a.AppendFrom(x_dev.as<float>(), 16).ok());
+  ASSERT_TRUE(b.AppendFrom(x_dev.as<float>(), 16).ok());
+  ASSERT_TRUE(c.AppendFrom(y_dev.as<float>(), 16).ok());
+  ASSERT_TRUE(a.has_pending_seals() && b.has_pending_seals() && c.has_pending_seals());
+  EXPECT_NE(a.blocks()[0].id, b.blocks()[0].id);
+  calls.clear();
+  down = 0;
+  KvRows* streams[] = {&a, &b, &c};
+  ASSERT_TRUE(SealPending(streams).ok());
+  EXPECT_EQ(calls["DigestBlocks"], 1);
+  EXPECT_EQ(calls["BlocksEqual"], 1);
+  EXPECT_EQ(calls["Download"], 2);
+  EXPECT_EQ(down, 3 * 8 + 1 * 4);
+  EXPECT_EQ(b.blocks()[0].id, a.blocks()[0].id);
+  EXPECT_NE(c.blocks()[0].id, a.blocks()[0].id);
+  EXPECT_TRUE(pool->sealed(a.blocks()[0].id));
+  EXPECT_TRUE(pool->sealed(c.blocks()[0].id));
+  EXPECT_EQ(pool->stats().shared_hits, 1);
+  EXPECT_EQ(b.ToVector(), x);
+  EXPECT_EQ(c.ToVector(), y);
+  // A host surface's rows, staged and sealed through the same path: a registered hit.
+  KvRows d(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  ASSERT_TRUE(d.Append(y.data(), 16).ok());
+  EXPECT_EQ(d.blocks()[0].id, c.blocks()[0].id);
+  // A whole block from host bytes is hashed on the host (libxxhash): the same digest.
+  std::vector<uint8_t> packed;
+  ASSERT_TRUE(a.CopyPacked(0, 16, packed, KvRowFormat::kPackedKey).ok());
+  KvRows e(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  ASSERT_TRUE(e.AppendPacked(packed.data(), 16).ok());
+  EXPECT_EQ(e.blocks()[0].id, a.blocks()[0].id);
+  EXPECT_EQ(pool->stats().shared_hits, 3);
+}
+
+// ReadBlocks on a device pool: ranges of blocks (any offset) in one Download per 16 MiB of
+// staging, a range split across two fills, the bytes as a host read gives them.
+TEST(KvPoolTest, ReadBlocksBringsRangesDownThroughOneStagingBuffer) {
+  std::map<std::string, int64_t> calls;
+  int64_t down = 0;
+  auto backend = kernels::MakeCpuBackend(
+      {.report_device_memory = true, .op_calls = &calls, .download_bytes = &down});
+  KvPool pool(0, 0, backend.get());
+  const int64_t block = int64_t{3} << 20;  // 3 MiB blocks; 7 ranges of ~3 MiB: 2 fills
+  std::vector<KvPool::Block> blocks(7);
+  std::vector<KvPool::BlockRead> reads;
+  std::vector<uint8_t> want;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    ASSERT_TRUE(pool.Allocate(block, &blocks[i]).ok());
+    std::vector<uint8_t> bytes(static_cast<size_t>(block));
+    for (size_t j = 0; j < bytes.size(); ++j) bytes[j] = static_cast<uint8_t>(j * 31 + i * 7);
+    ASSERT_TRUE(pool.Write(blocks[i], 0, bytes.data(), block).ok());
+    const int64_t offset = static_cast<int64_t>(i) * 1000;
+    reads.push_back({blocks[i], block - offset - 5, offset});
+    want.insert(want.end(), bytes.begin() + offset, bytes.end() - 5);
+  }
+  calls.clear();
+  std::vector<uint8_t> got(want.size(), 0);
+  ASSERT_TRUE(pool.ReadBlocks(reads, got.data()).ok());
+  EXPECT_EQ(got, want);
+  EXPECT_EQ(calls["Download"], 2);  // ~21 MiB through a 16 MiB staging buffer
+  EXPECT_EQ(down, static_cast<int64_t>(want.size()));
+  for (const KvPool::Block& b : blocks) pool.Unref(b.id);
+}
+
+// Seal on a device pool takes the caller's comparison: equal shares the registered block, unequal
+// (a hash collision) or no comparison at all (the bytes were not read) keeps the caller's block.
+TEST(KvPoolTest, ADevicePoolSharesABlockOnlyOnTheCallersComparison) {
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true});
+  KvPool pool(0, 0, backend.get());
+  KvPool::Block x, y;
+  ASSERT_TRUE(pool.Allocate(256, &x).ok());
+  ASSERT_TRUE(pool.Allocate(256, &y).ok());
+  EXPECT_EQ(pool.Seal(x, 42, nullptr).id, x.id);  // nothing under 42 yet: x registers
+  EXPECT_TRUE(pool.sealed(x.id));
+  EXPECT_EQ(pool.Seal(y, 42, nullptr).id, y.id);
+  EXPECT_EQ(pool.Seal(y, 42, nullptr, {x.id, false}).id, y.id);
+  EXPECT_FALSE(pool.sealed(y.id));
+  EXPECT_EQ(pool.stats().shared_hits, 0);
+  const KvPool::Block got = pool.Seal(y, 42, nullptr, {x.id, true});
+  EXPECT_EQ(got.id, x.id);  // y's reference moved to x
+  EXPECT_EQ(pool.refs(x.id), 2);
+  EXPECT_EQ(pool.stats().shared_hits, 1);
+  pool.Unref(x.id);
+  pool.Unref(x.id);
 }
 
 // A worker's default pool capacity: from the device's free memory on a device backend (less the

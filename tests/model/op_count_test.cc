@@ -647,15 +647,18 @@ TEST_P(OpCountTest, ALogprobsSequencesLogprobsComeFromTheBackend) {
 }
 
 // On a device pool the global-KV blocks a forward fills are sealed together at its end
-// (KvRows::AppendFrom leaves them pending, Model::Commit seals them with one
-// KvPool::ReadBlocks): the decode step that crosses a 64-token boundary fills a block of several
-// streams and downloads once more than a step that fills none, not once per block. The blocks
-// are sealed after it, and a second sequence with the same tokens shares every one of them: the
-// content hash and the byte comparison still run, the registered blocks it compares against read
-// in one more Download, not one per hit. Its logits are the first's.
+// (KvRows::AppendFrom leaves them pending, Model::Commit seals them with SealPending): the
+// decode step that crosses a 64-token boundary fills a block of several streams and downloads
+// once more than a step that fills none, not once per block, and what comes down is each block's
+// 8-byte digest (Backend::DigestBlocks), not its bytes. The blocks are sealed after it, and a
+// second sequence with the same tokens shares every one of them: the hash and the byte
+// comparison still run, the comparison on the backend (one BlocksEqual for every hit, 4 bytes
+// each down). Its logits are the first's.
 TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
   std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  int64_t down_bytes = 0;
+  auto backend = kernels::MakeCpuBackend(
+      {.report_device_memory = true, .op_calls = &calls, .download_bytes = &down_bytes});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
   KvPool& pool = (*m)->kv_pool();
@@ -675,18 +678,28 @@ TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
     const auto it = calls.find("Download");
     return it == calls.end() ? int64_t{0} : it->second;
   };
+  auto count = [&](const char* op) {
+    const auto it = calls.find(op);
+    return it == calls.end() ? int64_t{0} : it->second;
+  };
   std::unique_ptr<SequenceState> seqs[2];
   std::vector<std::vector<float>> logits[2];
-  int64_t step_downloads[2][4] = {};
+  int64_t step_downloads[2][4] = {}, step_bytes[2][4] = {}, digests[2] = {}, compares[2] = {};
   int64_t newly_sealed = 0;
   for (int i = 0; i < 2; ++i) {
     seqs[i] = (*m)->NewSequence();
     ASSERT_TRUE((*m)->Prefill(*seqs[i], prompt, false).ok());
     for (int s = 0; s < 4; ++s) {  // positions 60..63: the last fills each stream's first block
-      const int64_t before = sealed(*seqs[i]), d0 = downloads();
+      const int64_t before = sealed(*seqs[i]), d0 = downloads(), b0 = down_bytes;
+      const int64_t dg0 = count("DigestBlocks"), eq0 = count("BlocksEqual");
       auto step = (*m)->Decode(*seqs[i], static_cast<int32_t>(5 + s));
       ASSERT_TRUE(step.ok()) << step.status();
       step_downloads[i][s] = downloads() - d0;
+      step_bytes[i][s] = down_bytes - b0;
+      if (s == 3) {
+        digests[i] = count("DigestBlocks") - dg0;
+        compares[i] = count("BlocksEqual") - eq0;
+      }
       logits[i].push_back(step->logits);
       if (i == 0 && s == 3) newly_sealed = sealed(*seqs[i]) - before;
       if (s < 3) {
@@ -701,6 +714,11 @@ TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
   for (int i = 0; i < 2; ++i) {
     EXPECT_EQ(step_downloads[i][3], step_downloads[i][2] + 1 + i) << "sequence " << i;
     EXPECT_EQ(step_downloads[i][1], step_downloads[i][2]) << "sequence " << i;
+    EXPECT_EQ(digests[i], 1) << "sequence " << i;
+    EXPECT_EQ(compares[i], i) << "sequence " << i;
+    // Each sealed block's digest (and, for the second, its comparison's answer) and nothing more
+    // of it: the step's other downloads are a plain step's (its logits).
+    EXPECT_EQ(step_bytes[i][3] - step_bytes[i][2], newly_sealed * (8 + 4 * i)) << "sequence " << i;
   }
   EXPECT_EQ(logits[1], logits[0]);
   // The second sequence holds the first's blocks: every sealed block of it is shared.
@@ -717,11 +735,12 @@ TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
   }
   EXPECT_GT(total, 0);
   EXPECT_EQ(shared, total);
-  std::printf("[%s] a block-boundary decode step seals %lld blocks: %lld Downloads, %lld in a "
-              "step that seals none\n",
-              GetParam().c_str(), static_cast<long long>(newly_sealed),
-              static_cast<long long>(step_downloads[0][3]),
-              static_cast<long long>(step_downloads[0][2]));
+  std::printf(
+      "[%s] a block-boundary decode step seals %lld blocks: %lld Downloads of %lld bytes, "
+      "%lld of %lld bytes in a step that seals none\n",
+      GetParam().c_str(), static_cast<long long>(newly_sealed),
+      static_cast<long long>(step_downloads[0][3]), static_cast<long long>(step_bytes[0][3]),
+      static_cast<long long>(step_downloads[0][2]), static_cast<long long>(step_bytes[0][2]));
 }
 
 // A batched decode step's DSpark inputs stay on a device backend (Model::KeepMainHidden): a step
