@@ -674,16 +674,14 @@ absl::Status KvRows::Writable(size_t b) {
 }
 
 absl::Status KvRows::SealBlock(size_t b) {
-  const int64_t bytes = rows_per_block_ * row_bytes_;
-  std::vector<uint8_t> copy;
-  const uint8_t* content = blocks_[b].data;
-  if (!pool_->host_memory()) {  // the hash is taken on the host
-    copy.resize(static_cast<size_t>(bytes));
-    RETURN_IF_ERROR(pool_->Read(blocks_[b], 0, bytes, copy.data()));
-    content = copy.data();
+  if (pool_->host_memory()) {
+    SealBlockWith(b, blocks_[b].data);
+    return absl::OkStatus();
   }
-  SealBlockWith(b, content);
-  return absl::OkStatus();
+  // Digested and compared on the backend, as a forward's blocks (nothing of it comes down).
+  pending_.insert(std::upper_bound(pending_.begin(), pending_.end(), b), b);
+  KvRows* self[] = {this};
+  return SealPending(self);
 }
 
 void KvRows::SealBlockWith(size_t b, const uint8_t* content) {

@@ -343,6 +343,7 @@ class KvRows {
   // blocks_.size().
   absl::Status Writable(size_t b);
   uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
+  // Seals block b (on a device pool through SealPending: digested and compared on the backend).
   absl::Status SealBlock(size_t b);
   // Seals block b, whose content is `content` (host memory).
   void SealBlockWith(size_t b, const uint8_t* content);

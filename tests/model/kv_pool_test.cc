@@ -576,6 +576,16 @@ TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   ASSERT_TRUE(e.AppendPacked(packed.data(), 16).ok());
   EXPECT_EQ(e.blocks()[0].id, a.blocks()[0].id);
   EXPECT_EQ(pool->stats().shared_hits, 3);
+  // A block completed by its second part of host bytes is sealed on the backend, without a read.
+  KvRows f(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  ASSERT_TRUE(f.AppendPacked(packed.data(), 8).ok());
+  calls.clear();
+  down = 0;
+  ASSERT_TRUE(f.AppendPacked(packed.data() + 8 * (packed.size() / 16), 8).ok());
+  EXPECT_EQ(f.blocks()[0].id, a.blocks()[0].id);
+  EXPECT_EQ(calls["DigestBlocks"], 1);
+  EXPECT_EQ(down, 8 + 4);
+  EXPECT_EQ(f.ToVector(), x);
 }
 
 // ReadBlocks on a device pool: ranges of blocks (any offset) in one Download per 16 MiB of
