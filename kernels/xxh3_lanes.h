@@ -7,8 +7,8 @@
 // The host always calls libxxhash (XXH3_64bits); this header is compiled for the host only by its
 // test (tests/kernels/xxh3_lanes_test.cc), which checks Digest() against the library bit for bit
 // over every length class. A long input (> 240 bytes) is split by accumulator lane: lane i's
-// accumulator reads only bytes 8i..8i+15 of each 64-byte stripe (its own word and its pair's,
-// i ^ 1), so eight threads hash one input with coalesced 16-byte reads and meet only for Merge.
+// accumulator reads only words i and i ^ 1 of each 64-byte stripe (its own and its pair's), so
+// eight threads hash one input, together reading each stripe once, and meet only for the merge.
 
 #include <cstdint>
 #include <cstring>
@@ -52,8 +52,12 @@ inline constexpr uint64_t kPrime64_5 = 0x27D4EB2F165667C5ULL;
 inline constexpr uint64_t kPrimeMx1 = 0x165667919E3779F9ULL;
 inline constexpr uint64_t kPrimeMx2 = 0x9FB21C651E98DF25ULL;
 
-// Little-endian reads at any alignment (the secret is read at odd offsets).
+// Little-endian reads at any alignment (the secret is read at odd offsets; on the device an
+// 8-byte-aligned word, as pool blocks' are, is one load).
 EPD_HD uint64_t Read64(const uint8_t* p) {
+#if defined(__CUDA_ARCH__)
+  if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint64_t*>(p);
+#endif
   uint64_t v;
   std::memcpy(&v, p, 8);
   return v;

@@ -186,11 +186,10 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
     }
     UpdateGaugesLocked();
   }
-  if (!victims.empty()) {
+  // The value is stored either way; victims the database keeps stay indexed (not counted as
+  // evicted), and the next put or sweep evicts them again.
+  if (!victims.empty() && DeleteForgotten(victims, metas, "G3 eviction").ok()) {
     metrics_.evictions->Increment(static_cast<double>(victims.size()));
-    // The value is stored either way; victims the database keeps stay indexed, and the next put
-    // or sweep evicts them again.
-    (void)DeleteForgotten(victims, metas, "G3 eviction");
   }
   return absl::OkStatus();
 }
@@ -291,8 +290,7 @@ absl::Status G3RocksStore::DropKey(const BlockHash& key) {
     ForgetLocked(key);
     UpdateGaugesLocked();
   }
-  if (had.empty()) return DeleteKeys({key});  // not indexed: nothing to put back
-  return DeleteForgotten({key}, had, "G3 delete");
+  return DeleteForgotten({key}, had, "G3 delete");  // not indexed: nothing to put back
 }
 
 absl::Status G3RocksStore::DeleteForgotten(const std::vector<BlockHash>& keys,
@@ -303,7 +301,7 @@ absl::Status G3RocksStore::DeleteForgotten(const std::vector<BlockHash>& keys,
                std::string(s.message()));
   all_metrics_.CountBadRequest("internal");
   absl::MutexLock lock(&mu_);
-  for (size_t i = 0; i < keys.size(); ++i) {
+  for (size_t i = 0; i < metas.size(); ++i) {
     if (index_.contains(keys[i])) continue;  // put again meanwhile
     index_[keys[i]] = metas[i];
     by_time_.emplace(metas[i].write_unix_ms, keys[i]);
@@ -346,10 +344,11 @@ G3RocksStore::SweepResult G3RocksStore::Sweep() {
     }
     UpdateGaugesLocked();
   }
+  // Still in the database after a failed delete: indexed again (neither expired nor evicted), so
+  // the next sweep tries again.
+  if (!victims.empty() && !DeleteForgotten(victims, metas, "G3 sweep").ok()) r = SweepResult{};
   if (r.expired > 0) metrics_.ttl_expiries->Increment(static_cast<double>(r.expired));
   if (r.evicted > 0) metrics_.evictions->Increment(static_cast<double>(r.evicted));
-  // Still in the database after a failed delete: indexed again, so the next sweep tries again.
-  if (!victims.empty()) (void)DeleteForgotten(victims, metas, "G3 sweep");
   return r;
 }
 

@@ -117,9 +117,10 @@ class G3RocksStore {
   // back (index and database keep agreeing: the sweep or a later Get tries again) and the
   // failure is logged and counted (epd_kv_bad_requests_total{reason="internal"}).
   absl::Status DropKey(const BlockHash& key);
-  // Deletes forgotten `keys` (their index entries in `metas`) from the database; when the delete
-  // fails they are indexed again, unless put again meanwhile, and the failure is logged (`what`)
-  // and counted as DropKey's. Returns the delete's status.
+  // Deletes forgotten `keys` from the database; when the delete fails the first metas.size() of
+  // them (those that were indexed, their entries in `metas`) are indexed again, unless put again
+  // meanwhile, and the failure is logged (`what`) and counted as DropKey's. Returns the delete's
+  // status.
   absl::Status DeleteForgotten(const std::vector<BlockHash>& keys, const std::vector<Meta>& metas,
                                const char* what) ABSL_LOCKS_EXCLUDED(mu_);
   void UpdateGaugesLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -105,6 +105,7 @@ absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) 
     }
     return absl::OkStatus();
   }
+  if (reads.size() == 1) return Read(reads[0].block, reads[0].offset, reads[0].bytes, dst);
   int64_t total = 0;
   for (const BlockRead& r : reads) total += r.bytes;
   if (total <= 0) return absl::OkStatus();
@@ -143,24 +144,24 @@ absl::Status KvPool::DigestBlocks(std::span<const BlockRead> blocks, uint64_t* o
     }
     return absl::OkStatus();
   }
-  // staging: the block addresses [n], their lengths [n], the digests [n].
+  // tables_: the block addresses [n], their lengths [n], the digests [n].
   const auto n = static_cast<int64_t>(blocks.size());
   std::vector<uint64_t> args(static_cast<size_t>(2 * n));
   for (int64_t i = 0; i < n; ++i) {
     args[i] = reinterpret_cast<uintptr_t>(blocks[i].block.data + blocks[i].offset);
     args[n + i] = static_cast<uint64_t>(blocks[i].bytes);
   }
-  std::lock_guard<std::mutex> l(staging_mu_);
+  std::lock_guard<std::mutex> l(tables_mu_);
   const int64_t total = 3 * n * 8;
-  if (staging_.bytes() < total) {
-    ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(total, 2 * staging_.bytes())));
+  if (tables_.bytes() < total) {
+    ASSIGN_OR_RETURN(tables_, backend_->Allocate(std::max(total, 2 * tables_.bytes())));
   }
-  RETURN_IF_ERROR(backend_->Upload(args.data(), 2 * n * 8, staging_));
-  auto* base = staging_.as<uint64_t>();
+  RETURN_IF_ERROR(backend_->Upload(args.data(), 2 * n * 8, tables_));
+  auto* base = tables_.as<uint64_t>();
   RETURN_IF_ERROR(backend_->DigestBlocks(reinterpret_cast<const uint8_t* const*>(base),
                                          reinterpret_cast<const int64_t*>(base + n), n,
                                          base + 2 * n));
-  return backend_->Download(staging_, 2 * n * 8, n * 8, out);
+  return backend_->Download(tables_, 2 * n * 8, n * 8, out);
 }
 
 absl::Status KvPool::BlocksEqual(std::span<const BlockPair> pairs, bool* equal) {
@@ -172,7 +173,7 @@ absl::Status KvPool::BlocksEqual(std::span<const BlockPair> pairs, bool* equal) 
     }
     return absl::OkStatus();
   }
-  // staging: a's addresses [n], b's [n], the lengths [n], the answers (int32) [n].
+  // tables_: a's addresses [n], b's [n], the lengths [n], the answers (int32) [n].
   const auto n = static_cast<int64_t>(pairs.size());
   std::vector<uint64_t> args(static_cast<size_t>(3 * n));
   for (int64_t i = 0; i < n; ++i) {
@@ -182,18 +183,18 @@ absl::Status KvPool::BlocksEqual(std::span<const BlockPair> pairs, bool* equal) 
   }
   std::vector<int32_t> got(static_cast<size_t>(n));
   {
-    std::lock_guard<std::mutex> l(staging_mu_);
+    std::lock_guard<std::mutex> l(tables_mu_);
     const int64_t total = 3 * n * 8 + n * 4;
-    if (staging_.bytes() < total) {
-      ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(total, 2 * staging_.bytes())));
+    if (tables_.bytes() < total) {
+      ASSIGN_OR_RETURN(tables_, backend_->Allocate(std::max(total, 2 * tables_.bytes())));
     }
-    RETURN_IF_ERROR(backend_->Upload(args.data(), 3 * n * 8, staging_));
-    auto* base = staging_.as<uint64_t>();
+    RETURN_IF_ERROR(backend_->Upload(args.data(), 3 * n * 8, tables_));
+    auto* base = tables_.as<uint64_t>();
     RETURN_IF_ERROR(backend_->BlocksEqual(reinterpret_cast<const uint8_t* const*>(base),
                                           reinterpret_cast<const uint8_t* const*>(base + n),
                                           reinterpret_cast<const int64_t*>(base + 2 * n), n,
                                           reinterpret_cast<int32_t*>(base + 3 * n)));
-    RETURN_IF_ERROR(backend_->Download(staging_, 3 * n * 8, n * 4, got.data()));
+    RETURN_IF_ERROR(backend_->Download(tables_, 3 * n * 8, n * 4, got.data()));
   }
   for (int64_t i = 0; i < n; ++i) equal[i] = got[i] != 0;
   return absl::OkStatus();
@@ -479,39 +480,23 @@ KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes, Known k
   auto it = by_hash_.find(hash);
   if (it != by_hash_.end() && it->second != b.id) {
     Slot& other = slots_[it->second];
-    // Compared by the caller (SealPending, on the backend), else the other block's bytes: in
-    // place on a host pool, else downloaded (under the lock: the block cannot go meanwhile).
-    if (!host_memory_ && known.id == it->second) {
-      if (!known.equal || other.bytes != mine.bytes) return b;  // a collision: keep ours unshared
+    // Equal bytes: as the caller compared them (SealPending, on the backend: a device pool's
+    // only way), or in place on a host pool. Else (a hash collision, or not compared) ours
+    // stays unshared.
+    const bool equal =
+        other.bytes == mine.bytes &&
+        (known.id == it->second
+             ? known.equal
+             : host_memory_ && bytes != nullptr &&
+                   std::memcmp(other.mem, bytes, static_cast<size_t>(mine.bytes)) == 0);
+    if (equal) {
       const Block shared{it->second, other.mem};
       ++stats_.shared_hits;
       RefLocked(shared.id);
       UnrefLocked(b.id);
       return shared;
     }
-    if (bytes == nullptr) return b;  // ours not read: it cannot be compared, so stays unshared
-    const uint8_t* theirs = other.mem;
-    std::vector<uint8_t> copy;
-    if (!host_memory_ && other.bytes == mine.bytes) {
-      copy.resize(static_cast<size_t>(other.bytes));
-      SlabRec& rec = slabs_.at(other.slab);
-      if (!backend_
-               ->Download(rec.buffer, other.mem - rec.buffer.as<uint8_t>(), other.bytes,
-                          copy.data())
-               .ok()) {
-        return b;  // unreadable: keep ours unshared
-      }
-      theirs = copy.data();
-    }
-    if (other.bytes == mine.bytes &&
-        std::memcmp(theirs, bytes, static_cast<size_t>(mine.bytes)) == 0) {
-      const Block shared{it->second, other.mem};
-      ++stats_.shared_hits;
-      RefLocked(shared.id);
-      UnrefLocked(b.id);
-      return shared;
-    }
-    return b;  // a hash collision with different bytes: keep ours unshared
+    return b;  // a hash collision with different bytes (or not compared): ours stays unshared
   }
   mine.sealed = true;
   mine.hash = hash;
@@ -673,17 +658,6 @@ absl::Status KvRows::Writable(size_t b) {
   return absl::OkStatus();
 }
 
-absl::Status KvRows::SealBlock(size_t b) {
-  if (pool_->host_memory()) {
-    SealBlockWith(b, blocks_[b].data);
-    return absl::OkStatus();
-  }
-  // Digested and compared on the backend, as a forward's blocks (nothing of it comes down).
-  pending_.insert(std::upper_bound(pending_.begin(), pending_.end(), b), b);
-  KvRows* self[] = {this};
-  return SealPending(self);
-}
-
 void KvRows::SealBlockWith(size_t b, const uint8_t* content) {
   const int64_t bytes = rows_per_block_ * row_bytes_;
   hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), Digest(content, bytes));
@@ -738,7 +712,8 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
     KvPool::Block theirs;
     if (found[k] >= 0) {
       theirs = pool->BlockOf(found[k]);
-    } else if (!inserted && found[it->second] < 0) {
+    } else if (!inserted && found[it->second] < 0 &&
+               pending[it->second].bytes == pending[k].bytes) {
       theirs = pending[it->second].block;
     } else {
       continue;
@@ -754,7 +729,8 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
     for (size_t p = 0; st.ok() && p < pairs.size(); ++p) known[pair_of[p]].equal = equal[p];
   }
   // 3. Each block sealed (or swapped for the identical registered one). After a failed
-  // comparison every block is still sealed, unshared.
+  // comparison none is shared: a block whose hash another holds stays unsealed (Seal), the
+  // others are registered; the failure (a device error) is the caller's.
   i = 0;
   for (KvRows* s : streams) {
     if (s == nullptr) continue;
@@ -828,10 +804,7 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
       pending_.push_back(b);
       continue;
     }
-    if (absl::Status s = SealBlock(b); !s.ok()) {
-      Truncate(start);
-      return s;
-    }
+    SealBlockWith(b, blocks_[b].data);  // a host pool: the bytes in place
   }
   return absl::OkStatus();
 }
@@ -859,14 +832,25 @@ absl::Status KvRows::AppendPacked(const uint8_t* bytes, int64_t n) {
     }
     if (s.ok()) {
       rows_ += take;
-      if (slot == 0 && take == rows_per_block_) {  // the whole block came from these host bytes
-        SealBlockWith(b, bytes + i * row_bytes_);
-      } else if (slot + take == rows_per_block_) {
-        s = SealBlock(b);
+      if (slot + take == rows_per_block_) {
+        if (!pool_->host_memory()) {
+          pending_.push_back(b);  // sealed below, with the call's other blocks
+        } else {
+          SealBlockWith(b, blocks_[b].data);  // the bytes in place
+        }
       }
       i += take;
     }
     if (!s.ok()) {
+      Truncate(start);
+      return s;
+    }
+  }
+  if (!pool_->host_memory() && !pending_.empty()) {
+    // Digested and compared on the backend: nothing of the blocks comes down, and a block equal
+    // to a registered one (a prefix read back from the store) is compared there too.
+    KvRows* self[] = {this};
+    if (absl::Status s = SealPending(self); !s.ok()) {
       Truncate(start);
       return s;
     }
@@ -933,6 +917,7 @@ void KvRows::Gather(const int32_t* idx, int64_t n, float* out) const {
 
 absl::Status KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& out,
                                 KvRowFormat packed_format) const {
+  if (n <= 0) return absl::OkStatus();
   if (format_ != KvRowFormat::kF32) {  // the blocks' bytes as they are, in one read
     std::vector<KvPool::BlockRead> reads;
     for (int64_t r = first; r < first + n;) {

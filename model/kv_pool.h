@@ -118,11 +118,10 @@ class KvPool {
   int refs(int32_t id) const;
   // Registers a full block under `hash`; returns the block the caller should hold from now on
   // (an identical block already present, with the caller's reference moved to it, or `b`).
-  // `bytes`: the block's content in host memory (b.data itself on a host pool; null on a device
-  // pool when the caller has not read it: then only `theirs` can make it shared).
-  // `theirs` (optional): a block the caller compared b with beforehand (SealPending, on the
-  // backend: BlocksEqual), which Seal takes instead of reading it when it is the one registered
-  // under `hash`.
+  // An identical block is one whose bytes are equal: compared in place on a host pool (`bytes`,
+  // b.data itself), or as the caller compared them (`theirs`, when it names the block registered
+  // under `hash`: SealPending, which compares on the backend, a device pool's only way; `bytes`
+  // is null there). A hash collision, or a block nobody compared, stays unshared (and unsealed).
   struct Known {
     int32_t id = -1;
     bool equal = false;  // b's bytes equal block id's
@@ -163,17 +162,18 @@ class KvPool {
     int64_t offset = 0;
   };
   // Several ranges into dst, one after the other (sum of the bytes): on a device pool, backend
-  // Copies into a staging buffer the pool keeps and one Download per kMaxStagingBytes, so a
-  // stream of n blocks read for a hand-off waits for the device once, not n times (the host
-  // bounce of a transfer wire without a CUDA transport). The caller holds the blocks.
+  // Copies into a staging buffer the pool keeps and one Download per kMaxStagingBytes (one range:
+  // a plain Read), so a stream of n blocks read for a hand-off waits for the device once, not n
+  // times (the host bounce of a transfer wire without a CUDA transport). The caller holds the
+  // blocks.
   [[nodiscard]] absl::Status ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst);
   static constexpr int64_t kMaxStagingBytes = int64_t{16} << 20;
   // out[i] = XXH3-64 of block i's range (the content digest a seal hashes; offset 0): on a
-  // device pool the backend's DigestBlocks into the staging buffer, so only the 8 bytes of each
-  // come down (one Upload of the addresses, one Download for all the blocks).
+  // device pool the backend's DigestBlocks, so only the 8 bytes of each come down (one Upload of
+  // the addresses and lengths, 16 bytes a block, and one Download for all the blocks).
   [[nodiscard]] absl::Status DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out);
   // equal[i] = whether the first `bytes` of pairs[i].a and pairs[i].b are equal (the backend's
-  // BlocksEqual on a device pool: one Upload, one Download of 4 bytes a pair).
+  // BlocksEqual on a device pool: one Upload of 24 bytes a pair, one Download of 4).
   struct BlockPair {
     Block a, b;
     int64_t bytes = 0;
@@ -254,8 +254,12 @@ class KvPool {
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;
   kernels::Buffer zeros_;  // Zeros()
-  std::mutex staging_mu_;  // ReadBlocks', DigestBlocks' and BlocksEqual's staging buffer
-  kernels::Buffer staging_;    // grows by doubling
+  std::mutex staging_mu_;  // ReadBlocks' staging buffer
+  kernels::Buffer staging_;  // grows by doubling, to at most kMaxStagingBytes
+  // DigestBlocks' and BlocksEqual's tables (addresses, lengths, answers): apart from the
+  // staging buffer, so a decode step's seal does not wait behind a hand-off's read.
+  std::mutex tables_mu_;
+  kernels::Buffer tables_;  // grows by doubling
 };
 
 // A worker's KV pool capacity when none is configured (docs/memory.md): on a device backend 90 %
@@ -343,9 +347,8 @@ class KvRows {
   // blocks_.size().
   absl::Status Writable(size_t b);
   uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
-  // Seals block b (on a device pool through SealPending: digested and compared on the backend).
-  absl::Status SealBlock(size_t b);
-  // Seals block b, whose content is `content` (host memory).
+  // Seals block b of a host pool, whose content is `content` (its bytes in place). A device
+  // pool's blocks are sealed by SealPending.
   void SealBlockWith(size_t b, const uint8_t* content);
   void ReleaseAll();
   friend absl::Status SealPending(std::span<KvRows* const> streams);

@@ -56,7 +56,8 @@ __global__ void TopKSlotsKernel(const int32_t* topk, int64_t rows, int64_t k, in
   list[r * list_len + offset + j] = t < 0 ? -1 : static_cast<int32_t>(base + (per_slot ? e : t));
 }
 
-// XXH3's default secret, read by every DigestBlocks thread.
+// XXH3's default secret; each DigestBlocks block copies it to shared memory first (the lanes
+// read it at different offsets, which constant memory would serialize).
 __constant__ uint8_t kXxh3Secret[xxh3::kSecretBytes] = EPD_XXH3_DEFAULT_SECRET;
 
 // Eight threads per block (xxh3::kLanes, within one warp): a long block's lane i accumulates in
@@ -66,6 +67,10 @@ __constant__ uint8_t kXxh3Secret[xxh3::kSecretBytes] = EPD_XXH3_DEFAULT_SECRET;
 // thread reaches the shuffle.
 __global__ void DigestBlocksKernel(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
                                    uint64_t* out) {
+  __shared__ uint64_t secret_words[xxh3::kSecretBytes / 8];  // 8-byte aligned
+  auto* secret = reinterpret_cast<uint8_t*>(secret_words);
+  for (int i = threadIdx.x; i < xxh3::kSecretBytes; i += blockDim.x) secret[i] = kXxh3Secret[i];
+  __syncthreads();
   const int64_t t = Tid();
   const int64_t g = t / xxh3::kLanes;
   const int lane = static_cast<int>(t % xxh3::kLanes);
@@ -73,14 +78,14 @@ __global__ void DigestBlocksKernel(const uint8_t* const* blocks, const int64_t* 
   const int64_t len = live ? (bytes[g] < 0 ? 0 : bytes[g]) : 0;
   const bool is_long = live && static_cast<uint64_t>(len) > xxh3::kMidMax;
   const uint64_t acc =
-      is_long ? xxh3::LongLane(blocks[g], static_cast<uint64_t>(len), kXxh3Secret, lane) : 0;
+      is_long ? xxh3::LongLane(blocks[g], static_cast<uint64_t>(len), secret, lane) : 0;
   uint64_t all[xxh3::kLanes];
   for (int j = 0; j < xxh3::kLanes; ++j) {
     all[j] = __shfl_sync(0xffffffffU, static_cast<unsigned long long>(acc), j, xxh3::kLanes);
   }
   if (!live || lane != 0) return;
-  out[g] = is_long ? xxh3::MergeLanes(all, static_cast<uint64_t>(len), kXxh3Secret)
-                   : xxh3::ShortDigest(blocks[g], static_cast<uint64_t>(len), kXxh3Secret);
+  out[g] = is_long ? xxh3::MergeLanes(all, static_cast<uint64_t>(len), secret)
+                   : xxh3::ShortDigest(blocks[g], static_cast<uint64_t>(len), secret);
 }
 
 // One thread block per pair: each thread compares a strided share of the bytes, and the block's

@@ -523,8 +523,8 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
 // call's full blocks (8 bytes each), then one BlocksEqual for the blocks whose hash is taken
 // (4 bytes each). Two streams of one call that fill equal blocks share one (the second compared
 // with the first, which registers first); a different block is not compared with anything; a
-// host surface's block (Append, AppendPacked from host bytes, hashed on the host) meets the same
-// digest and shares the registered block.
+// host surface's block (a staged Append, a hand-off's AppendPacked of host bytes, whole or
+// completed by a second call) is sealed the same way and shares the registered block.
 TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   std::map<std::string, int64_t> calls;
   int64_t down = 0;
@@ -569,13 +569,18 @@ TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   KvRows d(pool, KvRowFormat::kPackedKey, dim, 4, 1);
   ASSERT_TRUE(d.Append(y.data(), 16).ok());
   EXPECT_EQ(d.blocks()[0].id, c.blocks()[0].id);
-  // A whole block from host bytes is hashed on the host (libxxhash): the same digest.
+  // A whole block of host bytes (a hand-off's): digested and compared on the backend, nothing of
+  // it read back.
   std::vector<uint8_t> packed;
   ASSERT_TRUE(a.CopyPacked(0, 16, packed, KvRowFormat::kPackedKey).ok());
   KvRows e(pool, KvRowFormat::kPackedKey, dim, 4, 1);
+  calls.clear();
+  down = 0;
   ASSERT_TRUE(e.AppendPacked(packed.data(), 16).ok());
   EXPECT_EQ(e.blocks()[0].id, a.blocks()[0].id);
   EXPECT_EQ(pool->stats().shared_hits, 3);
+  EXPECT_EQ(calls["DigestBlocks"], 1);
+  EXPECT_EQ(down, 8 + 4);
   // A block completed by its second part of host bytes is sealed on the backend, without a read.
   KvRows f(pool, KvRowFormat::kPackedKey, dim, 4, 1);
   ASSERT_TRUE(f.AppendPacked(packed.data(), 8).ok());
