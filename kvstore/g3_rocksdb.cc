@@ -180,9 +180,7 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
     while (bytes_ > config_.capacity_bytes && !by_time_.empty()) {
       const BlockHash victim = by_time_.begin()->second;
       if (victim == key) break;
-      metas.push_back(index_.at(victim));
-      ForgetLocked(victim);
-      victims.push_back(victim);
+      TakeLocked(victim, victims, metas);
     }
     UpdateGaugesLocked();
   }
@@ -328,12 +326,7 @@ G3RocksStore::SweepResult G3RocksStore::Sweep() {
   {
     absl::MutexLock lock(&mu_);
     const int64_t now = clock_.NowUnixMs();
-    auto take = [&] {
-      const BlockHash k = by_time_.begin()->second;
-      metas.push_back(index_.at(k));
-      ForgetLocked(k);
-      victims.push_back(k);
-    };
+    auto take = [&] { TakeLocked(by_time_.begin()->second, victims, metas); };
     while (!by_time_.empty() && ExpiredAt(by_time_.begin()->first, now)) {
       take();
       ++r.expired;
@@ -362,6 +355,13 @@ absl::Status G3RocksStore::Flush() {
 G3RocksStore::Stats G3RocksStore::stats() const {
   absl::MutexLock lock(&mu_);
   return Stats{index_.size(), bytes_, config_.capacity_bytes};
+}
+
+void G3RocksStore::TakeLocked(BlockHash key, std::vector<BlockHash>& keys,
+                              std::vector<Meta>& metas) {
+  metas.push_back(index_.at(key));
+  ForgetLocked(key);
+  keys.push_back(key);
 }
 
 void G3RocksStore::ForgetLocked(const BlockHash& key) {

@@ -113,6 +113,10 @@ class G3RocksStore {
   G3RocksStore(const G3Config& config, const common::Clock& clock, KvMetrics& metrics);
   absl::Status DeleteKeys(const std::vector<BlockHash>& keys);
   void ForgetLocked(const BlockHash& key) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Forgets indexed `key` and appends it and its index entry to `keys` / `metas` (the victims a
+  // DeleteForgotten deletes). `key` by value: it may be a reference into the index.
+  void TakeLocked(BlockHash key, std::vector<BlockHash>& keys, std::vector<Meta>& metas)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Forgets `key` and deletes it from the database; when the delete fails the index entry is put
   // back (index and database keep agreeing: the sweep or a later Get tries again) and the
   // failure is logged and counted (epd_kv_bad_requests_total{reason="internal"}).

@@ -136,6 +136,16 @@ absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) 
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint64_t*> KvPool::UploadTablesLocked(std::span<const uint64_t> args,
+                                                     int64_t bytes) {
+  if (tables_.bytes() < bytes) {
+    ASSIGN_OR_RETURN(tables_, backend_->Allocate(std::max(bytes, 2 * tables_.bytes())));
+  }
+  RETURN_IF_ERROR(
+      backend_->Upload(args.data(), static_cast<int64_t>(args.size() * sizeof(uint64_t)), tables_));
+  return tables_.as<uint64_t>();
+}
+
 absl::Status KvPool::DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out) {
   if (blocks.empty()) return absl::OkStatus();
   if (host_memory_) {
@@ -152,12 +162,7 @@ absl::Status KvPool::DigestBlocks(std::span<const BlockRead> blocks, uint64_t* o
     args[n + i] = static_cast<uint64_t>(blocks[i].bytes);
   }
   std::lock_guard<std::mutex> l(tables_mu_);
-  const int64_t total = 3 * n * 8;
-  if (tables_.bytes() < total) {
-    ASSIGN_OR_RETURN(tables_, backend_->Allocate(std::max(total, 2 * tables_.bytes())));
-  }
-  RETURN_IF_ERROR(backend_->Upload(args.data(), 2 * n * 8, tables_));
-  auto* base = tables_.as<uint64_t>();
+  ASSIGN_OR_RETURN(uint64_t * base, UploadTablesLocked(args, 3 * n * 8));
   RETURN_IF_ERROR(backend_->DigestBlocks(reinterpret_cast<const uint8_t* const*>(base),
                                          reinterpret_cast<const int64_t*>(base + n), n,
                                          base + 2 * n));
@@ -184,12 +189,7 @@ absl::Status KvPool::BlocksEqual(std::span<const BlockPair> pairs, bool* equal) 
   std::vector<int32_t> got(static_cast<size_t>(n));
   {
     std::lock_guard<std::mutex> l(tables_mu_);
-    const int64_t total = 3 * n * 8 + n * 4;
-    if (tables_.bytes() < total) {
-      ASSIGN_OR_RETURN(tables_, backend_->Allocate(std::max(total, 2 * tables_.bytes())));
-    }
-    RETURN_IF_ERROR(backend_->Upload(args.data(), 3 * n * 8, tables_));
-    auto* base = tables_.as<uint64_t>();
+    ASSIGN_OR_RETURN(uint64_t * base, UploadTablesLocked(args, 3 * n * 8 + n * 4));
     RETURN_IF_ERROR(backend_->BlocksEqual(reinterpret_cast<const uint8_t* const*>(base),
                                           reinterpret_cast<const uint8_t* const*>(base + n),
                                           reinterpret_cast<const int64_t*>(base + 2 * n), n,
@@ -474,7 +474,7 @@ KvPool::Block KvPool::BlockOf(int32_t id) const {
   return Block{id, slots_[id].mem};
 }
 
-KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes, Known known) {
+KvPool::Block KvPool::Seal(Block b, uint64_t hash, Known known) {
   std::lock_guard<std::mutex> l(mu_);
   Slot& mine = slots_[b.id];
   auto it = by_hash_.find(hash);
@@ -483,12 +483,11 @@ KvPool::Block KvPool::Seal(Block b, uint64_t hash, const uint8_t* bytes, Known k
     // Equal bytes: as the caller compared them (SealPending, on the backend: a device pool's
     // only way), or in place on a host pool. Else (a hash collision, or not compared) ours
     // stays unshared.
-    const bool equal =
-        other.bytes == mine.bytes &&
-        (known.id == it->second
-             ? known.equal
-             : host_memory_ && bytes != nullptr &&
-                   std::memcmp(other.mem, bytes, static_cast<size_t>(mine.bytes)) == 0);
+    const bool equal = other.bytes == mine.bytes &&
+                       (known.id == it->second
+                            ? known.equal
+                            : host_memory_ && std::memcmp(other.mem, mine.mem,
+                                                          static_cast<size_t>(mine.bytes)) == 0);
     if (equal) {
       const Block shared{it->second, other.mem};
       ++stats_.shared_hits;
@@ -658,10 +657,10 @@ absl::Status KvRows::Writable(size_t b) {
   return absl::OkStatus();
 }
 
-void KvRows::SealBlockWith(size_t b, const uint8_t* content) {
+void KvRows::SealHostBlock(size_t b) {
   const int64_t bytes = rows_per_block_ * row_bytes_;
-  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), Digest(content, bytes));
-  const KvPool::Block sealed = pool_->Seal(blocks_[b], hashes_[b], content);
+  hashes_[b] = BlockHash(pool_->seed(), stream_, PrevHash(b), Digest(blocks_[b].data, bytes));
+  const KvPool::Block sealed = pool_->Seal(blocks_[b], hashes_[b]);
   if (sealed.id != blocks_[b].id) {
     blocks_[b] = sealed;
     Invalidate(b);
@@ -700,8 +699,8 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
   }
   // 2. What each block will be compared with at its seal: the block already registered under
   // its hash (a shared prefix; held until the seals are done), or else an earlier block of this
-  // call with the same hash, which its own seal registers first (two sequences of one batch
-  // filling equal blocks). All compared on the backend in one BlocksEqual.
+  // call with the same hash and size, which its own seal registers first (several streams of one
+  // call under the same stream id). All compared on the backend in one BlocksEqual.
   const std::vector<int32_t> found = pool->RefRegistered(hashes, ids);
   std::vector<KvPool::Known> known(pending.size());
   std::vector<KvPool::BlockPair> pairs;
@@ -737,7 +736,7 @@ absl::Status SealPending(std::span<KvRows* const> streams) {
     for (size_t b : s->pending_) {
       KvPool::Known k = known[i];
       if (!st.ok()) k = KvPool::Known{};
-      const KvPool::Block sealed = pool->Seal(s->blocks_[b], s->hashes_[b], nullptr, k);
+      const KvPool::Block sealed = pool->Seal(s->blocks_[b], s->hashes_[b], k);
       if (sealed.id != s->blocks_[b].id) {
         s->blocks_[b] = sealed;
         s->Invalidate(b);
@@ -804,7 +803,7 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
       pending_.push_back(b);
       continue;
     }
-    SealBlockWith(b, blocks_[b].data);  // a host pool: the bytes in place
+    SealHostBlock(b);
   }
   return absl::OkStatus();
 }
@@ -836,7 +835,7 @@ absl::Status KvRows::AppendPacked(const uint8_t* bytes, int64_t n) {
         if (!pool_->host_memory()) {
           pending_.push_back(b);  // sealed below, with the call's other blocks
         } else {
-          SealBlockWith(b, blocks_[b].data);  // the bytes in place
+          SealHostBlock(b);
         }
       }
       i += take;

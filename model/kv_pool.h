@@ -118,16 +118,16 @@ class KvPool {
   int refs(int32_t id) const;
   // Registers a full block under `hash`; returns the block the caller should hold from now on
   // (an identical block already present, with the caller's reference moved to it, or `b`).
-  // An identical block is one whose bytes are equal: compared in place on a host pool (`bytes`,
-  // b.data itself), or as the caller compared them (`theirs`, when it names the block registered
-  // under `hash`: SealPending, which compares on the backend, a device pool's only way; `bytes`
-  // is null there). A hash collision, or a block nobody compared, stays unshared (and unsealed).
+  // An identical block is one whose bytes are equal: as the caller compared them (`theirs`, when
+  // it names the block registered under `hash`: SealPending, which compares on the backend, a
+  // device pool's only way), else compared in place on a host pool. A hash collision, or a block
+  // nobody compared, stays unshared (and unsealed).
   struct Known {
     int32_t id = -1;
     bool equal = false;  // b's bytes equal block id's
   };
-  Block Seal(Block b, uint64_t hash, const uint8_t* bytes, Known theirs);
-  Block Seal(Block b, uint64_t hash, const uint8_t* bytes) { return Seal(b, hash, bytes, Known{}); }
+  Block Seal(Block b, uint64_t hash, Known theirs);
+  Block Seal(Block b, uint64_t hash) { return Seal(b, hash, Known{}); }
   // For each hashes[i]: the block registered under it, other than mine[i], with a reference
   // taken for the caller (who compares with it, then Unrefs it), or -1 (SealPending: the blocks
   // a batch of seals will compare against, in one BlocksEqual).
@@ -260,6 +260,8 @@ class KvPool {
   // staging buffer, so a decode step's seal does not wait behind a hand-off's read.
   std::mutex tables_mu_;
   kernels::Buffer tables_;  // grows by doubling
+  // Under tables_mu_: tables_ of at least `bytes`, with `args` uploaded at its start.
+  absl::StatusOr<uint64_t*> UploadTablesLocked(std::span<const uint64_t> args, int64_t bytes);
 };
 
 // A worker's KV pool capacity when none is configured (docs/memory.md): on a device backend 90 %
@@ -347,9 +349,9 @@ class KvRows {
   // blocks_.size().
   absl::Status Writable(size_t b);
   uint64_t PrevHash(size_t b) const { return b == 0 ? 0 : hashes_[b - 1]; }
-  // Seals block b of a host pool, whose content is `content` (its bytes in place). A device
-  // pool's blocks are sealed by SealPending.
-  void SealBlockWith(size_t b, const uint8_t* content);
+  // Seals block b of a host pool (its bytes in place). A device pool's blocks are sealed by
+  // SealPending.
+  void SealHostBlock(size_t b);
   void ReleaseAll();
   friend absl::Status SealPending(std::span<KvRows* const> streams);
   // Block b changed (replaced or gone): the backend's page table is stale from b on.

@@ -33,6 +33,14 @@ Status Bad(const char* op, const std::string& why) {
   return InvalidArgumentError(absl::StrCat("cpu backend: ", op, ": ", why));
 }
 
+// DigestBlocks' and BlocksEqual's block lengths: none negative.
+Status BlockLengthsProblem(const char* op, const int64_t* bytes, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    if (bytes[i] < 0) return Bad(op, absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
+  }
+  return OkStatus();
+}
+
 // The live allocations of a backend with CpuBackendOptions::check_operands, by start address.
 // Shared with the buffers' deleters, which may run after the backend is gone.
 struct Allocations {
@@ -706,10 +714,7 @@ class CpuBackend final : public Backend {
     if (n < 0) return Bad("DigestBlocks", "negative block count");
     if (n == 0) return OkStatus();
     EPD_CHECK_OPERANDS("DigestBlocks", {{"blocks", blocks}, {"bytes", bytes}, {"out", out}});
-    for (int64_t i = 0; i < n; ++i) {
-      if (bytes[i] < 0)
-        return Bad("DigestBlocks", absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
-    }
+    if (Status s = BlockLengthsProblem("DigestBlocks", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) out[i] = XXH3_64bits(blocks[i], static_cast<size_t>(bytes[i]));
     return OkStatus();
   }
@@ -719,10 +724,7 @@ class CpuBackend final : public Backend {
     if (n < 0) return Bad("BlocksEqual", "negative block count");
     if (n == 0) return OkStatus();
     EPD_CHECK_OPERANDS("BlocksEqual", {{"a", a}, {"b", b}, {"bytes", bytes}, {"equal", equal}});
-    for (int64_t i = 0; i < n; ++i) {
-      if (bytes[i] < 0)
-        return Bad("BlocksEqual", absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
-    }
+    if (Status s = BlockLengthsProblem("BlocksEqual", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) {
       equal[i] = std::memcmp(a[i], b[i], static_cast<size_t>(bytes[i])) == 0 ? 1 : 0;
     }

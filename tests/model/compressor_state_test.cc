@@ -18,23 +18,19 @@
 
 #include "kernels/backend.h"
 #include "model/model.h"
+#include "tests/testing/backend_buffer.h"
 #include "tests/testing/golden_model.h"
 
 namespace epd::model {
 namespace {
+
+using testing::OnBackend;
 
 std::vector<float> Rows(int64_t n, int64_t dim, int salt) {
   std::vector<float> v(static_cast<size_t>(n * dim));
   for (size_t i = 0; i < v.size(); ++i)
     v[i] = static_cast<float>((static_cast<int64_t>(i) * 7 + salt * 31) % 41 - 20) * 0.125f;
   return v;
-}
-
-kernels::Buffer OnBackend(kernels::Backend& be, const std::vector<float>& v) {
-  auto b = be.Allocate(static_cast<int64_t>(v.size() * 4));
-  EXPECT_TRUE(b.ok());
-  EXPECT_TRUE(be.Upload(v.data(), static_cast<int64_t>(v.size() * 4), *b).ok());
-  return std::move(*b);
 }
 
 std::vector<float> Slot(const std::vector<float>& a, int64_t slot, int64_t dim) {

@@ -20,6 +20,7 @@
 #include "kernels/format.h"
 #include "model/model.h"
 #include "model/sequence_state.h"
+#include "tests/testing/backend_buffer.h"
 #include "tests/testing/nano_model.h"
 
 namespace epd::model {
@@ -426,13 +427,8 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
   const int64_t dim = 128, W = 8, hd = 64;
   const std::vector<float> x = KeyRows(50, dim, 4), win = WindowRows(13, hd, 2);
   // Backend copies of the inputs, for the model's paths.
-  auto in = [&](const std::vector<float>& v) {
-    auto b = checked->Allocate(static_cast<int64_t>(v.size() * 4));
-    EXPECT_TRUE(b.ok());
-    EXPECT_TRUE(checked->Upload(v.data(), static_cast<int64_t>(v.size() * 4), *b).ok());
-    return std::move(*b);
-  };
-  kernels::Buffer x_dev = in(x), win_dev = in(win);
+  kernels::Buffer x_dev = testing::OnBackend(*checked, x),
+                  win_dev = testing::OnBackend(*checked, win);
   struct Seen {
     std::vector<float> rows, fork, gathered, window, fresh_window;
     std::vector<uint8_t> packed, ring;
@@ -535,13 +531,7 @@ TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   auto pool = std::make_shared<KvPool>(0, 0, checked.get());
   const int64_t dim = 128;
   const std::vector<float> x = KeyRows(16, dim, 4), y = KeyRows(16, dim, 9);
-  auto in = [&](const std::vector<float>& v) {
-    auto b = checked->Allocate(static_cast<int64_t>(v.size() * 4));
-    EXPECT_TRUE(b.ok());
-    EXPECT_TRUE(checked->Upload(v.data(), static_cast<int64_t>(v.size() * 4), *b).ok());
-    return std::move(*b);
-  };
-  kernels::Buffer x_dev = in(x), y_dev = in(y);
+  kernels::Buffer x_dev = testing::OnBackend(*checked, x), y_dev = testing::OnBackend(*checked, y);
   // ratio 4: 16 rows a block.
   KvRows a(pool, KvRowFormat::kPackedKey, dim, 4, 1), b(pool, KvRowFormat::kPackedKey, dim, 4, 1);
   KvRows c(pool, KvRowFormat::kPackedKey, dim, 4, 1);
@@ -631,13 +621,13 @@ TEST(KvPoolTest, ADevicePoolSharesABlockOnlyOnTheCallersComparison) {
   KvPool::Block x, y;
   ASSERT_TRUE(pool.Allocate(256, &x).ok());
   ASSERT_TRUE(pool.Allocate(256, &y).ok());
-  EXPECT_EQ(pool.Seal(x, 42, nullptr).id, x.id);  // nothing under 42 yet: x registers
+  EXPECT_EQ(pool.Seal(x, 42).id, x.id);  // nothing under 42 yet: x registers
   EXPECT_TRUE(pool.sealed(x.id));
-  EXPECT_EQ(pool.Seal(y, 42, nullptr).id, y.id);
-  EXPECT_EQ(pool.Seal(y, 42, nullptr, {x.id, false}).id, y.id);
+  EXPECT_EQ(pool.Seal(y, 42).id, y.id);
+  EXPECT_EQ(pool.Seal(y, 42, {x.id, false}).id, y.id);
   EXPECT_FALSE(pool.sealed(y.id));
   EXPECT_EQ(pool.stats().shared_hits, 0);
-  const KvPool::Block got = pool.Seal(y, 42, nullptr, {x.id, true});
+  const KvPool::Block got = pool.Seal(y, 42, {x.id, true});
   EXPECT_EQ(got.id, x.id);  // y's reference moved to x
   EXPECT_EQ(pool.refs(x.id), 2);
   EXPECT_EQ(pool.stats().shared_hits, 1);
