@@ -52,15 +52,23 @@ inline constexpr uint64_t kPrime64_5 = 0x27D4EB2F165667C5ULL;
 inline constexpr uint64_t kPrimeMx1 = 0x165667919E3779F9ULL;
 inline constexpr uint64_t kPrimeMx2 = 0x9FB21C651E98DF25ULL;
 
-// Little-endian reads at any alignment (the secret is read at odd offsets; on the device an
-// 8-byte-aligned word, as pool blocks' are, is one load).
+// Little-endian reads at any alignment (the secret is read at odd offsets). On the device every
+// load is of an aligned 8-byte word: an unaligned word is the two aligned words around it, shifted
+// together (bytes of the same aligned words, so nothing past the allocation's last word is read).
+// An aligned fast path beside a memcpy fallback is not safe there: nvcc 13 merged the two into one
+// 8-byte load of the unaligned address (cudaErrorMisalignedAddress on an H200, 2026-12-04).
 EPD_HD uint64_t Read64(const uint8_t* p) {
 #if defined(__CUDA_ARCH__)
-  if ((reinterpret_cast<uintptr_t>(p) & 7) == 0) return *reinterpret_cast<const uint64_t*>(p);
-#endif
+  const auto a = reinterpret_cast<uintptr_t>(p);
+  const auto* w = reinterpret_cast<const uint64_t*>(a & ~uintptr_t{7});
+  const unsigned shift = 8 * static_cast<unsigned>(a & 7);
+  if (shift == 0) return w[0];
+  return (w[0] >> shift) | (w[1] << (64 - shift));
+#else
   uint64_t v;
   std::memcpy(&v, p, 8);
   return v;
+#endif
 }
 EPD_HD uint32_t Read32(const uint8_t* p) {
   uint32_t v;

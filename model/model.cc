@@ -124,9 +124,26 @@ absl::StatusOr<std::unique_ptr<Model>> Model::Load(const std::string& dir,
   if (!w.ok()) return w.status();
   EngramConstants ek;
   if (!cfg->engram_layer_ids.empty()) {
-    fs::path p = fs::path(dir) / "engram_constants.json";
-    if (!fs::exists(p)) return absl::NotFoundError(absl::StrCat("model: missing ", p.string()));
-    auto k = EngramConstants::Load(p.string());
+    // engram_constants.json (a generated model), else the "engram" object of a golden set's
+    // manifest.json (tests/data/golden: `epd serve --model` on the official checkpoints).
+    const fs::path p = fs::path(dir) / "engram_constants.json";
+    const fs::path manifest = fs::path(dir) / "manifest.json";
+    absl::StatusOr<EngramConstants> k;
+    if (fs::exists(p)) {
+      k = EngramConstants::Load(p.string());
+    } else if (fs::exists(manifest)) {
+      std::ifstream in(manifest, std::ios::binary);
+      std::stringstream text;
+      text << in.rdbuf();
+      k = ParseEngramConstantsJson(text.str());
+      if (!k.ok()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("model: ", manifest.string(), ": ", k.status().message()));
+      }
+    } else {
+      return absl::NotFoundError(
+          absl::StrCat("model: missing ", p.string(), " (or a golden set's manifest.json)"));
+    }
     if (!k.ok()) return k.status();
     if (absl::Status s = ValidateEngramConstants(*k, *cfg); !s.ok()) return s;
     ek = std::move(*k);

@@ -6,7 +6,6 @@
 
 #if defined(EPD_HAVE_CUDA)
 #include "kernels/cuda/cuda_backend.h"
-#include "kernels/cuda/cuda_device.h"
 #endif
 
 namespace epd::kernels {
@@ -59,17 +58,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec) {
 absl::Status CheckModelCanRunOn(const DeviceSpec& spec) {
   if (spec.kind == DeviceSpec::Kind::kCpu) return absl::OkStatus();
   auto backend = MakeBackend(spec);
-  if (!backend.ok()) return backend.status();
-  std::string where = spec.ToString();
-#if defined(EPD_HAVE_CUDA)
-  if (spec.index == 0) where = absl::StrCat(where, " (", cuda::DeviceSummary(), ")");
-#endif
-  return absl::FailedPreconditionError(absl::StrCat(
-      where,
-      " is present and the CUDA backend opens on it, but epd cannot run there yet: the "
-      "model forward runs in backend memory (model/scratch.h) but has not been verified on a "
-      "GPU (tests/gpu/cuda_model_test, run by tests/gpu/device_check.sh); run with --device cpu "
-      "(docs/cuda.md)"));
+  return backend.ok() ? absl::OkStatus() : backend.status();
 }
+
+bool WeightsInBackend(const DeviceSpec& spec) { return spec.kind != DeviceSpec::Kind::kCpu; }
 
 }  // namespace epd::kernels

@@ -30,10 +30,14 @@ bool CudaBackendBuilt();
 // the missing device when there is no GPU; FailedPrecondition when the build has no CUDA backend).
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec);
 
-// Whether the model forward (model/model.cc) can run on `spec`. cpu: OK. cuda: the device must
-// exist (the MakeBackend error otherwise), and even then the answer is FailedPrecondition saying
-// why: the forward keeps its activations in host std::vectors, which a device backend cannot
-// read, so it runs only on the CPU backend today (docs/cuda.md).
+// Whether the model forward (model/model.cc) can run on `spec`, checked before any port, file or
+// model is opened. cpu: OK. cuda: the CUDA backend must open on the device (the MakeBackend error
+// otherwise: no GPU, no driver, an index past the last device, a build without CUDA).
 absl::Status CheckModelCanRunOn(const DeviceSpec& spec);
+
+// Whether a model on `spec` loads its weights into the backend's memory (ModelWeights::Load's
+// backend argument): a device backend cannot read host weights; the CPU backend reads them in
+// place from the checkpoint's mapping (no copy).
+bool WeightsInBackend(const DeviceSpec& spec);
 
 }  // namespace epd::kernels

@@ -40,7 +40,8 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 // The model of `dir`: engram constants from engram_constants.json (generated models) or the golden
 // manifest.json.
 absl::StatusOr<std::unique_ptr<model::Model>> LoadModel(const std::string& dir,
-                                                        kernels::Backend& backend) {
+                                                        kernels::Backend& backend,
+                                                        bool weights_in_backend) {
   if (!fs::is_directory(dir)) {
     return absl::NotFoundError(absl::StrCat("model directory ", dir, " does not exist"));
   }
@@ -49,7 +50,8 @@ absl::StatusOr<std::unique_ptr<model::Model>> LoadModel(const std::string& dir,
   auto store = model::TensorStore::Open(dir, /*log_progress=*/false);
   if (!store.ok()) return store.status();
   auto w =
-      model::ModelWeights::Load(*cfg, std::shared_ptr<const model::TensorStore>(std::move(*store)));
+      model::ModelWeights::Load(*cfg, std::shared_ptr<const model::TensorStore>(std::move(*store)),
+                                weights_in_backend ? &backend : nullptr);
   if (!w.ok()) return w.status();
   model::EngramConstants k;
   if (!cfg->engram_layer_ids.empty()) {
@@ -179,8 +181,9 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
           absl::StrCat("forced ids file ", o.force_ids_file, " has no ids"));
   }
 
-  auto backend = kernels::MakeCpuBackend();
-  auto model = LoadModel(o.model_dir, *backend);
+  auto backend = kernels::MakeBackend(*device);
+  if (!backend.ok()) return backend.status();
+  auto model = LoadModel(o.model_dir, **backend, kernels::WeightsInBackend(*device));
   if (!model.ok()) return model.status();
   const model::Model& m = **model;
   const int64_t vocab = m.config().vocab_size;

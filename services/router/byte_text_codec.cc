@@ -1,7 +1,7 @@
 #include "services/router/byte_text_codec.h"
 
+#include <algorithm>
 #include <charconv>
-
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
@@ -22,7 +22,8 @@ constexpr char kDsml[] = "\xEF\xBD\x9C" "DSML\xEF\xBD\x9C";  // ｜DSML｜
 class ByteDetokenizer final : public Detokenizer {
  public:
   std::string Push(int32_t id) override {
-    pending_.push_back(static_cast<char>(id & 0xFF));
+    if (id < 0 || id > 255) return {};  // a token past the bytes has no text (TokenBytes)
+    pending_.push_back(static_cast<char>(id));
     return TakeCompleteUtf8(&pending_, /*flush=*/false);
   }
   std::string Flush() override { return TakeCompleteUtf8(&pending_, /*flush=*/true); }
@@ -203,6 +204,9 @@ absl::StatusOr<std::vector<int32_t>> ByteTextCodec::RenderChat(const ChatRenderI
   if (!text.ok()) return text.status();
   return Bytes(*text);
 }
+
+ByteTextCodec::ByteTextCodec(int32_t vocab_size)
+    : vocab_size_(std::max<int32_t>(vocab_size, 256)) {}
 
 std::unique_ptr<Detokenizer> ByteTextCodec::NewDetokenizer() const {
   return std::make_unique<ByteDetokenizer>();

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -161,10 +162,16 @@ int main(int argc, char** argv) {
     codec_owner = *std::move(loaded);
     spdlog::info("epd-router: tokenizer of {} (vocab {})", model_dir, codec_owner->vocab_size());
   } else {
+    // A checkpoint without a tokenizer (the golden sets): token-id prompts may use its whole
+    // vocabulary.
+    int32_t vocab = 256;
     if (!model_dir.empty()) {
-      spdlog::warn("epd-router: {} has no tokenizer.json; using the byte codec", model_dir);
+      auto cfg = epd::model::LoadModelConfig(model_dir + "/config.json");
+      if (cfg.ok()) vocab = static_cast<int32_t>(cfg->vocab_size);
+      spdlog::warn("epd-router: {} has no tokenizer.json; using the byte codec (vocab {})",
+                   model_dir, std::max<int32_t>(vocab, 256));
     }
-    codec_owner = std::make_unique<r::ByteTextCodec>();
+    codec_owner = std::make_unique<r::ByteTextCodec>(vocab);
   }
   const r::TextCodec& codec = *codec_owner;
   r::Registry registry(registry_options, clock, runtime.registry());

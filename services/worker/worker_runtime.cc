@@ -287,7 +287,15 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     std::cerr << s.message() << "\n";
     return 1;
   }
-  std::unique_ptr<kernels::Backend> backend = kernels::MakeCpuBackend();
+  auto made = kernels::MakeBackend(*device_spec);
+  if (!made.ok()) {
+    std::cerr << "epd-" << label << ": --device " << device << ": " << made.status().message()
+              << "\n";
+    return 1;
+  }
+  std::unique_ptr<kernels::Backend> backend = std::move(*made);
+  spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec->ToString(),
+               backend->Name());
   auto model = model::Model::Load(model_dir, *backend);
   if (!model.ok()) {
     spdlog::error("epd-{}: cannot load model {}: {}", label, model_dir,

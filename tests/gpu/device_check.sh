@@ -60,7 +60,7 @@ echo "== configure + build (Release, sm_$ARCHS, -j$JOBS) =="
 BIN=""  # folder of cuda_bench; the tests are in $BIN/tests (build) or $BIN (prebuilt)
 TESTS=""
 TARGETS="backend_parity_cuda_test backend_parity_test cuda_kernels_test device_test codec_test
-         cuda_weights_test cuda_model_test cuda_bench"
+         cuda_weights_test cuda_model_test cuda_bench cuda_model_bench"
 if [ "${EPD_GPU_FORCE_PREBUILT:-0}" != 1 ] && step configure 120 "$LOGS/configure.log" \
      cmake -S . -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DEPD_CUDA_ARCHS="$ARCHS" \
            -DCMAKE_CUDA_ARCHITECTURES="$ARCHS"; then
@@ -90,13 +90,26 @@ if [ -n "$TESTS" ] && [ -x "$TESTS/backend_parity_cuda_test" ]; then
     step ctest_unit_parity 60 "$LOGS/ctest_unit.log" \
       bash -c "cd '$BUILD' && ctest -R 'BackendParity|CodecTest|DeviceTest' -L unit -j 8 --timeout 50"
   else
-    for t in cuda_kernels_test cuda_weights_test cuda_model_test backend_parity_test codec_test \
-             device_test; do
-      step "$t" 120 "$LOGS/$t.log" "$TESTS/$t"
+    # The binaries run side by side (one GPU, 16 cores): device minutes are the scarce thing.
+    # Each writes its exit status to <log>.rc; the rows are collected once all have finished.
+    PAR_TESTS="cuda_kernels_test cuda_weights_test cuda_model_test codec_test device_test"
+    t0=$(date +%s)
+    for t in $PAR_TESTS; do
+      ( timeout 150 "$TESTS/$t" >"$LOGS/$t.log" 2>&1; echo $? >"$LOGS/$t.rc" ) &
+    done
+    timeout 150 "$TESTS/backend_parity_cuda_test" >"$LOGS/parity_cuda.txt" 2>&1
+    wait
+    dt=$(( $(date +%s) - t0 ))
+    for t in $PAR_TESTS; do
+      rc=$(cat "$LOGS/$t.rc" 2>/dev/null || echo 1)
+      if [ "$rc" = 0 ]; then row "$t" PASS "$dt" "$t.log"
+      elif [ "$rc" = 124 ]; then row "$t" TIMEOUT "$dt" "limit 150s; $t.log"; status=1
+      else row "$t" FAIL "$dt" "exit $rc; $t.log"; status=1
+      fi
     done
   fi
-  # Per-op parity lines for the table.
-  timeout 150 "$TESTS/backend_parity_cuda_test" >"$LOGS/parity_cuda.txt" 2>&1
+  # Per-op parity lines for the table (the prebuilt branch ran it alongside the other tests).
+  [ "$BIN" = "$BUILD" ] && timeout 150 "$TESTS/backend_parity_cuda_test" >"$LOGS/parity_cuda.txt" 2>&1
   passed=$(grep '^\[       OK \] CudaVsCpuReference' "$LOGS/parity_cuda.txt" | sort -u | wc -l)
   failed=$(grep '^\[  FAILED  \] CudaVsCpuReference' "$LOGS/parity_cuda.txt" | sort -u |
            sed 's/.*MatchesTheCpuReference\///; s/ (.*//' | sort -u | tr '\n' ' ')
@@ -115,7 +128,11 @@ echo "== GPU benchmarks =="
 if [ -n "$BIN" ] && [ -x "$BIN/cuda_bench" ]; then
   # shellcheck disable=SC2086
   step cuda_bench 240 "$LOGS/cuda_bench.txt" "$BIN/cuda_bench" $QUICK
-  grep '^BENCH' "$LOGS/cuda_bench.txt" >"$LOGS/bench_lines.txt" || true
+  # shellcheck disable=SC2086
+  [ -x "$BIN/cuda_model_bench" ] &&
+    step cuda_model_bench 120 "$LOGS/cuda_model_bench.txt" "$BIN/cuda_model_bench" $QUICK
+  cat "$LOGS/cuda_bench.txt" "$LOGS/cuda_model_bench.txt" 2>/dev/null | grep '^BENCH' \
+    >"$LOGS/bench_lines.txt" || true
 else
   row cuda_bench FAIL 0 "not built"
   status=1

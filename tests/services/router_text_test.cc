@@ -47,6 +47,25 @@ TEST(ByteCodecTest, DetokenizerOnlyEmitsCompleteCharacters) {
   EXPECT_EQ(d2->Flush(), "\xEF\xBF\xBD");
 }
 
+// A model without a tokenizer whose vocabulary is larger than the bytes (the golden sets): every
+// id of the model is a valid prompt id, and an id past 255 has no text; a smaller vocabulary
+// still gets the 256 bytes.
+TEST(ByteCodecTest, TakesTheModelsVocabularyAndIdsPastTheBytesHaveNoText) {
+  EXPECT_EQ(ByteTextCodec().vocab_size(), 256);
+  EXPECT_EQ(ByteTextCodec(100).vocab_size(), 256);
+  const ByteTextCodec codec(600);
+  EXPECT_EQ(codec.vocab_size(), 600);
+  auto detok = codec.NewDetokenizer();
+  std::string out = detok->Push('a');
+  out += detok->Push(300);
+  out += detok->Push(599);
+  out += detok->Push('b');
+  out += detok->Flush();
+  EXPECT_EQ(out, "ab");
+  EXPECT_EQ(codec.TokenBytes(300), "");
+  EXPECT_EQ(codec.TokenBytes('a'), "a");
+}
+
 TEST(ByteCodecTest, RendersTheChatShapeWithEffortToolsAndToolResults) {
   ByteTextCodec codec;
   ChatRenderInput in;
