@@ -371,11 +371,20 @@ int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
 
 absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                               ForwardTrace* trace) const {
+  return Attention(l, x, call, state, out, trace, nullptr);
+}
+
+absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state,
+                              const AttentionRows& rows) const {
+  return Attention(l, x, call, state, nullptr, nullptr, &rows);
+}
+
+absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                              ForwardTrace* trace, const AttentionRows* given) const {
   const ModelConfig& c = config_;
   const LayerRole& role = roles_[l];
   const AttentionWeights& A = weights_->layers[l].attn;
-  const int64_t S = call.rows, D = c.dim, hd = c.head_dim, H = c.n_heads, W = c.window_size;
-  const int rd = c.rope_head_dim, nope = c.nope_head_dim();
+  const int64_t S = call.rows, hd = c.head_dim, H = c.n_heads, W = c.window_size;
   Scratch ws(backend_, scratch_pool_.get());
   vector<int64_t> pos(S);
   for (int64_t i = 0; i < S; ++i) pos[i] = call.start_pos + i;
@@ -388,11 +397,23 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   }
   const int64_t* pos_dev = call.pos_dev;
 
-  ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
-  ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
-  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
-  RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr, q));
-  RETURN_IF_ERROR(StageKv(ws, l, x, S, pos_dev, kv));
+  const float* qr = nullptr;
+  const float* q = nullptr;
+  const float* kv = nullptr;
+  if (given != nullptr) {
+    qr = given->qr;
+    q = given->q;
+    kv = given->kv;
+  } else {
+    ASSIGN_OR_RETURN(float* qr_own, ws.Alloc<float>(S * c.q_lora_rank));
+    ASSIGN_OR_RETURN(float* q_own, ws.Alloc<float>(S * H * hd));
+    ASSIGN_OR_RETURN(float* kv_own, ws.Alloc<float>(S * hd));
+    RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr_own, q_own));
+    RETURN_IF_ERROR(StageKv(ws, l, x, S, pos_dev, kv_own));
+    qr = qr_own;
+    q = q_own;
+    kv = kv_own;
+  }
 
   // Window part of the KV and of each row's list.
   SwaRing& ring = state.swa[l];
@@ -438,16 +459,15 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         const int call_keysrc =
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
         const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
-        ASSIGN_OR_RETURN(float* qi, ws.Alloc<float>(S * nI * ihd));
-        ASSIGN_OR_RETURN(float* w, ws.Alloc<float>(S * nI));
-        RETURN_IF_ERROR(backend_.LinearQuant(qr, S, A.idx_wq_b, qi));
-        RETURN_IF_ERROR(RopeRows(ws, l, qi, S, static_cast<int>(nI), static_cast<int>(ihd),
-                                 static_cast<int>(ihd - rd), pos_dev, false));
-        RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi, S * nI, ihd));
-        RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.idx_weights_proj.data(), nI, D, w));
-        const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
-                                                std::pow(static_cast<double>(nI), -0.5));
-        RETURN_IF_ERROR(backend_.ScaleRoundBf16(w, S * nI, wscale));
+        const float* qi = given != nullptr ? given->qi : nullptr;
+        const float* w = given != nullptr ? given->w : nullptr;
+        if (qi == nullptr || w == nullptr) {
+          ASSIGN_OR_RETURN(float* qi_own, ws.Alloc<float>(S * nI * ihd));
+          ASSIGN_OR_RETURN(float* w_own, ws.Alloc<float>(S * nI));
+          RETURN_IF_ERROR(IndexQueries(ws, l, x, qr, S, pos_dev, qi_own, w_own));
+          qi = qi_own;
+          w = w_own;
+        }
         // A top-k kept on the backend is read by the call's later layers too: in its scratch.
         ASSIGN_OR_RETURN(int32_t * topk, (device_topk ? *call.scratch : ws).Alloc<int32_t>(S * k));
         UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
@@ -573,7 +593,10 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   }
   ASSIGN_OR_RETURN(int32_t * idx_dev, ws.Alloc<int32_t>(S * list_len));
 
-  ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(S * H * hd));
+  float* o = given != nullptr ? given->o : nullptr;
+  if (o == nullptr) {
+    ASSIGN_OR_RETURN(o, ws.Alloc<float>(S * H * hd));
+  }
   kernels::SparseAttentionArgs args;
   args.q = q;
   args.kv = kv_all;
@@ -642,9 +665,31 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
   args.out = o;
   RETURN_IF_ERROR(backend_.SparseAttention(args));
-  RETURN_IF_ERROR(
-      RopeRows(ws, l, o, S, static_cast<int>(H), static_cast<int>(hd), nope, pos_dev, true));
-  return OutputProjection(ws, A, o, S, out);
+  if (given != nullptr) return absl::OkStatus();  // the caller finishes every row at once
+  return FinishAttention(ws, l, o, S, pos_dev, out);
+}
+
+absl::Status Model::FinishAttention(Scratch& ws, int l, float* o, int64_t rows,
+                                    const int64_t* positions, float* out) const {
+  const ModelConfig& c = config_;
+  RETURN_IF_ERROR(RopeRows(ws, l, o, rows, static_cast<int>(c.n_heads),
+                           static_cast<int>(c.head_dim), c.nope_head_dim(), positions, true));
+  return OutputProjection(ws, weights_->layers[l].attn, o, rows, out);
+}
+
+absl::Status Model::IndexQueries(Scratch& ws, int l, const float* x, const float* qr, int64_t rows,
+                                 const int64_t* positions, float* qi, float* w) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
+  RETURN_IF_ERROR(backend_.LinearQuant(qr, rows, A.idx_wq_b, qi));
+  RETURN_IF_ERROR(RopeRows(ws, l, qi, rows, static_cast<int>(nI), static_cast<int>(ihd),
+                           static_cast<int>(ihd - c.rope_head_dim), positions, false));
+  RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi, rows * nI, ihd));
+  RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.idx_weights_proj.data(), nI, c.dim, w));
+  const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
+                                          std::pow(static_cast<double>(nI), -0.5));
+  return backend_.ScaleRoundBf16(w, rows * nI, wscale);
 }
 
 absl::Status Model::QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
@@ -896,22 +941,20 @@ absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.attn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->attn_in[l]));
   // Attention reads and writes each sequence's own KV: one call per sequence on its rows. The
-  // other steps are row-independent and take every row of the batch at once.
-  float* zeros = nullptr;
-  for (BlockSequence& q : seqs) {
-    const int64_t at = q.row0 * D, n = q.call->rows * D;
+  // other steps are row-independent and take every row of the batch at once; with several
+  // sequences, so do the attention's projections (AttentionRows).
+  if (seqs.size() > 1) {
+    RETURN_IF_ERROR(BatchedAttention(ws, l, x, seqs, S, y));
+  } else {
+    BlockSequence& q = seqs.front();
     if (q.status == nullptr) {
-      RETURN_IF_ERROR(Attention(l, x + at, *q.call, *q.state, y + at, trace));
-      continue;
-    }
-    if (q.status->ok()) *q.status = Attention(l, x + at, *q.call, *q.state, y + at, nullptr);
-    if (!q.status->ok()) {
-      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
-      // run on; rows are independent, so its neighbours' results do not change).
-      if (zeros == nullptr) {
-        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(S * D, 0.f));
+      RETURN_IF_ERROR(Attention(l, x, *q.call, *q.state, y, trace));
+    } else if (q.status->ok()) {
+      *q.status = Attention(l, x, *q.call, *q.state, y, nullptr);
+      if (!q.status->ok()) {  // finite rows, so the block's shared steps run on
+        ASSIGN_OR_RETURN(const float* zeros, ws.Filled<float>(S * D, 0.f));
+        RETURN_IF_ERROR(backend_.Copy(y, zeros, S * D * static_cast<int64_t>(sizeof(float))));
       }
-      RETURN_IF_ERROR(backend_.Copy(y + at, zeros, n * static_cast<int64_t>(sizeof(float))));
     }
   }
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->attn_out[l]));
@@ -923,6 +966,58 @@ absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
   RETURN_IF_ERROR(HcAfterFfn(S, y, h, m));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->block_out[l]));
   return absl::OkStatus();
+}
+
+absl::Status Model::BatchedAttention(Scratch& ws, int l, const float* x,
+                                     std::span<BlockSequence> seqs, int64_t S, float* y) const {
+  const ModelConfig& c = config_;
+  const LayerRole& role = roles_[l];
+  const int64_t D = c.dim, H = c.n_heads, hd = c.head_dim;
+  // Every row's position, uploaded once per layer (each call's own rows: pos_dev per call).
+  vector<int64_t> pos(S, 0);
+  for (const BlockSequence& q : seqs) {
+    for (int64_t i = 0; i < q.call->rows; ++i) pos[q.row0 + i] = q.call->start_pos + i;
+  }
+  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
+  ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
+  ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
+  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
+  RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr, q));
+  RETURN_IF_ERROR(StageKv(ws, l, x, S, pos_dev, kv));
+  float* qi = nullptr;
+  float* w = nullptr;
+  if (role.compress_ratio > 0 && role.is_index_source) {
+    ASSIGN_OR_RETURN(qi, ws.Alloc<float>(S * c.index_n_heads * c.index_head_dim));
+    ASSIGN_OR_RETURN(w, ws.Alloc<float>(S * c.index_n_heads));
+    RETURN_IF_ERROR(IndexQueries(ws, l, x, qr, S, pos_dev, qi, w));
+  }
+  ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(S * H * hd));
+  const float* zeros = nullptr;
+  for (BlockSequence& b : seqs) {
+    const int64_t r0 = b.row0;
+    AttentionRows rows;
+    rows.qr = qr + r0 * c.q_lora_rank;
+    rows.q = q + r0 * H * hd;
+    rows.kv = kv + r0 * hd;
+    rows.qi = qi != nullptr ? qi + r0 * c.index_n_heads * c.index_head_dim : nullptr;
+    rows.w = w != nullptr ? w + r0 * c.index_n_heads : nullptr;
+    rows.o = o + r0 * H * hd;
+    if (b.status == nullptr) {
+      RETURN_IF_ERROR(Attention(l, x + r0 * D, *b.call, *b.state, rows));
+      continue;
+    }
+    if (b.status->ok()) *b.status = Attention(l, x + r0 * D, *b.call, *b.state, rows);
+    if (!b.status->ok()) {
+      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
+      // run on; rows are independent, so its neighbours' results do not change).
+      if (zeros == nullptr) {
+        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(S * H * hd, 0.f));
+      }
+      RETURN_IF_ERROR(backend_.Copy(rows.o, zeros,
+                                    b.call->rows * H * hd * static_cast<int64_t>(sizeof(float))));
+    }
+  }
+  return FinishAttention(ws, l, o, S, pos_dev, y);
 }
 
 absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,

@@ -481,6 +481,21 @@ class Model {
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace = nullptr) const;
+  // The row-independent parts of a layer's attention for every row of a batched step at once
+  // (Block over several sequences): the queries, the window KV rows and the indexer's queries and
+  // weights before, the inverse RoPE and the output projection after. Attention then runs, per
+  // sequence, only what reads or writes its own KV; its rows of `o` are the attention's output
+  // before the inverse RoPE. Per row, the same ops on the same values as a call of its own.
+  struct AttentionRows {
+    const float* qr = nullptr;  // [rows, q_lora_rank] after q_norm
+    const float* q = nullptr;   // [rows, heads, head_dim] after RoPE
+    const float* kv = nullptr;  // [rows, head_dim] the window KV rows
+    const float* qi = nullptr;  // [rows, index_heads, index_head_dim] (index-source layers)
+    const float* w = nullptr;   // [rows, index_heads] the indexer's head weights
+    float* o = nullptr;         // [rows, heads, head_dim] out: before the inverse RoPE
+  };
+  absl::Status Attention(int l, const float* x, Call& call, SequenceState& state,
+                         const AttentionRows& rows) const;
   // MoE of layer l: x [rows, dim] -> out [rows, dim]. Rows go through in chunks of
   // kMoeRowsPerCall (the grouped buffers hold each row once per expert slot).
   static constexpr int64_t kMoeRowsPerCall = 2048;
@@ -545,6 +560,10 @@ class Model {
   // The block over the rows [0, rows) of several sequences (calls of one kind).
   absl::Status Block(Scratch& outer, int l, float* h, float* pre, std::span<BlockSequence> seqs,
                      int64_t rows, ForwardTrace* trace) const;
+  // Layer l's attention over several sequences' rows x [rows, dim] -> y [rows, dim]: the
+  // row-independent parts once for every row (AttentionRows), the rest per sequence.
+  absl::Status BatchedAttention(Scratch& ws, int l, const float* x, std::span<BlockSequence> seqs,
+                                int64_t rows, float* y) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
@@ -582,6 +601,16 @@ class Model {
   // and q [rows, heads, head_dim] with RoPE at `positions` (backend memory).
   absl::Status QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
                                const int64_t* positions, float* qr, float* q) const;
+  // The indexer's queries qi [rows, index_heads, index_head_dim] (from qr, RoPE'd, FP4
+  // quantize-dequantized) and head weights w [rows, index_heads] of layer l.
+  absl::Status IndexQueries(Scratch& ws, int l, const float* x, const float* qr, int64_t rows,
+                            const int64_t* positions, float* qi, float* w) const;
+  // The attention's output rows o (before the inverse RoPE, overwritten) -> out [rows, dim].
+  absl::Status FinishAttention(Scratch& ws, int l, float* o, int64_t rows, const int64_t* positions,
+                               float* out) const;
+  // Attention with `given` rows (nullptr: computed here, and `out` written).
+  absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                         ForwardTrace* trace, const AttentionRows* given) const;
   // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
   absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
                                 int64_t rows, float* out) const;
