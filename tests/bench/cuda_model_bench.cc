@@ -4,21 +4,36 @@
 // same run, and against a physical limit: a step must read every weight once, so
 // batch / (checkpoint bytes / 4.8 TB/s) bounds its tokens/s (the KV read, small on these
 // prompts, is left out, so the bound is optimistic and the ratio an upper estimate).
+// Then the same for one layer of the release config (tests/data/configs/deepseek-v4.1-flash) with
+// random weights (model::GenerateCheckpoint into a temporary folder): the candidate-source
+// layer's structure (ratio 1, its own KV, index and candidate source), without Engram (its tables
+// have 384M rows) and without MTP layers (DSpark off), a 1024-token prompt. Its limit counts the
+// bytes a step must read: every weight but the embedding table and the routed experts, plus the
+// routed experts the batch can reach (min(384, 6 x batch)).
 // Output: `BENCH decode <set> batch=<b> ...` lines (tests/gpu/device_check.sh collects them).
-// Usage: cuda_model_bench [--quick]   (--quick: batch 1 and 32, fewer steps)
+// Usage: cuda_model_bench [--quick] [--release-experts N] [--skip-golden] [--cpu]
+//   (--quick: batch 1 and 32, fewer steps; --release-experts: routed experts of the release layer,
+//   384 as released, 0 to skip it; --cpu: only the release layer, on the CPU backend, batch 1 and
+//   4: the path checked where there is no GPU)
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <vector>
 
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/model.h"
+#include "model/nano_generator.h"
+#include "model/safetensors.h"
 #include "model/stages.h"
+#include "nlohmann/json.hpp"
 #include "tests/testing/golden_model.h"
+#include "tests/testing/subprocess.h"
 
 namespace {
 
@@ -54,11 +69,104 @@ double DecodeTokensPerSecond(const epd::model::Model& m, const epd::model::Seque
   return tps[tps.size() / 2];
 }
 
+// The release config cut to one layer (see the header).
+nlohmann::json ReleaseLayerConfig(int routed_experts) {
+  std::ifstream in(epd::testing::SourcePath("tests/data/configs/deepseek-v4.1-flash/config.json"));
+  nlohmann::json config = nlohmann::json::parse(in);
+  nlohmann::json& tc = config.contains("text_config") ? config["text_config"] : config;
+  tc["num_hidden_layers"] = 1;
+  tc["num_nextn_predict_layers"] = 0;
+  tc["compress_ratios"] = {1};
+  tc["kv_source_layer_ids"] = {0};
+  tc["index_source_layer_ids"] = {0};
+  tc["candidate_source_layer_id"] = 0;
+  tc["engram_layer_ids"] = nlohmann::json::array();
+  tc["engram_num_embeddings"] = nlohmann::json::array();
+  tc["dspark_target_layer_ids"] = nlohmann::json::array();
+  tc["n_routed_experts"] = routed_experts;
+  return config;
+}
+
+int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int>& batches,
+                 int steps, int runs) {
+  namespace fs = std::filesystem;
+  const std::string dir = (fs::temp_directory_path() / "epd-release-layer").string();
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  const nlohmann::json config = ReleaseLayerConfig(experts);
+  const auto t0 = Clock::now();
+  if (auto s = epd::model::GenerateCheckpoint(config, 7, dir); !s.ok()) {
+    std::fprintf(stderr, "release layer: %s\n", std::string(s.message()).c_str());
+    return 1;
+  }
+  std::ofstream(dir + "/config.json") << config.dump(2) << "\n";
+  auto m = epd::model::Model::Load(dir, cuda);
+  if (!m.ok()) {
+    std::fprintf(stderr, "release layer: %s\n", std::string(m.status().message()).c_str());
+    return 1;
+  }
+  std::printf("release layer: %d routed experts, generated and loaded in %.0f s\n", experts,
+              std::chrono::duration<double>(Clock::now() - t0).count());
+  // Bytes a step reads: all but the embedding table and the routed experts, plus the experts the
+  // batch can reach.
+  auto store = epd::model::TensorStore::Open(dir, false);
+  if (!store.ok()) return 1;
+  double fixed = 0, per_expert = 0;
+  for (const std::string& name : (*store)->Names()) {
+    auto t = (*store)->Get(name);
+    if (!t.ok()) return 1;
+    if (name.find("embed") != std::string::npos) continue;
+    if (name.find(".experts.") != std::string::npos) {
+      if (name.find(".experts.0.") != std::string::npos)
+        per_expert += static_cast<double>(t->bytes);
+      continue;
+    }
+    fixed += static_cast<double>(t->bytes);
+  }
+  const epd::model::ModelConfig& c = (*m)->config();
+  std::vector<int32_t> prompt(1024);
+  for (size_t i = 0; i < prompt.size(); ++i) {
+    prompt[i] = static_cast<int32_t>((i * 7919 + 13) % c.vocab_size);
+  }
+  auto seed = (*m)->NewSequence();
+  if (auto r = (*m)->Prefill(*seed, prompt, false); !r.ok()) {
+    std::fprintf(stderr, "release layer prefill: %s\n", std::string(r.status().message()).c_str());
+    return 1;
+  }
+  for (int batch : batches) {
+    const double g = DecodeTokensPerSecond(**m, *seed, batch, steps, runs);
+    const double reached =
+        std::min<double>(c.n_routed_experts, static_cast<double>(c.n_activated_experts) * batch);
+    const double bytes = fixed + reached * per_expert;
+    const double limit = batch / (bytes / kHbmBytesPerSecond);
+    std::printf(
+        "BENCH decode release-layer(%d experts) batch=%d ctx=%zu  %.1f tokens/s  ratio=%.5f (of "
+        "%.3g tokens/s: %.0f MB read per step at 4.8 TB/s)\n",
+        c.n_routed_experts, batch, prompt.size(), g, g / limit, limit, bytes / 1e6);
+    std::fflush(stdout);
+  }
+  m->reset();
+  fs::remove_all(dir);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool quick = false;
-  for (int i = 1; i < argc; ++i) quick = quick || std::strcmp(argv[i], "--quick") == 0;
+  bool quick = false, golden = true, cpu_only = false;
+  int release_experts = 384;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strcmp(argv[i], "--skip-golden") == 0) golden = false;
+    if (std::strcmp(argv[i], "--cpu") == 0) cpu_only = true;
+    if (std::strcmp(argv[i], "--release-experts") == 0 && i + 1 < argc) {
+      release_experts = std::atoi(argv[++i]);
+    }
+  }
+  if (cpu_only) {  // the release layer on the CPU backend: checks the path where no GPU is
+    auto cpu = epd::kernels::MakeCpuBackend();
+    return ReleaseLayer(*cpu, release_experts, {1, 4}, 2, 1);
+  }
   auto cuda = epd::kernels::MakeCudaBackend(0);
   if (!cuda.ok()) {
     std::printf("skipped: no GPU (%s)\n", std::string(cuda.status().message()).c_str());
@@ -68,7 +176,7 @@ int main(int argc, char** argv) {
   std::vector<int> batches = {1, 32};
   if (!quick) batches.push_back(128);
   const int steps = quick ? 4 : 8, runs = 3;
-  for (const std::string& set : epd::testing::GoldenSets()) {
+  for (const std::string& set : golden ? epd::testing::GoldenSets() : std::vector<std::string>{}) {
     auto gpu_model = epd::testing::LoadGoldenModel(**cuda, set, {}, /*weights_in_backend=*/true);
     auto cpu_model = epd::testing::LoadGoldenModel(*cpu, set, {}, /*weights_in_backend=*/true);
     if (!gpu_model.ok() || !cpu_model.ok()) {
@@ -97,5 +205,6 @@ int main(int argc, char** argv) {
       std::fflush(stdout);
     }
   }
+  if (release_experts > 0) return ReleaseLayer(**cuda, release_experts, batches, quick ? 2 : 4, 3);
   return 0;
 }
