@@ -170,13 +170,17 @@ class CudaBackend final : public Backend {
     const size_t q_bytes = Align(rows * k * 4), s_bytes = Align(rows * nb * 4);
     const size_t wv_bytes = w.packed() ? 0 : Align(w.out * w.in * 4);
     const size_t ws_bytes = w.packed() ? 0 : Align(static_cast<int64_t>(w.scales.size()) * 4);
-    auto scratch = Scratch("LinearQuant", q_bytes + s_bytes + wv_bytes + ws_bytes);
-    if (!scratch.ok()) return scratch.status();
-    auto* q = reinterpret_cast<float*>(*scratch);
-    auto* s = reinterpret_cast<float*>(*scratch + q_bytes);
     cuda::GemmWeight gw;
     gw.out = w.out;
     gw.in = w.in;
+    const size_t t_bytes = Align(cuda::GemmQuantTermsBytes(rows, gw));
+    auto scratch = Scratch("LinearQuant", q_bytes + s_bytes + wv_bytes + ws_bytes + t_bytes);
+    if (!scratch.ok()) return scratch.status();
+    auto* q = reinterpret_cast<float*>(*scratch);
+    auto* s = reinterpret_cast<float*>(*scratch + q_bytes);
+    float* terms =
+        t_bytes == 0 ? nullptr
+                     : reinterpret_cast<float*>(*scratch + q_bytes + s_bytes + wv_bytes + ws_bytes);
     const uint8_t* scale_codes = nullptr;
     const float* scale_values = nullptr;
     if (w.packed()) {
@@ -203,7 +207,7 @@ class CudaBackend final : public Backend {
     EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cuda::QuantizeFp8Rows(x, rows, k, q, s, streams_[0]));
     EPD_CUDA_RETURN_IF_ERROR(
         "LinearQuant", cuda::GemmQuant(q, s, rows, gw, scale_codes, scale_values, w.block_rows,
-                                       w.block_cols, w.scale_cols(), y, streams_[0]));
+                                       w.block_cols, w.scale_cols(), y, terms, streams_[0]));
     if (!w.packed()) {
       // The host vectors must outlive the copies: wait (decoded weights are a test/tool form).
       EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaStreamSynchronize(streams_[0]));

@@ -32,10 +32,15 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
                             cudaStream_t stream);
 // LinearQuant's GEMM on quantized rows: y[r, o] = bf16(sum_b Dot8(q_r, w_o)_b * s[r, b] *
 // wscale[o / block_rows, b*32 / block_cols]). `scale_codes` (E8M0 bytes) or `scale_values`
-// (floats), one of them non-null.
+// (floats), one of them non-null. `terms` (GemmQuantTermsBytes of device memory, or null): a
+// decode-sized call (at most 16 rows) then spreads K over the grid and adds the blocks' terms in
+// a second kernel, bit-identical to the one-kernel path.
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
                       const uint8_t* scale_codes, const float* scale_values, int block_rows,
-                      int block_cols, int64_t scale_cols, float* y, cudaStream_t stream);
+                      int block_cols, int64_t scale_cols, float* y, float* terms,
+                      cudaStream_t stream);
+// Bytes of GemmQuant's `terms` for `rows` rows of `w`: 0 when the call takes the one-kernel path.
+int64_t GemmQuantTermsBytes(int64_t rows, const GemmWeight& w);
 // One group's packed weight (GroupedGemmQuant): E4M3 or E2M1 codes and E8M0 scale bytes.
 struct GroupWeight {
   const void* codes = nullptr;

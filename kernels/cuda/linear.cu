@@ -166,6 +166,80 @@ __global__ void __launch_bounds__(kThreads)
                    static_cast<int64_t>(blockIdx.y) * kTileR);
 }
 
+// LinearQuant of at most kTileR rows (a decode step): GemmKernel<true> would run ceil(out / 64)
+// blocks, each walking all of K, too few to fill the GPU (wq_a: 20 blocks for 160 K blocks). Here
+// the K blocks are spread over the grid's y, kSplitChunks per block: each block computes, per
+// quantization block b, the term Dot8_b * act_scale * weight_scale exactly as GemmTile<true> (same
+// loads, same Dot8, same products) and stores it; GemmSumTermsKernel then adds each output's terms
+// in block order from +0, as GemmTile's running acc does. Bit-identical to GemmKernel<true>
+// (-fmad=false: no contraction of the product into the add).
+constexpr int kSplitChunks = 4;
+
+__global__ void __launch_bounds__(kThreads)
+    GemmTermsKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
+                    const uint8_t* scale_codes, const float* scale_values, int block_rows,
+                    int block_cols, int64_t scale_cols, float* terms) {
+  __shared__ float xs[kTileR][kChunk + 1];
+  __shared__ float ws[kTileO][kChunk + 1];
+  __shared__ float xsc[kTileR];
+  __shared__ float wsc[kTileO];
+  const int t = threadIdx.x;
+  const int ol = t % kTileO, rg = t / kTileO;
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kTileO;
+  const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk;
+  const int64_t b0 = static_cast<int64_t>(blockIdx.y) * kSplitChunks;
+  const int64_t b1 = b0 + kSplitChunks < nb ? b0 + kSplitChunks : nb;
+  for (int64_t b = b0; b < b1; ++b) {
+    const int64_t c0 = b * kChunk;
+    const int n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
+    for (int e = t; e < kTileR * kChunk; e += kThreads) {
+      const int rl = e / kChunk, i = e % kChunk;
+      xs[rl][i] = (rl < rows && i < n) ? x[rl * K + c0 + i] : 0.f;
+    }
+    for (int e = t; e < kTileO * kChunk; e += kThreads) {
+      const int ot = e / kChunk, i = e % kChunk;
+      const int64_t o = o0 + ot;
+      ws[ot][i] = (o < w.out && i < n) ? WeightAt(w, o, c0 + i) : 0.f;
+    }
+    if (t < kTileR) xsc[t] = t < rows ? act_scale[t * nb + b] : 0.f;
+    if (t < kTileO) {
+      const int64_t o = o0 + t;
+      float sc = 0.f;
+      if (o < w.out) {
+        const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
+        sc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
+      }
+      wsc[t] = sc;
+    }
+    __syncthreads();
+    const int64_t o = o0 + ol;
+#pragma unroll
+    for (int rr = 0; rr < kRowsPerThread; ++rr) {
+      const int rl = rg * kRowsPerThread + rr;
+      if (rl >= rows || o >= w.out) continue;
+      const int n8 = n / 8 * 8;
+      float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int i = 0; i < n8; i += 8) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) l[j] += xs[rl][i + j] * ws[ol][i + j];
+      }
+      float d = Tree8(l);
+      for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
+      terms[(b * rows + rl) * w.out + o] = d * xsc[rl] * wsc[ol];
+    }
+    __syncthreads();
+  }
+}
+
+// y[r, o] = bf16(+0 + terms[0, r, o] + terms[1, r, o] + ...), in block order.
+__global__ void GemmSumTermsKernel(const float* terms, int64_t nb, int64_t n, float* y) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  float acc = 0.f;
+  for (int64_t b = 0; b < nb; ++b) acc += terms[b * n + i];
+  y[i] = RoundBf16(acc);
+}
+
 // GroupedLinearQuant: block row y is the y-th row tile counted over the groups in order (group g
 // has ceil(n_g / kTileR) tiles; blocks past the last tile leave). A tile never spans two groups,
 // so each output is the same thread computation as GemmKernel's for that group's rows alone.
@@ -205,10 +279,27 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
   return cudaGetLastError();
 }
 
+int64_t GemmQuantTermsBytes(int64_t rows, const GemmWeight& w) {
+  const int64_t nb = (w.in + kChunk - 1) / kChunk;
+  if (rows > kTileR || nb < 2 * kSplitChunks) return 0;  // GemmKernel fills the GPU, or K is short
+  return nb * rows * w.out * static_cast<int64_t>(sizeof(float));
+}
+
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
                       const uint8_t* scale_codes, const float* scale_values, int block_rows,
-                      int block_cols, int64_t scale_cols, float* y, cudaStream_t stream) {
+                      int block_cols, int64_t scale_cols, float* y, float* terms,
+                      cudaStream_t stream) {
   if (rows == 0 || w.out == 0) return cudaSuccess;
+  if (terms != nullptr && GemmQuantTermsBytes(rows, w) > 0) {
+    const int64_t nb = (w.in + kChunk - 1) / kChunk;
+    const dim3 grid(static_cast<unsigned>((w.out + kTileO - 1) / kTileO),
+                    static_cast<unsigned>((nb + kSplitChunks - 1) / kSplitChunks));
+    GemmTermsKernel<<<grid, kThreads, 0, stream>>>(q, s, rows, w, scale_codes, scale_values,
+                                                   block_rows, block_cols, scale_cols, terms);
+    if (cudaError_t rc = cudaGetLastError(); rc != cudaSuccess) return rc;
+    GemmSumTermsKernel<<<GridFor(rows * w.out), kThreads, 0, stream>>>(terms, nb, rows * w.out, y);
+    return cudaGetLastError();
+  }
   GemmKernel<true><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
       q, s, rows, w, scale_codes, scale_values, block_rows, block_cols, scale_cols, true, y);
   return cudaGetLastError();

@@ -471,6 +471,11 @@ PARITY_CASE(LinearQuant) {
   LinearQuantShape(env, 3, 40, 80, WeightFormat::kFp8E4M3);  // K % 32 != 0: a short last block
   LinearQuantShape(env, 4, 40, 64, WeightFormat::kFp4E2M1);
   LinearQuantShape(env, 1, 9, 128, WeightFormat::kFp4E2M1);
+  // Decode-sized calls with K spread over the grid on CUDA (at most 16 rows, at least 8 K blocks):
+  // a short last block, 16 rows with FP4, the boundary of 8 blocks.
+  LinearQuantShape(env, 1, 72, 1000, WeightFormat::kFp8E4M3);
+  LinearQuantShape(env, 16, 130, 512, WeightFormat::kFp4E2M1);
+  LinearQuantShape(env, 7, 64, 256, WeightFormat::kFp8E4M3);
   // Golden activations (the reference's layer-5 FFN input [301, 256]) through a random FP8 weight.
   {
     const auto g = GoldenBf16("debug/ffn_in_layer5_prefill.bin");

@@ -10,7 +10,8 @@
 #
 # Usage: bash tests/gpu/device_check.sh [--quick]
 #   EPD_GPU_BUILD_DIR (default build-gpu), EPD_GPU_JOBS (default 16), EPD_CUDA_ARCHS (default 90),
-#   EPD_GPU_FORCE_PREBUILT=1 (skip the build, run the packed binaries).
+#   EPD_GPU_FORCE_PREBUILT=1 (skip the build, run the packed binaries), EPD_GPU_RELEASE_EXPERTS
+#   (routed experts of cuda_model_bench's release layer, default 64; 0 skips it: about 3 minutes).
 #   Output files go to $OUT when it is set (the device tool's folder), else to the build folder.
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail
@@ -133,7 +134,7 @@ if [ -n "$BIN" ] && [ -x "$BIN/cuda_bench" ]; then
     # The release layer with 64 of its 384 routed experts: generating all of them (13.6 G random
     # values, one thread) would take minutes of the loan.
     step cuda_model_bench 330 "$LOGS/cuda_model_bench.txt" "$BIN/cuda_model_bench" $QUICK \
-      --release-experts 64
+      --release-experts "${EPD_GPU_RELEASE_EXPERTS:-64}"
   cat "$LOGS/cuda_bench.txt" "$LOGS/cuda_model_bench.txt" 2>/dev/null | grep '^BENCH' \
     >"$LOGS/bench_lines.txt" || true
 else
