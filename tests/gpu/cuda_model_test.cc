@@ -4,6 +4,7 @@
 // - the whole serving surface (decode, verification + rollback, DSpark drafts, staged encoder /
 //   decoder replay / batched decode; tests/testing/serving_surface.h) is within the same
 //   envelope of the CPU reference backend's run, with the same draft ids;
+// - module teacher forcing: each module on the reference's own inputs (not run on a GPU yet);
 // - staged execution (chunked prefill, multi-token decode) equals monolithic bit for bit;
 // - greedy generation through the serving path gives the CPU reference's ids.
 // Skips with "skipped: no GPU" where no CUDA device is present (CI).
@@ -18,6 +19,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
+#include "tests/testing/module_teacher_forcing.h"
 #include "tests/testing/serving_surface.h"
 #include "tests/testing/staged_checks.h"
 
@@ -67,6 +69,16 @@ TEST_P(CudaModelTest, GoldenPrefillAndTheServingSurfaceMatchTheCpuReference) {
               g.steps_rel_rms);
   EXPECT_LE(surface, g.steps_rel_rms);
   EXPECT_EQ(a->ids, b->ids);
+}
+
+// Module teacher forcing on the GPU: each layer's attention, MoE and Engram on the reference's
+// own inputs, against the reference's outputs (the CPU golden_parity_test's checks).
+TEST_P(CudaModelTest, ModuleTeacherForcingOnTheGpu) {
+  auto cuda = kernels::MakeCudaBackend(0);
+  if (!cuda.ok()) GTEST_SKIP() << "skipped: no GPU (" << cuda.status().message() << ")";
+  auto gpu = testing::LoadGoldenModel(**cuda, GetParam(), {}, /*weights_in_backend=*/true);
+  ASSERT_TRUE(gpu.ok()) << gpu.status();
+  testing::ExpectModulesMatchGolden(**gpu, GetParam(), testing::GoldenPrompt(GetParam()));
 }
 
 TEST_P(CudaModelTest, StagedExecutionEqualsMonolithicOnTheGpu) {

@@ -15,6 +15,7 @@
 #include "model/model.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
+#include "tests/testing/module_teacher_forcing.h"
 
 namespace epd::model {
 namespace {
@@ -67,72 +68,17 @@ TEST_P(GoldenParityTest, EngramHashIdsExact) {
 }
 
 TEST_P(GoldenParityTest, ModuleTeacherForcing) {
-  const ModelConfig& c = model_->config();
-  const int64_t P = static_cast<int64_t>(prompt_.size()), D = c.dim;
-  auto state = model_->NewSequence();
-  Model::Call call;
-  call.rows = P;
-  std::vector<int64_t> hashes = model_->EngramHashes(*state, prompt_);
-  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
-  int exact_layers = 0;
-  for (int l = 0; l < c.n_layers; ++l) {
-    const std::string ls = std::to_string(l);
-    std::vector<float> x = Bf16("debug/attn_in_layer" + ls + "_prefill.bin"), out(P * D);
-    ASSERT_EQ(x.size(), static_cast<size_t>(P * D)) << "layer " << l;
-    ForwardTrace trace;
-    ASSERT_TRUE(model_->Attention(l, x.data(), call, *state, out.data(), &trace).ok());
-    const double ar = RelRms(out, Bf16("debug/attn_out_layer" + ls + "_prefill.bin"));
-    // Bit-exact but for a prompt row or two in a few layers whose attention output sits within an
-    // fp32 ulp of a bf16 rounding midpoint (docs/model.md, "Measured parity").
-    EXPECT_LE(ar, 5e-4) << "attention layer " << l;
-    exact_layers += ar == 0;
-    if (auto it = trace.topk.find(l); it != trace.topk.end()) {
-      // The index source's top-k rows (compressed positions) against the reference's (offset
-      // by the prefill's window length, P).
-      std::vector<int32_t> want = I32("debug/topk_idxs_layer" + ls + "_prefill.bin");
-      const int64_t kg = static_cast<int64_t>(want.size()) / P, k = call.topk_k;
-      int64_t equal = 0;
-      for (int64_t i = 0; i < P; ++i) {
-        bool same = true;
-        for (int64_t j = 0; j < kg; ++j) {
-          const int32_t g = want[i * kg + j], ours = j < k ? it->second[i * k + j] : -1;
-          same = same && (g < 0 ? ours < 0 : ours == g - P);
-        }
-        equal += same;
-      }
-      std::printf("[%s] layer %d: top-k rows equal to golden %lld/%lld\n", set_.c_str(), l,
-                  static_cast<long long>(equal), static_cast<long long>(P));
-      EXPECT_EQ(equal, P) << "top-k of layer " << l;
-    }
-    std::vector<float> f = Bf16("debug/ffn_in_layer" + ls + "_prefill.bin");
-    ASSERT_TRUE(model_->Moe(l, f.data(), P, out.data()).ok());
-    const double mr = RelRms(out, Bf16("debug/ffn_out_layer" + ls + "_prefill.bin"));
-    EXPECT_EQ(mr, 0.0) << "MoE layer " << l;
-    std::printf("[%s] layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", set_.c_str(), l, ar,
-                mr);
-  }
-  for (size_t li = 0; li < c.engram_layer_ids.size(); ++li) {
-    const int l = c.engram_layer_ids[li];
-    std::vector<float> in = Bf16("debug/engram_in_layer" + std::to_string(l) + "_prefill.bin");
-    std::vector<float> want = Bf16("debug/engram_out_layer" + std::to_string(l) + "_prefill.bin");
-    ASSERT_EQ(in.size(), static_cast<size_t>(P * c.hc_mult * D));
-    std::vector<float> h = in;
-    ASSERT_TRUE(model_
-                    ->Engram(l, hashes.data() + li * per,
-                             static_cast<int64_t>(c.engram_layer_ids.size()) * per, P, h.data())
-                    .ok());
-    std::vector<float> d(h.size()), dw(h.size());
-    for (size_t i = 0; i < h.size(); ++i) {
-      d[i] = h[i] - in[i];
-      dw[i] = want[i] - in[i];
-    }
-    const double er = RelRms(d, dw);
-    EXPECT_EQ(er, 0.0) << "engram layer " << l;
-    std::printf("[%s] engram layer %d: delta rel_rms %.3g\n", set_.c_str(), l, er);
-  }
-  std::printf("[%s] attention bit-exact on %d of %d layers\n", set_.c_str(), exact_layers,
-              c.n_layers);
-  EXPECT_GE(exact_layers, c.n_layers - 2);
+  testing::ExpectModulesMatchGolden(*model_, set_, prompt_);
+}
+
+// The same checks the way a GPU runs them (tests/gpu/cuda_model_test): weights, inputs and
+// outputs in backend memory that the model must not read as host memory (every op's operands
+// checked), through a device-labelled CPU backend.
+TEST_P(GoldenParityTest, ModuleTeacherForcingInDeviceLabelledMemory) {
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto m = testing::LoadGoldenModel(*backend, set_, {}, /*weights_in_backend=*/true);
+  ASSERT_TRUE(m.ok()) << m.status();
+  testing::ExpectModulesMatchGolden(**m, set_, prompt_);
 }
 
 // Teacher-forced prefill + decode + DSpark on the monolithic path and on the staged path
