@@ -31,8 +31,10 @@ bool CudaBackendBuilt();
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec);
 
 // Whether the model forward (model/model.cc) can run on `spec`, checked before any port, file or
-// model is opened. cpu: OK. cuda: the CUDA backend must open on the device (the MakeBackend error
-// otherwise: no GPU, no driver, an index past the last device, a build without CUDA).
+// model is opened, by a process that does not run the model itself (`epd serve`; a process that
+// does makes its backend with MakeBackend at that point instead). cpu: OK. cuda: the CUDA backend
+// must open on the device (the MakeBackend error otherwise: no GPU, no driver, an index past the
+// last device, a build without CUDA).
 absl::Status CheckModelCanRunOn(const DeviceSpec& spec);
 
 // Whether a model on `spec` loads its weights into the backend's memory (ModelWeights::Load's

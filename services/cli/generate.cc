@@ -140,10 +140,12 @@ void AddGenerateFlags(CLI::App& app, GenerateOptions* o) {
 
 absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
   if (o.model_dir.empty()) return absl::InvalidArgumentError("--model is required");
-  // The device first: a missing GPU fails at once, before the model is read.
+  // The device first: a missing GPU fails at once, before the model is read. The backend made
+  // here is the one the model runs on.
   auto device = kernels::ParseDeviceSpec(o.device);
   if (!device.ok()) return device.status();
-  if (auto s = kernels::CheckModelCanRunOn(*device); !s.ok()) return s;
+  auto backend = kernels::MakeBackend(*device);
+  if (!backend.ok()) return backend.status();
   if (o.max_tokens < 0) return absl::InvalidArgumentError("--max-tokens must be >= 0");
   if (o.prompt.empty() == o.prompt_ids_file.empty()) {
     return absl::InvalidArgumentError("give exactly one of --prompt and --prompt-ids");
@@ -181,8 +183,6 @@ absl::StatusOr<GenerateResult> RunGenerate(const GenerateOptions& o) {
           absl::StrCat("forced ids file ", o.force_ids_file, " has no ids"));
   }
 
-  auto backend = kernels::MakeBackend(*device);
-  if (!backend.ok()) return backend.status();
   auto model = LoadModel(o.model_dir, **backend, kernels::WeightsInBackend(*device));
   if (!model.ok()) return model.status();
   const model::Model& m = **model;

@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 
 #include <CLI/CLI.hpp>
-#include <algorithm>
 #include <cstdlib>
 #include <filesystem>
 #include <iostream>
@@ -168,10 +167,12 @@ int main(int argc, char** argv) {
     if (!model_dir.empty()) {
       auto cfg = epd::model::LoadModelConfig(model_dir + "/config.json");
       if (cfg.ok()) vocab = static_cast<int32_t>(cfg->vocab_size);
-      spdlog::warn("epd-router: {} has no tokenizer.json; using the byte codec (vocab {})",
-                   model_dir, std::max<int32_t>(vocab, 256));
     }
     codec_owner = std::make_unique<r::ByteTextCodec>(vocab);
+    if (!model_dir.empty()) {
+      spdlog::warn("epd-router: {} has no tokenizer.json; using the byte codec (vocab {})",
+                   model_dir, codec_owner->vocab_size());
+    }
   }
   const r::TextCodec& codec = *codec_owner;
   r::Registry registry(registry_options, clock, runtime.registry());

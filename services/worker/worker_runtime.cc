@@ -258,16 +258,20 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   CLI11_PARSE(app, argc, argv);
   // Before any thread is made: a thread takes its arena on its first allocation.
   if (malloc_arena_max > 0) mallopt(M_ARENA_MAX, malloc_arena_max);
-  // The device first: a missing GPU fails at once, before any port or model is opened.
+  // The device first: a missing GPU fails at once, before any port or model is opened. The
+  // backend made here is the one the model runs on.
   auto device_spec = kernels::ParseDeviceSpec(device);
   if (!device_spec.ok()) {
     std::cerr << "epd-" << label << ": " << device_spec.status().message() << "\n";
     return 1;
   }
-  if (auto s = kernels::CheckModelCanRunOn(*device_spec); !s.ok()) {
-    std::cerr << "epd-" << label << ": --device " << device << ": " << s.message() << "\n";
+  auto made = kernels::MakeBackend(*device_spec);
+  if (!made.ok()) {
+    std::cerr << "epd-" << label << ": --device " << device << ": " << made.status().message()
+              << "\n";
     return 1;
   }
+  std::unique_ptr<kernels::Backend> backend = std::move(*made);
   signal(SIGPIPE, SIG_IGN);
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
       t != nullptr && app.count("--cluster-token") == 0)
@@ -287,13 +291,6 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     std::cerr << s.message() << "\n";
     return 1;
   }
-  auto made = kernels::MakeBackend(*device_spec);
-  if (!made.ok()) {
-    std::cerr << "epd-" << label << ": --device " << device << ": " << made.status().message()
-              << "\n";
-    return 1;
-  }
-  std::unique_ptr<kernels::Backend> backend = std::move(*made);
   spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec->ToString(),
                backend->Name());
   auto model = model::Model::Load(model_dir, *backend);

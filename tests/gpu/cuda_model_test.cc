@@ -26,15 +26,7 @@
 namespace epd::model {
 namespace {
 
-double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
-  double num = 0, den = 0;
-  const size_t n = std::min(x.size(), g.size());
-  for (size_t i = 0; i < n; ++i) {
-    num += (double{x[i]} - g[i]) * (double{x[i]} - g[i]);
-    den += double{g[i]} * g[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
+using testing::RelRms;
 
 class CudaModelTest : public ::testing::TestWithParam<std::string> {};
 

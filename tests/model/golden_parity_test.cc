@@ -22,18 +22,7 @@ namespace {
 
 using testing::GoldenSet;
 
-double RelRms(const float* x, const float* g, size_t n) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < n; ++i) {
-    num += (double(x[i]) - g[i]) * (double(x[i]) - g[i]);
-    den += double(g[i]) * g[i];
-  }
-  return std::sqrt(num / n) / std::sqrt(den / n);
-}
-double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
-  EXPECT_EQ(x.size(), g.size());
-  return RelRms(x.data(), g.data(), std::min(x.size(), g.size()));
-}
+using testing::RelRms;
 int Argmax(const float* v, int64_t n) { return static_cast<int>(std::max_element(v, v + n) - v); }
 
 class GoldenParityTest : public testing::GoldenModelTest {

@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -81,6 +82,21 @@ inline std::vector<int32_t> ReadGoldenI32(const std::string& set, const std::str
   if (!v.empty()) std::memcpy(v.data(), s.data(), v.size() * 4);
   return v;
 }
+// Relative RMS error of x against g: sqrt(mean((x - g)^2)) / sqrt(mean(g^2)), over their common
+// length (a length mismatch is a test failure).
+inline double RelRms(const float* x, const float* g, size_t n) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < n; ++i) {
+    num += (double(x[i]) - g[i]) * (double(x[i]) - g[i]);
+    den += double(g[i]) * g[i];
+  }
+  return std::sqrt(num / n) / std::sqrt(den / n);
+}
+inline double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
+  EXPECT_EQ(x.size(), g.size());
+  return RelRms(x.data(), g.data(), std::min(x.size(), g.size()));
+}
+
 inline std::vector<float> ReadGoldenBf16(const std::string& set, const std::string& rel) {
   std::string s = ReadGoldenText(set, rel);
   std::vector<float> v(s.size() / 2);

@@ -7,7 +7,6 @@
 // backend). Shared by tests/model/golden_parity_test.cc (CPU) and tests/gpu/cuda_model_test.cc.
 #include <gtest/gtest.h>
 
-#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <string>
@@ -18,15 +17,6 @@
 #include "tests/testing/golden_model.h"
 
 namespace epd::testing {
-
-inline double ModuleRelRms(const std::vector<float>& x, const std::vector<float>& g) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < x.size() && i < g.size(); ++i) {
-    num += (double{x[i]} - g[i]) * (double{x[i]} - g[i]);
-    den += double{g[i]} * g[i];
-  }
-  return std::sqrt(num / std::max(den, 1e-30));
-}
 
 // Attention within 5e-4 rel_rms of the reference on every layer and bit-exact on all but at most
 // two (a prompt row or two whose output sits within an fp32 ulp of a bf16 rounding midpoint:
@@ -54,7 +44,7 @@ inline void ExpectModulesMatchGolden(const model::Model& m, const std::string& s
     std::vector<float> out;
     ASSERT_TRUE(ws.DownloadTo(static_cast<const float*>(*out_dev), P * D, out).ok());
     const double ar =
-        ModuleRelRms(out, ReadGoldenBf16(set, "debug/attn_out_layer" + ls + "_prefill.bin"));
+        RelRms(out, ReadGoldenBf16(set, "debug/attn_out_layer" + ls + "_prefill.bin"));
     EXPECT_LE(ar, 5e-4) << "attention layer " << l;
     exact_layers += ar == 0;
     if (auto it = trace.topk.find(l); it != trace.topk.end()) {
@@ -81,8 +71,7 @@ inline void ExpectModulesMatchGolden(const model::Model& m, const std::string& s
     ASSERT_TRUE(f_dev.ok());
     ASSERT_TRUE(m.Moe(l, *f_dev, P, *out_dev).ok()) << "layer " << l;
     ASSERT_TRUE(ws.DownloadTo(static_cast<const float*>(*out_dev), P * D, out).ok());
-    const double mr =
-        ModuleRelRms(out, ReadGoldenBf16(set, "debug/ffn_out_layer" + ls + "_prefill.bin"));
+    const double mr = RelRms(out, ReadGoldenBf16(set, "debug/ffn_out_layer" + ls + "_prefill.bin"));
     EXPECT_EQ(mr, 0.0) << "MoE layer " << l;
     std::printf("[%s] layer %d: attention rel_rms %.3g, MoE rel_rms %.3g\n", set.c_str(), l, ar,
                 mr);
@@ -107,7 +96,7 @@ inline void ExpectModulesMatchGolden(const model::Model& m, const std::string& s
       d[i] = h[i] - in[i];
       dw[i] = want[i] - in[i];
     }
-    const double er = ModuleRelRms(d, dw);
+    const double er = RelRms(d, dw);
     EXPECT_EQ(er, 0.0) << "engram layer " << l;
     std::printf("[%s] engram layer %d: delta rel_rms %.3g\n", set.c_str(), l, er);
   }
