@@ -223,6 +223,17 @@ struct SparseAttentionArgs {
   float* out = nullptr;  // [rows, heads, head_dim] bf16
 };
 
+// A recording of ops that a backend launches again as one unit (Backend::BeginCapture): a CUDA
+// graph on a GPU, closures on the CPU backend (CpuBackendOptions::graphs). It keeps the pointers
+// and scalars its ops were given, so what changes from launch to launch is the contents of the
+// memory they point at. Must not outlive its backend.
+class Graph {
+ public:
+  virtual ~Graph() = default;
+  // Ops recorded.
+  virtual int64_t ops() const = 0;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -247,6 +258,35 @@ class Backend {
   virtual int64_t free_memory_bytes() const { return -1; }
   // dst = src (bytes), both in backend memory; may not overlap.
   virtual absl::Status Copy(void* dst, const void* src, int64_t bytes) = 0;
+
+  // ---- Graphs (docs/cuda.md, "Decode step graphs") ----
+  // Whether BeginCapture can succeed (false: every capture call gives Unimplemented).
+  virtual bool supports_graphs() const { return false; }
+  // From BeginCapture to EndCapture, the ops this backend is given (on stream 0, from the
+  // capturing thread) are recorded into a new Graph instead of run. An op's argument checks that
+  // need no operand's contents still fail it at once; those that read operand contents (the CPU
+  // backend's) run at each launch. Allocate may be used meanwhile; Copy is recorded like an op;
+  // Upload, Download and Synchronize fail with FailedPrecondition (a recording must hold no host
+  // data: what a launch reads comes from backend memory the caller writes before it), and so
+  // does an op that would have to wait for the device (a device backend's scratch growing, a
+  // weight table it has not made before). One capture at a time.
+  virtual absl::Status BeginCapture() {
+    return absl::UnimplementedError("backend: BeginCapture: this backend records no graphs");
+  }
+  // Ends the capture. The Graph, or the first error a call gave while recording (an op, or a
+  // refused Upload, Download or Synchronize): the capture ends either way, and nothing recorded
+  // runs.
+  virtual absl::StatusOr<std::unique_ptr<Graph>> EndCapture() {
+    return absl::UnimplementedError("backend: EndCapture: this backend records no graphs");
+  }
+  // Queues `graph`'s ops on stream 0, in their recorded order, after the work queued before. The
+  // CPU backend runs them before returning and gives the first error one of them gives (an op
+  // whose checks read operand contents); a device backend, which checks nothing it cannot see,
+  // gives launch errors only.
+  virtual absl::Status LaunchGraph(Graph& graph) {
+    (void)graph;
+    return absl::UnimplementedError("backend: LaunchGraph: this backend records no graphs");
+  }
 
   // ---- Linears ----
   // y[r, :] = bf16(x[r, :] @ w^T) with per-32 FP8 activation quantization of x and per-K-block
@@ -522,6 +562,9 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Download",
     "Synchronize",
     "Copy",
+    "BeginCapture",
+    "EndCapture",
+    "LaunchGraph",
     "LinearQuant",
     "LinearBf16",
     "LinearF32",
@@ -595,6 +638,11 @@ struct CpuBackendOptions {
   // Test seam (tests/decode/kv_pool_decode_test.cc): what free_memory_bytes() reports (-1: does
   // not know, as host memory). Never set in a serving process.
   int64_t free_memory_bytes = -1;
+  // Graphs (Backend::BeginCapture): ops between BeginCapture and EndCapture are recorded as
+  // closures and run at each LaunchGraph, so the model's decode step graphs (model/step_graph.h)
+  // run on the CPU as they would on a GPU. Off: supports_graphs() is false and the model runs
+  // every step op by op (the same bits; graphs save nothing on the host).
+  bool graphs = false;
 };
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
 

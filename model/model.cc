@@ -15,6 +15,7 @@
 #include "kernels/format.h"
 #include "kernels/rope.h"
 #include "model/scratch.h"
+#include "model/step_graph.h"
 
 namespace epd::model {
 namespace {
@@ -47,6 +48,10 @@ Model::Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramCo
   const auto bytes = static_cast<int64_t>(both.size() * sizeof(float));
   if (auto f = backend_.Allocate(bytes); f.ok() && backend_.Upload(both.data(), bytes, *f).ok()) {
     freqs_dev_ = std::move(*f);
+  }
+  if (options_.step_graphs && backend_.supports_graphs()) {
+    step_graphs_ = std::make_unique<StepGraphCache>(backend_, options_.step_graph_max_rows,
+                                                    options_.step_graph_sets);
   }
 }
 
@@ -670,11 +675,12 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
 }
 
 absl::Status Model::FinishAttention(Scratch& ws, int l, float* o, int64_t rows,
-                                    const int64_t* positions, float* out) const {
+                                    const int64_t* positions, float* out,
+                                    const int64_t* order) const {
   const ModelConfig& c = config_;
   RETURN_IF_ERROR(RopeRows(ws, l, o, rows, static_cast<int>(c.n_heads),
                            static_cast<int>(c.head_dim), c.nope_head_dim(), positions, true));
-  return OutputProjection(ws, weights_->layers[l].attn, o, rows, out);
+  return OutputProjection(ws, weights_->layers[l].attn, o, rows, out, order);
 }
 
 absl::Status Model::IndexQueries(Scratch& ws, int l, const float* x, const float* qr, int64_t rows,
@@ -704,7 +710,7 @@ absl::Status Model::QueryProjection(Scratch& ws, int l, const float* x, int64_t 
 }
 
 absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
-                                     int64_t rows, float* out) const {
+                                     int64_t rows, float* out, const int64_t* order) const {
   // Grouped wo_a (bf16: the reference's per-group einsum) then wo_b (FP8). o [rows, G, gin] is
   // regrouped to [G, rows, gin] (CopyRows), each group's rows go through its weight in one
   // LinearBf16, and the outputs go back to [rows, G, R]: LinearBf16 is row-independent, so this
@@ -720,11 +726,14 @@ absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, con
     }
     return backend_.LinearQuant(oa, rows, A.wo_b, out);
   }
-  vector<int64_t> order(rows * G);  // entry g * rows + i is row i's group g
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < rows; ++i) order[g * rows + i] = i * G + g;
+  const int64_t* order_dev = order;
+  if (order_dev == nullptr) {
+    vector<int64_t> host(rows * G);  // entry g * rows + i is row i's group g
+    for (int64_t g = 0; g < G; ++g) {
+      for (int64_t i = 0; i < rows; ++i) host[g * rows + i] = i * G + g;
+    }
+    ASSIGN_OR_RETURN(order_dev, ws.Copy(host));
   }
-  ASSIGN_OR_RETURN(const int64_t* order_dev, ws.Copy(order));
   ASSIGN_OR_RETURN(float* og, ws.Alloc<float>(rows * G * gin));
   ASSIGN_OR_RETURN(float* oag, ws.Alloc<float>(rows * G * R));
   RETURN_IF_ERROR(backend_.CopyRows(o, order_dev, og, nullptr, rows * G, gin));
@@ -737,6 +746,12 @@ absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, con
 }
 
 absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
+                        vector<int32_t>* experts) const {
+  Scratch ws(backend_, scratch_pool_.get());
+  return Moe(ws, l, x, rows, out, experts);
+}
+
+absl::Status Model::Moe(Scratch& outer, int l, const float* x, int64_t rows, float* out,
                         vector<int32_t>* experts) const {
   const ModelConfig& c = config_;
   const MoeWeights& M = weights_->layers[l].ffn;
@@ -773,7 +788,7 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
     }
   }
   if (experts) experts->assign(static_cast<size_t>(rows * K), -1);
-  Scratch ws(backend_, scratch_pool_.get());
+  Scratch ws(backend_, outer.pool(), &outer);
   const int64_t chunk = std::min<int64_t>(rows, kMoeRowsPerCall);
   const int64_t entries = chunk * slots;
   ASSIGN_OR_RETURN(float* z, ws.Alloc<float>(chunk * E));
@@ -825,17 +840,25 @@ absl::Status Model::Moe(int l, const float* x, int64_t rows, float* out,
 absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h,
                            bool single_token_calls) const {
   const ModelConfig& c = config_;
-  const EngramWeights& E = *weights_->layers[l].engram;
-  const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
   const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
-  if (E.table.shape.size() != 2 || E.table.shape[1] != ehd)
-    return absl::InternalError("model: Engram table shape does not match engram_head_dim");
   vector<int64_t> ids(rows * nid);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t j = 0; j < nid; ++j) ids[r * nid + j] = hash_ids[r * stride + j];
   }
   Scratch ws(backend_, scratch_pool_.get());
   ASSIGN_OR_RETURN(const int64_t* ids_dev, ws.Copy(ids));
+  return EngramFromIds(ws, l, ids_dev, rows, h, single_token_calls);
+}
+
+absl::Status Model::EngramFromIds(Scratch& outer, int l, const int64_t* ids_dev, int64_t rows,
+                                  float* h, bool single_token_calls) const {
+  const ModelConfig& c = config_;
+  const EngramWeights& E = *weights_->layers[l].engram;
+  const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
+  const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  if (E.table.shape.size() != 2 || E.table.shape[1] != ehd)
+    return absl::InternalError("model: Engram table shape does not match engram_head_dim");
+  Scratch ws(backend_, outer.pool(), &outer);
   ASSIGN_OR_RETURN(float* in, ws.Alloc<float>(rows * nid * ehd));
   ASSIGN_OR_RETURN(float* e, ws.Alloc<float>(rows * (hc + 1) * D));
   RETURN_IF_ERROR(
@@ -919,16 +942,9 @@ absl::Status Model::HcAfterFfn(int64_t rows, const float* y, float* h, const HcM
 
 absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre, Call& call,
                           SequenceState& state, ForwardTrace* trace) const {
-  BlockSequence one{&call, &state, 0, nullptr};
-  return Block(outer, l, h, pre, std::span<BlockSequence>(&one, 1), call.rows, trace);
-}
-
-absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
-                          std::span<BlockSequence> seqs, int64_t S, ForwardTrace* trace) const {
   const ModelConfig& c = config_;
   const LayerWeights& L = weights_->layers[l];
-  const int64_t D = c.dim, hc = c.hc_mult;
-  const Call& call = *seqs.front().call;  // the sequences' calls share their kind
+  const int64_t D = c.dim, hc = c.hc_mult, S = call.rows;
   Scratch ws(backend_, scratch_pool_.get(), &outer);
   HcMix m;
   RETURN_IF_ERROR(m.Allocate(ws, S, hc));
@@ -940,84 +956,16 @@ absl::Status Model::Block(Scratch& outer, int l, float* h, float* pre,
   RETURN_IF_ERROR(HcBeforeAttention(L, single, S, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.attn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->attn_in[l]));
-  // Attention reads and writes each sequence's own KV: one call per sequence on its rows. The
-  // other steps are row-independent and take every row of the batch at once; with several
-  // sequences, so do the attention's projections (AttentionRows).
-  if (seqs.size() > 1) {
-    RETURN_IF_ERROR(BatchedAttention(ws, l, x, seqs, S, y));
-  } else {
-    BlockSequence& q = seqs.front();
-    if (q.status == nullptr) {
-      RETURN_IF_ERROR(Attention(l, x, *q.call, *q.state, y, trace));
-    } else if (q.status->ok()) {
-      *q.status = Attention(l, x, *q.call, *q.state, y, nullptr);
-      if (!q.status->ok()) {  // finite rows, so the block's shared steps run on
-        ASSIGN_OR_RETURN(const float* zeros, ws.Filled<float>(S * D, 0.f));
-        RETURN_IF_ERROR(backend_.Copy(y, zeros, S * D * static_cast<int64_t>(sizeof(float))));
-      }
-    }
-  }
+  RETURN_IF_ERROR(Attention(l, x, call, state, y, trace));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->attn_out[l]));
   RETURN_IF_ERROR(HcBeforeFfn(L, single, S, y, h, pre, m, x));
   RETURN_IF_ERROR(backend_.RmsNorm(x, L.ffn_norm.data(), S, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, S * D, trace->ffn_in[l]));
-  RETURN_IF_ERROR(Moe(l, x, S, y, trace ? &trace->experts[l] : nullptr));
+  RETURN_IF_ERROR(Moe(ws, l, x, S, y, trace ? &trace->experts[l] : nullptr));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(y, S * D, trace->ffn_out[l]));
   RETURN_IF_ERROR(HcAfterFfn(S, y, h, m));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(h, S * hc * D, trace->block_out[l]));
   return absl::OkStatus();
-}
-
-absl::Status Model::BatchedAttention(Scratch& ws, int l, const float* x,
-                                     std::span<BlockSequence> seqs, int64_t S, float* y) const {
-  const ModelConfig& c = config_;
-  const LayerRole& role = roles_[l];
-  const int64_t D = c.dim, H = c.n_heads, hd = c.head_dim;
-  // Every row's position, uploaded once per layer (each call's own rows: pos_dev per call).
-  vector<int64_t> pos(S, 0);
-  for (const BlockSequence& q : seqs) {
-    for (int64_t i = 0; i < q.call->rows; ++i) pos[q.row0 + i] = q.call->start_pos + i;
-  }
-  ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
-  ASSIGN_OR_RETURN(float* qr, ws.Alloc<float>(S * c.q_lora_rank));
-  ASSIGN_OR_RETURN(float* q, ws.Alloc<float>(S * H * hd));
-  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(S * hd));
-  RETURN_IF_ERROR(QueryProjection(ws, l, x, S, pos_dev, qr, q));
-  RETURN_IF_ERROR(StageKv(ws, l, x, S, pos_dev, kv));
-  float* qi = nullptr;
-  float* w = nullptr;
-  if (role.compress_ratio > 0 && role.is_index_source) {
-    ASSIGN_OR_RETURN(qi, ws.Alloc<float>(S * c.index_n_heads * c.index_head_dim));
-    ASSIGN_OR_RETURN(w, ws.Alloc<float>(S * c.index_n_heads));
-    RETURN_IF_ERROR(IndexQueries(ws, l, x, qr, S, pos_dev, qi, w));
-  }
-  ASSIGN_OR_RETURN(float* o, ws.Alloc<float>(S * H * hd));
-  const float* zeros = nullptr;
-  for (BlockSequence& b : seqs) {
-    const int64_t r0 = b.row0;
-    AttentionRows rows;
-    rows.qr = qr + r0 * c.q_lora_rank;
-    rows.q = q + r0 * H * hd;
-    rows.kv = kv + r0 * hd;
-    rows.qi = qi != nullptr ? qi + r0 * c.index_n_heads * c.index_head_dim : nullptr;
-    rows.w = w != nullptr ? w + r0 * c.index_n_heads : nullptr;
-    rows.o = o + r0 * H * hd;
-    if (b.status == nullptr) {
-      RETURN_IF_ERROR(Attention(l, x + r0 * D, *b.call, *b.state, rows));
-      continue;
-    }
-    if (b.status->ok()) *b.status = Attention(l, x + r0 * D, *b.call, *b.state, rows);
-    if (!b.status->ok()) {
-      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
-      // run on; rows are independent, so its neighbours' results do not change).
-      if (zeros == nullptr) {
-        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(S * H * hd, 0.f));
-      }
-      RETURN_IF_ERROR(backend_.Copy(rows.o, zeros,
-                                    b.call->rows * H * hd * static_cast<int64_t>(sizeof(float))));
-    }
-  }
-  return FinishAttention(ws, l, o, S, pos_dev, y);
 }
 
 absl::Status Model::RunStage(SequenceState& state, std::span<const int32_t> ids,
@@ -1167,7 +1115,8 @@ absl::StatusOr<vector<float>> Model::Head(const Hidden& io, bool all_logits,
 }
 
 absl::StatusOr<float*> Model::HeadLogits(Scratch& ws, const DeviceResidual& r, int64_t S,
-                                         bool all_logits, ForwardTrace* trace) const {
+                                         bool all_logits, ForwardTrace* trace,
+                                         float* logits_out) const {
   const ModelConfig& c = config_;
   const int64_t D = c.dim, hc = c.hc_mult, V = c.vocab_size;
   if (S <= 0 || r.h == nullptr || r.pre == nullptr)
@@ -1181,7 +1130,10 @@ absl::StatusOr<float*> Model::HeadLogits(Scratch& ws, const DeviceResidual& r, i
   RETURN_IF_ERROR(backend_.RmsNorm(x, weights_->norm.data(), n, D, c.norm_eps, x));
   if (trace) RETURN_IF_ERROR(ws.DownloadTo(x, n * D, trace->final_norm));
   const int64_t out_rows = all_logits ? S : 1;
-  ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(out_rows * V));
+  float* logits = logits_out;
+  if (logits == nullptr) {
+    ASSIGN_OR_RETURN(logits, ws.Alloc<float>(out_rows * V));
+  }
   RETURN_IF_ERROR(
       backend_.LinearF32(x + (n - out_rows) * D, out_rows, weights_->head.data(), V, D, logits));
   return logits;
@@ -1524,188 +1476,6 @@ bool Model::Batchable(const SequenceState& state, std::span<const int32_t> ids) 
     if (id < 0 || id >= config_.vocab_size) return false;
   }
   return !(ids.size() > 1 && StaleKeysFromLaterLayer(state, ids.size()));
-}
-
-absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
-    std::span<SequenceState* const> states, std::span<const vector<int32_t>> tokens,
-    vector<absl::Status>& status, std::span<const LogitsRequest> outs) const {
-  const ModelConfig& c = config_;
-  const size_t B = states.size();
-  if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
-  if (!outs.empty() && outs.size() != B)
-    return absl::InvalidArgumentError("model: one logits choice per sequence");
-  for (size_t b = 0; b < outs.size(); ++b) {
-    absl::Status st = LogitsRequestProblem(outs[b], static_cast<int64_t>(tokens[b].size()));
-    if (st.ok()) st = VerificationProblem(outs[b]);
-    if (!st.ok()) {
-      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, ": ", st.message()));
-    }
-  }
-  status.assign(B, absl::OkStatus());
-  vector<ForwardResult> out(B);
-  if (B == 0) return out;
-  const int64_t D = c.dim, hc = c.hc_mult;
-  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
-  const int nel = static_cast<int>(c.engram_layer_ids.size());
-  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
-  vector<int32_t> ids;
-  vector<int64_t> row0(B), hashes;
-  for (size_t b = 0; b < B; ++b) {
-    if (!Batchable(*states[b], tokens[b])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model: sequence ", b, " cannot join a batched decode step"));
-    }
-    row0[b] = static_cast<int64_t>(ids.size());
-    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
-    if (nel > 0) {
-      const vector<int64_t> hb = EngramHashes(*states[b], tokens[b]);  // [rows, nel, per]
-      hashes.insert(hashes.end(), hb.begin(), hb.end());
-    }
-  }
-  const int64_t R = static_cast<int64_t>(ids.size());
-  Scratch ws(backend_, scratch_pool_.get());
-  float* h = nullptr;
-  float* pre = nullptr;
-  RETURN_IF_ERROR(EmbedRows(ws, ids, &h, &pre));
-  ASSIGN_OR_RETURN(float* main_hidden, ws.Filled<float>(R * nt * D, 0.f));
-  vector<Call> calls(B);
-  vector<BlockSequence> seqs(B);
-  for (size_t b = 0; b < B; ++b) {
-    Call& k = calls[b];  // what RunStage makes for a decode-mode Extend
-    k.start_pos = states[b]->pos;
-    k.rows = static_cast<int64_t>(tokens[b].size());
-    k.prefill = false;
-    k.per_row_keys = true;
-    k.published_at_start = states[b]->published_keys;
-    k.scratch = &ws;
-    seqs[b] = BlockSequence{&k, states[b], row0[b], &status[b]};
-  }
-  for (int l = 0; l < c.n_layers; ++l) {
-    const LayerRole& role = roles_[l];
-    if (role.has_engram) {
-      const int li =
-          static_cast<int>(std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
-                           c.engram_layer_ids.begin());
-      RETURN_IF_ERROR(Engram(l, hashes.data() + li * per, int64_t{nel} * per, R, h,
-                             /*single_token_calls=*/true));
-    }
-    if (role.is_dspark_target) {
-      const int64_t ti =
-          std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
-          c.dspark_target_layer_ids.begin();
-      RETURN_IF_ERROR(backend_.HcMean(R, h, static_cast<int>(hc), D, main_hidden + ti * D, nt * D));
-    }
-    RETURN_IF_ERROR(Block(ws, l, h, pre, std::span<BlockSequence>(seqs), R, nullptr));
-  }
-  // The head over every row at once (rows are independent; the residual stays in backend
-  // memory), then each sequence's slices: every row's values in one download when every
-  // sequence wants them, else every row's argmax in one and the values of the sequences that
-  // want them one download each.
-  // The DSpark inputs: on a device backend they stay there (each state keeps its rows, and a
-  // hand-off reads the kept one: KeepMainHidden, MainHiddenOf), else they come down.
-  const bool mh_on_backend = nt > 0 && backend_.memory_kind() != kernels::MemoryKind::kHost;
-  Hidden all;
-  all.rows = R;
-  if (!mh_on_backend) RETURN_IF_ERROR(ws.DownloadTo(main_hidden, R * nt * D, all.main_hidden));
-  ASSIGN_OR_RETURN(float* head,
-                   HeadLogits(ws, DeviceResidual{h, pre}, R, /*all_logits=*/true, nullptr));
-  auto out_of = [&](size_t b) { return outs.empty() ? LogitsOut::kValues : outs[b].out; };
-  const bool all_values = std::all_of(outs.begin(), outs.end(), [](const LogitsRequest& o) {
-    return o.out == LogitsOut::kValues;
-  });
-  // A sequence's penalties touch its own rows only (before the argmax of every row; the rows of
-  // a sequence that wants values are not touched). A sampled sequence's draws then overwrite its
-  // rows' argmax, so every token comes down in one download.
-  const int64_t V = c.vocab_size;
-  ForwardResult every;
-  std::vector<std::vector<Logprobs>> logprobs(B);  // per sequence asking for them
-  if (all_values) {
-    RETURN_IF_ERROR(LogitsToHost(ws, head, R, LogitsOut::kValues, every));
-  } else {
-    std::vector<const float*> raw(B, nullptr);  // rows whose logprobs are asked for, unpenalized
-    for (size_t b = 0; b < B; ++b) {
-      if (!status[b].ok() || out_of(b) == LogitsOut::kValues) continue;
-      const auto n = static_cast<int64_t>(tokens[b].size());
-      ASSIGN_OR_RETURN(raw[b], RawRows(ws, head + row0[b] * V, n, outs[b]));
-      if (outs[b].penalties != nullptr)
-        RETURN_IF_ERROR(Penalize(ws, head + row0[b] * V, n, *outs[b].penalties));
-    }
-    ASSIGN_OR_RETURN(int32_t * best, ws.Alloc<int32_t>(R));
-    RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
-    // Each row's token for its logprobs: its slot of `best`, or a verification's own array.
-    std::vector<int32_t*> chosen(B, nullptr);
-    for (size_t b = 0; b < B; ++b) chosen[b] = best + row0[b];
-    for (size_t b = 0; b < B; ++b) {
-      if (status[b].ok() && out_of(b) == LogitsOut::kSample) {
-        RETURN_IF_ERROR(DrawTokens(ws, head + row0[b] * V, static_cast<int64_t>(tokens[b].size()),
-                                   *outs[b].sample, best + row0[b]));
-      }
-      // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
-      // With logprobs, each row's token goes to an array of its own.
-      if (status[b].ok() && out_of(b) == LogitsOut::kVerify) {
-        const auto n = static_cast<int64_t>(tokens[b].size());
-        if (outs[b].top_logprobs >= 0) {
-          ASSIGN_OR_RETURN(chosen[b], ws.Alloc<int32_t>(n));
-        } else {
-          chosen[b] = nullptr;
-        }
-        RETURN_IF_ERROR(
-            VerifyTokens(ws, head + row0[b] * V, n, outs[b], best + row0[b], chosen[b]));
-      }
-    }
-    for (size_t b = 0; b < B; ++b) {
-      if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
-      RETURN_IF_ERROR(LogprobsToHost(ws, raw[b], static_cast<int64_t>(tokens[b].size()), chosen[b],
-                                     outs[b].top_logprobs, logprobs[b]));
-    }
-    RETURN_IF_ERROR(ws.DownloadTo(best, R, every.tokens));
-  }
-  for (size_t b = 0; b < B; ++b) {
-    if (!status[b].ok()) continue;
-    SequenceState& state = *states[b];
-    const int64_t n = calls[b].rows, pos = state.pos, r0 = row0[b];
-    if (options_.stale_index_keys) {
-      state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, calls[b]);
-    }
-    Hidden io;
-    io.rows = n;
-    if (!mh_on_backend) {
-      io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
-                            all.main_hidden.begin() + (r0 + n) * nt * D);
-    }
-    ForwardResult r;
-    if (all_values) {
-      r.logits.assign(every.logits.begin() + r0 * V, every.logits.begin() + (r0 + n) * V);
-    } else if (out_of(b) == LogitsOut::kValues) {
-      if (absl::Status st = ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
-    } else {
-      r.tokens.assign(every.tokens.begin() + r0,
-                      every.tokens.begin() + r0 + (out_of(b) == LogitsOut::kVerify ? 2 : n));
-      r.logprobs = std::move(logprobs[b]);
-    }
-    r.rows = n;
-    if (absl::Status st = Commit(state, tokens[b], pos + n, io); !st.ok()) {
-      status[b] = st;
-      continue;
-    }
-    if (mh_on_backend) {
-      if (absl::Status st = KeepMainHidden(state, main_hidden + r0 * nt * D, n, pos + n);
-          !st.ok()) {
-        status[b] = st;
-        continue;
-      }
-    }
-    r.main_hidden = std::move(io.main_hidden);
-    if (c.n_mtp_layers > 0) {
-      if (absl::Status st = DSparkSeedFrom(ws, state, main_hidden + r0 * nt * D, n, pos);
-          !st.ok()) {
-        status[b] = st;
-        continue;
-      }
-    }
-    out[b] = std::move(r);
-  }
-  return out;
 }
 
 bool Model::StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const {

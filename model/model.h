@@ -27,8 +27,10 @@
 
 namespace epd::model {
 
-class Scratch;      // model/scratch.h: a call's arrays in backend memory
-class ScratchPool;  // model/scratch.h: backend buffers kept for the next calls' Scratch
+class Scratch;         // model/scratch.h: a call's arrays in backend memory
+class ScratchPool;     // model/scratch.h: backend buffers kept for the next calls' Scratch
+class StepGraphCache;  // model/step_graph.h: a batched decode step's graphs, by rows
+struct StepArrays;     // model/step_graph.h: a batched decode step's arrays
 
 struct ModelOptions {
   // Reproduce the reference's stale index keys at even decode positions (MODEL.md §3). Default:
@@ -54,6 +56,26 @@ struct ModelOptions {
   // download of the top-k, no host-built gather). Beyond it, and on the host, the compact path.
   // Same bits either way (OpCountTest); 0 = never.
   int64_t whole_source_bytes = int64_t{64} << 20;
+  // Decode step graphs (docs/cuda.md, "Decode step graphs"; model/step_graph.h): on a backend
+  // that records graphs (Backend::supports_graphs: CUDA), a batched decode step of at most
+  // step_graph_max_rows rows runs the row-independent parts of each layer (everything but the
+  // attention that reads and writes each sequence's own KV) as one graph launch per layer,
+  // recorded the second time a step of that many rows runs. At most step_graph_sets row counts
+  // keep their graphs (the least recently used goes). The same bits as op by op.
+  bool step_graphs = true;
+  int64_t step_graph_max_rows = 128;
+  int step_graph_sets = 8;
+};
+
+// What the decode step graphs have done so far (Model::step_graph_stats).
+struct StepGraphStats {
+  int64_t sets = 0;         // row counts with graphs now
+  int64_t captured = 0;     // segments recorded
+  int64_t launched = 0;     // segment graphs launched
+  int64_t eager_steps = 0;  // batched steps run op by op (first use of a row count, or none)
+  int64_t graph_steps = 0;  // batched steps whose segments ran as graphs
+  int64_t failures = 0;     // captures that failed (those row counts then run op by op)
+  int64_t evicted = 0;      // sets dropped for a newer row count
 };
 
 // Per-sequence state kept between calls. The global KV (compressed entries and index keys of
@@ -276,6 +298,9 @@ class Model {
   const std::shared_ptr<KvPool>& kv_pool_ptr() const { return kv_pool_; }
   // The backend buffers the model's calls take their arrays from and give back (thread-safe).
   ScratchPool& scratch_pool() const { return *scratch_pool_; }
+  // The decode step graphs' counters (all zero when the backend records no graphs or
+  // ModelOptions::step_graphs is off).
+  StepGraphStats step_graph_stats() const;
   // Bytes of one kKvBlockTokens-token block of global KV over all sources (the store's block).
   int64_t KvBlockBytes() const;
   // Pool bytes of a sequence's global KV at `tokens` positions (whole blocks of every stream,
@@ -426,7 +451,8 @@ class Model {
   // leaving the logits there: [rows or 1, vocab] in `ws`.
   [[nodiscard]] absl::StatusOr<float*> HeadLogits(Scratch& ws, const DeviceResidual& r,
                                                   int64_t rows, bool all_logits,
-                                                  ForwardTrace* trace) const;
+                                                  ForwardTrace* trace,
+                                                  float* logits_out = nullptr) const;
   // Brings `rows` logits rows in backend memory into res as `out` says (res.logits, or
   // res.tokens through Backend::Argmax, Backend::SampleLogits or VerifyTokens after its
   // penalties).
@@ -501,11 +527,18 @@ class Model {
   static constexpr int64_t kMoeRowsPerCall = 2048;
   absl::Status Moe(int l, const float* x, int64_t rows, float* out,
                    std::vector<int32_t>* experts = nullptr) const;
+  // The same with its arrays from `outer`'s pool.
+  absl::Status Moe(Scratch& outer, int l, const float* x, int64_t rows, float* out,
+                   std::vector<int32_t>* experts) const;
   // Engram of layer l on the residual h [rows, hc, dim] in place, with hash ids [rows,
   // ids_per_row]. `single_token_calls`: each row is a decode-time reference call
   // (Backend::EngramGateSingleToken).
   absl::Status Engram(int l, const int64_t* hash_ids, int64_t ids_stride, int64_t rows, float* h,
                       bool single_token_calls = false) const;
+  // The same with the hash ids [rows, ids_per_row] already in backend memory (in `outer` or its
+  // parents, whose pool gives the arrays).
+  absl::Status EngramFromIds(Scratch& outer, int l, const int64_t* ids_dev, int64_t rows, float* h,
+                             bool single_token_calls) const;
   // Hash ids [rows, n_engram_layers, per_layer] for `ids` at positions state.pos.. (uses history).
   std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
 
@@ -549,21 +582,27 @@ class Model {
   static constexpr int64_t kIndexerScoresPerCall = int64_t{1} << 22;
   absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
                      ForwardTrace* trace) const;
-  // One sequence of a block over several (ExtendBatch): its call, its state, its first row in
-  // the batch and, when given, where its own failure goes (it then does not fail the block).
-  struct BlockSequence {
+  // ---- The batched decode step (model/decode_step.cc) ----
+  // One sequence of a batched step: its call, its state, its first row in the batch and where its
+  // own failure goes (it then does not fail the step).
+  struct StepSequence {
     Call* call = nullptr;
     SequenceState* state = nullptr;
     int64_t row0 = 0;
     absl::Status* status = nullptr;
   };
-  // The block over the rows [0, rows) of several sequences (calls of one kind).
-  absl::Status Block(Scratch& outer, int l, float* h, float* pre, std::span<BlockSequence> seqs,
-                     int64_t rows, ForwardTrace* trace) const;
-  // Layer l's attention over several sequences' rows x [rows, dim] -> y [rows, dim]: the
-  // row-independent parts once for every row (AttentionRows), the rest per sequence.
-  absl::Status BatchedAttention(Scratch& ws, int l, const float* x, std::span<BlockSequence> seqs,
-                                int64_t rows, float* y) const;
+  // The step's arrays for `rows` rows, from `ws` (StepArrays; constants written).
+  absl::Status AllocateStepArrays(Scratch& ws, int64_t rows, StepArrays& a) const;
+  // Segment s (0 <= s <= n_layers) of a step: what runs between two layers' attention, on the
+  // step's arrays only (no host data, no per-step scalar), so that it can be a graph. s > 0
+  // finishes layer s-1 after its attention (inverse RoPE, output projection, mHC, MoE); s <
+  // n_layers begins layer s up to its attention (Engram, DSpark input, mHC, norm, the attention's
+  // projections); segment 0 embeds; segment n_layers ends with every row's logits.
+  absl::Status StepSegment(Scratch& outer, int s, const StepArrays& a) const;
+  // Layer l's attention of each sequence on its rows of the step's arrays (what reads and writes
+  // its own KV): q, kv, qr, qi, w -> o. A sequence that fails gets zero rows.
+  absl::Status StepAttention(Scratch& ws, int l, const StepArrays& a,
+                             std::span<StepSequence> seqs) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
@@ -607,13 +646,15 @@ class Model {
                             const int64_t* positions, float* qi, float* w) const;
   // The attention's output rows o (before the inverse RoPE, overwritten) -> out [rows, dim].
   absl::Status FinishAttention(Scratch& ws, int l, float* o, int64_t rows, const int64_t* positions,
-                               float* out) const;
+                               float* out, const int64_t* order = nullptr) const;
   // Attention with `given` rows (nullptr: computed here, and `out` written).
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace, const AttentionRows* given) const;
   // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
+  // `order` (optional, backend memory): the regrouping list of `rows` rows (StepArrays'
+  // o_order); uploaded here when not given.
   absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
-                                int64_t rows, float* out) const;
+                                int64_t rows, float* out, const int64_t* order = nullptr) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;
@@ -627,6 +668,9 @@ class Model {
   kernels::Buffer freqs_dev_;
   std::shared_ptr<KvPool> kv_pool_;
   std::unique_ptr<ScratchPool> scratch_pool_;  // internally synchronized
+  // The decode step graphs (null when the backend records none or step_graphs is off); internally
+  // synchronized, held for a whole step.
+  std::unique_ptr<StepGraphCache> step_graphs_;
 };
 
 }  // namespace epd::model

@@ -142,6 +142,9 @@ class Scratch {
   // Whether the host may read and write this backend's memory directly (the CPU backend).
   bool host_visible() const { return backend_.memory_kind() == kernels::MemoryKind::kHost; }
   kernels::Backend& backend() { return backend_; }
+  // Where this scratch's arrays come from (null: straight from the backend); a nested call's
+  // scratch takes the same.
+  ScratchPool* pool() const { return pool_; }
 
  private:
   // Arrays up to kSmallBytes share chunks of kChunkBytes (one pool operation for many arrays; a

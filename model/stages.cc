@@ -165,7 +165,9 @@ absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
     return st;
   };
   // The sequences that can share one forward (Model::Batchable: the usual decode step) go through
-  // Model::ExtendBatch, which reads the weights once for all of them; the rest one by one.
+  // Model::ExtendBatch, which reads the weights once for all of them (one sequence too: its
+  // segments run as graphs on a backend that records them, model/step_graph.h); the rest one by
+  // one.
   // A sequence whose logits request is bad fails alone, before any state changes.
   std::vector<size_t> batch, alone;
   for (size_t b = 0; b < states.size(); ++b) {
@@ -177,10 +179,6 @@ absl::StatusOr<std::vector<ForwardResult>> DecodeStep(const Model& model,
       continue;
     }
     (model.Batchable(*states[b], tokens[b]) ? batch : alone).push_back(b);
-  }
-  if (batch.size() < 2) {
-    alone.insert(alone.end(), batch.begin(), batch.end());
-    batch.clear();
   }
   if (!batch.empty()) {
     std::vector<SequenceState*> bs;

@@ -13,10 +13,12 @@
 #include <mutex>
 #include <numeric>
 #include <string>
+#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/cpu/recording_backend.h"
 #include "kernels/format.h"
 #include "kernels/penalty.h"
 #include "kernels/rope.h"
@@ -873,6 +875,8 @@ class CpuBackend final : public Backend {
 
 namespace epd::kernels {
 std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options) {
-  return std::make_unique<cpu::CpuBackend>(options);
+  if (!options.graphs) return std::make_unique<cpu::CpuBackend>(options);
+  std::map<std::string, int64_t>* op_calls = std::exchange(options.op_calls, nullptr);
+  return cpu::MakeRecordingBackend(std::make_unique<cpu::CpuBackend>(options), op_calls);
 }
 }  // namespace epd::kernels

@@ -8,10 +8,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <condition_variable>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -25,27 +29,97 @@ using absl::InvalidArgumentError;
 using absl::OkStatus;
 using absl::Status;
 
-Status Bad(const char* op, const std::string& why) {
-  return InvalidArgumentError(absl::StrCat("cuda backend: ", op, ": ", why));
-}
-
-Status Cuda(const char* op, cudaError_t rc) {
-  if (rc == cudaSuccess) return OkStatus();
-  return absl::InternalError(
-      absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc), ": ", cudaGetErrorString(rc)));
-}
-
 #define EPD_CUDA_RETURN_IF_ERROR(op, expr)                                  \
   do {                                                                      \
     if (cudaError_t rc_ = (expr); rc_ != cudaSuccess) return Cuda(op, rc_); \
   } while (0)
 
+// What a CudaBackend shares with its graphs, under `mu`: the capture under way, and the device
+// blocks (an outgrown scratch block, weight tables) the backend has let go of while graphs whose
+// kernels may read them are alive. Shared, so that a graph destroyed after its backend (which
+// backend.h forbids) still frees only itself.
+struct GraphState {
+  int device = 0;
+  cudaStream_t stream = nullptr;  // stream 0, where graphs launch; null once the backend is gone
+  std::mutex mu;
+  std::condition_variable cv;  // `capturing` or `outside` changed
+  bool capturing = false;
+  std::thread::id capture_thread;
+  Status first_error;   // the first error an op gave on the capturing thread
+  int64_t outside = 0;  // calls of other threads that reach stream 0, running (EnterStream0)
+  int64_t live = 0;     // graphs alive
+  std::vector<void*> retired;
+
+  // Frees the retired blocks when no graph is alive and no capture is under way, once stream 0's
+  // work (a launch that may read them) is done. `mu` held; the device current.
+  void FreeRetiredLocked() {
+    if (live > 0 || capturing || stream == nullptr || retired.empty()) return;
+    cudaStreamSynchronize(stream);
+    for (void* p : retired) cudaFree(p);
+    retired.clear();
+  }
+};
+
+// A captured CUDA graph and its executable form. Its kernels hold the pointers they were given,
+// the backend's scratch and weight tables among them: GraphState keeps those while it is alive.
+class CudaGraph final : public Graph {
+ public:
+  CudaGraph(std::shared_ptr<GraphState> state, cudaGraph_t graph, cudaGraphExec_t exec, int64_t ops)
+      : state_(std::move(state)), graph_(graph), exec_(exec), ops_(ops) {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->live;
+  }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+  // A launch still in flight is not waited for: the driver frees an executable graph that is
+  // running once it completes (cuGraphExecDestroy). No stream is synchronized here, so a graph
+  // may be destroyed during another capture.
+  ~CudaGraph() override {
+    int prev = 0;
+    cudaGetDevice(&prev);
+    cudaSetDevice(state_->device);
+    cudaGraphExecDestroy(exec_);
+    cudaGraphDestroy(graph_);
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      --state_->live;
+      state_->FreeRetiredLocked();
+    }
+    cudaSetDevice(prev);
+  }
+
+  int64_t ops() const override { return ops_; }
+  bool Of(const GraphState* state) const { return state_.get() == state; }
+  cudaGraphExec_t exec() const { return exec_; }
+
+ private:
+  std::shared_ptr<GraphState> state_;
+  cudaGraph_t graph_;
+  cudaGraphExec_t exec_;
+  int64_t ops_;
+};
+
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device) : device_(device) {}
+  explicit CudaBackend(int device) : device_(device), graphs_(std::make_shared<GraphState>()) {
+    graphs_->device = device;
+  }
   ~CudaBackend() override {
     cudaSetDevice(device_);
-    if (streams_[0] != nullptr) cudaStreamSynchronize(streams_[0]);
+    {
+      std::lock_guard<std::mutex> lock(graphs_->mu);
+      if (graphs_->capturing) {  // a capture that never ended: discard it
+        cudaGraph_t g = nullptr;
+        if (cudaStreamEndCapture(streams_[0], &g) == cudaSuccess && g != nullptr)
+          cudaGraphDestroy(g);
+        cudaGetLastError();
+        graphs_->capturing = false;
+      }
+      if (streams_[0] != nullptr) cudaStreamSynchronize(streams_[0]);
+      for (void* p : graphs_->retired) cudaFree(p);
+      graphs_->retired.clear();
+      graphs_->stream = nullptr;
+    }
     if (scratch_ != nullptr) cudaFree(scratch_);
     for (cudaEvent_t e : staging_done_) {
       if (e != nullptr) cudaEventDestroy(e);
@@ -62,6 +136,8 @@ class CudaBackend final : public Backend {
     for (cudaStream_t& s : streams_) {
       EPD_CUDA_RETURN_IF_ERROR("init", cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     }
+    std::lock_guard<std::mutex> lock(graphs_->mu);
+    graphs_->stream = streams_[0];
     return OkStatus();
   }
 
@@ -86,9 +162,9 @@ class CudaBackend final : public Backend {
     if (cudaError_t rc = cudaMalloc(&p, static_cast<size_t>(bytes)); rc != cudaSuccess) {
       cudaGetLastError();
       if (rc == cudaErrorMemoryAllocation) {
-        return absl::ResourceExhaustedError(
+        return Note(absl::ResourceExhaustedError(
             absl::StrCat("cuda backend: Allocate: out of device memory for ", bytes,
-                         " bytes on cuda:", device_));
+                         " bytes on cuda:", device_)));
       }
       return Cuda("Allocate", rc);
     }
@@ -102,6 +178,8 @@ class CudaBackend final : public Backend {
     });
   }
   Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
+    Stream0Hold hold;
+    if (Status st = EnterStream0("Upload", kHoldsNoHostData, hold); !st.ok()) return st;
     if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {
       return Bad("Upload", absl::StrCat(bytes, " bytes at offset ", dst_offset,
                                         " do not fit a buffer of ", dst.bytes()));
@@ -123,6 +201,8 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
   Status Download(const Buffer& src, int64_t src_offset, int64_t bytes, void* host) override {
+    Stream0Hold hold;
+    if (Status st = EnterStream0("Download", kHoldsNoHostData, hold); !st.ok()) return st;
     if (bytes < 0 || src_offset < 0 || src_offset + bytes > src.bytes()) {
       return Bad("Download", absl::StrCat(bytes, " bytes at offset ", src_offset,
                                           " are not inside a buffer of ", src.bytes()));
@@ -140,6 +220,11 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
   Status Synchronize(Stream stream) override {
+    Stream0Hold hold;
+    if (Status st =
+            EnterStream0("Synchronize", "during a graph capture (nothing recorded runs)", hold);
+        !st.ok())
+      return st;
     if (stream.id < 0 || stream.id >= kCudaStreams)
       return Bad("Synchronize", absl::StrCat("stream ", stream.id));
     EPD_CUDA_RETURN_IF_ERROR("Synchronize", cudaSetDevice(device_));
@@ -147,12 +232,93 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
   Status Copy(void* dst, const void* src, int64_t bytes) override {
+    Stream0Hold hold;
+    if (Status st = EnterStream0("Copy", /*refusal=*/nullptr, hold); !st.ok()) return st;
     if (bytes < 0) return Bad("Copy", "negative size");
     if (bytes == 0) return OkStatus();
     EPD_CUDA_RETURN_IF_ERROR("Copy", cudaSetDevice(device_));
     EPD_CUDA_RETURN_IF_ERROR("Copy", cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
                                                      cudaMemcpyDeviceToDevice, streams_[0]));
     return OkStatus();
+  }
+
+  // ---- Graphs ----
+  // A capture records stream 0 (relaxed mode: the caller's scratch may cudaMalloc meanwhile).
+  // What must not land in the graph is kept out: Upload, Download and Synchronize on the
+  // capturing thread are refused, and those of other threads (and their Copy) wait for the
+  // capture to end (EnterStream0); an op that would wait for the device (scratch growing, a new
+  // weight table, a decoded weight) is refused.
+  bool supports_graphs() const override { return true; }
+  Status BeginCapture() override {
+    EPD_CUDA_RETURN_IF_ERROR("BeginCapture", cudaSetDevice(device_));
+    cudaError_t rc = cudaSuccess;
+    {
+      std::unique_lock<std::mutex> lock(graphs_->mu);
+      graphs_->cv.wait(lock, [&] { return graphs_->capturing || graphs_->outside == 0; });
+      if (!graphs_->capturing) {
+        rc = cudaStreamBeginCapture(streams_[0], cudaStreamCaptureModeRelaxed);
+        if (rc == cudaSuccess) {
+          graphs_->capturing = true;
+          graphs_->capture_thread = std::this_thread::get_id();
+          graphs_->first_error = OkStatus();
+          return OkStatus();
+        }
+      }
+    }
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      return Cuda("BeginCapture", rc);
+    }
+    return Refuse("BeginCapture", "a capture is under way");
+  }
+  absl::StatusOr<std::unique_ptr<Graph>> EndCapture() override {
+    bool mine = false;
+    Status st;  // the first error an op gave while recording
+    {
+      std::lock_guard<std::mutex> lock(graphs_->mu);
+      mine = graphs_->capturing && graphs_->capture_thread == std::this_thread::get_id();
+      st = graphs_->first_error;
+    }
+    if (!mine) return Refuse("EndCapture", "no capture under way on this thread");
+    cudaSetDevice(device_);
+    cudaGraph_t graph = nullptr;
+    cudaError_t rc = cudaStreamEndCapture(streams_[0], &graph);
+    {
+      std::lock_guard<std::mutex> lock(graphs_->mu);
+      graphs_->capturing = false;
+      graphs_->first_error = OkStatus();
+    }
+    graphs_->cv.notify_all();
+    if (rc != cudaSuccess || graph == nullptr) {
+      cudaGetLastError();  // the invalidated capture's error
+      if (st.ok())
+        st = Cuda("EndCapture", rc != cudaSuccess ? rc : cudaErrorStreamCaptureInvalidated);
+    }
+    cudaGraphExec_t exec = nullptr;
+    size_t nodes = 0;
+    if (st.ok()) {
+      rc = cudaGraphGetNodes(graph, nullptr, &nodes);
+      if (rc == cudaSuccess) rc = cudaGraphInstantiate(&exec, graph, 0);
+      if (rc != cudaSuccess) {
+        cudaGetLastError();
+        st = Cuda("EndCapture", rc);
+      }
+    }
+    if (!st.ok()) {
+      if (graph != nullptr) cudaGraphDestroy(graph);
+      std::lock_guard<std::mutex> lock(graphs_->mu);
+      graphs_->FreeRetiredLocked();
+      return st;
+    }
+    return std::unique_ptr<Graph>(
+        std::make_unique<CudaGraph>(graphs_, graph, exec, static_cast<int64_t>(nodes)));
+  }
+  Status LaunchGraph(Graph& graph) override {
+    if (Capturing()) return Refuse("LaunchGraph", "during a graph capture");
+    auto* g = dynamic_cast<CudaGraph*>(&graph);
+    if (g == nullptr || !g->Of(graphs_.get()))
+      return Bad("LaunchGraph", "not a graph of this backend");
+    return Run("LaunchGraph", [&] { return cudaGraphLaunch(g->exec(), streams_[0]); });
   }
 
   // ---- Linears ----
@@ -165,6 +331,8 @@ class CudaBackend final : public Backend {
     if (rows > kMaxGemmRows)
       return Bad("LinearQuant", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0 || w.out == 0) return OkStatus();
+    if (!w.packed() && Capturing())  // its host values are copied in, then waited for
+      return Refuse("LinearQuant", "a decoded weight (host values) during a graph capture");
     EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaSetDevice(device_));
     const int64_t k = w.in, nb = (k + 31) / 32;
     const size_t q_bytes = Align(rows * k * 4), s_bytes = Align(rows * nb * 4);
@@ -671,13 +839,88 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Every error this backend gives is made by Bad, Cuda, Refuse or Note: the first one made on the
+  // capturing thread during a capture is the one EndCapture gives. Never called with graphs_->mu
+  // held.
+  Status Note(Status st) {
+    std::lock_guard<std::mutex> lock(graphs_->mu);
+    if (!st.ok() && graphs_->capturing && graphs_->capture_thread == std::this_thread::get_id() &&
+        graphs_->first_error.ok())
+      graphs_->first_error = st;
+    return st;
+  }
+  Status Bad(const char* op, const std::string& why) {
+    return Note(InvalidArgumentError(absl::StrCat("cuda backend: ", op, ": ", why)));
+  }
+  Status Cuda(const char* op, cudaError_t rc) {
+    if (rc == cudaSuccess) return OkStatus();
+    return Note(absl::InternalError(absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc),
+                                                 ": ", cudaGetErrorString(rc))));
+  }
+  Status Refuse(const char* op, const std::string& why) {
+    return Note(absl::FailedPreconditionError(absl::StrCat("cuda backend: ", op, ": ", why)));
+  }
+
+  bool Capturing() {
+    std::lock_guard<std::mutex> lock(graphs_->mu);
+    return graphs_->capturing;
+  }
+
+  // Upload, Download, Synchronize and Copy reach stream 0: they queue work on it, wait for it, or
+  // order another stream after it. On the capturing thread during a capture, such a call is
+  // refused (`refusal`, the reason) or, with a null refusal (Copy), recorded. On any other thread
+  // it waits until no capture is under way, and `hold` keeps a capture from beginning until the
+  // call returns, so that none of its work lands in a graph.
+  struct Stream0Hold {
+    GraphState* state = nullptr;
+    Stream0Hold() = default;
+    Stream0Hold(const Stream0Hold&) = delete;
+    Stream0Hold& operator=(const Stream0Hold&) = delete;
+    ~Stream0Hold() {
+      if (state == nullptr) return;
+      std::lock_guard<std::mutex> lock(state->mu);
+      if (--state->outside == 0) state->cv.notify_all();
+    }
+  };
+  static constexpr const char* kHoldsNoHostData =
+      "during a graph capture (a graph holds no host data)";
+  Status EnterStream0(const char* op, const char* refusal, Stream0Hold& hold) {
+    std::unique_lock<std::mutex> lock(graphs_->mu);
+    if (graphs_->capturing && graphs_->capture_thread == std::this_thread::get_id()) {
+      lock.unlock();
+      return refusal == nullptr ? OkStatus() : Refuse(op, refusal);
+    }
+    graphs_->cv.wait(lock, [&] { return !graphs_->capturing; });
+    ++graphs_->outside;
+    hold.state = graphs_.get();
+    return OkStatus();
+  }
+
+  // Device blocks the backend lets go of (an outgrown scratch block, weight tables): kept while a
+  // graph is alive (its kernels may read them; GraphState frees them when none is), else freed
+  // once the work queued on stream 0 is done. Not during a capture.
+  Status Release(const char* op, const std::vector<void*>& blocks) {
+    {
+      std::lock_guard<std::mutex> lock(graphs_->mu);
+      if (graphs_->live > 0) {
+        graphs_->retired.insert(graphs_->retired.end(), blocks.begin(), blocks.end());
+        return OkStatus();
+      }
+    }
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaStreamSynchronize(streams_[0]));
+    cudaError_t rc = cudaSuccess;
+    for (void* p : blocks) {
+      if (cudaError_t f = cudaFree(p); rc == cudaSuccess) rc = f;
+    }
+    return Cuda(op, rc);
+  }
+
   // The checks the CPU reference makes that need no device read (a listed row's value and its
   // page are device memory). A negative row: UnpackRows skips it as the CPU does; PackRows
   // refuses it in a range, and its kernel skips a listed one (never writing outside the pages)
   // where the CPU would refuse the call.
-  static Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
-                             int64_t rows_per_page, const int32_t* rows, int64_t first,
-                             bool skip_negative) {
+  Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim, int64_t rows_per_page,
+                      const int32_t* rows, int64_t first, bool skip_negative) {
     if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
     if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
     if (!skip_negative && rows == nullptr && first < 0 && n > 0) {
@@ -717,6 +960,10 @@ class CudaBackend final : public Backend {
   // LinearQuant per group.
   Status GroupByGroup(const float* x, int64_t rows, const int64_t* starts,
                       const QuantWeight* const* ws, int n_groups, float* y) {
+    if (Capturing()) {
+      return Refuse("GroupedLinearQuant",
+                    "decoded weights (their starts come back to the host) during a graph capture");
+    }
     std::vector<int64_t> at(static_cast<size_t>(n_groups) + 1);
     EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
     EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
@@ -747,19 +994,24 @@ class CudaBackend final : public Backend {
     }
     if (auto it = group_tables_.find(key); it != group_tables_.end())
       return static_cast<const cuda::GroupWeight*>(it->second);
+    if (Capturing()) {  // a new table is written synchronously
+      return Refuse("GroupedLinearQuant",
+                    "a weight table not made before would be made during a graph capture");
+    }
     if (group_tables_.size() >= kMaxGroupTables) {
       // Weights came and went (tests that load many models): start over.
-      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
-      for (auto& [k, p] : group_tables_) cudaFree(p);
+      std::vector<void*> old;
+      for (auto& [k, p] : group_tables_) old.push_back(p);
+      if (Status st = Release("GroupedLinearQuant", old); !st.ok()) return st;
       group_tables_.clear();
     }
     void* p = nullptr;
     const size_t bytes = host.size() * sizeof(cuda::GroupWeight);
     if (cudaError_t rc = cudaMalloc(&p, bytes); rc != cudaSuccess) {
       cudaGetLastError();
-      return absl::ResourceExhaustedError(
+      return Note(absl::ResourceExhaustedError(
           absl::StrCat("cuda backend: GroupedLinearQuant: no device memory for a weight table of ",
-                       bytes, " bytes on cuda:", device_));
+                       bytes, " bytes on cuda:", device_)));
     }
     // Synchronous (pageable host memory): the table is complete before any kernel reads it.
     if (cudaError_t rc = cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice);
@@ -828,22 +1080,23 @@ class CudaBackend final : public Backend {
   }
 
   // Device scratch of at least `bytes` for the op being queued on stream 0. Grown in stream
-  // order (the old block is freed after every op queued before), never shrunk.
+  // order (the old block is released after every op queued before: Release), never shrunk; not
+  // during a capture.
   absl::StatusOr<uint8_t*> Scratch(const char* op, size_t bytes) {
     if (bytes <= scratch_bytes_) return scratch_;
+    if (Capturing()) return Refuse(op, "scratch would grow during a graph capture");
     const size_t grow = std::max(bytes, scratch_bytes_ * 2);
     if (scratch_ != nullptr) {
-      EPD_CUDA_RETURN_IF_ERROR(op, cudaStreamSynchronize(streams_[0]));
-      EPD_CUDA_RETURN_IF_ERROR(op, cudaFree(scratch_));
+      if (Status st = Release(op, {scratch_}); !st.ok()) return st;
       scratch_ = nullptr;
       scratch_bytes_ = 0;
     }
     void* p = nullptr;
     if (cudaError_t rc = cudaMalloc(&p, grow); rc != cudaSuccess) {
       cudaGetLastError();
-      return absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op,
-                                                       ": no device memory for ", grow,
-                                                       " bytes of scratch on cuda:", device_));
+      return Note(
+          absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op, ": no device memory for ",
+                                                    grow, " bytes of scratch on cuda:", device_)));
     }
     scratch_ = static_cast<uint8_t*>(p);
     scratch_bytes_ = grow;
@@ -851,6 +1104,7 @@ class CudaBackend final : public Backend {
   }
 
   int device_;
+  std::shared_ptr<GraphState> graphs_;  // the capture, and what live graphs keep
   std::array<cudaStream_t, kCudaStreams> streams_{};
   uint8_t* scratch_ = nullptr;
   size_t scratch_bytes_ = 0;

@@ -10,6 +10,9 @@
 // have 384M rows) and without MTP layers (DSpark off), a 1024-token prompt. Its limit counts the
 // bytes a step must read: every weight but the embedding table and the routed experts, plus the
 // routed experts the batch can reach (min(384, 6 x batch)).
+// Each figure is the decode step graphs' (model/step_graph.h: the row-independent parts of each
+// layer launched as one CUDA graph, ModelOptions::step_graphs, the default), beside the same
+// steps op by op (step_graphs off) and their ratio.
 // Output: `BENCH decode <set> batch=<b> ...` lines (tests/gpu/device_check.sh collects them).
 // Usage: cuda_model_bench [--quick] [--release-experts N] [--skip-golden] [--cpu]
 //   (--quick: batch 1 and 32, fewer steps; --release-experts: routed experts of the release layer,
@@ -101,8 +104,11 @@ int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int
   }
   std::ofstream(dir + "/config.json") << config.dump(2) << "\n";
   auto m = epd::model::Model::Load(dir, cuda);
-  if (!m.ok()) {
-    std::fprintf(stderr, "release layer: %s\n", std::string(m.status().message()).c_str());
+  auto op_by_op =
+      epd::model::Model::Load(dir, cuda, epd::model::ModelOptions{.step_graphs = false});
+  if (!m.ok() || !op_by_op.ok()) {
+    std::fprintf(stderr, "release layer: %s\n",
+                 std::string((m.ok() ? op_by_op.status() : m.status()).message()).c_str());
     return 1;
   }
   std::printf("release layer: %d routed experts, generated and loaded in %.0f s\n", experts,
@@ -129,23 +135,34 @@ int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int
     prompt[i] = static_cast<int32_t>((i * 7919 + 13) % c.vocab_size);
   }
   auto seed = (*m)->NewSequence();
-  if (auto r = (*m)->Prefill(*seed, prompt, false); !r.ok()) {
-    std::fprintf(stderr, "release layer prefill: %s\n", std::string(r.status().message()).c_str());
-    return 1;
+  auto seed_op = (*op_by_op)->NewSequence();
+  for (auto [model, st] :
+       {std::pair{m->get(), seed.get()}, std::pair{op_by_op->get(), seed_op.get()}}) {
+    if (auto r = model->Prefill(*st, prompt, false); !r.ok()) {
+      std::fprintf(stderr, "release layer prefill: %s\n",
+                   std::string(r.status().message()).c_str());
+      return 1;
+    }
   }
   for (int batch : batches) {
     const double g = DecodeTokensPerSecond(**m, *seed, batch, steps, runs);
+    const double e = DecodeTokensPerSecond(**op_by_op, *seed_op, batch, steps, runs);
     const double reached =
         std::min<double>(c.n_routed_experts, static_cast<double>(c.n_activated_experts) * batch);
     const double bytes = fixed + reached * per_expert;
     const double limit = batch / (bytes / kHbmBytesPerSecond);
     std::printf(
         "BENCH decode release-layer(%d experts) batch=%d ctx=%zu  %.1f tokens/s  ratio=%.5f (of "
-        "%.3g tokens/s: %.0f MB read per step at 4.8 TB/s)\n",
-        c.n_routed_experts, batch, prompt.size(), g, g / limit, limit, bytes / 1e6);
+        "%.3g tokens/s: %.0f MB read per step at 4.8 TB/s)  op by op %.1f tokens/s (graphs/op by "
+        "op %.2f)\n",
+        c.n_routed_experts, batch, prompt.size(), g, g / limit, limit, bytes / 1e6, e,
+        e > 0 ? g / e : 0.0);
     std::fflush(stdout);
   }
+  seed.reset();
+  seed_op.reset();
   m->reset();
+  op_by_op->reset();
   fs::remove_all(dir);
   return 0;
 }
@@ -178,8 +195,10 @@ int main(int argc, char** argv) {
   const int steps = quick ? 4 : 8, runs = 3;
   for (const std::string& set : golden ? epd::testing::GoldenSets() : std::vector<std::string>{}) {
     auto gpu_model = epd::testing::LoadGoldenModel(**cuda, set, {}, /*weights_in_backend=*/true);
+    auto gpu_op_model = epd::testing::LoadGoldenModel(
+        **cuda, set, epd::model::ModelOptions{.step_graphs = false}, /*weights_in_backend=*/true);
     auto cpu_model = epd::testing::LoadGoldenModel(*cpu, set, {}, /*weights_in_backend=*/true);
-    if (!gpu_model.ok() || !cpu_model.ok()) {
+    if (!gpu_model.ok() || !gpu_op_model.ok() || !cpu_model.ok()) {
       std::fprintf(stderr, "%s: cannot load\n", set.c_str());
       return 1;
     }
@@ -188,20 +207,25 @@ int main(int argc, char** argv) {
             std::string(epd::testing::kGoldenRoot) + set + "/model.safetensors")));
     const std::vector<int32_t> prompt = epd::testing::GoldenPrompt(set);
     auto gpu_seed = (*gpu_model)->NewSequence();
+    auto gpu_op_seed = (*gpu_op_model)->NewSequence();
     auto cpu_seed = (*cpu_model)->NewSequence();
     if (!(*gpu_model)->Prefill(*gpu_seed, prompt, false).ok() ||
+        !(*gpu_op_model)->Prefill(*gpu_op_seed, prompt, false).ok() ||
         !(*cpu_model)->Prefill(*cpu_seed, prompt, false).ok()) {
       std::fprintf(stderr, "%s: prefill failed\n", set.c_str());
       return 1;
     }
     for (int batch : batches) {
       const double g = DecodeTokensPerSecond(**gpu_model, *gpu_seed, batch, steps, runs);
+      const double e = DecodeTokensPerSecond(**gpu_op_model, *gpu_op_seed, batch, steps, runs);
       const double c = DecodeTokensPerSecond(**cpu_model, *cpu_seed, batch, quick ? 2 : 4, 1);
       const double limit = batch / (weight_bytes / kHbmBytesPerSecond);
       std::printf(
           "BENCH decode %s batch=%d ctx=%zu  %.0f tokens/s  ratio=%.5f (of %.3g tokens/s: the "
-          "weights read once per step at 4.8 TB/s)  cpu %.0f tokens/s (gpu/cpu %.2f)\n",
-          set.c_str(), batch, prompt.size(), g, g / limit, limit, c, c > 0 ? g / c : 0.0);
+          "weights read once per step at 4.8 TB/s)  op by op %.0f tokens/s (graphs/op by op "
+          "%.2f)  cpu %.0f tokens/s (gpu/cpu %.2f)\n",
+          set.c_str(), batch, prompt.size(), g, g / limit, limit, e, e > 0 ? g / e : 0.0, c,
+          c > 0 ? g / c : 0.0);
       std::fflush(stdout);
     }
   }

@@ -32,6 +32,7 @@
 #include <string>
 #include <vector>
 
+#include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/format.h"
 #include "kernels/penalty.h"
@@ -1883,6 +1884,170 @@ PARITY_CASE(TopLogprobs) {
   }
 }
 
+// ---- Graphs ----
+// The candidate records when it can (CUDA, and the CPU SIMD candidate made with graphs); the
+// reference (CPU scalar, no graphs) runs op by op, and refuses a capture.
+PARITY_CASE(BeginCapture) {
+  // Tolerance: exact (statuses). During a capture, host data cannot go in or out and a second
+  // capture cannot begin; the refused calls fail the capture; after it the backend is as before.
+  EXPECT_EQ(env.ref.b().BeginCapture().code(), absl::StatusCode::kUnimplemented);
+  Side& s = env.cand;
+  if (!s.b().supports_graphs()) GTEST_SKIP() << s.name() << " records no graphs";
+  const auto x = Normal(env.rng, 64);
+  float* px = s.In(x);
+  auto staging = s.b().Allocate(64 * sizeof(float));
+  ASSERT_TRUE(staging.ok());
+  ASSERT_TRUE(s.b().BeginCapture().ok());
+  EXPECT_EQ(s.b().BeginCapture().code(), absl::StatusCode::kFailedPrecondition);
+  std::vector<float> back(64);
+  EXPECT_EQ(s.b().Upload(x.data(), 256, *staging, 0).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.b().Download(*staging, 0, 256, back.data()).code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(s.b().Synchronize().code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_OP_OK(s, s.b().RoundBf16(px, 64));  // recorded
+  auto g = s.b().EndCapture();
+  EXPECT_EQ(g.status().code(), absl::StatusCode::kFailedPrecondition) << g.status();
+  // Nothing recorded ran, and the backend works as before.
+  CompareExact(x, s.Read(px, 64), "a failed capture runs nothing");
+  EXPECT_OP_OK(s, s.b().RoundBf16(px, 64));
+  std::vector<float> rounded = x;
+  for (float& v : rounded) v = RoundBf16(v);
+  CompareExact(rounded, s.Read(px, 64), "after the capture");
+}
+
+PARITY_CASE(EndCapture) {
+  // Tolerance: exact (Copy, Add). A recording launched twice reads its memory's contents at each
+  // launch; an empty recording launches; an end without a beginning is refused.
+  Side& s = env.cand;
+  EXPECT_EQ(env.ref.b().EndCapture().status().code(), absl::StatusCode::kUnimplemented);
+  if (!s.b().supports_graphs()) GTEST_SKIP() << s.name() << " records no graphs";
+  EXPECT_EQ(s.b().EndCapture().status().code(), absl::StatusCode::kFailedPrecondition);
+  const auto a = Normal(env.rng, 300), b1 = Normal(env.rng, 300), b2 = Normal(env.rng, 300);
+  float* x = s.In(a);
+  float* y = s.In(b1);
+  float* z = s.Out<float>(300);
+  ASSERT_TRUE(s.b().BeginCapture().ok());
+  EXPECT_OP_OK(s, s.b().Copy(z, x, 300 * sizeof(float)));
+  EXPECT_OP_OK(s, s.b().Add(z, y, 300));
+  auto g = s.b().EndCapture();
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_GT((*g)->ops(), 0);
+  EXPECT_EQ(Bits(s.Read(z, 300)[0]), Bits(Side::Poison<float>())) << "recorded ops ran at capture";
+  std::vector<float> want(300);
+  for (const auto* bv : {&b1, &b2}) {
+    float* yv = s.In(*bv);
+    EXPECT_OP_OK(s, s.b().Copy(y, yv, 300 * sizeof(float)));
+    EXPECT_OP_OK(s, s.b().LaunchGraph(**g));
+    for (int i = 0; i < 300; ++i) want[i] = a[i] + (*bv)[i];
+    CompareExact(want, s.Read(z, 300), "launch after new contents");
+  }
+  ASSERT_TRUE(s.b().BeginCapture().ok());
+  auto empty = s.b().EndCapture();
+  ASSERT_TRUE(empty.ok()) << empty.status();
+  EXPECT_OP_OK(s, s.b().LaunchGraph(**empty));
+}
+
+PARITY_CASE(LaunchGraph) {
+  // Tolerance: exact (each op is exact between the backends; the graph changes no arithmetic). A
+  // decode-shaped program (split-K LinearQuant, RmsNorm, the MoE's routing, grouping and grouped
+  // GEMM, Argmax), recorded by the candidate after an op-by-op run (a warm-up, as the model's
+  // decode step graphs make), launched on two inputs, against the reference op by op.
+  constexpr int64_t R = 3, K = 1000, N = 72, E = 8, TK = 2, NS = 1, NO = 40;
+  const QuantWeight wshape = QuantShape(N, K, WeightFormat::kFp8E4M3);
+  const QuantWeight eshape = QuantShape(NO, N, WeightFormat::kFp8E4M3);
+  const auto wcodes = RandomCodes(env.rng, wshape);
+  const auto wscales = RandomScales(env.rng, wshape);
+  std::vector<std::vector<uint8_t>> ecodes, escales;
+  for (int i = 0; i < E + NS; ++i) {
+    ecodes.push_back(RandomCodes(env.rng, eshape));
+    escales.push_back(RandomScales(env.rng, eshape));
+  }
+  const auto norm_w = Bf16(env.rng, N);
+  const auto gate = Normal(env.rng, E * N, 0.3f);
+  const auto bias = Normal(env.rng, E, 0.1f);
+  const std::vector<std::vector<float>> inputs = {MixedActivations(env.rng, R * K),
+                                                  MixedActivations(env.rng, R * K)};
+  struct Outputs {
+    std::vector<float> y, out;
+    std::vector<int32_t> ids;
+  };
+  std::vector<std::vector<Outputs>> got(2);  // [side][run]
+  for (int side = 0; side < 2; ++side) {
+    Side& s = side == 0 ? env.ref : env.cand;
+    const QuantWeight w = s.Packed(wshape, wcodes, wscales);
+    std::vector<QuantWeight> experts;
+    for (int i = 0; i < E + NS; ++i) experts.push_back(s.Packed(eshape, ecodes[i], escales[i]));
+    std::vector<const QuantWeight*> ews;
+    for (const QuantWeight& e : experts) ews.push_back(&e);
+    float* x = s.In(inputs[0]);
+    const float* nw = s.In(norm_w);
+    const float* gw = s.In(gate);
+    const float* bw = s.In(bias);
+    float* y = s.Out<float>(R * N);
+    float* z = s.Out<float>(R * E);
+    int32_t* sel = s.Out<int32_t>(R * TK);
+    float* wts = s.Out<float>(R * TK);
+    int64_t* starts = s.Out<int64_t>(E + NS + 1);
+    int64_t* from = s.Out<int64_t>(R * (TK + NS));
+    int64_t* to = s.Out<int64_t>(R * (TK + NS));
+    float* ew = s.Out<float>(R * TK);
+    float* yg = s.Out<float>(R * (TK + NS) * N);
+    float* out = s.Out<float>(R * (TK + NS) * NO);
+    int32_t* ids = s.Out<int32_t>(R * (TK + NS));
+    auto program = [&]() -> absl::Status {
+      RETURN_IF_ERROR(s.b().LinearQuant(x, R, w, y));
+      RETURN_IF_ERROR(s.b().RmsNorm(y, nw, R, N, 1e-6f, y));
+      RETURN_IF_ERROR(s.b().LinearF32(y, R, gw, E, N, z));
+      RETURN_IF_ERROR(s.b().MoeRoute(z, R, E, bw, TK, 1.5f, sel, wts));
+      RETURN_IF_ERROR(s.b().MoeGroup(sel, wts, R, E, TK, NS, starts, from, to, ew));
+      RETURN_IF_ERROR(s.b().CopyRows(y, from, yg, nullptr, R * (TK + NS), N));
+      RETURN_IF_ERROR(s.b().GroupedLinearQuant(yg, R * (TK + NS), starts, ews.data(), E + NS, out));
+      return s.b().Argmax(out, R * (TK + NS), NO, ids);
+    };
+    auto read = [&] {
+      return Outputs{s.Read(y, R * N), s.Read(out, R * (TK + NS) * NO), s.Read(ids, R * (TK + NS))};
+    };
+    auto poison = [&] {
+      float* p = s.Out<float>(R * (TK + NS) * NO);
+      EXPECT_OP_OK(s, s.b().Copy(out, p, R * (TK + NS) * NO * sizeof(float)));
+      EXPECT_OP_OK(s, s.b().Copy(y, p, R * N * sizeof(float)));
+    };
+    EXPECT_OP_OK(s, program());  // op by op on input 0
+    got[side].push_back(read());
+    std::unique_ptr<Graph> g;
+    if (side == 1 && s.b().supports_graphs()) {
+      ASSERT_TRUE(s.b().BeginCapture().ok());
+      const absl::Status recorded = program();
+      auto ended = s.b().EndCapture();
+      ASSERT_TRUE(recorded.ok()) << recorded;
+      ASSERT_TRUE(ended.ok()) << ended.status();
+      g = std::move(*ended);
+    }
+    for (size_t run = 0; run < inputs.size(); ++run) {
+      float* xi = s.In(inputs[run]);
+      EXPECT_OP_OK(s, s.b().Copy(x, xi, R * K * sizeof(float)));
+      poison();
+      EXPECT_OP_OK(s, g != nullptr ? s.b().LaunchGraph(*g) : program());
+      got[side].push_back(read());
+    }
+    if (side == 1 && g == nullptr) GTEST_SKIP() << s.name() << " records no graphs";
+  }
+  for (size_t run = 0; run < got[0].size(); ++run) {
+    const std::string what = run == 0 ? "op by op" : "launch " + std::to_string(run);
+    Compare(env, got[0][run].y, got[1][run].y, Tol::Exact(), what + ": normed projection");
+    Compare(env, got[0][run].out, got[1][run].out, Tol::Exact(), what + ": grouped experts");
+    CompareExact(got[0][run].ids, got[1][run].ids, what + ": argmax");
+  }
+  // The two inputs route differently somewhere (the launches are not one result twice).
+  EXPECT_NE(got[1][1].out, got[1][2].out);
+  // A graph is its backend's only.
+  auto other = MakeCpuBackend(CpuBackendOptions{.graphs = true});
+  ASSERT_TRUE(other->BeginCapture().ok());
+  auto foreign = other->EndCapture();
+  ASSERT_TRUE(foreign.ok());
+  EXPECT_EQ(env.cand.b().LaunchGraph(**foreign).code(), absl::StatusCode::kInvalidArgument);
+}
+
 // ---- The table against the interface (checked once, in the unit binary) ----
 #if !defined(EPD_PARITY_CUDA)
 TEST(BackendParityTable, EveryOpOfTheInterfaceHasACase) {
@@ -1932,7 +2097,14 @@ TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {
   const std::string key = "virtual absl::Status";
   for (size_t p = text.find(key); p != std::string::npos; p = text.find(key, p + 1)) {
     size_t q = p + key.size();
-    if (text.compare(q, 2, "Or") == 0) q = text.find('>', q) + 1;
+    if (text.compare(q, 2, "Or") == 0) {  // StatusOr<...>, angle brackets nested
+      int depth = 0;
+      do {
+        if (text[q] == '<') ++depth;
+        if (text[q] == '>') --depth;
+        ++q;
+      } while (q < text.size() && (depth > 0 || text[q - 1] != '>'));
+    }
     while (q < text.size() && std::isspace(static_cast<unsigned char>(text[q]))) ++q;
     size_t e = q;
     while (e < text.size() && (std::isalnum(static_cast<unsigned char>(text[e])) || text[e] == '_'))
@@ -1958,7 +2130,7 @@ class BackendParity : public ::testing::TestWithParam<std::string_view> {
     cand_ = std::move(*cuda);
     cand_is_cpu_ = false;
 #else
-    cand_ = MakeCpuBackend(CpuBackendOptions{.simd = true});
+    cand_ = MakeCpuBackend(CpuBackendOptions{.simd = true, .graphs = true});
     cand_is_cpu_ = true;
 #endif
   }

@@ -6,12 +6,16 @@
 //   envelope of the CPU reference backend's run, with the same draft ids;
 // - module teacher forcing: each module on the reference's own inputs (not run on a GPU yet);
 // - staged execution (chunked prefill, multi-token decode) equals monolithic bit for bit;
-// - greedy generation through the serving path gives the CPU reference's ids.
+// - greedy generation through the serving path gives the CPU reference's ids;
+// - batched decode steps launched as CUDA graphs (model/step_graph.h) equal the op-by-op steps
+//   bit for bit.
 // Skips with "skipped: no GPU" where no CUDA device is present (CI).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -22,6 +26,7 @@
 #include "tests/testing/module_teacher_forcing.h"
 #include "tests/testing/serving_surface.h"
 #include "tests/testing/staged_checks.h"
+#include "tests/testing/step_schedule.h"
 
 namespace epd::model {
 namespace {
@@ -85,6 +90,34 @@ TEST_P(CudaModelTest, StagedExecutionEqualsMonolithicOnTheGpu) {
 
 // Greedy generation through the decode worker's path (the staged encoder and decoder replay,
 // then batched decode steps): the GPU's ids are the CPU reference's, and so are its logits.
+// The decode step graphs on the GPU: a schedule of batched steps whose row counts come and go,
+// each row count recorded as CUDA graphs on its second step and launched after, against the same
+// steps op by op (ModelOptions::step_graphs off) on the same device: bit for bit.
+TEST_P(CudaModelTest, DecodeStepGraphsEqualOpByOpSteps) {
+  auto cuda = kernels::MakeCudaBackend(0);
+  if (!cuda.ok()) GTEST_SKIP() << "skipped: no GPU (" << cuda.status().message() << ")";
+  ASSERT_TRUE((*cuda)->supports_graphs());
+  auto eager = testing::LoadGoldenModel(**cuda, GetParam(), ModelOptions{.step_graphs = false},
+                                        /*weights_in_backend=*/true);
+  auto graphs = testing::LoadGoldenModel(**cuda, GetParam(), {}, /*weights_in_backend=*/true);
+  ASSERT_TRUE(eager.ok() && graphs.ok());
+  const testing::StepsRun want = testing::RunStepSchedule(**eager, testing::DefaultStepSchedule());
+  const testing::StepsRun got = testing::RunStepSchedule(**graphs, testing::DefaultStepSchedule());
+  ASSERT_FALSE(want.logits.empty());
+  ASSERT_EQ(got.logits.size(), want.logits.size());
+  EXPECT_EQ(std::memcmp(got.logits.data(), want.logits.data(), want.logits.size() * sizeof(float)),
+            0);
+  EXPECT_EQ(got.tokens, want.tokens);
+  EXPECT_EQ(got.stats.failures, 0);
+  EXPECT_EQ(got.stats.captured, 3 * (got.layers + 1));
+  EXPECT_GT(got.stats.graph_steps, 0);
+  EXPECT_EQ(want.stats.captured, 0);
+  std::printf("%s: %lld decode steps, %lld launched as graphs (%lld segments recorded)\n",
+              GetParam().c_str(), static_cast<long long>(testing::DefaultStepSchedule().size()),
+              static_cast<long long>(got.stats.graph_steps),
+              static_cast<long long>(got.stats.captured));
+}
+
 TEST_P(CudaModelTest, GreedyGenerationEqualsTheCpuReference) {
   auto cuda = kernels::MakeCudaBackend(0);
   if (!cuda.ok()) GTEST_SKIP() << "skipped: no GPU (" << cuda.status().message() << ")";

@@ -124,7 +124,7 @@ TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
   }
   EXPECT_EQ(four.at("SparseAttention"), 4 * one.at("SparseAttention"));
   // The attention's projections (wq_a, wq_b, wkv, the indexer's, wo_b) run once for the batch
-  // (Model::BatchedAttention): what still runs per sequence is the compressor's, a small part of
+  // (Model::StepSegment): what still runs per sequence is the compressor's, a small part of
   // a one-sequence step's LinearQuant calls (each extra sequence added about all of them before).
   EXPECT_LT((four.at("LinearQuant") - one.at("LinearQuant")) / 3, one.at("LinearQuant") / 4);
 }

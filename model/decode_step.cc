@@ -1,0 +1,436 @@
+// The batched decode step (Model::ExtendBatch) and its graphs (model/step_graph.h; docs/cuda.md,
+// "Decode step graphs").
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <utility>
+
+#include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/model.h"
+#include "model/scratch.h"
+#include "model/step_graph.h"
+
+namespace epd::model {
+namespace {
+
+using std::vector;
+
+}  // namespace
+
+// ---- StepGraphCache ----
+
+StepGraphCache::Set::Set(kernels::Backend& backend, int64_t r)
+    : rows(r), arena(std::make_unique<ScratchPool>(backend, std::numeric_limits<int64_t>::max())) {}
+
+StepGraphCache::Set::~Set() {
+  segments.clear();  // the graphs first: they hold the arrays' and the arena's pointers
+  held.reset();
+}
+
+StepGraphCache::Set* StepGraphCache::Get(int64_t rows) {
+  if (rows <= 0 || rows > max_rows_ || max_sets_ <= 0) return nullptr;
+  auto it = sets_.find(rows);
+  if (it == sets_.end()) {
+    if (static_cast<int>(sets_.size()) >= max_sets_) {
+      auto oldest = std::min_element(sets_.begin(), sets_.end(), [](const auto& a, const auto& b) {
+        return a.second->last_used < b.second->last_used;
+      });
+      sets_.erase(oldest);
+      ++stats_.evicted;
+    }
+    it = sets_.emplace(rows, std::make_unique<Set>(backend_, rows)).first;
+  }
+  it->second->last_used = ++clock_;
+  stats_.sets = static_cast<int64_t>(sets_.size());
+  return it->second.get();
+}
+
+StepGraphStats Model::step_graph_stats() const {
+  if (step_graphs_ == nullptr) return {};
+  std::lock_guard<std::mutex> lock(step_graphs_->mu());
+  return step_graphs_->stats();
+}
+
+// ---- The step's arrays and segments ----
+
+absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) const {
+  const ModelConfig& c = config_;
+  const int64_t D = c.dim, hc = c.hc_mult, H = c.n_heads, hd = c.head_dim;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  const int64_t nel = static_cast<int64_t>(c.engram_layer_ids.size());
+  const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  const int64_t G = c.o_groups;
+  a = StepArrays{};
+  a.rows = R;
+  ASSIGN_OR_RETURN(a.ids, ws.Alloc<int32_t>(R));
+  ASSIGN_OR_RETURN(a.pos, ws.Alloc<int64_t>(R));
+  ASSIGN_OR_RETURN(a.engram_ids, ws.Alloc<int64_t>(std::max<int64_t>(1, nel * R * per)));
+  ASSIGN_OR_RETURN(a.h, ws.Alloc<float>(R * hc * D));
+  ASSIGN_OR_RETURN(a.pre, ws.Alloc<float>(R * hc));
+  ASSIGN_OR_RETURN(a.main_hidden, ws.Filled<float>(std::max<int64_t>(1, R * nt * D), 0.f));
+  ASSIGN_OR_RETURN(a.x, ws.Alloc<float>(R * D));
+  ASSIGN_OR_RETURN(a.y, ws.Alloc<float>(R * D));
+  ASSIGN_OR_RETURN(a.qr, ws.Alloc<float>(R * c.q_lora_rank));
+  ASSIGN_OR_RETURN(a.q, ws.Alloc<float>(R * H * hd));
+  ASSIGN_OR_RETURN(a.kv, ws.Alloc<float>(R * hd));
+  ASSIGN_OR_RETURN(a.qi, ws.Alloc<float>(R * c.index_n_heads * c.index_head_dim));
+  ASSIGN_OR_RETURN(a.w, ws.Alloc<float>(R * c.index_n_heads));
+  ASSIGN_OR_RETURN(a.o, ws.Alloc<float>(R * H * hd));
+  ASSIGN_OR_RETURN(a.logits, ws.Alloc<float>(R * c.vocab_size));
+  ASSIGN_OR_RETURN(a.attn_pre, ws.Alloc<float>(R * hc));
+  ASSIGN_OR_RETURN(a.attn_post, ws.Alloc<float>(R * hc));
+  ASSIGN_OR_RETURN(a.attn_comb, ws.Alloc<float>(R * hc * hc));
+  ASSIGN_OR_RETURN(a.ffn_post, ws.Alloc<float>(R * hc));
+  ASSIGN_OR_RETURN(a.ffn_comb, ws.Alloc<float>(R * hc * hc));
+  // Before the first block, each row's delayed pre-mix takes its first copy: [1, 0, ..., 0].
+  vector<float> pre0(R * hc, 0.f);
+  for (int64_t i = 0; i < R; ++i) pre0[i * hc] = 1.f;
+  ASSIGN_OR_RETURN(a.pre0, ws.Copy(pre0));
+  // OutputProjection's regrouping: entry g * R + i is row i's group g.
+  vector<int64_t> order(R * G);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < R; ++i) order[g * R + i] = i * G + g;
+  }
+  ASSIGN_OR_RETURN(a.o_order, ws.Copy(order));
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) const {
+  const ModelConfig& c = config_;
+  const int64_t R = a.rows, D = c.dim, hc = c.hc_mult;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  Scratch ws(backend_, outer.pool(), &outer);
+  HcMix m;
+  m.attn_pre = a.attn_pre;
+  m.attn_post = a.attn_post;
+  m.attn_comb = a.attn_comb;
+  m.ffn_post = a.ffn_post;
+  m.ffn_comb = a.ffn_comb;
+  if (s == 0) {
+    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, a.ids, R, static_cast<int>(hc), a.h));
+    RETURN_IF_ERROR(backend_.Copy(a.pre, a.pre0, R * hc * static_cast<int64_t>(sizeof(float))));
+  } else {
+    // The rest of layer s - 1 after its attention (Block's order). Decode-step rows are
+    // single-token reference calls (Backend::HcMixesSingleToken).
+    const int l = s - 1;
+    const LayerWeights& L = weights_->layers[l];
+    RETURN_IF_ERROR(FinishAttention(ws, l, a.o, R, a.pos, a.y, a.o_order));
+    RETURN_IF_ERROR(HcBeforeFfn(L, /*single_token=*/true, R, a.y, a.h, a.pre, m, a.x));
+    RETURN_IF_ERROR(backend_.RmsNorm(a.x, L.ffn_norm.data(), R, D, c.norm_eps, a.x));
+    RETURN_IF_ERROR(Moe(ws, l, a.x, R, a.y, nullptr));
+    RETURN_IF_ERROR(HcAfterFfn(R, a.y, a.h, m));
+  }
+  if (s == c.n_layers) {
+    ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, DeviceResidual{a.h, a.pre}, R,
+                                               /*all_logits=*/true, nullptr, a.logits));
+    (void)logits;
+    return absl::OkStatus();
+  }
+  // Layer s up to its attention.
+  const int l = s;
+  const LayerRole& role = roles_[l];
+  const LayerWeights& L = weights_->layers[l];
+  if (role.has_engram) {
+    const int64_t li = std::find(c.engram_layer_ids.begin(), c.engram_layer_ids.end(), l) -
+                       c.engram_layer_ids.begin();
+    RETURN_IF_ERROR(EngramFromIds(ws, l, a.engram_ids + li * R * per, R, a.h,
+                                  /*single_token_calls=*/true));
+  }
+  if (role.is_dspark_target) {
+    const int64_t ti =
+        std::find(c.dspark_target_layer_ids.begin(), c.dspark_target_layer_ids.end(), l) -
+        c.dspark_target_layer_ids.begin();
+    RETURN_IF_ERROR(
+        backend_.HcMean(R, a.h, static_cast<int>(hc), D, a.main_hidden + ti * D, nt * D));
+  }
+  RETURN_IF_ERROR(HcBeforeAttention(L, /*single_token=*/true, R, a.h, a.pre, m, a.x));
+  RETURN_IF_ERROR(backend_.RmsNorm(a.x, L.attn_norm.data(), R, D, c.norm_eps, a.x));
+  // The attention's row-independent projections, once for every row (Model::AttentionRows).
+  RETURN_IF_ERROR(QueryProjection(ws, l, a.x, R, a.pos, a.qr, a.q));
+  RETURN_IF_ERROR(StageKv(ws, l, a.x, R, a.pos, a.kv));
+  if (role.compress_ratio > 0 && role.is_index_source) {
+    RETURN_IF_ERROR(IndexQueries(ws, l, a.x, a.qr, R, a.pos, a.qi, a.w));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
+                                  std::span<StepSequence> seqs) const {
+  const ModelConfig& c = config_;
+  const int64_t D = c.dim, H = c.n_heads, hd = c.head_dim;
+  const bool indexer = roles_[l].compress_ratio > 0 && roles_[l].is_index_source;
+  const float* zeros = nullptr;
+  for (StepSequence& b : seqs) {
+    const int64_t r0 = b.row0;
+    AttentionRows rows;
+    rows.qr = a.qr + r0 * c.q_lora_rank;
+    rows.q = a.q + r0 * H * hd;
+    rows.kv = a.kv + r0 * hd;
+    rows.qi = indexer ? a.qi + r0 * c.index_n_heads * c.index_head_dim : nullptr;
+    rows.w = indexer ? a.w + r0 * c.index_n_heads : nullptr;
+    rows.o = a.o + r0 * H * hd;
+    if (b.status->ok()) *b.status = Attention(l, a.x + r0 * D, *b.call, *b.state, rows);
+    if (!b.status->ok()) {
+      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
+      // run on; rows are independent, so its neighbours' results do not change).
+      if (zeros == nullptr) {
+        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(a.rows * H * hd, 0.f));
+      }
+      RETURN_IF_ERROR(backend_.Copy(rows.o, zeros,
+                                    b.call->rows * H * hd * static_cast<int64_t>(sizeof(float))));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// ---- ExtendBatch ----
+
+absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
+    std::span<SequenceState* const> states, std::span<const vector<int32_t>> tokens,
+    vector<absl::Status>& status, std::span<const LogitsRequest> outs) const {
+  const ModelConfig& c = config_;
+  const size_t B = states.size();
+  if (tokens.size() != B) return absl::InvalidArgumentError("model: one token list per sequence");
+  if (!outs.empty() && outs.size() != B)
+    return absl::InvalidArgumentError("model: one logits choice per sequence");
+  for (size_t b = 0; b < outs.size(); ++b) {
+    absl::Status st = LogitsRequestProblem(outs[b], static_cast<int64_t>(tokens[b].size()));
+    if (st.ok()) st = VerificationProblem(outs[b]);
+    if (!st.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("sequence ", b, ": ", st.message()));
+    }
+  }
+  status.assign(B, absl::OkStatus());
+  vector<ForwardResult> out(B);
+  if (B == 0) return out;
+  const int64_t D = c.dim;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
+  const int64_t nel = static_cast<int64_t>(c.engram_layer_ids.size());
+  const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  vector<int32_t> ids;
+  vector<int64_t> row0(B), positions;
+  vector<vector<int64_t>> hashes(B);  // per sequence [rows, nel, per]
+  for (size_t b = 0; b < B; ++b) {
+    if (!Batchable(*states[b], tokens[b])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: sequence ", b, " cannot join a batched decode step"));
+    }
+    row0[b] = static_cast<int64_t>(ids.size());
+    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
+    for (size_t i = 0; i < tokens[b].size(); ++i)
+      positions.push_back(states[b]->pos + static_cast<int64_t>(i));
+    if (nel > 0) hashes[b] = EngramHashes(*states[b], tokens[b]);
+  }
+  const int64_t R = static_cast<int64_t>(ids.size());
+  // The Engram hash ids by layer: [nel, R, per].
+  vector<int64_t> engram_ids(nel * R * per);
+  for (size_t b = 0; b < B; ++b) {
+    const auto n = static_cast<int64_t>(tokens[b].size());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t li = 0; li < nel; ++li) {
+        std::copy_n(hashes[b].data() + (i * nel + li) * per, per,
+                    engram_ids.data() + (li * R + row0[b] + i) * per);
+      }
+    }
+  }
+
+  Scratch ws(backend_, scratch_pool_.get());
+  // The step's arrays: a graph set's (held for the whole step), or this call's.
+  std::unique_lock<std::mutex> graphs_lock;
+  StepGraphCache::Set* set = nullptr;
+  if (step_graphs_ != nullptr) {
+    graphs_lock = std::unique_lock<std::mutex>(step_graphs_->mu());
+    set = step_graphs_->Get(R);
+    if (set != nullptr && set->failed) set = nullptr;
+    if (set != nullptr && set->held == nullptr) {
+      set->held = std::make_unique<Scratch>(backend_, set->arena.get());
+      if (!AllocateStepArrays(*set->held, R, set->arrays).ok()) {
+        set->held.reset();  // no memory for them: this row count runs op by op
+        set->failed = true;
+        ++step_graphs_->stats().failures;
+        set = nullptr;
+      }
+    }
+  }
+  StepArrays own;
+  if (set == nullptr) RETURN_IF_ERROR(AllocateStepArrays(ws, R, own));
+  Scratch& arrays_scratch = set != nullptr ? *set->held : ws;
+  const StepArrays& a = set != nullptr ? set->arrays : own;
+  RETURN_IF_ERROR(arrays_scratch.Upload(a.ids, ids.data(), R));
+  RETURN_IF_ERROR(arrays_scratch.Upload(a.pos, positions.data(), R));
+  if (nel > 0) {
+    RETURN_IF_ERROR(arrays_scratch.Upload(a.engram_ids, engram_ids.data(), nel * R * per));
+  }
+
+  vector<Call> calls(B);
+  vector<StepSequence> seqs(B);
+  for (size_t b = 0; b < B; ++b) {
+    Call& k = calls[b];  // what RunStage makes for a decode-mode Extend
+    k.start_pos = states[b]->pos;
+    k.rows = static_cast<int64_t>(tokens[b].size());
+    k.prefill = false;
+    k.per_row_keys = true;
+    k.published_at_start = states[b]->published_keys;
+    k.scratch = &ws;
+    k.pos_dev = a.pos + row0[b];  // its rows' positions, uploaded with the step's
+    seqs[b] = StepSequence{&k, states[b], row0[b], &status[b]};
+  }
+  // Each segment: launched as a graph when its set has recorded it; recorded and launched on the
+  // set's second step; else op by op (on the set's arena on its first step, which sizes it).
+  const bool launch = set != nullptr && set->segments.size() == static_cast<size_t>(c.n_layers) + 1;
+  const bool record = set != nullptr && !launch && set->uses >= 1;
+  if (record) set->segments.clear();  // what an earlier step that failed midway recorded
+  auto run_segment = [&](int s) -> absl::Status {
+    if (set == nullptr) return StepSegment(ws, s, a);
+    Scratch seg(backend_, set->arena.get());
+    if (launch) {
+      ++step_graphs_->stats().launched;
+      return backend_.LaunchGraph(*set->segments[s]);
+    }
+    if (!record || set->failed) return StepSegment(seg, s, a);
+    // Record the segment (nothing runs), then launch it. A failed capture leaves nothing run:
+    // the segment runs op by op, and so does this row count from now on.
+    absl::Status st = backend_.BeginCapture();
+    if (st.ok()) {
+      st = StepSegment(seg, s, a);
+      absl::StatusOr<std::unique_ptr<kernels::Graph>> g = backend_.EndCapture();
+      if (st.ok()) st = g.status();
+      if (st.ok()) {
+        ++step_graphs_->stats().captured;
+        set->segments.push_back(std::move(*g));
+        ++step_graphs_->stats().launched;
+        return backend_.LaunchGraph(*set->segments.back());
+      }
+    }
+    set->failed = true;
+    set->segments.clear();
+    ++step_graphs_->stats().failures;
+    return StepSegment(seg, s, a);
+  };
+  for (int s = 0; s <= c.n_layers; ++s) {
+    RETURN_IF_ERROR(run_segment(s));
+    if (s < c.n_layers) RETURN_IF_ERROR(StepAttention(ws, s, a, std::span<StepSequence>(seqs)));
+  }
+  if (step_graphs_ != nullptr) {
+    ++(launch || (record && !set->failed) ? step_graphs_->stats().graph_steps
+                                          : step_graphs_->stats().eager_steps);
+  }
+  if (set != nullptr) ++set->uses;
+  if (set != nullptr && set->failed) set->segments.clear();
+
+  // The head's logits of every row are in a.logits (the last segment; rows are independent, the
+  // residual stays in backend memory), then each sequence's slices: every row's values in one
+  // download when every sequence wants them, else every row's argmax in one and the values of
+  // the sequences that want them one download each.
+  // The DSpark inputs: on a device backend they stay there (each state keeps its rows, and a
+  // hand-off reads the kept one: KeepMainHidden, MainHiddenOf), else they come down.
+  const bool mh_on_backend = nt > 0 && backend_.memory_kind() != kernels::MemoryKind::kHost;
+  Hidden all;
+  all.rows = R;
+  if (nt > 0 && !mh_on_backend) {
+    RETURN_IF_ERROR(arrays_scratch.DownloadTo(a.main_hidden, R * nt * D, all.main_hidden));
+  }
+  float* head = a.logits;
+  auto out_of = [&](size_t b) { return outs.empty() ? LogitsOut::kValues : outs[b].out; };
+  const bool all_values = std::all_of(
+      outs.begin(), outs.end(), [](const LogitsRequest& o) { return o.out == LogitsOut::kValues; });
+  // A sequence's penalties touch its own rows only (before the argmax of every row; the rows of
+  // a sequence that wants values are not touched). A sampled sequence's draws then overwrite its
+  // rows' argmax, so every token comes down in one download.
+  const int64_t V = c.vocab_size;
+  ForwardResult every;
+  std::vector<std::vector<Logprobs>> logprobs(B);  // per sequence asking for them
+  Scratch head_ws(backend_, scratch_pool_.get(), &arrays_scratch);
+  if (all_values) {
+    RETURN_IF_ERROR(LogitsToHost(head_ws, head, R, LogitsOut::kValues, every));
+  } else {
+    std::vector<const float*> raw(B, nullptr);  // rows whose logprobs are asked for, unpenalized
+    for (size_t b = 0; b < B; ++b) {
+      if (!status[b].ok() || out_of(b) == LogitsOut::kValues) continue;
+      const auto n = static_cast<int64_t>(tokens[b].size());
+      ASSIGN_OR_RETURN(raw[b], RawRows(head_ws, head + row0[b] * V, n, outs[b]));
+      if (outs[b].penalties != nullptr)
+        RETURN_IF_ERROR(Penalize(head_ws, head + row0[b] * V, n, *outs[b].penalties));
+    }
+    ASSIGN_OR_RETURN(int32_t * best, head_ws.Alloc<int32_t>(R));
+    RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
+    // Each row's token for its logprobs: its slot of `best`, or a verification's own array.
+    std::vector<int32_t*> chosen(B, nullptr);
+    for (size_t b = 0; b < B; ++b) chosen[b] = best + row0[b];
+    for (size_t b = 0; b < B; ++b) {
+      if (status[b].ok() && out_of(b) == LogitsOut::kSample) {
+        RETURN_IF_ERROR(DrawTokens(head_ws, head + row0[b] * V,
+                                   static_cast<int64_t>(tokens[b].size()), *outs[b].sample,
+                                   best + row0[b]));
+      }
+      // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
+      // With logprobs, each row's token goes to an array of its own.
+      if (status[b].ok() && out_of(b) == LogitsOut::kVerify) {
+        const auto n = static_cast<int64_t>(tokens[b].size());
+        if (outs[b].top_logprobs >= 0) {
+          ASSIGN_OR_RETURN(chosen[b], head_ws.Alloc<int32_t>(n));
+        } else {
+          chosen[b] = nullptr;
+        }
+        RETURN_IF_ERROR(
+            VerifyTokens(head_ws, head + row0[b] * V, n, outs[b], best + row0[b], chosen[b]));
+      }
+    }
+    for (size_t b = 0; b < B; ++b) {
+      if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
+      RETURN_IF_ERROR(LogprobsToHost(head_ws, raw[b], static_cast<int64_t>(tokens[b].size()),
+                                     chosen[b], outs[b].top_logprobs, logprobs[b]));
+    }
+    RETURN_IF_ERROR(head_ws.DownloadTo(best, R, every.tokens));
+  }
+  for (size_t b = 0; b < B; ++b) {
+    if (!status[b].ok()) continue;
+    SequenceState& state = *states[b];
+    const int64_t n = calls[b].rows, pos = state.pos, r0 = row0[b];
+    if (options_.stale_index_keys) {
+      state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, calls[b]);
+    }
+    Hidden io;
+    io.rows = n;
+    if (nt > 0 && !mh_on_backend) {
+      io.main_hidden.assign(all.main_hidden.begin() + r0 * nt * D,
+                            all.main_hidden.begin() + (r0 + n) * nt * D);
+    }
+    ForwardResult r;
+    if (all_values) {
+      r.logits.assign(every.logits.begin() + r0 * V, every.logits.begin() + (r0 + n) * V);
+    } else if (out_of(b) == LogitsOut::kValues) {
+      if (absl::Status st = head_ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
+    } else {
+      r.tokens.assign(every.tokens.begin() + r0,
+                      every.tokens.begin() + r0 + (out_of(b) == LogitsOut::kVerify ? 2 : n));
+      r.logprobs = std::move(logprobs[b]);
+    }
+    r.rows = n;
+    if (absl::Status st = Commit(state, tokens[b], pos + n, io); !st.ok()) {
+      status[b] = st;
+      continue;
+    }
+    if (mh_on_backend) {
+      if (absl::Status st = KeepMainHidden(state, a.main_hidden + r0 * nt * D, n, pos + n);
+          !st.ok()) {
+        status[b] = st;
+        continue;
+      }
+    }
+    r.main_hidden = std::move(io.main_hidden);
+    if (c.n_mtp_layers > 0) {
+      if (absl::Status st = DSparkSeedFrom(head_ws, state, a.main_hidden + r0 * nt * D, n, pos);
+          !st.ok()) {
+        status[b] = st;
+        continue;
+      }
+    }
+    out[b] = std::move(r);
+  }
+  return out;
+}
+
+}  // namespace epd::model
