@@ -123,6 +123,21 @@ class DecodeHandler final : public worker::JobHandler {
                                "with the same output")
                          .Register(*setup.registry)
                          .Add({})),
+        graph_steps_(prometheus::BuildCounter()
+                         .Name("epd_decode_step_graph_steps_total")
+                         .Help("Batched decode steps by how their row-independent parts ran: "
+                               "graph (recorded segments launched, docs/cuda.md \"Decode step "
+                               "graphs\") or op_by_op (the first step of a row count, or its "
+                               "capture failed); 0 on a backend that records no graphs (CPU)")
+                         .Register(*setup.registry)),
+        graph_launched_steps_(graph_steps_.Add({{"mode", "graph"}})),
+        op_by_op_steps_(graph_steps_.Add({{"mode", "op_by_op"}})),
+        graph_failures_(prometheus::BuildCounter()
+                            .Name("epd_decode_step_graph_failures_total")
+                            .Help("Decode step graph captures that failed: that row count then "
+                                  "runs op by op (slower, the same output)")
+                            .Register(*setup.registry)
+                            .Add({})),
         loop_([this] { Loop(); }) {
     setup_.model->kv_pool().SetCapacity(PoolCapacity(options.kv_pool_bytes, *setup_.model));
     UpdatePoolGauges();
@@ -356,6 +371,18 @@ class DecodeHandler final : public worker::JobHandler {
 
   static bool Wants(const Slot& s) { return !s.seq->done && s.error.ok(); }
 
+  // The model's decode step graph counters since the last call, into the metrics (loop thread).
+  void UpdateGraphCounters() {
+    const model::StepGraphStats now = setup_.model->step_graph_stats();
+    auto add = [](prometheus::Counter& c, int64_t now_v, int64_t& seen) {
+      if (now_v > seen) c.Increment(static_cast<double>(now_v - seen));
+      seen = now_v;
+    };
+    add(graph_launched_steps_, now.graph_steps, graph_seen_.graph_steps);
+    add(op_by_op_steps_, now.eager_steps, graph_seen_.eager_steps);
+    add(graph_failures_, now.failures, graph_seen_.failures);
+  }
+
   void UpdatePoolGauges() {
     const model::KvPool::Stats st = setup_.model->kv_pool().stats();
     const double block = static_cast<double>(std::max<int64_t>(1, setup_.model->KvBlockBytes()));
@@ -491,6 +518,7 @@ class DecodeHandler final : public worker::JobHandler {
         }
       }
       UpdatePoolGauges();
+      UpdateGraphCounters();
       lock.lock();
       for (Held& h : held) {
         const bool left = h.slot->seq->done;  // Run gave up on it meanwhile
@@ -566,6 +594,11 @@ class DecodeHandler final : public worker::JobHandler {
   prometheus::Gauge& pool_used_;
   prometheus::Gauge& pool_cached_;
   prometheus::Counter& preemptions_;
+  prometheus::Family<prometheus::Counter>& graph_steps_;
+  prometheus::Counter& graph_launched_steps_;
+  prometheus::Counter& op_by_op_steps_;
+  prometheus::Counter& graph_failures_;
+  model::StepGraphStats graph_seen_;  // loop thread only
   uint64_t admissions_ = 0;  // loop thread only
   std::mutex mu_;
   std::condition_variable work_cv_, done_cv_;

@@ -90,6 +90,11 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   }
   const double preemptions = ScrapeMetric(dm, "epd_kv_pool_preemptions_total").value_or(-1);
   EXPECT_GE(preemptions, 1.0) << cluster.Logs();
+  // The decode step graph counters are exported; a CPU worker records no graphs, so its steps
+  // count under neither mode and no capture failed.
+  EXPECT_EQ(ScrapeMetric(dm, "epd_decode_step_graph_steps_total{mode=\"graph\"}").value_or(-1),
+            0.0);
+  EXPECT_EQ(ScrapeMetric(dm, "epd_decode_step_graph_failures_total").value_or(-1), 0.0);
   // Idle again: nothing is in use; free + cached = the whole pool.
   const double used = ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"used\"}").value_or(-1);
   const double free = ScrapeMetric(dm, "epd_kv_pool_blocks{state=\"free\"}").value_or(-1);
