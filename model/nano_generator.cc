@@ -7,6 +7,8 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -69,11 +71,39 @@ uint16_t Bf16Bits(float f) {
   return static_cast<uint16_t>((static_cast<uint64_t>(b) + 0x7FFF + ((b >> 16) & 1)) >> 16);
 }
 
+// f(begin, end) over [0, n) split into `threads` contiguous ranges, each on a thread of its own
+// (threads <= 1: one call on this thread).
+template <typename F>
+void ParallelFor(int64_t n, int threads, F&& f) {
+  if (threads <= 1 || n < 2) {
+    f(int64_t{0}, n);
+    return;
+  }
+  const int64_t parts = std::min<int64_t>(threads, n);
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < parts; ++t) {
+    pool.emplace_back([&, t] { f(n * t / parts, n * (t + 1) / parts); });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// splitmix64's finalizer: a chunk's seed from the builder's seed, the call and the chunk.
+uint64_t Mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
 // ----------------------------------------------------------------------------- checkpoint builder
 
 class Builder {
  public:
-  explicit Builder(uint64_t seed) : rng_(seed) {}
+  // threads > 1: every Normal draws its values in chunks of kChunk, each from a generator seeded by
+  // (seed, the call, the chunk), on `threads` threads, and the quantizers split their rows over
+  // them. The bytes then depend on the seed only (not on the thread count), but differ from the
+  // one-thread builder's (one generator for everything, as the nano model is made).
+  explicit Builder(uint64_t seed, int threads = 1)
+      : rng_(seed), seed_(seed), threads_(std::max(1, threads)) {}
 
   // Deterministic approximate N(0, std): Irwin-Hall sum of 12 uniforms (21-bit, three per PCG64
   // output) minus 6. Integer sums and IEEE arithmetic only (no libm), so the bytes are the same on
@@ -81,15 +111,30 @@ class Builder {
   // quantization conventions do not. Tails are cut at 6 sigma (irrelevant for random weights).
   std::vector<float> Normal(size_t n, double std, double mean = 0.0) {
     std::vector<float> v(n);
-    for (size_t i = 0; i < n; ++i) {
-      uint64_t sum = 0;
-      for (int k = 0; k < 4; ++k) {
-        const uint64_t r = rng_.NextUint64();
-        sum += (r & 0x1FFFFF) + ((r >> 21) & 0x1FFFFF) + ((r >> 42) & 0x1FFFFF);
+    auto fill = [&](NumpyPcg64& rng, size_t from, size_t to) {
+      for (size_t i = from; i < to; ++i) {
+        uint64_t sum = 0;
+        for (int k = 0; k < 4; ++k) {
+          const uint64_t r = rng.NextUint64();
+          sum += (r & 0x1FFFFF) + ((r >> 21) & 0x1FFFFF) + ((r >> 42) & 0x1FFFFF);
+        }
+        const double z = (static_cast<double>(sum) + 6.0) * (1.0 / 2097152.0) - 6.0;
+        v[i] = static_cast<float>(mean + std * z);
       }
-      const double z = (static_cast<double>(sum) + 6.0) * (1.0 / 2097152.0) - 6.0;
-      v[i] = static_cast<float>(mean + std * z);
+    };
+    if (threads_ == 1) {
+      fill(rng_, 0, n);
+      return v;
     }
+    const uint64_t call = ++calls_;
+    const auto chunks = static_cast<int64_t>((n + kChunk - 1) / kChunk);
+    ParallelFor(chunks, threads_, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; ++c) {
+        NumpyPcg64 rng(Mix64(seed_ ^ Mix64((call << 32) + static_cast<uint64_t>(c))));
+        fill(rng, static_cast<size_t>(c) * kChunk,
+             std::min(n, static_cast<size_t>(c + 1) * kChunk));
+      }
+    });
     return v;
   }
   double Uniform(double lo, double hi) { return lo + (hi - lo) * rng_.NextDouble(); }
@@ -120,23 +165,25 @@ class Builder {
     const int64_t nO = (O + bo - 1) / bo, nI = (I + bi - 1) / bi;
     std::string codes(static_cast<size_t>(O * I), '\0');
     std::string scales(static_cast<size_t>(nO * nI), '\0');
-    for (int64_t bo_i = 0; bo_i < nO; ++bo_i) {
-      for (int64_t bi_i = 0; bi_i < nI; ++bi_i) {
-        double amax = 0;
-        for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
-          for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
-            amax =
-                std::max(amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * I + c)])));
-        amax = std::max(amax, 1e-30);
-        const int ex = CeilLog2(amax / 448.0);
-        scales[static_cast<size_t>(bo_i * nI + bi_i)] = static_cast<char>(ex + 127);
-        const double inv = std::ldexp(1.0, -ex);
-        for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
-          for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
-            codes[static_cast<size_t>(r * I + c)] = static_cast<char>(
-                E4m3Encode(static_cast<double>(w[static_cast<size_t>(r * I + c)]) * inv));
+    ParallelFor(nO, threads_, [&](int64_t o0, int64_t o1) {
+      for (int64_t bo_i = o0; bo_i < o1; ++bo_i) {
+        for (int64_t bi_i = 0; bi_i < nI; ++bi_i) {
+          double amax = 0;
+          for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
+            for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
+              amax =
+                  std::max(amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * I + c)])));
+          amax = std::max(amax, 1e-30);
+          const int ex = CeilLog2(amax / 448.0);
+          scales[static_cast<size_t>(bo_i * nI + bi_i)] = static_cast<char>(ex + 127);
+          const double inv = std::ldexp(1.0, -ex);
+          for (int64_t r = bo_i * bo; r < std::min(O, (bo_i + 1) * bo); ++r)
+            for (int64_t c = bi_i * bi; c < std::min(I, (bi_i + 1) * bi); ++c)
+              codes[static_cast<size_t>(r * I + c)] = static_cast<char>(
+                  E4m3Encode(static_cast<double>(w[static_cast<size_t>(r * I + c)]) * inv));
+        }
       }
-    }
+    });
     RETURN_IF_ERROR(w_.Add(prefix + ".weight", "F8_E4M3", {O, I}, std::move(codes)));
     return w_.Add(scale_name, "F8_E8M0", {nO, nI}, std::move(scales));
   }
@@ -156,25 +203,27 @@ class Builder {
     auto w = Normal(static_cast<size_t>(out_f * in_f), gain / std::sqrt(static_cast<double>(in_f)));
     std::string packed(static_cast<size_t>(out_f * in_f / 2), '\0');
     std::string scales(static_cast<size_t>(out_f * in_f / 32), '\0');
-    std::vector<uint8_t> codes(static_cast<size_t>(in_f));
-    for (int64_t r = 0; r < out_f; ++r) {
-      for (int64_t b = 0; b < in_f / 32; ++b) {
-        double amax = 0;
-        for (int64_t k = 0; k < 32; ++k)
-          amax = std::max(
-              amax, static_cast<double>(std::fabs(w[static_cast<size_t>(r * in_f + b * 32 + k)])));
-        amax = std::max(amax, 1e-30);
-        const int ex = CeilLog2(amax / 6.0);
-        scales[static_cast<size_t>(r * (in_f / 32) + b)] = static_cast<char>(ex + 127);
-        const double inv = std::ldexp(1.0, -ex);
-        for (int64_t k = 0; k < 32; ++k)
-          codes[static_cast<size_t>(b * 32 + k)] =
-              E2m1Encode(static_cast<double>(w[static_cast<size_t>(r * in_f + b * 32 + k)]) * inv);
+    ParallelFor(out_f, threads_, [&](int64_t r0, int64_t r1) {
+      std::vector<uint8_t> codes(static_cast<size_t>(in_f));
+      for (int64_t r = r0; r < r1; ++r) {
+        for (int64_t b = 0; b < in_f / 32; ++b) {
+          double amax = 0;
+          for (int64_t k = 0; k < 32; ++k)
+            amax = std::max(amax, static_cast<double>(
+                                      std::fabs(w[static_cast<size_t>(r * in_f + b * 32 + k)])));
+          amax = std::max(amax, 1e-30);
+          const int ex = CeilLog2(amax / 6.0);
+          scales[static_cast<size_t>(r * (in_f / 32) + b)] = static_cast<char>(ex + 127);
+          const double inv = std::ldexp(1.0, -ex);
+          for (int64_t k = 0; k < 32; ++k)
+            codes[static_cast<size_t>(b * 32 + k)] = E2m1Encode(
+                static_cast<double>(w[static_cast<size_t>(r * in_f + b * 32 + k)]) * inv);
+        }
+        for (int64_t k = 0; k < in_f / 2; ++k)
+          packed[static_cast<size_t>(r * (in_f / 2) + k)] = static_cast<char>(
+              codes[static_cast<size_t>(2 * k)] | (codes[static_cast<size_t>(2 * k + 1)] << 4));
       }
-      for (int64_t k = 0; k < in_f / 2; ++k)
-        packed[static_cast<size_t>(r * (in_f / 2) + k)] = static_cast<char>(
-            codes[static_cast<size_t>(2 * k)] | (codes[static_cast<size_t>(2 * k + 1)] << 4));
-    }
+    });
     RETURN_IF_ERROR(w_.Add(prefix + ".weight", "I8", {out_f, in_f / 2}, std::move(packed)));
     return w_.Add(prefix + ".scale", "F8_E8M0", {out_f, in_f / 32}, std::move(scales));
   }
@@ -187,7 +236,11 @@ class Builder {
   SafetensorsWriter& writer() { return w_; }
 
  private:
+  static constexpr size_t kChunk = size_t{1} << 20;
   NumpyPcg64 rng_;
+  const uint64_t seed_;
+  const int threads_;
+  uint64_t calls_ = 0;  // Normal calls (threads > 1: part of each chunk's seed)
   SafetensorsWriter w_;
 };
 
@@ -367,9 +420,10 @@ absl::StatusOr<std::string> NanoTokenizerJsonFor(std::string_view corpus) {
   return TrainByteLevelBpe(corpus, o);
 }
 
-absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::string& out_dir) {
+absl::Status GenerateCheckpoint(const json& config, uint64_t seed, const std::string& out_dir,
+                                int threads) {
   ASSIGN_OR_RETURN(Dims d, ParseDims(config));
-  Builder ck(seed);
+  Builder ck(seed, threads);
   RETURN_IF_ERROR(
       ck.Bf16("embed.weight", {d.V, d.D}, ck.Normal(static_cast<size_t>(d.V * d.D), 1.0)));
   RETURN_IF_ERROR(ck.Bf16(

@@ -48,8 +48,11 @@ std::string_view NanoConfigJson();
 // `out_dir/model.safetensors` + `out_dir/model.safetensors.index.json`. Weight scales follow
 // the golden generator (shared/golden/tools/v41_tiny_gen.py): small residual-branch gains so
 // the network stays well-conditioned. Errors name a missing/invalid config field.
+// `threads` > 1 draws and quantizes on that many threads (a release-config layer's gigabytes:
+// tests/bench/cuda_model_bench.cc); its bytes depend on the seed alone but are not the
+// one-thread checkpoint's (the nano model is made with one).
 absl::Status GenerateCheckpoint(const nlohmann::json& config, uint64_t seed,
-                                const std::string& out_dir);
+                                const std::string& out_dir, int threads = 1);
 
 // Writes the whole nano model directory (see above). Creates `out_dir` if needed.
 absl::Status GenerateNanoModel(const std::string& out_dir, uint64_t seed = kNanoDefaultSeed);

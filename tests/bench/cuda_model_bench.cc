@@ -26,6 +26,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -98,7 +99,8 @@ int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int
   fs::create_directories(dir);
   const nlohmann::json config = ReleaseLayerConfig(experts);
   const auto t0 = Clock::now();
-  if (auto s = epd::model::GenerateCheckpoint(config, 7, dir); !s.ok()) {
+  const int threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  if (auto s = epd::model::GenerateCheckpoint(config, 7, dir, threads); !s.ok()) {
     std::fprintf(stderr, "release layer: %s\n", std::string(s.message()).c_str());
     return 1;
   }
@@ -111,8 +113,8 @@ int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int
                  std::string((m.ok() ? op_by_op.status() : m.status()).message()).c_str());
     return 1;
   }
-  std::printf("release layer: %d routed experts, generated and loaded in %.0f s\n", experts,
-              std::chrono::duration<double>(Clock::now() - t0).count());
+  std::printf("release layer: %d routed experts, generated (%d threads) and loaded in %.0f s\n",
+              experts, threads, std::chrono::duration<double>(Clock::now() - t0).count());
   // Bytes a step reads: all but the embedding table and the routed experts, plus the experts the
   // batch can reach.
   auto store = epd::model::TensorStore::Open(dir, false);

@@ -11,7 +11,8 @@
 # Usage: bash tests/gpu/device_check.sh [--quick]
 #   EPD_GPU_BUILD_DIR (default build-gpu), EPD_GPU_JOBS (default 16), EPD_CUDA_ARCHS (default 90),
 #   EPD_GPU_FORCE_PREBUILT=1 (skip the build, run the packed binaries), EPD_GPU_RELEASE_EXPERTS
-#   (routed experts of cuda_model_bench's release layer, default 64; 0 skips it: about 3 minutes).
+#   (routed experts of cuda_model_bench's release layer, default 64; 0 skips it: it took about 3
+#   minutes with the one-thread generator, which now runs on every core; 384 is the released count).
 #   Output files go to $OUT when it is set (the device tool's folder), else to the build folder.
 # Exit status: 0 when every step passed, 1 otherwise.
 set -uo pipefail

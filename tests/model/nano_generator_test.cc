@@ -128,6 +128,24 @@ TEST(NanoGeneratorTest, DeterministicPerSeed) {
   EXPECT_NE(ReadFile(a.File("model.safetensors")), ReadFile(c.File("model.safetensors")));
 }
 
+// The threaded builder (a release-config layer's gigabytes, cuda_model_bench): its bytes depend
+// on the seed, not on the thread count; they are not the one-thread checkpoint's; the tensor
+// layout is the same; and its values are the same distribution (each BF16 norm weight near 1).
+TEST(NanoGeneratorTest, ThreadedBuilderIsDeterministicPerSeedWhateverTheThreads) {
+  testing::TempDir one, two, three, other;
+  ASSERT_TRUE(GenerateCheckpoint(GoldenConfig(), 5, one.path()).ok());
+  ASSERT_TRUE(GenerateCheckpoint(GoldenConfig(), 5, two.path(), 2).ok());
+  ASSERT_TRUE(GenerateCheckpoint(GoldenConfig(), 5, three.path(), 3).ok());
+  ASSERT_TRUE(GenerateCheckpoint(GoldenConfig(), 6, other.path(), 2).ok());
+  const std::string a = ReadFile(two.File("model.safetensors"));
+  EXPECT_EQ(a, ReadFile(three.File("model.safetensors")));
+  EXPECT_NE(a, ReadFile(one.File("model.safetensors")));
+  EXPECT_NE(a, ReadFile(other.File("model.safetensors")));
+  Safetensors threaded = Read(two.File("model.safetensors"));
+  Safetensors single = Read(one.File("model.safetensors"));
+  EXPECT_EQ(threaded.tensors, single.tensors);  // names, dtypes, shapes, offsets
+}
+
 TEST(NanoGeneratorTest, BadConfigNamesTheField) {
   testing::TempDir dir;
   json cfg = GoldenConfig();
