@@ -67,7 +67,8 @@ inline StepsRun RunStepSchedule(const model::Model& model, const Schedule& sched
       for (int i = 0; i < schedule[step][b]; ++i)
         t.push_back(static_cast<int32_t>((step * 7 + b * 13 + i * 5 + 1) % V));
       if (t.empty()) continue;
-      if (!model.Batchable(*seqs[b], t)) t.resize(1);  // a multi-token step that runs row by row
+      // A multi-token step that would run row by row takes its first token only.
+      if (t.size() > 1 && !model.Batchable(*seqs[b], t)) t.erase(t.begin() + 1, t.end());
       states.push_back(seqs[b].get());
       tokens.push_back(t);
       // Sequence 0 takes its greedy tokens from the backend, the others their logits rows.
