@@ -172,6 +172,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_str("api_key", "--api-key", &o->api_key);
     set_str("dspark", "--dspark", &o->dspark);
     set_str("device", "--device", &o->device);
+    set_str("step_graphs", "--step-graphs", &o->step_graphs);
     set_str("tls_cert", "--tls-cert", &o->tls_cert);
     set_str("tls_key", "--tls-key", &o->tls_key);
     if (o->dspark_k < -1 || o->dspark_k > kMaxDSparkK) {
@@ -182,6 +183,10 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     if (o->dspark != "on" && o->dspark != "off") {
       return absl::InvalidArgumentError("--config " + o->config_file +
                                         ": dspark must be \"on\" or \"off\"");
+    }
+    if (o->step_graphs != "on" && o->step_graphs != "off") {
+      return absl::InvalidArgumentError("--config " + o->config_file +
+                                        ": step_graphs must be \"on\" or \"off\"");
     }
   } catch (const nlohmann::json::exception& e) {
     return absl::InvalidArgumentError("--config " + o->config_file + ": " + e.what());
@@ -214,6 +219,11 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
       ->check(CLI::Range(-1, kMaxDSparkK));
   app.add_option("--device", o->device,
                  "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
+  app.add_option("--step-graphs", o->step_graphs,
+                 "Decode step graphs on|off (default on; passed to every decode worker): a "
+                 "batched decode step's row-independent parts launched as CUDA graphs "
+                 "(docs/cuda.md); off runs every op one by one, with the same output")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
                  "KV pool bytes of each decode worker (default: 90% of a GPU's free memory "
                  "after the weights, a quarter of the host memory on the CPU)")
@@ -405,6 +415,7 @@ int RunServe(ServeOptions o) {
                                        "--device",           o.device};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+      if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
       if (kind == "decode" && o.dspark_k >= 0)
         argv.insert(argv.end(), {"--dspark-k", std::to_string(o.dspark_k)});
       if (name == netns_name) {

@@ -36,6 +36,7 @@ struct ServeOptions {
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
   int dspark_k = -1;               // Default: -1 = the k policy; 0..kMaxDSparkK = fixed k
   std::string device = "cpu";      // Default: cpu. Backend of every worker: cpu | cuda[:N]
+  std::string step_graphs = "on";  // Default: on. Decode step graphs (docs/cuda.md) on|off
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port
   // Supervision (docs/serve.md): a process that exits is restarted after a backoff that doubles

@@ -215,6 +215,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   int handoff_deadline_ms = 30000;
   std::string dspark = "on";
   std::string device = "cpu";
+  std::string step_graphs = "on";
   int64_t selftest_bytes = 4 << 20;
   int malloc_arena_max = 2;
   app.add_option("--router", router, "Router gRPC address host:port")->required();
@@ -244,6 +245,12 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--device", device,
                  "Backend the model runs on: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
+  app.add_option("--step-graphs", step_graphs,
+                 "Decode step graphs on|off (default on): a batched decode step's "
+                 "row-independent parts launched as CUDA graphs (docs/cuda.md, \"Decode step "
+                 "graphs\"); off runs every op one by one, with the same output. A backend that "
+                 "records no graphs (cpu) runs op by op either way")
+      ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--transfer-selftest-bytes", selftest_bytes,
                  "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
                  "0 = skip)")
@@ -293,7 +300,8 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   }
   spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec->ToString(),
                backend->Name());
-  auto model = model::Model::Load(model_dir, *backend);
+  auto model = model::Model::Load(model_dir, *backend,
+                                  model::ModelOptions{.step_graphs = step_graphs == "on"});
   if (!model.ok()) {
     spdlog::error("epd-{}: cannot load model {}: {}", label, model_dir,
                   std::string(model.status().message()));

@@ -46,9 +46,11 @@ TEST_F(KvPoolE2eTest, MoreLongRequestsThanThePoolHoldsAllCompleteAsAlone) {
   ASSERT_EQ(model_->KvBytesFor(256), 4 * block);
   // (A generous heartbeat miss limit: this test is about the pool, and a loaded 2-core machine
   // may delay a heartbeat past the 3 x 200 ms default.)
-  testing::RealCluster cluster({.model_dir = model_dir(),
-                                .decode_args = {"--kv-pool-bytes", std::to_string(pool_bytes)},
-                                .router_args = {"--heartbeat-miss-limit", "25"}});
+  testing::RealCluster cluster(
+      {.model_dir = model_dir(),
+       // (--step-graphs: accepted; the CPU records no graphs.)
+       .decode_args = {"--kv-pool-bytes", std::to_string(pool_bytes), "--step-graphs", "off"},
+       .router_args = {"--heartbeat-miss-limit", "25"}});
   const int dm = cluster.metrics("decode");
   ASSERT_GT(dm, 0);
   EXPECT_EQ(ScrapeMetric(dm, "epd_kv_pool_preemptions_total").value_or(-1), 0.0);

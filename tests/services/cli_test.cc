@@ -109,6 +109,36 @@ TEST(CliTest, ServeDSparkKOutsideItsRangeIsRejected) {
   EXPECT_FALSE(std::filesystem::exists(d.File("b"))) << "epd serve started something";
 }
 
+// `--step-graphs` (the decode step graphs, docs/cuda.md) takes on or off, on `epd serve` (by flag
+// or --config) and on the workers; anything else fails at once naming it, before anything starts.
+TEST(CliTest, StepGraphsTakesOnOrOff) {
+  TempDir d;
+  std::string out;
+  EXPECT_NE(RunCommand(BinaryPath("epd") + " serve --step-graphs maybe --data-dir " + d.File("a") +
+                           " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--step-graphs"), std::string::npos) << out;
+  {
+    std::ofstream cfg(d.File("serve.json"));
+    cfg << R"({"step_graphs": "fast"})";
+  }
+  EXPECT_NE(RunCommand(BinaryPath("epd") + " serve --config " + d.File("serve.json") +
+                           " --data-dir " + d.File("b") + " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("step_graphs must be \"on\" or \"off\""), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(d.File("a"))) << "epd serve started something";
+  EXPECT_FALSE(std::filesystem::exists(d.File("b"))) << "epd serve started something";
+  EXPECT_NE(RunCommand(BinaryPath("epd-decode") +
+                           " --step-graphs maybe --router 127.0.0.1:1 --kvstore 127.0.0.1:1 "
+                           "--model " +
+                           SourcePath("models/epd-nano") + " 2>&1",
+                       &out),
+            0);
+  EXPECT_NE(out.find("--step-graphs"), std::string::npos) << out;
+}
+
 // --device cuda on a machine without a GPU (CI): every entry point fails at once (exit != 0, no
 // model read, nothing started) with a message naming the missing device and the cause. (On a GPU
 // machine cuda:0 runs: tests/gpu/device_check.sh's epd_generate step.)
