@@ -60,7 +60,6 @@ absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) co
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   const int64_t nel = static_cast<int64_t>(c.engram_layer_ids.size());
   const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
-  const int64_t G = c.o_groups;
   a = StepArrays{};
   a.rows = R;
   ASSIGN_OR_RETURN(a.ids, ws.Alloc<int32_t>(R));
@@ -78,21 +77,9 @@ absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) co
   ASSIGN_OR_RETURN(a.w, ws.Alloc<float>(R * c.index_n_heads));
   ASSIGN_OR_RETURN(a.o, ws.Alloc<float>(R * H * hd));
   ASSIGN_OR_RETURN(a.logits, ws.Alloc<float>(R * c.vocab_size));
-  ASSIGN_OR_RETURN(a.attn_pre, ws.Alloc<float>(R * hc));
-  ASSIGN_OR_RETURN(a.attn_post, ws.Alloc<float>(R * hc));
-  ASSIGN_OR_RETURN(a.attn_comb, ws.Alloc<float>(R * hc * hc));
-  ASSIGN_OR_RETURN(a.ffn_post, ws.Alloc<float>(R * hc));
-  ASSIGN_OR_RETURN(a.ffn_comb, ws.Alloc<float>(R * hc * hc));
-  // Before the first block, each row's delayed pre-mix takes its first copy: [1, 0, ..., 0].
-  vector<float> pre0(R * hc, 0.f);
-  for (int64_t i = 0; i < R; ++i) pre0[i * hc] = 1.f;
-  ASSIGN_OR_RETURN(a.pre0, ws.Copy(pre0));
-  // OutputProjection's regrouping: entry g * R + i is row i's group g.
-  vector<int64_t> order(R * G);
-  for (int64_t g = 0; g < G; ++g) {
-    for (int64_t i = 0; i < R; ++i) order[g * R + i] = i * G + g;
-  }
-  ASSIGN_OR_RETURN(a.o_order, ws.Copy(order));
+  RETURN_IF_ERROR(a.mix.Allocate(ws, R, hc));
+  ASSIGN_OR_RETURN(a.pre0, ws.Copy(FirstPreMix(R)));
+  ASSIGN_OR_RETURN(a.o_order, ws.Copy(OutputGroupOrder(R)));
   return absl::OkStatus();
 }
 
@@ -102,12 +89,7 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
   const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
   Scratch ws(backend_, outer.pool(), &outer);
-  HcMix m;
-  m.attn_pre = a.attn_pre;
-  m.attn_post = a.attn_post;
-  m.attn_comb = a.attn_comb;
-  m.ffn_post = a.ffn_post;
-  m.ffn_comb = a.ffn_comb;
+  HcMix m = a.mix;  // the step's arrays (HcBefore* take the mixes by non-const reference)
   if (s == 0) {
     RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, a.ids, R, static_cast<int>(hc), a.h));
     RETURN_IF_ERROR(backend_.Copy(a.pre, a.pre0, R * hc * static_cast<int64_t>(sizeof(float))));
@@ -123,10 +105,8 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
     RETURN_IF_ERROR(HcAfterFfn(R, a.y, a.h, m));
   }
   if (s == c.n_layers) {
-    ASSIGN_OR_RETURN(float* logits, HeadLogits(ws, DeviceResidual{a.h, a.pre}, R,
-                                               /*all_logits=*/true, nullptr, a.logits));
-    (void)logits;
-    return absl::OkStatus();
+    return HeadLogits(ws, DeviceResidual{a.h, a.pre}, R, /*all_logits=*/true, nullptr, a.logits)
+        .status();
   }
   // Layer s up to its attention.
   const int l = s;
@@ -284,11 +264,11 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (record) set->segments.clear();  // what an earlier step that failed midway recorded
   auto run_segment = [&](int s) -> absl::Status {
     if (set == nullptr) return StepSegment(ws, s, a);
-    Scratch seg(backend_, set->arena.get());
     if (launch) {
       ++step_graphs_->stats().launched;
       return backend_.LaunchGraph(*set->segments[s]);
     }
+    Scratch seg(backend_, set->arena.get());
     if (!record || set->failed) return StepSegment(seg, s, a);
     // Record the segment (nothing runs), then launch it. A failed capture leaves nothing run:
     // the segment runs op by op, and so does this row count from now on.
@@ -314,11 +294,10 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     if (s < c.n_layers) RETURN_IF_ERROR(StepAttention(ws, s, a, std::span<StepSequence>(seqs)));
   }
   if (step_graphs_ != nullptr) {
-    ++(launch || (record && !set->failed) ? step_graphs_->stats().graph_steps
-                                          : step_graphs_->stats().eager_steps);
+    const bool as_graphs = launch || (record && !set->failed);
+    ++(as_graphs ? step_graphs_->stats().graph_steps : step_graphs_->stats().eager_steps);
   }
   if (set != nullptr) ++set->uses;
-  if (set != nullptr && set->failed) set->segments.clear();
 
   // The head's logits of every row are in a.logits (the last segment; rows are independent, the
   // residual stays in backend memory), then each sequence's slices: every row's values in one

@@ -728,11 +728,7 @@ absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, con
   }
   const int64_t* order_dev = order;
   if (order_dev == nullptr) {
-    vector<int64_t> host(rows * G);  // entry g * rows + i is row i's group g
-    for (int64_t g = 0; g < G; ++g) {
-      for (int64_t i = 0; i < rows; ++i) host[g * rows + i] = i * G + g;
-    }
-    ASSIGN_OR_RETURN(order_dev, ws.Copy(host));
+    ASSIGN_OR_RETURN(order_dev, ws.Copy(OutputGroupOrder(rows)));
   }
   ASSIGN_OR_RETURN(float* og, ws.Alloc<float>(rows * G * gin));
   ASSIGN_OR_RETURN(float* oag, ws.Alloc<float>(rows * G * R));
@@ -1386,11 +1382,25 @@ absl::Status Model::EmbedRows(Scratch& ws, std::span<const int32_t> ids, float**
   ASSIGN_OR_RETURN(*h, ws.Alloc<float>(rows * hc * D));
   RETURN_IF_ERROR(
       backend_.Embed(weights_->embed.data(), D, ids_dev, rows, static_cast<int>(hc), *h));
+  ASSIGN_OR_RETURN(*pre, ws.Copy(FirstPreMix(rows)));
+  return absl::OkStatus();
+}
+
+vector<float> Model::FirstPreMix(int64_t rows) const {
   // Before the first block, each row's delayed pre-mix takes its first copy: [1, 0, ..., 0].
+  const int64_t hc = config_.hc_mult;
   vector<float> pre0(rows * hc, 0.f);
   for (int64_t i = 0; i < rows; ++i) pre0[i * hc] = 1.f;
-  ASSIGN_OR_RETURN(*pre, ws.Copy(pre0));
-  return absl::OkStatus();
+  return pre0;
+}
+
+vector<int64_t> Model::OutputGroupOrder(int64_t rows) const {
+  const int64_t G = config_.o_groups;
+  vector<int64_t> order(rows * G);
+  for (int64_t g = 0; g < G; ++g) {
+    for (int64_t i = 0; i < rows; ++i) order[g * rows + i] = i * G + g;
+  }
+  return order;
 }
 
 absl::Status Model::StageKv(Scratch& ws, int L, const float* main_x, int64_t rows,

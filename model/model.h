@@ -608,6 +608,10 @@ class Model {
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
   // the delayed pre-mix [rows, hc] in `*pre`, both from `ws`.
   absl::Status EmbedRows(Scratch& ws, std::span<const int32_t> ids, float** h, float** pre) const;
+  // The host values of that first pre-mix for `rows` rows: each row's [1, 0, ..., 0] (hc_mult).
+  std::vector<float> FirstPreMix(int64_t rows) const;
+  // OutputProjection's regrouping list of `rows` rows: entry g * rows + i is row i's group g.
+  std::vector<int64_t> OutputGroupOrder(int64_t rows) const;
   // The window KV rows of `rows` positions (`positions`: their absolute positions, in backend
   // memory, as the query's RoPE takes them).
   absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
@@ -671,6 +675,8 @@ class Model {
   // The decode step graphs (null when the backend records none or step_graphs is off); internally
   // synchronized, held for a whole step.
   std::unique_ptr<StepGraphCache> step_graphs_;
+
+  friend struct StepArrays;  // holds an HcMix
 };
 
 }  // namespace epd::model

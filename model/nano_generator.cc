@@ -517,12 +517,7 @@ absl::Status GenerateNanoModelFor(const std::string& out_dir, uint64_t seed,
 json RandomStructureConfig(uint64_t seed) {
   // splitmix64: portable, unlike the <random> distributions.
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + 0x632BE59BD9B4E019ull;
-  auto next = [&x]() {
-    uint64_t z = (x += 0x9E3779B97F4A7C15ull);
-    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-    return z ^ (z >> 31);
-  };
+  auto next = [&x]() { return Mix64(x += 0x9E3779B97F4A7C15ull); };
   auto pick = [&next](int n) { return static_cast<int>(next() % static_cast<uint64_t>(n)); };
   json config = json::parse(NanoConfigJson());
   json& tc = config["text_config"];

@@ -53,12 +53,7 @@ struct StepArrays {
   float* w = nullptr;            // [R, index_heads]
   float* o = nullptr;            // [R, heads, head_dim] the attention's output
   float* logits = nullptr;       // [R, vocab]
-  // The layer's mHC mixes (Model::HcMix).
-  float* attn_pre = nullptr;
-  float* attn_post = nullptr;
-  float* attn_comb = nullptr;
-  float* ffn_post = nullptr;
-  float* ffn_comb = nullptr;
+  Model::HcMix mix;              // the layer's mHC mixes
 };
 
 class StepGraphCache {

@@ -19,11 +19,7 @@
 namespace epd::model {
 namespace {
 
-bool BitEqual(std::span<const float> a, std::span<const float> b) {
-  // memcmp of an empty span would pass a null pointer (undefined even for 0 bytes).
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
+using testing::BitEqual;
 
 class BoundedReferenceTest : public testing::GoldenModelTest {
  protected:

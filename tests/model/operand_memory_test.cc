@@ -22,6 +22,8 @@
 namespace epd::model {
 namespace {
 
+using testing::BitEqual;
+
 TEST(OperandCheckTest, AHostPointerIsRejectedNamingTheOpAndTheOperand) {
   auto b = kernels::MakeCpuBackend({.check_operands = true});
   auto x = b->Allocate(4 * sizeof(float));
@@ -50,22 +52,12 @@ TEST(OperandCheckTest, AHostPointerIsRejectedNamingTheOpAndTheOperand) {
   EXPECT_TRUE(plain->RoundBf16(host.data(), 4).ok());
 }
 
-// A model loaded with its weights in `backend`'s memory.
-absl::StatusOr<std::unique_ptr<Model>> LoadInto(kernels::Backend& backend, const std::string& set) {
-  if (set == "nano") return Model::Load(testing::NanoModelDirTest::model_dir(), backend);
-  return testing::LoadGoldenModel(backend, set, {}, /*weights_in_backend=*/true);
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 class OperandMemoryTest : public testing::NanoModelDirTest,
                           public ::testing::WithParamInterface<std::string> {};
 
 TEST_P(OperandMemoryTest, TheForwardGivesItsBackendOnlyBackendMemory) {
   auto plain = kernels::MakeCpuBackend();
-  auto want_model = LoadInto(*plain, GetParam());
+  auto want_model = testing::LoadModelInto(*plain, GetParam());
   ASSERT_TRUE(want_model.ok()) << want_model.status();
   auto want = testing::RunServingSurface(**want_model);
   ASSERT_TRUE(want.ok()) << want.status();
@@ -73,7 +65,7 @@ TEST_P(OperandMemoryTest, TheForwardGivesItsBackendOnlyBackendMemory) {
   // the Engram tables from the checkpoint's mapping, which is not backend memory), and the KV
   // pool lives in the backend's memory.
   auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
-  auto m = LoadInto(*checked, GetParam());
+  auto m = testing::LoadModelInto(*checked, GetParam());
   ASSERT_TRUE(m.ok()) << m.status();
   auto got = testing::RunServingSurface(**m);
   ASSERT_TRUE(got.ok()) << got.status();

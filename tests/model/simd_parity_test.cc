@@ -16,12 +16,9 @@
 namespace epd::model {
 namespace {
 
-namespace kc = kernels::cpu;
+using testing::BitEqual;
 
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
+namespace kc = kernels::cpu;
 
 class SimdParityTest : public ::testing::Test {
  protected:

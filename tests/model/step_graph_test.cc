@@ -25,17 +25,7 @@
 namespace epd::model {
 namespace {
 
-// A model loaded with its weights in `backend`'s memory.
-absl::StatusOr<std::unique_ptr<Model>> LoadInto(kernels::Backend& backend, const std::string& set,
-                                                ModelOptions options) {
-  if (set == "nano") return Model::Load(testing::NanoModelDirTest::model_dir(), backend, options);
-  return testing::LoadGoldenModel(backend, set, options, /*weights_in_backend=*/true);
-}
-
-bool BitEqual(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
+using testing::BitEqual;
 using testing::DefaultStepSchedule;
 using testing::StepsRun;
 
@@ -44,7 +34,7 @@ StepsRun RunSteps(const std::string& set, kernels::CpuBackendOptions backend_opt
   std::map<std::string, int64_t> calls;
   backend_options.op_calls = &calls;
   auto backend = kernels::MakeCpuBackend(backend_options);
-  auto m = LoadInto(*backend, set, model_options);
+  auto m = testing::LoadModelInto(*backend, set, model_options);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
   return testing::RunStepSchedule(**m, DefaultStepSchedule(), &calls);

@@ -22,15 +22,13 @@
 #include "model/model.h"
 #include "model/nano_generator.h"
 #include "model/stages.h"
+#include "tests/testing/golden_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::model {
 namespace {
 
-bool BitEqual(std::span<const float> a, std::span<const float> b) {
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
+using testing::BitEqual;
 
 int32_t Argmax(const float* v, int64_t n) {
   return static_cast<int32_t>(std::max_element(v, v + n) - v);

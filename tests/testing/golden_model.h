@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <span>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -95,6 +96,13 @@ inline double RelRms(const float* x, const float* g, size_t n) {
 inline double RelRms(const std::vector<float>& x, const std::vector<float>& g) {
   EXPECT_EQ(x.size(), g.size());
   return RelRms(x.data(), g.data(), std::min(x.size(), g.size()));
+}
+
+// Whether a and b hold the same floats bit for bit (NaNs and signed zeros included).
+inline bool BitEqual(std::span<const float> a, std::span<const float> b) {
+  // memcmp of an empty span would pass a null pointer (undefined even for 0 bytes).
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 inline std::vector<float> ReadGoldenBf16(const std::string& set, const std::string& rel) {

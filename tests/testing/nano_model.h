@@ -25,6 +25,7 @@
 #include "model/nano_generator.h"
 #include "model/sampling.h"
 #include "model/stages.h"
+#include "tests/testing/golden_model.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::testing {
@@ -46,6 +47,14 @@ class NanoModelDirTest : public ::testing::Test {
   }
   static inline TempDir* dir_ = nullptr;
 };
+
+// The model of `set` with its weights loaded into `backend`'s memory: "nano" (the suite's
+// NanoModelDirTest directory) or a golden set (tests/data/golden).
+inline absl::StatusOr<std::unique_ptr<model::Model>> LoadModelInto(
+    kernels::Backend& backend, const std::string& set, model::ModelOptions options = {}) {
+  if (set == "nano") return model::Model::Load(NanoModelDirTest::model_dir(), backend, options);
+  return LoadGoldenModel(backend, set, options, /*weights_in_backend=*/true);
+}
 
 class NanoModelTest : public NanoModelDirTest {
  protected:
