@@ -136,31 +136,150 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
   return absl::OkStatus();
 }
 
+absl::Status Model::AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
+                                   StepKv& kv) const {
+  const ModelConfig& c = config_;
+  const int64_t W = c.window_size, hd = c.head_dim, B = static_cast<int64_t>(seqs.size());
+  const bool compressed = std::any_of(roles_.begin(), roles_.end(),
+                                      [](const LayerRole& r) { return r.compress_ratio > 0; });
+  const int64_t topk = compressed ? c.index_topk : 0;
+  kv = StepKv{};
+  kv.seqs = B;
+  kv.kv_ext_start = B * W + rows;
+  ASSIGN_OR_RETURN(kv.kv, ws.Alloc<float>(kv.kv_ext_start * hd));
+  ASSIGN_OR_RETURN(kv.ext, ws.Alloc<float>(std::max<int64_t>(1, rows * topk) * hd));
+  ASSIGN_OR_RETURN(kv.idx, ws.Alloc<int32_t>(rows * (W + topk)));
+  kv.batched_rings = std::all_of(seqs.begin(), seqs.end(),
+                                 [&](const StepSequence& b) { return b.call->rows <= W; });
+  if (kv.batched_rings) {
+    vector<int32_t> ring_rows(rows);
+    for (int64_t i = 0; i < B; ++i) {
+      const StepSequence& b = seqs[i];
+      for (int64_t r = 0; r < b.call->rows; ++r)
+        ring_rows[b.row0 + r] = static_cast<int32_t>(i * W + (b.call->start_pos + r) % W);
+    }
+    ASSIGN_OR_RETURN(kv.ring_rows, ws.Copy(ring_rows));
+    ASSIGN_OR_RETURN(kv.pages, ws.Alloc<uint8_t*>(B));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepRings(Scratch& ws, int l, const float* kv_rows,
+                              std::span<StepSequence> seqs, StepKv& kv) const {
+  const int64_t W = config_.window_size, hd = config_.head_dim, B = kv.seqs;
+  const int64_t R = kv.kv_ext_start - B * W;
+  RETURN_IF_ERROR(
+      backend_.Copy(kv.kv + B * W * hd, kv_rows, R * hd * static_cast<int64_t>(sizeof(float))));
+  bool batched = kv.batched_rings;
+  for (const StepSequence& b : seqs) {
+    const SwaRing& ring = b.state->swa[l];
+    batched = batched && (!b.status->ok() ||
+                          (ring.window() == W && ring.dim() == hd && ring.backend() == &backend_));
+  }
+  if (!batched) {
+    for (StepSequence& b : seqs) {
+      if (!b.status->ok()) continue;
+      SwaRing& ring = b.state->swa[l];
+      *b.status = ring.ReadWindowTo(kv.kv + (&b - seqs.data()) * W * hd);
+      if (b.status->ok())
+        *b.status = ring.WritePositionsFrom(b.call->start_pos, b.call->rows, kv_rows + b.row0 * hd);
+    }
+    return absl::OkStatus();
+  }
+  // Every ring's block (made writable: what ReadWindowTo would read, as WritePositionsFrom would
+  // write it) is page b of the step's paged stream of B * W rows.
+  constexpr kernels::RowCodec kCodec = kernels::RowCodec::kSwaSlot;
+  vector<uint8_t*> pages(B, nullptr);
+  for (int64_t i = 0; i < B; ++i) {
+    StepSequence& b = seqs[i];
+    if (b.status->ok()) {
+      absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
+      if (page.ok()) {
+        pages[i] = *page;
+        continue;
+      }
+      *b.status = page.status();
+    }
+    if (kv.spare == nullptr) {
+      ASSIGN_OR_RETURN(kv.spare, ws.Filled<uint8_t>(W * kernels::RowCodecBytes(kCodec, hd), 0));
+    }
+    pages[i] = kv.spare;
+  }
+  RETURN_IF_ERROR(ws.Upload(kv.pages, pages.data(), B));
+  RETURN_IF_ERROR(backend_.UnpackRows(kCodec, kv.pages, W, hd, nullptr, 0, B * W, kv.kv));
+  return backend_.PackRows(kCodec, kv_rows, R, hd, kv.pages, W, kv.ring_rows, 0);
+}
+
 absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
-                                  std::span<StepSequence> seqs) const {
+                                  std::span<StepSequence> seqs, StepKv* shared) const {
   const ModelConfig& c = config_;
   const int64_t D = c.dim, H = c.n_heads, hd = c.head_dim;
   const bool indexer = roles_[l].compress_ratio > 0 && roles_[l].is_index_source;
-  const float* zeros = nullptr;
-  for (StepSequence& b : seqs) {
-    const int64_t r0 = b.row0;
+  auto rows_of = [&](const StepSequence& b) {
     AttentionRows rows;
+    const int64_t r0 = b.row0;
     rows.qr = a.qr + r0 * c.q_lora_rank;
     rows.q = a.q + r0 * H * hd;
     rows.kv = a.kv + r0 * hd;
     rows.qi = indexer ? a.qi + r0 * c.index_n_heads * c.index_head_dim : nullptr;
     rows.w = indexer ? a.w + r0 * c.index_n_heads : nullptr;
     rows.o = a.o + r0 * H * hd;
-    if (b.status->ok()) *b.status = Attention(l, a.x + r0 * D, *b.call, *b.state, rows);
-    if (!b.status->ok()) {
-      // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps
-      // run on; rows are independent, so its neighbours' results do not change).
-      if (zeros == nullptr) {
-        ASSIGN_OR_RETURN(zeros, ws.Filled<float>(a.rows * H * hd, 0.f));
-      }
-      RETURN_IF_ERROR(backend_.Copy(rows.o, zeros,
-                                    b.call->rows * H * hd * static_cast<int64_t>(sizeof(float))));
+    rows.step = shared;
+    rows.seq = &b - seqs.data();
+    rows.row0 = r0;
+    return rows;
+  };
+  // Shared: the window first, every sequence's ring as it was before the step (then its rows
+  // written into it), and the step's new rows after them (StepKv).
+  if (shared != nullptr) {
+    shared->ext_used = shared->idx_used = 0;
+    RETURN_IF_ERROR(StepRings(ws, l, a.kv, seqs, *shared));
+  }
+  // Each sequence's own part; with `shared`, runs of consecutive sequences whose lists have the
+  // same length (rows and lists adjacent) in one SparseAttention.
+  struct Run {
+    int64_t row0 = 0, rows = 0, list_len = 0, idx_offset = 0;
+  } run;
+  auto flush = [&]() -> absl::Status {
+    if (run.rows == 0) return absl::OkStatus();
+    kernels::SparseAttentionArgs args;
+    args.q = a.q + run.row0 * H * hd;
+    args.kv = shared->kv;
+    args.kv_ext = shared->ext;
+    args.kv_ext_start = shared->kv_ext_start;
+    args.sink = weights_->layers[l].attn.attn_sink.data();
+    args.idx = shared->idx + run.idx_offset;
+    args.rows = run.rows;
+    args.heads = static_cast<int>(H);
+    args.head_dim = static_cast<int>(hd);
+    args.list_len = run.list_len;
+    args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+    args.out = a.o + run.row0 * H * hd;
+    run = Run{};
+    return backend_.SparseAttention(args);
+  };
+  for (StepSequence& b : seqs) {
+    if (b.status->ok()) *b.status = Attention(l, a.x + b.row0 * D, *b.call, *b.state, rows_of(b));
+    if (shared == nullptr || !b.status->ok()) continue;
+    const StepKv::Lists& li = shared->lists;
+    if (run.rows > 0 && (li.list_len != run.list_len || b.row0 != run.row0 + run.rows ||
+                         li.idx_offset != run.idx_offset + run.rows * run.list_len)) {
+      RETURN_IF_ERROR(flush());
     }
+    if (run.rows == 0) run = Run{b.row0, 0, li.list_len, li.idx_offset};
+    run.rows += b.call->rows;
+  }
+  if (shared != nullptr) RETURN_IF_ERROR(flush());
+  // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps run
+  // on; rows are independent, so its neighbours' results do not change).
+  const float* zeros = nullptr;
+  for (StepSequence& b : seqs) {
+    if (b.status->ok()) continue;
+    if (zeros == nullptr) {
+      ASSIGN_OR_RETURN(zeros, ws.Filled<float>(a.rows * H * hd, 0.f));
+    }
+    RETURN_IF_ERROR(backend_.Copy(a.o + b.row0 * H * hd, zeros,
+                                  b.call->rows * H * hd * static_cast<int64_t>(sizeof(float))));
   }
   return absl::OkStatus();
 }
@@ -289,9 +408,19 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     ++step_graphs_->stats().failures;
     return StepSegment(seg, s, a);
   };
+  // The attention's shared buffers, when every sequence's lists are built on the backend.
+  StepKv shared_kv;
+  StepKv* shared = nullptr;
+  if (std::all_of(tokens.begin(), tokens.end(), [&](const vector<int32_t>& t) {
+        return static_cast<int64_t>(t.size()) <= options_.device_list_rows;
+      })) {
+    RETURN_IF_ERROR(AllocateStepKv(ws, seqs, R, shared_kv));
+    shared = &shared_kv;
+  }
   for (int s = 0; s <= c.n_layers; ++s) {
     RETURN_IF_ERROR(run_segment(s));
-    if (s < c.n_layers) RETURN_IF_ERROR(StepAttention(ws, s, a, std::span<StepSequence>(seqs)));
+    if (s < c.n_layers)
+      RETURN_IF_ERROR(StepAttention(ws, s, a, std::span<StepSequence>(seqs), shared));
   }
   if (step_graphs_ != nullptr) {
     const bool as_graphs = launch || (record && !set->failed);

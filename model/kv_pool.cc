@@ -1044,6 +1044,11 @@ absl::Status SwaRing::Writable() {
   return absl::OkStatus();
 }
 
+absl::StatusOr<uint8_t*> SwaRing::WritableBlock() {
+  RETURN_IF_ERROR(Writable());
+  return block_.data;
+}
+
 absl::StatusOr<uint8_t* const*> SwaRing::Page() const {
   page_ = block_.data;
   if (pool_->host_memory()) return &page_;

@@ -433,6 +433,13 @@ class SwaRing {
   [[nodiscard]] absl::Status WritePositions(int64_t first_pos, int64_t n, const float* x);
   // The same from rows in the pool backend's memory (the model's path: PackRows).
   [[nodiscard]] absl::Status WritePositionsFrom(int64_t first_pos, int64_t n, const float* x);
+  // The ring's block made writable (allocated with zero slots on the first write, a shared one
+  // copied): its address in the pool backend's memory, one page of window() kSwaSlot rows. For a
+  // caller that packs and unpacks many rings' rows in one backend call (Model::StepAttention);
+  // valid until the ring is next written through another call or released.
+  [[nodiscard]] absl::StatusOr<uint8_t*> WritableBlock();
+  // The pool's backend (null without a pool).
+  kernels::Backend* backend() const { return pool_ != nullptr ? &pool_->backend() : nullptr; }
   // Slot bytes as they are (slot_bytes()).
   [[nodiscard]] absl::Status WriteSlotPacked(int64_t slot, const uint8_t* bytes);
   // The whole ring, ring_bytes() packed bytes.

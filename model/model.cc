@@ -421,10 +421,19 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   }
 
   // Window part of the KV and of each row's list.
+  StepKv* step = given != nullptr ? given->step : nullptr;
+  if (step != nullptr && (call.prefill || S > options_.device_list_rows))
+    return absl::InternalError("attention: a shared step takes decode calls of few rows");
   SwaRing& ring = state.swa[l];
   const float* kv_all = kv;  // start_pos 0: the chunk's own rows are the window (reference prefill)
   const int64_t win_rows = call.prefill ? S : W + S;
-  if (!call.prefill) {
+  // Where kv_all holds the ring's slots and this call's rows (a decode-mode call).
+  int64_t ring_base = 0, new_base = W;
+  if (step != nullptr) {  // the caller read the ring into step->kv and wrote this call's rows
+    kv_all = step->kv;
+    ring_base = given->seq * W;
+    new_base = step->seqs * W + given->row0;
+  } else if (!call.prefill) {
     // start_pos > 0 (decode, multi-token decode, chunked prefill): [ring as before this call;
     // this call's rows]. Each row lists positions p-W+1..p oldest first, as the reference decode.
     ASSIGN_OR_RETURN(float* joined, ws.Alloc<float>((W + S) * hd));
@@ -433,7 +442,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         backend_.Copy(joined + W * hd, kv, S * hd * static_cast<int64_t>(sizeof(float))));
     kv_all = joined;
   }
-  RETURN_IF_ERROR(ring.WritePositionsFrom(call.start_pos, S, kv));
+  if (step == nullptr) RETURN_IF_ERROR(ring.WritePositionsFrom(call.start_pos, S, kv));
 
   // Compressed part: compressor (KV sources), indexer (index sources), shared top-k (Reuse).
   const int ratio = role.compress_ratio;
@@ -589,14 +598,21 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       const int64_t qp = base + j;
       if (qp > p || qp < lo) continue;
       li[j] = static_cast<int32_t>(call.prefill           ? qp
-                                   : qp >= call.start_pos ? W + (qp - call.start_pos)
-                                                          : qp % W);
+                                   : qp >= call.start_pos ? new_base + (qp - call.start_pos)
+                                                          : ring_base + qp % W);
     }
     if (!device_topk) {
       for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
     }
   }
-  ASSIGN_OR_RETURN(int32_t * idx_dev, ws.Alloc<int32_t>(S * list_len));
+  int32_t* idx_dev = nullptr;
+  if (step != nullptr) {
+    idx_dev = step->idx + step->idx_used;
+    step->lists = {list_len, step->idx_used};
+    step->idx_used += S * list_len;
+  } else {
+    ASSIGN_OR_RETURN(idx_dev, ws.Alloc<int32_t>(S * list_len));
+  }
 
   float* o = given != nullptr ? given->o : nullptr;
   if (o == nullptr) {
@@ -606,15 +622,23 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   args.q = q;
   args.kv = kv_all;
   const bool device_slots = ratio > 0 && nk > 0 && k > 0 && device_lists;
+  int64_t slots_base = win_rows;  // the list entry of the gather's first row
   if (device_slots) {
     // Top-k slot (i, j) reads row i * k + j of a per-slot gather of the selected compressed
     // entries (a -1 slot gathers nothing and its list entry stays -1): the values and their
     // order in each list are those of the compact path below, so is the attention.
     if (call.topk_dev == nullptr) return absl::InternalError("attention: no top-k on the backend");
-    ASSIGN_OR_RETURN(float* kv_sel, ws.Alloc<float>(S * k * hd));
+    float* kv_sel = nullptr;
+    if (step != nullptr) {  // after the step's earlier sequences' gathers
+      kv_sel = step->ext + step->ext_used * hd;
+      slots_base = step->kv_ext_start + step->ext_used;
+      step->ext_used += S * k;
+    } else {
+      ASSIGN_OR_RETURN(kv_sel, ws.Alloc<float>(S * k * hd));
+    }
     RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -win_rows));
-    args.kv_ext = kv_sel;
-    args.kv_ext_start = win_rows;
+    args.kv_ext = step != nullptr ? step->ext : kv_sel;
+    args.kv_ext_start = step != nullptr ? step->kv_ext_start : win_rows;
   } else if (ratio > 0 && nk > 0 && whole_source) {
     // The whole source unpacked once; TopKSlots (below) writes each slot's entry as it is.
     if (k > 0 && call.topk_dev == nullptr)
@@ -655,12 +679,13 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(ws.Upload(idx_dev, idx.data(), S * list_len));
   }
   if (device_slots) {  // the top-k part of the lists, over the uploaded window part
-    RETURN_IF_ERROR(
-        backend_.TopKSlots(call.topk_dev, S, k, win_rows, /*per_slot=*/true, idx_dev, list_len, W));
+    RETURN_IF_ERROR(backend_.TopKSlots(call.topk_dev, S, k, slots_base, /*per_slot=*/true, idx_dev,
+                                       list_len, W));
   } else if (whole_source && ratio > 0 && nk > 0 && k > 0) {  // each slot's entry, as it is
     RETURN_IF_ERROR(
         backend_.TopKSlots(call.topk_dev, S, k, 0, /*per_slot=*/false, idx_dev, list_len, W));
   }
+  if (step != nullptr) return absl::OkStatus();  // the caller runs the step's SparseAttention
   args.sink = A.attn_sink.data();
   args.idx = idx_dev;
   args.rows = S;

@@ -507,6 +507,36 @@ class Model {
   // Attention of layer l: x [rows, dim] (attn_norm output) -> out [rows, dim].
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace = nullptr) const;
+  // The attention buffers a batched step's sequences share, so that sequences whose lists have
+  // the same length run in one SparseAttention call: every list indexes
+  //   kv  [B * W + R, head_dim]: sequence b's window ring (as it was before the step) in rows
+  //       b * W .. b * W + W - 1, then the step's R new window rows;
+  //   ext [R * index_topk, head_dim]: each sequence's gathered top-k entries, one after another,
+  //       read from list entry kv_ext_start = B * W + R on;
+  // and the lists themselves are one after another in idx. A list entry reads the same values
+  // as in a call of its own, the lists have the same lengths, so the rows' bits are the same.
+  struct StepKv {
+    int64_t seqs = 0;  // B
+    float* kv = nullptr;
+    float* ext = nullptr;
+    int32_t* idx = nullptr;
+    int64_t kv_ext_start = 0;
+    // The rings are read and written for every sequence at once (one UnpackRows, one PackRows
+    // per layer) when every sequence's rows fit its ring: the new rows' ring rows (sequence b's
+    // rows go to b * W + position % W; uploaded once per step) and the layer's ring pages (a
+    // failed sequence's page is `spare`, a ring's bytes that nothing reads).
+    bool batched_rings = false;
+    int32_t* ring_rows = nullptr;  // [R]
+    uint8_t** pages = nullptr;     // [B]
+    uint8_t* spare = nullptr;
+    // Filled per layer, sequence by sequence.
+    int64_t ext_used = 0;  // rows of ext
+    int64_t idx_used = 0;  // entries of idx
+    struct Lists {
+      int64_t list_len = 0;
+      int64_t idx_offset = 0;
+    } lists;  // the last sequence's
+  };
   // The row-independent parts of a layer's attention for every row of a batched step at once
   // (Block over several sequences): the queries, the window KV rows and the indexer's queries and
   // weights before, the inverse RoPE and the output projection after. Attention then runs, per
@@ -519,6 +549,12 @@ class Model {
     const float* qi = nullptr;  // [rows, index_heads, index_head_dim] (index-source layers)
     const float* w = nullptr;   // [rows, index_heads] the indexer's head weights
     float* o = nullptr;         // [rows, heads, head_dim] out: before the inverse RoPE
+    // A batched step's shared attention (StepAttention; null: the call's own). Then the ring was
+    // read and written by the caller, this sequence's lists go into `step`, and the caller runs
+    // the SparseAttention (StepKv::lists says where the lists are).
+    StepKv* step = nullptr;
+    int64_t seq = 0;   // the sequence's index in the step (its ring's rows in step->kv)
+    int64_t row0 = 0;  // its first row in the step
   };
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state,
                          const AttentionRows& rows) const;
@@ -600,9 +636,20 @@ class Model {
   // projections); segment 0 embeds; segment n_layers ends with every row's logits.
   absl::Status StepSegment(Scratch& outer, int s, const StepArrays& a) const;
   // Layer l's attention of each sequence on its rows of the step's arrays (what reads and writes
-  // its own KV): q, kv, qr, qi, w -> o. A sequence that fails gets zero rows.
-  absl::Status StepAttention(Scratch& ws, int l, const StepArrays& a,
-                             std::span<StepSequence> seqs) const;
+  // its own KV): q, kv, qr, qi, w -> o. A sequence that fails gets zero rows. With `shared`
+  // (every sequence has at most device_list_rows rows), the sequences' lists index shared
+  // buffers and consecutive sequences whose lists have the same length share a SparseAttention
+  // call; else each sequence's attention is a call of its own.
+  absl::Status StepAttention(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
+                             StepKv* shared) const;
+  // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
+  absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
+                              StepKv& kv) const;
+  // Layer l's window rings of the step's sequences read into kv.kv and written with the new rows
+  // `kv_rows` [R, head_dim]: in one UnpackRows and one PackRows when kv.batched_rings, else
+  // ring by ring. A sequence whose ring fails takes the error.
+  absl::Status StepRings(Scratch& ws, int l, const float* kv_rows, std::span<StepSequence> seqs,
+                         StepKv& kv) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and

@@ -13,6 +13,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -30,14 +31,14 @@ using testing::DefaultStepSchedule;
 using testing::StepsRun;
 
 StepsRun RunSteps(const std::string& set, kernels::CpuBackendOptions backend_options,
-                  ModelOptions model_options = {}) {
+                  ModelOptions model_options = {}, std::vector<int> prompts = {40, 63, 86}) {
   std::map<std::string, int64_t> calls;
   backend_options.op_calls = &calls;
   auto backend = kernels::MakeCpuBackend(backend_options);
   auto m = testing::LoadModelInto(*backend, set, model_options);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
-  return testing::RunStepSchedule(**m, DefaultStepSchedule(), &calls);
+  return testing::RunStepSchedule(**m, DefaultStepSchedule(), &calls, std::move(prompts));
 }
 
 int64_t Count(const std::map<std::string, int64_t>& calls, const char* op) {
@@ -118,6 +119,65 @@ TEST_P(StepGraphTest, ALaunchedStepCallsOnlyTheAttentionItself) {
       static_cast<long long>(DirectOps(launched)),
       static_cast<long long>(Count(launched, "LaunchGraph")),
       static_cast<long long>(Count(launched, "graph ops")));
+}
+
+// The step's sequences share the attention's buffers (Model::StepKv): consecutive sequences
+// whose lists have the same length run in one SparseAttention. Against each sequence's own call
+// (device_list_rows = 0: the compact path, no shared buffers), the same bits: with the default
+// prompts (every top-k full: one call per layer), and with prompts of 9, 40 and 13 tokens, whose
+// index layers' top-k are shorter than index_topk and differ at first (calls split into runs).
+TEST_P(StepGraphTest, SharedAttentionGivesEachSequencesOwnCallsBits) {
+  for (const std::vector<int>& prompts : {std::vector<int>{40, 63, 86}, {9, 40, 13}}) {
+    const StepsRun shared = RunSteps(GetParam(), {.graphs = true}, {}, prompts);
+    const StepsRun own =
+        RunSteps(GetParam(), {.graphs = true}, ModelOptions{.device_list_rows = 0}, prompts);
+    ASSERT_FALSE(shared.logits.empty());
+    EXPECT_TRUE(BitEqual(shared.logits, own.logits));
+    EXPECT_EQ(shared.tokens, own.tokens);
+    const int64_t layers = shared.layers;
+    const int64_t calls = Count(shared.calls[0], "SparseAttention");
+    EXPECT_EQ(Count(own.calls[0], "SparseAttention"), 3 * layers);
+    if (prompts[0] == 40) {
+      EXPECT_EQ(calls, layers);
+    } else {
+      EXPECT_GT(calls, layers);
+      EXPECT_LT(calls, 3 * layers);
+    }
+    std::printf(
+        "[%s] prompts %d, %d, %d: a 3-sequence step's %lld layers, %lld SparseAttention "
+        "calls\n",
+        GetParam().c_str(), prompts[0], prompts[1], prompts[2], static_cast<long long>(layers),
+        static_cast<long long>(calls));
+  }
+}
+
+// Copies of a sequence share its ring blocks (SwaRing's copy): in one batched step, each copy's
+// ring is made writable (copied) before the step's one PackRows writes every ring, so each copy
+// sees the window as it was and keeps its own rows. Each step gives each copy the logits it
+// gets alone, and so do the steps after.
+TEST_P(StepGraphTest, CopiesOfASequenceInOneStepKeepTheirOwnRings) {
+  auto backend = kernels::MakeCpuBackend({});
+  auto m = testing::LoadModelInto(*backend, GetParam(), {});
+  ASSERT_TRUE(m.ok()) << m.status();
+  const Model& model = **m;
+  auto base = model.NewSequence();
+  std::vector<int32_t> prompt(50);
+  for (size_t i = 0; i < prompt.size(); ++i) prompt[i] = static_cast<int32_t>(3 + i % 40);
+  ASSERT_TRUE(model.Prefill(*base, prompt, false).ok());
+  SequenceState a = *base, b = *base, alone_a = *base, alone_b = *base;
+  for (int step = 0; step < 4; ++step) {
+    std::vector<SequenceState*> both = {&a, &b};
+    std::vector<std::vector<int32_t>> toks = {{int32_t(5 + step)}, {int32_t(20 + 3 * step)}};
+    auto out = DecodeStep(model, both, toks);
+    ASSERT_TRUE(out.ok()) << out.status();
+    std::vector<SequenceState*> one_a = {&alone_a}, one_b = {&alone_b};
+    auto want_a = DecodeStep(model, one_a, std::span(toks).first(1));
+    auto want_b = DecodeStep(model, one_b, std::span(toks).last(1));
+    ASSERT_TRUE(want_a.ok() && want_b.ok());
+    EXPECT_TRUE(BitEqual((*out)[0].logits, (*want_a)[0].logits)) << "step " << step;
+    EXPECT_TRUE(BitEqual((*out)[1].logits, (*want_b)[0].logits)) << "step " << step;
+    EXPECT_FALSE(BitEqual((*out)[0].logits, (*out)[1].logits)) << "step " << step;
+  }
 }
 
 // With room for one row count only, each new row count evicts the last one's graphs; the bits do

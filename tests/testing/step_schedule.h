@@ -40,18 +40,19 @@ struct StepsRun {
   int layers = 0;
 };
 
-// Runs `schedule` on three sequences of `model` (prompts of 40, 63 and 86 tokens). `calls`
+// Runs `schedule` on three sequences of `model` (prompts of `prompts` tokens). `calls`
 // (optional: the backend's CpuBackendOptions::op_calls) is cleared before each step and kept per
 // step in StepsRun::calls.
 inline StepsRun RunStepSchedule(const model::Model& model, const Schedule& schedule,
-                                std::map<std::string, int64_t>* calls = nullptr) {
+                                std::map<std::string, int64_t>* calls = nullptr,
+                                std::vector<int> prompts = {40, 63, 86}) {
   StepsRun run;
   run.layers = model.config().n_layers;
   const int64_t V = model.config().vocab_size;
   std::vector<std::unique_ptr<model::SequenceState>> seqs;
   for (int b = 0; b < 3; ++b) {
     seqs.push_back(model.NewSequence());
-    std::vector<int32_t> prompt(40 + 23 * b);
+    std::vector<int32_t> prompt(prompts.at(b));
     for (size_t i = 0; i < prompt.size(); ++i)
       prompt[i] = static_cast<int32_t>((3 + i * 7 + b) % V);
     auto r = model.Prefill(*seqs.back(), prompt, false);
