@@ -76,6 +76,9 @@ absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) co
   ASSIGN_OR_RETURN(a.qi, ws.Alloc<float>(R * c.index_n_heads * c.index_head_dim));
   ASSIGN_OR_RETURN(a.w, ws.Alloc<float>(R * c.index_n_heads));
   ASSIGN_OR_RETURN(a.o, ws.Alloc<float>(R * H * hd));
+  ASSIGN_OR_RETURN(a.cmp_kv, ws.Alloc<float>(R * hd));
+  ASSIGN_OR_RETURN(a.cmp_score, ws.Alloc<float>(R * hd));
+  ASSIGN_OR_RETURN(a.mtp_kv, ws.Alloc<float>(std::max(1, c.n_mtp_layers) * R * hd));
   ASSIGN_OR_RETURN(a.logits, ws.Alloc<float>(R * c.vocab_size));
   RETURN_IF_ERROR(a.mix.Allocate(ws, R, hc));
   ASSIGN_OR_RETURN(a.pre0, ws.Copy(FirstPreMix(R)));
@@ -105,6 +108,14 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
     RETURN_IF_ERROR(HcAfterFfn(R, a.y, a.h, m));
   }
   if (s == c.n_layers) {
+    if (c.n_mtp_layers > 0) {  // the DSpark layers' window rows (DSparkSeedFrom's ops)
+      const DSparkWeights& Dw = *weights_->dspark;
+      ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(R * D));
+      RETURN_IF_ERROR(backend_.LinearQuant(a.main_hidden, R, Dw.main_proj, mx));
+      RETURN_IF_ERROR(backend_.RmsNorm(mx, Dw.main_norm.data(), R, D, c.norm_eps, mx));
+      for (int t = 0; t < c.n_mtp_layers; ++t)
+        RETURN_IF_ERROR(StageKv(ws, c.n_layers + t, mx, R, a.pos, a.mtp_kv + t * R * c.head_dim));
+    }
     return HeadLogits(ws, DeviceResidual{a.h, a.pre}, R, /*all_logits=*/true, nullptr, a.logits)
         .status();
   }
@@ -132,6 +143,68 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
   RETURN_IF_ERROR(StageKv(ws, l, a.x, R, a.pos, a.kv));
   if (role.compress_ratio > 0 && role.is_index_source) {
     RETURN_IF_ERROR(IndexQueries(ws, l, a.x, a.qr, R, a.pos, a.qi, a.w));
+  }
+  // A KV source's compressor projections (Model::Compress's first ops; StepCompress the rest).
+  if (role.compress_ratio > 0 && role.is_kv_source) {
+    const AttentionWeights& A = L.attn;
+    const int64_t hd = c.head_dim;
+    if (role.compress_ratio == 1) {
+      RETURN_IF_ERROR(backend_.LinearBf16(a.x, R, A.cmp_wkv.data(), hd, D, a.cmp_kv));
+      RETURN_IF_ERROR(backend_.RmsNorm(a.cmp_kv, A.cmp_norm.data(), R, hd, c.norm_eps, a.cmp_kv));
+    } else {
+      RETURN_IF_ERROR(backend_.LinearF32(a.x, R, A.cmp_wkv.data(), hd, D, a.cmp_kv));
+      RETURN_IF_ERROR(backend_.LinearF32(a.x, R, A.cmp_wgate.data(), hd, D, a.cmp_score));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
+                                 std::span<StepSequence> seqs) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t hd = c.head_dim, B = static_cast<int64_t>(seqs.size());
+  const int ratio = roles_[l].compress_ratio;
+  // Each sequence's entries: latents rows [first[b], first[b] + count[b]).
+  vector<int64_t> first(B, 0), count(B, 0);
+  float* latents = nullptr;
+  const int64_t* gpos_dev = nullptr;
+  int64_t ne = 0;
+  if (ratio == 1) {  // every row is an entry (its projection normed in the segment)
+    latents = a.cmp_kv;
+    gpos_dev = a.pos;
+    ne = a.rows;
+    for (int64_t b = 0; b < B; ++b) {
+      first[b] = seqs[b].row0;
+      count[b] = seqs[b].call->rows;
+    }
+  } else {
+    ASSIGN_OR_RETURN(latents, ws.Alloc<float>(a.rows * hd));  // a group per row at most
+    vector<int64_t> gpos;
+    for (int64_t b = 0; b < B; ++b) {
+      StepSequence& q = seqs[b];
+      if (!q.status->ok()) continue;
+      vector<int64_t> pos(q.call->rows);
+      for (int64_t i = 0; i < q.call->rows; ++i) pos[i] = q.call->start_pos + i;
+      first[b] = static_cast<int64_t>(gpos.size());
+      *q.status =
+          PoolGroups(ws, q.state->sources[l], q.state->cut_block_tokens, a.cmp_kv + q.row0 * hd,
+                     a.cmp_score + q.row0 * hd, pos, latents + first[b] * hd, gpos);
+      if (!q.status->ok()) gpos.resize(first[b]);
+      count[b] = static_cast<int64_t>(gpos.size()) - first[b];
+    }
+    ne = static_cast<int64_t>(gpos.size());
+    if (ne == 0) return absl::OkStatus();
+    RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(), ne, hd, c.norm_eps, latents));
+    ASSIGN_OR_RETURN(gpos_dev, ws.Copy(gpos));
+  }
+  ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * c.index_head_dim));
+  RETURN_IF_ERROR(FinishLatents(ws, l, latents, ne, gpos_dev, keys));
+  for (int64_t b = 0; b < B; ++b) {
+    StepSequence& q = seqs[b];
+    if (!q.status->ok() || count[b] == 0) continue;
+    *q.status = AppendLatents(l, *q.state, latents + first[b] * hd,
+                              keys + first[b] * c.index_head_dim, count[b]);
   }
   return absl::OkStatus();
 }
@@ -164,13 +237,17 @@ absl::Status Model::AllocateStepKv(Scratch& ws, std::span<const StepSequence> se
   return absl::OkStatus();
 }
 
-absl::Status Model::StepRings(Scratch& ws, int l, const float* kv_rows,
-                              std::span<StepSequence> seqs, StepKv& kv) const {
-  const int64_t W = config_.window_size, hd = config_.head_dim, B = kv.seqs;
-  const int64_t R = kv.kv_ext_start - B * W;
-  RETURN_IF_ERROR(
-      backend_.Copy(kv.kv + B * W * hd, kv_rows, R * hd * static_cast<int64_t>(sizeof(float))));
-  bool batched = kv.batched_rings;
+absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_rows,
+                              std::span<StepSequence> seqs, StepKv* kv) const {
+  const int64_t W = config_.window_size, hd = config_.head_dim;
+  if (read && kv == nullptr) return absl::InternalError("step rings: nowhere to read them to");
+  const int64_t B = static_cast<int64_t>(seqs.size());
+  if (read) {
+    const int64_t R = kv->kv_ext_start - B * W;
+    RETURN_IF_ERROR(
+        backend_.Copy(kv->kv + B * W * hd, kv_rows, R * hd * static_cast<int64_t>(sizeof(float))));
+  }
+  bool batched = kv != nullptr && kv->batched_rings;
   for (const StepSequence& b : seqs) {
     const SwaRing& ring = b.state->swa[l];
     batched = batched && (!b.status->ok() ||
@@ -180,7 +257,7 @@ absl::Status Model::StepRings(Scratch& ws, int l, const float* kv_rows,
     for (StepSequence& b : seqs) {
       if (!b.status->ok()) continue;
       SwaRing& ring = b.state->swa[l];
-      *b.status = ring.ReadWindowTo(kv.kv + (&b - seqs.data()) * W * hd);
+      if (read) *b.status = ring.ReadWindowTo(kv->kv + (&b - seqs.data()) * W * hd);
       if (b.status->ok())
         *b.status = ring.WritePositionsFrom(b.call->start_pos, b.call->rows, kv_rows + b.row0 * hd);
     }
@@ -200,14 +277,16 @@ absl::Status Model::StepRings(Scratch& ws, int l, const float* kv_rows,
       }
       *b.status = page.status();
     }
-    if (kv.spare == nullptr) {
-      ASSIGN_OR_RETURN(kv.spare, ws.Filled<uint8_t>(W * kernels::RowCodecBytes(kCodec, hd), 0));
+    if (kv->spare == nullptr) {
+      ASSIGN_OR_RETURN(kv->spare, ws.Filled<uint8_t>(W * kernels::RowCodecBytes(kCodec, hd), 0));
     }
-    pages[i] = kv.spare;
+    pages[i] = kv->spare;
   }
-  RETURN_IF_ERROR(ws.Upload(kv.pages, pages.data(), B));
-  RETURN_IF_ERROR(backend_.UnpackRows(kCodec, kv.pages, W, hd, nullptr, 0, B * W, kv.kv));
-  return backend_.PackRows(kCodec, kv_rows, R, hd, kv.pages, W, kv.ring_rows, 0);
+  RETURN_IF_ERROR(ws.Upload(kv->pages, pages.data(), B));
+  if (read)
+    RETURN_IF_ERROR(backend_.UnpackRows(kCodec, kv->pages, W, hd, nullptr, 0, B * W, kv->kv));
+  const int64_t R = kv->kv_ext_start - B * W;
+  return backend_.PackRows(kCodec, kv_rows, R, hd, kv->pages, W, kv->ring_rows, 0);
 }
 
 absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
@@ -215,6 +294,8 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
   const ModelConfig& c = config_;
   const int64_t D = c.dim, H = c.n_heads, hd = c.head_dim;
   const bool indexer = roles_[l].compress_ratio > 0 && roles_[l].is_index_source;
+  const bool compressed =
+      shared != nullptr && roles_[l].compress_ratio > 0 && roles_[l].is_kv_source;
   auto rows_of = [&](const StepSequence& b) {
     AttentionRows rows;
     const int64_t r0 = b.row0;
@@ -227,13 +308,15 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     rows.step = shared;
     rows.seq = &b - seqs.data();
     rows.row0 = r0;
+    rows.compressed = compressed;
     return rows;
   };
   // Shared: the window first, every sequence's ring as it was before the step (then its rows
   // written into it), and the step's new rows after them (StepKv).
   if (shared != nullptr) {
     shared->ext_used = shared->idx_used = 0;
-    RETURN_IF_ERROR(StepRings(ws, l, a.kv, seqs, *shared));
+    RETURN_IF_ERROR(StepRings(ws, l, /*read=*/true, a.kv, seqs, shared));
+    if (compressed) RETURN_IF_ERROR(StepCompress(ws, l, a, seqs));
   }
   // Each sequence's own part; with `shared`, runs of consecutive sequences whose lists have the
   // same length (rows and lists adjacent) in one SparseAttention.
@@ -529,14 +612,16 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
       }
     }
     r.main_hidden = std::move(io.main_hidden);
-    if (c.n_mtp_layers > 0) {
-      if (absl::Status st = DSparkSeedFrom(head_ws, state, a.main_hidden + r0 * nt * D, n, pos);
-          !st.ok()) {
-        status[b] = st;
-        continue;
-      }
-    }
     out[b] = std::move(r);
+  }
+  // The DSpark layers' windows take the committed sequences' rows (DSparkSeedFrom's writes, of
+  // rows the last segment made).
+  for (int t = 0; t < c.n_mtp_layers; ++t) {
+    RETURN_IF_ERROR(StepRings(ws, c.n_layers + t, /*read=*/false, a.mtp_kv + t * R * c.head_dim,
+                              std::span<StepSequence>(seqs), shared));
+  }
+  for (size_t b = 0; b < B; ++b) {
+    if (!status[b].ok()) out[b] = ForwardResult{};
   }
   return out;
 }

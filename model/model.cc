@@ -176,11 +176,9 @@ absl::Status Model::RopeRows(Scratch& ws, int l, float* x, int64_t rows, int hea
 absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int64_t S,
                              SequenceState& state) const {
   const ModelConfig& c = config_;
-  const LayerRole& role = roles_[l];
   const AttentionWeights& A = weights_->layers[l].attn;
   const int64_t D = c.dim, hd = c.head_dim;
-  const int rd = c.rope_head_dim, nope = c.nope_head_dim();
-  const int ratio = role.compress_ratio;
+  const int ratio = roles_[l].compress_ratio;
   const vector<int64_t> pos(pos_ptr, pos_ptr + S);
   SequenceState::Source& s = state.sources[l];
   Scratch ws(backend_, scratch_pool_.get());
@@ -196,66 +194,10 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     ASSIGN_OR_RETURN(float* scf, ws.Alloc<float>(S * hd));
     RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf));
     RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf));
-    RETURN_IF_ERROR(LogCompressorRows(ws, s, state.cut_block_tokens, kvf, scf, pos));
     int64_t emits = 0;
     for (int64_t i = 0; i < S; ++i) emits += (pos[i] + 1) % ratio == 0 ? 1 : 0;
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
-    // The tail state (backend memory) takes the call's rows lazily: rows [written, i] just before
-    // a group begun in an earlier call pools it, and at the end the last row of each slot.
-    // write_rows writes the rows of [from, to) that `keep`, a run of consecutive positions in
-    // consecutive slots at a time.
-    int64_t written = 0;
-    auto write_rows = [&](int64_t from, int64_t to, auto keep) -> absl::Status {
-      for (int64_t i = from; i < to;) {
-        if (!keep(i)) {
-          ++i;
-          continue;
-        }
-        int64_t n = 1;
-        while (i + n < to && keep(i + n) && pos[i + n] == pos[i] + n && pos[i] % ratio + n < ratio)
-          ++n;
-        RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
-        i += n;
-      }
-      return absl::OkStatus();
-    };
-    // Groups whose rows are all in this call pool straight from kvf/scf; consecutive ones go in
-    // one CompressPool call (a run: `run` groups from row run_row, into latents from run_lat).
-    int64_t run = 0, run_row = 0, run_lat = 0;
-    auto flush_run = [&]() -> absl::Status {
-      if (run == 0) return absl::OkStatus();
-      const int64_t n = run;
-      run = 0;
-      return backend_.CompressPool(kvf + run_row * hd, scf + run_row * hd, n, ratio, hd,
-                                   latents + run_lat * hd);
-    };
-    for (int64_t i = 0; i < S; ++i) {
-      if ((pos[i] + 1) % ratio != 0) continue;
-      float* lat = latents + static_cast<int64_t>(gpos.size()) * hd;
-      // The group is positions pos[i]-ratio+1..pos[i], slot j = the group's j-th position. When
-      // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf;
-      // a group begun in an earlier call pools the tail state.
-      const bool in_call = i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio;
-      if (!in_call) {
-        RETURN_IF_ERROR(write_rows(written, i + 1, [](int64_t) { return true; }));
-        written = i + 1;
-        RETURN_IF_ERROR(backend_.CompressPool(s.tail.kv(), s.tail.score(), 1, ratio, hd, lat));
-      } else if (run > 0 && run_row + run * ratio == i + 1 - ratio &&
-                 run_lat + run == static_cast<int64_t>(gpos.size())) {
-        ++run;  // the next group of the run: its rows follow the previous group's
-      } else {
-        RETURN_IF_ERROR(flush_run());
-        run_row = i + 1 - ratio;
-        run_lat = static_cast<int64_t>(gpos.size());
-        run = 1;
-      }
-      gpos.push_back(pos[i] + 1 - ratio);
-    }
-    // The rows still to write: of each slot, its last row (later rows overwrite earlier ones).
-    std::vector<int64_t> last(static_cast<size_t>(ratio), -1);
-    for (int64_t i = written; i < S; ++i) last[pos[i] % ratio] = i;
-    RETURN_IF_ERROR(write_rows(written, S, [&](int64_t i) { return last[pos[i] % ratio] == i; }));
-    RETURN_IF_ERROR(flush_run());
+    RETURN_IF_ERROR(PoolGroups(ws, s, state.cut_block_tokens, kvf, scf, pos, latents, gpos));
     // Every entry's norm in one call (rows are independent).
     if (!gpos.empty()) {
       RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(),
@@ -263,28 +205,107 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
     }
   }
   const int64_t ne = static_cast<int64_t>(gpos.size());
-  if (ne > 0) {
-    const int64_t ihd = c.index_head_dim;
-    ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * ihd));
-    ASSIGN_OR_RETURN(const int64_t* gpos_dev, ws.Copy(gpos));
-    RETURN_IF_ERROR(backend_.LinearBf16(latents, ne, A.idx_wk.data(), ihd, hd, keys));
-    RETURN_IF_ERROR(backend_.RmsNorm(keys, A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys));
-    RETURN_IF_ERROR(RopeRows(ws, l, keys, ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd),
-                             gpos_dev, false));
-    if (!options_.unquantized_kv)  // benchmark switch, see ModelOptions
-      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys, ne, ihd));
-    RETURN_IF_ERROR(RopeRows(ws, l, latents, ne, 1, static_cast<int>(hd), nope, gpos_dev, false));
-    if (!options_.unquantized_kv)
-      RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents, ne, hd));
-    // The pool packs the rows into its blocks (the backend's PackRows, in its memory).
-    RETURN_IF_ERROR(s.kv.AppendFrom(latents, ne));
-    if (absl::Status st = s.keys.AppendFrom(keys, ne); !st.ok()) {
-      s.kv.Truncate(s.n);
-      return st;
+  if (ne == 0) return absl::OkStatus();
+  ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * c.index_head_dim));
+  ASSIGN_OR_RETURN(const int64_t* gpos_dev, ws.Copy(gpos));
+  RETURN_IF_ERROR(FinishLatents(ws, l, latents, ne, gpos_dev, keys));
+  return AppendLatents(l, state, latents, keys, ne);
+}
+
+absl::Status Model::PoolGroups(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
+                               const float* kvf, const float* scf, const vector<int64_t>& pos,
+                               float* latents, vector<int64_t>& gpos) const {
+  const int64_t hd = config_.head_dim, S = static_cast<int64_t>(pos.size());
+  const int ratio = s.ratio;
+  const int64_t g0 = static_cast<int64_t>(gpos.size());  // latents[0]'s entry
+  RETURN_IF_ERROR(LogCompressorRows(ws, s, cut_block, kvf, scf, pos));
+  // The tail state (backend memory) takes the call's rows lazily: rows [written, i] just before
+  // a group begun in an earlier call pools it, and at the end the last row of each slot.
+  // write_rows writes the rows of [from, to) that `keep`, a run of consecutive positions in
+  // consecutive slots at a time.
+  int64_t written = 0;
+  auto write_rows = [&](int64_t from, int64_t to, auto keep) -> absl::Status {
+    for (int64_t i = from; i < to;) {
+      if (!keep(i)) {
+        ++i;
+        continue;
+      }
+      int64_t n = 1;
+      while (i + n < to && keep(i + n) && pos[i + n] == pos[i] + n && pos[i] % ratio + n < ratio)
+        ++n;
+      RETURN_IF_ERROR(s.tail.WriteSlotsFrom(pos[i] % ratio, n, kvf + i * hd, scf + i * hd));
+      i += n;
     }
-    s.n += ne;
-    state.published_keys = l;
+    return absl::OkStatus();
+  };
+  // Groups whose rows are all in this call pool straight from kvf/scf; consecutive ones go in
+  // one CompressPool call (a run: `run` groups from row run_row, into latents from run_lat).
+  int64_t run = 0, run_row = 0, run_lat = 0;
+  auto flush_run = [&]() -> absl::Status {
+    if (run == 0) return absl::OkStatus();
+    const int64_t n = run;
+    run = 0;
+    return backend_.CompressPool(kvf + run_row * hd, scf + run_row * hd, n, ratio, hd,
+                                 latents + run_lat * hd);
+  };
+  for (int64_t i = 0; i < S; ++i) {
+    if ((pos[i] + 1) % ratio != 0) continue;
+    const int64_t e = static_cast<int64_t>(gpos.size()) - g0;  // this group's latent
+    // The group is positions pos[i]-ratio+1..pos[i], slot j = the group's j-th position. When
+    // the whole group is this call's rows, its tail slots are exactly those rows of kvf/scf;
+    // a group begun in an earlier call pools the tail state.
+    const bool in_call = i + 1 >= ratio && pos[i + 1 - ratio] == pos[i] + 1 - ratio;
+    if (!in_call) {
+      RETURN_IF_ERROR(write_rows(written, i + 1, [](int64_t) { return true; }));
+      written = i + 1;
+      RETURN_IF_ERROR(
+          backend_.CompressPool(s.tail.kv(), s.tail.score(), 1, ratio, hd, latents + e * hd));
+    } else if (run > 0 && run_row + run * ratio == i + 1 - ratio && run_lat + run == e) {
+      ++run;  // the next group of the run: its rows follow the previous group's
+    } else {
+      RETURN_IF_ERROR(flush_run());
+      run_row = i + 1 - ratio;
+      run_lat = e;
+      run = 1;
+    }
+    gpos.push_back(pos[i] + 1 - ratio);
   }
+  // The rows still to write: of each slot, its last row (later rows overwrite earlier ones).
+  std::vector<int64_t> last(static_cast<size_t>(ratio), -1);
+  for (int64_t i = written; i < S; ++i) last[pos[i] % ratio] = i;
+  RETURN_IF_ERROR(write_rows(written, S, [&](int64_t i) { return last[pos[i] % ratio] == i; }));
+  return flush_run();
+}
+
+absl::Status Model::FinishLatents(Scratch& ws, int l, float* latents, int64_t ne,
+                                  const int64_t* gpos, float* keys) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t hd = c.head_dim, ihd = c.index_head_dim;
+  const int rd = c.rope_head_dim, nope = c.nope_head_dim();
+  RETURN_IF_ERROR(backend_.LinearBf16(latents, ne, A.idx_wk.data(), ihd, hd, keys));
+  RETURN_IF_ERROR(backend_.RmsNorm(keys, A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys));
+  RETURN_IF_ERROR(
+      RopeRows(ws, l, keys, ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos, false));
+  if (!options_.unquantized_kv)  // benchmark switch, see ModelOptions
+    RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, keys, ne, ihd));
+  RETURN_IF_ERROR(RopeRows(ws, l, latents, ne, 1, static_cast<int>(hd), nope, gpos, false));
+  if (!options_.unquantized_kv)
+    RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Kv, latents, ne, hd));
+  return absl::OkStatus();
+}
+
+absl::Status Model::AppendLatents(int l, SequenceState& state, const float* latents,
+                                  const float* keys, int64_t ne) const {
+  SequenceState::Source& s = state.sources[l];
+  // The pool packs the rows into its blocks (the backend's PackRows, in its memory).
+  RETURN_IF_ERROR(s.kv.AppendFrom(latents, ne));
+  if (absl::Status st = s.keys.AppendFrom(keys, ne); !st.ok()) {
+    s.kv.Truncate(s.n);
+    return st;
+  }
+  s.n += ne;
+  state.published_keys = l;
   return absl::OkStatus();
 }
 
@@ -457,7 +478,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     const int64_t T = call.start_pos + S;
     nk = T / ratio;
     if (role.is_kv_source && call.compress) {
-      RETURN_IF_ERROR(Compress(l, x, pos.data(), S, state));
+      if (given == nullptr || !given->compressed)
+        RETURN_IF_ERROR(Compress(l, x, pos.data(), S, state));
     } else if (role.is_kv_source && state.sources.at(l).n >= nk) {
       state.published_keys = l;  // KV already present (replay): the layer's own keys are current
     }

@@ -555,6 +555,7 @@ class Model {
     StepKv* step = nullptr;
     int64_t seq = 0;   // the sequence's index in the step (its ring's rows in step->kv)
     int64_t row0 = 0;  // its first row in the step
+    bool compressed = false;  // the caller ran the layer's compressor (StepCompress)
   };
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state,
                          const AttentionRows& rows) const;
@@ -591,6 +592,21 @@ class Model {
                                                const LogitsRequest& out) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
+  // Compress's steps. PoolGroups: a ratio > 1 source's pooling of a call's projected rows kvf /
+  // scf [pos.size(), head_dim]: logs the rows, writes the tail state and pools each group the
+  // rows complete into `latents` (one row per group, in order; before the norm), appending each
+  // group's first position to `gpos`.
+  absl::Status PoolGroups(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
+                          const float* kvf, const float* scf, const std::vector<int64_t>& pos,
+                          float* latents, std::vector<int64_t>& gpos) const;
+  // The normed latents [ne, head_dim] of entries at first positions `gpos` (backend memory) made
+  // the entries (RoPE, FP4 qdq; in place) and their index keys [ne, index_head_dim]. Rows are
+  // independent: entries of several sequences go in one call.
+  absl::Status FinishLatents(Scratch& ws, int l, float* latents, int64_t ne, const int64_t* gpos,
+                             float* keys) const;
+  // The entries and keys appended to layer l's source of `state` (published).
+  absl::Status AppendLatents(int l, SequenceState& state, const float* latents, const float* keys,
+                             int64_t ne) const;
   // Whether `call` takes the whole-source path (ModelOptions::whole_source_bytes).
   bool WholeSourceOnBackend(const Call& call) const;
   // A ratio > 1 source's log of this call: the rows of kv / score [pos.size(), head_dim] (backend
@@ -642,14 +658,21 @@ class Model {
   // call; else each sequence's attention is a call of its own.
   absl::Status StepAttention(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
                              StepKv* shared) const;
+  // Layer l's compressor (a KV source) for every sequence of a shared step: each sequence's
+  // pooling (ratio > 1) into one array, then the entries' norm, RoPE, qdq and index keys in one
+  // call each (rows are independent), then each sequence's append. From the step's projections
+  // (StepArrays::cmp_kv, cmp_score). A sequence that fails takes the error.
+  absl::Status StepCompress(Scratch& ws, int l, const StepArrays& a,
+                            std::span<StepSequence> seqs) const;
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;
-  // Layer l's window rings of the step's sequences read into kv.kv and written with the new rows
-  // `kv_rows` [R, head_dim]: in one UnpackRows and one PackRows when kv.batched_rings, else
-  // ring by ring. A sequence whose ring fails takes the error.
-  absl::Status StepRings(Scratch& ws, int l, const float* kv_rows, std::span<StepSequence> seqs,
-                         StepKv& kv) const;
+  // Layer l's window rings of the step's sequences (those whose status is OK) read into kv->kv
+  // (with `read`) and written with the new rows `kv_rows` [R, head_dim]: in one UnpackRows and
+  // one PackRows when kv->batched_rings, else ring by ring (kv may be null without `read`). A
+  // sequence whose ring fails takes the error.
+  absl::Status StepRings(Scratch& ws, int l, bool read, const float* kv_rows,
+                         std::span<StepSequence> seqs, StepKv* kv) const;
   absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
                         int offset, const int64_t* positions, bool inverse) const;
   // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and

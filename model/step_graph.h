@@ -51,6 +51,11 @@ struct StepArrays {
   float* kv = nullptr;           // [R, head_dim]
   float* qi = nullptr;           // [R, index_heads, index_head_dim]
   float* w = nullptr;            // [R, index_heads]
+  float* cmp_kv = nullptr;       // [R, head_dim] a KV source's compressor projection (ratio 1:
+                                 // normed, the entries before RoPE)
+  float* cmp_score = nullptr;    // [R, head_dim] its gate projection (ratio > 1)
+  float* mtp_kv = nullptr;       // [n_mtp_layers, R, head_dim] the DSpark layers' window rows
+                                 // (Model::DSparkSeedFrom's), made in the last segment
   float* o = nullptr;            // [R, heads, head_dim] the attention's output
   float* logits = nullptr;       // [R, vocab]
   Model::HcMix mix;              // the layer's mHC mixes
