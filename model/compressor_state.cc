@@ -78,6 +78,15 @@ absl::Status CompressorTail::WriteSlotsFrom(int64_t slot, int64_t n, const float
   return be.Copy(base + (ratio_ + slot) * dim_, score, n * row);
 }
 
+absl::StatusOr<std::pair<float*, float*>> CompressorTail::WritableSlot(int64_t slot) {
+  if (slot < 0 || slot >= ratio_) {
+    return absl::InvalidArgumentError(absl::StrCat("compressor tail: slot ", slot, " of ", ratio_));
+  }
+  RETURN_IF_ERROR(Writable());
+  auto* base = reinterpret_cast<float*>(block_.data);
+  return std::make_pair(base + slot * dim_, base + (ratio_ + slot) * dim_);
+}
+
 absl::Status CompressorTail::CopySlotFrom(int64_t slot, const CompressorTail& src, int64_t from) {
   if (src.ratio_ != ratio_ || src.dim_ != dim_ || slot < 0 || slot >= ratio_ || from < 0 ||
       from >= ratio_) {
@@ -162,6 +171,13 @@ absl::Status CompressorLog::Append(int64_t first_pos, int64_t n, const float* kv
   RETURN_IF_ERROR(backend_->Copy(base() + (capacity_ + i) * dim_, score, n * dim_ * 4));
   for (int64_t k = 0; k < n; ++k) pos_.push_back(first_pos + k);
   return absl::OkStatus();
+}
+
+absl::StatusOr<std::pair<float*, float*>> CompressorLog::ClaimRow(int64_t pos) {
+  RETURN_IF_ERROR(Room(pos, 1));
+  const int64_t i = rows();
+  pos_.push_back(pos);
+  return std::make_pair(base() + i * dim_, base() + (capacity_ + i) * dim_);
 }
 
 absl::Status CompressorLog::AppendGathered(const std::vector<int64_t>& positions,

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -54,6 +55,9 @@ class CompressorTail {
   // (slot + n <= ratio).
   [[nodiscard]] absl::Status WriteSlotsFrom(int64_t slot, int64_t n, const float* kv,
                                             const float* score);
+  // The block made writable (as WriteSlotsFrom does first): where slot `slot`'s kv and score
+  // rows go (backend memory), for a caller that writes many tails' rows in one backend call.
+  [[nodiscard]] absl::StatusOr<std::pair<float*, float*>> WritableSlot(int64_t slot);
   // Slot `slot` = slot `from` of `src` (a tail of the same shape).
   [[nodiscard]] absl::Status CopySlotFrom(int64_t slot, const CompressorTail& src, int64_t from);
 
@@ -104,6 +108,10 @@ class CompressorLog {
   [[nodiscard]] absl::Status AppendGathered(const std::vector<int64_t>& positions,
                                             const int64_t* rows, const float* kv,
                                             const float* score);
+  // Claims the next row for position `pos` (past the last row's) without writing it: where its
+  // kv and score rows go (backend memory), for a caller that writes many logs' rows in one
+  // backend call (Model::StepPool). The row must be written before the log is read.
+  [[nodiscard]] absl::StatusOr<std::pair<float*, float*>> ClaimRow(int64_t pos);
   // Row i's kv and score into host memory ([dim] each).
   [[nodiscard]] absl::Status ReadRow(int64_t i, float* kv, float* score) const;
 

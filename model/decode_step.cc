@@ -2,8 +2,10 @@
 // "Decode step graphs").
 #include <algorithm>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <utility>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
@@ -159,6 +161,74 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
   return absl::OkStatus();
 }
 
+absl::Status Model::PoolSingleRows(Scratch& ws, int l, const StepArrays& a,
+                                   std::span<StepSequence> seqs, float* latents,
+                                   vector<int64_t>& gpos, vector<int64_t>& first,
+                                   vector<int64_t>& count) const {
+  const int64_t hd = config_.head_dim, B = static_cast<int64_t>(seqs.size());
+  const int ratio = roles_[l].compress_ratio;
+  // What PoolGroups does for one row at position p: the row into the log (when it logs p) and
+  // into the tail's slot p % ratio; when p ends a group, the tail pooled. Here every sequence's
+  // row goes to its four destinations in four PackRows (a kF32 stream of one-row pages: the
+  // destinations), and the tails of the groups that end are gathered (UnpackRows, a page per
+  // tail) and pooled in one CompressPool.
+  constexpr kernels::RowCodec kCodec = kernels::RowCodec::kF32;
+  vector<uint8_t*> dst(4 * B, nullptr);  // [log kv | log score | tail kv | tail score]
+  vector<uint8_t*> groups;               // [tail kv of each group | tail score of each]
+  vector<uint8_t*> group_scores;
+  float* spare = nullptr;  // rows of the sequences that fail (nothing reads them)
+  auto bytes = [](float* f) { return reinterpret_cast<uint8_t*>(f); };
+  for (int64_t b = 0; b < B; ++b) {
+    StepSequence& q = seqs[b];
+    const int64_t p = q.call->start_pos;
+    SequenceState::Source& src = q.state->sources[l];
+    if (q.status->ok()) {
+      *q.status = [&]() -> absl::Status {
+        const bool logs = CompressorLog::LogsPosition(p, p, src.ratio, q.state->cut_block_tokens);
+        ASSIGN_OR_RETURN(src.log,
+                         CompressorLog::Make(backend_, hd, logs ? 1 : 0, std::move(src.log)));
+        if (logs) {
+          ASSIGN_OR_RETURN(auto row, src.log->ClaimRow(p));
+          dst[b] = bytes(row.first);
+          dst[B + b] = bytes(row.second);
+        }
+        ASSIGN_OR_RETURN(auto slot, src.tail.WritableSlot(p % ratio));
+        dst[2 * B + b] = bytes(slot.first);
+        dst[3 * B + b] = bytes(slot.second);
+        if ((p + 1) % ratio == 0) {  // the tail's [ratio, dim] arrays begin `slot` rows before
+          groups.push_back(bytes(slot.first - (p % ratio) * hd));
+          group_scores.push_back(bytes(slot.second - (p % ratio) * hd));
+          first[b] = static_cast<int64_t>(gpos.size());
+          count[b] = 1;
+          gpos.push_back(p + 1 - ratio);
+        }
+        return absl::OkStatus();
+      }();
+    }
+    for (int64_t k = 0; k < 4; ++k) {
+      if (dst[k * B + b] != nullptr) continue;
+      if (spare == nullptr) {
+        ASSIGN_OR_RETURN(spare, ws.Alloc<float>(4 * B * hd));
+      }
+      dst[k * B + b] = bytes(spare + (k * B + b) * hd);
+    }
+  }
+  ASSIGN_OR_RETURN(uint8_t* const* pages, ws.Copy(dst));
+  for (int64_t k = 0; k < 4; ++k) {
+    const float* rows = k % 2 == 0 ? a.cmp_kv : a.cmp_score;
+    RETURN_IF_ERROR(backend_.PackRows(kCodec, rows, B, hd, pages + k * B, 1, nullptr, 0));
+  }
+  const int64_t E = static_cast<int64_t>(groups.size());
+  if (E == 0) return absl::OkStatus();
+  groups.insert(groups.end(), group_scores.begin(), group_scores.end());
+  ASSIGN_OR_RETURN(uint8_t* const* tails, ws.Copy(groups));
+  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(2 * E * ratio * hd));
+  float* score = kv + E * ratio * hd;
+  RETURN_IF_ERROR(backend_.UnpackRows(kCodec, tails, ratio, hd, nullptr, 0, E * ratio, kv));
+  RETURN_IF_ERROR(backend_.UnpackRows(kCodec, tails + E, ratio, hd, nullptr, 0, E * ratio, score));
+  return backend_.CompressPool(kv, score, E, ratio, hd, latents);
+}
+
 absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
                                  std::span<StepSequence> seqs) const {
   const ModelConfig& c = config_;
@@ -181,17 +251,23 @@ absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
   } else {
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(a.rows * hd));  // a group per row at most
     vector<int64_t> gpos;
-    for (int64_t b = 0; b < B; ++b) {
-      StepSequence& q = seqs[b];
-      if (!q.status->ok()) continue;
-      vector<int64_t> pos(q.call->rows);
-      for (int64_t i = 0; i < q.call->rows; ++i) pos[i] = q.call->start_pos + i;
-      first[b] = static_cast<int64_t>(gpos.size());
-      *q.status =
-          PoolGroups(ws, q.state->sources[l], q.state->cut_block_tokens, a.cmp_kv + q.row0 * hd,
-                     a.cmp_score + q.row0 * hd, pos, latents + first[b] * hd, gpos);
-      if (!q.status->ok()) gpos.resize(first[b]);
-      count[b] = static_cast<int64_t>(gpos.size()) - first[b];
+    const bool one_row_each = std::all_of(seqs.begin(), seqs.end(),
+                                          [](const StepSequence& q) { return q.call->rows == 1; });
+    if (one_row_each) {
+      RETURN_IF_ERROR(PoolSingleRows(ws, l, a, seqs, latents, gpos, first, count));
+    } else {
+      for (int64_t b = 0; b < B; ++b) {
+        StepSequence& q = seqs[b];
+        if (!q.status->ok()) continue;
+        vector<int64_t> pos(q.call->rows);
+        for (int64_t i = 0; i < q.call->rows; ++i) pos[i] = q.call->start_pos + i;
+        first[b] = static_cast<int64_t>(gpos.size());
+        *q.status =
+            PoolGroups(ws, q.state->sources[l], q.state->cut_block_tokens, a.cmp_kv + q.row0 * hd,
+                       a.cmp_score + q.row0 * hd, pos, latents + first[b] * hd, gpos);
+        if (!q.status->ok()) gpos.resize(first[b]);
+        count[b] = static_cast<int64_t>(gpos.size()) - first[b];
+      }
     }
     ne = static_cast<int64_t>(gpos.size());
     if (ne == 0) return absl::OkStatus();
@@ -318,41 +394,63 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     RETURN_IF_ERROR(StepRings(ws, l, /*read=*/true, a.kv, seqs, shared));
     if (compressed) RETURN_IF_ERROR(StepCompress(ws, l, a, seqs));
   }
-  // Each sequence's own part; with `shared`, runs of consecutive sequences whose lists have the
+  // Each sequence's own part; with `shared`, its lists' layout, then every list's window part
+  // in one copy, each top-k part over it, and runs of consecutive sequences whose lists have the
   // same length (rows and lists adjacent) in one SparseAttention.
   struct Run {
     int64_t row0 = 0, rows = 0, list_len = 0, idx_offset = 0;
-  } run;
-  auto flush = [&]() -> absl::Status {
-    if (run.rows == 0) return absl::OkStatus();
-    kernels::SparseAttentionArgs args;
-    args.q = a.q + run.row0 * H * hd;
-    args.kv = shared->kv;
-    args.kv_ext = shared->ext;
-    args.kv_ext_start = shared->kv_ext_start;
-    args.sink = weights_->layers[l].attn.attn_sink.data();
-    args.idx = shared->idx + run.idx_offset;
-    args.rows = run.rows;
-    args.heads = static_cast<int>(H);
-    args.head_dim = static_cast<int>(hd);
-    args.list_len = run.list_len;
-    args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
-    args.out = a.o + run.row0 * H * hd;
-    run = Run{};
-    return backend_.SparseAttention(args);
   };
+  vector<Run> runs;
+  vector<std::pair<const StepSequence*, StepKv::Lists>> lists;
   for (StepSequence& b : seqs) {
     if (b.status->ok()) *b.status = Attention(l, a.x + b.row0 * D, *b.call, *b.state, rows_of(b));
     if (shared == nullptr || !b.status->ok()) continue;
     const StepKv::Lists& li = shared->lists;
-    if (run.rows > 0 && (li.list_len != run.list_len || b.row0 != run.row0 + run.rows ||
-                         li.idx_offset != run.idx_offset + run.rows * run.list_len)) {
-      RETURN_IF_ERROR(flush());
+    lists.emplace_back(&b, li);
+    Run* run = runs.empty() ? nullptr : &runs.back();
+    if (run == nullptr || li.list_len != run->list_len || b.row0 != run->row0 + run->rows ||
+        li.idx_offset != run->idx_offset + run->rows * run->list_len) {
+      runs.push_back(Run{b.row0, 0, li.list_len, li.idx_offset});
+      run = &runs.back();
     }
-    if (run.rows == 0) run = Run{b.row0, 0, li.list_len, li.idx_offset};
-    run.rows += b.call->rows;
+    run->rows += b.call->rows;
   }
-  if (shared != nullptr) RETURN_IF_ERROR(flush());
+  if (shared != nullptr && !lists.empty()) {
+    vector<int32_t> window(shared->idx_used, -1);
+    for (const auto& [b, li] : lists)
+      WindowLists(*b->call, li.list_len, li.ring_base, li.new_base, window.data() + li.idx_offset);
+    auto it = std::find_if(shared->window_parts.begin(), shared->window_parts.end(),
+                           [&](const auto& part) { return part.first == window; });
+    if (it == shared->window_parts.end()) {
+      ASSIGN_OR_RETURN(const int32_t* uploaded, ws.Copy(window));
+      shared->window_parts.emplace_back(std::move(window), uploaded);
+      it = std::prev(shared->window_parts.end());
+    }
+    RETURN_IF_ERROR(backend_.Copy(shared->idx, it->second,
+                                  shared->idx_used * static_cast<int64_t>(sizeof(int32_t))));
+    for (const auto& [b, li] : lists) {
+      const StepKv::Lists::Slots& t = li.slots;
+      if (t.topk == nullptr) continue;
+      RETURN_IF_ERROR(backend_.TopKSlots(t.topk, t.rows, t.k, t.base, /*per_slot=*/true, t.list,
+                                         li.list_len, c.window_size));
+    }
+    for (const Run& run : runs) {
+      kernels::SparseAttentionArgs args;
+      args.q = a.q + run.row0 * H * hd;
+      args.kv = shared->kv;
+      args.kv_ext = shared->ext;
+      args.kv_ext_start = shared->kv_ext_start;
+      args.sink = weights_->layers[l].attn.attn_sink.data();
+      args.idx = shared->idx + run.idx_offset;
+      args.rows = run.rows;
+      args.heads = static_cast<int>(H);
+      args.head_dim = static_cast<int>(hd);
+      args.list_len = run.list_len;
+      args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
+      args.out = a.o + run.row0 * H * hd;
+      RETURN_IF_ERROR(backend_.SparseAttention(args));
+    }
+  }
   // A failed sequence's rows carry zeros from here on (finite, so the batch's shared steps run
   // on; rows are independent, so its neighbours' results do not change).
   const float* zeros = nullptr;

@@ -605,32 +605,24 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   // slot j holds position max(0, p-W+1) + j (oldest first), -1 when that is after p or below the
   // floor; the top-k entries start at slot W. A small call's window part is the same for each of
   // its layers with this list length and floor: built and uploaded once (call.window_lists).
+  // A shared step's window parts are written by the caller, for all its sequences at once.
   const int32_t* window_list = nullptr;
-  if (device_lists) {
+  if (device_lists && step == nullptr) {
     auto it = call.window_lists.find({list_len, call.window_floor});
     if (it != call.window_lists.end()) window_list = it->second;
   }
-  vector<int32_t> idx(window_list != nullptr ? 0 : S * list_len, -1);
-  for (int64_t i = 0; i < S && window_list == nullptr; ++i) {
-    int32_t* li = idx.data() + i * list_len;
-    const int64_t p = pos[i];
-    const int64_t base = std::max<int64_t>(0, p - W + 1);
-    const int64_t lo = p >= call.window_floor ? std::max(base, call.window_floor) : base;
-    for (int64_t j = 0; j < W; ++j) {
-      const int64_t qp = base + j;
-      if (qp > p || qp < lo) continue;
-      li[j] = static_cast<int32_t>(call.prefill           ? qp
-                                   : qp >= call.start_pos ? new_base + (qp - call.start_pos)
-                                                          : ring_base + qp % W);
-    }
-    if (!device_topk) {
-      for (int64_t j = 0; j < k; ++j) li[W + j] = call.topk[i * k + j];
+  const bool host_lists = window_list == nullptr && step == nullptr;
+  vector<int32_t> idx(host_lists ? S * list_len : 0, -1);
+  if (host_lists) {
+    WindowLists(call, list_len, ring_base, new_base, idx.data());
+    for (int64_t i = 0; i < S && !device_topk; ++i) {
+      for (int64_t j = 0; j < k; ++j) idx[i * list_len + W + j] = call.topk[i * k + j];
     }
   }
   int32_t* idx_dev = nullptr;
   if (step != nullptr) {
     idx_dev = step->idx + step->idx_used;
-    step->lists = {list_len, step->idx_used};
+    step->lists = {list_len, step->idx_used, ring_base, new_base, {}};
     step->idx_used += S * list_len;
   } else {
     ASSIGN_OR_RETURN(idx_dev, ws.Alloc<int32_t>(S * list_len));
@@ -690,6 +682,11 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     args.kv_ext = kv_sel;
     args.kv_ext_start = win_rows;
   }
+  if (step != nullptr) {
+    // The caller writes the window part, then the top-k part over it (StepKv::Lists::slots).
+    if (device_slots) step->lists.slots = {call.topk_dev, S, k, slots_base, idx_dev};
+    return absl::OkStatus();
+  }
   if (device_lists) {
     if (window_list == nullptr) {
       ASSIGN_OR_RETURN(window_list, call.scratch->Copy(idx));
@@ -707,7 +704,6 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(
         backend_.TopKSlots(call.topk_dev, S, k, 0, /*per_slot=*/false, idx_dev, list_len, W));
   }
-  if (step != nullptr) return absl::OkStatus();  // the caller runs the step's SparseAttention
   args.sink = A.attn_sink.data();
   args.idx = idx_dev;
   args.rows = S;
@@ -719,6 +715,24 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   RETURN_IF_ERROR(backend_.SparseAttention(args));
   if (given != nullptr) return absl::OkStatus();  // the caller finishes every row at once
   return FinishAttention(ws, l, o, S, pos_dev, out);
+}
+
+void Model::WindowLists(const Call& call, int64_t list_len, int64_t ring_base, int64_t new_base,
+                        int32_t* out) const {
+  const int64_t W = config_.window_size;
+  for (int64_t i = 0; i < call.rows; ++i) {
+    int32_t* li = out + i * list_len;
+    const int64_t p = call.start_pos + i;
+    const int64_t base = std::max<int64_t>(0, p - W + 1);
+    const int64_t lo = p >= call.window_floor ? std::max(base, call.window_floor) : base;
+    for (int64_t j = 0; j < W; ++j) {
+      const int64_t qp = base + j;
+      if (qp > p || qp < lo) continue;
+      li[j] = static_cast<int32_t>(call.prefill           ? qp
+                                   : qp >= call.start_pos ? new_base + (qp - call.start_pos)
+                                                          : ring_base + qp % W);
+    }
+  }
 }
 
 absl::Status Model::FinishAttention(Scratch& ws, int l, float* o, int64_t rows,

@@ -535,7 +535,16 @@ class Model {
     struct Lists {
       int64_t list_len = 0;
       int64_t idx_offset = 0;
-    } lists;  // the last sequence's
+      int64_t ring_base = 0, new_base = 0;  // where kv holds its ring and its new rows
+      struct Slots {                        // the TopKSlots of its top-k part (topk null: none)
+        const int32_t* topk = nullptr;
+        int64_t rows = 0, k = 0, base = 0;
+        int32_t* list = nullptr;
+      } slots;
+    } lists;  // the last sequence's, left for the caller to write
+    // The window parts of a layer's lists as uploaded (by content): layers with the same
+    // layout copy them in one call.
+    std::vector<std::pair<std::vector<int32_t>, const int32_t*>> window_parts;
   };
   // The row-independent parts of a layer's attention for every row of a batched step at once
   // (Block over several sequences): the queries, the window KV rows and the indexer's queries and
@@ -559,6 +568,12 @@ class Model {
   };
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state,
                          const AttentionRows& rows) const;
+  // The window part of `call`'s lists [rows, list_len] (the top-k part untouched): slot j of row
+  // i (position p) is position max(0, p-W+1) + j, -1 when after p or below the window floor, as
+  // an entry of the call's KV: its own rows from `new_base`, the ring's slots from `ring_base`
+  // (a decode-mode call), the position itself (a prefill).
+  void WindowLists(const Call& call, int64_t list_len, int64_t ring_base, int64_t new_base,
+                   int32_t* out) const;
   // MoE of layer l: x [rows, dim] -> out [rows, dim]. Rows go through in chunks of
   // kMoeRowsPerCall (the grouped buffers hold each row once per expert slot).
   static constexpr int64_t kMoeRowsPerCall = 2048;
@@ -664,6 +679,12 @@ class Model {
   // (StepArrays::cmp_kv, cmp_score). A sequence that fails takes the error.
   absl::Status StepCompress(Scratch& ws, int l, const StepArrays& a,
                             std::span<StepSequence> seqs) const;
+  // StepCompress's pooling (ratio > 1) when every sequence has one row: each row into its log
+  // and its tail in one PackRows per array, the groups that end pooled in one CompressPool into
+  // `latents` (first / count: each sequence's entries).
+  absl::Status PoolSingleRows(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
+                              float* latents, std::vector<int64_t>& gpos,
+                              std::vector<int64_t>& first, std::vector<int64_t>& count) const;
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;

@@ -148,6 +148,18 @@ TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
   // appends, the indexer's scoring and top-k, the gathers.
   for (const char* op : {"IndexerScores", "SelectTopK", "TopKSlots"})
     EXPECT_EQ(four.at(op), 4 * one.at(op)) << op;
+  // Window rings, compressor logs and tails, the lists' window parts: a fixed number of calls
+  // per layer for the batch (PackRows and UnpackRows over the step's pages, one Copy), not per
+  // sequence (before, each sequence added Copies for its log, tail, window and lists).
+  EXPECT_EQ(four.at("Copy"), one.at("Copy"));
+  int64_t all_one = 0, all_four = 0;
+  for (const auto& [op, n] : one) all_one += n;
+  for (const auto& [op, n] : four) all_four += n;
+  std::printf(
+      "[%s] a decode step: %lld backend calls for 1 sequence, %lld for 4 (%.1f per "
+      "extra sequence)\n",
+      GetParam().c_str(), static_cast<long long>(all_one), static_cast<long long>(all_four),
+      static_cast<double>(all_four - all_one) / 3);
 }
 
 // A decode step's top-k stays on the backend (ModelOptions::device_list_rows): its index layers'
