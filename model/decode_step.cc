@@ -1,7 +1,6 @@
 // The batched decode step (Model::ExtendBatch) and its graphs (model/step_graph.h; docs/cuda.md,
 // "Decode step graphs").
 #include <algorithm>
-#include <cmath>
 #include <iterator>
 #include <limits>
 #include <utility>
@@ -110,14 +109,8 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
     RETURN_IF_ERROR(HcAfterFfn(R, a.y, a.h, m));
   }
   if (s == c.n_layers) {
-    if (c.n_mtp_layers > 0) {  // the DSpark layers' window rows (DSparkSeedFrom's ops)
-      const DSparkWeights& Dw = *weights_->dspark;
-      ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(R * D));
-      RETURN_IF_ERROR(backend_.LinearQuant(a.main_hidden, R, Dw.main_proj, mx));
-      RETURN_IF_ERROR(backend_.RmsNorm(mx, Dw.main_norm.data(), R, D, c.norm_eps, mx));
-      for (int t = 0; t < c.n_mtp_layers; ++t)
-        RETURN_IF_ERROR(StageKv(ws, c.n_layers + t, mx, R, a.pos, a.mtp_kv + t * R * c.head_dim));
-    }
+    if (c.n_mtp_layers > 0)  // the DSpark layers' window rows (DSparkSeedFrom's)
+      RETURN_IF_ERROR(DSparkSeedRows(ws, a.main_hidden, R, a.pos, a.mtp_kv));
     return HeadLogits(ws, DeviceResidual{a.h, a.pre}, R, /*all_logits=*/true, nullptr, a.logits)
         .status();
   }
@@ -147,17 +140,8 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
     RETURN_IF_ERROR(IndexQueries(ws, l, a.x, a.qr, R, a.pos, a.qi, a.w));
   }
   // A KV source's compressor projections (Model::Compress's first ops; StepCompress the rest).
-  if (role.compress_ratio > 0 && role.is_kv_source) {
-    const AttentionWeights& A = L.attn;
-    const int64_t hd = c.head_dim;
-    if (role.compress_ratio == 1) {
-      RETURN_IF_ERROR(backend_.LinearBf16(a.x, R, A.cmp_wkv.data(), hd, D, a.cmp_kv));
-      RETURN_IF_ERROR(backend_.RmsNorm(a.cmp_kv, A.cmp_norm.data(), R, hd, c.norm_eps, a.cmp_kv));
-    } else {
-      RETURN_IF_ERROR(backend_.LinearF32(a.x, R, A.cmp_wkv.data(), hd, D, a.cmp_kv));
-      RETURN_IF_ERROR(backend_.LinearF32(a.x, R, A.cmp_wgate.data(), hd, D, a.cmp_score));
-    }
-  }
+  if (role.compress_ratio > 0 && role.is_kv_source)
+    return CompressorProjections(l, a.x, R, a.cmp_kv, a.cmp_score);
   return absl::OkStatus();
 }
 
@@ -294,6 +278,7 @@ absl::Status Model::AllocateStepKv(Scratch& ws, std::span<const StepSequence> se
   const int64_t topk = compressed ? c.index_topk : 0;
   kv = StepKv{};
   kv.seqs = B;
+  kv.rows = rows;
   kv.kv_ext_start = B * W + rows;
   ASSIGN_OR_RETURN(kv.kv, ws.Alloc<float>(kv.kv_ext_start * hd));
   ASSIGN_OR_RETURN(kv.ext, ws.Alloc<float>(std::max<int64_t>(1, rows * topk) * hd));
@@ -319,9 +304,8 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
   if (read && kv == nullptr) return absl::InternalError("step rings: nowhere to read them to");
   const int64_t B = static_cast<int64_t>(seqs.size());
   if (read) {
-    const int64_t R = kv->kv_ext_start - B * W;
-    RETURN_IF_ERROR(
-        backend_.Copy(kv->kv + B * W * hd, kv_rows, R * hd * static_cast<int64_t>(sizeof(float))));
+    RETURN_IF_ERROR(backend_.Copy(kv->kv + B * W * hd, kv_rows,
+                                  kv->rows * hd * static_cast<int64_t>(sizeof(float))));
   }
   bool batched = kv != nullptr && kv->batched_rings;
   for (const StepSequence& b : seqs) {
@@ -361,8 +345,7 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
   RETURN_IF_ERROR(ws.Upload(kv->pages, pages.data(), B));
   if (read)
     RETURN_IF_ERROR(backend_.UnpackRows(kCodec, kv->pages, W, hd, nullptr, 0, B * W, kv->kv));
-  const int64_t R = kv->kv_ext_start - B * W;
-  return backend_.PackRows(kCodec, kv_rows, R, hd, kv->pages, W, kv->ring_rows, 0);
+  return backend_.PackRows(kCodec, kv_rows, kv->rows, hd, kv->pages, W, kv->ring_rows, 0);
 }
 
 absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
@@ -435,18 +418,12 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
                                          li.list_len, c.window_size));
     }
     for (const Run& run : runs) {
-      kernels::SparseAttentionArgs args;
+      kernels::SparseAttentionArgs args = LayerAttentionArgs(l, run.rows, run.list_len);
       args.q = a.q + run.row0 * H * hd;
       args.kv = shared->kv;
       args.kv_ext = shared->ext;
       args.kv_ext_start = shared->kv_ext_start;
-      args.sink = weights_->layers[l].attn.attn_sink.data();
       args.idx = shared->idx + run.idx_offset;
-      args.rows = run.rows;
-      args.heads = static_cast<int>(H);
-      args.head_dim = static_cast<int>(hd);
-      args.list_len = run.list_len;
-      args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
       args.out = a.o + run.row0 * H * hd;
       RETURN_IF_ERROR(backend_.SparseAttention(args));
     }

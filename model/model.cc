@@ -177,7 +177,7 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
                              SequenceState& state) const {
   const ModelConfig& c = config_;
   const AttentionWeights& A = weights_->layers[l].attn;
-  const int64_t D = c.dim, hd = c.head_dim;
+  const int64_t hd = c.head_dim;
   const int ratio = roles_[l].compress_ratio;
   const vector<int64_t> pos(pos_ptr, pos_ptr + S);
   SequenceState::Source& s = state.sources[l];
@@ -186,14 +186,12 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
   vector<int64_t> gpos;      // their first positions
   if (ratio == 1) {
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(S * hd));
-    RETURN_IF_ERROR(backend_.LinearBf16(x, S, A.cmp_wkv.data(), hd, D, latents));
-    RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(), S, hd, c.norm_eps, latents));
+    RETURN_IF_ERROR(CompressorProjections(l, x, S, latents, nullptr));
     gpos = pos;
   } else {
     ASSIGN_OR_RETURN(float* kvf, ws.Alloc<float>(S * hd));
     ASSIGN_OR_RETURN(float* scf, ws.Alloc<float>(S * hd));
-    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wkv.data(), hd, D, kvf));
-    RETURN_IF_ERROR(backend_.LinearF32(x, S, A.cmp_wgate.data(), hd, D, scf));
+    RETURN_IF_ERROR(CompressorProjections(l, x, S, kvf, scf));
     int64_t emits = 0;
     for (int64_t i = 0; i < S; ++i) emits += (pos[i] + 1) % ratio == 0 ? 1 : 0;
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(emits * hd));
@@ -210,6 +208,19 @@ absl::Status Model::Compress(int l, const float* x, const int64_t* pos_ptr, int6
   ASSIGN_OR_RETURN(const int64_t* gpos_dev, ws.Copy(gpos));
   RETURN_IF_ERROR(FinishLatents(ws, l, latents, ne, gpos_dev, keys));
   return AppendLatents(l, state, latents, keys, ne);
+}
+
+absl::Status Model::CompressorProjections(int l, const float* x, int64_t rows, float* kv,
+                                          float* score) const {
+  const ModelConfig& c = config_;
+  const AttentionWeights& A = weights_->layers[l].attn;
+  const int64_t D = c.dim, hd = c.head_dim;
+  if (roles_[l].compress_ratio == 1) {
+    RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.cmp_wkv.data(), hd, D, kv));
+    return backend_.RmsNorm(kv, A.cmp_norm.data(), rows, hd, c.norm_eps, kv);
+  }
+  RETURN_IF_ERROR(backend_.LinearF32(x, rows, A.cmp_wkv.data(), hd, D, kv));
+  return backend_.LinearF32(x, rows, A.cmp_wgate.data(), hd, D, score);
 }
 
 absl::Status Model::PoolGroups(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
@@ -409,7 +420,6 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                               ForwardTrace* trace, const AttentionRows* given) const {
   const ModelConfig& c = config_;
   const LayerRole& role = roles_[l];
-  const AttentionWeights& A = weights_->layers[l].attn;
   const int64_t S = call.rows, hd = c.head_dim, H = c.n_heads, W = c.window_size;
   Scratch ws(backend_, scratch_pool_.get());
   vector<int64_t> pos(S);
@@ -632,7 +642,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   if (o == nullptr) {
     ASSIGN_OR_RETURN(o, ws.Alloc<float>(S * H * hd));
   }
-  kernels::SparseAttentionArgs args;
+  kernels::SparseAttentionArgs args = LayerAttentionArgs(l, S, list_len);
   args.q = q;
   args.kv = kv_all;
   const bool device_slots = ratio > 0 && nk > 0 && k > 0 && device_lists;
@@ -704,17 +714,23 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     RETURN_IF_ERROR(
         backend_.TopKSlots(call.topk_dev, S, k, 0, /*per_slot=*/false, idx_dev, list_len, W));
   }
-  args.sink = A.attn_sink.data();
   args.idx = idx_dev;
-  args.rows = S;
-  args.heads = static_cast<int>(H);
-  args.head_dim = static_cast<int>(hd);
-  args.list_len = list_len;
-  args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
   args.out = o;
   RETURN_IF_ERROR(backend_.SparseAttention(args));
   if (given != nullptr) return absl::OkStatus();  // the caller finishes every row at once
   return FinishAttention(ws, l, o, S, pos_dev, out);
+}
+
+kernels::SparseAttentionArgs Model::LayerAttentionArgs(int l, int64_t rows,
+                                                       int64_t list_len) const {
+  kernels::SparseAttentionArgs args;
+  args.sink = weights_->layers[l].attn.attn_sink.data();
+  args.rows = rows;
+  args.heads = static_cast<int>(config_.n_heads);
+  args.head_dim = static_cast<int>(config_.head_dim);
+  args.list_len = list_len;
+  args.scale = static_cast<float>(std::pow(static_cast<double>(config_.head_dim), -0.5));
+  return args;
 }
 
 void Model::WindowLists(const Call& call, int64_t list_len, int64_t ring_base, int64_t new_base,
@@ -1487,20 +1503,31 @@ absl::Status Model::DSparkSeed(SequenceState& state, const float* main_hidden, i
 absl::Status Model::DSparkSeedFrom(Scratch& outer, SequenceState& state, const float* mh,
                                    int64_t rows, int64_t start_pos) const {
   const ModelConfig& c = config_;
-  const DSparkWeights& Dw = *weights_->dspark;
-  const int64_t D = c.dim, hd = c.head_dim;
+  const int64_t hd = c.head_dim;
   Scratch ws(backend_, scratch_pool_.get(), &outer);
-  ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(rows * D));
-  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(rows * hd));
+  ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(c.n_mtp_layers * rows * hd));
   vector<int64_t> pos(rows);
   for (int64_t i = 0; i < rows; ++i) pos[i] = start_pos + i;
   ASSIGN_OR_RETURN(const int64_t* pos_dev, ws.Copy(pos));
+  RETURN_IF_ERROR(DSparkSeedRows(ws, mh, rows, pos_dev, kv));
+  for (int s = 0; s < c.n_mtp_layers; ++s) {
+    RETURN_IF_ERROR(
+        state.swa[c.n_layers + s].WritePositionsFrom(start_pos, rows, kv + s * rows * hd));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::DSparkSeedRows(Scratch& outer, const float* mh, int64_t rows,
+                                   const int64_t* positions, float* kv) const {
+  const ModelConfig& c = config_;
+  const DSparkWeights& Dw = *weights_->dspark;
+  const int64_t D = c.dim;
+  Scratch ws(backend_, outer.pool(), &outer);
+  ASSIGN_OR_RETURN(float* mx, ws.Alloc<float>(rows * D));
   RETURN_IF_ERROR(backend_.LinearQuant(mh, rows, Dw.main_proj, mx));
   RETURN_IF_ERROR(backend_.RmsNorm(mx, Dw.main_norm.data(), rows, D, c.norm_eps, mx));
   for (int s = 0; s < c.n_mtp_layers; ++s) {
-    const int L = c.n_layers + s;
-    RETURN_IF_ERROR(StageKv(ws, L, mx, rows, pos_dev, kv));
-    RETURN_IF_ERROR(state.swa[L].WritePositionsFrom(start_pos, rows, kv));
+    RETURN_IF_ERROR(StageKv(ws, c.n_layers + s, mx, rows, positions, kv + s * rows * c.head_dim));
   }
   return absl::OkStatus();
 }
@@ -1844,16 +1871,10 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
       for (int64_t j = 0; j < B; ++j) idx[i * list_len + nring + j] = static_cast<int32_t>(W + j);
     }
     ASSIGN_OR_RETURN(const int32_t* idx_dev, ws.Copy(idx));
-    kernels::SparseAttentionArgs args;
+    kernels::SparseAttentionArgs args = LayerAttentionArgs(L, B, list_len);
     args.q = q;
     args.kv = kv_all;
-    args.sink = A.attn_sink.data();
     args.idx = idx_dev;
-    args.rows = B;
-    args.heads = static_cast<int>(H);
-    args.head_dim = static_cast<int>(hd);
-    args.list_len = list_len;
-    args.scale = static_cast<float>(std::pow(static_cast<double>(hd), -0.5));
     args.out = o;
     RETURN_IF_ERROR(backend_.SparseAttention(args));
     RETURN_IF_ERROR(RopeRows(ws, L, o, B, static_cast<int>(H), static_cast<int>(hd),

@@ -500,6 +500,11 @@ class Model {
   [[nodiscard]] absl::Status DSparkSeedFrom(Scratch& ws, SequenceState& state,
                                             const float* main_hidden, int64_t rows,
                                             int64_t start_pos) const;
+  // What DSparkSeedFrom writes into the DSpark layers' rings: their window rows kv
+  // [n_mtp_layers, rows, head_dim] of main_hidden's rows at `positions` (backend memory). Rows
+  // are independent (a batched step makes every row's in its last segment).
+  [[nodiscard]] absl::Status DSparkSeedRows(Scratch& ws, const float* main_hidden, int64_t rows,
+                                            const int64_t* positions, float* kv) const;
 
   // The module entry points return the first backend error (the backend's ops return
   // absl::Status). Their activation pointers (x, out, h) are the backend's memory (host memory
@@ -517,6 +522,7 @@ class Model {
   // as in a call of its own, the lists have the same lengths, so the rows' bits are the same.
   struct StepKv {
     int64_t seqs = 0;  // B
+    int64_t rows = 0;  // R
     float* kv = nullptr;
     float* ext = nullptr;
     int32_t* idx = nullptr;
@@ -574,6 +580,9 @@ class Model {
   // (a decode-mode call), the position itself (a prefill).
   void WindowLists(const Call& call, int64_t list_len, int64_t ring_base, int64_t new_base,
                    int32_t* out) const;
+  // Layer l's SparseAttention arguments for `rows` lists of `list_len` entries: its sink, the
+  // heads, the scale (the caller sets q, kv, idx and out).
+  kernels::SparseAttentionArgs LayerAttentionArgs(int l, int64_t rows, int64_t list_len) const;
   // MoE of layer l: x [rows, dim] -> out [rows, dim]. Rows go through in chunks of
   // kMoeRowsPerCall (the grouped buffers hold each row once per expert slot).
   static constexpr int64_t kMoeRowsPerCall = 2048;
@@ -607,10 +616,14 @@ class Model {
                                                const LogitsRequest& out) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
-  // Compress's steps. PoolGroups: a ratio > 1 source's pooling of a call's projected rows kvf /
-  // scf [pos.size(), head_dim]: logs the rows, writes the tail state and pools each group the
-  // rows complete into `latents` (one row per group, in order; before the norm), appending each
-  // group's first position to `gpos`.
+  // Compress's steps. CompressorProjections: a KV source's projections of x [rows, dim]: kv
+  // [rows, head_dim] (ratio 1: normed, the entries before RoPE; score unused), and for ratio > 1
+  // the gate's score [rows, head_dim]. Rows are independent. PoolGroups: a ratio > 1 source's
+  // pooling of a call's projected rows kvf / scf [pos.size(), head_dim]: logs the rows, writes the
+  // tail state and pools each group the rows complete into `latents` (one row per group, in order;
+  // before the norm), appending each group's first position to `gpos`.
+  absl::Status CompressorProjections(int l, const float* x, int64_t rows, float* kv,
+                                     float* score) const;
   absl::Status PoolGroups(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
                           const float* kvf, const float* scf, const std::vector<int64_t>& pos,
                           float* latents, std::vector<int64_t>& gpos) const;
