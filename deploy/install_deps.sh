@@ -10,7 +10,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev librocksdb-dev libucx-dev ucx-utils prometheus-cpp-dev
   nlohmann-json3-dev libcpp-httplib-dev libcli11-dev libspdlog-dev libxxhash-dev libicu-dev
-  libgtest-dev libgmock-dev googletest libbenchmark-dev
+  libgtest-dev libgmock-dev googletest libbenchmark-dev libboost-context-dev
   prometheus curl iproute2 nodejs npm
   clang libclang-rt-14-dev openssl libssl-dev
 )

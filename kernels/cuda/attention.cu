@@ -10,93 +10,134 @@ namespace {
 
 using codec::RoundBf16;
 using codec::StdMax;
-using torch_math::DotSeq;
+using torch_math::DotDp;
 using torch_math::TorchExp;
 using torch_math::TorchSum;
 
-constexpr int kAttnThreads = 128;
 constexpr int kChunkLen = 64;  // the reference's chunk of list entries
+constexpr int kMaxGroup = 4;   // heads per thread block
+constexpr int kTileDims = 64;  // dims of a chunk's KV rows held in shared memory at once
+constexpr int kAttnThreads = kMaxGroup * kChunkLen;
 
 __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t) {
   return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
                              : a.kv + static_cast<int64_t>(t) * a.head_dim;
 }
 
-// ops.cc SparseAttention, one block per (row, head), in the reference's operation order
-// (kernels/torch_math.h). Per chunk of 64 list entries:
-// 1. thread j: p[j] = DotSeq(q, kv_t) * scale (index order).
-// 2. thread 0: cmax, m_new, alpha = TorchExp(m - m_new); threads j: e_j = TorchExp(p_j - m_new)
-//    (0 for a masked entry) and its bf16; thread 0: den = den * alpha + TorchSum(e_0..e_{n-1}).
-// 3. every thread, for its dims: num[d] = num[d] * alpha, then += bf16(e_j) * kv_t[d] in entry
+// Dims d0 .. d0 + nd of the chunk's listed KV rows into tile (row j: entry j; 0 for a skipped or
+// absent entry). Consecutive threads read consecutive dims of a row.
+__device__ __forceinline__ void LoadKvTile(const AttentionArgs& a, const int32_t* tj, int n, int d0,
+                                           int nd, float (*tile)[kTileDims + 1]) {
+#pragma unroll 4
+  for (int e = threadIdx.x; e < kChunkLen * nd; e += blockDim.x) {
+    const int j = e / nd, i = e % nd;
+    const int32_t t = tj[j];
+    tile[j][i] = (j < n && t >= 0) ? KvRow(a, t)[d0 + i] : 0.f;
+  }
+}
+
+// ops.cc SparseAttention, one thread block of 256 threads per (row, group of G <= 4 heads), in
+// the reference's operation order (kernels/torch_math.h). Per chunk of 64 list entries, whose KV
+// rows pass through shared memory kTileDims dims at a time (loaded by every thread of the block,
+// read once per tile and shared by its heads):
+// 1. thread (g, j) = (tid / 64, tid % 64), g < G: p = DotSeq(q_g, kv_t) * scale, the dot running
+//    in index order across the tiles.
+// 2. thread g: cmax, m_new, alpha = TorchExp(m - m_new); threads (g, j): e_j = TorchExp(p_j -
+//    m_new) (0 for a skipped entry) and its bf16; thread g: den = den * alpha + TorchSum(e_0..).
+// 3. for each of a head's dims: num[d] = num[d] * alpha, then += bf16(e_j) * kv_t[d] in entry
 //    order.
 // Finally den += TorchExp(sink - m) and out = bf16(num / den). Online softmax starts from
-// m = -1e30.
-__global__ void __launch_bounds__(kAttnThreads) SparseAttentionKernel(AttentionArgs a) {
+// m = -1e30. Shared memory: q and num of the block's heads ([G][head_dim] each, dynamic).
+__global__ void __launch_bounds__(kAttnThreads)
+    SparseAttentionKernel(AttentionArgs a, int G, int groups_per_row) {
   extern __shared__ float smem[];
   const int hd = a.head_dim;
-  float* num = smem;      // [hd]
-  float* qs = smem + hd;  // [hd]
-  __shared__ float p[kChunkLen], pb[kChunkLen], pe[kChunkLen];
+  float* qs = smem;            // [G][hd]
+  float* num = smem + G * hd;  // [G][hd]
+  __shared__ float tile[kChunkLen][kTileDims + 1];
+  __shared__ float p[kMaxGroup][kChunkLen], pe[kMaxGroup][kChunkLen], pb[kMaxGroup][kChunkLen];
   __shared__ int32_t tj[kChunkLen];
-  __shared__ float m_s, mnew_s, alpha_s, den_s;
-  const int64_t r = blockIdx.x / a.heads;
-  const int h = static_cast<int>(blockIdx.x % a.heads);
-  const int tid = threadIdx.x;
-  const float* q = a.q + (r * a.heads + h) * hd;
-  for (int d = tid; d < hd; d += kAttnThreads) {
-    num[d] = 0.f;
-    qs[d] = q[d];
+  __shared__ float m_s[kMaxGroup], mnew_s[kMaxGroup], alpha_s[kMaxGroup], den_s[kMaxGroup];
+  const int64_t r = blockIdx.x / groups_per_row;
+  const int h0 = static_cast<int>(blockIdx.x % groups_per_row) * G;
+  const int gh = a.heads - h0 < G ? a.heads - h0 : G;  // heads of this block
+  const int tid = threadIdx.x, nt = blockDim.x;
+  const int g = tid / kChunkLen, j = tid % kChunkLen;  // this thread's head and entry
+  const float* q = a.q + (r * a.heads + h0) * hd;
+  for (int e = tid; e < G * hd; e += nt) {
+    qs[e] = e < gh * hd ? q[e] : 0.f;
+    num[e] = 0.f;
   }
-  if (tid == 0) {
-    m_s = -1e30f;
-    den_s = 0.f;
+  if (tid < G) {
+    m_s[tid] = -1e30f;
+    den_s[tid] = 0.f;
   }
   const int32_t* idx = a.idx + r * a.list_len;
-  __syncthreads();
   for (int64_t c0 = 0; c0 < a.list_len; c0 += kChunkLen) {
     const int n = static_cast<int>(a.list_len - c0 < kChunkLen ? a.list_len - c0 : kChunkLen);
-    if (tid < n) {
-      const int32_t t = idx[c0 + tid];
-      tj[tid] = t;
-      p[tid] = t < 0 ? -INFINITY : DotSeq(qs, KvRow(a, t), hd) * a.scale;
-    }
+    __syncthreads();  // the previous chunk is done with tj and the tile
+    if (tid < kChunkLen) tj[tid] = tid < n ? idx[c0 + tid] : -1;
     __syncthreads();
-    if (tid == 0) {
+    const bool scored = g < gh && j < n;
+    const bool listed = scored && tj[j] >= 0;
+    float dot = 0.f;
+    for (int d0 = 0; d0 < hd; d0 += kTileDims) {
+      const int nd = hd - d0 < kTileDims ? hd - d0 : kTileDims;
+      if (d0 > 0) __syncthreads();  // every thread is done with the previous tile
+      LoadKvTile(a, tj, n, d0, nd, tile);
+      __syncthreads();
+      if (listed) {
+        const float* qg = qs + g * hd + d0;
+        const float* kt = tile[j];
+        for (int i = 0; i < nd; ++i) dot += qg[i] * kt[i];
+      }
+    }
+    if (scored) p[g][j] = listed ? dot * a.scale : -INFINITY;
+    __syncthreads();
+    if (tid < gh) {
       float cmax = -INFINITY;
-      for (int j = 0; j < n; ++j) {
-        if (tj[j] >= 0) cmax = StdMax(cmax, p[j]);
+      for (int jj = 0; jj < n; ++jj) {
+        if (tj[jj] >= 0) cmax = StdMax(cmax, p[tid][jj]);
       }
-      const float m_new = StdMax(m_s, cmax);
-      alpha_s = TorchExp(m_s - m_new);
-      mnew_s = m_new;
+      const float m_new = StdMax(m_s[tid], cmax);
+      alpha_s[tid] = TorchExp(m_s[tid] - m_new);
+      mnew_s[tid] = m_new;
     }
     __syncthreads();
-    if (tid < n) {
-      const float e = tj[tid] >= 0 ? TorchExp(p[tid] - mnew_s) : 0.f;
-      pe[tid] = e;
-      pb[tid] = RoundBf16(e);
+    if (scored) {
+      const float e = listed ? TorchExp(p[g][j] - mnew_s[g]) : 0.f;
+      pe[g][j] = e;
+      pb[g][j] = RoundBf16(e);
     }
     __syncthreads();
-    if (tid == 0) {
-      den_s = den_s * alpha_s + TorchSum(pe, n);
-      m_s = mnew_s;
+    if (tid < gh) {
+      den_s[tid] = den_s[tid] * alpha_s[tid] + TorchSum(pe[tid], n);
+      m_s[tid] = mnew_s[tid];
     }
-    const float alpha = alpha_s;
-    for (int d = tid; d < hd; d += kAttnThreads) {
-      float acc = num[d] * alpha;
-      for (int j = 0; j < n; ++j) {
-        const int32_t t = tj[j];
-        if (t < 0) continue;
-        acc += pb[j] * KvRow(a, t)[d];
+    for (int d0 = 0; d0 < hd; d0 += kTileDims) {
+      const int nd = hd - d0 < kTileDims ? hd - d0 : kTileDims;
+      if (hd > kTileDims) {  // else the tile still holds the chunk's rows
+        if (d0 > 0) __syncthreads();
+        LoadKvTile(a, tj, n, d0, nd, tile);
+        __syncthreads();
       }
-      num[d] = acc;
+      for (int e = tid; e < gh * nd; e += nt) {
+        const int gg = e / nd, dl = e % nd;
+        float* nm = num + gg * hd + d0 + dl;
+        float acc = *nm * alpha_s[gg];
+        for (int jj = 0; jj < n; ++jj) {
+          if (tj[jj] < 0) continue;
+          acc += pb[gg][jj] * tile[jj][dl];
+        }
+        *nm = acc;
+      }
     }
-    __syncthreads();
   }
-  if (tid == 0) den_s += TorchExp(a.sink[h] - m_s);
   __syncthreads();
-  float* out = a.out + (r * a.heads + h) * hd;
-  for (int d = tid; d < hd; d += kAttnThreads) out[d] = RoundBf16(num[d] / den_s);
+  if (tid < gh) den_s[tid] += TorchExp(a.sink[h0 + tid] - m_s[tid]);
+  __syncthreads();
+  float* out = a.out + (r * a.heads + h0) * hd;
+  for (int e = tid; e < gh * hd; e += nt) out[e] = RoundBf16(num[e] / den_s[e / hd]);
 }
 
 // cpu_backend.cc CompressPool: one thread per group and channel.
@@ -121,43 +162,66 @@ __global__ void CompressPoolKernel(const float* kv_all, const float* score_all, 
   out[ch] = RoundBf16(acc);
 }
 
-// ops.cc IndexerScores of one key kt against q [heads, dim], w [heads]: each head's dot an fp32
-// sum in index order, heads in order.
-__device__ __forceinline__ float IndexerScoreOfKey(const float* q, const float* w, int heads,
-                                                   const float* kt, int64_t dim) {
-  float acc = 0.f;
-  for (int h = 0; h < heads; ++h) {
-    const float* qh = q + h * dim;
-    float d = 0.f;
-    for (int64_t e = 0; e < dim; ++e) d += qh[e] * kt[e];
-    const float s = StdMax(RoundBf16(d), 0.f);
-    acc += RoundBf16(s * w[h]);
+// ops.cc IndexerScores over a tile of 32 keys, for query row blockIdx.y (q [rows, heads, dim],
+// w [rows, heads]): the keys pass through shared memory once; thread (lane, warp) computes the
+// term bf16(max(bf16(DotDp(q_h, k_t)), 0) * w[h]) of key t0 + lane for heads h = warp, warp + 8,
+// ...; then thread t sums its key's terms over the heads in order from +0 and rounds to bf16.
+// valid: null (every key), or [rows]: keys at or past valid[r] score -inf.
+constexpr int kIndexKeys = 32, kIndexThreads = 256;
+
+__global__ void __launch_bounds__(kIndexThreads)
+    IndexerScoresKernel(const float* q, const float* w, int heads, const float* keys, int64_t n,
+                        int64_t dim, const int64_t* valid, float* score) {
+  extern __shared__ float smem[];
+  const int64_t stride = dim + 1;             // a padded row: lanes read different banks
+  float* kt = smem;                           // [kIndexKeys][dim + 1]
+  float* terms = smem + kIndexKeys * stride;  // [heads][kIndexKeys]
+  const int64_t r = blockIdx.y, t0 = static_cast<int64_t>(blockIdx.x) * kIndexKeys;
+  const int64_t nv = valid != nullptr ? valid[r] : n;
+  const float* qr = q + r * heads * dim;
+  const float* wr = w + r * heads;
+  const int tid = threadIdx.x, lane = tid % kIndexKeys, warp = tid / kIndexKeys;
+  for (int64_t e = tid; e < kIndexKeys * dim; e += kIndexThreads) {
+    const int64_t j = e / dim, i = e % dim, t = t0 + j;
+    kt[j * stride + i] = t < nv ? keys[t * dim + i] : 0.f;
   }
-  return RoundBf16(acc);
-}
-
-// ops.cc IndexerScores: one thread per key.
-__global__ void IndexerScoresKernel(const float* q, const float* w, int heads, const float* keys,
-                                    int64_t n, int64_t dim, float* score) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= n) return;
-  score[t] = IndexerScoreOfKey(q, w, heads, keys + t * dim, dim);
-}
-
-// cpu_backend.cc IndexerScoresRows: IndexerScoresKernel's score of key t for row blockIdx.y,
-// -inf past the row's valid keys.
-__global__ void IndexerScoresRowsKernel(const float* q, const float* w, int heads,
-                                        const float* keys, int64_t n, int64_t dim,
-                                        const int64_t* valid, float* score) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t r = blockIdx.y;
-  if (t >= n) return;
-  float* sr = score + r * n;
-  if (t >= valid[r]) {
-    sr[t] = -INFINITY;
+  __syncthreads();
+  if (t0 + lane < nv) {
+    for (int h = warp; h < heads; h += kIndexThreads / kIndexKeys) {
+      const float d = DotDp(qr + h * dim, kt + lane * stride, dim);
+      const float s = StdMax(RoundBf16(d), 0.f);
+      terms[h * kIndexKeys + lane] = RoundBf16(s * wr[h]);
+    }
+  }
+  __syncthreads();
+  const int64_t t = t0 + tid;
+  if (tid >= kIndexKeys || t >= n) return;
+  if (t >= nv) {
+    score[r * n + t] = -INFINITY;
     return;
   }
-  sr[t] = IndexerScoreOfKey(q + r * heads * dim, w + r * heads, heads, keys + t * dim, dim);
+  float acc = 0.f;
+  for (int h = 0; h < heads; ++h) acc += terms[h * kIndexKeys + tid];
+  score[r * n + t] = RoundBf16(acc);
+}
+
+cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const float* keys,
+                                int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
+                                float* score, cudaStream_t stream) {
+  if (n <= 0 || rows <= 0) return cudaSuccess;
+  const size_t smem =
+      (kIndexKeys * static_cast<size_t>(dim + 1) + static_cast<size_t>(heads) * kIndexKeys) *
+      sizeof(float);
+  if (smem > 48 * 1024) {
+    cudaError_t rc = cudaFuncSetAttribute(
+        IndexerScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (rc != cudaSuccess) return rc;
+  }
+  const dim3 grid(static_cast<unsigned>((n + kIndexKeys - 1) / kIndexKeys),
+                  static_cast<unsigned>(rows));
+  IndexerScoresKernel<<<grid, kIndexThreads, smem, stream>>>(q, w, heads, keys, n, dim, valid,
+                                                             score);
+  return cudaGetLastError();
 }
 
 // cpu_backend.cc MaskScores.
@@ -172,15 +236,22 @@ __global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const u
 }  // namespace
 
 cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
-  const int64_t blocks = a.rows * a.heads;
-  if (blocks == 0) return cudaSuccess;
-  const size_t smem = 2 * static_cast<size_t>(a.head_dim) * sizeof(float);
+  if (a.rows == 0 || a.heads == 0) return cudaSuccess;
+  // Heads per block: enough blocks to fill the GPU first (a decode row of 64 heads: 64 blocks),
+  // then 4 heads sharing each KV tile. q and num of G heads must fit the shared memory.
+  const int64_t row_heads = a.rows * a.heads;
+  int G = row_heads >= 1024 ? 4 : row_heads >= 512 ? 2 : 1;
+  while (G > 1 && 2 * static_cast<int64_t>(G) * a.head_dim * 4 > 96 * 1024) G /= 2;
+  const int groups_per_row = (a.heads + G - 1) / G;
+  const int64_t blocks = a.rows * groups_per_row;
+  const size_t smem = 2 * static_cast<size_t>(G) * a.head_dim * sizeof(float);
   if (smem > 48 * 1024) {
     cudaError_t rc = cudaFuncSetAttribute(
         SparseAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
     if (rc != cudaSuccess) return rc;
   }
-  SparseAttentionKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(a);
+  SparseAttentionKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(
+      a, G, groups_per_row);
   return cudaGetLastError();
 }
 
@@ -194,18 +265,13 @@ cudaError_t CompressPool(const float* kv, const float* score, int64_t groups, in
 
 cudaError_t IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                           int64_t dim, float* score, cudaStream_t stream) {
-  if (n <= 0) return cudaSuccess;
-  IndexerScoresKernel<<<GridFor(n, 128), 128, 0, stream>>>(q, w, heads, keys, n, dim, score);
-  return cudaGetLastError();
+  return LaunchIndexerScores(q, w, heads, keys, n, dim, 1, nullptr, score, stream);
 }
 
 cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const float* keys,
                               int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
                               float* score, cudaStream_t stream) {
-  if (n <= 0 || rows <= 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((n + 127) / 128), static_cast<unsigned>(rows));
-  IndexerScoresRowsKernel<<<grid, 128, 0, stream>>>(q, w, heads, keys, n, dim, valid, score);
-  return cudaGetLastError();
+  return LaunchIndexerScores(q, w, heads, keys, n, dim, rows, valid, score, stream);
 }
 
 cudaError_t MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,

@@ -32,12 +32,14 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
 #include "kernels/backend.h"
 #include "kernels/format.h"
 #include "kernels/penalty.h"
 #include "kernels/rope.h"
 #include "kernels/sampling_math.h"
+#include "kernels/torch_math.h"
 
 #if defined(EPD_PARITY_CUDA)
 #include "kernels/cuda/cuda_backend.h"
@@ -232,6 +234,34 @@ std::vector<float> Normal(std::mt19937& rng, int64_t n, float sigma = 1.f) {
 std::vector<float> Bf16(std::mt19937& rng, int64_t n, float sigma = 1.f) {
   auto v = Normal(rng, n, sigma);
   for (auto& x : v) x = RoundBf16(x);
+  return v;
+}
+// Rows [rows, dim] of bf16 values (or ones) with eight pairs +B ... -B (B = 2^25) at random
+// places: a running sum holding B loses the low bits of the terms added meanwhile and the result
+// is small, so a kernel that sums in another order than the reference shows it in the bits
+// (plain random inputs hide that under the bf16 rounding). columns: the pairs cancel down the
+// columns instead (a sum over rows).
+std::vector<float> Cancelling(std::mt19937& rng, int64_t rows, int64_t dim, bool ones = false,
+                              bool columns = false) {
+  if (columns) {
+    const auto t = Cancelling(rng, dim, rows, ones);
+    std::vector<float> v(t.size());
+    for (int64_t c = 0; c < dim; ++c) {
+      for (int64_t r = 0; r < rows; ++r) v[r * dim + c] = t[c * rows + r];
+    }
+    return v;
+  }
+  auto v = ones ? std::vector<float>(rows * dim, 1.f) : Bf16(rng, rows * dim);
+  std::uniform_int_distribution<int64_t> pos(0, dim - 1);
+  for (int64_t r = 0; r < rows && dim >= 2; ++r) {
+    for (int k = 0; k < 8; ++k) {
+      const int64_t i = pos(rng), j = pos(rng);
+      if (i == j) continue;
+      const float b = (k % 2 ? -1.f : 1.f) * 33554432.f;
+      v[r * dim + i] = b;
+      v[r * dim + j] = -b;
+    }
+  }
   return v;
 }
 // Values from a small set (ties), with -0, +0 and -inf.
@@ -680,6 +710,49 @@ PARITY_CASE(SparseAttention) {
     res.push_back(s->Read(a.out, rows * heads * hd));
   }
   Compare(env, res[0], res[1], Tol::Exact(), "attention");
+
+  // Inputs whose sums change with their order, over the CUDA kernel's block shapes (1, 2 and 4
+  // heads a block, a last block of 3, head_dim over several 64-dim tiles): scores (q of ones, KV
+  // rows that cancel) and values (q = 0, so every probability is 1, and KV columns that cancel
+  // across entries).
+  struct Shape {
+    int64_t rows;
+    int heads, hd;
+    int64_t list_len;
+  };
+  for (const Shape& sh : {Shape{1, 8, 512, 640}, Shape{130, 6, 64, 100}, Shape{100, 11, 64, 70},
+                          Shape{20, 64, 160, 130}}) {
+    for (bool values : {false, true}) {
+      const int64_t n_kv = 120;
+      auto qc = Cancelling(env.rng, sh.rows * sh.heads, sh.hd, /*ones=*/true);
+      if (values) std::fill(qc.begin(), qc.end(), 0.f);
+      const auto kvc = Cancelling(env.rng, n_kv, sh.hd, false, /*columns=*/values);
+      const auto sinkc = Normal(env.rng, sh.heads);
+      std::vector<int32_t> idxc(sh.rows * sh.list_len);
+      std::uniform_int_distribution<int32_t> pick_c(-1, n_kv - 1);
+      for (auto& t : idxc) t = pick_c(env.rng);
+      const int64_t n_out = sh.rows * sh.heads * sh.hd;
+      std::vector<std::vector<float>> rc;
+      for (Side* s : {&env.ref, &env.cand}) {
+        SparseAttentionArgs a;
+        a.q = s->In(qc);
+        a.kv = s->In(kvc);
+        a.sink = s->In(sinkc);
+        a.idx = s->In(idxc);
+        a.rows = sh.rows;
+        a.heads = sh.heads;
+        a.head_dim = sh.hd;
+        a.list_len = sh.list_len;
+        a.scale = 0.0625f;
+        a.out = s->Out<float>(n_out);
+        EXPECT_OP_OK(*s, s->b().SparseAttention(a));
+        rc.push_back(s->Read(a.out, n_out));
+      }
+      Compare(env, rc[0], rc[1], Tol::Exact(),
+              absl::StrCat(sh.rows, " rows of ", sh.heads, " heads of ", sh.hd, ", ",
+                           values ? "values" : "scores", " in order"));
+    }
+  }
 }
 
 PARITY_CASE(CompressPool) {
@@ -710,7 +783,7 @@ PARITY_CASE(CompressPool) {
 }
 
 PARITY_CASE(IndexerScores) {
-  // Tolerance: exact (fp32 dots in index order, bf16 steps, heads in order).
+  // Tolerance: exact (fp32 dots in oneDNN's pair order, DotDp; bf16 steps; heads in order).
   for (int heads : {8, 6}) {
     const int64_t n = 37, dim = 64;
     const auto q = Bf16(env.rng, heads * dim), w = Bf16(env.rng, heads),
@@ -722,6 +795,21 @@ PARITY_CASE(IndexerScores) {
       res.push_back(s->Read(out, n));
     }
     Compare(env, res[0], res[1], Tol::Exact(), std::to_string(heads) + " heads");
+  }
+  // Keys whose dots change with the order of their sum (DotDp's pairs, not index order), at the
+  // release config's index heads and dim and at an odd dim.
+  for (auto [heads, dim] : {std::pair<int, int64_t>{64, 128}, {6, 63}}) {
+    const int64_t n = 300;
+    const auto q = Cancelling(env.rng, heads, dim, /*ones=*/true), w = Bf16(env.rng, heads),
+               keys = Cancelling(env.rng, n, dim);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* out = s->Out<float>(n);
+      EXPECT_OP_OK(*s, s->b().IndexerScores(s->In(q), s->In(w), heads, s->In(keys), n, dim, out));
+      res.push_back(s->Read(out, n));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(),
+            absl::StrCat(heads, " heads of ", dim, ", pairs in order"));
   }
 }
 
@@ -2083,6 +2171,20 @@ TEST(BackendParityTable, TheComparisonCatchesADifference) {
   // The CPU SIMD candidate is always held to exact.
   Env cpu{a, b, rng, /*cand_is_cpu=*/true};
   EXPECT_NONFATAL_FAILURE(Compare(cpu, x, y, Tol::Ulps(4), "t"), "1 of 3 elements differ");
+}
+
+TEST(BackendParityTable, CancellingInputsShowAChangeOfSummationOrder) {
+  // Guards Cancelling(): on its rows, index order (DotSeq) and oneDNN's pair order (DotDp) give
+  // other sums, so a case fed with them tells the two orders apart.
+  std::mt19937 rng(5);
+  const int64_t rows = 64, dim = 128;
+  const std::vector<float> ones(dim, 1.f), v = Cancelling(rng, rows, dim);
+  int64_t differ = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* x = v.data() + r * dim;
+    differ += torch_math::DotSeq(ones.data(), x, dim) != torch_math::DotDp(ones.data(), x, dim);
+  }
+  EXPECT_GT(differ, rows / 4);
 }
 
 TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {

@@ -1,0 +1,402 @@
+#pragma once
+// A host emulation of the part of CUDA that kernels/cuda uses, so that the CUDA backend (its
+// kernels' indexing, shared memory, barriers and arithmetic, and the host code around them) can
+// run against the CPU reference on a machine without a GPU (tests/gpu/emulated). It stands in
+// for <cuda_runtime.h> and <cuda_runtime_api.h> when a .cu file, rewritten by to_host.cmake, and
+// cuda_backend.cc are compiled as host C++.
+//
+// What it models:
+// - A launch runs its blocks one after another. A block's threads are fibers (Boost.Context) on
+//   the launching thread, each run in turn up to its next __syncthreads() or its end, so a barrier
+//   is passed only when every live thread of the block has reached it (a thread that returned no
+//   longer counts). __shared__ variables become function statics (the running block's); dynamic
+//   shared memory is a buffer of 0xff bytes (an unwritten float reads as NaN).
+// - Warp exchanges (__shfl_sync, __shfl_xor_sync, __ballot_sync, __syncthreads_or) go through
+// per-thread slots
+//   between two block-wide barriers: right for code where every thread of the block makes the same
+//   exchanges, which is how kernels/cuda uses them.
+// - Device memory is host memory. Every stream runs its work at once, in the calling thread,
+//   under one lock (one launch at a time); events are no-ops. A stream being captured records its
+//   launches, copies and sets into a graph instead; launching the graph replays them in order.
+// What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
+// the order of work across streams, the device's limits beyond a 227 KiB shared-memory opt-in,
+// the device's transcendental functions (the host's libm stands in) and the device's fp32
+// arithmetic itself (host arithmetic without contraction, as nvcc's -fmad=false). No packaged
+// library emulates CUDA on the host (HIP-CPU is not in Debian), so this is our own.
+#include <algorithm>
+#include <bit>
+#include <boost/context/fiber.hpp>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __constant__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned a = 1, unsigned b = 1, unsigned c = 1) : x(a), y(b), z(c) {}
+};
+
+enum cudaError_t {
+  cudaSuccess = 0,
+  cudaErrorInvalidValue = 1,
+  cudaErrorMemoryAllocation = 2,
+  cudaErrorInvalidDevice = 101,
+  cudaErrorStreamCaptureInvalidated = 901,
+};
+enum cudaMemcpyKind {
+  cudaMemcpyHostToHost,
+  cudaMemcpyHostToDevice,
+  cudaMemcpyDeviceToHost,
+  cudaMemcpyDeviceToDevice,
+  cudaMemcpyDefault
+};
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeRelaxed };
+constexpr unsigned cudaStreamNonBlocking = 1;
+constexpr unsigned cudaEventDisableTiming = 2;
+constexpr unsigned cudaHostAllocDefault = 0;
+
+struct cudaDeviceProp {
+  char name[256];
+  size_t totalGlobalMem;
+  size_t sharedMemPerBlockOptin;
+  int multiProcessorCount;
+  int major;
+  int minor;
+};
+
+namespace emu {
+
+namespace bctx = boost::context;
+inline constexpr size_t kStack = 128 * 1024;
+inline constexpr size_t kMaxSmem = 227 * 1024;
+inline constexpr size_t kDeviceBytes = size_t{16} << 30;  // what cudaMemGetInfo reports
+
+struct Graph {
+  std::vector<std::function<void()>> ops;
+};
+struct Stream {
+  Graph* capture = nullptr;  // non-null while captured
+};
+struct Event {};
+
+struct Fiber {
+  std::unique_ptr<char[]> stack;
+  bctx::fiber self, back;
+  dim3 tid;
+  bool done = false;
+};
+// Hands each fiber its own reused stack (no allocation per block).
+struct ReusedStack {
+  char* base;
+  bctx::stack_context allocate() {
+    bctx::stack_context sc;
+    sc.size = kStack;
+    sc.sp = base + kStack;
+    return sc;
+  }
+  void deallocate(bctx::stack_context&) noexcept {}
+};
+
+// The running block (one at a time, under g_mu).
+inline std::recursive_mutex g_mu;
+inline dim3 tl_thread, tl_block, g_block_dim, g_grid_dim;
+inline std::vector<unsigned char> g_smem;
+inline Fiber* g_cur = nullptr;
+inline std::function<void()> g_body;
+inline std::vector<Fiber> g_fibers;
+inline std::vector<uint64_t> g_slots;  // warp exchanges, one per thread
+inline cudaError_t g_last_error = cudaSuccess;
+
+inline void Sync() { g_cur->back = std::move(g_cur->back).resume(); }
+inline unsigned LinearTid() {
+  return tl_thread.x + g_block_dim.x * (tl_thread.y + g_block_dim.y * tl_thread.z);
+}
+template <class T>
+T* DynSmem() {
+  return reinterpret_cast<T*>(g_smem.data());
+}
+
+// Runs `op` now, or records it when `s` is being captured.
+inline void Enqueue(Stream* s, std::function<void()> op) {
+  if (s != nullptr && s->capture != nullptr) {
+    s->capture->ops.push_back(std::move(op));
+    return;
+  }
+  std::lock_guard<std::recursive_mutex> lock(g_mu);
+  op();
+}
+
+inline void RunBlocks(dim3 grid, dim3 block, size_t smem) {
+  const unsigned nt = block.x * block.y * block.z;
+  g_grid_dim = grid;
+  g_block_dim = block;
+  if (g_fibers.size() < nt) g_fibers.resize(nt);
+  g_slots.assign(nt, 0);
+  for (unsigned bz = 0; bz < grid.z; ++bz) {
+    for (unsigned by = 0; by < grid.y; ++by) {
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        g_smem.assign(smem + 16, 0xff);
+        tl_block = dim3(bx, by, bz);
+        for (unsigned t = 0; t < nt; ++t) {
+          Fiber& f = g_fibers[t];
+          if (!f.stack) f.stack.reset(new char[kStack]);
+          f.tid = dim3(t % block.x, (t / block.x) % block.y, t / (block.x * block.y));
+          f.done = false;
+          f.self = bctx::fiber(std::allocator_arg, ReusedStack{f.stack.get()},
+                               [&f](bctx::fiber&& sched) {
+                                 f.back = std::move(sched);
+                                 g_body();
+                                 f.done = true;
+                                 return std::move(f.back);
+                               });
+        }
+        for (bool live = true; live;) {
+          live = false;
+          for (unsigned t = 0; t < nt; ++t) {
+            Fiber& f = g_fibers[t];
+            if (f.done) continue;
+            g_cur = &f;
+            tl_thread = f.tid;
+            f.self = std::move(f.self).resume();
+            live = live || !f.done;
+          }
+        }
+      }
+    }
+  }
+}
+
+// `kernel<<<grid, block, smem, stream>>>(args...)` after to_host.cmake.
+template <class K>
+auto Launch(K* kernel, dim3 grid, dim3 block, size_t smem = 0, Stream* stream = nullptr) {
+  return [=](auto... args) {
+    const unsigned nt = block.x * block.y * block.z;
+    if (nt == 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || smem > kMaxSmem) {
+      g_last_error = cudaErrorInvalidValue;
+      return;
+    }
+    Enqueue(stream, [=] {
+      g_body = [&] { kernel(args...); };
+      RunBlocks(grid, block, smem);
+    });
+  };
+}
+
+template <class T>
+T Exchange(T v, unsigned src_tid) {
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  g_slots[LinearTid()] = bits;
+  Sync();
+  T r;
+  std::memcpy(&r, &g_slots[src_tid], sizeof(T));
+  Sync();
+  return r;
+}
+
+}  // namespace emu
+
+using cudaStream_t = emu::Stream*;
+using cudaEvent_t = emu::Event*;
+using cudaGraph_t = emu::Graph*;
+using cudaGraphExec_t = emu::Graph*;
+using cudaGraphNode_t = void*;
+
+#define threadIdx emu::tl_thread
+#define blockIdx emu::tl_block
+#define blockDim emu::g_block_dim
+#define gridDim emu::g_grid_dim
+#define __syncthreads() emu::Sync()
+
+// ---- Device functions ----
+template <class T>
+T __shfl_sync(unsigned, T v, int src_lane, int width = 32) {
+  const unsigned tid = emu::LinearTid();
+  return emu::Exchange(v, tid / width * width + static_cast<unsigned>(src_lane % width));
+}
+template <class T>
+T __shfl_xor_sync(unsigned, T v, int lane_mask, int width = 32) {
+  const unsigned tid = emu::LinearTid();
+  return emu::Exchange(v, tid / width * width + ((tid % width) ^ static_cast<unsigned>(lane_mask)));
+}
+inline unsigned __ballot_sync(unsigned, int pred) {
+  const unsigned tid = emu::LinearTid(), base = tid / 32 * 32;
+  emu::g_slots[tid] = pred != 0;
+  emu::Sync();
+  unsigned bits = 0;
+  for (unsigned l = 0; l < 32 && base + l < emu::g_slots.size(); ++l) {
+    if (emu::g_slots[base + l] != 0) bits |= 1u << l;
+  }
+  emu::Sync();
+  return bits;
+}
+inline int __syncthreads_or(int pred) {
+  const unsigned tid = emu::LinearTid();
+  emu::g_slots[tid] = pred != 0;
+  emu::Sync();
+  int any = 0;
+  for (uint64_t v : emu::g_slots) any |= v != 0;
+  emu::Sync();
+  return any;
+}
+inline int __popc(unsigned v) { return std::popcount(v); }
+inline int __popcll(unsigned long long v) { return std::popcount(v); }
+inline float fmaxf(float a, float b) { return std::fmax(a, b); }
+inline float fminf(float a, float b) { return std::fmin(a, b); }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
+
+// ---- Runtime API ----
+inline cudaError_t cudaGetLastError() {
+  const cudaError_t e = emu::g_last_error;
+  emu::g_last_error = cudaSuccess;
+  return e;
+}
+inline cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
+inline const char* cudaGetErrorString(cudaError_t e) {
+  return e == cudaSuccess ? "no error" : "emulated CUDA error";
+}
+inline const char* cudaGetErrorName(cudaError_t e) {
+  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated";
+}
+template <class F>
+cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int v) {
+  return v >= 0 && static_cast<size_t>(v) <= emu::kMaxSmem ? cudaSuccess : cudaErrorInvalidValue;
+}
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return cudaSuccess;
+}
+inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
+  if (d != 0) return cudaErrorInvalidDevice;
+  *p = cudaDeviceProp{};
+  std::strcpy(p->name, "emulated CUDA device");
+  p->totalGlobalMem = emu::kDeviceBytes;
+  p->sharedMemPerBlockOptin = emu::kMaxSmem;
+  p->multiProcessorCount = 132;
+  p->major = 9;
+  p->minor = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
+  *free_bytes = emu::kDeviceBytes;
+  *total = emu::kDeviceBytes;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+
+inline cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = std::aligned_alloc(256, (n + 255) / 256 * 256 + 256);
+  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+template <class T>
+cudaError_t cudaMalloc(T** p, size_t n) {
+  return cudaMalloc(reinterpret_cast<void**>(p), n);
+}
+inline cudaError_t cudaFree(void* p) {
+  std::free(p);
+  return cudaSuccess;
+}
+inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) { return cudaMalloc(p, n); }
+inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
+inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  std::lock_guard<std::recursive_mutex> lock(emu::g_mu);
+  if (n > 0) std::memmove(dst, src, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
+                                   cudaStream_t s = nullptr) {
+  emu::Enqueue(s, [=] {
+    if (n > 0) std::memmove(dst, src, n);
+  });
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemset(void* p, int v, size_t n) {
+  std::lock_guard<std::recursive_mutex> lock(emu::g_mu);
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s = nullptr) {
+  emu::Enqueue(s, [=] { std::memset(p, v, n); });
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = new emu::Stream;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
+  delete s;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  return s != nullptr && s->capture != nullptr ? cudaErrorStreamCaptureInvalidated : cudaSuccess;
+}
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
+  *e = new emu::Event;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
+  delete e;
+  return cudaSuccess;
+}
+inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) { return cudaSuccess; }
+inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+inline cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned = 0) {
+  return cudaSuccess;
+}
+
+inline cudaError_t cudaStreamBeginCapture(cudaStream_t s, cudaStreamCaptureMode) {
+  if (s == nullptr || s->capture != nullptr) return cudaErrorInvalidValue;
+  s->capture = new emu::Graph;
+  return cudaSuccess;
+}
+inline cudaError_t cudaStreamEndCapture(cudaStream_t s, cudaGraph_t* g) {
+  if (s == nullptr || s->capture == nullptr) return cudaErrorInvalidValue;
+  *g = s->capture;
+  s->capture = nullptr;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphGetNodes(cudaGraph_t g, cudaGraphNode_t* nodes, size_t* n) {
+  if (nodes != nullptr) return cudaErrorInvalidValue;
+  *n = g->ops.size();
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g,
+                                        unsigned long long = 0) {
+  *exec = new emu::Graph(*g);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  for (const auto& op : exec->ops) emu::Enqueue(s, op);
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t g) {
+  delete g;
+  return cudaSuccess;
+}
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t g) {
+  delete g;
+  return cudaSuccess;
+}
