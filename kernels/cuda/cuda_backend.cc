@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <cstring>
@@ -124,6 +126,8 @@ class CudaBackend final : public Backend {
     for (cudaEvent_t e : staging_done_) {
       if (e != nullptr) cudaEventDestroy(e);
     }
+    if (prof_start_ != nullptr) cudaEventDestroy(prof_start_);
+    if (prof_stop_ != nullptr) cudaEventDestroy(prof_stop_);
     if (staging_ != nullptr) cudaFreeHost(staging_);
     for (auto& [key, p] : group_tables_) cudaFree(p);
     for (cudaStream_t s : streams_) {
@@ -937,6 +941,7 @@ class CudaBackend final : public Backend {
   template <typename F>
   Status Run(const char* op, F&& launch) {
     EPD_CUDA_RETURN_IF_ERROR(op, cudaSetDevice(device_));
+    if (profiling_.load(std::memory_order_relaxed) && !Capturing()) return RunTimed(op, launch);
     const cudaError_t rc = launch();
     if (rc != cudaSuccess) {
       cudaGetLastError();  // clear a non-sticky launch error
@@ -945,6 +950,50 @@ class CudaBackend final : public Backend {
     return OkStatus();
   }
 
+  // Run with the op's time added to the profile (SetCudaOpProfiling).
+  template <typename F>
+  Status RunTimed(const char* op, F&& launch) {
+    std::lock_guard<std::mutex> lock(profile_mu_);
+    if (prof_start_ == nullptr) {
+      EPD_CUDA_RETURN_IF_ERROR(op, cudaEventCreate(&prof_start_));
+      EPD_CUDA_RETURN_IF_ERROR(op, cudaEventCreate(&prof_stop_));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_start_, streams_[0]));
+    const cudaError_t rc = launch();
+    if (rc != cudaSuccess) {
+      cudaGetLastError();
+      return Cuda(op, rc);
+    }
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_stop_, streams_[0]));
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaEventSynchronize(prof_stop_));
+    float ms = 0;
+    EPD_CUDA_RETURN_IF_ERROR(op, cudaEventElapsedTime(&ms, prof_start_, prof_stop_));
+    CudaOpTime& t = profile_[op];
+    t.op = op;
+    ++t.calls;
+    t.device_ms += ms;
+    t.host_ms +=
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    return OkStatus();
+  }
+
+ public:
+  void SetProfiling(bool on) {
+    std::lock_guard<std::mutex> lock(profile_mu_);
+    profile_.clear();
+    profiling_.store(on);
+  }
+  std::vector<CudaOpTime> Profile() {
+    std::lock_guard<std::mutex> lock(profile_mu_);
+    std::vector<CudaOpTime> out;
+    for (const auto& [name, t] : profile_) out.push_back(t);
+    std::sort(out.begin(), out.end(),
+              [](const CudaOpTime& a, const CudaOpTime& b) { return a.device_ms > b.device_ms; });
+    return out;
+  }
+
+ private:
   Status Plain(const char* op, const float* x, int64_t rows, const float* w, int64_t out,
                int64_t in, bool round, float* y) {
     if (rows > kMaxGemmRows) return Bad(op, absl::StrCat(rows, " rows > ", kMaxGemmRows));
@@ -1120,9 +1169,38 @@ class CudaBackend final : public Backend {
   std::array<cudaEvent_t, kStagingSlots> staging_done_{};
   std::array<bool, kStagingSlots> staging_used_{};
   std::map<std::vector<const void*>, void*> group_tables_;  // GroupTable
+  // SetCudaOpProfiling's state.
+  std::atomic<bool> profiling_{false};
+  std::mutex profile_mu_;
+  cudaEvent_t prof_start_ = nullptr, prof_stop_ = nullptr;
+  std::map<std::string, CudaOpTime> profile_;
 };
 
 }  // namespace
+
+namespace {
+absl::StatusOr<CudaBackend*> Profiled(Backend& backend) {
+  auto* cuda = dynamic_cast<CudaBackend*>(&backend);
+  if (cuda == nullptr) {
+    return InvalidArgumentError(
+        absl::StrCat("op profiling needs a CUDA backend, not ", std::string(backend.Name())));
+  }
+  return cuda;
+}
+}  // namespace
+
+Status SetCudaOpProfiling(Backend& backend, bool on) {
+  absl::StatusOr<CudaBackend*> cuda = Profiled(backend);
+  if (!cuda.ok()) return cuda.status();
+  (*cuda)->SetProfiling(on);
+  return OkStatus();
+}
+
+absl::StatusOr<std::vector<CudaOpTime>> CudaOpProfile(Backend& backend) {
+  absl::StatusOr<CudaBackend*> cuda = Profiled(backend);
+  if (!cuda.ok()) return cuda.status();
+  return (*cuda)->Profile();
+}
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {
   std::string why;

@@ -24,8 +24,12 @@
 // were captured with: a block the backend lets go of (the scratch outgrown, the tables reset) is
 // kept until no graph is alive.
 
+#include <cstdint>
 #include <memory>
+#include <string>
+#include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 
@@ -37,5 +41,22 @@ inline constexpr int kCudaStreams = 4;
 // when there is no usable GPU (no driver, no device); NotFound when `device` is not one of the
 // present devices.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
+
+// Where a CUDA backend's time goes, for benchmarks (tests/bench/cuda_model_bench.cc). While
+// profiling is on, each op called outside a capture is bracketed by two events on stream 0 and
+// waited for, and its device time (between the events) and host time (the call, the wait
+// included) are added to its name's entry; a graph launch is one "LaunchGraph" entry. The waits
+// serialize host and device, so the sum exceeds a step's time; the shares are the point.
+struct CudaOpTime {
+  std::string op;
+  int64_t calls = 0;
+  double device_ms = 0;
+  double host_ms = 0;
+};
+// Turns profiling on (clearing the table) or off. InvalidArgument when `backend` is not a CUDA
+// backend.
+absl::Status SetCudaOpProfiling(Backend& backend, bool on);
+// The table, most device time first. InvalidArgument when `backend` is not a CUDA backend.
+absl::StatusOr<std::vector<CudaOpTime>> CudaOpProfile(Backend& backend);
 
 }  // namespace epd::kernels

@@ -13,7 +13,9 @@
 // Each figure is the decode step graphs' (model/step_graph.h: the row-independent parts of each
 // layer launched as one CUDA graph, ModelOptions::step_graphs, the default), beside the same
 // steps op by op (step_graphs off) and their ratio.
-// Output: `BENCH decode <set> batch=<b> ...` lines (tests/gpu/device_check.sh collects them).
+// Output: `BENCH decode <set> batch=<b> ...` lines (tests/gpu/device_check.sh collects them), and
+// `PROFILE ...` lines: where an op-by-op step's device time goes (PrintOpProfile) at batch 1 of
+// each golden set and at the release layer's smallest and largest batch.
 // Usage: cuda_model_bench [--quick] [--release-experts N] [--skip-golden] [--cpu]
 //   (--quick: batch 1 and 32, fewer steps; --release-experts: routed experts of the release layer,
 //   384 as released, 0 to skip it; --cpu: only the release layer, on the CPU backend, batch 1 and
@@ -71,6 +73,40 @@ double DecodeTokensPerSecond(const epd::model::Model& m, const epd::model::Seque
   }
   std::sort(tps.begin(), tps.end());
   return tps[tps.size() / 2];
+}
+
+// Where a decode step's time goes (kernels/cuda/cuda_backend.h, SetCudaOpProfiling): the steps of
+// DecodeTokensPerSecond(m, seed, batch, steps, 1) (its warm-up run and one timed run) with each
+// op waited for and timed, printed per step, the ops with the most device time first. The waits
+// serialize host and device, so the sums exceed the step's time. No-op on a CPU backend.
+void PrintOpProfile(epd::kernels::Backend& backend, const std::string& what,
+                    const epd::model::Model& m, const epd::model::SequenceState& seed, int batch,
+                    int steps) {
+  if (!epd::kernels::SetCudaOpProfiling(backend, true).ok()) return;
+  DecodeTokensPerSecond(m, seed, batch, steps, 1);
+  auto table = epd::kernels::CudaOpProfile(backend);
+  if (!epd::kernels::SetCudaOpProfiling(backend, false).ok() || !table.ok()) return;
+  const double per = 1.0 / (2.0 * steps);
+  double device = 0, host = 0, calls = 0;
+  for (const auto& t : *table) {
+    device += t.device_ms;
+    host += t.host_ms;
+    calls += static_cast<double>(t.calls);
+  }
+  std::printf(
+      "PROFILE %s batch=%d op by op: %.0f calls/step, device %.0f us/step, host %.0f "
+      "us/step (each op waited for)\n",
+      what.c_str(), batch, calls * per, device * 1e3 * per, host * 1e3 * per);
+  for (size_t i = 0; i < table->size() && i < 12; ++i) {
+    const auto& t = (*table)[i];
+    std::printf(
+        "PROFILE %s batch=%d   %-20s %6.1f calls/step %9.1f us/step device (%4.1f%%) "
+        "%9.1f us/step host\n",
+        what.c_str(), batch, t.op.c_str(), static_cast<double>(t.calls) * per,
+        t.device_ms * 1e3 * per, device > 0 ? 100.0 * t.device_ms / device : 0.0,
+        t.host_ms * 1e3 * per);
+  }
+  std::fflush(stdout);
 }
 
 // The release config cut to one layer (see the header).
@@ -160,6 +196,9 @@ int ReleaseLayer(epd::kernels::Backend& cuda, int experts, const std::vector<int
         c.n_routed_experts, batch, prompt.size(), g, g / limit, limit, bytes / 1e6, e,
         e > 0 ? g / e : 0.0);
     std::fflush(stdout);
+    if (batch == batches.front() || batch == batches.back()) {
+      PrintOpProfile(cuda, "release-layer", **op_by_op, *seed_op, batch, steps);
+    }
   }
   seed.reset();
   seed_op.reset();
@@ -229,6 +268,7 @@ int main(int argc, char** argv) {
           set.c_str(), batch, prompt.size(), g, g / limit, limit, e, e > 0 ? g / e : 0.0, c,
           c > 0 ? g / c : 0.0);
       std::fflush(stdout);
+      if (batch == 1) PrintOpProfile(**cuda, set, **gpu_op_model, *gpu_op_seed, batch, steps);
     }
   }
   if (release_experts > 0) return ReleaseLayer(**cuda, release_experts, batches, quick ? 2 : 4, 3);

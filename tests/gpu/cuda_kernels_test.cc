@@ -3,7 +3,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -86,6 +88,41 @@ TEST(CudaKernelsTest, StagedUploadsAreSeenInOrderByLaterOps) {
   ASSERT_TRUE(b.Upload(expect.data(), n * 4, *side).ok());
   ASSERT_TRUE(b.Download(*side, 0, n * 4, got.data()).ok());
   EXPECT_EQ(got, expect);
+}
+
+// SetCudaOpProfiling / CudaOpProfile (kernels/cuda/cuda_backend.h): each op called while profiling
+// is on counts once under its name, with non-negative times; switching it on again clears the
+// table; a backend that is not CUDA is refused, naming it.
+TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
+  SKIP_WITHOUT_GPU();
+  auto be = epd::kernels::MakeCudaBackend(0);
+  ASSERT_TRUE(be.ok()) << be.status();
+  epd::kernels::Backend& b = **be;
+  const int64_t n = 4096;
+  auto x = b.Allocate(n * 4), y = b.Allocate(n * 4);
+  ASSERT_TRUE(x.ok() && y.ok());
+  ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());  // before: not counted
+  ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, true).ok());
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());
+  ASSERT_TRUE(b.Copy(y->as<float>(), x->as<float>(), n * 4).ok());
+  auto table = epd::kernels::CudaOpProfile(b);
+  ASSERT_TRUE(table.ok()) << table.status();
+  std::map<std::string, int64_t> calls;
+  for (const auto& t : *table) {
+    calls[t.op] = t.calls;
+    EXPECT_GE(t.device_ms, 0) << t.op;
+    EXPECT_GE(t.host_ms, 0) << t.op;
+  }
+  EXPECT_EQ(calls["Add"], 3);
+  ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, true).ok());
+  EXPECT_TRUE(epd::kernels::CudaOpProfile(b)->empty());
+  ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, false).ok());
+  ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());
+  EXPECT_TRUE(epd::kernels::CudaOpProfile(b)->empty());
+  auto cpu = epd::kernels::MakeCpuBackend();
+  const absl::Status refused = epd::kernels::SetCudaOpProfiling(*cpu, true);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("cpu"), std::string::npos) << refused;
 }
 
 }  // namespace

@@ -138,6 +138,7 @@ if [ -n "$BIN" ] && [ -x "$BIN/cuda_bench" ]; then
       --release-experts "${EPD_GPU_RELEASE_EXPERTS:-64}"
   cat "$LOGS/cuda_bench.txt" "$LOGS/cuda_model_bench.txt" 2>/dev/null | grep '^BENCH' \
     >"$LOGS/bench_lines.txt" || true
+  grep '^PROFILE' "$LOGS/cuda_model_bench.txt" >"$LOGS/profile_lines.txt" 2>/dev/null || true
 else
   row cuda_bench FAIL 0 "not built"
   status=1
@@ -149,5 +150,7 @@ printf '%-28s %-8s %7s  %s\n' step result time detail
 for r in "${ROWS[@]}"; do echo "$r"; done
 echo "---- benchmarks (ratio = fraction of the physical limit) ----"
 sed 's/^BENCH //' "$LOGS/bench_lines.txt" 2>/dev/null || echo "(none)"
+echo "---- where an op-by-op decode step's device time goes (cuda_model_bench PROFILE) ----"
+sed 's/^PROFILE //' "$LOGS/profile_lines.txt" 2>/dev/null || echo "(none)"
 echo "total $(( $(date +%s) - start )) s; logs in $LOGS"
 exit $status
