@@ -16,30 +16,35 @@ using torch_math::TorchSum;
 
 constexpr int kChunkLen = 64;  // the reference's chunk of list entries
 constexpr int kMaxGroup = 4;   // heads per thread block
-constexpr int kTileDims = 64;  // dims of a chunk's KV rows held in shared memory at once
+constexpr int kTileDims = 64;  // dims of a chunk's KV rows in shared memory when all do not fit
 constexpr int kAttnThreads = kMaxGroup * kChunkLen;
+// SparseAttentionKernel's static shared memory (p, pe, pb, tj and the per-head scalars): with the
+// dynamic part above 48 KiB in all, the launch must opt in.
+constexpr size_t kAttnStaticSmem =
+    sizeof(float) * (3 * kMaxGroup * kChunkLen + 4 * kMaxGroup) + sizeof(int32_t) * kChunkLen;
 
 __device__ __forceinline__ const float* KvRow(const AttentionArgs& a, int32_t t) {
   return t >= a.kv_ext_start ? a.kv_ext + (t - a.kv_ext_start) * a.head_dim
                              : a.kv + static_cast<int64_t>(t) * a.head_dim;
 }
 
-// Dims d0 .. d0 + nd of the chunk's listed KV rows into tile (row j: entry j; 0 for a skipped or
-// absent entry). Consecutive threads read consecutive dims of a row.
+// Dims d0 .. d0 + nd of the chunk's listed KV rows into tile (row j at j * stride: entry j; 0 for
+// a skipped or absent entry). Consecutive threads read consecutive dims of a row.
 __device__ __forceinline__ void LoadKvTile(const AttentionArgs& a, const int32_t* tj, int n, int d0,
-                                           int nd, float (*tile)[kTileDims + 1]) {
+                                           int nd, float* tile, int stride) {
 #pragma unroll 4
   for (int e = threadIdx.x; e < kChunkLen * nd; e += blockDim.x) {
     const int j = e / nd, i = e % nd;
     const int32_t t = tj[j];
-    tile[j][i] = (j < n && t >= 0) ? KvRow(a, t)[d0 + i] : 0.f;
+    tile[j * stride + i] = (j < n && t >= 0) ? KvRow(a, t)[d0 + i] : 0.f;
   }
 }
 
 // ops.cc SparseAttention, one thread block of 256 threads per (row, group of G <= 4 heads), in
 // the reference's operation order (kernels/torch_math.h). Per chunk of 64 list entries, whose KV
-// rows pass through shared memory kTileDims dims at a time (loaded by every thread of the block,
-// read once per tile and shared by its heads):
+// rows pass through shared memory td dims at a time (td = head_dim, the whole rows, when they fit
+// the device's shared memory, else kTileDims; loaded by every thread of the block, read once per
+// tile and shared by its heads):
 // 1. thread (g, j) = (tid / 64, tid % 64), g < G: p = DotSeq(q_g, kv_t) * scale, the dot running
 //    in index order across the tiles.
 // 2. thread g: cmax, m_new, alpha = TorchExp(m - m_new); threads (g, j): e_j = TorchExp(p_j -
@@ -47,14 +52,15 @@ __device__ __forceinline__ void LoadKvTile(const AttentionArgs& a, const int32_t
 // 3. for each of a head's dims: num[d] = num[d] * alpha, then += bf16(e_j) * kv_t[d] in entry
 //    order.
 // Finally den += TorchExp(sink - m) and out = bf16(num / den). Online softmax starts from
-// m = -1e30. Shared memory: q and num of the block's heads ([G][head_dim] each, dynamic).
+// m = -1e30. Dynamic shared memory: q and num of the block's heads ([G][head_dim] each), then the
+// tile ([64][td + 1]: padded rows, so the threads of a dot read different banks).
 __global__ void __launch_bounds__(kAttnThreads)
-    SparseAttentionKernel(AttentionArgs a, int G, int groups_per_row) {
+    SparseAttentionKernel(AttentionArgs a, int G, int groups_per_row, int td) {
   extern __shared__ float smem[];
-  const int hd = a.head_dim;
-  float* qs = smem;            // [G][hd]
-  float* num = smem + G * hd;  // [G][hd]
-  __shared__ float tile[kChunkLen][kTileDims + 1];
+  const int hd = a.head_dim, stride = td + 1;
+  float* qs = smem;                 // [G][hd]
+  float* num = smem + G * hd;       // [G][hd]
+  float* tile = smem + 2 * G * hd;  // [kChunkLen][stride]
   __shared__ float p[kMaxGroup][kChunkLen], pe[kMaxGroup][kChunkLen], pb[kMaxGroup][kChunkLen];
   __shared__ int32_t tj[kChunkLen];
   __shared__ float m_s[kMaxGroup], mnew_s[kMaxGroup], alpha_s[kMaxGroup], den_s[kMaxGroup];
@@ -81,14 +87,14 @@ __global__ void __launch_bounds__(kAttnThreads)
     const bool scored = g < gh && j < n;
     const bool listed = scored && tj[j] >= 0;
     float dot = 0.f;
-    for (int d0 = 0; d0 < hd; d0 += kTileDims) {
-      const int nd = hd - d0 < kTileDims ? hd - d0 : kTileDims;
+    for (int d0 = 0; d0 < hd; d0 += td) {
+      const int nd = hd - d0 < td ? hd - d0 : td;
       if (d0 > 0) __syncthreads();  // every thread is done with the previous tile
-      LoadKvTile(a, tj, n, d0, nd, tile);
+      LoadKvTile(a, tj, n, d0, nd, tile, stride);
       __syncthreads();
       if (listed) {
         const float* qg = qs + g * hd + d0;
-        const float* kt = tile[j];
+        const float* kt = tile + j * stride;
         for (int i = 0; i < nd; ++i) dot += qg[i] * kt[i];
       }
     }
@@ -114,11 +120,11 @@ __global__ void __launch_bounds__(kAttnThreads)
       den_s[tid] = den_s[tid] * alpha_s[tid] + TorchSum(pe[tid], n);
       m_s[tid] = mnew_s[tid];
     }
-    for (int d0 = 0; d0 < hd; d0 += kTileDims) {
-      const int nd = hd - d0 < kTileDims ? hd - d0 : kTileDims;
-      if (hd > kTileDims) {  // else the tile still holds the chunk's rows
+    for (int d0 = 0; d0 < hd; d0 += td) {
+      const int nd = hd - d0 < td ? hd - d0 : td;
+      if (hd > td) {  // else the tile still holds the chunk's rows
         if (d0 > 0) __syncthreads();
-        LoadKvTile(a, tj, n, d0, nd, tile);
+        LoadKvTile(a, tj, n, d0, nd, tile, stride);
         __syncthreads();
       }
       for (int e = tid; e < gh * nd; e += nt) {
@@ -127,7 +133,7 @@ __global__ void __launch_bounds__(kAttnThreads)
         float acc = *nm * alpha_s[gg];
         for (int jj = 0; jj < n; ++jj) {
           if (tj[jj] < 0) continue;
-          acc += pb[gg][jj] * tile[jj][dl];
+          acc += pb[gg][jj] * tile[jj * stride + dl];
         }
         *nm = acc;
       }
@@ -237,21 +243,39 @@ __global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const u
 
 cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.heads == 0) return cudaSuccess;
+  int device = 0, optin = 0;
+  cudaError_t rc = cudaGetDevice(&device);
+  if (rc == cudaSuccess) {
+    rc = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (rc != cudaSuccess) return rc;
+  const int64_t hd = a.head_dim;
+  // Dynamic shared memory of G heads with a tile of td dims.
+  auto dynamic = [hd](int G, int64_t td) {
+    return (2 * G * hd + kChunkLen * (td + 1)) * static_cast<int64_t>(sizeof(float));
+  };
+  auto fits = [&](int G, int64_t td) {
+    return dynamic(G, td) + static_cast<int64_t>(kAttnStaticSmem) <= optin;
+  };
   // Heads per block: enough blocks to fill the GPU first (a decode row of 64 heads: 64 blocks),
-  // then 4 heads sharing each KV tile. q and num of G heads must fit the shared memory.
+  // then 4 heads sharing each KV tile; fewer when q and num of G heads do not fit.
   const int64_t row_heads = a.rows * a.heads;
   int G = row_heads >= 1024 ? 4 : row_heads >= 512 ? 2 : 1;
-  while (G > 1 && 2 * static_cast<int64_t>(G) * a.head_dim * 4 > 96 * 1024) G /= 2;
+  while (G > 1 && !fits(G, kTileDims)) G /= 2;
+  if (!fits(G, kTileDims)) return cudaErrorInvalidValue;  // head_dim past the shared memory
+  // The whole rows of a chunk at once when they fit (release: 64 x 513 floats, 131 KiB): one load
+  // and two barriers per chunk instead of two per 64 dims in each pass.
+  const int64_t td = fits(G, hd) ? hd : kTileDims;
   const int groups_per_row = (a.heads + G - 1) / G;
   const int64_t blocks = a.rows * groups_per_row;
-  const size_t smem = 2 * static_cast<size_t>(G) * a.head_dim * sizeof(float);
-  if (smem > 48 * 1024) {
-    cudaError_t rc = cudaFuncSetAttribute(
-        SparseAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const size_t smem = static_cast<size_t>(dynamic(G, td));
+  if (smem + kAttnStaticSmem > 48 * 1024) {
+    rc = cudaFuncSetAttribute(SparseAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(smem));
     if (rc != cudaSuccess) return rc;
   }
   SparseAttentionKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(
-      a, G, groups_per_row);
+      a, G, groups_per_row, static_cast<int>(td));
   return cudaGetLastError();
 }
 

@@ -712,7 +712,8 @@ PARITY_CASE(SparseAttention) {
   Compare(env, res[0], res[1], Tol::Exact(), "attention");
 
   // Inputs whose sums change with their order, over the CUDA kernel's block shapes (1, 2 and 4
-  // heads a block, a last block of 3, head_dim over several 64-dim tiles): scores (q of ones, KV
+  // heads a block, a last block of 3; whole KV rows in shared memory, and at head_dim 1024, past
+  // an H200's shared memory, 64-dim tiles): scores (q of ones, KV
   // rows that cancel) and values (q = 0, so every probability is 1, and KV columns that cancel
   // across entries).
   struct Shape {
@@ -721,7 +722,7 @@ PARITY_CASE(SparseAttention) {
     int64_t list_len;
   };
   for (const Shape& sh : {Shape{1, 8, 512, 640}, Shape{130, 6, 64, 100}, Shape{100, 11, 64, 70},
-                          Shape{20, 64, 160, 130}}) {
+                          Shape{20, 64, 160, 130}, Shape{2, 3, 1024, 100}}) {
     for (bool values : {false, true}) {
       const int64_t n_kv = 120;
       auto qc = Cancelling(env.rng, sh.rows * sh.heads, sh.hd, /*ones=*/true);

@@ -18,8 +18,10 @@
 // - Device memory is host memory. Every stream runs its work at once, in the calling thread,
 //   under one lock (one launch at a time); events are no-ops. A stream being captured records its
 //   launches, copies and sets into a graph instead; launching the graph replays them in order.
+// - A launch with more than 48 KiB of dynamic shared memory fails unless its kernel opted in
+//   (cudaFuncSetAttribute), up to 227 KiB (an H200's opt-in).
 // What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
-// the order of work across streams, the device's limits beyond a 227 KiB shared-memory opt-in,
+// the order of work across streams, the static shared memory (not seen here), other limits,
 // the device's transcendental functions (the host's libm stands in) and the device's fp32
 // arithmetic itself (host arithmetic without contraction, as nvcc's -fmad=false). No packaged
 // library emulates CUDA on the host (HIP-CPU is not in Debian), so this is our own.
@@ -32,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -64,6 +67,7 @@ enum cudaMemcpyKind {
   cudaMemcpyDefault
 };
 enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount, cudaDevAttrMaxSharedMemoryPerBlockOptin };
 enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeRelaxed };
 constexpr unsigned cudaStreamNonBlocking = 1;
 constexpr unsigned cudaEventDisableTiming = 2;
@@ -180,12 +184,24 @@ inline void RunBlocks(dim3 grid, dim3 block, size_t smem) {
   }
 }
 
+// Each kernel's cudaFuncAttributeMaxDynamicSharedMemorySize: above 48 KiB of dynamic shared
+// memory a launch fails unless its kernel opted in (the device also counts the static part,
+// which the emulation cannot see).
+inline std::mutex g_attr_mu;
+inline std::map<const void*, size_t> g_max_dynamic_smem;
+inline size_t MaxDynamicSmem(const void* kernel) {
+  std::lock_guard<std::mutex> lock(g_attr_mu);
+  const auto it = g_max_dynamic_smem.find(kernel);
+  return it == g_max_dynamic_smem.end() ? size_t{48} << 10 : it->second;
+}
+
 // `kernel<<<grid, block, smem, stream>>>(args...)` after to_host.cmake.
 template <class K>
 auto Launch(K* kernel, dim3 grid, dim3 block, size_t smem = 0, Stream* stream = nullptr) {
   return [=](auto... args) {
     const unsigned nt = block.x * block.y * block.z;
-    if (nt == 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 || smem > kMaxSmem) {
+    if (nt == 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
+        smem > MaxDynamicSmem(reinterpret_cast<const void*>(kernel))) {
       g_last_error = cudaErrorInvalidValue;
       return;
     }
@@ -274,8 +290,11 @@ inline const char* cudaGetErrorName(cudaError_t e) {
   return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated";
 }
 template <class F>
-cudaError_t cudaFuncSetAttribute(F, cudaFuncAttribute, int v) {
-  return v >= 0 && static_cast<size_t>(v) <= emu::kMaxSmem ? cudaSuccess : cudaErrorInvalidValue;
+cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute, int v) {
+  if (v < 0 || static_cast<size_t>(v) > emu::kMaxSmem) return cudaErrorInvalidValue;
+  std::lock_guard<std::mutex> lock(emu::g_attr_mu);
+  emu::g_max_dynamic_smem[reinterpret_cast<const void*>(kernel)] = static_cast<size_t>(v);
+  return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
@@ -295,6 +314,11 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   p->multiProcessorCount = 132;
   p->major = 9;
   p->minor = 0;
+  return cudaSuccess;
+}
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int d) {
+  if (d != 0) return cudaErrorInvalidDevice;
+  *v = attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? static_cast<int>(emu::kMaxSmem) : 132;
   return cudaSuccess;
 }
 inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
