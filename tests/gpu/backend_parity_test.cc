@@ -539,9 +539,16 @@ PARITY_CASE(LinearQuant) {
 }
 
 void PlainLinear(Env& env, bool bf16) {
-  for (auto [rows, out, in] :
-       {std::tuple<int64_t, int64_t, int64_t>{5, 37, 203}, {1, 64, 256}, {17, 9, 7}, {2, 3, 0}}) {
-    const auto x = Bf16(env.rng, rows * in), w = Bf16(env.rng, out * in, 0.05f);
+  for (auto [rows, out, in, cancelling] :
+       {std::tuple<int64_t, int64_t, int64_t, bool>{5, 37, 203, false},
+        {1, 64, 256, false},
+        {17, 9, 7, false},
+        {2, 3, 0, false},
+        {3, 70, 203, true}}) {
+    // cancelling: x of ones and weight rows that cancel, so a change of the dots' order shows.
+    const auto x =
+        cancelling ? Cancelling(env.rng, rows, in, /*ones=*/true) : Bf16(env.rng, rows * in);
+    const auto w = cancelling ? Cancelling(env.rng, out, in) : Bf16(env.rng, out * in, 0.05f);
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
       float* y = s->Out<float>(rows * out);
@@ -551,9 +558,9 @@ void PlainLinear(Env& env, bool bf16) {
     }
     // Tolerance: exact (the reference's orders, kernels/torch_math.h: LinearBf16 in DotDp's
     // pairwise order, then bf16; LinearF32 in DotSeq's index order).
-    Compare(
-        env, res[0], res[1], Tol::Exact(),
-        "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) + "]");
+    Compare(env, res[0], res[1], Tol::Exact(),
+            "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) +
+                "]" + (cancelling ? " cancelling" : ""));
   }
 }
 PARITY_CASE(LinearBf16) { PlainLinear(env, true); }
@@ -576,6 +583,15 @@ PARITY_CASE(RmsNorm) {
   }
   Compare(env, res[0], res[1], Tol::Exact(), "rmsnorm");
   Compare(env, alias[0], alias[1], Tol::Exact(), "rmsnorm in place");
+  // Squares of 2^25 beside small ones: torch's sum order (TorchMeanSquare's lanes) shows.
+  const auto xc = Cancelling(env.rng, rows, dim);
+  std::vector<std::vector<float>> rc;
+  for (Side* s : {&env.ref, &env.cand}) {
+    float* y = s->Out<float>(rows * dim);
+    EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(xc), s->In(w), rows, dim, 1e-6f, y));
+    rc.push_back(s->Read(y, rows * dim));
+  }
+  Compare(env, rc[0], rc[1], Tol::Exact(), "rmsnorm, wide magnitudes");
   // Golden: the reference's layer-3 attention input [301, 256], eps 1e-20 as the config.
   const auto g = GoldenBf16("debug/attn_in_layer3_prefill.bin");
   ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
@@ -1290,14 +1306,18 @@ PARITY_CASE(SwiGlu) {
 PARITY_CASE(SumSlots) {
   // Tolerance: exact (slots in order).
   const int64_t rows = 3, slots = 6, dim = 70;
-  const auto ys = Bf16(env.rng, rows * slots * dim);
-  std::vector<std::vector<float>> res;
-  for (Side* s : {&env.ref, &env.cand}) {
-    float* out = s->Out<float>(rows * dim);
-    EXPECT_OP_OK(*s, s->b().SumSlots(s->In(ys), rows, slots, dim, out));
-    res.push_back(s->Read(out, rows * dim));
+  for (bool cancelling : {false, true}) {
+    // cancelling: each (row, dim)'s slots hold +2^25 ... -2^25 pairs, so their order shows.
+    const auto ys = cancelling ? Cancelling(env.rng, rows * slots, dim, false, /*columns=*/true)
+                               : Bf16(env.rng, rows * slots * dim);
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* out = s->Out<float>(rows * dim);
+      EXPECT_OP_OK(*s, s->b().SumSlots(s->In(ys), rows, slots, dim, out));
+      res.push_back(s->Read(out, rows * dim));
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), cancelling ? "sum, cancelling" : "sum");
   }
-  Compare(env, res[0], res[1], Tol::Exact(), "sum");
 }
 
 PARITY_CASE(CopyRows) {
