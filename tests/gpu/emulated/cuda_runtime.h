@@ -10,7 +10,9 @@
 //   the launching thread, each run in turn up to its next __syncthreads() or its end, so a barrier
 //   is passed only when every live thread of the block has reached it (a thread that returned no
 //   longer counts). __shared__ variables become function statics (the running block's); dynamic
-//   shared memory is a buffer of 0xff bytes (an unwritten float reads as NaN).
+//   shared memory is a buffer of 0xff bytes (an unwritten float reads as NaN) of exactly the
+//   launch's size, and device memory past an allocation's end is poisoned under ASan, so the
+//   sanitizer pass catches a kernel reading or writing out of bounds.
 // - Warp exchanges (__shfl_sync, __shfl_xor_sync, __ballot_sync, __syncthreads_or) go through
 // per-thread slots
 //   between two block-wide barriers: right for code where every thread of the block makes the same
@@ -28,6 +30,9 @@
 #include <algorithm>
 #include <bit>
 #include <boost/context/fiber.hpp>
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/asan_interface.h>
+#endif
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -118,7 +123,8 @@ struct ReusedStack {
 // The running block (one at a time, under g_mu).
 inline std::recursive_mutex g_mu;
 inline dim3 tl_thread, tl_block, g_block_dim, g_grid_dim;
-inline std::vector<unsigned char> g_smem;
+// The running launch's dynamic shared memory, exactly its size (under ASan an overrun is caught).
+inline std::unique_ptr<unsigned char[]> g_smem;
 inline Fiber* g_cur = nullptr;
 inline std::function<void()> g_body;
 inline std::vector<Fiber> g_fibers;
@@ -131,7 +137,7 @@ inline unsigned LinearTid() {
 }
 template <class T>
 T* DynSmem() {
-  return reinterpret_cast<T*>(g_smem.data());
+  return reinterpret_cast<T*>(g_smem.get());
 }
 
 // Runs `op` now, or records it when `s` is being captured.
@@ -150,10 +156,11 @@ inline void RunBlocks(dim3 grid, dim3 block, size_t smem) {
   g_block_dim = block;
   if (g_fibers.size() < nt) g_fibers.resize(nt);
   g_slots.assign(nt, 0);
+  g_smem.reset(new unsigned char[smem > 0 ? smem : 1]);
   for (unsigned bz = 0; bz < grid.z; ++bz) {
     for (unsigned by = 0; by < grid.y; ++by) {
       for (unsigned bx = 0; bx < grid.x; ++bx) {
-        g_smem.assign(smem + 16, 0xff);
+        std::memset(g_smem.get(), 0xff, smem);
         tl_block = dim3(bx, by, bz);
         for (unsigned t = 0; t < nt; ++t) {
           Fiber& f = g_fibers[t];
@@ -329,8 +336,13 @@ inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
 inline cudaError_t cudaMalloc(void** p, size_t n) {
-  *p = std::aligned_alloc(256, (n + 255) / 256 * 256 + 256);
-  return *p != nullptr ? cudaSuccess : cudaErrorMemoryAllocation;
+  const size_t rounded = (n + 255) / 256 * 256 + 256;  // aligned_alloc takes whole alignments
+  *p = std::aligned_alloc(256, rounded);
+  if (*p == nullptr) return cudaErrorMemoryAllocation;
+#if defined(__SANITIZE_ADDRESS__)
+  ASAN_POISON_MEMORY_REGION(static_cast<char*>(*p) + n, rounded - n);  // an overrun is caught
+#endif
+  return cudaSuccess;
 }
 template <class T>
 cudaError_t cudaMalloc(T** p, size_t n) {
