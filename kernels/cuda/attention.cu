@@ -1,6 +1,9 @@
 // Attention-side ops of CudaBackend: sparse attention with sink, compressor pooling, indexer
 // scores, score masking. Mirrors kernels/cpu/ops.cc (SparseAttention, IndexerScores) and
 // kernels/cpu/cpu_backend.cc (CompressPool, MaskScores).
+#include <array>
+#include <atomic>
+
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
 #include "kernels/torch_math.h"
@@ -239,15 +242,25 @@ __global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const u
   if (mask != nullptr && (t >= mask_cols || !mask[t])) score[t] = -INFINITY;
 }
 
+// The current device's opt-in shared memory per block, asked once per device.
+cudaError_t SharedMemoryOptin(int* optin) {
+  static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet
+  int device = 0;
+  cudaError_t rc = cudaGetDevice(&device);
+  if (rc != cudaSuccess) return rc;
+  const bool cached = device >= 0 && device < static_cast<int>(known.size());
+  if (cached && (*optin = known[device].load(std::memory_order_relaxed)) > 0) return cudaSuccess;
+  rc = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (rc == cudaSuccess && cached) known[device].store(*optin, std::memory_order_relaxed);
+  return rc;
+}
+
 }  // namespace
 
 cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
   if (a.rows == 0 || a.heads == 0) return cudaSuccess;
-  int device = 0, optin = 0;
-  cudaError_t rc = cudaGetDevice(&device);
-  if (rc == cudaSuccess) {
-    rc = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  }
+  int optin = 0;
+  cudaError_t rc = SharedMemoryOptin(&optin);
   if (rc != cudaSuccess) return rc;
   const int64_t hd = a.head_dim;
   // Dynamic shared memory of G heads with a tile of td dims.
