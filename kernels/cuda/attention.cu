@@ -214,6 +214,15 @@ __global__ void __launch_bounds__(kIndexThreads)
   score[r * n + t] = RoundBf16(acc);
 }
 
+// Lets `kernel` take `dynamic` bytes of dynamic shared memory beside its `fixed` static bytes:
+// past 48 KiB in all, a launch must opt in.
+template <typename Kernel>
+cudaError_t AllowSharedMemory(Kernel* kernel, size_t dynamic, size_t fixed) {
+  if (dynamic + fixed <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(dynamic));
+}
+
 cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const float* keys,
                                 int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
                                 float* score, cudaStream_t stream) {
@@ -221,11 +230,8 @@ cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const
   const size_t smem =
       (kIndexKeys * static_cast<size_t>(dim + 1) + static_cast<size_t>(heads) * kIndexKeys) *
       sizeof(float);
-  if (smem > 48 * 1024) {
-    cudaError_t rc = cudaFuncSetAttribute(
-        IndexerScoresKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    if (rc != cudaSuccess) return rc;
-  }
+  if (cudaError_t rc = AllowSharedMemory(IndexerScoresKernel, smem, 0); rc != cudaSuccess)
+    return rc;
   const dim3 grid(static_cast<unsigned>((n + kIndexKeys - 1) / kIndexKeys),
                   static_cast<unsigned>(rows));
   IndexerScoresKernel<<<grid, kIndexThreads, smem, stream>>>(q, w, heads, keys, n, dim, valid,
@@ -282,11 +288,8 @@ cudaError_t SparseAttention(const AttentionArgs& a, cudaStream_t stream) {
   const int groups_per_row = (a.heads + G - 1) / G;
   const int64_t blocks = a.rows * groups_per_row;
   const size_t smem = static_cast<size_t>(dynamic(G, td));
-  if (smem + kAttnStaticSmem > 48 * 1024) {
-    rc = cudaFuncSetAttribute(SparseAttentionKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(smem));
-    if (rc != cudaSuccess) return rc;
-  }
+  rc = AllowSharedMemory(SparseAttentionKernel, smem, kAttnStaticSmem);
+  if (rc != cudaSuccess) return rc;
   SparseAttentionKernel<<<static_cast<unsigned>(blocks), kAttnThreads, smem, stream>>>(
       a, G, groups_per_row, static_cast<int>(td));
   return cudaGetLastError();

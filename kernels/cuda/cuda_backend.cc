@@ -942,7 +942,11 @@ class CudaBackend final : public Backend {
   Status Run(const char* op, F&& launch) {
     EPD_CUDA_RETURN_IF_ERROR(op, cudaSetDevice(device_));
     if (profiling_.load(std::memory_order_relaxed) && !Capturing()) return RunTimed(op, launch);
-    const cudaError_t rc = launch();
+    return Launched(op, launch());
+  }
+
+  // The status of a launch that returned `rc`.
+  Status Launched(const char* op, cudaError_t rc) {
     if (rc != cudaSuccess) {
       cudaGetLastError();  // clear a non-sticky launch error
       return Cuda(op, rc);
@@ -960,11 +964,7 @@ class CudaBackend final : public Backend {
     }
     const auto t0 = std::chrono::steady_clock::now();
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_start_, streams_[0]));
-    const cudaError_t rc = launch();
-    if (rc != cudaSuccess) {
-      cudaGetLastError();
-      return Cuda(op, rc);
-    }
+    if (Status s = Launched(op, launch()); !s.ok()) return s;
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_stop_, streams_[0]));
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventSynchronize(prof_stop_));
     float ms = 0;
@@ -1176,9 +1176,6 @@ class CudaBackend final : public Backend {
   std::map<std::string, CudaOpTime> profile_;
 };
 
-}  // namespace
-
-namespace {
 absl::StatusOr<CudaBackend*> Profiled(Backend& backend) {
   auto* cuda = dynamic_cast<CudaBackend*>(&backend);
   if (cuda == nullptr) {
@@ -1187,6 +1184,7 @@ absl::StatusOr<CudaBackend*> Profiled(Backend& backend) {
   }
   return cuda;
 }
+
 }  // namespace
 
 Status SetCudaOpProfiling(Backend& backend, bool on) {

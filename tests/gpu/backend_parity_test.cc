@@ -583,25 +583,24 @@ PARITY_CASE(RmsNorm) {
   }
   Compare(env, res[0], res[1], Tol::Exact(), "rmsnorm");
   Compare(env, alias[0], alias[1], Tol::Exact(), "rmsnorm in place");
+  // Each side's out-of-place RmsNorm of xv [r, d].
+  auto norm = [&](const std::vector<float>& xv, const std::vector<float>& wv, int64_t r, int64_t d,
+                  float eps) {
+    std::vector<std::vector<float>> out;
+    for (Side* s : {&env.ref, &env.cand}) {
+      float* y = s->Out<float>(r * d);
+      EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(xv), s->In(wv), r, d, eps, y));
+      out.push_back(s->Read(y, r * d));
+    }
+    return out;
+  };
   // Squares of 2^25 beside small ones: torch's sum order (TorchMeanSquare's lanes) shows.
-  const auto xc = Cancelling(env.rng, rows, dim);
-  std::vector<std::vector<float>> rc;
-  for (Side* s : {&env.ref, &env.cand}) {
-    float* y = s->Out<float>(rows * dim);
-    EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(xc), s->In(w), rows, dim, 1e-6f, y));
-    rc.push_back(s->Read(y, rows * dim));
-  }
+  const auto rc = norm(Cancelling(env.rng, rows, dim), w, rows, dim, 1e-6f);
   Compare(env, rc[0], rc[1], Tol::Exact(), "rmsnorm, wide magnitudes");
   // Golden: the reference's layer-3 attention input [301, 256], eps 1e-20 as the config.
   const auto g = GoldenBf16("debug/attn_in_layer3_prefill.bin");
   ASSERT_EQ(static_cast<int64_t>(g.size()), kGoldenRows * kGoldenHidden);
-  const auto gw = Bf16(env.rng, kGoldenHidden);
-  std::vector<std::vector<float>> gold;
-  for (Side* s : {&env.ref, &env.cand}) {
-    float* y = s->Out<float>(kGoldenRows * kGoldenHidden);
-    EXPECT_OP_OK(*s, s->b().RmsNorm(s->In(g), s->In(gw), kGoldenRows, kGoldenHidden, 1e-20f, y));
-    gold.push_back(s->Read(y, kGoldenRows * kGoldenHidden));
-  }
+  const auto gold = norm(g, Bf16(env.rng, kGoldenHidden), kGoldenRows, kGoldenHidden, 1e-20f);
   Compare(env, gold[0], gold[1], Tol::Exact(), "rmsnorm on golden activations");
   Compare(env, res[1], alias[1], Tol::Exact(), "candidate in place == out of place");
 }
@@ -707,31 +706,41 @@ PARITY_CASE(SparseAttention) {
   for (int64_t j = 64; j < 128; ++j) idx[1 * list_len + j] = -1;      // a chunk with no entry
   for (int64_t j = 0; j < list_len; ++j) idx[2 * list_len + j] = -1;  // a row with none
   idx[2 * list_len + 149] = 5;
-  std::vector<std::vector<float>> res;
-  for (Side* s : {&env.ref, &env.cand}) {
-    SparseAttentionArgs a;
-    a.q = s->In(q);
-    a.kv = s->In(kv);
-    a.kv_ext = s->In(ext);
-    a.kv_ext_start = kv_rows;
-    a.sink = s->In(sink);
-    a.idx = s->In(idx);
-    a.rows = rows;
-    a.heads = heads;
-    a.head_dim = hd;
-    a.list_len = list_len;
-    a.scale = 0.125f;
-    a.out = s->Out<float>(rows * heads * hd);
-    EXPECT_OP_OK(*s, s->b().SparseAttention(a));
-    res.push_back(s->Read(a.out, rows * heads * hd));
-  }
+  // Each side's outputs of one SparseAttention over these inputs (ext: the second KV buffer, from
+  // list entry ext_start on; empty: none).
+  auto attend = [&](const std::vector<float>& qv, const std::vector<float>& kvv,
+                    const std::vector<float>& extv, int64_t ext_start,
+                    const std::vector<float>& sinkv, const std::vector<int32_t>& idxv, int64_t r,
+                    int h, int d, int64_t len, float scale) {
+    std::vector<std::vector<float>> out;
+    for (Side* s : {&env.ref, &env.cand}) {
+      SparseAttentionArgs a;
+      a.q = s->In(qv);
+      a.kv = s->In(kvv);
+      if (!extv.empty()) {
+        a.kv_ext = s->In(extv);
+        a.kv_ext_start = ext_start;
+      }
+      a.sink = s->In(sinkv);
+      a.idx = s->In(idxv);
+      a.rows = r;
+      a.heads = h;
+      a.head_dim = d;
+      a.list_len = len;
+      a.scale = scale;
+      a.out = s->Out<float>(r * h * d);
+      EXPECT_OP_OK(*s, s->b().SparseAttention(a));
+      out.push_back(s->Read(a.out, r * h * d));
+    }
+    return out;
+  };
+  const auto res = attend(q, kv, ext, kv_rows, sink, idx, rows, heads, hd, list_len, 0.125f);
   Compare(env, res[0], res[1], Tol::Exact(), "attention");
 
   // Inputs whose sums change with their order, over the CUDA kernel's block shapes (1, 2 and 4
   // heads a block, a last block of 3; whole KV rows in shared memory, and at head_dim 1024, past
-  // an H200's shared memory, 64-dim tiles): scores (q of ones, KV
-  // rows that cancel) and values (q = 0, so every probability is 1, and KV columns that cancel
-  // across entries).
+  // an H200's shared memory, 64-dim tiles): scores (q of ones, KV rows that cancel) and values
+  // (q = 0, so every probability is 1, and KV columns that cancel across entries).
   struct Shape {
     int64_t rows;
     int heads, hd;
@@ -748,23 +757,8 @@ PARITY_CASE(SparseAttention) {
       std::vector<int32_t> idxc(sh.rows * sh.list_len);
       std::uniform_int_distribution<int32_t> pick_c(-1, n_kv - 1);
       for (auto& t : idxc) t = pick_c(env.rng);
-      const int64_t n_out = sh.rows * sh.heads * sh.hd;
-      std::vector<std::vector<float>> rc;
-      for (Side* s : {&env.ref, &env.cand}) {
-        SparseAttentionArgs a;
-        a.q = s->In(qc);
-        a.kv = s->In(kvc);
-        a.sink = s->In(sinkc);
-        a.idx = s->In(idxc);
-        a.rows = sh.rows;
-        a.heads = sh.heads;
-        a.head_dim = sh.hd;
-        a.list_len = sh.list_len;
-        a.scale = 0.0625f;
-        a.out = s->Out<float>(n_out);
-        EXPECT_OP_OK(*s, s->b().SparseAttention(a));
-        rc.push_back(s->Read(a.out, n_out));
-      }
+      const auto rc =
+          attend(qc, kvc, {}, 0, sinkc, idxc, sh.rows, sh.heads, sh.hd, sh.list_len, 0.0625f);
       Compare(env, rc[0], rc[1], Tol::Exact(),
               absl::StrCat(sh.rows, " rows of ", sh.heads, " heads of ", sh.hd, ", ",
                            values ? "values" : "scores", " in order"));

@@ -376,27 +376,29 @@ inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t s = nu
   return cudaSuccess;
 }
 
-inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
-  *s = new emu::Stream;
+namespace emu {
+// A stream's, event's or graph's handle: a host object.
+template <class T>
+cudaError_t Create(T** handle) {
+  *handle = new T;
   return cudaSuccess;
 }
+template <class T>
+cudaError_t Destroy(T* handle) {
+  delete handle;
+  return cudaSuccess;
+}
+}  // namespace emu
+
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { return emu::Create(s); }
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
-inline cudaError_t cudaStreamDestroy(cudaStream_t s) {
-  delete s;
-  return cudaSuccess;
-}
+inline cudaError_t cudaStreamDestroy(cudaStream_t s) { return emu::Destroy(s); }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
   return s != nullptr && s->capture != nullptr ? cudaErrorStreamCaptureInvalidated : cudaSuccess;
 }
-inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) {
-  *e = new emu::Event;
-  return cudaSuccess;
-}
+inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return emu::Create(e); }
 inline cudaError_t cudaEventCreate(cudaEvent_t* e) { return cudaEventCreateWithFlags(e, 0); }
-inline cudaError_t cudaEventDestroy(cudaEvent_t e) {
-  delete e;
-  return cudaSuccess;
-}
+inline cudaError_t cudaEventDestroy(cudaEvent_t e) { return emu::Destroy(e); }
 inline cudaError_t cudaEventRecord(cudaEvent_t, cudaStream_t = nullptr) { return cudaSuccess; }
 inline cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
 inline cudaError_t cudaEventElapsedTime(float* ms, cudaEvent_t, cudaEvent_t) {
@@ -432,11 +434,5 @@ inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   for (const auto& op : exec->ops) emu::Enqueue(s, op);
   return cudaSuccess;
 }
-inline cudaError_t cudaGraphDestroy(cudaGraph_t g) {
-  delete g;
-  return cudaSuccess;
-}
-inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t g) {
-  delete g;
-  return cudaSuccess;
-}
+inline cudaError_t cudaGraphDestroy(cudaGraph_t g) { return emu::Destroy(g); }
+inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t g) { return emu::Destroy(g); }
