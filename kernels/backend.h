@@ -355,16 +355,27 @@ class Backend {
   virtual absl::Status IndexerScoresRows(const float* q, const float* w, int heads,
                                          const float* keys, int64_t n, int64_t dim, int64_t rows,
                                          const int64_t* valid, float* score) = 0;
-  // CandidateMaskRows: mask row r [n] = CandidateMask(score row r, n, block, visible[r],
-  //   keep_blocks). score [rows, n], mask [rows, n].
+  // IndexerScoresPaged: IndexerScoresRows with each row's keys read from a paged stream of
+  //   packed rows (as UnpackRows, below): key t of row r is stream row first[r] + t, for
+  //   t < valid[r]. So rows of different sequences (each its own first page in one page table)
+  //   score in one call, and no unpacked copy of the keys is made. first, valid [rows].
+  virtual absl::Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                                          const uint8_t* const* pages, int64_t rows_per_page,
+                                          const int64_t* first, const int64_t* valid, int64_t n,
+                                          int64_t dim, int64_t rows, float* score) = 0;
+  // CandidateMaskRows: mask row r [n] = CandidateMask(score row r, cols[r], block, visible[r],
+  //   keep_blocks), then 0 for cols[r] <= t < n (cols [rows], 0 <= cols[r] <= n, or null: n).
+  //   score [rows, n], mask [rows, n].
   virtual absl::Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
-                                         const int64_t* visible, int64_t keep_blocks,
-                                         uint8_t* mask) = 0;
-  // SelectTopKRows: out row r [k] = SelectTopK(score row r, n, k, visible[r], offset), where a
-  //   mask, when given ([rows, mask_cols]), first sets score -inf at t >= mask_cols or
-  //   !mask[r, t] (as MaskScores; score itself is not written). k <= n.
+                                         const int64_t* visible, const int64_t* cols,
+                                         int64_t keep_blocks, uint8_t* mask) = 0;
+  // SelectTopKRows: out row r [k] = SelectTopK(score row r, n, k, visible[r], offset +
+  //   row_offset[r]) (row_offset [rows], or null: 0), where a mask, when given
+  //   ([rows, mask_cols]), first sets score -inf at t >= mask_cols or !mask[r, t] (as
+  //   MaskScores; score itself is not written). k <= n.
   virtual absl::Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                                      const int64_t* visible, int64_t offset, const uint8_t* mask,
+                                      const int64_t* visible, int64_t offset,
+                                      const int64_t* row_offset, const uint8_t* mask,
                                       int64_t mask_cols, int32_t* out) = 0;
 
   // ---- mHC (MODEL.md §3), `rows` independent rows ----
@@ -582,6 +593,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "CandidateMask",
     "SelectTopK",
     "IndexerScoresRows",
+    "IndexerScoresPaged",
     "CandidateMaskRows",
     "SelectTopKRows",
     "HcMixes",

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <iterator>
 #include <limits>
+#include <map>
+#include <numeric>
 #include <utility>
 #include <vector>
 
@@ -16,6 +18,60 @@ namespace epd::model {
 namespace {
 
 using std::vector;
+
+// Several streams' blocks in one page table, so that one backend call reads rows of many
+// sequences: each block as rows_per_block / page_rows pages of page_rows rows, page_rows the
+// greatest common divisor of the streams' rows per block (the pages are addresses: any such
+// split reads the same bytes).
+struct JoinedPages {
+  kernels::RowCodec codec = kernels::RowCodec::kF32;
+  int64_t dim = 0, row_bytes = 0, page_rows = 0;
+  vector<uint8_t*> pages;
+
+  // The layout of `streams`; false when their codecs or dims differ.
+  bool Layout(std::span<const KvRows* const> streams) {
+    for (const KvRows* s : streams) {
+      const kernels::RowCodec sc = KvRowCodec(s->format());
+      if (page_rows == 0) {
+        codec = sc;
+        dim = s->dim();
+        row_bytes = s->row_bytes();
+        page_rows = s->rows_per_block();
+      } else if (sc != codec || s->dim() != dim) {
+        return false;
+      } else {
+        page_rows = std::gcd(page_rows, s->rows_per_block());
+      }
+    }
+    return page_rows > 0;
+  }
+  // Puts s's blocks at stream row `first` (a multiple of page_rows); false when that overlaps
+  // pages already placed.
+  bool Place(const KvRows& s, int64_t first) {
+    if (first < 0 || first % page_rows != 0) return false;
+    const auto at = static_cast<size_t>(first / page_rows);
+    const size_t per = static_cast<size_t>(s.rows_per_block() / page_rows);
+    const size_t end = at + s.blocks().size() * per;
+    if (pages.size() < end) pages.resize(end, nullptr);
+    for (size_t p = at; p < end; ++p) {
+      if (pages[p] != nullptr) return false;
+    }
+    size_t p = at;
+    for (const KvPool::Block& b : s.blocks()) {
+      for (size_t i = 0; i < per; ++i) {
+        pages[p++] = b.data + static_cast<int64_t>(i) * page_rows * row_bytes;
+      }
+    }
+    return true;
+  }
+  // Puts s's blocks after those placed; returns its first row.
+  int64_t Append(const KvRows& s) {
+    const auto first = static_cast<int64_t>(pages.size()) * page_rows;
+    Place(s, first);
+    return first;
+  }
+  int64_t rows() const { return static_cast<int64_t>(pages.size()) * page_rows; }
+};
 
 }  // namespace
 
@@ -260,11 +316,104 @@ absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
   }
   ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * c.index_head_dim));
   RETURN_IF_ERROR(FinishLatents(ws, l, latents, ne, gpos_dev, keys));
+  return StepAppend(l, latents, keys, first, count, seqs);
+}
+
+absl::Status Model::StepAppend(int l, const float* latents, const float* keys,
+                               const vector<int64_t>& first, const vector<int64_t>& count,
+                               std::span<StepSequence> seqs) const {
+  const int64_t hd = config_.head_dim, ihd = config_.index_head_dim;
+  const auto B = static_cast<int64_t>(seqs.size());
+  vector<const KvRows*> kv_streams, key_streams;
+  for (int64_t b = 0; b < B; ++b) {
+    if (!seqs[b].status->ok() || count[b] == 0) continue;
+    const SequenceState::Source& s = seqs[b].state->sources[l];
+    kv_streams.push_back(&s.kv);
+    key_streams.push_back(&s.keys);
+  }
+  if (kv_streams.empty()) return absl::OkStatus();
+  JoinedPages kvs, ks;
+  if (!kvs.Layout(kv_streams) || !ks.Layout(key_streams)) {  // each sequence on its own
+    for (int64_t b = 0; b < B; ++b) {
+      StepSequence& q = seqs[b];
+      if (!q.status->ok() || count[b] == 0) continue;
+      *q.status =
+          AppendLatents(l, *q.state, latents + first[b] * hd, keys + first[b] * ihd, count[b]);
+    }
+    return absl::OkStatus();
+  }
+  // Every block the entries touch, reserved first (a sequence whose pool is full fails alone,
+  // appending nothing), then each entry's row in the joined tables: one PackRows per stream kind
+  // for each run of sequences whose entries are consecutive in `latents`.
+  vector<char> in(seqs.size(), 0);
+  vector<int32_t> kv_rows, key_rows;
   for (int64_t b = 0; b < B; ++b) {
     StepSequence& q = seqs[b];
     if (!q.status->ok() || count[b] == 0) continue;
-    *q.status = AppendLatents(l, *q.state, latents + first[b] * hd,
-                              keys + first[b] * c.index_head_dim, count[b]);
+    SequenceState::Source& s = q.state->sources[l];
+    absl::Status st = s.kv.Reserve(count[b]);
+    if (st.ok()) {
+      st = s.keys.Reserve(count[b]);
+      if (!st.ok()) s.kv.Truncate(s.kv.rows());
+    }
+    if (!st.ok()) {
+      *q.status = st;
+      continue;
+    }
+    in[b] = 1;
+    const int64_t kv0 = kvs.Append(s.kv) + s.kv.rows(), key0 = ks.Append(s.keys) + s.keys.rows();
+    for (int64_t j = 0; j < count[b]; ++j) {
+      kv_rows.push_back(static_cast<int32_t>(kv0 + j));
+      key_rows.push_back(static_cast<int32_t>(key0 + j));
+    }
+  }
+  if (kv_rows.empty()) return absl::OkStatus();
+  if (std::max(kvs.rows(), ks.rows()) > std::numeric_limits<int32_t>::max())
+    return absl::InternalError("step append: more pool rows than a row list holds");
+  const auto n = static_cast<int64_t>(kv_rows.size());
+  vector<int32_t> rows = std::move(kv_rows);
+  rows.insert(rows.end(), key_rows.begin(), key_rows.end());
+  vector<uint8_t*> tables = kvs.pages;
+  tables.insert(tables.end(), ks.pages.begin(), ks.pages.end());
+  Scratch local(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const int32_t* rows_dev, local.Copy(rows));
+  ASSIGN_OR_RETURN(uint8_t* const* tables_dev, local.Copy(tables));
+  uint8_t* const* kv_pages = tables_dev;
+  uint8_t* const* key_pages = tables_dev + kvs.pages.size();
+  absl::Status packed = absl::OkStatus();
+  for (int64_t b0 = 0, at = 0; b0 < B && packed.ok();) {  // at: the run's first entry in rows
+    if (!in[b0]) {
+      ++b0;
+      continue;
+    }
+    int64_t b1 = b0 + 1, m = count[b0];
+    for (; b1 < B && (in[b1] || count[b1] == 0 || !seqs[b1].status->ok()); ++b1) {
+      if (!in[b1]) continue;
+      if (first[b1] != first[b0] + m) break;
+      m += count[b1];
+    }
+    packed = backend_.PackRows(kvs.codec, latents + first[b0] * hd, m, hd, kv_pages, kvs.page_rows,
+                               rows_dev + at, 0);
+    if (packed.ok()) {
+      packed = backend_.PackRows(ks.codec, keys + first[b0] * ihd, m, ihd, key_pages, ks.page_rows,
+                                 rows_dev + n + at, 0);
+    }
+    at += m;
+    b0 = b1;
+  }
+  for (int64_t b = 0; b < B; ++b) {
+    if (!in[b]) continue;
+    SequenceState::Source& s = seqs[b].state->sources[l];
+    if (!packed.ok()) {  // nothing appended: the reservations given back
+      s.kv.Truncate(s.kv.rows());
+      s.keys.Truncate(s.keys.rows());
+      *seqs[b].status = packed;
+      continue;
+    }
+    s.kv.Commit(count[b]);
+    s.keys.Commit(count[b]);
+    s.n += count[b];
+    seqs[b].state->published_keys = l;
   }
   return absl::OkStatus();
 }
@@ -348,6 +497,213 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
   return backend_.PackRows(kCodec, kv_rows, kv->rows, hd, kv->pages, W, kv->ring_rows, 0);
 }
 
+absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequence> seqs,
+                                vector<char>& indexed) const {
+  const ModelConfig& c = config_;
+  const LayerRole& role = roles_[l];
+  const int ratio = role.compress_ratio;
+  const auto B = static_cast<int64_t>(seqs.size());
+  const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
+  indexed.assign(seqs.size(), 0);
+  if (ratio <= 0 || !role.is_index_source) return absl::OkStatus();
+  // What Attention's indexer would do for each sequence: its key count nk and k, and per row its
+  // key source (the reference's stale keys), the keys it scores and the keys it sees.
+  struct Plan {
+    int64_t nk = 0, k = 0;
+    vector<int> keysrc;
+  };
+  vector<Plan> plan(seqs.size());
+  vector<const KvRows*> key_streams, kv_streams;
+  for (int64_t b = 0; b < B; ++b) {
+    const StepSequence& q = seqs[b];
+    if (!q.status->ok()) continue;
+    const Call& call = *q.call;
+    const SequenceState& state = *q.state;
+    auto src = state.sources.find(role.kv_source);
+    if (src == state.sources.end()) continue;
+    const int64_t nk = std::min<int64_t>((call.start_pos + call.rows) / ratio, src->second.n);
+    const int64_t k = std::min<int64_t>(c.index_topk, nk);
+    if (nk <= 0 || k <= 0) continue;
+    const int call_keysrc =
+        options_.stale_index_keys ? state.published_keys : role.index_key_source;
+    vector<int> keysrc(static_cast<size_t>(call.rows));
+    bool known = true;
+    for (int64_t i = 0; i < call.rows; ++i) {
+      keysrc[i] = options_.stale_index_keys && call.per_row_keys
+                      ? DecodeKeySource(l, call.start_pos + i, call)
+                      : call_keysrc;
+      known = known && state.sources.count(keysrc[i]) > 0;
+    }
+    if (!known) continue;
+    for (int s : keysrc) key_streams.push_back(&state.sources.at(s).keys);
+    kv_streams.push_back(&src->second.kv);
+    plan[b] = Plan{nk, k, std::move(keysrc)};
+  }
+  JoinedPages keys, kvs;
+  if (key_streams.empty() || !keys.Layout(key_streams) || !kvs.Layout(kv_streams))
+    return absl::OkStatus();
+  // Per planned row, in step order: its keys' first row, the keys it scores, the keys it sees,
+  // its sequence's key count, and its KV source's first row (SelectTopKRows' row offset).
+  struct Run {
+    int64_t b0 = 0, b1 = 0, row0 = 0, rows = 0, g0 = 0, k = 0, width = 0;
+    const uint8_t* mask = nullptr;
+    int64_t mask_cols = 0;
+  };
+  vector<Run> runs;
+  vector<int64_t> first, valid, visible, cols, row_offset, kv_first(seqs.size(), -1);
+  for (int64_t b = 0; b < B; ++b) {
+    const Plan& p = plan[b];
+    if (p.k == 0) continue;
+    const StepSequence& q = seqs[b];
+    const Call& call = *q.call;
+    const SequenceState& state = *q.state;
+    std::map<int, int64_t> key_first;
+    for (int s : p.keysrc) {
+      if (!key_first.count(s)) key_first[s] = keys.Append(state.sources.at(s).keys);
+    }
+    kv_first[b] = kvs.Append(state.sources.at(role.kv_source).kv);
+    const bool masked = role.uses_candidates && call.cand_cols > 0;
+    Run* run = runs.empty() ? nullptr : &runs.back();
+    const bool joins =
+        run != nullptr && run->b1 == b && run->k == p.k && (run->mask != nullptr) == masked &&
+        (!masked ||
+         (call.cand_cols == run->mask_cols && call.cand == run->mask + run->rows * run->mask_cols));
+    if (!joins) {
+      runs.push_back(Run{b, b, q.row0, 0, static_cast<int64_t>(first.size()), p.k, 0,
+                         masked ? call.cand : nullptr, masked ? call.cand_cols : 0});
+      run = &runs.back();
+    }
+    run->b1 = b + 1;
+    run->rows += call.rows;
+    run->width = std::max(run->width, p.nk);
+    for (int64_t i = 0; i < call.rows; ++i) {
+      const int64_t pos = call.start_pos + i, vis = (pos + 1) / ratio;
+      const SequenceState::Source& ks = state.sources.at(p.keysrc[i]);
+      first.push_back(key_first[p.keysrc[i]]);
+      valid.push_back(std::max<int64_t>(0, std::min({p.nk, ks.n, vis})));
+      visible.push_back(vis);
+      cols.push_back(p.nk);
+      row_offset.push_back(kv_first[b]);
+    }
+  }
+  // The top-k holds KV rows of the joined table as int32.
+  if (kvs.rows() > std::numeric_limits<int32_t>::max()) return absl::OkStatus();
+  const auto G = static_cast<int64_t>(first.size());
+  vector<int64_t> values;
+  for (const vector<int64_t>* v : {&first, &valid, &visible, &cols, &row_offset})
+    values.insert(values.end(), v->begin(), v->end());
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const int64_t* dev, ws.Copy(values));
+  const int64_t *first_dev = dev, *valid_dev = dev + G, *visible_dev = dev + 2 * G,
+                *cols_dev = dev + 3 * G, *offset_dev = dev + 4 * G;
+  ASSIGN_OR_RETURN(uint8_t* const* key_pages, ws.Copy(keys.pages));
+  // The top-k (and the candidate masks) outlive the layer: in the calls' scratch, shared by the
+  // step's calls.
+  Scratch& kept = *seqs[runs.front().b0].call->scratch;
+  int64_t topk_rows = 0;
+  for (const Run& run : runs) topk_rows += run.rows * run.k;
+  ASSIGN_OR_RETURN(int32_t * topk, kept.Alloc<int32_t>(topk_rows));
+  for (const Run& run : runs) {
+    const int64_t n = run.width;
+    uint8_t* cand = nullptr;
+    if (role.is_candidate_source) {
+      ASSIGN_OR_RETURN(cand, kept.Alloc<uint8_t>(run.rows * n));
+    }
+    const int64_t cr =
+        std::clamp<int64_t>(kIndexerScoresPerCall / n, 1, std::min(run.rows, kIndexerRowsPerCall));
+    ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(cr * n));
+    for (int64_t r0 = 0; r0 < run.rows; r0 += cr) {
+      const int64_t m = std::min(cr, run.rows - r0), g = run.g0 + r0, row = run.row0 + r0;
+      RETURN_IF_ERROR(backend_.IndexerScoresPaged(
+          a.qi + row * nI * ihd, a.w + row * nI, static_cast<int>(nI), keys.codec, key_pages,
+          keys.page_rows, first_dev + g, valid_dev + g, n, ihd, m, score));
+      if (cand != nullptr) {
+        RETURN_IF_ERROR(backend_.CandidateMaskRows(score, m, n, c.candidate_block_size,
+                                                   visible_dev + g, cols_dev + g,
+                                                   c.candidate_topk_blocks, cand + r0 * n));
+      }
+      RETURN_IF_ERROR(
+          backend_.SelectTopKRows(score, m, n, run.k, visible_dev + g, 0, offset_dev + g,
+                                  run.mask != nullptr ? run.mask + r0 * run.mask_cols : nullptr,
+                                  run.mask_cols, topk + r0 * run.k));
+    }
+    int64_t at = 0;
+    for (int64_t b = run.b0; b < run.b1; ++b) {
+      Call& call = *seqs[b].call;
+      call.topk_k = run.k;
+      call.topk.assign(call.rows * run.k, -1);
+      call.topk_dev = topk + at * run.k;
+      call.topk_key_offset = kv_first[b];
+      if (cand != nullptr) {
+        call.cand = cand + at * n;
+        call.cand_cols = n;
+      }
+      indexed[b] = 1;
+      at += call.rows;
+    }
+    topk += run.rows * run.k;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepGather(Scratch& ws, int l, std::span<StepSequence> seqs,
+                               const vector<char>& indexed, StepKv* kv,
+                               vector<int64_t>& ext_rows) const {
+  const LayerRole& role = roles_[l];
+  const int ratio = role.compress_ratio;
+  const auto B = static_cast<int64_t>(seqs.size());
+  const int64_t hd = config_.head_dim;
+  ext_rows.assign(seqs.size(), -1);
+  if (ratio <= 0 || kv == nullptr) return absl::OkStatus();
+  // The sequences whose top-k reads the joined table, each source where the top-k expects it.
+  vector<const KvRows*> streams(seqs.size(), nullptr);
+  for (int64_t b = 0; b < B; ++b) {
+    const StepSequence& q = seqs[b];
+    const Call& call = *q.call;
+    if (!q.status->ok() || call.topk_key_offset < 0 || call.topk_dev == nullptr ||
+        call.topk_k <= 0 || (role.is_index_source && !indexed[b]))
+      continue;
+    auto src = q.state->sources.find(role.kv_source);
+    if (src == q.state->sources.end()) continue;
+    if (std::min<int64_t>((call.start_pos + call.rows) / ratio, src->second.n) <= 0) continue;
+    streams[b] = &src->second.kv;
+  }
+  vector<const KvRows*> present;
+  for (const KvRows* s : streams) {
+    if (s != nullptr) present.push_back(s);
+  }
+  JoinedPages table;
+  if (present.empty() || !table.Layout(present)) return absl::OkStatus();
+  for (int64_t b = 0; b < B; ++b) {
+    if (streams[b] != nullptr && !table.Place(*streams[b], seqs[b].call->topk_key_offset))
+      streams[b] = nullptr;  // its own gather (Attention)
+  }
+  ASSIGN_OR_RETURN(uint8_t* const* pages, ws.Copy(table.pages));
+  // Runs of consecutive sequences whose top-k rows lie one after another: one gather each.
+  for (int64_t b0 = 0; b0 < B;) {
+    if (streams[b0] == nullptr) {
+      ++b0;
+      continue;
+    }
+    const Call& head = *seqs[b0].call;
+    const int64_t k = head.topk_k;
+    int64_t rows = head.rows, b1 = b0 + 1;
+    for (; b1 < B && streams[b1] != nullptr; ++b1) {
+      const Call& call = *seqs[b1].call;
+      if (call.topk_k != k || call.topk_dev != head.topk_dev + rows * k) break;
+      rows += call.rows;
+    }
+    RETURN_IF_ERROR(backend_.UnpackRows(table.codec, pages, table.page_rows, hd, head.topk_dev, 0,
+                                        rows * k, kv->ext + kv->ext_used * hd));
+    for (int64_t b = b0; b < b1; ++b) {
+      ext_rows[b] = kv->ext_used;
+      kv->ext_used += seqs[b].call->rows * k;
+    }
+    b0 = b1;
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
                                   std::span<StepSequence> seqs, StepKv* shared) const {
   const ModelConfig& c = config_;
@@ -355,6 +711,8 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
   const bool indexer = roles_[l].compress_ratio > 0 && roles_[l].is_index_source;
   const bool compressed =
       shared != nullptr && roles_[l].compress_ratio > 0 && roles_[l].is_kv_source;
+  vector<char> indexed;      // StepIndexer's sequences
+  vector<int64_t> ext_rows;  // StepGather's
   auto rows_of = [&](const StepSequence& b) {
     AttentionRows rows;
     const int64_t r0 = b.row0;
@@ -368,6 +726,8 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     rows.seq = &b - seqs.data();
     rows.row0 = r0;
     rows.compressed = compressed;
+    rows.indexed = !indexed.empty() && indexed[rows.seq] != 0;
+    rows.ext_row = ext_rows.empty() ? -1 : ext_rows[rows.seq];
     return rows;
   };
   // Shared: the window first, every sequence's ring as it was before the step (then its rows
@@ -376,6 +736,8 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     shared->ext_used = shared->idx_used = 0;
     RETURN_IF_ERROR(StepRings(ws, l, /*read=*/true, a.kv, seqs, shared));
     if (compressed) RETURN_IF_ERROR(StepCompress(ws, l, a, seqs));
+    if (indexer) RETURN_IF_ERROR(StepIndexer(l, a, seqs, indexed));
+    RETURN_IF_ERROR(StepGather(ws, l, seqs, indexed, shared, ext_rows));
   }
   // Each sequence's own part; with `shared`, its lists' layout, then every list's window part
   // in one copy, each top-k part over it, and runs of consecutive sequences whose lists have the
@@ -411,12 +773,29 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     }
     RETURN_IF_ERROR(backend_.Copy(shared->idx, it->second,
                                   shared->idx_used * static_cast<int64_t>(sizeof(int32_t))));
+    // Each top-k part over it: one TopKSlots per run of lists whose top-k rows, gathered rows
+    // and lists follow one another (a StepGather run).
+    StepKv::Lists::Slots run;
+    int64_t run_len = 0;
+    auto write = [&]() -> absl::Status {
+      if (run.topk == nullptr) return absl::OkStatus();
+      return backend_.TopKSlots(run.topk, run.rows, run.k, run.base, /*per_slot=*/true, run.list,
+                                run_len, c.window_size);
+    };
     for (const auto& [b, li] : lists) {
       const StepKv::Lists::Slots& t = li.slots;
       if (t.topk == nullptr) continue;
-      RETURN_IF_ERROR(backend_.TopKSlots(t.topk, t.rows, t.k, t.base, /*per_slot=*/true, t.list,
-                                         li.list_len, c.window_size));
+      if (run.topk != nullptr && t.k == run.k && li.list_len == run_len &&
+          t.topk == run.topk + run.rows * run.k && t.base == run.base + run.rows * run.k &&
+          t.list == run.list + run.rows * run_len) {
+        run.rows += t.rows;
+        continue;
+      }
+      RETURN_IF_ERROR(write());
+      run = t;
+      run_len = li.list_len;
     }
+    RETURN_IF_ERROR(write());
     for (const Run& run : runs) {
       kernels::SparseAttentionArgs args = LayerAttentionArgs(l, run.rows, run.list_len);
       args.q = a.q + run.row0 * H * hd;

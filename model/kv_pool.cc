@@ -774,10 +774,10 @@ absl::StatusOr<uint8_t* const*> KvRows::Pages() const {
   return static_cast<uint8_t* const*>(table_.data());
 }
 
-absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
+absl::Status KvRows::Reserve(int64_t n) {
   if (n <= 0) return absl::OkStatus();
   const int64_t start = rows_;
-  // Every block the rows touch, allocated or made exclusive first: a failure appends nothing.
+  // Every block the rows touch, allocated or made exclusive: a failure reserves nothing.
   const auto first_block = static_cast<size_t>(rows_ / rows_per_block_);
   const auto last_block = static_cast<size_t>((rows_ + n - 1) / rows_per_block_);
   for (size_t b = first_block; b <= last_block; ++b) {
@@ -786,16 +786,13 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
       return s;
     }
   }
-  absl::StatusOr<uint8_t* const*> pages = Pages();
-  absl::Status st = pages.status();
-  if (st.ok()) {
-    st = pool_->backend().PackRows(KvRowCodec(format_), x, n, dim_, *pages, rows_per_block_,
-                                   nullptr, rows_);
-  }
-  if (!st.ok()) {
-    Truncate(start);
-    return st;
-  }
+  return absl::OkStatus();
+}
+
+void KvRows::Commit(int64_t n) {
+  if (n <= 0) return;
+  const auto first_block = static_cast<size_t>(rows_ / rows_per_block_);
+  const auto last_block = static_cast<size_t>((rows_ + n - 1) / rows_per_block_);
   rows_ += n;
   for (size_t b = first_block; b <= last_block; ++b) {
     if (static_cast<int64_t>(b + 1) * rows_per_block_ > rows_) break;
@@ -805,6 +802,22 @@ absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
     }
     SealHostBlock(b);
   }
+}
+
+absl::Status KvRows::AppendFrom(const float* x, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
+  RETURN_IF_ERROR(Reserve(n));
+  absl::StatusOr<uint8_t* const*> pages = Pages();
+  absl::Status st = pages.status();
+  if (st.ok()) {
+    st = pool_->backend().PackRows(KvRowCodec(format_), x, n, dim_, *pages, rows_per_block_,
+                                   nullptr, rows_);
+  }
+  if (!st.ok()) {
+    Truncate(rows_);
+    return st;
+  }
+  Commit(n);
   return absl::OkStatus();
 }
 

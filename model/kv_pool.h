@@ -313,6 +313,13 @@ class KvRows {
   // model calls it once a forward has written every stream of a sequence), so that sealing
   // reads them in one Download rather than one wait for the device per block.
   [[nodiscard]] absl::Status AppendFrom(const float* x, int64_t n);
+  // AppendFrom in two steps, so that one PackRows writes the rows of many streams (a batched
+  // decode step): Reserve makes every block rows [rows(), rows() + n) touch allocated and
+  // exclusive (ResourceExhausted when the pool is full: nothing reserved), the caller writes the
+  // rows into blocks() (as the backend's PackRows), and Commit(n) appends them. Truncate(rows())
+  // gives back a reservation not committed.
+  [[nodiscard]] absl::Status Reserve(int64_t n);
+  void Commit(int64_t n);
   // Full blocks waiting to be sealed (a device pool's AppendFrom).
   bool has_pending_seals() const { return !pending_.empty(); }
   // Appends rows given in the packed format (row_bytes() each; fp32 bytes for kF32).
@@ -329,6 +336,9 @@ class KvRows {
   // aborts on a backend failure).
   void Unpack(int64_t first, int64_t n, float* out) const;
   void Gather(const int32_t* idx, int64_t n, float* out) const;
+  // The page table of the blocks (rows_per_block() rows a page), in the backend's memory (host:
+  // a host array), for the backend's paged ops; valid until the stream changes.
+  absl::StatusOr<uint8_t* const*> Pages() const;
   // rows [first, first+n) in the packed format, appended to `out` (no re-pack: the bytes the
   // blocks hold, in one KvPool::ReadBlocks, one Download on a device pool; kF32 rows are packed
   // with `packed_format`).
@@ -356,8 +366,6 @@ class KvRows {
   friend absl::Status SealPending(std::span<KvRows* const> streams);
   // Block b changed (replaced or gone): the backend's page table is stale from b on.
   void Invalidate(size_t b) const { table_valid_ = std::min(table_valid_, b); }
-  // The page table of the blocks, in the backend's memory (host: a host array).
-  absl::StatusOr<uint8_t* const*> Pages() const;
 
   std::shared_ptr<KvPool> pool_;
   KvRowFormat format_ = KvRowFormat::kF32;

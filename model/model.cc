@@ -363,18 +363,16 @@ absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_
     ASSIGN_OR_RETURN(const float* u, UnpackKeys(ws, keys, layer, n, available, unpacked));
     return backend_.IndexerScores(q, w, heads, u, n, ihd, score);
   }
-  // Chunks of whole blocks, a multiple of 8 keys (the SIMD kernel's key group), about 2048 keys
-  // (1 MiB of scratch at 128 dims: few kernel calls, still cache-resident).
-  int64_t chunk = keys.rows_per_block();
-  while (chunk < 2048 || chunk % 8 != 0) chunk += keys.rows_per_block();
-  chunk = std::min(chunk, n);
-  ASSIGN_OR_RETURN(float* part, ws.Alloc<float>(chunk * ihd));
-  for (int64_t t0 = 0; t0 < n; t0 += chunk) {
-    const int64_t cnt = std::min(chunk, n - t0);
-    RETURN_IF_ERROR(keys.UnpackTo(t0, cnt, part));
-    RETURN_IF_ERROR(backend_.IndexerScores(q, w, heads, part, cnt, ihd, score + t0));
+  // Straight from the pool's blocks: no unpacked copy of the keys, one call.
+  const auto held = static_cast<int64_t>(keys.blocks().size()) * keys.rows_per_block();
+  if (n > held) {
+    return absl::OutOfRangeError(absl::StrCat("indexer: ", n, " keys of ", held, " in the blocks"));
   }
-  return absl::OkStatus();
+  ASSIGN_OR_RETURN(uint8_t* const* pages, keys.Pages());
+  ASSIGN_OR_RETURN(const int64_t* first_valid, ws.Copy(std::vector<int64_t>{0, n}));
+  return backend_.IndexerScoresPaged(q, w, heads, KvRowCodec(keys.format()), pages,
+                                     keys.rows_per_block(), first_valid, first_valid + 1, n, ihd, 1,
+                                     score);
 }
 
 absl::StatusOr<const float*> Model::UnpackKeys(Scratch& ws, const KvRows& keys, int layer,
@@ -496,11 +494,12 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     src = &state.sources.at(role.kv_source);
     nk = std::min(nk, src->n);
 
-    if (role.is_index_source) {
+    if (role.is_index_source && !(given != nullptr && given->indexed)) {
       const int64_t k = std::min<int64_t>(c.index_topk, nk);
       call.topk_k = k;
       call.topk.assign(S * k, -1);
       call.topk_dev = nullptr;
+      call.topk_key_offset = -1;
       if (nk > 0) {
         const int call_keysrc =
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
@@ -560,12 +559,13 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
                                                        static_cast<int>(nI), u, nk, ihd, n,
                                                        valid_dev + r0, score));
             if (role.is_candidate_source) {
-              RETURN_IF_ERROR(backend_.CandidateMaskRows(score, n, nk, c.candidate_block_size,
-                                                         visible_dev + r0, c.candidate_topk_blocks,
-                                                         call.cand + r0 * nk));
+              RETURN_IF_ERROR(backend_.CandidateMaskRows(
+                  score, n, nk, c.candidate_block_size, visible_dev + r0, nullptr,
+                  c.candidate_topk_blocks, call.cand + r0 * nk));
             }
             const bool masked = role.uses_candidates && call.cand_cols > 0;
             RETURN_IF_ERROR(backend_.SelectTopKRows(score, n, nk, k, visible_dev + r0, win_rows,
+                                                    nullptr,
                                                     masked ? cand + r0 * call.cand_cols : nullptr,
                                                     masked ? call.cand_cols : 0, topk + r0 * k));
           }
@@ -653,14 +653,19 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     // order in each list are those of the compact path below, so is the attention.
     if (call.topk_dev == nullptr) return absl::InternalError("attention: no top-k on the backend");
     float* kv_sel = nullptr;
-    if (step != nullptr) {  // after the step's earlier sequences' gathers
+    if (step != nullptr && given->ext_row >= 0) {  // gathered by the caller (StepGather)
+      slots_base = step->kv_ext_start + given->ext_row;
+    } else if (step != nullptr) {  // after the step's earlier sequences' gathers
       kv_sel = step->ext + step->ext_used * hd;
       slots_base = step->kv_ext_start + step->ext_used;
       step->ext_used += S * k;
     } else {
       ASSIGN_OR_RETURN(kv_sel, ws.Alloc<float>(S * k * hd));
     }
-    RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -win_rows));
+    if (kv_sel != nullptr) {
+      const int64_t key_offset = call.topk_key_offset >= 0 ? call.topk_key_offset : win_rows;
+      RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -key_offset));
+    }
     args.kv_ext = step != nullptr ? step->ext : kv_sel;
     args.kv_ext_start = step != nullptr ? step->kv_ext_start : win_rows;
   } else if (ratio > 0 && nk > 0 && whole_source) {

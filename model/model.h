@@ -389,6 +389,11 @@ class Model {
     // The same in `scratch`, for calls of at most device_list_rows rows: their lists are
     // completed and gathered on the backend.
     int32_t* topk_dev = nullptr;
+    // -1: topk_dev's entries are key + the window rows (SelectTopK's offset), as `topk`'s;
+    // else key + topk_key_offset (a batched step's selection, StepIndexer: the key's row in a
+    // page table of the step's sequences' KV sources, where the sequence's source starts at row
+    // topk_key_offset).
+    int64_t topk_key_offset = -1;
     // Uploaded once per call into `scratch` and shared by its layers: the rows' positions, and
     // for calls of at most device_list_rows rows the window part of the attention lists (top-k
     // part -1) by (list length, window floor).
@@ -571,6 +576,9 @@ class Model {
     int64_t seq = 0;   // the sequence's index in the step (its ring's rows in step->kv)
     int64_t row0 = 0;  // its first row in the step
     bool compressed = false;  // the caller ran the layer's compressor (StepCompress)
+    bool indexed = false;     // the caller ran the layer's indexer (StepIndexer)
+    int64_t ext_row = -1;     // >= 0: the caller gathered the top-k entries into step->ext
+                              // from this row on (StepGather)
   };
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state,
                          const AttentionRows& rows) const;
@@ -692,12 +700,36 @@ class Model {
   // (StepArrays::cmp_kv, cmp_score). A sequence that fails takes the error.
   absl::Status StepCompress(Scratch& ws, int l, const StepArrays& a,
                             std::span<StepSequence> seqs) const;
+  // StepCompress's appends: sequence b's entries latents / keys rows [first[b], first[b] +
+  // count[b]) into its source's streams (AppendLatents), every sequence's in one PackRows per
+  // stream kind over page tables of the sequences' streams. A sequence whose pool is full fails
+  // alone; a PackRows failure fails every sequence of the step, nothing appended.
+  absl::Status StepAppend(int l, const float* latents, const float* keys,
+                          const std::vector<int64_t>& first, const std::vector<int64_t>& count,
+                          std::span<StepSequence> seqs) const;
   // StepCompress's pooling (ratio > 1) when every sequence has one row: each row into its log
   // and its tail in one PackRows per array, the groups that end pooled in one CompressPool into
   // `latents` (first / count: each sequence's entries).
   absl::Status PoolSingleRows(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
                               float* latents, std::vector<int64_t>& gpos,
                               std::vector<int64_t>& first, std::vector<int64_t>& count) const;
+  // Layer l's indexer (an index source) for the sequences of a shared step whose keys and KV
+  // can be read through one page table each (the same codec and dim): runs of consecutive
+  // sequences with the same k (and the same candidate mask layout) score, mask and select in a
+  // fixed number of calls per kIndexerScoresPerCall scores (IndexerScoresPaged,
+  // CandidateMaskRows, SelectTopKRows), each row over its own keys and as wide as the run's
+  // widest (the extra keys score -inf and are never picked: the same top-k and mask as a call of
+  // its own). The top-k stays in the call's scratch (Call::topk_key_offset says how it reads);
+  // indexed[b] says which sequences it did (Attention does the others).
+  absl::Status StepIndexer(int l, const StepArrays& a, std::span<StepSequence> seqs,
+                           std::vector<char>& indexed) const;
+  // Layer l's top-k entries (a compressed layer) of the sequences whose top-k StepIndexer made
+  // (at an index source: those indexed now), gathered from their KV sources into kv->ext in one
+  // UnpackRows per run of consecutive sequences with the same k; ext_rows[b] is sequence b's
+  // first row there (-1: Attention gathers its own).
+  absl::Status StepGather(Scratch& ws, int l, std::span<StepSequence> seqs,
+                          const std::vector<char>& indexed, StepKv* kv,
+                          std::vector<int64_t>& ext_rows) const;
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;

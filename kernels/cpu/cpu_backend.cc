@@ -325,20 +325,81 @@ class CpuBackend final : public Backend {
     }
     return OkStatus();
   }
+  Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                            const uint8_t* const* pages, int64_t rows_per_page,
+                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
+                            int64_t rows, float* score) override {
+    EPD_CHECK_OPERANDS("IndexerScoresPaged", {{"q", q},
+                                              {"w", w},
+                                              {"pages", pages},
+                                              {"first", first},
+                                              {"valid", valid},
+                                              {"score", score}});
+    if (heads < 0 || n < 0 || dim < 0 || rows < 0)
+      return Bad("IndexerScoresPaged", "negative shape");
+    for (int64_t r = 0; r < rows; ++r) {
+      if (valid[r] < 0 || valid[r] > n) {
+        return Bad("IndexerScoresPaged",
+                   absl::StrCat("row ", r, " scores ", valid[r], " keys, not in [0, ", n, "]"));
+      }
+      if (valid[r] > 0 && first[r] < 0)
+        return Bad("IndexerScoresPaged", absl::StrCat("row ", r, " starts at row ", first[r]));
+      if (Status s = PagedProblem("IndexerScoresPaged", codec, valid[r], dim, pages, rows_per_page,
+                                  nullptr, first[r], /*skip_negative=*/false);
+          !s.ok()) {
+        return s;
+      }
+    }
+    ScopedScalarKernels s(!options_.simd);
+    // Keys unpacked a chunk at a time (whole pages, about 2048 keys: cache-resident), each scored
+    // as IndexerScores scores it (a key's score does not depend on the others).
+    const int64_t rb = RowCodecBytes(codec, dim);
+    int64_t chunk = rows_per_page;
+    while (chunk < 2048 || chunk % 8 != 0) chunk += rows_per_page;
+    std::vector<float> keys(static_cast<size_t>(std::min(chunk, n) * dim));
+    for (int64_t r = 0; r < rows; ++r) {
+      float* sr = score + r * n;
+      for (int64_t t0 = 0; t0 < valid[r]; t0 += chunk) {
+        const int64_t cnt = std::min(chunk, valid[r] - t0);
+        for (int64_t i = 0; i < cnt; ++i) {
+          const int64_t row = first[r] + t0 + i;
+          format::UnpackRow(codec, pages[row / rows_per_page] + (row % rows_per_page) * rb, dim,
+                            keys.data() + i * dim);
+        }
+        cpu::IndexerScores(q + r * heads * dim, w + r * heads, heads, keys.data(), cnt, dim,
+                           sr + t0);
+      }
+      std::fill(sr + valid[r], sr + n, -INFINITY);
+    }
+    return OkStatus();
+  }
   Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
-                           const int64_t* visible, int64_t keep_blocks, uint8_t* mask) override {
+                           const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
+                           uint8_t* mask) override {
     EPD_CHECK_OPERANDS("CandidateMaskRows",
-                       {{"score", score}, {"visible", visible}, {"mask", mask}});
+                       {{"score", score}, {"visible", visible}, {"cols", cols}, {"mask", mask}});
     if (bs <= 0 || n < 0 || rows < 0) return Bad("CandidateMaskRows", "block size must be > 0");
-    for (int64_t r = 0; r < rows; ++r)
-      CandidateMaskRow(score + r * n, n, bs, visible[r], keep_blocks, mask + r * n);
+    for (int64_t r = 0; r < rows && cols != nullptr; ++r) {
+      if (cols[r] < 0 || cols[r] > n) {
+        return Bad("CandidateMaskRows",
+                   absl::StrCat("row ", r, " has ", cols[r], " columns, not in [0, ", n, "]"));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t nr = cols != nullptr ? cols[r] : n;
+      CandidateMaskRow(score + r * n, nr, bs, visible[r], keep_blocks, mask + r * n);
+      std::fill(mask + r * n + nr, mask + (r + 1) * n, 0);
+    }
     return OkStatus();
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const uint8_t* mask,
-                        int64_t mask_cols, int32_t* out) override {
-    EPD_CHECK_OPERANDS("SelectTopKRows",
-                       {{"score", score}, {"visible", visible}, {"mask", mask}, {"out", out}});
+                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
+                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
+    EPD_CHECK_OPERANDS("SelectTopKRows", {{"score", score},
+                                          {"visible", visible},
+                                          {"row_offset", row_offset},
+                                          {"mask", mask},
+                                          {"out", out}});
     if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
     if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     std::vector<float> row(static_cast<size_t>(n));
@@ -350,7 +411,8 @@ class CpuBackend final : public Backend {
           if (t >= mask_cols || !mr[t]) row[t] = -INFINITY;
         }
       }
-      SelectTopKRow(row.data(), n, k, visible[r], offset, out + r * k);
+      SelectTopKRow(row.data(), n, k, visible[r], offset + (row_offset ? row_offset[r] : 0),
+                    out + r * k);
     }
     return OkStatus();
   }

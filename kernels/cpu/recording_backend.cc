@@ -186,16 +186,27 @@ class RecordingBackend final : public Backend {
     });
   }
   Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
-                           const int64_t* visible, int64_t keep_blocks, uint8_t* mask) override {
+                           const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
+                           uint8_t* mask) override {
     return Do("CandidateMaskRows", [=, this] {
-      return in_->CandidateMaskRows(score, rows, n, block, visible, keep_blocks, mask);
+      return in_->CandidateMaskRows(score, rows, n, block, visible, cols, keep_blocks, mask);
+    });
+  }
+  Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                            const uint8_t* const* pages, int64_t rows_per_page,
+                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
+                            int64_t rows, float* score) override {
+    return Do("IndexerScoresPaged", [=, this] {
+      return in_->IndexerScoresPaged(q, w, heads, codec, pages, rows_per_page, first, valid, n, dim,
+                                     rows, score);
     });
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const uint8_t* mask,
-                        int64_t mask_cols, int32_t* out) override {
+                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
+                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
     return Do("SelectTopKRows", [=, this] {
-      return in_->SelectTopKRows(score, rows, n, k, visible, offset, mask, mask_cols, out);
+      return in_->SelectTopKRows(score, rows, n, k, visible, offset, row_offset, mask, mask_cols,
+                                 out);
     });
   }
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,

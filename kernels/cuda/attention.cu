@@ -6,6 +6,7 @@
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/row_codec.h"
 #include "kernels/torch_math.h"
 
 namespace epd::kernels::cuda {
@@ -171,6 +172,24 @@ __global__ void CompressPoolKernel(const float* kv_all, const float* score_all, 
   out[ch] = RoundBf16(acc);
 }
 
+// Where IndexerScoresKernel's keys are: an array [n, dim] (keys), else a paged stream of packed
+// rows whose key t of query row r is stream row first[r] + t (decoded as UnpackRows does).
+struct IndexKeys {
+  const float* keys = nullptr;
+  RowCodec codec = RowCodec::kF32;
+  const uint8_t* const* pages = nullptr;
+  int64_t rows_per_page = 1, row_bytes = 0;
+  const int64_t* first = nullptr;
+};
+
+__device__ __forceinline__ float KeyElement(const IndexKeys& k, int64_t r, int64_t t, int64_t i,
+                                            int64_t dim) {
+  if (k.keys != nullptr) return k.keys[t * dim + i];
+  const int64_t row = k.first[r] + t;
+  return row_codec::UnpackElement(
+      k.codec, k.pages[row / k.rows_per_page] + (row % k.rows_per_page) * k.row_bytes, dim, i);
+}
+
 // ops.cc IndexerScores over a tile of 32 keys, for query row blockIdx.y (q [rows, heads, dim],
 // w [rows, heads]): the keys pass through shared memory once; thread (lane, warp) computes the
 // term bf16(max(bf16(DotDp(q_h, k_t)), 0) * w[h]) of key t0 + lane for heads h = warp, warp + 8,
@@ -179,7 +198,7 @@ __global__ void CompressPoolKernel(const float* kv_all, const float* score_all, 
 constexpr int kIndexKeys = 32, kIndexThreads = 256;
 
 __global__ void __launch_bounds__(kIndexThreads)
-    IndexerScoresKernel(const float* q, const float* w, int heads, const float* keys, int64_t n,
+    IndexerScoresKernel(const float* q, const float* w, int heads, IndexKeys keys, int64_t n,
                         int64_t dim, const int64_t* valid, float* score) {
   extern __shared__ float smem[];
   const int64_t stride = dim + 1;             // a padded row: lanes read different banks
@@ -192,7 +211,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   const int tid = threadIdx.x, lane = tid % kIndexKeys, warp = tid / kIndexKeys;
   for (int64_t e = tid; e < kIndexKeys * dim; e += kIndexThreads) {
     const int64_t j = e / dim, i = e % dim, t = t0 + j;
-    kt[j * stride + i] = t < nv ? keys[t * dim + i] : 0.f;
+    kt[j * stride + i] = t < nv ? KeyElement(keys, r, t, i, dim) : 0.f;
   }
   __syncthreads();
   if (t0 + lane < nv) {
@@ -223,7 +242,7 @@ cudaError_t AllowSharedMemory(Kernel* kernel, size_t dynamic, size_t fixed) {
                               static_cast<int>(dynamic));
 }
 
-cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const float* keys,
+cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const IndexKeys& keys,
                                 int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
                                 float* score, cudaStream_t stream) {
   if (n <= 0 || rows <= 0) return cudaSuccess;
@@ -305,12 +324,26 @@ cudaError_t CompressPool(const float* kv, const float* score, int64_t groups, in
 
 cudaError_t IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                           int64_t dim, float* score, cudaStream_t stream) {
-  return LaunchIndexerScores(q, w, heads, keys, n, dim, 1, nullptr, score, stream);
+  return LaunchIndexerScores(q, w, heads, IndexKeys{.keys = keys}, n, dim, 1, nullptr, score,
+                             stream);
 }
 
 cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const float* keys,
                               int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
                               float* score, cudaStream_t stream) {
+  return LaunchIndexerScores(q, w, heads, IndexKeys{.keys = keys}, n, dim, rows, valid, score,
+                             stream);
+}
+
+cudaError_t IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                               const uint8_t* const* pages, int64_t rows_per_page,
+                               const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
+                               int64_t rows, float* score, cudaStream_t stream) {
+  const IndexKeys keys{.codec = codec,
+                       .pages = pages,
+                       .rows_per_page = rows_per_page,
+                       .row_bytes = row_codec::RowBytes(codec, dim),
+                       .first = first};
   return LaunchIndexerScores(q, w, heads, keys, n, dim, rows, valid, score, stream);
 }
 

@@ -516,8 +516,26 @@ class CudaBackend final : public Backend {
       return cuda::IndexerScoresRows(q, w, heads, keys, n, dim, rows, valid, score, streams_[0]);
     });
   }
+  Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                            const uint8_t* const* pages, int64_t rows_per_page,
+                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
+                            int64_t rows, float* score) override {
+    if (heads < 0 || n < 0 || dim < 0 || rows < 0)
+      return Bad("IndexerScoresPaged", "negative shape");
+    if (Status s = PagedProblem("IndexerScoresPaged", codec, 0, dim, rows_per_page, nullptr, 0,
+                                /*skip_negative=*/true);
+        !s.ok())
+      return s;
+    if (rows > kMaxGridY)
+      return Bad("IndexerScoresPaged", absl::StrCat(rows, " rows > ", kMaxGridY));
+    return Run("IndexerScoresPaged", [&] {
+      return cuda::IndexerScoresPaged(q, w, heads, codec, pages, rows_per_page, first, valid, n,
+                                      dim, rows, score, streams_[0]);
+    });
+  }
   Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
-                           const int64_t* visible, int64_t keep_blocks, uint8_t* mask) override {
+                           const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
+                           uint8_t* mask) override {
     if (bs <= 0 || n < 0 || rows < 0) return Bad("CandidateMaskRows", "block size must be > 0");
     if (rows > kMaxGridY)
       return Bad("CandidateMaskRows", absl::StrCat(rows, " rows > ", kMaxGridY));
@@ -529,13 +547,13 @@ class CudaBackend final : public Backend {
     auto scratch = Scratch("CandidateMaskRows", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("CandidateMaskRows", [&] {
-      return cuda::CandidateMaskRows(score, rows, n, bs, visible, keep_blocks, mask, *scratch,
+      return cuda::CandidateMaskRows(score, rows, n, bs, visible, cols, keep_blocks, mask, *scratch,
                                      bytes, streams_[0]);
     });
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const uint8_t* mask,
-                        int64_t mask_cols, int32_t* out) override {
+                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
+                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
     if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
     if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     if (rows * n > kMaxTopK)
@@ -546,8 +564,8 @@ class CudaBackend final : public Backend {
     auto scratch = Scratch("SelectTopKRows", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("SelectTopKRows", [&] {
-      return cuda::SelectTopKRows(score, rows, n, k, visible, offset, mask, mask_cols, out,
-                                  *scratch, bytes, streams_[0]);
+      return cuda::SelectTopKRows(score, rows, n, k, visible, offset, row_offset, mask, mask_cols,
+                                  out, *scratch, bytes, streams_[0]);
     });
   }
 

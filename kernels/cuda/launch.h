@@ -129,6 +129,12 @@ cudaError_t MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* ma
 cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const float* keys,
                               int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
                               float* score, cudaStream_t stream);
+// Backend::IndexerScoresPaged (the keys decoded from the pages as UnpackRows decodes them);
+// rows <= 65535.
+cudaError_t IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
+                               const uint8_t* const* pages, int64_t rows_per_page,
+                               const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
+                               int64_t rows, float* score, cudaStream_t stream);
 
 // ---- Selection (select.cu) ----
 // Scratch bytes StableTopK / SelectTopK need for n values.
@@ -147,13 +153,14 @@ cudaError_t SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible
 // rows * n (and rows * blocks) < 2^31 (CUB's int item count); rows <= 65535.
 size_t CandidateMaskRowsScratchBytes(int64_t rows, int64_t n, int64_t block);
 cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
-                              const int64_t* visible, int64_t keep_blocks, uint8_t* mask,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream);
+                              const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
+                              uint8_t* mask, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream);
 size_t SelectTopKRowsScratchBytes(int64_t rows, int64_t n, int64_t k);
 cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                           const int64_t* visible, int64_t offset, const uint8_t* mask,
-                           int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
-                           cudaStream_t stream);
+                           const int64_t* visible, int64_t offset, const int64_t* row_offset,
+                           const uint8_t* mask, int64_t mask_cols, int32_t* out, void* scratch,
+                           size_t scratch_bytes, cudaStream_t stream);
 // Scratch bytes MoeRoute needs.
 size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
 cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,

@@ -123,11 +123,14 @@ __global__ void TopKTakeRowsKernel(const uint64_t* sorted, int64_t rows, int64_t
 }
 
 __global__ void SelectOutRowsKernel(const uint32_t* sel, int64_t rows, int64_t k,
-                                    const int64_t* visible, int64_t offset, int32_t* out) {
+                                    const int64_t* visible, int64_t offset,
+                                    const int64_t* row_offset, int32_t* out) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= rows * k) return;
-  const int64_t s = sel[j];
-  out[j] = s >= visible[j / k] ? -1 : static_cast<int32_t>(s + offset);
+  const int64_t s = sel[j], r = j / k;
+  out[j] = s >= visible[r]
+               ? -1
+               : static_cast<int32_t>(s + offset + (row_offset != nullptr ? row_offset[r] : 0));
 }
 
 // Sorts each row's keys of v [rows, n] (masked) into layout.keys_out, row by row.
@@ -191,28 +194,34 @@ __global__ void BlockScoresKernel(const float* score, int64_t n, int64_t bs, int
   bscore[b] = m;
 }
 
-// CandidateMaskRows, step 1: BlockScoresKernel for block b of row r (thread r * nb + b).
+// CandidateMaskRows, step 1: BlockScoresKernel for block b of row r (thread r * nb + b) over the
+// row's cols[r] columns: blocks past them are -inf (CandidateMask of the narrower row has none,
+// and an all -inf block is never marked, nor does it displace a kept one).
 __global__ void BlockScoresRowsKernel(const float* score, int64_t rows, int64_t n, int64_t bs,
-                                      const int64_t* visible, float* bscore, int64_t nb) {
+                                      const int64_t* visible, const int64_t* cols, float* bscore,
+                                      int64_t nb) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= rows * nb) return;
   const int64_t r = i / nb, b = i % nb;
+  const int64_t nr = cols != nullptr ? cols[r] : n;
   const float* sr = score + r * n;
   float m = -INFINITY;
-  const int64_t end = (b + 1) * bs < n ? (b + 1) * bs : n;
+  const int64_t end = (b + 1) * bs < nr ? (b + 1) * bs : nr;
   for (int64_t t = b * bs; t < end; ++t) m = codec::StdMax(m, sr[t]);
-  if (visible[r] > 0 && (visible[r] - 1) / bs == b) m = INFINITY;
+  if (b * bs < nr && visible[r] > 0 && (visible[r] - 1) / bs == b) m = INFINITY;
   bscore[i] = m;
 }
 
-// Step 2 of row blockIdx.y: MarkBlocksKernel.
+// Step 2 of row blockIdx.y: MarkBlocksKernel, within the row's cols[r] columns.
 __global__ void MarkBlocksRowsKernel(const uint64_t* sorted, int64_t keep, const float* bscore,
-                                     int64_t nb, int64_t bs, int64_t n, uint8_t* mask) {
+                                     int64_t nb, int64_t bs, int64_t n, const int64_t* cols,
+                                     uint8_t* mask) {
   const int64_t j = blockIdx.x, r = blockIdx.y;
   if (j >= keep) return;
   const int64_t b = static_cast<int64_t>(sorted[r * nb + j] & 0xffffffffu);
   if (bscore[r * nb + b] == -INFINITY) return;
-  const int64_t end = (b + 1) * bs < n ? (b + 1) * bs : n;
+  const int64_t nr = cols != nullptr ? cols[r] : n;
+  const int64_t end = (b + 1) * bs < nr ? (b + 1) * bs : nr;
   for (int64_t t = b * bs + threadIdx.x; t < end; t += blockDim.x) mask[r * n + t] = 1;
 }
 
@@ -831,8 +840,9 @@ size_t CandidateMaskRowsScratchBytes(int64_t rows, int64_t n, int64_t block) {
 }
 
 cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
-                              const int64_t* visible, int64_t keep_blocks, uint8_t* mask,
-                              void* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                              const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
+                              uint8_t* mask, void* scratch, size_t scratch_bytes,
+                              cudaStream_t stream) {
   if (n <= 0 || rows <= 0) return cudaSuccess;
   const int64_t nb = (n + block - 1) / block;
   const RowsTopKLayout l(rows, nb, 0);
@@ -841,7 +851,7 @@ cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64
   auto* bscore = static_cast<float*>(scratch);
   auto* base = static_cast<uint8_t*>(scratch) + head;
   BlockScoresRowsKernel<<<GridFor(rows * nb), kThreads, 0, stream>>>(score, rows, n, block, visible,
-                                                                     bscore, nb);
+                                                                     cols, bscore, nb);
   cudaError_t rc = cudaGetLastError();
   if (rc != cudaSuccess) return rc;
   rc = cudaMemsetAsync(mask, 0, static_cast<size_t>(rows * n), stream);
@@ -852,7 +862,7 @@ cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64
   if (rc != cudaSuccess) return rc;
   const dim3 grid(static_cast<unsigned>(keep), static_cast<unsigned>(rows));
   MarkBlocksRowsKernel<<<grid, 128, 0, stream>>>(
-      reinterpret_cast<const uint64_t*>(base + l.keys_out), keep, bscore, nb, block, n, mask);
+      reinterpret_cast<const uint64_t*>(base + l.keys_out), keep, bscore, nb, block, n, cols, mask);
   return cudaGetLastError();
 }
 
@@ -861,9 +871,9 @@ size_t SelectTopKRowsScratchBytes(int64_t rows, int64_t n, int64_t k) {
 }
 
 cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                           const int64_t* visible, int64_t offset, const uint8_t* mask,
-                           int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
-                           cudaStream_t stream) {
+                           const int64_t* visible, int64_t offset, const int64_t* row_offset,
+                           const uint8_t* mask, int64_t mask_cols, int32_t* out, void* scratch,
+                           size_t scratch_bytes, cudaStream_t stream) {
   if (k <= 0 || rows <= 0) return cudaSuccess;
   const RowsTopKLayout l(rows, n, k);
   if (scratch_bytes < l.total) return cudaErrorInvalidValue;
@@ -885,7 +895,7 @@ cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t 
       static_cast<const int*>(off_k + 1), 0, 32, stream);
   if (rc != cudaSuccess) return rc;
   SelectOutRowsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(sel_out, rows, k, visible, offset,
-                                                                  out);
+                                                                  row_offset, out);
   return cudaGetLastError();
 }
 

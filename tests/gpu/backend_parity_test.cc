@@ -924,27 +924,34 @@ PARITY_CASE(IndexerScoresRows) {
 }
 
 PARITY_CASE(CandidateMaskRows) {
-  // Tolerance: exact (0/1 mask).
+  // Tolerance: exact (0/1 mask). Rows as wide as the scores, then each of its own width (rows of
+  // sequences with different key counts in one call): row 0's visible block lies past its width,
+  // row 3's width ends mid-block.
   const int64_t rows = 4, n = 1000, block = 64, keep = 5;
   auto score = Normal(env.rng, rows * n);
   for (int64_t t = 128; t < 256; ++t) score[n + t] = -INFINITY;  // row 1: an all -inf block
-  const std::vector<int64_t> visible = {900, 0, 1000, 65};
-  std::vector<std::vector<uint8_t>> res;
-  for (Side* s : {&env.ref, &env.cand}) {
-    const float* ps = s->In(score);
-    uint8_t* mask = s->Out<uint8_t>(rows * n);
-    EXPECT_OP_OK(*s, s->b().CandidateMaskRows(ps, rows, n, block, s->In(visible), keep, mask));
-    std::vector<uint8_t> one_by_one;
-    for (int64_t r = 0; r < rows; ++r) {
-      uint8_t* m = s->Out<uint8_t>(n);
-      EXPECT_OP_OK(*s, s->b().CandidateMask(ps + r * n, n, block, visible[r], keep, m));
-      const std::vector<uint8_t> row = s->Read(m, n);
-      one_by_one.insert(one_by_one.end(), row.begin(), row.end());
+  const std::vector<int64_t> visible = {900, 0, 1000, 65}, cols = {700, 1000, 963, 70};
+  for (bool with_cols : {false, true}) {
+    std::vector<std::vector<uint8_t>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      const float* ps = s->In(score);
+      uint8_t* mask = s->Out<uint8_t>(rows * n);
+      EXPECT_OP_OK(*s, s->b().CandidateMaskRows(ps, rows, n, block, s->In(visible),
+                                                with_cols ? s->In(cols) : nullptr, keep, mask));
+      std::vector<uint8_t> one_by_one;
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t nr = with_cols ? cols[r] : n;
+        uint8_t* m = s->Out<uint8_t>(n);
+        EXPECT_OP_OK(*s, s->b().CandidateMask(ps + r * n, nr, block, visible[r], keep, m));
+        std::vector<uint8_t> row = s->Read(m, nr);
+        row.resize(n, 0);
+        one_by_one.insert(one_by_one.end(), row.begin(), row.end());
+      }
+      res.push_back(s->Read(mask, rows * n));
+      CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
     }
-    res.push_back(s->Read(mask, rows * n));
-    CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
+    CompareExact(res[0], res[1], with_cols ? "rows of their own widths" : "rows");
   }
-  CompareExact(res[0], res[1], "rows");
 }
 
 PARITY_CASE(SelectTopKRows) {
@@ -953,29 +960,32 @@ PARITY_CASE(SelectTopKRows) {
   const auto score = Tied(env.rng, rows * n);
   const auto mask = Bytes(env.rng, rows * mask_cols, 0, 1);
   const std::vector<int64_t> visible = {450, 0, 500, 64, 1, 300};
+  // Each row's own offset on top of the call's (rows of different sequences in one page table).
+  const std::vector<int64_t> row_offset = {0, 7, 500, 123456, 3, 64};
   for (bool with_mask : {false, true}) {
     std::vector<std::vector<int32_t>> res;
     for (Side* s : {&env.ref, &env.cand}) {
       const float* ps = s->In(score);
       const uint8_t* pm = with_mask ? s->In(mask) : nullptr;
       int32_t* out = s->Out<int32_t>(rows * k);
-      EXPECT_OP_OK(*s,
-                   s->b().SelectTopKRows(ps, rows, n, k, s->In(visible), 1000, pm, mask_cols, out));
+      EXPECT_OP_OK(*s, s->b().SelectTopKRows(ps, rows, n, k, s->In(visible), 1000,
+                                             s->In(row_offset), pm, mask_cols, out));
       std::vector<int32_t> one_by_one;
       for (int64_t r = 0; r < rows; ++r) {
         float* row = s->In(std::vector<float>(score.begin() + r * n, score.begin() + (r + 1) * n));
         if (pm != nullptr)
           EXPECT_OP_OK(*s, s->b().MaskScores(row, n, n, pm + r * mask_cols, mask_cols));
         int32_t* o = s->Out<int32_t>(k);
-        EXPECT_OP_OK(*s, s->b().SelectTopK(row, n, k, visible[r], 1000, o));
+        EXPECT_OP_OK(*s, s->b().SelectTopK(row, n, k, visible[r], 1000 + row_offset[r], o));
         const std::vector<int32_t> got = s->Read(o, k);
         one_by_one.insert(one_by_one.end(), got.begin(), got.end());
       }
       // The scores are not written.
       EXPECT_EQ(s->Read(ps, rows * n), score) << s->name();
-      EXPECT_EQ(
-          s->b().SelectTopKRows(ps, rows, n, n + 1, s->In(visible), 0, nullptr, 0, out).code(),
-          absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(s->b()
+                    .SelectTopKRows(ps, rows, n, n + 1, s->In(visible), 0, nullptr, nullptr, 0, out)
+                    .code(),
+                absl::StatusCode::kInvalidArgument);
       res.push_back(s->Read(out, rows * k));
       CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
     }
@@ -1524,6 +1534,75 @@ PARITY_CASE(UnpackRows) {
       Compare(env, res[0], res[1], Tol::Exact(), std::string(pc.name) + modes[mode]);
     }
   }
+}
+
+PARITY_CASE(IndexerScoresPaged) {
+  // Tolerance: exact (IndexerScores of each row's keys as UnpackRows decodes them, then -inf past
+  // the row's valid keys). Rows of two "sequences" in one page table, starting at different pages
+  // and mid-page, one scoring no key; index-key and f32 pages.
+  const int heads = 6;
+  const int64_t dim = 64, rpp = 16, pages_n = 6, rows = 4, n = 50;
+  const std::vector<int64_t> first = {0, 32, 48, 19}, valid = {40, 0, 48, 33};
+  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
+  for (const RowCodec codec : {RowCodec::kIndexKey, RowCodec::kF32}) {
+    const int64_t rb = RowCodecBytes(codec, dim);
+    std::vector<std::vector<uint8_t>> bytes(pages_n);
+    for (auto& page : bytes) {
+      for (int64_t r = 0; r < rpp; ++r) {
+        std::vector<uint8_t> row;
+        if (codec == RowCodec::kIndexKey) {
+          row = Bytes(env.rng, dim / 2);
+          auto sc = Bytes(env.rng, dim / 32, 120, 130);
+          row.insert(row.end(), sc.begin(), sc.end());
+        } else {
+          auto v = Bf16(env.rng, dim);
+          row.resize(rb);
+          std::memcpy(row.data(), v.data(), static_cast<size_t>(rb));
+        }
+        page.insert(page.end(), row.begin(), row.end());
+      }
+    }
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      std::vector<uint8_t*> pages;
+      uint8_t* const* table = PagesOn(*s, bytes, pages);
+      const float *pq = s->In(q), *pw = s->In(w);
+      float* out = s->Out<float>(rows * n);
+      EXPECT_OP_OK(*s, s->b().IndexerScoresPaged(pq, pw, heads, codec, table, rpp, s->In(first),
+                                                 s->In(valid), n, dim, rows, out));
+      std::vector<float> one_by_one;
+      for (int64_t r = 0; r < rows; ++r) {
+        float* keys = s->Out<float>(std::max<int64_t>(1, valid[r]) * dim);
+        EXPECT_OP_OK(*s,
+                     s->b().UnpackRows(codec, table, rpp, dim, nullptr, first[r], valid[r], keys));
+        float* o = s->Out<float>(n);
+        EXPECT_OP_OK(*s, s->b().IndexerScores(pq + r * heads * dim, pw + r * heads, heads, keys,
+                                              valid[r], dim, o));
+        EXPECT_OP_OK(*s, s->b().MaskScores(o, n, valid[r], nullptr, 0));
+        const std::vector<float> row = s->Read(o, n);
+        one_by_one.insert(one_by_one.end(), row.begin(), row.end());
+      }
+      res.push_back(s->Read(out, rows * n));
+      Compare(env, res.back(), one_by_one, Tol::Exact(),
+              s->name() + ": paged vs unpacked one row at a time");
+    }
+    Compare(env, res[0], res[1], Tol::Exact(),
+            codec == RowCodec::kF32 ? "paged f32" : "paged index keys");
+  }
+  // A row that asks for more keys than the scores hold is refused by the CPU backend.
+  std::vector<uint8_t*> pages;
+  uint8_t* const* table = PagesOn(
+      env.ref,
+      std::vector<std::vector<uint8_t>>(
+          pages_n, std::vector<uint8_t>(rpp * RowCodecBytes(RowCodec::kIndexKey, dim), 0x11)),
+      pages);
+  EXPECT_EQ(
+      env.ref.b()
+          .IndexerScoresPaged(env.ref.In(q), env.ref.In(w), heads, RowCodec::kIndexKey, table, rpp,
+                              env.ref.In(first), env.ref.In(std::vector<int64_t>{1, 2, 51, 3}), n,
+                              dim, rows, env.ref.Out<float>(rows * n))
+          .code(),
+      absl::StatusCode::kInvalidArgument);
 }
 
 PARITY_CASE(TopKSlots) {

@@ -84,9 +84,9 @@ TEST_P(OpCountTest, APrefillsCallsDoNotGrowWithItsRows) {
   EXPECT_EQ(long_prompt.count("SelectTopK"), 0u);
 }
 
-// A decode step of several sequences is one forward (Model::ExtendBatch): the weights' ops and
-// the head run once for the batch; only the attention (and what reads each sequence's own KV)
-// runs per sequence.
+// A decode step of several sequences is one forward (Model::ExtendBatch): the weights' ops, the
+// head, and the attention's indexer, gathers and SparseAttention run once for the batch; only
+// the compressors' appends to each sequence's own KV run per sequence.
 std::map<std::string, int64_t> CountDecodeStep(const std::string& set, int batch) {
   std::vector<std::unique_ptr<SequenceState>> seqs;
   std::vector<SequenceState*> ptrs;
@@ -144,22 +144,31 @@ TEST_P(OpCountTest, ADecodeStepRunsTheWeightsOnceForItsBatch) {
   // The sequences' lists have the same lengths (every top-k is full): one SparseAttention per
   // layer for the batch (Model::StepKv), and every window ring read and written in one call each.
   EXPECT_EQ(four.at("SparseAttention"), one.at("SparseAttention"));
-  // What still runs per sequence reads its own compressed KV: the pooling of a group, the
-  // appends, the indexer's scoring and top-k, the gathers.
-  for (const char* op : {"IndexerScores", "SelectTopK", "TopKSlots"})
-    EXPECT_EQ(four.at(op), 4 * one.at(op)) << op;
+  // The indexer scores, masks and selects every sequence's rows in one call each, straight from
+  // the pool's pages (Model::StepIndexer), and the top-k entries of every sequence are gathered
+  // and listed in one call each (StepGather), so no indexer or gather call runs per sequence.
+  for (const char* op :
+       {"IndexerScoresPaged", "CandidateMaskRows", "SelectTopKRows", "TopKSlots", "UnpackRows"})
+    EXPECT_EQ(four.at(op), one.at(op)) << op << " runs per sequence";
+  for (const char* op : {"IndexerScores", "SelectTopK", "MaskScores", "CandidateMask"})
+    EXPECT_EQ(four.count(op), 0u) << op << ": the one-row indexer ran in a batched step";
   // Window rings, compressor logs and tails, the lists' window parts: a fixed number of calls
   // per layer for the batch (PackRows and UnpackRows over the step's pages, one Copy), not per
   // sequence (before, each sequence added Copies for its log, tail, window and lists).
   EXPECT_EQ(four.at("Copy"), one.at("Copy"));
-  int64_t all_one = 0, all_four = 0;
-  for (const auto& [op, n] : one) all_one += n;
-  for (const auto& [op, n] : four) all_four += n;
-  std::printf(
-      "[%s] a decode step: %lld backend calls for 1 sequence, %lld for 4 (%.1f per "
-      "extra sequence)\n",
-      GetParam().c_str(), static_cast<long long>(all_one), static_cast<long long>(all_four),
-      static_cast<double>(all_four - all_one) / 3);
+  // Nothing runs per sequence any more: the compressors' entries are appended to every
+  // sequence's pool blocks in one PackRows per stream kind (Model::StepAppend). From two
+  // sequences on (a step of one row skips the MoE's and the output projection's regrouping), a
+  // step makes the same calls for any batch.
+  const auto two = CountDecodeStep(GetParam(), 2);
+  EXPECT_EQ(four, two);
+  auto total = [](const std::map<std::string, int64_t>& calls) {
+    int64_t all = 0;
+    for (const auto& [op, n] : calls) all += n;
+    return static_cast<long long>(all);
+  };
+  std::printf("[%s] a decode step: %lld backend calls for 1 sequence, %lld for 2, %lld for 4\n",
+              GetParam().c_str(), total(one), total(two), total(four));
 }
 
 // A decode step's top-k stays on the backend (ModelOptions::device_list_rows): its index layers'

@@ -157,6 +157,45 @@ TEST_P(StagesTest, DecodeStepBatchEqualsPerSequenceDecode) {
   EXPECT_EQ((*out)[1].logits, model_->Decode(*rb, 4)->logits);
 }
 
+// The batched step's indexer scores every sequence's rows in one call over one page table
+// (Model::StepIndexer: each row over its own keys, as wide as the widest) and gathers their top-k
+// in one (StepGather). Sequences of many lengths (top-k shorter than index_topk, candidate masks
+// ending mid-block, stale index keys at odd and even positions) and of one or three rows, over
+// several steps: each sequence's logits equal its own decode bit for bit.
+TEST_P(StagesTest, ABatchedStepOfSequencesOfManyLengthsEqualsEachAlone) {
+  std::span<const int32_t> p(prompt_);
+  const std::vector<int64_t> lengths = {9, 20, 33, 47, 90, std::min<int64_t>(P, 150), 61};
+  std::vector<std::unique_ptr<SequenceState>> batched, alone;
+  std::vector<SequenceState*> batch;
+  for (int64_t n : lengths) {
+    batched.push_back(model_->NewSequence());
+    alone.push_back(model_->NewSequence());
+    ASSERT_TRUE(model_->Prefill(*batched.back(), p.subspan(0, n), false).ok());
+    ASSERT_TRUE(model_->Prefill(*alone.back(), p.subspan(0, n), false).ok());
+    batch.push_back(batched.back().get());
+  }
+  for (int step = 0; step < 4; ++step) {
+    std::vector<std::vector<int32_t>> toks;
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      const auto t = static_cast<int32_t>(3 + (step * 7 + b * 5) % 90);
+      toks.push_back((b + step) % 3 == 0 ? std::vector<int32_t>{t, t + 1, t + 2}
+                                         : std::vector<int32_t>{t});
+    }
+    auto out = DecodeStep(*model_, batch, toks);
+    ASSERT_TRUE(out.ok()) << out.status();
+    ASSERT_EQ(out->size(), lengths.size());
+    for (size_t b = 0; b < lengths.size(); ++b) {
+      std::vector<float> want;
+      for (int32_t t : toks[b]) {
+        auto r = model_->Decode(*alone[b], t);
+        ASSERT_TRUE(r.ok()) << r.status();
+        want.insert(want.end(), r->logits.begin(), r->logits.end());
+      }
+      EXPECT_EQ((*out)[b].logits, want) << "step " << step << ", sequence of " << lengths[b];
+    }
+  }
+}
+
 // A decode step's batch shares one forward (Model::ExtendBatch). A sequence that fails inside it
 // (here its own KV pool is full, so its next compressed block cannot be allocated) fails alone,
 // with ResourceExhausted named for it; its neighbour's logits equal its own decode at every step.
