@@ -356,26 +356,25 @@ class Backend {
                                          const float* keys, int64_t n, int64_t dim, int64_t rows,
                                          const int64_t* valid, float* score) = 0;
   // IndexerScoresPaged: IndexerScoresRows with each row's keys read from a paged stream of
-  //   packed rows (as UnpackRows, below): key t of row r is stream row first[r] + t, for
-  //   t < valid[r]. So rows of different sequences (each its own first page in one page table)
-  //   score in one call, and no unpacked copy of the keys is made. first, valid [rows].
+  //   packed rows of its own (as UnpackRows, below, reads one): key t of row r is row t of the
+  //   stream whose page table is tables[r], rows_per_page[r] rows a page, for t < valid[r]. So
+  //   rows of different sequences (and of different key sources) score in one call, straight
+  //   from the pool's blocks. tables, rows_per_page, valid [rows] in backend memory.
   virtual absl::Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                                          const uint8_t* const* pages, int64_t rows_per_page,
-                                          const int64_t* first, const int64_t* valid, int64_t n,
-                                          int64_t dim, int64_t rows, float* score) = 0;
+                                          const uint8_t* const* const* tables,
+                                          const int64_t* rows_per_page, const int64_t* valid,
+                                          int64_t n, int64_t dim, int64_t rows, float* score) = 0;
   // CandidateMaskRows: mask row r [n] = CandidateMask(score row r, cols[r], block, visible[r],
   //   keep_blocks), then 0 for cols[r] <= t < n (cols [rows], 0 <= cols[r] <= n, or null: n).
   //   score [rows, n], mask [rows, n].
   virtual absl::Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t block,
                                          const int64_t* visible, const int64_t* cols,
                                          int64_t keep_blocks, uint8_t* mask) = 0;
-  // SelectTopKRows: out row r [k] = SelectTopK(score row r, n, k, visible[r], offset +
-  //   row_offset[r]) (row_offset [rows], or null: 0), where a mask, when given
-  //   ([rows, mask_cols]), first sets score -inf at t >= mask_cols or !mask[r, t] (as
-  //   MaskScores; score itself is not written). k <= n.
+  // SelectTopKRows: out row r [k] = SelectTopK(score row r, n, k, visible[r], offset), where a
+  //   mask, when given ([rows, mask_cols]), first sets score -inf at t >= mask_cols or
+  //   !mask[r, t] (as MaskScores; score itself is not written). k <= n.
   virtual absl::Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                                      const int64_t* visible, int64_t offset,
-                                      const int64_t* row_offset, const uint8_t* mask,
+                                      const int64_t* visible, int64_t offset, const uint8_t* mask,
                                       int64_t mask_cols, int32_t* out) = 0;
 
   // ---- mHC (MODEL.md §3), `rows` independent rows ----
@@ -490,6 +489,14 @@ class Backend {
   virtual absl::Status UnpackRows(RowCodec codec, const uint8_t* const* pages,
                                   int64_t rows_per_page, int64_t dim, const int32_t* rows,
                                   int64_t first, int64_t n, float* out) = 0;
+  // GatherRows: UnpackRows over many streams, per_table listed rows each: out[i, :] = the
+  // values of row rows[i] + first of the stream whose page table is tables[i / per_table]
+  // (rows_per_page[i / per_table] rows a page); a negative row leaves out[i, :] as it is (the
+  // top-k rows of a batched step's sequences, each over its own KV source, in one call). tables,
+  // rows_per_page [ceil(n / per_table)] in backend memory. Exact.
+  virtual absl::Status GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                                  const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                                  const int32_t* rows, int64_t first, int64_t n, float* out) = 0;
 
   // The top-k part of a call's attention lists, built on the backend (the lists then need no
   // round trip through the host): list[r * list_len + offset + j] = -1 when topk[r * k + j] < 0,
@@ -611,6 +618,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "Embed",
     "PackRows",
     "UnpackRows",
+    "GatherRows",
     "TopKSlots",
     "DigestBlocks",
     "BlocksEqual",

@@ -19,10 +19,10 @@ namespace {
 
 using std::vector;
 
-// Several streams' blocks in one page table, so that one backend call reads rows of many
-// sequences: each block as rows_per_block / page_rows pages of page_rows rows, page_rows the
-// greatest common divisor of the streams' rows per block (the pages are addresses: any such
-// split reads the same bytes).
+// Several streams' blocks in one page table, so that one PackRows writes rows of many
+// sequences (Model::StepAppend): each block as rows_per_block / page_rows pages of page_rows rows,
+// page_rows the greatest common divisor of the streams' rows per block (the pages are addresses:
+// any such split writes the same bytes).
 struct JoinedPages {
   kernels::RowCodec codec = kernels::RowCodec::kF32;
   int64_t dim = 0, row_bytes = 0, page_rows = 0;
@@ -45,30 +45,15 @@ struct JoinedPages {
     }
     return page_rows > 0;
   }
-  // Puts s's blocks at stream row `first` (a multiple of page_rows); false when that overlaps
-  // pages already placed.
-  bool Place(const KvRows& s, int64_t first) {
-    if (first < 0 || first % page_rows != 0) return false;
-    const auto at = static_cast<size_t>(first / page_rows);
-    const size_t per = static_cast<size_t>(s.rows_per_block() / page_rows);
-    const size_t end = at + s.blocks().size() * per;
-    if (pages.size() < end) pages.resize(end, nullptr);
-    for (size_t p = at; p < end; ++p) {
-      if (pages[p] != nullptr) return false;
-    }
-    size_t p = at;
-    for (const KvPool::Block& b : s.blocks()) {
-      for (size_t i = 0; i < per; ++i) {
-        pages[p++] = b.data + static_cast<int64_t>(i) * page_rows * row_bytes;
-      }
-    }
-    return true;
-  }
-  // Puts s's blocks after those placed; returns its first row.
-  int64_t Append(const KvRows& s) {
+  // Appends s's blocks from its block holding row `row` on; returns where `row` is in the table.
+  int64_t Append(const KvRows& s, int64_t row) {
     const auto first = static_cast<int64_t>(pages.size()) * page_rows;
-    Place(s, first);
-    return first;
+    const int64_t rpb = s.rows_per_block();
+    for (size_t b = static_cast<size_t>(row / rpb); b < s.blocks().size(); ++b) {
+      for (int64_t p = 0; p < rpb; p += page_rows)
+        pages.push_back(s.blocks()[b].data + p * row_bytes);
+    }
+    return first + row % rpb;
   }
   int64_t rows() const { return static_cast<int64_t>(pages.size()) * page_rows; }
 };
@@ -361,15 +346,14 @@ absl::Status Model::StepAppend(int l, const float* latents, const float* keys,
       continue;
     }
     in[b] = 1;
-    const int64_t kv0 = kvs.Append(s.kv) + s.kv.rows(), key0 = ks.Append(s.keys) + s.keys.rows();
+    // Only the blocks the entries go to (those Reserve holds).
+    const int64_t kv0 = kvs.Append(s.kv, s.kv.rows()), key0 = ks.Append(s.keys, s.keys.rows());
     for (int64_t j = 0; j < count[b]; ++j) {
       kv_rows.push_back(static_cast<int32_t>(kv0 + j));
       key_rows.push_back(static_cast<int32_t>(key0 + j));
     }
   }
   if (kv_rows.empty()) return absl::OkStatus();
-  if (std::max(kvs.rows(), ks.rows()) > std::numeric_limits<int32_t>::max())
-    return absl::InternalError("step append: more pool rows than a row list holds");
   const auto n = static_cast<int64_t>(kv_rows.size());
   vector<int32_t> rows = std::move(kv_rows);
   rows.insert(rows.end(), key_rows.begin(), key_rows.end());
@@ -506,14 +490,19 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
   const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
   indexed.assign(seqs.size(), 0);
   if (ratio <= 0 || !role.is_index_source) return absl::OkStatus();
-  // What Attention's indexer would do for each sequence: its key count nk and k, and per row its
-  // key source (the reference's stale keys), the keys it scores and the keys it sees.
-  struct Plan {
-    int64_t nk = 0, k = 0;
-    vector<int> keysrc;
+  // What Attention's indexer would do for each sequence (its key count nk and k), and per row:
+  // its key source (the reference's stale keys), whose page table it reads, the keys it scores
+  // and the keys it sees.
+  struct Run {
+    int64_t b0 = 0, b1 = 0, row0 = 0, rows = 0, g0 = 0, k = 0, width = 0;
+    const uint8_t* mask = nullptr;
+    int64_t mask_cols = 0;
   };
-  vector<Plan> plan(seqs.size());
-  vector<const KvRows*> key_streams, kv_streams;
+  vector<Run> runs;
+  vector<int64_t> nks(seqs.size(), 0), rpp, valid, visible, cols;
+  vector<const uint8_t* const*> tables;
+  bool codec_known = false;
+  kernels::RowCodec codec = kernels::RowCodec::kF32;
   for (int64_t b = 0; b < B; ++b) {
     const StepSequence& q = seqs[b];
     if (!q.status->ok()) continue;
@@ -526,79 +515,62 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
     if (nk <= 0 || k <= 0) continue;
     const int call_keysrc =
         options_.stale_index_keys ? state.published_keys : role.index_key_source;
-    vector<int> keysrc(static_cast<size_t>(call.rows));
-    bool known = true;
-    for (int64_t i = 0; i < call.rows; ++i) {
-      keysrc[i] = options_.stale_index_keys && call.per_row_keys
-                      ? DecodeKeySource(l, call.start_pos + i, call)
-                      : call_keysrc;
-      known = known && state.sources.count(keysrc[i]) > 0;
+    const auto at = tables.size();
+    bool fits = true;
+    for (int64_t i = 0; i < call.rows && fits; ++i) {
+      const int64_t pos = call.start_pos + i, vis = (pos + 1) / ratio;
+      const int ks = options_.stale_index_keys && call.per_row_keys ? DecodeKeySource(l, pos, call)
+                                                                    : call_keysrc;
+      auto it = state.sources.find(ks);
+      if (it == state.sources.end()) {
+        fits = false;
+        break;
+      }
+      const KvRows& keys = it->second.keys;
+      const kernels::RowCodec kc = KvRowCodec(keys.format());
+      fits = keys.dim() == ihd && (!codec_known || kc == codec);
+      codec = kc;
+      codec_known = true;
+      absl::StatusOr<uint8_t* const*> pages = keys.Pages();
+      if (!pages.ok()) return pages.status();
+      tables.push_back(*pages);
+      rpp.push_back(keys.rows_per_block());
+      valid.push_back(std::max<int64_t>(0, std::min({nk, it->second.n, vis})));
+      visible.push_back(vis);
+      cols.push_back(nk);
     }
-    if (!known) continue;
-    for (int s : keysrc) key_streams.push_back(&state.sources.at(s).keys);
-    kv_streams.push_back(&src->second.kv);
-    plan[b] = Plan{nk, k, std::move(keysrc)};
-  }
-  JoinedPages keys, kvs;
-  if (key_streams.empty() || !keys.Layout(key_streams) || !kvs.Layout(kv_streams))
-    return absl::OkStatus();
-  // Per planned row, in step order: its keys' first row, the keys it scores, the keys it sees,
-  // its sequence's key count, and its KV source's first row (SelectTopKRows' row offset).
-  struct Run {
-    int64_t b0 = 0, b1 = 0, row0 = 0, rows = 0, g0 = 0, k = 0, width = 0;
-    const uint8_t* mask = nullptr;
-    int64_t mask_cols = 0;
-  };
-  vector<Run> runs;
-  vector<int64_t> first, valid, visible, cols, row_offset, kv_first(seqs.size(), -1);
-  for (int64_t b = 0; b < B; ++b) {
-    const Plan& p = plan[b];
-    if (p.k == 0) continue;
-    const StepSequence& q = seqs[b];
-    const Call& call = *q.call;
-    const SequenceState& state = *q.state;
-    std::map<int, int64_t> key_first;
-    for (int s : p.keysrc) {
-      if (!key_first.count(s)) key_first[s] = keys.Append(state.sources.at(s).keys);
+    if (!fits) {  // Attention scores this sequence itself
+      for (auto* v : {&rpp, &valid, &visible, &cols}) v->resize(at);
+      tables.resize(at);
+      continue;
     }
-    kv_first[b] = kvs.Append(state.sources.at(role.kv_source).kv);
+    nks[b] = nk;
     const bool masked = role.uses_candidates && call.cand_cols > 0;
     Run* run = runs.empty() ? nullptr : &runs.back();
     const bool joins =
-        run != nullptr && run->b1 == b && run->k == p.k && (run->mask != nullptr) == masked &&
+        run != nullptr && run->b1 == b && run->k == k && (run->mask != nullptr) == masked &&
         (!masked ||
          (call.cand_cols == run->mask_cols && call.cand == run->mask + run->rows * run->mask_cols));
     if (!joins) {
-      runs.push_back(Run{b, b, q.row0, 0, static_cast<int64_t>(first.size()), p.k, 0,
+      runs.push_back(Run{b, b, q.row0, 0, static_cast<int64_t>(at), k, 0,
                          masked ? call.cand : nullptr, masked ? call.cand_cols : 0});
       run = &runs.back();
     }
     run->b1 = b + 1;
     run->rows += call.rows;
-    run->width = std::max(run->width, p.nk);
-    for (int64_t i = 0; i < call.rows; ++i) {
-      const int64_t pos = call.start_pos + i, vis = (pos + 1) / ratio;
-      const SequenceState::Source& ks = state.sources.at(p.keysrc[i]);
-      first.push_back(key_first[p.keysrc[i]]);
-      valid.push_back(std::max<int64_t>(0, std::min({p.nk, ks.n, vis})));
-      visible.push_back(vis);
-      cols.push_back(p.nk);
-      row_offset.push_back(kv_first[b]);
-    }
+    run->width = std::max(run->width, nk);
   }
-  // The top-k holds KV rows of the joined table as int32.
-  if (kvs.rows() > std::numeric_limits<int32_t>::max()) return absl::OkStatus();
-  const auto G = static_cast<int64_t>(first.size());
+  if (runs.empty()) return absl::OkStatus();
+  const auto G = static_cast<int64_t>(tables.size());
   vector<int64_t> values;
-  for (const vector<int64_t>* v : {&first, &valid, &visible, &cols, &row_offset})
+  for (const vector<int64_t>* v : {&rpp, &valid, &visible, &cols})
     values.insert(values.end(), v->begin(), v->end());
   Scratch ws(backend_, scratch_pool_.get());
   ASSIGN_OR_RETURN(const int64_t* dev, ws.Copy(values));
-  const int64_t *first_dev = dev, *valid_dev = dev + G, *visible_dev = dev + 2 * G,
-                *cols_dev = dev + 3 * G, *offset_dev = dev + 4 * G;
-  ASSIGN_OR_RETURN(uint8_t* const* key_pages, ws.Copy(keys.pages));
-  // The top-k (and the candidate masks) outlive the layer: in the calls' scratch, shared by the
-  // step's calls.
+  const int64_t *rpp_dev = dev, *valid_dev = dev + G, *visible_dev = dev + 2 * G,
+                *cols_dev = dev + 3 * G;
+  ASSIGN_OR_RETURN(const uint8_t* const* const* tables_dev, ws.Copy(tables));
+  // The top-k (and the candidate masks) outlive the layer: in the calls' scratch (the step's).
   Scratch& kept = *seqs[runs.front().b0].call->scratch;
   int64_t topk_rows = 0;
   for (const Run& run : runs) topk_rows += run.rows * run.k;
@@ -614,16 +586,16 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
     ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(cr * n));
     for (int64_t r0 = 0; r0 < run.rows; r0 += cr) {
       const int64_t m = std::min(cr, run.rows - r0), g = run.g0 + r0, row = run.row0 + r0;
-      RETURN_IF_ERROR(backend_.IndexerScoresPaged(
-          a.qi + row * nI * ihd, a.w + row * nI, static_cast<int>(nI), keys.codec, key_pages,
-          keys.page_rows, first_dev + g, valid_dev + g, n, ihd, m, score));
+      RETURN_IF_ERROR(backend_.IndexerScoresPaged(a.qi + row * nI * ihd, a.w + row * nI,
+                                                  static_cast<int>(nI), codec, tables_dev + g,
+                                                  rpp_dev + g, valid_dev + g, n, ihd, m, score));
       if (cand != nullptr) {
         RETURN_IF_ERROR(backend_.CandidateMaskRows(score, m, n, c.candidate_block_size,
                                                    visible_dev + g, cols_dev + g,
                                                    c.candidate_topk_blocks, cand + r0 * n));
       }
       RETURN_IF_ERROR(
-          backend_.SelectTopKRows(score, m, n, run.k, visible_dev + g, 0, offset_dev + g,
+          backend_.SelectTopKRows(score, m, n, run.k, visible_dev + g, 0,
                                   run.mask != nullptr ? run.mask + r0 * run.mask_cols : nullptr,
                                   run.mask_cols, topk + r0 * run.k));
     }
@@ -633,7 +605,7 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
       call.topk_k = run.k;
       call.topk.assign(call.rows * run.k, -1);
       call.topk_dev = topk + at * run.k;
-      call.topk_key_offset = kv_first[b];
+      call.topk_batched = true;
       if (cand != nullptr) {
         call.cand = cand + at * n;
         call.cand_cols = n;
@@ -646,60 +618,68 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
   return absl::OkStatus();
 }
 
-absl::Status Model::StepGather(Scratch& ws, int l, std::span<StepSequence> seqs,
-                               const vector<char>& indexed, StepKv* kv,
-                               vector<int64_t>& ext_rows) const {
+absl::Status Model::StepGather(int l, std::span<StepSequence> seqs, const vector<char>& indexed,
+                               StepKv* kv, vector<int64_t>& ext_rows) const {
   const LayerRole& role = roles_[l];
   const int ratio = role.compress_ratio;
   const auto B = static_cast<int64_t>(seqs.size());
   const int64_t hd = config_.head_dim;
   ext_rows.assign(seqs.size(), -1);
   if (ratio <= 0 || kv == nullptr) return absl::OkStatus();
-  // The sequences whose top-k reads the joined table, each source where the top-k expects it.
+  // The sequences whose top-k StepIndexer made (at an index source: now), each over its source.
   vector<const KvRows*> streams(seqs.size(), nullptr);
   for (int64_t b = 0; b < B; ++b) {
     const StepSequence& q = seqs[b];
     const Call& call = *q.call;
-    if (!q.status->ok() || call.topk_key_offset < 0 || call.topk_dev == nullptr ||
-        call.topk_k <= 0 || (role.is_index_source && !indexed[b]))
+    if (!q.status->ok() || !call.topk_batched || call.topk_dev == nullptr || call.topk_k <= 0 ||
+        (role.is_index_source && !indexed[b]))
       continue;
     auto src = q.state->sources.find(role.kv_source);
     if (src == q.state->sources.end()) continue;
     if (std::min<int64_t>((call.start_pos + call.rows) / ratio, src->second.n) <= 0) continue;
     streams[b] = &src->second.kv;
   }
-  vector<const KvRows*> present;
-  for (const KvRows* s : streams) {
-    if (s != nullptr) present.push_back(s);
-  }
-  JoinedPages table;
-  if (present.empty() || !table.Layout(present)) return absl::OkStatus();
+  // Runs of consecutive sequences whose top-k rows lie one after another, of one codec and k:
+  // one GatherRows each, a page table per row (the entries are the keys themselves).
+  vector<const uint8_t* const*> tables;
+  vector<int64_t> rpp;
+  struct Run {
+    int64_t b0, b1, rows, k, g0;
+  };
+  vector<Run> runs;
   for (int64_t b = 0; b < B; ++b) {
-    if (streams[b] != nullptr && !table.Place(*streams[b], seqs[b].call->topk_key_offset))
-      streams[b] = nullptr;  // its own gather (Attention)
+    if (streams[b] == nullptr) continue;
+    const Call& call = *seqs[b].call;
+    const kernels::RowCodec codec = KvRowCodec(streams[b]->format());
+    Run* run = runs.empty() ? nullptr : &runs.back();
+    const Call* head = run != nullptr ? seqs[run->b0].call : nullptr;
+    if (run == nullptr || run->b1 != b || call.topk_k != run->k ||
+        call.topk_dev != head->topk_dev + run->rows * run->k ||
+        codec != KvRowCodec(streams[run->b0]->format()) || streams[b]->dim() != hd) {
+      if (streams[b]->dim() != hd) continue;
+      runs.push_back(Run{b, b, 0, call.topk_k, static_cast<int64_t>(rpp.size())});
+      run = &runs.back();
+    }
+    ASSIGN_OR_RETURN(uint8_t* const* pages, streams[b]->Pages());
+    for (int64_t i = 0; i < call.rows; ++i) {
+      tables.push_back(pages);
+      rpp.push_back(streams[b]->rows_per_block());
+    }
+    run->b1 = b + 1;
+    run->rows += call.rows;
   }
-  ASSIGN_OR_RETURN(uint8_t* const* pages, ws.Copy(table.pages));
-  // Runs of consecutive sequences whose top-k rows lie one after another: one gather each.
-  for (int64_t b0 = 0; b0 < B;) {
-    if (streams[b0] == nullptr) {
-      ++b0;
-      continue;
-    }
-    const Call& head = *seqs[b0].call;
-    const int64_t k = head.topk_k;
-    int64_t rows = head.rows, b1 = b0 + 1;
-    for (; b1 < B && streams[b1] != nullptr; ++b1) {
-      const Call& call = *seqs[b1].call;
-      if (call.topk_k != k || call.topk_dev != head.topk_dev + rows * k) break;
-      rows += call.rows;
-    }
-    RETURN_IF_ERROR(backend_.UnpackRows(table.codec, pages, table.page_rows, hd, head.topk_dev, 0,
-                                        rows * k, kv->ext + kv->ext_used * hd));
-    for (int64_t b = b0; b < b1; ++b) {
+  if (runs.empty()) return absl::OkStatus();
+  Scratch local(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const uint8_t* const* const* tables_dev, local.Copy(tables));
+  ASSIGN_OR_RETURN(const int64_t* rpp_dev, local.Copy(rpp));
+  for (const Run& run : runs) {
+    RETURN_IF_ERROR(backend_.GatherRows(KvRowCodec(streams[run.b0]->format()), tables_dev + run.g0,
+                                        rpp_dev + run.g0, run.k, hd, seqs[run.b0].call->topk_dev, 0,
+                                        run.rows * run.k, kv->ext + kv->ext_used * hd));
+    for (int64_t b = run.b0; b < run.b1; ++b) {
       ext_rows[b] = kv->ext_used;
-      kv->ext_used += seqs[b].call->rows * k;
+      kv->ext_used += seqs[b].call->rows * run.k;
     }
-    b0 = b1;
   }
   return absl::OkStatus();
 }
@@ -737,7 +717,7 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
     RETURN_IF_ERROR(StepRings(ws, l, /*read=*/true, a.kv, seqs, shared));
     if (compressed) RETURN_IF_ERROR(StepCompress(ws, l, a, seqs));
     if (indexer) RETURN_IF_ERROR(StepIndexer(l, a, seqs, indexed));
-    RETURN_IF_ERROR(StepGather(ws, l, seqs, indexed, shared, ext_rows));
+    RETURN_IF_ERROR(StepGather(l, seqs, indexed, shared, ext_rows));
   }
   // Each sequence's own part; with `shared`, its lists' layout, then every list's window part
   // in one copy, each top-k part over it, and runs of consecutive sequences whose lists have the

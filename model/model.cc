@@ -369,10 +369,12 @@ absl::Status Model::ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_
     return absl::OutOfRangeError(absl::StrCat("indexer: ", n, " keys of ", held, " in the blocks"));
   }
   ASSIGN_OR_RETURN(uint8_t* const* pages, keys.Pages());
-  ASSIGN_OR_RETURN(const int64_t* first_valid, ws.Copy(std::vector<int64_t>{0, n}));
-  return backend_.IndexerScoresPaged(q, w, heads, KvRowCodec(keys.format()), pages,
-                                     keys.rows_per_block(), first_valid, first_valid + 1, n, ihd, 1,
-                                     score);
+  const uint8_t* const* table = pages;
+  ASSIGN_OR_RETURN(const uint8_t* const* const* tables, ws.Copy(&table, 1));
+  ASSIGN_OR_RETURN(const int64_t* rpp_valid,
+                   ws.Copy(std::vector<int64_t>{keys.rows_per_block(), n}));
+  return backend_.IndexerScoresPaged(q, w, heads, KvRowCodec(keys.format()), tables, rpp_valid,
+                                     rpp_valid + 1, n, ihd, 1, score);
 }
 
 absl::StatusOr<const float*> Model::UnpackKeys(Scratch& ws, const KvRows& keys, int layer,
@@ -499,7 +501,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       call.topk_k = k;
       call.topk.assign(S * k, -1);
       call.topk_dev = nullptr;
-      call.topk_key_offset = -1;
+      call.topk_batched = false;
       if (nk > 0) {
         const int call_keysrc =
             options_.stale_index_keys ? state.published_keys : role.index_key_source;
@@ -565,7 +567,6 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
             }
             const bool masked = role.uses_candidates && call.cand_cols > 0;
             RETURN_IF_ERROR(backend_.SelectTopKRows(score, n, nk, k, visible_dev + r0, win_rows,
-                                                    nullptr,
                                                     masked ? cand + r0 * call.cand_cols : nullptr,
                                                     masked ? call.cand_cols : 0, topk + r0 * k));
           }
@@ -663,8 +664,8 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       ASSIGN_OR_RETURN(kv_sel, ws.Alloc<float>(S * k * hd));
     }
     if (kv_sel != nullptr) {
-      const int64_t key_offset = call.topk_key_offset >= 0 ? call.topk_key_offset : win_rows;
-      RETURN_IF_ERROR(src->kv.GatherTo(call.topk_dev, S * k, kv_sel, -key_offset));
+      RETURN_IF_ERROR(
+          src->kv.GatherTo(call.topk_dev, S * k, kv_sel, call.topk_batched ? 0 : -win_rows));
     }
     args.kv_ext = step != nullptr ? step->ext : kv_sel;
     args.kv_ext_start = step != nullptr ? step->kv_ext_start : win_rows;

@@ -389,11 +389,9 @@ class Model {
     // The same in `scratch`, for calls of at most device_list_rows rows: their lists are
     // completed and gathered on the backend.
     int32_t* topk_dev = nullptr;
-    // -1: topk_dev's entries are key + the window rows (SelectTopK's offset), as `topk`'s;
-    // else key + topk_key_offset (a batched step's selection, StepIndexer: the key's row in a
-    // page table of the step's sequences' KV sources, where the sequence's source starts at row
-    // topk_key_offset).
-    int64_t topk_key_offset = -1;
+    // topk_dev holds the keys themselves (a batched step's selection, Model::StepIndexer), not
+    // key + the window rows (SelectTopK's offset, as `topk`).
+    bool topk_batched = false;
     // Uploaded once per call into `scratch` and shared by its layers: the rows' positions, and
     // for calls of at most device_list_rows rows the window part of the attention lists (top-k
     // part -1) by (list length, window floor).
@@ -652,10 +650,10 @@ class Model {
                                  const float* kv, const float* score,
                                  const std::vector<int64_t>& pos) const;
   // Indexer scores of one query row against keys [0, n) of a source, read through the pool:
-  // single-row calls unpack the keys a few blocks at a time into a small scratch (cache-resident);
-  // multi-row calls unpack once per call, into `unpacked[layer]`, the `available` keys (the most
-  // any row of the call scores). The scores do not depend on the chunking (each key's score is
-  // computed on its own).
+  // single-row calls score straight from the pool's blocks (IndexerScoresPaged: no unpacked
+  // copy, one call); multi-row calls unpack once per call, into `unpacked[layer]`, the
+  // `available` keys (the most any row of the call scores). The scores do not depend on how the
+  // keys are read (each key's score is computed on its own).
   using UnpackedKeys = std::map<int, std::pair<const float*, int64_t>>;
   absl::Status ScoreKeys(Scratch& ws, const KvRows& keys, int layer, int64_t rows, const float* q,
                          const float* w, int heads, int64_t n, int64_t available, float* score,
@@ -713,23 +711,23 @@ class Model {
   absl::Status PoolSingleRows(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
                               float* latents, std::vector<int64_t>& gpos,
                               std::vector<int64_t>& first, std::vector<int64_t>& count) const;
-  // Layer l's indexer (an index source) for the sequences of a shared step whose keys and KV
-  // can be read through one page table each (the same codec and dim): runs of consecutive
-  // sequences with the same k (and the same candidate mask layout) score, mask and select in a
-  // fixed number of calls per kIndexerScoresPerCall scores (IndexerScoresPaged,
-  // CandidateMaskRows, SelectTopKRows), each row over its own keys and as wide as the run's
-  // widest (the extra keys score -inf and are never picked: the same top-k and mask as a call of
-  // its own). The top-k stays in the call's scratch (Call::topk_key_offset says how it reads);
-  // indexed[b] says which sequences it did (Attention does the others).
+  // Layer l's indexer (an index source) for the sequences of a shared step whose index keys
+  // have one codec: runs of consecutive sequences with the same k (and the same candidate mask
+  // layout) score, mask and select in a fixed number of calls per kIndexerScoresPerCall scores
+  // (IndexerScoresPaged straight from each row's own key source, CandidateMaskRows,
+  // SelectTopKRows), each row over its own keys and as wide as the run's widest (the extra keys
+  // score -inf and are never picked, the candidate mask keeps each row's width: the same top-k
+  // and mask as a call of its own). The top-k stays in the calls' scratch (Call::topk_batched:
+  // it holds the keys); indexed[b] says which sequences it did (Attention does the others).
   absl::Status StepIndexer(int l, const StepArrays& a, std::span<StepSequence> seqs,
                            std::vector<char>& indexed) const;
   // Layer l's top-k entries (a compressed layer) of the sequences whose top-k StepIndexer made
   // (at an index source: those indexed now), gathered from their KV sources into kv->ext in one
-  // UnpackRows per run of consecutive sequences with the same k; ext_rows[b] is sequence b's
-  // first row there (-1: Attention gathers its own).
-  absl::Status StepGather(Scratch& ws, int l, std::span<StepSequence> seqs,
-                          const std::vector<char>& indexed, StepKv* kv,
-                          std::vector<int64_t>& ext_rows) const;
+  // GatherRows per run of consecutive sequences with the same k and codec (a page table per
+  // row: each sequence's own, as KvRows keeps it); ext_rows[b] is sequence b's first row there
+  // (-1: Attention gathers its own).
+  absl::Status StepGather(int l, std::span<StepSequence> seqs, const std::vector<char>& indexed,
+                          StepKv* kv, std::vector<int64_t>& ext_rows) const;
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;

@@ -326,13 +326,13 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
   Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                            const uint8_t* const* pages, int64_t rows_per_page,
-                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
-                            int64_t rows, float* score) override {
+                            const uint8_t* const* const* tables, const int64_t* rows_per_page,
+                            const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
+                            float* score) override {
     EPD_CHECK_OPERANDS("IndexerScoresPaged", {{"q", q},
                                               {"w", w},
-                                              {"pages", pages},
-                                              {"first", first},
+                                              {"tables", tables},
+                                              {"rows_per_page", rows_per_page},
                                               {"valid", valid},
                                               {"score", score}});
     if (heads < 0 || n < 0 || dim < 0 || rows < 0)
@@ -342,29 +342,27 @@ class CpuBackend final : public Backend {
         return Bad("IndexerScoresPaged",
                    absl::StrCat("row ", r, " scores ", valid[r], " keys, not in [0, ", n, "]"));
       }
-      if (valid[r] > 0 && first[r] < 0)
-        return Bad("IndexerScoresPaged", absl::StrCat("row ", r, " starts at row ", first[r]));
-      if (Status s = PagedProblem("IndexerScoresPaged", codec, valid[r], dim, pages, rows_per_page,
-                                  nullptr, first[r], /*skip_negative=*/false);
+      if (Status s = TableProblem("IndexerScoresPaged", tables[r]); !s.ok()) return s;
+      if (Status s = PagedProblem("IndexerScoresPaged", codec, valid[r], dim, tables[r],
+                                  rows_per_page[r], nullptr, 0, /*skip_negative=*/false);
           !s.ok()) {
         return s;
       }
     }
     ScopedScalarKernels s(!options_.simd);
-    // Keys unpacked a chunk at a time (whole pages, about 2048 keys: cache-resident), each scored
-    // as IndexerScores scores it (a key's score does not depend on the others).
-    const int64_t rb = RowCodecBytes(codec, dim);
-    int64_t chunk = rows_per_page;
-    while (chunk < 2048 || chunk % 8 != 0) chunk += rows_per_page;
-    std::vector<float> keys(static_cast<size_t>(std::min(chunk, n) * dim));
+    // Keys unpacked a chunk at a time (about 2048 keys, a multiple of 8: cache-resident), each
+    // scored as IndexerScores scores it (a key's score does not depend on the others).
+    const int64_t rb = RowCodecBytes(codec, dim), chunk = std::min<int64_t>(2048, n);
+    std::vector<float> keys(static_cast<size_t>(chunk * dim));
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = score + r * n;
+      const uint8_t* const* pages = tables[r];
+      const int64_t rpp = rows_per_page[r];
       for (int64_t t0 = 0; t0 < valid[r]; t0 += chunk) {
         const int64_t cnt = std::min(chunk, valid[r] - t0);
         for (int64_t i = 0; i < cnt; ++i) {
-          const int64_t row = first[r] + t0 + i;
-          format::UnpackRow(codec, pages[row / rows_per_page] + (row % rows_per_page) * rb, dim,
-                            keys.data() + i * dim);
+          const int64_t t = t0 + i;
+          format::UnpackRow(codec, pages[t / rpp] + (t % rpp) * rb, dim, keys.data() + i * dim);
         }
         cpu::IndexerScores(q + r * heads * dim, w + r * heads, heads, keys.data(), cnt, dim,
                            sr + t0);
@@ -393,13 +391,10 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
-                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
-    EPD_CHECK_OPERANDS("SelectTopKRows", {{"score", score},
-                                          {"visible", visible},
-                                          {"row_offset", row_offset},
-                                          {"mask", mask},
-                                          {"out", out}});
+                        const int64_t* visible, int64_t offset, const uint8_t* mask,
+                        int64_t mask_cols, int32_t* out) override {
+    EPD_CHECK_OPERANDS("SelectTopKRows",
+                       {{"score", score}, {"visible", visible}, {"mask", mask}, {"out", out}});
     if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
     if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     std::vector<float> row(static_cast<size_t>(n));
@@ -411,8 +406,7 @@ class CpuBackend final : public Backend {
           if (t >= mask_cols || !mr[t]) row[t] = -INFINITY;
         }
       }
-      SelectTopKRow(row.data(), n, k, visible[r], offset + (row_offset ? row_offset[r] : 0),
-                    out + r * k);
+      SelectTopKRow(row.data(), n, k, visible[r], offset, out + r * k);
     }
     return OkStatus();
   }
@@ -758,6 +752,32 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
 
+  Status GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                    const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                    const int32_t* rows, int64_t first, int64_t n, float* out) override {
+    EPD_CHECK_OPERANDS(
+        "GatherRows",
+        {{"tables", tables}, {"rows_per_page", rows_per_page}, {"rows", rows}, {"out", out}});
+    if (per_table <= 0 || n < 0) return Bad("GatherRows", "non-positive rows per table");
+    for (int64_t g = 0; g * per_table < n; ++g) {
+      const int64_t m = std::min(per_table, n - g * per_table);
+      if (Status s = TableProblem("GatherRows", tables[g]); !s.ok()) return s;
+      if (Status s = PagedProblem("GatherRows", codec, m, dim, tables[g], rows_per_page[g],
+                                  rows + g * per_table, first, /*skip_negative=*/true);
+          !s.ok()) {
+        return s;
+      }
+    }
+    const int64_t rb = RowCodecBytes(codec, dim);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = rows[i] + first;
+      if (r < 0) continue;  // a skipped slot (a top-k's -1): out row i stays as it is
+      const int64_t rpp = rows_per_page[i / per_table];
+      format::UnpackRow(codec, tables[i / per_table][r / rpp] + (r % rpp) * rb, dim, out + i * dim);
+    }
+    return OkStatus();
+  }
+
   Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
                    int32_t* list, int64_t list_len, int64_t offset) override {
     EPD_CHECK_OPERANDS("TopKSlots", {{"topk", topk}, {"list", list}});
@@ -912,6 +932,15 @@ class CpuBackend final : public Backend {
         return absl::InternalError(absl::StrCat("cpu backend: ", op, ": the page of row ", r,
                                                 " is not memory of this backend"));
       }
+    }
+    return OkStatus();
+  }
+  // A page table of a multi-stream op: backend memory (checked like an operand).
+  Status TableProblem(const char* op, const uint8_t* const* table) {
+    if (table == nullptr) return Bad(op, "a null page table");
+    if (allocations_ != nullptr && !allocations_->Contains(table)) {
+      return absl::InternalError(
+          absl::StrCat("cpu backend: ", op, ": a page table is not memory of this backend"));
     }
     return OkStatus();
   }

@@ -193,20 +193,19 @@ class RecordingBackend final : public Backend {
     });
   }
   Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                            const uint8_t* const* pages, int64_t rows_per_page,
-                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
-                            int64_t rows, float* score) override {
+                            const uint8_t* const* const* tables, const int64_t* rows_per_page,
+                            const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
+                            float* score) override {
     return Do("IndexerScoresPaged", [=, this] {
-      return in_->IndexerScoresPaged(q, w, heads, codec, pages, rows_per_page, first, valid, n, dim,
-                                     rows, score);
+      return in_->IndexerScoresPaged(q, w, heads, codec, tables, rows_per_page, valid, n, dim, rows,
+                                     score);
     });
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
-                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
+                        const int64_t* visible, int64_t offset, const uint8_t* mask,
+                        int64_t mask_cols, int32_t* out) override {
     return Do("SelectTopKRows", [=, this] {
-      return in_->SelectTopKRows(score, rows, n, k, visible, offset, row_offset, mask, mask_cols,
-                                 out);
+      return in_->SelectTopKRows(score, rows, n, k, visible, offset, mask, mask_cols, out);
     });
   }
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
@@ -305,6 +304,13 @@ class RecordingBackend final : public Backend {
                     const int32_t* rows, int64_t first, int64_t n, float* out) override {
     return Do("UnpackRows", [=, this] {
       return in_->UnpackRows(codec, pages, rows_per_page, dim, rows, first, n, out);
+    });
+  }
+  Status GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                    const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                    const int32_t* rows, int64_t first, int64_t n, float* out) override {
+    return Do("GatherRows", [=, this] {
+      return in_->GatherRows(codec, tables, rows_per_page, per_table, dim, rows, first, n, out);
     });
   }
   Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,

@@ -172,22 +172,22 @@ __global__ void CompressPoolKernel(const float* kv_all, const float* score_all, 
   out[ch] = RoundBf16(acc);
 }
 
-// Where IndexerScoresKernel's keys are: an array [n, dim] (keys), else a paged stream of packed
-// rows whose key t of query row r is stream row first[r] + t (decoded as UnpackRows does).
+// Where IndexerScoresKernel's keys are: an array [n, dim] (keys), else per query row r a paged
+// stream of packed rows (page table tables[r], rows_per_page[r] rows a page) whose row t is key
+// t, decoded as UnpackRows decodes it.
 struct IndexKeys {
   const float* keys = nullptr;
   RowCodec codec = RowCodec::kF32;
-  const uint8_t* const* pages = nullptr;
-  int64_t rows_per_page = 1, row_bytes = 0;
-  const int64_t* first = nullptr;
+  const uint8_t* const* const* tables = nullptr;
+  const int64_t* rows_per_page = nullptr;
+  int64_t row_bytes = 0;
 };
 
 __device__ __forceinline__ float KeyElement(const IndexKeys& k, int64_t r, int64_t t, int64_t i,
                                             int64_t dim) {
   if (k.keys != nullptr) return k.keys[t * dim + i];
-  const int64_t row = k.first[r] + t;
-  return row_codec::UnpackElement(
-      k.codec, k.pages[row / k.rows_per_page] + (row % k.rows_per_page) * k.row_bytes, dim, i);
+  const int64_t rpp = k.rows_per_page[r];
+  return row_codec::UnpackElement(k.codec, k.tables[r][t / rpp] + (t % rpp) * k.row_bytes, dim, i);
 }
 
 // ops.cc IndexerScores over a tile of 32 keys, for query row blockIdx.y (q [rows, heads, dim],
@@ -336,14 +336,13 @@ cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const f
 }
 
 cudaError_t IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                               const uint8_t* const* pages, int64_t rows_per_page,
-                               const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
-                               int64_t rows, float* score, cudaStream_t stream) {
+                               const uint8_t* const* const* tables, const int64_t* rows_per_page,
+                               const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
+                               float* score, cudaStream_t stream) {
   const IndexKeys keys{.codec = codec,
-                       .pages = pages,
+                       .tables = tables,
                        .rows_per_page = rows_per_page,
-                       .row_bytes = row_codec::RowBytes(codec, dim),
-                       .first = first};
+                       .row_bytes = row_codec::RowBytes(codec, dim)};
   return LaunchIndexerScores(q, w, heads, keys, n, dim, rows, valid, score, stream);
 }
 

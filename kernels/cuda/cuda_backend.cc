@@ -517,20 +517,18 @@ class CudaBackend final : public Backend {
     });
   }
   Status IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                            const uint8_t* const* pages, int64_t rows_per_page,
-                            const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
-                            int64_t rows, float* score) override {
+                            const uint8_t* const* const* tables, const int64_t* rows_per_page,
+                            const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
+                            float* score) override {
     if (heads < 0 || n < 0 || dim < 0 || rows < 0)
       return Bad("IndexerScoresPaged", "negative shape");
-    if (Status s = PagedProblem("IndexerScoresPaged", codec, 0, dim, rows_per_page, nullptr, 0,
-                                /*skip_negative=*/true);
-        !s.ok())
-      return s;
+    if (std::string why = RowCodecProblem(codec, dim); !why.empty())
+      return Bad("IndexerScoresPaged", why);
     if (rows > kMaxGridY)
       return Bad("IndexerScoresPaged", absl::StrCat(rows, " rows > ", kMaxGridY));
     return Run("IndexerScoresPaged", [&] {
-      return cuda::IndexerScoresPaged(q, w, heads, codec, pages, rows_per_page, first, valid, n,
-                                      dim, rows, score, streams_[0]);
+      return cuda::IndexerScoresPaged(q, w, heads, codec, tables, rows_per_page, valid, n, dim,
+                                      rows, score, streams_[0]);
     });
   }
   Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
@@ -552,8 +550,8 @@ class CudaBackend final : public Backend {
     });
   }
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                        const int64_t* visible, int64_t offset, const int64_t* row_offset,
-                        const uint8_t* mask, int64_t mask_cols, int32_t* out) override {
+                        const int64_t* visible, int64_t offset, const uint8_t* mask,
+                        int64_t mask_cols, int32_t* out) override {
     if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
     if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     if (rows * n > kMaxTopK)
@@ -564,8 +562,8 @@ class CudaBackend final : public Backend {
     auto scratch = Scratch("SelectTopKRows", bytes);
     if (!scratch.ok()) return scratch.status();
     return Run("SelectTopKRows", [&] {
-      return cuda::SelectTopKRows(score, rows, n, k, visible, offset, row_offset, mask, mask_cols,
-                                  out, *scratch, bytes, streams_[0]);
+      return cuda::SelectTopKRows(score, rows, n, k, visible, offset, mask, mask_cols, out,
+                                  *scratch, bytes, streams_[0]);
     });
   }
 
@@ -760,6 +758,17 @@ class CudaBackend final : public Backend {
       return s;
     return Run("UnpackRows", [&] {
       return cuda::UnpackRows(codec, pages, rows_per_page, dim, rows, first, n, out, streams_[0]);
+    });
+  }
+
+  Status GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                    const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                    const int32_t* rows, int64_t first, int64_t n, float* out) override {
+    if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad("GatherRows", why);
+    if (per_table <= 0 || n < 0) return Bad("GatherRows", "non-positive rows per table");
+    return Run("GatherRows", [&] {
+      return cuda::GatherRows(codec, tables, rows_per_page, per_table, dim, rows, first, n, out,
+                              streams_[0]);
     });
   }
 

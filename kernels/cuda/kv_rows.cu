@@ -46,6 +46,20 @@ __global__ void UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, in
   out[e] = row_codec::UnpackElement(codec, in, dim, d);
 }
 
+// UnpackRowsKernel over many streams: element (i, d) reads stream i / per_table.
+__global__ void GatherRowsKernel(RowCodec codec, const uint8_t* const* const* tables,
+                                 const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                                 const int32_t* rows, int64_t first, int64_t n, float* out) {
+  const int64_t e = Tid();
+  if (e >= n * dim) return;
+  const int64_t i = e / dim, d = e % dim;
+  const int64_t r = rows[i] + first;
+  if (r < 0) return;  // a skipped slot: out row i stays as it is
+  const int64_t g = i / per_table, rpp = rows_per_page[g];
+  const uint8_t* in = tables[g][r / rpp] + (r % rpp) * row_codec::RowBytes(codec, dim);
+  out[e] = row_codec::UnpackElement(codec, in, dim, d);
+}
+
 // cpu_backend.cc TopKSlots: one thread per (row, slot).
 __global__ void TopKSlotsKernel(const int32_t* topk, int64_t rows, int64_t k, int64_t base,
                                 bool per_slot, int32_t* list, int64_t list_len, int64_t offset) {
@@ -142,6 +156,16 @@ cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows
   if (n * dim <= 0) return cudaSuccess;
   UnpackRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(codec, pages, rows_per_page, dim,
                                                               rows, first, n, out);
+  return cudaGetLastError();
+}
+
+cudaError_t GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                       const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                       const int32_t* rows, int64_t first, int64_t n, float* out,
+                       cudaStream_t stream) {
+  if (n * dim <= 0) return cudaSuccess;
+  GatherRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(codec, tables, rows_per_page,
+                                                              per_table, dim, rows, first, n, out);
   return cudaGetLastError();
 }
 

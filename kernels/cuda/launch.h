@@ -132,9 +132,9 @@ cudaError_t IndexerScoresRows(const float* q, const float* w, int heads, const f
 // Backend::IndexerScoresPaged (the keys decoded from the pages as UnpackRows decodes them);
 // rows <= 65535.
 cudaError_t IndexerScoresPaged(const float* q, const float* w, int heads, RowCodec codec,
-                               const uint8_t* const* pages, int64_t rows_per_page,
-                               const int64_t* first, const int64_t* valid, int64_t n, int64_t dim,
-                               int64_t rows, float* score, cudaStream_t stream);
+                               const uint8_t* const* const* tables, const int64_t* rows_per_page,
+                               const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
+                               float* score, cudaStream_t stream);
 
 // ---- Selection (select.cu) ----
 // Scratch bytes StableTopK / SelectTopK need for n values.
@@ -158,9 +158,9 @@ cudaError_t CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64
                               cudaStream_t stream);
 size_t SelectTopKRowsScratchBytes(int64_t rows, int64_t n, int64_t k);
 cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                           const int64_t* visible, int64_t offset, const int64_t* row_offset,
-                           const uint8_t* mask, int64_t mask_cols, int32_t* out, void* scratch,
-                           size_t scratch_bytes, cudaStream_t stream);
+                           const int64_t* visible, int64_t offset, const uint8_t* mask,
+                           int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
+                           cudaStream_t stream);
 // Scratch bytes MoeRoute needs.
 size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
 cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
@@ -200,6 +200,10 @@ cudaError_t PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uin
                      cudaStream_t stream);
 cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
                        int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out,
+                       cudaStream_t stream);
+cudaError_t GatherRows(RowCodec codec, const uint8_t* const* const* tables,
+                       const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                       const int32_t* rows, int64_t first, int64_t n, float* out,
                        cudaStream_t stream);
 cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
                       int32_t* list, int64_t list_len, int64_t offset, cudaStream_t stream);

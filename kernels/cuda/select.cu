@@ -123,14 +123,11 @@ __global__ void TopKTakeRowsKernel(const uint64_t* sorted, int64_t rows, int64_t
 }
 
 __global__ void SelectOutRowsKernel(const uint32_t* sel, int64_t rows, int64_t k,
-                                    const int64_t* visible, int64_t offset,
-                                    const int64_t* row_offset, int32_t* out) {
+                                    const int64_t* visible, int64_t offset, int32_t* out) {
   const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (j >= rows * k) return;
-  const int64_t s = sel[j], r = j / k;
-  out[j] = s >= visible[r]
-               ? -1
-               : static_cast<int32_t>(s + offset + (row_offset != nullptr ? row_offset[r] : 0));
+  const int64_t s = sel[j];
+  out[j] = s >= visible[j / k] ? -1 : static_cast<int32_t>(s + offset);
 }
 
 // Sorts each row's keys of v [rows, n] (masked) into layout.keys_out, row by row.
@@ -871,9 +868,9 @@ size_t SelectTopKRowsScratchBytes(int64_t rows, int64_t n, int64_t k) {
 }
 
 cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
-                           const int64_t* visible, int64_t offset, const int64_t* row_offset,
-                           const uint8_t* mask, int64_t mask_cols, int32_t* out, void* scratch,
-                           size_t scratch_bytes, cudaStream_t stream) {
+                           const int64_t* visible, int64_t offset, const uint8_t* mask,
+                           int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
+                           cudaStream_t stream) {
   if (k <= 0 || rows <= 0) return cudaSuccess;
   const RowsTopKLayout l(rows, n, k);
   if (scratch_bytes < l.total) return cudaErrorInvalidValue;
@@ -895,7 +892,7 @@ cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t 
       static_cast<const int*>(off_k + 1), 0, 32, stream);
   if (rc != cudaSuccess) return rc;
   SelectOutRowsKernel<<<GridFor(rows * k), kThreads, 0, stream>>>(sel_out, rows, k, visible, offset,
-                                                                  row_offset, out);
+                                                                  out);
   return cudaGetLastError();
 }
 

@@ -960,32 +960,29 @@ PARITY_CASE(SelectTopKRows) {
   const auto score = Tied(env.rng, rows * n);
   const auto mask = Bytes(env.rng, rows * mask_cols, 0, 1);
   const std::vector<int64_t> visible = {450, 0, 500, 64, 1, 300};
-  // Each row's own offset on top of the call's (rows of different sequences in one page table).
-  const std::vector<int64_t> row_offset = {0, 7, 500, 123456, 3, 64};
   for (bool with_mask : {false, true}) {
     std::vector<std::vector<int32_t>> res;
     for (Side* s : {&env.ref, &env.cand}) {
       const float* ps = s->In(score);
       const uint8_t* pm = with_mask ? s->In(mask) : nullptr;
       int32_t* out = s->Out<int32_t>(rows * k);
-      EXPECT_OP_OK(*s, s->b().SelectTopKRows(ps, rows, n, k, s->In(visible), 1000,
-                                             s->In(row_offset), pm, mask_cols, out));
+      EXPECT_OP_OK(*s,
+                   s->b().SelectTopKRows(ps, rows, n, k, s->In(visible), 1000, pm, mask_cols, out));
       std::vector<int32_t> one_by_one;
       for (int64_t r = 0; r < rows; ++r) {
         float* row = s->In(std::vector<float>(score.begin() + r * n, score.begin() + (r + 1) * n));
         if (pm != nullptr)
           EXPECT_OP_OK(*s, s->b().MaskScores(row, n, n, pm + r * mask_cols, mask_cols));
         int32_t* o = s->Out<int32_t>(k);
-        EXPECT_OP_OK(*s, s->b().SelectTopK(row, n, k, visible[r], 1000 + row_offset[r], o));
+        EXPECT_OP_OK(*s, s->b().SelectTopK(row, n, k, visible[r], 1000, o));
         const std::vector<int32_t> got = s->Read(o, k);
         one_by_one.insert(one_by_one.end(), got.begin(), got.end());
       }
       // The scores are not written.
       EXPECT_EQ(s->Read(ps, rows * n), score) << s->name();
-      EXPECT_EQ(s->b()
-                    .SelectTopKRows(ps, rows, n, n + 1, s->In(visible), 0, nullptr, nullptr, 0, out)
-                    .code(),
-                absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(
+          s->b().SelectTopKRows(ps, rows, n, n + 1, s->In(visible), 0, nullptr, 0, out).code(),
+          absl::StatusCode::kInvalidArgument);
       res.push_back(s->Read(out, rows * k));
       CompareExact(res.back(), one_by_one, s->name() + ": rows vs one row at a time");
     }
@@ -1536,45 +1533,75 @@ PARITY_CASE(UnpackRows) {
   }
 }
 
-PARITY_CASE(IndexerScoresPaged) {
-  // Tolerance: exact (IndexerScores of each row's keys as UnpackRows decodes them, then -inf past
-  // the row's valid keys). Rows of two "sequences" in one page table, starting at different pages
-  // and mid-page, one scoring no key; index-key and f32 pages.
-  const int heads = 6;
-  const int64_t dim = 64, rpp = 16, pages_n = 6, rows = 4, n = 50;
-  const std::vector<int64_t> first = {0, 32, 48, 19}, valid = {40, 0, 48, 33};
-  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
-  for (const RowCodec codec : {RowCodec::kIndexKey, RowCodec::kF32}) {
-    const int64_t rb = RowCodecBytes(codec, dim);
-    std::vector<std::vector<uint8_t>> bytes(pages_n);
-    for (auto& page : bytes) {
-      for (int64_t r = 0; r < rpp; ++r) {
-        std::vector<uint8_t> row;
-        if (codec == RowCodec::kIndexKey) {
-          row = Bytes(env.rng, dim / 2);
-          auto sc = Bytes(env.rng, dim / 32, 120, 130);
+// Pages of valid rows of `codec` at `dim` (no NaN scales): `pages` pages of `rpp` rows.
+std::vector<std::vector<uint8_t>> ValidPages(std::mt19937& rng, RowCodec codec, int64_t dim,
+                                             int64_t pages, int64_t rpp) {
+  const int64_t rb = RowCodecBytes(codec, dim);
+  std::vector<std::vector<uint8_t>> out(pages);
+  for (auto& page : out) {
+    for (int64_t r = 0; r < rpp; ++r) {
+      std::vector<uint8_t> row;
+      switch (codec) {
+        case RowCodec::kKvEntry: {
+          row = Bytes(rng, dim / 2);
+          auto sc = Fp8Codes(rng, dim / 16);
+          for (auto& c : sc) c &= 0x7f;  // positive scales
           row.insert(row.end(), sc.begin(), sc.end());
-        } else {
-          auto v = Bf16(env.rng, dim);
+          break;
+        }
+        case RowCodec::kIndexKey:
+        case RowCodec::kSwaSlot: {
+          row = codec == RowCodec::kIndexKey ? Bytes(rng, dim / 2) : Fp8Codes(rng, dim);
+          auto sc = Bytes(rng, dim / 32, 120, 130);
+          row.insert(row.end(), sc.begin(), sc.end());
+          break;
+        }
+        case RowCodec::kF32: {
+          auto v = Bf16(rng, dim);
           row.resize(rb);
           std::memcpy(row.data(), v.data(), static_cast<size_t>(rb));
+          break;
         }
-        page.insert(page.end(), row.begin(), row.end());
       }
+      page.insert(page.end(), row.begin(), row.end());
     }
+  }
+  return out;
+}
+
+PARITY_CASE(IndexerScoresPaged) {
+  // Tolerance: exact (IndexerScores of each row's keys as UnpackRows decodes them, then -inf past
+  // the row's valid keys). Rows over two streams of different page sizes (two sequences, or two
+  // key sources), one row scoring no key; index-key and f32 pages.
+  const int heads = 6;
+  const int64_t dim = 64, rows = 4, n = 50;
+  const int64_t rpp[2] = {16, 8}, pages_n[2] = {4, 7};
+  const std::vector<int> stream = {0, 1, 0, 1};
+  const std::vector<int64_t> valid = {40, 0, 50, 33};
+  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
+  for (const RowCodec codec : {RowCodec::kIndexKey, RowCodec::kF32}) {
+    const std::vector<std::vector<uint8_t>> bytes[2] = {
+        ValidPages(env.rng, codec, dim, pages_n[0], rpp[0]),
+        ValidPages(env.rng, codec, dim, pages_n[1], rpp[1])};
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
-      std::vector<uint8_t*> pages;
-      uint8_t* const* table = PagesOn(*s, bytes, pages);
+      std::vector<uint8_t*> pages[2];
+      uint8_t* const* table[2] = {PagesOn(*s, bytes[0], pages[0]), PagesOn(*s, bytes[1], pages[1])};
+      std::vector<const uint8_t* const*> tables;
+      std::vector<int64_t> row_rpp;
+      for (int st : stream) {
+        tables.push_back(table[st]);
+        row_rpp.push_back(rpp[st]);
+      }
       const float *pq = s->In(q), *pw = s->In(w);
       float* out = s->Out<float>(rows * n);
-      EXPECT_OP_OK(*s, s->b().IndexerScoresPaged(pq, pw, heads, codec, table, rpp, s->In(first),
-                                                 s->In(valid), n, dim, rows, out));
+      EXPECT_OP_OK(*s, s->b().IndexerScoresPaged(pq, pw, heads, codec, s->In(tables),
+                                                 s->In(row_rpp), s->In(valid), n, dim, rows, out));
       std::vector<float> one_by_one;
       for (int64_t r = 0; r < rows; ++r) {
         float* keys = s->Out<float>(std::max<int64_t>(1, valid[r]) * dim);
-        EXPECT_OP_OK(*s,
-                     s->b().UnpackRows(codec, table, rpp, dim, nullptr, first[r], valid[r], keys));
+        EXPECT_OP_OK(*s, s->b().UnpackRows(codec, table[stream[r]], rpp[stream[r]], dim, nullptr, 0,
+                                           valid[r], keys));
         float* o = s->Out<float>(n);
         EXPECT_OP_OK(*s, s->b().IndexerScores(pq + r * heads * dim, pw + r * heads, heads, keys,
                                               valid[r], dim, o));
@@ -1591,18 +1618,62 @@ PARITY_CASE(IndexerScoresPaged) {
   }
   // A row that asks for more keys than the scores hold is refused by the CPU backend.
   std::vector<uint8_t*> pages;
-  uint8_t* const* table = PagesOn(
-      env.ref,
-      std::vector<std::vector<uint8_t>>(
-          pages_n, std::vector<uint8_t>(rpp * RowCodecBytes(RowCodec::kIndexKey, dim), 0x11)),
-      pages);
-  EXPECT_EQ(
-      env.ref.b()
-          .IndexerScoresPaged(env.ref.In(q), env.ref.In(w), heads, RowCodec::kIndexKey, table, rpp,
-                              env.ref.In(first), env.ref.In(std::vector<int64_t>{1, 2, 51, 3}), n,
-                              dim, rows, env.ref.Out<float>(rows * n))
-          .code(),
-      absl::StatusCode::kInvalidArgument);
+  uint8_t* const* table =
+      PagesOn(env.ref, ValidPages(env.rng, RowCodec::kIndexKey, dim, pages_n[0], rpp[0]), pages);
+  const std::vector<const uint8_t* const*> tables(rows, table);
+  EXPECT_EQ(env.ref.b()
+                .IndexerScoresPaged(env.ref.In(q), env.ref.In(w), heads, RowCodec::kIndexKey,
+                                    env.ref.In(tables), env.ref.In(std::vector<int64_t>(rows, 16)),
+                                    env.ref.In(std::vector<int64_t>{1, 2, 51, 3}), n, dim, rows,
+                                    env.ref.Out<float>(rows * n))
+                .code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
+PARITY_CASE(GatherRows) {
+  // Tolerance: exact (UnpackRows of each group's rows from its own stream). Two streams of
+  // different page sizes, three rows per table (the last group short), read at an offset of -2
+  // with top-k -1s (a row below 0 leaves its output row as it was: the poison).
+  const int64_t per_table = 3;
+  const int64_t rpp[2] = {4, 2}, pages_n[2] = {3, 5};
+  const std::vector<int32_t> rows = {-1, 5, 13, 3, 2, -1, 9, 11, 4, 7, 2};
+  const std::vector<int> stream = {0, 1, 0, 1};
+  const auto n = static_cast<int64_t>(rows.size());
+  for (const PagedCodec& pc : kPagedCodecs) {
+    const std::vector<std::vector<uint8_t>> bytes[2] = {
+        ValidPages(env.rng, pc.codec, pc.dim, pages_n[0], rpp[0]),
+        ValidPages(env.rng, pc.codec, pc.dim, pages_n[1], rpp[1])};
+    std::vector<std::vector<float>> res;
+    for (Side* s : {&env.ref, &env.cand}) {
+      std::vector<uint8_t*> pages[2];
+      uint8_t* const* table[2] = {PagesOn(*s, bytes[0], pages[0]), PagesOn(*s, bytes[1], pages[1])};
+      std::vector<const uint8_t* const*> tables;
+      std::vector<int64_t> table_rpp;
+      for (int st : stream) {
+        tables.push_back(table[st]);
+        table_rpp.push_back(rpp[st]);
+      }
+      const int32_t* listed = s->In(rows);
+      float* out = s->Out<float>(n * pc.dim);
+      EXPECT_OP_OK(*s, s->b().GatherRows(pc.codec, s->In(tables), s->In(table_rpp), per_table,
+                                         pc.dim, listed, -2, n, out));
+      const std::vector<float> got = s->Read(out, n * pc.dim);
+      res.push_back(got);
+      EXPECT_EQ(Bits(got[0]), Bits(Side::Poison<float>())) << s->name() << ": a -1 was read";
+      std::vector<float> one_by_one;
+      for (int64_t g = 0; g * per_table < n; ++g) {
+        const int64_t m = std::min(per_table, n - g * per_table);
+        float* one = s->Out<float>(m * pc.dim);
+        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table[stream[g]], rpp[stream[g]], pc.dim,
+                                           listed + g * per_table, -2, m, one));
+        const std::vector<float> part = s->Read(one, m * pc.dim);
+        one_by_one.insert(one_by_one.end(), part.begin(), part.end());
+      }
+      Compare(env, got, one_by_one, Tol::Exact(),
+              s->name() + " " + pc.name + ": vs each stream's UnpackRows");
+    }
+    Compare(env, res[0], res[1], Tol::Exact(), std::string(pc.name) + " gathered");
+  }
 }
 
 PARITY_CASE(TopKSlots) {
