@@ -55,7 +55,6 @@ struct JoinedPages {
     }
     return first + row % rpb;
   }
-  int64_t rows() const { return static_cast<int64_t>(pages.size()) * page_rows; }
 };
 
 }  // namespace
@@ -499,7 +498,7 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
     int64_t mask_cols = 0;
   };
   vector<Run> runs;
-  vector<int64_t> nks(seqs.size(), 0), rpp, valid, visible, cols;
+  vector<int64_t> rpp, valid, visible, cols;
   vector<const uint8_t* const*> tables;
   bool codec_known = false;
   kernels::RowCodec codec = kernels::RowCodec::kF32;
@@ -529,6 +528,7 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
       const KvRows& keys = it->second.keys;
       const kernels::RowCodec kc = KvRowCodec(keys.format());
       fits = keys.dim() == ihd && (!codec_known || kc == codec);
+      if (!fits) break;
       codec = kc;
       codec_known = true;
       absl::StatusOr<uint8_t* const*> pages = keys.Pages();
@@ -544,7 +544,6 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
       tables.resize(at);
       continue;
     }
-    nks[b] = nk;
     const bool masked = role.uses_candidates && call.cand_cols > 0;
     Run* run = runs.empty() ? nullptr : &runs.back();
     const bool joins =

@@ -4,7 +4,9 @@
 // - attention: decode sparse attention (Backend::SparseAttention, the release config's 64 heads x
 //   512 dims, one KV head; a list of 128 window + 512 selected entries per row) over a KV of
 //   64K..1M rows, and the indexer scoring (Backend::IndexerScores, 32 heads x 128 dims) over the
-//   context / 4 compressed keys of a ratio-4 layer: bytes read / time against 4.8 TB/s.
+//   context / 4 compressed keys of a ratio-4 layer, unpacked (IndexerScores) and straight from
+//   the pool's packed pages for 1 and 32 rows (IndexerScoresPaged, a decode step's path): bytes
+//   read / time against 4.8 TB/s.
 // - fp8_gemm: Backend::LinearQuant on packed FP8 (and FP4 experts) weights of the release
 //   config's shapes: 2*M*N*K / time against 1,979 TFLOPS, and weight bytes / time against
 //   4.8 TB/s.
@@ -124,6 +126,37 @@ void Attention(Backend& b, bool quick) {
         "ratio=%.4f (of 4.8 TB/s)\n",
         static_cast<long long>(ctx), static_cast<long long>(n), index_heads, index_dim, s * 1e6,
         bytes / s / 1e12, bytes / s / kHbmBytesPerS);
+    // What a decode step runs: the same scores straight from the pool's packed index keys
+    // (Backend::IndexerScoresPaged, 68 bytes a key in 64-row pages), for 1 and 32 query rows
+    // (each its own sequence's keys: the bytes read grow with the rows).
+    const auto codec = epd::kernels::RowCodec::kIndexKey;
+    const int64_t rb = epd::kernels::RowCodecBytes(codec, index_dim), rpp = 64;
+    for (int64_t rows : {int64_t{1}, int64_t{32}}) {
+      // The keys are not initialised (timing only). Row r reads stream r.
+      Buffer packed = Upload(b, nullptr, rows * n * rb);
+      std::vector<uint8_t*> pages(static_cast<size_t>(rows * (n / rpp)));
+      for (size_t p = 0; p < pages.size(); ++p)
+        pages[p] = packed.as<uint8_t>() + static_cast<int64_t>(p) * rpp * rb;
+      Buffer pb = Upload(b, pages.data(), static_cast<int64_t>(pages.size() * sizeof(uint8_t*)));
+      std::vector<const uint8_t* const*> tables;
+      for (int64_t r = 0; r < rows; ++r) tables.push_back(pb.as<uint8_t*>() + r * (n / rpp));
+      std::vector<int64_t> row_rpp(rows, rpp), valid(rows, n);
+      std::vector<float> qr(rows * index_heads * index_dim, 0.01f), wr(rows * index_heads, 1.f);
+      Buffer tb = Upload(b, tables.data(), rows * 8), rb_rpp = Upload(b, row_rpp.data(), rows * 8),
+             vb = Upload(b, valid.data(), rows * 8), qrb = Upload(b, qr.data(), qr.size() * 4),
+             wrb = Upload(b, wr.data(), wr.size() * 4), scr = Upload(b, nullptr, rows * n * 4);
+      const double sp = Time(b, quick ? 5 : 20, [&] {
+        return b.IndexerScoresPaged(qrb.as<float>(), wrb.as<float>(), index_heads, codec,
+                                    tb.as<const uint8_t* const* const>(), rb_rpp.as<int64_t>(),
+                                    vb.as<int64_t>(), n, index_dim, rows, scr.as<float>());
+      });
+      const double pbytes = rows * (n * static_cast<double>(rb) + n * 4.0);
+      std::printf(
+          "BENCH attention indexer_paged ctx=%lld keys=%lld rows=%lld heads=%d dim=%d  %.1f us  "
+          "%.3f TB/s  ratio=%.4f (of 4.8 TB/s)\n",
+          static_cast<long long>(ctx), static_cast<long long>(n), static_cast<long long>(rows),
+          index_heads, index_dim, sp * 1e6, pbytes / sp / 1e12, pbytes / sp / kHbmBytesPerS);
+    }
   }
 }
 

@@ -1557,9 +1557,9 @@ std::vector<std::vector<uint8_t>> ValidPages(std::mt19937& rng, RowCodec codec, 
           break;
         }
         case RowCodec::kF32: {
-          auto v = Bf16(rng, dim);
-          row.resize(rb);
-          std::memcpy(row.data(), v.data(), static_cast<size_t>(rb));
+          const auto v = Bf16(rng, dim);
+          const auto* bytes = reinterpret_cast<const uint8_t*>(v.data());
+          row.assign(bytes, bytes + rb);
           break;
         }
       }
