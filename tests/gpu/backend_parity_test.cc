@@ -1569,6 +1569,25 @@ std::vector<std::vector<uint8_t>> ValidPages(std::mt19937& rng, RowCodec codec, 
   return out;
 }
 
+// Two paged streams on a side (bytes[i]: the pages of stream i, rpp[i] rows each), and for each
+// entry of `stream` its stream's page table and page size: a multi-stream op's arguments.
+struct TwoStreams {
+  std::vector<uint8_t*> pages[2];
+  uint8_t* const* table[2] = {nullptr, nullptr};
+  std::vector<const uint8_t* const*> tables;
+  std::vector<int64_t> rows_per_page;
+};
+TwoStreams StreamsOn(Side& s, const std::vector<std::vector<uint8_t>> (&bytes)[2],
+                     const int64_t (&rpp)[2], const std::vector<int>& stream) {
+  TwoStreams t;
+  for (int i = 0; i < 2; ++i) t.table[i] = PagesOn(s, bytes[i], t.pages[i]);
+  for (int st : stream) {
+    t.tables.push_back(t.table[st]);
+    t.rows_per_page.push_back(rpp[st]);
+  }
+  return t;
+}
+
 PARITY_CASE(IndexerScoresPaged) {
   // Tolerance: exact (IndexerScores of each row's keys as UnpackRows decodes them, then -inf past
   // the row's valid keys). Rows over two streams of different page sizes (two sequences, or two
@@ -1585,23 +1604,17 @@ PARITY_CASE(IndexerScoresPaged) {
         ValidPages(env.rng, codec, dim, pages_n[1], rpp[1])};
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
-      std::vector<uint8_t*> pages[2];
-      uint8_t* const* table[2] = {PagesOn(*s, bytes[0], pages[0]), PagesOn(*s, bytes[1], pages[1])};
-      std::vector<const uint8_t* const*> tables;
-      std::vector<int64_t> row_rpp;
-      for (int st : stream) {
-        tables.push_back(table[st]);
-        row_rpp.push_back(rpp[st]);
-      }
+      const TwoStreams t = StreamsOn(*s, bytes, rpp, stream);
       const float *pq = s->In(q), *pw = s->In(w);
       float* out = s->Out<float>(rows * n);
-      EXPECT_OP_OK(*s, s->b().IndexerScoresPaged(pq, pw, heads, codec, s->In(tables),
-                                                 s->In(row_rpp), s->In(valid), n, dim, rows, out));
+      EXPECT_OP_OK(
+          *s, s->b().IndexerScoresPaged(pq, pw, heads, codec, s->In(t.tables),
+                                        s->In(t.rows_per_page), s->In(valid), n, dim, rows, out));
       std::vector<float> one_by_one;
       for (int64_t r = 0; r < rows; ++r) {
         float* keys = s->Out<float>(std::max<int64_t>(1, valid[r]) * dim);
-        EXPECT_OP_OK(*s, s->b().UnpackRows(codec, table[stream[r]], rpp[stream[r]], dim, nullptr, 0,
-                                           valid[r], keys));
+        EXPECT_OP_OK(*s, s->b().UnpackRows(codec, t.table[stream[r]], rpp[stream[r]], dim, nullptr,
+                                           0, valid[r], keys));
         float* o = s->Out<float>(n);
         EXPECT_OP_OK(*s, s->b().IndexerScores(pq + r * heads * dim, pw + r * heads, heads, keys,
                                               valid[r], dim, o));
@@ -1645,18 +1658,11 @@ PARITY_CASE(GatherRows) {
         ValidPages(env.rng, pc.codec, pc.dim, pages_n[1], rpp[1])};
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
-      std::vector<uint8_t*> pages[2];
-      uint8_t* const* table[2] = {PagesOn(*s, bytes[0], pages[0]), PagesOn(*s, bytes[1], pages[1])};
-      std::vector<const uint8_t* const*> tables;
-      std::vector<int64_t> table_rpp;
-      for (int st : stream) {
-        tables.push_back(table[st]);
-        table_rpp.push_back(rpp[st]);
-      }
+      const TwoStreams t = StreamsOn(*s, bytes, rpp, stream);
       const int32_t* listed = s->In(rows);
       float* out = s->Out<float>(n * pc.dim);
-      EXPECT_OP_OK(*s, s->b().GatherRows(pc.codec, s->In(tables), s->In(table_rpp), per_table,
-                                         pc.dim, listed, -2, n, out));
+      EXPECT_OP_OK(*s, s->b().GatherRows(pc.codec, s->In(t.tables), s->In(t.rows_per_page),
+                                         per_table, pc.dim, listed, -2, n, out));
       const std::vector<float> got = s->Read(out, n * pc.dim);
       res.push_back(got);
       EXPECT_EQ(Bits(got[0]), Bits(Side::Poison<float>())) << s->name() << ": a -1 was read";
@@ -1664,7 +1670,7 @@ PARITY_CASE(GatherRows) {
       for (int64_t g = 0; g * per_table < n; ++g) {
         const int64_t m = std::min(per_table, n - g * per_table);
         float* one = s->Out<float>(m * pc.dim);
-        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, table[stream[g]], rpp[stream[g]], pc.dim,
+        EXPECT_OP_OK(*s, s->b().UnpackRows(pc.codec, t.table[stream[g]], rpp[stream[g]], pc.dim,
                                            listed + g * per_table, -2, m, one));
         const std::vector<float> part = s->Read(one, m * pc.dim);
         one_by_one.insert(one_by_one.end(), part.begin(), part.end());
