@@ -342,6 +342,7 @@ class CpuBackend final : public Backend {
         return Bad("IndexerScoresPaged",
                    absl::StrCat("row ", r, " scores ", valid[r], " keys, not in [0, ", n, "]"));
       }
+      if (valid[r] == 0) continue;  // reads nothing: its table may be empty (null)
       if (Status s = TableProblem("IndexerScoresPaged", tables[r]); !s.ok()) return s;
       if (Status s = PagedProblem("IndexerScoresPaged", codec, valid[r], dim, tables[r],
                                   rows_per_page[r], nullptr, 0, /*skip_negative=*/false);
@@ -761,6 +762,9 @@ class CpuBackend final : public Backend {
     if (per_table <= 0 || n < 0) return Bad("GatherRows", "non-positive rows per table");
     for (int64_t g = 0; g * per_table < n; ++g) {
       const int64_t m = std::min(per_table, n - g * per_table);
+      if (std::all_of(rows + g * per_table, rows + g * per_table + m,
+                      [&](int32_t r) { return r + first < 0; }))
+        continue;  // reads nothing: its table may be empty (null)
       if (Status s = TableProblem("GatherRows", tables[g]); !s.ok()) return s;
       if (Status s = PagedProblem("GatherRows", codec, m, dim, tables[g], rows_per_page[g],
                                   rows + g * per_table, first, /*skip_negative=*/true);

@@ -164,7 +164,7 @@ TEST_P(StagesTest, DecodeStepBatchEqualsPerSequenceDecode) {
 // several steps: each sequence's logits equal its own decode bit for bit.
 TEST_P(StagesTest, ABatchedStepOfSequencesOfManyLengthsEqualsEachAlone) {
   std::span<const int32_t> p(prompt_);
-  const std::vector<int64_t> lengths = {9, 20, 33, 47, 90, std::min<int64_t>(P, 150), 61};
+  const std::vector<int64_t> lengths = {9, 20, 33, 47, 90, std::min<int64_t>(P, 150), 61, 1, 2};
   std::vector<std::unique_ptr<SequenceState>> batched, alone;
   std::vector<SequenceState*> batch;
   for (int64_t n : lengths) {
