@@ -509,18 +509,14 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
     const SequenceState& state = *q.state;
     auto src = state.sources.find(role.kv_source);
     if (src == state.sources.end()) continue;
-    const int64_t nk = std::min<int64_t>((call.start_pos + call.rows) / ratio, src->second.n);
+    const int64_t nk = LayerKeyCount(l, call, src->second);
     const int64_t k = std::min<int64_t>(c.index_topk, nk);
     if (nk <= 0 || k <= 0) continue;
-    const int call_keysrc =
-        options_.stale_index_keys ? state.published_keys : role.index_key_source;
     const auto at = tables.size();
     bool fits = true;
     for (int64_t i = 0; i < call.rows && fits; ++i) {
-      const int64_t pos = call.start_pos + i, vis = (pos + 1) / ratio;
-      const int ks = options_.stale_index_keys && call.per_row_keys ? DecodeKeySource(l, pos, call)
-                                                                    : call_keysrc;
-      auto it = state.sources.find(ks);
+      const RowKeys rk = IndexRowKeys(l, call, state, nk, call.start_pos + i);
+      auto it = state.sources.find(rk.source);
       if (it == state.sources.end()) {
         fits = false;
         break;
@@ -535,8 +531,8 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
       if (!pages.ok()) return pages.status();
       tables.push_back(*pages);
       rpp.push_back(keys.rows_per_block());
-      valid.push_back(std::max<int64_t>(0, std::min({nk, it->second.n, vis})));
-      visible.push_back(vis);
+      valid.push_back(rk.scored);
+      visible.push_back(rk.visible);
       cols.push_back(nk);
     }
     if (!fits) {  // Attention scores this sequence itself
@@ -634,8 +630,9 @@ absl::Status Model::StepGather(int l, std::span<StepSequence> seqs, const vector
         (role.is_index_source && !indexed[b]))
       continue;
     auto src = q.state->sources.find(role.kv_source);
-    if (src == q.state->sources.end()) continue;
-    if (std::min<int64_t>((call.start_pos + call.rows) / ratio, src->second.n) <= 0) continue;
+    if (src == q.state->sources.end() || LayerKeyCount(l, call, src->second) <= 0 ||
+        src->second.kv.dim() != hd)
+      continue;
     streams[b] = &src->second.kv;
   }
   // Runs of consecutive sequences whose top-k rows lie one after another, of one codec and k:
@@ -651,11 +648,9 @@ absl::Status Model::StepGather(int l, std::span<StepSequence> seqs, const vector
     const Call& call = *seqs[b].call;
     const kernels::RowCodec codec = KvRowCodec(streams[b]->format());
     Run* run = runs.empty() ? nullptr : &runs.back();
-    const Call* head = run != nullptr ? seqs[run->b0].call : nullptr;
     if (run == nullptr || run->b1 != b || call.topk_k != run->k ||
-        call.topk_dev != head->topk_dev + run->rows * run->k ||
-        codec != KvRowCodec(streams[run->b0]->format()) || streams[b]->dim() != hd) {
-      if (streams[b]->dim() != hd) continue;
+        call.topk_dev != seqs[run->b0].call->topk_dev + run->rows * run->k ||
+        codec != KvRowCodec(streams[run->b0]->format())) {
       runs.push_back(Run{b, b, 0, call.topk_k, static_cast<int64_t>(rpp.size())});
       run = &runs.back();
     }

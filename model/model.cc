@@ -391,6 +391,23 @@ absl::StatusOr<const float*> Model::UnpackKeys(Scratch& ws, const KvRows& keys, 
   return it->second.first;
 }
 
+int64_t Model::LayerKeyCount(int l, const Call& call, const SequenceState::Source& src) const {
+  return std::min<int64_t>((call.start_pos + call.rows) / roles_[l].compress_ratio, src.n);
+}
+
+Model::RowKeys Model::IndexRowKeys(int l, const Call& call, const SequenceState& state, int64_t nk,
+                                   int64_t pos) const {
+  RowKeys rk;
+  rk.source = !options_.stale_index_keys ? roles_[l].index_key_source
+              : call.per_row_keys        ? DecodeKeySource(l, pos, call)
+                                         : state.published_keys;
+  rk.visible = (pos + 1) / roles_[l].compress_ratio;
+  auto it = state.sources.find(rk.source);
+  if (it != state.sources.end())
+    rk.scored = std::max<int64_t>(0, std::min({nk, it->second.n, rk.visible}));
+  return rk;
+}
+
 int Model::DecodeKeySource(int l, int64_t p, const Call& call) const {
   // The reference publishes a source's index keys only in a call where its compressor emitted.
   // In a single-token call at q, source s emits iff (q + 1) % ratio_s == 0; at the call for p only
@@ -494,7 +511,7 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       state.published_keys = l;  // KV already present (replay): the layer's own keys are current
     }
     src = &state.sources.at(role.kv_source);
-    nk = std::min(nk, src->n);
+    nk = LayerKeyCount(l, call, *src);
 
     if (role.is_index_source && !(given != nullptr && given->indexed)) {
       const int64_t k = std::min<int64_t>(c.index_topk, nk);
@@ -503,8 +520,6 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
       call.topk_dev = nullptr;
       call.topk_batched = false;
       if (nk > 0) {
-        const int call_keysrc =
-            options_.stale_index_keys ? state.published_keys : role.index_key_source;
         const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
         const float* qi = given != nullptr ? given->qi : nullptr;
         const float* w = given != nullptr ? given->w : nullptr;
@@ -530,11 +545,9 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
         vector<int64_t> scored(S);
         std::map<int, int64_t> most_scored;
         for (int64_t i = 0; i < S; ++i) {
-          const int64_t visible = (pos[i] + 1) / ratio;
-          keysrc[i] = options_.stale_index_keys && call.per_row_keys
-                          ? DecodeKeySource(l, pos[i], call)
-                          : call_keysrc;
-          scored[i] = std::max<int64_t>(0, std::min({nk, state.sources.at(keysrc[i]).n, visible}));
+          const RowKeys rk = IndexRowKeys(l, call, state, nk, pos[i]);
+          keysrc[i] = rk.source;
+          scored[i] = rk.scored;
           most_scored[keysrc[i]] = std::max(most_scored[keysrc[i]], scored[i]);
         }
         const bool one_source =

@@ -616,6 +616,19 @@ class Model {
                                         const PrefillOptions& options = {},
                                         const LogitsRequest& out = {}) const;
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
+  // The compressed entries compressed layer l reads in `call` from its KV source `src`: those up
+  // to the call's end, min((start_pos + rows) / ratio, src.n).
+  int64_t LayerKeyCount(int l, const Call& call, const SequenceState::Source& src) const;
+  // What the row at position `pos` of `call` scores at index layer l, of the layer's nk keys: its
+  // key source (decode semantics, the reference's stale keys: what a single-token call at pos
+  // would read), the keys it sees ((pos + 1) / ratio) and of those the ones it scores
+  // (0 when its source holds none).
+  struct RowKeys {
+    int source = -1;
+    int64_t visible = 0, scored = 0;
+  };
+  RowKeys IndexRowKeys(int l, const Call& call, const SequenceState& state, int64_t nk,
+                       int64_t pos) const;
   bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
   absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
                                                bool all_logits, ForwardTrace* trace,

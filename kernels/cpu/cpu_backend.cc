@@ -353,18 +353,13 @@ class CpuBackend final : public Backend {
     ScopedScalarKernels s(!options_.simd);
     // Keys unpacked a chunk at a time (about 2048 keys, a multiple of 8: cache-resident), each
     // scored as IndexerScores scores it (a key's score does not depend on the others).
-    const int64_t rb = RowCodecBytes(codec, dim), chunk = std::min<int64_t>(2048, n);
+    const int64_t chunk = std::min<int64_t>(2048, n);
     std::vector<float> keys(static_cast<size_t>(chunk * dim));
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = score + r * n;
-      const uint8_t* const* pages = tables[r];
-      const int64_t rpp = rows_per_page[r];
       for (int64_t t0 = 0; t0 < valid[r]; t0 += chunk) {
         const int64_t cnt = std::min(chunk, valid[r] - t0);
-        for (int64_t i = 0; i < cnt; ++i) {
-          const int64_t t = t0 + i;
-          format::UnpackRow(codec, pages[t / rpp] + (t % rpp) * rb, dim, keys.data() + i * dim);
-        }
+        UnpackListed(codec, tables[r], rows_per_page[r], dim, nullptr, t0, cnt, keys.data());
         cpu::IndexerScores(q + r * heads * dim, w + r * heads, heads, keys.data(), cnt, dim,
                            sr + t0);
       }
@@ -743,13 +738,7 @@ class CpuBackend final : public Backend {
         !s.ok()) {
       return s;
     }
-    const int64_t rb = RowCodecBytes(codec, dim);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = (rows != nullptr ? rows[i] : i) + first;
-      if (r < 0) continue;  // a skipped slot (a top-k's -1): out row i stays as it is
-      format::UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * rb, dim,
-                        out + i * dim);
-    }
+    UnpackListed(codec, pages, rows_per_page, dim, rows, first, n, out);
     return OkStatus();
   }
 
@@ -772,12 +761,10 @@ class CpuBackend final : public Backend {
         return s;
       }
     }
-    const int64_t rb = RowCodecBytes(codec, dim);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t r = rows[i] + first;
-      if (r < 0) continue;  // a skipped slot (a top-k's -1): out row i stays as it is
-      const int64_t rpp = rows_per_page[i / per_table];
-      format::UnpackRow(codec, tables[i / per_table][r / rpp] + (r % rpp) * rb, dim, out + i * dim);
+    for (int64_t g = 0; g * per_table < n; ++g) {
+      const int64_t i = g * per_table;
+      UnpackListed(codec, tables[g], rows_per_page[g], dim, rows + i, first,
+                   std::min(per_table, n - i), out + i * dim);
     }
     return OkStatus();
   }
@@ -938,6 +925,18 @@ class CpuBackend final : public Backend {
       }
     }
     return OkStatus();
+  }
+  // UnpackRows' work once its operands are checked: out[i, :] = row (rows ? rows[i] : i) + first
+  // of the paged stream, a negative row skipped (a top-k's -1: out row i stays as it is).
+  static void UnpackListed(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
+                           int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out) {
+    const int64_t rb = RowCodecBytes(codec, dim);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t r = (rows != nullptr ? rows[i] : i) + first;
+      if (r < 0) continue;
+      format::UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * rb, dim,
+                        out + i * dim);
+    }
   }
   // A page table of a multi-stream op: backend memory (checked like an operand).
   Status TableProblem(const char* op, const uint8_t* const* table) {
