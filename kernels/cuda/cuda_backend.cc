@@ -668,7 +668,7 @@ class CudaBackend final : public Backend {
         return Bad("GroupedLinearQuant",
                    absl::StrCat("weight ", g, ": packed codes are not in device memory"));
     }
-    if (cuda::GroupedGemmRowTiles(rows, n_groups) > 65535) {
+    if (cuda::GroupedGemmGridRows(rows, n_groups) > 65535) {
       return Bad("GroupedLinearQuant",
                  absl::StrCat(rows, " rows in ", n_groups, " groups exceed the grid"));
     }

@@ -32,9 +32,10 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
                             cudaStream_t stream);
 // LinearQuant's GEMM on quantized rows: y[r, o] = bf16(sum_b Dot8(q_r, w_o)_b * s[r, b] *
 // wscale[o / block_rows, b*32 / block_cols]). `scale_codes` (E8M0 bytes) or `scale_values`
-// (floats), one of them non-null. `terms` (GemmQuantTermsBytes of device memory, or null): a
-// decode-sized call (at most 16 rows) then spreads K over the grid and adds the blocks' terms in
-// a second kernel, bit-identical to the one-kernel path.
+// (floats), one of them non-null. At most 8 rows (a decode step) take skinny tiles: a warp per
+// output reading its row's codes in coalesced 16-byte loads. `terms` (GemmQuantTermsBytes of device
+// memory, or null): 9 to 16 rows then spread K over the grid and add the blocks' terms in a second
+// kernel. Every path is bit-identical to the one-kernel path.
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
                       const uint8_t* scale_codes, const float* scale_values, int block_rows,
                       int block_cols, int64_t scale_cols, float* y, float* terms,
@@ -46,11 +47,12 @@ struct GroupWeight {
   const void* codes = nullptr;
   const uint8_t* scale_codes = nullptr;
 };
+// Whether GroupedGemmQuant takes skinny tiles of 8 rows (at most 8 rows a group on average: a
+// decode step's experts) rather than 16-row tiles through shared memory (a prefill's).
+bool GroupedGemmSkinny(int64_t rows, int n_groups);
 // Row tiles GroupedGemmQuant launches for `rows` rows in `n_groups` groups: a bound on the sum of
-// ceil(n_g / 16) (the grid's y, at most 65535).
-inline int64_t GroupedGemmRowTiles(int64_t rows, int n_groups) {
-  return (rows + 15) / 16 + n_groups;
-}
+// the groups' tiles (the grid's y, at most 65535).
+int64_t GroupedGemmGridRows(int64_t rows, int n_groups);
 // GemmQuant of packed weights by group (GroupedLinearQuant): rows starts[g] .. starts[g+1] of
 // q / s through groups[g] (device array); `w` gives the shared kind, out and in (w.data unused).
 cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const int64_t* starts,

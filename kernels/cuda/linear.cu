@@ -43,7 +43,6 @@ __global__ void QuantizeFp8Kernel(const float* x, int64_t rows, int64_t k, int64
 }
 
 constexpr int kTileO = 64, kTileR = 16, kChunk = 32, kRowsPerThread = kTileR / (kThreads / kTileO);
-static_assert(kTileR == 16, "launch.h's GroupedGemmRowTiles counts 16-row tiles");
 
 __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_t i) {
   switch (w.kind) {
@@ -117,6 +116,7 @@ __device__ __forceinline__ void GemmTile(const float* x, const float* act_scale,
 #pragma unroll
     for (int rr = 0; rr < kRowsPerThread; ++rr) {
       const int rl = rg * kRowsPerThread + rr;
+      if (r0 + rl >= rows) break;  // a tile's missing rows (a decode step's) cost nothing
       if (kQuant) {
         // Dot8 of this block (n <= 32 elements).
         const int n8 = n / 8 * 8;
@@ -240,6 +240,192 @@ __global__ void GemmSumTermsKernel(const float* terms, int64_t nb, int64_t n, fl
   y[i] = RoundBf16(acc);
 }
 
+// ---- Skinny tiles: LinearQuant of at most kSkinnyRows rows, read at the weights' bandwidth ----
+// A decode step's GEMM has a few rows, so the bytes to read are the weights', once. GemmTile reads
+// them one byte a thread and walks all of K in each block; here each warp owns one output and its
+// 32 lanes read 32 consecutive quantization blocks of that output's row (1 KiB of FP8 codes, 512 B
+// of FP4, in 16-byte loads: coalesced). The block's 8 warps share the rows' activations of those
+// blocks through shared memory. Lane L computes block b's term for every row exactly as GemmTile
+// does (the same Dot8: 8 lanes over i mod 8 in order, Tree8, the tail in order; then
+// d * act_scale * weight_scale); the terms go through shared memory and lane r adds row r's terms
+// in block order onto its running sum from +0, as GemmTile's acc does: bit-identical (-fmad=false).
+constexpr int kSkinnyRows = 8, kSkinnyWarps = kThreads / 32, kPassBlocks = 32;
+constexpr int kXsStride = kChunk + 1;  // a padded block of activations: lane L reads bank L + i
+
+struct Bytes16 {
+  uint8_t b[16];
+};
+__device__ __forceinline__ Bytes16 Load16(const uint8_t* p) {
+  Bytes16 v;
+#if defined(__CUDA_ARCH__)
+  const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+  const unsigned words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v.b[i] = static_cast<uint8_t>(words[i / 4] >> (8 * (i % 4)));
+#else
+  for (int i = 0; i < 16; ++i) v.b[i] = p[i];
+#endif
+  return v;
+}
+
+// wv[0..31] = the weight values of output o at elements c0 .. c0+n-1 (0 past n); c0 is a multiple
+// of 32. `vec`: the row's codes are 16-byte aligned and n == 32.
+__device__ __forceinline__ void LoadWeightBlock(const GemmWeight& w, int64_t o, int64_t c0, int n,
+                                                bool vec, float* wv) {
+  switch (w.kind) {
+    case WeightKind::kFp8Packed: {
+      const uint8_t* p = static_cast<const uint8_t*>(w.data) + o * w.in + c0;
+      if (vec) {
+        const Bytes16 a = Load16(p), b = Load16(p + 16);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          wv[i] = DecodeE4M3(a.b[i]);
+          wv[16 + i] = DecodeE4M3(b.b[i]);
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) wv[i] = i < n ? DecodeE4M3(p[i]) : 0.f;
+      }
+      return;
+    }
+    case WeightKind::kFp4Packed: {
+      const uint8_t* p = static_cast<const uint8_t*>(w.data) + o * (w.in / 2) + c0 / 2;
+      if (vec) {
+        const Bytes16 a = Load16(p);
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          wv[2 * i] = DecodeE2M1(static_cast<uint8_t>(a.b[i] & 0xf));
+          wv[2 * i + 1] = DecodeE2M1(static_cast<uint8_t>(a.b[i] >> 4));
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < kChunk; ++i) {
+          wv[i] = i < n ? DecodeE2M1((i & 1) ? static_cast<uint8_t>(p[i / 2] >> 4)
+                                             : static_cast<uint8_t>(p[i / 2] & 0xf))
+                        : 0.f;
+        }
+      }
+      return;
+    }
+    case WeightKind::kF32:
+    default: {
+      const float* p = static_cast<const float*>(w.data) + o * w.in + c0;
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) wv[i] = i < n ? p[i] : 0.f;
+      return;
+    }
+  }
+}
+
+// Rows 0 .. rt-1 (rt <= kSkinnyRows) of x / act_scale / y (row strides K, nb, out) through w, for
+// the block's outputs blockIdx.x * kSkinnyWarps + warp. Every thread of the block makes the same
+// barriers (a warp past the last output computes nothing and writes nothing).
+__device__ __forceinline__ void SkinnyTile(const float* x, const float* act_scale, int rt,
+                                           const GemmWeight& w, const uint8_t* scale_codes,
+                                           const float* scale_values, int block_rows,
+                                           int block_cols, int64_t scale_cols, float* y) {
+  __shared__ float xs[kSkinnyRows][kPassBlocks * kXsStride];
+  __shared__ float xsc[kSkinnyRows][kPassBlocks];
+  __shared__ float ts[kSkinnyWarps][kSkinnyRows][kPassBlocks + 1];
+  const int t = threadIdx.x, warp = t / 32, lane = t % 32;
+  const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk;
+  const int64_t o = static_cast<int64_t>(blockIdx.x) * kSkinnyWarps + warp;
+  const bool live = o < w.out;
+  const int64_t row_bytes = w.kind == WeightKind::kFp8Packed   ? K
+                            : w.kind == WeightKind::kFp4Packed ? K / 2
+                                                               : K * 4;
+  const bool aligned =
+      K % kChunk == 0 && row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  float acc = 0.f;  // lane r < rt: row r's running sum
+  for (int64_t p0 = 0; p0 < nb; p0 += kPassBlocks) {
+    const int np = static_cast<int>(nb - p0 < kPassBlocks ? nb - p0 : kPassBlocks);
+    const int64_t k0 = p0 * kChunk;
+    const int64_t kn = K - k0 < kPassBlocks * kChunk ? K - k0 : kPassBlocks * kChunk;
+    // The lane's weight block first: its loads are in flight while the block stages activations.
+    float wv[kChunk];
+    float wsc = 0.f;
+    int n = 0;
+    if (live && lane < np) {
+      const int64_t c0 = (p0 + lane) * kChunk;
+      n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
+      LoadWeightBlock(w, o, c0, n, aligned && n == kChunk, wv);
+      const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
+      wsc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
+    }
+    for (int e = t; e < rt * kPassBlocks * kChunk; e += kThreads) {
+      const int r = e / (kPassBlocks * kChunk), k = e % (kPassBlocks * kChunk);
+      xs[r][(k / kChunk) * kXsStride + k % kChunk] = k < kn ? x[r * K + k0 + k] : 0.f;
+    }
+    for (int e = t; e < rt * kPassBlocks; e += kThreads) {
+      const int r = e / kPassBlocks, b = e % kPassBlocks;
+      xsc[r][b] = b < np ? act_scale[r * nb + p0 + b] : 0.f;
+    }
+    __syncthreads();
+    const int n8 = n / 8 * 8;
+#pragma unroll 1
+    for (int r = 0; r < rt; ++r) {
+      const float* xr = &xs[r][lane * kXsStride];
+      float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int i = 0; i < kChunk; i += 8) {
+        if (i < n8) {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) l[j] += xr[i + j] * wv[i + j];
+        }
+      }
+      float d = Tree8(l);
+#pragma unroll
+      for (int i = 0; i < kChunk; ++i) {
+        if (i >= n8 && i < n) d += xr[i] * wv[i];
+      }
+      ts[warp][r][lane] = n > 0 ? d * xsc[r][lane] * wsc : 0.f;
+    }
+    __syncthreads();
+    if (lane < rt) {
+      for (int j = 0; j < np; ++j) acc += ts[warp][lane][j];
+    }
+    // The next pass writes xs after this pass's second barrier (every read of xs is before it)
+    // and ts after its own first barrier (every read of ts is before that).
+  }
+  // K == 0: no pass ran; the reference's empty dot is +0.
+  if (live && lane < rt) y[lane * w.out + o] = RoundBf16(acc);
+}
+
+__global__ void __launch_bounds__(kThreads, 3)
+    SkinnyGemmQuantKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
+                          const uint8_t* scale_codes, const float* scale_values, int block_rows,
+                          int block_cols, int64_t scale_cols, float* y) {
+  const int64_t nb = (w.in + kChunk - 1) / kChunk,
+                r0 = static_cast<int64_t>(blockIdx.y) * kSkinnyRows;
+  const int rt = static_cast<int>(rows - r0 < kSkinnyRows ? rows - r0 : kSkinnyRows);
+  SkinnyTile(x + r0 * w.in, act_scale + r0 * nb, rt, w, scale_codes, scale_values, block_rows,
+             block_cols, scale_cols, y + r0 * w.out);
+}
+
+// GroupedLinearQuant in skinny tiles: block row y is the y-th tile of kSkinnyRows rows counted over
+// the groups in order (as GroupedGemmQuantKernel's 16-row tiles).
+__global__ void __launch_bounds__(kThreads, 3)
+    SkinnyGroupedGemmQuantKernel(const float* q, const float* act_scale, const int64_t* starts,
+                                 int n_groups, const GroupWeight* groups, GemmWeight w,
+                                 int block_rows, int block_cols, int64_t scale_cols, float* y) {
+  int64_t tile = blockIdx.y;
+  int g = 0;
+  for (; g < n_groups; ++g) {
+    const int64_t n = starts[g + 1] - starts[g];
+    const int64_t tiles = (n + kSkinnyRows - 1) / kSkinnyRows;
+    if (tile < tiles) break;
+    tile -= tiles;
+  }
+  if (g == n_groups) return;  // whole blocks leave together
+  const int64_t nb = (w.in + kChunk - 1) / kChunk;
+  const int64_t at = starts[g] + tile * kSkinnyRows, n = starts[g + 1] - at;
+  GemmWeight gw = w;
+  gw.data = groups[g].codes;
+  SkinnyTile(q + at * w.in, act_scale + at * nb,
+             static_cast<int>(n < kSkinnyRows ? n : kSkinnyRows), gw, groups[g].scale_codes,
+             nullptr, block_rows, block_cols, scale_cols, y + at * w.out);
+}
+
 // GroupedLinearQuant: block row y is the y-th row tile counted over the groups in order (group g
 // has ceil(n_g / kTileR) tiles; blocks past the last tile leave). A tile never spans two groups,
 // so each output is the same thread computation as GemmKernel's for that group's rows alone.
@@ -281,8 +467,20 @@ cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, f
 
 int64_t GemmQuantTermsBytes(int64_t rows, const GemmWeight& w) {
   const int64_t nb = (w.in + kChunk - 1) / kChunk;
-  if (rows > kTileR || nb < 2 * kSplitChunks) return 0;  // GemmKernel fills the GPU, or K is short
+  // Skinny tiles, or GemmKernel fills the GPU, or K is short.
+  if (rows <= kSkinnyRows || rows > kTileR || nb < 2 * kSplitChunks) return 0;
   return nb * rows * w.out * static_cast<int64_t>(sizeof(float));
+}
+
+bool GroupedGemmSkinny(int64_t rows, int n_groups) {
+  return rows <= static_cast<int64_t>(kSkinnyRows) * n_groups;
+}
+
+int64_t GroupedGemmGridRows(int64_t rows, int n_groups) {
+  // Each group's tiles are ceil(n_g / tile) <= n_g / tile + 1 for a group with rows, and at most
+  // min(n_groups, rows) groups have rows.
+  const int64_t tile = GroupedGemmSkinny(rows, n_groups) ? kSkinnyRows : kTileR;
+  return (rows + tile - 1) / tile + (rows < n_groups ? rows : n_groups);
 }
 
 cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWeight& w,
@@ -290,6 +488,12 @@ cudaError_t GemmQuant(const float* q, const float* s, int64_t rows, const GemmWe
                       int block_cols, int64_t scale_cols, float* y, float* terms,
                       cudaStream_t stream) {
   if (rows == 0 || w.out == 0) return cudaSuccess;
+  if (rows <= kSkinnyRows) {
+    const dim3 grid(static_cast<unsigned>((w.out + kSkinnyWarps - 1) / kSkinnyWarps), 1);
+    SkinnyGemmQuantKernel<<<grid, kThreads, 0, stream>>>(q, s, rows, w, scale_codes, scale_values,
+                                                         block_rows, block_cols, scale_cols, y);
+    return cudaGetLastError();
+  }
   if (terms != nullptr && GemmQuantTermsBytes(rows, w) > 0) {
     const int64_t nb = (w.in + kChunk - 1) / kChunk;
     const dim3 grid(static_cast<unsigned>((w.out + kTileO - 1) / kTileO),
@@ -310,8 +514,14 @@ cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const
                              int block_rows, int block_cols, int64_t scale_cols, float* y,
                              cudaStream_t stream) {
   if (rows == 0 || w.out == 0 || n_groups == 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>((w.out + kTileO - 1) / kTileO),
-                  static_cast<unsigned>(GroupedGemmRowTiles(rows, n_groups)));
+  const auto grid_rows = static_cast<unsigned>(GroupedGemmGridRows(rows, n_groups));
+  if (GroupedGemmSkinny(rows, n_groups)) {
+    const dim3 grid(static_cast<unsigned>((w.out + kSkinnyWarps - 1) / kSkinnyWarps), grid_rows);
+    SkinnyGroupedGemmQuantKernel<<<grid, kThreads, 0, stream>>>(
+        q, s, starts, n_groups, groups, w, block_rows, block_cols, scale_cols, y);
+    return cudaGetLastError();
+  }
+  const dim3 grid(static_cast<unsigned>((w.out + kTileO - 1) / kTileO), grid_rows);
   GroupedGemmQuantKernel<<<grid, kThreads, 0, stream>>>(q, s, starts, n_groups, groups, w,
                                                         block_rows, block_cols, scale_cols, y);
   return cudaGetLastError();

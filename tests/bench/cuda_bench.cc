@@ -10,6 +10,9 @@
 // - fp8_gemm: Backend::LinearQuant on packed FP8 (and FP4 experts) weights of the release
 //   config's shapes: 2*M*N*K / time against 1,979 TFLOPS, and weight bytes / time against
 //   4.8 TB/s.
+// - moe_gemm: Backend::GroupedLinearQuant of the release config's FP4 expert w13 over 32 experts,
+//   a decode step's rows spread evenly (8 rows: one each for 8 experts; 224: 7 each; 896: 28
+//   each): bytes of the experts hit / time against 4.8 TB/s.
 // - launch: the host cost of one queued op (Backend::Add of one element), 10000 in a row.
 // Output: one line per measurement, `BENCH <section> <case> <value> <unit> ratio=<r>`.
 // Usage: cuda_bench [--quick]   (--quick: fewer iterations and contexts up to 256K)
@@ -188,7 +191,7 @@ void Gemm(Backend& b, bool quick) {
     for (auto& c : codes) c = static_cast<uint8_t>(rng() % 0x7e);
     w.codes = Upload(b, codes.data(), codes.size());
     w.scale_codes = Upload(b, scales.data(), scales.size());
-    for (int64_t m : {int64_t{1}, int64_t{32}, int64_t{128}, int64_t{2048}}) {
+    for (int64_t m : {int64_t{1}, int64_t{8}, int64_t{32}, int64_t{128}, int64_t{2048}}) {
       if (quick && m == 2048) continue;
       std::vector<float> x(m * sh.in, 0.5f);
       Buffer xb = Upload(b, x.data(), x.size() * 4), yb = Upload(b, nullptr, m * sh.out * 4);
@@ -203,6 +206,51 @@ void Gemm(Backend& b, bool quick) {
           static_cast<long long>(sh.in), s * 1e6, flops / s / 1e12, flops / s / kFp8DenseFlops,
           wbytes / s / 1e12, wbytes / s / kHbmBytesPerS);
     }
+  }
+}
+
+void MoeGemm(Backend& b, bool quick) {
+  constexpr int kExperts = 32;
+  epd::kernels::QuantWeight shape;
+  shape.out = 4608;
+  shape.in = 5120;
+  shape.format = epd::kernels::WeightFormat::kFp4E2M1;
+  shape.block_rows = 1;
+  shape.block_cols = 32;
+  std::mt19937 rng(3);
+  const int64_t expert_bytes = shape.code_bytes() + shape.scale_rows() * shape.scale_cols();
+  std::vector<epd::kernels::QuantWeight> ws(kExperts);
+  std::vector<const epd::kernels::QuantWeight*> table;
+  for (auto& w : ws) {
+    w.out = shape.out;
+    w.in = shape.in;
+    w.format = shape.format;
+    w.block_rows = shape.block_rows;
+    w.block_cols = shape.block_cols;
+    std::vector<uint8_t> codes(w.code_bytes()), scales(w.scale_rows() * w.scale_cols(), 120);
+    for (auto& c : codes) c = static_cast<uint8_t>(rng());
+    w.codes = Upload(b, codes.data(), codes.size());
+    w.scale_codes = Upload(b, scales.data(), scales.size());
+    table.push_back(&w);
+  }
+  for (int64_t rows : {int64_t{8}, int64_t{224}, int64_t{896}}) {
+    std::vector<int64_t> starts(kExperts + 1);
+    for (int g = 0; g <= kExperts; ++g) starts[g] = g * rows / kExperts;
+    int hit = 0;
+    for (int g = 0; g < kExperts; ++g) hit += starts[g + 1] > starts[g] ? 1 : 0;
+    std::vector<float> x(rows * shape.in, 0.5f);
+    Buffer xb = Upload(b, x.data(), x.size() * 4), yb = Upload(b, nullptr, rows * shape.out * 4);
+    Buffer sb = Upload(b, starts.data(), starts.size() * 8);
+    const double s = Time(b, quick ? 3 : 10, [&] {
+      return b.GroupedLinearQuant(xb.as<float>(), rows, sb.as<int64_t>(), table.data(), kExperts,
+                                  yb.as<float>());
+    });
+    const double bytes = static_cast<double>(hit) * static_cast<double>(expert_bytes);
+    std::printf(
+        "BENCH moe_gemm expert_w13_fp4 experts=%d rows=%lld hit=%d N=%lld K=%lld  %.1f us  "
+        "weights %.3f TB/s ratio=%.4f (of 4.8 TB/s)\n",
+        kExperts, static_cast<long long>(rows), hit, static_cast<long long>(shape.out),
+        static_cast<long long>(shape.in), s * 1e6, bytes / s / 1e12, bytes / s / kHbmBytesPerS);
   }
 }
 
@@ -232,6 +280,7 @@ int main(int argc, char** argv) {
   std::printf("cuda_bench on %s\n", epd::kernels::cuda::DeviceSummary().c_str());
   Launch(**backend);
   Gemm(**backend, quick);
+  MoeGemm(**backend, quick);
   Attention(**backend, quick);
   return 0;
 }

@@ -497,16 +497,59 @@ void LinearQuantShape(Env& env, int64_t rows, int64_t out, int64_t in, WeightFor
   Compare(env, packed_out[1], dec_out[1], Tol::Exact(), what + " candidate packed == decoded");
 }
 
+// A sum whose value depends on the order of its block terms: every weight is 1 (scale 1), a row's
+// block 0 is 2^20 (term +2^25), block 1 is -2^20 (term -2^25) and the other blocks are 2^-10
+// (terms 2^-5, below half an ulp of 2^25). In block order the big terms cancel first and the small
+// ones add up to (nb - 2) / 32; in any other order the small ones are lost against a big one.
+// bf16 rounding of the output hides most order changes of random inputs; not these.
+void LinearQuantInBlockOrder(Env& env, int64_t rows, int64_t out, WeightFormat fmt) {
+  const int64_t in = 34 * 32;  // more than one 32-block pass of the skinny tiles
+  const QuantWeight shape = QuantShape(out, in, fmt);
+  const std::vector<uint8_t> codes(
+      static_cast<size_t>(fmt == WeightFormat::kFp8E4M3 ? out * in : out * in / 2),
+      fmt == WeightFormat::kFp8E4M3 ? 0x38 : 0x22);  // E4M3 1.0; two E2M1 1.0
+  const std::vector<uint8_t> scales(static_cast<size_t>(shape.scale_rows() * shape.scale_cols()),
+                                    127);  // E8M0 1.0
+  std::vector<float> x(static_cast<size_t>(rows * in), std::ldexp(1.f, -10));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < 32; ++i) {
+      x[r * in + i] = std::ldexp(1.f, 20);
+      x[r * in + 32 + i] = -std::ldexp(1.f, 20);
+    }
+  }
+  std::vector<std::vector<float>> res;
+  for (Side* s : {&env.ref, &env.cand}) {
+    const QuantWeight w = s->Packed(shape, codes, scales);
+    float* y = s->Out<float>(rows * out);
+    EXPECT_OP_OK(*s, s->b().LinearQuant(s->In(x), rows, w, y));
+    res.push_back(s->Read(y, rows * out));
+  }
+  EXPECT_EQ(res[0][0], 1.f) << "the reference adds the terms in block order";
+  Compare(env, res[0], res[1], Tol::Exact(), "block order, " + std::to_string(rows) + " rows");
+}
+
 PARITY_CASE(LinearQuant) {
   LinearQuantShape(env, 5, 72, 96, WeightFormat::kFp8E4M3);
   LinearQuantShape(env, 3, 40, 80, WeightFormat::kFp8E4M3);  // K % 32 != 0: a short last block
   LinearQuantShape(env, 4, 40, 64, WeightFormat::kFp4E2M1);
   LinearQuantShape(env, 1, 9, 128, WeightFormat::kFp4E2M1);
-  // Decode-sized calls with K spread over the grid on CUDA (at most 16 rows, at least 8 K blocks):
-  // a short last block, 16 rows with FP4, the boundary of 8 blocks.
+  // Decode-sized calls. At most 8 rows take skinny tiles on CUDA (a warp per output, 32 K blocks
+  // a pass): a short last block (scalar loads), several passes (K > 1024) with a last pass of 2
+  // blocks, a full 8-row tile with FP4 over two whole passes, outputs not a multiple of the 8
+  // warps. 9 to 16 rows with at least 8 K blocks spread K over the grid: 16 rows with FP4, 12 rows
+  // at the boundary of 8 blocks.
   LinearQuantShape(env, 1, 72, 1000, WeightFormat::kFp8E4M3);
-  LinearQuantShape(env, 16, 130, 512, WeightFormat::kFp4E2M1);
   LinearQuantShape(env, 7, 64, 256, WeightFormat::kFp8E4M3);
+  LinearQuantShape(env, 2, 20, 1088, WeightFormat::kFp8E4M3);
+  LinearQuantShape(env, 3, 17, 1100, WeightFormat::kFp8E4M3);
+  LinearQuantShape(env, 8, 24, 2048, WeightFormat::kFp4E2M1);
+  LinearQuantShape(env, 16, 130, 512, WeightFormat::kFp4E2M1);
+  LinearQuantShape(env, 12, 40, 256, WeightFormat::kFp8E4M3);
+  // The terms in block order on every path: skinny tiles, K over the grid, 16-row tiles.
+  LinearQuantInBlockOrder(env, 3, 20, WeightFormat::kFp8E4M3);
+  LinearQuantInBlockOrder(env, 1, 9, WeightFormat::kFp4E2M1);
+  LinearQuantInBlockOrder(env, 12, 20, WeightFormat::kFp8E4M3);
+  LinearQuantInBlockOrder(env, 20, 20, WeightFormat::kFp8E4M3);
   // Golden activations (the reference's layer-5 FFN input [301, 256]) through a random FP8 weight.
   {
     const auto g = GoldenBf16("debug/ffn_in_layer5_prefill.bin");
@@ -1199,17 +1242,17 @@ PARITY_CASE(MoeGroup) {
             absl::StatusCode::kInvalidArgument);
 }
 
-PARITY_CASE(GroupedLinearQuant) {
-  // Tolerance: exact (the same Dot8 blocks per output as LinearQuant). Groups of 0, 17, 1, 0, 40
-  // and 5 rows cross the device GEMM's 16-row tiles; the result must also equal one LinearQuant
-  // per group on each side (the op's contract).
-  const std::vector<int64_t> starts = {0, 0, 17, 18, 18, 58, 63};
-  const int n_groups = static_cast<int>(starts.size()) - 1;
-  const int64_t rows = starts.back();
+// GroupedLinearQuant over groups starting at `starts` (6 groups; a run of groups 2, 3 and 4 too),
+// for several weight shapes. Tolerance: exact (the same Dot8 blocks per output as LinearQuant);
+// the result must also equal one LinearQuant per group on each side (the op's contract).
+void GroupedLinearQuantOver(Env& env, const std::vector<int64_t>& starts) {
   for (auto [out, in, fmt] :
        {std::tuple<int64_t, int64_t, WeightFormat>{72, 96, WeightFormat::kFp8E4M3},
         {40, 64, WeightFormat::kFp4E2M1},
-        {33, 80, WeightFormat::kFp8E4M3}}) {
+        {33, 80, WeightFormat::kFp8E4M3},
+        {20, 1088, WeightFormat::kFp8E4M3}}) {
+    const int n_groups = static_cast<int>(starts.size()) - 1;
+    const int64_t rows = starts.back();
     const QuantWeight shape = QuantShape(out, in, fmt);
     std::vector<std::vector<uint8_t>> codes, scales;
     for (int g = 0; g < n_groups; ++g) {
@@ -1233,8 +1276,9 @@ PARITY_CASE(GroupedLinearQuant) {
       }
       grouped.push_back(s->Read(y, rows * out));
       single.push_back(s->Read(y1, rows * out));
-      // A run of the groups (2 .. 5, rows 17 .. 58, as the model makes for routed and shared
-      // experts of different formats) writes only its rows: the rest keep what was there.
+      // A run of the groups (2, 3 and 4: rows 17 .. 58, or 1 .. 15; as the model makes for routed
+      // and shared experts of different formats) writes only its rows: the rest keep what was
+      // there.
       const std::vector<float> before(rows * out, -7.f);
       float* yr = s->In(before);
       EXPECT_OP_OK(*s,
@@ -1255,11 +1299,20 @@ PARITY_CASE(GroupedLinearQuant) {
           << s->name();
     }
     const std::string what = std::string(fmt == WeightFormat::kFp8E4M3 ? "FP8" : "FP4") + " [" +
-                             std::to_string(out) + ", " + std::to_string(in) + "]";
+                             std::to_string(out) + ", " + std::to_string(in) + "], " +
+                             std::to_string(rows) + " rows";
     Compare(env, grouped[0], grouped[1], Tol::Exact(), what + " grouped");
     Compare(env, grouped[0], single[0], Tol::Exact(), what + " grouped vs per group (reference)");
     Compare(env, grouped[1], single[1], Tol::Exact(), what + " grouped vs per group (candidate)");
   }
+}
+
+PARITY_CASE(GroupedLinearQuant) {
+  // A prefill's groups of 0, 17, 1, 0, 40 and 5 rows cross the device GEMM's 16-row tiles; a
+  // decode step's groups of 1, 0, 3, 9, 2 and 0 rows (at most 8 a group on average) take its
+  // skinny 8-row tiles, the group of 9 across two.
+  GroupedLinearQuantOver(env, {0, 0, 17, 18, 18, 58, 63});
+  GroupedLinearQuantOver(env, {0, 1, 1, 4, 13, 15, 15});
   // Starts that run past the rows (or begin before row 0) are refused by the CPU backend (a
   // device backend does not read them back).
   QuantWeight shape;
