@@ -60,7 +60,8 @@ cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const
                              int block_rows, int block_cols, int64_t scale_cols, float* y,
                              cudaStream_t stream);
 // bf16: y[r, o] = bf16(DotDp(x_r, w_o)) (LinearBf16); else y[r, o] = DotSeq(x_r, w_o) (LinearF32,
-// HcMixes' projection); kernels/torch_math.h. w kind kF32.
+// HcMixes' projection); kernels/torch_math.h. w kind kF32. At most 8 rows (a decode step): one
+// thread an output and row, its chain fed from double-buffered shared memory.
 cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf16, float* y,
                       cudaStream_t stream);
 

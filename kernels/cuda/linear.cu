@@ -450,6 +450,90 @@ __global__ void __launch_bounds__(kThreads)
                  static_cast<int64_t>(blockIdx.x) * kTileO, tile * kTileR);
 }
 
+// ---- Chains: the plain GEMM of at most kChainRows rows ----
+// A plain dot is one running sum over all of K (DotSeq, DotDp), so an output's adds cannot be
+// spread; with few rows GemmTile then has few threads to give them (HcMixes' projection at the
+// release config: 24 outputs over K = 20,480, one block walking 640 chunks of 32, each a global
+// round trip and two barriers). Here thread t of a block runs the chain of output
+// blockIdx.x * 32 + t % 32 and row t / 32 over K in chunks of 128 from shared memory (padded:
+// the 32 outputs of a warp read 32 banks), while every thread's loads of the next chunk are in
+// flight: two buffers, one barrier a chunk. The adds are GemmTile's, in the same order
+// (kernels/torch_math.h), from +0.
+constexpr int kChainOuts = 32, kChainRows = kThreads / kChainOuts, kChainK = 128;
+constexpr int kChainWLoads = kChainOuts * kChainK / kThreads;  // weight values a thread stages
+constexpr int kChainXLoads = kChainRows * kChainK / kThreads;  // activation values a thread stages
+
+__global__ void __launch_bounds__(kThreads)  // 104 registers, no spill (sm_90): 2 blocks an SM
+    PlainChainKernel(const float* x, int64_t rows, GemmWeight w, bool bf16, float* y) {
+  __shared__ float ws[2][kChainOuts][kChainK + 1];
+  __shared__ float xs[2][kChainRows][kChainK];
+  const int t = threadIdx.x;
+  const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kChainOuts, K = w.in;
+  const auto* wt = static_cast<const float*>(w.data);
+  const int64_t nc = (K + kChainK - 1) / kChainK;
+  const int ol = t % kChainOuts, rl = t / kChainOuts;
+  const bool mine = rl < rows && o0 + ol < w.out;
+  float wr[kChainWLoads], xr[kChainXLoads];
+  // Staged element e = t + j * kThreads of a chunk: consecutive threads read consecutive k of one
+  // row (coalesced).
+  auto load = [&](int64_t c) {
+#pragma unroll
+    for (int j = 0; j < kChainWLoads; ++j) {
+      const int e = t + j * kThreads, oe = e / kChainK;
+      const int64_t k = c * kChainK + e % kChainK;
+      wr[j] = (o0 + oe < w.out && k < K) ? wt[(o0 + oe) * K + k] : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kChainXLoads; ++j) {
+      const int e = t + j * kThreads, re = e / kChainK;
+      const int64_t k = c * kChainK + e % kChainK;
+      xr[j] = (re < rows && k < K) ? x[re * K + k] : 0.f;
+    }
+  };
+  auto store = [&](int b) {
+#pragma unroll
+    for (int j = 0; j < kChainWLoads; ++j) {
+      const int e = t + j * kThreads;
+      ws[b][e / kChainK][e % kChainK] = wr[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kChainXLoads; ++j) {
+      const int e = t + j * kThreads;
+      xs[b][e / kChainK][e % kChainK] = xr[j];
+    }
+  };
+  float sum = 0.f;
+  if (nc > 0) {
+    load(0);
+    store(0);
+  }
+  __syncthreads();
+  for (int64_t c = 0; c < nc; ++c) {
+    const int b = static_cast<int>(c & 1);
+    if (c + 1 < nc) load(c + 1);  // in flight during this chunk's adds
+    if (mine) {
+      const float* xa = xs[b][rl];
+      const float* wa = ws[b][ol];
+      const int n = static_cast<int>(K - c * kChainK < kChainK ? K - c * kChainK : kChainK);
+      if (bf16) {  // DotDp: per pair the odd element first; chunks are even, so only K's last
+                   // odd element stands alone
+        int i = 0;
+        for (; i + 2 <= n; i += 2) {
+          sum += xa[i + 1] * wa[i + 1];
+          sum += xa[i] * wa[i];
+        }
+        if (i < n) sum += xa[i] * wa[i];
+      } else {  // DotSeq: index order
+        for (int i = 0; i < n; ++i) sum += xa[i] * wa[i];
+      }
+    }
+    // Buffer b ^ 1 was last read before the previous chunk's barrier.
+    if (c + 1 < nc) store(b ^ 1);
+    __syncthreads();
+  }
+  if (mine) y[rl * w.out + o0 + ol] = bf16 ? RoundBf16(sum) : sum;
+}
+
 dim3 GemmGrid(int64_t rows, int64_t out) {
   return dim3(static_cast<unsigned>((out + kTileO - 1) / kTileO),
               static_cast<unsigned>((rows + kTileR - 1) / kTileR));
@@ -530,6 +614,10 @@ cudaError_t GroupedGemmQuant(const float* q, const float* s, int64_t rows, const
 cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf16, float* y,
                       cudaStream_t stream) {
   if (rows == 0 || w.out == 0) return cudaSuccess;
+  if (rows <= kChainRows) {
+    PlainChainKernel<<<GridFor(w.out, kChainOuts), kThreads, 0, stream>>>(x, rows, w, bf16, y);
+    return cudaGetLastError();
+  }
   GemmKernel<false><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(
       x, nullptr, rows, w, nullptr, nullptr, 1, 1, 0, bf16, y);
   return cudaGetLastError();

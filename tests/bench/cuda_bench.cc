@@ -10,6 +10,8 @@
 // - fp8_gemm: Backend::LinearQuant on packed FP8 (and FP4 experts) weights of the release
 //   config's shapes: 2*M*N*K / time against 1,979 TFLOPS, and weight bytes / time against
 //   4.8 TB/s.
+// - plain_gemm: Backend::LinearF32 / LinearBf16 on fp32 weights (the LM head, HcMixes'
+//   projection, a group of wo_a) at M = 1, 8 and 32: weight bytes / time against 4.8 TB/s.
 // - moe_gemm: Backend::GroupedLinearQuant of the release config's FP4 expert w13 over 32 experts,
 //   a decode step's rows spread evenly (8 rows: one each for 8 experts; 224: 7 each; 896: 28
 //   each): bytes of the experts hit / time against 4.8 TB/s.
@@ -209,6 +211,38 @@ void Gemm(Backend& b, bool quick) {
   }
 }
 
+// The plain GEMMs of a decode step (fp32 weights): the LM head (LinearF32 129,280 x 5,120),
+// HcMixes' projection (24 x 4 * 5,120) and one group of wo_a (LinearBf16 1,024 x 4,096).
+void PlainGemm(Backend& b, bool quick) {
+  struct Shape {
+    const char* name;
+    int64_t out, in;
+    bool bf16;
+  };
+  const Shape shapes[] = {{"head_f32", 129280, 5120, false},
+                          {"hc_mixes_f32", 24, 4 * 5120, false},
+                          {"wo_a_group_bf16", 1024, 4096, true}};
+  for (const Shape& sh : shapes) {
+    const std::vector<float> w(static_cast<size_t>(sh.out * sh.in), 0.01f);
+    Buffer wb = Upload(b, w.data(), static_cast<int64_t>(w.size()) * 4);
+    for (int64_t m : {int64_t{1}, int64_t{8}, int64_t{32}}) {
+      std::vector<float> x(m * sh.in, 0.5f);
+      Buffer xb = Upload(b, x.data(), x.size() * 4), yb = Upload(b, nullptr, m * sh.out * 4);
+      const double s = Time(b, quick ? 3 : 10, [&] {
+        return sh.bf16
+                   ? b.LinearBf16(xb.as<float>(), m, wb.as<float>(), sh.out, sh.in, yb.as<float>())
+                   : b.LinearF32(xb.as<float>(), m, wb.as<float>(), sh.out, sh.in, yb.as<float>());
+      });
+      const double wbytes = static_cast<double>(w.size()) * 4;
+      std::printf(
+          "BENCH plain_gemm %s M=%lld N=%lld K=%lld  %.1f us  weights %.3f TB/s ratio=%.4f (of "
+          "4.8 TB/s)\n",
+          sh.name, static_cast<long long>(m), static_cast<long long>(sh.out),
+          static_cast<long long>(sh.in), s * 1e6, wbytes / s / 1e12, wbytes / s / kHbmBytesPerS);
+    }
+  }
+}
+
 void MoeGemm(Backend& b, bool quick) {
   constexpr int kExperts = 32;
   epd::kernels::QuantWeight shape;
@@ -280,6 +314,7 @@ int main(int argc, char** argv) {
   std::printf("cuda_bench on %s\n", epd::kernels::cuda::DeviceSummary().c_str());
   Launch(**backend);
   Gemm(**backend, quick);
+  PlainGemm(**backend, quick);
   MoeGemm(**backend, quick);
   Attention(**backend, quick);
   return 0;

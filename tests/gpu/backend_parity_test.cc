@@ -587,7 +587,12 @@ void PlainLinear(Env& env, bool bf16) {
         {1, 64, 256, false},
         {17, 9, 7, false},
         {2, 3, 0, false},
-        {3, 70, 203, true}}) {
+        {3, 70, 203, true},
+        // At most 8 rows run as chains on CUDA (128 elements a chunk): a full 8-row block over
+        // 3 chunks, 8 chunks with a short last one, one element past a chunk.
+        {8, 33, 300, true},
+        {1, 5, 1000, true},
+        {6, 40, 129, false}}) {
     // cancelling: x of ones and weight rows that cancel, so a change of the dots' order shows.
     const auto x =
         cancelling ? Cancelling(env.rng, rows, in, /*ones=*/true) : Bf16(env.rng, rows * in);
