@@ -519,6 +519,11 @@ class Backend {
   // BlocksEqual: equal[i] = 1 when block i's bytes at a[i] equal those at b[i], else 0. Exact.
   virtual absl::Status BlocksEqual(const uint8_t* const* a, const uint8_t* const* b,
                                    const int64_t* bytes, int64_t n, int32_t* equal) = 0;
+  // CopyBlocks: block i's bytes from src[i] to dst[i] (a hand-off's blocks to or from one staging
+  // buffer in one call: model/kv_pool.h ReadBlocks, WriteBlocks). The ranges must not overlap.
+  // Exact.
+  virtual absl::Status CopyBlocks(uint8_t* const* dst, const uint8_t* const* src,
+                                  const int64_t* bytes, int64_t n) = 0;
 
   // ---- Quantize-dequantize ----
   // In-place quantize-dequantize of `rows` rows of length dim (MODEL.md §3/§4).
@@ -622,6 +627,7 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "TopKSlots",
     "DigestBlocks",
     "BlocksEqual",
+    "CopyBlocks",
     "QuantDequant",
     "Argmax",
     "PenalizeLogits",

@@ -197,9 +197,14 @@ absl::Status CompressorLog::AppendGathered(const std::vector<int64_t>& positions
 }
 
 absl::Status CompressorLog::ReadRow(int64_t i, float* kv_out, float* score_out) const {
-  if (i < 0 || i >= rows()) return absl::OutOfRangeError("compressor log: no such row");
-  RETURN_IF_ERROR(backend_->Download(rows_, i * dim_ * 4, dim_ * 4, kv_out));
-  return backend_->Download(rows_, (capacity_ + i) * dim_ * 4, dim_ * 4, score_out);
+  return ReadRows(i, 1, kv_out, score_out);
+}
+
+absl::Status CompressorLog::ReadRows(int64_t i, int64_t n, float* kv_out, float* score_out) const {
+  if (n <= 0) return absl::OkStatus();
+  if (i < 0 || i + n > rows()) return absl::OutOfRangeError("compressor log: no such row");
+  RETURN_IF_ERROR(backend_->Download(rows_, i * dim_ * 4, n * dim_ * 4, kv_out));
+  return backend_->Download(rows_, (capacity_ + i) * dim_ * 4, n * dim_ * 4, score_out);
 }
 
 }  // namespace epd::model

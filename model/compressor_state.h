@@ -114,6 +114,8 @@ class CompressorLog {
   [[nodiscard]] absl::StatusOr<std::pair<float*, float*>> ClaimRow(int64_t pos);
   // Row i's kv and score into host memory ([dim] each).
   [[nodiscard]] absl::Status ReadRow(int64_t i, float* kv, float* score) const;
+  // Rows i .. i+n-1 into host memory ([n, dim] each): two Downloads on a device backend.
+  [[nodiscard]] absl::Status ReadRows(int64_t i, int64_t n, float* kv, float* score) const;
 
   // Whether a call whose last position is `last` logs position q of a ratio-`ratio` compressor:
   // the last kLogRecentRows positions (Rollback of a step of up to that many rows), and the

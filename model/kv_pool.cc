@@ -97,17 +97,35 @@ absl::Status KvPool::Read(const Block& b, int64_t offset, int64_t bytes, void* d
   return backend_->Download(buf, at + offset, bytes, dst);
 }
 
-absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) {
+absl::Status KvPool::ReadBlocks(std::span<const BlockRange> reads, uint8_t* dst) {
   if (host_memory_) {
-    for (const BlockRead& r : reads) {
+    for (const BlockRange& r : reads) {
       std::memcpy(dst, r.block.data + r.offset, static_cast<size_t>(r.bytes));
       dst += r.bytes;
     }
     return absl::OkStatus();
   }
   if (reads.size() == 1) return Read(reads[0].block, reads[0].offset, reads[0].bytes, dst);
+  return StagedBlocks(reads, nullptr, dst);
+}
+
+absl::Status KvPool::WriteBlocks(std::span<const BlockRange> writes, const uint8_t* src) {
+  if (host_memory_) {
+    for (const BlockRange& w : writes) {
+      std::memcpy(w.block.data + w.offset, src, static_cast<size_t>(w.bytes));
+      src += w.bytes;
+    }
+    return absl::OkStatus();
+  }
+  if (writes.size() == 1) return Write(writes[0].block, writes[0].offset, src, writes[0].bytes);
+  return StagedBlocks(writes, src, nullptr);
+}
+
+absl::Status KvPool::StagedBlocks(std::span<const BlockRange> ranges, const uint8_t* src,
+                                  uint8_t* dst) {
+  const bool write = src != nullptr;
   int64_t total = 0;
-  for (const BlockRead& r : reads) total += r.bytes;
+  for (const BlockRange& r : ranges) total += r.bytes;
   if (total <= 0) return absl::OkStatus();
   std::lock_guard<std::mutex> l(staging_mu_);
   const int64_t cap = std::min(total, kMaxStagingBytes);
@@ -115,25 +133,55 @@ absl::Status KvPool::ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst) 
     ASSIGN_OR_RETURN(staging_, backend_->Allocate(std::max(
                                    cap, std::min(2 * staging_.bytes(), kMaxStagingBytes))));
   }
-  // Fill the staging buffer range by range (a range larger than what is left is split), and
-  // bring it down whenever it is full, and at the end.
-  int64_t at = 0;
-  for (const BlockRead& r : reads) {
+  uint8_t* const staging = staging_.as<uint8_t>();
+  // One fill: the pieces' block addresses, staging addresses and lengths, moved in one
+  // CopyBlocks (tables_: the destinations [m], the sources [m], the lengths [m]).
+  std::vector<uint64_t> blocks, at, lens;
+  auto flush = [&](int64_t fill) -> absl::Status {
+    if (fill == 0) return absl::OkStatus();
+    if (write) RETURN_IF_ERROR(backend_->Upload(src, fill, staging_));
+    const auto m = static_cast<int64_t>(blocks.size());
+    std::vector<uint64_t> args;
+    args.reserve(static_cast<size_t>(3 * m));
+    const std::vector<uint64_t>& to = write ? blocks : at;
+    const std::vector<uint64_t>& from = write ? at : blocks;
+    args.insert(args.end(), to.begin(), to.end());
+    args.insert(args.end(), from.begin(), from.end());
+    args.insert(args.end(), lens.begin(), lens.end());
+    {
+      std::lock_guard<std::mutex> t(tables_mu_);
+      ASSIGN_OR_RETURN(uint64_t * base, UploadTablesLocked(args, 3 * m * 8));
+      RETURN_IF_ERROR(backend_->CopyBlocks(reinterpret_cast<uint8_t* const*>(base),
+                                           reinterpret_cast<const uint8_t* const*>(base + m),
+                                           reinterpret_cast<const int64_t*>(base + 2 * m), m));
+    }
+    if (write) {
+      src += fill;
+    } else {
+      RETURN_IF_ERROR(backend_->Download(staging_, 0, fill, dst));
+      dst += fill;
+    }
+    blocks.clear();
+    at.clear();
+    lens.clear();
+    return absl::OkStatus();
+  };
+  int64_t fill = 0;
+  for (const BlockRange& r : ranges) {
     for (int64_t done = 0; done < r.bytes;) {
-      const int64_t take = std::min(r.bytes - done, staging_.bytes() - at);
-      RETURN_IF_ERROR(
-          backend_->Copy(staging_.as<uint8_t>() + at, r.block.data + r.offset + done, take));
-      at += take;
+      const int64_t take = std::min(r.bytes - done, staging_.bytes() - fill);
+      blocks.push_back(reinterpret_cast<uintptr_t>(r.block.data + r.offset + done));
+      at.push_back(reinterpret_cast<uintptr_t>(staging + fill));
+      lens.push_back(static_cast<uint64_t>(take));
+      fill += take;
       done += take;
-      if (at == staging_.bytes()) {
-        RETURN_IF_ERROR(backend_->Download(staging_, 0, at, dst));
-        dst += at;
-        at = 0;
+      if (fill == staging_.bytes()) {
+        RETURN_IF_ERROR(flush(fill));
+        fill = 0;
       }
     }
   }
-  if (at > 0) return backend_->Download(staging_, 0, at, dst);
-  return absl::OkStatus();
+  return flush(fill);
 }
 
 absl::StatusOr<uint64_t*> KvPool::UploadTablesLocked(std::span<const uint64_t> args,
@@ -146,7 +194,7 @@ absl::StatusOr<uint64_t*> KvPool::UploadTablesLocked(std::span<const uint64_t> a
   return tables_.as<uint64_t>();
 }
 
-absl::Status KvPool::DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out) {
+absl::Status KvPool::DigestBlocks(std::span<const BlockRange> blocks, uint64_t* out) {
   if (blocks.empty()) return absl::OkStatus();
   if (host_memory_) {
     for (size_t i = 0; i < blocks.size(); ++i) {
@@ -668,7 +716,7 @@ void KvRows::SealHostBlock(size_t b) {
 }
 
 absl::Status SealPending(std::span<KvRows* const> streams) {
-  std::vector<KvPool::BlockRead> pending;
+  std::vector<KvPool::BlockRange> pending;
   KvPool* pool = nullptr;
   for (KvRows* s : streams) {
     if (s == nullptr || s->pending_.empty()) continue;
@@ -833,31 +881,24 @@ absl::Status KvRows::Append(const float* x, int64_t n) {
 }
 
 absl::Status KvRows::AppendPacked(const uint8_t* bytes, int64_t n) {
+  if (n <= 0) return absl::OkStatus();
   const int64_t start = rows_;
-  for (int64_t i = 0; i < n;) {
-    const size_t b = static_cast<size_t>(rows_ / rows_per_block_);
-    absl::Status s = Writable(b);
-    const int64_t slot = rows_ % rows_per_block_;
-    const int64_t take = std::min(n - i, rows_per_block_ - slot);
-    if (s.ok()) {
-      s = pool_->Write(blocks_[b], slot * row_bytes_, bytes + i * row_bytes_, take * row_bytes_);
-    }
-    if (s.ok()) {
-      rows_ += take;
-      if (slot + take == rows_per_block_) {
-        if (!pool_->host_memory()) {
-          pending_.push_back(b);  // sealed below, with the call's other blocks
-        } else {
-          SealHostBlock(b);
-        }
-      }
-      i += take;
-    }
-    if (!s.ok()) {
-      Truncate(start);
-      return s;
-    }
+  RETURN_IF_ERROR(Reserve(n));  // every block the rows touch, writable (nothing on a failure)
+  // The rows' pieces of each block, written in one KvPool::WriteBlocks (on a device pool one
+  // Upload and one CopyBlocks per staging fill).
+  std::vector<KvPool::BlockRange> writes;
+  for (int64_t r = rows_; r < rows_ + n;) {
+    const int64_t slot = r % rows_per_block_;
+    const int64_t take = std::min(rows_ + n - r, rows_per_block_ - slot);
+    writes.push_back(
+        {blocks_[static_cast<size_t>(r / rows_per_block_)], take * row_bytes_, slot * row_bytes_});
+    r += take;
   }
+  if (absl::Status s = pool_->WriteBlocks(writes, bytes); !s.ok()) {
+    Truncate(start);
+    return s;
+  }
+  Commit(n);  // a host pool's full blocks sealed here; a device pool's below
   if (!pool_->host_memory() && !pending_.empty()) {
     // Digested and compared on the backend: nothing of the blocks comes down, and a block equal
     // to a registered one (a prefix read back from the store) is compared there too.
@@ -931,7 +972,7 @@ absl::Status KvRows::CopyPacked(int64_t first, int64_t n, std::vector<uint8_t>& 
                                 KvRowFormat packed_format) const {
   if (n <= 0) return absl::OkStatus();
   if (format_ != KvRowFormat::kF32) {  // the blocks' bytes as they are, in one read
-    std::vector<KvPool::BlockRead> reads;
+    std::vector<KvPool::BlockRange> reads;
     for (int64_t r = first; r < first + n;) {
       const int64_t slot = r % rows_per_block_;
       const int64_t take = std::min(first + n - r, rows_per_block_ - slot);

@@ -156,22 +156,26 @@ class KvPool {
   [[nodiscard]] absl::Status Write(const Block& b, int64_t offset, const void* src, int64_t bytes);
   [[nodiscard]] absl::Status Read(const Block& b, int64_t offset, int64_t bytes, void* dst) const;
   // A range of a block: `bytes` from `offset`.
-  struct BlockRead {
+  struct BlockRange {
     Block block;
     int64_t bytes = 0;
     int64_t offset = 0;
   };
-  // Several ranges into dst, one after the other (sum of the bytes): on a device pool, backend
-  // Copies into a staging buffer the pool keeps and one Download per kMaxStagingBytes (one range:
-  // a plain Read), so a stream of n blocks read for a hand-off waits for the device once, not n
-  // times (the host bounce of a transfer wire without a CUDA transport). The caller holds the
-  // blocks.
-  [[nodiscard]] absl::Status ReadBlocks(std::span<const BlockRead> reads, uint8_t* dst);
+  // Several ranges into dst, one after the other (sum of the bytes): on a device pool, one
+  // backend CopyBlocks into a staging buffer the pool keeps and one Download per
+  // kMaxStagingBytes (one range: a plain Read), so a stream of n blocks read for a hand-off waits
+  // for the device once and queues one copy, not n (the host bounce of a transfer wire without a
+  // CUDA transport). The caller holds the blocks.
+  [[nodiscard]] absl::Status ReadBlocks(std::span<const BlockRange> reads, uint8_t* dst);
+  // The reverse: src's bytes, one range after the other, into the ranges (a received hand-off's
+  // blocks): on a device pool one Upload into the staging buffer and one CopyBlocks out of it per
+  // kMaxStagingBytes, not an Upload per block. The caller holds the blocks, writable.
+  [[nodiscard]] absl::Status WriteBlocks(std::span<const BlockRange> writes, const uint8_t* src);
   static constexpr int64_t kMaxStagingBytes = int64_t{16} << 20;
   // out[i] = XXH3-64 of block i's range (the content digest a seal hashes; offset 0): on a
   // device pool the backend's DigestBlocks, so only the 8 bytes of each come down (one Upload of
   // the addresses and lengths, 16 bytes a block, and one Download for all the blocks).
-  [[nodiscard]] absl::Status DigestBlocks(std::span<const BlockRead> blocks, uint64_t* out);
+  [[nodiscard]] absl::Status DigestBlocks(std::span<const BlockRange> blocks, uint64_t* out);
   // equal[i] = whether the first `bytes` of pairs[i].a and pairs[i].b are equal (the backend's
   // BlocksEqual on a device pool: one Upload of 24 bytes a pair, one Download of 4).
   struct BlockPair {
@@ -235,6 +239,10 @@ class KvPool {
   Slab SlabOf(int64_t id, const SlabRec& r) const;
   // The slab buffer holding block `id` and the block's offset in it.
   kernels::Buffer& BufferOf(int32_t id, int64_t* offset) const;
+  // ReadBlocks (into dst) / WriteBlocks (from src; dst null) on a device pool: the ranges
+  // through the staging buffer, one fill at a time (a range longer than what is left of a fill
+  // is split).
+  absl::Status StagedBlocks(std::span<const BlockRange> ranges, const uint8_t* src, uint8_t* dst);
 
   const uint64_t seed_;
   std::unique_ptr<kernels::Backend> own_backend_;
@@ -254,10 +262,11 @@ class KvPool {
   std::list<int32_t> lru_;  // cached blocks, oldest first
   Stats stats_;
   kernels::Buffer zeros_;  // Zeros()
-  std::mutex staging_mu_;  // ReadBlocks' staging buffer
+  std::mutex staging_mu_;  // ReadBlocks' and WriteBlocks' staging buffer
   kernels::Buffer staging_;  // grows by doubling, to at most kMaxStagingBytes
-  // DigestBlocks' and BlocksEqual's tables (addresses, lengths, answers): apart from the
-  // staging buffer, so a decode step's seal does not wait behind a hand-off's read.
+  // DigestBlocks', BlocksEqual's and CopyBlocks' tables (addresses, lengths, answers): apart
+  // from the staging buffer, so a decode step's seal does not wait behind a hand-off's read
+  // (taken after staging_mu_ where both are).
   std::mutex tables_mu_;
   kernels::Buffer tables_;  // grows by doubling
   // Under tables_mu_: tables_ of at least `bytes`, with `args` uploaded at its start.

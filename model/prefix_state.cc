@@ -137,7 +137,42 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
     return absl::InvalidArgumentError("prefix cut: fewer tokens than the state's position");
   const int64_t hd = c.head_dim;
   // The kv / keys segments come from the pool's blocks as they are (no whole-state
-  // serialization, no re-pack).
+  // serialization, no re-pack). Each source's rows of all the blocks are read once, and its
+  // compressor log once when a block before the last rebuilds its tail from it: on a device
+  // pool a few Downloads per source, not per block (a 1M-token prompt cuts 16K blocks).
+  struct SourceRows {
+    int ratio = 1;
+    int64_t e0 = 0;                        // first entry of first_block
+    std::string kv, keys;                  // entries [e0, end_block * B / ratio)
+    std::vector<float> log_kv, log_score;  // the whole log ([rows, hd] each), when read
+  };
+  std::map<int, SourceRows> rows;
+  const int64_t n_blocks = end_block - first_block;
+  for (const auto& [l, src] : state.sources) {
+    if (n_blocks == 0) break;
+    SourceRows& sr = rows[l];
+    sr.ratio = std::max(1, src.ratio);
+    const int r = sr.ratio;
+    if (B % r != 0)
+      return absl::InvalidArgumentError(
+          absl::StrCat("prefix cut: block of ", B, " tokens is not a multiple of ratio ", r));
+    sr.e0 = first_block * B / r;
+    const int64_t e1 = end_block * B / r;
+    if (src.n < e1) {  // the first block past the source's entries
+      const int64_t short_block = std::max(first_block, src.n / (B / r));
+      return absl::FailedPreconditionError(absl::StrCat("prefix cut: source ", l, " has ", src.n,
+                                                        " entries, block needs ",
+                                                        (short_block + 1) * B / r));
+    }
+    ASSIGN_OR_RETURN(sr.kv, PackedRows(src.kv, sr.e0, e1, KvRowFormat::kPackedKv));
+    ASSIGN_OR_RETURN(sr.keys, PackedRows(src.keys, sr.e0, e1, KvRowFormat::kPackedKey));
+    if (r > 1 && n_blocks > 1 && src.log != nullptr) {
+      const int64_t logged = src.log->rows();
+      sr.log_kv.resize(static_cast<size_t>(logged * hd));
+      sr.log_score.resize(static_cast<size_t>(logged * hd));
+      RETURN_IF_ERROR(src.log->ReadRows(0, logged, sr.log_kv.data(), sr.log_score.data()));
+    }
+  }
   std::vector<std::string> out;
   for (int64_t b = first_block; b < end_block; ++b) {
     const int64_t end = (b + 1) * B;
@@ -146,18 +181,15 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
     Put<int64_t>(meta, state.published_keys);
     segs.emplace_back("meta", meta);
     for (const auto& [l, src] : state.sources) {
-      const int r = std::max(1, src.ratio);
-      if (B % r != 0)
-        return absl::InvalidArgumentError(
-            absl::StrCat("prefix cut: block of ", B, " tokens is not a multiple of ratio ", r));
-      const int64_t e0 = b * B / r, e1 = end / r;
-      if (src.n < e1)
-        return absl::FailedPreconditionError(
-            absl::StrCat("prefix cut: source ", l, " has ", src.n, " entries, block needs ", e1));
-      ASSIGN_OR_RETURN(std::string kv, PackedRows(src.kv, e0, e1, KvRowFormat::kPackedKv));
-      ASSIGN_OR_RETURN(std::string keys, PackedRows(src.keys, e0, e1, KvRowFormat::kPackedKey));
-      segs.emplace_back(absl::StrCat("kv.", l), std::move(kv));
-      segs.emplace_back(absl::StrCat("keys.", l), std::move(keys));
+      const SourceRows& sr = rows.at(l);
+      const int r = sr.ratio;
+      // This block's entries [b * B / r, end / r) of the source's rows read above.
+      auto slice = [&](const std::string& all) {
+        const size_t per = all.size() / static_cast<size_t>(n_blocks);
+        return all.substr(static_cast<size_t>(b - first_block) * per, per);
+      };
+      segs.emplace_back(absl::StrCat("kv.", l), slice(sr.kv));
+      segs.emplace_back(absl::StrCat("keys.", l), slice(sr.keys));
       if (src.ratio > 1) {
         std::string tail;
         if (b + 1 == end_block) {
@@ -169,12 +201,12 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
           std::vector<float> t(static_cast<size_t>(2 * r * hd));
           for (int64_t q = end - r; q < end; ++q) {
             const int64_t i = src.log != nullptr ? src.log->Find(q) : -1;
-            if (i < 0) {
+            if (i < 0 || sr.log_kv.empty()) {
               return absl::FailedPreconditionError(absl::StrCat(
                   "prefix cut: compressor log of source ", l, " does not cover block ", b));
             }
-            RETURN_IF_ERROR(src.log->ReadRow(i, t.data() + (q % r) * hd,
-                                             t.data() + (r + q % r) * hd));
+            std::copy_n(sr.log_kv.begin() + i * hd, hd, t.begin() + (q % r) * hd);
+            std::copy_n(sr.log_score.begin() + i * hd, hd, t.begin() + (r + q % r) * hd);
           }
           tail.resize(t.size() * 4);
           std::memcpy(tail.data(), t.data(), tail.size());

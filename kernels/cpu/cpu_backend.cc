@@ -35,7 +35,7 @@ Status Bad(const char* op, const std::string& why) {
   return InvalidArgumentError(absl::StrCat("cpu backend: ", op, ": ", why));
 }
 
-// DigestBlocks' and BlocksEqual's block lengths: none negative.
+// DigestBlocks', BlocksEqual's and CopyBlocks' block lengths: none negative.
 Status BlockLengthsProblem(const char* op, const int64_t* bytes, int64_t n) {
   for (int64_t i = 0; i < n; ++i) {
     if (bytes[i] < 0) return Bad(op, absl::StrCat("block ", i, " has ", bytes[i], " bytes"));
@@ -802,6 +802,18 @@ class CpuBackend final : public Backend {
     if (Status s = BlockLengthsProblem("BlocksEqual", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) {
       equal[i] = std::memcmp(a[i], b[i], static_cast<size_t>(bytes[i])) == 0 ? 1 : 0;
+    }
+    return OkStatus();
+  }
+
+  Status CopyBlocks(uint8_t* const* dst, const uint8_t* const* src, const int64_t* bytes,
+                    int64_t n) override {
+    if (n < 0) return Bad("CopyBlocks", "negative block count");
+    if (n == 0) return OkStatus();
+    EPD_CHECK_OPERANDS("CopyBlocks", {{"dst", dst}, {"src", src}, {"bytes", bytes}});
+    if (Status s = BlockLengthsProblem("CopyBlocks", bytes, n); !s.ok()) return s;
+    for (int64_t i = 0; i < n; ++i) {
+      if (bytes[i] > 0) std::memcpy(dst[i], src[i], static_cast<size_t>(bytes[i]));
     }
     return OkStatus();
   }

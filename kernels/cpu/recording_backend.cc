@@ -327,6 +327,10 @@ class RecordingBackend final : public Backend {
                      int64_t n, int32_t* equal) override {
     return Do("BlocksEqual", [=, this] { return in_->BlocksEqual(a, b, bytes, n, equal); });
   }
+  Status CopyBlocks(uint8_t* const* dst, const uint8_t* const* src, const int64_t* bytes,
+                    int64_t n) override {
+    return Do("CopyBlocks", [=, this] { return in_->CopyBlocks(dst, src, bytes, n); });
+  }
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
     return Do("QuantDequant", [=, this] { return in_->QuantDequant(kind, x, rows, dim); });
   }

@@ -795,6 +795,12 @@ class CudaBackend final : public Backend {
     return Run("BlocksEqual",
                [&] { return cuda::BlocksEqual(a, b, bytes, n, equal, streams_[0]); });
   }
+  Status CopyBlocks(uint8_t* const* dst, const uint8_t* const* src, const int64_t* bytes,
+                    int64_t n) override {
+    if (n < 0) return Bad("CopyBlocks", "negative block count");
+    if (n >= (int64_t{1} << 31)) return Bad("CopyBlocks", absl::StrCat(n, " blocks >= 2^31"));
+    return Run("CopyBlocks", [&] { return cuda::CopyBlocks(dst, src, bytes, n, streams_[0]); });
+  }
 
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
     const int k = kind == Qdq::kFp8Window ? 0 : (kind == Qdq::kFp4Index ? 1 : 2);

@@ -116,7 +116,36 @@ __global__ void BlocksEqualKernel(const uint8_t* const* a, const uint8_t* const*
   if (threadIdx.x == 0) equal[g] = differ != 0 ? 0 : 1;
 }
 
+// One thread block per range: threads move a strided share of it, 16 bytes at a time on the
+// device where both ends are 16-byte aligned (pool blocks and a staging buffer's row offsets
+// usually are), the rest byte by byte. A negative length (the CPU refuses it) copies nothing.
+__global__ void CopyBlocksKernel(uint8_t* const* dst, const uint8_t* const* src,
+                                 const int64_t* bytes) {
+  const int64_t g = blockIdx.x;
+  const int64_t len = bytes[g];
+  uint8_t* d = dst[g];
+  const uint8_t* s = src[g];
+  int64_t done = 0;
+#if defined(__CUDA_ARCH__)
+  if (((reinterpret_cast<uintptr_t>(d) | reinterpret_cast<uintptr_t>(s)) & 15) == 0) {
+    const int64_t n16 = len > 0 ? len / 16 : 0;
+    for (int64_t i = threadIdx.x; i < n16; i += blockDim.x) {
+      reinterpret_cast<uint4*>(d)[i] = reinterpret_cast<const uint4*>(s)[i];
+    }
+    done = n16 * 16;
+  }
+#endif
+  for (int64_t i = done + threadIdx.x; i < len; i += blockDim.x) d[i] = s[i];
+}
+
 }  // namespace
+
+cudaError_t CopyBlocks(uint8_t* const* dst, const uint8_t* const* src, const int64_t* bytes,
+                       int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  CopyBlocksKernel<<<static_cast<unsigned>(n), kThreads, 0, stream>>>(dst, src, bytes);
+  return cudaGetLastError();
+}
 
 cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
                       int32_t* list, int64_t list_len, int64_t offset, cudaStream_t stream) {

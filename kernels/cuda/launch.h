@@ -213,6 +213,9 @@ cudaError_t TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base
 // Backend::DigestBlocks / BlocksEqual (n < 2^31: eight threads a block, one thread block a pair).
 cudaError_t DigestBlocks(const uint8_t* const* blocks, const int64_t* bytes, int64_t n,
                          uint64_t* out, cudaStream_t stream);
+// Backend::CopyBlocks (n < 2^31: one thread block a range, 16-byte moves where both ends allow).
+cudaError_t CopyBlocks(uint8_t* const* dst, const uint8_t* const* src, const int64_t* bytes,
+                       int64_t n, cudaStream_t stream);
 cudaError_t BlocksEqual(const uint8_t* const* a, const uint8_t* const* b, const int64_t* bytes,
                         int64_t n, int32_t* equal, cudaStream_t stream);
 

@@ -583,17 +583,20 @@ TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   EXPECT_EQ(f.ToVector(), x);
 }
 
-// ReadBlocks on a device pool: ranges of blocks (any offset) in one Download per 16 MiB of
-// staging, a range split across two fills, the bytes as a host read gives them.
-TEST(KvPoolTest, ReadBlocksBringsRangesDownThroughOneStagingBuffer) {
+// ReadBlocks on a device pool: ranges of blocks (any offset) in one CopyBlocks and one Download
+// per 16 MiB of staging, a range split across two fills, the bytes as a host read gives them;
+// WriteBlocks the same way back (one Upload of the bytes and one CopyBlocks a fill).
+TEST(KvPoolTest, ReadBlocksAndWriteBlocksMoveRangesThroughOneStagingBuffer) {
   std::map<std::string, int64_t> calls;
   int64_t down = 0;
-  auto backend = kernels::MakeCpuBackend(
-      {.report_device_memory = true, .op_calls = &calls, .download_bytes = &down});
+  auto backend = kernels::MakeCpuBackend({.report_device_memory = true,
+                                          .check_operands = true,
+                                          .op_calls = &calls,
+                                          .download_bytes = &down});
   KvPool pool(0, 0, backend.get());
   const int64_t block = int64_t{3} << 20;  // 3 MiB blocks; 7 ranges of ~3 MiB: 2 fills
   std::vector<KvPool::Block> blocks(7);
-  std::vector<KvPool::BlockRead> reads;
+  std::vector<KvPool::BlockRange> reads;
   std::vector<uint8_t> want;
   for (size_t i = 0; i < blocks.size(); ++i) {
     ASSERT_TRUE(pool.Allocate(block, &blocks[i]).ok());
@@ -609,8 +612,54 @@ TEST(KvPoolTest, ReadBlocksBringsRangesDownThroughOneStagingBuffer) {
   ASSERT_TRUE(pool.ReadBlocks(reads, got.data()).ok());
   EXPECT_EQ(got, want);
   EXPECT_EQ(calls["Download"], 2);  // ~21 MiB through a 16 MiB staging buffer
+  EXPECT_EQ(calls["CopyBlocks"], 2);
+  EXPECT_EQ(calls["Copy"], 0);
   EXPECT_EQ(down, static_cast<int64_t>(want.size()));
+  // The same ranges of fresh blocks written from the host bytes, then read back.
+  std::vector<KvPool::Block> fresh(blocks.size());
+  std::vector<KvPool::BlockRange> writes = reads;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    ASSERT_TRUE(pool.Allocate(block, &fresh[i]).ok());
+    writes[i].block = fresh[i];
+  }
+  calls.clear();
+  ASSERT_TRUE(pool.WriteBlocks(writes, want.data()).ok());
+  EXPECT_EQ(calls["CopyBlocks"], 2);
+  EXPECT_EQ(calls["Upload"], 4);  // per fill: the bytes and the copy's table
+  std::vector<uint8_t> back(want.size(), 0);
+  ASSERT_TRUE(pool.ReadBlocks(writes, back.data()).ok());
+  EXPECT_EQ(back, want);
   for (const KvPool::Block& b : blocks) pool.Unref(b.id);
+  for (const KvPool::Block& b : fresh) pool.Unref(b.id);
+}
+
+// A received hand-off (AppendPacked of host bytes on a device pool) makes the same calls for any
+// number of blocks: one Upload of its bytes and one CopyBlocks (before: one Upload a block), then
+// the seal's. The rows read back as sent.
+TEST(KvPoolTest, AReceivedHandOffsCallsDoNotGrowWithItsBlocks) {
+  std::map<std::string, int64_t> calls;
+  auto backend = kernels::MakeCpuBackend(
+      {.report_device_memory = true, .check_operands = true, .op_calls = &calls});
+  auto pool = std::make_shared<KvPool>(0, 0, backend.get());
+  const int64_t dim = 128;
+  auto receive = [&](int64_t rows) {
+    const std::vector<float> x = KeyRows(rows, dim, static_cast<int>(rows));
+    KvRows sent(pool, KvRowFormat::kPackedKey, dim, 4, 1);  // 16 rows a block
+    EXPECT_TRUE(sent.Append(x.data(), rows).ok());
+    std::vector<uint8_t> packed;
+    EXPECT_TRUE(sent.CopyPacked(0, rows, packed, KvRowFormat::kPackedKey).ok());
+    KvRows got(pool, KvRowFormat::kPackedKey, dim, 4, 2);  // another stream: no shared blocks
+    calls.clear();
+    EXPECT_TRUE(got.AppendPacked(packed.data(), rows).ok());
+    std::map<std::string, int64_t> seen = calls;
+    EXPECT_EQ(got.ToVector(), sent.ToVector());
+    EXPECT_EQ(seen["CopyBlocks"], 1);
+    EXPECT_EQ(seen["Copy"], 0);
+    return seen;
+  };
+  const std::map<std::string, int64_t> few = receive(40), many = receive(400);  // 3 and 25 blocks
+  EXPECT_EQ(few, many);
+  EXPECT_LE(many.at("Upload"), 4) << "the bytes, the copy's table, the seal's tables";
 }
 
 // Seal on a device pool takes the caller's comparison: equal shares the registered block, unequal

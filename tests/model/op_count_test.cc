@@ -23,6 +23,7 @@
 #include "kernels/sampling_math.h"
 #include "model/kv_pool.h"
 #include "model/model.h"
+#include "model/prefix_state.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
@@ -1019,6 +1020,44 @@ TEST_P(OpCountTest, ADraftPassDownloadsOnlyAtItsEnd) {
   EXPECT_EQ((*m)->Draft(*st, 9, {}, LogitsOut::kArgmax, &outside).status().code(),
             absl::StatusCode::kInvalidArgument);
   st.reset();
+}
+
+// A store write's cut (CutPrefixBlocks) on a device backend reads each KV source's rows and its
+// compressor log once, whatever the number of blocks: a 4-block cut makes the same Downloads as
+// a 2-block cut (before: two reads per source per block, and two per logged row of a tail). The
+// values equal a host backend's bit for bit.
+TEST_P(OpCountTest, APrefixCutsReadsDoNotGrowWithItsBlocks) {
+  struct Run {
+    std::map<std::string, int64_t> calls;
+    std::vector<std::string> blocks;
+  };
+  auto run = [&](bool device, int64_t tokens) {
+    Run r;
+    auto backend = kernels::MakeCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
+    auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, device);
+    EXPECT_TRUE(m.ok()) << m.status();
+    if (!m.ok()) return r;
+    const int64_t vocab = (*m)->config().vocab_size;
+    std::vector<int32_t> prompt(tokens);
+    for (int64_t i = 0; i < tokens; ++i) prompt[i] = static_cast<int32_t>((i * 13 + 5) % vocab);
+    auto seq = (*m)->NewSequence();
+    EXPECT_TRUE((*m)->Prefill(*seq, prompt, /*all_logits=*/false).ok());
+    r.calls.clear();
+    auto blocks = CutPrefixBlocks(**m, *seq, prompt, 0, tokens / kPrefixBlockTokens);
+    EXPECT_TRUE(blocks.ok()) << blocks.status();
+    if (blocks.ok()) r.blocks = *blocks;
+    seq.reset();
+    return r;
+  };
+  const Run two = run(true, 2 * kPrefixBlockTokens), four = run(true, 4 * kPrefixBlockTokens);
+  const Run host = run(false, 4 * kPrefixBlockTokens);
+  ASSERT_EQ(four.blocks.size(), 4u);
+  EXPECT_EQ(four.blocks, host.blocks);
+  ASSERT_GT(four.calls.count("Download"), 0u);
+  EXPECT_EQ(four.calls.at("Download"), two.calls.at("Download"));
+  std::printf("[%s] prefix cut of 4 blocks on a device: %lld Downloads (2 blocks: %lld)\n",
+              GetParam().c_str(), static_cast<long long>(four.calls.at("Download")),
+              static_cast<long long>(two.calls.at("Download")));
 }
 
 INSTANTIATE_TEST_SUITE_P(Sets, OpCountTest, ::testing::ValuesIn(testing::GoldenSets()),
