@@ -391,6 +391,51 @@ __device__ __forceinline__ void SkinnyTile(const float* x, const float* act_scal
   if (live && lane < rt) y[lane * w.out + o] = RoundBf16(acc);
 }
 
+// The group holding row tile blockIdx.y, counting the groups' tiles in order (group g has
+// ceil(n_g / tile_rows) tiles), and the tile's index within it; g = n_groups past the last tile.
+// Block-wide (every thread calls it; barriers): the groups' tile counts, kThreads at a time, go
+// through an inclusive scan in shared memory, and the one thread whose group holds the tile
+// publishes it. A thread walking the starts alone read 2 x n_groups of them (a decode step's
+// 385 groups) in every block of the grid.
+__device__ __forceinline__ void FindGroupTile(const int64_t* starts, int n_groups, int tile_rows,
+                                              int* group, int64_t* group_tile) {
+  __shared__ int64_t scan[kThreads];
+  __shared__ int64_t carry, found_tile;
+  __shared__ int found;
+  const int t = threadIdx.x;
+  const int64_t tile = blockIdx.y;
+  if (t == 0) {
+    carry = 0;
+    found = n_groups;
+    found_tile = 0;
+  }
+  __syncthreads();
+  for (int base = 0; base < n_groups; base += kThreads) {
+    const int g = base + t;
+    const int64_t tiles =
+        g < n_groups ? (starts[g + 1] - starts[g] + tile_rows - 1) / tile_rows : 0;
+    scan[t] = tiles;
+    __syncthreads();
+    for (int off = 1; off < kThreads; off <<= 1) {
+      const int64_t add = t >= off ? scan[t - off] : 0;
+      __syncthreads();
+      scan[t] += add;
+      __syncthreads();
+    }
+    const int64_t before = carry + scan[t] - tiles;  // the tiles of the groups before g
+    if (tiles > 0 && tile >= before && tile < before + tiles) {
+      found = g;
+      found_tile = tile - before;
+    }
+    __syncthreads();
+    if (t == kThreads - 1) carry += scan[t];
+    __syncthreads();
+    if (found < n_groups) break;  // the same shared value for every thread
+  }
+  *group = found;
+  *group_tile = found_tile;
+}
+
 __global__ void __launch_bounds__(kThreads, 3)
     SkinnyGemmQuantKernel(const float* x, const float* act_scale, int64_t rows, GemmWeight w,
                           const uint8_t* scale_codes, const float* scale_values, int block_rows,
@@ -408,14 +453,9 @@ __global__ void __launch_bounds__(kThreads, 3)
     SkinnyGroupedGemmQuantKernel(const float* q, const float* act_scale, const int64_t* starts,
                                  int n_groups, const GroupWeight* groups, GemmWeight w,
                                  int block_rows, int block_cols, int64_t scale_cols, float* y) {
-  int64_t tile = blockIdx.y;
   int g = 0;
-  for (; g < n_groups; ++g) {
-    const int64_t n = starts[g + 1] - starts[g];
-    const int64_t tiles = (n + kSkinnyRows - 1) / kSkinnyRows;
-    if (tile < tiles) break;
-    tile -= tiles;
-  }
+  int64_t tile = 0;
+  FindGroupTile(starts, n_groups, kSkinnyRows, &g, &tile);
   if (g == n_groups) return;  // whole blocks leave together
   const int64_t nb = (w.in + kChunk - 1) / kChunk;
   const int64_t at = starts[g] + tile * kSkinnyRows, n = starts[g + 1] - at;
@@ -433,14 +473,9 @@ __global__ void __launch_bounds__(kThreads)
     GroupedGemmQuantKernel(const float* q, const float* act_scale, const int64_t* starts,
                            int n_groups, const GroupWeight* groups, GemmWeight w, int block_rows,
                            int block_cols, int64_t scale_cols, float* y) {
-  int64_t tile = blockIdx.y;
   int g = 0;
-  for (; g < n_groups; ++g) {
-    const int64_t n = starts[g + 1] - starts[g];
-    const int64_t tiles = (n + kTileR - 1) / kTileR;
-    if (tile < tiles) break;
-    tile -= tiles;
-  }
+  int64_t tile = 0;
+  FindGroupTile(starts, n_groups, kTileR, &g, &tile);
   if (g == n_groups) return;  // whole blocks leave together
   const int64_t at = starts[g], n = starts[g + 1] - at, nb = (w.in + kChunk - 1) / kChunk;
   GemmWeight gw = w;

@@ -1318,6 +1318,15 @@ PARITY_CASE(GroupedLinearQuant) {
   // skinny 8-row tiles, the group of 9 across two.
   GroupedLinearQuantOver(env, {0, 0, 17, 18, 18, 58, 63});
   GroupedLinearQuantOver(env, {0, 1, 1, 4, 13, 15, 15});
+  // More groups than a device block has threads (the release config's 384 routed experts and
+  // the shared one): the tiles' groups are found over several scans. Rows in groups 3, 4, 150
+  // (9: two tiles) and 299, the rest empty.
+  std::vector<int64_t> many(301, 0);
+  for (int g = 0; g < 300; ++g) {
+    const int64_t n = g == 3 ? 2 : g == 4 ? 1 : g == 150 ? 9 : g == 299 ? 1 : 0;
+    many[g + 1] = many[g] + n;
+  }
+  GroupedLinearQuantOver(env, many);
   // Starts that run past the rows (or begin before row 0) are refused by the CPU backend (a
   // device backend does not read them back).
   QuantWeight shape;
