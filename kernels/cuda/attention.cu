@@ -183,13 +183,6 @@ struct IndexKeys {
   int64_t row_bytes = 0;
 };
 
-__device__ __forceinline__ float KeyElement(const IndexKeys& k, int64_t r, int64_t t, int64_t i,
-                                            int64_t dim) {
-  if (k.keys != nullptr) return k.keys[t * dim + i];
-  const int64_t rpp = k.rows_per_page[r];
-  return row_codec::UnpackElement(k.codec, k.tables[r][t / rpp] + (t % rpp) * k.row_bytes, dim, i);
-}
-
 // ops.cc IndexerScores over a tile of 32 keys, for query row blockIdx.y (q [rows, heads, dim],
 // w [rows, heads]): the keys pass through shared memory once; thread (lane, warp) computes the
 // term bf16(max(bf16(DotDp(q_h, k_t)), 0) * w[h]) of key t0 + lane for heads h = warp, warp + 8,
@@ -209,9 +202,31 @@ __global__ void __launch_bounds__(kIndexThreads)
   const float* qr = q + r * heads * dim;
   const float* wr = w + r * heads;
   const int tid = threadIdx.x, lane = tid % kIndexKeys, warp = tid / kIndexKeys;
-  for (int64_t e = tid; e < kIndexKeys * dim; e += kIndexThreads) {
-    const int64_t j = e / dim, i = e % dim, t = t0 + j;
-    kt[j * stride + i] = t < nv ? KeyElement(keys, r, t, i, dim) : 0.f;
+  // Paged keys: each of the tile's key rows is found once (its page and offset: two 64-bit
+  // divisions and two dependent loads), not once per element.
+  __shared__ const uint8_t* key_row[kIndexKeys];
+  if (keys.keys == nullptr && tid < kIndexKeys) {
+    const int64_t t = t0 + tid;
+    const uint8_t* at = nullptr;
+    if (t < nv) {
+      const int64_t rpp = keys.rows_per_page[r];
+      at = keys.tables[r][t / rpp] + (t % rpp) * keys.row_bytes;
+    }
+    key_row[tid] = at;
+  }
+  __syncthreads();
+  // Warp w fills key rows w, w + 8, ...; its lanes take consecutive elements (coalesced reads,
+  // one bank each in the padded rows).
+  for (int j = warp; j < kIndexKeys; j += kIndexThreads / kIndexKeys) {
+    const int64_t t = t0 + j;
+    for (int64_t i = lane; i < dim; i += kIndexKeys) {
+      float v = 0.f;
+      if (t < nv) {
+        v = keys.keys != nullptr ? keys.keys[t * dim + i]
+                                 : row_codec::UnpackElement(keys.codec, key_row[j], dim, i);
+      }
+      kt[j * stride + i] = v;
+    }
   }
   __syncthreads();
   if (t0 + lane < nv) {
@@ -249,7 +264,9 @@ cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const
   const size_t smem =
       (kIndexKeys * static_cast<size_t>(dim + 1) + static_cast<size_t>(heads) * kIndexKeys) *
       sizeof(float);
-  if (cudaError_t rc = AllowSharedMemory(IndexerScoresKernel, smem, 0); rc != cudaSuccess)
+  // Beside the static key_row table.
+  if (cudaError_t rc = AllowSharedMemory(IndexerScoresKernel, smem, kIndexKeys * sizeof(void*));
+      rc != cudaSuccess)
     return rc;
   const dim3 grid(static_cast<unsigned>((n + kIndexKeys - 1) / kIndexKeys),
                   static_cast<unsigned>(rows));
