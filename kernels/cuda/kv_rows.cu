@@ -1,8 +1,8 @@
 // The KV pool's paged packed rows on the device: PackRows / UnpackRows of CudaBackend, TopKSlots
 // (the top-k part of a decode call's attention lists, gathered with UnpackRows), and the pool
 // blocks' DigestBlocks / BlocksEqual (sealing: kernels/xxh3_lanes.h, XXH3-64 as libxxhash). One
-// thread packs one scale block and one thread unpacks one element, through kernels/row_codec.h (the
-// arithmetic of kernels/format.cc's PackKvEntry / PackIndexKey / PackSwaSlot and their Unpack
+// thread packs one scale block and one thread block unpacks one row, through kernels/row_codec.h
+// (the arithmetic of kernels/format.cc's PackKvEntry / PackIndexKey / PackSwaSlot and their Unpack
 // functions, checked against them on the host in tests/kernels/codec_test.cc), so the bytes and
 // values are bit-identical to the CPU backend's.
 #include "kernels/cuda/common.cuh"
@@ -32,32 +32,40 @@ __global__ void PackRowsKernel(RowCodec codec, const float* x, int64_t n, int64_
   row_codec::PackBlock(codec, x + i * dim, dim, b, out);
 }
 
-// One thread per element (i, d).
-__global__ void UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
-                                 int64_t dim, const int32_t* rows, int64_t first, int64_t n,
-                                 float* out) {
-  const int64_t e = Tid();
-  if (e >= n * dim) return;
-  const int64_t i = e / dim, d = e % dim;
-  const int64_t r = (rows != nullptr ? rows[i] : i) + first;
-  if (r < 0) return;  // a skipped slot: out row i stays as it is
-  const uint8_t* in =
-      pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
-  out[e] = row_codec::UnpackElement(codec, in, dim, d);
+// One thread block per row i (kRowThreads = 64 threads over its elements): the packed row's address
+// is found once per thread (a 64-bit division by the rows a page), not once per element beside
+// the element's own division by dim: two integer divisions an element, about the cost of its
+// decode.
+constexpr int kRowThreads = 64;
+
+__device__ __forceinline__ void UnpackRow(RowCodec codec, const uint8_t* in, int64_t dim,
+                                          float* out) {
+  for (int64_t d = threadIdx.x; d < dim; d += kRowThreads) {
+    out[d] = row_codec::UnpackElement(codec, in, dim, d);
+  }
 }
 
-// UnpackRowsKernel over many streams: element (i, d) reads stream i / per_table.
-__global__ void GatherRowsKernel(RowCodec codec, const uint8_t* const* const* tables,
-                                 const int64_t* rows_per_page, int64_t per_table, int64_t dim,
-                                 const int32_t* rows, int64_t first, int64_t n, float* out) {
-  const int64_t e = Tid();
-  if (e >= n * dim) return;
-  const int64_t i = e / dim, d = e % dim;
+__global__ void __launch_bounds__(kRowThreads)
+    UnpackRowsKernel(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
+                     int64_t dim, const int32_t* rows, int64_t first, float* out) {
+  const int64_t i = blockIdx.x;
+  const int64_t r = (rows != nullptr ? rows[i] : i) + first;
+  if (r < 0) return;  // a skipped slot: out row i stays as it is
+  UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim),
+            dim, out + i * dim);
+}
+
+// UnpackRowsKernel over many streams: row i reads stream i / per_table.
+__global__ void __launch_bounds__(kRowThreads)
+    GatherRowsKernel(RowCodec codec, const uint8_t* const* const* tables,
+                     const int64_t* rows_per_page, int64_t per_table, int64_t dim,
+                     const int32_t* rows, int64_t first, float* out) {
+  const int64_t i = blockIdx.x;
   const int64_t r = rows[i] + first;
   if (r < 0) return;  // a skipped slot: out row i stays as it is
   const int64_t g = i / per_table, rpp = rows_per_page[g];
-  const uint8_t* in = tables[g][r / rpp] + (r % rpp) * row_codec::RowBytes(codec, dim);
-  out[e] = row_codec::UnpackElement(codec, in, dim, d);
+  UnpackRow(codec, tables[g][r / rpp] + (r % rpp) * row_codec::RowBytes(codec, dim), dim,
+            out + i * dim);
 }
 
 // cpu_backend.cc TopKSlots: one thread per (row, slot).
@@ -183,8 +191,9 @@ cudaError_t UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows
                        int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out,
                        cudaStream_t stream) {
   if (n * dim <= 0) return cudaSuccess;
-  UnpackRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(codec, pages, rows_per_page, dim,
-                                                              rows, first, n, out);
+  if (n >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // one block a row
+  UnpackRowsKernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
+      codec, pages, rows_per_page, dim, rows, first, out);
   return cudaGetLastError();
 }
 
@@ -193,8 +202,9 @@ cudaError_t GatherRows(RowCodec codec, const uint8_t* const* const* tables,
                        const int32_t* rows, int64_t first, int64_t n, float* out,
                        cudaStream_t stream) {
   if (n * dim <= 0) return cudaSuccess;
-  GatherRowsKernel<<<GridFor(n * dim), kThreads, 0, stream>>>(codec, tables, rows_per_page,
-                                                              per_table, dim, rows, first, n, out);
+  if (n >= (int64_t{1} << 31)) return cudaErrorInvalidValue;  // one block a row
+  GatherRowsKernel<<<static_cast<unsigned>(n), kRowThreads, 0, stream>>>(
+      codec, tables, rows_per_page, per_table, dim, rows, first, out);
   return cudaGetLastError();
 }
 
