@@ -142,8 +142,7 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
   // pool a few Downloads per source, not per block (a 1M-token prompt cuts 16K blocks).
   struct SourceRows {
     int ratio = 1;
-    int64_t e0 = 0;                        // first entry of first_block
-    std::string kv, keys;                  // entries [e0, end_block * B / ratio)
+    std::string kv, keys;  // entries [first_block * B / ratio, end_block * B / ratio)
     std::vector<float> log_kv, log_score;  // the whole log ([rows, hd] each), when read
   };
   std::map<int, SourceRows> rows;
@@ -156,16 +155,15 @@ absl::StatusOr<std::vector<std::string>> CutPrefixBlocks(const Model& model,
     if (B % r != 0)
       return absl::InvalidArgumentError(
           absl::StrCat("prefix cut: block of ", B, " tokens is not a multiple of ratio ", r));
-    sr.e0 = first_block * B / r;
-    const int64_t e1 = end_block * B / r;
+    const int64_t e0 = first_block * B / r, e1 = end_block * B / r;
     if (src.n < e1) {  // the first block past the source's entries
       const int64_t short_block = std::max(first_block, src.n / (B / r));
       return absl::FailedPreconditionError(absl::StrCat("prefix cut: source ", l, " has ", src.n,
                                                         " entries, block needs ",
                                                         (short_block + 1) * B / r));
     }
-    ASSIGN_OR_RETURN(sr.kv, PackedRows(src.kv, sr.e0, e1, KvRowFormat::kPackedKv));
-    ASSIGN_OR_RETURN(sr.keys, PackedRows(src.keys, sr.e0, e1, KvRowFormat::kPackedKey));
+    ASSIGN_OR_RETURN(sr.kv, PackedRows(src.kv, e0, e1, KvRowFormat::kPackedKv));
+    ASSIGN_OR_RETURN(sr.keys, PackedRows(src.keys, e0, e1, KvRowFormat::kPackedKey));
     if (r > 1 && n_blocks > 1 && src.log != nullptr) {
       const int64_t logged = src.log->rows();
       sr.log_kv.resize(static_cast<size_t>(logged * hd));

@@ -5,6 +5,7 @@
 // order, so results do not depend on the tile, the batch or the launch.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/torch_math.h"
 
 namespace epd::kernels::cuda {
 namespace {
@@ -498,7 +499,7 @@ constexpr int kChainOuts = 32, kChainRows = kThreads / kChainOuts, kChainK = 128
 constexpr int kChainWLoads = kChainOuts * kChainK / kThreads;  // weight values a thread stages
 constexpr int kChainXLoads = kChainRows * kChainK / kThreads;  // activation values a thread stages
 
-__global__ void __launch_bounds__(kThreads)  // 104 registers, no spill (sm_90): 2 blocks an SM
+__global__ void __launch_bounds__(kThreads)  // 91 registers, no spill (sm_90): 2 blocks an SM
     PlainChainKernel(const float* x, int64_t rows, GemmWeight w, bool bf16, float* y) {
   __shared__ float ws[2][kChainOuts][kChainK + 1];
   __shared__ float xs[2][kChainRows][kChainK];
@@ -550,14 +551,8 @@ __global__ void __launch_bounds__(kThreads)  // 104 registers, no spill (sm_90):
       const float* xa = xs[b][rl];
       const float* wa = ws[b][ol];
       const int n = static_cast<int>(K - c * kChainK < kChainK ? K - c * kChainK : kChainK);
-      if (bf16) {  // DotDp: per pair the odd element first; chunks are even, so only K's last
-                   // odd element stands alone
-        int i = 0;
-        for (; i + 2 <= n; i += 2) {
-          sum += xa[i + 1] * wa[i + 1];
-          sum += xa[i] * wa[i];
-        }
-        if (i < n) sum += xa[i] * wa[i];
+      if (bf16) {  // DotDp's pairs; chunks are even, so only K's last odd element stands alone
+        sum = torch_math::DotDpFrom(xa, wa, 0, n, sum);
       } else {  // DotSeq: index order
         for (int i = 0; i < n; ++i) sum += xa[i] * wa[i];
       }
