@@ -144,6 +144,40 @@ struct QuantWeight {
   }
 };
 
+// A plain linear's weight [out, in] (LinearBf16, LinearF32) or an embedding table [vocab, dim]
+// (Embed) in backend memory, in one of two forms with bit-identical results: fp32 values, or bf16
+// values held as their 16 bits (the model's form for its bf16 tensors and wo_a: half the bytes a
+// decode step reads and half the memory they hold; widening a bf16 value to fp32 is exact). A
+// `const float*` converts implicitly to the fp32 form.
+enum class PlainDtype : uint8_t { kF32, kBf16 };
+struct PlainWeight {
+  const void* data = nullptr;
+  PlainDtype dtype = PlainDtype::kF32;
+
+  PlainWeight() = default;
+  PlainWeight(const float* w) : data(w) {}  // NOLINT(google-explicit-constructor): fp32 form
+  static PlainWeight Bf16(const uint16_t* bits) {
+    PlainWeight w;
+    w.data = bits;
+    w.dtype = PlainDtype::kBf16;
+    return w;
+  }
+  static int64_t ElementBytes(PlainDtype d) { return d == PlainDtype::kBf16 ? 2 : 4; }
+  // The weight from row-major element `i` on (a group of rows of a larger array).
+  PlainWeight From(int64_t i) const {
+    PlainWeight w = *this;
+    if (data != nullptr) w.data = static_cast<const uint8_t*>(data) + i * ElementBytes(dtype);
+    return w;
+  }
+};
+
+// The argument check every backend makes on a plain linear's weight: why `w` cannot be one
+// (empty when it can).
+inline std::string PlainWeightProblem(const PlainWeight& w) {
+  if (w.dtype != PlainDtype::kF32 && w.dtype != PlainDtype::kBf16) return "unknown weight dtype";
+  return {};
+}
+
 // The argument checks every backend makes on LinearQuant's weight: why `w` cannot be one (empty
 // when it can). Shape and bytes only; where the bytes live is the backend's own check.
 inline std::string QuantWeightProblem(const QuantWeight& w) {
@@ -293,11 +327,12 @@ class Backend {
   // fp32 accumulation: x [rows, w.in] bf16, y [rows, w.out] bf16.
   virtual absl::Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w,
                                    float* y) = 0;
-  // y = bf16(x @ w^T), fp32 accumulation. x [rows, in], w [out, in] (bf16 values), y [rows, out].
-  virtual absl::Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out,
+  // y = bf16(x @ w^T), fp32 accumulation. x [rows, in], w [out, in] (bf16 values, either form),
+  // y [rows, out].
+  virtual absl::Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out,
                                   int64_t in, float* y) = 0;
-  // y = x @ w^T in fp32 (no rounding). x [rows, in], w [out, in], y [rows, out].
-  virtual absl::Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out,
+  // y = x @ w^T in fp32 (no rounding). x [rows, in], w [out, in] (either form), y [rows, out].
+  virtual absl::Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out,
                                  int64_t in, float* y) = 0;
 
   // ---- Norms, RoPE, bf16 rounding ----
@@ -468,8 +503,8 @@ class Backend {
                                              const float* k_weight, float norm_eps) {
     return EngramGate(h, e, rows, hc, dim, q_weight, k_weight, norm_eps);
   }
-  // Embedding: h[r, j, :] = table[ids[r], :] for j < hc; table [vocab, dim].
-  virtual absl::Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
+  // Embedding: h[r, j, :] = table[ids[r], :] for j < hc; table [vocab, dim] (either form).
+  virtual absl::Status Embed(PlainWeight table, int64_t dim, const int32_t* ids, int64_t rows,
                              int hc, float* h) = 0;
 
   // ---- Paged packed rows (the KV pool's blocks) ----

@@ -36,6 +36,14 @@ EPD_HD int64_t RowBytes(RowCodec codec, int64_t dim) {
   }
   return dim * 4;
 }
+// The address of packed row r of a paged stream (`rows_per_page` rows of `row_bytes` a page):
+// page r / rows_per_page, slot r % rows_per_page. Every paged op finds its rows here (the CPU
+// backend, PackRows / UnpackRows / GatherRows and the paged indexer on CUDA).
+template <typename Byte>
+EPD_HD Byte* PagedRow(Byte* const* pages, int64_t rows_per_page, int64_t r, int64_t row_bytes) {
+  return pages[r / rows_per_page] + (r % rows_per_page) * row_bytes;
+}
+
 // Elements per scale block (1 for kF32); dim must be a multiple of it.
 EPD_HD int64_t Block(RowCodec codec) {
   return codec == RowCodec::kKvEntry ? 16 : (codec == RowCodec::kF32 ? 1 : 32);

@@ -135,7 +135,8 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
   Scratch ws(backend_, outer.pool(), &outer);
   HcMix m = a.mix;  // the step's arrays (HcBefore* take the mixes by non-const reference)
   if (s == 0) {
-    RETURN_IF_ERROR(backend_.Embed(weights_->embed.data(), D, a.ids, R, static_cast<int>(hc), a.h));
+    RETURN_IF_ERROR(
+        backend_.Embed(weights_->embed.plain(), D, a.ids, R, static_cast<int>(hc), a.h));
     RETURN_IF_ERROR(backend_.Copy(a.pre, a.pre0, R * hc * static_cast<int64_t>(sizeof(float))));
   } else {
     // The rest of layer s - 1 after its attention (Block's order). Decode-step rows are

@@ -216,11 +216,11 @@ absl::Status Model::CompressorProjections(int l, const float* x, int64_t rows, f
   const AttentionWeights& A = weights_->layers[l].attn;
   const int64_t D = c.dim, hd = c.head_dim;
   if (roles_[l].compress_ratio == 1) {
-    RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.cmp_wkv.data(), hd, D, kv));
+    RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.cmp_wkv.plain(), hd, D, kv));
     return backend_.RmsNorm(kv, A.cmp_norm.data(), rows, hd, c.norm_eps, kv);
   }
-  RETURN_IF_ERROR(backend_.LinearF32(x, rows, A.cmp_wkv.data(), hd, D, kv));
-  return backend_.LinearF32(x, rows, A.cmp_wgate.data(), hd, D, score);
+  RETURN_IF_ERROR(backend_.LinearF32(x, rows, A.cmp_wkv.plain(), hd, D, kv));
+  return backend_.LinearF32(x, rows, A.cmp_wgate.plain(), hd, D, score);
 }
 
 absl::Status Model::PoolGroups(Scratch& ws, SequenceState::Source& s, int64_t cut_block,
@@ -294,7 +294,7 @@ absl::Status Model::FinishLatents(Scratch& ws, int l, float* latents, int64_t ne
   const AttentionWeights& A = weights_->layers[l].attn;
   const int64_t hd = c.head_dim, ihd = c.index_head_dim;
   const int rd = c.rope_head_dim, nope = c.nope_head_dim();
-  RETURN_IF_ERROR(backend_.LinearBf16(latents, ne, A.idx_wk.data(), ihd, hd, keys));
+  RETURN_IF_ERROR(backend_.LinearBf16(latents, ne, A.idx_wk.plain(), ihd, hd, keys));
   RETURN_IF_ERROR(backend_.RmsNorm(keys, A.idx_k_norm.data(), ne, ihd, c.norm_eps, keys));
   RETURN_IF_ERROR(
       RopeRows(ws, l, keys, ne, 1, static_cast<int>(ihd), static_cast<int>(ihd - rd), gpos, false));
@@ -788,7 +788,7 @@ absl::Status Model::IndexQueries(Scratch& ws, int l, const float* x, const float
   RETURN_IF_ERROR(RopeRows(ws, l, qi, rows, static_cast<int>(nI), static_cast<int>(ihd),
                            static_cast<int>(ihd - c.rope_head_dim), positions, false));
   RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi, rows * nI, ihd));
-  RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.idx_weights_proj.data(), nI, c.dim, w));
+  RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.idx_weights_proj.plain(), nI, c.dim, w));
   const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
                                           std::pow(static_cast<double>(nI), -0.5));
   return backend_.ScaleRoundBf16(w, rows * nI, wscale);
@@ -817,8 +817,8 @@ absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, con
   ASSIGN_OR_RETURN(float* oa, ws.Alloc<float>(rows * G * R));
   if (rows == 1) {  // one row's groups are already contiguous
     for (int64_t g = 0; g < G; ++g) {
-      RETURN_IF_ERROR(
-          backend_.LinearBf16(o + g * gin, 1, A.wo_a.data() + g * R * gin, R, gin, oa + g * R));
+      RETURN_IF_ERROR(backend_.LinearBf16(o + g * gin, 1, A.wo_a.plain().From(g * R * gin), R, gin,
+                                          oa + g * R));
     }
     return backend_.LinearQuant(oa, rows, A.wo_b, out);
   }
@@ -830,8 +830,8 @@ absl::Status Model::OutputProjection(Scratch& ws, const AttentionWeights& A, con
   ASSIGN_OR_RETURN(float* oag, ws.Alloc<float>(rows * G * R));
   RETURN_IF_ERROR(backend_.CopyRows(o, order_dev, og, nullptr, rows * G, gin));
   for (int64_t g = 0; g < G; ++g) {
-    RETURN_IF_ERROR(backend_.LinearBf16(og + g * rows * gin, rows, A.wo_a.data() + g * R * gin, R,
-                                        gin, oag + g * rows * R));
+    RETURN_IF_ERROR(backend_.LinearBf16(og + g * rows * gin, rows, A.wo_a.plain().From(g * R * gin),
+                                        R, gin, oag + g * rows * R));
   }
   RETURN_IF_ERROR(backend_.CopyRows(oag, nullptr, oa, order_dev, rows * G, R));
   return backend_.LinearQuant(oa, rows, A.wo_b, out);
@@ -905,7 +905,7 @@ absl::Status Model::Moe(Scratch& outer, int l, const float* x, int64_t rows, flo
   for (int64_t r0 = 0; r0 < rows; r0 += chunk) {
     const int64_t n = std::min(chunk, rows - r0), routed = n * K, all = n * slots;
     const float* xc = x + r0 * D;
-    RETURN_IF_ERROR(backend_.LinearF32(xc, n, M.gate.data(), E, D, z));
+    RETURN_IF_ERROR(backend_.LinearF32(xc, n, M.gate.plain(), E, D, z));
     RETURN_IF_ERROR(backend_.MoeRoute(z, n, static_cast<int>(E), M.gate_bias.data(), M.top_k,
                                       c.route_scale, sel, wts, ranked));
     if (experts) RETURN_IF_ERROR(ws.Download(ranked, routed, experts->data() + r0 * K));
@@ -1227,7 +1227,7 @@ absl::StatusOr<float*> Model::HeadLogits(Scratch& ws, const DeviceResidual& r, i
     ASSIGN_OR_RETURN(logits, ws.Alloc<float>(out_rows * V));
   }
   RETURN_IF_ERROR(
-      backend_.LinearF32(x + (n - out_rows) * D, out_rows, weights_->head.data(), V, D, logits));
+      backend_.LinearF32(x + (n - out_rows) * D, out_rows, weights_->head.plain(), V, D, logits));
   return logits;
 }
 
@@ -1477,7 +1477,7 @@ absl::Status Model::EmbedRows(Scratch& ws, std::span<const int32_t> ids, float**
   ASSIGN_OR_RETURN(const int32_t* ids_dev, ws.Copy(ids.data(), rows));
   ASSIGN_OR_RETURN(*h, ws.Alloc<float>(rows * hc * D));
   RETURN_IF_ERROR(
-      backend_.Embed(weights_->embed.data(), D, ids_dev, rows, static_cast<int>(hc), *h));
+      backend_.Embed(weights_->embed.plain(), D, ids_dev, rows, static_cast<int>(hc), *h));
   ASSIGN_OR_RETURN(*pre, ws.Copy(FirstPreMix(rows)));
   return absl::OkStatus();
 }
@@ -1911,7 +1911,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
   }
   RETURN_IF_ERROR(backend_.RmsNorm(x, Dw.norm.data(), B, D, c.norm_eps, xn));
   ASSIGN_OR_RETURN(float* logits, ws.Alloc<float>(B * V));
-  RETURN_IF_ERROR(backend_.LinearF32(xn, B, weights_->head.data(), V, D, logits));
+  RETURN_IF_ERROR(backend_.LinearF32(xn, B, weights_->head.plain(), V, D, logits));
   // The Markov chain runs on the backend: chain[i] is the token before draft position i (the
   // input token, then each position's argmax or draw, or the forced id), and position i's Markov
   // embedding row is gathered by it (Embed with hc 1: a row copy), so no draft id comes down
@@ -1957,8 +1957,8 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     ASSIGN_OR_RETURN(pen_counts, ws.Copy(penalties->counts));
   }
   for (int64_t i = 0; i < B; ++i) {
-    RETURN_IF_ERROR(backend_.Embed(Dw.markov_embed.data(), R, chain + i, 1, 1, cat + D));
-    RETURN_IF_ERROR(backend_.LinearF32(cat + D, 1, Dw.markov_head.data(), V, R, bias));
+    RETURN_IF_ERROR(backend_.Embed(Dw.markov_embed.plain(), R, chain + i, 1, 1, cat + D));
+    RETURN_IF_ERROR(backend_.LinearF32(cat + D, 1, Dw.markov_head.plain(), V, R, bias));
     float* li = logits + i * V;
     RETURN_IF_ERROR(backend_.Add(li, bias, V));
     if (penalize) {
@@ -1973,7 +1973,7 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
       RETURN_IF_ERROR(backend_.Argmax(li, 1, V, next));
     }
     RETURN_IF_ERROR(backend_.Copy(cat, x + i * D, D * static_cast<int64_t>(sizeof(float))));
-    RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.data(), 1, D + R, confidence + i));
+    RETURN_IF_ERROR(backend_.LinearF32(cat, 1, Dw.confidence.plain(), 1, D + R, confidence + i));
   }
   ASSIGN_OR_RETURN(out.ids, ws.ToHost(chain, B + 1));
   if (lo == LogitsOut::kValues) {

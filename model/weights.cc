@@ -1,5 +1,8 @@
 #include "model/weights.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/format.h"
 #include "spdlog/spdlog.h"
@@ -51,6 +54,15 @@ class Loader {
       out[i] = kf::Bf16BitsToF32(b);
     }
     return Array(out);
+  }
+
+  // A BF16 tensor that only plain linears read: its bf16 bits as they are.
+  absl::StatusOr<WeightArray> Bf16Bits(const std::string& name, std::vector<int64_t> shape) {
+    auto v = s_.Get(name, DType::kBF16, shape);
+    if (!v.ok()) return v.status();
+    auto b = Put(*v, v->bytes);
+    if (!b.ok()) return b.status();
+    return WeightArray(std::move(*b), v->numel(), kernels::PlainDtype::kBf16);
   }
 
   absl::StatusOr<WeightArray> F32(const std::string& name, std::vector<int64_t> shape) {
@@ -108,21 +120,24 @@ class Loader {
     return q;
   }
 
-  // FP8 weight dequantized to its (bf16-exact) values: wo_a, as convert.py does.
+  // FP8 weight dequantized to its (bf16-exact) values, held as bf16 bits: wo_a, as convert.py
+  // does.
   absl::StatusOr<WeightArray> Fp8Dequant(const std::string& prefix, int64_t out, int64_t in) {
     auto w = s_.Get(prefix + ".weight", DType::kF8E4M3, {out, in});
     if (!w.ok()) return w.status();
     const int64_t scols = (in + 31) / 32;
     auto s = s_.Get(prefix + ".scale", DType::kF8E8M0, {(out + 31) / 32, scols});
     if (!s.ok()) return s.status();
-    std::vector<float> v(out * in);
+    std::vector<uint16_t> v(out * in);
     for (int64_t o = 0; o < out; ++o) {
       for (int64_t i = 0; i < in; ++i) {
-        v[o * in + i] = kf::RoundBf16(kf::DecodeE4M3(w->data[o * in + i]) *
-                                      kf::DecodeE8M0(s->data[(o / 32) * scols + i / 32]));
+        v[o * in + i] = kf::F32ToBf16Bits(kf::DecodeE4M3(w->data[o * in + i]) *
+                                          kf::DecodeE8M0(s->data[(o / 32) * scols + i / 32]));
       }
     }
-    return Array(v);
+    auto b = Upload(v.data(), static_cast<int64_t>(v.size() * sizeof(uint16_t)));
+    if (!b.ok()) return b.status();
+    return WeightArray(std::move(*b), out * in, kernels::PlainDtype::kBf16);
   }
 
  private:
@@ -134,7 +149,7 @@ absl::Status LoadMoe(Loader& ld, const std::string& p, const ModelConfig& c, int
                      int top_k, MoeWeights* m) {
   m->n_experts = n_experts;
   m->top_k = top_k;
-  EPD_ASSIGN(m->gate, ld.Bf16(p + "gate.weight", {n_experts, c.dim}));
+  EPD_ASSIGN(m->gate, ld.Bf16Bits(p + "gate.weight", {n_experts, c.dim}));
   EPD_ASSIGN(m->gate_bias, ld.F32(p + "gate.bias", {n_experts}));
   m->experts.resize(n_experts);
   for (int e = 0; e < n_experts; ++e) {
@@ -165,8 +180,8 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
     backend = host.get();
   }
   Loader ld(*store, *backend);
-  EPD_ASSIGN(mw->embed, ld.Bf16("embed.weight", {c.vocab_size, c.dim}));
-  EPD_ASSIGN(mw->head, ld.Bf16("head.weight", {c.vocab_size, c.dim}));
+  EPD_ASSIGN(mw->embed, ld.Bf16Bits("embed.weight", {c.vocab_size, c.dim}));
+  EPD_ASSIGN(mw->head, ld.Bf16Bits("head.weight", {c.vocab_size, c.dim}));
   EPD_ASSIGN(mw->norm, ld.Bf16("norm.weight", {c.dim}));
   const std::vector<LayerRole> roles = c.Roles();
   mw->layers.resize(c.total_layers());
@@ -189,18 +204,20 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
                                      int64_t{c.n_heads / c.o_groups} * c.head_dim));
     EPD_ASSIGN(A.wo_b, ld.Fp8(p + "attn.wo_b", c.dim, c.o_groups * c.o_lora_rank));
     if (r.is_kv_source) {
-      EPD_ASSIGN(A.cmp_wkv, ld.Bf16(p + "attn.compressor.wkv.weight", {c.head_dim, c.dim}));
+      EPD_ASSIGN(A.cmp_wkv, ld.Bf16Bits(p + "attn.compressor.wkv.weight", {c.head_dim, c.dim}));
       if (r.has_wgate)
-        EPD_ASSIGN(A.cmp_wgate, ld.Bf16(p + "attn.compressor.wgate.weight", {c.head_dim, c.dim}));
+        EPD_ASSIGN(A.cmp_wgate,
+                   ld.Bf16Bits(p + "attn.compressor.wgate.weight", {c.head_dim, c.dim}));
       EPD_ASSIGN(A.cmp_norm, ld.Bf16(p + "attn.compressor.norm.weight", {c.head_dim}));
-      EPD_ASSIGN(A.idx_wk, ld.Bf16(p + "attn.indexer.wk.weight", {c.index_head_dim, c.head_dim}));
+      EPD_ASSIGN(A.idx_wk,
+                 ld.Bf16Bits(p + "attn.indexer.wk.weight", {c.index_head_dim, c.head_dim}));
       EPD_ASSIGN(A.idx_k_norm, ld.Bf16(p + "attn.indexer.k_norm.weight", {c.index_head_dim}));
     }
     if (r.is_index_source) {
       EPD_ASSIGN(A.idx_wq_b, ld.Fp8(p + "attn.indexer.wq_b",
                                     int64_t{c.index_n_heads} * c.index_head_dim, c.q_lora_rank));
       EPD_ASSIGN(A.idx_weights_proj,
-                 ld.Bf16(p + "attn.indexer.weights_proj.weight", {c.index_n_heads, c.dim}));
+                 ld.Bf16Bits(p + "attn.indexer.weights_proj.weight", {c.index_n_heads, c.dim}));
     }
     const int ne = r.is_dspark_stage ? c.dspark_n_routed_experts : c.n_routed_experts;
     const int tk = r.is_dspark_stage ? c.dspark_n_activated_experts : c.n_activated_experts;
@@ -236,17 +253,25 @@ absl::StatusOr<std::unique_ptr<ModelWeights>> ModelWeights::Load(
     EPD_ASSIGN(d->main_proj, ld.Fp8("mtp.0.main_proj", c.dim, nt * c.dim));
     EPD_ASSIGN(d->main_norm, ld.Bf16("mtp.0.main_norm.weight", {c.dim}));
     EPD_ASSIGN(d->norm, ld.Bf16(last + "norm.weight", {c.dim}));
-    EPD_ASSIGN(d->markov_embed,
-               ld.Bf16(last + "markov_head.embed.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->markov_embed, ld.Bf16Bits(last + "markov_head.embed.weight",
+                                            {c.vocab_size, c.dspark_markov_rank}));
     EPD_ASSIGN(d->markov_head,
-               ld.Bf16(last + "markov_head.head.weight", {c.vocab_size, c.dspark_markov_rank}));
-    EPD_ASSIGN(d->confidence,
-               ld.Bf16(last + "confidence_head.proj.weight", {1, c.dim + c.dspark_markov_rank}));
+               ld.Bf16Bits(last + "markov_head.head.weight", {c.vocab_size, c.dspark_markov_rank}));
+    EPD_ASSIGN(d->confidence, ld.Bf16Bits(last + "confidence_head.proj.weight",
+                                          {1, c.dim + c.dspark_markov_rank}));
     mw->dspark = std::move(d);
   }
   spdlog::info("weights loaded: {} layers, {:.1f} MB checkpoint", c.total_layers(),
                store->total_bytes() / 1e6);
   return mw;
+}
+
+const float* WeightArray::data() const {
+  if (dtype_ != kernels::PlainDtype::kF32) {
+    std::fprintf(stderr, "WeightArray::data(): a bf16 array has no float view; use plain()\n");
+    std::abort();
+  }
+  return size_ == 0 ? nullptr : buffer_.as<float>();
 }
 
 int64_t ModelWeights::ResidentBytes() const {
@@ -257,7 +282,7 @@ int64_t ModelWeights::ResidentBytes() const {
 
 void ModelWeights::ForEachPiece(const std::function<void(const Piece&)>& fn) const {
   auto array = [&](const std::string& name, const WeightArray& v) {
-    if (!v.empty()) fn({name, v.data(), v.bytes(), v.kind()});
+    if (!v.empty()) fn({name, v.plain().data, v.bytes(), v.kind()});
   };
   auto quant = [&](const std::string& name, const QuantWeight& w) {
     if (w.packed()) {

@@ -3,10 +3,13 @@
 // All weights of a V4.1 model in compute form (MODEL.md §2), checked by name, dtype and shape
 // against the config, all in the backend's memory (device memory for a GPU backend). FP8/FP4
 // weights stay in the checkpoint's format (kernels::QuantWeight, packed codes + E8M0 scale bytes;
-// the kernels dequantize on the fly); BF16 tensors become float arrays of the same values
-// (WeightArray); wo_a (FP8, used as a bf16 linear) is dequantized to bf16 values. The Engram
-// tables are read in place from the mmapped checkpoint by a host-memory backend and copied into
-// a device backend's memory; they are dequantized per row on lookup.
+// the kernels dequantize on the fly). BF16 tensors that only a plain linear or Embed reads (the
+// embeddings, the heads, the gates, the compressor and indexer projections) keep their bf16 bits;
+// the other BF16 tensors (norms, the Engram gate's) become float arrays of the same values
+// (WeightArray). wo_a (FP8, used as a
+// bf16 linear) is dequantized to bf16 values, held as bf16 bits. The Engram tables are read in
+// place from the mmapped checkpoint by a host-memory backend and copied into a device backend's
+// memory; they are dequantized per row on lookup.
 //
 // Ownership: ModelWeights keeps the TensorStore (mmaps) alive. Immutable after Load; thread-safe
 // for concurrent reads.
@@ -25,22 +28,36 @@ namespace epd::model {
 
 using kernels::QuantWeight;
 
-// A float weight array in backend memory (device memory for a GPU backend). The model hands
-// data() to Backend ops only; there is no element access, so a host read of a weight does not
-// compile (what a device backend needs: docs/cuda.md). Move-only.
+// A weight array in backend memory (device memory for a GPU backend): fp32 values, or bf16
+// values held as their 16 bits (the plain linears' weights and the embeddings: half the bytes, same
+// results; see kernels::PlainWeight). The model hands data() (fp32 arrays: norms, biases, tables)
+// or plain() (a linear's weight, either form) to Backend ops only; there is no element access, so a
+// host read of a weight does not compile (what a device backend needs: docs/cuda.md). Move-only.
 class WeightArray {
  public:
   WeightArray() = default;
-  WeightArray(kernels::Buffer buffer, int64_t size) : buffer_(std::move(buffer)), size_(size) {}
-  const float* data() const { return size_ == 0 ? nullptr : buffer_.as<float>(); }
+  WeightArray(kernels::Buffer buffer, int64_t size,
+              kernels::PlainDtype dtype = kernels::PlainDtype::kF32)
+      : buffer_(std::move(buffer)), size_(size), dtype_(dtype) {}
+  // The values of an fp32 array; a bf16 array has no float view (a program error: abort).
+  const float* data() const;
+  // The array as a plain linear's weight, in its form.
+  kernels::PlainWeight plain() const {
+    kernels::PlainWeight w;
+    w.data = size_ == 0 ? nullptr : buffer_.data();
+    w.dtype = dtype_;
+    return w;
+  }
   int64_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
-  int64_t bytes() const { return size_ * static_cast<int64_t>(sizeof(float)); }
+  kernels::PlainDtype dtype() const { return dtype_; }
+  int64_t bytes() const { return size_ * kernels::PlainWeight::ElementBytes(dtype_); }
   kernels::MemoryKind kind() const { return buffer_.kind(); }
 
  private:
   kernels::Buffer buffer_;
   int64_t size_ = 0;
+  kernels::PlainDtype dtype_ = kernels::PlainDtype::kF32;
 };
 
 struct ExpertWeights {
@@ -48,7 +65,7 @@ struct ExpertWeights {
 };
 
 struct MoeWeights {
-  WeightArray gate;       // [n_experts, dim] (bf16 values, used in fp32)
+  WeightArray gate;       // [n_experts, dim] (bf16 bits, used in fp32)
   WeightArray gate_bias;  // [n_experts]
   std::vector<ExpertWeights> experts;
   std::vector<ExpertWeights> shared;  // n_shared_experts (FP8)
@@ -63,17 +80,17 @@ struct AttentionWeights {
   QuantWeight wq_a;              // [q_lora, dim]
   QuantWeight wq_b;              // [n_heads*head_dim, q_lora]
   QuantWeight wkv;               // [head_dim, dim]
-  WeightArray wo_a;       // [o_groups*o_lora, n_heads/o_groups*head_dim], dequantized bf16
+  WeightArray wo_a;  // [o_groups*o_lora, n_heads/o_groups*head_dim], dequantized, bf16 bits
   QuantWeight wo_b;              // [dim, o_groups*o_lora]
   // KV source only.
-  WeightArray cmp_wkv;     // [head_dim, dim]
-  WeightArray cmp_wgate;   // [head_dim, dim] (ratio 2 only)
+  WeightArray cmp_wkv;     // [head_dim, dim] (bf16 bits)
+  WeightArray cmp_wgate;   // [head_dim, dim] (ratio 2 only, bf16 bits)
   WeightArray cmp_norm;    // [head_dim]
-  WeightArray idx_wk;      // [index_head_dim, head_dim]
+  WeightArray idx_wk;      // [index_head_dim, head_dim] (bf16 bits)
   WeightArray idx_k_norm;  // [index_head_dim]
   // Index source only.
   QuantWeight idx_wq_b;                 // [index_n_heads*index_head_dim, q_lora]
-  WeightArray idx_weights_proj;  // [index_n_heads, dim]
+  WeightArray idx_weights_proj;         // [index_n_heads, dim] (bf16 bits)
 };
 
 struct EngramWeights {
@@ -100,14 +117,14 @@ struct DSparkWeights {
   QuantWeight main_proj;            // [dim, n_targets*dim]
   WeightArray main_norm;     // [dim]
   WeightArray norm;          // [dim] (mtp.{last}.norm)
-  WeightArray markov_embed;  // [vocab, rank]
-  WeightArray markov_head;   // [vocab, rank]
-  WeightArray confidence;    // [1, dim + rank]
+  WeightArray markov_embed;  // [vocab, rank] (bf16 bits)
+  WeightArray markov_head;   // [vocab, rank] (bf16 bits)
+  WeightArray confidence;    // [1, dim + rank] (bf16 bits)
 };
 
 struct ModelWeights {
-  WeightArray embed;          // [vocab, dim]
-  WeightArray head;           // [vocab, dim]
+  WeightArray embed;          // [vocab, dim] (bf16 bits)
+  WeightArray head;           // [vocab, dim] (bf16 bits)
   WeightArray norm;           // [dim]
   std::vector<LayerWeights> layers;  // total_layers(): main layers then DSpark stages
   std::unique_ptr<DSparkWeights> dspark;

@@ -145,18 +145,20 @@ class CpuBackend final : public Backend {
     cpu::LinearQuant(x, rows, w, y);
     return OkStatus();
   }
-  Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                     float* y) override {
-    EPD_CHECK_OPERANDS("LinearBf16", {{"x", x}, {"w", w}, {"y", y}});
+    EPD_CHECK_OPERANDS("LinearBf16", {{"x", x}, {"w", w.data}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
+    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearBf16", why);
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearBf16(x, rows, w, out, in, y);
     return OkStatus();
   }
-  Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                    float* y) override {
-    EPD_CHECK_OPERANDS("LinearF32", {{"x", x}, {"w", w}, {"y", y}});
+    EPD_CHECK_OPERANDS("LinearF32", {{"x", x}, {"w", w.data}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
+    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearF32", why);
     ScopedScalarKernels s(!options_.simd);
     cpu::LinearF32(x, rows, w, out, in, y);
     return OkStatus();
@@ -686,12 +688,20 @@ class CpuBackend final : public Backend {
     }
     return OkStatus();
   }
-  Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+  Status Embed(PlainWeight table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                float* h) override {
-    EPD_CHECK_OPERANDS("Embed", {{"table", table}, {"ids", ids}, {"h", h}});
-    for (int64_t i = 0; i < rows; ++i) {
-      for (int64_t j = 0; j < hc; ++j)
-        std::copy_n(table + static_cast<int64_t>(ids[i]) * dim, dim, h + (i * hc + j) * dim);
+    EPD_CHECK_OPERANDS("Embed", {{"table", table.data}, {"ids", ids}, {"h", h}});
+    if (std::string why = PlainWeightProblem(table); !why.empty()) return Bad("Embed", why);
+    for (int64_t i = 0; i < rows && hc > 0; ++i) {
+      const int64_t at = static_cast<int64_t>(ids[i]) * dim;
+      float* first = h + i * hc * dim;
+      if (table.dtype == PlainDtype::kBf16) {
+        const auto* bits = static_cast<const uint16_t*>(table.data) + at;
+        for (int64_t d = 0; d < dim; ++d) first[d] = format::Bf16BitsToF32(bits[d]);
+      } else {
+        std::copy_n(static_cast<const float*>(table.data) + at, dim, first);
+      }
+      for (int64_t j = 1; j < hc; ++j) std::copy_n(first, dim, first + j * dim);
     }
     return OkStatus();
   }
@@ -726,7 +736,7 @@ class CpuBackend final : public Backend {
     const int64_t rb = RowCodecBytes(codec, dim);
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = (rows != nullptr ? rows[i] : i) + first;
-      format::PackRow(codec, x + i * dim, dim, pages[r / rows_per_page] + (r % rows_per_page) * rb);
+      format::PackRow(codec, x + i * dim, dim, row_codec::PagedRow(pages, rows_per_page, r, rb));
     }
     return OkStatus();
   }
@@ -946,7 +956,7 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) {
       const int64_t r = (rows != nullptr ? rows[i] : i) + first;
       if (r < 0) continue;
-      format::UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * rb, dim,
+      format::UnpackRow(codec, row_codec::PagedRow(pages, rows_per_page, r, rb), dim,
                         out + i * dim);
     }
   }

@@ -167,15 +167,24 @@ EPD_AVX2 inline __m256 Dot8x8(const float* x, const float* w, int64_t ldw, int64
   return Tree8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
+// A plain weight's elements as fp32: fp32 values as they are, bf16 bits widened (exactly).
+inline float Widen(float v) { return v; }
+inline float Widen(uint16_t b) { return Bf16BitsToF32(b); }
+EPD_AVX2 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+EPD_AVX2 inline __m256 Load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 // Lane j = DotSeq (dp = false) or DotDp (dp = true) of x and rows[j], n % 8 == 0: 8x8 tiles are
-// transposed so that lane j walks row j's elements in the dot's order.
-EPD_AVX2 inline __m256 DotOrdered8(const float* x, const float* const* rows, int64_t n, bool dp) {
+// transposed so that lane j walks row j's elements in the dot's order. W: float or bf16 bits.
+template <typename W>
+EPD_AVX2 inline __m256 DotOrdered8(const float* x, const W* const* rows, int64_t n, bool dp) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t d = 0; d < n; d += 8) {
-    const __m256 r0 = _mm256_loadu_ps(rows[0] + d), r1 = _mm256_loadu_ps(rows[1] + d),
-                 r2 = _mm256_loadu_ps(rows[2] + d), r3 = _mm256_loadu_ps(rows[3] + d),
-                 r4 = _mm256_loadu_ps(rows[4] + d), r5 = _mm256_loadu_ps(rows[5] + d),
-                 r6 = _mm256_loadu_ps(rows[6] + d), r7 = _mm256_loadu_ps(rows[7] + d);
+    const __m256 r0 = Load8(rows[0] + d), r1 = Load8(rows[1] + d), r2 = Load8(rows[2] + d),
+                 r3 = Load8(rows[3] + d), r4 = Load8(rows[4] + d), r5 = Load8(rows[5] + d),
+                 r6 = Load8(rows[6] + d), r7 = Load8(rows[7] + d);
     const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
                  t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
                  t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
@@ -199,26 +208,33 @@ EPD_AVX2 inline __m256 DotOrdered8(const float* x, const float* const* rows, int
 }
 
 // y[r, o] = f(DotSeq or DotDp of x[r], w[o]) for 8 outputs at a time; f = RoundBf16 when `round`.
-EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const float* w, int64_t out,
-                               int64_t in, float* y, bool round, bool dp) {
+// y's rows are `ldy` apart. W: float, or bf16 bits widened as they are loaded (the same values,
+// so the same bits, from half the bytes).
+template <typename W>
+EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const W* w, int64_t out, int64_t in,
+                               float* y, int64_t ldy, bool round, bool dp) {
   const int64_t n8 = in / 8 * 8, o8 = out / 8 * 8;
   alignas(32) float d[8];
-  const float* wr[8];
+  const W* wr[8];
+  // The dot of x[r] and weight row `row`'s elements [n8, in) onto s, in the dot's order (n8 is
+  // even, so DotDp's pairs are unchanged by starting there).
+  auto tail = [&](const float* xr, const W* row, float s) {
+    float t[8];
+    for (int64_t i = n8; i < in; ++i) t[i - n8] = Widen(row[i]);
+    if (dp) return DotDpFrom(xr + n8, t, 0, in - n8, s);
+    for (int64_t i = n8; i < in; ++i) s += xr[i] * t[i - n8];
+    return s;
+  };
   if (rows < 4) {
     // Few rows (decode, mHC mixes): transpose the weight tiles in registers for each row.
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * in;
-      float* yr = y + r * out;
+      float* yr = y + r * ldy;
       for (int64_t o = 0; o < o8; o += 8) {
         for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
         _mm256_store_ps(d, DotOrdered8(xr, wr, n8, dp));
         for (int k = 0; k < 8; ++k) {
-          float s = d[k];
-          if (dp) {
-            s = DotDpFrom(xr, wr[k], n8, in, s);
-          } else {
-            for (int64_t i = n8; i < in; ++i) s += xr[i] * wr[k][i];
-          }
+          const float s = tail(xr, wr[k], d[k]);
           yr[o + k] = round ? RoundBf16(s) : s;
         }
       }
@@ -231,7 +247,7 @@ EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const float* w, int
     for (int64_t o = 0; o < o8; o += 8) {
       for (int k = 0; k < 8; ++k) wr[k] = w + (o + k) * in;
       for (int64_t i = 0; i < in; ++i) {
-        for (int k = 0; k < 8; ++k) wt[i * 8 + k] = wr[k][i];
+        for (int k = 0; k < 8; ++k) wt[i * 8 + k] = Widen(wr[k][i]);
       }
       const float* t = wt.data();
       for (int64_t r = 0; r < rows; ++r) {
@@ -250,16 +266,20 @@ EPD_AVX2 void LinearOrderedAvx(const float* x, int64_t rows, const float* w, int
           acc =
               _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(xr[i]), _mm256_loadu_ps(t + i * 8)));
         _mm256_store_ps(d, acc);
-        float* yr = y + r * out + o;
+        float* yr = y + r * ldy + o;
         for (int k = 0; k < 8; ++k) yr[k] = round ? RoundBf16(d[k]) : d[k];
       }
     }
   }
+  // The last out % 8 outputs, one row at a time.
+  thread_local std::vector<float> row;
+  row.resize(in);
   for (int64_t o = o8; o < out; ++o) {
+    for (int64_t i = 0; i < in; ++i) row[i] = Widen(w[o * in + i]);
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * in;
-      const float s = dp ? DotDp(xr, w + o * in, in) : DotSeq(xr, w + o * in, in);
-      y[r * out + o] = round ? RoundBf16(s) : s;
+      const float s = dp ? DotDp(xr, row.data(), in) : DotSeq(xr, row.data(), in);
+      y[r * ldy + o] = round ? RoundBf16(s) : s;
     }
   }
 }
@@ -431,22 +451,67 @@ void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
   }
 }
 
-void LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
-#ifdef EPD_AVX2_PATH
-  if (UseSimd()) return LinearOrderedAvx(x, rows, w, out, in, y, /*round=*/true, /*dp=*/true);
-#endif
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t o = 0; o < out; ++o) y[r * out + o] = RoundBf16(DotDp(x + r * in, w + o * in, in));
+namespace {
+
+// Calls fn(wf, o0, n) for blocks of the weight's outputs, wf holding outputs o0 .. o0+n-1 as fp32
+// rows [n, in]: the weight itself in its fp32 form; bf16 bits widened (exactly) block by block
+// into a scratch of at most 256 KiB, so the scalar dots read fp32 either way (the SIMD path
+// widens as it loads instead).
+template <typename Fn>
+void ForF32Rows(PlainWeight w, int64_t out, int64_t in, Fn fn) {
+  if (w.dtype == PlainDtype::kF32) {
+    fn(static_cast<const float*>(w.data), 0, out);
+    return;
+  }
+  const auto* bits = static_cast<const uint16_t*>(w.data);
+  const int64_t block = std::max<int64_t>(8, (int64_t{1} << 16) / std::max<int64_t>(in, 1) / 8 * 8);
+  thread_local std::vector<float> wf;
+  for (int64_t o0 = 0; o0 < out; o0 += block) {
+    const int64_t n = std::min(block, out - o0);
+    wf.resize(n * in);
+    const uint16_t* b = bits + o0 * in;
+    for (int64_t i = 0; i < n * in; ++i) wf[i] = Bf16BitsToF32(b[i]);
+    fn(static_cast<const float*>(wf.data()), o0, n);
   }
 }
 
-void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y) {
+}  // namespace
+
+void LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y) {
 #ifdef EPD_AVX2_PATH
-  if (UseSimd()) return LinearOrderedAvx(x, rows, w, out, in, y, /*round=*/false, /*dp=*/false);
-#endif
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t o = 0; o < out; ++o) y[r * out + o] = DotSeq(x + r * in, w + o * in, in);
+  if (UseSimd()) {
+    if (w.dtype == PlainDtype::kBf16) {
+      return LinearOrderedAvx(x, rows, static_cast<const uint16_t*>(w.data), out, in, y, out,
+                              /*round=*/true, /*dp=*/true);
+    }
+    return LinearOrderedAvx(x, rows, static_cast<const float*>(w.data), out, in, y, out,
+                            /*round=*/true, /*dp=*/true);
   }
+#endif
+  ForF32Rows(w, out, in, [&](const float* wf, int64_t o0, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < n; ++o)
+        y[r * out + o0 + o] = RoundBf16(DotDp(x + r * in, wf + o * in, in));
+    }
+  });
+}
+
+void LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y) {
+#ifdef EPD_AVX2_PATH
+  if (UseSimd()) {
+    if (w.dtype == PlainDtype::kBf16) {
+      return LinearOrderedAvx(x, rows, static_cast<const uint16_t*>(w.data), out, in, y, out,
+                              /*round=*/false, /*dp=*/false);
+    }
+    return LinearOrderedAvx(x, rows, static_cast<const float*>(w.data), out, in, y, out,
+                            /*round=*/false, /*dp=*/false);
+  }
+#endif
+  ForF32Rows(w, out, in, [&](const float* wf, int64_t o0, int64_t n) {
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t o = 0; o < n; ++o) y[r * out + o0 + o] = DotSeq(x + r * in, wf + o * in, in);
+    }
+  });
 }
 
 void RmsNormBf16(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y) {
@@ -748,7 +813,7 @@ void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* 
   std::vector<float> m(nm);
 #ifdef EPD_AVX2_PATH
   if (UseSimd()) {
-    LinearOrderedAvx(h, 1, fn, nm, n, m.data(), /*round=*/false, /*dp=*/false);
+    LinearOrderedAvx(h, 1, fn, nm, n, m.data(), nm, /*round=*/false, /*dp=*/false);
     for (int j = 0; j < nm; ++j) m[j] *= rs;
   } else
 #endif

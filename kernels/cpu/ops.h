@@ -12,8 +12,8 @@
 namespace epd::kernels::cpu {
 
 void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y);
-void LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y);
-void LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in, float* y);
+void LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y);
+void LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y);
 void RmsNormBf16(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y);
 void Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs, const float* cos,
           const float* sin, bool inverse);

@@ -115,11 +115,11 @@ class RecordingBackend final : public Backend {
   Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
     return Do("LinearQuant", [=, this, &w] { return in_->LinearQuant(x, rows, w, y); });
   }
-  Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                     float* y) override {
     return Do("LinearBf16", [=, this] { return in_->LinearBf16(x, rows, w, out, in, y); });
   }
-  Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                    float* y) override {
     return Do("LinearF32", [=, this] { return in_->LinearF32(x, rows, w, out, in, y); });
   }
@@ -290,7 +290,7 @@ class RecordingBackend final : public Backend {
       return in_->EngramGateSingleToken(h, e, rows, hc, dim, q_weight, k_weight, norm_eps);
     });
   }
-  Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+  Status Embed(PlainWeight table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                float* h) override {
     return Do("Embed", [=, this] { return in_->Embed(table, dim, ids, rows, hc, h); });
   }

@@ -208,10 +208,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   if (keys.keys == nullptr && tid < kIndexKeys) {
     const int64_t t = t0 + tid;
     const uint8_t* at = nullptr;
-    if (t < nv) {
-      const int64_t rpp = keys.rows_per_page[r];
-      at = keys.tables[r][t / rpp] + (t % rpp) * keys.row_bytes;
-    }
+    if (t < nv) at = row_codec::PagedRow(keys.tables[r], keys.rows_per_page[r], t, keys.row_bytes);
     key_row[tid] = at;
   }
   __syncthreads();

@@ -386,14 +386,16 @@ class CudaBackend final : public Backend {
     }
     return OkStatus();
   }
-  Status LinearBf16(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                     float* y) override {
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
+    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearBf16", why);
     return Plain("LinearBf16", x, rows, w, out, in, true, y);
   }
-  Status LinearF32(const float* x, int64_t rows, const float* w, int64_t out, int64_t in,
+  Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                    float* y) override {
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
+    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearF32", why);
     return Plain("LinearF32", x, rows, w, out, in, false, y);
   }
 
@@ -736,9 +738,13 @@ class CudaBackend final : public Backend {
                               vector_exp, streams_[0]);
     });
   }
-  Status Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
+  Status Embed(PlainWeight table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                float* h) override {
-    return Run("Embed", [&] { return cuda::Embed(table, dim, ids, rows, hc, h, streams_[0]); });
+    if (std::string why = PlainWeightProblem(table); !why.empty()) return Bad("Embed", why);
+    return Run("Embed", [&] {
+      return cuda::Embed(table.data, table.dtype == PlainDtype::kBf16, dim, ids, rows, hc, h,
+                         streams_[0]);
+    });
   }
 
   // ---- Paged packed rows ----
@@ -1027,12 +1033,12 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  Status Plain(const char* op, const float* x, int64_t rows, const float* w, int64_t out,
-               int64_t in, bool round, float* y) {
+  Status Plain(const char* op, const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
+               bool round, float* y) {
     if (rows > kMaxGemmRows) return Bad(op, absl::StrCat(rows, " rows > ", kMaxGemmRows));
     cuda::GemmWeight gw;
-    gw.kind = cuda::WeightKind::kF32;
-    gw.data = w;
+    gw.kind = w.dtype == PlainDtype::kBf16 ? cuda::WeightKind::kBf16 : cuda::WeightKind::kF32;
+    gw.data = w.data;
     gw.out = out;
     gw.in = in;
     return Run(op, [&] { return cuda::GemmPlain(x, rows, gw, round, y, streams_[0]); });

@@ -28,7 +28,7 @@ __global__ void PackRowsKernel(RowCodec codec, const float* x, int64_t n, int64_
   const int64_t i = t / nb, b = t % nb;
   const int64_t r = (rows != nullptr ? rows[i] : i) + first;
   if (r < 0) return;
-  uint8_t* out = pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim);
+  uint8_t* out = row_codec::PagedRow(pages, rows_per_page, r, row_codec::RowBytes(codec, dim));
   row_codec::PackBlock(codec, x + i * dim, dim, b, out);
 }
 
@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t i = blockIdx.x;
   const int64_t r = (rows != nullptr ? rows[i] : i) + first;
   if (r < 0) return;  // a skipped slot: out row i stays as it is
-  UnpackRow(codec, pages[r / rows_per_page] + (r % rows_per_page) * row_codec::RowBytes(codec, dim),
+  UnpackRow(codec, row_codec::PagedRow(pages, rows_per_page, r, row_codec::RowBytes(codec, dim)),
             dim, out + i * dim);
 }
 
@@ -63,9 +63,10 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t i = blockIdx.x;
   const int64_t r = rows[i] + first;
   if (r < 0) return;  // a skipped slot: out row i stays as it is
-  const int64_t g = i / per_table, rpp = rows_per_page[g];
-  UnpackRow(codec, tables[g][r / rpp] + (r % rpp) * row_codec::RowBytes(codec, dim), dim,
-            out + i * dim);
+  const int64_t g = i / per_table;
+  UnpackRow(codec,
+            row_codec::PagedRow(tables[g], rows_per_page[g], r, row_codec::RowBytes(codec, dim)),
+            dim, out + i * dim);
 }
 
 // cpu_backend.cc TopKSlots: one thread per (row, slot).

@@ -19,11 +19,11 @@ namespace epd::kernels::cuda {
 
 // ---- Linears (linear.cu) ----
 // How a GEMM reads its weight rows.
-enum class WeightKind { kF32, kFp8Packed, kFp4Packed };
+enum class WeightKind { kF32, kBf16, kFp8Packed, kFp4Packed };
 struct GemmWeight {
   WeightKind kind = WeightKind::kF32;
-  const void* data = nullptr;  // kF32: float [out, in]; kFp8Packed: E4M3 [out, in];
-                               // kFp4Packed: E2M1 pairs [out, in/2]
+  const void* data = nullptr;  // kF32: float [out, in]; kBf16: bf16 bits [out, in];
+                               // kFp8Packed: E4M3 [out, in]; kFp4Packed: E2M1 pairs [out, in/2]
   int64_t out = 0;
   int64_t in = 0;
 };
@@ -101,8 +101,8 @@ cudaError_t Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64
 cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t dim,
                        const float* q_weight, const float* k_weight, float norm_eps,
                        float inv_sqrt_d, bool vector_exp, cudaStream_t stream);
-cudaError_t Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
-                  float* h, cudaStream_t stream);
+cudaError_t Embed(const void* table, bool bf16, int64_t dim, const int32_t* ids, int64_t rows,
+                  int hc, float* h, cudaStream_t stream);
 // kind: 0 = FP8 window, 1 = FP4 index, 2 = FP4 KV (Backend::Qdq order).
 cudaError_t QuantDequant(int kind, float* x, int64_t rows, int64_t dim, cudaStream_t stream);
 

@@ -11,6 +11,7 @@ namespace epd::kernels::cuda {
 namespace {
 
 using codec::Abs;
+using codec::Bf16BitsToF32;
 using codec::Clamp;
 using codec::DecodeE2M1;
 using codec::DecodeE4M3;
@@ -54,6 +55,8 @@ __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_
       return DecodeE2M1((i & 1) ? static_cast<uint8_t>(byte >> 4)
                                 : static_cast<uint8_t>(byte & 0xf));
     }
+    case WeightKind::kBf16:
+      return Bf16BitsToF32(static_cast<const uint16_t*>(w.data)[o * w.in + i]);
     case WeightKind::kF32:
     default:
       return static_cast<const float*>(w.data)[o * w.in + i];
@@ -129,15 +132,9 @@ __device__ __forceinline__ void GemmTile(const float* x, const float* act_scale,
         float d = Tree8(l);
         for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
         acc[rr] += d * xsc[rl] * wsc[ol];
-      } else if (bf16) {
-        float sum = acc[rr];
-        int i = 0;
-        for (; i + 2 <= n; i += 2) {
-          sum += xs[rl][i + 1] * ws[ol][i + 1];
-          sum += xs[rl][i] * ws[ol][i];
-        }
-        if (i < n) sum += xs[rl][i] * ws[ol][i];
-        acc[rr] = sum;
+      } else if (bf16) {  // DotDp's pairs; chunks are even, so only K's last odd element stands
+                          // alone
+        acc[rr] = torch_math::DotDpFrom(xs[rl], ws[ol], 0, n, acc[rr]);
       } else {
         float sum = acc[rr];
         for (int i = 0; i < n; ++i) sum += xs[rl][i] * ws[ol][i];
@@ -270,7 +267,8 @@ __device__ __forceinline__ Bytes16 Load16(const uint8_t* p) {
 }
 
 // wv[0..31] = the weight values of output o at elements c0 .. c0+n-1 (0 past n); c0 is a multiple
-// of 32. `vec`: the row's codes are 16-byte aligned and n == 32.
+// of 32. `vec`: the row's codes are 16-byte aligned and n == 32. A LinearQuant weight: kFp8Packed,
+// kFp4Packed, or kF32 (decoded values); never kBf16, which only the plain GEMM takes.
 __device__ __forceinline__ void LoadWeightBlock(const GemmWeight& w, int64_t o, int64_t c0, int n,
                                                 bool vec, float* wv) {
   switch (w.kind) {
@@ -499,13 +497,16 @@ constexpr int kChainOuts = 32, kChainRows = kThreads / kChainOuts, kChainK = 128
 constexpr int kChainWLoads = kChainOuts * kChainK / kThreads;  // weight values a thread stages
 constexpr int kChainXLoads = kChainRows * kChainK / kThreads;  // activation values a thread stages
 
-__global__ void __launch_bounds__(kThreads)  // 91 registers, no spill (sm_90): 2 blocks an SM
+// kBf16W: the weight is bf16 bits (WeightKind::kBf16), else fp32 values; one kernel each keeps the
+// loads free of a per-element branch (93 registers, no spill, either form, sm_90: 2 blocks an SM;
+// one kernel for both read 127).
+template <bool kBf16W>
+__global__ void __launch_bounds__(kThreads)
     PlainChainKernel(const float* x, int64_t rows, GemmWeight w, bool bf16, float* y) {
   __shared__ float ws[2][kChainOuts][kChainK + 1];
   __shared__ float xs[2][kChainRows][kChainK];
   const int t = threadIdx.x;
   const int64_t o0 = static_cast<int64_t>(blockIdx.x) * kChainOuts, K = w.in;
-  const auto* wt = static_cast<const float*>(w.data);
   const int64_t nc = (K + kChainK - 1) / kChainK;
   const int ol = t % kChainOuts, rl = t / kChainOuts;
   const bool mine = rl < rows && o0 + ol < w.out;
@@ -517,7 +518,11 @@ __global__ void __launch_bounds__(kThreads)  // 91 registers, no spill (sm_90): 
     for (int j = 0; j < kChainWLoads; ++j) {
       const int e = t + j * kThreads, oe = e / kChainK;
       const int64_t k = c * kChainK + e % kChainK;
-      wr[j] = (o0 + oe < w.out && k < K) ? wt[(o0 + oe) * K + k] : 0.f;
+      const int64_t at = (o0 + oe) * K + k;
+      wr[j] = (o0 + oe < w.out && k < K)
+                  ? (kBf16W ? Bf16BitsToF32(static_cast<const uint16_t*>(w.data)[at])
+                            : static_cast<const float*>(w.data)[at])
+                  : 0.f;
     }
 #pragma unroll
     for (int j = 0; j < kChainXLoads; ++j) {
@@ -645,7 +650,12 @@ cudaError_t GemmPlain(const float* x, int64_t rows, const GemmWeight& w, bool bf
                       cudaStream_t stream) {
   if (rows == 0 || w.out == 0) return cudaSuccess;
   if (rows <= kChainRows) {
-    PlainChainKernel<<<GridFor(w.out, kChainOuts), kThreads, 0, stream>>>(x, rows, w, bf16, y);
+    const auto grid = GridFor(w.out, kChainOuts);
+    if (w.kind == WeightKind::kBf16) {
+      PlainChainKernel<true><<<grid, kThreads, 0, stream>>>(x, rows, w, bf16, y);
+    } else {
+      PlainChainKernel<false><<<grid, kThreads, 0, stream>>>(x, rows, w, bf16, y);
+    }
     return cudaGetLastError();
   }
   GemmKernel<false><<<GemmGrid(rows, w.out), kThreads, 0, stream>>>(

@@ -272,12 +272,15 @@ __global__ void EngramGateKernel(float* h, const float* e, int hc, int64_t D, co
 }
 
 // cpu_backend.cc Embed.
-__global__ void EmbedKernel(const float* table, int64_t dim, const int32_t* ids, int64_t rows,
-                            int hc, float* h) {
+// `bf16`: the table is bf16 bits (widened exactly), else fp32 values.
+__global__ void EmbedKernel(const void* table, bool bf16, int64_t dim, const int32_t* ids,
+                            int64_t rows, int hc, float* h) {
   const int64_t e = Tid();
   if (e >= rows * hc * dim) return;
   const int64_t d = e % dim, i = e / (hc * dim);
-  h[e] = table[static_cast<int64_t>(ids[i]) * dim + d];
+  const int64_t at = static_cast<int64_t>(ids[i]) * dim + d;
+  h[e] = bf16 ? codec::Bf16BitsToF32(static_cast<const uint16_t*>(table)[at])
+              : static_cast<const float*>(table)[at];
 }
 
 // format.cc Fp8QuantDequantRow / Fp4IndexQuantDequantRow / Fp4KvQuantDequantRow: one thread per
@@ -414,11 +417,11 @@ cudaError_t EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t d
   return cudaGetLastError();
 }
 
-cudaError_t Embed(const float* table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
-                  float* h, cudaStream_t stream) {
+cudaError_t Embed(const void* table, bool bf16, int64_t dim, const int32_t* ids, int64_t rows,
+                  int hc, float* h, cudaStream_t stream) {
   const int64_t n = rows * hc * dim;
   if (n <= 0) return cudaSuccess;
-  EmbedKernel<<<GridFor(n), kThreads, 0, stream>>>(table, dim, ids, rows, hc, h);
+  EmbedKernel<<<GridFor(n), kThreads, 0, stream>>>(table, bf16, dim, ids, rows, hc, h);
   return cudaGetLastError();
 }
 

@@ -10,8 +10,9 @@
 // - fp8_gemm: Backend::LinearQuant on packed FP8 (and FP4 experts) weights of the release
 //   config's shapes: 2*M*N*K / time against 1,979 TFLOPS, and weight bytes / time against
 //   4.8 TB/s.
-// - plain_gemm: Backend::LinearF32 / LinearBf16 on fp32 weights (the LM head, HcMixes'
-//   projection, a group of wo_a) at M = 1, 8 and 32: weight bytes / time against 4.8 TB/s.
+// - plain_gemm: Backend::LinearF32 / LinearBf16 in the model's weight forms (the LM head and a
+//   group of wo_a as bf16 bits, HcMixes' fp32 projection) and the head as fp32 values (its form
+//   before 2026-12-05) at M = 1, 8 and 32: weight bytes / time against 4.8 TB/s.
 // - moe_gemm: Backend::GroupedLinearQuant of the release config's FP4 expert w13 over 32 experts,
 //   a decode step's rows spread evenly (8 rows: one each for 8 experts; 224: 7 each; 896: 28
 //   each): bytes of the experts hit / time against 4.8 TB/s.
@@ -29,6 +30,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_device.h"
+#include "kernels/format.h"
 
 namespace {
 
@@ -211,34 +213,47 @@ void Gemm(Backend& b, bool quick) {
   }
 }
 
-// The plain GEMMs of a decode step (fp32 weights): the LM head (LinearF32 129,280 x 5,120),
-// HcMixes' projection (24 x 4 * 5,120) and one group of wo_a (LinearBf16 1,024 x 4,096).
+// The plain GEMMs of a decode step: the LM head (LinearF32 129,280 x 5,120, bf16 bits; and as
+// fp32 values), HcMixes' projection (fp32, 24 x 4 * 5,120) and one group of wo_a (LinearBf16
+// 1,024 x 4,096, bf16 bits).
 void PlainGemm(Backend& b, bool quick) {
   struct Shape {
     const char* name;
     int64_t out, in;
-    bool bf16;
+    bool bf16;          // LinearBf16 (else LinearF32)
+    bool bf16_weights;  // held as bf16 bits (else fp32 values)
   };
-  const Shape shapes[] = {{"head_f32", 129280, 5120, false},
-                          {"hc_mixes_f32", 24, 4 * 5120, false},
-                          {"wo_a_group_bf16", 1024, 4096, true}};
+  const Shape shapes[] = {{"head_bf16w", 129280, 5120, false, true},
+                          {"head_f32w", 129280, 5120, false, false},
+                          {"hc_mixes_f32w", 24, 4 * 5120, false, false},
+                          {"wo_a_group_bf16w", 1024, 4096, true, true}};
   for (const Shape& sh : shapes) {
-    const std::vector<float> w(static_cast<size_t>(sh.out * sh.in), 0.01f);
-    Buffer wb = Upload(b, w.data(), static_cast<int64_t>(w.size()) * 4);
+    const int64_t n = sh.out * sh.in, wbytes = n * (sh.bf16_weights ? 2 : 4);
+    Buffer wb;
+    if (sh.bf16_weights) {
+      const std::vector<uint16_t> w(static_cast<size_t>(n),
+                                    epd::kernels::format::F32ToBf16Bits(0.01f));
+      wb = Upload(b, w.data(), wbytes);
+    } else {
+      const std::vector<float> w(static_cast<size_t>(n), 0.01f);
+      wb = Upload(b, w.data(), wbytes);
+    }
+    const epd::kernels::PlainWeight pw = sh.bf16_weights
+                                             ? epd::kernels::PlainWeight::Bf16(wb.as<uint16_t>())
+                                             : epd::kernels::PlainWeight(wb.as<float>());
     for (int64_t m : {int64_t{1}, int64_t{8}, int64_t{32}}) {
       std::vector<float> x(m * sh.in, 0.5f);
       Buffer xb = Upload(b, x.data(), x.size() * 4), yb = Upload(b, nullptr, m * sh.out * 4);
       const double s = Time(b, quick ? 3 : 10, [&] {
-        return sh.bf16
-                   ? b.LinearBf16(xb.as<float>(), m, wb.as<float>(), sh.out, sh.in, yb.as<float>())
-                   : b.LinearF32(xb.as<float>(), m, wb.as<float>(), sh.out, sh.in, yb.as<float>());
+        return sh.bf16 ? b.LinearBf16(xb.as<float>(), m, pw, sh.out, sh.in, yb.as<float>())
+                       : b.LinearF32(xb.as<float>(), m, pw, sh.out, sh.in, yb.as<float>());
       });
-      const double wbytes = static_cast<double>(w.size()) * 4;
       std::printf(
           "BENCH plain_gemm %s M=%lld N=%lld K=%lld  %.1f us  weights %.3f TB/s ratio=%.4f (of "
           "4.8 TB/s)\n",
           sh.name, static_cast<long long>(m), static_cast<long long>(sh.out),
-          static_cast<long long>(sh.in), s * 1e6, wbytes / s / 1e12, wbytes / s / kHbmBytesPerS);
+          static_cast<long long>(sh.in), s * 1e6, static_cast<double>(wbytes) / s / 1e12,
+          static_cast<double>(wbytes) / s / kHbmBytesPerS);
     }
   }
 }

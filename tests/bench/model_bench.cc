@@ -2,7 +2,8 @@
 // Prints prefill tokens/s, decode ms/step, DSpark draft ms, the ratio of one 5-position
 // verification step (Model::Extend) to 5 sequential decodes, and the ratio of a decode step of 8
 // sequences in one batched forward (DecodeStep -> Model::ExtendBatch) to the same 8 sequences
-// stepped one at a time, all measured in the same run.
+// stepped one at a time, all measured in the same run; and the CPU's plain linear on a weight
+// larger than the caches held as bf16 bits against the same weight as fp32 values.
 // Usage: model_bench [model_dir] [--scalar]   (default: tests/data/golden/v41-tiny-a; --scalar
 // forces the scalar CPU kernels, which give the same results)
 #include <algorithm>
@@ -13,6 +14,7 @@
 
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
+#include "kernels/format.h"
 #include "model/model.h"
 #include "model/stages.h"
 #include "nlohmann/json.hpp"
@@ -131,5 +133,36 @@ int main(int argc, char** argv) {
       "(%.0f tokens/s), median of %d\n",
       kBatch, bm, kBatch / bm * 1e3, am, kBatch / am * 1e3, kRuns);
   std::printf("model_bench ratio: %.2f\n", bm / am);
+
+  // The CPU's plain linear on a weight too large for the caches (a decode step's LM head is
+  // 129,280 x 5,120; here 32,768 x 4,096, 512 MiB as fp32 values), one row: the weight as bf16
+  // bits (the model's form since 2026-12-05: widened block by block into a scratch) against the
+  // same values as fp32, in the same run.
+  {
+    const int64_t out = 32768, in = 4096;
+    std::vector<float> wf(static_cast<size_t>(out * in)), x(in), y(out);
+    std::vector<uint16_t> wb(wf.size());
+    for (size_t i = 0; i < wf.size(); ++i) {
+      wb[i] = epd::kernels::format::F32ToBf16Bits(static_cast<float>(i % 61) * 0.01f - 0.3f);
+      wf[i] = epd::kernels::format::Bf16BitsToF32(wb[i]);
+    }
+    for (int64_t i = 0; i < in; ++i) x[i] = static_cast<float>(i % 7) * 0.125f;
+    std::vector<double> f32_ms, bf16_ms;
+    for (int run = 0; run < 7; ++run) {
+      for (int form = 0; form < 2; ++form) {
+        const epd::kernels::PlainWeight pw = form == 0 ? epd::kernels::PlainWeight(wf.data())
+                                                       : epd::kernels::PlainWeight::Bf16(wb.data());
+        const auto t0 = Clock::now();
+        if (!backend->LinearF32(x.data(), 1, pw, out, in, y.data()).ok()) return 1;
+        (form == 0 ? f32_ms : bf16_ms).push_back(Ms(t0, Clock::now()));
+      }
+    }
+    const double f = median(f32_ms), b = median(bf16_ms);
+    std::printf(
+        "plain linear 1 x %lld x %lld (LinearF32): fp32 weights %.1f ms (%.2f GB/s), bf16 weights "
+        "%.1f ms (%.2f GB/s), median of 7; bf16/fp32 time ratio: %.2f\n",
+        static_cast<long long>(out), static_cast<long long>(in), f, out * in * 4.0 / f / 1e6, b,
+        out * in * 2.0 / b / 1e6, b / f);
+  }
   return 0;
 }

@@ -592,23 +592,47 @@ void PlainLinear(Env& env, bool bf16) {
         // 3 chunks, 8 chunks with a short last one, one element past a chunk.
         {8, 33, 300, true},
         {1, 5, 1000, true},
-        {6, 40, 129, false}}) {
+        {6, 40, 129, false},
+        // The CPU widens bf16 bits in blocks of 64 outputs at this K: three and a short fourth.
+        {5, 203, 1000, false},
+        {1, 203, 1000, true}}) {
     // cancelling: x of ones and weight rows that cancel, so a change of the dots' order shows.
     const auto x =
         cancelling ? Cancelling(env.rng, rows, in, /*ones=*/true) : Bf16(env.rng, rows * in);
     const auto w = cancelling ? Cancelling(env.rng, out, in) : Bf16(env.rng, out * in, 0.05f);
+    // The same weight in its bf16 form (the model's): its values' 16 bits.
+    std::vector<uint16_t> bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bits[i] = format::F32ToBf16Bits(w[i]);
     std::vector<std::vector<float>> res;
     for (Side* s : {&env.ref, &env.cand}) {
-      float* y = s->Out<float>(rows * out);
-      EXPECT_OP_OK(*s, bf16 ? s->b().LinearBf16(s->In(x), rows, s->In(w), out, in, y)
-                            : s->b().LinearF32(s->In(x), rows, s->In(w), out, in, y));
-      res.push_back(s->Read(y, rows * out));
+      const float* px = s->In(x);
+      for (const PlainWeight pw : {PlainWeight(s->In(w)), PlainWeight::Bf16(s->In(bits))}) {
+        float* y = s->Out<float>(rows * out);
+        EXPECT_OP_OK(*s, bf16 ? s->b().LinearBf16(px, rows, pw, out, in, y)
+                              : s->b().LinearF32(px, rows, pw, out, in, y));
+        res.push_back(s->Read(y, rows * out));
+      }
     }
     // Tolerance: exact (the reference's orders, kernels/torch_math.h: LinearBf16 in DotDp's
-    // pairwise order, then bf16; LinearF32 in DotSeq's index order).
-    Compare(env, res[0], res[1], Tol::Exact(),
-            "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " + std::to_string(in) +
-                "]" + (cancelling ? " cancelling" : ""));
+    // pairwise order, then bf16; LinearF32 in DotSeq's index order), and the two weight forms
+    // give the same bits on either side.
+    const std::string what = "[" + std::to_string(rows) + ", " + std::to_string(out) + ", " +
+                             std::to_string(in) + "]" + (cancelling ? " cancelling" : "");
+    Compare(env, res[0], res[2], Tol::Exact(), what);
+    Compare(env, res[0], res[3], Tol::Exact(), what + ", candidate's weight as bf16 bits");
+    Compare(env, res[0], res[1], Tol::Exact(), what + ", reference's weight as bf16 bits");
+  }
+  // A weight of an unknown dtype: refused by both.
+  for (Side* s : {&env.ref, &env.cand}) {
+    PlainWeight pw(s->In(Bf16(env.rng, 8 * 16)));
+    pw.dtype = static_cast<PlainDtype>(7);
+    float* y = s->Out<float>(8);
+    const float* px = s->In(Bf16(env.rng, 16));
+    EXPECT_EQ(
+        (bf16 ? s->b().LinearBf16(px, 1, pw, 8, 16, y) : s->b().LinearF32(px, 1, pw, 8, 16, y))
+            .code(),
+        absl::StatusCode::kInvalidArgument)
+        << s->name();
   }
 }
 PARITY_CASE(LinearBf16) { PlainLinear(env, true); }
@@ -1465,13 +1489,34 @@ PARITY_CASE(Embed) {
   const int hc = 4;
   const auto table = Bf16(env.rng, vocab * dim);
   const std::vector<int32_t> ids = {19, 0, 7, 7, 3};
+  std::vector<uint16_t> bits(table.size());  // the table in its bf16 form (the model's)
+  for (size_t i = 0; i < table.size(); ++i) bits[i] = format::F32ToBf16Bits(table[i]);
   std::vector<std::vector<float>> res;
   for (Side* s : {&env.ref, &env.cand}) {
-    float* h = s->Out<float>(rows * hc * dim);
-    EXPECT_OP_OK(*s, s->b().Embed(s->In(table), dim, s->In(ids), rows, hc, h));
-    res.push_back(s->Read(h, rows * hc * dim));
+    for (const PlainWeight t : {PlainWeight(s->In(table)), PlainWeight::Bf16(s->In(bits))}) {
+      float* h = s->Out<float>(rows * hc * dim);
+      EXPECT_OP_OK(*s, s->b().Embed(t, dim, s->In(ids), rows, hc, h));
+      res.push_back(s->Read(h, rows * hc * dim));
+    }
   }
-  Compare(env, res[0], res[1], Tol::Exact(), "embed");
+  Compare(env, res[0], res[2], Tol::Exact(), "embed");
+  Compare(env, res[0], res[3], Tol::Exact(), "embed, candidate's table as bf16 bits");
+  Compare(env, res[0], res[1], Tol::Exact(), "embed, reference's table as bf16 bits");
+  // The rows are the table's: the copy is a gather, not only the same on both sides.
+  for (int64_t i = 0; i < rows; ++i) {
+    for (int j = 0; j < hc; ++j) {
+      for (int64_t d = 0; d < dim; ++d)
+        ASSERT_EQ(res[3][(i * hc + j) * dim + d], table[ids[i] * dim + d]) << i << ", " << j;
+    }
+  }
+  // A table of an unknown dtype: refused by both.
+  for (Side* s : {&env.ref, &env.cand}) {
+    PlainWeight t(s->In(table));
+    t.dtype = static_cast<PlainDtype>(7);
+    EXPECT_EQ(s->b().Embed(t, dim, s->In(ids), rows, hc, s->Out<float>(rows * hc * dim)).code(),
+              absl::StatusCode::kInvalidArgument)
+        << s->name();
+  }
 }
 
 // ---- Paged packed rows ----

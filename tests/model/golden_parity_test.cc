@@ -12,6 +12,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
+#include "kernels/format.h"
 #include "model/model.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
@@ -335,7 +336,11 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
     call.published_at_start = state->published_keys;
     std::vector<float> h(hc * D), pre(hc, 0.f), aP(hc), aQ(hc), aC(hc * hc), fQ(hc), fC(hc * hc),
         x(D), y(D);
-    for (int64_t j = 0; j < hc; ++j) std::copy_n(wt.embed.data() + id * D, D, h.data() + j * D);
+    // The embedding row (bf16 bits in the host backend's memory), widened as Backend::Embed does.
+    const auto* row = static_cast<const uint16_t*>(wt.embed.plain().data) + id * D;
+    for (int64_t j = 0; j < hc; ++j) {
+      for (int64_t d = 0; d < D; ++d) h[j * D + d] = kernels::format::Bf16BitsToF32(row[d]);
+    }
     pre[0] = 1.f;
     std::string errs;
     for (int l = 0; l < c.n_layers; ++l) {
