@@ -475,43 +475,38 @@ void ForF32Rows(PlainWeight w, int64_t out, int64_t in, Fn fn) {
   }
 }
 
-}  // namespace
-
-void LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y) {
+// LinearBf16 (bf16: DotDp, rounded) and LinearF32 (DotSeq).
+void PlainLinear(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y,
+                 bool bf16) {
 #ifdef EPD_AVX2_PATH
   if (UseSimd()) {
     if (w.dtype == PlainDtype::kBf16) {
       return LinearOrderedAvx(x, rows, static_cast<const uint16_t*>(w.data), out, in, y, out,
-                              /*round=*/true, /*dp=*/true);
+                              /*round=*/bf16, /*dp=*/bf16);
     }
     return LinearOrderedAvx(x, rows, static_cast<const float*>(w.data), out, in, y, out,
-                            /*round=*/true, /*dp=*/true);
+                            /*round=*/bf16, /*dp=*/bf16);
   }
 #endif
   ForF32Rows(w, out, in, [&](const float* wf, int64_t o0, int64_t n) {
     for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t o = 0; o < n; ++o)
-        y[r * out + o0 + o] = RoundBf16(DotDp(x + r * in, wf + o * in, in));
+      const float* xr = x + r * in;
+      for (int64_t o = 0; o < n; ++o) {
+        y[r * out + o0 + o] =
+            bf16 ? RoundBf16(DotDp(xr, wf + o * in, in)) : DotSeq(xr, wf + o * in, in);
+      }
     }
   });
 }
 
+}  // namespace
+
+void LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y) {
+  PlainLinear(x, rows, w, out, in, y, /*bf16=*/true);
+}
+
 void LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in, float* y) {
-#ifdef EPD_AVX2_PATH
-  if (UseSimd()) {
-    if (w.dtype == PlainDtype::kBf16) {
-      return LinearOrderedAvx(x, rows, static_cast<const uint16_t*>(w.data), out, in, y, out,
-                              /*round=*/false, /*dp=*/false);
-    }
-    return LinearOrderedAvx(x, rows, static_cast<const float*>(w.data), out, in, y, out,
-                            /*round=*/false, /*dp=*/false);
-  }
-#endif
-  ForF32Rows(w, out, in, [&](const float* wf, int64_t o0, int64_t n) {
-    for (int64_t r = 0; r < rows; ++r) {
-      for (int64_t o = 0; o < n; ++o) y[r * out + o0 + o] = DotSeq(x + r * in, wf + o * in, in);
-    }
-  });
+  PlainLinear(x, rows, w, out, in, y, /*bf16=*/false);
 }
 
 void RmsNormBf16(const float* x, const float* w, int64_t rows, int64_t dim, float eps, float* y) {
