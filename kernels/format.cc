@@ -17,6 +17,15 @@ void RoundBf16InPlace(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = RoundBf16(x[i]);
 }
 
+void Bf16BitsToF32N(const void* bits, int64_t n, float* out) {
+  const auto* p = static_cast<const uint8_t*>(bits);
+  for (int64_t i = 0; i < n; ++i) {
+    uint16_t b;
+    std::memcpy(&b, p + 2 * i, 2);
+    out[i] = Bf16BitsToF32(b);
+  }
+}
+
 uint8_t EncodeE4M3(float x) {
   if (std::isnan(x)) return 0x7f;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;

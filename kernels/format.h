@@ -22,6 +22,9 @@ using codec::Bf16BitsToF32;
 using codec::F32ToBf16Bits;
 using codec::RoundBf16;
 void RoundBf16InPlace(float* x, int64_t n);
+// out[i] = the fp32 value of the i-th of n bf16 bit patterns at `bits` (exact; `bits` need not be
+// 2-byte aligned: a checkpoint's tensor may start anywhere).
+void Bf16BitsToF32N(const void* bits, int64_t n, float* out);
 
 // ---- E4M3 (float8_e4m3fn: bias 7, max 448, subnormal quantum 2^-9, no inf) ----
 // Round-to-nearest-even; |x| > 448 saturates to ±448; NaN -> 0x7f.

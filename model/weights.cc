@@ -47,16 +47,11 @@ class Loader {
     auto v = s_.Get(name, DType::kBF16, shape);
     if (!v.ok()) return v.status();
     std::vector<float> out(v->numel());
-    const uint16_t* p = reinterpret_cast<const uint16_t*>(v->data);
-    for (int64_t i = 0; i < v->numel(); ++i) {
-      uint16_t b;
-      std::memcpy(&b, p + i, 2);
-      out[i] = kf::Bf16BitsToF32(b);
-    }
+    kf::Bf16BitsToF32N(v->data, v->numel(), out.data());
     return Array(out);
   }
 
-  // A BF16 tensor that only plain linears read: its bf16 bits as they are.
+  // A BF16 tensor that only plain linears and Embed read: its bf16 bits as they are.
   absl::StatusOr<WeightArray> Bf16Bits(const std::string& name, std::vector<int64_t> shape) {
     auto v = s_.Get(name, DType::kBF16, shape);
     if (!v.ok()) return v.status();

@@ -696,8 +696,7 @@ class CpuBackend final : public Backend {
       const int64_t at = static_cast<int64_t>(ids[i]) * dim;
       float* first = h + i * hc * dim;
       if (table.dtype == PlainDtype::kBf16) {
-        const auto* bits = static_cast<const uint16_t*>(table.data) + at;
-        for (int64_t d = 0; d < dim; ++d) first[d] = format::Bf16BitsToF32(bits[d]);
+        format::Bf16BitsToF32N(static_cast<const uint16_t*>(table.data) + at, dim, first);
       } else {
         std::copy_n(static_cast<const float*>(table.data) + at, dim, first);
       }

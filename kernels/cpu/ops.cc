@@ -469,8 +469,7 @@ void ForF32Rows(PlainWeight w, int64_t out, int64_t in, Fn fn) {
   for (int64_t o0 = 0; o0 < out; o0 += block) {
     const int64_t n = std::min(block, out - o0);
     wf.resize(n * in);
-    const uint16_t* b = bits + o0 * in;
-    for (int64_t i = 0; i < n * in; ++i) wf[i] = Bf16BitsToF32(b[i]);
+    Bf16BitsToF32N(bits + o0 * in, n * in, wf.data());
     fn(static_cast<const float*>(wf.data()), o0, n);
   }
 }

@@ -389,13 +389,11 @@ class CudaBackend final : public Backend {
   Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                     float* y) override {
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
-    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearBf16", why);
     return Plain("LinearBf16", x, rows, w, out, in, true, y);
   }
   Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                    float* y) override {
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
-    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearF32", why);
     return Plain("LinearF32", x, rows, w, out, in, false, y);
   }
 
@@ -1036,6 +1034,7 @@ class CudaBackend final : public Backend {
   Status Plain(const char* op, const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                bool round, float* y) {
     if (rows > kMaxGemmRows) return Bad(op, absl::StrCat(rows, " rows > ", kMaxGemmRows));
+    if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad(op, why);
     cuda::GemmWeight gw;
     gw.kind = w.dtype == PlainDtype::kBf16 ? cuda::WeightKind::kBf16 : cuda::WeightKind::kF32;
     gw.data = w.data;

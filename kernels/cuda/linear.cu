@@ -132,8 +132,8 @@ __device__ __forceinline__ void GemmTile(const float* x, const float* act_scale,
         float d = Tree8(l);
         for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
         acc[rr] += d * xsc[rl] * wsc[ol];
-      } else if (bf16) {  // DotDp's pairs; chunks are even, so only K's last odd element stands
-                          // alone
+      } else if (bf16) {
+        // DotDp's pairs; chunks are even, so only K's last odd element stands alone.
         acc[rr] = torch_math::DotDpFrom(xs[rl], ws[ol], 0, n, acc[rr]);
       } else {
         float sum = acc[rr];

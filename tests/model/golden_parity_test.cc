@@ -338,9 +338,7 @@ TEST_P(GoldenParityTest, DecodeModuleTeacherForcing) {
         x(D), y(D);
     // The embedding row (bf16 bits in the host backend's memory), widened as Backend::Embed does.
     const auto* row = static_cast<const uint16_t*>(wt.embed.plain().data) + id * D;
-    for (int64_t j = 0; j < hc; ++j) {
-      for (int64_t d = 0; d < D; ++d) h[j * D + d] = kernels::format::Bf16BitsToF32(row[d]);
-    }
+    for (int64_t j = 0; j < hc; ++j) kernels::format::Bf16BitsToF32N(row, D, h.data() + j * D);
     pre[0] = 1.f;
     std::string errs;
     for (int l = 0; l < c.n_layers; ++l) {
