@@ -82,6 +82,17 @@ const argValue = (args, flag) => {
   return a === undefined ? undefined : a.slice(flag.length + 1);
 };
 
+// A container's argument with each $(VAR) replaced as the kubelet does, from the ConfigMaps the
+// container takes its environment from (envFrom).
+const expandArg = (objs, c, value) =>
+  value?.replace(/\$\((\w+)\)/g, (whole, name) => {
+    for (const from of c.envFrom ?? []) {
+      const cm = find(objs, "ConfigMap", from.configMapRef?.name);
+      if (cm?.data?.[name] !== undefined) return cm.data[name];
+    }
+    return whole;
+  });
+
 for (const overlay of overlays) {
   test(`${overlay}: every rendered object validates against the Kubernetes API schemas`, async () => {
     const objs = render(overlay);
@@ -135,8 +146,13 @@ for (const overlay of overlays) {
       // Secrets, never literals.
       const token = c.env.find((e) => e.name === "EPD_CLUSTER_TOKEN");
       assert.ok(token?.valueFrom?.secretKeyRef, `${pool}: cluster token from a Secret`);
+      // The model runs on the pod's GPU in the gpu overlay, on the CPU elsewhere.
+      const device = expandArg(objs, c, argValue(c.args, "--device"));
       if (overlay === "gpu") {
         assert.equal(String(c.resources?.limits?.["nvidia.com/gpu"]), "1", `${pool}: GPU limit`);
+        assert.equal(device, "cuda", `${pool}: --device on the GPU`);
+      } else {
+        assert.equal(device, "cpu", `${pool}: --device`);
       }
     }
     const router = find(objs, "Deployment", "epd-router");
