@@ -5,6 +5,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -238,15 +239,17 @@ absl::Status Model::PoolSingleRows(Scratch& ws, int l, const StepArrays& a,
       dst[k * B + b] = bytes(spare + (k * B + b) * hd);
     }
   }
-  ASSIGN_OR_RETURN(uint8_t* const* pages, ws.Copy(dst));
+  const int64_t E = static_cast<int64_t>(groups.size());
+  groups.insert(groups.end(), group_scores.begin(), group_scores.end());
+  // The destinations and the tails, in one upload.
+  ASSIGN_OR_RETURN(const auto up, ws.CopyAll(dst, groups));
+  uint8_t* const* pages = std::get<0>(up);
+  uint8_t* const* tails = std::get<1>(up);
   for (int64_t k = 0; k < 4; ++k) {
     const float* rows = k % 2 == 0 ? a.cmp_kv : a.cmp_score;
     RETURN_IF_ERROR(backend_.PackRows(kCodec, rows, B, hd, pages + k * B, 1, nullptr, 0));
   }
-  const int64_t E = static_cast<int64_t>(groups.size());
   if (E == 0) return absl::OkStatus();
-  groups.insert(groups.end(), group_scores.begin(), group_scores.end());
-  ASSIGN_OR_RETURN(uint8_t* const* tails, ws.Copy(groups));
   ASSIGN_OR_RETURN(float* kv, ws.Alloc<float>(2 * E * ratio * hd));
   float* score = kv + E * ratio * hd;
   RETURN_IF_ERROR(backend_.UnpackRows(kCodec, tails, ratio, hd, nullptr, 0, E * ratio, kv));
@@ -360,8 +363,9 @@ absl::Status Model::StepAppend(int l, const float* latents, const float* keys,
   vector<uint8_t*> tables = kvs.pages;
   tables.insert(tables.end(), ks.pages.begin(), ks.pages.end());
   Scratch local(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(const int32_t* rows_dev, local.Copy(rows));
-  ASSIGN_OR_RETURN(uint8_t* const* tables_dev, local.Copy(tables));
+  ASSIGN_OR_RETURN(const auto up, local.CopyAll(rows, tables));  // one upload for the layer
+  const int32_t* rows_dev = std::get<0>(up);
+  uint8_t* const* tables_dev = std::get<1>(up);
   uint8_t* const* kv_pages = tables_dev;
   uint8_t* const* key_pages = tables_dev + kvs.pages.size();
   absl::Status packed = absl::OkStatus();
@@ -426,8 +430,66 @@ absl::Status Model::AllocateStepKv(Scratch& ws, std::span<const StepSequence> se
         ring_rows[b.row0 + r] = static_cast<int32_t>(i * W + (b.call->start_pos + r) % W);
     }
     ASSIGN_OR_RETURN(kv.ring_rows, ws.Copy(ring_rows));
-    ASSIGN_OR_RETURN(kv.pages, ws.Alloc<uint8_t*>(B));
+    ASSIGN_OR_RETURN(kv.pages, ws.Alloc<uint8_t*>((c.n_layers + c.n_mtp_layers) * B));
   }
+  return absl::OkStatus();
+}
+
+bool Model::RingsBatched(int l, std::span<const StepSequence> seqs, const StepKv* kv) const {
+  if (kv == nullptr || !kv->batched_rings) return false;
+  return std::all_of(seqs.begin(), seqs.end(), [&](const StepSequence& b) {
+    const SwaRing& ring = b.state->swa[l];
+    return !b.status->ok() || (ring.window() == config_.window_size &&
+                               ring.dim() == config_.head_dim && ring.backend() == &backend_);
+  });
+}
+
+namespace {
+
+// The page of a ring nothing reads (a failed sequence's), made on first use.
+absl::StatusOr<uint8_t*> SparePage(Scratch& ws, int64_t window, int64_t dim, uint8_t*& spare) {
+  if (spare == nullptr) {
+    ASSIGN_OR_RETURN(
+        spare,
+        ws.Filled<uint8_t>(window * kernels::RowCodecBytes(kernels::RowCodec::kSwaSlot, dim), 0));
+  }
+  return spare;
+}
+
+}  // namespace
+
+absl::Status Model::PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, StepKv& kv) const {
+  const int64_t L = config_.n_layers, B = static_cast<int64_t>(seqs.size());
+  if (!kv.batched_rings) return absl::OkStatus();
+  vector<uint8_t*> pages(L * B, nullptr);
+  vector<char> batched(L, 0);
+  for (int64_t l = 0; l < L; ++l) {
+    // A layer not batched now may be later (a sequence of another ring shape fails): StepRings
+    // then uploads its pages itself.
+    batched[l] = RingsBatched(static_cast<int>(l), seqs, &kv) ? 1 : 0;
+    if (!batched[l]) continue;
+    for (int64_t i = 0; i < B; ++i) {
+      StepSequence& b = seqs[i];
+      if (!b.status->ok()) continue;
+      absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
+      if (page.ok()) {
+        pages[l * B + i] = *page;
+      } else {
+        *b.status = page.status();
+      }
+    }
+  }
+  // A sequence that failed (before or here) reads and writes the spare page in every layer (the
+  // pages of a layer StepRings goes through ring by ring are not read).
+  for (int64_t l = 0; l < L; ++l) {
+    for (int64_t i = 0; i < B && batched[l]; ++i) {
+      if (pages[l * B + i] != nullptr && seqs[i].status->ok()) continue;
+      ASSIGN_OR_RETURN(pages[l * B + i],
+                       SparePage(ws, config_.window_size, config_.head_dim, kv.spare));
+    }
+  }
+  RETURN_IF_ERROR(ws.Upload(kv.pages, pages.data(), L * B));
+  kv.prepared = std::move(batched);
   return absl::OkStatus();
 }
 
@@ -440,13 +502,7 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
     RETURN_IF_ERROR(backend_.Copy(kv->kv + B * W * hd, kv_rows,
                                   kv->rows * hd * static_cast<int64_t>(sizeof(float))));
   }
-  bool batched = kv != nullptr && kv->batched_rings;
-  for (const StepSequence& b : seqs) {
-    const SwaRing& ring = b.state->swa[l];
-    batched = batched && (!b.status->ok() ||
-                          (ring.window() == W && ring.dim() == hd && ring.backend() == &backend_));
-  }
-  if (!batched) {
+  if (!RingsBatched(l, seqs, kv)) {
     for (StepSequence& b : seqs) {
       if (!b.status->ok()) continue;
       SwaRing& ring = b.state->swa[l];
@@ -457,28 +513,29 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
     return absl::OkStatus();
   }
   // Every ring's block (made writable: what ReadWindowTo would read, as WritePositionsFrom would
-  // write it) is page b of the step's paged stream of B * W rows.
+  // write it) is page b of the step's paged stream of B * W rows: uploaded with every main
+  // layer's at the step's start (PrepareStepRings) or here.
   constexpr kernels::RowCodec kCodec = kernels::RowCodec::kSwaSlot;
-  vector<uint8_t*> pages(B, nullptr);
-  for (int64_t i = 0; i < B; ++i) {
-    StepSequence& b = seqs[i];
-    if (b.status->ok()) {
-      absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
-      if (page.ok()) {
-        pages[i] = *page;
-        continue;
+  uint8_t** layer_pages = kv->pages + static_cast<int64_t>(l) * B;
+  if (static_cast<size_t>(l) >= kv->prepared.size() || !kv->prepared[l]) {
+    vector<uint8_t*> pages(B, nullptr);
+    for (int64_t i = 0; i < B; ++i) {
+      StepSequence& b = seqs[i];
+      if (b.status->ok()) {
+        absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
+        if (page.ok()) {
+          pages[i] = *page;
+          continue;
+        }
+        *b.status = page.status();
       }
-      *b.status = page.status();
+      ASSIGN_OR_RETURN(pages[i], SparePage(ws, W, hd, kv->spare));
     }
-    if (kv->spare == nullptr) {
-      ASSIGN_OR_RETURN(kv->spare, ws.Filled<uint8_t>(W * kernels::RowCodecBytes(kCodec, hd), 0));
-    }
-    pages[i] = kv->spare;
+    RETURN_IF_ERROR(ws.Upload(layer_pages, pages.data(), B));
   }
-  RETURN_IF_ERROR(ws.Upload(kv->pages, pages.data(), B));
   if (read)
-    RETURN_IF_ERROR(backend_.UnpackRows(kCodec, kv->pages, W, hd, nullptr, 0, B * W, kv->kv));
-  return backend_.PackRows(kCodec, kv_rows, kv->rows, hd, kv->pages, W, kv->ring_rows, 0);
+    RETURN_IF_ERROR(backend_.UnpackRows(kCodec, layer_pages, W, hd, nullptr, 0, B * W, kv->kv));
+  return backend_.PackRows(kCodec, kv_rows, kv->rows, hd, layer_pages, W, kv->ring_rows, 0);
 }
 
 absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequence> seqs,
@@ -562,10 +619,11 @@ absl::Status Model::StepIndexer(int l, const StepArrays& a, std::span<StepSequen
   for (const vector<int64_t>* v : {&rpp, &valid, &visible, &cols})
     values.insert(values.end(), v->begin(), v->end());
   Scratch ws(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(const int64_t* dev, ws.Copy(values));
+  ASSIGN_OR_RETURN(const auto up, ws.CopyAll(values, tables));  // one upload for the layer
+  const int64_t* dev = std::get<0>(up);
   const int64_t *rpp_dev = dev, *valid_dev = dev + G, *visible_dev = dev + 2 * G,
                 *cols_dev = dev + 3 * G;
-  ASSIGN_OR_RETURN(const uint8_t* const* const* tables_dev, ws.Copy(tables));
+  const uint8_t* const* const* tables_dev = std::get<1>(up);
   // The top-k (and the candidate masks) outlive the layer: in the calls' scratch (the step's).
   Scratch& kept = *seqs[runs.front().b0].call->scratch;
   int64_t topk_rows = 0;
@@ -665,8 +723,9 @@ absl::Status Model::StepGather(int l, std::span<StepSequence> seqs, const vector
   }
   if (runs.empty()) return absl::OkStatus();
   Scratch local(backend_, scratch_pool_.get());
-  ASSIGN_OR_RETURN(const uint8_t* const* const* tables_dev, local.Copy(tables));
-  ASSIGN_OR_RETURN(const int64_t* rpp_dev, local.Copy(rpp));
+  ASSIGN_OR_RETURN(const auto up, local.CopyAll(tables, rpp));  // one upload for the layer
+  const uint8_t* const* const* tables_dev = std::get<0>(up);
+  const int64_t* rpp_dev = std::get<1>(up);
   for (const Run& run : runs) {
     RETURN_IF_ERROR(backend_.GatherRows(KvRowCodec(streams[run.b0]->format()), tables_dev + run.g0,
                                         rpp_dev + run.g0, run.k, hd, seqs[run.b0].call->topk_dev, 0,
@@ -927,6 +986,7 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
         return static_cast<int64_t>(t.size()) <= options_.device_list_rows;
       })) {
     RETURN_IF_ERROR(AllocateStepKv(ws, seqs, R, shared_kv));
+    RETURN_IF_ERROR(PrepareStepRings(ws, std::span<StepSequence>(seqs), shared_kv));
     shared = &shared_kv;
   }
   for (int s = 0; s <= c.n_layers; ++s) {

@@ -532,12 +532,17 @@ class Model {
     int64_t kv_ext_start = 0;
     // The rings are read and written for every sequence at once (one UnpackRows, one PackRows
     // per layer) when every sequence's rows fit its ring: the new rows' ring rows (sequence b's
-    // rows go to b * W + position % W; uploaded once per step) and the layer's ring pages (a
-    // failed sequence's page is `spare`, a ring's bytes that nothing reads).
+    // rows go to b * W + position % W; uploaded once per step) and the layers' ring pages (layer
+    // l's at pages + l * B; the page of a sequence failed by then is `spare`, a ring's bytes
+    // that nothing reads). PrepareStepRings makes every main layer's rings writable and uploads
+    // their pages in one Upload at the step's start (`prepared[l]`); a sequence that fails later
+    // in the step keeps its pages, so its rings of the later layers take rows (its failed step's
+    // state is not used again). A DSpark layer's pages are uploaded by its own StepRings.
     bool batched_rings = false;
     int32_t* ring_rows = nullptr;  // [R]
-    uint8_t** pages = nullptr;     // [B]
+    uint8_t** pages = nullptr;     // [(n_layers + n_mtp_layers) * B]
     uint8_t* spare = nullptr;
+    std::vector<char> prepared;  // [n_layers]
     // Filled per layer, sequence by sequence.
     int64_t ext_used = 0;  // rows of ext
     int64_t idx_used = 0;  // entries of idx
@@ -744,6 +749,11 @@ class Model {
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;
+  // Every main layer's ring pages for StepRings (StepKv::pages): the rings made writable and the
+  // pages uploaded in one Upload. A sequence whose ring fails takes the error.
+  absl::Status PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, StepKv& kv) const;
+  // Whether layer l's rings of `seqs` can be read and written in one call each (StepKv).
+  bool RingsBatched(int l, std::span<const StepSequence> seqs, const StepKv* kv) const;
   // Layer l's window rings of the step's sequences (those whose status is OK) read into kv->kv
   // (with `read`) and written with the new rows `kv_rows` [R, head_dim]: in one UnpackRows and
   // one PackRows when kv->batched_rings, else ring by ring (kv may be null without `read`). A

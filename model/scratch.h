@@ -6,9 +6,13 @@
 // (host slabs today, docs/cuda.md) keeps. Every op of the forward gets pointers into a Scratch or
 // into the weights, never into a host vector (`CpuBackendOptions::check_operands` tests it).
 #include <algorithm>
+#include <array>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <mutex>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -84,6 +88,13 @@ class Scratch {
   absl::StatusOr<T*> Copy(const std::vector<T>& host) {
     return Copy(host.data(), static_cast<int64_t>(host.size()));
   }
+  // Several host arrays in one allocation and one Upload (each at a multiple of 16 bytes, at
+  // least 16 bytes each, so an empty one still has an address inside the allocation): a device
+  // backend makes one host-to-device copy for all of them. Returns their addresses in order.
+  template <typename... T>
+  absl::StatusOr<std::tuple<T*...>> CopyAll(const std::vector<T>&... host) {
+    return CopyAllOf(std::index_sequence_for<T...>{}, host...);
+  }
   // n elements, each `value`.
   template <typename T>
   absl::StatusOr<T*> Filled(int64_t n, T value) {
@@ -147,6 +158,27 @@ class Scratch {
   ScratchPool* pool() const { return pool_; }
 
  private:
+  template <size_t... I, typename... T>
+  absl::StatusOr<std::tuple<T*...>> CopyAllOf(std::index_sequence<I...>,
+                                              const std::vector<T>&... host) {
+    constexpr int64_t kPart = 16;
+    const std::array<int64_t, sizeof...(T)> bytes = {
+        static_cast<int64_t>(host.size() * sizeof(T))...};
+    std::array<int64_t, sizeof...(T)> at{};
+    int64_t total = 0;
+    for (size_t i = 0; i < bytes.size(); ++i) {
+      at[i] = total;
+      total += std::max<int64_t>(kPart, (bytes[i] + kPart - 1) / kPart * kPart);
+    }
+    std::vector<uint8_t> blob(static_cast<size_t>(total), 0);
+    ((bytes[I] > 0 ? static_cast<void>(std::memcpy(blob.data() + at[I], host.data(), bytes[I]))
+                   : static_cast<void>(0)),
+     ...);
+    auto dev = Copy(blob);
+    if (!dev.ok()) return dev.status();
+    return std::tuple<T*...>{reinterpret_cast<T*>(*dev + at[I])...};
+  }
+
   // Arrays up to kSmallBytes share chunks of kChunkBytes (one pool operation for many arrays; a
   // call makes dozens of small ones); larger arrays get a buffer each. A chunk's arrays start at
   // multiples of 256 bytes from its start (a buffer itself has the backend's alignment: 256 on

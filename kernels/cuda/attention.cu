@@ -198,7 +198,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   float* kt = smem;                           // [kIndexKeys][dim + 1]
   float* terms = smem + kIndexKeys * stride;  // [heads][kIndexKeys]
   const int64_t r = blockIdx.y, t0 = static_cast<int64_t>(blockIdx.x) * kIndexKeys;
-  const int64_t nv = valid != nullptr ? valid[r] : n;
+  const int64_t nv = valid != nullptr && valid[r] < n ? valid[r] : n;  // never past the keys
   const float* qr = q + r * heads * dim;
   const float* wr = w + r * heads;
   const int tid = threadIdx.x, lane = tid % kIndexKeys, warp = tid / kIndexKeys;
@@ -246,10 +246,14 @@ __global__ void __launch_bounds__(kIndexThreads)
 }
 
 // Lets `kernel` take `dynamic` bytes of dynamic shared memory beside its `fixed` static bytes:
-// past 48 KiB in all, a launch must opt in.
+// past 48 KiB in all, a launch must opt in. The allowance (per device) only grows, so a smaller
+// launch never lowers it under a larger one recorded in a graph before.
 template <typename Kernel>
 cudaError_t AllowSharedMemory(Kernel* kernel, size_t dynamic, size_t fixed) {
   if (dynamic + fixed <= 48 * 1024) return cudaSuccess;
+  cudaFuncAttributes attr{};
+  if (cudaError_t rc = cudaFuncGetAttributes(&attr, kernel); rc != cudaSuccess) return rc;
+  if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) >= dynamic) return cudaSuccess;
   return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                               static_cast<int>(dynamic));
 }

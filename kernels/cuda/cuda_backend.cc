@@ -1100,9 +1100,12 @@ class CudaBackend final : public Backend {
           absl::StrCat("cuda backend: GroupedLinearQuant: no device memory for a weight table of ",
                        bytes, " bytes on cuda:", device_)));
     }
-    // Synchronous (pageable host memory): the table is complete before any kernel reads it.
-    if (cudaError_t rc = cudaMemcpy(p, host.data(), bytes, cudaMemcpyHostToDevice);
-        rc != cudaSuccess) {
+    // On stream 0 and waited for, so the table is complete before any kernel reads it. (A plain
+    // cudaMemcpy from pageable memory runs on the legacy stream, which stream 0 does not wait
+    // for, and may return before its copy has landed.)
+    cudaError_t rc = cudaMemcpyAsync(p, host.data(), bytes, cudaMemcpyHostToDevice, streams_[0]);
+    if (rc == cudaSuccess) rc = cudaStreamSynchronize(streams_[0]);
+    if (rc != cudaSuccess) {
       cudaFree(p);
       return Cuda("GroupedLinearQuant", rc);
     }

@@ -4,6 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -38,6 +41,33 @@ TEST(ScratchPoolTest, BuffersAreReusedBySizeClassUpToTheCap) {
   pool.Give(std::move(*z));
   pool.Give(std::move(*w));  // over the 16 KiB cap: freed
   EXPECT_EQ(pool.cached_bytes(), 8192 + 4096);
+}
+
+// CopyAll: several host arrays of different types in one allocation and one Upload, each part
+// 16-byte aligned and with its own values; an empty part still has an address in the allocation.
+TEST(ScratchTest, CopyAllUploadsSeveralArraysOnce) {
+  std::map<std::string, int64_t> calls;
+  auto b = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  Scratch s(*b);
+  const std::vector<int32_t> rows = {5, -1, 7};
+  const std::vector<const uint8_t*> tables = {nullptr, reinterpret_cast<const uint8_t*>(&rows)};
+  const std::vector<int64_t> none;
+  const std::vector<double> values = {0.5, 2.25};
+  auto up = s.CopyAll(rows, tables, none, values);
+  ASSERT_TRUE(up.ok()) << up.status();
+  EXPECT_EQ(calls["Upload"], 1);
+  const auto [r, t, n, v] = *up;
+  EXPECT_EQ(*s.ToHost(r, 3), rows);
+  EXPECT_EQ(*s.ToHost(t, 2), tables);
+  EXPECT_EQ(*s.ToHost(v, 2), values);
+  auto at = [&](const void* p) { return reinterpret_cast<uintptr_t>(p); };
+  for (const void* p : {static_cast<const void*>(r), static_cast<const void*>(t),
+                        static_cast<const void*>(n), static_cast<const void*>(v)})
+    EXPECT_EQ(at(p) % 16, 0u);
+  // In order, each after the one before (the empty part takes 16 bytes of its own).
+  EXPECT_EQ(at(t) - at(r), 16u);
+  EXPECT_EQ(at(n) - at(t), 16u);
+  EXPECT_EQ(at(v) - at(n), 16u);
 }
 
 TEST(ScratchTest, CopiesReachOwnAndParentArraysOnlyAndStageOnADevice) {

@@ -296,6 +296,16 @@ inline const char* cudaGetErrorString(cudaError_t e) {
 inline const char* cudaGetErrorName(cudaError_t e) {
   return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated";
 }
+// Only the field the backend reads.
+struct cudaFuncAttributes {
+  int maxDynamicSharedSizeBytes = 0;
+};
+template <class F>
+cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* attr, F* kernel) {
+  attr->maxDynamicSharedSizeBytes =
+      static_cast<int>(emu::MaxDynamicSmem(reinterpret_cast<const void*>(kernel)));
+  return cudaSuccess;
+}
 template <class F>
 cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute, int v) {
   if (v < 0 || static_cast<size_t>(v) > emu::kMaxSmem) return cudaErrorInvalidValue;
