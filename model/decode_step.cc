@@ -462,12 +462,18 @@ absl::Status Model::PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, 
   const int64_t L = config_.n_layers, B = static_cast<int64_t>(seqs.size());
   if (!kv.batched_rings) return absl::OkStatus();
   vector<uint8_t*> pages(L * B, nullptr);
-  vector<char> batched(L, 0);
+  vector<char> prepared(L, 0);
   for (int64_t l = 0; l < L; ++l) {
-    // A layer not batched now may be later (a sequence of another ring shape fails): StepRings
-    // then uploads its pages itself.
-    batched[l] = RingsBatched(static_cast<int>(l), seqs, &kv) ? 1 : 0;
-    if (!batched[l]) continue;
+    // Only layers whose rings each sequence holds alone: making them writable takes nothing from
+    // the pool, so the step's pool allocations keep their order (a ring that must be allocated
+    // or copied is, as before, when its layer runs). A layer not prepared here (that too, or not
+    // batched now: it may be later, when a sequence of another ring shape fails) has StepRings
+    // upload its pages itself.
+    prepared[l] = RingsBatched(static_cast<int>(l), seqs, &kv) &&
+                  std::all_of(seqs.begin(), seqs.end(), [&](const StepSequence& b) {
+                    return !b.status->ok() || b.state->swa[l].exclusive();
+                  });
+    if (!prepared[l]) continue;
     for (int64_t i = 0; i < B; ++i) {
       StepSequence& b = seqs[i];
       if (!b.status->ok()) continue;
@@ -482,14 +488,14 @@ absl::Status Model::PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, 
   // A sequence that failed (before or here) reads and writes the spare page in every layer (the
   // pages of a layer StepRings goes through ring by ring are not read).
   for (int64_t l = 0; l < L; ++l) {
-    for (int64_t i = 0; i < B && batched[l]; ++i) {
+    for (int64_t i = 0; i < B && prepared[l]; ++i) {
       if (pages[l * B + i] != nullptr && seqs[i].status->ok()) continue;
       ASSIGN_OR_RETURN(pages[l * B + i],
                        SparePage(ws, config_.window_size, config_.head_dim, kv.spare));
     }
   }
   RETURN_IF_ERROR(ws.Upload(kv.pages, pages.data(), L * B));
-  kv.prepared = std::move(batched);
+  kv.prepared = std::move(prepared);
   return absl::OkStatus();
 }
 

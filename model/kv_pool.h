@@ -439,6 +439,8 @@ class SwaRing {
   int64_t slot_bytes() const { return slot_bytes_; }
   int64_t ring_bytes() const { return window_ * slot_bytes_; }
   bool allocated() const { return block_.id >= 0; }
+  // Whether the ring holds its block alone: WritableBlock then takes nothing from the pool.
+  bool exclusive() const { return allocated() && pool_->refs(block_.id) == 1; }
   // Pool bytes this ring holds (a shared block counted in full; 0 before the first write).
   int64_t held_bytes() const { return allocated() ? ring_bytes() : 0; }
   const KvPool::Block& block() const { return block_; }

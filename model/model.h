@@ -534,10 +534,11 @@ class Model {
     // per layer) when every sequence's rows fit its ring: the new rows' ring rows (sequence b's
     // rows go to b * W + position % W; uploaded once per step) and the layers' ring pages (layer
     // l's at pages + l * B; the page of a sequence failed by then is `spare`, a ring's bytes
-    // that nothing reads). PrepareStepRings makes every main layer's rings writable and uploads
-    // their pages in one Upload at the step's start (`prepared[l]`); a sequence that fails later
-    // in the step keeps its pages, so its rings of the later layers take rows (its failed step's
-    // state is not used again). A DSpark layer's pages are uploaded by its own StepRings.
+    // that nothing reads). PrepareStepRings uploads, in one Upload at the step's start, the pages
+    // of every main layer whose rings each sequence holds alone (`prepared[l]`: the steady
+    // state); a sequence that fails later in the step keeps its pages, so its rings of the later
+    // layers take rows (its failed step's state is not used again). Another layer's pages (a
+    // ring to allocate or copy first, a DSpark layer) are uploaded by its own StepRings.
     bool batched_rings = false;
     int32_t* ring_rows = nullptr;  // [R]
     uint8_t** pages = nullptr;     // [(n_layers + n_mtp_layers) * B]
@@ -749,8 +750,9 @@ class Model {
   // The StepKv buffers of a step of `seqs` (their rows from seqs[b].row0 on), from `ws`.
   absl::Status AllocateStepKv(Scratch& ws, std::span<const StepSequence> seqs, int64_t rows,
                               StepKv& kv) const;
-  // Every main layer's ring pages for StepRings (StepKv::pages): the rings made writable and the
-  // pages uploaded in one Upload. A sequence whose ring fails takes the error.
+  // The ring pages for StepRings (StepKv::pages) of every main layer whose rings the step's
+  // sequences hold alone, uploaded in one Upload (no pool allocation: a ring that needs one
+  // gets it when its layer runs).
   absl::Status PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, StepKv& kv) const;
   // Whether layer l's rings of `seqs` can be read and written in one call each (StepKv).
   bool RingsBatched(int l, std::span<const StepSequence> seqs, const StepKv* kv) const;

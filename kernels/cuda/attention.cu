@@ -3,6 +3,7 @@
 // kernels/cpu/cpu_backend.cc (CompressPool, MaskScores).
 #include <array>
 #include <atomic>
+#include <mutex>
 
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
@@ -247,10 +248,13 @@ __global__ void __launch_bounds__(kIndexThreads)
 
 // Lets `kernel` take `dynamic` bytes of dynamic shared memory beside its `fixed` static bytes:
 // past 48 KiB in all, a launch must opt in. The allowance (per device) only grows, so a smaller
-// launch never lowers it under a larger one recorded in a graph before.
+// launch never lowers it under a larger one recorded in a graph before; the read and the raise
+// are one step for all threads.
 template <typename Kernel>
 cudaError_t AllowSharedMemory(Kernel* kernel, size_t dynamic, size_t fixed) {
   if (dynamic + fixed <= 48 * 1024) return cudaSuccess;
+  static std::mutex mu;
+  std::lock_guard<std::mutex> lock(mu);
   cudaFuncAttributes attr{};
   if (cudaError_t rc = cudaFuncGetAttributes(&attr, kernel); rc != cudaSuccess) return rc;
   if (static_cast<size_t>(attr.maxDynamicSharedSizeBytes) >= dynamic) return cudaSuccess;

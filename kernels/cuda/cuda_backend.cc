@@ -1047,16 +1047,21 @@ class CudaBackend final : public Backend {
   // LinearQuant per group.
   Status GroupByGroup(const float* x, int64_t rows, const int64_t* starts,
                       const QuantWeight* const* ws, int n_groups, float* y) {
-    if (Capturing()) {
-      return Refuse("GroupedLinearQuant",
-                    "decoded weights (their starts come back to the host) during a graph capture");
-    }
     std::vector<int64_t> at(static_cast<size_t>(n_groups) + 1);
-    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
-    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
-                             cudaMemcpyAsync(at.data(), starts, at.size() * sizeof(int64_t),
-                                             cudaMemcpyDeviceToHost, streams_[0]));
-    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
+    {
+      // Refused on a capturing thread; another thread's capture waits for the download.
+      Stream0Hold hold;
+      if (Status st = EnterStream0(
+              "GroupedLinearQuant",
+              "decoded weights (their starts come back to the host) during a graph capture", hold);
+          !st.ok())
+        return st;
+      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
+      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
+                               cudaMemcpyAsync(at.data(), starts, at.size() * sizeof(int64_t),
+                                               cudaMemcpyDeviceToHost, streams_[0]));
+      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaStreamSynchronize(streams_[0]));
+    }
     if (std::string why = StartsProblem(at.data(), n_groups, rows); !why.empty())
       return Bad("GroupedLinearQuant", why);
     for (int g = 0; g < n_groups; ++g) {
@@ -1081,10 +1086,14 @@ class CudaBackend final : public Backend {
     }
     if (auto it = group_tables_.find(key); it != group_tables_.end())
       return static_cast<const cuda::GroupWeight*>(it->second);
-    if (Capturing()) {  // a new table is written synchronously
-      return Refuse("GroupedLinearQuant",
-                    "a weight table not made before would be made during a graph capture");
-    }
+    // A new table is written and waited for: refused on a capturing thread, and another
+    // thread's capture waits for it.
+    Stream0Hold hold;
+    if (Status st = EnterStream0(
+            "GroupedLinearQuant",
+            "a weight table not made before would be made during a graph capture", hold);
+        !st.ok())
+      return st;
     if (group_tables_.size() >= kMaxGroupTables) {
       // Weights came and went (tests that load many models): start over.
       std::vector<void*> old;
