@@ -1,6 +1,7 @@
 // The batched decode step (Model::ExtendBatch) and its graphs (model/step_graph.h; docs/cuda.md,
 // "Decode step graphs").
 #include <algorithm>
+#include <cstring>
 #include <iterator>
 #include <limits>
 #include <map>
@@ -96,6 +97,24 @@ StepGraphStats Model::step_graph_stats() const {
 
 // ---- The step's arrays and segments ----
 
+namespace {
+
+// The step's inputs (token ids, positions, Engram hash ids) lie in one array, each part at a
+// multiple of 16 bytes, so ExtendBatch uploads them in one Upload. `engram` (ids) may be 0.
+struct StepInputLayout {
+  int64_t pos = 0, engram = 0, bytes = 0;  // byte offsets of the parts after the ids; the total
+};
+StepInputLayout InputLayout(int64_t rows, int64_t engram) {
+  auto part = [](int64_t b) { return std::max<int64_t>(16, (b + 15) / 16 * 16); };
+  StepInputLayout l;
+  l.pos = part(rows * static_cast<int64_t>(sizeof(int32_t)));
+  l.engram = l.pos + part(rows * static_cast<int64_t>(sizeof(int64_t)));
+  l.bytes = l.engram + part(engram * static_cast<int64_t>(sizeof(int64_t)));
+  return l;
+}
+
+}  // namespace
+
 absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) const {
   const ModelConfig& c = config_;
   const int64_t D = c.dim, hc = c.hc_mult, H = c.n_heads, hd = c.head_dim;
@@ -104,9 +123,11 @@ absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) co
   const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
   a = StepArrays{};
   a.rows = R;
-  ASSIGN_OR_RETURN(a.ids, ws.Alloc<int32_t>(R));
-  ASSIGN_OR_RETURN(a.pos, ws.Alloc<int64_t>(R));
-  ASSIGN_OR_RETURN(a.engram_ids, ws.Alloc<int64_t>(std::max<int64_t>(1, nel * R * per)));
+  const StepInputLayout in = InputLayout(R, nel * R * per);
+  ASSIGN_OR_RETURN(uint8_t * inputs, ws.Alloc<uint8_t>(in.bytes));
+  a.ids = reinterpret_cast<int32_t*>(inputs);
+  a.pos = reinterpret_cast<int64_t*>(inputs + in.pos);
+  a.engram_ids = reinterpret_cast<int64_t*>(inputs + in.engram);
   ASSIGN_OR_RETURN(a.h, ws.Alloc<float>(R * hc * D));
   ASSIGN_OR_RETURN(a.pre, ws.Alloc<float>(R * hc));
   ASSIGN_OR_RETURN(a.main_hidden, ws.Filled<float>(std::max<int64_t>(1, R * nt * D), 0.f));
@@ -934,10 +955,16 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (set == nullptr) RETURN_IF_ERROR(AllocateStepArrays(ws, R, own));
   Scratch& arrays_scratch = set != nullptr ? *set->held : ws;
   const StepArrays& a = set != nullptr ? set->arrays : own;
-  RETURN_IF_ERROR(arrays_scratch.Upload(a.ids, ids.data(), R));
-  RETURN_IF_ERROR(arrays_scratch.Upload(a.pos, positions.data(), R));
-  if (nel > 0) {
-    RETURN_IF_ERROR(arrays_scratch.Upload(a.engram_ids, engram_ids.data(), nel * R * per));
+  {  // the inputs in one Upload (AllocateStepArrays' layout)
+    const StepInputLayout in = InputLayout(R, nel * R * per);
+    vector<uint8_t> blob(static_cast<size_t>(in.bytes), 0);
+    std::memcpy(blob.data(), ids.data(), ids.size() * sizeof(int32_t));
+    std::memcpy(blob.data() + in.pos, positions.data(), positions.size() * sizeof(int64_t));
+    if (!engram_ids.empty()) {
+      std::memcpy(blob.data() + in.engram, engram_ids.data(), engram_ids.size() * sizeof(int64_t));
+    }
+    RETURN_IF_ERROR(
+        arrays_scratch.Upload(reinterpret_cast<uint8_t*>(a.ids), blob.data(), in.bytes));
   }
 
   vector<Call> calls(B);
