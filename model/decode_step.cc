@@ -477,6 +477,27 @@ absl::StatusOr<uint8_t*> SparePage(Scratch& ws, int64_t window, int64_t dim, uin
   return spare;
 }
 
+// Layer l's ring pages of the step's sequences into pages[0..B): each OK sequence's ring made
+// writable (a sequence whose ring fails takes the error), a failed one's the spare page.
+// (Model::StepSequence, private to Model: a template parameter here.)
+template <typename StepSequence>
+absl::Status LayerRingPages(Scratch& ws, int l, std::span<StepSequence> seqs, int64_t window,
+                            int64_t dim, uint8_t*& spare, uint8_t** pages) {
+  for (size_t i = 0; i < seqs.size(); ++i) {
+    StepSequence& b = seqs[i];
+    if (b.status->ok()) {
+      absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
+      if (page.ok()) {
+        pages[i] = *page;
+        continue;
+      }
+      *b.status = page.status();
+    }
+    ASSIGN_OR_RETURN(pages[i], SparePage(ws, window, dim, spare));
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
 
 absl::Status Model::PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, StepKv& kv) const {
@@ -494,25 +515,9 @@ absl::Status Model::PrepareStepRings(Scratch& ws, std::span<StepSequence> seqs, 
                   std::all_of(seqs.begin(), seqs.end(), [&](const StepSequence& b) {
                     return !b.status->ok() || b.state->swa[l].exclusive();
                   });
-    if (!prepared[l]) continue;
-    for (int64_t i = 0; i < B; ++i) {
-      StepSequence& b = seqs[i];
-      if (!b.status->ok()) continue;
-      absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
-      if (page.ok()) {
-        pages[l * B + i] = *page;
-      } else {
-        *b.status = page.status();
-      }
-    }
-  }
-  // A sequence that failed (before or here) reads and writes the spare page in every layer (the
-  // pages of a layer StepRings goes through ring by ring are not read).
-  for (int64_t l = 0; l < L; ++l) {
-    for (int64_t i = 0; i < B && prepared[l]; ++i) {
-      if (pages[l * B + i] != nullptr && seqs[i].status->ok()) continue;
-      ASSIGN_OR_RETURN(pages[l * B + i],
-                       SparePage(ws, config_.window_size, config_.head_dim, kv.spare));
+    if (prepared[l]) {  // (a layer StepRings goes through itself leaves its pages unread)
+      RETURN_IF_ERROR(LayerRingPages(ws, static_cast<int>(l), seqs, config_.window_size,
+                                     config_.head_dim, kv.spare, pages.data() + l * B));
     }
   }
   RETURN_IF_ERROR(ws.Upload(kv.pages, pages.data(), L * B));
@@ -546,18 +551,7 @@ absl::Status Model::StepRings(Scratch& ws, int l, bool read, const float* kv_row
   uint8_t** layer_pages = kv->pages + static_cast<int64_t>(l) * B;
   if (static_cast<size_t>(l) >= kv->prepared.size() || !kv->prepared[l]) {
     vector<uint8_t*> pages(B, nullptr);
-    for (int64_t i = 0; i < B; ++i) {
-      StepSequence& b = seqs[i];
-      if (b.status->ok()) {
-        absl::StatusOr<uint8_t*> page = b.state->swa[l].WritableBlock();
-        if (page.ok()) {
-          pages[i] = *page;
-          continue;
-        }
-        *b.status = page.status();
-      }
-      ASSIGN_OR_RETURN(pages[i], SparePage(ws, W, hd, kv->spare));
-    }
+    RETURN_IF_ERROR(LayerRingPages(ws, l, seqs, W, hd, kv->spare, pages.data()));
     RETURN_IF_ERROR(ws.Upload(layer_pages, pages.data(), B));
   }
   if (read)
