@@ -99,13 +99,13 @@ StepGraphStats Model::step_graph_stats() const {
 
 namespace {
 
-// The step's inputs (token ids, positions, Engram hash ids) lie in one array, each part at a
-// multiple of 16 bytes, so ExtendBatch uploads them in one Upload. `engram` (ids) may be 0.
+// The step's inputs (token ids, positions, Engram hash ids) lie in one array, each part
+// Scratch::PartBytes long, so ExtendBatch uploads them in one Upload. `engram` (ids) may be 0.
 struct StepInputLayout {
   int64_t pos = 0, engram = 0, bytes = 0;  // byte offsets of the parts after the ids; the total
 };
 StepInputLayout InputLayout(int64_t rows, int64_t engram) {
-  auto part = [](int64_t b) { return std::max<int64_t>(16, (b + 15) / 16 * 16); };
+  constexpr auto part = Scratch::PartBytes;
   StepInputLayout l;
   l.pos = part(rows * static_cast<int64_t>(sizeof(int32_t)));
   l.engram = l.pos + part(rows * static_cast<int64_t>(sizeof(int64_t)));
@@ -210,8 +210,8 @@ absl::Status Model::StepSegment(Scratch& outer, int s, const StepArrays& a) cons
 
 absl::Status Model::PoolSingleRows(Scratch& ws, int l, const StepArrays& a,
                                    std::span<StepSequence> seqs, float* latents,
-                                   vector<int64_t>& gpos, vector<int64_t>& first,
-                                   vector<int64_t>& count) const {
+                                   vector<int64_t>& gpos, const int64_t** gpos_dev,
+                                   vector<int64_t>& first, vector<int64_t>& count) const {
   const int64_t hd = config_.head_dim, B = static_cast<int64_t>(seqs.size());
   const int ratio = roles_[l].compress_ratio;
   // What PoolGroups does for one row at position p: the row into the log (when it logs p) and
@@ -262,10 +262,11 @@ absl::Status Model::PoolSingleRows(Scratch& ws, int l, const StepArrays& a,
   }
   const int64_t E = static_cast<int64_t>(groups.size());
   groups.insert(groups.end(), group_scores.begin(), group_scores.end());
-  // The destinations and the tails, in one upload.
-  ASSIGN_OR_RETURN(const auto up, ws.CopyAll(dst, groups));
+  // The destinations, the tails and the groups' positions, in one upload.
+  ASSIGN_OR_RETURN(const auto up, ws.CopyAll(dst, groups, gpos));
   uint8_t* const* pages = std::get<0>(up);
   uint8_t* const* tails = std::get<1>(up);
+  *gpos_dev = std::get<2>(up);
   for (int64_t k = 0; k < 4; ++k) {
     const float* rows = k % 2 == 0 ? a.cmp_kv : a.cmp_score;
     RETURN_IF_ERROR(backend_.PackRows(kCodec, rows, B, hd, pages + k * B, 1, nullptr, 0));
@@ -300,10 +301,11 @@ absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
   } else {
     ASSIGN_OR_RETURN(latents, ws.Alloc<float>(a.rows * hd));  // a group per row at most
     vector<int64_t> gpos;
+    const int64_t* gpos_up = nullptr;  // gpos in backend memory, when PoolSingleRows put it there
     const bool one_row_each = std::all_of(seqs.begin(), seqs.end(),
                                           [](const StepSequence& q) { return q.call->rows == 1; });
     if (one_row_each) {
-      RETURN_IF_ERROR(PoolSingleRows(ws, l, a, seqs, latents, gpos, first, count));
+      RETURN_IF_ERROR(PoolSingleRows(ws, l, a, seqs, latents, gpos, &gpos_up, first, count));
     } else {
       for (int64_t b = 0; b < B; ++b) {
         StepSequence& q = seqs[b];
@@ -321,7 +323,11 @@ absl::Status Model::StepCompress(Scratch& ws, int l, const StepArrays& a,
     ne = static_cast<int64_t>(gpos.size());
     if (ne == 0) return absl::OkStatus();
     RETURN_IF_ERROR(backend_.RmsNorm(latents, A.cmp_norm.data(), ne, hd, c.norm_eps, latents));
-    ASSIGN_OR_RETURN(gpos_dev, ws.Copy(gpos));
+    if (gpos_up != nullptr) {
+      gpos_dev = gpos_up;
+    } else {
+      ASSIGN_OR_RETURN(gpos_dev, ws.Copy(gpos));
+    }
   }
   ASSIGN_OR_RETURN(float* keys, ws.Alloc<float>(ne * c.index_head_dim));
   RETURN_IF_ERROR(FinishLatents(ws, l, latents, ne, gpos_dev, keys));

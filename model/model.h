@@ -726,9 +726,10 @@ class Model {
                           std::span<StepSequence> seqs) const;
   // StepCompress's pooling (ratio > 1) when every sequence has one row: each row into its log
   // and its tail in one PackRows per array, the groups that end pooled in one CompressPool into
-  // `latents` (first / count: each sequence's entries).
+  // `latents` (first / count: each sequence's entries; gpos: each entry's first position, on the
+  // host and, uploaded with the page tables, at *gpos_dev).
   absl::Status PoolSingleRows(Scratch& ws, int l, const StepArrays& a, std::span<StepSequence> seqs,
-                              float* latents, std::vector<int64_t>& gpos,
+                              float* latents, std::vector<int64_t>& gpos, const int64_t** gpos_dev,
                               std::vector<int64_t>& first, std::vector<int64_t>& count) const;
   // Layer l's indexer (an index source) for the sequences of a shared step whose index keys
   // have one codec: runs of consecutive sequences with the same k (and the same candidate mask

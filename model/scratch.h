@@ -88,8 +88,13 @@ class Scratch {
   absl::StatusOr<T*> Copy(const std::vector<T>& host) {
     return Copy(host.data(), static_cast<int64_t>(host.size()));
   }
-  // Several host arrays in one allocation and one Upload (each at a multiple of 16 bytes, at
-  // least 16 bytes each, so an empty one still has an address inside the allocation): a device
+  // The room one part of a packed array takes: its bytes rounded up to a multiple of 16, at
+  // least 16, so every part starts 16-byte aligned and an empty one still has an address inside
+  // the allocation. CopyAll packs with it; so does a caller that lays out its own packed array.
+  static constexpr int64_t PartBytes(int64_t bytes) {
+    return std::max<int64_t>(16, (bytes + 15) / 16 * 16);
+  }
+  // Several host arrays in one allocation and one Upload (each part PartBytes long): a device
   // backend makes one host-to-device copy for all of them. Returns their addresses in order.
   template <typename... T>
   absl::StatusOr<std::tuple<T*...>> CopyAll(const std::vector<T>&... host) {
@@ -161,14 +166,13 @@ class Scratch {
   template <size_t... I, typename... T>
   absl::StatusOr<std::tuple<T*...>> CopyAllOf(std::index_sequence<I...>,
                                               const std::vector<T>&... host) {
-    constexpr int64_t kPart = 16;
     const std::array<int64_t, sizeof...(T)> bytes = {
         static_cast<int64_t>(host.size() * sizeof(T))...};
     std::array<int64_t, sizeof...(T)> at{};
     int64_t total = 0;
     for (size_t i = 0; i < bytes.size(); ++i) {
       at[i] = total;
-      total += std::max<int64_t>(kPart, (bytes[i] + kPart - 1) / kPart * kPart);
+      total += PartBytes(bytes[i]);
     }
     std::vector<uint8_t> blob(static_cast<size_t>(total), 0);
     ((bytes[I] > 0 ? static_cast<void>(std::memcpy(blob.data() + at[I], host.data(), bytes[I]))
