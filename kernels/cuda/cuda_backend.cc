@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/launch.h"
 
@@ -35,6 +36,27 @@ using absl::Status;
   do {                                                                      \
     if (cudaError_t rc_ = (expr); rc_ != cudaSuccess) return Cuda(op, rc_); \
   } while (0)
+
+// Whether `rc` leaves the device's context unusable: every later CUDA call of the process
+// returns the same error, and only a new process can use the GPU again (driver_types.h: "the
+// process must be terminated and relaunched"). A kernel's fault surfaces so, at the next call.
+bool LosesTheContext(cudaError_t rc) {
+  switch (rc) {
+    case cudaErrorECCUncorrectable:
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorAssert:
+    case cudaErrorHardwareStackError:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorLaunchFailure:
+      return true;
+    default:
+      return false;
+  }
+}
 
 // What a CudaBackend shares with its graphs, under `mu`: the capture under way, and the device
 // blocks (an outgrown scratch block, weight tables) the backend has let go of while graphs whose
@@ -161,7 +183,7 @@ class CudaBackend final : public Backend {
       return Bad("Allocate", absl::StrCat("stream ", stream.id, " (the backend has streams 0..",
                                           kCudaStreams - 1, ")"));
     if (bytes == 0) return Buffer(nullptr, 0, MemoryKind::kDevice, stream, nullptr);
-    EPD_CUDA_RETURN_IF_ERROR("Allocate", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("Allocate"));
     void* p = nullptr;
     if (cudaError_t rc = cudaMalloc(&p, static_cast<size_t>(bytes)); rc != cudaSuccess) {
       cudaGetLastError();
@@ -190,7 +212,7 @@ class CudaBackend final : public Backend {
     }
     if (dst.kind() != MemoryKind::kDevice) return Bad("Upload", "the buffer is not device memory");
     if (bytes == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("Upload", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("Upload"));
     cudaStream_t s = StreamOf(dst);
     if (s == streams_[0] && bytes <= kStagingSlotBytes) {
       auto staged = UploadStaged(host, bytes, dst.as<uint8_t>() + dst_offset);
@@ -214,7 +236,7 @@ class CudaBackend final : public Backend {
     if (src.kind() != MemoryKind::kDevice)
       return Bad("Download", "the buffer is not device memory");
     if (bytes == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("Download", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("Download"));
     cudaStream_t s = StreamOf(src);
     if (Status st = OrderAfter("Download", s, streams_[0]); !st.ok()) return st;
     EPD_CUDA_RETURN_IF_ERROR(
@@ -231,7 +253,7 @@ class CudaBackend final : public Backend {
       return st;
     if (stream.id < 0 || stream.id >= kCudaStreams)
       return Bad("Synchronize", absl::StrCat("stream ", stream.id));
-    EPD_CUDA_RETURN_IF_ERROR("Synchronize", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("Synchronize"));
     EPD_CUDA_RETURN_IF_ERROR("Synchronize", cudaStreamSynchronize(streams_[stream.id]));
     return OkStatus();
   }
@@ -240,7 +262,7 @@ class CudaBackend final : public Backend {
     if (Status st = EnterStream0("Copy", /*refusal=*/nullptr, hold); !st.ok()) return st;
     if (bytes < 0) return Bad("Copy", "negative size");
     if (bytes == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("Copy", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("Copy"));
     EPD_CUDA_RETURN_IF_ERROR("Copy", cudaMemcpyAsync(dst, src, static_cast<size_t>(bytes),
                                                      cudaMemcpyDeviceToDevice, streams_[0]));
     return OkStatus();
@@ -254,7 +276,7 @@ class CudaBackend final : public Backend {
   // weight table, a decoded weight) is refused.
   bool supports_graphs() const override { return true; }
   Status BeginCapture() override {
-    EPD_CUDA_RETURN_IF_ERROR("BeginCapture", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("BeginCapture"));
     cudaError_t rc = cudaSuccess;
     {
       std::unique_lock<std::mutex> lock(graphs_->mu);
@@ -337,7 +359,7 @@ class CudaBackend final : public Backend {
     if (rows == 0 || w.out == 0) return OkStatus();
     if (!w.packed() && Capturing())  // its host values are copied in, then waited for
       return Refuse("LinearQuant", "a decoded weight (host values) during a graph capture");
-    EPD_CUDA_RETURN_IF_ERROR("LinearQuant", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("LinearQuant"));
     const int64_t k = w.in, nb = (k + 31) / 32;
     const size_t q_bytes = Align(rows * k * 4), s_bytes = Align(rows * nb * 4);
     const size_t wv_bytes = w.packed() ? 0 : Align(w.out * w.in * 4);
@@ -472,7 +494,7 @@ class CudaBackend final : public Backend {
     if (n < 0 || k < 0) return Bad("StableTopK", "negative size");
     if (n > kMaxTopK) return Bad("StableTopK", absl::StrCat(n, " values > ", kMaxTopK));
     if (n == 0 || k == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("StableTopK", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("StableTopK"));
     const size_t bytes = cuda::TopKScratchBytes(n);
     auto scratch = Scratch("StableTopK", bytes);
     if (!scratch.ok()) return scratch.status();
@@ -483,7 +505,7 @@ class CudaBackend final : public Backend {
                        int64_t keep_blocks, uint8_t* mask) override {
     if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
     if (n == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("CandidateMask", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("CandidateMask"));
     const size_t bytes = cuda::CandidateMaskScratchBytes(n, bs);
     auto scratch = Scratch("CandidateMask", bytes);
     if (!scratch.ok()) return scratch.status();
@@ -497,7 +519,7 @@ class CudaBackend final : public Backend {
     if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     if (n > kMaxTopK) return Bad("SelectTopK", absl::StrCat(n, " values > ", kMaxTopK));
     if (k == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("SelectTopK", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("SelectTopK"));
     const size_t bytes = cuda::TopKScratchBytes(n);
     auto scratch = Scratch("SelectTopK", bytes);
     if (!scratch.ok()) return scratch.status();
@@ -540,7 +562,7 @@ class CudaBackend final : public Backend {
     if (rows * n > kMaxTopK)
       return Bad("CandidateMaskRows", absl::StrCat(rows, " x ", n, " scores > ", kMaxTopK));
     if (n == 0 || rows == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("CandidateMaskRows", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("CandidateMaskRows"));
     const size_t bytes = cuda::CandidateMaskRowsScratchBytes(rows, n, bs);
     auto scratch = Scratch("CandidateMaskRows", bytes);
     if (!scratch.ok()) return scratch.status();
@@ -557,7 +579,7 @@ class CudaBackend final : public Backend {
     if (rows * n > kMaxTopK)
       return Bad("SelectTopKRows", absl::StrCat(rows, " x ", n, " scores > ", kMaxTopK));
     if (k == 0 || rows == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("SelectTopKRows", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("SelectTopKRows"));
     const size_t bytes = cuda::SelectTopKRowsScratchBytes(rows, n, k);
     auto scratch = Scratch("SelectTopKRows", bytes);
     if (!scratch.ok()) return scratch.status();
@@ -587,7 +609,7 @@ class CudaBackend final : public Backend {
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
     if (rows > kMaxGemmRows) return Bad("HcMixes", absl::StrCat(rows, " rows > ", kMaxGemmRows));
     if (rows == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("HcMixes", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("HcMixes"));
     const int64_t nm = (2 + hc) * hc;
     auto scratch = Scratch("HcMixes", Align(rows * nm * 4));
     if (!scratch.ok()) return scratch.status();
@@ -612,7 +634,7 @@ class CudaBackend final : public Backend {
                 const float* post, const float* comb, float* out) override {
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPost", "shape");
     if (rows == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("HcPost", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("HcPost"));
     auto scratch = Scratch("HcPost", Align(rows * hc * dim * 4));
     if (!scratch.ok()) return scratch.status();
     return Run("HcPost", [&] {
@@ -632,7 +654,7 @@ class CudaBackend final : public Backend {
     const int64_t E = n_experts, K = top_k;
     if (K < 1 || K > E) return Bad("MoeRoute", absl::StrCat("top_k ", K, " of ", E, " experts"));
     if (rows <= 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("MoeRoute", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("MoeRoute"));
     auto scratch = Scratch("MoeRoute", cuda::MoeRouteScratchBytes(rows, n_experts, top_k));
     if (!scratch.ok()) return scratch.status();
     return Run("MoeRoute", [&] {
@@ -673,7 +695,7 @@ class CudaBackend final : public Backend {
                  absl::StrCat(rows, " rows in ", n_groups, " groups exceed the grid"));
     }
     if (rows == 0 || w0.out == 0) return OkStatus();
-    EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter("GroupedLinearQuant"));
     auto table = GroupTable(ws, n_groups);
     if (!table.ok()) return table.status();
     const int64_t k = w0.in, nb = (k + 31) / 32;
@@ -893,10 +915,35 @@ class CudaBackend final : public Backend {
   Status Bad(const char* op, const std::string& why) {
     return Note(InvalidArgumentError(absl::StrCat("cuda backend: ", op, ": ", why)));
   }
+  // A failed CUDA call: Internal naming the op and the error. The runtime also keeps the error
+  // as the thread's last error, which the next launch's check (cudaGetLastError) would report as
+  // that launch's: it is cleared here. An error that loses the context (LosesTheContext) is
+  // Unavailable, the device's fault and not the request's (a router retries such a failure
+  // elsewhere), and is kept: every later call fails with it (Enter), and CudaDeviceLost reports
+  // it, so that the process can restart.
   Status Cuda(const char* op, cudaError_t rc) {
     if (rc == cudaSuccess) return OkStatus();
-    return Note(absl::InternalError(absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc),
-                                                 ": ", cudaGetErrorString(rc))));
+    cudaGetLastError();
+    const std::string what = absl::StrCat("cuda backend: ", op, ": ", cudaGetErrorName(rc), ": ",
+                                          cudaGetErrorString(rc));
+    if (!LosesTheContext(rc)) return Note(absl::InternalError(what));
+    {
+      std::lock_guard<std::mutex> lock(lost_mu_);
+      if (lost_.ok()) {
+        lost_ = absl::UnavailableError(
+            absl::StrCat("cuda:", device_, " is lost since ", what,
+                         " (the device's context is unusable: restart the process)"));
+        is_lost_.store(true, std::memory_order_release);
+      }
+    }
+    return Note(absl::UnavailableError(what));
+  }
+  // Every call that reaches the device starts here: once the context is lost it fails at once,
+  // naming the first error; else it makes the backend's device the thread's current one.
+  Status Enter(const char* op) {
+    if (Status lost = Lost(); !lost.ok())
+      return Note(absl::UnavailableError(absl::StrCat("cuda backend: ", op, ": ", lost.message())));
+    return Cuda(op, cudaSetDevice(device_));
   }
   Status Refuse(const char* op, const std::string& why) {
     return Note(absl::FailedPreconditionError(absl::StrCat("cuda backend: ", op, ": ", why)));
@@ -977,7 +1024,7 @@ class CudaBackend final : public Backend {
 
   template <typename F>
   Status Run(const char* op, F&& launch) {
-    EPD_CUDA_RETURN_IF_ERROR(op, cudaSetDevice(device_));
+    RETURN_IF_ERROR(Enter(op));
     if (profiling_.load(std::memory_order_relaxed) && !Capturing()) return RunTimed(op, launch);
     return Launched(op, launch());
   }
@@ -1016,6 +1063,12 @@ class CudaBackend final : public Backend {
   }
 
  public:
+  // OK while the device works; after, the first error that lost its context (Cuda).
+  Status Lost() const {
+    if (!is_lost_.load(std::memory_order_acquire)) return OkStatus();
+    std::lock_guard<std::mutex> lock(lost_mu_);
+    return lost_;
+  }
   void SetProfiling(bool on) {
     std::lock_guard<std::mutex> lock(profile_mu_);
     profile_.clear();
@@ -1056,7 +1109,7 @@ class CudaBackend final : public Backend {
               "decoded weights (their starts come back to the host) during a graph capture", hold);
           !st.ok())
         return st;
-      EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant", cudaSetDevice(device_));
+      RETURN_IF_ERROR(Enter("GroupedLinearQuant"));
       EPD_CUDA_RETURN_IF_ERROR("GroupedLinearQuant",
                                cudaMemcpyAsync(at.data(), starts, at.size() * sizeof(int64_t),
                                                cudaMemcpyDeviceToHost, streams_[0]));
@@ -1184,6 +1237,8 @@ class CudaBackend final : public Backend {
   absl::StatusOr<uint8_t*> Scratch(const char* op, size_t bytes) {
     if (bytes <= scratch_bytes_) return scratch_;
     if (Capturing()) return Refuse(op, "scratch would grow during a graph capture");
+    // The block must be on this backend's device, whichever device the calling thread was on.
+    RETURN_IF_ERROR(Enter(op));
     const size_t grow = std::max(bytes, scratch_bytes_ * 2);
     if (scratch_ != nullptr) {
       if (Status st = Release(op, {scratch_}); !st.ok()) return st;
@@ -1203,6 +1258,9 @@ class CudaBackend final : public Backend {
   }
 
   int device_;
+  std::atomic<bool> is_lost_{false};  // lost_ is set
+  mutable std::mutex lost_mu_;
+  Status lost_;                         // the first error that lost the device's context (Cuda)
   std::shared_ptr<GraphState> graphs_;  // the capture, and what live graphs keep
   std::array<cudaStream_t, kCudaStreams> streams_{};
   uint8_t* scratch_ = nullptr;
@@ -1248,6 +1306,11 @@ absl::StatusOr<std::vector<CudaOpTime>> CudaOpProfile(Backend& backend) {
   absl::StatusOr<CudaBackend*> cuda = Profiled(backend);
   if (!cuda.ok()) return cuda.status();
   return (*cuda)->Profile();
+}
+
+Status CudaDeviceLost(const Backend& backend) {
+  const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
+  return cuda == nullptr ? OkStatus() : cuda->Lost();
 }
 
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device) {

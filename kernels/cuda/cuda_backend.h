@@ -13,7 +13,8 @@
 // stream, sees them), so the small uploads of a decode step do not drain the GPU's queue.
 // Errors: bad arguments give InvalidArgument naming the op (checked before any launch, like the
 // CPU backend); a CUDA error gives Internal naming the op and the CUDA error; an error raised
-// while a kernel runs surfaces at the next Synchronize/Download.
+// while a kernel runs surfaces at the next call. An error that leaves the device unusable gives
+// Unavailable, and so does every later call (CudaDeviceLost, below).
 // Graphs (Backend::BeginCapture): a capture records stream 0 into a CUDA graph (relaxed capture
 // mode: Allocate's cudaMalloc may run meanwhile), and LaunchGraph launches it on stream 0. While
 // it lasts, Upload, Download and Synchronize on the capturing thread are refused, and the
@@ -41,6 +42,14 @@ inline constexpr int kCudaStreams = 4;
 // when there is no usable GPU (no driver, no device); NotFound when `device` is not one of the
 // present devices.
 absl::StatusOr<std::unique_ptr<Backend>> MakeCudaBackend(int device);
+
+// OK while `backend`'s device works (and for a backend that is not a CUDA backend). Once a CUDA
+// error has left the device's context unusable (a kernel's illegal address or other fault, an
+// uncorrectable ECC error: after one, every CUDA call of the process fails), the first such
+// error, naming the op that met it; every later call of the backend then fails at once with it.
+// Only a new process can use the GPU again: a worker exits (worker_runtime.cc) so that its
+// supervisor restarts it and the router replays its requests.
+absl::Status CudaDeviceLost(const Backend& backend);
 
 // Where a CUDA backend's time goes, for benchmarks (tests/bench/cuda_model_bench.cc). While
 // profiling is on, each op called outside a capture is bracketed by two events on stream 0 and

@@ -63,4 +63,13 @@ absl::Status CheckModelCanRunOn(const DeviceSpec& spec) {
 
 bool WeightsInBackend(const DeviceSpec& spec) { return spec.kind != DeviceSpec::Kind::kCpu; }
 
+absl::Status DeviceLost(const Backend& backend) {
+#if defined(EPD_HAVE_CUDA)
+  return CudaDeviceLost(backend);
+#else
+  (void)backend;
+  return absl::OkStatus();
+#endif
+}
+
 }  // namespace epd::kernels

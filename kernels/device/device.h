@@ -42,4 +42,10 @@ absl::Status CheckModelCanRunOn(const DeviceSpec& spec);
 // place from the checkpoint's mapping (no copy).
 bool WeightsInBackend(const DeviceSpec& spec);
 
+// OK while `backend`'s device can run work. A GPU whose context a fault has made unusable (an
+// illegal address in a kernel, an uncorrectable ECC error; kernels/cuda/cuda_backend.h,
+// CudaDeviceLost): the first such error. Nothing in the process can use that GPU again, so a
+// process that sees it exits and is restarted. The CPU backend is never lost.
+absl::Status DeviceLost(const Backend& backend);
+
 }  // namespace epd::kernels

@@ -9,6 +9,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -450,6 +451,18 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   runtime.PublishPort("registered", 1);
   while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
     memory.Update();
+    // A GPU whose context a fault made unusable fails every call from now on, and only a new
+    // process can use it (kernels::DeviceLost). Leave at once, as a crash does: the router sees
+    // this worker's streams break (UNAVAILABLE) and re-dispatches or migrates their requests
+    // (docs/router.md), and the supervisor (epd serve, the pod's restart policy) starts a fresh
+    // worker. Nothing is torn down here: tearing down would need the GPU.
+    if (absl::Status lost = kernels::DeviceLost(*backend); !lost.ok()) {
+      spdlog::critical("epd-{}: {}; exiting (status {}) to be restarted", label, lost.ToString(),
+                       kExitDeviceLost);
+      spdlog::default_logger()->flush();
+      std::fflush(nullptr);
+      std::_Exit(kExitDeviceLost);
+    }
     if (heartbeat(false)) {
       spdlog::warn("epd-{}: the router forgot us; registering again", label);
       if (int rc = do_register(); rc != 0) {

@@ -62,9 +62,12 @@ using HandlerFactory =
 // Adds a pool's own flags to the shared ones (they show in --help and are parsed with them).
 using FlagAdder = std::function<void(CLI::App&)>;
 
+// The exit code of a worker whose GPU was lost (kernels::DeviceLost).
+inline constexpr int kExitDeviceLost = 4;
+
 // Runs a worker process; returns the exit code (0 after SIGTERM, 3 when the router refuses the
-// registration, 1 on setup errors). `add_flags` (optional) runs before parsing; the factory runs
-// after it.
+// registration, 1 on setup errors, kExitDeviceLost when its GPU's context became unusable).
+// `add_flags` (optional) runs before parsing; the factory runs after it.
 int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory,
                   const FlagAdder& add_flags = nullptr);
 

@@ -13,6 +13,9 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/cuda/cuda_device.h"
 #include "kernels/cuda/rms_norm.h"
+#if defined(EPD_CUDA_EMULATED)
+#include <cuda_runtime.h>  // the emulation's (tests/gpu/emulated): its injected failures
+#endif
 
 namespace {
 
@@ -124,5 +127,57 @@ TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("cpu"), std::string::npos) << refused;
 }
+
+#if defined(EPD_CUDA_EMULATED)
+// Errors the device gives, injected into the emulation (a real GPU faults only by a kernel's bad
+// access, which would leave the test process unable to use it).
+// - One failed call fails its op alone: its error is not charged to the next op (the runtime keeps
+//   a failed call's error as the thread's last error, which the next launch's check reads).
+// - An error that loses the device's context (an illegal address: every later CUDA call of the
+//   process fails) is Unavailable and kept: CudaDeviceLost reports it, naming the op that met it,
+//   and every later op fails at once naming it, even where the runtime would answer again (here,
+//   restored), since only a new process can use the GPU; a worker exits on it to be restarted.
+TEST(CudaKernelsTest, ALostContextFailsEveryLaterOpAndIsReported) {
+  auto be = epd::kernels::MakeCudaBackend(0);
+  ASSERT_TRUE(be.ok()) << be.status();
+  epd::kernels::Backend& b = **be;
+  const int64_t n = 64;
+  auto x = b.Allocate(n * 4), y = b.Allocate(n * 4);
+  ASSERT_TRUE(x.ok() && y.ok());
+  const std::vector<float> ones(n, 1.f);
+  ASSERT_TRUE(b.Upload(ones.data(), n * 4, *x, 0).ok());
+  ASSERT_TRUE(b.Upload(ones.data(), n * 4, *y, 0).ok());
+  ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());
+  EXPECT_TRUE(epd::kernels::CudaDeviceLost(b).ok());
+
+  emu::FailNextCall(cudaErrorInvalidValue);
+  const absl::Status failed = b.RoundBf16(x->as<float>(), n);
+  EXPECT_EQ(failed.code(), absl::StatusCode::kInternal) << failed;
+  EXPECT_NE(failed.message().find("RoundBf16: cudaErrorInvalidValue"), std::string::npos) << failed;
+  EXPECT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok()) << "charged with the last error";
+  EXPECT_TRUE(epd::kernels::CudaDeviceLost(b).ok());
+  std::vector<float> got(n);
+  ASSERT_TRUE(b.Download(*x, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, std::vector<float>(n, 3.f));  // both Adds ran, the failed op did nothing
+
+  emu::LoseContext(cudaErrorIllegalAddress);
+  const absl::Status first = b.Add(x->as<float>(), y->as<float>(), n);
+  EXPECT_EQ(first.code(), absl::StatusCode::kUnavailable) << first;
+  EXPECT_NE(first.message().find("Add: cudaErrorIllegalAddress"), std::string::npos) << first;
+  const absl::Status lost = epd::kernels::CudaDeviceLost(b);
+  EXPECT_NE(lost.message().find("cuda:0 is lost since cuda backend: Add: cudaErrorIllegalAddress"),
+            std::string::npos)
+      << lost;
+  emu::RestoreContext();
+  for (const absl::Status& later :
+       {b.RoundBf16(x->as<float>(), n), b.Download(*x, 0, n * 4, got.data()),
+        b.Upload(ones.data(), n * 4, *x, 0), b.Allocate(n * 4).status(),
+        b.Synchronize(epd::kernels::Stream{})}) {
+    EXPECT_EQ(later.code(), absl::StatusCode::kUnavailable) << later;
+    EXPECT_NE(later.message().find(lost.message()), std::string::npos) << later;
+  }
+  EXPECT_EQ(epd::kernels::CudaDeviceLost(b), lost);  // the first error, kept
+}
+#endif
 
 }  // namespace

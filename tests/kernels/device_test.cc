@@ -32,6 +32,7 @@ TEST(DeviceTest, CpuOpensAndRunsTheModel) {
   ASSERT_TRUE(b.ok()) << b.status();
   EXPECT_EQ((*b)->Name(), "cpu");
   EXPECT_TRUE(CheckModelCanRunOn(DeviceSpec{}).ok());
+  EXPECT_TRUE(DeviceLost(**b).ok());  // the host is never lost
 }
 
 TEST(DeviceTest, CudaOpensOnAGpuAndIsRefusedNamingTheDeviceWithoutOne) {

@@ -22,6 +22,9 @@
 //   launches, copies and sets into a graph instead; launching the graph replays them in order.
 // - A launch with more than 48 KiB of dynamic shared memory fails unless its kernel opted in
 //   (cudaFuncSetAttribute), up to 227 KiB (an H200's opt-in).
+// - Failures a test injects (the host cannot fault as a device does): a lost context, whose error
+//   every later call returns (emu::LoseContext), and one failed call (emu::FailNextCall); a
+//   failed call's error is the last error (cudaGetLastError), as the runtime keeps it.
 // What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
 // the order of work across streams, the static shared memory (not seen here), other limits,
 // the device's transcendental functions (the host's libm stands in) and the device's fp32
@@ -42,6 +45,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #define __global__
@@ -62,6 +66,16 @@ enum cudaError_t {
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidDevice = 101,
+  cudaErrorECCUncorrectable = 214,
+  cudaErrorIllegalAddress = 700,
+  cudaErrorLaunchTimeout = 702,
+  cudaErrorAssert = 710,
+  cudaErrorHardwareStackError = 714,
+  cudaErrorIllegalInstruction = 715,
+  cudaErrorMisalignedAddress = 716,
+  cudaErrorInvalidAddressSpace = 717,
+  cudaErrorInvalidPc = 718,
+  cudaErrorLaunchFailure = 719,
   cudaErrorStreamCaptureInvalidated = 901,
 };
 enum cudaMemcpyKind {
@@ -130,6 +144,20 @@ inline std::function<void()> g_body;
 inline std::vector<Fiber> g_fibers;
 inline std::vector<uint64_t> g_slots;  // warp exchanges, one per thread
 inline cudaError_t g_last_error = cudaSuccess;
+// Failures tests inject (the device cannot fault here): a lost context's error, which every later
+// call returns, as the runtime does after a kernel's illegal address (LoseContext; until
+// RestoreContext, which a real process cannot do), and one failure of the next call (FailNextCall).
+inline cudaError_t g_lost = cudaSuccess, g_fail_next = cudaSuccess;
+inline void LoseContext(cudaError_t e) { g_lost = g_last_error = e; }
+inline void RestoreContext() { g_lost = g_last_error = cudaSuccess; }
+inline void FailNextCall(cudaError_t e) { g_fail_next = e; }
+// The injected failure of a call (cudaSuccess: none); it becomes the last error, as the runtime
+// keeps a failed call's error for cudaGetLastError.
+inline cudaError_t Injected() {
+  const cudaError_t e = g_lost != cudaSuccess ? g_lost : std::exchange(g_fail_next, cudaSuccess);
+  if (e != cudaSuccess) g_last_error = e;
+  return e;
+}
 
 inline void Sync() { g_cur->back = std::move(g_cur->back).resume(); }
 inline unsigned LinearTid() {
@@ -207,6 +235,7 @@ template <class K>
 auto Launch(K* kernel, dim3 grid, dim3 block, size_t smem = 0, Stream* stream = nullptr) {
   return [=](auto... args) {
     const unsigned nt = block.x * block.y * block.z;
+    if (Injected() != cudaSuccess) return;
     if (nt == 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
         smem > MaxDynamicSmem(reinterpret_cast<const void*>(kernel))) {
       g_last_error = cudaErrorInvalidValue;
@@ -285,6 +314,7 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 // ---- Runtime API ----
 inline cudaError_t cudaGetLastError() {
+  if (emu::g_lost != cudaSuccess) return emu::g_lost;  // a lost context's error stays
   const cudaError_t e = emu::g_last_error;
   emu::g_last_error = cudaSuccess;
   return e;
@@ -294,7 +324,18 @@ inline const char* cudaGetErrorString(cudaError_t e) {
   return e == cudaSuccess ? "no error" : "emulated CUDA error";
 }
 inline const char* cudaGetErrorName(cudaError_t e) {
-  return e == cudaSuccess ? "cudaSuccess" : "cudaErrorEmulated";
+  switch (e) {
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorIllegalAddress:
+      return "cudaErrorIllegalAddress";
+    case cudaErrorLaunchFailure:
+      return "cudaErrorLaunchFailure";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    default:
+      return "cudaErrorEmulated";
+  }
 }
 // Only the field the backend reads.
 struct cudaFuncAttributes {
@@ -317,7 +358,10 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
   *n = 1;
   return cudaSuccess;
 }
-inline cudaError_t cudaSetDevice(int d) { return d == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
+inline cudaError_t cudaSetDevice(int d) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
+  return d == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+}
 inline cudaError_t cudaGetDevice(int* d) {
   *d = 0;
   return cudaSuccess;
@@ -346,9 +390,10 @@ inline cudaError_t cudaMemGetInfo(size_t* free_bytes, size_t* total) {
 inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
 
 inline cudaError_t cudaMalloc(void** p, size_t n) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   const size_t rounded = (n + 255) / 256 * 256 + 256;  // aligned_alloc takes whole alignments
   *p = std::aligned_alloc(256, rounded);
-  if (*p == nullptr) return cudaErrorMemoryAllocation;
+  if (*p == nullptr) return emu::g_last_error = cudaErrorMemoryAllocation;
 #if defined(__SANITIZE_ADDRESS__)
   ASAN_POISON_MEMORY_REGION(static_cast<char*>(*p) + n, rounded - n);  // an overrun is caught
 #endif
@@ -365,12 +410,14 @@ inline cudaError_t cudaFree(void* p) {
 inline cudaError_t cudaHostAlloc(void** p, size_t n, unsigned) { return cudaMalloc(p, n); }
 inline cudaError_t cudaFreeHost(void* p) { return cudaFree(p); }
 inline cudaError_t cudaMemcpy(void* dst, const void* src, size_t n, cudaMemcpyKind) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   std::lock_guard<std::recursive_mutex> lock(emu::g_mu);
   if (n > 0) std::memmove(dst, src, n);
   return cudaSuccess;
 }
 inline cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t n, cudaMemcpyKind,
                                    cudaStream_t s = nullptr) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   emu::Enqueue(s, [=] {
     if (n > 0) std::memmove(dst, src, n);
   });
@@ -404,6 +451,7 @@ inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { return
 inline cudaError_t cudaStreamCreate(cudaStream_t* s) { return cudaStreamCreateWithFlags(s, 0); }
 inline cudaError_t cudaStreamDestroy(cudaStream_t s) { return emu::Destroy(s); }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t s) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   return s != nullptr && s->capture != nullptr ? cudaErrorStreamCaptureInvalidated : cudaSuccess;
 }
 inline cudaError_t cudaEventCreateWithFlags(cudaEvent_t* e, unsigned) { return emu::Create(e); }
@@ -441,6 +489,7 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g,
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   for (const auto& op : exec->ops) emu::Enqueue(s, op);
   return cudaSuccess;
 }
