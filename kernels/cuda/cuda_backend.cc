@@ -52,6 +52,15 @@ bool LosesTheContext(cudaError_t rc) {
     case cudaErrorInvalidAddressSpace:
     case cudaErrorInvalidPc:
     case cudaErrorLaunchFailure:
+    case cudaErrorNvlinkUncorrectable:
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12000
+    case cudaErrorMpsClientTerminated:
+    case cudaErrorExternalDevice:
+#endif
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 13000
+    case cudaErrorContained:
+    case cudaErrorTensorMemoryLeak:
+#endif
       return true;
     default:
       return false;
@@ -173,8 +182,10 @@ class CudaBackend final : public Backend {
   MemoryKind memory_kind() const override { return MemoryKind::kDevice; }
   int64_t free_memory_bytes() const override {
     size_t free = 0, total = 0;
-    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess)
+    if (cudaSetDevice(device_) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+      cudaGetLastError();  // not the next launch's error
       return -1;
+    }
     return static_cast<int64_t>(free);
   }
   absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
@@ -1157,6 +1168,7 @@ class CudaBackend final : public Backend {
     void* p = nullptr;
     const size_t bytes = host.size() * sizeof(cuda::GroupWeight);
     if (cudaError_t rc = cudaMalloc(&p, bytes); rc != cudaSuccess) {
+      if (rc != cudaErrorMemoryAllocation) return Cuda("GroupedLinearQuant", rc);
       cudaGetLastError();
       return Note(absl::ResourceExhaustedError(
           absl::StrCat("cuda backend: GroupedLinearQuant: no device memory for a weight table of ",
@@ -1247,6 +1259,8 @@ class CudaBackend final : public Backend {
     }
     void* p = nullptr;
     if (cudaError_t rc = cudaMalloc(&p, grow); rc != cudaSuccess) {
+      // cudaMalloc also returns an earlier launch's fault: only this error is a lack of memory.
+      if (rc != cudaErrorMemoryAllocation) return Cuda(op, rc);
       cudaGetLastError();
       return Note(
           absl::ResourceExhaustedError(absl::StrCat("cuda backend: ", op, ": no device memory for ",

@@ -44,10 +44,27 @@ std::string PoolLabel(epd::v1::Pool p) {
   }
 }
 
+// A GPU whose context a fault made unusable fails every call from now on, and only a new process
+// can use it (kernels::DeviceLost). The worker leaves at once, as a crash does, before it answers
+// another job: the router sees its streams break (UNAVAILABLE), drops it, and re-dispatches or
+// migrates their requests (docs/router.md), where a job's error message would fail them; the
+// supervisor (epd serve, the pod's restart policy) starts a fresh worker. Nothing is torn down:
+// that would need the GPU.
+void ExitIfDeviceLost(const kernels::Backend& backend, const std::string& label) {
+  const absl::Status lost = kernels::DeviceLost(backend);
+  if (lost.ok()) return;
+  spdlog::critical("epd-{}: {}; exiting (status {}) to be restarted", label, lost.ToString(),
+                   kExitDeviceLost);
+  spdlog::default_logger()->flush();
+  std::fflush(nullptr);
+  std::_Exit(kExitDeviceLost);
+}
+
 class ControlService final : public epd::v1::WorkerControl::Service {
  public:
-  ControlService(JobHandler& handler, const std::string& pool, prometheus::Registry& reg)
-      : handler_(handler) {
+  ControlService(JobHandler& handler, const kernels::Backend& backend, const std::string& pool,
+                 prometheus::Registry& reg)
+      : handler_(handler), backend_(backend), pool_(pool) {
     queue_ = &prometheus::BuildGauge()
                   .Name("epd_queue_depth")
                   .Help("Jobs received and not finished, per pool")
@@ -63,6 +80,7 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
   grpc::Status Submit(grpc::ServerContext* ctx, const epd::v1::Job* job,
                       grpc::ServerWriter<epd::v1::SubmitResponse>* writer) override {
+    ExitIfDeviceLost(backend_, pool_);
     if (draining_.load()) {
       outcomes_["rejected"]->Increment();
       return grpc::Status(grpc::StatusCode::UNAVAILABLE, "worker is draining");
@@ -100,6 +118,7 @@ class ControlService final : public epd::v1::WorkerControl::Service {
       outcomes_["ok"]->Increment();
       return grpc::Status::OK;
     }
+    ExitIfDeviceLost(backend_, pool_);  // the job failed because the GPU is gone: not its fault
     if (flag->load()) {
       outcomes_["cancelled"]->Increment();
       spdlog::info("job {} cancelled: {}", job->request_id(), std::string(st.message()));
@@ -137,6 +156,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
  private:
   JobHandler& handler_;
+  const kernels::Backend& backend_;  // the model's
+  const std::string pool_;
   prometheus::Gauge* queue_;
   std::map<std::string, prometheus::Counter*> outcomes_;
   std::atomic<bool> draining_{false};
@@ -374,7 +395,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     spdlog::error("epd-{}: {}", label, std::string(handler.status().message()));
     return 1;
   }
-  ControlService service(**handler, label, runtime.registry());
+  ControlService service(**handler, *backend, label, runtime.registry());
   MemoryGauges memory(runtime.registry(), (*model)->kv_pool());
   grpc::ServerBuilder builder;
   int port = 0;
@@ -451,18 +472,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   runtime.PublishPort("registered", 1);
   while (!services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
     memory.Update();
-    // A GPU whose context a fault made unusable fails every call from now on, and only a new
-    // process can use it (kernels::DeviceLost). Leave at once, as a crash does: the router sees
-    // this worker's streams break (UNAVAILABLE) and re-dispatches or migrates their requests
-    // (docs/router.md), and the supervisor (epd serve, the pod's restart policy) starts a fresh
-    // worker. Nothing is torn down here: tearing down would need the GPU.
-    if (absl::Status lost = kernels::DeviceLost(*backend); !lost.ok()) {
-      spdlog::critical("epd-{}: {}; exiting (status {}) to be restarted", label, lost.ToString(),
-                       kExitDeviceLost);
-      spdlog::default_logger()->flush();
-      std::fflush(nullptr);
-      std::_Exit(kExitDeviceLost);
-    }
+    ExitIfDeviceLost(*backend, label);  // also when no job runs into it
     if (heartbeat(false)) {
       spdlog::warn("epd-{}: the router forgot us; registering again", label);
       if (int rc = do_register(); rc != 0) {

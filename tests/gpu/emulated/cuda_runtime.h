@@ -67,6 +67,7 @@ enum cudaError_t {
   cudaErrorMemoryAllocation = 2,
   cudaErrorInvalidDevice = 101,
   cudaErrorECCUncorrectable = 214,
+  cudaErrorNvlinkUncorrectable = 220,
   cudaErrorIllegalAddress = 700,
   cudaErrorLaunchTimeout = 702,
   cudaErrorAssert = 710,
