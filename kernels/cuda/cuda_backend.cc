@@ -1037,16 +1037,7 @@ class CudaBackend final : public Backend {
   Status Run(const char* op, F&& launch) {
     RETURN_IF_ERROR(Enter(op));
     if (profiling_.load(std::memory_order_relaxed) && !Capturing()) return RunTimed(op, launch);
-    return Launched(op, launch());
-  }
-
-  // The status of a launch that returned `rc`.
-  Status Launched(const char* op, cudaError_t rc) {
-    if (rc != cudaSuccess) {
-      cudaGetLastError();  // clear a non-sticky launch error
-      return Cuda(op, rc);
-    }
-    return OkStatus();
+    return Cuda(op, launch());  // a launch's status, as any call's
   }
 
   // Run with the op's time added to the profile (SetCudaOpProfiling).
@@ -1059,7 +1050,7 @@ class CudaBackend final : public Backend {
     }
     const auto t0 = std::chrono::steady_clock::now();
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_start_, streams_[0]));
-    if (Status s = Launched(op, launch()); !s.ok()) return s;
+    if (Status s = Cuda(op, launch()); !s.ok()) return s;
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventRecord(prof_stop_, streams_[0]));
     EPD_CUDA_RETURN_IF_ERROR(op, cudaEventSynchronize(prof_stop_));
     float ms = 0;
