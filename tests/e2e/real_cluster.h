@@ -68,6 +68,16 @@ struct RealClusterOptions {
   std::vector<std::string> encoder_args;
   // Extra flags for the router.
   std::vector<std::string> router_args;
+  // When false the cluster starts no decode worker: the test Adds its own.
+  bool start_decode = true;
+};
+
+// How Add starts one worker, beyond the cluster's options: another binary of the same kind (empty:
+// epd-<kind>), extra flags after every other, extra environment.
+struct WorkerSpec {
+  std::string binary;
+  std::vector<std::string> args;
+  std::map<std::string, std::string> env;
 };
 
 // Router (+ kvstore) + one worker per pool ("encoder-0", "prefill-0", "decode-0"); Add() starts
@@ -124,15 +134,19 @@ class RealCluster {
     http_port_ = WaitForPortFile(router_.port_file, "http", std::chrono::seconds(5)).value_or(0);
     router_.metrics =
         WaitForPortFile(router_.port_file, "metrics", std::chrono::seconds(5)).value_or(0);
-    for (const char* kind : {"encoder", "prefill", "decode"}) Add(kind, std::string(kind) + "-0");
+    for (const char* kind : {"encoder", "prefill", "decode"}) {
+      if (kind != std::string("decode") || options_.start_decode) {
+        Add(kind, std::string(kind) + "-0");
+      }
+    }
   }
 
   // Starts one more `kind` worker ("encoder" | "prefill" | "decode") named `id` and waits until it
   // registered; it becomes worker(kind). The cluster owns it.
-  RealProc* Add(const std::string& kind, const std::string& id) {
+  RealProc* Add(const std::string& kind, const std::string& id, const WorkerSpec& spec = {}) {
     auto p = std::make_unique<RealProc>();
     p->port_file = dir_.File(id + ".json");
-    std::vector<std::string> argv = {BinaryPath("epd-" + kind),
+    std::vector<std::string> argv = {BinaryPath(spec.binary.empty() ? "epd-" + kind : spec.binary),
                                      "--router",
                                      "127.0.0.1:" + std::to_string(router_.grpc),
                                      "--model",
@@ -150,7 +164,10 @@ class RealCluster {
       argv.insert(argv.end(), options_.decode_args.begin(), options_.decode_args.end());
     if (kind == "encoder")
       argv.insert(argv.end(), options_.encoder_args.begin(), options_.encoder_args.end());
-    p->proc = Subprocess::Start(argv, dir_.File(id + ".log"), {{"UCX_NET_DEVICES", "lo"}});
+    argv.insert(argv.end(), spec.args.begin(), spec.args.end());
+    std::map<std::string, std::string> env = spec.env;
+    env.emplace("UCX_NET_DEVICES", "lo");
+    p->proc = Subprocess::Start(argv, dir_.File(id + ".log"), env);
     auto reg = WaitForPortFile(p->port_file, "registered", std::chrono::seconds(60));
     EXPECT_TRUE(reg.has_value()) << p->proc.ReadLog();
     p->grpc = WaitForPortFile(p->port_file, "grpc", std::chrono::seconds(1)).value_or(0);

@@ -23,14 +23,18 @@
 // - A launch with more than 48 KiB of dynamic shared memory fails unless its kernel opted in
 //   (cudaFuncSetAttribute), up to 227 KiB (an H200's opt-in).
 // - Failures a test injects (the host cannot fault as a device does): a lost context, whose error
-//   every later call returns (emu::LoseContext), and one failed call (emu::FailNextCall); a
-//   failed call's error is the last error (cudaGetLastError), as the runtime keeps it.
+//   every later call returns (emu::LoseContext, or a file a process is told to watch:
+//   EPD_EMU_LOSE_CONTEXT_FILE), and one failed call (emu::FailNextCall); a failed call's error is
+//   the calling thread's last error (cudaGetLastError), as the runtime keeps it.
 // What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
 // the order of work across streams, the static shared memory (not seen here), other limits,
 // the device's transcendental functions (the host's libm stands in) and the device's fp32
 // arithmetic itself (host arithmetic without contraction, as nvcc's -fmad=false). No packaged
 // library emulates CUDA on the host (HIP-CPU is not in Debian), so this is our own.
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <boost/context/fiber.hpp>
 #if defined(__SANITIZE_ADDRESS__)
@@ -144,18 +148,38 @@ inline Fiber* g_cur = nullptr;
 inline std::function<void()> g_body;
 inline std::vector<Fiber> g_fibers;
 inline std::vector<uint64_t> g_slots;  // warp exchanges, one per thread
-inline cudaError_t g_last_error = cudaSuccess;
+// The calling thread's last error, as the runtime keeps one per host thread.
+inline thread_local cudaError_t g_last_error = cudaSuccess;
 // Failures tests inject (the device cannot fault here): a lost context's error, which every later
-// call returns, as the runtime does after a kernel's illegal address (LoseContext; until
-// RestoreContext, which a real process cannot do), and one failure of the next call (FailNextCall).
-inline cudaError_t g_lost = cudaSuccess, g_fail_next = cudaSuccess;
-inline void LoseContext(cudaError_t e) { g_lost = g_last_error = e; }
-inline void RestoreContext() { g_lost = g_last_error = cudaSuccess; }
+// call of every thread returns, as the runtime does after a kernel's illegal address
+// (LoseContext; until RestoreContext, which a real process cannot do), and one failure of the
+// next call (FailNextCall).
+inline std::atomic<cudaError_t> g_lost{cudaSuccess};
+inline cudaError_t g_fail_next = cudaSuccess;
+inline void LoseContext(cudaError_t e) {
+  g_lost = e;
+  g_last_error = e;
+}
+inline void RestoreContext() {
+  g_lost = cudaSuccess;
+  g_last_error = cudaSuccess;
+}
 inline void FailNextCall(cudaError_t e) { g_fail_next = e; }
+// A process run on the emulated device (epd-decode-emulated, tests/gpu/CMakeLists.txt) loses its
+// context at its first kernel or graph launch after the file named by EPD_EMU_LOSE_CONTEXT_FILE
+// exists, as a kernel's illegal address would: how a test makes a real worker process meet a lost
+// device at a moment it chooses (tests/gpu/emulated_worker_e2e_test.cc).
+inline void LoseContextIfTriggered() {
+  static const char* const path = std::getenv("EPD_EMU_LOSE_CONTEXT_FILE");
+  if (path != nullptr && g_lost == cudaSuccess && ::access(path, F_OK) == 0) {
+    LoseContext(cudaErrorIllegalAddress);
+  }
+}
 // The injected failure of a call (cudaSuccess: none); it becomes the last error, as the runtime
 // keeps a failed call's error for cudaGetLastError.
 inline cudaError_t Injected() {
-  const cudaError_t e = g_lost != cudaSuccess ? g_lost : std::exchange(g_fail_next, cudaSuccess);
+  const cudaError_t lost = g_lost;
+  const cudaError_t e = lost != cudaSuccess ? lost : std::exchange(g_fail_next, cudaSuccess);
   if (e != cudaSuccess) g_last_error = e;
   return e;
 }
@@ -236,6 +260,7 @@ template <class K>
 auto Launch(K* kernel, dim3 grid, dim3 block, size_t smem = 0, Stream* stream = nullptr) {
   return [=](auto... args) {
     const unsigned nt = block.x * block.y * block.z;
+    LoseContextIfTriggered();
     if (Injected() != cudaSuccess) return;
     if (nt == 0 || nt > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0 ||
         smem > MaxDynamicSmem(reinterpret_cast<const void*>(kernel))) {
@@ -315,7 +340,7 @@ inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 
 // ---- Runtime API ----
 inline cudaError_t cudaGetLastError() {
-  if (emu::g_lost != cudaSuccess) return emu::g_lost;  // a lost context's error stays
+  if (const cudaError_t lost = emu::g_lost; lost != cudaSuccess) return lost;  // it stays
   const cudaError_t e = emu::g_last_error;
   emu::g_last_error = cudaSuccess;
   return e;
@@ -490,6 +515,7 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g,
   return cudaSuccess;
 }
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
+  emu::LoseContextIfTriggered();
   if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
   for (const auto& op : exec->ops) emu::Enqueue(s, op);
   return cudaSuccess;
