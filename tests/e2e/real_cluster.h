@@ -52,6 +52,14 @@ struct RealProc {
   int metrics = 0;
 };
 
+// How Add starts one worker, beyond the cluster's options: another binary of the same kind (empty:
+// epd-<kind>), extra flags after every other, extra environment.
+struct WorkerSpec {
+  std::string binary;
+  std::vector<std::string> args;
+  std::map<std::string, std::string> env;
+};
+
 struct RealClusterOptions {
   // Directory of the model every process loads (--model).
   std::string model_dir;
@@ -70,14 +78,8 @@ struct RealClusterOptions {
   std::vector<std::string> router_args;
   // When false the cluster starts no decode worker: the test Adds its own.
   bool start_decode = true;
-};
-
-// How Add starts one worker, beyond the cluster's options: another binary of the same kind (empty:
-// epd-<kind>), extra flags after every other, extra environment.
-struct WorkerSpec {
-  std::string binary;
-  std::vector<std::string> args;
-  std::map<std::string, std::string> env;
+  // How the first worker of a kind ("encoder", "prefill", "decode") is started (default: {}).
+  std::map<std::string, WorkerSpec> first;
 };
 
 // Router (+ kvstore) + one worker per pool ("encoder-0", "prefill-0", "decode-0"); Add() starts
@@ -136,7 +138,9 @@ class RealCluster {
         WaitForPortFile(router_.port_file, "metrics", std::chrono::seconds(5)).value_or(0);
     for (const char* kind : {"encoder", "prefill", "decode"}) {
       if (kind != std::string("decode") || options_.start_decode) {
-        Add(kind, std::string(kind) + "-0");
+        const auto spec = options_.first.find(kind);
+        Add(kind, std::string(kind) + "-0",
+            spec == options_.first.end() ? WorkerSpec{} : spec->second);
       }
     }
   }

@@ -1,9 +1,10 @@
-// A decode worker on a device, as real processes: epd-router + epd-encoder + epd-prefill on the
-// CPU and epd-decode-emulated with `--device cuda` (the decode worker built against the emulated
-// CUDA runtime, tests/gpu/emulated: the CUDA backend's host code and kernels run on the host).
-// What only a real worker process shows, and a GPU is not needed for:
-// - the worker takes its prefill's hand-off into device memory, decodes on the device and serves
-//   the CPU reference's greedy tokens (docs/cuda.md, "The emulated device");
+// Workers on a device, as real processes: epd-<pool>-emulated with `--device cuda` is the worker
+// built against the emulated CUDA runtime (tests/gpu/emulated: the CUDA backend's host code and
+// kernels run on the host), started beside a real epd-router (and CPU workers, an epd-kvstore).
+// What only real worker processes show, and a GPU is not needed for (docs/cuda.md, "Workers on
+// the emulated device"):
+// - workers take hand-offs into device memory and send them from it, write and read the store
+//   from it, decode in batched steps with graphs, and serve the CPU reference's greedy tokens;
 // - a lost device (a kernel's illegal address: the context is gone for the process) makes the
 //   worker exit with status 4 before it answers, and the router moves the stream to another
 //   decode worker: the client sees no error, and the continuation is a fresh request's
@@ -39,6 +40,11 @@ testing::WorkerSpec EmulatedDecode(std::map<std::string, std::string> env = {}) 
   return {.binary = "epd-decode-emulated",
           .args = {"--device", "cuda", "--kv-pool-bytes", std::to_string(64 << 20)},
           .env = std::move(env)};
+}
+// Any worker of `pool` on the emulated device.
+testing::WorkerSpec Emulated(const std::string& pool) {
+  if (pool == "decode") return EmulatedDecode();
+  return {.binary = "epd-" + pool + "-emulated", .args = {"--device", "cuda"}};
 }
 
 std::vector<int32_t> Reference(const std::vector<int32_t>& prompt, int max_tokens) {
@@ -90,6 +96,46 @@ TEST_F(EmulatedWorkerE2ETest, ADecodeWorkerOnTheDeviceServesTheCpuReferenceToken
   EXPECT_EQ(ScrapeMetric(decode, "epd_decode_step_graph_failures_total").value_or(-1), 0.0);
   const std::string log = c.worker("decode").proc.ReadLog();
   EXPECT_NE(log.find("the model runs on cuda:0"), std::string::npos) << log;
+}
+
+// Every stage on the device, with the kvstore: the encoder and prefill hand their state off from
+// device memory (staged through host memory) and write the store from it, the decode worker takes
+// it into device memory; an agent's second turn reads turn 1's blocks from the store into the
+// encoder's device memory. Both turns equal the CPU reference.
+TEST_F(EmulatedWorkerE2ETest, EveryStageOnTheDeviceWithTheStoreServesTheCpuReferenceTokens) {
+  testing::RealCluster c({.model_dir = model_dir(),
+                          .store = true,
+                          .first = {{"encoder", Emulated("encoder")},
+                                    {"prefill", Emulated("prefill")},
+                                    {"decode", Emulated("decode")}}});
+  auto tokens = [](int n, int salt) {
+    std::vector<int32_t> p(n);
+    for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7 + i / 5) % 400;
+    return p;
+  };
+  const GenerateOptions slow{.deadline = std::chrono::seconds(300)};
+  const std::vector<int32_t> turn1 = tokens(300, 1);  // 4 whole blocks of 64 + 44
+  Generation g1 = Generate(c.grpc_port(), turn1, 12, slow);
+  ASSERT_TRUE(g1.status.ok()) << g1.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g1.ids, Reference(turn1, 12)) << c.Logs();
+  EXPECT_EQ(g1.cached, 0);
+  // Turn 1 stored its 4 whole blocks and the sliding-window snapshot at 256, from device memory.
+  const int encoder = c.metrics("encoder");
+  EXPECT_EQ(ScrapeMetric(encoder, "epd_kv_worker_writes_total{pool=\"encoder\",tier=\"g3\"}"), 4.0);
+  EXPECT_EQ(ScrapeMetric(encoder, "epd_kv_worker_writes_total{pool=\"encoder\",tier=\"g2\"}"), 1.0);
+  std::vector<int32_t> turn2 = turn1;
+  turn2.insert(turn2.end(), g1.ids.begin(), g1.ids.end());
+  const std::vector<int32_t> more = tokens(200, 2);  // more than the tail rows and a block
+  turn2.insert(turn2.end(), more.begin(), more.end());
+  Generation g2 = Generate(c.grpc_port(), turn2, 12, slow);
+  ASSERT_TRUE(g2.status.ok()) << g2.status.error_message() << "\n" << c.Logs();
+  EXPECT_EQ(g2.cached, 256) << c.Logs();
+  EXPECT_EQ(ScrapeMetric(encoder, "epd_kv_worker_prefix_tokens_total{pool=\"encoder\"}"), 256.0);
+  EXPECT_EQ(g2.ids, Reference(turn2, 12)) << c.Logs();
+  for (const char* pool : {"encoder", "prefill", "decode"}) {
+    const std::string log = c.worker(pool).proc.ReadLog();
+    EXPECT_NE(log.find("the model runs on cuda:0"), std::string::npos) << pool << "\n" << log;
+  }
 }
 
 // Every "migrating with <k> streamed" the router logged, in order.
