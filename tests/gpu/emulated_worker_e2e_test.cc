@@ -98,16 +98,21 @@ TEST_F(EmulatedWorkerE2ETest, ADecodeWorkerOnTheDeviceServesTheCpuReferenceToken
   EXPECT_NE(log.find("the model runs on cuda:0"), std::string::npos) << log;
 }
 
-// Every stage on the device, with the kvstore: the encoder and prefill hand their state off from
-// device memory (staged through host memory) and write the store from it, the decode worker takes
-// it into device memory; an agent's second turn reads turn 1's blocks from the store into the
-// encoder's device memory. Both turns equal the CPU reference.
+// Every stage on the device, with the kvstore and DSpark: the encoder and prefill hand their state
+// off from device memory (staged through host memory) and write the store from it, the decode
+// worker takes it into device memory and verifies drafts there; an agent's second turn reads turn
+// 1's blocks from the store into the encoder's device memory. Both turns equal the CPU reference.
 TEST_F(EmulatedWorkerE2ETest, EveryStageOnTheDeviceWithTheStoreServesTheCpuReferenceTokens) {
+  // DSpark drafts 3 tokens every step: the decode worker verifies them and rolls its state
+  // back on the device (lossless: the output is still the reference's).
+  testing::WorkerSpec decode = Emulated("decode");
+  decode.args.insert(decode.args.end(), {"--dspark-k", "3"});
   testing::RealCluster c({.model_dir = model_dir(),
                           .store = true,
+                          .dspark = true,
                           .first = {{"encoder", Emulated("encoder")},
                                     {"prefill", Emulated("prefill")},
-                                    {"decode", Emulated("decode")}}});
+                                    {"decode", decode}}});
   auto tokens = [](int n, int salt) {
     std::vector<int32_t> p(n);
     for (int i = 0; i < n; ++i) p[i] = 10 + (i * 31 + salt * 7 + i / 5) % 400;
@@ -132,6 +137,12 @@ TEST_F(EmulatedWorkerE2ETest, EveryStageOnTheDeviceWithTheStoreServesTheCpuRefer
   EXPECT_EQ(g2.cached, 256) << c.Logs();
   EXPECT_EQ(ScrapeMetric(encoder, "epd_kv_worker_prefix_tokens_total{pool=\"encoder\"}"), 256.0);
   EXPECT_EQ(g2.ids, Reference(turn2, 12)) << c.Logs();
+  const double drafted =
+      ScrapeMetric(c.metrics("decode"), "epd_dspark_drafted_tokens_total").value_or(-1);
+  std::printf("DSpark on the device: %.0f drafted, %.0f accepted\n", drafted,
+              ScrapeMetric(c.metrics("decode"), "epd_dspark_accepted_tokens_total").value_or(-1));
+  EXPECT_GT(drafted, 0);
+  EXPECT_EQ(ScrapeMetric(c.metrics("decode"), "epd_dspark_handoff_mismatch_total"), 0.0);
   for (const char* pool : {"encoder", "prefill", "decode"}) {
     const std::string log = c.worker(pool).proc.ReadLog();
     EXPECT_NE(log.find("the model runs on cuda:0"), std::string::npos) << pool << "\n" << log;
