@@ -99,18 +99,13 @@ StepGraphStats Model::step_graph_stats() const {
 
 namespace {
 
-// The step's inputs (token ids, positions, Engram hash ids) lie in one array, each part
-// Scratch::PartBytes long, so ExtendBatch uploads them in one Upload. `engram` (ids) may be 0.
-struct StepInputLayout {
-  int64_t pos = 0, engram = 0, bytes = 0;  // byte offsets of the parts after the ids; the total
-};
-StepInputLayout InputLayout(int64_t rows, int64_t engram) {
-  constexpr auto part = Scratch::PartBytes;
-  StepInputLayout l;
-  l.pos = part(rows * static_cast<int64_t>(sizeof(int32_t)));
-  l.engram = l.pos + part(rows * static_cast<int64_t>(sizeof(int64_t)));
-  l.bytes = l.engram + part(engram * static_cast<int64_t>(sizeof(int64_t)));
-  return l;
+// The step's inputs lie in one packed array (Scratch::PackingOf), so ExtendBatch uploads them in
+// one Scratch::UploadPacked: token ids (int32) and positions (int64) of its rows, then `engram`
+// Engram hash ids (int64; may be 0).
+Scratch::Packing<3> InputPacking(int64_t rows, int64_t engram) {
+  return Scratch::PackingOf<3>({rows * static_cast<int64_t>(sizeof(int32_t)),
+                                rows * static_cast<int64_t>(sizeof(int64_t)),
+                                engram * static_cast<int64_t>(sizeof(int64_t))});
 }
 
 }  // namespace
@@ -123,11 +118,11 @@ absl::Status Model::AllocateStepArrays(Scratch& ws, int64_t R, StepArrays& a) co
   const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
   a = StepArrays{};
   a.rows = R;
-  const StepInputLayout in = InputLayout(R, nel * R * per);
+  const Scratch::Packing<3> in = InputPacking(R, nel * R * per);
   ASSIGN_OR_RETURN(uint8_t * inputs, ws.Alloc<uint8_t>(in.bytes));
-  a.ids = reinterpret_cast<int32_t*>(inputs);
-  a.pos = reinterpret_cast<int64_t*>(inputs + in.pos);
-  a.engram_ids = reinterpret_cast<int64_t*>(inputs + in.engram);
+  a.ids = reinterpret_cast<int32_t*>(inputs + in.at[0]);
+  a.pos = reinterpret_cast<int64_t*>(inputs + in.at[1]);
+  a.engram_ids = reinterpret_cast<int64_t*>(inputs + in.at[2]);
   ASSIGN_OR_RETURN(a.h, ws.Alloc<float>(R * hc * D));
   ASSIGN_OR_RETURN(a.pre, ws.Alloc<float>(R * hc));
   ASSIGN_OR_RETURN(a.main_hidden, ws.Filled<float>(std::max<int64_t>(1, R * nt * D), 0.f));
@@ -955,17 +950,9 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (set == nullptr) RETURN_IF_ERROR(AllocateStepArrays(ws, R, own));
   Scratch& arrays_scratch = set != nullptr ? *set->held : ws;
   const StepArrays& a = set != nullptr ? set->arrays : own;
-  {  // the inputs in one Upload (AllocateStepArrays' layout)
-    const StepInputLayout in = InputLayout(R, nel * R * per);
-    vector<uint8_t> blob(static_cast<size_t>(in.bytes), 0);
-    std::memcpy(blob.data(), ids.data(), ids.size() * sizeof(int32_t));
-    std::memcpy(blob.data() + in.pos, positions.data(), positions.size() * sizeof(int64_t));
-    if (!engram_ids.empty()) {
-      std::memcpy(blob.data() + in.engram, engram_ids.data(), engram_ids.size() * sizeof(int64_t));
-    }
-    RETURN_IF_ERROR(
-        arrays_scratch.Upload(reinterpret_cast<uint8_t*>(a.ids), blob.data(), in.bytes));
-  }
+  // The inputs in one Upload, into the array AllocateStepArrays laid out for R rows (ids and
+  // positions have R entries, engram_ids nel * R * per: the sizes InputPacking took).
+  RETURN_IF_ERROR(arrays_scratch.UploadPacked(a.ids, ids, positions, engram_ids));
 
   vector<Call> calls(B);
   vector<StepSequence> seqs(B);

@@ -88,17 +88,38 @@ class Scratch {
   absl::StatusOr<T*> Copy(const std::vector<T>& host) {
     return Copy(host.data(), static_cast<int64_t>(host.size()));
   }
-  // The room one part of a packed array takes: its bytes rounded up to a multiple of 16, at
-  // least 16, so every part starts 16-byte aligned and an empty one still has an address inside
-  // the allocation. CopyAll packs with it; so does a caller that lays out its own packed array.
-  static constexpr int64_t PartBytes(int64_t bytes) {
-    return std::max<int64_t>(16, (bytes + 15) / 16 * 16);
+  // A packed array: parts of the given bytes one after another, each rounded up to a multiple of
+  // 16 and at least 16, so every part starts 16-byte aligned and an empty one still has an
+  // address inside the array. `at` are the parts' byte offsets, `bytes` the array's size.
+  // CopyAll and UploadPacked pack this way; a caller that allocates a packed array itself (to keep
+  // its address, as a decode step's graph set does) lays it out with Packing of the same sizes.
+  template <size_t N>
+  struct Packing {
+    std::array<int64_t, N> at{};
+    int64_t bytes = 0;
+  };
+  template <size_t N>
+  static constexpr Packing<N> PackingOf(const std::array<int64_t, N>& part_bytes) {
+    Packing<N> p;
+    for (size_t i = 0; i < N; ++i) {
+      p.at[i] = p.bytes;
+      p.bytes += std::max<int64_t>(16, (part_bytes[i] + 15) / 16 * 16);
+    }
+    return p;
   }
-  // Several host arrays in one allocation and one Upload (each part PartBytes long): a device
-  // backend makes one host-to-device copy for all of them. Returns their addresses in order.
+  // Several host arrays in one allocation and one Upload (packed as PackingOf lays them out): a
+  // device backend makes one host-to-device copy for all of them. Returns their addresses in
+  // order.
   template <typename... T>
   absl::StatusOr<std::tuple<T*...>> CopyAll(const std::vector<T>&... host) {
     return CopyAllOf(std::index_sequence_for<T...>{}, host...);
+  }
+  // The same host arrays packed the same way, in one Upload into `dst`: an array of this scratch
+  // laid out by PackingOf with these arrays' sizes in bytes.
+  template <typename... T>
+  absl::Status UploadPacked(void* dst, const std::vector<T>&... host) {
+    const auto [blob, packing] = Pack(std::index_sequence_for<T...>{}, host...);
+    return Upload(static_cast<uint8_t*>(dst), blob.data(), packing.bytes);
   }
   // n elements, each `value`.
   template <typename T>
@@ -163,24 +184,27 @@ class Scratch {
   ScratchPool* pool() const { return pool_; }
 
  private:
+  // The host arrays packed into one host blob, and where each part is in it.
   template <size_t... I, typename... T>
-  absl::StatusOr<std::tuple<T*...>> CopyAllOf(std::index_sequence<I...>,
-                                              const std::vector<T>&... host) {
+  static std::pair<std::vector<uint8_t>, Packing<sizeof...(T)>> Pack(
+      std::index_sequence<I...>, const std::vector<T>&... host) {
     const std::array<int64_t, sizeof...(T)> bytes = {
         static_cast<int64_t>(host.size() * sizeof(T))...};
-    std::array<int64_t, sizeof...(T)> at{};
-    int64_t total = 0;
-    for (size_t i = 0; i < bytes.size(); ++i) {
-      at[i] = total;
-      total += PartBytes(bytes[i]);
-    }
-    std::vector<uint8_t> blob(static_cast<size_t>(total), 0);
-    ((bytes[I] > 0 ? static_cast<void>(std::memcpy(blob.data() + at[I], host.data(), bytes[I]))
-                   : static_cast<void>(0)),
+    const Packing<sizeof...(T)> packing = PackingOf(bytes);
+    std::vector<uint8_t> blob(static_cast<size_t>(packing.bytes), 0);
+    ((bytes[I] > 0
+          ? static_cast<void>(std::memcpy(blob.data() + packing.at[I], host.data(), bytes[I]))
+          : static_cast<void>(0)),
      ...);
+    return {std::move(blob), packing};
+  }
+  template <size_t... I, typename... T>
+  absl::StatusOr<std::tuple<T*...>> CopyAllOf(std::index_sequence<I...> seq,
+                                              const std::vector<T>&... host) {
+    const auto [blob, packing] = Pack(seq, host...);
     auto dev = Copy(blob);
     if (!dev.ok()) return dev.status();
-    return std::tuple<T*...>{reinterpret_cast<T*>(*dev + at[I])...};
+    return std::tuple<T*...>{reinterpret_cast<T*>(*dev + packing.at[I])...};
   }
 
   // Arrays up to kSmallBytes share chunks of kChunkBytes (one pool operation for many arrays; a
