@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <optional>
 #include <regex>
 #include <string>
 #include <thread>
@@ -233,6 +234,44 @@ TEST_F(EmulatedWorkerE2ETest, ALostDeviceExitsTheWorkerAndItsStreamMigrates) {
   EXPECT_GE(ScrapeMetric(c.router_metrics(), "epd_router_worker_failures_total").value_or(0), 1.0)
       << c.Logs();
   // No request failed: the one the device worker held was migrated or re-dispatched.
+  for (const char* outcome : {"error", "unavailable"}) {
+    EXPECT_EQ(ScrapeMetric(c.router_metrics(),
+                           std::string("epd_requests_total{outcome=\"") + outcome + "\"}")
+                  .value_or(0),
+              0.0)
+        << outcome;
+  }
+}
+
+// A side stage's device is lost: the prefill worker on the device meets it at its job's first
+// launch, exits with status 4 before it answers, and the router runs the request again on the
+// CPU prefill worker (nothing was streamed yet), so the request still ends normally.
+TEST_F(EmulatedWorkerE2ETest, ALostDeviceOnAPrefillWorkerExitsItAndTheRequestRunsElsewhere) {
+  testing::TempDir dir;
+  const std::string trigger = dir.File("lose-the-device");
+  testing::WorkerSpec prefill = Emulated("prefill");
+  prefill.env["EPD_EMU_LOSE_CONTEXT_FILE"] = trigger;
+  testing::RealCluster c({.model_dir = model_dir(), .first = {{"prefill", prefill}}});
+  testing::RealProc* device = &c.worker("prefill");
+  c.Add("prefill", "prefill-1");
+  std::ofstream(trigger) << "now\n";
+  // The router rotates between the two idle prefill workers: one of the first two requests meets
+  // the lost device.
+  std::optional<int> status;
+  for (int i = 0; i < 4 && !status; ++i) {
+    const std::vector<int32_t> prompt = Prompt(150 + i, 60 + i);
+    Generation g = Generate(c.grpc_port(), prompt, 8, {.deadline = std::chrono::seconds(240)});
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << "\n" << c.Logs();
+    EXPECT_EQ(g.ids, Reference(prompt, 8)) << c.Logs();
+    status = device->proc.Wait(std::chrono::milliseconds(500));
+  }
+  ASSERT_TRUE(status.has_value()) << "the prefill worker on the lost device is still running\n"
+                                  << c.Logs();
+  EXPECT_EQ(*status, kExitDeviceLost) << c.Logs();
+  const std::string log = device->proc.ReadLog();
+  EXPECT_NE(log.find("exiting (status 4)"), std::string::npos) << log;
+  EXPECT_GE(ScrapeMetric(c.router_metrics(), "epd_router_worker_failures_total").value_or(0), 1.0)
+      << c.Logs();
   for (const char* outcome : {"error", "unavailable"}) {
     EXPECT_EQ(ScrapeMetric(c.router_metrics(),
                            std::string("epd_requests_total{outcome=\"") + outcome + "\"}")
