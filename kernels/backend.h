@@ -20,9 +20,12 @@
 // op and the cause, and leave the outputs unspecified.
 //
 // Thread-safety: a Backend's ops may be used from one thread at a time; Allocate, Upload,
-// Download and Copy may also be called from other threads meanwhile (the KV pool's host surfaces,
-// a hand-off serializing a sequence, use them; both backends make them from thread-safe runtime
-// calls). The weights it reads are immutable and may be shared.
+// Download and Copy, and the block ops CopyBlocks, DigestBlocks and BlocksEqual, may also be
+// called from other threads meanwhile (the KV pool's host surfaces, a hand-off serializing a
+// sequence and a block's seal use them; both backends make them from thread-safe runtime calls,
+// and none of them takes the backend's scratch). During a graph capture (BeginCapture) such a
+// call of another thread is never recorded: it runs now, or waits for the capture to end. The
+// weights it reads are immutable and may be shared.
 
 #include <cstdint>
 #include <functional>

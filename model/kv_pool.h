@@ -101,8 +101,9 @@ class KvPool {
   // match). `backend` gives the slabs and runs the ops on the blocks (nullptr: a CPU backend the
   // pool owns): with a device backend the blocks are device memory, which the model reads and
   // writes with the backend's PackRows / UnpackRows, and host code through Write / Read (the
-  // backend's Upload / Download). It must outlive the pool; its Allocate, Upload, Download and
-  // Copy are called from whichever thread uses the pool.
+  // backend's Upload / Download). It must outlive the pool; its Allocate, Upload, Download,
+  // Copy, CopyBlocks, DigestBlocks and BlocksEqual are called from whichever thread uses the pool
+  // (backend.h allows them from other threads).
   // `slab_bytes`: the size of a slab (rounded down to whole slots, at least one; with a capacity,
   // at most capacity / kSlabsPerCapacity).
   explicit KvPool(int64_t capacity_bytes = 0, uint64_t seed = 0,

@@ -282,9 +282,9 @@ class CudaBackend final : public Backend {
   // ---- Graphs ----
   // A capture records stream 0 (relaxed mode: the caller's scratch may cudaMalloc meanwhile).
   // What must not land in the graph is kept out: Upload, Download and Synchronize on the
-  // capturing thread are refused, and those of other threads (and their Copy) wait for the
-  // capture to end (EnterStream0); an op that would wait for the device (scratch growing, a new
-  // weight table, a decoded weight) is refused.
+  // capturing thread are refused, and those of other threads (and their Copy and kernel ops) wait
+  // for the capture to end (EnterStream0); an op that would wait for the device (scratch growing,
+  // a new weight table, a decoded weight) is refused.
   bool supports_graphs() const override { return true; }
   Status BeginCapture() override {
     RETURN_IF_ERROR(Enter("BeginCapture"));
@@ -1033,9 +1033,16 @@ class CudaBackend final : public Backend {
 
   static size_t Align(int64_t bytes) { return (static_cast<size_t>(bytes) + 255) / 256 * 256; }
 
+  // Every kernel op launches here. One from a thread other than the capturing one waits for a
+  // capture to end, and keeps the next from beginning until it is queued, as the memory calls do
+  // (EnterStream0): the KV pool runs CopyBlocks, DigestBlocks and BlocksEqual from hand-off and
+  // store threads while the decode loop may be recording a step, and relaxed stream capture
+  // would take their launches into its graph (run at each launch of it, and not now).
   template <typename F>
   Status Run(const char* op, F&& launch) {
     RETURN_IF_ERROR(Enter(op));
+    Stream0Hold hold;
+    RETURN_IF_ERROR(EnterStream0(op, /*refusal=*/nullptr, hold));
     if (profiling_.load(std::memory_order_relaxed) && !Capturing()) return RunTimed(op, launch);
     return Cuda(op, launch());  // a launch's status, as any call's
   }

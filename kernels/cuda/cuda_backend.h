@@ -18,12 +18,12 @@
 // Graphs (Backend::BeginCapture): a capture records stream 0 into a CUDA graph (relaxed capture
 // mode: Allocate's cudaMalloc may run meanwhile), and LaunchGraph launches it on stream 0. While
 // it lasts, Upload, Download and Synchronize on the capturing thread are refused, and the
-// Upload, Download, Copy and Synchronize of other threads wait for it to end, so that none of
-// their work lands in the graph; an op that would wait for the device (the scratch growing, a
-// GroupedLinearQuant weight table not made before, a decoded weight) fails the capture. Run a step
-// op by op before capturing it. A graph's kernels keep the scratch and weight-table pointers they
-// were captured with: a block the backend lets go of (the scratch outgrown, the tables reset) is
-// kept until no graph is alive.
+// Upload, Download, Copy, Synchronize and kernel ops (the KV pool's CopyBlocks, DigestBlocks and
+// BlocksEqual) of other threads wait for it to end, so that none of their work lands in the graph;
+// an op that would wait for the device (the scratch growing, a GroupedLinearQuant weight table not
+// made before, a decoded weight) fails the capture. Run a step op by op before capturing it. A
+// graph's kernels keep the scratch and weight-table pointers they were captured with: a block the
+// backend lets go of (the scratch outgrown, the tables reset) is kept until no graph is alive.
 
 #include <cstdint>
 #include <memory>

@@ -2,10 +2,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cmath>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "kernels/backend.h"
@@ -126,6 +129,51 @@ TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
   const absl::Status refused = epd::kernels::SetCudaOpProfiling(*cpu, true);
   EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(refused.message().find("cpu"), std::string::npos) << refused;
+}
+
+// While the decode loop records a step (stream capture of stream 0, relaxed mode), the KV pool's
+// kernel ops come from other threads (a hand-off's CopyBlocks, a seal's DigestBlocks). Such an op
+// must not land in the graph, where it would not run now and would run again at every launch: it
+// waits for the capture to end, then runs once, and the graph holds only the capturing thread's
+// ops.
+TEST(CudaKernelsTest, AnotherThreadsOpDuringACaptureRunsOnceOutsideTheGraph) {
+  SKIP_WITHOUT_GPU();
+  auto be = epd::kernels::MakeCudaBackend(0);
+  ASSERT_TRUE(be.ok()) << be.status();
+  epd::kernels::Backend& b = **be;
+  const int64_t n = 256;
+  auto x = b.Allocate(n * 4), y = b.Allocate(n * 4), z = b.Allocate(n * 4);
+  ASSERT_TRUE(x.ok() && y.ok() && z.ok());
+  const std::vector<float> ones(n, 1.f);
+  for (auto* buf : {&*x, &*y, &*z}) ASSERT_TRUE(b.Upload(ones.data(), n * 4, *buf, 0).ok());
+  ASSERT_TRUE(b.Synchronize(epd::kernels::Stream{}).ok());
+
+  ASSERT_TRUE(b.BeginCapture().ok());
+  ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());  // recorded: x += y
+  std::atomic<bool> done{false};
+  absl::Status other_status;
+  std::thread other([&] {
+    other_status = b.Add(z->as<float>(), y->as<float>(), n);  // z += y, not to be recorded
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  EXPECT_FALSE(done.load()) << "the other thread's op did not wait for the capture to end";
+  auto graph = b.EndCapture();
+  other.join();
+  ASSERT_TRUE(graph.ok()) << graph.status();
+  ASSERT_TRUE(other_status.ok()) << other_status;
+  EXPECT_EQ((*graph)->ops(), 1);
+  std::vector<float> got(n);
+  ASSERT_TRUE(b.Download(*x, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, ones) << "the recorded op ran before its graph was launched";
+  ASSERT_TRUE(b.Download(*z, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, std::vector<float>(n, 2.f)) << "the other thread's op did not run once";
+  ASSERT_TRUE(b.LaunchGraph(**graph).ok());
+  ASSERT_TRUE(b.LaunchGraph(**graph).ok());
+  ASSERT_TRUE(b.Download(*x, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, std::vector<float>(n, 3.f));
+  ASSERT_TRUE(b.Download(*z, 0, n * 4, got.data()).ok());
+  EXPECT_EQ(got, std::vector<float>(n, 2.f)) << "the other thread's op ran with the graph";
 }
 
 #if defined(EPD_CUDA_EMULATED)
