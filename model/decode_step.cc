@@ -950,9 +950,9 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (set == nullptr) RETURN_IF_ERROR(AllocateStepArrays(ws, R, own));
   Scratch& arrays_scratch = set != nullptr ? *set->held : ws;
   const StepArrays& a = set != nullptr ? set->arrays : own;
-  // The inputs in one Upload, into the array AllocateStepArrays laid out for R rows (ids and
-  // positions have R entries, engram_ids nel * R * per: the sizes InputPacking took).
-  RETURN_IF_ERROR(arrays_scratch.UploadPacked(a.ids, ids, positions, engram_ids));
+  // The inputs in one Upload, into the array AllocateStepArrays laid out for R rows.
+  RETURN_IF_ERROR(arrays_scratch.UploadPacked(a.ids, InputPacking(R, nel * R * per), ids, positions,
+                                              engram_ids));
 
   vector<Call> calls(B);
   vector<StepSequence> seqs(B);

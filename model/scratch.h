@@ -115,10 +115,17 @@ class Scratch {
     return CopyAllOf(std::index_sequence_for<T...>{}, host...);
   }
   // The same host arrays packed the same way, in one Upload into `dst`: an array of this scratch
-  // laid out by PackingOf with these arrays' sizes in bytes.
-  template <typename... T>
-  absl::Status UploadPacked(void* dst, const std::vector<T>&... host) {
+  // laid out as `layout`, which these arrays' sizes must give (else Internal, uploading nothing:
+  // a part would land in another's place or past the array).
+  template <size_t N, typename... T>
+  absl::Status UploadPacked(void* dst, const Packing<N>& layout, const std::vector<T>&... host) {
+    static_assert(N == sizeof...(T), "one part of the layout per host array");
     const auto [blob, packing] = Pack(std::index_sequence_for<T...>{}, host...);
+    if (packing.at != layout.at || packing.bytes != layout.bytes) {
+      return absl::InternalError(absl::StrCat("scratch: a packed upload of ", packing.bytes,
+                                              " bytes does not fit the array's layout (",
+                                              layout.bytes, " bytes)"));
+    }
     return Upload(static_cast<uint8_t*>(dst), blob.data(), packing.bytes);
   }
   // n elements, each `value`.

@@ -965,11 +965,12 @@ class CudaBackend final : public Backend {
     return graphs_->capturing;
   }
 
-  // Upload, Download, Synchronize and Copy reach stream 0: they queue work on it, wait for it, or
-  // order another stream after it. On the capturing thread during a capture, such a call is
-  // refused (`refusal`, the reason) or, with a null refusal (Copy), recorded. On any other thread
-  // it waits until no capture is under way, and `hold` keeps a capture from beginning until the
-  // call returns, so that none of its work lands in a graph.
+  // Upload, Download, Synchronize, Copy and the kernel ops (Run) reach stream 0: they queue work
+  // on it, wait for it, or order another stream after it. On the capturing thread during a
+  // capture, such a call is refused (`refusal`, the reason) or, with a null refusal (Copy, a
+  // kernel op), recorded. On any other thread it waits until no capture is under way, and `hold`
+  // keeps a capture from beginning until the call returns, so that none of its work lands in a
+  // graph.
   struct Stream0Hold {
     GraphState* state = nullptr;
     Stream0Hold() = default;

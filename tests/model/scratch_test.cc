@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -68,6 +69,31 @@ TEST(ScratchTest, CopyAllUploadsSeveralArraysOnce) {
   EXPECT_EQ(at(t) - at(r), 16u);
   EXPECT_EQ(at(n) - at(t), 16u);
   EXPECT_EQ(at(v) - at(n), 16u);
+}
+
+// UploadPacked: host arrays into an array the caller laid out with PackingOf (a decode step's
+// inputs, in an array its graphs keep), in one Upload, each part where the layout put it; arrays
+// whose sizes give another layout are refused, and nothing is written.
+TEST(ScratchTest, UploadPackedFillsACallersPackedArrayOnceOrRefusesAnotherLayout) {
+  std::map<std::string, int64_t> calls;
+  auto b = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  Scratch s(*b);
+  const std::vector<int32_t> ids = {3, 4, 5};
+  const std::vector<int64_t> positions = {10, 11, 12}, none;
+  const auto layout = Scratch::PackingOf<3>({12, 24, 0});
+  EXPECT_EQ(layout.at, (std::array<int64_t, 3>{0, 16, 48}));
+  EXPECT_EQ(layout.bytes, 64);
+  auto array = s.Alloc<uint8_t>(layout.bytes);
+  ASSERT_TRUE(array.ok()) << array.status();
+  ASSERT_TRUE(s.UploadPacked(*array, layout, ids, positions, none).ok());
+  EXPECT_EQ(calls["Upload"], 1);
+  EXPECT_EQ(*s.ToHost(reinterpret_cast<const int32_t*>(*array + layout.at[0]), 3), ids);
+  EXPECT_EQ(*s.ToHost(reinterpret_cast<const int64_t*>(*array + layout.at[1]), 3), positions);
+  const std::vector<int32_t> longer = {1, 2, 3, 4, 5};  // 20 bytes: positions would move
+  const absl::Status refused = s.UploadPacked(*array, layout, longer, positions, none);
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInternal) << refused;
+  EXPECT_EQ(calls["Upload"], 1);
+  EXPECT_EQ(*s.ToHost(reinterpret_cast<const int32_t*>(*array + layout.at[0]), 3), ids);
 }
 
 TEST(ScratchTest, CopiesReachOwnAndParentArraysOnlyAndStageOnADevice) {

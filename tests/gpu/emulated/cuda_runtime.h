@@ -154,8 +154,7 @@ inline thread_local cudaError_t g_last_error = cudaSuccess;
 // call of every thread returns, as the runtime does after a kernel's illegal address
 // (LoseContext; until RestoreContext, which a real process cannot do), and one failure of the
 // next call (FailNextCall).
-inline std::atomic<cudaError_t> g_lost{cudaSuccess};
-inline cudaError_t g_fail_next = cudaSuccess;
+inline std::atomic<cudaError_t> g_lost{cudaSuccess}, g_fail_next{cudaSuccess};
 inline void LoseContext(cudaError_t e) {
   g_lost = e;
   g_last_error = e;
@@ -179,7 +178,8 @@ inline void LoseContextIfTriggered() {
 // keeps a failed call's error for cudaGetLastError.
 inline cudaError_t Injected() {
   const cudaError_t lost = g_lost;
-  const cudaError_t e = lost != cudaSuccess ? lost : std::exchange(g_fail_next, cudaSuccess);
+  cudaError_t e = lost;
+  if (e == cudaSuccess && g_fail_next.load() != cudaSuccess) e = g_fail_next.exchange(cudaSuccess);
   if (e != cudaSuccess) g_last_error = e;
   return e;
 }
