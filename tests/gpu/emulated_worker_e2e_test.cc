@@ -161,6 +161,25 @@ std::vector<size_t> Migrations(const std::string& logs) {
   return out;
 }
 
+// What a worker whose device was lost leaves, once `status` (its exit) is known: status 4 and the
+// reason in its log, the router's count of failed workers, and no failed request (the one the
+// worker held was migrated or run again elsewhere).
+void ExpectExitedOnALostDevice(testing::RealCluster& c, testing::RealProc& worker, int status) {
+  EXPECT_EQ(status, kExitDeviceLost) << c.Logs();
+  const std::string log = worker.proc.ReadLog();
+  EXPECT_NE(log.find("exiting (status 4)"), std::string::npos) << log;
+  EXPECT_NE(log.find("cudaErrorIllegalAddress"), std::string::npos) << log;
+  EXPECT_GE(ScrapeMetric(c.router_metrics(), "epd_router_worker_failures_total").value_or(0), 1.0)
+      << c.Logs();
+  for (const char* outcome : {"error", "unavailable"}) {
+    EXPECT_EQ(ScrapeMetric(c.router_metrics(),
+                           std::string("epd_requests_total{outcome=\"") + outcome + "\"}")
+                  .value_or(0),
+              0.0)
+        << outcome;
+  }
+}
+
 // The decode worker on the device loses it mid-stream (the emulation's context is lost at its
 // next launch once the test creates a file): the worker exits with status 4 before it answers, the
 // router migrates the stream to the CPU decode worker, and the client's stream ends normally.
@@ -226,21 +245,7 @@ TEST_F(EmulatedWorkerE2ETest, ALostDeviceExitsTheWorkerAndItsStreamMigrates) {
   ASSERT_TRUE(touched) << "no request ran on the device worker\n" << c.Logs();
   ASSERT_TRUE(status.has_value()) << "the worker whose device was lost is still running\n"
                                   << testing::DescribeThreads(device->proc.pid()) << c.Logs();
-  // It exited as a lost device makes it, having logged why, and the router dropped it.
-  EXPECT_EQ(*status, kExitDeviceLost) << c.Logs();
-  const std::string log = device->proc.ReadLog();
-  EXPECT_NE(log.find("exiting (status 4)"), std::string::npos) << log;
-  EXPECT_NE(log.find("cudaErrorIllegalAddress"), std::string::npos) << log;
-  EXPECT_GE(ScrapeMetric(c.router_metrics(), "epd_router_worker_failures_total").value_or(0), 1.0)
-      << c.Logs();
-  // No request failed: the one the device worker held was migrated or re-dispatched.
-  for (const char* outcome : {"error", "unavailable"}) {
-    EXPECT_EQ(ScrapeMetric(c.router_metrics(),
-                           std::string("epd_requests_total{outcome=\"") + outcome + "\"}")
-                  .value_or(0),
-              0.0)
-        << outcome;
-  }
+  ExpectExitedOnALostDevice(c, *device, *status);
 }
 
 // A side stage's device is lost: the prefill worker on the device meets it at its job's first
@@ -267,18 +272,7 @@ TEST_F(EmulatedWorkerE2ETest, ALostDeviceOnAPrefillWorkerExitsItAndTheRequestRun
   }
   ASSERT_TRUE(status.has_value()) << "the prefill worker on the lost device is still running\n"
                                   << c.Logs();
-  EXPECT_EQ(*status, kExitDeviceLost) << c.Logs();
-  const std::string log = device->proc.ReadLog();
-  EXPECT_NE(log.find("exiting (status 4)"), std::string::npos) << log;
-  EXPECT_GE(ScrapeMetric(c.router_metrics(), "epd_router_worker_failures_total").value_or(0), 1.0)
-      << c.Logs();
-  for (const char* outcome : {"error", "unavailable"}) {
-    EXPECT_EQ(ScrapeMetric(c.router_metrics(),
-                           std::string("epd_requests_total{outcome=\"") + outcome + "\"}")
-                  .value_or(0),
-              0.0)
-        << outcome;
-  }
+  ExpectExitedOnALostDevice(c, *device, *status);
 }
 
 }  // namespace
