@@ -1036,9 +1036,9 @@ class CudaBackend final : public Backend {
 
   // Every kernel op launches here. One from a thread other than the capturing one waits for a
   // capture to end, and keeps the next from beginning until it is queued, as the memory calls do
-  // (EnterStream0): the KV pool runs CopyBlocks, DigestBlocks and BlocksEqual from hand-off and
-  // store threads while the decode loop may be recording a step, and relaxed stream capture
-  // would take their launches into its graph (run at each launch of it, and not now).
+  // (EnterStream0): relaxed stream capture would take its launch into the graph (run at each
+  // launch of it, and not now). backend.h lets the KV pool's CopyBlocks, DigestBlocks and
+  // BlocksEqual come from any thread.
   template <typename F>
   Status Run(const char* op, F&& launch) {
     RETURN_IF_ERROR(Enter(op));

@@ -131,11 +131,11 @@ TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
   EXPECT_NE(refused.message().find("cpu"), std::string::npos) << refused;
 }
 
-// While the decode loop records a step (stream capture of stream 0, relaxed mode), the KV pool's
-// kernel ops come from other threads (a hand-off's CopyBlocks, a seal's DigestBlocks). Such an op
-// must not land in the graph, where it would not run now and would run again at every launch: it
-// waits for the capture to end, then runs once, and the graph holds only the capturing thread's
-// ops.
+// While one thread records a graph (stream capture of stream 0, relaxed mode), another may run
+// the KV pool's block ops (backend.h allows CopyBlocks, DigestBlocks and BlocksEqual from any
+// thread). Such an op must not land in the graph, where it would not run now and would run again
+// at every launch: it waits for the capture to end, then runs once, and the graph holds only the
+// capturing thread's ops.
 TEST(CudaKernelsTest, AnotherThreadsOpDuringACaptureRunsOnceOutsideTheGraph) {
   SKIP_WITHOUT_GPU();
   auto be = epd::kernels::MakeCudaBackend(0);

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "services/worker/worker_runtime.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
@@ -33,7 +34,7 @@ using testing::Generation;
 using testing::Prompt;
 using testing::ScrapeMetric;
 
-constexpr int kExitDeviceLost = 4;  // services/worker/worker_runtime.h
+using worker::kExitDeviceLost;
 
 // The emulated decode worker: its KV pool sized by hand (the emulation reports a 16 GiB device,
 // and the default pool is 90 % of that, in host memory here).
