@@ -5,15 +5,17 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
-#include <sstream>
-#include <algorithm>
-#include <deque>
-#include <thread>
-
+#include <map>
 #include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
@@ -52,6 +54,7 @@ std::string DemoModelDir(const std::string& bin) {
 // One process the launcher owns, and its restart state.
 struct Component {
   std::string name;               // e.g. "epd-decode-0"
+  std::string pool;               // a worker's pool ("decode"); empty for the kvstore and router
   std::vector<std::string> argv;  // full command line
   std::string log_path;
   std::string port_file;
@@ -59,6 +62,7 @@ struct Component {
   ChildProcess proc;
   int restarts = 0;
   bool down = false;  // exited (or failed to come up) and waiting for its restart
+  bool parked = false;  // a worker past its restart budget, waiting a window before the next try
   std::chrono::steady_clock::time_point up_since;
   std::chrono::steady_clock::time_point restart_at;
   std::chrono::milliseconds backoff{0};
@@ -231,8 +235,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
   app.add_option("--max-restarts", o->max_restarts,
-                 "Restarts of one process within --restart-window-s before epd serve gives up "
-                 "(default 5)")
+                 "Restarts of one process within --restart-window-s before epd serve parks it "
+                 "for a window (a worker) or gives up (the kvstore, the router) (default 5)")
       ->check(CLI::Range(0, 1000000));
   app.add_option("--restart-window-s", o->restart_window_s,
                  "Window of the restart budget, seconds (default 60)")
@@ -250,6 +254,10 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
       ->check(CLI::Range(256, 1 << 20));
   app.add_option("--host", o->host,
                  "Address every process binds and advertises (default 127.0.0.1)");
+  app.add_option("--worker-binary", o->worker_binaries,
+                 "POOL=PATH: run the POOL (encoder, prefill, decode) workers from PATH instead of "
+                 "epd-POOL beside epd (a bare name: beside epd); repeat for several pools")
+      ->delimiter(',');
   app.add_option("--worker-netns", o->worker_netns,
                  "NAME:NETNS:ADDR: run worker NAME in network namespace NETNS, advertising ADDR "
                  "(root; used by `epd chaos` for its network cut)");
@@ -328,6 +336,27 @@ int RunServe(ServeOptions o) {
     }
     netns_name = parts[0], netns = parts[1], netns_addr = parts[2];
   }
+  std::map<std::string, std::string> worker_binary;  // pool -> binary
+  for (const char* kind : {"encoder", "prefill", "decode"}) {
+    worker_binary[kind] = bin + "/epd-" + kind;
+  }
+  for (const std::string& spec : o.worker_binaries) {
+    const size_t eq = spec.find('=');
+    const std::string kind = spec.substr(0, eq);
+    std::string path = eq == std::string::npos ? "" : spec.substr(eq + 1);
+    if (eq == std::string::npos || !worker_binary.contains(kind) || path.empty()) {
+      std::cerr << "epd serve: --worker-binary '" << spec
+                << "' is not POOL=PATH with POOL encoder, prefill or decode\n";
+      return 1;
+    }
+    if (path.find('/') == std::string::npos) path = bin + "/" + path;
+    if (access(path.c_str(), X_OK) != 0) {
+      std::cerr << "epd serve: --worker-binary " << kind << "=" << path
+                << ": not an executable file (" << std::strerror(errno) << ")\n";
+      return 1;
+    }
+    worker_binary[kind] = path;
+  }
   auto run = [&](const std::string& n) { return o.data_dir + "/run/" + n + ".json"; };
   auto log = [&](const std::string& n) { return o.data_dir + "/logs/" + n + ".log"; };
   std::vector<std::unique_ptr<Component>> comps;
@@ -402,17 +431,17 @@ int RunServe(ServeOptions o) {
 
   // 3. workers
   auto add_pool = [&](const std::string& kind, int n) -> bool {
-    if (!fs::exists(bin + "/epd-" + kind)) {
-      std::cerr << "epd serve: epd-" << kind << " is not available in this build; the " << kind
+    const std::string& binary = worker_binary.at(kind);
+    if (!fs::exists(binary)) {
+      std::cerr << "epd serve: " << binary << " is not available in this build; the " << kind
                 << " pool stays empty\n";
       return true;
     }
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      std::vector<std::string> argv = {bin + "/epd-" + kind, "--router", router_addr,
-                                       "--kvstore",          kv_addr,    "--model",
-                                       o.model_dir,          "--dspark", o.dspark,
-                                       "--device",           o.device};
+      std::vector<std::string> argv = {binary,   "--router", router_addr, "--kvstore",
+                                       kv_addr,  "--model",  o.model_dir, "--dspark",
+                                       o.dspark, "--device", o.device};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
       if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
@@ -426,6 +455,7 @@ int RunServe(ServeOptions o) {
         argv.insert(argv.end(), {"--advertise-address", netns_addr});
       }
       Component* w = add(name, std::move(argv));
+      w->pool = kind;
       if (name == netns_name) SetFlag(w->argv, "--host", "0.0.0.0");
       // The first start waits until it registered with the router (its gRPC port opens
       // earlier), so "ready" means a request is routed, not answered 503 no_workers. A restart
@@ -479,12 +509,35 @@ int RunServe(ServeOptions o) {
         c->recent_restarts.pop_front();
       }
       if (static_cast<int>(c->recent_restarts.size()) >= o.max_restarts) {
+        if (c->pool.empty()) {
+          // Nothing serves without the kvstore or the router.
+          std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts
+                    << " times within " << o.restart_window_s << " s; giving up and stopping. See "
+                    << c->log_path << "\n";
+          exit_code = 1;
+          ok = false;
+          break;
+        }
+        // A worker that cannot run here now (its GPU lost, a bad model file) is parked for a
+        // window: the rest of the cluster keeps serving, its pool without it, and it is tried
+        // again with a fresh budget (an operator may have mended the cause).
+        const int running =
+            static_cast<int>(std::count_if(comps.begin(), comps.end(), [&](const auto& other) {
+              return other->pool == c->pool && !other->down;
+            }));
         std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts
-                  << " times within " << o.restart_window_s << " s; giving up and stopping. See "
-                  << c->log_path << "\n";
-        exit_code = 1;
-        ok = false;
-        break;
+                  << " times within " << o.restart_window_s << " s; parking it for "
+                  << o.restart_window_s << " s (" << running << " " << c->pool
+                  << " worker(s) still running). See " << c->log_path << "\n";
+        c->parked = true;
+        c->recent_restarts.clear();
+        c->restart_at = now + window;
+        continue;
+      }
+      if (c->parked) {
+        std::cerr << "epd serve: " << c->name << " was parked for " << o.restart_window_s
+                  << " s; trying it again\n";
+        c->parked = false;
       }
       c->recent_restarts.push_back(now);
       ++c->restarts;

@@ -6,6 +6,7 @@
 // (workers, the router and the kvstore) is restarted with a backoff and a restart budget, and
 // gets PR_SET_PDEATHSIG so none outlives a launcher that is SIGKILLed.
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 
@@ -41,7 +42,9 @@ struct ServeOptions {
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port
   // Supervision (docs/serve.md): a process that exits is restarted after a backoff that doubles
   // from restart_backoff_ms (up to 16x) and resets once it stayed up restart_window_s; more than
-  // max_restarts restarts of one process within restart_window_s stop epd serve (exit 1).
+  // max_restarts restarts within restart_window_s stop epd serve (exit 1) when the process is the
+  // kvstore or the router, and park a worker for restart_window_s (its pool serves without it,
+  // then it is tried again).
   int max_restarts = 5;            // Default: 5 per window
   int restart_window_s = 60;       // Default: 60 s
   int restart_backoff_ms = 500;    // Default: 0.5 s
@@ -56,6 +59,11 @@ struct ServeOptions {
   std::string worker_netns;
   int64_t kv_pool_bytes = 0;       // Default: 0 = the decode worker's default (a quarter of the
                                    // host memory). Decode workers' --kv-pool-bytes
+  // "POOL=PATH" (pool encoder, prefill or decode): the pool's workers run the binary PATH (a bare
+  // name: beside `epd`) instead of epd-POOL beside `epd`, e.g. a worker built elsewhere or a
+  // wrapper script; tests run the workers built against the emulated CUDA runtime so.
+  // Default: none.
+  std::vector<std::string> worker_binaries;
 };
 
 void AddServeFlags(CLI::App& app, ServeOptions* options);

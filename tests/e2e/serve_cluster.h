@@ -15,6 +15,7 @@
 
 #include <array>
 #include <chrono>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -29,13 +30,16 @@ namespace epd::testing {
 
 class ServeCluster {
  public:
-  // `args` are added to `epd serve --data-dir ... --http-port 0 --grpc-port 0 ...`.
-  explicit ServeCluster(std::vector<std::string> args = {}) {
-    std::vector<std::string> argv = {BinaryPath("epd"),      "serve", "--data-dir",  data_dir(),
+  // `args` are added to `epd serve --data-dir ... --http-port 0 --grpc-port 0 ...`; `binary` is
+  // the launcher (epd, or epd-emulated: tests/gpu/CMakeLists.txt), `env` added to its environment
+  // (its children inherit it).
+  explicit ServeCluster(std::vector<std::string> args = {}, const std::string& binary = "epd",
+                        const std::map<std::string, std::string>& env = {}) {
+    std::vector<std::string> argv = {BinaryPath(binary),     "serve", "--data-dir",  data_dir(),
                                      "--http-port",          "0",     "--grpc-port", "0",
                                      "--restart-backoff-ms", "100"};
     argv.insert(argv.end(), args.begin(), args.end());
-    serve_ = Subprocess::Start(argv, dir_.File("serve.log"));
+    serve_ = Subprocess::Start(argv, dir_.File("serve.log"), env);
   }
 
   // Waits for "epd serve: ready" (the first start generates the nano model), then reads the

@@ -6,7 +6,8 @@
 // prompt + streamed tokens), the next requests succeed, and after Ctrl-C no process of the cluster
 // remains. Then the same cluster is started again and `epd serve` itself gets SIGKILL: its children
 // die with it (PR_SET_PDEATHSIG). A third test sends SIGTERM to the whole process group, as systemd
-// and Kubernetes stop a service.
+// and Kubernetes stop a service. A fourth spends the restart budget: a worker is parked for a
+// window and comes back; the router stops everything.
 #include <gtest/gtest.h>
 #include <signal.h>
 
@@ -271,6 +272,59 @@ TEST(ServeSupervisorTest, GroupSigtermStopsEverythingWithoutARestart) {
   EXPECT_EQ(*rc, 0) << c.Logs();
   EXPECT_EQ(c.serve().ReadLog().find("restarted"), std::string::npos) << c.Logs();
   EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(10)));
+}
+
+// The restart budget (docs/serve.md, Supervision): a worker killed again within the window after
+// its one allowed restart is parked, not a reason to stop: epd serve, the router and the other
+// pools stay up, and after the window the worker comes back and serves. The router past the same
+// budget stops everything (exit 1).
+TEST(ServeSupervisorTest, AWorkerPastItsRestartBudgetIsParkedButTheRouterStopsEverything) {
+  constexpr int kWindowS = 4;
+  ServeCluster c({"--max-restarts", "1", "--restart-window-s", std::to_string(kWindowS)});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  const pid_t router = c.Pid("epd-router");
+  pid_t decode = c.Pid("epd-decode-0");
+  ASSERT_GT(decode, 0);
+  kill(decode, SIGKILL);
+  ASSERT_TRUE(c.WaitBack("epd-decode-0", decode, "registered")) << c.Logs();
+  decode = c.Pid("epd-decode-0");
+  kill(decode, SIGKILL);
+  // Parked: not restarted for a window, while the others stay up.
+  const auto parked_at = std::chrono::steady_clock::now();
+  auto logged = [&](const std::string& what) {
+    return c.serve().ReadLog().find(what) != std::string::npos;
+  };
+  const std::string parked = "epd-decode-0 was restarted 1 times within " +
+                             std::to_string(kWindowS) + " s; parking it for " +
+                             std::to_string(kWindowS) + " s (0 decode worker(s) still running)";
+  for (int i = 0; i < 200 && !logged(parked); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(logged(parked)) << c.Logs();
+  EXPECT_TRUE(c.serve().running());
+  EXPECT_EQ(c.Pid("epd-router"), router);
+  EXPECT_TRUE(epd::testing::HttpGet(c.http_port(), "/health").has_value());
+  // Back after the window, with a fresh budget, and serving.
+  ASSERT_TRUE(c.WaitBack("epd-decode-0", decode, "registered")) << c.Logs();
+  EXPECT_GE(std::chrono::steady_clock::now() - parked_at, std::chrono::seconds(kWindowS - 1));
+  EXPECT_TRUE(
+      logged("epd-decode-0 was parked for " + std::to_string(kWindowS) + " s; trying it again"))
+      << c.Logs();
+  EXPECT_TRUE(c.WaitWorkers({1, 1, 1})) << c.Logs();
+  Generation g = Generate(c.grpc_port(), Prompt(100, 4), 4);
+  ASSERT_TRUE(g.status.ok()) << g.status.error_message() << c.Logs();
+  EXPECT_FALSE(g.ids.empty());
+  // The router twice: nothing serves without it, so epd serve gives up.
+  kill(router, SIGKILL);
+  ASSERT_TRUE(c.WaitBack("epd-router", router, "grpc")) << c.Logs();
+  kill(c.Pid("epd-router"), SIGKILL);
+  auto rc = c.serve().Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(rc.has_value()) << c.Logs();
+  EXPECT_EQ(*rc, 1) << c.Logs();
+  EXPECT_TRUE(logged("epd-router was restarted 1 times within " + std::to_string(kWindowS) +
+                     " s; giving up and stopping"))
+      << c.Logs();
+  EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(30))) << c.ClusterPids().size();
 }
 
 }  // namespace

@@ -24,7 +24,8 @@
 //   (cudaFuncSetAttribute), up to 227 KiB (an H200's opt-in).
 // - Failures a test injects (the host cannot fault as a device does): a lost context, whose error
 //   every later call returns (emu::LoseContext, or a file a process is told to watch:
-//   EPD_EMU_LOSE_CONTEXT_FILE), and one failed call (emu::FailNextCall); a failed call's error is
+//   EPD_EMU_LOSE_CONTEXT_FILE, which also hides the device from a process that starts while it
+//   exists), and one failed call (emu::FailNextCall); a failed call's error is
 //   the calling thread's last error (cudaGetLastError), as the runtime keeps it.
 // What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
 // the order of work across streams, the static shared memory (not seen here), other limits,
@@ -69,6 +70,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorMemoryAllocation = 2,
+  cudaErrorNoDevice = 100,
   cudaErrorInvalidDevice = 101,
   cudaErrorECCUncorrectable = 214,
   cudaErrorNvlinkUncorrectable = 220,
@@ -164,15 +166,19 @@ inline void RestoreContext() {
   g_last_error = cudaSuccess;
 }
 inline void FailNextCall(cudaError_t e) { g_fail_next = e; }
-// A process run on the emulated device (epd-decode-emulated, tests/gpu/CMakeLists.txt) loses its
-// context at its first kernel or graph launch after the file named by EPD_EMU_LOSE_CONTEXT_FILE
-// exists, as a kernel's illegal address would: how a test makes a real worker process meet a lost
-// device at a moment it chooses (tests/gpu/emulated_worker_e2e_test.cc).
-inline void LoseContextIfTriggered() {
+// A process run on the emulated device (epd-decode-emulated, tests/gpu/CMakeLists.txt) finds its
+// device gone while the file named by EPD_EMU_LOSE_CONTEXT_FILE exists, as a GPU that fell off
+// the bus: a running process loses its context at its first kernel or graph launch after the file
+// appeared, as a kernel's illegal address would, and a process that starts meanwhile finds no
+// device (cudaGetDeviceCount). How a test makes real worker processes meet a lost device at a
+// moment it chooses, and get it back (tests/gpu/emulated_worker_e2e_test.cc,
+// tests/gpu/emulated_serve_test.cc).
+inline bool DeviceGoneByFile() {
   static const char* const path = std::getenv("EPD_EMU_LOSE_CONTEXT_FILE");
-  if (path != nullptr && g_lost == cudaSuccess && ::access(path, F_OK) == 0) {
-    LoseContext(cudaErrorIllegalAddress);
-  }
+  return path != nullptr && ::access(path, F_OK) == 0;
+}
+inline void LoseContextIfTriggered() {
+  if (g_lost == cudaSuccess && DeviceGoneByFile()) LoseContext(cudaErrorIllegalAddress);
 }
 // The injected failure of a call (cudaSuccess: none); it becomes the last error, as the runtime
 // keeps a failed call's error for cudaGetLastError.
@@ -347,6 +353,7 @@ inline cudaError_t cudaGetLastError() {
 }
 inline cudaError_t cudaPeekAtLastError() { return emu::g_last_error; }
 inline const char* cudaGetErrorString(cudaError_t e) {
+  if (e == cudaErrorNoDevice) return "no CUDA-capable device is detected";
   return e == cudaSuccess ? "no error" : "emulated CUDA error";
 }
 inline const char* cudaGetErrorName(cudaError_t e) {
@@ -359,6 +366,8 @@ inline const char* cudaGetErrorName(cudaError_t e) {
       return "cudaErrorLaunchFailure";
     case cudaErrorInvalidValue:
       return "cudaErrorInvalidValue";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice";
     default:
       return "cudaErrorEmulated";
   }
@@ -381,6 +390,11 @@ cudaError_t cudaFuncSetAttribute(F* kernel, cudaFuncAttribute, int v) {
   return cudaSuccess;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) {
+  if (emu::DeviceGoneByFile()) {
+    *n = 0;
+    emu::g_last_error = cudaErrorNoDevice;
+    return cudaErrorNoDevice;
+  }
   *n = 1;
   return cudaSuccess;
 }
