@@ -134,8 +134,8 @@ class DecodeHandler final : public worker::JobHandler {
         op_by_op_steps_(graph_steps_.Add({{"mode", "op_by_op"}})),
         graph_failures_(prometheus::BuildCounter()
                             .Name("epd_decode_step_graph_failures_total")
-                            .Help("Decode step graph captures that failed: that row count then "
-                                  "runs op by op (slower, the same output)")
+                            .Help("Decode step graph captures or launches that failed: that "
+                                  "row count then runs op by op (slower, the same output)")
                             .Register(*setup.registry)
                             .Add({})),
         loop_([this] { Loop(); }) {

@@ -935,7 +935,10 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (step_graphs_ != nullptr) {
     graphs_lock = std::unique_lock<std::mutex>(step_graphs_->mu());
     set = step_graphs_->Get(R);
-    if (set != nullptr && set->failed) set = nullptr;
+    if (set != nullptr && set->failed) {
+      set->segments.clear();  // the graphs of a set whose launch failed are not launched again
+      set = nullptr;
+    }
     if (set != nullptr && set->held == nullptr) {
       set->held = std::make_unique<Scratch>(backend_, set->arena.get());
       if (!AllocateStepArrays(*set->held, R, set->arrays).ok()) {
@@ -972,12 +975,21 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   const bool launch = set != nullptr && set->segments.size() == static_cast<size_t>(c.n_layers) + 1;
   const bool record = set != nullptr && !launch && set->uses >= 1;
   if (record) set->segments.clear();  // what an earlier step that failed midway recorded
+  // A launch that fails fails the step: how much of the graph ran is unknown, so the segment
+  // cannot run again op by op. Its row count's graphs are not trusted again: that row count runs
+  // op by op from the next step on.
+  auto launch_graph = [&](kernels::Graph& g) -> absl::Status {
+    ++step_graphs_->stats().launched;
+    absl::Status st = backend_.LaunchGraph(g);
+    if (!st.ok()) {
+      set->failed = true;
+      ++step_graphs_->stats().failures;
+    }
+    return st;
+  };
   auto run_segment = [&](int s) -> absl::Status {
     if (set == nullptr) return StepSegment(ws, s, a);
-    if (launch) {
-      ++step_graphs_->stats().launched;
-      return backend_.LaunchGraph(*set->segments[s]);
-    }
+    if (launch) return launch_graph(*set->segments[s]);
     Scratch seg(backend_, set->arena.get());
     if (!record || set->failed) return StepSegment(seg, s, a);
     // Record the segment (nothing runs), then launch it. A failed capture leaves nothing run:
@@ -990,8 +1002,7 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
       if (st.ok()) {
         ++step_graphs_->stats().captured;
         set->segments.push_back(std::move(*g));
-        ++step_graphs_->stats().launched;
-        return backend_.LaunchGraph(*set->segments.back());
+        return launch_graph(*set->segments.back());
       }
     }
     set->failed = true;

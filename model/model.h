@@ -74,7 +74,7 @@ struct StepGraphStats {
   int64_t launched = 0;     // segment graphs launched
   int64_t eager_steps = 0;  // batched steps run op by op (first use of a row count, or none)
   int64_t graph_steps = 0;  // batched steps whose segments ran as graphs
-  int64_t failures = 0;     // captures that failed (those row counts then run op by op)
+  int64_t failures = 0;     // captures or launches that failed (those row counts then run op by op)
   int64_t evicted = 0;      // sets dropped for a newer row count
 };
 

@@ -18,6 +18,7 @@
 // reuses them. A Set's first step runs op by op on the arena (sizing it and the backend's own
 // scratch, so a capture allocates nothing), the second records each segment and launches it, the
 // later ones launch. A capture that fails marks the Set failed: that R runs op by op from then on.
+// So does a launch that fails (that step fails: how much of the graph ran is unknown).
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -73,7 +74,7 @@ class StepGraphCache {
     StepArrays arrays;
     std::vector<std::unique_ptr<kernels::Graph>> segments;  // n_layers + 1 once recorded
     int64_t uses = 0;
-    bool failed = false;
+    bool failed = false;  // a capture or a launch failed: R runs op by op, its graphs dropped
     uint64_t last_used = 0;
   };
 

@@ -18,6 +18,10 @@
 #include <string>
 #include <vector>
 
+#if defined(EPD_CUDA_EMULATED)
+#include <cuda_runtime.h>  // the emulation's (tests/gpu/emulated): its injected failures
+#endif
+
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/stages.h"
@@ -114,6 +118,67 @@ TEST_P(CudaModelTest, DecodeStepGraphsEqualOpByOpSteps) {
               static_cast<long long>(got.stats.graph_steps),
               static_cast<long long>(got.stats.captured));
 }
+
+#if defined(EPD_CUDA_EMULATED)
+// A step graph launch that fails without losing the context (injected into the emulation: a real
+// GPU cannot be made to) fails its step, since how much of the graph ran is unknown; the row
+// count's graphs are dropped, and its later steps run op by op, with the same logits as a model
+// that never launched graphs.
+TEST(CudaModelEmulatedTest, AFailedStepGraphLaunchFailsItsStepThenItsRowCountRunsOpByOp) {
+  auto cuda = kernels::MakeCudaBackend(0);
+  ASSERT_TRUE(cuda.ok()) << cuda.status();
+  const std::string set = testing::GoldenSets().front();
+  auto graphs = testing::LoadGoldenModel(**cuda, set, {}, /*weights_in_backend=*/true);
+  auto eager = testing::LoadGoldenModel(**cuda, set, ModelOptions{.step_graphs = false},
+                                        /*weights_in_backend=*/true);
+  ASSERT_TRUE(graphs.ok() && eager.ok());
+  const int64_t V = (*graphs)->config().vocab_size;
+  const std::vector<int32_t> prompt = {5, 17, 33, 2, 41, 8, 12, 29, 3, 50};
+  auto new_sequence = [&](const Model& m) {
+    auto st = m.NewSequence();
+    EXPECT_TRUE(m.Prefill(*st, prompt, false).ok());
+    return st;
+  };
+  // One batched step of one row: its logits, or the error of the step or its row.
+  auto step = [&](const Model& m, SequenceState& st, int i) -> absl::StatusOr<std::vector<float>> {
+    SequenceState* states[] = {&st};
+    std::vector<std::vector<int32_t>> tokens = {{static_cast<int32_t>((7 * i + 3) % V)}};
+    std::vector<absl::Status> row_status;
+    auto batch = model::DecodeStep(m, states, tokens, &row_status);
+    if (!batch.ok()) return batch.status();
+    if (!row_status[0].ok()) return row_status[0];
+    return std::move((*batch)[0].logits);
+  };
+  // Steps 0 (op by op), 1 (recorded, launched) and 2 (launched) of the row count 1.
+  auto first = new_sequence(**graphs);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(step(**graphs, *first, i).ok()) << i;
+  const StepGraphStats before = (*graphs)->step_graph_stats();
+  ASSERT_EQ(before.graph_steps, 2);
+  ASSERT_EQ(before.failures, 0);
+  emu::FailNextGraphLaunch(cudaErrorInvalidValue);
+  const absl::StatusOr<std::vector<float>> failed = step(**graphs, *first, 3);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_NE(failed.status().message().find("LaunchGraph: cudaErrorInvalidValue"), std::string::npos)
+      << failed.status();
+  EXPECT_TRUE(kernels::CudaDeviceLost(**cuda).ok()) << "a failed launch is not a lost device";
+  const StepGraphStats after = (*graphs)->step_graph_stats();
+  EXPECT_EQ(after.failures, 1);
+  // A new sequence of the same row count: op by op now, and the same logits as without graphs.
+  auto again = new_sequence(**graphs);
+  auto reference = new_sequence(**eager);
+  for (int i = 0; i < 3; ++i) {
+    auto got = step(**graphs, *again, i);
+    auto want = step(**eager, *reference, i);
+    ASSERT_TRUE(got.ok() && want.ok()) << i;
+    EXPECT_TRUE(testing::BitEqual(*got, *want)) << i;
+  }
+  const StepGraphStats last = (*graphs)->step_graph_stats();
+  EXPECT_EQ(last.launched, after.launched) << "a dropped row count's graphs were launched";
+  EXPECT_EQ(last.graph_steps, after.graph_steps);
+  EXPECT_EQ(last.captured, before.captured);
+  EXPECT_EQ(last.failures, 1);
+}
+#endif
 
 TEST_P(CudaModelTest, GreedyGenerationEqualsTheCpuReference) {
   auto cuda = kernels::MakeCudaBackend(0);

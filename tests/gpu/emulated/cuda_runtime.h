@@ -25,7 +25,8 @@
 // - Failures a test injects (the host cannot fault as a device does): a lost context, whose error
 //   every later call returns (emu::LoseContext, or a file a process is told to watch:
 //   EPD_EMU_LOSE_CONTEXT_FILE, which also hides the device from a process that starts while it
-//   exists), and one failed call (emu::FailNextCall); a failed call's error is
+//   exists), one failed call (emu::FailNextCall) and one failed graph launch
+//   (emu::FailNextGraphLaunch); a failed call's error is
 //   the calling thread's last error (cudaGetLastError), as the runtime keeps it.
 // What it does not model: warp scheduling and warp-synchronous code beyond the above, atomics,
 // the order of work across streams, the static shared memory (not seen here), other limits,
@@ -166,6 +167,10 @@ inline void RestoreContext() {
   g_last_error = cudaSuccess;
 }
 inline void FailNextCall(cudaError_t e) { g_fail_next = e; }
+// One failure of the next cudaGraphLaunch alone (nothing of the graph runs), whatever calls come
+// before it.
+inline std::atomic<cudaError_t> g_fail_next_graph_launch{cudaSuccess};
+inline void FailNextGraphLaunch(cudaError_t e) { g_fail_next_graph_launch = e; }
 // A process run on the emulated device (epd-decode-emulated, tests/gpu/CMakeLists.txt) finds its
 // device gone while the file named by EPD_EMU_LOSE_CONTEXT_FILE exists, as a GPU that fell off
 // the bus: a running process loses its context at its first kernel or graph launch after the file
@@ -531,6 +536,11 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g,
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   emu::LoseContextIfTriggered();
   if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
+  if (emu::g_fail_next_graph_launch.load() != cudaSuccess) {
+    const cudaError_t e = emu::g_fail_next_graph_launch.exchange(cudaSuccess);
+    emu::g_last_error = e;
+    return e;
+  }
   for (const auto& op : exec->ops) emu::Enqueue(s, op);
   return cudaSuccess;
 }
