@@ -16,6 +16,12 @@ int DeviceCount(std::string* why) {
   return count;
 }
 
+void ReleaseDevice(int device) {
+  // No device is made current again afterwards: since CUDA 12 that would open a context anew.
+  if (cudaSetDevice(device) == cudaSuccess) cudaDeviceReset();
+  cudaGetLastError();
+}
+
 std::string DeviceSummary() {
   if (DeviceCount(nullptr) == 0) return "";
   cudaDeviceProp prop{};

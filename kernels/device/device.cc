@@ -6,6 +6,7 @@
 
 #if defined(EPD_HAVE_CUDA)
 #include "kernels/cuda/cuda_backend.h"
+#include "kernels/cuda/cuda_device.h"
 #endif
 
 namespace epd::kernels {
@@ -55,10 +56,21 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec) {
 #endif
 }
 
+int CudaDeviceCount() {
+#if defined(EPD_HAVE_CUDA)
+  return cuda::DeviceCount(nullptr);
+#else
+  return 0;
+#endif
+}
+
 absl::Status CheckModelCanRunOn(const DeviceSpec& spec) {
   if (spec.kind == DeviceSpec::Kind::kCpu) return absl::OkStatus();
-  auto backend = MakeBackend(spec);
-  return backend.ok() ? absl::OkStatus() : backend.status();
+  absl::Status status = MakeBackend(spec).status();  // the backend is gone at the semicolon
+#if defined(EPD_HAVE_CUDA)
+  if (status.ok()) cuda::ReleaseDevice(spec.index);
+#endif
+  return status;
 }
 
 bool WeightsInBackend(const DeviceSpec& spec) { return spec.kind != DeviceSpec::Kind::kCpu; }

@@ -26,6 +26,10 @@ absl::StatusOr<DeviceSpec> ParseDeviceSpec(std::string_view text);
 // True when this build holds the CUDA backend (nvcc was found at configure time).
 bool CudaBackendBuilt();
 
+// The CUDA devices this process sees (CUDA_VISIBLE_DEVICES applies; no context is opened): 0
+// without a GPU, a driver or the CUDA backend.
+int CudaDeviceCount();
+
 // The backend of `spec`: the CPU reference, or MakeCudaBackend(index) (FailedPrecondition naming
 // the missing device when there is no GPU; FailedPrecondition when the build has no CUDA backend).
 absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec);
@@ -34,7 +38,9 @@ absl::StatusOr<std::unique_ptr<Backend>> MakeBackend(const DeviceSpec& spec);
 // model is opened, by a process that does not run the model itself (`epd serve`; a process that
 // does makes its backend with MakeBackend at that point instead). cpu: OK. cuda: the CUDA backend
 // must open on the device (the MakeBackend error otherwise: no GPU, no driver, an index past the
-// last device, a build without CUDA).
+// last device, a build without CUDA). The check's context on the device is released afterwards
+// (cuda::ReleaseDevice), so the checking process keeps no GPU memory; a process that also runs
+// CUDA work on that device must not call it.
 absl::Status CheckModelCanRunOn(const DeviceSpec& spec);
 
 // Whether a model on `spec` loads its weights into the backend's memory (ModelWeights::Load's

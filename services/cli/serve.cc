@@ -222,7 +222,9 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
                      std::to_string(kMaxDSparkK) + " = fixed (passed to every decode worker)")
       ->check(CLI::Range(-1, kMaxDSparkK));
   app.add_option("--device", o->device,
-                 "Backend of every worker: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
+                 "The workers' backend: cpu, cuda (the workers spread over every visible GPU, "
+                 "round-robin in start order) or cuda:N (every worker on GPU N) (default cpu; "
+                 "docs/serve.md)");
   app.add_option("--step-graphs", o->step_graphs,
                  "Decode step graphs on|off (default on; passed to every decode worker): a "
                  "batched decode step's row-independent parts launched as CUDA graphs "
@@ -287,9 +289,19 @@ int RunServe(ServeOptions o) {
     std::cerr << "epd serve: " << device.status().message() << "\n";
     return 1;
   }
-  if (auto s = kernels::CheckModelCanRunOn(*device); !s.ok()) {
-    std::cerr << "epd serve: --device " << o.device << ": " << s.message() << "\n";
-    return 1;
+  // The workers' devices (docs/serve.md, Devices): `cuda` spreads them over every GPU this process
+  // sees, round-robin in start order (encoders, prefills, decodes); `cuda:N` puts every worker on
+  // N. Each device used is checked here, and this process keeps no context on it.
+  std::vector<kernels::DeviceSpec> devices = {*device};
+  if (device->kind == kernels::DeviceSpec::Kind::kCuda && o.device == "cuda") {
+    const int gpus = std::min(kernels::CudaDeviceCount(), o.encoders + o.prefills + o.decodes);
+    for (int i = 1; i < gpus; ++i) devices.push_back({kernels::DeviceSpec::Kind::kCuda, i});
+  }
+  for (const kernels::DeviceSpec& d : devices) {
+    if (auto s = kernels::CheckModelCanRunOn(d); !s.ok()) {
+      std::cerr << "epd serve: --device " << o.device << ": " << s.message() << "\n";
+      return 1;
+    }
   }
   InstallShutdownHandlers();
   const std::string bin = SelfDir();
@@ -430,6 +442,8 @@ int RunServe(ServeOptions o) {
                                       std::chrono::seconds(1)));
 
   // 3. workers
+  int started_workers = 0;
+  std::map<std::string, std::string> on_device;  // device -> its workers, for the ready message
   auto add_pool = [&](const std::string& kind, int n) -> bool {
     const std::string& binary = worker_binary.at(kind);
     if (!fs::exists(binary)) {
@@ -439,9 +453,11 @@ int RunServe(ServeOptions o) {
     }
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
+      const std::string dev = devices[started_workers++ % devices.size()].ToString();
+      on_device[dev] += " " + name;
       std::vector<std::string> argv = {binary,   "--router", router_addr, "--kvstore",
                                        kv_addr,  "--model",  o.model_dir, "--dspark",
-                                       o.dspark, "--device", o.device};
+                                       o.dspark, "--device", dev};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
       if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
@@ -473,13 +489,18 @@ int RunServe(ServeOptions o) {
   WriteScrapeTargets(targets_path, comps);
   if (ok) {
     std::cout << "epd serve: ready\n"
-              << "  OpenAI API  " << (tls ? "https://" : "http://") << o.host << ":" << o.http_port << "/v1\n"
+              << "  OpenAI API  " << (tls ? "https://" : "http://") << o.host << ":" << o.http_port
+              << "/v1\n"
               << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference"
-              << (tls ? ", TLS)\n" : ")\n")
-              << "  logs        " << o.data_dir << "/logs\n"
-              << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n"
-              << "Press Ctrl-C to stop.\n"
-              << std::flush;
+              << (tls ? ", TLS)\n" : ")\n") << "  logs        " << o.data_dir << "/logs\n"
+              << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n";
+    if (device->kind == kernels::DeviceSpec::Kind::kCuda) {
+      for (const auto& [dev, names] : on_device) {
+        std::cout << "  " << dev << (dev.size() < 12 ? std::string(12 - dev.size(), ' ') : " ")
+                  << names.substr(1) << "\n";
+      }
+    }
+    std::cout << "Press Ctrl-C to stop.\n" << std::flush;
   }
 
   // Supervise: a process that exits is restarted after a backoff (doubling from

@@ -36,7 +36,8 @@ struct ServeOptions {
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
   int dspark_k = -1;               // Default: -1 = the k policy; 0..kMaxDSparkK = fixed k
-  std::string device = "cpu";      // Default: cpu. Backend of every worker: cpu | cuda[:N]
+  std::string device = "cpu";      // Default: cpu. The workers' backend: cpu, cuda (spread over
+                                   // every visible GPU, round-robin) or cuda:N (all on N)
   std::string step_graphs = "on";  // Default: on. Decode step graphs (docs/cuda.md) on|off
   std::string tls_cert;            // Default: none. PEM files: the router's HTTP and gRPC ports
   std::string tls_key;             // speak TLS; workers register on a plaintext internal port

@@ -139,6 +139,58 @@ TEST_F(EmulatedServeTest, ServesTheCpuReferenceAndParksAWorkerWhileItsDeviceStay
   EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(10))) << c.ClusterPids().size();
 }
 
+// `--device cuda` spreads the workers over the GPUs the launcher sees, round-robin in start order
+// (encoders, prefills, decodes): here two emulated GPUs (EPD_EMU_DEVICE_COUNT) and four workers.
+TEST_F(EmulatedServeTest, DeviceCudaSpreadsTheWorkersOverTheGpus) {
+  ServeCluster c({"--model", model_dir(), "--device", "cuda", "--decodes", "2", "--worker-binary",
+                  "encoder=epd-encoder-emulated,prefill=epd-prefill-emulated,"
+                  "decode=epd-decode-emulated",
+                  "--kv-pool-bytes", std::to_string(64 << 20)},
+                 "epd-emulated", {{"EPD_EMU_DEVICE_COUNT", "2"}});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  const std::vector<std::pair<std::string, std::string>> want_device = {{"epd-encoder-0", "cuda:0"},
+                                                                        {"epd-prefill-0", "cuda:1"},
+                                                                        {"epd-decode-0", "cuda:0"},
+                                                                        {"epd-decode-1", "cuda:1"}};
+  for (const auto& [name, dev] : want_device) {
+    const std::string log = ReadFile(c.data_dir() + "/logs/" + name + ".log");
+    EXPECT_NE(log.find("the model runs on " + dev + " "), std::string::npos) << name << "\n" << log;
+  }
+  const std::string ready = c.serve().ReadLog();
+  EXPECT_NE(ready.find("  cuda:0      epd-encoder-0 epd-decode-0\n"), std::string::npos) << ready;
+  EXPECT_NE(ready.find("  cuda:1      epd-prefill-0 epd-decode-1\n"), std::string::npos) << ready;
+  // Requests at once, over both decode workers: each gives the reference's tokens.
+  constexpr int kRequests = 4;
+  std::vector<std::vector<int32_t>> prompts, want;
+  for (int i = 0; i < kRequests; ++i) {
+    prompts.push_back(Prompt(70 + 10 * i, 20 + i));
+    want.push_back(testing::BoundedReferenceGreedy(model_dir(), prompts.back(), 6));
+  }
+  std::vector<Generation> got(kRequests);
+  std::vector<std::thread> threads;
+  for (int i = 0; i < kRequests; ++i) {
+    threads.emplace_back([&, i] {
+      got[i] = Generate(c.grpc_port(), prompts[i], 6, {.deadline = std::chrono::seconds(240)});
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int i = 0; i < kRequests; ++i) {
+    ASSERT_TRUE(got[i].status.ok()) << got[i].status.error_message() << "\n" << c.Logs();
+    EXPECT_EQ(got[i].ids, want[i]) << i;
+  }
+  double served = 0;
+  for (const char* name : {"epd-decode-0", "epd-decode-1"}) {
+    const double n =
+        testing::ScrapeMetric(*c.Published(name, "metrics"),
+                              "epd_worker_requests_total{outcome=\"ok\",pool=\"decode\"}")
+            .value_or(0);
+    std::printf("%s served %.0f of %d\n", name, n, kRequests);
+    EXPECT_GE(n, 1) << name << " (on its own GPU) served none";  // the router rotates equal loads
+    served += n;
+  }
+  EXPECT_EQ(served, kRequests);
+}
+
 // A --worker-binary that names no pool or no executable stops `epd serve` before anything starts,
 // with the cause.
 TEST_F(EmulatedServeTest, ABadWorkerBinaryIsRefusedBeforeAnythingStarts) {

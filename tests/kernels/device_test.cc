@@ -42,12 +42,14 @@ TEST(DeviceTest, CudaOpensOnAGpuAndIsRefusedNamingTheDeviceWithoutOne) {
   EXPECT_TRUE(WeightsInBackend(spec));
   EXPECT_FALSE(WeightsInBackend(DeviceSpec{}));
   if (b.ok()) {  // a GPU: the model runs there (tests/gpu/cuda_model_test)
+    EXPECT_GE(CudaDeviceCount(), 1);
     EXPECT_EQ((*b)->Name(), "cuda");
     EXPECT_EQ((*b)->memory_kind(), MemoryKind::kDevice);
     EXPECT_TRUE(model.ok()) << model;
     GTEST_SKIP() << "a GPU is present: the no-GPU refusal is not testable here";
   }
   EXPECT_EQ(model.code(), absl::StatusCode::kFailedPrecondition) << model;
+  EXPECT_EQ(CudaDeviceCount(), 0);  // what `epd serve --device cuda` spreads its workers over
   EXPECT_NE(model.message().find("cuda:0"), std::string::npos) << model;
   EXPECT_EQ(b.status().code(), absl::StatusCode::kFailedPrecondition) << b.status();
   EXPECT_NE(b.status().message().find("cuda:0 is not available"), std::string::npos) << b.status();

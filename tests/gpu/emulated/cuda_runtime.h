@@ -17,6 +17,7 @@
 // per-thread slots
 //   between two block-wide barriers: right for code where every thread of the block makes the same
 //   exchanges, which is how kernels/cuda uses them.
+// - Devices: one, or EPD_EMU_DEVICE_COUNT, each current per host thread (cudaSetDevice).
 // - Device memory is host memory. Every stream runs its work at once, in the calling thread,
 //   under one lock (one launch at a time); events are no-ops. A stream being captured records its
 //   launches, copies and sets into a graph instead; launching the graph replays them in order.
@@ -167,6 +168,18 @@ inline void RestoreContext() {
   g_last_error = cudaSuccess;
 }
 inline void FailNextCall(cudaError_t e) { g_fail_next = e; }
+// The devices: EPD_EMU_DEVICE_COUNT of them (1 to 16; default 1), all backed by the host's memory,
+// so that a launcher's spreading of workers over GPUs runs here (tests/gpu/emulated_serve_test.cc).
+// The current device is the calling thread's, as in the runtime.
+inline int DeviceCount() {
+  static const int n = [] {
+    const char* v = std::getenv("EPD_EMU_DEVICE_COUNT");
+    const int k = v != nullptr ? std::atoi(v) : 1;
+    return std::clamp(k, 1, 16);
+  }();
+  return n;
+}
+inline thread_local int tl_device = 0;
 // One failure of the next cudaGraphLaunch alone (nothing of the graph runs), whatever calls come
 // before it.
 inline std::atomic<cudaError_t> g_fail_next_graph_launch{cudaSuccess};
@@ -400,19 +413,23 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
     emu::g_last_error = cudaErrorNoDevice;
     return cudaErrorNoDevice;
   }
-  *n = 1;
+  *n = emu::DeviceCount();
   return cudaSuccess;
 }
 inline cudaError_t cudaSetDevice(int d) {
   if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
-  return d == 0 ? cudaSuccess : cudaErrorInvalidDevice;
-}
-inline cudaError_t cudaGetDevice(int* d) {
-  *d = 0;
+  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
+  emu::tl_device = d;
   return cudaSuccess;
 }
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = emu::tl_device;
+  return cudaSuccess;
+}
+// Nothing to destroy: the devices' memory is the host's, and a test process keeps using it.
+inline cudaError_t cudaDeviceReset() { return cudaSuccess; }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
-  if (d != 0) return cudaErrorInvalidDevice;
+  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
   *p = cudaDeviceProp{};
   std::strcpy(p->name, "emulated CUDA device");
   p->totalGlobalMem = emu::kDeviceBytes;
@@ -423,7 +440,7 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int d) {
-  if (d != 0) return cudaErrorInvalidDevice;
+  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
   *v = attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? static_cast<int>(emu::kMaxSmem) : 132;
   return cudaSuccess;
 }
