@@ -936,7 +936,9 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     graphs_lock = std::unique_lock<std::mutex>(step_graphs_->mu());
     set = step_graphs_->Get(R);
     if (set != nullptr && set->failed) {
-      set->segments.clear();  // the graphs of a set whose launch failed are not launched again
+      // A failed set's graphs are not launched again, nor its arrays used.
+      set->segments.clear();
+      set->held.reset();
       set = nullptr;
     }
     if (set != nullptr && set->held == nullptr) {

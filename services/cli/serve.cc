@@ -14,6 +14,7 @@
 #include <iostream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -258,7 +259,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
                  "Address every process binds and advertises (default 127.0.0.1)");
   app.add_option("--worker-binary", o->worker_binaries,
                  "POOL=PATH: run the POOL (encoder, prefill, decode) workers from PATH instead of "
-                 "epd-POOL beside epd (a bare name: beside epd); repeat for several pools")
+                 "epd-POOL beside epd (a bare name: beside epd); repeat or separate by commas "
+                 "for several pools (so PATH holds no comma)")
       ->delimiter(',');
   app.add_option("--worker-netns", o->worker_netns,
                  "NAME:NETNS:ADDR: run worker NAME in network namespace NETNS, advertising ADDR "
@@ -352,6 +354,7 @@ int RunServe(ServeOptions o) {
   for (const char* kind : {"encoder", "prefill", "decode"}) {
     worker_binary[kind] = bin + "/epd-" + kind;
   }
+  std::set<std::string> given;
   for (const std::string& spec : o.worker_binaries) {
     const size_t eq = spec.find('=');
     const std::string kind = spec.substr(0, eq);
@@ -362,9 +365,14 @@ int RunServe(ServeOptions o) {
       return 1;
     }
     if (path.find('/') == std::string::npos) path = bin + "/" + path;
-    if (access(path.c_str(), X_OK) != 0) {
+    std::error_code fs_ec;
+    if (!fs::is_regular_file(path, fs_ec) || access(path.c_str(), X_OK) != 0) {
       std::cerr << "epd serve: --worker-binary " << kind << "=" << path
-                << ": not an executable file (" << std::strerror(errno) << ")\n";
+                << ": not an executable file\n";
+      return 1;
+    }
+    if (!given.insert(kind).second) {
+      std::cerr << "epd serve: --worker-binary names the " << kind << " pool twice\n";
       return 1;
     }
     worker_binary[kind] = path;
@@ -443,7 +451,7 @@ int RunServe(ServeOptions o) {
 
   // 3. workers
   int started_workers = 0;
-  std::map<std::string, std::string> on_device;  // device -> its workers, for the ready message
+  std::map<size_t, std::string> on_device;  // devices[i] -> its workers, for the ready message
   auto add_pool = [&](const std::string& kind, int n) -> bool {
     const std::string& binary = worker_binary.at(kind);
     if (!fs::exists(binary)) {
@@ -453,8 +461,9 @@ int RunServe(ServeOptions o) {
     }
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      const std::string dev = devices[started_workers++ % devices.size()].ToString();
-      on_device[dev] += " " + name;
+      const size_t dev_index = started_workers++ % devices.size();
+      const std::string dev = devices[dev_index].ToString();
+      on_device[dev_index] += " " + name;
       std::vector<std::string> argv = {binary,   "--router", router_addr, "--kvstore",
                                        kv_addr,  "--model",  o.model_dir, "--dspark",
                                        o.dspark, "--device", dev};
@@ -495,7 +504,8 @@ int RunServe(ServeOptions o) {
               << (tls ? ", TLS)\n" : ")\n") << "  logs        " << o.data_dir << "/logs\n"
               << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n";
     if (device->kind == kernels::DeviceSpec::Kind::kCuda) {
-      for (const auto& [dev, names] : on_device) {
+      for (const auto& [dev_index, names] : on_device) {
+        const std::string dev = devices[dev_index].ToString();
         std::cout << "  " << dev << (dev.size() < 12 ? std::string(12 - dev.size(), ' ') : " ")
                   << names.substr(1) << "\n";
       }
@@ -505,7 +515,9 @@ int RunServe(ServeOptions o) {
 
   // Supervise: a process that exits is restarted after a backoff (doubling from
   // --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
-  // --max-restarts restarts of one process within --restart-window-s stops everything.
+  // --max-restarts restarts of one process within --restart-window-s park it for a window (a
+  // worker) or stop everything (the kvstore, the router). A restart waits for the process to come
+  // up (StartComponent, at most two minutes), and the loop with it.
   using Clock = std::chrono::steady_clock;
   const auto window = std::chrono::seconds(o.restart_window_s);
   const auto backoff_min = std::chrono::milliseconds(o.restart_backoff_ms);
@@ -529,7 +541,8 @@ int RunServe(ServeOptions o) {
       while (!c->recent_restarts.empty() && now - c->recent_restarts.front() > window) {
         c->recent_restarts.pop_front();
       }
-      if (static_cast<int>(c->recent_restarts.size()) >= o.max_restarts) {
+      // (A worker back from a park always gets its one try, even with --max-restarts 0.)
+      if (!c->parked && static_cast<int>(c->recent_restarts.size()) >= o.max_restarts) {
         if (c->pool.empty()) {
           // Nothing serves without the kvstore or the router.
           std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts

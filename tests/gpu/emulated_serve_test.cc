@@ -119,11 +119,16 @@ TEST_F(EmulatedServeTest, ServesTheCpuReferenceAndParksAWorkerWhileItsDeviceStay
                       std::chrono::seconds(30)))
       << c.Logs();
 
-  // The device is back: after its window the encoder is tried again, comes back and serves.
+  // The device is back: after its window the encoder is tried again, comes back and serves. (A try
+  // logged before the file went found no device: only a later one counts.)
+  const size_t logged_before = c.serve().ReadLog().size();
   ASSERT_EQ(std::remove(lost.c_str()), 0);
-  ASSERT_TRUE(
-      WaitFor([&] { return c.serve().ReadLog().find("trying it again") != std::string::npos; },
-              std::chrono::seconds(3 * kWindowS)))
+  ASSERT_TRUE(WaitFor(
+      [&] {
+        return c.serve().ReadLog().find("epd-encoder-0 was parked for 8 s; trying it again",
+                                        logged_before) != std::string::npos;
+      },
+      std::chrono::seconds(3 * kWindowS)))
       << c.Logs();
   ASSERT_TRUE(c.WaitBack("epd-encoder-0", encoder, "registered")) << c.Logs();
   EXPECT_TRUE(c.WaitWorkers({1, 1, 1}, std::chrono::seconds(6 * kWindowS))) << c.Logs();
@@ -197,7 +202,10 @@ TEST_F(EmulatedServeTest, ABadWorkerBinaryIsRefusedBeforeAnythingStarts) {
   for (const auto& [spec, why] : std::vector<std::pair<std::string, std::string>>{
            {"router=epd-router", "is not POOL=PATH"},
            {"decode", "is not POOL=PATH"},
-           {"decode=no-such-worker", "not an executable file"}}) {
+           {"decode=no-such-worker", "not an executable file"},
+           {"decode=.", "not an executable file"},  // a folder
+           {"decode=epd-decode-emulated,decode=epd-decode-emulated",
+            "names the decode pool twice"}}) {
     ServeCluster c({"--model", model_dir(), "--worker-binary", spec}, "epd-emulated");
     auto rc = c.serve().Wait(std::chrono::seconds(30));
     ASSERT_TRUE(rc.has_value()) << spec;

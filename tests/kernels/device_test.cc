@@ -37,8 +37,10 @@ TEST(DeviceTest, CpuOpensAndRunsTheModel) {
 
 TEST(DeviceTest, CudaOpensOnAGpuAndIsRefusedNamingTheDeviceWithoutOne) {
   const DeviceSpec spec{DeviceSpec::Kind::kCuda, 0};
-  auto b = MakeBackend(spec);
+  // The check first: it releases the process's context on the device (cudaDeviceReset), which
+  // would leave a backend made before it with dead streams.
   const absl::Status model = CheckModelCanRunOn(spec);
+  auto b = MakeBackend(spec);
   EXPECT_TRUE(WeightsInBackend(spec));
   EXPECT_FALSE(WeightsInBackend(DeviceSpec{}));
   if (b.ok()) {  // a GPU: the model runs there (tests/gpu/cuda_model_test)

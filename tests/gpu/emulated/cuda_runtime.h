@@ -553,8 +553,7 @@ inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t g,
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t s) {
   emu::LoseContextIfTriggered();
   if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
-  if (emu::g_fail_next_graph_launch.load() != cudaSuccess) {
-    const cudaError_t e = emu::g_fail_next_graph_launch.exchange(cudaSuccess);
+  if (const cudaError_t e = emu::g_fail_next_graph_launch.exchange(cudaSuccess); e != cudaSuccess) {
     emu::g_last_error = e;
     return e;
   }
