@@ -64,15 +64,19 @@ struct Component {
   int restarts = 0;
   bool down = false;  // exited (or failed to come up) and waiting for its restart
   bool parked = false;  // a worker past its restart budget, waiting a window before the next try
+  bool starting = false;  // restarted, not yet up (the supervisor polls it)
+  std::chrono::steady_clock::time_point start_deadline;
   std::chrono::steady_clock::time_point up_since;
   std::chrono::steady_clock::time_point restart_at;
   std::chrono::milliseconds backoff{0};
   std::deque<std::chrono::steady_clock::time_point> recent_restarts;  // within the window
 };
 
-// Starts `c` and waits until its port file names `c.port_key`: false when it could not be
-// started, exited while starting, did not come up within two minutes, or shutdown was asked.
-bool StartComponent(Component& c) {
+// How long a process may take to publish its port file once started.
+constexpr std::chrono::minutes kStartTimeout{2};
+
+// Starts `c`'s process (its old port file removed): false when it could not be started.
+bool SpawnComponent(Component& c) {
   std::error_code ec;
   fs::remove(c.port_file, ec);
   SpawnOptions spawn;
@@ -84,23 +88,49 @@ bool StartComponent(Component& c) {
     std::cerr << "epd serve: cannot start " << c.name << ": " << c.proc.error() << "\n";
     return false;
   }
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::minutes(2);
-  while (!WaitForPortFile(c.port_file, c.port_key, std::chrono::milliseconds(0))) {
-    if (!c.proc.running()) {
-      std::cerr << "epd serve: " << c.name << " exited while starting (status "
-                << c.proc.exit_status().value_or(-1) << "); see " << c.log_path << "\n";
-      return false;
+  c.start_deadline = std::chrono::steady_clock::now() + kStartTimeout;
+  return true;
+}
+
+enum class StartState { kUp, kPending, kFailed };
+
+// Where a spawned `c` stands: up once its port file names `c.port_key`; failed when it exited
+// first or did not come up by its deadline (then it is stopped).
+StartState PollStart(Component& c) {
+  if (WaitForPortFile(c.port_file, c.port_key, std::chrono::milliseconds(0))) {
+    c.up_since = std::chrono::steady_clock::now();
+    return StartState::kUp;
+  }
+  if (!c.proc.running()) {
+    std::cerr << "epd serve: " << c.name << " exited while starting (status "
+              << c.proc.exit_status().value_or(-1) << "); see " << c.log_path << "\n";
+    return StartState::kFailed;
+  }
+  if (std::chrono::steady_clock::now() > c.start_deadline) {
+    std::cerr << "epd serve: " << c.name << " did not come up; see " << c.log_path << "\n";
+    c.proc.Stop(std::chrono::seconds(2));
+    return StartState::kFailed;
+  }
+  return StartState::kPending;
+}
+
+// Starts `c` and waits until it is up (the first start, in order: each process needs the ones
+// before it): false when it could not be started, exited while starting, did not come up within
+// kStartTimeout, or shutdown was asked.
+bool StartComponent(Component& c) {
+  if (!SpawnComponent(c)) return false;
+  for (;;) {
+    switch (PollStart(c)) {
+      case StartState::kUp:
+        return true;
+      case StartState::kFailed:
+        return false;
+      case StartState::kPending:
+        break;
     }
     if (ShutdownRequested()) return false;
-    if (std::chrono::steady_clock::now() > deadline) {
-      std::cerr << "epd serve: " << c.name << " did not come up; see " << c.log_path << "\n";
-      c.proc.Stop(std::chrono::seconds(2));
-      return false;
-    }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
-  c.up_since = std::chrono::steady_clock::now();
-  return true;
 }
 
 // `prog` found on $PATH (children are exec'd without a path search), or `prog` itself.
@@ -516,8 +546,8 @@ int RunServe(ServeOptions o) {
   // Supervise: a process that exits is restarted after a backoff (doubling from
   // --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
   // --max-restarts restarts of one process within --restart-window-s park it for a window (a
-  // worker) or stop everything (the kvstore, the router). A restart waits for the process to come
-  // up (StartComponent, at most two minutes), and the loop with it.
+  // worker) or stop everything (the kvstore, the router). A restarted process is polled on each
+  // pass until it is up (PollStart), so one slow start delays no other restart.
   using Clock = std::chrono::steady_clock;
   const auto window = std::chrono::seconds(o.restart_window_s);
   const auto backoff_min = std::chrono::milliseconds(o.restart_backoff_ms);
@@ -525,6 +555,21 @@ int RunServe(ServeOptions o) {
   while (ok && !WaitForShutdown(std::chrono::milliseconds(100))) {
     const auto now = Clock::now();
     for (auto& c : comps) {
+      if (c->starting) {
+        const StartState state = PollStart(*c);
+        if (state == StartState::kPending) continue;
+        c->starting = false;
+        if (state == StartState::kUp) {
+          c->down = false;
+          std::cerr << "epd serve: " << c->name << " restarted (restart " << c->restarts << ", pid "
+                    << c->proc.pid() << ")\n";
+          WriteScrapeTargets(targets_path, comps);
+        } else {
+          c->backoff = std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
+          c->restart_at = Clock::now() + c->backoff;
+        }
+        continue;
+      }
       if (!c->down) {
         if (c->proc.running()) continue;
         c->down = true;
@@ -577,11 +622,8 @@ int RunServe(ServeOptions o) {
       ++c->restarts;
       // A shutdown (e.g. the whole process group got SIGTERM) wins over a restart.
       if (ShutdownRequested()) break;
-      if (StartComponent(*c)) {
-        c->down = false;
-        std::cerr << "epd serve: " << c->name << " restarted (restart " << c->restarts << ", pid "
-                  << c->proc.pid() << ")\n";
-        WriteScrapeTargets(targets_path, comps);
+      if (SpawnComponent(*c)) {
+        c->starting = true;  // polled from the next pass on
       } else {
         c->backoff = std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
         c->restart_at = Clock::now() + c->backoff;

@@ -10,6 +10,7 @@
 // window and comes back; the router stops everything.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <chrono>
 #include <fstream>
@@ -326,6 +327,46 @@ TEST(ServeSupervisorTest, AWorkerPastItsRestartBudgetIsParkedButTheRouterStopsEv
                      " s; giving up and stopping"))
       << c.Logs();
   EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(30))) << c.ClusterPids().size();
+}
+
+// A restart whose process hangs while starting (a wedged GPU, a model load that never ends) holds
+// up no other restart: the supervisor polls starting processes instead of waiting for each. Here
+// the decode worker is a script (--worker-binary) that runs the real one the first time and hangs
+// after; with the decode worker's restart hanging, a killed router is back within seconds, not
+// after the two-minute start timeout.
+TEST(ServeSupervisorTest, AHangingRestartDoesNotHoldUpTheOthers) {
+  epd::testing::TempDir dir;
+  const std::string script = dir.File("decode.sh"), started = dir.File("started-once");
+  std::ofstream(script) << "#!/bin/sh\n"
+                        << "if [ -e " << started << " ]; then exec sleep 600; fi\n"
+                        << "touch " << started << "\n"
+                        << "exec " << epd::testing::BinaryPath("epd-decode") << " \"$@\"\n";
+  ASSERT_EQ(chmod(script.c_str(), 0755), 0);
+  ServeCluster c({"--worker-binary", "decode=" + script});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  const pid_t decode = c.Pid("epd-decode-0"), router = c.Pid("epd-router");
+  ASSERT_GT(decode, 0);
+  kill(decode, SIGKILL);
+  // Its restart hangs (the script sleeps): it never publishes a port file.
+  const std::string exited = "epd-decode-0 (pid " + std::to_string(decode) + ") exited";
+  for (int i = 0; i < 100 && c.serve().ReadLog().find(exited) == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_NE(c.serve().ReadLog().find(exited), std::string::npos) << c.Logs();
+  std::this_thread::sleep_for(std::chrono::seconds(1));  // past its 100 ms backoff: spawned
+  const auto killed_at = std::chrono::steady_clock::now();
+  kill(router, SIGKILL);
+  ASSERT_TRUE(c.WaitBack("epd-router", router, "grpc", std::chrono::seconds(30))) << c.Logs();
+  const double back_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+  std::printf("the router was back in %.1f s while the decode worker's restart hung\n", back_s);
+  EXPECT_EQ(c.serve().ReadLog().find("epd-decode-0 restarted"), std::string::npos) << c.Logs();
+  EXPECT_TRUE(c.serve().running());
+  c.serve().Signal(SIGINT);
+  auto rc = c.serve().Wait(std::chrono::seconds(90));
+  ASSERT_TRUE(rc.has_value()) << c.Logs();
+  EXPECT_EQ(*rc, 0) << c.Logs();
+  EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(10))) << c.ClusterPids().size();
 }
 
 }  // namespace
