@@ -16,11 +16,13 @@
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/wait_for.h"
 
 namespace epd {
 namespace {
 
 using testing::ScrapeMetric;
+using testing::WaitFor;
 
 double Metric(int port, const std::string& series) {
   return ScrapeMetric(port, series).value_or(0.0);
@@ -29,17 +31,6 @@ double Metric(int port, const std::string& series) {
 const char kDecodeOk[] = "epd_worker_requests_total{outcome=\"ok\",pool=\"decode\"}";
 
 class ScaleE2ETest : public testing::NanoModelDirTest {};
-
-// Polls `done` every 100 ms up to `limit`; true once it held.
-template <typename F>
-bool WaitFor(F done, std::chrono::seconds limit) {
-  const auto end = std::chrono::steady_clock::now() + limit;
-  while (std::chrono::steady_clock::now() < end) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
-  }
-  return done();
-}
 
 TEST_F(ScaleE2ETest, DecodePoolGoesOneToThreeAndBackUnderBenchWithNoFailedRequest) {
   // Drains may take a whole request; the planner aims for one sequence per decode worker. Five

@@ -24,6 +24,7 @@
 #include "tests/e2e/serve_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/wait_for.h"
 
 namespace epd {
 namespace {
@@ -33,6 +34,7 @@ using testing::GenerateOptions;
 using testing::Generation;
 using testing::Prompt;
 using testing::ServeCluster;
+using testing::WaitFor;
 
 class EmulatedServeTest : public testing::NanoModelDirTest {};
 
@@ -45,17 +47,6 @@ std::string ReadFile(const std::string& path) {
 size_t Count(const std::string& text, const std::string& re) {
   const std::regex r(re);
   return std::distance(std::sregex_iterator(text.begin(), text.end(), r), std::sregex_iterator());
-}
-
-// Waits until `pred` holds, up to `timeout`.
-template <class Pred>
-bool WaitFor(Pred pred, std::chrono::seconds timeout) {
-  const auto end = std::chrono::steady_clock::now() + timeout;
-  while (std::chrono::steady_clock::now() < end) {
-    if (pred()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  return pred();
 }
 
 TEST_F(EmulatedServeTest, ServesTheCpuReferenceAndParksAWorkerWhileItsDeviceStaysLost) {
