@@ -551,6 +551,11 @@ int RunServe(ServeOptions o) {
   using Clock = std::chrono::steady_clock;
   const auto window = std::chrono::seconds(o.restart_window_s);
   const auto backoff_min = std::chrono::milliseconds(o.restart_backoff_ms);
+  // A start that failed: the next try after a doubled backoff.
+  auto retry_later = [&](Component& c) {
+    c.backoff = std::clamp(c.backoff * 2, backoff_min, backoff_min * 16);
+    c.restart_at = Clock::now() + c.backoff;
+  };
   int exit_code = ok ? 0 : 1;
   while (ok && !WaitForShutdown(std::chrono::milliseconds(100))) {
     const auto now = Clock::now();
@@ -565,8 +570,7 @@ int RunServe(ServeOptions o) {
                     << c->proc.pid() << ")\n";
           WriteScrapeTargets(targets_path, comps);
         } else {
-          c->backoff = std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
-          c->restart_at = Clock::now() + c->backoff;
+          retry_later(*c);
         }
         continue;
       }
@@ -625,8 +629,7 @@ int RunServe(ServeOptions o) {
       if (SpawnComponent(*c)) {
         c->starting = true;  // polled from the next pass on
       } else {
-        c->backoff = std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
-        c->restart_at = Clock::now() + c->backoff;
+        retry_later(*c);
       }
     }
   }

@@ -179,6 +179,7 @@ inline int DeviceCount() {
   }();
   return n;
 }
+inline bool ValidDevice(int d) { return d >= 0 && d < DeviceCount(); }
 inline thread_local int tl_device = 0;
 // One failure of the next cudaGraphLaunch alone (nothing of the graph runs), whatever calls come
 // before it.
@@ -418,7 +419,7 @@ inline cudaError_t cudaGetDeviceCount(int* n) {
 }
 inline cudaError_t cudaSetDevice(int d) {
   if (cudaError_t e = emu::Injected(); e != cudaSuccess) return e;
-  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
+  if (!emu::ValidDevice(d)) return cudaErrorInvalidDevice;
   emu::tl_device = d;
   return cudaSuccess;
 }
@@ -429,7 +430,7 @@ inline cudaError_t cudaGetDevice(int* d) {
 // Nothing to destroy: the devices' memory is the host's, and a test process keeps using it.
 inline cudaError_t cudaDeviceReset() { return cudaSuccess; }
 inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
-  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
+  if (!emu::ValidDevice(d)) return cudaErrorInvalidDevice;
   *p = cudaDeviceProp{};
   std::strcpy(p->name, "emulated CUDA device");
   p->totalGlobalMem = emu::kDeviceBytes;
@@ -440,7 +441,7 @@ inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int d) {
   return cudaSuccess;
 }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr attr, int d) {
-  if (d < 0 || d >= emu::DeviceCount()) return cudaErrorInvalidDevice;
+  if (!emu::ValidDevice(d)) return cudaErrorInvalidDevice;
   *v = attr == cudaDevAttrMaxSharedMemoryPerBlockOptin ? static_cast<int>(emu::kMaxSmem) : 132;
   return cudaSuccess;
 }
