@@ -10,6 +10,8 @@
 //                              out (decode_server.cc). Default 0: sized from the backend's
 //                              memory (model::DefaultKvPoolCapacity: 90 % of a device's free
 //                              memory after the weights, a quarter of the host's on the CPU).
+//   --kv-pool-share K          with --kv-pool-bytes 0: the default capacity divided by K, the
+//                              decode workers sharing this GPU (or host); `epd serve` passes it.
 #include <string>
 #include <vector>
 
@@ -43,6 +45,11 @@ int main(int argc, char** argv) {
                    "(admission and preemption go by it; default 0 = 90% of a GPU's free "
                    "memory after the weights, a quarter of the host's memory on the CPU)")
         ->check(CLI::NonNegativeNumber);
+    app.add_option("--kv-pool-share", options.kv_pool_share,
+                   "With --kv-pool-bytes 0: how many decode workers share this worker's GPU (or "
+                   "host) memory; the default capacity is divided by it (default 1; epd serve "
+                   "passes the count)")
+        ->check(CLI::PositiveNumber);
     app.add_option("--dspark-k", options.fixed_k,
                    "DSpark drafts verified per step: -1 = chosen per step by the k policy, 0.." +
                        std::to_string(options.max_k) + " = fixed")

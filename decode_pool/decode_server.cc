@@ -66,10 +66,13 @@ std::shared_ptr<const grammar::TokenMasker> LoadMasker(const worker::WorkerSetup
       bytes, excluded, static_cast<int32_t>(setup.model->config().eos_token_id));
 }
 
-// The pool's capacity: --kv-pool-bytes, else sized from the backend's memory.
-int64_t PoolCapacity(int64_t flag, const model::Model& model) {
+// The pool's capacity: --kv-pool-bytes, else sized from the backend's memory and split among
+// the decode workers that share it (--kv-pool-share).
+int64_t PoolCapacity(int64_t flag, int share, const model::Model& model) {
   if (flag > 0) return flag;
-  return model::DefaultKvPoolCapacity(model.backend(), model.options().scratch_cache_bytes);
+  const int64_t all =
+      model::DefaultKvPoolCapacity(model.backend(), model.options().scratch_cache_bytes);
+  return std::max<int64_t>(1, all / std::max(1, share));
 }
 
 DecodeStageOptions WithSetup(DecodeStageOptions o, const worker::WorkerSetup& setup) {
@@ -139,7 +142,8 @@ class DecodeHandler final : public worker::JobHandler {
                             .Register(*setup.registry)
                             .Add({})),
         loop_([this] { Loop(); }) {
-    setup_.model->kv_pool().SetCapacity(PoolCapacity(options.kv_pool_bytes, *setup_.model));
+    setup_.model->kv_pool().SetCapacity(
+        PoolCapacity(options.kv_pool_bytes, options.kv_pool_share, *setup_.model));
     UpdatePoolGauges();
   }
 

@@ -73,8 +73,13 @@ struct DecodeStageOptions {
   // refused (FailedPrecondition).
   std::shared_ptr<const grammar::TokenMasker> masker;
   // The decode worker's KV pool capacity in bytes (--kv-pool-bytes; decode_server.cc admits and
-  // preempts by it). <= 0: a quarter of the host's physical memory.
+  // preempts by it). <= 0: model::DefaultKvPoolCapacity (90 % of a device's free memory after
+  // the weights, a quarter of the host's physical memory on the CPU) split kv_pool_share ways.
   int64_t kv_pool_bytes = 0;
+  // How many decode workers share this worker's memory (--kv-pool-share, >= 1): `epd serve`
+  // passes the number on the same GPU, or on the host for the CPU, so that their default pools
+  // add up to one worker's default rather than each taking it all.
+  int kv_pool_share = 1;
   // A greedy sequence with no grammar and no logprobs takes its tokens from the backend's Argmax
   // (model::LogitsOut::kArgmax), after its penalties applied there (Backend::PenalizeLogits):
   // its logits rows stay in backend memory, and a step downloads 4 bytes per row instead of

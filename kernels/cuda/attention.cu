@@ -15,7 +15,7 @@ namespace {
 
 using codec::RoundBf16;
 using codec::StdMax;
-using torch_math::DotDp;
+using torch_math::DotDpFrom;
 using torch_math::TorchExp;
 using torch_math::TorchSum;
 
@@ -185,24 +185,27 @@ struct IndexKeys {
 };
 
 // ops.cc IndexerScores over a tile of 32 keys, for query row blockIdx.y (q [rows, heads, dim],
-// w [rows, heads]): the keys pass through shared memory once; thread (lane, warp) computes the
-// term bf16(max(bf16(DotDp(q_h, k_t)), 0) * w[h]) of key t0 + lane for heads h = warp, warp + 8,
-// ...; then thread t sums its key's terms over the heads in order from +0 and rounds to bf16.
+// w [rows, heads]): the keys pass through shared memory once, td dims at a time (td even; td ==
+// dim when a whole key row fits); thread (lane, warp) carries the running dot DotDp(q_h, k_t)
+// of key t0 + lane for heads h = warp, warp + 8, ... from tile to tile (the pairs stay in order:
+// a tile starts at an even dim), then forms the term bf16(max(bf16(dot), 0) * w[h]); then thread
+// t sums its key's terms over the heads in order from +0 and rounds to bf16.
 // valid: null (every key), or [rows]: keys at or past valid[r] score -inf.
 constexpr int kIndexKeys = 32, kIndexThreads = 256;
 
 __global__ void __launch_bounds__(kIndexThreads)
     IndexerScoresKernel(const float* q, const float* w, int heads, IndexKeys keys, int64_t n,
-                        int64_t dim, const int64_t* valid, float* score) {
+                        int64_t dim, int64_t td, const int64_t* valid, float* score) {
   extern __shared__ float smem[];
-  const int64_t stride = dim + 1;             // a padded row: lanes read different banks
-  float* kt = smem;                           // [kIndexKeys][dim + 1]
-  float* terms = smem + kIndexKeys * stride;  // [heads][kIndexKeys]
+  const int64_t stride = td + 1;              // a padded row: lanes read different banks
+  float* kt = smem;                           // [kIndexKeys][td + 1]
+  float* terms = smem + kIndexKeys * stride;  // [heads][kIndexKeys]: dots, then terms
   const int64_t r = blockIdx.y, t0 = static_cast<int64_t>(blockIdx.x) * kIndexKeys;
   const int64_t nv = valid != nullptr && valid[r] < n ? valid[r] : n;  // never past the keys
   const float* qr = q + r * heads * dim;
   const float* wr = w + r * heads;
   const int tid = threadIdx.x, lane = tid % kIndexKeys, warp = tid / kIndexKeys;
+  constexpr int kWarps = kIndexThreads / kIndexKeys;
   // Paged keys: each of the tile's key rows is found once (its page and offset: two 64-bit
   // divisions and two dependent loads), not once per element.
   __shared__ const uint8_t* key_row[kIndexKeys];
@@ -213,25 +216,34 @@ __global__ void __launch_bounds__(kIndexThreads)
     key_row[tid] = at;
   }
   __syncthreads();
-  // Warp w fills key rows w, w + 8, ...; its lanes take consecutive elements (coalesced reads,
-  // one bank each in the padded rows).
-  for (int j = warp; j < kIndexKeys; j += kIndexThreads / kIndexKeys) {
-    const int64_t t = t0 + j;
-    for (int64_t i = lane; i < dim; i += kIndexKeys) {
-      float v = 0.f;
-      if (t < nv) {
-        v = keys.keys != nullptr ? keys.keys[t * dim + i]
-                                 : row_codec::UnpackElement(keys.codec, key_row[j], dim, i);
+  for (int64_t d0 = 0; d0 < dim; d0 += td) {
+    const int64_t len = dim - d0 < td ? dim - d0 : td;
+    // Warp w fills key rows w, w + 8, ...; its lanes take consecutive elements (coalesced reads,
+    // one bank each in the padded rows).
+    for (int j = warp; j < kIndexKeys; j += kWarps) {
+      const int64_t t = t0 + j;
+      for (int64_t i = lane; i < len; i += kIndexKeys) {
+        float v = 0.f;
+        if (t < nv) {
+          v = keys.keys != nullptr ? keys.keys[t * dim + d0 + i]
+                                   : row_codec::UnpackElement(keys.codec, key_row[j], dim, d0 + i);
+        }
+        kt[j * stride + i] = v;
       }
-      kt[j * stride + i] = v;
     }
+    __syncthreads();
+    if (t0 + lane < nv) {
+      for (int h = warp; h < heads; h += kWarps) {
+        float* dot = terms + h * kIndexKeys + lane;
+        *dot = DotDpFrom(qr + h * dim + d0, kt + lane * stride, 0, len, d0 == 0 ? 0.f : *dot);
+      }
+    }
+    __syncthreads();  // the tile is read before the next one overwrites it
   }
-  __syncthreads();
   if (t0 + lane < nv) {
-    for (int h = warp; h < heads; h += kIndexThreads / kIndexKeys) {
-      const float d = DotDp(qr + h * dim, kt + lane * stride, dim);
-      const float s = StdMax(RoundBf16(d), 0.f);
-      terms[h * kIndexKeys + lane] = RoundBf16(s * wr[h]);
+    for (int h = warp; h < heads; h += kWarps) {
+      float* term = terms + h * kIndexKeys + lane;
+      *term = RoundBf16(StdMax(RoundBf16(*term), 0.f) * wr[h]);
     }
   }
   __syncthreads();
@@ -262,33 +274,6 @@ cudaError_t AllowSharedMemory(Kernel* kernel, size_t dynamic, size_t fixed) {
                               static_cast<int>(dynamic));
 }
 
-cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const IndexKeys& keys,
-                                int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
-                                float* score, cudaStream_t stream) {
-  if (n <= 0 || rows <= 0) return cudaSuccess;
-  const size_t smem =
-      (kIndexKeys * static_cast<size_t>(dim + 1) + static_cast<size_t>(heads) * kIndexKeys) *
-      sizeof(float);
-  // Beside the static key_row table.
-  if (cudaError_t rc = AllowSharedMemory(IndexerScoresKernel, smem, kIndexKeys * sizeof(void*));
-      rc != cudaSuccess)
-    return rc;
-  const dim3 grid(static_cast<unsigned>((n + kIndexKeys - 1) / kIndexKeys),
-                  static_cast<unsigned>(rows));
-  IndexerScoresKernel<<<grid, kIndexThreads, smem, stream>>>(q, w, heads, keys, n, dim, valid,
-                                                             score);
-  return cudaGetLastError();
-}
-
-// cpu_backend.cc MaskScores.
-__global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const uint8_t* mask,
-                                 int64_t mask_cols) {
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (t >= n) return;
-  if (t >= valid) score[t] = -INFINITY;
-  if (mask != nullptr && (t >= mask_cols || !mask[t])) score[t] = -INFINITY;
-}
-
 // The current device's opt-in shared memory per block, asked once per device.
 cudaError_t SharedMemoryOptin(int* optin) {
   static std::array<std::atomic<int>, 64> known{};  // 0: not asked yet
@@ -300,6 +285,46 @@ cudaError_t SharedMemoryOptin(int* optin) {
   rc = cudaDeviceGetAttribute(optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   if (rc == cudaSuccess && cached) known[device].store(*optin, std::memory_order_relaxed);
   return rc;
+}
+
+cudaError_t LaunchIndexerScores(const float* q, const float* w, int heads, const IndexKeys& keys,
+                                int64_t n, int64_t dim, int64_t rows, const int64_t* valid,
+                                float* score, cudaStream_t stream) {
+  if (n <= 0 || rows <= 0) return cudaSuccess;
+  int optin = 0;
+  if (cudaError_t rc = SharedMemoryOptin(&optin); rc != cudaSuccess) return rc;
+  // The dynamic shared memory of a tile of td dims, beside the static key_row table.
+  constexpr int64_t kFixed = kIndexKeys * sizeof(void*);
+  auto dynamic = [heads](int64_t td) {
+    return (kIndexKeys * (td + 1) + static_cast<int64_t>(heads) * kIndexKeys) *
+           static_cast<int64_t>(sizeof(float));
+  };
+  // Whole key rows where they fit (the release's dim of 128 at 64 heads: 24 KiB); else the
+  // widest tile of a multiple of 32 dims that fits (above about 1,750 dims at 64 heads).
+  int64_t td = dim;
+  if (dynamic(td) + kFixed > optin) {
+    const int64_t floats = (optin - kFixed) / static_cast<int64_t>(sizeof(float));
+    td = (floats - static_cast<int64_t>(heads) * kIndexKeys) / kIndexKeys - 1;
+    td -= td % kIndexKeys;
+    if (td <= 0) return cudaErrorInvalidValue;  // the heads' terms alone exceed shared memory
+  }
+  const size_t smem = static_cast<size_t>(dynamic(td));
+  if (cudaError_t rc = AllowSharedMemory(IndexerScoresKernel, smem, kFixed); rc != cudaSuccess)
+    return rc;
+  const dim3 grid(static_cast<unsigned>((n + kIndexKeys - 1) / kIndexKeys),
+                  static_cast<unsigned>(rows));
+  IndexerScoresKernel<<<grid, kIndexThreads, smem, stream>>>(q, w, heads, keys, n, dim, td, valid,
+                                                             score);
+  return cudaGetLastError();
+}
+
+// cpu_backend.cc MaskScores.
+__global__ void MaskScoresKernel(float* score, int64_t n, int64_t valid, const uint8_t* mask,
+                                 int64_t mask_cols) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (t >= n) return;
+  if (t >= valid) score[t] = -INFINITY;
+  if (mask != nullptr && (t >= mask_cols || !mask[t])) score[t] = -INFINITY;
 }
 
 }  // namespace

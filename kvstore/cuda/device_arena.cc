@@ -15,13 +15,15 @@ std::string CudaError(cudaError_t e) {
 
 class DeviceArena final : public BlockArena {
  public:
-  DeviceArena(int device, void* base, size_t block_bytes, uint32_t num_blocks)
+  DeviceArena(int device, void* base, cudaStream_t stream, size_t block_bytes, uint32_t num_blocks)
       : device_(device),
         base_(static_cast<uint8_t*>(base)),
+        stream_(stream),
         block_bytes_(block_bytes),
         num_blocks_(num_blocks) {}
   ~DeviceArena() override {
     cudaSetDevice(device_);
+    cudaStreamDestroy(stream_);
     cudaFree(base_);
   }
 
@@ -35,8 +37,7 @@ class DeviceArena final : public BlockArena {
   absl::Status CopyIn(uint32_t index, std::span<const uint8_t> src) override {
     if (auto s = Check(index, src.size()); !s.ok()) return s;
     if (src.empty()) return absl::OkStatus();
-    cudaSetDevice(device_);
-    cudaError_t e = cudaMemcpy(BlockAddress(index), src.data(), src.size(), cudaMemcpyHostToDevice);
+    cudaError_t e = Copy(BlockAddress(index), src.data(), src.size(), cudaMemcpyHostToDevice);
     if (e != cudaSuccess)
       return absl::InternalError(
           absl::StrCat("device arena: copy into block ", index, ": ", CudaError(e)));
@@ -46,8 +47,7 @@ class DeviceArena final : public BlockArena {
   absl::Status CopyOut(uint32_t index, std::span<uint8_t> dst) override {
     if (auto s = Check(index, dst.size()); !s.ok()) return s;
     if (dst.empty()) return absl::OkStatus();
-    cudaSetDevice(device_);
-    cudaError_t e = cudaMemcpy(dst.data(), BlockAddress(index), dst.size(), cudaMemcpyDeviceToHost);
+    cudaError_t e = Copy(dst.data(), BlockAddress(index), dst.size(), cudaMemcpyDeviceToHost);
     if (e != cudaSuccess)
       return absl::InternalError(
           absl::StrCat("device arena: copy out of block ", index, ": ", CudaError(e)));
@@ -55,6 +55,16 @@ class DeviceArena final : public BlockArena {
   }
 
  private:
+  // A copy on the arena's own stream, waited for: the block's bytes are in place when CopyIn or
+  // CopyOut returns, for any stream that reads them next. (A plain cudaMemcpy runs on the legacy
+  // stream, which non-blocking streams such as the CUDA backend's do not wait for, and from
+  // pageable memory it may return before the device holds the bytes.)
+  cudaError_t Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (cudaError_t e = cudaSetDevice(device_); e != cudaSuccess) return e;
+    if (cudaError_t e = cudaMemcpyAsync(dst, src, bytes, kind, stream_); e != cudaSuccess) return e;
+    return cudaStreamSynchronize(stream_);
+  }
+
   absl::Status Check(uint32_t index, size_t bytes) const {
     if (index >= num_blocks_)
       return absl::OutOfRangeError(
@@ -67,6 +77,7 @@ class DeviceArena final : public BlockArena {
 
   int device_;
   uint8_t* base_;
+  cudaStream_t stream_;
   size_t block_bytes_;
   uint32_t num_blocks_;
 };
@@ -96,7 +107,13 @@ absl::StatusOr<std::unique_ptr<BlockArena>> MakeDeviceArena(size_t block_bytes, 
     return absl::ResourceExhaustedError(
         absl::StrCat("device arena: cudaMalloc of ", bytes, " bytes: ", CudaError(e)));
   }
-  return std::unique_ptr<BlockArena>(new DeviceArena(device, base, block_bytes, num_blocks));
+  cudaStream_t stream = nullptr;
+  if (cudaError_t e = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); e != cudaSuccess) {
+    cudaFree(base);
+    return absl::InternalError(absl::StrCat("device arena: cudaStreamCreate: ", CudaError(e)));
+  }
+  return std::unique_ptr<BlockArena>(
+      new DeviceArena(device, base, stream, block_bytes, num_blocks));
 }
 
 }  // namespace epd::kvstore

@@ -3,7 +3,8 @@
 // The G1 block pool's device arena (kvstore/block_arena.h, ArenaKind::kDevice): one cudaMalloc'd
 // region of num_blocks x block_bytes in HBM, handed out by block index. BlockAddress returns a
 // device pointer (what the UCX transfer engine registers for RMA on a GPU host); CopyIn/CopyOut
-// move bytes between host memory and a block with synchronous cudaMemcpy.
+// move bytes between host memory and a block on the arena's own non-blocking stream and wait for
+// the copy, so the bytes are in place for any stream when they return.
 //
 // CUDA-free header (host code includes it without nvcc); built only when the CUDA toolkit is
 // found (EPD_WITH_CUDA), linked against the CUDA runtime only, never the driver stub.

@@ -263,7 +263,8 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--kv-pool-bytes", o->kv_pool_bytes,
                  "KV pool bytes of each decode worker (default: 90% of a GPU's free memory "
-                 "after the weights, a quarter of the host memory on the CPU)")
+                 "after the weights, a quarter of the host memory on the CPU, split among the "
+                 "decode workers that share that GPU or host)")
       ->check(CLI::NonNegativeNumber);
   app.add_option("--tls-cert", o->tls_cert, "PEM certificate: HTTPS and gRPC TLS on the router");
   app.add_option("--tls-key", o->tls_key, "PEM private key of --tls-cert");
@@ -489,6 +490,10 @@ int RunServe(ServeOptions o) {
                 << " pool stays empty\n";
       return true;
     }
+    // Decode workers that share a memory split its default KV pool (docs/serve.md, Devices):
+    // the number of this pool's workers on each device (the host counts as one).
+    std::vector<int> per_device(devices.size(), 0);
+    for (int i = 0; i < n; ++i) ++per_device[(started_workers + i) % devices.size()];
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
       const size_t dev_index = started_workers++ % devices.size();
@@ -499,6 +504,8 @@ int RunServe(ServeOptions o) {
                                        o.dspark, "--device", dev};
       if (kind == "decode" && o.kv_pool_bytes > 0)
         argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+      if (kind == "decode" && o.kv_pool_bytes <= 0 && per_device[dev_index] > 1)
+        argv.insert(argv.end(), {"--kv-pool-share", std::to_string(per_device[dev_index])});
       if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
       if (kind == "decode" && o.dspark_k >= 0)
         argv.insert(argv.end(), {"--dspark-k", std::to_string(o.dspark_k)});

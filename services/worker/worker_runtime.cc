@@ -169,9 +169,10 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 // Where the process's memory goes, for the soak (docs/chaos.md) and an operator reading RSS:
 // the model's KV pool (used: blocks held by sequences; cached: released sealed blocks kept for
 // prefix reuse, at most kUnboundedCacheBytes in an unbounded pool; slabs: the memory it holds,
-// which only grows to its high-water, docs/memory.md) and the C heap (in_use:
-// allocated; free: freed chunks the allocator keeps for reuse, resident where touched; mmapped:
-// large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1 s).
+// which only grows to its high-water, docs/memory.md; capacity: its bound, 0 = none) and the C
+// heap (in_use: allocated; free: freed chunks the allocator keeps for reuse, resident where
+// touched; mmapped: large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1
+// s).
 class MemoryGauges {
  public:
   MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {
@@ -180,11 +181,13 @@ class MemoryGauges {
                      .Help(
                          "Bytes of the worker's KV pool by state: used (held by sequences), "
                          "cached (sealed blocks nobody holds, kept for prefix reuse), slabs "
-                         "(the memory the pool holds: used + cached + free slots)")
+                         "(the memory the pool holds: used + cached + free slots), capacity "
+                         "(the most used + cached may reach; 0 = unbounded)")
                      .Register(reg);
     pool_used_ = &pool.Add({{"state", "used"}});
     pool_cached_ = &pool.Add({{"state", "cached"}});
     pool_slabs_ = &pool.Add({{"state", "slabs"}});
+    pool_capacity_ = &pool.Add({{"state", "capacity"}});
     auto& heap = prometheus::BuildGauge()
                      .Name("epd_malloc_bytes")
                      .Help(
@@ -203,6 +206,7 @@ class MemoryGauges {
     pool_used_->Set(static_cast<double>(s.used_bytes));
     pool_cached_->Set(static_cast<double>(s.cached_bytes));
     pool_slabs_->Set(static_cast<double>(s.slab_bytes));
+    pool_capacity_->Set(static_cast<double>(s.capacity_bytes));
     const struct mallinfo2 m = mallinfo2();
     heap_in_use_->Set(static_cast<double>(m.uordblks));
     heap_free_->Set(static_cast<double>(m.fordblks));
@@ -214,6 +218,7 @@ class MemoryGauges {
   prometheus::Gauge* pool_used_;
   prometheus::Gauge* pool_cached_;
   prometheus::Gauge* pool_slabs_;
+  prometheus::Gauge* pool_capacity_;
   prometheus::Gauge* heap_in_use_;
   prometheus::Gauge* heap_free_;
   prometheus::Gauge* heap_mmapped_;

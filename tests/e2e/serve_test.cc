@@ -7,6 +7,7 @@
 // Ctrl-C (SIGINT) stops every process.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <unistd.h>
 
 #include <cctype>
 #include <chrono>
@@ -21,6 +22,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/e2e/serve_cluster.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/wait_for.h"
 
 namespace epd {
 namespace {
@@ -172,6 +174,34 @@ TEST(ServeTest, BenchDefaultsFitServeDefaults) {
   EXPECT_NE(out.find("persisted       "), std::string::npos) << out;
   serve.Signal(SIGINT);
   EXPECT_TRUE(serve.Wait(std::chrono::seconds(60)).has_value());
+}
+
+// Decode workers on one host (or one GPU) split its default KV pool instead of each taking it all
+// (docs/serve.md, Devices): `--decodes 2` on the CPU gives each a capacity of half of a quarter
+// of the host's memory, which each exports as epd_kv_pool_bytes{state="capacity"}.
+TEST(ServeTest, DecodeWorkersOnOneHostSplitItsDefaultKvPool) {
+  ServeCluster cluster({"--decodes", "2"});
+  Subprocess& serve = cluster.serve();
+  ASSERT_TRUE(cluster.WaitReady()) << cluster.Logs();
+  const int64_t quarter =
+      static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 4;  // one worker's
+  for (const char* name : {"epd-decode-0", "epd-decode-1"}) {
+    const auto port = cluster.Published(name, "metrics");
+    ASSERT_TRUE(port.has_value()) << name;
+    double capacity = -1;
+    EXPECT_TRUE(epd::testing::WaitFor(
+        [&] {
+          capacity = epd::testing::ScrapeMetric(*port, "epd_kv_pool_bytes{state=\"capacity\"}")
+                         .value_or(-1);
+          return capacity == static_cast<double>(quarter / 2);
+        },
+        std::chrono::seconds(10)))
+        << name << " capacity " << capacity << ", want " << quarter / 2;
+  }
+  serve.Signal(SIGINT);
+  auto rc = serve.Wait(std::chrono::seconds(60));
+  ASSERT_TRUE(rc.has_value());
+  EXPECT_EQ(*rc, 0);
 }
 
 }  // namespace

@@ -880,9 +880,13 @@ PARITY_CASE(IndexerScores) {
     Compare(env, res[0], res[1], Tol::Exact(), std::to_string(heads) + " heads");
   }
   // Keys whose dots change with the order of their sum (DotDp's pairs, not index order), at the
-  // release config's index heads and dim and at an odd dim.
-  for (auto [heads, dim] : {std::pair<int, int64_t>{64, 128}, {6, 63}}) {
-    const int64_t n = 300;
+  // release config's index heads and dim, at an odd dim, and at dims whose 32 key rows exceed a
+  // GPU's shared memory (CUDA runs them in tiles of dims: two tiles; three, the last one odd).
+  struct Shape {
+    int heads;
+    int64_t dim, n;
+  };
+  for (auto [heads, dim, n] : {Shape{64, 128, 300}, {6, 63, 300}, {64, 2050, 70}, {8, 4099, 40}}) {
     const auto q = Cancelling(env.rng, heads, dim, /*ones=*/true), w = Bf16(env.rng, heads),
                keys = Cancelling(env.rng, n, dim);
     std::vector<std::vector<float>> res;
@@ -1704,13 +1708,16 @@ PARITY_CASE(IndexerScoresPaged) {
   // Tolerance: exact (IndexerScores of each row's keys as UnpackRows decodes them, then -inf past
   // the row's valid keys). Rows over two streams of different page sizes (two sequences, or two
   // key sources), one row scoring no key (and given no page table); index-key and f32 pages.
+  // At dim 2050 the CUDA kernel reads the keys in tiles of dims (above).
   const int heads = 6;
-  const int64_t dim = 64, rows = 4, n = 50;
+  const int64_t rows = 4, n = 50;
   const int64_t rpp[2] = {16, 8}, pages_n[2] = {4, 7};
   const std::vector<int> stream = {0, 1, 0, 1};
   const std::vector<int64_t> valid = {40, 0, 50, 33};
-  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
-  for (const RowCodec codec : {RowCodec::kIndexKey, RowCodec::kF32}) {
+  for (const auto& [codec, dim] : {std::pair{RowCodec::kIndexKey, int64_t{64}},
+                                   {RowCodec::kF32, int64_t{64}},
+                                   {RowCodec::kF32, int64_t{2050}}}) {
+    const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
     const std::vector<std::vector<uint8_t>> bytes[2] = {
         ValidPages(env.rng, codec, dim, pages_n[0], rpp[0]),
         ValidPages(env.rng, codec, dim, pages_n[1], rpp[1])};
@@ -1740,9 +1747,11 @@ PARITY_CASE(IndexerScoresPaged) {
               s->name() + ": paged vs unpacked one row at a time");
     }
     Compare(env, res[0], res[1], Tol::Exact(),
-            codec == RowCodec::kF32 ? "paged f32" : "paged index keys");
+            absl::StrCat(codec == RowCodec::kF32 ? "paged f32" : "paged index keys", " of ", dim));
   }
   // A row that asks for more keys than the scores hold is refused by the CPU backend.
+  const int64_t dim = 64;
+  const auto q = Bf16(env.rng, rows * heads * dim), w = Bf16(env.rng, rows * heads);
   std::vector<uint8_t*> pages;
   uint8_t* const* table =
       PagesOn(env.ref, ValidPages(env.rng, RowCodec::kIndexKey, dim, pages_n[0], rpp[0]), pages);

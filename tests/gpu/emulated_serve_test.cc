@@ -137,11 +137,13 @@ TEST_F(EmulatedServeTest, ServesTheCpuReferenceAndParksAWorkerWhileItsDeviceStay
 
 // `--device cuda` spreads the workers over the GPUs the launcher sees, round-robin in start order
 // (encoders, prefills, decodes): here two emulated GPUs (EPD_EMU_DEVICE_COUNT) and four workers.
+// Each decode worker is alone on its GPU, so its default KV pool is not split: 90 % of what the
+// emulation reports free (16 GiB) less the scratch cache (256 MiB), a cap its slabs grow to on
+// demand (the two decode workers together would be split in half on one GPU).
 TEST_F(EmulatedServeTest, DeviceCudaSpreadsTheWorkersOverTheGpus) {
   ServeCluster c({"--model", model_dir(), "--device", "cuda", "--decodes", "2", "--worker-binary",
                   "encoder=epd-encoder-emulated,prefill=epd-prefill-emulated,"
-                  "decode=epd-decode-emulated",
-                  "--kv-pool-bytes", std::to_string(64 << 20)},
+                  "decode=epd-decode-emulated"},
                  "epd-emulated", {{"EPD_EMU_DEVICE_COUNT", "2"}});
   ASSERT_TRUE(c.WaitReady()) << c.Logs();
   const std::vector<std::pair<std::string, std::string>> want_device = {{"epd-encoder-0", "cuda:0"},
@@ -155,6 +157,19 @@ TEST_F(EmulatedServeTest, DeviceCudaSpreadsTheWorkersOverTheGpus) {
   const std::string ready = c.serve().ReadLog();
   EXPECT_NE(ready.find("  cuda:0      epd-encoder-0 epd-decode-0\n"), std::string::npos) << ready;
   EXPECT_NE(ready.find("  cuda:1      epd-prefill-0 epd-decode-1\n"), std::string::npos) << ready;
+  const int64_t whole = ((int64_t{16} << 30) - (int64_t{256} << 20)) / 10 * 9;
+  for (const char* name : {"epd-decode-0", "epd-decode-1"}) {
+    double capacity = -1;
+    EXPECT_TRUE(testing::WaitFor(
+        [&] {
+          capacity = testing::ScrapeMetric(*c.Published(name, "metrics"),
+                                           "epd_kv_pool_bytes{state=\"capacity\"}")
+                         .value_or(-1);
+          return capacity == static_cast<double>(whole);
+        },
+        std::chrono::seconds(10)))
+        << name << " capacity " << capacity << ", want " << whole;
+  }
   // Requests at once, over both decode workers: each gives the reference's tokens.
   constexpr int kRequests = 4;
   std::vector<std::vector<int32_t>> prompts, want;
