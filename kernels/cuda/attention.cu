@@ -243,7 +243,8 @@ __global__ void __launch_bounds__(kIndexThreads)
   if (t0 + lane < nv) {
     for (int h = warp; h < heads; h += kWarps) {
       float* term = terms + h * kIndexKeys + lane;
-      *term = RoundBf16(StdMax(RoundBf16(*term), 0.f) * wr[h]);
+      const float dot = dim > 0 ? *term : 0.f;  // no tile ran at dim 0: the empty dot is 0
+      *term = RoundBf16(StdMax(RoundBf16(dot), 0.f) * wr[h]);
     }
   }
   __syncthreads();

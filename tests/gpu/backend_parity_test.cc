@@ -881,12 +881,15 @@ PARITY_CASE(IndexerScores) {
   }
   // Keys whose dots change with the order of their sum (DotDp's pairs, not index order), at the
   // release config's index heads and dim, at an odd dim, and at dims whose 32 key rows exceed a
-  // GPU's shared memory (CUDA runs them in tiles of dims: two tiles; three, the last one odd).
+  // GPU's shared memory (CUDA runs them in tiles of dims: two tiles; three, the last one odd);
+  // and keys of no dims (every dot 0: no tile runs, and the kernel must not read its shared
+  // memory unwritten).
   struct Shape {
     int heads;
     int64_t dim, n;
   };
-  for (auto [heads, dim, n] : {Shape{64, 128, 300}, {6, 63, 300}, {64, 2050, 70}, {8, 4099, 40}}) {
+  for (auto [heads, dim, n] :
+       {Shape{64, 128, 300}, {6, 63, 300}, {64, 2050, 70}, {8, 4099, 40}, {6, 0, 40}}) {
     const auto q = Cancelling(env.rng, heads, dim, /*ones=*/true), w = Bf16(env.rng, heads),
                keys = Cancelling(env.rng, n, dim);
     std::vector<std::vector<float>> res;

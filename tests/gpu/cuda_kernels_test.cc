@@ -111,6 +111,13 @@ TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
   ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, true).ok());
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(b.Add(x->as<float>(), y->as<float>(), n).ok());
   ASSERT_TRUE(b.Copy(y->as<float>(), x->as<float>(), n * 4).ok());
+  // An op of several launches (quantize, GEMM) is one entry too: the whole op is timed.
+  epd::kernels::QuantWeight w;
+  w.out = 8;
+  w.in = 64;
+  w.values.assign(w.out * w.in, 0.5f);
+  w.scales.assign(w.scale_rows() * w.scale_cols(), 1.f);
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(b.LinearQuant(x->as<float>(), 2, w, y->as<float>()).ok());
   auto table = epd::kernels::CudaOpProfile(b);
   ASSERT_TRUE(table.ok()) << table.status();
   std::map<std::string, int64_t> calls;
@@ -120,6 +127,7 @@ TEST(CudaKernelsTest, OpProfileCountsEachOpCalled) {
     EXPECT_GE(t.host_ms, 0) << t.op;
   }
   EXPECT_EQ(calls["Add"], 3);
+  EXPECT_EQ(calls["LinearQuant"], 2);
   ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, true).ok());
   EXPECT_TRUE(epd::kernels::CudaOpProfile(b)->empty());
   ASSERT_TRUE(epd::kernels::SetCudaOpProfiling(b, false).ok());
