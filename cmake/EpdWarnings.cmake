@@ -30,7 +30,14 @@ function(epd_test name)
   endif()
   add_executable(${name} ${ARG_SOURCES})
   set_target_properties(${name} PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/tests)
-  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock GTest::gtest_main)
+  # One main for every test binary (tests/testing/test_main.cc: gtest's, and SIGPIPE caught),
+  # compiled once.
+  if(NOT TARGET epd_test_main)
+    add_library(epd_test_main OBJECT ${EPD_ROOT}/tests/testing/test_main.cc)
+    target_link_libraries(epd_test_main PRIVATE GTest::gtest)
+    epd_warnings(epd_test_main)
+  endif()
+  target_link_libraries(${name} PRIVATE ${ARG_DEPS} GTest::gtest GTest::gmock epd_test_main)
   target_include_directories(${name} PRIVATE ${EPD_ROOT})
   # gtest_discover_tests in CMake 3.25 cannot carry several ENVIRONMENT entries, so the folders
   # reach tests as compile-time defaults (tests/testing/subprocess.h: BinaryPath, SourcePath).

@@ -1,0 +1,23 @@
+// The main of every GoogleTest binary (epd_test, cmake/EpdWarnings.cmake), in place of
+// gtest_main: it also catches SIGPIPE with a handler that does nothing. A test is a client of
+// real servers, and one that hangs up while the test still writes (a TLS port answering a
+// plaintext request, a server refusing an oversized body) must fail that write with EPIPE, not
+// kill the test binary: Debian's cpp-httplib 0.11.4 sends without MSG_NOSIGNAL. A handler, not
+// SIG_IGN, because an ignored signal stays ignored across exec and the processes a test starts
+// (workers, shell pipelines) must keep the default.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+namespace {
+void IgnoreSigpipe(int) {}
+}  // namespace
+
+int main(int argc, char** argv) {
+  struct sigaction sa {};
+  sa.sa_handler = IgnoreSigpipe;
+  sa.sa_flags = SA_RESTART;
+  sigemptyset(&sa.sa_mask);
+  sigaction(SIGPIPE, &sa, nullptr);
+  testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}
