@@ -215,6 +215,8 @@ __global__ void __launch_bounds__(kIndexThreads)
     if (t < nv) at = row_codec::PagedRow(keys.tables[r], keys.rows_per_page[r], t, keys.row_bytes);
     key_row[tid] = at;
   }
+  // Each thread's running dots start at +0, the empty dot (what a dim of 0 leaves them).
+  for (int h = warp; h < heads; h += kWarps) terms[h * kIndexKeys + lane] = 0.f;
   __syncthreads();
   for (int64_t d0 = 0; d0 < dim; d0 += td) {
     const int64_t len = dim - d0 < td ? dim - d0 : td;
@@ -235,7 +237,7 @@ __global__ void __launch_bounds__(kIndexThreads)
     if (t0 + lane < nv) {
       for (int h = warp; h < heads; h += kWarps) {
         float* dot = terms + h * kIndexKeys + lane;
-        *dot = DotDpFrom(qr + h * dim + d0, kt + lane * stride, 0, len, d0 == 0 ? 0.f : *dot);
+        *dot = DotDpFrom(qr + h * dim + d0, kt + lane * stride, 0, len, *dot);
       }
     }
     __syncthreads();  // the tile is read before the next one overwrites it
@@ -243,8 +245,7 @@ __global__ void __launch_bounds__(kIndexThreads)
   if (t0 + lane < nv) {
     for (int h = warp; h < heads; h += kWarps) {
       float* term = terms + h * kIndexKeys + lane;
-      const float dot = dim > 0 ? *term : 0.f;  // no tile ran at dim 0: the empty dot is 0
-      *term = RoundBf16(StdMax(RoundBf16(dot), 0.f) * wr[h]);
+      *term = RoundBf16(StdMax(RoundBf16(*term), 0.f) * wr[h]);
     }
   }
   __syncthreads();

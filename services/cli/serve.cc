@@ -492,11 +492,14 @@ int RunServe(ServeOptions o) {
     }
     // Decode workers that share a memory split its default KV pool (docs/serve.md, Devices):
     // the number of this pool's workers on each device (the host counts as one).
+    const int first = started_workers;
+    auto device_of = [&](int i) { return static_cast<size_t>(first + i) % devices.size(); };
     std::vector<int> per_device(devices.size(), 0);
-    for (int i = 0; i < n; ++i) ++per_device[(started_workers + i) % devices.size()];
+    for (int i = 0; i < n; ++i) ++per_device[device_of(i)];
     for (int i = 0; i < n; ++i) {
       const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      const size_t dev_index = started_workers++ % devices.size();
+      const size_t dev_index = device_of(i);
+      ++started_workers;
       const std::string dev = devices[dev_index].ToString();
       on_device[dev_index] += " " + name;
       std::vector<std::string> argv = {binary,   "--router", router_addr, "--kvstore",

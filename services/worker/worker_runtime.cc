@@ -171,8 +171,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 // prefix reuse, at most kUnboundedCacheBytes in an unbounded pool; slabs: the memory it holds,
 // which only grows to its high-water, docs/memory.md; capacity: its bound, 0 = none) and the C
 // heap (in_use: allocated; free: freed chunks the allocator keeps for reuse, resident where
-// touched; mmapped: large blocks mapped on their own). Refreshed by Update (the heartbeat loop, 1
-// s).
+// touched; mmapped: large blocks mapped on their own). Refreshed by Update (the heartbeat loop,
+// every second).
 class MemoryGauges {
  public:
   MemoryGauges(prometheus::Registry& reg, const model::KvPool& kv) : kv_(kv) {

@@ -27,6 +27,7 @@
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/wait_for.h"
 
 namespace epd::testing {
 
@@ -42,6 +43,18 @@ inline std::optional<double> ScrapeMetric(int port, const std::string& series) {
     ++pos;
   }
   return std::nullopt;
+}
+
+// Polls `series` on `port` until it reads `want`, up to `limit` (a gauge set by a worker's
+// heartbeat loop after it starts); true once it did. *last: the last value read (-1: none).
+inline bool WaitForMetricValue(int port, const std::string& series, double want,
+                               std::chrono::seconds limit, double* last) {
+  return WaitFor(
+      [&] {
+        *last = ScrapeMetric(port, series).value_or(-1);
+        return *last == want;
+      },
+      limit);
 }
 
 // One started process and the ports its --port-file published (0 when not published).

@@ -22,7 +22,6 @@
 #include "nlohmann/json.hpp"
 #include "tests/e2e/serve_cluster.h"
 #include "tests/testing/subprocess.h"
-#include "tests/testing/wait_for.h"
 
 namespace epd {
 namespace {
@@ -189,13 +188,9 @@ TEST(ServeTest, DecodeWorkersOnOneHostSplitItsDefaultKvPool) {
     const auto port = cluster.Published(name, "metrics");
     ASSERT_TRUE(port.has_value()) << name;
     double capacity = -1;
-    EXPECT_TRUE(epd::testing::WaitFor(
-        [&] {
-          capacity = epd::testing::ScrapeMetric(*port, "epd_kv_pool_bytes{state=\"capacity\"}")
-                         .value_or(-1);
-          return capacity == static_cast<double>(quarter / 2);
-        },
-        std::chrono::seconds(10)))
+    EXPECT_TRUE(epd::testing::WaitForMetricValue(*port, "epd_kv_pool_bytes{state=\"capacity\"}",
+                                                 static_cast<double>(quarter / 2),
+                                                 std::chrono::seconds(10), &capacity))
         << name << " capacity " << capacity << ", want " << quarter / 2;
   }
   serve.Signal(SIGINT);

@@ -160,14 +160,9 @@ TEST_F(EmulatedServeTest, DeviceCudaSpreadsTheWorkersOverTheGpus) {
   const int64_t whole = ((int64_t{16} << 30) - (int64_t{256} << 20)) / 10 * 9;
   for (const char* name : {"epd-decode-0", "epd-decode-1"}) {
     double capacity = -1;
-    EXPECT_TRUE(testing::WaitFor(
-        [&] {
-          capacity = testing::ScrapeMetric(*c.Published(name, "metrics"),
-                                           "epd_kv_pool_bytes{state=\"capacity\"}")
-                         .value_or(-1);
-          return capacity == static_cast<double>(whole);
-        },
-        std::chrono::seconds(10)))
+    EXPECT_TRUE(testing::WaitForMetricValue(
+        *c.Published(name, "metrics"), "epd_kv_pool_bytes{state=\"capacity\"}",
+        static_cast<double>(whole), std::chrono::seconds(10), &capacity))
         << name << " capacity " << capacity << ", want " << whole;
   }
   // Requests at once, over both decode workers: each gives the reference's tokens.

@@ -9,12 +9,12 @@
 #include <signal.h>
 
 namespace {
-void IgnoreSigpipe(int) {}
+void OnSigpipe(int) {}  // nothing: the write that raised it fails with EPIPE
 }  // namespace
 
 int main(int argc, char** argv) {
   struct sigaction sa {};
-  sa.sa_handler = IgnoreSigpipe;
+  sa.sa_handler = OnSigpipe;
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGPIPE, &sa, nullptr);
