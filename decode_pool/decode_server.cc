@@ -4,21 +4,16 @@
 
 #include <algorithm>
 #include <chrono>
-#include <condition_variable>
 #include <functional>
-#include <mutex>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "decode_pool/decode_batcher.h"
 #include "decode_pool/decode_stage.h"
 #include "decode_pool/dspark/verifier.h"
 #include "decode_pool/grammar/grammar.h"
 #include "model/sequence_state.h"
 #include "model/tokenizer.h"
 #include "prometheus/counter.h"
-#include "prometheus/family.h"
-#include "prometheus/gauge.h"
-#include "prometheus/histogram.h"
 #include "spdlog/spdlog.h"
 
 namespace epd::decode_pool {
@@ -86,74 +81,16 @@ class DecodeHandler final : public worker::JobHandler {
   DecodeHandler(const worker::WorkerSetup& setup, const DecodeStageOptions& options)
       : setup_(setup),
         stage_(*setup.model, WithSetup(options, setup)),
-        drafted_(prometheus::BuildCounter()
-                     .Name("epd_dspark_drafted_tokens_total")
-                     .Help("DSpark draft tokens verified by the target (sum of k over sequences "
-                           "and steps)")
-                     .Register(*setup.registry)
-                     .Add({})),
-        accepted_(prometheus::BuildCounter()
-                      .Name("epd_dspark_accepted_tokens_total")
-                      .Help("DSpark draft tokens accepted by verification (<= drafted)")
-                      .Register(*setup.registry)
-                      .Add({})),
-        verify_len_(prometheus::BuildHistogram()
-                        .Name("epd_dspark_verify_length_tokens")
-                        .Help("Draft tokens verified per sequence and step (the chosen k)")
-                        .Register(*setup.registry)
-                        .Add({}, prometheus::Histogram::BucketBoundaries{0, 1, 2, 3, 4, 5})),
-        per_position_(PositionCounters(*setup.registry, stage_.options().max_k)),
         handoff_mismatch_(prometheus::BuildCounter()
                               .Name("epd_dspark_handoff_mismatch_total")
                               .Help("Hand-offs refused because the DSpark setting of prefill "
                                     "and decode differ")
                               .Register(*setup.registry)
                               .Add({})),
-        pool_blocks_(prometheus::BuildGauge()
-                         .Name("epd_kv_pool_blocks")
-                         .Help("KV pool blocks (64 tokens of global KV over all sources, packed) "
-                               "by state: free (capacity not in use), used (held by sequences), "
-                               "cached (sealed blocks nobody holds, kept for prefix reuse, "
-                               "evictable)")
-                         .Register(*setup.registry)),
-        pool_free_(pool_blocks_.Add({{"state", "free"}})),
-        pool_used_(pool_blocks_.Add({{"state", "used"}})),
-        pool_cached_(pool_blocks_.Add({{"state", "cached"}})),
-        preemptions_(prometheus::BuildCounter()
-                         .Name("epd_kv_pool_preemptions_total")
-                         .Help("Decode sequences swapped out of the KV pool (their packed state "
-                               "kept in host memory) because it ran out; each resumes later "
-                               "with the same output")
-                         .Register(*setup.registry)
-                         .Add({})),
-        graph_steps_(prometheus::BuildCounter()
-                         .Name("epd_decode_step_graph_steps_total")
-                         .Help("Batched decode steps by how their row-independent parts ran: "
-                               "graph (recorded segments launched, docs/cuda.md \"Decode step "
-                               "graphs\") or op_by_op (the first step of a row count, or its "
-                               "capture failed); 0 on a backend that records no graphs (CPU)")
-                         .Register(*setup.registry)),
-        graph_launched_steps_(graph_steps_.Add({{"mode", "graph"}})),
-        op_by_op_steps_(graph_steps_.Add({{"mode", "op_by_op"}})),
-        graph_failures_(prometheus::BuildCounter()
-                            .Name("epd_decode_step_graph_failures_total")
-                            .Help("Decode step graph captures or launches that failed: that "
-                                  "row count then runs op by op (slower, the same output)")
-                            .Register(*setup.registry)
-                            .Add({})),
-        loop_([this] { Loop(); }) {
+        batcher_(*setup.model, stage_, *setup.registry, setup.batch_size, {}) {
     setup_.model->kv_pool().SetCapacity(
         PoolCapacity(options.kv_pool_bytes, options.kv_pool_share, *setup_.model));
-    UpdatePoolGauges();
-  }
-
-  ~DecodeHandler() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stop_ = true;
-    }
-    work_cv_.notify_all();
-    loop_.join();
+    batcher_.UpdatePoolGauges();
   }
 
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
@@ -186,7 +123,7 @@ class DecodeHandler final : public worker::JobHandler {
       if (i > 0) p.seed = params.seed + static_cast<uint64_t>(i) * 0xD1B54A32D192ED03ull;
       return p;
     };
-    std::vector<StartFn> starts;
+    std::vector<DecodeBatcher::StartFn> starts;
     if (job.prev_worker_id().empty()) {
       auto shared_prompt = std::make_shared<const std::vector<int32_t>>(prompt);
       for (int i = 0; i < choices; ++i) {
@@ -244,371 +181,58 @@ class DecodeHandler final : public worker::JobHandler {
         }
       }
     }
-    // Hand the sequences to the batching loop (which admits them into the KV pool); stream what
-    // they produce, each message for one choice (SubmitResponse.index).
-    std::vector<std::shared_ptr<Slot>> slots;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& start : starts) {
-        auto slot = std::make_shared<Slot>();
-        slot->seq = std::make_unique<DecodeSequence>();  // placeholder until admitted
-        slot->start = std::move(start);
-        // Global KV + the packed SWA rings and compressor tails (a copy of a shared state
-        // copies them on its first step).
-        slot->need_bytes = setup_.model->KvBytesFor(n) + setup_.model->FixedStateBytes();
-        slots_.push_back(slot);
-        slots.push_back(std::move(slot));
-      }
-    }
-    work_cv_.notify_all();
-    std::vector<size_t> sent(slots.size(), 0);
-    std::vector<char> finished(slots.size(), 0);
-    size_t left = slots.size();
+    // Hand the sequences to the batcher (which admits them into the KV pool); stream what they
+    // produce, each message for one choice (SubmitResponse.index). Each choice's state needs
+    // global KV + the packed SWA rings and compressor tails (a copy of a shared state copies them
+    // on its first step).
+    const std::shared_ptr<DecodeBatcher::Ticket> ticket = batcher_.Submit(
+        std::move(starts), setup_.model->KvBytesFor(n) + setup_.model->FixedStateBytes());
     absl::Status result = absl::OkStatus();
-    while (left > 0 && result.ok()) {
-      struct Fresh {
-        int index;
-        std::vector<int32_t> tokens;
-        std::vector<model::Logprobs> lp;
-        bool done = false;
-        std::string finish;
-      };
-      std::vector<Fresh> fresh;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        done_cv_.wait_for(lock, std::chrono::milliseconds(20), [&] {
-          for (size_t i = 0; i < slots.size(); ++i) {
-            if (finished[i]) continue;
-            const Slot& q = *slots[i];
-            if (q.out.size() > sent[i] || q.finished || !q.error.ok()) return true;
-          }
-          return false;
-        });
-        for (size_t i = 0; i < slots.size(); ++i) {
-          if (finished[i]) continue;
-          if (!slots[i]->error.ok()) {
-            result = slots[i]->error;
-            break;
-          }
-          const Slot& q = *slots[i];
-          if (q.out.size() == sent[i] && !q.finished) continue;
-          Fresh f{static_cast<int>(i),
-                  {q.out.begin() + sent[i], q.out.end()},
-                  {},
-                  q.finished,
-                  q.finish};
-          if (q.out_lp.size() >= q.out.size())
-            f.lp.assign(q.out_lp.begin() + sent[i], q.out_lp.end());
-          sent[i] = q.out.size();
-          fresh.push_back(std::move(f));
-        }
-      }
+    while (!DecodeBatcher::Finished(*ticket) && result.ok()) {
+      std::vector<DecodeBatcher::Chunk> fresh;
+      result = batcher_.Collect(*ticket, std::chrono::milliseconds(20), &fresh);
       if (!result.ok()) break;
       if (cancelled.load()) {
         result = absl::CancelledError("cancelled");
         break;
       }
-      for (Fresh& f : fresh) {
-        epd::v1::SubmitResponse r;
-        r.set_request_id(job.request_id());
-        r.set_index(f.index);
-        for (int32_t t : f.tokens) r.add_token_ids(t);
-        // Logprobs (top_logprobs = n > 0): per token, the chosen token then its top n.
-        for (const model::Logprobs& lp : f.lp) {
-          auto add = [&](const model::TokenLogprob& x) {
-            epd::v1::TokenLogprob* o = r.add_top_logprobs();
-            o->set_token_id(x.token);
-            o->set_logprob(x.logprob);
-          };
-          add(lp.chosen);
-          for (const model::TokenLogprob& x : lp.top) add(x);
-        }
-        if (f.done) {
-          r.set_finish_reason(f.finish);
-          finished[static_cast<size_t>(f.index)] = 1;
-          --left;
-        }
-        if (!emit(r)) {
+      for (const DecodeBatcher::Chunk& f : fresh) {
+        if (!emit(ToResponse(job.request_id(), f))) {
           result = absl::CancelledError("the router's stream is gone");
           break;
         }
       }
     }
-    std::vector<std::unique_ptr<DecodeSequence>> gone;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      for (auto& slot : slots) {
-        slot->seq->done = true;  // the loop skips it from now on
-        slots_.erase(std::remove(slots_.begin(), slots_.end(), slot), slots_.end());
-        // Its state leaves the pool now (a placeholder when the loop holds it: the loop drops
-        // the slot after its step).
-        gone.push_back(std::move(slot->seq));
-        slot->seq = std::make_unique<DecodeSequence>();
-        slot->seq->done = true;
-      }
-    }
-    gone.clear();
-    UpdatePoolGauges();
+    batcher_.Release(*ticket);
     return result;
   }
 
  private:
-  using StartFn = std::function<absl::StatusOr<std::unique_ptr<DecodeSequence>>()>;
-  struct Slot {
-    std::unique_ptr<DecodeSequence> seq;
-    absl::Status error;
-    // What the loop published for Run (under mu_), appended step by step: Run reads these, never
-    // the sequence (which the loop holds during a step), so nothing is copied twice.
-    std::vector<int32_t> out;
-    std::vector<model::Logprobs> out_lp;  // parallel to out when the request wants logprobs
-    bool finished = false;
-    std::string finish;
-    // Loop thread only: admission (start() deserializes the hand-off into the KV pool) and
-    // preemption (the state swapped out to host memory, packed).
-    StartFn start;
-    bool admitted = false;
-    bool preempted = false;
-    int64_t need_bytes = 0;  // pool bytes the state takes when admitted or resumed
-    uint64_t order = 0;      // admission order: the youngest live sequence is preempted first
-    std::vector<model::StateSegment> swapped;
-  };
-
-  static bool Wants(const Slot& s) { return !s.seq->done && s.error.ok(); }
-
-  // The model's decode step graph counters since the last call, into the metrics (loop thread).
-  void UpdateGraphCounters() {
-    const model::StepGraphStats now = setup_.model->step_graph_stats();
-    auto add = [](prometheus::Counter& c, int64_t now_v, int64_t& seen) {
-      if (now_v > seen) c.Increment(static_cast<double>(now_v - seen));
-      seen = now_v;
-    };
-    add(graph_launched_steps_, now.graph_steps, graph_seen_.graph_steps);
-    add(op_by_op_steps_, now.eager_steps, graph_seen_.eager_steps);
-    add(graph_failures_, now.failures, graph_seen_.failures);
-  }
-
-  void UpdatePoolGauges() {
-    const model::KvPool::Stats st = setup_.model->kv_pool().stats();
-    const double block = static_cast<double>(std::max<int64_t>(1, setup_.model->KvBlockBytes()));
-    pool_used_.Set(static_cast<double>(st.used_bytes) / block);
-    pool_cached_.Set(static_cast<double>(st.cached_bytes) / block);
-    pool_free_.Set(static_cast<double>(
-                       std::max<int64_t>(0, st.capacity_bytes - st.used_bytes - st.cached_bytes)) /
-                   block);
-  }
-
-  // Continuous batching: every step advances all live sequences by one token (one DecodeStep);
-  // sequences join and leave between steps. Before a step the loop (1) admits waiting requests
-  // and resumes preempted ones, oldest first, while the KV pool has room for their state plus
-  // the step's headroom (2 blocks per live sequence: a block boundary and a copy-on-write per
-  // stream), and (2) preempts the youngest live sequences (swaps their packed state out to host
-  // memory, freeing their blocks) while the headroom is missing. A resumed sequence continues
-  // bit for bit (the swap is the exact hand-off serialization; batch composition does not change
-  // a sequence's numerics). The sequences are only touched under mu_ or by this thread while it
-  // holds them (Run reads a slot's sequence under mu_; the loop publishes under mu_).
-  void Loop() {
-    std::unique_lock<std::mutex> lock(mu_);
-    model::KvPool& pool = setup_.model->kv_pool();
-    const int64_t headroom = 2 * setup_.model->KvBlockBytes();
-    while (true) {
-      work_cv_.wait(lock, [&] {
-        if (stop_) return true;
-        for (auto& s : slots_)
-          if (Wants(*s)) return true;
-        return false;
-      });
-      if (stop_) return;
-      struct Held {
-        std::shared_ptr<Slot> slot;
-        std::unique_ptr<DecodeSequence> seq;
-        bool live = false;
-        absl::Status error;  // admission or resumption failed (published under mu_)
+  static epd::v1::SubmitResponse ToResponse(const std::string& request_id,
+                                            const DecodeBatcher::Chunk& f) {
+    epd::v1::SubmitResponse r;
+    r.set_request_id(request_id);
+    r.set_index(f.index);
+    for (int32_t t : f.tokens) r.add_token_ids(t);
+    // Logprobs (top_logprobs = n > 0): per token, the chosen token then its top n.
+    for (const model::Logprobs& lp : f.logprobs) {
+      auto add = [&](const model::TokenLogprob& x) {
+        epd::v1::TokenLogprob* o = r.add_top_logprobs();
+        o->set_token_id(x.token);
+        o->set_logprob(x.logprob);
       };
-      std::vector<Held> held;  // live first (admission order), then waiting (arrival order)
-      for (int pass = 0; pass < 2; ++pass) {
-        for (auto& s : slots_) {
-          if (!Wants(*s)) continue;
-          const bool live = s->admitted && !s->preempted;
-          if (live != (pass == 0)) continue;
-          Held h{s, std::move(s->seq), live};
-          s->seq = std::make_unique<DecodeSequence>();  // placeholder: not done
-          held.push_back(std::move(h));
-        }
-      }
-      lock.unlock();
-      std::stable_sort(held.begin(), held.end(), [](const Held& a, const Held& b) {
-        if (a.live != b.live) return a.live;
-        return a.live ? a.slot->order < b.slot->order : false;
-      });
-      int64_t live = 0;
-      for (const Held& h : held) live += h.live ? 1 : 0;
-      // (1) Admission and resumption, oldest first, while the pool has room.
-      for (Held& h : held) {
-        if (h.live) continue;
-        Slot& s = *h.slot;
-        const int64_t need = s.need_bytes + headroom * (live + 1);
-        if (pool.available_bytes() < need) {
-          if (live == 0 && need > pool.capacity_bytes() && pool.capacity_bytes() > 0) {
-            h.error = absl::ResourceExhaustedError(
-                absl::StrCat("decode: the request's KV state needs ", need,
-                             " bytes of the KV pool, which holds ", pool.capacity_bytes(),
-                             " (--kv-pool-bytes)"));
-            continue;
-          }
-          break;  // first come, first served: later requests wait too
-        }
-        if (!s.admitted) {
-          auto q = s.start();
-          s.start = nullptr;
-          if (!q.ok()) {
-            h.error = q.status();
-            continue;
-          }
-          h.seq = std::move(*q);
-          s.admitted = true;
-        } else {
-          auto st = model::DeserializeState(*setup_.model, s.swapped);
-          if (!st.ok()) {
-            h.error = st.status();
-            continue;
-          }
-          h.seq->state = std::move(*st);
-          s.swapped.clear();
-          s.preempted = false;
-        }
-        s.order = ++admissions_;
-        h.live = true;
-        ++live;
-      }
-      // (2) Preemption: the youngest live sequences go while the step's headroom is missing.
-      while (live > 0 && pool.available_bytes() < headroom * live) {
-        Held* victim = nullptr;
-        for (Held& h : held) {
-          if (h.live && !h.seq->done && (victim == nullptr || h.slot->order > victim->slot->order))
-            victim = &h;
-        }
-        if (victim == nullptr) break;
-        Slot& s = *victim->slot;
-        s.swapped = model::SerializeState(setup_.model->config(), *victim->seq->state);
-        s.need_bytes =
-            setup_.model->KvBytesFor(victim->seq->state->pos) + setup_.model->FixedStateBytes();
-        victim->seq->state.reset();  // releases its blocks
-        s.preempted = true;
-        victim->live = false;
-        --live;
-        preemptions_.Increment();
-      }
-      // (3) One step over the live batch.
-      std::vector<DecodeSequence*> batch;
-      for (Held& h : held)
-        if (h.live && !h.seq->done) batch.push_back(h.seq.get());
-      absl::Status st = absl::OkStatus();
-      DecodeStepStats stats;
-      if (!batch.empty()) {
-        setup_.batch_size->Set(static_cast<double>(batch.size()));
-        st = stage_.Step(batch, &stats);
-      }
-      if (st.ok() && stage_.options().dspark && !batch.empty()) {
-        drafted_.Increment(static_cast<double>(stats.drafted));
-        accepted_.Increment(static_cast<double>(stats.accepted));
-        for (int k : stats.k) verify_len_.Observe(k);
-        // Per draft position j (1-based): verified when k >= j, accepted when accepted >= j.
-        for (size_t i = 0; i < stats.k.size() && i < stats.accepted_k.size(); ++i) {
-          const int k = std::min<int>(stats.k[i], static_cast<int>(per_position_.size()));
-          for (int j = 0; j < k; ++j) {
-            per_position_[j].drafted->Increment();
-            if (j < stats.accepted_k[i]) per_position_[j].accepted->Increment();
-          }
-        }
-      }
-      UpdatePoolGauges();
-      UpdateGraphCounters();
-      lock.lock();
-      for (Held& h : held) {
-        const bool left = h.slot->seq->done;  // Run gave up on it meanwhile
-        if (h.seq != nullptr) h.slot->seq = std::move(h.seq);
-        Slot& sl = *h.slot;
-        const DecodeSequence& q = *sl.seq;
-        if (q.output.size() > sl.out.size()) {  // publish the new tokens only
-          const size_t from = sl.out.size();
-          sl.out.insert(sl.out.end(), q.output.begin() + from, q.output.end());
-          if (q.logprobs.size() >= q.output.size())
-            sl.out_lp.insert(sl.out_lp.end(), q.logprobs.begin() + from,
-                             q.logprobs.begin() + q.output.size());
-        }
-        if (!q.error.ok()) {
-          sl.error = q.error;  // this request alone failed in the step
-        } else if (q.done && !sl.finished) {
-          sl.finished = true;
-          sl.finish = q.finish_reason;
-        }
-        if (left) h.slot->seq->done = true;
-        if (!st.ok() && h.live) h.slot->error = st;
-        if (!h.error.ok()) h.slot->error = h.error;
-      }
-      // Idle after this step: the running batch is empty until the next job joins.
-      bool any_live = false;
-      for (auto& s : slots_) any_live = any_live || Wants(*s);
-      if (!any_live) setup_.batch_size->Set(0);
-      done_cv_.notify_all();
-      held.clear();  // slots Run gave up meanwhile release their state here
-      UpdatePoolGauges();
-      // Nothing could run (waiting for room that sequences of finishing requests free): do not
-      // spin.
-      if (batch.empty() && any_live) work_cv_.wait_for(lock, std::chrono::milliseconds(5));
+      add(lp.chosen);
+      for (const model::TokenLogprob& x : lp.top) add(x);
     }
+    if (f.finished) r.set_finish_reason(f.finish_reason);
+    return r;
   }
 
   worker::WorkerSetup setup_;
   DecodeStage stage_;
   grammar::GrammarCache grammars_;  // compiled constraints, per constraint text
-  prometheus::Counter& drafted_;
-  prometheus::Counter& accepted_;
-  prometheus::Histogram& verify_len_;
-  struct PositionCounter {
-    prometheus::Counter* drafted;
-    prometheus::Counter* accepted;
-  };
-  // epd_dspark_position_{drafted,accepted}_tokens_total{position="1".."max_k"}, created at start
-  // so the acceptance-per-position panel has series before the first draft.
-  static std::vector<PositionCounter> PositionCounters(prometheus::Registry& reg, int max_k) {
-    auto& drafted = prometheus::BuildCounter()
-                        .Name("epd_dspark_position_drafted_tokens_total")
-                        .Help(
-                            "DSpark drafts verified at draft position `position` (1 = the "
-                            "first draft token of a step)")
-                        .Register(reg);
-    auto& accepted = prometheus::BuildCounter()
-                         .Name("epd_dspark_position_accepted_tokens_total")
-                         .Help(
-                             "DSpark drafts accepted at draft position `position`; accepted / "
-                             "drafted per position is the acceptance rate there")
-                         .Register(reg);
-    std::vector<PositionCounter> out;
-    for (int j = 1; j <= max_k; ++j) {
-      const std::string pos = std::to_string(j);
-      out.push_back({&drafted.Add({{"position", pos}}), &accepted.Add({{"position", pos}})});
-    }
-    return out;
-  }
-  std::vector<PositionCounter> per_position_;
   prometheus::Counter& handoff_mismatch_;
-  prometheus::Family<prometheus::Gauge>& pool_blocks_;
-  prometheus::Gauge& pool_free_;
-  prometheus::Gauge& pool_used_;
-  prometheus::Gauge& pool_cached_;
-  prometheus::Counter& preemptions_;
-  prometheus::Family<prometheus::Counter>& graph_steps_;
-  prometheus::Counter& graph_launched_steps_;
-  prometheus::Counter& op_by_op_steps_;
-  prometheus::Counter& graph_failures_;
-  model::StepGraphStats graph_seen_;  // loop thread only
-  uint64_t admissions_ = 0;  // loop thread only
-  std::mutex mu_;
-  std::condition_variable work_cv_, done_cv_;
-  std::vector<std::shared_ptr<Slot>> slots_;
-  bool stop_ = false;
-  std::thread loop_;  // last: starts after the members it uses
+  DecodeBatcher batcher_;  // last: its loop starts after the members it uses
 };
 
 }  // namespace
