@@ -1,5 +1,5 @@
 // epd-decode: the decode worker process (docs/workers.md). Besides the shared worker flags
-// (services/worker/worker_runtime.h, incl. --dspark on|off) it takes:
+// (runtime/worker/worker_runtime.h, incl. --dspark on|off) it takes:
 //   --dspark-k N               drafts verified per step: -1 (default) = the k policy, 0..5 fixed
 //   --dspark-time-model B,T,D  the policy's step time t(b,k) = B + T*b*(k+1) + D*b*[k>0]
 //                              (ms). Default: the fit measured on the CPU reference backend, the

@@ -10,9 +10,9 @@
 #include "decode_pool/decode_batcher.h"
 #include "decode_pool/decode_stage.h"
 #include "decode_pool/dspark/verifier.h"
-#include "decode_pool/grammar/grammar.h"
+#include "grammar/grammar.h"
 #include "model/sequence_state.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "prometheus/counter.h"
 #include "spdlog/spdlog.h"
 

@@ -6,7 +6,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode_pool/decode_stage.h"
-#include "services/worker/worker_runtime.h"
+#include "runtime/worker/worker_runtime.h"
 
 namespace epd::decode_pool {
 

@@ -25,7 +25,7 @@
 
 #include "absl/status/statusor.h"
 #include "decode_pool/dspark/k_policy.h"
-#include "decode_pool/grammar/grammar.h"
+#include "grammar/grammar.h"
 #include "decode_pool/dspark/verifier.h"
 #include "model/model.h"
 #include "model/sampling.h"
@@ -47,7 +47,7 @@ struct DecodeSequence {
   absl::Status error;
   int64_t drafted = 0;        // DSpark drafts verified for this sequence (sum of k)
   int64_t accepted = 0;       // of which accepted
-  // Constrained decoding (decode_pool/grammar/): the output so far against the request's
+  // Constrained decoding (grammar/): the output so far against the request's
   // grammar; null when the request has no constraint.
   std::unique_ptr<grammar::Matcher> grammar;
   int64_t mask_ns = 0;  // time spent computing this sequence's token masks

@@ -9,10 +9,10 @@
 #include <memory>
 
 #include "absl/strings/str_cat.h"
-#include "kvstore/transfer/manifest.h"
-#include "kvstore/transfer/transfer_engine.h"
-#include "kvstore/transfer/transfer_error.h"
-#include "kvstore/transfer/ucx_wire.h"
+#include "transfer/manifest.h"
+#include "transfer/transfer_engine.h"
+#include "transfer/transfer_error.h"
+#include "transfer/ucx_wire.h"
 
 namespace epd::kvstore {
 
@@ -45,7 +45,7 @@ absl::Status BulkLengthMismatch(const std::string& request_id, std::string_view 
 }
 
 std::string TransferErrorReason(const absl::Status& status) {
-  // The engine's own label where it gave one (kvstore/transfer/transfer_error.h); a receiver's
+  // The engine's own label where it gave one (transfer/transfer_error.h); a receiver's
   // rejection carries the manifest field it found wrong.
   if (std::optional<transfer::TransferErrorInfo> info = transfer::TransferErrorOf(status)) {
     if (info->reason == "checksum" || info->field == "checksum") return "checksum";

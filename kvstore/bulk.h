@@ -1,7 +1,7 @@
 #pragma once
 
 // The UCX bulk path of epd-kvstore (docs/kvstore.md "Bulk path"). gRPC stays the control plane;
-// the value bytes move through the project's transfer engine (kvstore/transfer/: KvTransport over
+// the value bytes move through the project's transfer engine (transfer/: KvTransport over
 // UCX, one-segment manifests with an xxHash3 checksum, the cluster-token handshake).
 //
 //  put: client Send(offer, request id R, n bytes) -> Put rpc {bulk: R, n} -> the daemon
@@ -31,9 +31,9 @@
 #include "absl/time/time.h"
 #include "common/clock.h"
 #include "epd/v1/transfer.pb.h"
-#include "kvstore/transfer/kv_transport.h"
-#include "kvstore/transfer/manifest.h"
-#include "kvstore/transfer/wire.h"
+#include "transfer/kv_transport.h"
+#include "transfer/manifest.h"
+#include "transfer/wire.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
 #include "prometheus/registry.h"
@@ -64,7 +64,7 @@ epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes);
 // The same with the value's XXH3-64 checksum set (for TransferOptions::checksums_in_manifest).
 epd::v1::Manifest BulkManifest(const std::string& request_id, uint64_t bytes, uint64_t checksum);
 
-// CopyAndChecksum (copy + transfer checksum in one pass): kvstore/transfer/manifest.h.
+// CopyAndChecksum (copy + transfer checksum in one pass): transfer/manifest.h.
 using transfer::CopyAndChecksum;
 // The transfer checksum (XXH3-64) of `bytes`.
 uint64_t BulkChecksum(std::span<const uint8_t> bytes);

@@ -19,8 +19,8 @@
 #include "kvstore/bulk.h"
 #include "kvstore/kvstore_service.h"
 #include "kvstore/shm_segment.h"
-#include "kvstore/transfer/transfer_engine.h"
-#include "kvstore/transfer/ucx_wire.h"
+#include "transfer/transfer_engine.h"
+#include "transfer/ucx_wire.h"
 #include "prometheus/registry.h"
 
 namespace epd::kvstore {

@@ -13,14 +13,14 @@
 #include "kvstore/bulk.h"
 #include "kvstore/kvstore.h"
 #include "kvstore/kvstore_service.h"
-#include "kvstore/transfer/fault_wire.h"
-#include "services/runtime/process.h"
-#include "services/runtime/shutdown.h"
+#include "transfer/fault_wire.h"
+#include "runtime/process.h"
+#include "runtime/shutdown.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"epd-kvstore: tiered KV store (G1 block pool, G2 SWA pool, G3 RocksDB)"};
-  epd::services::RuntimeOptions runtime_options;
-  epd::services::AddRuntimeFlags(app, &runtime_options);
+  epd::runtime::RuntimeOptions runtime_options;
+  epd::runtime::AddRuntimeFlags(app, &runtime_options);
   epd::kvstore::KvStoreConfig config;
   int grpc_port = 0;
   int64_t swa_ttl_minutes = 10;
@@ -97,7 +97,7 @@ int main(int argc, char** argv) {
   config.g2.ttl_ms = swa_ttl_ms > 0 ? swa_ttl_ms : swa_ttl_minutes * 60 * 1000;
   config.g3.ttl_ms = static_cast<int64_t>(global_ttl_hours * 3600.0 * 1000.0);
 
-  epd::services::ProcessRuntime runtime("epd-kvstore", runtime_options);
+  epd::runtime::ProcessRuntime runtime("epd-kvstore", runtime_options);
   if (auto s = runtime.Start(); !s.ok()) {
     std::cerr << "epd-kvstore: " << s.message() << "\n";
     return 1;
@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
   runtime.PublishPort("grpc", (*server)->port());
 
   auto next_sweep = std::chrono::steady_clock::now() + std::chrono::seconds(sweep_interval_s);
-  while (!epd::services::WaitForShutdown(std::chrono::milliseconds(500))) {
+  while (!epd::runtime::WaitForShutdown(std::chrono::milliseconds(500))) {
     if (std::chrono::steady_clock::now() >= next_sweep) {
       (*store)->Sweep();
       next_sweep = std::chrono::steady_clock::now() + std::chrono::seconds(sweep_interval_s);

@@ -6,7 +6,7 @@
 //
 // - CompressorTail: the fp32 kv and score inputs of the positions of the current, unfinished
 //   group, slot = position % ratio. One KV-pool block: [ratio, dim] kv, then [ratio, dim] score,
-//   the bytes of the hand-off's `tail.<L>` segment as they are (kvstore/transfer/manifest.h,
+//   the bytes of the hand-off's `tail.<L>` segment as they are (transfer/manifest.h,
 //   kLayoutCompressorStateF32). A fresh tail is kv 0, score -inf. Value semantics as SwaRing: a
 //   copy shares the block (a checkpoint, a fork), the first write on either side copies it; the
 //   block is allocated on the first write.

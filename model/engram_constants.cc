@@ -13,7 +13,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/status_macros.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace epd::model {
 namespace {

@@ -5,7 +5,7 @@
 #include <memory>
 
 #include "absl/status/statusor.h"
-#include "services/worker/worker_runtime.h"
+#include "runtime/worker/worker_runtime.h"
 
 namespace epd::prefill_pool {
 

@@ -4,7 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/sampling_math.h"
-#include "kvstore/transfer/transfer_error.h"
+#include "transfer/transfer_error.h"
 
 namespace epd::decode_pool {
 

@@ -26,9 +26,9 @@
 #include <vector>
 
 #include "epd/v1/inference.grpc.pb.h"
-#include "services/runtime/child_process.h"
-#include "services/runtime/processes.h"
-#include "services/runtime/shutdown.h"
+#include "runtime/child_process.h"
+#include "runtime/processes.h"
+#include "runtime/shutdown.h"
 
 namespace epd::services {
 namespace {
@@ -125,7 +125,7 @@ std::string LastLines(const std::string& path, size_t n) {
 
 std::optional<int> Published(const std::string& run_dir, const std::string& name,
                              const std::string& key) {
-  return WaitForPortFile(run_dir + "/" + name + ".json", key, std::chrono::milliseconds(0));
+  return runtime::WaitForPortFile(run_dir + "/" + name + ".json", key, std::chrono::milliseconds(0));
 }
 
 // Resident memory (kB) and open descriptors of `pid`; nullopt when it is gone.
@@ -317,7 +317,7 @@ void AddChaosFlags(CLI::App& app, ChaosOptions* o) {
 }
 
 int RunChaos(const ChaosOptions& o) {
-  InstallShutdownHandlers();
+  runtime::InstallShutdownHandlers();
   const std::string bin = SelfDir();
   std::string data_dir = o.data_dir;
   bool remove_data = false;
@@ -386,9 +386,9 @@ int RunChaos(const ChaosOptions& o) {
     // stays): the namespace reaches that address, not the host's other interfaces.
     setenv("UCX_NET_DEVICES", net.host_if().c_str(), 1);
   }
-  SpawnOptions spawn;
+  runtime::SpawnOptions spawn;
   spawn.parent_death_signal = SIGKILL;
-  ChildProcess serve = ChildProcess::StartWith(serve_argv, data_dir + ".serve.log", spawn);
+  runtime::ChildProcess serve = runtime::ChildProcess::StartWith(serve_argv, data_dir + ".serve.log", spawn);
   const std::vector<std::string> workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
                                             "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
   std::vector<std::string> components = workers;
@@ -478,7 +478,7 @@ int RunChaos(const ChaosOptions& o) {
   for (int c = 0; c < o.clients; ++c) {
     clients.emplace_back([&, c] {
       std::mt19937_64 rng(o.seed * 1000 + c);
-      for (int n = 0; !stop_load.load() && !ShutdownRequested(); ++n) {
+      for (int n = 0; !stop_load.load() && !runtime::ShutdownRequested(); ++n) {
         const int s = static_cast<int>(rng() % o.sessions);
         for (int t = 0; t < o.turns && !stop_load.load(); ++t) {
           const std::string id =
@@ -527,7 +527,7 @@ int RunChaos(const ChaosOptions& o) {
   const int warmup_s = o.warmup_s >= 0 ? o.warmup_s : o.seconds / 5;
   if (o.sample_s > 0) {
     sampler = std::thread([&] {
-      while (!stop_load.load() && !ShutdownRequested()) {
+      while (!stop_load.load() && !runtime::ShutdownRequested()) {
         const double t = std::chrono::duration<double>(Clock::now() - load_start).count();
         std::vector<std::pair<std::string, pid_t>> procs = {{"epd-serve", serve.pid()}};
         for (const auto& c : components) {
@@ -560,10 +560,10 @@ int RunChaos(const ChaosOptions& o) {
     });
   }
   std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
-  while (no_faults && Clock::now() < end && !ShutdownRequested() && serve.running()) {
+  while (no_faults && Clock::now() < end && !runtime::ShutdownRequested() && serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  while (!no_faults && Clock::now() < end && !ShutdownRequested() && serve.running()) {
+  while (!no_faults && Clock::now() < end && !runtime::ShutdownRequested() && serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(gap(fault_rng) * 1000)));
     if (Clock::now() >= end) break;
     const std::string kind = kinds[pick(fault_rng)];
@@ -720,7 +720,7 @@ int RunChaos(const ChaosOptions& o) {
   for (const auto& c : components) {
     if (auto pid = Published(run_dir, c, "pid")) published.insert(*pid);
   }
-  const std::set<pid_t> live = ProcessesNaming(data_dir + "/", serve.pid());
+  const std::set<pid_t> live = runtime::ProcessesNaming(data_dir + "/", serve.pid());
   const bool registry_exact = recovered && live == published;
   const double migrations_ok =
       router_metric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0);
@@ -733,7 +733,7 @@ int RunChaos(const ChaosOptions& o) {
   if (!serve_rc) serve.Stop(std::chrono::seconds(1));
   std::set<pid_t> orphans;
   for (int i = 0; i < 100; ++i) {
-    orphans = ProcessesNaming(data_dir + "/", -1);
+    orphans = runtime::ProcessesNaming(data_dir + "/", -1);
     if (orphans.empty()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }

@@ -7,19 +7,19 @@
 #include <string>
 
 #include "model/config.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "services/cli/bench.h"
 #include "services/cli/chaos.h"
 #include "services/cli/eval.h"
 #include "services/cli/generate.h"
 #include "services/cli/serve.h"
 #include "services/cli/tokenize.h"
-#include "services/version.h"
+#include "runtime/version.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"epd: Encoder-Prefill-Decode serving for DeepSeek-V4.1-Flash-architecture models"};
   app.require_subcommand(1);
-  app.set_version_flag("--version", epd::services::kVersion);
+  app.set_version_flag("--version", epd::runtime::kVersion);
 
   auto* version = app.add_subcommand("version", "Print the version and build facts");
 
@@ -70,7 +70,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
 
   if (*version) {
-    std::cout << "epd " << epd::services::kVersion << "\n";
+    std::cout << "epd " << epd::runtime::kVersion << "\n";
 #ifdef __VERSION__
     std::cout << "compiler: " << __VERSION__ << "\n";
 #endif

@@ -13,7 +13,7 @@
 #include "kernels/backend.h"
 #include "model/model.h"
 #include "model/stages.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 
 namespace epd::services {

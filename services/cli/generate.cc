@@ -20,7 +20,7 @@
 #include "model/model.h"
 #include "model/safetensors.h"
 #include "model/stages.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "model/weights.h"
 #include "nlohmann/json.hpp"
 

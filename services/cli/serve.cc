@@ -21,8 +21,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/device/device.h"
-#include "services/runtime/child_process.h"
-#include "services/runtime/shutdown.h"
+#include "runtime/child_process.h"
+#include "runtime/shutdown.h"
 
 namespace epd::services {
 namespace {
@@ -60,7 +60,7 @@ struct Component {
   std::string log_path;
   std::string port_file;
   std::string port_key = "grpc";  // the port-file key that says the process is up
-  ChildProcess proc;
+  runtime::ChildProcess proc;
   int restarts = 0;
   bool down = false;  // exited (or failed to come up) and waiting for its restart
   bool parked = false;  // a worker past its restart budget, waiting a window before the next try
@@ -79,11 +79,11 @@ constexpr std::chrono::minutes kStartTimeout{2};
 bool SpawnComponent(Component& c) {
   std::error_code ec;
   fs::remove(c.port_file, ec);
-  SpawnOptions spawn;
+  runtime::SpawnOptions spawn;
   // Children die with the launcher even when it is SIGKILLed (they stay in its process group,
   // so a group-wide SIGTERM from a terminal or a service manager reaches them too).
   spawn.parent_death_signal = SIGKILL;
-  c.proc = ChildProcess::StartWith(c.argv, c.log_path, spawn);
+  c.proc = runtime::ChildProcess::StartWith(c.argv, c.log_path, spawn);
   if (c.proc.pid() <= 0) {
     std::cerr << "epd serve: cannot start " << c.name << ": " << c.proc.error() << "\n";
     return false;
@@ -97,7 +97,7 @@ enum class StartState { kUp, kPending, kFailed };
 // Where a spawned `c` stands: up once its port file names `c.port_key`; failed when it exited
 // first or did not come up by its deadline (then it is stopped).
 StartState PollStart(Component& c) {
-  if (WaitForPortFile(c.port_file, c.port_key, std::chrono::milliseconds(0))) {
+  if (runtime::WaitForPortFile(c.port_file, c.port_key, std::chrono::milliseconds(0))) {
     c.up_since = std::chrono::steady_clock::now();
     return StartState::kUp;
   }
@@ -128,7 +128,7 @@ bool StartComponent(Component& c) {
       case StartState::kPending:
         break;
     }
-    if (ShutdownRequested()) return false;
+    if (runtime::ShutdownRequested()) return false;
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
 }
@@ -162,7 +162,7 @@ void WriteScrapeTargets(const std::string& path,
                         const std::vector<std::unique_ptr<Component>>& comps) {
   nlohmann::json groups = nlohmann::json::array();
   for (const auto& c : comps) {
-    auto port = WaitForPortFile(c->port_file, "metrics", std::chrono::milliseconds(0));
+    auto port = runtime::WaitForPortFile(c->port_file, "metrics", std::chrono::milliseconds(0));
     if (!port) continue;
     std::string pool = c->name.substr(4);  // "epd-decode-0" -> "decode-0"
     pool = pool.substr(0, pool.find('-'));
@@ -336,7 +336,7 @@ int RunServe(ServeOptions o) {
       return 1;
     }
   }
-  InstallShutdownHandlers();
+  runtime::InstallShutdownHandlers();
   const std::string bin = SelfDir();
   // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
   // workers) unless the operator chose devices.
@@ -358,7 +358,7 @@ int RunServe(ServeOptions o) {
     o.model_dir = o.data_dir + "/models/nano";
     if (!fs::exists(o.model_dir + "/config.json")) {
       std::cout << "epd serve: generating the nano demo model into " << o.model_dir << "\n";
-      ChildProcess gen = ChildProcess::Start(
+      runtime::ChildProcess gen = runtime::ChildProcess::Start(
           {bin + "/epd", "gen-model", "--preset", "nano", "--out", o.model_dir},
           o.data_dir + "/logs/gen-model.log");
       auto rc = gen.Wait(std::chrono::minutes(10));
@@ -437,7 +437,7 @@ int RunServe(ServeOptions o) {
     stop_all();
     return 1;
   }
-  const int kv_port = *WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1));
+  const int kv_port = *runtime::WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1));
   SetFlag(kv->argv, "--grpc-port", std::to_string(kv_port));
   const std::string kv_addr = o.host + ":" + std::to_string(kv_port);
 
@@ -467,7 +467,7 @@ int RunServe(ServeOptions o) {
   std::vector<std::string> router_keys = {"http", "grpc"};
   if (tls) router_keys.push_back("worker_grpc");
   for (const std::string& key : router_keys) {
-    const int port = *WaitForPortFile(router->port_file, key, std::chrono::seconds(1));
+    const int port = *runtime::WaitForPortFile(router->port_file, key, std::chrono::seconds(1));
     std::string flag = "--" + key + "-port";
     std::replace(flag.begin(), flag.end(), '_', '-');
     SetFlag(router->argv, flag, std::to_string(port));
@@ -477,7 +477,7 @@ int RunServe(ServeOptions o) {
   }
   const std::string router_addr =
       o.host + ":" +
-      std::to_string(*WaitForPortFile(router->port_file, tls ? "worker_grpc" : "grpc",
+      std::to_string(*runtime::WaitForPortFile(router->port_file, tls ? "worker_grpc" : "grpc",
                                       std::chrono::seconds(1)));
 
   // 3. workers
@@ -567,7 +567,7 @@ int RunServe(ServeOptions o) {
     c.restart_at = Clock::now() + c.backoff;
   };
   int exit_code = ok ? 0 : 1;
-  while (ok && !WaitForShutdown(std::chrono::milliseconds(100))) {
+  while (ok && !runtime::WaitForShutdown(std::chrono::milliseconds(100))) {
     const auto now = Clock::now();
     for (auto& c : comps) {
       if (c->starting) {
@@ -635,7 +635,7 @@ int RunServe(ServeOptions o) {
       c->recent_restarts.push_back(now);
       ++c->restarts;
       // A shutdown (e.g. the whole process group got SIGTERM) wins over a restart.
-      if (ShutdownRequested()) break;
+      if (runtime::ShutdownRequested()) break;
       if (SpawnComponent(*c)) {
         c->starting = true;  // polled from the next pass on
       } else {

@@ -7,7 +7,7 @@
 #include <sstream>
 
 #include "absl/strings/str_cat.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 
 namespace epd::services {
 

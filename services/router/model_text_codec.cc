@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "absl/strings/str_cat.h"
-#include "model/chat_format.h"
+#include "tokenizer/chat_format.h"
 #include "services/router/byte_text_codec.h"
 
 namespace epd::services::router {

@@ -1,7 +1,7 @@
 #pragma once
 
-// The real TextCodec: an adapter over model/tokenizer.h (byte-level BPE from tokenizer.json) and
-// model/chat_format.h (DeepSeek-V4.1 chat format). Token counts are the model's real token
+// The real TextCodec: an adapter over tokenizer/tokenizer.h (byte-level BPE from tokenizer.json) and
+// tokenizer/chat_format.h (DeepSeek-V4.1 chat format). Token counts are the model's real token
 // counts, so the router's context-length checks are exact.
 //
 // Untrusted text never becomes a special id: EncodePrompt uses EncodeOrdinary, and RenderChat
@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "services/router/text_codec.h"
 
 namespace epd::services::router {

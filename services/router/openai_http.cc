@@ -13,7 +13,7 @@
 #include "services/router/output_assembly.h"
 #include "services/router/request_validator.h"
 #include "services/router/utf8.h"
-#include "services/runtime/http_util.h"
+#include "runtime/http_util.h"
 
 namespace epd::services::router {
 namespace {
@@ -716,7 +716,7 @@ absl::StatusOr<int> OpenAiHttpServer::Start(const std::string& host, int port) {
   const int threads = std::max(4, options_.threads);
   server_->new_task_queue = [threads] { return new httplib::ThreadPool(threads); };
   server_->set_payload_max_length(64u << 20);
-  ConfigureListener(*server_);
+  runtime::ConfigureListener(*server_);
   Routes();
   int bound = port;
   if (port == 0) {

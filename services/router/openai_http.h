@@ -13,7 +13,7 @@
 #include "prometheus/registry.h"
 #include "services/router/admission.h"
 #include "services/router/router_core.h"
-#include "services/runtime/listen_thread.h"
+#include "runtime/listen_thread.h"
 
 namespace httplib {
 class Server;
@@ -38,7 +38,7 @@ std::string RouterHealthJson(RouterCore& core, bool* serving);
 absl::StatusOr<GenerateSpec> ParseOpenAiRequest(const nlohmann::json& body, bool chat,
                                                 bool* stream, bool* include_usage);
 
-// The constraint (SamplingParams.constraint, decode_pool/grammar/grammar.h) for a forced tool
+// The constraint (SamplingParams.constraint, grammar/grammar.h) for a forced tool
 // call: `tools` is the OpenAI tools array; `only` names the one function allowed ("" = any, the
 // tool_choice "required" case); `parallel` allows several calls. ApiError naming `param`.
 absl::StatusOr<std::string> ToolCallConstraint(const nlohmann::json& tools, const std::string& only,
@@ -65,7 +65,7 @@ class OpenAiHttpServer {
   std::shared_ptr<prometheus::Registry> metrics_;
   HttpOptions options_;
   std::unique_ptr<httplib::Server> server_;
-  ListenThread listener_;
+  runtime::ListenThread listener_;
 };
 
 }  // namespace epd::services::router

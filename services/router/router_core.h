@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "common/clock.h"
-#include "decode_pool/grammar/grammar.h"
+#include "grammar/grammar.h"
 #include "epd/v1/inference.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/family.h"
@@ -197,7 +197,7 @@ class RouterCore {
   void CountOutcome(const std::string& outcome);
 
   const CoreOptions options_;
-  mutable decode_pool::grammar::GrammarCache grammars_;  // constraints checked by Prepare
+  mutable grammar::GrammarCache grammars_;  // constraints checked by Prepare
   const TextCodec& codec_;
   Registry& registry_;
   Scheduler& scheduler_;

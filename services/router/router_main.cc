@@ -27,8 +27,8 @@
 #include "services/router/replica_planner.h"
 #include "services/router/router_core.h"
 #include "services/router/scheduler.h"
-#include "services/runtime/process.h"
-#include "services/runtime/shutdown.h"
+#include "runtime/process.h"
+#include "runtime/shutdown.h"
 
 namespace {
 
@@ -44,8 +44,8 @@ int Fail(const absl::Status& s) {
 
 int main(int argc, char** argv) {
   CLI::App app{"epd-router: OpenAI HTTP + gRPC front end of epd"};
-  epd::services::RuntimeOptions runtime_options;
-  epd::services::AddRuntimeFlags(app, &runtime_options);
+  epd::runtime::RuntimeOptions runtime_options;
+  epd::runtime::AddRuntimeFlags(app, &runtime_options);
   int http_port = 0, grpc_port = 0;
   r::CoreOptions core_options;
   r::RegistryOptions registry_options;
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   }
 
   signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not kill the process
-  epd::services::ProcessRuntime runtime("epd-router", runtime_options);
+  epd::runtime::ProcessRuntime runtime("epd-router", runtime_options);
   if (auto s = runtime.Start(); !s.ok()) return Fail(s);
   if (auto s = core_options.Validate(); !s.ok()) return Fail(s);
   if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
@@ -218,7 +218,7 @@ int main(int argc, char** argv) {
   runtime.metrics_server().SetHealth([&core] {
     bool serving = false;
     // Liveness stays healthy without workers; readiness is the HTTP port's /health.
-    return epd::services::HealthReport{true, r::RouterHealthJson(core, &serving)};
+    return epd::runtime::HealthReport{true, r::RouterHealthJson(core, &serving)};
   });
   runtime.PublishPort("grpc", *gport);
   if (grpc_server.worker_port() > 0) runtime.PublishPort("worker_grpc", grpc_server.worker_port());
@@ -231,7 +231,7 @@ int main(int argc, char** argv) {
   const auto sweep =
       std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
   auto next_plan = std::chrono::steady_clock::now();
-  while (!epd::services::WaitForShutdown(sweep)) {
+  while (!epd::runtime::WaitForShutdown(sweep)) {
     // A worker that stops heartbeating may hang its streams rather than close them.
     for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
     if (std::chrono::steady_clock::now() >= next_plan) {

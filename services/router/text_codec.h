@@ -2,7 +2,7 @@
 
 // The router's view of text: tokenization, chat rendering (MODEL.md §5), incremental
 // detokenization and parsing of the assistant's output. The real implementation adapts
-// model/tokenizer.h and model/chat_format.h; ByteTextCodec (byte_text_codec.h) is a small
+// tokenizer/tokenizer.h and tokenizer/chat_format.h; ByteTextCodec (byte_text_codec.h) is a small
 // self-contained one for tests. Token ids are int32 as on the wire (proto Job.prompt_ids).
 #include <cstdint>
 #include <memory>

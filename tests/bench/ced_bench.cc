@@ -33,7 +33,7 @@
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "model/stages.h"
 #include "tests/testing/subprocess.h"
 

@@ -34,7 +34,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "model/safetensors.h"
 #include "model/stages.h"
 #include "nlohmann/json.hpp"

@@ -14,11 +14,11 @@
 
 #include "CLI/CLI.hpp"
 #include "decode_pool/decode_stage.h"
-#include "decode_pool/grammar/grammar.h"
+#include "grammar/grammar.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
-#include "model/tokenizer.h"
+#include "model/nano/nano_generator.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/testing/subprocess.h"
 
 namespace {
@@ -77,10 +77,10 @@ int main(int argc, char** argv) {
     const int32_t one[1] = {id};
     if (auto b = (*tok)->Decode(one, false); b.ok()) bytes[static_cast<size_t>(id)] = *b;
   }
-  auto masker = std::make_shared<epd::decode_pool::grammar::TokenMasker>(
+  auto masker = std::make_shared<epd::grammar::TokenMasker>(
       bytes, excluded, static_cast<int32_t>(model.config().eos_token_id));
   const double c0 = CpuSeconds();
-  auto grammar = epd::decode_pool::grammar::Compile(kSchema);
+  auto grammar = epd::grammar::Compile(kSchema);
   const double compile_s = CpuSeconds() - c0;
   if (!grammar.ok()) {
     std::fprintf(stderr, "compile: %s\n", grammar.status().ToString().c_str());

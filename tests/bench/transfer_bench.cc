@@ -42,12 +42,12 @@
 
 #include "CLI/CLI.hpp"
 #include "absl/strings/str_split.h"
-#include "kvstore/transfer/manifest.h"
-#include "kvstore/transfer/transfer_engine.h"
-#include "kvstore/transfer/ucx_wire.h"
+#include "transfer/manifest.h"
+#include "transfer/transfer_engine.h"
+#include "transfer/ucx_wire.h"
 #include "prometheus/registry.h"
 #include "spdlog/spdlog.h"
-#include "tests/kvstore/transfer/transfer_testing.h"
+#include "tests/transfer/transfer_testing.h"
 
 extern char** environ;
 namespace et = epd::transfer;

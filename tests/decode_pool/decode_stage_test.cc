@@ -14,7 +14,7 @@
 #include "decode_pool/dspark/verifier.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "kvstore/transfer/transfer_error.h"
+#include "transfer/transfer_error.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"

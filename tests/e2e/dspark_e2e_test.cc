@@ -16,10 +16,10 @@
 
 #include "epd/v1/inference.grpc.pb.h"
 #include "kernels/backend.h"
-#include "model/chat_format.h"
+#include "tokenizer/chat_format.h"
 #include "model/model.h"
 #include "model/sampling.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"

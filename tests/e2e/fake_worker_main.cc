@@ -18,8 +18,8 @@
 #include "epd/v1/worker.grpc.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
-#include "services/runtime/process.h"
-#include "services/runtime/shutdown.h"
+#include "runtime/process.h"
+#include "runtime/shutdown.h"
 
 namespace {
 
@@ -153,8 +153,8 @@ epd::v1::Pool ParsePool(const std::string& p) {
 
 int main(int argc, char** argv) {
   CLI::App app{"epd-fake-worker: a scripted worker for router tests"};
-  epd::services::RuntimeOptions runtime_options;
-  epd::services::AddRuntimeFlags(app, &runtime_options);
+  epd::runtime::RuntimeOptions runtime_options;
+  epd::runtime::AddRuntimeFlags(app, &runtime_options);
   Options o;
   app.add_option("--router", o.router, "Router gRPC address host:port")->required();
   app.add_option("--pool", o.pool, "encoder | prefill | decode")
@@ -170,7 +170,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
 
-  epd::services::ProcessRuntime runtime("epd-fake-worker", runtime_options);
+  epd::runtime::ProcessRuntime runtime("epd-fake-worker", runtime_options);
   if (auto s = runtime.Start(); !s.ok()) {
     std::cerr << s.message() << "\n";
     return 1;
@@ -205,7 +205,7 @@ int main(int argc, char** argv) {
       epd::v1::RegisterResponse resp;
       grpc::Status st = stub->Register(&ctx, reg, &resp);
       if (!st.ok()) {
-        if (epd::services::ShutdownRequested()) return 0;
+        if (epd::runtime::ShutdownRequested()) return 0;
         continue;
       }
       if (!resp.accepted()) {
@@ -224,7 +224,7 @@ int main(int argc, char** argv) {
     return rc;
   }
   runtime.PublishPort("registered", 1);
-  while (!epd::services::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
+  while (!epd::runtime::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(interval_ms));
     epd::v1::HeartbeatRequest hb;

@@ -22,7 +22,7 @@
 #include <thread>
 #include <vector>
 
-#include "services/runtime/processes.h"
+#include "runtime/processes.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/subprocess.h"
 
@@ -110,7 +110,7 @@ class ServeCluster {
   // Live (not zombie) processes other than `epd serve` whose command line names the data
   // folder: the cluster's children.
   std::vector<pid_t> ClusterPids() const {
-    const std::set<pid_t> pids = services::ProcessesNaming(data_dir() + "/", serve_.pid());
+    const std::set<pid_t> pids = runtime::ProcessesNaming(data_dir() + "/", serve_.pid());
     return {pids.begin(), pids.end()};
   }
 

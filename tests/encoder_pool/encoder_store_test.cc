@@ -42,7 +42,7 @@ class EncoderStoreTest : public testing::NanoModelTest {
          "--g1-capacity-bytes", "0"},
         kv_dir_->File(name + ".log"));
     auto port =
-        services::WaitForPortFile(kv_dir_->File(name + ".json"), "grpc", std::chrono::seconds(30));
+        runtime::WaitForPortFile(kv_dir_->File(name + ".json"), "grpc", std::chrono::seconds(30));
     ASSERT_TRUE(port.has_value()) << kv_.ReadLog();
     client_ = kvstore::KvStoreClient::Create("127.0.0.1:" + std::to_string(*port));
   }

@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "model/chat_format.h"
+#include "tokenizer/chat_format.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string_view text(reinterpret_cast<const char*>(data), size);

@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "model/chat_format.h"
+#include "tokenizer/chat_format.h"
 #include "services/router/byte_text_codec.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -1,4 +1,4 @@
-// libFuzzer target: constrained-decoding constraints (decode_pool/grammar/grammar.h) as a client
+// libFuzzer target: constrained-decoding constraints (grammar/grammar.h) as a client
 // can send them (response_format json_schema, tools via the router, or SamplingParams.constraint
 // over gRPC). Input: the constraint JSON, optionally followed by a NUL byte and bytes to match.
 // Compile either refuses with a Status or yields a grammar; a Matcher then consumes the bytes.
@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <string_view>
 
-#include "decode_pool/grammar/grammar.h"
+#include "grammar/grammar.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   std::string_view in(reinterpret_cast<const char*>(data), size);
@@ -17,9 +17,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     text = in.substr(nul + 1);
     in = in.substr(0, nul);
   }
-  auto g = epd::decode_pool::grammar::Compile(in);
+  auto g = epd::grammar::Compile(in);
   if (!g.ok()) return 0;
-  epd::decode_pool::grammar::Matcher m(*g);
+  epd::grammar::Matcher m(*g);
   for (size_t i = 0; i < text.size() && i < 4096; ++i) {
     const bool was_dead = m.dead();
     const bool ok = m.Advance(text.substr(i, 1));

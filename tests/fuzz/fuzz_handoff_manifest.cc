@@ -7,7 +7,8 @@
 #include <cstdint>
 
 #include "epd/v1/transfer.pb.h"
-#include "kvstore/transfer/manifest.h"
+#include "transfer/manifest.h"
+#include "tests/testing/handoff_layout.h"
 
 namespace t = epd::transfer;
 
@@ -15,15 +16,15 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size == 0) return 0;
   epd::v1::Manifest offered;
   if (!offered.ParseFromArray(data + 1, static_cast<int>(size - 1))) return 0;
-  t::HandoffLayout layout = t::NanoTestLayout((data[0] & 1) ? t::HandoffKind::kEncoderToPrefill
-                                                            : t::HandoffKind::kPrefillToDecode);
+  epd::testing::HandoffLayout layout = epd::testing::NanoTestLayout((data[0] & 1) ? epd::testing::HandoffKind::kEncoderToPrefill
+                                                            : epd::testing::HandoffKind::kPrefillToDecode);
   layout.dspark = (data[0] & 2) != 0;
-  t::HandoffRequest request;
+  epd::testing::HandoffRequest request;
   request.request_id = offered.request_id();
   request.config_fingerprint = offered.config_fingerprint();
   request.prompt_length = offered.prompt_length();
   request.cached_length = offered.cached_length();
-  auto expected = t::BuildExpectedManifest(layout, request);
+  auto expected = epd::testing::BuildExpectedManifest(layout, request);
   if (expected.ok()) {
     auto mismatch = t::CompareManifests(*expected, offered);
     if (mismatch && mismatch->message.empty()) __builtin_trap();

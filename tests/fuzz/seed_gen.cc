@@ -8,7 +8,8 @@
 
 #include "epd/v1/transfer.pb.h"
 #include "kvstore/g3_value.h"
-#include "kvstore/transfer/manifest.h"
+#include "transfer/manifest.h"
+#include "tests/testing/handoff_layout.h"
 
 namespace {
 
@@ -36,10 +37,10 @@ int main(int argc, char** argv) {
   for (int kind = 0; kind < 2; ++kind) {
     for (int dspark = 0; dspark < 2; ++dspark) {
       for (auto [n, p] : std::vector<std::pair<int64_t, int64_t>>{{5, 0}, {130, 64}, {300, 256}}) {
-        t::HandoffLayout layout = t::NanoTestLayout(kind ? t::HandoffKind::kEncoderToPrefill
-                                                         : t::HandoffKind::kPrefillToDecode);
+        epd::testing::HandoffLayout layout = epd::testing::NanoTestLayout(kind ? epd::testing::HandoffKind::kEncoderToPrefill
+                                                         : epd::testing::HandoffKind::kPrefillToDecode);
         layout.dspark = dspark;
-        auto m = t::BuildExpectedManifest(layout, {"req-seed", "fp-seed", n, p});
+        auto m = epd::testing::BuildExpectedManifest(layout, {"req-seed", "fp-seed", n, p});
         if (!m.ok()) {
           std::cerr << m.status() << "\n";
           return 1;

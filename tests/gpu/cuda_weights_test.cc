@@ -11,7 +11,7 @@
 #include "kernels/backend.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "model/config.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "model/safetensors.h"
 #include "model/weights.h"
 #include "tests/testing/subprocess.h"

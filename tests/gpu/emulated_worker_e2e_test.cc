@@ -20,7 +20,7 @@
 #include <thread>
 #include <vector>
 
-#include "services/worker/worker_runtime.h"
+#include "runtime/worker/worker_runtime.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"

@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "kvstore/kvstore_client.h"
-#include "kvstore/transfer/fault_wire.h"
+#include "transfer/fault_wire.h"
 #include "tests/kvstore/test_util.h"
 
 int main(int argc, char** argv) {

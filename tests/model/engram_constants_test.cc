@@ -2,8 +2,8 @@
 
 #include <gtest/gtest.h>
 
-#include "model/nano_generator.h"
-#include "model/tokenizer.h"
+#include "model/nano/nano_generator.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::model {

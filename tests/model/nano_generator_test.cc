@@ -1,4 +1,4 @@
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 
 #include <gtest/gtest.h>
 
@@ -11,7 +11,7 @@
 
 #include "model/engram_constants.h"
 #include "model/safetensors_writer.h"
-#include "model/tokenizer.h"
+#include "tokenizer/tokenizer.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::model {

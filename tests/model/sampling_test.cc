@@ -9,8 +9,8 @@
 
 #include "gtest/gtest.h"
 #include "kernels/penalty.h"
-#include "model/nano_generator.h"
-#include "model/tokenizer.h"
+#include "model/nano/nano_generator.h"
+#include "tokenizer/tokenizer.h"
 
 namespace epd::model {
 namespace {

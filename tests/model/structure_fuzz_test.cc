@@ -20,7 +20,7 @@
 #include "absl/strings/str_join.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
 #include "tests/testing/subprocess.h"

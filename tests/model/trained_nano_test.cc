@@ -15,10 +15,10 @@
 #include <vector>
 
 #include "kernels/backend.h"
-#include "model/chat_format.h"
+#include "tokenizer/chat_format.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
-#include "model/tokenizer.h"
+#include "model/nano/nano_generator.h"
+#include "tokenizer/tokenizer.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
 

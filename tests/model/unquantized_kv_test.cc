@@ -6,7 +6,7 @@
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::model {

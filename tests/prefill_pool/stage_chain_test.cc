@@ -1,6 +1,6 @@
 // The three stages chained in one process (no sockets): encoder -> prefill -> decode equals the
 // monolithic Model::Prefill + Decode (greedy), and every hand-off has exactly the shape the
-// receiver derives on its own (services/worker/handoff.h).
+// receiver derives on its own (runtime/worker/handoff.h).
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -11,13 +11,13 @@
 #include "decode_pool/decode_stage.h"
 #include "encoder_pool/encoder_stage.h"
 #include "kernels/backend.h"
-#include "kvstore/transfer/loopback_wire.h"
-#include "kvstore/transfer/transfer_engine.h"
+#include "tests/testing/loopback_wire.h"
+#include "transfer/transfer_engine.h"
 #include "model/model.h"
 #include "prefill_pool/prefill_stage.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
-#include "services/worker/handoff.h"
+#include "runtime/worker/handoff.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
 

@@ -1,4 +1,4 @@
-// Streamed encoder -> prefill hand-offs (services/worker/handoff.h, docs/transfer.md): the encoder
+// Streamed encoder -> prefill hand-offs (runtime/worker/handoff.h, docs/transfer.md): the encoder
 // run in chunks gives the same bytes as one pass and each chunk's KV rows are final once it ran;
 // the group plan covers every byte once; a streamed hand-off arrives bit-identical to a whole one
 // (and the receiver takes either); a corrupted byte in group 2, a sender that disconnects in the
@@ -14,14 +14,14 @@
 
 #include "common/clock.h"
 #include "encoder_pool/encoder_stage.h"
-#include "kvstore/transfer/fault_wire.h"
-#include "kvstore/transfer/loopback_wire.h"
-#include "kvstore/transfer/transfer_engine.h"
-#include "kvstore/transfer/transfer_error.h"
+#include "transfer/fault_wire.h"
+#include "tests/testing/loopback_wire.h"
+#include "transfer/transfer_engine.h"
+#include "transfer/transfer_error.h"
 #include "model/model.h"
 #include "prometheus/registry.h"
 #include "prometheus/text_serializer.h"
-#include "services/worker/handoff.h"
+#include "runtime/worker/handoff.h"
 #include "tests/testing/nano_model.h"
 
 namespace epd {

@@ -8,7 +8,7 @@
 #include "kvstore/chain_hash.h"
 #include "kvstore/kvstore_client.h"
 #include "model/fingerprint.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::services::router {

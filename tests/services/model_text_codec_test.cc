@@ -5,8 +5,8 @@
 
 #include <algorithm>
 
-#include "model/chat_format.h"
-#include "model/nano_generator.h"
+#include "tokenizer/chat_format.h"
+#include "model/nano/nano_generator.h"
 #include "tests/testing/subprocess.h"
 
 namespace epd::services::router {

@@ -22,7 +22,7 @@
 
 #include "kernels/backend.h"
 #include "model/model.h"
-#include "model/nano_generator.h"
+#include "model/nano/nano_generator.h"
 #include "model/sampling.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"

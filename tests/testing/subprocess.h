@@ -3,7 +3,7 @@
 // Test helpers for real processes: temp dirs, ports, HTTP probes, binary paths.
 #include <sys/types.h>
 
-#include "services/runtime/child_process.h"
+#include "runtime/child_process.h"
 
 #include <chrono>
 #include <map>
@@ -13,9 +13,9 @@
 
 namespace epd::testing {
 
-// Subprocess is the production ChildProcess (services/runtime/child_process.h).
-using Subprocess = epd::services::ChildProcess;
-using epd::services::WaitForPortFile;
+// Subprocess is the production ChildProcess (runtime/child_process.h).
+using Subprocess = epd::runtime::ChildProcess;
+using epd::runtime::WaitForPortFile;
 
 // Directory of built binaries (EPD_BINARY_DIR, set by ctest), e.g. BinaryPath("epd-router").
 std::string BinaryPath(const std::string& name);

@@ -2,7 +2,7 @@
 
 Reads and writes single-shard safetensors with the dtypes the V4.1 checkpoint uses: BF16, F32,
 F8_E4M3 (+ F8_E8M0 block scales), I8 packed E2M1 (MXFP4 routed experts, low nibble = even
-element). Quantization follows `epd gen-model` (model/nano_generator.cc) exactly: power-of-two
+element). Quantization follows `epd gen-model` (model/nano/nano_generator.cc) exactly: power-of-two
 scales 2^ceil(log2(amax/448)) per 32x32 block (FP8) or 2^ceil(log2(amax/6)) per 1x32 (FP4),
 values rounded to the nearest code, ties to the even code.
 """

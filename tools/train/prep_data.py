@@ -7,7 +7,7 @@ debian-reference-en`; not a CI dependency):
 
 Each document is cut into sections (a heading and its prose paragraphs; code blocks, tables and
 directives dropped, reST inline markup reduced to its text). A section becomes one chat sample
-in the V4.1 chat format the server renders (model/chat_format.cc, chat mode):
+in the V4.1 chat format the server renders (tokenizer/chat_format.cc, chat mode):
 
   <｜begin▁of▁sentence｜><｜User｜>{question about the heading}<｜Assistant｜></think>{prose}<｜end▁of▁sentence｜>
 

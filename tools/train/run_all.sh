@@ -46,7 +46,7 @@ nice -n 19 "$PY" tools/train/prep_data.py --out "$W" --seed "$SEED"
 # The same samples with each answer starting "<topic as the question spells it>: " (step 4c).
 nice -n 19 "$PY" tools/train/prep_data.py --out "$W/titled" --seed "$SEED" --titled
 if [[ "$DSPARK_ONLY" == 0 ]]; then
-# 2. Tokenizer (the project's BPE trainer, model/bpe_trainer.cc) + random starting checkpoint.
+# 2. Tokenizer (the project's BPE trainer, tokenizer/bpe_trainer.cc) + random starting checkpoint.
 rm -rf "$W/init"
 nice -n 19 ./build/epd gen-model --out "$W/init" --tokenizer-corpus "$W/tokenizer_corpus.txt" \
   --seed "$SEED"
