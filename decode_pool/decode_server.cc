@@ -96,10 +96,7 @@ class DecodeHandler final : public worker::JobHandler {
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
                    const std::atomic<bool>& cancelled) override {
     const model::ModelConfig& c = setup_.model->config();
-    if (!job.config_fingerprint().empty() && job.config_fingerprint() != setup_.fingerprint)
-      return absl::FailedPreconditionError(
-          absl::StrCat("job fingerprint ", job.config_fingerprint(), " != worker fingerprint ",
-                       setup_.fingerprint));
+    if (absl::Status s = worker::CheckJobFingerprint(job, setup_.fingerprint); !s.ok()) return s;
     const std::vector<int32_t> prompt(job.prompt_ids().begin(), job.prompt_ids().end());
     const int64_t n = static_cast<int64_t>(prompt.size());
     if (n <= 0) return absl::InvalidArgumentError("decode: empty prompt");

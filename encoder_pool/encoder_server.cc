@@ -85,10 +85,7 @@ class EncoderHandler final : public worker::JobHandler {
 
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
                    const std::atomic<bool>& cancelled) override {
-    if (!job.config_fingerprint().empty() && job.config_fingerprint() != setup_.fingerprint)
-      return absl::FailedPreconditionError(
-          absl::StrCat("job fingerprint ", job.config_fingerprint(), " != worker fingerprint ",
-                       setup_.fingerprint));
+    if (absl::Status s = worker::CheckJobFingerprint(job, setup_.fingerprint); !s.ok()) return s;
     if (job.next_transfer_address().empty())
       return absl::InvalidArgumentError("encoder job without next_transfer_address");
     const std::vector<int32_t> prompt(job.prompt_ids().begin(), job.prompt_ids().end());
@@ -179,10 +176,7 @@ class EncoderHandler final : public worker::JobHandler {
         absl::ToDoubleMilliseconds(absl::Now() - passed),
         stream ? absl::StrCat(stream->groups(), " groups streamed during the pass + 1")
                : std::string("whole"));
-    epd::v1::SubmitResponse r;
-    r.set_request_id(job.request_id());
-    r.set_finish_reason("handoff");
-    emit(r);
+    worker::EmitHandoffDone(emit, job.request_id());
     return absl::OkStatus();
   }
 

@@ -36,10 +36,7 @@ class PrefillHandler final : public worker::JobHandler {
   absl::Status Run(const epd::v1::Job& job, const worker::Emit& emit,
                    const std::atomic<bool>& cancelled) override {
     const model::ModelConfig& c = setup_.model->config();
-    if (!job.config_fingerprint().empty() && job.config_fingerprint() != setup_.fingerprint)
-      return absl::FailedPreconditionError(
-          absl::StrCat("job fingerprint ", job.config_fingerprint(), " != worker fingerprint ",
-                       setup_.fingerprint));
+    if (absl::Status s = worker::CheckJobFingerprint(job, setup_.fingerprint); !s.ok()) return s;
     if (job.next_transfer_address().empty())
       return absl::InvalidArgumentError("prefill job without next_transfer_address");
     if (job.prev_worker_id().empty())
@@ -88,10 +85,7 @@ class PrefillHandler final : public worker::JobHandler {
                                            deadline, &cancelled);
     if (!st.ok())
       return absl::Status(st.code(), absl::StrCat("prefill -> decode hand-off: ", st.message()));
-    epd::v1::SubmitResponse r;
-    r.set_request_id(job.request_id());
-    r.set_finish_reason("handoff");
-    emit(r);
+    worker::EmitHandoffDone(emit, job.request_id());
     return absl::OkStatus();
   }
 

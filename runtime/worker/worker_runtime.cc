@@ -19,6 +19,7 @@
 #include <sstream>
 #include <thread>
 
+#include "absl/strings/str_cat.h"
 #include "common/clock.h"
 #include "kernels/backend.h"
 #include "kernels/device/device.h"
@@ -224,18 +225,9 @@ class MemoryGauges {
   prometheus::Gauge* heap_mmapped_;
 };
 
-}  // namespace
-
-absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool dspark) {
-  return model::ModelDirFingerprint(model_dir, /*cache_layout_version=*/1, dspark);
-}
-
-int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory,
-                  const FlagAdder& add_flags) {
-  const std::string label = PoolLabel(pool);
-  CLI::App app{"epd-" + label + ": the " + label + " worker (docs/workers.md)"};
-  runtime::RuntimeOptions runtime_options;
-  runtime::AddRuntimeFlags(app, &runtime_options);
+// The flags every worker takes (a pool adds its own through its FlagAdder).
+struct WorkerFlags {
+  runtime::RuntimeOptions runtime;
   std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
   std::string advertise, kvstore_bulk = "ucx";
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
@@ -245,110 +237,357 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   std::string step_graphs = "on";
   int64_t selftest_bytes = 4 << 20;
   int malloc_arena_max = 2;
-  app.add_option("--router", router, "Router gRPC address host:port")->required();
-  app.add_option("--kvstore", kvstore,
+};
+
+void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
+  runtime::AddRuntimeFlags(app, &f->runtime);
+  app.add_option("--router", f->router, "Router gRPC address host:port")->required();
+  app.add_option("--kvstore", f->kvstore,
                  "KV store gRPC address host:port, or several comma-separated (keys placed on a "
                  "consistent-hash ring; every worker and the router must list the same daemons)");
-  app.add_option("--kvstore-bulk", kvstore_bulk,
+  app.add_option("--kvstore-bulk", f->kvstore_bulk,
                  "How kvstore values move: ucx (default: values of at least "
                  "--kvstore-bulk-min-bytes over UCX where the daemon has --bulk ucx, else inline) "
                  "or inline (in the gRPC messages)")
       ->check(CLI::IsMember({"inline", "ucx"}));
-  app.add_option("--kvstore-bulk-min-bytes", kvstore_bulk_min_bytes,
+  app.add_option("--kvstore-bulk-min-bytes", f->kvstore_bulk_min_bytes,
                  "--kvstore-bulk ucx: smaller values stay inline (default 64 KiB)");
-  app.add_option("--advertise-address", advertise,
+  app.add_option("--advertise-address", f->advertise,
                  "Address other hosts reach this worker at: registered with the router as the "
                  "control address (default: --host; required when --host is 0.0.0.0)");
-  app.add_option("--model", model_dir, "Model directory (config.json + safetensors)")->required();
-  app.add_option("--worker-id", worker_id, "Worker id (default: <pool>-<pid>)");
+  app.add_option("--model", f->model_dir, "Model directory (config.json + safetensors)")
+      ->required();
+  app.add_option("--worker-id", f->worker_id, "Worker id (default: <pool>-<pid>)");
   app.add_option(
-      "--cluster-token", cluster_token,
+      "--cluster-token", f->cluster_token,
       "Shared secret of the transfer handshake (default: $EPD_CLUSTER_TOKEN or epd-dev)");
-  app.add_option("--ucx-net-devices", net_devices, "UCX_NET_DEVICES (default: environment)");
-  app.add_option("--handoff-deadline-ms", handoff_deadline_ms, "Deadline of one hand-off");
-  app.add_option("--dspark", dspark,
+  app.add_option("--ucx-net-devices", f->net_devices, "UCX_NET_DEVICES (default: environment)");
+  app.add_option("--handoff-deadline-ms", f->handoff_deadline_ms, "Deadline of one hand-off");
+  app.add_option("--dspark", f->dspark,
                  "DSpark speculative decoding on|off (part of the config fingerprint; every worker "
                  "of a deployment must agree)")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--device", device,
+  app.add_option("--device", f->device,
                  "Backend the model runs on: cpu, cuda or cuda:N (default cpu; docs/cuda.md)");
-  app.add_option("--step-graphs", step_graphs,
+  app.add_option("--step-graphs", f->step_graphs,
                  "Decode step graphs on|off (default on): a batched decode step's "
                  "row-independent parts launched as CUDA graphs (docs/cuda.md, \"Decode step "
                  "graphs\"); off runs every op one by one, with the same output. A backend that "
                  "records no graphs (cpu) runs op by op either way")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--transfer-selftest-bytes", selftest_bytes,
+  app.add_option("--transfer-selftest-bytes", f->selftest_bytes,
                  "Bytes of the startup transfer self-test (bandwidth and transport UCX picks; "
                  "0 = skip)")
       ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
-  app.add_option("--malloc-arena-max", malloc_arena_max,
+  app.add_option("--malloc-arena-max", f->malloc_arena_max,
                  "Most C heap arenas (glibc M_ARENA_MAX; default 2; 0 = glibc's 8 per core). "
                  "Each arena keeps its own freed memory, and a worker's per-stream threads "
                  "spread over new arenas, so more arenas means more resident memory "
                  "(docs/chaos.md, Soak)")
       ->check(CLI::Range(0, 1024));
-  if (add_flags) add_flags(app);
-  CLI11_PARSE(app, argc, argv);
-  // Before any thread is made: a thread takes its arena on its first allocation.
-  if (malloc_arena_max > 0) mallopt(M_ARENA_MAX, malloc_arena_max);
-  // The device first: a missing GPU fails at once, before any port or model is opened. The
-  // backend made here is the one the model runs on.
+}
+
+// The device first: a missing GPU fails at once, before any port or model is opened. The
+// backend made here is the one the model runs on; null (said on stderr) when there is none.
+std::unique_ptr<kernels::Backend> OpenBackend(const std::string& label, const std::string& device,
+                                              kernels::DeviceSpec* spec) {
   auto device_spec = kernels::ParseDeviceSpec(device);
   if (!device_spec.ok()) {
     std::cerr << "epd-" << label << ": " << device_spec.status().message() << "\n";
-    return 1;
+    return nullptr;
   }
   auto made = kernels::MakeBackend(*device_spec);
   if (!made.ok()) {
     std::cerr << "epd-" << label << ": --device " << device << ": " << made.status().message()
               << "\n";
-    return 1;
+    return nullptr;
   }
-  std::unique_ptr<kernels::Backend> backend = std::move(*made);
-  signal(SIGPIPE, SIG_IGN);
+  *spec = *device_spec;
+  return std::move(*made);
+}
+
+// The cluster token ($EPD_CLUSTER_TOKEN unless --cluster-token), the worker id (default
+// <pool>-<pid>) and the address the router dials (default --host); false (said on stderr) when
+// --host is a wildcard and no --advertise-address is given.
+bool ResolveIdentity(const CLI::App& app, const std::string& label, WorkerFlags* f) {
   if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
       t != nullptr && app.count("--cluster-token") == 0)
-    cluster_token = t;
-  if (worker_id.empty()) worker_id = label + "-" + std::to_string(getpid());
-  if (advertise.empty()) {
-    if (runtime_options.host == "0.0.0.0" || runtime_options.host == "::") {
-      std::cerr << "epd-" << label << ": --host " << runtime_options.host
+    f->cluster_token = t;
+  if (f->worker_id.empty()) f->worker_id = label + "-" + std::to_string(getpid());
+  if (f->advertise.empty()) {
+    if (f->runtime.host == "0.0.0.0" || f->runtime.host == "::") {
+      std::cerr << "epd-" << label << ": --host " << f->runtime.host
                 << " is not an address the router can dial; give --advertise-address\n";
-      return 1;
+      return false;
     }
-    advertise = runtime_options.host;
+    f->advertise = f->runtime.host;
+  }
+  return true;
+}
+
+// The UCX transfer engine of the hand-offs, its handshake bound to the model's fingerprint and
+// the cluster token.
+absl::StatusOr<std::unique_ptr<transfer::TransferEngine>> MakeTransport(
+    const transfer::UcxOptions& uo, const WorkerFlags& f, const std::string& fingerprint,
+    prometheus::Registry& registry) {
+  transfer::EngineOptions eo;
+  eo.config_fingerprint = fingerprint;
+  eo.cluster_token = f.cluster_token;
+  eo.node_name = f.worker_id;
+  eo.pool_bytes = transfer::kHandoffPoolBytes;  // hand-off buffers reused, registered once
+  eo.inline_hash_bytes = transfer::kHandoffInlineHashBytes;  // small hand-offs: fewer wake-ups
+  return transfer::MakeUcxTransport(uo, eo, registry, common::SystemClock::Get());
+}
+
+// epd_transfer_selftest_bandwidth_bytes_per_second{transport}: what this host's UCX moves, the
+// operator's baseline for the transfer panels. A failure is logged, not fatal.
+void RunTransferSelfTest(const std::string& label, const transfer::UcxOptions& uo, int64_t bytes,
+                         prometheus::Registry& registry) {
+  auto st = transfer::RunBandwidthSelfTest(uo, static_cast<uint64_t>(bytes), registry);
+  if (st.ok()) {
+    spdlog::info("epd-{}: transfer self-test: {:.0f} MB/s over {} ({} bytes)", label,
+                 st->bytes_per_second / 1e6, std::string(transfer::TransportLabel(st->transport)),
+                 st->bytes);
+  } else {
+    spdlog::warn("epd-{}: transfer self-test failed: {}", label,
+                 std::string(st.status().message()));
+  }
+}
+
+WorkerSetup MakeSetup(epd::v1::Pool pool, const std::string& label, const WorkerFlags& f,
+                      const model::Model* model, HandoffPeer* handoff,
+                      const std::string& fingerprint, prometheus::Registry& registry) {
+  WorkerSetup setup;
+  setup.pool = pool;
+  setup.pool_label = label;
+  setup.model = model;
+  setup.model_dir = f.model_dir;
+  setup.handoff = handoff;
+  setup.fingerprint = fingerprint;
+  setup.kvstore = f.kvstore;
+  setup.kvstore_bulk_ucx = f.kvstore_bulk == "ucx";
+  setup.kvstore_bulk_min_bytes = f.kvstore_bulk_min_bytes;
+  setup.advertise_address = f.advertise;
+  setup.ucx_net_devices = f.net_devices;
+  setup.cluster_token = f.cluster_token;
+  setup.dspark = f.dspark == "on";
+  setup.registry = &registry;
+  setup.batch_size = &prometheus::BuildGauge()
+                          .Name("epd_batch_size")
+                          .Help(
+                              "Sequences running in this worker's step now, per pool (decode: "
+                              "the last batched step; 0 when idle)")
+                          .Register(registry)
+                          .Add({{"pool", label}});
+  setup.handoff_deadline_ms = f.handoff_deadline_ms;
+  return setup;
+}
+
+// The WorkerControl gRPC server on a free port of `host` (*port); null when it cannot bind.
+std::unique_ptr<grpc::Server> StartControlServer(const std::string& host, ControlService* service,
+                                                 int* port) {
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(host + ":0", grpc::InsecureServerCredentials(), port);
+  builder.RegisterService(service);
+  return builder.BuildAndStart();
+}
+
+// Readiness (/health): 503 until registered with the router, and again once draining.
+// 0 registering, 1 serving, 2 draining. Shared: the server thread may outlive RunWorkerMain.
+std::shared_ptr<std::atomic<int>> PublishPhase(runtime::ProcessRuntime& runtime) {
+  auto phase = std::make_shared<std::atomic<int>>(0);
+  runtime.metrics_server().SetHealth([phase] {
+    static const char* kPhase[] = {"registering", "serving", "draining"};
+    const int p = phase->load();
+    return runtime::HealthReport{p == 1, std::string("{\"phase\":\"") + kPhase[p] + "\"}"};
+  });
+  return phase;
+}
+
+// The worker's link to the router: its registration (again when the router forgot it) and the
+// heartbeats that carry its load and, once it drains, say so.
+class RouterLink {
+ public:
+  RouterLink(const std::string& label, const WorkerFlags& f, const std::string& fingerprint,
+             epd::v1::RegisterRequest reg, ControlService& service)
+      : label_(label),
+        router_(f.router),
+        worker_id_(f.worker_id),
+        fingerprint_(fingerprint),
+        stub_(epd::v1::WorkerRegistry::NewStub(
+            grpc::CreateChannel(f.router, grpc::InsecureChannelCredentials()))),
+        reg_(std::move(reg)),
+        service_(service) {}
+
+  // 0 once registered (or when shutdown was asked meanwhile); 3 when the router refuses this
+  // worker, 1 when it stays unreachable.
+  int Register() {
+    for (int attempt = 0; attempt < 100; ++attempt) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
+      ctx.set_wait_for_ready(true);
+      epd::v1::RegisterResponse resp;
+      if (!stub_->Register(&ctx, reg_, &resp).ok()) {
+        if (runtime::ShutdownRequested()) return 0;
+        continue;
+      }
+      if (!resp.accepted()) {
+        spdlog::error("epd-{}: registration refused: {}", label_, resp.reason());
+        return 3;
+      }
+      interval_ms_ = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
+      spdlog::info("epd-{}: registered with {} as '{}' (fingerprint {})", label_, router_,
+                   worker_id_, fingerprint_);
+      return 0;
+    }
+    spdlog::error("epd-{}: router {} unreachable", label_, router_);
+    return 1;
   }
 
-  runtime::ProcessRuntime runtime("epd-" + label, runtime_options);
+  // One heartbeat; true when the router answered that it does not know this worker.
+  bool Heartbeat(bool draining) {
+    grpc::ClientContext ctx;
+    // At least a second: with a short interval (tests run 200 ms) a loaded host's round trip can
+    // exceed it, and a beat that arrives late still counts, while one abandoned at its deadline
+    // is a miss. The router judges liveness on its own clock (interval x miss limit).
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(std::max(interval_ms_, 1000)));
+    epd::v1::HeartbeatRequest hb;
+    hb.set_worker_id(worker_id_);
+    hb.set_config_fingerprint(fingerprint_);
+    hb.set_draining(draining);
+    hb.mutable_load()->set_running_requests(service_.active());
+    hb.mutable_load()->set_queue_depth(service_.active());
+    epd::v1::HeartbeatResponse resp;
+    return stub_->Heartbeat(&ctx, hb, &resp).ok() && !resp.known();
+  }
+
+  // The heartbeat interval the router asked for.
+  int interval_ms() const { return interval_ms_; }
+
+ private:
+  const std::string label_;
+  const std::string router_;
+  const std::string worker_id_;
+  const std::string fingerprint_;
+  std::unique_ptr<epd::v1::WorkerRegistry::Stub> stub_;
+  const epd::v1::RegisterRequest reg_;
+  ControlService& service_;
+  int interval_ms_ = 1000;
+};
+
+epd::v1::RegisterRequest MakeRegisterRequest(epd::v1::Pool pool, const WorkerFlags& f, int port,
+                                             const std::string& transfer_address,
+                                             const std::string& fingerprint) {
+  epd::v1::RegisterRequest reg;
+  reg.set_pool(pool);
+  reg.set_worker_id(f.worker_id);
+  reg.set_control_address(f.advertise + ":" + std::to_string(port));
+  reg.set_transfer_address(transfer_address);
+  reg.set_config_fingerprint(fingerprint);
+  reg.set_model(std::filesystem::path(f.model_dir).filename().string());
+  return reg;
+}
+
+// Serving: heartbeats every interval until shutdown is asked, the memory gauges refreshed and the
+// GPU checked on each; registers again when the router forgot this worker. 0, or Register's
+// error.
+int HeartbeatUntilShutdown(RouterLink& link, MemoryGauges& memory, const kernels::Backend& backend,
+                           const std::string& label) {
+  while (!runtime::WaitForShutdown(std::chrono::milliseconds(link.interval_ms()))) {
+    memory.Update();
+    ExitIfDeviceLost(backend, label);  // also when no job runs into it
+    if (link.Heartbeat(false)) {
+      spdlog::warn("epd-{}: the router forgot us; registering again", label);
+      if (int rc = link.Register(); rc != 0) return rc;
+    }
+  }
+  return 0;
+}
+
+// Drain: refuse new jobs, tell the router, finish running jobs within --drain-timeout-ms (then
+// cancel them).
+void Drain(RouterLink& link, ControlService& service, std::atomic<int>& phase,
+           const std::string& label, int drain_timeout_ms) {
+  spdlog::info("epd-{}: draining ({} running, up to {} ms)", label, service.active(),
+               drain_timeout_ms);
+  phase.store(2);
+  service.StartDrain();
+  link.Heartbeat(true);
+  const auto drain_end =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(drain_timeout_ms);
+  auto next_beat = std::chrono::steady_clock::now();
+  while (service.active() > 0 && std::chrono::steady_clock::now() < drain_end) {
+    if (std::chrono::steady_clock::now() >= next_beat) {
+      link.Heartbeat(true);
+      next_beat += std::chrono::milliseconds(link.interval_ms());
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (service.active() > 0) {
+    spdlog::warn("epd-{}: drain timeout; cancelling {} job(s)", label, service.active());
+    service.CancelAll();
+  }
+}
+
+}  // namespace
+
+absl::Status CheckJobFingerprint(const epd::v1::Job& job, const std::string& fingerprint) {
+  if (!job.config_fingerprint().empty() && job.config_fingerprint() != fingerprint)
+    return absl::FailedPreconditionError(absl::StrCat("job fingerprint ", job.config_fingerprint(),
+                                                      " != worker fingerprint ", fingerprint));
+  return absl::OkStatus();
+}
+
+void EmitHandoffDone(const Emit& emit, const std::string& request_id) {
+  epd::v1::SubmitResponse r;
+  r.set_request_id(request_id);
+  r.set_finish_reason("handoff");
+  emit(r);
+}
+
+absl::StatusOr<std::string> ModelFingerprint(const std::string& model_dir, bool dspark) {
+  return model::ModelDirFingerprint(model_dir, /*cache_layout_version=*/1, dspark);
+}
+
+int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactory& factory,
+                  const FlagAdder& add_flags) {
+  const std::string label = PoolLabel(pool);
+  CLI::App app{"epd-" + label + ": the " + label + " worker (docs/workers.md)"};
+  WorkerFlags f;
+  AddWorkerFlags(app, &f);
+  if (add_flags) add_flags(app);
+  CLI11_PARSE(app, argc, argv);
+  // Before any thread is made: a thread takes its arena on its first allocation.
+  if (f.malloc_arena_max > 0) mallopt(M_ARENA_MAX, f.malloc_arena_max);
+  kernels::DeviceSpec device_spec;
+  std::unique_ptr<kernels::Backend> backend = OpenBackend(label, f.device, &device_spec);
+  if (!backend) return 1;
+  signal(SIGPIPE, SIG_IGN);
+  if (!ResolveIdentity(app, label, &f)) return 1;
+
+  runtime::ProcessRuntime runtime("epd-" + label, f.runtime);
   if (auto s = runtime.Start(); !s.ok()) {
     std::cerr << s.message() << "\n";
     return 1;
   }
-  spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec->ToString(),
+  spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec.ToString(),
                backend->Name());
-  auto model = model::Model::Load(model_dir, *backend,
-                                  model::ModelOptions{.step_graphs = step_graphs == "on"});
+  auto model = model::Model::Load(f.model_dir, *backend,
+                                  model::ModelOptions{.step_graphs = f.step_graphs == "on"});
   if (!model.ok()) {
-    spdlog::error("epd-{}: cannot load model {}: {}", label, model_dir,
+    spdlog::error("epd-{}: cannot load model {}: {}", label, f.model_dir,
                   std::string(model.status().message()));
     return 1;
   }
-  auto fingerprint = ModelFingerprint(model_dir, dspark == "on");
+  auto fingerprint = ModelFingerprint(f.model_dir, f.dspark == "on");
   if (!fingerprint.ok()) {
     spdlog::error("epd-{}: {}", label, std::string(fingerprint.status().message()));
     return 1;
   }
   transfer::UcxOptions uo;
-  uo.net_devices = net_devices;
-  transfer::EngineOptions eo;
-  eo.config_fingerprint = *fingerprint;
-  eo.cluster_token = cluster_token;
-  eo.node_name = worker_id;
-  eo.pool_bytes = transfer::kHandoffPoolBytes;  // hand-off buffers reused, registered once
-  eo.inline_hash_bytes = transfer::kHandoffInlineHashBytes;  // small hand-offs: fewer wake-ups
-  auto transport =
-      transfer::MakeUcxTransport(uo, eo, runtime.registry(), common::SystemClock::Get());
+  uo.net_devices = f.net_devices;
+  auto transport = MakeTransport(uo, f, *fingerprint, runtime.registry());
   if (!transport.ok()) {
     spdlog::error("epd-{}: transfer engine: {}", label, std::string(transport.status().message()));
     return 1;
@@ -357,44 +596,10 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   // The KV pool's slabs, registered with the wire once each as the pool allocates them (counted
   // in epd_transfer_outstanding{resource="registrations"}); destroyed before the transport.
   PoolRegistration pool_registration((*model)->kv_pool_ptr(), **transport);
-  if (selftest_bytes > 0) {
-    // epd_transfer_selftest_bandwidth_bytes_per_second{transport}: what this host's UCX moves,
-    // the operator's baseline for the transfer panels. A failure is logged, not fatal.
-    auto st = transfer::RunBandwidthSelfTest(uo, static_cast<uint64_t>(selftest_bytes),
-                                             runtime.registry());
-    if (st.ok()) {
-      spdlog::info("epd-{}: transfer self-test: {:.0f} MB/s over {} ({} bytes)", label,
-                   st->bytes_per_second / 1e6, std::string(transfer::TransportLabel(st->transport)),
-                   st->bytes);
-    } else {
-      spdlog::warn("epd-{}: transfer self-test failed: {}", label,
-                   std::string(st.status().message()));
-    }
-  }
+  if (f.selftest_bytes > 0) RunTransferSelfTest(label, uo, f.selftest_bytes, runtime.registry());
 
-  WorkerSetup setup;
-  setup.pool = pool;
-  setup.pool_label = label;
-  setup.model = model->get();
-  setup.model_dir = model_dir;
-  setup.handoff = &handoff;
-  setup.fingerprint = *fingerprint;
-  setup.kvstore = kvstore;
-  setup.kvstore_bulk_ucx = kvstore_bulk == "ucx";
-  setup.kvstore_bulk_min_bytes = kvstore_bulk_min_bytes;
-  setup.advertise_address = advertise;
-  setup.ucx_net_devices = net_devices;
-  setup.cluster_token = cluster_token;
-  setup.dspark = dspark == "on";
-  setup.registry = &runtime.registry();
-  setup.batch_size = &prometheus::BuildGauge()
-                          .Name("epd_batch_size")
-                          .Help(
-                              "Sequences running in this worker's step now, per pool (decode: "
-                              "the last batched step; 0 when idle)")
-                          .Register(runtime.registry())
-                          .Add({{"pool", label}});
-  setup.handoff_deadline_ms = handoff_deadline_ms;
+  const WorkerSetup setup =
+      MakeSetup(pool, label, f, model->get(), &handoff, *fingerprint, runtime.registry());
   auto handler = factory(setup);
   if (!handler.ok()) {
     spdlog::error("epd-{}: {}", label, std::string(handler.status().message()));
@@ -402,110 +607,29 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
   }
   ControlService service(**handler, *backend, label, runtime.registry());
   MemoryGauges memory(runtime.registry(), (*model)->kv_pool());
-  grpc::ServerBuilder builder;
   int port = 0;
-  builder.AddListeningPort(runtime_options.host + ":0", grpc::InsecureServerCredentials(), &port);
-  builder.RegisterService(&service);
-  auto server = builder.BuildAndStart();
+  std::unique_ptr<grpc::Server> server = StartControlServer(f.runtime.host, &service, &port);
   if (!server || port == 0) {
-    spdlog::error("epd-{}: cannot bind gRPC on {}", label, runtime_options.host);
+    spdlog::error("epd-{}: cannot bind gRPC on {}", label, f.runtime.host);
     return 1;
   }
   runtime.PublishPort("grpc", port);
 
-  auto stub = epd::v1::WorkerRegistry::NewStub(
-      grpc::CreateChannel(router, grpc::InsecureChannelCredentials()));
-  epd::v1::RegisterRequest reg;
-  reg.set_pool(pool);
-  reg.set_worker_id(worker_id);
-  reg.set_control_address(advertise + ":" + std::to_string(port));
-  reg.set_transfer_address((*transport)->LocalAddress());
-  reg.set_config_fingerprint(*fingerprint);
-  reg.set_model(std::filesystem::path(model_dir).filename().string());
-  int interval_ms = 1000;
-  // Readiness (/health): 503 until registered with the router, and again once draining.
-  // 0 registering, 1 serving, 2 draining. Shared: the server thread may outlive this frame.
-  auto phase = std::make_shared<std::atomic<int>>(0);
-  runtime.metrics_server().SetHealth([phase] {
-    static const char* kPhase[] = {"registering", "serving", "draining"};
-    const int p = phase->load();
-    return runtime::HealthReport{p == 1, std::string("{\"phase\":\"") + kPhase[p] + "\"}"};
-  });
-  auto do_register = [&]() -> int {
-    for (int attempt = 0; attempt < 100; ++attempt) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(2));
-      ctx.set_wait_for_ready(true);
-      epd::v1::RegisterResponse resp;
-      if (!stub->Register(&ctx, reg, &resp).ok()) {
-        if (runtime::ShutdownRequested()) return 0;
-        continue;
-      }
-      if (!resp.accepted()) {
-        spdlog::error("epd-{}: registration refused: {}", label, resp.reason());
-        return 3;
-      }
-      interval_ms = resp.heartbeat_interval_ms() > 0 ? resp.heartbeat_interval_ms() : 1000;
-      spdlog::info("epd-{}: registered with {} as '{}' (fingerprint {})", label, router, worker_id,
-                   *fingerprint);
-      return 0;
-    }
-    spdlog::error("epd-{}: router {} unreachable", label, router);
-    return 1;
-  };
-  auto heartbeat = [&](bool draining) {
-    grpc::ClientContext ctx;
-    // At least a second: with a short interval (tests run 200 ms) a loaded host's round trip can
-    // exceed it, and a beat that arrives late still counts, while one abandoned at its deadline
-    // is a miss. The router judges liveness on its own clock (interval x miss limit).
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(std::max(interval_ms, 1000)));
-    epd::v1::HeartbeatRequest hb;
-    hb.set_worker_id(worker_id);
-    hb.set_config_fingerprint(*fingerprint);
-    hb.set_draining(draining);
-    hb.mutable_load()->set_running_requests(service.active());
-    hb.mutable_load()->set_queue_depth(service.active());
-    epd::v1::HeartbeatResponse resp;
-    return stub->Heartbeat(&ctx, hb, &resp).ok() && !resp.known();
-  };
-  if (int rc = do_register(); rc != 0) {
+  RouterLink link(label, f, *fingerprint,
+                  MakeRegisterRequest(pool, f, port, (*transport)->LocalAddress(), *fingerprint),
+                  service);
+  const std::shared_ptr<std::atomic<int>> phase = PublishPhase(runtime);
+  if (int rc = link.Register(); rc != 0) {
     server->Shutdown();
     return rc;
   }
   phase->store(1);
   runtime.PublishPort("registered", 1);
-  while (!runtime::WaitForShutdown(std::chrono::milliseconds(interval_ms))) {
-    memory.Update();
-    ExitIfDeviceLost(*backend, label);  // also when no job runs into it
-    if (heartbeat(false)) {
-      spdlog::warn("epd-{}: the router forgot us; registering again", label);
-      if (int rc = do_register(); rc != 0) {
-        server->Shutdown();
-        return rc;
-      }
-    }
+  if (int rc = HeartbeatUntilShutdown(link, memory, *backend, label); rc != 0) {
+    server->Shutdown();
+    return rc;
   }
-  // Drain: refuse new jobs, tell the router, finish running jobs within --drain-timeout-ms.
-  spdlog::info("epd-{}: draining ({} running, up to {} ms)", label, service.active(),
-               runtime_options.drain_timeout_ms);
-  phase->store(2);
-  service.StartDrain();
-  heartbeat(true);
-  const auto drain_end = std::chrono::steady_clock::now() +
-                         std::chrono::milliseconds(runtime_options.drain_timeout_ms);
-  auto next_beat = std::chrono::steady_clock::now();
-  while (service.active() > 0 && std::chrono::steady_clock::now() < drain_end) {
-    if (std::chrono::steady_clock::now() >= next_beat) {
-      heartbeat(true);
-      next_beat += std::chrono::milliseconds(interval_ms);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  if (service.active() > 0) {
-    spdlog::warn("epd-{}: drain timeout; cancelling {} job(s)", label, service.active());
-    service.CancelAll();
-  }
+  Drain(link, service, *phase, label, f.runtime.drain_timeout_ms);
   server->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
   handler->reset();
   spdlog::info("epd-{}: stopped", label);

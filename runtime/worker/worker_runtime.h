@@ -56,6 +56,15 @@ struct WorkerSetup {
   int handoff_deadline_ms = 30000;
 };
 
+// Every pool's handler checks this before it works on a job: a job that carries a config
+// fingerprint was built for this worker's (model, cache layout, DSpark setting), else
+// FailedPrecondition naming both.
+absl::Status CheckJobFingerprint(const epd::v1::Job& job, const std::string& fingerprint);
+
+// The last message of a job whose state went on to the next stage (encoder, prefill): its
+// finish_reason "handoff".
+void EmitHandoffDone(const Emit& emit, const std::string& request_id);
+
 using HandlerFactory =
     std::function<absl::StatusOr<std::unique_ptr<JobHandler>>(const WorkerSetup&)>;
 

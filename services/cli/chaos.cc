@@ -316,124 +316,142 @@ void AddChaosFlags(CLI::App& app, ChaosOptions* o) {
   app.add_option("--json", o->json_path, "Write the counts to this JSON file");
 }
 
-int RunChaos(const ChaosOptions& o) {
-  runtime::InstallShutdownHandlers();
-  const std::string bin = SelfDir();
-  std::string data_dir = o.data_dir;
-  bool remove_data = false;
-  if (data_dir.empty()) {
-    char tmpl[] = "/tmp/epd-chaos-XXXXXX";
-    if (!mkdtemp(tmpl)) {
-      std::cerr << "epd chaos: cannot create a temporary folder\n";
-      return 2;
-    }
-    data_dir = tmpl;
-    remove_data = true;
-  }
-  const std::string run_dir = data_dir + "/run";
-  std::cout << "epd chaos: seed " << o.seed << ", " << o.seconds << " s of faults, data in "
-            << data_dir << "\n"
-            << std::flush;
+namespace {
+
+// The kinds of resource a worker's transfer engine holds (epd_transfer_outstanding{resource}).
+constexpr const char* kResources[] = {"registrations", "allocations", "transfers"};
+
+// The pool of a worker's name: "epd-decode-1" -> "decode".
+std::string PoolOf(const std::string& worker) { return worker.substr(4, worker.rfind('-') - 4); }
+
+// The campaign's flags, its data folder, the network cut and the `epd serve` cluster: what the
+// steps of RunChaos share.
+struct Campaign {
+  explicit Campaign(const ChaosOptions& options) : o(options) {}
+
+  const ChaosOptions& o;
   // The network cut needs one worker in its own namespace: epd-decode-1, with the rest of the
   // cluster on the host side's address (reachable from the namespace).
   const std::string kNetnsWorker = "epd-decode-1";
-  auto has_kind = [&](const std::string& kind) {
-    return ("," + o.faults + ",").find("," + kind + ",") != std::string::npos;
-  };
-  std::string cut_unavailable = has_kind("cut_network") ? CutNetwork::Unavailable() : "";
+  std::string bin;
+  std::string data_dir;
+  bool remove_data = false;
+  std::string run_dir;
+  std::string cut_unavailable;
   CutNetwork net;
-  bool cut = has_kind("cut_network") && cut_unavailable.empty();
-  if (cut && !net.Up(data_dir + ".net.log")) {
-    std::cerr << "epd chaos: cannot set up the network namespace; see " << data_dir << ".net.log\n";
-    return 2;
-  }
-  if (!cut_unavailable.empty()) {
-    std::cout << "epd chaos: cut_network left out: " << cut_unavailable << "\n" << std::flush;
-  }
-  const std::string host = cut ? net.host_addr() : "127.0.0.1";
-  auto host_of = [&](const std::string& c) {
-    return cut && c == kNetnsWorker ? net.ns_addr() : host;
-  };
-  // The router's ports: its first start binds free ones (port 0) and publishes them, and epd serve
-  // restarts it on the same ones. Picking "free" ports here and passing them raced every other
-  // process binding port 0 between the pick and the router's bind (the likely cause of a CI run
-  // whose cluster did not come up within a second).
+  bool cut = false;
+  std::string host;
+  runtime::ChildProcess serve;
+  std::vector<std::string> workers;
+  std::vector<std::string> components;
   std::string target;
-  std::vector<std::string> serve_argv = {bin + "/epd",
-                                         "serve",
-                                         "--data-dir",
-                                         data_dir,
-                                         "--http-port",
-                                         "0",
-                                         "--grpc-port",
-                                         "0",
-                                         "--encoders",
-                                         "2",
-                                         "--prefills",
-                                         "2",
-                                         "--decodes",
-                                         "2",
-                                         "--max-restarts",
-                                         "1000",
-                                         "--restart-backoff-ms",
-                                         "200",
-                                         "--log-level",
-                                         "info"};
-  if (cut) {
-    serve_argv.insert(serve_argv.end(), {"--host", host, "--worker-netns",
-                                         kNetnsWorker + ":" + net.ns() + ":" + net.ns_addr()});
-    // Host-side UCX on the host address's interface only (shared memory between host-side workers
-    // stays): the namespace reaches that address, not the host's other interfaces.
-    setenv("UCX_NET_DEVICES", net.host_if().c_str(), 1);
-  }
-  runtime::SpawnOptions spawn;
-  spawn.parent_death_signal = SIGKILL;
-  runtime::ChildProcess serve = runtime::ChildProcess::StartWith(serve_argv, data_dir + ".serve.log", spawn);
-  const std::vector<std::string> workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
-                                            "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
-  std::vector<std::string> components = workers;
-  components.insert(components.begin(), {"epd-kvstore", "epd-router"});
 
-  auto router_metric = [&](const std::string& series) -> std::optional<double> {
+  bool HasKind(const std::string& kind) const {
+    return ("," + o.faults + ",").find("," + kind + ",") != std::string::npos;
+  }
+  std::string HostOf(const std::string& c) const {
+    return cut && c == kNetnsWorker ? net.ns_addr() : host;
+  }
+  std::optional<double> RouterMetric(const std::string& series) const {
     auto port = Published(run_dir, "epd-router", "metrics");
     return port ? Metric(host, *port, series) : std::nullopt;
-  };
+  }
   // Every component runs under the pid it published and the router lists 2 workers per pool.
-  auto healthy = [&] {
+  bool Healthy() const {
     for (const auto& c : components) {
       auto pid = Published(run_dir, c, "pid");
       if (!pid || kill(*pid, 0) != 0 || !Published(run_dir, c, "grpc")) return false;
     }
     for (const char* pool : kPools) {
-      auto n = router_metric(std::string("epd_router_workers{pool=\"") + pool + "\"}");
+      auto n = RouterMetric(std::string("epd_router_workers{pool=\"") + pool + "\"}");
       if (!n || *n != 2) return false;
     }
     return true;
-  };
-  auto wait_healthy = [&](std::chrono::seconds timeout) {
+  }
+  bool WaitHealthy(std::chrono::seconds timeout) {
     const auto end = Clock::now() + timeout;
     while (Clock::now() < end && serve.running()) {
-      if (healthy()) return true;
+      if (Healthy()) return true;
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
     return false;
-  };
-  auto fail_start = [&](const char* what) {
+  }
+  int FailStart(const char* what) {
     serve.Stop(std::chrono::seconds(30));
     std::cerr << "epd chaos: " << what << "; see " << data_dir << ".serve.log and " << data_dir
               << "/logs\n"
               << "epd chaos: the end of " << data_dir << ".serve.log:\n"
               << LastLines(data_dir + ".serve.log", 40) << std::flush;
     return 2;
-  };
-  if (!wait_healthy(std::chrono::seconds(300))) return fail_start("the cluster did not come up");
-  target = host + ":" + std::to_string(*Published(run_dir, "epd-router", "grpc"));
+  }
+};
 
-  // 1. No-fault outputs of every conversation turn.
+// --data-dir, else a fresh /tmp folder (removed after a pass); false when it cannot be made.
+bool MakeDataDir(Campaign& run) {
+  run.data_dir = run.o.data_dir;
+  if (run.data_dir.empty()) {
+    char tmpl[] = "/tmp/epd-chaos-XXXXXX";
+    if (!mkdtemp(tmpl)) {
+      std::cerr << "epd chaos: cannot create a temporary folder\n";
+      return false;
+    }
+    run.data_dir = tmpl;
+    run.remove_data = true;
+  }
+  run.run_dir = run.data_dir + "/run";
+  return true;
+}
+
+// The network cut's namespace when the fault is asked for and can run here (else a note why
+// not); the address the cluster binds. False when the namespace cannot be set up.
+bool SetUpNetwork(Campaign& run) {
+  run.cut_unavailable = run.HasKind("cut_network") ? CutNetwork::Unavailable() : "";
+  run.cut = run.HasKind("cut_network") && run.cut_unavailable.empty();
+  if (run.cut && !run.net.Up(run.data_dir + ".net.log")) {
+    std::cerr << "epd chaos: cannot set up the network namespace; see " << run.data_dir
+              << ".net.log\n";
+    return false;
+  }
+  if (!run.cut_unavailable.empty()) {
+    std::cout << "epd chaos: cut_network left out: " << run.cut_unavailable << "\n" << std::flush;
+  }
+  run.host = run.cut ? run.net.host_addr() : "127.0.0.1";
+  return true;
+}
+
+// Starts `epd serve` with 2 workers per pool. The router's ports: its first start binds free ones
+// (port 0) and publishes them, and epd serve restarts it on the same ones. Picking "free" ports
+// here and passing them raced every other process binding port 0 between the pick and the
+// router's bind (the likely cause of a CI run whose cluster did not come up within a second).
+void StartServe(Campaign& run) {
+  std::vector<std::string> serve_argv = {
+      run.bin + "/epd", "serve", "--data-dir",     run.data_dir, "--http-port",          "0",
+      "--grpc-port",    "0",     "--encoders",     "2",          "--prefills",           "2",
+      "--decodes",      "2",     "--max-restarts", "1000",       "--restart-backoff-ms", "200",
+      "--log-level",    "info"};
+  if (run.cut) {
+    serve_argv.insert(serve_argv.end(),
+                      {"--host", run.host, "--worker-netns",
+                       run.kNetnsWorker + ":" + run.net.ns() + ":" + run.net.ns_addr()});
+    // Host-side UCX on the host address's interface only (shared memory between host-side workers
+    // stays): the namespace reaches that address, not the host's other interfaces.
+    setenv("UCX_NET_DEVICES", run.net.host_if().c_str(), 1);
+  }
+  runtime::SpawnOptions spawn;
+  spawn.parent_death_signal = SIGKILL;
+  run.serve = runtime::ChildProcess::StartWith(serve_argv, run.data_dir + ".serve.log", spawn);
+  run.workers = {"epd-encoder-0", "epd-encoder-1", "epd-prefill-0",
+                 "epd-prefill-1", "epd-decode-0",  "epd-decode-1"};
+  run.components = run.workers;
+  run.components.insert(run.components.begin(), {"epd-kvstore", "epd-router"});
+}
+
+// 1. The no-fault outputs of every conversation turn; false when a request failed.
+bool RecordNoFaultOutputs(const Campaign& run, Workload* w) {
+  const ChaosOptions& o = run.o;
   std::mt19937_64 prompt_rng(o.seed);
-  Workload w;
-  w.prompts.resize(o.sessions);
-  w.expected.resize(o.sessions);
+  w->prompts.resize(o.sessions);
+  w->expected.resize(o.sessions);
   const Ids system = RandomIds(prompt_rng, 64);
   std::vector<std::vector<Ids>> tools(o.sessions);
   for (auto& s : tools) {
@@ -443,51 +461,73 @@ int RunChaos(const ChaosOptions& o) {
     Ids context = system;
     for (int t = 0; t < o.turns; ++t) {
       context.insert(context.end(), tools[s][t].begin(), tools[s][t].end());
-      Result r = Generate(target, "ref-" + std::to_string(s) + "-" + std::to_string(t), context,
+      Result r = Generate(run.target, "ref-" + std::to_string(s) + "-" + std::to_string(t), context,
                           o.max_tokens, o.request_deadline_s);
-      if (!r.status.ok()) return fail_start("a no-fault request failed");
-      w.prompts[s].push_back(context);
-      w.expected[s].push_back(r.ids);
+      if (!r.status.ok()) return false;
+      w->prompts[s].push_back(context);
+      w->expected[s].push_back(r.ids);
       context.insert(context.end(), r.ids.begin(), r.ids.end());
     }
   }
-  // Idle resource levels of the fault-free workers (transfer registrations are long-lived).
+  return true;
+}
+
+// Idle resource levels of the fault-free workers (transfer registrations are long-lived), per
+// "pool/resource".
+std::map<std::string, double> IdleResourceLevels(const Campaign& run) {
   std::map<std::string, double> idle_max;
-  const char* kResources[] = {"registrations", "allocations", "transfers"};
-  for (const auto& c : workers) {
-    auto port = Published(run_dir, c, "metrics");
+  for (const auto& c : run.workers) {
+    auto port = Published(run.run_dir, c, "metrics");
     for (const char* res : kResources) {
       const std::string series = std::string("epd_transfer_outstanding{resource=\"") + res + "\"}";
-      double v = port ? Metric(host_of(c), *port, series).value_or(0) : 0;
-      const std::string pool = c.substr(4, c.rfind('-') - 4);
+      double v = port ? Metric(run.HostOf(c), *port, series).value_or(0) : 0;
+      const std::string pool = PoolOf(c);
       idle_max[pool + "/" + res] = std::max(idle_max[pool + "/" + res], v);
     }
   }
+  return idle_max;
+}
 
-  // 2. Load and faults.
-  struct Done {
-    std::string request_id;
-    int session, turn;
-    Result result;
-  };
+// One request of the load and its result.
+struct Done {
+  std::string request_id;
+  int session, turn;
+  Result result;
+};
+
+// The agent load and the soak sampler: their threads and what they collect (under mu).
+struct Load {
   std::mutex mu;
   std::vector<Done> done;
-  std::atomic<bool> stop_load{false};
-  const auto end = Clock::now() + std::chrono::seconds(o.seconds);
+  std::map<std::string, std::vector<ProcSample>> samples;
+  std::atomic<bool> stop{false};
   std::vector<std::thread> clients;
-  for (int c = 0; c < o.clients; ++c) {
-    clients.emplace_back([&, c] {
+  std::thread sampler;
+
+  // Stops the load and joins its threads.
+  void Stop() {
+    stop = true;
+    for (auto& t : clients) t.join();
+    if (sampler.joinable()) sampler.join();
+  }
+};
+
+// 2. The agents: each resends a random conversation turn by turn until the load stops.
+void StartClients(const Campaign& run, const Workload& w, Load* load) {
+  for (int c = 0; c < run.o.clients; ++c) {
+    load->clients.emplace_back([&run, &w, load, c] {
+      const ChaosOptions& o = run.o;
       std::mt19937_64 rng(o.seed * 1000 + c);
-      for (int n = 0; !stop_load.load() && !runtime::ShutdownRequested(); ++n) {
+      for (int n = 0; !load->stop.load() && !runtime::ShutdownRequested(); ++n) {
         const int s = static_cast<int>(rng() % o.sessions);
-        for (int t = 0; t < o.turns && !stop_load.load(); ++t) {
+        for (int t = 0; t < o.turns && !load->stop.load(); ++t) {
           const std::string id =
               "chaos-" + std::to_string(c) + "-" + std::to_string(n) + "-" + std::to_string(t);
-          Result r = Generate(target, id, w.prompts[s][t], o.max_tokens, o.request_deadline_s);
+          Result r = Generate(run.target, id, w.prompts[s][t], o.max_tokens, o.request_deadline_s);
           const bool failed = !r.status.ok();
           {
-            std::lock_guard<std::mutex> lock(mu);
-            done.push_back({id, s, t, std::move(r)});
+            std::lock_guard<std::mutex> lock(load->mu);
+            load->done.push_back({id, s, t, std::move(r)});
           }
           // An agent backs off after an error instead of hammering a cluster that is recovering.
           if (failed) std::this_thread::sleep_for(std::chrono::milliseconds(250));
@@ -496,103 +536,125 @@ int RunChaos(const ChaosOptions& o) {
       }
     });
   }
-  std::map<std::string, int> faults;
-  int net_failures = 0;  // `ip` commands of the network cut that failed
-  std::mt19937_64 fault_rng(o.seed ^ 0x9e3779b97f4a7c15ULL);
-  std::uniform_real_distribution<double> gap(o.fault_min_s, o.fault_max_s);
+}
+
+// The fault kinds asked for that can run here, with their weights.
+struct FaultPlan {
   std::vector<std::string> kinds;
   std::vector<double> weights;
+};
+
+FaultPlan PlanFaults(const Campaign& run) {
+  FaultPlan plan;
   const std::map<std::string, double> kWeights = {{"sigkill_worker", 4},
                                                   {"sigstop_worker", 3},
                                                   {"kill_kvstore", 2},
                                                   {"cut_network", 2},
                                                   {"kill_router", 1}};
   for (const auto& [kind, weight] : kWeights) {
-    if (!has_kind(kind) || (kind == "cut_network" && !cut)) continue;
-    kinds.push_back(kind);
-    weights.push_back(weight);
+    if (!run.HasKind(kind) || (kind == "cut_network" && !run.cut)) continue;
+    plan.kinds.push_back(kind);
+    plan.weights.push_back(weight);
   }
-  const bool no_faults = o.faults == "none";
-  if (kinds.empty() && !no_faults) {
-    std::cerr << "epd chaos: --faults names no known fault kind\n";
-    stop_load = true;
-    for (auto& t : clients) t.join();
-    serve.Stop(std::chrono::seconds(30));
-    return 2;
+  return plan;
+}
+
+// One soak sample of `pid` (named `name`) at `t` s; a worker's also from its /metrics.
+std::optional<ProcSample> SampleComponent(const Campaign& run, const std::string& name, pid_t pid,
+                                          double t) {
+  auto smp = SampleProcess(pid);
+  if (!smp) return smp;
+  smp->t = t;
+  const bool worker = name.find("-encoder-") != std::string::npos ||
+                      name.find("-prefill-") != std::string::npos ||
+                      name.find("-decode-") != std::string::npos;
+  const auto port = worker ? Published(run.run_dir, name, "metrics") : std::nullopt;
+  if (auto page = port ? MetricsPage(run.HostOf(name), *port) : std::nullopt) {
+    auto kb = [&](const std::string& series) -> int64_t {
+      auto v = Series(*page, series);
+      return v ? static_cast<int64_t>(*v / 1024) : -1;
+    };
+    smp->pool_cached_kb = kb("epd_kv_pool_bytes{state=\"cached\"}");
+    smp->heap_free_kb = kb("epd_malloc_bytes{state=\"free\"}");
+    smp->heap_in_use_kb = kb("epd_malloc_bytes{state=\"in_use\"}");
   }
-  // Soak sampler: every process of the cluster (and `epd serve`) from /proc.
-  std::map<std::string, std::vector<ProcSample>> samples;
-  std::thread sampler;
-  const auto load_start = Clock::now();
-  const int warmup_s = o.warmup_s >= 0 ? o.warmup_s : o.seconds / 5;
-  if (o.sample_s > 0) {
-    sampler = std::thread([&] {
-      while (!stop_load.load() && !runtime::ShutdownRequested()) {
-        const double t = std::chrono::duration<double>(Clock::now() - load_start).count();
-        std::vector<std::pair<std::string, pid_t>> procs = {{"epd-serve", serve.pid()}};
-        for (const auto& c : components) {
-          if (auto pid = Published(run_dir, c, "pid")) procs.emplace_back(c, *pid);
-        }
-        for (const auto& [name, pid] : procs) {
-          if (auto smp = SampleProcess(pid)) {
-            smp->t = t;
-            const bool worker = name.find("-encoder-") != std::string::npos ||
-                                name.find("-prefill-") != std::string::npos ||
-                                name.find("-decode-") != std::string::npos;
-            const auto port = worker ? Published(run_dir, name, "metrics") : std::nullopt;
-            if (auto page = port ? MetricsPage(host_of(name), *port) : std::nullopt) {
-              auto kb = [&](const std::string& series) -> int64_t {
-                auto v = Series(*page, series);
-                return v ? static_cast<int64_t>(*v / 1024) : -1;
-              };
-              smp->pool_cached_kb = kb("epd_kv_pool_bytes{state=\"cached\"}");
-              smp->heap_free_kb = kb("epd_malloc_bytes{state=\"free\"}");
-              smp->heap_in_use_kb = kb("epd_malloc_bytes{state=\"in_use\"}");
-            }
-            std::lock_guard<std::mutex> lock(mu);
-            samples[name].push_back(*smp);
-          }
-        }
-        for (int i = 0; i < o.sample_s * 10 && !stop_load.load(); ++i) {
-          std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  return smp;
+}
+
+// Soak sampler: every process of the cluster (and `epd serve`) from /proc, every --sample-s.
+void StartSampler(const Campaign& run, Clock::time_point load_start, Load* load) {
+  load->sampler = std::thread([&run, load_start, load] {
+    while (!load->stop.load() && !runtime::ShutdownRequested()) {
+      const double t = std::chrono::duration<double>(Clock::now() - load_start).count();
+      std::vector<std::pair<std::string, pid_t>> procs = {{"epd-serve", run.serve.pid()}};
+      for (const auto& c : run.components) {
+        if (auto pid = Published(run.run_dir, c, "pid")) procs.emplace_back(c, *pid);
+      }
+      for (const auto& [name, pid] : procs) {
+        if (auto smp = SampleComponent(run, name, pid, t)) {
+          std::lock_guard<std::mutex> lock(load->mu);
+          load->samples[name].push_back(*smp);
         }
       }
-    });
+      for (int i = 0; i < run.o.sample_s * 10 && !load->stop.load(); ++i) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      }
+    }
+  });
+}
+
+// The faults done, per kind (and "skipped_down"), and the network cut's failed `ip` commands.
+struct FaultTally {
+  std::map<std::string, int> faults;
+  int net_failures = 0;
+};
+
+// One cut_network fault: the link goes down whether or not the worker runs now; back up after
+// 1..5 s (longer than the router's 3 s heartbeat expiry sometimes: both a stall and an expiry
+// happen).
+void CutNetworkFault(Campaign& run, std::mt19937_64& fault_rng, FaultTally* tally) {
+  ++tally->faults["cut_network"];
+  const int ms = 1000 + static_cast<int>(fault_rng() % 4000);
+  std::cout << "epd chaos: t=" << Since() << " s cut_network " << run.kNetnsWorker << " (" << ms
+            << " ms)\n"
+            << std::flush;
+  if (!run.net.Cut()) ++tally->net_failures;
+  std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+  if (!run.net.Restore()) {
+    std::cerr << "epd chaos: cannot restore the link; see " << run.data_dir << ".net.log\n";
+    ++tally->net_failures;
   }
-  std::discrete_distribution<size_t> pick(weights.begin(), weights.end());
-  while (no_faults && Clock::now() < end && !runtime::ShutdownRequested() && serve.running()) {
+}
+
+// Until `end` (or shutdown, or `epd serve` exiting): with no fault kinds (the soak) it only
+// waits; else at seeded random moments a drawn fault on a drawn victim.
+FaultTally InjectFaults(Campaign& run, const FaultPlan& plan, Clock::time_point end) {
+  FaultTally tally;
+  const bool no_faults = run.o.faults == "none";
+  std::mt19937_64 fault_rng(run.o.seed ^ 0x9e3779b97f4a7c15ULL);
+  std::uniform_real_distribution<double> gap(run.o.fault_min_s, run.o.fault_max_s);
+  std::discrete_distribution<size_t> pick(plan.weights.begin(), plan.weights.end());
+  while (no_faults && Clock::now() < end && !runtime::ShutdownRequested() && run.serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
-  while (!no_faults && Clock::now() < end && !runtime::ShutdownRequested() && serve.running()) {
+  while (!no_faults && Clock::now() < end && !runtime::ShutdownRequested() && run.serve.running()) {
     std::this_thread::sleep_for(std::chrono::milliseconds(static_cast<int>(gap(fault_rng) * 1000)));
     if (Clock::now() >= end) break;
-    const std::string kind = kinds[pick(fault_rng)];
-    const std::string victim = kind == "kill_kvstore"  ? "epd-kvstore"
-                               : kind == "kill_router" ? "epd-router"
-                               : kind == "cut_network" ? kNetnsWorker
-                                                       : workers[fault_rng() % workers.size()];
+    const std::string kind = plan.kinds[pick(fault_rng)];
     if (kind == "cut_network") {
-      // The link goes down whether or not the worker runs now; back up after 1..5 s (longer
-      // than the router's 3 s heartbeat expiry sometimes: both a stall and an expiry happen).
-      ++faults[kind];
-      const int ms = 1000 + static_cast<int>(fault_rng() % 4000);
-      std::cout << "epd chaos: t=" << Since() << " s cut_network " << victim << " (" << ms
-                << " ms)\n"
-                << std::flush;
-      if (!net.Cut()) ++net_failures;
-      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-      if (!net.Restore()) {
-        std::cerr << "epd chaos: cannot restore the link; see " << data_dir << ".net.log\n";
-        ++net_failures;
-      }
+      CutNetworkFault(run, fault_rng, &tally);
       continue;
     }
-    auto pid = Published(run_dir, victim, "pid");
+    const std::string victim = kind == "kill_kvstore" ? "epd-kvstore"
+                               : kind == "kill_router"
+                                   ? "epd-router"
+                                   : run.workers[fault_rng() % run.workers.size()];
+    auto pid = Published(run.run_dir, victim, "pid");
     if (!pid || kill(*pid, 0) != 0) {
-      ++faults["skipped_down"];
+      ++tally.faults["skipped_down"];
       continue;
     }
-    ++faults[kind];
+    ++tally.faults[kind];
     std::cout << "epd chaos: t=" << Since() << " s " << kind << " " << victim << " (pid " << *pid
               << ")\n"
               << std::flush;
@@ -604,144 +666,198 @@ int RunChaos(const ChaosOptions& o) {
       kill(*pid, SIGKILL);
     }
   }
-  stop_load = true;
-  for (auto& t : clients) t.join();
-  if (sampler.joinable()) sampler.join();
-  const bool recovered = wait_healthy(std::chrono::seconds(180));
+  return tally;
+}
 
-  // 3. Checks.
-  std::map<std::string, int> migrated_at;  // request id -> tokens streamed before it moved
-  {
-    std::ifstream in(data_dir + "/logs/epd-router.log");
-    const std::regex re("request (\\S+): .*migrating with (\\d+) streamed");
-    std::string line;
-    std::smatch m;
-    while (std::getline(in, line)) {
-      if (std::regex_search(line, m, re)) migrated_at.emplace(m[1], std::stoi(m[2]));
-    }
+// Request id -> tokens streamed before the router migrated it (from the router's log).
+std::map<std::string, int> MigratedAt(const std::string& data_dir) {
+  std::map<std::string, int> migrated_at;
+  std::ifstream in(data_dir + "/logs/epd-router.log");
+  const std::regex re("request (\\S+): .*migrating with (\\d+) streamed");
+  std::string line;
+  std::smatch m;
+  while (std::getline(in, line)) {
+    if (std::regex_search(line, m, re)) migrated_at.emplace(m[1], std::stoi(m[2]));
   }
+  return migrated_at;
+}
+
+// Whether `d`'s output, which differs from the no-fault one, is the continuation of its
+// migration after `streamed` tokens: a fresh greedy request of prompt + those tokens. The fresh
+// request runs on a cluster that just recovered: a clean failure of it (e.g. a worker the registry
+// still lists but that is going away) is retried, and named in *note if it persists, so it is
+// never mistaken for a continuation that differs.
+bool IsContinuation(const Campaign& run, const Workload& w, const Done& d, size_t streamed,
+                    std::string* note) {
+  const Result& r = d.result;
+  Ids context = w.prompts[d.session][d.turn];
+  context.insert(context.end(), r.ids.begin(), r.ids.begin() + streamed);
+  Result fresh;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
+    fresh = Generate(run.target, d.request_id + "-check-" + std::to_string(attempt), context,
+                     run.o.max_tokens - static_cast<int>(streamed), run.o.request_deadline_s);
+    if (fresh.status.ok()) break;
+  }
+  const bool equal = fresh.status.ok() && Ids(r.ids.begin() + streamed, r.ids.end()) == fresh.ids;
+  if (!fresh.status.ok()) {
+    *note = " (its continuation check request failed: " + fresh.status.error_message() + ")";
+  } else if (!equal) {
+    *note = " (migrated with " + std::to_string(streamed) + " streamed token(s))";
+  }
+  return equal;
+}
+
+// What the completed requests came to.
+struct OutputCounts {
   int ok = 0, clean_failures = 0, hangs = 0, wrong = 0, continuations = 0;
   std::map<std::string, int> failure_codes;
+};
+
+// A request that completed: equal to its no-fault output, the continuation of its migration
+// (checked once the cluster recovered), or wrong (named on stderr).
+void CheckCompleted(const Campaign& run, const Workload& w, const Done& d,
+                    const std::map<std::string, int>& migrated_at, bool recovered,
+                    OutputCounts* n) {
+  const Result& r = d.result;
+  const Ids& want = w.expected[d.session][d.turn];
+  if (r.ids == want) return;
+  auto mig = migrated_at.find(d.request_id);
+  bool equal = false;
+  std::string check_note;
+  if (mig != migrated_at.end() && recovered) {
+    const size_t streamed = static_cast<size_t>(mig->second);
+    if (streamed <= r.ids.size() &&
+        std::equal(r.ids.begin(), r.ids.begin() + streamed, want.begin(),
+                   want.begin() + std::min(streamed, want.size()))) {
+      equal = IsContinuation(run, w, d, streamed, &check_note);
+    }
+  }
+  if (equal) {
+    ++n->continuations;
+    return;
+  }
+  ++n->wrong;
+  size_t diverge = 0;
+  while (diverge < r.ids.size() && diverge < want.size() && r.ids[diverge] == want[diverge]) {
+    ++diverge;
+  }
+  std::cerr << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
+            << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
+            << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
+            << "token " << diverge
+            << (mig != migrated_at.end() ? " and from its migration continuation" : "")
+            << check_note << "\n";
+}
+
+// 3. Every request of the load: a hang, a clean failure, or a completed one (CheckCompleted).
+OutputCounts CheckOutputs(const Campaign& run, const Workload& w, const std::vector<Done>& done,
+                          bool recovered) {
+  const std::map<std::string, int> migrated_at = MigratedAt(run.data_dir);
+  OutputCounts n;
   for (const auto& d : done) {
     const Result& r = d.result;
     if (r.status.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED ||
-        r.seconds > o.request_deadline_s + 5) {
-      ++hangs;
+        r.seconds > run.o.request_deadline_s + 5) {
+      ++n.hangs;
       std::cerr << "epd chaos: request " << d.request_id << " hung (" << r.seconds << " s)\n";
       continue;
     }
     if (!r.status.ok()) {
-      ++clean_failures;
-      ++failure_codes[std::to_string(r.status.error_code())];
-      if (clean_failures <= 20) {
+      ++n.clean_failures;
+      ++n.failure_codes[std::to_string(r.status.error_code())];
+      if (n.clean_failures <= 20) {
         std::cout << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
                   << r.start_s + r.seconds << " s) failed: " << r.status.error_message() << "\n";
       }
       continue;
     }
-    ++ok;
-    const Ids& want = w.expected[d.session][d.turn];
-    if (r.ids == want) continue;
-    auto mig = migrated_at.find(d.request_id);
-    bool equal = false;
-    std::string check_note;
-    if (mig != migrated_at.end() && recovered) {
-      const size_t k = static_cast<size_t>(mig->second);
-      if (k <= r.ids.size() && std::equal(r.ids.begin(), r.ids.begin() + k, want.begin(),
-                                          want.begin() + std::min(k, want.size()))) {
-        Ids context = w.prompts[d.session][d.turn];
-        context.insert(context.end(), r.ids.begin(), r.ids.begin() + k);
-        // The fresh request runs on a cluster that just recovered: a clean failure of it (e.g. a
-        // worker the registry still lists but that is going away) is retried, and named if it
-        // persists, so it is never mistaken for a continuation that differs.
-        Result fresh;
-        for (int attempt = 0; attempt < 5; ++attempt) {
-          if (attempt > 0) std::this_thread::sleep_for(std::chrono::seconds(1));
-          fresh = Generate(target, d.request_id + "-check-" + std::to_string(attempt), context,
-                           o.max_tokens - static_cast<int>(k), o.request_deadline_s);
-          if (fresh.status.ok()) break;
-        }
-        equal = fresh.status.ok() && Ids(r.ids.begin() + k, r.ids.end()) == fresh.ids;
-        if (!fresh.status.ok()) {
-          check_note =
-              " (its continuation check request failed: " + fresh.status.error_message() + ")";
-        } else if (!equal) {
-          check_note = " (migrated with " + std::to_string(k) + " streamed token(s))";
-        }
-      }
-    }
-    if (equal) {
-      ++continuations;
-    } else {
-      ++wrong;
-      size_t diverge = 0;
-      while (diverge < r.ids.size() && diverge < want.size() && r.ids[diverge] == want[diverge]) {
-        ++diverge;
-      }
-      std::cerr << "epd chaos: request " << d.request_id << " (t=" << r.start_s << ".."
-                << r.start_s + r.seconds << " s, cached " << r.cached << ", prompt "
-                << w.prompts[d.session][d.turn].size() << ") differs from the no-fault output at "
-                << "token " << diverge
-                << (mig != migrated_at.end() ? " and from its migration continuation" : "")
-                << check_note << "\n";
-    }
+    ++n.ok;
+    CheckCompleted(run, w, d, migrated_at, recovered, &n);
   }
-  // Leaks: once idle, no worker holds a job or more transfer resources than a fault-free one did
-  // at rest; the kvstore answers no put; the router runs nothing.
-  int leaks = 0;
-  std::vector<std::string> leak_notes;
-  if (recovered) {
-    std::this_thread::sleep_for(std::chrono::seconds(2));
-    for (const auto& c : workers) {
-      auto port = Published(run_dir, c, "metrics");
-      const std::string pool = c.substr(4, c.rfind('-') - 4);
-      if (!port) continue;
-      if (Metric(host_of(c), *port, "epd_queue_depth{pool=\"" + pool + "\"}").value_or(0) != 0) {
-        ++leaks, leak_notes.push_back(c + " queue_depth");
-      }
-      for (const char* res : kResources) {
-        const double v = Metric(host_of(c), *port,
-                                std::string("epd_transfer_outstanding{resource=\"") + res + "\"}")
-                             .value_or(0);
-        if (v > idle_max[pool + "/" + res]) ++leaks, leak_notes.push_back(c + " " + res);
-      }
-    }
-    if (auto kv = Published(run_dir, "epd-kvstore", "metrics")) {
-      if (Metric(host, *kv, "epd_kv_puts_in_flight").value_or(0) != 0) {
-        ++leaks, leak_notes.push_back("kvstore puts_in_flight");
-      }
-    }
-    if (router_metric("epd_router_inflight_requests").value_or(1) != 0) {
-      ++leaks, leak_notes.push_back("router inflight");
-    }
-  }
-  // The live processes are exactly the published ones, and the registry lists them.
-  std::set<pid_t> published;
-  for (const auto& c : components) {
-    if (auto pid = Published(run_dir, c, "pid")) published.insert(*pid);
-  }
-  const std::set<pid_t> live = runtime::ProcessesNaming(data_dir + "/", serve.pid());
-  const bool registry_exact = recovered && live == published;
-  const double migrations_ok =
-      router_metric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0);
-  const double migrations_failed =
-      router_metric("epd_request_migrations_total{outcome=\"failed\"}").value_or(0);
+  return n;
+}
 
-  // 4. Stop: nothing of the cluster may remain.
-  serve.Signal(SIGINT);
-  const auto serve_rc = serve.Wait(std::chrono::seconds(120));
-  if (!serve_rc) serve.Stop(std::chrono::seconds(1));
+// Leaks of a recovered cluster: once idle, no worker holds a job or more transfer resources than
+// a fault-free one did at rest; the kvstore answers no put; the router runs nothing. Each leak
+// is named in *notes.
+int CountLeaks(const Campaign& run, const std::map<std::string, double>& idle_max,
+               std::vector<std::string>* notes) {
+  int leaks = 0;
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  for (const auto& c : run.workers) {
+    auto port = Published(run.run_dir, c, "metrics");
+    const std::string pool = PoolOf(c);
+    if (!port) continue;
+    if (Metric(run.HostOf(c), *port, "epd_queue_depth{pool=\"" + pool + "\"}").value_or(0) != 0) {
+      ++leaks, notes->push_back(c + " queue_depth");
+    }
+    for (const char* res : kResources) {
+      const double v = Metric(run.HostOf(c), *port,
+                              std::string("epd_transfer_outstanding{resource=\"") + res + "\"}")
+                           .value_or(0);
+      if (v > idle_max.at(pool + "/" + res)) ++leaks, notes->push_back(c + " " + res);
+    }
+  }
+  if (auto kv = Published(run.run_dir, "epd-kvstore", "metrics")) {
+    if (Metric(run.host, *kv, "epd_kv_puts_in_flight").value_or(0) != 0) {
+      ++leaks, notes->push_back("kvstore puts_in_flight");
+    }
+  }
+  if (run.RouterMetric("epd_router_inflight_requests").value_or(1) != 0) {
+    ++leaks, notes->push_back("router inflight");
+  }
+  return leaks;
+}
+
+// The live processes are exactly the published ones (and the registry lists them).
+bool RegistryExact(const Campaign& run) {
+  std::set<pid_t> published;
+  for (const auto& c : run.components) {
+    if (auto pid = Published(run.run_dir, c, "pid")) published.insert(*pid);
+  }
+  const std::set<pid_t> live = runtime::ProcessesNaming(run.data_dir + "/", run.serve.pid());
+  return live == published;
+}
+
+// 4. Stops `epd serve` (Ctrl-C) and takes the network cut down; the processes of the cluster
+// that remain (none, unless something leaked).
+std::set<pid_t> StopCluster(Campaign& run, std::optional<int>* serve_rc) {
+  run.serve.Signal(SIGINT);
+  *serve_rc = run.serve.Wait(std::chrono::seconds(120));
+  if (!*serve_rc) run.serve.Stop(std::chrono::seconds(1));
   std::set<pid_t> orphans;
   for (int i = 0; i < 100; ++i) {
-    orphans = runtime::ProcessesNaming(data_dir + "/", -1);
+    orphans = runtime::ProcessesNaming(run.data_dir + "/", -1);
     if (orphans.empty()) break;
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
-  net.Down();
+  run.net.Down();
+  return orphans;
+}
 
-  nlohmann::json j = {{"seed", o.seed},
-                      {"seconds", o.seconds},
-                      {"requests", done.size()},
+// What the campaign found, for the report and the verdict.
+struct Findings {
+  size_t requests = 0;
+  OutputCounts outputs;
+  int leaks = 0;
+  std::vector<std::string> leak_notes;
+  FaultTally tally;
+  double migrations_ok = 0;
+  double migrations_failed = 0;
+  bool recovered = false;
+  bool registry_exact = false;
+  std::optional<int> serve_rc;
+  std::set<pid_t> orphans;
+};
+
+nlohmann::json ReportJson(const Campaign& run, const Findings& f) {
+  const auto& [requests, outputs, leaks, leak_notes, tally, migrations_ok, migrations_failed,
+               recovered, registry_exact, serve_rc, orphans] = f;
+  const auto& [ok, clean_failures, hangs, wrong, continuations, failure_codes] = outputs;
+  nlohmann::json j = {{"seed", run.o.seed},
+                      {"seconds", run.o.seconds},
+                      {"requests", requests},
                       {"ok", ok},
                       {"equal_no_fault", ok - continuations - wrong},
                       {"migration_continuations", continuations},
@@ -751,51 +867,119 @@ int RunChaos(const ChaosOptions& o) {
                       {"wrong_outputs", wrong},
                       {"leaks", leaks},
                       {"leak_notes", leak_notes},
-                      {"faults", faults},
+                      {"faults", tally.faults},
                       {"migrations_ok", migrations_ok},
                       {"migrations_failed", migrations_failed},
                       {"recovered", recovered},
                       {"registry_exact", registry_exact},
                       {"serve_exit", serve_rc.value_or(-1)},
                       {"orphans", orphans.size()}};
-  if (!cut_unavailable.empty()) j["cut_network_unavailable"] = cut_unavailable;
-  if (cut) j["cut_network_failures"] = net_failures;
+  if (!run.cut_unavailable.empty()) j["cut_network_unavailable"] = run.cut_unavailable;
+  if (run.cut) j["cut_network_failures"] = tally.net_failures;
+  return j;
+}
+
+// The soak's verdict per process (samples after the warm-up, all of them to --samples-csv) into
+// j; false when a process was not flat or nothing was sampled.
+bool AddSoak(const ChaosOptions& o, const std::map<std::string, std::vector<ProcSample>>& samples,
+             int warmup_s, nlohmann::json* j) {
   bool soak_flat = true;
-  if (o.sample_s > 0) {
-    nlohmann::json soak;
-    std::ofstream csv;
-    if (!o.samples_csv.empty()) {
-      csv.open(o.samples_csv);
-      csv << "t_s,process,pid,rss_kb,fds,pool_cached_kb,heap_free_kb,heap_in_use_kb\n";
-    }
-    for (const auto& [name, v] : samples) {
-      std::vector<ProcSample> after;
-      for (const ProcSample& smp : v) {
-        if (csv) {
-          csv << smp.t << "," << name << "," << smp.pid << "," << smp.rss_kb << "," << smp.fds
-              << "," << smp.pool_cached_kb << "," << smp.heap_free_kb << "," << smp.heap_in_use_kb
-              << "\n";
-        }
-        if (smp.t >= warmup_s) after.push_back(smp);
-      }
-      soak[name] = SoakVerdict(after, &soak_flat);
-    }
-    if (samples.empty()) soak_flat = false;
-    j["soak"] = soak;
-    j["soak_warmup_s"] = warmup_s;
-    j["soak_flat"] = soak_flat;
+  nlohmann::json soak;
+  std::ofstream csv;
+  if (!o.samples_csv.empty()) {
+    csv.open(o.samples_csv);
+    csv << "t_s,process,pid,rss_kb,fds,pool_cached_kb,heap_free_kb,heap_in_use_kb\n";
   }
+  for (const auto& [name, v] : samples) {
+    std::vector<ProcSample> after;
+    for (const ProcSample& smp : v) {
+      if (csv) {
+        csv << smp.t << "," << name << "," << smp.pid << "," << smp.rss_kb << "," << smp.fds << ","
+            << smp.pool_cached_kb << "," << smp.heap_free_kb << "," << smp.heap_in_use_kb << "\n";
+      }
+      if (smp.t >= warmup_s) after.push_back(smp);
+    }
+    soak[name] = SoakVerdict(after, &soak_flat);
+  }
+  if (samples.empty()) soak_flat = false;
+  (*j)["soak"] = soak;
+  (*j)["soak_warmup_s"] = warmup_s;
+  (*j)["soak_flat"] = soak_flat;
+  return soak_flat;
+}
+
+bool Passed(const Findings& f, bool soak_flat) {
+  const OutputCounts& n = f.outputs;
+  return f.recovered && n.hangs == 0 && n.wrong == 0 && f.leaks == 0 && f.registry_exact &&
+         f.tally.net_failures == 0 && f.orphans.empty() && f.serve_rc.value_or(-1) == 0 &&
+         n.ok > 0 && soak_flat;
+}
+
+}  // namespace
+
+int RunChaos(const ChaosOptions& o) {
+  runtime::InstallShutdownHandlers();
+  Campaign run(o);
+  run.bin = SelfDir();
+  if (!MakeDataDir(run)) return 2;
+  std::cout << "epd chaos: seed " << o.seed << ", " << o.seconds << " s of faults, data in "
+            << run.data_dir << "\n"
+            << std::flush;
+  if (!SetUpNetwork(run)) return 2;
+  StartServe(run);
+  if (!run.WaitHealthy(std::chrono::seconds(300))) {
+    return run.FailStart("the cluster did not come up");
+  }
+  run.target = run.host + ":" + std::to_string(*Published(run.run_dir, "epd-router", "grpc"));
+
+  // 1. No-fault outputs of every conversation turn.
+  Workload w;
+  if (!RecordNoFaultOutputs(run, &w)) return run.FailStart("a no-fault request failed");
+  const std::map<std::string, double> idle_max = IdleResourceLevels(run);
+
+  // 2. Load and faults.
+  Load load;
+  const auto end = Clock::now() + std::chrono::seconds(o.seconds);
+  StartClients(run, w, &load);
+  const FaultPlan plan = PlanFaults(run);
+  if (plan.kinds.empty() && o.faults != "none") {
+    std::cerr << "epd chaos: --faults names no known fault kind\n";
+    load.Stop();
+    run.serve.Stop(std::chrono::seconds(30));
+    return 2;
+  }
+  const auto load_start = Clock::now();
+  const int warmup_s = o.warmup_s >= 0 ? o.warmup_s : o.seconds / 5;
+  if (o.sample_s > 0) StartSampler(run, load_start, &load);
+  Findings f;
+  f.tally = InjectFaults(run, plan, end);
+  load.Stop();
+  f.recovered = run.WaitHealthy(std::chrono::seconds(180));
+
+  // 3. Checks.
+  f.requests = load.done.size();
+  f.outputs = CheckOutputs(run, w, load.done, f.recovered);
+  if (f.recovered) f.leaks = CountLeaks(run, idle_max, &f.leak_notes);
+  const bool registry_exact = RegistryExact(run);
+  f.registry_exact = f.recovered && registry_exact;
+  f.migrations_ok = run.RouterMetric("epd_request_migrations_total{outcome=\"ok\"}").value_or(0);
+  f.migrations_failed =
+      run.RouterMetric("epd_request_migrations_total{outcome=\"failed\"}").value_or(0);
+
+  // 4. Stop: nothing of the cluster may remain.
+  f.orphans = StopCluster(run, &f.serve_rc);
+
+  nlohmann::json j = ReportJson(run, f);
+  const bool soak_flat = o.sample_s > 0 ? AddSoak(o, load.samples, warmup_s, &j) : true;
   std::cout << "epd chaos: " << j.dump(1) << "\n";
   if (!o.json_path.empty()) std::ofstream(o.json_path) << j.dump(2) << "\n";
-  const bool pass = recovered && hangs == 0 && wrong == 0 && leaks == 0 && registry_exact &&
-                    net_failures == 0 && orphans.empty() && serve_rc.value_or(-1) == 0 && ok > 0 &&
-                    soak_flat;
+  const bool pass = Passed(f, soak_flat);
   std::cout << "epd chaos: " << (pass ? "PASS" : "FAIL") << "\n";
-  if (pass && remove_data) {
+  if (pass && run.remove_data) {
     std::error_code ec;
-    fs::remove_all(data_dir, ec);
-    fs::remove(data_dir + ".serve.log", ec);
-    fs::remove(data_dir + ".net.log", ec);
+    fs::remove_all(run.data_dir, ec);
+    fs::remove(run.data_dir + ".serve.log", ec);
+    fs::remove(run.data_dir + ".net.log", ec);
   }
   return pass ? 0 : 1;
 }

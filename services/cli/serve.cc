@@ -312,160 +312,196 @@ std::string RandomClusterToken() {
   }
   return out;
 }
-}  // namespace
 
-int RunServe(ServeOptions o) {
-  // The device first: with --device cuda and no usable GPU (or a model that cannot run there)
-  // nothing is started.
+// The options (the ports filled in once the router took them), the workers' devices, binaries
+// and network namespace, and the components started so far: what the steps of RunServe share.
+struct Launcher {
+  explicit Launcher(ServeOptions& options) : o(options) {}
+
+  ServeOptions& o;
+  std::string bin;
+  kernels::DeviceSpec device;
+  std::vector<kernels::DeviceSpec> devices;
+  std::string netns_name, netns, netns_addr;         // --worker-netns
+  std::map<std::string, std::string> worker_binary;  // pool -> binary
+  std::vector<std::unique_ptr<Component>> comps;     // in start order
+  bool tls = false;
+  std::string kv_addr;
+  std::string router_addr;
+  int started_workers = 0;
+  std::map<size_t, std::string> on_device;  // devices[i] -> its workers, for the ready message
+
+  // A component with the flags every process gets (port file, metrics port, log level, host).
+  Component* Add(std::string name, std::vector<std::string> argv) {
+    auto c = std::make_unique<Component>();
+    c->name = name;
+    c->argv = std::move(argv);
+    c->log_path = o.data_dir + "/logs/" + name + ".log";
+    c->port_file = o.data_dir + "/run/" + name + ".json";
+    c->argv.insert(c->argv.end(), {"--port-file", c->port_file, "--metrics-port", "0",
+                                   "--log-level", o.log_level, "--host", o.host});
+    comps.push_back(std::move(c));
+    return comps.back().get();
+  }
+  void StopAll() {
+    // Stop in reverse start order: workers drain first, the store last.
+    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Signal(SIGTERM);
+    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Stop();
+  }
+};
+
+// The device first: with --device cuda and no usable GPU (or a model that cannot run there)
+// nothing is started. The workers' devices (docs/serve.md, Devices): `cuda` spreads them over
+// every GPU this process sees, round-robin in start order (encoders, prefills, decodes); `cuda:N`
+// puts every worker on N. Each device used is checked here, and this process keeps no context on
+// it. False (said on stderr) when one cannot serve.
+bool ChooseDevices(Launcher& launch) {
+  const ServeOptions& o = launch.o;
   auto device = kernels::ParseDeviceSpec(o.device);
   if (!device.ok()) {
     std::cerr << "epd serve: " << device.status().message() << "\n";
-    return 1;
+    return false;
   }
-  // The workers' devices (docs/serve.md, Devices): `cuda` spreads them over every GPU this process
-  // sees, round-robin in start order (encoders, prefills, decodes); `cuda:N` puts every worker on
-  // N. Each device used is checked here, and this process keeps no context on it.
-  std::vector<kernels::DeviceSpec> devices = {*device};
+  launch.device = *device;
+  launch.devices = {*device};
   if (device->kind == kernels::DeviceSpec::Kind::kCuda && o.device == "cuda") {
     const int gpus = std::min(kernels::CudaDeviceCount(), o.encoders + o.prefills + o.decodes);
-    for (int i = 1; i < gpus; ++i) devices.push_back({kernels::DeviceSpec::Kind::kCuda, i});
+    for (int i = 1; i < gpus; ++i) launch.devices.push_back({kernels::DeviceSpec::Kind::kCuda, i});
   }
-  for (const kernels::DeviceSpec& d : devices) {
+  for (const kernels::DeviceSpec& d : launch.devices) {
     if (auto s = kernels::CheckModelCanRunOn(d); !s.ok()) {
       std::cerr << "epd serve: --device " << o.device << ": " << s.message() << "\n";
-      return 1;
+      return false;
     }
   }
-  runtime::InstallShutdownHandlers();
-  const std::string bin = SelfDir();
-  // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
-  // workers) unless the operator chose devices.
-  if (o.host == "127.0.0.1" || o.host == "localhost") setenv("UCX_NET_DEVICES", "lo", 0);
-  // Workers authenticate each other's transfers with a cluster token; the children inherit it
-  // through the environment (not argv, which every local user can read).
-  setenv("EPD_CLUSTER_TOKEN", RandomClusterToken().c_str(), /*overwrite=*/0);
+  return true;
+}
+
+// The data folder's logs/ and run/; false (said on stderr) when they cannot be made.
+bool MakeDataDirs(const ServeOptions& o) {
   std::error_code ec;
   fs::create_directories(o.data_dir + "/logs", ec);
   fs::create_directories(o.data_dir + "/run", ec);
   if (ec) {
     std::cerr << "epd serve: cannot create " << o.data_dir << ": " << ec.message() << "\n";
-    return 1;
+    return false;
   }
+  return true;
+}
+
+// --model, else the trained demo model, else the random nano model generated into the data
+// folder (once); false when generating it failed.
+bool ChooseModel(ServeOptions& o, const std::string& bin) {
   if (o.model_dir.empty()) o.model_dir = DemoModelDir(bin);
   if (!o.model_dir.empty()) {
     std::cout << "epd serve: model " << o.model_dir << "\n";
-  } else {
-    o.model_dir = o.data_dir + "/models/nano";
-    if (!fs::exists(o.model_dir + "/config.json")) {
-      std::cout << "epd serve: generating the nano demo model into " << o.model_dir << "\n";
-      runtime::ChildProcess gen = runtime::ChildProcess::Start(
-          {bin + "/epd", "gen-model", "--preset", "nano", "--out", o.model_dir},
-          o.data_dir + "/logs/gen-model.log");
-      auto rc = gen.Wait(std::chrono::minutes(10));
-      if (!rc || *rc != 0) {
-        std::cerr << "epd serve: gen-model failed; see " << o.data_dir << "/logs/gen-model.log\n";
-        return 1;
-      }
-    }
+    return true;
   }
-  std::string netns_name, netns, netns_addr;
-  if (!o.worker_netns.empty()) {
-    std::vector<std::string> parts;
-    std::stringstream in(o.worker_netns);
-    for (std::string p; std::getline(in, p, ':');) parts.push_back(p);
-    if (parts.size() != 3 || parts[0].rfind("epd-", 0) != 0 || parts[1].empty() ||
-        parts[2].empty()) {
-      std::cerr << "epd serve: --worker-netns '" << o.worker_netns
-                << "' is not NAME:NETNS:ADDR (e.g. epd-decode-1:ns0:10.0.0.2)\n";
-      return 1;
-    }
-    netns_name = parts[0], netns = parts[1], netns_addr = parts[2];
+  o.model_dir = o.data_dir + "/models/nano";
+  if (fs::exists(o.model_dir + "/config.json")) return true;
+  std::cout << "epd serve: generating the nano demo model into " << o.model_dir << "\n";
+  runtime::ChildProcess gen = runtime::ChildProcess::Start(
+      {bin + "/epd", "gen-model", "--preset", "nano", "--out", o.model_dir},
+      o.data_dir + "/logs/gen-model.log");
+  auto rc = gen.Wait(std::chrono::minutes(10));
+  if (!rc || *rc != 0) {
+    std::cerr << "epd serve: gen-model failed; see " << o.data_dir << "/logs/gen-model.log\n";
+    return false;
   }
-  std::map<std::string, std::string> worker_binary;  // pool -> binary
+  return true;
+}
+
+// --worker-netns NAME:NETNS:ADDR into launch.netns_*; false (said on stderr) when malformed.
+bool ParseWorkerNetns(Launcher& launch) {
+  if (launch.o.worker_netns.empty()) return true;
+  std::vector<std::string> parts;
+  std::stringstream in(launch.o.worker_netns);
+  for (std::string p; std::getline(in, p, ':');) parts.push_back(p);
+  if (parts.size() != 3 || parts[0].rfind("epd-", 0) != 0 || parts[1].empty() || parts[2].empty()) {
+    std::cerr << "epd serve: --worker-netns '" << launch.o.worker_netns
+              << "' is not NAME:NETNS:ADDR (e.g. epd-decode-1:ns0:10.0.0.2)\n";
+    return false;
+  }
+  launch.netns_name = parts[0], launch.netns = parts[1], launch.netns_addr = parts[2];
+  return true;
+}
+
+// Each pool's worker binary: epd-POOL beside epd, or --worker-binary POOL=PATH; false (said on
+// stderr) when a --worker-binary is malformed, not executable or names a pool twice.
+bool ChooseWorkerBinaries(Launcher& launch) {
   for (const char* kind : {"encoder", "prefill", "decode"}) {
-    worker_binary[kind] = bin + "/epd-" + kind;
+    launch.worker_binary[kind] = launch.bin + "/epd-" + kind;
   }
   std::set<std::string> given;
-  for (const std::string& spec : o.worker_binaries) {
+  for (const std::string& spec : launch.o.worker_binaries) {
     const size_t eq = spec.find('=');
     const std::string kind = spec.substr(0, eq);
     std::string path = eq == std::string::npos ? "" : spec.substr(eq + 1);
-    if (eq == std::string::npos || !worker_binary.contains(kind) || path.empty()) {
+    if (eq == std::string::npos || !launch.worker_binary.contains(kind) || path.empty()) {
       std::cerr << "epd serve: --worker-binary '" << spec
                 << "' is not POOL=PATH with POOL encoder, prefill or decode\n";
-      return 1;
+      return false;
     }
-    if (path.find('/') == std::string::npos) path = bin + "/" + path;
+    if (path.find('/') == std::string::npos) path = launch.bin + "/" + path;
     std::error_code fs_ec;
     if (!fs::is_regular_file(path, fs_ec) || access(path.c_str(), X_OK) != 0) {
       std::cerr << "epd serve: --worker-binary " << kind << "=" << path
                 << ": not an executable file\n";
-      return 1;
+      return false;
     }
     if (!given.insert(kind).second) {
       std::cerr << "epd serve: --worker-binary names the " << kind << " pool twice\n";
-      return 1;
+      return false;
     }
-    worker_binary[kind] = path;
+    launch.worker_binary[kind] = path;
   }
-  auto run = [&](const std::string& n) { return o.data_dir + "/run/" + n + ".json"; };
-  auto log = [&](const std::string& n) { return o.data_dir + "/logs/" + n + ".log"; };
-  std::vector<std::unique_ptr<Component>> comps;
-  auto add = [&](std::string name, std::vector<std::string> argv) {
-    auto c = std::make_unique<Component>();
-    c->name = name;
-    c->argv = std::move(argv);
-    c->log_path = log(name);
-    c->port_file = run(name);
-    c->argv.insert(c->argv.end(), {"--port-file", c->port_file, "--metrics-port", "0",
-                                   "--log-level", o.log_level, "--host", o.host});
-    comps.push_back(std::move(c));
-    return comps.back().get();
-  };
-  auto stop_all = [&] {
-    // Stop in reverse start order: workers drain first, the store last.
-    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Signal(SIGTERM);
-    for (auto it = comps.rbegin(); it != comps.rend(); ++it) (*it)->proc.Stop();
-  };
+  return true;
+}
 
-  // 1. kvstore. A restarted store reopens its RocksDB and must listen where the others look.
-  Component* kv = add("epd-kvstore",
-                      {bin + "/epd-kvstore", "--data-dir", o.data_dir + "/kvstore", "--grpc-port",
-                       "0", "--swa-ttl-minutes", std::to_string(o.swa_ttl_minutes),
-                       "--global-ttl-hours", std::to_string(o.global_ttl_hours)});
-  if (!StartComponent(*kv)) {
-    stop_all();
-    return 1;
-  }
+// 1. kvstore. A restarted store reopens its RocksDB and must listen where the others look.
+bool StartKvstore(Launcher& launch) {
+  const ServeOptions& o = launch.o;
+  Component* kv = launch.Add(
+      "epd-kvstore", {launch.bin + "/epd-kvstore", "--data-dir", o.data_dir + "/kvstore",
+                      "--grpc-port", "0", "--swa-ttl-minutes", std::to_string(o.swa_ttl_minutes),
+                      "--global-ttl-hours", std::to_string(o.global_ttl_hours)});
+  if (!StartComponent(*kv)) return false;
   const int kv_port = *runtime::WaitForPortFile(kv->port_file, "grpc", std::chrono::seconds(1));
   SetFlag(kv->argv, "--grpc-port", std::to_string(kv_port));
-  const std::string kv_addr = o.host + ":" + std::to_string(kv_port);
+  launch.kv_addr = o.host + ":" + std::to_string(kv_port);
+  return true;
+}
 
-  // 2. router. Workers re-register with a restarted router (it answers their heartbeat with
-  // "unknown").
-  std::vector<std::string> router_argv = {bin + "/epd-router",
-                                          "--http-port", std::to_string(o.http_port),
-                                          "--grpc-port", std::to_string(o.grpc_port),
-                                          "--model", o.model_dir,
-                                          "--kvstore", kv_addr,
-                                          "--migration-limit", std::to_string(o.migration_limit),
-                                          "--context-length", std::to_string(o.context_length)};
+// 2. router. Workers re-register with a restarted router (it answers their heartbeat with
+// "unknown").
+bool StartRouter(Launcher& launch) {
+  ServeOptions& o = launch.o;
+  std::vector<std::string> router_argv = {launch.bin + "/epd-router",
+                                          "--http-port",
+                                          std::to_string(o.http_port),
+                                          "--grpc-port",
+                                          std::to_string(o.grpc_port),
+                                          "--model",
+                                          o.model_dir,
+                                          "--kvstore",
+                                          launch.kv_addr,
+                                          "--migration-limit",
+                                          std::to_string(o.migration_limit),
+                                          "--context-length",
+                                          std::to_string(o.context_length)};
   if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
-  const bool tls = !o.tls_cert.empty() || !o.tls_key.empty();
-  if (tls) {
+  launch.tls = !o.tls_cert.empty() || !o.tls_key.empty();
+  if (launch.tls) {
     // The public ports speak TLS; the workers register on a plaintext port of their own.
     router_argv.insert(router_argv.end(), {"--tls-cert", o.tls_cert, "--tls-key", o.tls_key,
                                            "--worker-grpc-port", "0"});
   }
-  Component* router = add("epd-router", router_argv);
-  if (tls) router->port_key = "worker_grpc";
-  if (!StartComponent(*router)) {
-    stop_all();
-    return 1;
-  }
+  Component* router = launch.Add("epd-router", router_argv);
+  if (launch.tls) router->port_key = "worker_grpc";
+  if (!StartComponent(*router)) return false;
   // A restarted router listens where the clients and the workers look.
   std::vector<std::string> router_keys = {"http", "grpc"};
-  if (tls) router_keys.push_back("worker_grpc");
+  if (launch.tls) router_keys.push_back("worker_grpc");
   for (const std::string& key : router_keys) {
     const int port = *runtime::WaitForPortFile(router->port_file, key, std::chrono::seconds(1));
     std::string flag = "--" + key + "-port";
@@ -475,176 +511,258 @@ int RunServe(ServeOptions o) {
     if (key == "http") o.http_port = port;
     if (key == "grpc") o.grpc_port = port;
   }
-  const std::string router_addr =
+  launch.router_addr =
       o.host + ":" +
-      std::to_string(*runtime::WaitForPortFile(router->port_file, tls ? "worker_grpc" : "grpc",
-                                      std::chrono::seconds(1)));
+      std::to_string(*runtime::WaitForPortFile(
+          router->port_file, launch.tls ? "worker_grpc" : "grpc", std::chrono::seconds(1)));
+  return true;
+}
 
-  // 3. workers
-  int started_workers = 0;
-  std::map<size_t, std::string> on_device;  // devices[i] -> its workers, for the ready message
-  auto add_pool = [&](const std::string& kind, int n) -> bool {
-    const std::string& binary = worker_binary.at(kind);
-    if (!fs::exists(binary)) {
-      std::cerr << "epd serve: " << binary << " is not available in this build; the " << kind
-                << " pool stays empty\n";
-      return true;
-    }
-    // Decode workers that share a memory split its default KV pool (docs/serve.md, Devices):
-    // the number of this pool's workers on each device (the host counts as one).
-    const int first = started_workers;
-    auto device_of = [&](int i) { return static_cast<size_t>(first + i) % devices.size(); };
-    std::vector<int> per_device(devices.size(), 0);
-    for (int i = 0; i < n; ++i) ++per_device[device_of(i)];
-    for (int i = 0; i < n; ++i) {
-      const std::string name = "epd-" + kind + "-" + std::to_string(i);
-      const size_t dev_index = device_of(i);
-      ++started_workers;
-      const std::string dev = devices[dev_index].ToString();
-      on_device[dev_index] += " " + name;
-      std::vector<std::string> argv = {binary,   "--router", router_addr, "--kvstore",
-                                       kv_addr,  "--model",  o.model_dir, "--dspark",
-                                       o.dspark, "--device", dev};
-      if (kind == "decode" && o.kv_pool_bytes > 0)
-        argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
-      if (kind == "decode" && o.kv_pool_bytes <= 0 && per_device[dev_index] > 1)
-        argv.insert(argv.end(), {"--kv-pool-share", std::to_string(per_device[dev_index])});
-      if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
-      if (kind == "decode" && o.dspark_k >= 0)
-        argv.insert(argv.end(), {"--dspark-k", std::to_string(o.dspark_k)});
-      if (name == netns_name) {
-        // Its own network: only eth0 (a veth) reaches the others, so UCX runs over TCP on it
-        // (no shared memory, which would bypass the network).
-        argv.insert(argv.begin(), {FindInPath("ip"), "netns", "exec", netns, "env", "UCX_TLS=tcp",
-                                   "UCX_NET_DEVICES=eth0"});
-        argv.insert(argv.end(), {"--advertise-address", netns_addr});
-      }
-      Component* w = add(name, std::move(argv));
-      w->pool = kind;
-      if (name == netns_name) SetFlag(w->argv, "--host", "0.0.0.0");
-      // The first start waits until it registered with the router (its gRPC port opens
-      // earlier), so "ready" means a request is routed, not answered 503 no_workers. A restart
-      // waits for the gRPC port only: the router may be restarting too, and the supervisor loop
-      // must not block on it.
-      w->port_key = "registered";
-      if (!StartComponent(*w)) return false;
-      w->port_key = "grpc";
-    }
+// The command line of worker `name` of pool `kind` on device `dev`, whose decode workers there
+// number `share`.
+std::vector<std::string> WorkerArgv(const Launcher& launch, const std::string& kind,
+                                    const std::string& name, const std::string& dev, int share) {
+  const ServeOptions& o = launch.o;
+  const std::string& binary = launch.worker_binary.at(kind);
+  std::vector<std::string> argv = {
+      binary,    "--router",  launch.router_addr, "--kvstore", launch.kv_addr,
+      "--model", o.model_dir, "--dspark",         o.dspark,    "--device",
+      dev};
+  if (kind == "decode" && o.kv_pool_bytes > 0)
+    argv.insert(argv.end(), {"--kv-pool-bytes", std::to_string(o.kv_pool_bytes)});
+  if (kind == "decode" && o.kv_pool_bytes <= 0 && share > 1)
+    argv.insert(argv.end(), {"--kv-pool-share", std::to_string(share)});
+  if (kind == "decode") argv.insert(argv.end(), {"--step-graphs", o.step_graphs});
+  if (kind == "decode" && o.dspark_k >= 0)
+    argv.insert(argv.end(), {"--dspark-k", std::to_string(o.dspark_k)});
+  if (name == launch.netns_name) {
+    // Its own network: only eth0 (a veth) reaches the others, so UCX runs over TCP on it
+    // (no shared memory, which would bypass the network).
+    argv.insert(argv.begin(), {FindInPath("ip"), "netns", "exec", launch.netns, "env",
+                               "UCX_TLS=tcp", "UCX_NET_DEVICES=eth0"});
+    argv.insert(argv.end(), {"--advertise-address", launch.netns_addr});
+  }
+  return argv;
+}
+
+// 3. The `n` workers of pool `kind`, each started and registered in turn; false when one could
+// not be. A pool whose binary this build lacks stays empty.
+bool StartPool(Launcher& launch, const std::string& kind, int n) {
+  const std::string& binary = launch.worker_binary.at(kind);
+  if (!fs::exists(binary)) {
+    std::cerr << "epd serve: " << binary << " is not available in this build; the " << kind
+              << " pool stays empty\n";
     return true;
-  };
-  bool ok = add_pool("encoder", o.encoders) && add_pool("prefill", o.prefills) &&
-            add_pool("decode", o.decodes);
-  const std::string targets_path = o.data_dir + "/run/prometheus_targets.json";
-  WriteScrapeTargets(targets_path, comps);
-  if (ok) {
-    std::cout << "epd serve: ready\n"
-              << "  OpenAI API  " << (tls ? "https://" : "http://") << o.host << ":" << o.http_port
-              << "/v1\n"
-              << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference"
-              << (tls ? ", TLS)\n" : ")\n") << "  logs        " << o.data_dir << "/logs\n"
-              << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n";
-    if (device->kind == kernels::DeviceSpec::Kind::kCuda) {
-      for (const auto& [dev_index, names] : on_device) {
-        const std::string dev = devices[dev_index].ToString();
-        std::cout << "  " << dev << (dev.size() < 12 ? std::string(12 - dev.size(), ' ') : " ")
-                  << names.substr(1) << "\n";
+  }
+  // Decode workers that share a memory split its default KV pool (docs/serve.md, Devices):
+  // the number of this pool's workers on each device (the host counts as one).
+  const int first = launch.started_workers;
+  auto device_of = [&](int i) { return static_cast<size_t>(first + i) % launch.devices.size(); };
+  std::vector<int> per_device(launch.devices.size(), 0);
+  for (int i = 0; i < n; ++i) ++per_device[device_of(i)];
+  for (int i = 0; i < n; ++i) {
+    const std::string name = "epd-" + kind + "-" + std::to_string(i);
+    const size_t dev_index = device_of(i);
+    ++launch.started_workers;
+    const std::string dev = launch.devices[dev_index].ToString();
+    launch.on_device[dev_index] += " " + name;
+    Component* w = launch.Add(name, WorkerArgv(launch, kind, name, dev, per_device[dev_index]));
+    w->pool = kind;
+    if (name == launch.netns_name) SetFlag(w->argv, "--host", "0.0.0.0");
+    // The first start waits until it registered with the router (its gRPC port opens
+    // earlier), so "ready" means a request is routed, not answered 503 no_workers. A restart
+    // waits for the gRPC port only: the router may be restarting too, and the supervisor loop
+    // must not block on it.
+    w->port_key = "registered";
+    if (!StartComponent(*w)) return false;
+    w->port_key = "grpc";
+  }
+  return true;
+}
+
+void PrintReady(const Launcher& launch, const std::string& targets_path) {
+  const ServeOptions& o = launch.o;
+  std::cout << "epd serve: ready\n"
+            << "  OpenAI API  " << (launch.tls ? "https://" : "http://") << o.host << ":"
+            << o.http_port << "/v1\n"
+            << "  gRPC        " << o.host << ":" << o.grpc_port << " (epd.v1.Inference"
+            << (launch.tls ? ", TLS)\n" : ")\n") << "  logs        " << o.data_dir << "/logs\n"
+            << "  scrape list " << targets_path << " (deploy/prometheus/prometheus.yml)\n";
+  if (launch.device.kind == kernels::DeviceSpec::Kind::kCuda) {
+    for (const auto& [dev_index, names] : launch.on_device) {
+      const std::string dev = launch.devices[dev_index].ToString();
+      std::cout << "  " << dev << (dev.size() < 12 ? std::string(12 - dev.size(), ' ') : " ")
+                << names.substr(1) << "\n";
+    }
+  }
+  std::cout << "Press Ctrl-C to stop.\n" << std::flush;
+}
+
+// Supervise: a process that exits is restarted after a backoff (doubling from
+// --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
+// --max-restarts restarts of one process within --restart-window-s park it for a window (a
+// worker) or stop everything (the kvstore, the router). A restarted process is polled on each
+// pass until it is up (PollStart), so one slow start delays no other restart.
+class Supervisor {
+ public:
+  using Clock = std::chrono::steady_clock;
+
+  Supervisor(const ServeOptions& o, std::vector<std::unique_ptr<Component>>& comps,
+             const std::string& targets_path)
+      : o_(o),
+        comps_(comps),
+        targets_path_(targets_path),
+        window_(std::chrono::seconds(o.restart_window_s)),
+        backoff_min_(std::chrono::milliseconds(o.restart_backoff_ms)) {}
+
+  // Passes every 100 ms until shutdown is asked; the exit code (1 when the kvstore or the router
+  // ran out of restarts).
+  int Run() {
+    while (!runtime::WaitForShutdown(std::chrono::milliseconds(100))) {
+      const auto now = Clock::now();
+      for (auto& c : comps_) {
+        const Step step = Supervise(*c, now);
+        if (step == Step::kGiveUp) return 1;
+        if (step == Step::kStopPass) break;
       }
     }
-    std::cout << "Press Ctrl-C to stop.\n" << std::flush;
+    return 0;
   }
 
-  // Supervise: a process that exits is restarted after a backoff (doubling from
-  // --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
-  // --max-restarts restarts of one process within --restart-window-s park it for a window (a
-  // worker) or stop everything (the kvstore, the router). A restarted process is polled on each
-  // pass until it is up (PollStart), so one slow start delays no other restart.
-  using Clock = std::chrono::steady_clock;
-  const auto window = std::chrono::seconds(o.restart_window_s);
-  const auto backoff_min = std::chrono::milliseconds(o.restart_backoff_ms);
-  // A start that failed: the next try after a doubled backoff.
-  auto retry_later = [&](Component& c) {
-    c.backoff = std::clamp(c.backoff * 2, backoff_min, backoff_min * 16);
-    c.restart_at = Clock::now() + c.backoff;
-  };
-  int exit_code = ok ? 0 : 1;
-  while (ok && !runtime::WaitForShutdown(std::chrono::milliseconds(100))) {
-    const auto now = Clock::now();
-    for (auto& c : comps) {
-      if (c->starting) {
-        const StartState state = PollStart(*c);
-        if (state == StartState::kPending) continue;
-        c->starting = false;
-        if (state == StartState::kUp) {
-          c->down = false;
-          std::cerr << "epd serve: " << c->name << " restarted (restart " << c->restarts << ", pid "
-                    << c->proc.pid() << ")\n";
-          WriteScrapeTargets(targets_path, comps);
-        } else {
-          retry_later(*c);
-        }
-        continue;
+ private:
+  // After one component: on to the next, the pass stops (a shutdown wins over a restart), or
+  // everything stops.
+  enum class Step { kNext, kStopPass, kGiveUp };
+
+  Step Supervise(Component& c, Clock::time_point now) {
+    if (c.starting) {
+      PollRestart(c);
+      return Step::kNext;
+    }
+    if (!c.down) {
+      if (!c.proc.running()) NoteExit(c, now);
+      return Step::kNext;
+    }
+    if (now < c.restart_at) return Step::kNext;
+    while (!c.recent_restarts.empty() && now - c.recent_restarts.front() > window_) {
+      c.recent_restarts.pop_front();
+    }
+    // (A worker back from a park always gets its one try, even with --max-restarts 0.)
+    if (!c.parked && static_cast<int>(c.recent_restarts.size()) >= o_.max_restarts) {
+      if (c.pool.empty()) {
+        // Nothing serves without the kvstore or the router.
+        std::cerr << "epd serve: " << c.name << " was restarted " << o_.max_restarts
+                  << " times within " << o_.restart_window_s << " s; giving up and stopping. See "
+                  << c.log_path << "\n";
+        return Step::kGiveUp;
       }
-      if (!c->down) {
-        if (c->proc.running()) continue;
-        c->down = true;
-        c->backoff = now - c->up_since >= window
-                         ? backoff_min
-                         : std::clamp(c->backoff * 2, backoff_min, backoff_min * 16);
-        c->restart_at = now + c->backoff;
-        std::cerr << "epd serve: " << c->name << " (pid " << c->proc.pid() << ") exited with status "
-                  << c->proc.exit_status().value_or(-1) << "; restarting in "
-                  << c->backoff.count() << " ms\n";
-        continue;
-      }
-      if (now < c->restart_at) continue;
-      while (!c->recent_restarts.empty() && now - c->recent_restarts.front() > window) {
-        c->recent_restarts.pop_front();
-      }
-      // (A worker back from a park always gets its one try, even with --max-restarts 0.)
-      if (!c->parked && static_cast<int>(c->recent_restarts.size()) >= o.max_restarts) {
-        if (c->pool.empty()) {
-          // Nothing serves without the kvstore or the router.
-          std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts
-                    << " times within " << o.restart_window_s << " s; giving up and stopping. See "
-                    << c->log_path << "\n";
-          exit_code = 1;
-          ok = false;
-          break;
-        }
-        // A worker that cannot run here now (its GPU lost, a bad model file) is parked for a
-        // window: the rest of the cluster keeps serving, its pool without it, and it is tried
-        // again with a fresh budget (an operator may have mended the cause).
-        const int running =
-            static_cast<int>(std::count_if(comps.begin(), comps.end(), [&](const auto& other) {
-              return other->pool == c->pool && !other->down;
-            }));
-        std::cerr << "epd serve: " << c->name << " was restarted " << o.max_restarts
-                  << " times within " << o.restart_window_s << " s; parking it for "
-                  << o.restart_window_s << " s (" << running << " " << c->pool
-                  << " worker(s) still running). See " << c->log_path << "\n";
-        c->parked = true;
-        c->recent_restarts.clear();
-        c->restart_at = now + window;
-        continue;
-      }
-      if (c->parked) {
-        std::cerr << "epd serve: " << c->name << " was parked for " << o.restart_window_s
-                  << " s; trying it again\n";
-        c->parked = false;
-      }
-      c->recent_restarts.push_back(now);
-      ++c->restarts;
-      // A shutdown (e.g. the whole process group got SIGTERM) wins over a restart.
-      if (runtime::ShutdownRequested()) break;
-      if (SpawnComponent(*c)) {
-        c->starting = true;  // polled from the next pass on
-      } else {
-        retry_later(*c);
-      }
+      Park(c, now);
+      return Step::kNext;
+    }
+    if (c.parked) {
+      std::cerr << "epd serve: " << c.name << " was parked for " << o_.restart_window_s
+                << " s; trying it again\n";
+      c.parked = false;
+    }
+    c.recent_restarts.push_back(now);
+    ++c.restarts;
+    // A shutdown (e.g. the whole process group got SIGTERM) wins over a restart.
+    if (runtime::ShutdownRequested()) return Step::kStopPass;
+    if (SpawnComponent(c)) {
+      c.starting = true;  // polled from the next pass on
+    } else {
+      RetryLater(c);
+    }
+    return Step::kNext;
+  }
+
+  // A restarted `c`, polled until it is up (or its start failed: tried again later).
+  void PollRestart(Component& c) {
+    const StartState state = PollStart(c);
+    if (state == StartState::kPending) return;
+    c.starting = false;
+    if (state == StartState::kUp) {
+      c.down = false;
+      std::cerr << "epd serve: " << c.name << " restarted (restart " << c.restarts << ", pid "
+                << c.proc.pid() << ")\n";
+      WriteScrapeTargets(targets_path_, comps_);
+    } else {
+      RetryLater(c);
     }
   }
+
+  // `c` exited: down, with its restart after a backoff (reset when it stayed up a window).
+  void NoteExit(Component& c, Clock::time_point now) {
+    c.down = true;
+    c.backoff = now - c.up_since >= window_
+                    ? backoff_min_
+                    : std::clamp(c.backoff * 2, backoff_min_, backoff_min_ * 16);
+    c.restart_at = now + c.backoff;
+    std::cerr << "epd serve: " << c.name << " (pid " << c.proc.pid() << ") exited with status "
+              << c.proc.exit_status().value_or(-1) << "; restarting in " << c.backoff.count()
+              << " ms\n";
+  }
+
+  // A worker that cannot run here now (its GPU lost, a bad model file) is parked for a window:
+  // the rest of the cluster keeps serving, its pool without it, and it is tried again with a
+  // fresh budget (an operator may have mended the cause).
+  void Park(Component& c, Clock::time_point now) {
+    const int running =
+        static_cast<int>(std::count_if(comps_.begin(), comps_.end(), [&](const auto& other) {
+          return other->pool == c.pool && !other->down;
+        }));
+    std::cerr << "epd serve: " << c.name << " was restarted " << o_.max_restarts << " times within "
+              << o_.restart_window_s << " s; parking it for " << o_.restart_window_s << " s ("
+              << running << " " << c.pool << " worker(s) still running). See " << c.log_path
+              << "\n";
+    c.parked = true;
+    c.recent_restarts.clear();
+    c.restart_at = now + window_;
+  }
+
+  // A start that failed: the next try after a doubled backoff.
+  void RetryLater(Component& c) {
+    c.backoff = std::clamp(c.backoff * 2, backoff_min_, backoff_min_ * 16);
+    c.restart_at = Clock::now() + c.backoff;
+  }
+
+  const ServeOptions& o_;
+  std::vector<std::unique_ptr<Component>>& comps_;
+  const std::string& targets_path_;
+  const std::chrono::seconds window_;
+  const std::chrono::milliseconds backoff_min_;
+};
+
+}  // namespace
+
+int RunServe(ServeOptions o) {
+  Launcher launch(o);
+  if (!ChooseDevices(launch)) return 1;
+  runtime::InstallShutdownHandlers();
+  launch.bin = SelfDir();
+  // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
+  // workers) unless the operator chose devices.
+  if (o.host == "127.0.0.1" || o.host == "localhost") setenv("UCX_NET_DEVICES", "lo", 0);
+  // Workers authenticate each other's transfers with a cluster token; the children inherit it
+  // through the environment (not argv, which every local user can read).
+  setenv("EPD_CLUSTER_TOKEN", RandomClusterToken().c_str(), /*overwrite=*/0);
+  if (!MakeDataDirs(o) || !ChooseModel(o, launch.bin) || !ParseWorkerNetns(launch) ||
+      !ChooseWorkerBinaries(launch)) {
+    return 1;
+  }
+  if (!StartKvstore(launch) || !StartRouter(launch)) {
+    launch.StopAll();
+    return 1;
+  }
+  const bool ok = StartPool(launch, "encoder", o.encoders) &&
+                  StartPool(launch, "prefill", o.prefills) &&
+                  StartPool(launch, "decode", o.decodes);
+  const std::string targets_path = o.data_dir + "/run/prometheus_targets.json";
+  WriteScrapeTargets(targets_path, launch.comps);
+  if (ok) PrintReady(launch, targets_path);
+  const int exit_code = ok ? Supervisor(o, launch.comps, targets_path).Run() : 1;
   std::cout << "epd serve: stopping\n" << std::flush;
-  stop_all();
+  launch.StopAll();
   return exit_code;
 }
 

@@ -6,14 +6,15 @@
 #include <chrono>
 #include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 
 #include "absl/strings/str_cat.h"
 #include "prometheus/text_serializer.h"
+#include "runtime/http_util.h"
 #include "services/router/output_assembly.h"
 #include "services/router/request_validator.h"
 #include "services/router/utf8.h"
-#include "runtime/http_util.h"
 
 namespace epd::services::router {
 namespace {
@@ -740,24 +741,238 @@ void OpenAiHttpServer::Stop() {
   server_.reset();
 }
 
-void OpenAiHttpServer::Routes() {
-  auto authorized = [this](const httplib::Request& req, httplib::Response& res) {
-    if (options_.api_key.empty()) return true;
-    const std::string header = req.get_header_value("Authorization");
-    const std::string_view prefix = "Bearer ";
-    if (header.size() > prefix.size() && header.compare(0, prefix.size(), prefix) == 0 &&
-        ConstantTimeEquals(std::string_view(header).substr(prefix.size()), options_.api_key)) {
-      return true;
-    }
-    absl::Status s = ApiError(absl::StatusCode::kUnauthenticated,
-                              header.empty() ? "Missing API key: send 'Authorization: Bearer <key>'"
-                                             : "Incorrect API key provided",
-                              "", "invalid_api_key");
-    core_.CountRejected(s);
-    SendError(res, s);
-    return false;
-  };
+namespace {
 
+// With --api-key, /v1/* needs "Authorization: Bearer <key>": else a 401 (counted as a rejection)
+// and false.
+bool Authorized(RouterCore& core, const std::string& api_key, const httplib::Request& req,
+                httplib::Response& res) {
+  if (api_key.empty()) return true;
+  const std::string header = req.get_header_value("Authorization");
+  const std::string_view prefix = "Bearer ";
+  if (header.size() > prefix.size() && header.compare(0, prefix.size(), prefix) == 0 &&
+      ConstantTimeEquals(std::string_view(header).substr(prefix.size()), api_key)) {
+    return true;
+  }
+  absl::Status s = ApiError(absl::StatusCode::kUnauthenticated,
+                            header.empty() ? "Missing API key: send 'Authorization: Bearer <key>'"
+                                           : "Incorrect API key provided",
+                            "", "invalid_api_key");
+  core.CountRejected(s);
+  SendError(res, s);
+  return false;
+}
+
+// GET /v1/models: the one model served.
+void ListModels(RouterCore& core, httplib::Response& res) {
+  json data = json::array();
+  data.push_back({{"id", core.options().model},
+                  {"object", "model"},
+                  {"created", 0},
+                  {"owned_by", "epd"},
+                  {"max_model_len", core.options().context_length}});
+  res.set_content(json{{"object", "list"}, {"data", std::move(data)}}.dump(), "application/json");
+}
+
+// GET /v1/models/{id}: the model served, else a 404 (counted as a rejection).
+void GetModel(RouterCore& core, const std::string& id, httplib::Response& res) {
+  if (id != core.options().model) {
+    absl::Status s =
+        ApiError(absl::StatusCode::kNotFound, absl::StrCat("The model '", id, "' does not exist"),
+                 "model", "model_not_found");
+    core.CountRejected(s);
+    return SendError(res, s);
+  }
+  res.set_content(json{{"id", id},
+                       {"object", "model"},
+                       {"created", 0},
+                       {"owned_by", "epd"},
+                       {"max_model_len", core.options().context_length}}
+                      .dump(),
+                  "application/json");
+}
+
+// A generate request that passed every check: prepared, and admitted when admission is on.
+struct Accepted {
+  PreparedRequest prepared;
+  std::shared_ptr<AdmissionQueue::Ticket> ticket;  // null without admission
+  bool stream = false;
+  bool include_usage = false;
+};
+
+// The checks of a generate request, in order: UTF-8, JSON, the OpenAI fields, the router's
+// preparation, a live decode worker, and admission last, so a refused request costs nothing
+// (429 + Retry-After at once). A refusal is counted and sent, and nullopt returned.
+std::optional<Accepted> Accept(RouterCore& core, const HttpOptions& options, bool chat,
+                               const httplib::Request& req, httplib::Response& res) {
+  auto fail = [&](const absl::Status& s) -> std::optional<Accepted> {
+    core.CountRejected(s);
+    SendError(res, s);
+    return std::nullopt;
+  };
+  if (!IsValidUtf8(req.body)) {
+    return fail(Bad("the request body is not valid UTF-8", "", "invalid_utf8"));
+  }
+  json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
+  if (body.is_discarded()) {
+    return fail(Bad("the request body is not valid JSON", "", "invalid_json"));
+  }
+  Accepted a;
+  auto spec = ParseOpenAiRequest(body, chat, &a.stream, &a.include_usage);
+  if (!spec.ok()) return fail(spec.status());
+  spec->request_id = NewRequestId(chat ? "chatcmpl-" : "cmpl-");
+  auto prepared = core.Prepare(std::move(*spec));
+  if (!prepared.ok()) {
+    absl::Status s = prepared.status();
+    if (ErrorParam(s) == "max_tokens" && chat && Field(body, "max_completion_tokens")) {
+      s = ApiError(s.code(), std::string(s.message()), "max_completion_tokens", ErrorCode(s));
+    }
+    return fail(s);
+  }
+  bool serving = false;
+  for (const auto& w : core.registry().Workers(PoolKind::kDecode)) serving |= !w.draining;
+  if (!serving) {
+    return fail(ApiError(absl::StatusCode::kUnavailable, "no live decode worker; try again later",
+                         "", "no_workers"));
+  }
+  if (options.admission) {
+    auto admitted = options.admission->Admit("http");
+    if (!admitted.ok()) {
+      res.set_header("Retry-After", std::to_string(options.admission->options().retry_after_s));
+      return fail(admitted.status());
+    }
+    a.ticket = std::make_shared<AdmissionQueue::Ticket>(std::move(*admitted));
+  }
+  a.prepared = std::move(*prepared);
+  return a;
+}
+
+// One choice of a whole (not streamed) response.
+json WholeChoiceJson(RouterCore& core, const PreparedRequest& prepared, bool chat, size_t idx,
+                     const Choice& ch) {
+  json choice = {{"index", idx}, {"finish_reason", ch.finish_reason}, {"logprobs", nullptr}};
+  if (prepared.logprobs_top >= 0 && !prepared.spec.hide_logprobs) {
+    int64_t offset = 0;
+    choice["logprobs"] = chat ? ChatLogprobsJson(core.codec(), ch.logprobs)
+                              : CompletionLogprobsJson(core.codec(), ch.logprobs, &offset);
+  }
+  if (chat) {
+    json msg = {{"role", "assistant"},
+                {"content", ch.parsed.content.empty() && !ch.parsed.tool_calls.empty()
+                                ? json(nullptr)
+                                : json(ch.parsed.content)}};
+    if (prepared.thinking) msg["reasoning_content"] = ch.parsed.reasoning;
+    if (!ch.parsed.tool_calls.empty()) {
+      msg["tool_calls"] = ToolCallsJson(ch.parsed.tool_calls, false);
+    }
+    choice["message"] = std::move(msg);
+  } else {
+    choice["text"] = ch.parsed.reasoning + ch.parsed.content;
+  }
+  return choice;
+}
+
+// Not streamed: runs the request to its end and sends one JSON response.
+void ReplyWhole(RouterCore& core, const PreparedRequest& prepared, const json& base, bool chat,
+                httplib::Response& res) {
+  Collector collector;
+  auto out = core.Run(prepared, &collector);
+  if (!out.ok()) return SendError(res, out.status());
+  if (prepared.spec.best_of_keep > 0) KeepBestOf(&*out, prepared.spec.best_of_keep);
+  json j = base;
+  json list = json::array();
+  for (size_t idx = 0; idx < out->choices.size(); ++idx) {
+    list.push_back(WholeChoiceJson(core, prepared, chat, idx, out->choices[idx]));
+  }
+  j["choices"] = std::move(list);
+  j["usage"] = UsageJson(*out);
+  res.set_content(Dump(j), "application/json");
+}
+
+// The server-sent events of a streamed request, written to `sink` as it runs: (chat) each
+// choice's role first, the deltas, each choice's tool calls and finish, the usage when asked, an
+// error unless the client cancelled, then [DONE].
+bool StreamEvents(RouterCore& core, const PreparedRequest& request, const json& base, bool chat,
+                  bool include_usage, httplib::DataSink& sink) {
+  SseWriter writer(sink, base, chat, request.logprobs_top >= 0 ? &core.codec() : nullptr);
+  const int n = std::max(1, request.spec.sampling.n());
+  if (chat) {
+    for (int i = 0; i < n; ++i) {
+      writer.Send(writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr, i));
+    }
+  }
+  auto out = core.Run(request, &writer);
+  if (out.ok()) {
+    for (size_t i = 0; i < out->choices.size(); ++i) {
+      const Choice& ch = out->choices[i];
+      const int idx = static_cast<int>(i);
+      if (chat && !ch.parsed.tool_calls.empty()) {
+        writer.Send(writer.Chunk({{"tool_calls", ToolCallsJson(ch.parsed.tool_calls, true)}},
+                                 nullptr, nullptr, idx));
+      }
+      writer.Send(writer.Chunk(chat ? json::object() : json(""), ch.finish_reason, nullptr, idx));
+    }
+    if (include_usage) {
+      json u = base;
+      u["choices"] = json::array();
+      u["usage"] = UsageJson(*out);
+      writer.Send(u);
+    }
+  } else if (out.status().code() != absl::StatusCode::kCancelled) {
+    spdlog::warn("request {} failed: {}", request.spec.request_id,
+                 std::string(out.status().message()));
+    writer.Send(ErrorJson(out.status()));
+  }
+  writer.Write("data: [DONE]\n\n");
+  sink.done();
+  return true;
+}
+
+// POST /v1/chat/completions (`chat`) and /v1/completions: checked and admitted (Accept), then
+// answered whole or streamed as server-sent events (the admission ticket held until the stream
+// ends).
+void HandleGenerate(RouterCore& core, const HttpOptions& options, bool chat,
+                    const httplib::Request& req, httplib::Response& res) {
+  if (!Authorized(core, options.api_key, req, res)) return;
+  std::optional<Accepted> a = Accept(core, options, chat, req, res);
+  if (!a) return;
+  const std::string id = a->prepared.spec.request_id;
+  json base = {{"id", id},
+               {"object", chat ? (a->stream ? "chat.completion.chunk" : "chat.completion")
+                               : "text_completion"},
+               {"created", UnixSeconds()},
+               {"model", a->prepared.spec.model},
+               {"system_fingerprint", core.registry().Fingerprint()}};
+  res.set_header("X-Request-Id", id);
+  if (!a->stream) return ReplyWhole(core, a->prepared, base, chat, res);
+  auto request = std::make_shared<PreparedRequest>(std::move(a->prepared));
+  res.set_header("Cache-Control", "no-cache");
+  res.set_chunked_content_provider(
+      "text/event-stream", [core = &core, request, base, chat, include_usage = a->include_usage,
+                            ticket = a->ticket](size_t, httplib::DataSink& sink) {
+        return StreamEvents(*core, *request, base, chat, include_usage, sink);
+      });
+}
+
+// A known path asked with a method it does not serve: 405 with Allow (RFC 9110 15.5.6), not
+// httplib's 404, counted in epd_request_rejections_total{reason="method_not_allowed"}.
+httplib::Server::Handler MethodNotAllowed(RouterCore& core, std::string allow) {
+  return [core = &core, allow](const httplib::Request& req, httplib::Response& res) {
+    absl::Status s = ApiError(
+        absl::StatusCode::kInvalidArgument,
+        absl::StrCat("Method ", req.method, " is not allowed on ", req.path, "; allowed: ", allow),
+        "", "method_not_allowed");
+    core->CountRejected(s);
+    json body = ErrorJson(s);
+    res.status = 405;
+    res.set_header("Allow", allow);
+    res.set_content(body.dump(), "application/json");
+  };
+}
+
+}  // namespace
+
+void OpenAiHttpServer::Routes() {
   server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
     bool serving = false;
     const std::string body = RouterHealthJson(core_, &serving);
@@ -769,198 +984,30 @@ void OpenAiHttpServer::Routes() {
     res.set_content(serializer.Serialize(metrics_->Collect()),
                     "text/plain; version=0.0.4; charset=utf-8");
   });
-  server_->Get("/v1/models", [this, authorized](const httplib::Request& req,
-                                                httplib::Response& res) {
-    if (!authorized(req, res)) return;
-    json data = json::array();
-    data.push_back({{"id", core_.options().model},
-                    {"object", "model"},
-                    {"created", 0},
-                    {"owned_by", "epd"},
-                    {"max_model_len", core_.options().context_length}});
-    res.set_content(json{{"object", "list"}, {"data", std::move(data)}}.dump(),
-                    "application/json");
+  server_->Get("/v1/models", [this](const httplib::Request& req, httplib::Response& res) {
+    if (Authorized(core_, options_.api_key, req, res)) ListModels(core_, res);
   });
-
-  server_->Get(R"(/v1/models/(.+))", [this, authorized](const httplib::Request& req,
-                                                        httplib::Response& res) {
-    if (!authorized(req, res)) return;
-    const std::string id = req.matches[1];
-    if (id != core_.options().model) {
-      absl::Status s = ApiError(absl::StatusCode::kNotFound,
-                                absl::StrCat("The model '", id, "' does not exist"), "model",
-                                "model_not_found");
-      core_.CountRejected(s);
-      return SendError(res, s);
-    }
-    res.set_content(json{{"id", id},
-                         {"object", "model"},
-                         {"created", 0},
-                         {"owned_by", "epd"},
-                         {"max_model_len", core_.options().context_length}}
-                        .dump(),
-                    "application/json");
+  server_->Get(R"(/v1/models/(.+))", [this](const httplib::Request& req, httplib::Response& res) {
+    if (Authorized(core_, options_.api_key, req, res)) GetModel(core_, req.matches[1], res);
   });
-
-  auto generate = [this, authorized](bool chat) {
-    return [this, authorized, chat](const httplib::Request& req, httplib::Response& res) {
-      if (!authorized(req, res)) return;
-      auto fail = [&](const absl::Status& s) {
-        core_.CountRejected(s);
-        SendError(res, s);
-      };
-      if (!IsValidUtf8(req.body)) {
-        return fail(Bad("the request body is not valid UTF-8", "", "invalid_utf8"));
-      }
-      json body = json::parse(req.body, nullptr, /*allow_exceptions=*/false);
-      if (body.is_discarded()) {
-        return fail(Bad("the request body is not valid JSON", "", "invalid_json"));
-      }
-      bool stream = false, include_usage = false;
-      auto spec = ParseOpenAiRequest(body, chat, &stream, &include_usage);
-      if (!spec.ok()) return fail(spec.status());
-      spec->request_id = NewRequestId(chat ? "chatcmpl-" : "cmpl-");
-      auto prepared = core_.Prepare(std::move(*spec));
-      if (!prepared.ok()) {
-        absl::Status s = prepared.status();
-        if (ErrorParam(s) == "max_tokens" && chat && Field(body, "max_completion_tokens")) {
-          s = ApiError(s.code(), std::string(s.message()), "max_completion_tokens", ErrorCode(s));
-        }
-        return fail(s);
-      }
-      bool serving = false;
-      for (const auto& w : core_.registry().Workers(PoolKind::kDecode)) serving |= !w.draining;
-      if (!serving) {
-        return fail(ApiError(absl::StatusCode::kUnavailable,
-                             "no live decode worker; try again later", "", "no_workers"));
-      }
-      // Admission last, so a refused request costs nothing; 429 + Retry-After at once.
-      std::shared_ptr<AdmissionQueue::Ticket> ticket;
-      if (options_.admission) {
-        auto admitted = options_.admission->Admit("http");
-        if (!admitted.ok()) {
-          res.set_header("Retry-After",
-                         std::to_string(options_.admission->options().retry_after_s));
-          return fail(admitted.status());
-        }
-        ticket = std::make_shared<AdmissionQueue::Ticket>(std::move(*admitted));
-      }
-      const std::string id = prepared->spec.request_id;
-      json base = {{"id", id},
-                   {"object", chat ? (stream ? "chat.completion.chunk" : "chat.completion")
-                                   : "text_completion"},
-                   {"created", UnixSeconds()},
-                   {"model", prepared->spec.model},
-                   {"system_fingerprint", core_.registry().Fingerprint()}};
-      res.set_header("X-Request-Id", id);
-      if (!stream) {
-        Collector collector;
-        auto out = core_.Run(*prepared, &collector);
-        if (!out.ok()) return SendError(res, out.status());
-        if (prepared->spec.best_of_keep > 0) KeepBestOf(&*out, prepared->spec.best_of_keep);
-        json j = base;
-        json list = json::array();
-        for (size_t idx = 0; idx < out->choices.size(); ++idx) {
-          const Choice& ch = out->choices[idx];
-          json choice = {{"index", idx}, {"finish_reason", ch.finish_reason}, {"logprobs", nullptr}};
-          if (prepared->logprobs_top >= 0 && !prepared->spec.hide_logprobs) {
-            int64_t offset = 0;
-            choice["logprobs"] = chat ? ChatLogprobsJson(core_.codec(), ch.logprobs)
-                                      : CompletionLogprobsJson(core_.codec(), ch.logprobs, &offset);
-          }
-          if (chat) {
-            json msg = {{"role", "assistant"},
-                        {"content", ch.parsed.content.empty() && !ch.parsed.tool_calls.empty()
-                                        ? json(nullptr)
-                                        : json(ch.parsed.content)}};
-            if (prepared->thinking) msg["reasoning_content"] = ch.parsed.reasoning;
-            if (!ch.parsed.tool_calls.empty()) {
-              msg["tool_calls"] = ToolCallsJson(ch.parsed.tool_calls, false);
-            }
-            choice["message"] = std::move(msg);
-          } else {
-            choice["text"] = ch.parsed.reasoning + ch.parsed.content;
-          }
-          list.push_back(std::move(choice));
-        }
-        j["choices"] = std::move(list);
-        j["usage"] = UsageJson(*out);
-        res.set_content(Dump(j), "application/json");
-        return;
-      }
-      auto request = std::make_shared<PreparedRequest>(std::move(*prepared));
-      res.set_header("Cache-Control", "no-cache");
-      res.set_chunked_content_provider(
-          "text/event-stream",
-          [this, request, base, chat, include_usage, ticket](size_t,
-                                                              httplib::DataSink& sink) {
-            SseWriter writer(sink, base, chat,
-                             request->logprobs_top >= 0 ? &core_.codec() : nullptr);
-            const int n = std::max(1, request->spec.sampling.n());
-            if (chat) {
-              for (int i = 0; i < n; ++i) {
-                writer.Send(
-                    writer.Chunk({{"role", "assistant"}, {"content", ""}}, nullptr, nullptr, i));
-              }
-            }
-            auto out = core_.Run(*request, &writer);
-            if (out.ok()) {
-              for (size_t i = 0; i < out->choices.size(); ++i) {
-                const Choice& ch = out->choices[i];
-                const int idx = static_cast<int>(i);
-                if (chat && !ch.parsed.tool_calls.empty()) {
-                  writer.Send(writer.Chunk({{"tool_calls", ToolCallsJson(ch.parsed.tool_calls, true)}},
-                                           nullptr, nullptr, idx));
-                }
-                writer.Send(
-                    writer.Chunk(chat ? json::object() : json(""), ch.finish_reason, nullptr, idx));
-              }
-              if (include_usage) {
-                json u = base;
-                u["choices"] = json::array();
-                u["usage"] = UsageJson(*out);
-                writer.Send(u);
-              }
-            } else if (out.status().code() != absl::StatusCode::kCancelled) {
-              spdlog::warn("request {} failed: {}", request->spec.request_id,
-                           std::string(out.status().message()));
-              writer.Send(ErrorJson(out.status()));
-            }
-            writer.Write("data: [DONE]\n\n");
-            sink.done();
-            return true;
-          });
-    };
-  };
-  server_->Post("/v1/chat/completions", generate(true));
-  server_->Post("/v1/completions", generate(false));
-
-  // A known path asked with a method it does not serve: 405 with Allow (RFC 9110 15.5.6), not
-  // httplib's 404, counted in epd_request_rejections_total{reason="method_not_allowed"}.
-  auto not_allowed = [this](std::string allow) {
-    return [this, allow](const httplib::Request& req, httplib::Response& res) {
-      absl::Status s = ApiError(absl::StatusCode::kInvalidArgument,
-                                absl::StrCat("Method ", req.method, " is not allowed on ", req.path,
-                                             "; allowed: ", allow),
-                                "", "method_not_allowed");
-      core_.CountRejected(s);
-      json body = ErrorJson(s);
-      res.status = 405;
-      res.set_header("Allow", allow);
-      res.set_content(body.dump(), "application/json");
-    };
-  };
+  server_->Post("/v1/chat/completions",
+                [this](const httplib::Request& req, httplib::Response& res) {
+                  HandleGenerate(core_, options_, /*chat=*/true, req, res);
+                });
+  server_->Post("/v1/completions", [this](const httplib::Request& req, httplib::Response& res) {
+    HandleGenerate(core_, options_, /*chat=*/false, req, res);
+  });
   for (const char* path : {"/v1/chat/completions", "/v1/completions"}) {
-    server_->Get(path, not_allowed("POST"));
-    server_->Put(path, not_allowed("POST"));
-    server_->Patch(path, not_allowed("POST"));
-    server_->Delete(path, not_allowed("POST"));
+    server_->Get(path, MethodNotAllowed(core_, "POST"));
+    server_->Put(path, MethodNotAllowed(core_, "POST"));
+    server_->Patch(path, MethodNotAllowed(core_, "POST"));
+    server_->Delete(path, MethodNotAllowed(core_, "POST"));
   }
   for (const char* path : {"/v1/models", "/health", "/metrics"}) {
-    server_->Post(path, not_allowed("GET, HEAD"));
-    server_->Put(path, not_allowed("GET, HEAD"));
-    server_->Patch(path, not_allowed("GET, HEAD"));
-    server_->Delete(path, not_allowed("GET, HEAD"));
+    server_->Post(path, MethodNotAllowed(core_, "GET, HEAD"));
+    server_->Put(path, MethodNotAllowed(core_, "GET, HEAD"));
+    server_->Patch(path, MethodNotAllowed(core_, "GET, HEAD"));
+    server_->Delete(path, MethodNotAllowed(core_, "GET, HEAD"));
   }
 }
 
