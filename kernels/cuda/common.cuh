@@ -1,9 +1,11 @@
 #pragma once
 
-// Helpers shared by the kernels/cuda .cu files (device side only).
+// Helpers shared by the kernels/cuda .cu files: launch shapes, scratch layouts (host side) and
+// device arithmetic.
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/codec.h"
@@ -15,6 +17,20 @@ constexpr int kThreads = 256;
 inline unsigned GridFor(int64_t n, int threads = kThreads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
+
+// A launcher's scratch memory is laid out in pieces of kAlign bytes.
+constexpr size_t kAlign = 256;
+inline size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Lays out a scratch buffer: each Take returns the offset of the next aligned piece.
+struct ScratchCursor {
+  size_t at = 0;
+  size_t Take(size_t bytes) {
+    const size_t here = at;
+    at += AlignUp(bytes);
+    return here;
+  }
+};
 
 // fp32 transcendental functions: evaluated in double and rounded once to fp32, i.e. the
 // correctly rounded fp32 result in all but vanishingly rare cases. glibc's expf/log1pf/cosf/sinf
