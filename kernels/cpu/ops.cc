@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "kernels/cpu/numerics.h"
+#include "kernels/hc_math.h"
 #include "kernels/torch_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -804,56 +805,25 @@ void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* 
   const int64_t n = hc * dim;
   const int nm = (2 + hc) * hc;
   const float rs = 1.f / std::sqrt(TorchMeanSquare(h, n) + norm_eps);
-  std::vector<float> m(nm);
+  std::vector<float> m(nm);  // the projection's dots, each scaled by rs where it is used
 #ifdef EPD_AVX2_PATH
   if (UseSimd()) {
     LinearOrderedAvx(h, 1, fn, nm, n, m.data(), nm, /*round=*/false, /*dp=*/false);
-    for (int j = 0; j < nm; ++j) m[j] *= rs;
   } else
 #endif
   {
-    for (int j = 0; j < nm; ++j) m[j] = DotSeq(h, fn + j * n, n) * rs;
+    for (int j = 0; j < nm; ++j) m[j] = DotSeq(h, fn + j * n, n);
   }
   // torch.sigmoid: 1 / (1 + exp(-x)) with Sleef's exp on its vectorized path, glibc's expf on
   // its scalar path (single-token calls: 4-element tensors).
   auto sigmoid = [torch_vector_exp](float x) {
     return 1.f / (1.f + (torch_vector_exp ? TorchExp(-x) : std::exp(-x)));
   };
-  for (int j = 0; j < hc; ++j) pre[j] = sigmoid(m[j] * scale[0] + base[j]) + hc_eps;
-  for (int j = 0; j < hc; ++j) post[j] = 2.f * sigmoid(m[hc + j] * scale[1] + base[hc + j]);
+  for (int j = 0; j < hc; ++j) pre[j] = sigmoid((m[j] * rs) * scale[0] + base[j]) + hc_eps;
   for (int j = 0; j < hc; ++j) {
-    float* row = comb + j * hc;
-    float mx = -INFINITY;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = m[2 * hc + j * hc + k] * scale[2] + base[2 * hc + j * hc + k];
-      mx = std::max(mx, row[k]);
-    }
-    float sum = 0.f;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = TorchExp(row[k] - mx);  // torch.exp: always its vectorized path
-      sum += row[k];
-    }
-    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
+    post[j] = 2.f * sigmoid((m[hc + j] * rs) * scale[1] + base[hc + j]);
   }
-  auto col_norm = [&] {
-    for (int k = 0; k < hc; ++k) {
-      float s = 0.f;
-      for (int j = 0; j < hc; ++j) s += comb[j * hc + k];
-      for (int j = 0; j < hc; ++j) comb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  auto row_norm = [&] {
-    for (int j = 0; j < hc; ++j) {
-      float s = 0.f;
-      for (int k = 0; k < hc; ++k) s += comb[j * hc + k];
-      for (int k = 0; k < hc; ++k) comb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  col_norm();
-  for (int it = 1; it < sinkhorn_iters; ++it) {
-    row_norm();
-    col_norm();
-  }
+  hc_math::HcComb(m.data() + 2 * hc, rs, scale[2], base + 2 * hc, hc, sinkhorn_iters, hc_eps, comb);
 }
 
 #ifdef EPD_AVX2_PATH
