@@ -140,6 +140,41 @@ EPD_AVX2 void DecodeRowsAvx(const QuantWeight& w, int64_t o, int64_t n, float* o
 }
 #endif
 
+// LinearQuant's outputs o_begin .. out-1 of the quantized rows q [rows, in] / s [rows, nb], one
+// output at a time: y[r, o] = bf16(sum over blocks b in order of Dot8(q_r, w_o) over block b *
+// s[r, b] * the weight's scale of block b). A packed weight row is decoded into wdec [in] first
+// (by DecodeRowsAvx when `avx`: the same values).
+void QuantOutputs(const float* q, const float* s, int64_t rows, const QuantWeight& w,
+                  const float* scales, int64_t o_begin, [[maybe_unused]] bool avx, float* wdec,
+                  float* y) {
+  const int64_t k = w.in, nb = (k + 31) / 32, scols = w.scale_cols();
+  for (int64_t o = o_begin; o < w.out; ++o) {
+    const float* wr = wdec;
+    if (!w.packed()) {
+      wr = w.values.data() + o * k;
+#ifdef EPD_AVX2_PATH
+    } else if (avx) {
+      DecodeRowsAvx(w, o, 1, wdec);
+#endif
+    } else {
+      DecodeRowsScalar(w, o, 1, wdec);
+    }
+    const float* ws = scales + (o / w.block_rows) * scols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * k;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t b0 = b * 32;
+        // Products of E4M3/E2M1 values are exact, and so are these block sums for the
+        // magnitudes involved; the lanes only make the loop vectorisable.
+        acc += Dot8(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
+               ws[b0 / w.block_cols];
+      }
+      y[r * w.out + o] = RoundBf16(acc);
+    }
+  }
+}
+
 #ifdef EPD_AVX2_PATH
 // [v0..v7] -> [tree(v0), ..., tree(v7)] with tree(v) = ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), the
 // lane combination of Dot8.
@@ -380,26 +415,7 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
       for (int j = 0; j < 8; ++j) yr[j] = RoundBf16(res[j]);
     }
   }
-  for (int64_t o = o8; o < w.out; ++o) {
-    const float* wr;
-    if (w.packed()) {
-      DecodeRowsAvx(w, o, 1, wdec.data());
-      wr = wdec.data();
-    } else {
-      wr = w.values.data() + o * k;
-    }
-    const float* wsr = scales + (o / w.block_rows) * scols;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q.data() + r * k;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t b0 = b * 32;
-        acc += Dot8(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
-               wsr[b0 / w.block_cols];
-      }
-      y[r * w.out + o] = RoundBf16(acc);
-    }
-  }
+  QuantOutputs(q.data(), s.data(), rows, w, scales, o8, /*avx=*/true, wdec.data(), y);
 }
 #endif
 
@@ -421,35 +437,12 @@ void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
 #endif
   const int64_t k = w.in;
   const int64_t nb = (k + 31) / 32;
-  const int64_t scols = w.scale_cols();
   std::vector<float> q(rows * k), s(rows * nb), wdec, sdec;
   const float* scales = w.packed() ? DecodeScales(w, sdec) : w.scales.data();
   if (w.packed()) wdec.resize(k);
   for (int64_t r = 0; r < rows; ++r)
     QuantizeFp8Row(x + r * k, k, q.data() + r * k, s.data() + r * nb);
-  for (int64_t o = 0; o < w.out; ++o) {
-    const float* wr;
-    if (w.packed()) {
-      DecodeRowsScalar(w, o, 1, wdec.data());
-      wr = wdec.data();
-    } else {
-      wr = w.values.data() + o * k;
-    }
-    const float* ws = scales + (o / w.block_rows) * scols;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q.data() + r * k;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t b0 = b * 32;
-        const int64_t n = std::min<int64_t>(32, k - b0);
-        // Products of E4M3/E2M1 values are exact, and so are these block sums for the
-        // magnitudes involved; the lanes only make the loop vectorisable.
-        float d = Dot8(qr + b0, wr + b0, n);
-        acc += d * s[r * nb + b] * ws[b0 / w.block_cols];
-      }
-      y[r * w.out + o] = RoundBf16(acc);
-    }
-  }
+  QuantOutputs(q.data(), s.data(), rows, w, scales, 0, /*avx=*/false, wdec.data(), y);
 }
 
 namespace {

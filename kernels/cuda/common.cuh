@@ -55,18 +55,18 @@ __device__ __forceinline__ float Tree8(const float* l) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread: 8 lanes over i = j mod 8 in order, the
-// tree, then the tail in order.
-__device__ __forceinline__ float Dot8(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread (n: a quantization block, at most 32): 8
+// lanes over i = j mod 8 in order, the tree, then the tail in order.
+__device__ __forceinline__ float Dot8(const float* a, const float* b, int n) {
+  const int n8 = n / 8 * 8;
+  float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < n8; i += 8) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; ++j) l[j] += a[i + j] * b[i + j];
   }
-  float s = Tree8(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  float d = Tree8(l);
+  for (int i = n8; i < n; ++i) d += a[i] * b[i];
+  return d;
 }
 
 }  // namespace epd::kernels::cuda
