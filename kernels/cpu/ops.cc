@@ -21,21 +21,28 @@
 namespace epd::kernels::cpu {
 namespace {
 
-bool DetectSimd() {
+// What the CPU has, detected once: AVX2 (every SIMD path) and FMA (TorchExpN's lanes besides).
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+};
+CpuFeatures DetectFeatures() {
+  CpuFeatures f;
 #ifdef EPD_AVX2_PATH
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = f.avx2 && __builtin_cpu_supports("fma");
 #endif
+  return f;
 }
-bool SimdSupported() {
-  static const bool supported = DetectSimd();
-  return supported;
+const CpuFeatures& Features() {
+  static const CpuFeatures features = DetectFeatures();
+  return features;
 }
-// Per-thread switch (REVIEW: the process-wide switch let one test's setting leak into others).
+// The switch (ops.h): per thread, set only by ScopedScalarKernels (REVIEW: a process-wide switch
+// let one test's setting leak into others).
 thread_local bool t_scalar = false;
-inline bool UseSimd() { return !t_scalar && SimdSupported(); }
+inline bool UseSimd() { return !t_scalar && Features().avx2; }
 
 // Dot product with 8 independent fp32 lanes (vectorisable); used where the reference's own
 // accumulation order is unspecified (plain bf16/fp32 matmuls).
@@ -421,7 +428,6 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
 
 }  // namespace
 
-void SetSimdEnabled(bool on) { t_scalar = !on; }
 bool SimdEnabled() { return UseSimd(); }
 
 ScopedScalarKernels::ScopedScalarKernels(bool scalar) : active_(scalar), prev_(t_scalar) {
@@ -540,10 +546,6 @@ float TorchExp(float d) { return torch_math::TorchExp(d); }
 
 #ifdef EPD_AVX2_PATH
 namespace {
-bool DetectFma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 // TorchExp of 8 lanes: the same operations (FMA where Sleef fuses).
 __attribute__((target("avx2,fma"))) void TorchExpAvx(const float* x, float* y, int64_t n) {
   const __m256 r_ln2 = _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934f),
@@ -581,8 +583,7 @@ __attribute__((target("avx2,fma"))) void TorchExpAvx(const float* x, float* y, i
 
 void TorchExpN(const float* x, float* y, int64_t n) {
 #ifdef EPD_AVX2_PATH
-  static const bool fma = DetectFma();
-  if (fma && UseSimd()) return TorchExpAvx(x, y, n);
+  if (UseSimd() && Features().fma) return TorchExpAvx(x, y, n);
 #endif
   for (int64_t i = 0; i < n; ++i) y[i] = TorchExp(x[i]);
 }
