@@ -2,7 +2,7 @@
 
 // The sampling penalties' arithmetic on one logit (OpenAI frequency / presence, HF/vLLM
 // repetition; model/sampling.h), shared by the host Sampler (model/sampling.cc), the CPU
-// backend's PenalizeLogits and its CUDA kernel (kernels/cuda/select.cu): one copy, compiled
+// backend's PenalizeLogits and its CUDA kernel (kernels/cuda/sampling.cu): one copy, compiled
 // __host__ __device__ under nvcc, so a penalized logit has the same bits wherever it is computed.
 
 #include <cstdint>

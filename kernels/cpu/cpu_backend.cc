@@ -413,36 +413,31 @@ class CpuBackend final : public Backend {
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                  const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                  float norm_eps, float* pre, float* post, float* comb) override {
-    EPD_CHECK_OPERANDS("HcMixes", {{"h", h},
-                                   {"fn", fn},
-                                   {"scale", scale},
-                                   {"base", base},
-                                   {"pre", pre},
-                                   {"post", post},
-                                   {"comb", comb}});
-    if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
-    ScopedScalarKernels s(!options_.simd);
-    for (int64_t r = 0; r < rows; ++r) {
-      cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                   pre + r * hc, post + r * hc, comb + r * hc * hc, /*torch_vector_exp=*/true);
-    }
-    return OkStatus();
+    return Mixes("HcMixes", rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
+                 pre, post, comb, /*torch_vector_exp=*/true);
   }
   Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                             const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                             float norm_eps, float* pre, float* post, float* comb) override {
-    EPD_CHECK_OPERANDS("HcMixesSingleToken", {{"h", h},
-                                              {"fn", fn},
-                                              {"scale", scale},
-                                              {"base", base},
-                                              {"pre", pre},
-                                              {"post", post},
-                                              {"comb", comb}});
+    return Mixes("HcMixesSingleToken", rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps,
+                 norm_eps, pre, post, comb, /*torch_vector_exp=*/false);
+  }
+  // HcMixes and HcMixesSingleToken (op): the sigmoids with torch's vectorized exp or glibc's.
+  Status Mixes(const char* op, int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+               const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
+               float norm_eps, float* pre, float* post, float* comb, bool torch_vector_exp) {
+    EPD_CHECK_OPERANDS(op, {{"h", h},
+                            {"fn", fn},
+                            {"scale", scale},
+                            {"base", base},
+                            {"pre", pre},
+                            {"post", post},
+                            {"comb", comb}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
     ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
       cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                   pre + r * hc, post + r * hc, comb + r * hc * hc, /*torch_vector_exp=*/false);
+                   pre + r * hc, post + r * hc, comb + r * hc * hc, torch_vector_exp);
     }
     return OkStatus();
   }

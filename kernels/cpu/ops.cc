@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "kernels/cpu/numerics.h"
+#include "kernels/hc_math.h"
 #include "kernels/torch_math.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -20,21 +21,28 @@
 namespace epd::kernels::cpu {
 namespace {
 
-bool DetectSimd() {
+// What the CPU has, detected once: AVX2 (every SIMD path) and FMA (TorchExpN's lanes besides).
+struct CpuFeatures {
+  bool avx2 = false;
+  bool fma = false;
+};
+CpuFeatures DetectFeatures() {
+  CpuFeatures f;
 #ifdef EPD_AVX2_PATH
   __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2");
-#else
-  return false;
+  f.avx2 = __builtin_cpu_supports("avx2");
+  f.fma = f.avx2 && __builtin_cpu_supports("fma");
 #endif
+  return f;
 }
-bool SimdSupported() {
-  static const bool supported = DetectSimd();
-  return supported;
+const CpuFeatures& Features() {
+  static const CpuFeatures features = DetectFeatures();
+  return features;
 }
-// Per-thread switch (REVIEW: the process-wide switch let one test's setting leak into others).
+// The switch (ops.h): per thread, set only by ScopedScalarKernels (REVIEW: a process-wide switch
+// let one test's setting leak into others).
 thread_local bool t_scalar = false;
-inline bool UseSimd() { return !t_scalar && SimdSupported(); }
+inline bool UseSimd() { return !t_scalar && Features().avx2; }
 
 // Dot product with 8 independent fp32 lanes (vectorisable); used where the reference's own
 // accumulation order is unspecified (plain bf16/fp32 matmuls).
@@ -138,6 +146,41 @@ EPD_AVX2 void DecodeRowsAvx(const QuantWeight& w, int64_t o, int64_t n, float* o
   }
 }
 #endif
+
+// LinearQuant's outputs o_begin .. out-1 of the quantized rows q [rows, in] / s [rows, nb], one
+// output at a time: y[r, o] = bf16(sum over blocks b in order of Dot8(q_r, w_o) over block b *
+// s[r, b] * the weight's scale of block b). A packed weight row is decoded into wdec [in] first
+// (by DecodeRowsAvx when `avx`: the same values).
+void QuantOutputs(const float* q, const float* s, int64_t rows, const QuantWeight& w,
+                  const float* scales, int64_t o_begin, [[maybe_unused]] bool avx, float* wdec,
+                  float* y) {
+  const int64_t k = w.in, nb = (k + 31) / 32, scols = w.scale_cols();
+  for (int64_t o = o_begin; o < w.out; ++o) {
+    const float* wr = wdec;
+    if (!w.packed()) {
+      wr = w.values.data() + o * k;
+#ifdef EPD_AVX2_PATH
+    } else if (avx) {
+      DecodeRowsAvx(w, o, 1, wdec);
+#endif
+    } else {
+      DecodeRowsScalar(w, o, 1, wdec);
+    }
+    const float* ws = scales + (o / w.block_rows) * scols;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = q + r * k;
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        const int64_t b0 = b * 32;
+        // Products of E4M3/E2M1 values are exact, and so are these block sums for the
+        // magnitudes involved; the lanes only make the loop vectorisable.
+        acc += Dot8(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
+               ws[b0 / w.block_cols];
+      }
+      y[r * w.out + o] = RoundBf16(acc);
+    }
+  }
+}
 
 #ifdef EPD_AVX2_PATH
 // [v0..v7] -> [tree(v0), ..., tree(v7)] with tree(v) = ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), the
@@ -379,32 +422,12 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
       for (int j = 0; j < 8; ++j) yr[j] = RoundBf16(res[j]);
     }
   }
-  for (int64_t o = o8; o < w.out; ++o) {
-    const float* wr;
-    if (w.packed()) {
-      DecodeRowsAvx(w, o, 1, wdec.data());
-      wr = wdec.data();
-    } else {
-      wr = w.values.data() + o * k;
-    }
-    const float* wsr = scales + (o / w.block_rows) * scols;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q.data() + r * k;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t b0 = b * 32;
-        acc += Dot8(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
-               wsr[b0 / w.block_cols];
-      }
-      y[r * w.out + o] = RoundBf16(acc);
-    }
-  }
+  QuantOutputs(q.data(), s.data(), rows, w, scales, o8, /*avx=*/true, wdec.data(), y);
 }
 #endif
 
 }  // namespace
 
-void SetSimdEnabled(bool on) { t_scalar = !on; }
 bool SimdEnabled() { return UseSimd(); }
 
 ScopedScalarKernels::ScopedScalarKernels(bool scalar) : active_(scalar), prev_(t_scalar) {
@@ -420,35 +443,12 @@ void LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) {
 #endif
   const int64_t k = w.in;
   const int64_t nb = (k + 31) / 32;
-  const int64_t scols = w.scale_cols();
   std::vector<float> q(rows * k), s(rows * nb), wdec, sdec;
   const float* scales = w.packed() ? DecodeScales(w, sdec) : w.scales.data();
   if (w.packed()) wdec.resize(k);
   for (int64_t r = 0; r < rows; ++r)
     QuantizeFp8Row(x + r * k, k, q.data() + r * k, s.data() + r * nb);
-  for (int64_t o = 0; o < w.out; ++o) {
-    const float* wr;
-    if (w.packed()) {
-      DecodeRowsScalar(w, o, 1, wdec.data());
-      wr = wdec.data();
-    } else {
-      wr = w.values.data() + o * k;
-    }
-    const float* ws = scales + (o / w.block_rows) * scols;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q.data() + r * k;
-      float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
-        const int64_t b0 = b * 32;
-        const int64_t n = std::min<int64_t>(32, k - b0);
-        // Products of E4M3/E2M1 values are exact, and so are these block sums for the
-        // magnitudes involved; the lanes only make the loop vectorisable.
-        float d = Dot8(qr + b0, wr + b0, n);
-        acc += d * s[r * nb + b] * ws[b0 / w.block_cols];
-      }
-      y[r * w.out + o] = RoundBf16(acc);
-    }
-  }
+  QuantOutputs(q.data(), s.data(), rows, w, scales, 0, /*avx=*/false, wdec.data(), y);
 }
 
 namespace {
@@ -546,10 +546,6 @@ float TorchExp(float d) { return torch_math::TorchExp(d); }
 
 #ifdef EPD_AVX2_PATH
 namespace {
-bool DetectFma() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}
 // TorchExp of 8 lanes: the same operations (FMA where Sleef fuses).
 __attribute__((target("avx2,fma"))) void TorchExpAvx(const float* x, float* y, int64_t n) {
   const __m256 r_ln2 = _mm256_set1_ps(1.442695040888963407359924681001892137426645954152985934f),
@@ -587,8 +583,7 @@ __attribute__((target("avx2,fma"))) void TorchExpAvx(const float* x, float* y, i
 
 void TorchExpN(const float* x, float* y, int64_t n) {
 #ifdef EPD_AVX2_PATH
-  static const bool fma = DetectFma();
-  if (fma && UseSimd()) return TorchExpAvx(x, y, n);
+  if (UseSimd() && Features().fma) return TorchExpAvx(x, y, n);
 #endif
   for (int64_t i = 0; i < n; ++i) y[i] = TorchExp(x[i]);
 }
@@ -804,56 +799,25 @@ void HcMixes(const float* h, int hc, int64_t dim, const float* fn, const float* 
   const int64_t n = hc * dim;
   const int nm = (2 + hc) * hc;
   const float rs = 1.f / std::sqrt(TorchMeanSquare(h, n) + norm_eps);
-  std::vector<float> m(nm);
+  std::vector<float> m(nm);  // the projection's dots, each scaled by rs where it is used
 #ifdef EPD_AVX2_PATH
   if (UseSimd()) {
     LinearOrderedAvx(h, 1, fn, nm, n, m.data(), nm, /*round=*/false, /*dp=*/false);
-    for (int j = 0; j < nm; ++j) m[j] *= rs;
   } else
 #endif
   {
-    for (int j = 0; j < nm; ++j) m[j] = DotSeq(h, fn + j * n, n) * rs;
+    for (int j = 0; j < nm; ++j) m[j] = DotSeq(h, fn + j * n, n);
   }
   // torch.sigmoid: 1 / (1 + exp(-x)) with Sleef's exp on its vectorized path, glibc's expf on
   // its scalar path (single-token calls: 4-element tensors).
   auto sigmoid = [torch_vector_exp](float x) {
     return 1.f / (1.f + (torch_vector_exp ? TorchExp(-x) : std::exp(-x)));
   };
-  for (int j = 0; j < hc; ++j) pre[j] = sigmoid(m[j] * scale[0] + base[j]) + hc_eps;
-  for (int j = 0; j < hc; ++j) post[j] = 2.f * sigmoid(m[hc + j] * scale[1] + base[hc + j]);
+  for (int j = 0; j < hc; ++j) pre[j] = sigmoid((m[j] * rs) * scale[0] + base[j]) + hc_eps;
   for (int j = 0; j < hc; ++j) {
-    float* row = comb + j * hc;
-    float mx = -INFINITY;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = m[2 * hc + j * hc + k] * scale[2] + base[2 * hc + j * hc + k];
-      mx = std::max(mx, row[k]);
-    }
-    float sum = 0.f;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = TorchExp(row[k] - mx);  // torch.exp: always its vectorized path
-      sum += row[k];
-    }
-    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
+    post[j] = 2.f * sigmoid((m[hc + j] * rs) * scale[1] + base[hc + j]);
   }
-  auto col_norm = [&] {
-    for (int k = 0; k < hc; ++k) {
-      float s = 0.f;
-      for (int j = 0; j < hc; ++j) s += comb[j * hc + k];
-      for (int j = 0; j < hc; ++j) comb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  auto row_norm = [&] {
-    for (int j = 0; j < hc; ++j) {
-      float s = 0.f;
-      for (int k = 0; k < hc; ++k) s += comb[j * hc + k];
-      for (int k = 0; k < hc; ++k) comb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  col_norm();
-  for (int it = 1; it < sinkhorn_iters; ++it) {
-    row_norm();
-    col_norm();
-  }
+  hc_math::HcComb(m.data() + 2 * hc, rs, scale[2], base + 2 * hc, hc, sinkhorn_iters, hc_eps, comb);
 }
 
 #ifdef EPD_AVX2_PATH

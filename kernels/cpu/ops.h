@@ -36,13 +36,14 @@ float TorchMeanSquare(const float* x, int64_t n);
 void IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                    int64_t dim, float* score);
 
-// SIMD paths (x86-64 AVX2, no FMA) perform the same fp32 operations in the same order as the
-// scalar code (lanes are independent sums, products are rounded before they are added), so every
-// result is bit-identical; they are used when the CPU has AVX2. SetSimdEnabled(false) forces the
-// scalar code on the CALLING THREAD only (tests compare the two; other threads are unaffected);
-// a backend made with CpuBackendOptions{.simd = false} forces it for its own ops.
-void SetSimdEnabled(bool on);
-bool SimdEnabled();  // for the calling thread
+// SIMD paths (x86-64 AVX2 without FMA; TorchExpN's lanes fuse where Sleef does, with FMA) perform
+// the same fp32 operations in the same order as the scalar code (lanes are independent sums,
+// products are rounded before they are added), so every result is bit-identical. One switch
+// decides which code runs: a call takes the SIMD paths where the CPU has them unless the calling
+// thread is inside a ScopedScalarKernels(true) (other threads are unaffected). A backend made with
+// CpuBackendOptions{.simd = false} holds one around each of its ops; tests comparing the two
+// paths hold one around their direct calls of these functions.
+bool SimdEnabled();  // whether the calling thread's calls take the SIMD paths
 // Forces the scalar code on this thread while alive (when `scalar`); restores the previous
 // setting.
 class ScopedScalarKernels {

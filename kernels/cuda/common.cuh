@@ -1,9 +1,11 @@
 #pragma once
 
-// Helpers shared by the kernels/cuda .cu files (device side only).
+// Helpers shared by the kernels/cuda .cu files: launch shapes, scratch layouts (host side) and
+// device arithmetic.
 
 #include <cuda_runtime.h>
 
+#include <cstddef>
 #include <cstdint>
 
 #include "kernels/codec.h"
@@ -15,6 +17,20 @@ constexpr int kThreads = 256;
 inline unsigned GridFor(int64_t n, int threads = kThreads) {
   return static_cast<unsigned>((n + threads - 1) / threads);
 }
+
+// A launcher's scratch memory is laid out in pieces of kAlign bytes.
+constexpr size_t kAlign = 256;
+inline size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Lays out a scratch buffer: each Take returns the offset of the next aligned piece.
+struct ScratchCursor {
+  size_t at = 0;
+  size_t Take(size_t bytes) {
+    const size_t here = at;
+    at += AlignUp(bytes);
+    return here;
+  }
+};
 
 // fp32 transcendental functions: evaluated in double and rounded once to fp32, i.e. the
 // correctly rounded fp32 result in all but vanishingly rare cases. glibc's expf/log1pf/cosf/sinf
@@ -39,18 +55,18 @@ __device__ __forceinline__ float Tree8(const float* l) {
   return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
 
-// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread: 8 lanes over i = j mod 8 in order, the
-// tree, then the tail in order.
-__device__ __forceinline__ float Dot8(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread (n: a quantization block, at most 32): 8
+// lanes over i = j mod 8 in order, the tree, then the tail in order.
+__device__ __forceinline__ float Dot8(const float* a, const float* b, int n) {
+  const int n8 = n / 8 * 8;
+  float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  for (int i = 0; i < n8; i += 8) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+    for (int j = 0; j < 8; ++j) l[j] += a[i + j] * b[i + j];
   }
-  float s = Tree8(acc);
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
+  float d = Tree8(l);
+  for (int i = n8; i < n; ++i) d += a[i] * b[i];
+  return d;
 }
 
 }  // namespace epd::kernels::cuda

@@ -139,7 +139,7 @@ cudaError_t IndexerScoresPaged(const float* q, const float* w, int heads, RowCod
                                const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
                                float* score, cudaStream_t stream);
 
-// ---- Selection (select.cu) ----
+// ---- Selection (topk.cu) ----
 // Scratch bytes StableTopK / SelectTopK need for n values.
 size_t TopKScratchBytes(int64_t n);
 // out[0..min(k,n)) = the stable top-k of v (descending, ties to the lower index).
@@ -164,6 +164,7 @@ cudaError_t SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t 
                            const int64_t* visible, int64_t offset, const uint8_t* mask,
                            int64_t mask_cols, int32_t* out, void* scratch, size_t scratch_bytes,
                            cudaStream_t stream);
+// ---- MoE routing (moe.cu) ----
 // Scratch bytes MoeRoute needs.
 size_t MoeRouteScratchBytes(int64_t rows, int n_experts, int top_k);
 cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
@@ -174,6 +175,8 @@ cudaError_t MoeRoute(const float* z, int64_t rows, int n_experts, const float* b
 cudaError_t MoeGroup(const int32_t* experts, const float* weights, int64_t rows, int n_experts,
                      int top_k, int n_shared, int64_t* starts, int64_t* src_rows,
                      int64_t* slot_rows, float* entry_weights, cudaStream_t stream);
+
+// ---- Sampling (sampling.cu) ----
 cudaError_t Argmax(const float* x, int64_t rows, int64_t n, int32_t* out, cudaStream_t stream);
 cudaError_t PenalizeLogits(float* x, int64_t total, const int64_t* at, const int32_t* counts,
                            int64_t entries, float repetition, float frequency, float presence,

@@ -63,6 +63,53 @@ __device__ __forceinline__ float WeightAt(const GemmWeight& w, int64_t o, int64_
   }
 }
 
+// The weight scale of output o for the quantization block at element c0: its E8M0 code decoded,
+// or the float itself.
+__device__ __forceinline__ float WeightScale(const uint8_t* scale_codes, const float* scale_values,
+                                             int64_t o, int64_t c0, int block_rows, int block_cols,
+                                             int64_t scale_cols) {
+  const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
+  return scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
+}
+
+// Stages chunk b (elements c0 = b * kChunk .. c0 + n - 1) of the tile at outputs o0.. and rows r0..
+// in shared memory: x's rows into xs and the weight rows into ws (0 past rows, w.out or n); with
+// `scales` (LinearQuant: the chunk is a quantization block) the rows' activation scales into xsc
+// and the outputs' weight scales into wsc. Every thread of the block takes part; the caller's
+// barrier follows. GemmTile and GemmTermsKernel load through it alike.
+__device__ __forceinline__ void StageChunk(const float* x, const float* act_scale, int64_t rows,
+                                           const GemmWeight& w, const uint8_t* scale_codes,
+                                           const float* scale_values, int block_rows,
+                                           int block_cols, int64_t scale_cols, int64_t o0,
+                                           int64_t r0, int64_t b, int n, bool scales,
+                                           float (&xs)[kTileR][kChunk + 1],
+                                           float (&ws)[kTileO][kChunk + 1], float (&xsc)[kTileR],
+                                           float (&wsc)[kTileO]) {
+  const int t = threadIdx.x;
+  const int64_t K = w.in, nb = (K + kChunk - 1) / kChunk, c0 = b * kChunk;
+  for (int e = t; e < kTileR * kChunk; e += kThreads) {
+    const int rl = e / kChunk, i = e % kChunk;
+    const int64_t r = r0 + rl;
+    xs[rl][i] = (r < rows && i < n) ? x[r * K + c0 + i] : 0.f;
+  }
+  for (int e = t; e < kTileO * kChunk; e += kThreads) {
+    const int ot = e / kChunk, i = e % kChunk;
+    const int64_t o = o0 + ot;
+    ws[ot][i] = (o < w.out && i < n) ? WeightAt(w, o, c0 + i) : 0.f;
+  }
+  if (!scales) return;
+  if (t < kTileR) {
+    const int64_t r = r0 + t;
+    xsc[t] = r < rows ? act_scale[r * nb + b] : 0.f;
+  }
+  if (t < kTileO) {
+    const int64_t o = o0 + t;
+    wsc[t] = o < w.out
+                 ? WeightScale(scale_codes, scale_values, o, c0, block_rows, block_cols, scale_cols)
+                 : 0.f;
+  }
+}
+
 // One tile of kTileR rows x kTileO outputs; K in chunks of 32 through shared memory. Thread t owns
 // output t % 64 for rows (t / 64) * 4 .. +3.
 // kQuant: the chunk is one quantization block: its Dot8 is finished per chunk and added as
@@ -91,47 +138,15 @@ __device__ __forceinline__ void GemmTile(const float* x, const float* act_scale,
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t c0 = b * kChunk;
     const int n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
-    for (int e = t; e < kTileR * kChunk; e += kThreads) {
-      const int rl = e / kChunk, i = e % kChunk;
-      const int64_t r = r0 + rl;
-      xs[rl][i] = (r < rows && i < n) ? x[r * K + c0 + i] : 0.f;
-    }
-    for (int e = t; e < kTileO * kChunk; e += kThreads) {
-      const int ot = e / kChunk, i = e % kChunk;
-      const int64_t o = o0 + ot;
-      ws[ot][i] = (o < w.out && i < n) ? WeightAt(w, o, c0 + i) : 0.f;
-    }
-    if (kQuant) {
-      if (t < kTileR) {
-        const int64_t r = r0 + t;
-        xsc[t] = r < rows ? act_scale[r * nb + b] : 0.f;
-      }
-      if (t < kTileO) {
-        const int64_t o = o0 + t;
-        float sc = 0.f;
-        if (o < w.out) {
-          const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
-          sc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
-        }
-        wsc[t] = sc;
-      }
-    }
+    StageChunk(x, act_scale, rows, w, scale_codes, scale_values, block_rows, block_cols, scale_cols,
+               o0, r0, b, n, kQuant, xs, ws, xsc, wsc);
     __syncthreads();
 #pragma unroll
     for (int rr = 0; rr < kRowsPerThread; ++rr) {
       const int rl = rg * kRowsPerThread + rr;
       if (r0 + rl >= rows) break;  // a tile's missing rows (a decode step's) cost nothing
       if (kQuant) {
-        // Dot8 of this block (n <= 32 elements).
-        const int n8 = n / 8 * 8;
-        float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-        for (int i = 0; i < n8; i += 8) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) l[j] += xs[rl][i + j] * ws[ol][i + j];
-        }
-        float d = Tree8(l);
-        for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
-        acc[rr] += d * xsc[rl] * wsc[ol];
+        acc[rr] += Dot8(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];  // this block's (n <= 32)
       } else if (bf16) {
         // DotDp's pairs; chunks are even, so only K's last odd element stands alone.
         acc[rr] = torch_math::DotDpFrom(xs[rl], ws[ol], 0, n, acc[rr]);
@@ -190,40 +205,15 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t b = b0; b < b1; ++b) {
     const int64_t c0 = b * kChunk;
     const int n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
-    for (int e = t; e < kTileR * kChunk; e += kThreads) {
-      const int rl = e / kChunk, i = e % kChunk;
-      xs[rl][i] = (rl < rows && i < n) ? x[rl * K + c0 + i] : 0.f;
-    }
-    for (int e = t; e < kTileO * kChunk; e += kThreads) {
-      const int ot = e / kChunk, i = e % kChunk;
-      const int64_t o = o0 + ot;
-      ws[ot][i] = (o < w.out && i < n) ? WeightAt(w, o, c0 + i) : 0.f;
-    }
-    if (t < kTileR) xsc[t] = t < rows ? act_scale[t * nb + b] : 0.f;
-    if (t < kTileO) {
-      const int64_t o = o0 + t;
-      float sc = 0.f;
-      if (o < w.out) {
-        const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
-        sc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
-      }
-      wsc[t] = sc;
-    }
+    StageChunk(x, act_scale, rows, w, scale_codes, scale_values, block_rows, block_cols, scale_cols,
+               o0, 0, b, n, true, xs, ws, xsc, wsc);
     __syncthreads();
     const int64_t o = o0 + ol;
 #pragma unroll
     for (int rr = 0; rr < kRowsPerThread; ++rr) {
       const int rl = rg * kRowsPerThread + rr;
       if (rl >= rows || o >= w.out) continue;
-      const int n8 = n / 8 * 8;
-      float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int i = 0; i < n8; i += 8) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) l[j] += xs[rl][i + j] * ws[ol][i + j];
-      }
-      float d = Tree8(l);
-      for (int i = n8; i < n; ++i) d += xs[rl][i] * ws[ol][i];
-      terms[(b * rows + rl) * w.out + o] = d * xsc[rl] * wsc[ol];
+      terms[(b * rows + rl) * w.out + o] = Dot8(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];
     }
     __syncthreads();
   }
@@ -348,8 +338,7 @@ __device__ __forceinline__ void SkinnyTile(const float* x, const float* act_scal
       const int64_t c0 = (p0 + lane) * kChunk;
       n = static_cast<int>(K - c0 < kChunk ? K - c0 : kChunk);
       LoadWeightBlock(w, o, c0, n, aligned && n == kChunk, wv);
-      const int64_t si = (o / block_rows) * scale_cols + c0 / block_cols;
-      wsc = scale_codes != nullptr ? DecodeE8M0(scale_codes[si]) : scale_values[si];
+      wsc = WeightScale(scale_codes, scale_values, o, c0, block_rows, block_cols, scale_cols);
     }
     for (int e = t; e < rt * kPassBlocks * kChunk; e += kThreads) {
       const int r = e / (kPassBlocks * kChunk), k = e % (kPassBlocks * kChunk);

@@ -7,6 +7,7 @@
 // CPU backend runs.
 #include "kernels/cuda/common.cuh"
 #include "kernels/cuda/launch.h"
+#include "kernels/hc_math.h"
 #include "kernels/torch_math.h"
 
 namespace epd::kernels::cuda {
@@ -110,39 +111,7 @@ __global__ void HcMixesKernel(int64_t rows, const float* h, int hc, int64_t dim,
   for (int j = 0; j < hc; ++j) {
     po[j] = 2.f * Sigmoid((m0[hc + j] * rs) * scale[1] + base[hc + j], vector_exp);
   }
-  for (int j = 0; j < hc; ++j) {
-    float* row = cb + j * hc;
-    float mx = -INFINITY;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = (m0[2 * hc + j * hc + k] * rs) * scale[2] + base[2 * hc + j * hc + k];
-      mx = StdMax(mx, row[k]);
-    }
-    float sum = 0.f;
-    for (int k = 0; k < hc; ++k) {
-      row[k] = TorchExp(row[k] - mx);  // torch.exp: always its vectorized path
-      sum += row[k];
-    }
-    for (int k = 0; k < hc; ++k) row[k] = row[k] / sum + hc_eps;
-  }
-  auto col_norm = [&] {
-    for (int k = 0; k < hc; ++k) {
-      float s = 0.f;
-      for (int j = 0; j < hc; ++j) s += cb[j * hc + k];
-      for (int j = 0; j < hc; ++j) cb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  auto row_norm = [&] {
-    for (int j = 0; j < hc; ++j) {
-      float s = 0.f;
-      for (int k = 0; k < hc; ++k) s += cb[j * hc + k];
-      for (int k = 0; k < hc; ++k) cb[j * hc + k] /= (s + hc_eps);
-    }
-  };
-  col_norm();
-  for (int it = 1; it < sinkhorn_iters; ++it) {
-    row_norm();
-    col_norm();
-  }
+  hc_math::HcComb(m0 + 2 * hc, rs, scale[2], base + 2 * hc, hc, sinkhorn_iters, hc_eps, cb);
 }
 
 // ops.cc HcPre: y[r, d] = bf16(sum_j pre[r, j] * h[r, j, d]), j in order from 0.

@@ -242,7 +242,6 @@ int main(int argc, char** argv) {
   bool scalar = false;
   app.add_flag("--scalar", scalar, "force the scalar CPU kernels (no SIMD; same results)");
   CLI11_PARSE(app, argc, argv);
-  if (scalar) epd::kernels::cpu::SetSimdEnabled(false);
 
   std::unique_ptr<epd::testing::TempDir> tmp;
   if (model_dir.empty()) {
@@ -250,7 +249,7 @@ int main(int argc, char** argv) {
     model_dir = tmp->path() + "/nano";
     Must(GenerateNanoModel(model_dir), "generate nano");
   }
-  auto backend = epd::kernels::MakeCpuBackend();
+  auto backend = epd::kernels::MakeCpuBackend({.simd = !scalar});
   auto model = Must(Model::Load(model_dir, *backend), "load");
   ModelOptions unq;
   unq.unquantized_kv = true;
@@ -265,8 +264,9 @@ int main(int argc, char** argv) {
   std::printf(
       "ced_bench: %s backend (%s kernels), nano model (%d layers, split %d, window %lld), median "
       "of %d\n",
-      std::string(backend->Name()).c_str(), epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar",
-      c.n_layers, DecoderSplitLayer(c), static_cast<long long>(W), repeats);
+      std::string(backend->Name()).c_str(),
+      !scalar && epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar", c.n_layers,
+      DecoderSplitLayer(c), static_cast<long long>(W), repeats);
 
   std::vector<int64_t> sizes;
   for (int64_t p = min_prompt; p <= max_prompt; p *= 2) sizes.push_back(p);

@@ -38,14 +38,15 @@ std::string Read(const std::string& p) {
 int main(int argc, char** argv) {
   using namespace epd::model;
   std::string dir = epd::testing::SourcePath("tests/data/golden/v41-tiny-a");
+  bool scalar = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--scalar") {
-      epd::kernels::cpu::SetSimdEnabled(false);  // same results, scalar kernels
+      scalar = true;  // same results, scalar kernels
     } else {
       dir = argv[i];
     }
   }
-  auto backend = epd::kernels::MakeCpuBackend();
+  auto backend = epd::kernels::MakeCpuBackend({.simd = !scalar});
   auto cfg = LoadModelConfig(dir + "/config.json");
   if (!cfg.ok()) {
     std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());
@@ -85,7 +86,7 @@ int main(int argc, char** argv) {
   }
   std::printf("model_bench (%s backend, %s kernels, %zu-token prompt, best of %d)\n",
               std::string(backend->Name()).c_str(),
-              epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar", prompt.size(), reps);
+              !scalar && epd::kernels::cpu::SimdEnabled() ? "SIMD" : "scalar", prompt.size(), reps);
   std::printf("prefill: %.1f ms, %.0f tokens/s\n", prefill_ms, prompt.size() / prefill_ms * 1e3);
   std::printf("decode: %.2f ms/step\n", decode_ms);
   std::printf("dspark draft (5 positions): %.2f ms\n", draft_ms);

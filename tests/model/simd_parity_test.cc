@@ -23,18 +23,14 @@ namespace kc = kernels::cpu;
 class SimdParityTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    kc::SetSimdEnabled(true);
     if (!kc::SimdEnabled()) GTEST_SKIP() << "no SIMD path on this CPU";
   }
-  void TearDown() override { kc::SetSimdEnabled(true); }
   // Runs f with the SIMD paths on, then off; returns both outputs.
   template <typename F>
   std::pair<std::vector<float>, std::vector<float>> Both(F f) {
-    kc::SetSimdEnabled(true);
     std::vector<float> a = f();
-    kc::SetSimdEnabled(false);
+    kc::ScopedScalarKernels scalar(true);
     std::vector<float> b = f();
-    kc::SetSimdEnabled(true);
     return {a, b};
   }
 };
