@@ -302,6 +302,26 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   return Attention(l, x, call, state, nullptr, nullptr, &rows);
 }
 
+// What Attention's steps share: the call's rows and where their inputs lie, where the window part
+// of the lists reads its KV, how the top-k and the lists are kept, and the layer's compressed
+// entries.
+struct Model::AttentionPass {
+  int64_t rows = 0;
+  std::span<const int64_t> pos;         // [rows] the rows' positions (host)
+  const int64_t* pos_dev = nullptr;     // the same in backend memory (the call's)
+  const float* qr = nullptr;            // [rows, q_lora_rank] after q_norm
+  const float* q = nullptr;             // [rows, heads, head_dim] after RoPE
+  StepKv* step = nullptr;               // a batched step's shared attention (AttentionRows::step)
+  const float* kv_all = nullptr;        // the window KV the lists' window part reads
+  int64_t win_rows = 0;                 // list entries from here on are compressed entries
+  int64_t ring_base = 0, new_base = 0;  // where kv_all holds the ring's slots and the call's rows
+  bool device_lists = false;            // the lists are made on the backend (few rows)
+  bool whole_source = false;            // a larger call's top-k kept on the backend too
+  bool device_topk = false;             // the top-k stays on the backend (either of the two)
+  int64_t nk = 0;                       // the layer's compressed entries (LayerKeyCount)
+  const SequenceState::Source* src = nullptr;  // its KV source (compressed layers)
+};
+
 absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                               ForwardTrace* trace, const AttentionRows* given) const {
   const ModelConfig& c = config_;
@@ -381,114 +401,159 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     }
     src = &state.sources.at(role.kv_source);
     nk = LayerKeyCount(l, call, *src);
+  }
+  const AttentionPass p{.rows = S,
+                        .pos = pos,
+                        .pos_dev = pos_dev,
+                        .qr = qr,
+                        .q = q,
+                        .step = step,
+                        .kv_all = kv_all,
+                        .win_rows = win_rows,
+                        .ring_base = ring_base,
+                        .new_base = new_base,
+                        .device_lists = device_lists,
+                        .whole_source = whole_source,
+                        .device_topk = device_topk,
+                        .nk = nk,
+                        .src = src};
+  if (ratio > 0 && role.is_index_source && !(given != nullptr && given->indexed))
+    RETURN_IF_ERROR(IndexerTopK(ws, l, x, call, state, given, p, trace));
+  return AttentionOverLists(ws, l, call, given, p, out);
+}
 
-    if (role.is_index_source && !(given != nullptr && given->indexed)) {
-      const int64_t k = std::min<int64_t>(c.index_topk, nk);
-      call.topk_k = k;
-      call.topk.assign(S * k, -1);
-      call.topk_dev = nullptr;
-      call.topk_batched = false;
-      if (nk > 0) {
-        const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
-        const float* qi = given != nullptr ? given->qi : nullptr;
-        const float* w = given != nullptr ? given->w : nullptr;
-        if (qi == nullptr || w == nullptr) {
-          ASSIGN_OR_RETURN(float* qi_own, ws.Alloc<float>(S * nI * ihd));
-          ASSIGN_OR_RETURN(float* w_own, ws.Alloc<float>(S * nI));
-          RETURN_IF_ERROR(IndexQueries(ws, l, x, qr, S, pos_dev, qi_own, w_own));
-          qi = qi_own;
-          w = w_own;
-        }
-        // A top-k kept on the backend is read by the call's later layers too: in its scratch.
-        ASSIGN_OR_RETURN(int32_t * topk, (device_topk ? *call.scratch : ws).Alloc<int32_t>(S * k));
-        UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
-        if (role.is_candidate_source) {
-          ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
-          call.cand_cols = nk;
-        }
-        const uint8_t* cand = call.cand_cols > 0 ? call.cand : nullptr;
-        // Each row's key source (decode semantics: the keys a single-token call at its position
-        // would see) and how many of its keys it scores; multi-row calls unpack, per source, the
-        // most any row scores.
-        vector<int> keysrc(S);
-        vector<int64_t> scored(S);
-        std::map<int, int64_t> most_scored;
-        for (int64_t i = 0; i < S; ++i) {
-          const RowKeys rk = IndexRowKeys(l, call, state, nk, pos[i]);
-          keysrc[i] = rk.source;
-          scored[i] = rk.scored;
-          most_scored[keysrc[i]] = std::max(most_scored[keysrc[i]], scored[i]);
-        }
-        const bool one_source =
-            std::all_of(keysrc.begin(), keysrc.end(), [&](int s) { return s == keysrc[0]; });
-        if (S > 1 && one_source) {
-          // Every row at once (prefill): the same ops per row as below, in a fixed number of
-          // calls per chunk of rows.
-          const int ks = keysrc[0];
-          vector<int64_t> visible(S);
-          for (int64_t i = 0; i < S; ++i) visible[i] = (pos[i] + 1) / ratio;
-          ASSIGN_OR_RETURN(const int64_t* valid_dev, ws.Copy(scored));
-          ASSIGN_OR_RETURN(const int64_t* visible_dev, ws.Copy(visible));
-          const float* u = nullptr;
-          if (most_scored[ks] > 0) {
-            ASSIGN_OR_RETURN(u, UnpackKeys(ws, state.sources.at(ks).keys, ks, most_scored[ks],
-                                           most_scored[ks], unpacked_keys));
-          }
-          const int64_t cr =
-              std::clamp<int64_t>(kIndexerScoresPerCall / nk, 1, std::min(S, kIndexerRowsPerCall));
-          ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(cr * nk));
-          for (int64_t r0 = 0; r0 < S; r0 += cr) {
-            const int64_t n = std::min(cr, S - r0);
-            RETURN_IF_ERROR(backend_.IndexerScoresRows(qi + r0 * nI * ihd, w + r0 * nI,
-                                                       static_cast<int>(nI), u, nk, ihd, n,
-                                                       valid_dev + r0, score));
-            if (role.is_candidate_source) {
-              RETURN_IF_ERROR(backend_.CandidateMaskRows(
-                  score, n, nk, c.candidate_block_size, visible_dev + r0, nullptr,
-                  c.candidate_topk_blocks, call.cand + r0 * nk));
-            }
-            const bool masked = role.uses_candidates && call.cand_cols > 0;
-            RETURN_IF_ERROR(backend_.SelectTopKRows(score, n, nk, k, visible_dev + r0, win_rows,
-                                                    masked ? cand + r0 * call.cand_cols : nullptr,
-                                                    masked ? call.cand_cols : 0, topk + r0 * k));
-          }
-        } else {
-          // One row at a time (single-row calls; decode-semantics rows reading several sources).
-          ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(nk));
-          for (int64_t i = 0; i < S; ++i) {
-            const int64_t visible = (pos[i] + 1) / ratio;
-            const SequenceState::Source& ks = state.sources.at(keysrc[i]);
-            RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc[i], S, qi + i * nI * ihd, w + i * nI,
-                                      static_cast<int>(nI), scored[i], most_scored[keysrc[i]],
-                                      score, unpacked_keys));
-            RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored[i], nullptr, 0));
-            if (role.is_candidate_source) {
-              RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
-                                                     c.candidate_topk_blocks, call.cand + i * nk));
-            }
-            if (role.uses_candidates && call.cand_cols > 0) {
-              RETURN_IF_ERROR(
-                  backend_.MaskScores(score, nk, nk, cand + i * call.cand_cols, call.cand_cols));
-            }
-            RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
-          }
-        }
-        if (!device_topk) {
-          RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
-        } else {
-          call.topk_dev = topk;
-          if (trace != nullptr) {  // the host copy only for the trace
-            RETURN_IF_ERROR(call.scratch->Download(topk, S * k, call.topk.data()));
-          }
-        }
+absl::Status Model::IndexerTopK(Scratch& ws, int l, const float* x, Call& call,
+                                const SequenceState& state, const AttentionRows* given,
+                                const AttentionPass& p, ForwardTrace* trace) const {
+  const ModelConfig& c = config_;
+  const LayerRole& role = roles_[l];
+  const int ratio = role.compress_ratio;
+  const int64_t S = p.rows, nk = p.nk, win_rows = p.win_rows;
+  const std::span<const int64_t> pos = p.pos;
+  const int64_t* pos_dev = p.pos_dev;
+  const float* qr = p.qr;
+  const bool device_topk = p.device_topk;
+
+  const int64_t k = std::min<int64_t>(c.index_topk, nk);
+  call.topk_k = k;
+  call.topk.assign(S * k, -1);
+  call.topk_dev = nullptr;
+  call.topk_batched = false;
+  if (nk > 0) {
+    const int64_t nI = c.index_n_heads, ihd = c.index_head_dim;
+    const float* qi = given != nullptr ? given->qi : nullptr;
+    const float* w = given != nullptr ? given->w : nullptr;
+    if (qi == nullptr || w == nullptr) {
+      ASSIGN_OR_RETURN(float* qi_own, ws.Alloc<float>(S * nI * ihd));
+      ASSIGN_OR_RETURN(float* w_own, ws.Alloc<float>(S * nI));
+      RETURN_IF_ERROR(IndexQueries(ws, l, x, qr, S, pos_dev, qi_own, w_own));
+      qi = qi_own;
+      w = w_own;
+    }
+    // A top-k kept on the backend is read by the call's later layers too: in its scratch.
+    ASSIGN_OR_RETURN(int32_t * topk, (device_topk ? *call.scratch : ws).Alloc<int32_t>(S * k));
+    UnpackedKeys unpacked_keys;  // multi-row calls: keys unpacked once
+    if (role.is_candidate_source) {
+      ASSIGN_OR_RETURN(call.cand, call.scratch->Alloc<uint8_t>(S * nk));
+      call.cand_cols = nk;
+    }
+    const uint8_t* cand = call.cand_cols > 0 ? call.cand : nullptr;
+    // Each row's key source (decode semantics: the keys a single-token call at its position
+    // would see) and how many of its keys it scores; multi-row calls unpack, per source, the
+    // most any row scores.
+    vector<int> keysrc(S);
+    vector<int64_t> scored(S);
+    std::map<int, int64_t> most_scored;
+    for (int64_t i = 0; i < S; ++i) {
+      const RowKeys rk = IndexRowKeys(l, call, state, nk, pos[i]);
+      keysrc[i] = rk.source;
+      scored[i] = rk.scored;
+      most_scored[keysrc[i]] = std::max(most_scored[keysrc[i]], scored[i]);
+    }
+    const bool one_source =
+        std::all_of(keysrc.begin(), keysrc.end(), [&](int s) { return s == keysrc[0]; });
+    if (S > 1 && one_source) {
+      // Every row at once (prefill): the same ops per row as below, in a fixed number of
+      // calls per chunk of rows.
+      const int ks = keysrc[0];
+      vector<int64_t> visible(S);
+      for (int64_t i = 0; i < S; ++i) visible[i] = (pos[i] + 1) / ratio;
+      ASSIGN_OR_RETURN(const int64_t* valid_dev, ws.Copy(scored));
+      ASSIGN_OR_RETURN(const int64_t* visible_dev, ws.Copy(visible));
+      const float* u = nullptr;
+      if (most_scored[ks] > 0) {
+        ASSIGN_OR_RETURN(u, UnpackKeys(ws, state.sources.at(ks).keys, ks, most_scored[ks],
+                                       most_scored[ks], unpacked_keys));
       }
-      if (trace) {
-        std::vector<int32_t>& t = trace->topk[l];  // compressed positions, -1 = none
-        t = call.topk;
-        for (int32_t& v : t) v = v < 0 ? -1 : static_cast<int32_t>(v - win_rows);
+      const int64_t cr =
+          std::clamp<int64_t>(kIndexerScoresPerCall / nk, 1, std::min(S, kIndexerRowsPerCall));
+      ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(cr * nk));
+      for (int64_t r0 = 0; r0 < S; r0 += cr) {
+        const int64_t n = std::min(cr, S - r0);
+        RETURN_IF_ERROR(backend_.IndexerScoresRows(qi + r0 * nI * ihd, w + r0 * nI,
+                                                   static_cast<int>(nI), u, nk, ihd, n,
+                                                   valid_dev + r0, score));
+        if (role.is_candidate_source) {
+          RETURN_IF_ERROR(backend_.CandidateMaskRows(score, n, nk, c.candidate_block_size,
+                                                     visible_dev + r0, nullptr,
+                                                     c.candidate_topk_blocks, call.cand + r0 * nk));
+        }
+        const bool masked = role.uses_candidates && call.cand_cols > 0;
+        RETURN_IF_ERROR(backend_.SelectTopKRows(score, n, nk, k, visible_dev + r0, win_rows,
+                                                masked ? cand + r0 * call.cand_cols : nullptr,
+                                                masked ? call.cand_cols : 0, topk + r0 * k));
+      }
+    } else {
+      // One row at a time (single-row calls; decode-semantics rows reading several sources).
+      ASSIGN_OR_RETURN(float* score, ws.Alloc<float>(nk));
+      for (int64_t i = 0; i < S; ++i) {
+        const int64_t visible = (pos[i] + 1) / ratio;
+        const SequenceState::Source& ks = state.sources.at(keysrc[i]);
+        RETURN_IF_ERROR(ScoreKeys(ws, ks.keys, keysrc[i], S, qi + i * nI * ihd, w + i * nI,
+                                  static_cast<int>(nI), scored[i], most_scored[keysrc[i]], score,
+                                  unpacked_keys));
+        RETURN_IF_ERROR(backend_.MaskScores(score, nk, scored[i], nullptr, 0));
+        if (role.is_candidate_source) {
+          RETURN_IF_ERROR(backend_.CandidateMask(score, nk, c.candidate_block_size, visible,
+                                                 c.candidate_topk_blocks, call.cand + i * nk));
+        }
+        if (role.uses_candidates && call.cand_cols > 0) {
+          RETURN_IF_ERROR(
+              backend_.MaskScores(score, nk, nk, cand + i * call.cand_cols, call.cand_cols));
+        }
+        RETURN_IF_ERROR(backend_.SelectTopK(score, nk, k, visible, win_rows, topk + i * k));
+      }
+    }
+    if (!device_topk) {
+      RETURN_IF_ERROR(ws.Download(topk, S * k, call.topk.data()));
+    } else {
+      call.topk_dev = topk;
+      if (trace != nullptr) {  // the host copy only for the trace
+        RETURN_IF_ERROR(call.scratch->Download(topk, S * k, call.topk.data()));
       }
     }
   }
+  if (trace) {
+    std::vector<int32_t>& t = trace->topk[l];  // compressed positions, -1 = none
+    t = call.topk;
+    for (int32_t& v : t) v = v < 0 ? -1 : static_cast<int32_t>(v - win_rows);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::AttentionOverLists(Scratch& ws, int l, Call& call, const AttentionRows* given,
+                                       const AttentionPass& p, float* out) const {
+  const ModelConfig& c = config_;
+  const int64_t S = p.rows, hd = c.head_dim, H = c.n_heads, W = c.window_size;
+  const int ratio = roles_[l].compress_ratio;
+  const int64_t nk = p.nk, win_rows = p.win_rows, ring_base = p.ring_base, new_base = p.new_base;
+  const bool device_lists = p.device_lists, whole_source = p.whole_source;
+  const bool device_topk = p.device_topk;
+  const SequenceState::Source* src = p.src;
+  StepKv* step = p.step;
+  const int64_t* pos_dev = p.pos_dev;
+  const float* q = p.q;
+  const float* kv_all = p.kv_all;
 
   // Index lists and sparse attention.
   const int64_t k = ratio > 0 ? call.topk_k : 0;

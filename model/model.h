@@ -696,6 +696,22 @@ class Model {
     int64_t row0 = 0;
     absl::Status* status = nullptr;
   };
+  // ExtendBatch's steps, on what they share (StepBatch, model/decode_step.cc). ExtendBatch checks
+  // the requests, takes the step's graph set (or its own arrays), uploads the inputs and makes
+  // each sequence's call; StepInputs: the rows' ids, positions and Engram hash ids, each sequence
+  // Batchable; StepLayers: the segments (graphs launched, recorded, or op by op) and each layer's
+  // StepAttention between them; StepResults: the head's rows brought back as each sequence asks
+  // (StepTokens when not every sequence wants values), each sequence committed, the DSpark
+  // layers' rings written.
+  struct StepBatch;
+  absl::Status StepInputs(StepBatch& sb) const;
+  absl::Status StepLayers(Scratch& ws, StepBatch& sb, const StepArrays& a) const;
+  absl::Status StepResults(Scratch& ws, Scratch& arrays_scratch, StepBatch& sb, const StepArrays& a,
+                           std::vector<ForwardResult>& out) const;
+  // Every row's token in every.tokens (argmax, a sampled sequence's draws, a verification's
+  // verdict in its first two rows), each sequence's penalties first, and the logprobs asked for.
+  absl::Status StepTokens(Scratch& head_ws, const StepBatch& sb, float* head, ForwardResult& every,
+                          std::vector<std::vector<Logprobs>>& logprobs) const;
   // The step's arrays for `rows` rows, from `ws` (StepArrays; constants written).
   absl::Status AllocateStepArrays(Scratch& ws, int64_t rows, StepArrays& a) const;
   // Segment s (0 <= s <= n_layers) of a step: what runs between two layers' attention, on the
@@ -811,9 +827,26 @@ class Model {
   // The attention's output rows o (before the inverse RoPE, overwritten) -> out [rows, dim].
   absl::Status FinishAttention(Scratch& ws, int l, float* o, int64_t rows, const int64_t* positions,
                                float* out, const int64_t* order = nullptr) const;
-  // Attention with `given` rows (nullptr: computed here, and `out` written).
+  // Attention with `given` rows (nullptr: computed here, and `out` written). Its steps: the
+  // queries and window KV rows (unless given), the window part of the KV (the ring and the call's
+  // rows), the layer's compressor, then IndexerTopK and AttentionOverLists on what they share
+  // (AttentionPass, model/attention.cc).
   absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
                          ForwardTrace* trace, const AttentionRows* given) const;
+  struct AttentionPass;
+  // An index layer's top-k of the call's rows (unless `given` says the caller made it): the
+  // indexer's queries (unless given), each row's key scores, candidate mask and top-k, in a fixed
+  // number of calls per chunk of rows when every row reads one key source, else row by row; left
+  // in `call` (topk on the host, or topk_dev in its scratch).
+  absl::Status IndexerTopK(Scratch& ws, int l, const float* x, Call& call,
+                           const SequenceState& state, const AttentionRows* given,
+                           const AttentionPass& p, ForwardTrace* trace) const;
+  // The rest of Attention: each row's list (window part, then the top-k part), the compressed
+  // entries it reads (gathered per slot, the whole source, or a compact gather), the sparse
+  // attention into `given`'s o (a shared step's lists are left in its StepKv for the caller), or
+  // into o and on through FinishAttention to `out`.
+  absl::Status AttentionOverLists(Scratch& ws, int l, Call& call, const AttentionRows* given,
+                                  const AttentionPass& p, float* out) const;
   // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
   // `order` (optional, backend memory): the regrouping list of `rows` rows (StepArrays'
   // o_order); uploaded here when not given.
