@@ -61,10 +61,9 @@ absl::Status Model::DSparkSeedRows(Scratch& outer, const float* mh, int64_t rows
   return absl::OkStatus();
 }
 
-absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
-                                         std::span<const int32_t> forced_ids, LogitsOut lo,
-                                         const LogitPenalties* penalties,
-                                         const SampleRequest* sample) const {
+absl::Status Model::DraftProblem(const SequenceState& state, int32_t last_token, LogitsOut lo,
+                                 const LogitPenalties* penalties,
+                                 const SampleRequest* sample) const {
   const ModelConfig& c = config_;
   if (lo == LogitsOut::kVerify)
     return absl::InvalidArgumentError("model: a draft pass returns its ids or its logits");
@@ -89,6 +88,15 @@ absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_toke
     return absl::FailedPreconditionError("model: Draft before any forward");
   if (last_token < 0 || last_token >= c.vocab_size)
     return absl::InvalidArgumentError("model: bad draft token");
+  return absl::OkStatus();
+}
+
+absl::StatusOr<DraftResult> Model::Draft(SequenceState& state, int32_t last_token,
+                                         std::span<const int32_t> forced_ids, LogitsOut lo,
+                                         const LogitPenalties* penalties,
+                                         const SampleRequest* sample) const {
+  RETURN_IF_ERROR(DraftProblem(state, last_token, lo, penalties, sample));
+  const ModelConfig& c = config_;
   const DSparkWeights& Dw = *weights_->dspark;
   const int64_t B = c.dspark_block_size, D = c.dim, hc = c.hc_mult, V = c.vocab_size,
                 hd = c.head_dim;
