@@ -302,24 +302,29 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
   return Attention(l, x, call, state, nullptr, nullptr, &rows);
 }
 
-// What Attention's steps share: the call's rows and where their inputs lie, where the window part
-// of the lists reads its KV, how the top-k and the lists are kept, and the layer's compressed
-// entries.
+// What Attention's steps share: the call's rows and their queries, where the window part of the
+// lists reads its KV, and the layer's compressed entries with how the top-k and lists are kept.
 struct Model::AttentionPass {
-  int64_t rows = 0;
-  std::span<const int64_t> pos;         // [rows] the rows' positions (host)
-  const int64_t* pos_dev = nullptr;     // the same in backend memory (the call's)
-  const float* qr = nullptr;            // [rows, q_lora_rank] after q_norm
-  const float* q = nullptr;             // [rows, heads, head_dim] after RoPE
-  StepKv* step = nullptr;               // a batched step's shared attention (AttentionRows::step)
-  const float* kv_all = nullptr;        // the window KV the lists' window part reads
-  int64_t win_rows = 0;                 // list entries from here on are compressed entries
-  int64_t ring_base = 0, new_base = 0;  // where kv_all holds the ring's slots and the call's rows
-  bool device_lists = false;            // the lists are made on the backend (few rows)
-  bool whole_source = false;            // a larger call's top-k kept on the backend too
-  bool device_topk = false;             // the top-k stays on the backend (either of the two)
-  int64_t nk = 0;                       // the layer's compressed entries (LayerKeyCount)
-  const SequenceState::Source* src = nullptr;  // its KV source (compressed layers)
+  struct Rows {
+    int64_t n = 0;
+    std::span<const int64_t> pos;      // [n] the rows' positions (host)
+    const int64_t* pos_dev = nullptr;  // the same in backend memory (the call's)
+    const float* qr = nullptr;         // [n, q_lora_rank] after q_norm
+    const float* q = nullptr;          // [n, heads, head_dim] after RoPE
+  } rows;
+  struct Window {
+    StepKv* step = nullptr;               // a batched step's shared attention (AttentionRows::step)
+    const float* kv_all = nullptr;        // the window KV
+    int64_t win_rows = 0;                 // its rows: list entries from here on are compressed ones
+    int64_t ring_base = 0, new_base = 0;  // where kv_all holds the ring's slots and the call's rows
+  } window;
+  struct Entries {
+    bool device_lists = false;  // the lists are made on the backend (few rows)
+    bool whole_source = false;  // a larger call's top-k is kept on the backend too
+    bool device_topk = false;   // the top-k stays on the backend (either of the two)
+    int64_t nk = 0;             // the layer's compressed entries (LayerKeyCount)
+    const SequenceState::Source* src = nullptr;  // their KV source (compressed layers)
+  } entries;
 };
 
 absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
@@ -402,21 +407,9 @@ absl::Status Model::Attention(int l, const float* x, Call& call, SequenceState& 
     src = &state.sources.at(role.kv_source);
     nk = LayerKeyCount(l, call, *src);
   }
-  const AttentionPass p{.rows = S,
-                        .pos = pos,
-                        .pos_dev = pos_dev,
-                        .qr = qr,
-                        .q = q,
-                        .step = step,
-                        .kv_all = kv_all,
-                        .win_rows = win_rows,
-                        .ring_base = ring_base,
-                        .new_base = new_base,
-                        .device_lists = device_lists,
-                        .whole_source = whole_source,
-                        .device_topk = device_topk,
-                        .nk = nk,
-                        .src = src};
+  const AttentionPass p{.rows = {S, pos, pos_dev, qr, q},
+                        .window = {step, kv_all, win_rows, ring_base, new_base},
+                        .entries = {device_lists, whole_source, device_topk, nk, src}};
   if (ratio > 0 && role.is_index_source && !(given != nullptr && given->indexed))
     RETURN_IF_ERROR(IndexerTopK(ws, l, x, call, state, given, p, trace));
   return AttentionOverLists(ws, l, call, given, p, out);
@@ -428,11 +421,11 @@ absl::Status Model::IndexerTopK(Scratch& ws, int l, const float* x, Call& call,
   const ModelConfig& c = config_;
   const LayerRole& role = roles_[l];
   const int ratio = role.compress_ratio;
-  const int64_t S = p.rows, nk = p.nk, win_rows = p.win_rows;
-  const std::span<const int64_t> pos = p.pos;
-  const int64_t* pos_dev = p.pos_dev;
-  const float* qr = p.qr;
-  const bool device_topk = p.device_topk;
+  const int64_t S = p.rows.n, nk = p.entries.nk, win_rows = p.window.win_rows;
+  const std::span<const int64_t> pos = p.rows.pos;
+  const int64_t* pos_dev = p.rows.pos_dev;
+  const float* qr = p.rows.qr;
+  const bool device_topk = p.entries.device_topk;
 
   const int64_t k = std::min<int64_t>(c.index_topk, nk);
   call.topk_k = k;
@@ -544,16 +537,18 @@ absl::Status Model::IndexerTopK(Scratch& ws, int l, const float* x, Call& call,
 absl::Status Model::AttentionOverLists(Scratch& ws, int l, Call& call, const AttentionRows* given,
                                        const AttentionPass& p, float* out) const {
   const ModelConfig& c = config_;
-  const int64_t S = p.rows, hd = c.head_dim, H = c.n_heads, W = c.window_size;
+  const int64_t S = p.rows.n, hd = c.head_dim, H = c.n_heads, W = c.window_size;
   const int ratio = roles_[l].compress_ratio;
-  const int64_t nk = p.nk, win_rows = p.win_rows, ring_base = p.ring_base, new_base = p.new_base;
-  const bool device_lists = p.device_lists, whole_source = p.whole_source;
-  const bool device_topk = p.device_topk;
-  const SequenceState::Source* src = p.src;
-  StepKv* step = p.step;
-  const int64_t* pos_dev = p.pos_dev;
-  const float* q = p.q;
-  const float* kv_all = p.kv_all;
+  const int64_t* pos_dev = p.rows.pos_dev;
+  const float* q = p.rows.q;
+  StepKv* step = p.window.step;
+  const float* kv_all = p.window.kv_all;
+  const int64_t win_rows = p.window.win_rows;
+  const int64_t ring_base = p.window.ring_base, new_base = p.window.new_base;
+  const bool device_lists = p.entries.device_lists, whole_source = p.entries.whole_source;
+  const bool device_topk = p.entries.device_topk;
+  const int64_t nk = p.entries.nk;
+  const SequenceState::Source* src = p.entries.src;
 
   // Index lists and sparse attention.
   const int64_t k = ratio > 0 ? call.topk_k : 0;
