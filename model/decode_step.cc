@@ -879,6 +879,28 @@ absl::Status Model::StepAttention(Scratch& ws, int l, const StepArrays& a,
 
 // ---- ExtendBatch ----
 
+// What ExtendBatch's steps share: the batch's sequences and what each asks for (`status`:
+// ExtendBatch's, sized), their rows' inputs on the host, the step's graph set, its calls and the
+// attention's shared buffers.
+struct Model::StepBatch {
+  std::span<SequenceState* const> states;
+  std::span<const vector<int32_t>> tokens;
+  std::span<const LogitsRequest> outs;
+  std::span<absl::Status> status;
+  vector<int32_t> ids;                 // [R] the sequences' tokens, one after another
+  vector<int64_t> row0;                // [B] each sequence's first row
+  vector<int64_t> positions;           // [R]
+  vector<int64_t> engram_ids;          // [nel, R, per] the Engram hash ids by layer
+  StepGraphCache::Set* set = nullptr;  // the step's graph set (null: none, or not used)
+  vector<Call> calls;                  // [B] what RunStage makes for a decode-mode Extend
+  vector<StepSequence> seqs;           // [B]
+  StepKv shared_kv;                    // the attention's shared buffers, when `shared` is set
+  StepKv* shared = nullptr;
+
+  // What sequence b's result carries.
+  LogitsOut out_of(size_t b) const { return outs.empty() ? LogitsOut::kValues : outs[b].out; }
+};
+
 absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     std::span<SequenceState* const> states, std::span<const vector<int32_t>> tokens,
     vector<absl::Status>& status, std::span<const LogitsRequest> outs) const {
@@ -897,41 +919,17 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   status.assign(B, absl::OkStatus());
   vector<ForwardResult> out(B);
   if (B == 0) return out;
-  const int64_t D = c.dim;
-  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   const int64_t nel = static_cast<int64_t>(c.engram_layer_ids.size());
   const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
-  vector<int32_t> ids;
-  vector<int64_t> row0(B), positions;
-  vector<vector<int64_t>> hashes(B);  // per sequence [rows, nel, per]
-  for (size_t b = 0; b < B; ++b) {
-    if (!Batchable(*states[b], tokens[b])) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("model: sequence ", b, " cannot join a batched decode step"));
-    }
-    row0[b] = static_cast<int64_t>(ids.size());
-    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
-    for (size_t i = 0; i < tokens[b].size(); ++i)
-      positions.push_back(states[b]->pos + static_cast<int64_t>(i));
-    if (nel > 0) hashes[b] = EngramHashes(*states[b], tokens[b]);
-  }
-  const int64_t R = static_cast<int64_t>(ids.size());
-  // The Engram hash ids by layer: [nel, R, per].
-  vector<int64_t> engram_ids(nel * R * per);
-  for (size_t b = 0; b < B; ++b) {
-    const auto n = static_cast<int64_t>(tokens[b].size());
-    for (int64_t i = 0; i < n; ++i) {
-      for (int64_t li = 0; li < nel; ++li) {
-        std::copy_n(hashes[b].data() + (i * nel + li) * per, per,
-                    engram_ids.data() + (li * R + row0[b] + i) * per);
-      }
-    }
-  }
+  StepBatch sb{.states = states, .tokens = tokens, .outs = outs, .status = status};
+  RETURN_IF_ERROR(StepInputs(sb));
+  const int64_t R = static_cast<int64_t>(sb.ids.size());
+  const vector<int64_t>& row0 = sb.row0;
 
   Scratch ws(backend_, scratch_pool_.get());
   // The step's arrays: a graph set's (held for the whole step), or this call's.
   std::unique_lock<std::mutex> graphs_lock;
-  StepGraphCache::Set* set = nullptr;
+  StepGraphCache::Set*& set = sb.set;
   if (step_graphs_ != nullptr) {
     graphs_lock = std::unique_lock<std::mutex>(step_graphs_->mu());
     set = step_graphs_->Get(R);
@@ -956,11 +954,13 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   Scratch& arrays_scratch = set != nullptr ? *set->held : ws;
   const StepArrays& a = set != nullptr ? set->arrays : own;
   // The inputs in one Upload, into the array AllocateStepArrays laid out for R rows.
-  RETURN_IF_ERROR(arrays_scratch.UploadPacked(a.ids, InputPacking(R, nel * R * per), ids, positions,
-                                              engram_ids));
+  RETURN_IF_ERROR(arrays_scratch.UploadPacked(a.ids, InputPacking(R, nel * R * per), sb.ids,
+                                              sb.positions, sb.engram_ids));
 
-  vector<Call> calls(B);
-  vector<StepSequence> seqs(B);
+  vector<Call>& calls = sb.calls;
+  vector<StepSequence>& seqs = sb.seqs;
+  calls.resize(B);
+  seqs.resize(B);
   for (size_t b = 0; b < B; ++b) {
     Call& k = calls[b];  // what RunStage makes for a decode-mode Extend
     k.start_pos = states[b]->pos;
@@ -972,6 +972,59 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     k.pos_dev = a.pos + row0[b];  // its rows' positions, uploaded with the step's
     seqs[b] = StepSequence{&k, states[b], row0[b], &status[b]};
   }
+  RETURN_IF_ERROR(StepLayers(ws, sb, a));
+  RETURN_IF_ERROR(StepResults(ws, arrays_scratch, sb, a, out));
+  for (size_t b = 0; b < B; ++b) {
+    if (!status[b].ok()) out[b] = ForwardResult{};
+  }
+  return out;
+}
+
+absl::Status Model::StepInputs(StepBatch& sb) const {
+  const ModelConfig& c = config_;
+  const std::span<SequenceState* const> states = sb.states;
+  const std::span<const vector<int32_t>> tokens = sb.tokens;
+  const size_t B = states.size();
+  const int64_t nel = static_cast<int64_t>(c.engram_layer_ids.size());
+  const int64_t per = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  vector<int32_t>& ids = sb.ids;
+  vector<int64_t>& row0 = sb.row0;
+  vector<int64_t>& positions = sb.positions;
+  row0.assign(B, 0);
+  vector<vector<int64_t>> hashes(B);  // per sequence [rows, nel, per]
+  for (size_t b = 0; b < B; ++b) {
+    if (!Batchable(*states[b], tokens[b])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("model: sequence ", b, " cannot join a batched decode step"));
+    }
+    row0[b] = static_cast<int64_t>(ids.size());
+    ids.insert(ids.end(), tokens[b].begin(), tokens[b].end());
+    for (size_t i = 0; i < tokens[b].size(); ++i)
+      positions.push_back(states[b]->pos + static_cast<int64_t>(i));
+    if (nel > 0) hashes[b] = EngramHashes(*states[b], tokens[b]);
+  }
+  const int64_t R = static_cast<int64_t>(ids.size());
+  // The Engram hash ids by layer: [nel, R, per].
+  vector<int64_t>& engram_ids = sb.engram_ids;
+  engram_ids.assign(nel * R * per, 0);
+  for (size_t b = 0; b < B; ++b) {
+    const auto n = static_cast<int64_t>(tokens[b].size());
+    for (int64_t i = 0; i < n; ++i) {
+      for (int64_t li = 0; li < nel; ++li) {
+        std::copy_n(hashes[b].data() + (i * nel + li) * per, per,
+                    engram_ids.data() + (li * R + row0[b] + i) * per);
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepLayers(Scratch& ws, StepBatch& sb, const StepArrays& a) const {
+  const ModelConfig& c = config_;
+  StepGraphCache::Set* set = sb.set;
+  const int64_t R = static_cast<int64_t>(sb.ids.size());
+  const std::span<const vector<int32_t>> tokens = sb.tokens;
+  vector<StepSequence>& seqs = sb.seqs;
   // Each segment: launched as a graph when its set has recorded it; recorded and launched on the
   // set's second step; else op by op (on the set's arena on its first step, which sizes it).
   const bool launch = set != nullptr && set->segments.size() == static_cast<size_t>(c.n_layers) + 1;
@@ -1013,8 +1066,8 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     return StepSegment(seg, s, a);
   };
   // The attention's shared buffers, when every sequence's lists are built on the backend.
-  StepKv shared_kv;
-  StepKv* shared = nullptr;
+  StepKv& shared_kv = sb.shared_kv;
+  StepKv*& shared = sb.shared;
   if (std::all_of(tokens.begin(), tokens.end(), [&](const vector<int32_t>& t) {
         return static_cast<int64_t>(t.size()) <= options_.device_list_rows;
       })) {
@@ -1032,7 +1085,21 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     ++(as_graphs ? step_graphs_->stats().graph_steps : step_graphs_->stats().eager_steps);
   }
   if (set != nullptr) ++set->uses;
+  return absl::OkStatus();
+}
 
+absl::Status Model::StepResults(Scratch& ws, Scratch& arrays_scratch, StepBatch& sb,
+                                const StepArrays& a, vector<ForwardResult>& out) const {
+  const ModelConfig& c = config_;
+  const std::span<SequenceState* const> states = sb.states;
+  const std::span<const vector<int32_t>> tokens = sb.tokens;
+  const std::span<const LogitsRequest> outs = sb.outs;
+  const std::span<absl::Status> status = sb.status;
+  const vector<int64_t>& row0 = sb.row0;
+  const size_t B = states.size();
+  const int64_t R = static_cast<int64_t>(sb.ids.size());
+  const int64_t D = c.dim;
+  const int64_t nt = static_cast<int64_t>(c.dspark_target_layer_ids.size());
   // The head's logits of every row are in a.logits (the last segment; rows are independent, the
   // residual stays in backend memory), then each sequence's slices: every row's values in one
   // download when every sequence wants them, else every row's argmax in one and the values of
@@ -1046,7 +1113,6 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     RETURN_IF_ERROR(arrays_scratch.DownloadTo(a.main_hidden, R * nt * D, all.main_hidden));
   }
   float* head = a.logits;
-  auto out_of = [&](size_t b) { return outs.empty() ? LogitsOut::kValues : outs[b].out; };
   const bool all_values = std::all_of(
       outs.begin(), outs.end(), [](const LogitsRequest& o) { return o.out == LogitsOut::kValues; });
   // A sequence's penalties touch its own rows only (before the argmax of every row; the rows of
@@ -1059,51 +1125,14 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   if (all_values) {
     RETURN_IF_ERROR(LogitsToHost(head_ws, head, R, LogitsOut::kValues, every));
   } else {
-    std::vector<const float*> raw(B, nullptr);  // rows whose logprobs are asked for, unpenalized
-    for (size_t b = 0; b < B; ++b) {
-      if (!status[b].ok() || out_of(b) == LogitsOut::kValues) continue;
-      const auto n = static_cast<int64_t>(tokens[b].size());
-      ASSIGN_OR_RETURN(raw[b], RawRows(head_ws, head + row0[b] * V, n, outs[b]));
-      if (outs[b].penalties != nullptr)
-        RETURN_IF_ERROR(Penalize(head_ws, head + row0[b] * V, n, *outs[b].penalties));
-    }
-    ASSIGN_OR_RETURN(int32_t * best, head_ws.Alloc<int32_t>(R));
-    RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
-    // Each row's token for its logprobs: its slot of `best`, or a verification's own array.
-    std::vector<int32_t*> chosen(B, nullptr);
-    for (size_t b = 0; b < B; ++b) chosen[b] = best + row0[b];
-    for (size_t b = 0; b < B; ++b) {
-      if (status[b].ok() && out_of(b) == LogitsOut::kSample) {
-        RETURN_IF_ERROR(DrawTokens(head_ws, head + row0[b] * V,
-                                   static_cast<int64_t>(tokens[b].size()), *outs[b].sample,
-                                   best + row0[b]));
-      }
-      // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
-      // With logprobs, each row's token goes to an array of its own.
-      if (status[b].ok() && out_of(b) == LogitsOut::kVerify) {
-        const auto n = static_cast<int64_t>(tokens[b].size());
-        if (outs[b].top_logprobs >= 0) {
-          ASSIGN_OR_RETURN(chosen[b], head_ws.Alloc<int32_t>(n));
-        } else {
-          chosen[b] = nullptr;
-        }
-        RETURN_IF_ERROR(
-            VerifyTokens(head_ws, head + row0[b] * V, n, outs[b], best + row0[b], chosen[b]));
-      }
-    }
-    for (size_t b = 0; b < B; ++b) {
-      if (!status[b].ok() || out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
-      RETURN_IF_ERROR(LogprobsToHost(head_ws, raw[b], static_cast<int64_t>(tokens[b].size()),
-                                     chosen[b], outs[b].top_logprobs, logprobs[b]));
-    }
-    RETURN_IF_ERROR(head_ws.DownloadTo(best, R, every.tokens));
+    RETURN_IF_ERROR(StepTokens(head_ws, sb, head, every, logprobs));
   }
   for (size_t b = 0; b < B; ++b) {
     if (!status[b].ok()) continue;
     SequenceState& state = *states[b];
-    const int64_t n = calls[b].rows, pos = state.pos, r0 = row0[b];
+    const int64_t n = sb.calls[b].rows, pos = state.pos, r0 = row0[b];
     if (options_.stale_index_keys) {
-      state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, calls[b]);
+      state.published_keys = DecodeKeySource(c.n_layers, pos + n - 1, sb.calls[b]);
     }
     Hidden io;
     io.rows = n;
@@ -1114,11 +1143,11 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
     ForwardResult r;
     if (all_values) {
       r.logits.assign(every.logits.begin() + r0 * V, every.logits.begin() + (r0 + n) * V);
-    } else if (out_of(b) == LogitsOut::kValues) {
+    } else if (sb.out_of(b) == LogitsOut::kValues) {
       if (absl::Status st = head_ws.DownloadTo(head + r0 * V, n * V, r.logits); !st.ok()) return st;
     } else {
       r.tokens.assign(every.tokens.begin() + r0,
-                      every.tokens.begin() + r0 + (out_of(b) == LogitsOut::kVerify ? 2 : n));
+                      every.tokens.begin() + r0 + (sb.out_of(b) == LogitsOut::kVerify ? 2 : n));
       r.logprobs = std::move(logprobs[b]);
     }
     r.rows = n;
@@ -1140,12 +1169,58 @@ absl::StatusOr<vector<ForwardResult>> Model::ExtendBatch(
   // rows the last segment made).
   for (int t = 0; t < c.n_mtp_layers; ++t) {
     RETURN_IF_ERROR(StepRings(ws, c.n_layers + t, /*read=*/false, a.mtp_kv + t * R * c.head_dim,
-                              std::span<StepSequence>(seqs), shared));
+                              std::span<StepSequence>(sb.seqs), sb.shared));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Model::StepTokens(Scratch& head_ws, const StepBatch& sb, float* head,
+                               ForwardResult& every, vector<vector<Logprobs>>& logprobs) const {
+  const std::span<const vector<int32_t>> tokens = sb.tokens;
+  const std::span<const LogitsRequest> outs = sb.outs;
+  const std::span<absl::Status> status = sb.status;
+  const vector<int64_t>& row0 = sb.row0;
+  const size_t B = sb.states.size();
+  const int64_t R = static_cast<int64_t>(sb.ids.size()), V = config_.vocab_size;
+  std::vector<const float*> raw(B, nullptr);  // rows whose logprobs are asked for, unpenalized
+  for (size_t b = 0; b < B; ++b) {
+    if (!status[b].ok() || sb.out_of(b) == LogitsOut::kValues) continue;
+    const auto n = static_cast<int64_t>(tokens[b].size());
+    ASSIGN_OR_RETURN(raw[b], RawRows(head_ws, head + row0[b] * V, n, outs[b]));
+    if (outs[b].penalties != nullptr)
+      RETURN_IF_ERROR(Penalize(head_ws, head + row0[b] * V, n, *outs[b].penalties));
+  }
+  ASSIGN_OR_RETURN(int32_t * best, head_ws.Alloc<int32_t>(R));
+  RETURN_IF_ERROR(backend_.Argmax(head, R, V, best));
+  // Each row's token for its logprobs: its slot of `best`, or a verification's own array.
+  std::vector<int32_t*> chosen(B, nullptr);
+  for (size_t b = 0; b < B; ++b) chosen[b] = best + row0[b];
+  for (size_t b = 0; b < B; ++b) {
+    if (status[b].ok() && sb.out_of(b) == LogitsOut::kSample) {
+      RETURN_IF_ERROR(DrawTokens(head_ws, head + row0[b] * V,
+                                 static_cast<int64_t>(tokens[b].size()), *outs[b].sample,
+                                 best + row0[b]));
+    }
+    // A verification's verdict takes the first two of its rows' slots (it has >= 2 rows).
+    // With logprobs, each row's token goes to an array of its own.
+    if (status[b].ok() && sb.out_of(b) == LogitsOut::kVerify) {
+      const auto n = static_cast<int64_t>(tokens[b].size());
+      if (outs[b].top_logprobs >= 0) {
+        ASSIGN_OR_RETURN(chosen[b], head_ws.Alloc<int32_t>(n));
+      } else {
+        chosen[b] = nullptr;
+      }
+      RETURN_IF_ERROR(
+          VerifyTokens(head_ws, head + row0[b] * V, n, outs[b], best + row0[b], chosen[b]));
+    }
   }
   for (size_t b = 0; b < B; ++b) {
-    if (!status[b].ok()) out[b] = ForwardResult{};
+    if (!status[b].ok() || sb.out_of(b) == LogitsOut::kValues || outs[b].top_logprobs < 0) continue;
+    RETURN_IF_ERROR(LogprobsToHost(head_ws, raw[b], static_cast<int64_t>(tokens[b].size()),
+                                   chosen[b], outs[b].top_logprobs, logprobs[b]));
   }
-  return out;
+  RETURN_IF_ERROR(head_ws.DownloadTo(best, R, every.tokens));
+  return absl::OkStatus();
 }
 
 }  // namespace epd::model

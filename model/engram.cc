@@ -1,6 +1,17 @@
+// Engram (MODEL.md §3 "Engram"): the constants' checks and JSON form, the n-gram hash of one
+// position (engram.h), and the model's Engram sublayer (model.h): a sequence's hash ids
+// (Model::EngramHashes), the table lookup and the gate on the residual stream (Model::Engram,
+// Model::EngramFromIds).
 #include "model/engram.h"
 
+#include <algorithm>
+#include <span>
+#include <vector>
+
 #include "absl/strings/str_cat.h"
+#include "common/status_macros.h"
+#include "model/model.h"
+#include "model/scratch.h"
 #include "nlohmann/json.hpp"
 
 namespace epd::model {
@@ -106,6 +117,63 @@ void EngramHashRow(const EngramConstants& k, int li, const int64_t* history, int
       out[(n - 2) * n_heads + h] = mod + k.offsets[li][n - 2][h];
     }
   }
+}
+
+// ---- The model's Engram sublayer ----
+
+absl::Status Model::Engram(int l, const int64_t* hash_ids, int64_t stride, int64_t rows, float* h,
+                           bool single_token_calls) const {
+  const ModelConfig& c = config_;
+  const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  std::vector<int64_t> ids(rows * nid);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < nid; ++j) ids[r * nid + j] = hash_ids[r * stride + j];
+  }
+  Scratch ws(backend_, scratch_pool_.get());
+  ASSIGN_OR_RETURN(const int64_t* ids_dev, ws.Copy(ids));
+  return EngramFromIds(ws, l, ids_dev, rows, h, single_token_calls);
+}
+
+absl::Status Model::EngramFromIds(Scratch& outer, int l, const int64_t* ids_dev, int64_t rows,
+                                  float* h, bool single_token_calls) const {
+  const ModelConfig& c = config_;
+  const EngramWeights& E = *weights_->layers[l].engram;
+  const int64_t D = c.dim, hc = c.hc_mult, ehd = c.engram_head_dim;
+  const int64_t nid = int64_t{c.engram_max_ngram_size - 1} * c.engram_n_heads;
+  if (E.table.shape.size() != 2 || E.table.shape[1] != ehd)
+    return absl::InternalError("model: Engram table shape does not match engram_head_dim");
+  Scratch ws(backend_, outer.pool(), &outer);
+  ASSIGN_OR_RETURN(float* in, ws.Alloc<float>(rows * nid * ehd));
+  ASSIGN_OR_RETURN(float* e, ws.Alloc<float>(rows * (hc + 1) * D));
+  RETURN_IF_ERROR(
+      backend_.Fp8RowLookup(E.table.data, E.table_scale.data, ehd, ids_dev, rows * nid, in));
+  RETURN_IF_ERROR(backend_.LinearQuant(in, rows, E.wkv, e));
+  return single_token_calls
+             ? backend_.EngramGateSingleToken(h, e, rows, static_cast<int>(hc), D,
+                                              E.q_weight.data(), E.k_weight.data(), c.norm_eps)
+             : backend_.EngramGate(h, e, rows, static_cast<int>(hc), D, E.q_weight.data(),
+                                   E.k_weight.data(), c.norm_eps);
+}
+
+std::vector<int64_t> Model::EngramHashes(const SequenceState& state,
+                                         std::span<const int32_t> ids) const {
+  const ModelConfig& c = config_;
+  const int nl = static_cast<int>(c.engram_layer_ids.size());
+  const int per = (c.engram_max_ngram_size - 1) * c.engram_n_heads;
+  const int64_t S = static_cast<int64_t>(ids.size());
+  std::vector<int64_t> out(S * nl * per);
+  std::vector<int64_t> hist(state.engram_history);
+  const int nh = c.engram_max_ngram_size;
+  for (int64_t i = 0; i < S; ++i) {
+    hist.push_back(EngramCompressedId(engram_, ids[i]));
+    int64_t recent[16];
+    const int n = std::min<int>(nh, static_cast<int>(hist.size()));
+    for (int s = 0; s < n; ++s) recent[s] = hist[hist.size() - 1 - s];
+    for (int li = 0; li < nl; ++li) {
+      EngramHashRow(engram_, li, recent, n, nh, c.engram_n_heads, out.data() + (i * nl + li) * per);
+    }
+  }
+  return out;
 }
 
 }  // namespace epd::model

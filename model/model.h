@@ -273,6 +273,12 @@ struct DraftResult {
   std::shared_ptr<kernels::Buffer> q;
 };
 
+// Model's definitions are in files by concern: model.cc (construction, loading, sizes, the
+// forward: Prefill, Decode, Extend, RunStage, Block, Commit, Checkpoint / Rollback),
+// attention.cc (RoPE, compressors, indexer, window KV, Attention), moe.cc, mhc.cc (the mHC
+// steps), engram.cc (the Engram sublayer), logits.cc (the head and what a forward brings back of
+// its logits: Head, LogitsToHost and their steps), dspark_draft.cc (Draft, DSparkSeed*) and
+// decode_step.cc (ExtendBatch, the batched decode step and its graphs).
 class Model {
  public:
   Model(ModelConfig config, std::unique_ptr<ModelWeights> weights, EngramConstants engram,
@@ -616,11 +622,25 @@ class Model {
   std::vector<int64_t> EngramHashes(const SequenceState& state, std::span<const int32_t> ids) const;
 
  private:
+  // ---- The forward (model/model.cc) ----
   absl::StatusOr<ForwardResult> Forward(SequenceState& state, std::span<const int32_t> ids,
                                         bool all_logits, ForwardTrace* trace,
                                         bool per_row_keys = true,
                                         const PrefillOptions& options = {},
                                         const LogitsRequest& out = {}) const;
+  bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
+  absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
+                                               bool all_logits, ForwardTrace* trace,
+                                               const LogitsRequest& out) const;
+  absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
+                     ForwardTrace* trace) const;
+  // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
+  // the delayed pre-mix [rows, hc] in `*pre`, both from `ws`.
+  absl::Status EmbedRows(Scratch& ws, std::span<const int32_t> ids, float** h, float** pre) const;
+  // The host values of that first pre-mix for `rows` rows: each row's [1, 0, ..., 0] (hc_mult).
+  std::vector<float> FirstPreMix(int64_t rows) const;
+
+  // ---- The attention path (model/attention.cc) ----
   int DecodeKeySource(int l, int64_t p, const Call& call) const;
   // The compressed entries compressed layer l reads in `call` from its KV source `src`: those up
   // to the call's end, min((start_pos + rows) / ratio, src.n).
@@ -635,10 +655,6 @@ class Model {
   };
   RowKeys IndexRowKeys(int l, const Call& call, const SequenceState& state, int64_t nk,
                        int64_t pos) const;
-  bool StaleKeysFromLaterLayer(const SequenceState& state, size_t rows) const;
-  absl::StatusOr<ForwardResult> ExtendRowByRow(SequenceState& state, std::span<const int32_t> ids,
-                                               bool all_logits, ForwardTrace* trace,
-                                               const LogitsRequest& out) const;
   absl::Status Compress(int l, const float* x, const int64_t* pos, int64_t rows,
                         SequenceState& state) const;
   // Compress's steps. CompressorProjections: a KV source's projections of x [rows, dim]: kv
@@ -685,8 +701,83 @@ class Model {
   // kIndexerScoresPerCall scores (rows x keys), a fixed number of calls per chunk.
   static constexpr int64_t kIndexerRowsPerCall = 4096;
   static constexpr int64_t kIndexerScoresPerCall = int64_t{1} << 22;
-  absl::Status Block(Scratch& outer, int l, float* h, float* pre, Call& call, SequenceState& state,
-                     ForwardTrace* trace) const;
+  absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
+                        int offset, const int64_t* positions, bool inverse) const;
+  // Attention's query: x [rows, dim] -> qr [rows, q_lora_rank] (normed; the indexer's input too)
+  // and q [rows, heads, head_dim] with RoPE at `positions` (backend memory).
+  absl::Status QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
+                               const int64_t* positions, float* qr, float* q) const;
+  // The indexer's queries qi [rows, index_heads, index_head_dim] (from qr, RoPE'd, FP4
+  // quantize-dequantized) and head weights w [rows, index_heads] of layer l.
+  absl::Status IndexQueries(Scratch& ws, int l, const float* x, const float* qr, int64_t rows,
+                            const int64_t* positions, float* qi, float* w) const;
+  // The window KV rows of `rows` positions (`positions`: their absolute positions, in backend
+  // memory, as the query's RoPE takes them).
+  absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
+                       const int64_t* positions, float* kv) const;
+  // Attention with `given` rows (nullptr: computed here, and `out` written). Its steps: the
+  // queries and window KV rows (unless given), the window part of the KV (the ring and the call's
+  // rows), the layer's compressor, then IndexerTopK and AttentionOverLists on what they share
+  // (AttentionPass, model/attention.cc).
+  absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
+                         ForwardTrace* trace, const AttentionRows* given) const;
+  struct AttentionPass;
+  // An index layer's top-k of the call's rows (unless `given` says the caller made it): the
+  // indexer's queries (unless given), each row's key scores, candidate mask and top-k, in a fixed
+  // number of calls per chunk of rows when every row reads one key source, else row by row; left
+  // in `call` (topk on the host, or topk_dev in its scratch).
+  absl::Status IndexerTopK(Scratch& ws, int l, const float* x, Call& call,
+                           const SequenceState& state, const AttentionRows* given,
+                           const AttentionPass& p, ForwardTrace* trace) const;
+  // The rest of Attention: each row's list (window part, then the top-k part), the compressed
+  // entries it reads (gathered per slot, the whole source, or a compact gather), the sparse
+  // attention into `given`'s o (a shared step's lists are left in its StepKv for the caller), or
+  // into o and on through FinishAttention to `out`.
+  absl::Status AttentionOverLists(Scratch& ws, int l, Call& call, const AttentionRows* given,
+                                  const AttentionPass& p, float* out) const;
+  // The attention's output rows o (before the inverse RoPE, overwritten) -> out [rows, dim].
+  absl::Status FinishAttention(Scratch& ws, int l, float* o, int64_t rows, const int64_t* positions,
+                               float* out, const int64_t* order = nullptr) const;
+  // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
+  // `order` (optional, backend memory): the regrouping list of `rows` rows (StepArrays'
+  // o_order); uploaded here when not given.
+  absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
+                                int64_t rows, float* out, const int64_t* order = nullptr) const;
+  // OutputProjection's regrouping list of `rows` rows: entry g * rows + i is row i's group g.
+  std::vector<int64_t> OutputGroupOrder(int64_t rows) const;
+
+  // ---- The mHC steps (model/mhc.cc) ----
+  // The mHC steps of a block around its two sublayers, row by row (the reference's order), and
+  // the mixes they carry from one step to the next ([rows, hc] and [rows, hc, hc], backend
+  // memory). `single_token`: decode-semantics rows (Backend::HcMixesSingleToken). The attention
+  // input's pre-mix is the delayed one in `pre`; the FFN mixes write the next block's into `pre`.
+  struct HcMix {
+    float* attn_pre = nullptr;
+    float* attn_post = nullptr;
+    float* attn_comb = nullptr;
+    float* ffn_post = nullptr;
+    float* ffn_comb = nullptr;
+    absl::Status Allocate(Scratch& ws, int64_t rows, int64_t hc);
+  };
+  // One sublayer's mixes of `rows` rows of h (single-token semantics for decode rows).
+  absl::Status HcMixRows(bool single_token, int64_t rows, const float* h, const WeightArray& fn,
+                         const WeightArray& scale, const WeightArray& base, float* pre, float* post,
+                         float* comb) const;
+  // h, pre -> the attention's input x (before its norm).
+  absl::Status HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
+                                 const float* h, const float* pre, HcMix& m, float* x) const;
+  // The attention's output y into h; the FFN's mixes; the FFN's input x (before its norm).
+  absl::Status HcBeforeFfn(const LayerWeights& L, bool single_token, int64_t rows, const float* y,
+                           float* h, float* pre, HcMix& m, float* x) const;
+  // The FFN's output y into h.
+  absl::Status HcAfterFfn(int64_t rows, const float* y, float* h, const HcMix& m) const;
+
+  // ---- DSpark drafting (model/dspark_draft.cc) ----
+  // Why Draft cannot draft `last_token`'s block for `state` as asked (the request's out,
+  // penalties and sample; the model's DSpark stages; a forward before it): OK when it can.
+  absl::Status DraftProblem(const SequenceState& state, int32_t last_token, LogitsOut out,
+                            const LogitPenalties* penalties, const SampleRequest* sample) const;
+
   // ---- The batched decode step (model/decode_step.cc) ----
   // One sequence of a batched step: its call, its state, its first row in the batch and where its
   // own failure goes (it then does not fail the step).
@@ -696,6 +787,22 @@ class Model {
     int64_t row0 = 0;
     absl::Status* status = nullptr;
   };
+  // ExtendBatch's steps, on what they share (StepBatch, model/decode_step.cc). ExtendBatch checks
+  // the requests, takes the step's graph set (or its own arrays), uploads the inputs and makes
+  // each sequence's call; StepInputs: the rows' ids, positions and Engram hash ids, each sequence
+  // Batchable; StepLayers: the segments (graphs launched, recorded, or op by op) and each layer's
+  // StepAttention between them; StepResults: the head's rows brought back as each sequence asks
+  // (StepTokens when not every sequence wants values), each sequence committed, the DSpark
+  // layers' rings written.
+  struct StepBatch;
+  absl::Status StepInputs(StepBatch& sb) const;
+  absl::Status StepLayers(Scratch& ws, StepBatch& sb, const StepArrays& a) const;
+  absl::Status StepResults(Scratch& ws, Scratch& arrays_scratch, StepBatch& sb, const StepArrays& a,
+                           std::vector<ForwardResult>& out) const;
+  // Every row's token in every.tokens (argmax, a sampled sequence's draws, a verification's
+  // verdict in its first two rows), each sequence's penalties first, and the logprobs asked for.
+  absl::Status StepTokens(Scratch& head_ws, const StepBatch& sb, float* head, ForwardResult& every,
+                          std::vector<std::vector<Logprobs>>& logprobs) const;
   // The step's arrays for `rows` rows, from `ws` (StepArrays; constants written).
   absl::Status AllocateStepArrays(Scratch& ws, int64_t rows, StepArrays& a) const;
   // Segment s (0 <= s <= n_layers) of a step: what runs between two layers' attention, on the
@@ -763,62 +870,6 @@ class Model {
   // sequence whose ring fails takes the error.
   absl::Status StepRings(Scratch& ws, int l, bool read, const float* kv_rows,
                          std::span<StepSequence> seqs, StepKv* kv) const;
-  absl::Status RopeRows(Scratch& ws, int l, float* x, int64_t rows, int heads, int stride,
-                        int offset, const int64_t* positions, bool inverse) const;
-  // The first block's input for `ids`: the embedded residual stream [rows, hc, dim] in `*h` and
-  // the delayed pre-mix [rows, hc] in `*pre`, both from `ws`.
-  absl::Status EmbedRows(Scratch& ws, std::span<const int32_t> ids, float** h, float** pre) const;
-  // The host values of that first pre-mix for `rows` rows: each row's [1, 0, ..., 0] (hc_mult).
-  std::vector<float> FirstPreMix(int64_t rows) const;
-  // OutputProjection's regrouping list of `rows` rows: entry g * rows + i is row i's group g.
-  std::vector<int64_t> OutputGroupOrder(int64_t rows) const;
-  // The window KV rows of `rows` positions (`positions`: their absolute positions, in backend
-  // memory, as the query's RoPE takes them).
-  absl::Status StageKv(Scratch& ws, int stage_layer, const float* main_x, int64_t rows,
-                       const int64_t* positions, float* kv) const;
-  // The mHC steps of a block around its two sublayers, row by row (the reference's order), and
-  // the mixes they carry from one step to the next ([rows, hc] and [rows, hc, hc], backend
-  // memory). `single_token`: decode-semantics rows (Backend::HcMixesSingleToken). The attention
-  // input's pre-mix is the delayed one in `pre`; the FFN mixes write the next block's into `pre`.
-  struct HcMix {
-    float* attn_pre = nullptr;
-    float* attn_post = nullptr;
-    float* attn_comb = nullptr;
-    float* ffn_post = nullptr;
-    float* ffn_comb = nullptr;
-    absl::Status Allocate(Scratch& ws, int64_t rows, int64_t hc);
-  };
-  // One sublayer's mixes of `rows` rows of h (single-token semantics for decode rows).
-  absl::Status HcMixRows(bool single_token, int64_t rows, const float* h, const WeightArray& fn,
-                         const WeightArray& scale, const WeightArray& base, float* pre, float* post,
-                         float* comb) const;
-  // h, pre -> the attention's input x (before its norm).
-  absl::Status HcBeforeAttention(const LayerWeights& L, bool single_token, int64_t rows,
-                                 const float* h, const float* pre, HcMix& m, float* x) const;
-  // The attention's output y into h; the FFN's mixes; the FFN's input x (before its norm).
-  absl::Status HcBeforeFfn(const LayerWeights& L, bool single_token, int64_t rows, const float* y,
-                           float* h, float* pre, HcMix& m, float* x) const;
-  // The FFN's output y into h.
-  absl::Status HcAfterFfn(int64_t rows, const float* y, float* h, const HcMix& m) const;
-  // Attention's query: x [rows, dim] -> qr [rows, q_lora_rank] (normed; the indexer's input too)
-  // and q [rows, heads, head_dim] with RoPE at `positions` (backend memory).
-  absl::Status QueryProjection(Scratch& ws, int l, const float* x, int64_t rows,
-                               const int64_t* positions, float* qr, float* q) const;
-  // The indexer's queries qi [rows, index_heads, index_head_dim] (from qr, RoPE'd, FP4
-  // quantize-dequantized) and head weights w [rows, index_heads] of layer l.
-  absl::Status IndexQueries(Scratch& ws, int l, const float* x, const float* qr, int64_t rows,
-                            const int64_t* positions, float* qi, float* w) const;
-  // The attention's output rows o (before the inverse RoPE, overwritten) -> out [rows, dim].
-  absl::Status FinishAttention(Scratch& ws, int l, float* o, int64_t rows, const int64_t* positions,
-                               float* out, const int64_t* order = nullptr) const;
-  // Attention with `given` rows (nullptr: computed here, and `out` written).
-  absl::Status Attention(int l, const float* x, Call& call, SequenceState& state, float* out,
-                         ForwardTrace* trace, const AttentionRows* given) const;
-  // Attention's grouped output projection: o [rows, heads, head_dim] -> out [rows, dim].
-  // `order` (optional, backend memory): the regrouping list of `rows` rows (StepArrays'
-  // o_order); uploaded here when not given.
-  absl::Status OutputProjection(Scratch& ws, const AttentionWeights& A, const float* o,
-                                int64_t rows, float* out, const int64_t* order = nullptr) const;
 
   ModelConfig config_;
   std::vector<LayerRole> roles_;
