@@ -181,6 +181,29 @@ class DecodeStage {
   void Fail(DecodeSequence& seq, absl::Status why) const;
   absl::Status StepPlain(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
   absl::Status StepDSpark(std::span<DecodeSequence* const> live, DecodeStepStats& stats);
+  // StepDSpark's steps, in the order it runs them (decode_stage.cc).
+  struct DSparkBatch;
+  struct DSparkRound {
+    bool backoff = false;  // no draft pass for the calibrated greedy sequences this step
+    bool probe = false;    // this step verifies >= 1 draft for them
+  };
+  DSparkRound BeginDSparkRound();
+  void DraftDSpark(DecodeSequence& s, int b, const DSparkRound& round, DSparkBatch& batch,
+                   DecodeStepStats& st);
+  void ChooseCalibratedK(DraftProposal& prop, int b, bool probe, DSparkBatch& batch);
+  void FinishDSpark(size_t i, DSparkBatch& batch, model::ForwardResult& res, absl::Status& failed,
+                    DecodeStepStats& st);
+  absl::Status CheckDSparkResult(const DraftProposal& p, const model::LogitsRequest& out,
+                                 const model::ForwardResult& res) const;
+  std::vector<float> MaskDrafts(DecodeSequence& s, const DraftProposal& p,
+                                const std::vector<float>& logits) const;
+  absl::StatusOr<VerifyOutcome> VerifyDSpark(DecodeSequence& s, const DSparkBatch& batch, size_t i,
+                                             const model::ForwardResult& res,
+                                             const std::vector<float>& masked);
+  void RecordCalibration(const DraftProposal& p, const VerifyOutcome& o);
+  void EmitAccepted(DecodeSequence& s, const DraftProposal& p, const VerifyOutcome& o,
+                    const model::ForwardResult& res, bool tokens_only, DecodeStepStats& st) const;
+  void EndDSparkRound(const DSparkRound& round, const DSparkBatch& batch);
 
   const model::Model& model_;
   DecodeStageOptions options_;

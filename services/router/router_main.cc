@@ -40,124 +40,125 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"epd-router: OpenAI HTTP + gRPC front end of epd"};
+// Every flag of epd-router, filled by AddFlags.
+struct RouterFlags {
   epd::runtime::RuntimeOptions runtime_options;
-  epd::runtime::AddRuntimeFlags(app, &runtime_options);
   int http_port = 0, grpc_port = 0;
   r::CoreOptions core_options;
   r::RegistryOptions registry_options;
   r::SchedulerOptions scheduler_options;
   r::HttpOptions http_options;
-  app.add_option("--http-port", http_port, "OpenAI HTTP port (0 = any)");
-  app.add_option("--grpc-port", grpc_port, "gRPC port: Inference + WorkerRegistry (0 = any)");
   std::string model_dir, kvstore_address;
-  app.add_option("--served-model-name", core_options.model,
+  int kv_block_tokens = 64;
+  r::AdmissionOptions admission_options;
+  r::GrpcTlsOptions grpc_tls;
+  r::PlannerOptions planner_options;
+};
+
+void AddFlags(CLI::App& app, RouterFlags& f) {
+  epd::runtime::AddRuntimeFlags(app, &f.runtime_options);
+  app.add_option("--http-port", f.http_port, "OpenAI HTTP port (0 = any)");
+  app.add_option("--grpc-port", f.grpc_port, "gRPC port: Inference + WorkerRegistry (0 = any)");
+  app.add_option("--served-model-name", f.core_options.model,
                  "The model name clients ask for (/v1/models)")
       ->capture_default_str();
-  app.add_option("--model", model_dir,
+  app.add_option("--model", f.model_dir,
                  "Model directory (tokenizer + chat format); default: the built-in byte codec");
-  app.add_option("--kvstore", kvstore_address,
-                 "kvstore gRPC address(es) for prefix lookups, comma-separated for several on the hash "
-                 "ring (the workers' list; default: none, no prefix hints)");
-  int kv_block_tokens = 64;
-  app.add_option("--kv-block-tokens", kv_block_tokens, "Tokens per kvstore block (chain hashes)")
+  app.add_option(
+      "--kvstore", f.kvstore_address,
+      "kvstore gRPC address(es) for prefix lookups, comma-separated for several on the hash "
+      "ring (the workers' list; default: none, no prefix hints)");
+  app.add_option("--kv-block-tokens", f.kv_block_tokens, "Tokens per kvstore block (chain hashes)")
       ->capture_default_str();
-  app.add_option("--context-length", core_options.context_length,
+  app.add_option("--context-length", f.core_options.context_length,
                  "Prompt + completion tokens per request")
       ->capture_default_str();
-  app.add_option("--max-tokens-limit", core_options.max_tokens_limit,
+  app.add_option("--max-tokens-limit", f.core_options.max_tokens_limit,
                  "Largest max_tokens a request may ask for")
       ->capture_default_str();
-  app.add_option("--default-max-tokens", core_options.default_max_tokens,
+  app.add_option("--default-max-tokens", f.core_options.default_max_tokens,
                  "max_tokens of a chat request that gives none")
       ->capture_default_str();
-  app.add_option("--migration-limit", core_options.migration_limit,
+  app.add_option("--migration-limit", f.core_options.migration_limit,
                  "Times a request moves to another decode worker when its decode worker dies "
                  "mid-generation (0 = never; docs/router.md)")
       ->capture_default_str();
-  app.add_option("--api-key", http_options.api_key,
+  app.add_option("--api-key", f.http_options.api_key,
                  "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none)");
-  app.add_option("--http-threads", http_options.threads, "HTTP connection threads")
+  app.add_option("--http-threads", f.http_options.threads, "HTTP connection threads")
       ->capture_default_str();
-  r::AdmissionOptions admission_options;
-  app.add_option("--max-running-requests", admission_options.max_running,
+  app.add_option("--max-running-requests", f.admission_options.max_running,
                  "Requests dispatched at once; more wait in the admission queue")
       ->capture_default_str();
-  app.add_option("--max-queued-requests", admission_options.max_queued,
+  app.add_option("--max-queued-requests", f.admission_options.max_queued,
                  "Requests that may wait for a running slot; beyond, 429 / RESOURCE_EXHAUSTED")
       ->capture_default_str();
-  app.add_option("--max-queue-wait-ms", admission_options.max_queue_wait_ms,
+  app.add_option("--max-queue-wait-ms", f.admission_options.max_queue_wait_ms,
                  "A queued request is refused (429) after waiting this long")
       ->capture_default_str();
-  app.add_option("--retry-after-s", admission_options.retry_after_s,
+  app.add_option("--retry-after-s", f.admission_options.retry_after_s,
                  "Retry-After (seconds) sent with a 429")
       ->capture_default_str();
-  r::GrpcTlsOptions grpc_tls;
-  app.add_option("--tls-cert", http_options.tls_cert_file,
+  app.add_option("--tls-cert", f.http_options.tls_cert_file,
                  "PEM certificate: HTTPS on --http-port and TLS on --grpc-port");
-  app.add_option("--tls-key", http_options.tls_key_file, "PEM private key of --tls-cert");
-  app.add_option("--worker-grpc-port", grpc_tls.worker_port,
+  app.add_option("--tls-key", f.http_options.tls_key_file, "PEM private key of --tls-cert");
+  app.add_option("--worker-grpc-port", f.grpc_tls.worker_port,
                  "Plaintext WorkerRegistry-only port for workers (0 = any; default: none)");
-  app.add_option("--heartbeat-interval-ms", registry_options.heartbeat_interval_ms,
+  app.add_option("--heartbeat-interval-ms", f.registry_options.heartbeat_interval_ms,
                  "Heartbeat interval told to workers")
       ->capture_default_str();
-  app.add_option("--heartbeat-miss-limit", registry_options.heartbeat_miss_limit,
+  app.add_option("--heartbeat-miss-limit", f.registry_options.heartbeat_miss_limit,
                  "Missed heartbeats before a worker is forgotten")
       ->capture_default_str();
-  app.add_option("--direct-decode-max-tokens", scheduler_options.direct_decode_max_tokens,
+  app.add_option("--direct-decode-max-tokens", f.scheduler_options.direct_decode_max_tokens,
                  "Uncached prompt tokens at or below which decode runs a request alone")
       ->capture_default_str();
   // Autoscaling signals: epd_router_recommended_replicas{pool} (docs/router.md).
-  r::PlannerOptions planner_options;
-  app.add_option("--target-queue-encoder", planner_options.target_queue[0],
+  app.add_option("--target-queue-encoder", f.planner_options.target_queue[0],
                  "Planner: jobs per encoder worker to aim for")
       ->capture_default_str();
-  app.add_option("--target-queue-prefill", planner_options.target_queue[1],
+  app.add_option("--target-queue-prefill", f.planner_options.target_queue[1],
                  "Planner: jobs per prefill worker to aim for")
       ->capture_default_str();
-  app.add_option("--target-queue-decode", planner_options.target_queue[2],
+  app.add_option("--target-queue-decode", f.planner_options.target_queue[2],
                  "Planner: sequences per decode worker to aim for")
       ->capture_default_str();
-  app.add_option("--target-ttft-ms", planner_options.target_ttft_ms,
+  app.add_option("--target-ttft-ms", f.planner_options.target_ttft_ms,
                  "Planner: mean time to first token to aim for (encoder, prefill; 0 = off)")
       ->capture_default_str();
-  app.add_option("--target-itl-ms", planner_options.target_itl_ms,
+  app.add_option("--target-itl-ms", f.planner_options.target_itl_ms,
                  "Planner: mean inter-token latency to aim for (decode; 0 = off)")
       ->capture_default_str();
-  app.add_option("--max-replicas", planner_options.max_replicas,
+  app.add_option("--max-replicas", f.planner_options.max_replicas,
                  "Planner: the most replicas it recommends for a pool")
       ->capture_default_str();
-  app.add_option("--planner-interval-ms", planner_options.interval_ms,
+  app.add_option("--planner-interval-ms", f.planner_options.interval_ms,
                  "Planner: how often the recommendations are recomputed")
       ->capture_default_str();
-  CLI11_PARSE(app, argc, argv);
-  if (http_options.api_key.empty()) {
-    if (const char* k = std::getenv("EPD_API_KEY")) http_options.api_key = k;
-  }
+}
 
-  signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not kill the process
-  epd::runtime::ProcessRuntime runtime("epd-router", runtime_options);
-  if (auto s = runtime.Start(); !s.ok()) return Fail(s);
-  if (auto s = core_options.Validate(); !s.ok()) return Fail(s);
-  if (auto s = registry_options.Validate(); !s.ok()) return Fail(s);
-  if (auto s = admission_options.Validate(); !s.ok()) return Fail(s);
+// The option checks that run once the process runtime is up.
+absl::Status ValidateFlags(const RouterFlags& f) {
+  if (auto s = f.core_options.Validate(); !s.ok()) return s;
+  if (auto s = f.registry_options.Validate(); !s.ok()) return s;
+  if (auto s = f.admission_options.Validate(); !s.ok()) return s;
   // Every admitted or queued HTTP request holds a connection thread; keep spare ones so a 429,
   // /health and /metrics are answered at once.
-  if (http_options.threads < admission_options.max_running + admission_options.max_queued + 8) {
-    return Fail(absl::InvalidArgumentError(
-        "--http-threads must be at least --max-running-requests + --max-queued-requests + 8"));
+  if (f.http_options.threads <
+      f.admission_options.max_running + f.admission_options.max_queued + 8) {
+    return absl::InvalidArgumentError(
+        "--http-threads must be at least --max-running-requests + --max-queued-requests + 8");
   }
-  if (auto s = planner_options.Validate(); !s.ok()) return Fail(s);
+  if (auto s = f.planner_options.Validate(); !s.ok()) return s;
+  return absl::OkStatus();
+}
 
-  auto& clock = epd::common::SystemClock::Get();
-  // The real codec when --model has a tokenizer.json, else the byte codec (docs/router.md, Text).
+// The real codec when --model has a tokenizer.json, else the byte codec (docs/router.md, Text).
+absl::StatusOr<std::unique_ptr<r::TextCodec>> LoadCodec(const std::string& model_dir) {
   std::unique_ptr<r::TextCodec> codec_owner;
   if (!model_dir.empty() && std::filesystem::exists(model_dir + "/tokenizer.json")) {
     auto loaded = r::ModelTextCodec::Load(model_dir);
-    if (!loaded.ok()) return Fail(loaded.status());
+    if (!loaded.ok()) return loaded.status();
     codec_owner = *std::move(loaded);
     spdlog::info("epd-router: tokenizer of {} (vocab {})", model_dir, codec_owner->vocab_size());
   } else {
@@ -174,21 +175,26 @@ int main(int argc, char** argv) {
                    model_dir, codec_owner->vocab_size());
     }
   }
-  const r::TextCodec& codec = *codec_owner;
-  r::Registry registry(registry_options, clock, runtime.registry());
+  return codec_owner;
+}
+
+// No prefix hints without --kvstore; with it, kvstore lookups (and the scheduler's block and tail
+// rows set to match).
+std::unique_ptr<r::PrefixOracle> MakePrefixOracle(RouterFlags& f, prometheus::Registry& metrics) {
   std::unique_ptr<r::PrefixOracle> oracle_owner = std::make_unique<r::NoPrefixOracle>();
-  if (!kvstore_address.empty()) {
+  if (!f.kvstore_address.empty()) {
     r::KvOracleOptions kv_options;
-    kv_options.target = kvstore_address;
-    kv_options.block_tokens = kv_block_tokens;
-    scheduler_options.prefix_block_tokens = kv_block_tokens;
-    if (!model_dir.empty()) {
+    kv_options.target = f.kvstore_address;
+    kv_options.block_tokens = f.kv_block_tokens;
+    f.scheduler_options.prefix_block_tokens = f.kv_block_tokens;
+    if (!f.model_dir.empty()) {
       // The tail rule's rows: window + DSpark block of the served config.
-      auto config = epd::model::LoadModelConfig(model_dir + "/config.json");
+      auto config = epd::model::LoadModelConfig(f.model_dir + "/config.json");
       if (config.ok()) {
-        scheduler_options.prefix_tail_rows = static_cast<int>(epd::model::DecoderTailRows(*config));
+        f.scheduler_options.prefix_tail_rows =
+            static_cast<int>(epd::model::DecoderTailRows(*config));
       }
-      auto fp = epd::model::ModelDirFingerprint(model_dir);
+      auto fp = epd::model::ModelDirFingerprint(f.model_dir);
       if (fp.ok()) {
         kv_options.default_fingerprint = *fp;
       } else {
@@ -196,24 +202,83 @@ int main(int argc, char** argv) {
                      std::string(fp.status().message()));
       }
     }
-    oracle_owner = std::make_unique<r::KvStorePrefixOracle>(kv_options, runtime.registry());
+    oracle_owner = std::make_unique<r::KvStorePrefixOracle>(kv_options, metrics);
   }
-  r::PrefixOracle& oracle = *oracle_owner;
-  r::Scheduler scheduler(scheduler_options, registry, oracle, runtime.registry());
-  auto workers = r::NewGrpcWorkerClient();
-  r::RouterCore core(core_options, codec, registry, scheduler, *workers, clock, runtime.registry());
-  r::ReplicaPlanner planner(planner_options, runtime.registry());
+  return oracle_owner;
+}
 
-  r::AdmissionQueue admission(admission_options, runtime.registry());
-  http_options.admission = &admission;
-  r::RouterGrpcServer grpc_server(core, http_options.api_key, &admission);
-  grpc_tls.cert_file = http_options.tls_cert_file;
-  grpc_tls.key_file = http_options.tls_key_file;
-  if (auto s = grpc_server.SetTls(grpc_tls); !s.ok()) return Fail(s);
-  auto gport = grpc_server.Start(runtime_options.host, grpc_port);
+// Until SIGTERM: forget workers that stop heartbeating and recompute the planner's replicas.
+void ServeUntilShutdown(const RouterFlags& f, r::Registry& registry, r::RouterCore& core,
+                        r::ReplicaPlanner& planner) {
+  const auto sweep =
+      std::chrono::milliseconds(std::max(10, f.registry_options.heartbeat_interval_ms / 2));
+  auto next_plan = std::chrono::steady_clock::now();
+  while (!epd::runtime::WaitForShutdown(sweep)) {
+    // A worker that stops heartbeating may hang its streams rather than close them.
+    for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
+    if (std::chrono::steady_clock::now() >= next_plan) {
+      planner.Update();
+      next_plan = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(f.planner_options.interval_ms);
+    }
+  }
+}
+
+// Lets running requests finish (up to --drain-timeout-ms), then stops the servers.
+void DrainAndStop(const RouterFlags& f, r::RouterCore& core, r::OpenAiHttpServer& http_server,
+                  r::RouterGrpcServer& grpc_server, epd::runtime::ProcessRuntime& runtime) {
+  spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());
+  core.StartDraining();
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::milliseconds(f.runtime_options.drain_timeout_ms);
+  while (core.inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  http_server.Stop();
+  grpc_server.Stop();
+  // Its /health reads `core`, which goes before `runtime` does.
+  runtime.metrics_server().Stop();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"epd-router: OpenAI HTTP + gRPC front end of epd"};
+  RouterFlags f;
+  AddFlags(app, f);
+  CLI11_PARSE(app, argc, argv);
+  if (f.http_options.api_key.empty()) {
+    if (const char* k = std::getenv("EPD_API_KEY")) f.http_options.api_key = k;
+  }
+
+  signal(SIGPIPE, SIG_IGN);  // a client that hangs up must not kill the process
+  epd::runtime::ProcessRuntime runtime("epd-router", f.runtime_options);
+  if (auto s = runtime.Start(); !s.ok()) return Fail(s);
+  if (auto s = ValidateFlags(f); !s.ok()) return Fail(s);
+
+  auto& clock = epd::common::SystemClock::Get();
+  auto codec_owner = LoadCodec(f.model_dir);
+  if (!codec_owner.ok()) return Fail(codec_owner.status());
+  const r::TextCodec& codec = **codec_owner;
+  r::Registry registry(f.registry_options, clock, runtime.registry());
+  std::unique_ptr<r::PrefixOracle> oracle_owner = MakePrefixOracle(f, runtime.registry());
+  r::PrefixOracle& oracle = *oracle_owner;
+  r::Scheduler scheduler(f.scheduler_options, registry, oracle, runtime.registry());
+  auto workers = r::NewGrpcWorkerClient();
+  r::RouterCore core(f.core_options, codec, registry, scheduler, *workers, clock,
+                     runtime.registry());
+  r::ReplicaPlanner planner(f.planner_options, runtime.registry());
+
+  r::AdmissionQueue admission(f.admission_options, runtime.registry());
+  f.http_options.admission = &admission;
+  r::RouterGrpcServer grpc_server(core, f.http_options.api_key, &admission);
+  f.grpc_tls.cert_file = f.http_options.tls_cert_file;
+  f.grpc_tls.key_file = f.http_options.tls_key_file;
+  if (auto s = grpc_server.SetTls(f.grpc_tls); !s.ok()) return Fail(s);
+  auto gport = grpc_server.Start(f.runtime_options.host, f.grpc_port);
   if (!gport.ok()) return Fail(gport.status());
-  r::OpenAiHttpServer http_server(core, runtime.shared_registry(), http_options);
-  auto hport = http_server.Start(runtime_options.host, http_port);
+  r::OpenAiHttpServer http_server(core, runtime.shared_registry(), f.http_options);
+  auto hport = http_server.Start(f.runtime_options.host, f.http_port);
   if (!hport.ok()) return Fail(hport.status());
   runtime.metrics_server().SetHealth([&core] {
     bool serving = false;
@@ -223,35 +288,13 @@ int main(int argc, char** argv) {
   runtime.PublishPort("grpc", *gport);
   if (grpc_server.worker_port() > 0) runtime.PublishPort("worker_grpc", grpc_server.worker_port());
   runtime.PublishPort("http", *hport);
-  const bool tls = !http_options.tls_cert_file.empty();
+  const bool tls = !f.http_options.tls_cert_file.empty();
   spdlog::info("epd-router: model {} (context {}), OpenAI HTTP on {}://{}:{}, gRPC{} on {}:{}",
-               core_options.model, core_options.context_length, tls ? "https" : "http",
-               runtime_options.host, *hport, tls ? " (TLS)" : "", runtime_options.host, *gport);
+               f.core_options.model, f.core_options.context_length, tls ? "https" : "http",
+               f.runtime_options.host, *hport, tls ? " (TLS)" : "", f.runtime_options.host, *gport);
 
-  const auto sweep =
-      std::chrono::milliseconds(std::max(10, registry_options.heartbeat_interval_ms / 2));
-  auto next_plan = std::chrono::steady_clock::now();
-  while (!epd::runtime::WaitForShutdown(sweep)) {
-    // A worker that stops heartbeating may hang its streams rather than close them.
-    for (const auto& id : registry.ExpireStale()) core.FailWorker(id, "missed heartbeats");
-    if (std::chrono::steady_clock::now() >= next_plan) {
-      planner.Update();
-      next_plan = std::chrono::steady_clock::now() +
-                  std::chrono::milliseconds(planner_options.interval_ms);
-    }
-  }
-
-  spdlog::info("epd-router: shutdown requested, draining {} running request(s)", core.inflight());
-  core.StartDraining();
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::milliseconds(runtime_options.drain_timeout_ms);
-  while (core.inflight() > 0 && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  http_server.Stop();
-  grpc_server.Stop();
-  // Its /health reads `core`, which goes before `runtime` does.
-  runtime.metrics_server().Stop();
+  ServeUntilShutdown(f, registry, core, planner);
+  DrainAndStop(f, core, http_server, grpc_server, runtime);
   spdlog::info("epd-router: stopped");
   return 0;
 }
