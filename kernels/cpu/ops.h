@@ -40,7 +40,8 @@ void IndexerScores(const float* q, const float* w, int heads, const float* keys,
 // scalar code (lanes are independent sums, products are rounded before they are added), so every
 // result is bit-identical; they are used when the CPU has AVX2. SetSimdEnabled(false) forces the
 // scalar code on the CALLING THREAD only (tests compare the two; other threads are unaffected);
-// a backend made with CpuBackendOptions{.simd = false} forces it for its own ops.
+// the tests' CPU backend with simd = false (tests/testing/test_cpu_backend.h) forces it for its
+// own ops.
 void SetSimdEnabled(bool on);
 bool SimdEnabled();  // for the calling thread
 // Forces the scalar code on this thread while alive (when `scalar`); restores the previous
