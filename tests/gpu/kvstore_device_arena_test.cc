@@ -3,13 +3,14 @@
 // arena has (tests/kvstore/g1_block_pool_test.cc). On a machine without a GPU the arena must refuse
 // with FailedPrecondition naming the cause (callers fall back to the host arena); the pool checks
 // skip there, saying so.
+#include "tests/gpu/kvstore_device_arena.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
 #include <string>
 
 #include "kernels/cuda/cuda_device.h"
-#include "kvstore/cuda/device_arena.h"
 #include "kvstore/g1_block_pool.h"
 #include "tests/kvstore/test_util.h"
 
