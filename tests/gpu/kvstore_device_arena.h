@@ -1,6 +1,6 @@
 #pragma once
 
-// The G1 block pool's device arena (kvstore/block_arena.h, ArenaKind::kDevice): one cudaMalloc'd
+// The G1 hot tier's device arena (kvstore/block_arena.h, ArenaKind::kDevice): one cudaMalloc'd
 // region of num_blocks x block_bytes in HBM, handed out by block index. BlockAddress returns a
 // device pointer (what the UCX transfer engine registers for RMA on a GPU host); CopyIn/CopyOut
 // move bytes between host memory and a block on the arena's own non-blocking stream and wait for
