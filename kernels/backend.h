@@ -30,7 +30,6 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
-#include <map>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -261,9 +260,9 @@ struct SparseAttentionArgs {
 };
 
 // A recording of ops that a backend launches again as one unit (Backend::BeginCapture): a CUDA
-// graph on a GPU, closures on the CPU backend (CpuBackendOptions::graphs). It keeps the pointers
-// and scalars its ops were given, so what changes from launch to launch is the contents of the
-// memory they point at. Must not outlive its backend.
+// graph on a GPU, closures on the tests' CPU backend (tests/testing/test_cpu_backend.h). It keeps
+// the pointers and scalars its ops were given, so what changes from launch to launch is the
+// contents of the memory they point at. Must not outlive its backend.
 class Graph {
  public:
   virtual ~Graph() = default;
@@ -676,38 +675,10 @@ inline constexpr std::string_view kBackendOpNames[] = {
     "EngramGateSingleToken",
 };
 
-struct CpuBackendOptions {
-  // Use the SIMD (AVX2) paths where the CPU has them; false forces the scalar code (same results).
-  bool simd = true;
-  // Test seam (tests/model/weights_memory_test.cc): memory_kind() and every Buffer say kDevice
-  // while the bytes stay host memory, so a test can check that the model puts into a device
-  // backend's memory what a GPU needs there, and that its results do not change. Never set in a
-  // serving process.
-  bool report_device_memory = false;
-  // Test seam (tests/model/operand_memory_test.cc): every op fails, naming the op and the operand,
-  // unless each pointer it is given starts in memory this backend allocated and has not freed. A
-  // forward that passes on it hands a device backend only device memory; use it with
-  // report_device_memory, so the model takes its device paths (the KV pool's slabs then come from
-  // a separate host backend, and the host copies stage through Upload / Download). Checks start
-  // addresses only; a decoded QuantWeight (host values) is not checked. Never set in a serving
-  // process (each op then takes a lock per operand).
-  bool check_operands = false;
-  // Test seam (tests/model/op_count_test.cc): when set, every op call, Upload and Download adds
-  // one to (*op_calls)[op name] (an op that checks its operands in a loop, as GroupedLinearQuant
-  // does per weight, counts once per check). Not thread-safe: one thread at a time.
-  std::map<std::string, int64_t>* op_calls = nullptr;
-  // Test seam (tests/decode_pool/greedy_on_backend_test.cc): when set, every Download adds its
-  // bytes. Not thread-safe: one thread at a time.
-  int64_t* download_bytes = nullptr;
-  // Test seam (tests/decode/kv_pool_decode_test.cc): what free_memory_bytes() reports (-1: does
-  // not know, as host memory). Never set in a serving process.
-  int64_t free_memory_bytes = -1;
-  // Graphs (Backend::BeginCapture): ops between BeginCapture and EndCapture are recorded as
-  // closures and run at each LaunchGraph, so the model's decode step graphs (model/step_graph.h)
-  // run on the CPU as they would on a GPU. Off: supports_graphs() is false and the model runs
-  // every step op by op (the same bits; graphs save nothing on the host).
-  bool graphs = false;
-};
-std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options = {});
+// The CPU reference backend (kernels/cpu/cpu_backend.cc): host memory, one synchronous stream, no
+// graphs (supports_graphs() is false: the model runs every step op by op). It has no options: the
+// seams tests use (device labels, operand checks, op counts, the scalar kernels, graph recording)
+// are a wrapper in the test tree (tests/testing/test_cpu_backend.h).
+std::unique_ptr<Backend> MakeCpuBackend();
 
 }  // namespace epd::kernels

@@ -1,6 +1,6 @@
 #pragma once
 
-// Fixed-size pages ("blocks") of memory that the G1 block pool hands out by index. One interface,
+// Fixed-size pages ("blocks") of memory that the G1 hot tier hands out by index. One interface,
 // two kinds: a host arena (always built; used without a GPU and in tests) and a device arena
 // (HBM, to be added with the CUDA backend: it implements the same calls with cudaMemcpy and
 // returns device pointers from BlockAddress, which the UCX transfer engine can register).

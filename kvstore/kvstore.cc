@@ -57,7 +57,7 @@ absl::StatusOr<std::unique_ptr<KvStore>> KvStore::Open(const KvStoreConfig& conf
   store->g2_ = std::make_unique<G2SwaPool>(config.g2, clock, *store->metrics_);
   if (config.g1.capacity_bytes > 0) {
     G3RocksStore* g3_ptr = store->g3_.get();
-    auto g1 = G1BlockPool::CreateHost(
+    auto g1 = G1HotTier::CreateHost(
         config.g1, *store->metrics_, [g3_ptr](const BlockHash& key, std::string bytes) {
           if (g3_ptr->Contains(key)) return;  // write-through already made it durable
           if (auto s = g3_ptr->Put(key, AsSpan(bytes)); !s.ok()) {

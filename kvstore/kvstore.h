@@ -1,6 +1,6 @@
 #pragma once
 
-// The kvstore of one node: G1 block pool (host arena in the daemon), G2 SWA pool and G3 RocksDB
+// The kvstore of one node: G1 hot tier (host arena in the daemon), G2 SWA pool and G3 RocksDB
 // behind one object, as the epd-kvstore daemon serves them (DESIGN §5). Knows nothing of gRPC;
 // kvstore_service.h adapts it. Thread-safe: every method may be called concurrently.
 //
@@ -16,7 +16,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/clock.h"
-#include "kvstore/g1_block_pool.h"
+#include "kvstore/g1_hot_tier.h"
 #include "kvstore/g2_swa_pool.h"
 #include "kvstore/g3_rocksdb.h"
 #include "kvstore/kv_metrics.h"
@@ -61,7 +61,7 @@ class KvStore final : public KvStoreApi {
   void Sweep();
 
   KvMetrics& metrics() { return *metrics_; }
-  G1BlockPool* g1() { return g1_.get(); }  // null when disabled
+  G1HotTier* g1() { return g1_.get(); }  // null when disabled
   G2SwaPool& g2() { return *g2_; }
   G3RocksStore& g3() { return *g3_; }
 
@@ -72,7 +72,7 @@ class KvStore final : public KvStoreApi {
   std::unique_ptr<KvMetrics> metrics_;
   std::unique_ptr<G3RocksStore> g3_;
   std::unique_ptr<G2SwaPool> g2_;
-  std::unique_ptr<G1BlockPool> g1_;
+  std::unique_ptr<G1HotTier> g1_;
   bool g1_write_through_ = true;
 };
 

@@ -1,6 +1,8 @@
 #pragma once
 
-// The paged, packed KV pool of a worker (issue 11; DESIGN.md §5's G1 tier inside the worker).
+// The paged, packed KV pool of a worker (issue 11; DESIGN.md §5's G1 tier inside the worker): the
+// worker's KV pool, not the kvstore's G1 tier (kvstore/g1_hot_tier.h, G1HotTier: the daemon's hot
+// tier of published blocks by key, which a worker reaches only through the kvstore client).
 //
 // A KvPool hands out fixed-size blocks of bytes. Each global-KV stream of a sequence (the
 // compressed entries `kv.<L>` and the index keys `keys.<L>` of KV source L) is a KvRows: a block

@@ -4,7 +4,8 @@
 // on CUDA), and the copies at the edges of the forward: token ids and index lists built on the
 // host go up, routing and top-k results the host needs come down, and so do the rows the KV pool
 // (host slabs today, docs/cuda.md) keeps. Every op of the forward gets pointers into a Scratch or
-// into the weights, never into a host vector (`CpuBackendOptions::check_operands` tests it).
+// into the weights, never into a host vector (the tests' CPU backend with check_operands,
+// tests/testing/test_cpu_backend.h, checks it).
 #include <algorithm>
 #include <array>
 #include <cstdint>

@@ -7,10 +7,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <initializer_list>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <numeric>
 #include <string>
 #include <utility>
@@ -18,7 +15,6 @@
 #include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "kernels/cpu/ops.h"
-#include "kernels/cpu/recording_backend.h"
 #include "kernels/format.h"
 #include "kernels/penalty.h"
 #include "kernels/rope.h"
@@ -43,40 +39,12 @@ Status BlockLengthsProblem(const char* op, const int64_t* bytes, int64_t n) {
   return OkStatus();
 }
 
-// The live allocations of a backend with CpuBackendOptions::check_operands, by start address.
-// Shared with the buffers' deleters, which may run after the backend is gone.
-struct Allocations {
-  std::mutex mu;
-  std::map<uintptr_t, int64_t> live;
-
-  bool Contains(const void* p) {
-    const auto a = reinterpret_cast<uintptr_t>(p);
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = live.upper_bound(a);
-    if (it == live.begin()) return false;
-    --it;
-    return a < it->first + static_cast<uintptr_t>(it->second);
-  }
-};
-
-// With check_operands, fails the op unless every non-null pointer operand lies in memory this
-// backend allocated (what a device backend needs: a host vector is not device memory).
-#define EPD_CHECK_OPERANDS(op, ...) \
-  if (Status operands_ = CheckOperands(op, __VA_ARGS__); !operands_.ok()) return operands_
-
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(CpuBackendOptions options)
-      : options_(options),
-        allocations_(options.check_operands ? std::make_shared<Allocations>() : nullptr) {}
-
   std::string_view Name() const override { return "cpu"; }
 
   // ---- Memory ----
-  MemoryKind memory_kind() const override {
-    return options_.report_device_memory ? MemoryKind::kDevice : MemoryKind::kHost;
-  }
-  int64_t free_memory_bytes() const override { return options_.free_memory_bytes; }
+  MemoryKind memory_kind() const override { return MemoryKind::kHost; }
   absl::StatusOr<Buffer> Allocate(int64_t bytes, Stream stream) override {
     if (bytes < 0) return Bad("Allocate", absl::StrCat("negative size ", bytes));
     if (stream.id != 0) return Bad("Allocate", "the CPU backend has only stream 0");
@@ -87,27 +55,13 @@ class CpuBackend final : public Backend {
       return absl::ResourceExhaustedError(
           absl::StrCat("cpu backend: Allocate: out of host memory for ", bytes, " bytes"));
     }
-    if (allocations_ == nullptr) {
-      return Buffer(p, bytes, memory_kind(), stream, [](void* q) { std::free(q); });
-    }
-    {
-      std::lock_guard<std::mutex> lock(allocations_->mu);
-      allocations_->live[reinterpret_cast<uintptr_t>(p)] = bytes;
-    }
-    return Buffer(p, bytes, memory_kind(), stream, [a = allocations_](void* q) {
-      {
-        std::lock_guard<std::mutex> lock(a->mu);
-        a->live.erase(reinterpret_cast<uintptr_t>(q));
-      }
-      std::free(q);
-    });
+    return Buffer(p, bytes, memory_kind(), stream, [](void* q) { std::free(q); });
   }
   Status Upload(const void* host, int64_t bytes, Buffer& dst, int64_t dst_offset) override {
     if (bytes < 0 || dst_offset < 0 || dst_offset + bytes > dst.bytes()) {
       return Bad("Upload", absl::StrCat(bytes, " bytes at offset ", dst_offset,
                                         " do not fit a buffer of ", dst.bytes()));
     }
-    if (options_.op_calls != nullptr) ++(*options_.op_calls)["Upload"];
     if (bytes > 0) std::memcpy(dst.as<uint8_t>() + dst_offset, host, bytes);
     return OkStatus();
   }
@@ -116,8 +70,6 @@ class CpuBackend final : public Backend {
       return Bad("Download", absl::StrCat(bytes, " bytes at offset ", src_offset,
                                           " are not inside a buffer of ", src.bytes()));
     }
-    if (options_.op_calls != nullptr) ++(*options_.op_calls)["Download"];
-    if (options_.download_bytes != nullptr) *options_.download_bytes += bytes;
     if (bytes > 0) std::memcpy(host, src.as<uint8_t>() + src_offset, bytes);
     return OkStatus();
   }
@@ -126,7 +78,6 @@ class CpuBackend final : public Backend {
     return OkStatus();  // every op has finished when it returns
   }
   Status Copy(void* dst, const void* src, int64_t bytes) override {
-    EPD_CHECK_OPERANDS("Copy", {{"dst", dst}, {"src", src}});
     if (bytes < 0) return Bad("Copy", "negative size");
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return OkStatus();
@@ -134,32 +85,22 @@ class CpuBackend final : public Backend {
 
   // ---- Linears ----
   Status LinearQuant(const float* x, int64_t rows, const QuantWeight& w, float* y) override {
-    EPD_CHECK_OPERANDS("LinearQuant",
-                       {{"x", x},
-                        {"w.codes", w.packed() ? w.codes.data() : nullptr},
-                        {"w.scale_codes", w.packed() ? w.scale_codes.data() : nullptr},
-                        {"y", y}});
     if (rows < 0) return Bad("LinearQuant", "shape");
     if (std::string why = QuantWeightProblem(w); !why.empty()) return Bad("LinearQuant", why);
-    ScopedScalarKernels s(!options_.simd);
     cpu::LinearQuant(x, rows, w, y);
     return OkStatus();
   }
   Status LinearBf16(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                     float* y) override {
-    EPD_CHECK_OPERANDS("LinearBf16", {{"x", x}, {"w", w.data}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearBf16", "negative shape");
     if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearBf16", why);
-    ScopedScalarKernels s(!options_.simd);
     cpu::LinearBf16(x, rows, w, out, in, y);
     return OkStatus();
   }
   Status LinearF32(const float* x, int64_t rows, PlainWeight w, int64_t out, int64_t in,
                    float* y) override {
-    EPD_CHECK_OPERANDS("LinearF32", {{"x", x}, {"w", w.data}, {"y", y}});
     if (rows < 0 || out < 0 || in < 0) return Bad("LinearF32", "negative shape");
     if (std::string why = PlainWeightProblem(w); !why.empty()) return Bad("LinearF32", why);
-    ScopedScalarKernels s(!options_.simd);
     cpu::LinearF32(x, rows, w, out, in, y);
     return OkStatus();
   }
@@ -167,15 +108,12 @@ class CpuBackend final : public Backend {
   // ---- Norms, RoPE, rounding ----
   Status RmsNorm(const float* x, const float* w, int64_t rows, int64_t dim, float eps,
                  float* y) override {
-    EPD_CHECK_OPERANDS("RmsNorm", {{"x", x}, {"w", w}, {"y", y}});
     if (rows < 0 || dim <= 0) return Bad("RmsNorm", "shape");
     cpu::RmsNormBf16(x, w, rows, dim, eps, y);
     return OkStatus();
   }
   Status RopeTables(const float* freqs, int n_pairs, const int64_t* positions, int64_t rows,
                     float* cos, float* sin) override {
-    EPD_CHECK_OPERANDS("RopeTables",
-                       {{"freqs", freqs}, {"positions", positions}, {"cos", cos}, {"sin", sin}});
     if (rows < 0 || n_pairs < 0) return Bad("RopeTables", "negative shape");
     for (int64_t r = 0; r < rows; ++r)
       RopeCosSin(freqs, n_pairs, positions[r], cos + r * n_pairs, sin + r * n_pairs);
@@ -183,45 +121,33 @@ class CpuBackend final : public Backend {
   }
   Status Rope(float* x, int64_t rows, int heads, int stride, int offset, int n_pairs,
               const float* cos, const float* sin, bool inverse) override {
-    EPD_CHECK_OPERANDS("Rope", {{"x", x}, {"cos", cos}, {"sin", sin}});
     if (rows < 0 || heads < 0 || offset < 0 || offset + 2 * n_pairs > stride)
       return Bad("Rope", "the rotated pairs do not fit the row stride");
     cpu::Rope(x, rows, heads, stride, offset, n_pairs, cos, sin, inverse);
     return OkStatus();
   }
   Status RoundBf16(float* x, int64_t n) override {
-    EPD_CHECK_OPERANDS("RoundBf16", {{"x", x}});
     for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i]);
     return OkStatus();
   }
   Status ScaleRoundBf16(float* x, int64_t n, float scale) override {
-    EPD_CHECK_OPERANDS("ScaleRoundBf16", {{"x", x}});
     for (int64_t i = 0; i < n; ++i) x[i] = format::RoundBf16(x[i] * scale);
     return OkStatus();
   }
   Status Add(float* x, const float* y, int64_t n) override {
-    EPD_CHECK_OPERANDS("Add", {{"x", x}, {"y", y}});
     for (int64_t i = 0; i < n; ++i) x[i] += y[i];
     return OkStatus();
   }
 
   // ---- Attention ----
   Status SparseAttention(const SparseAttentionArgs& args) override {
-    EPD_CHECK_OPERANDS("SparseAttention", {{"q", args.q},
-                                           {"kv", args.kv},
-                                           {"sink", args.sink},
-                                           {"idx", args.idx},
-                                           {"kv_ext", args.kv_ext},
-                                           {"out", args.out}});
     if (args.rows < 0 || args.heads < 0 || args.head_dim <= 0 || args.list_len < 0)
       return Bad("SparseAttention", "shape");
-    ScopedScalarKernels s(!options_.simd);
     cpu::SparseAttention(args);
     return OkStatus();
   }
   Status CompressPool(const float* kv_all, const float* score_all, int64_t groups, int ratio,
                       int64_t hd, float* out_all) override {
-    EPD_CHECK_OPERANDS("CompressPool", {{"kv", kv_all}, {"score", score_all}, {"out", out_all}});
     if (ratio < 1 || ratio > 8) return Bad("CompressPool", absl::StrCat("ratio ", ratio));
     if (groups < 0 || hd < 0) return Bad("CompressPool", "negative shape");
     for (int64_t g = 0; g < groups; ++g) {
@@ -246,15 +172,12 @@ class CpuBackend final : public Backend {
   }
   Status IndexerScores(const float* q, const float* w, int heads, const float* keys, int64_t n,
                        int64_t dim, float* score) override {
-    EPD_CHECK_OPERANDS("IndexerScores", {{"q", q}, {"w", w}, {"keys", keys}, {"score", score}});
     if (heads < 0 || n < 0 || dim < 0) return Bad("IndexerScores", "negative shape");
-    ScopedScalarKernels s(!options_.simd);
     cpu::IndexerScores(q, w, heads, keys, n, dim, score);
     return OkStatus();
   }
   Status MaskScores(float* score, int64_t n, int64_t valid, const uint8_t* mask,
                     int64_t mask_cols) override {
-    EPD_CHECK_OPERANDS("MaskScores", {{"score", score}, {"mask", mask}});
     for (int64_t t = std::max<int64_t>(valid, 0); t < n; ++t) score[t] = -INFINITY;
     if (mask != nullptr) {
       for (int64_t t = 0; t < n; ++t) {
@@ -264,7 +187,6 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
   Status StableTopK(const float* v, int64_t n, int64_t k, int32_t* out) override {
-    EPD_CHECK_OPERANDS("StableTopK", {{"v", v}, {"out", out}});
     if (n < 0 || k < 0) return Bad("StableTopK", "negative size");
     const std::vector<int32_t> idx = cpu::StableTopK(v, n, k);
     std::copy(idx.begin(), idx.end(), out);
@@ -272,7 +194,6 @@ class CpuBackend final : public Backend {
   }
   Status CandidateMask(const float* score, int64_t n, int64_t bs, int64_t visible,
                        int64_t keep_blocks, uint8_t* mask) override {
-    EPD_CHECK_OPERANDS("CandidateMask", {{"score", score}, {"mask", mask}});
     if (bs <= 0 || n < 0) return Bad("CandidateMask", "block size must be > 0");
     CandidateMaskRow(score, n, bs, visible, keep_blocks, mask);
     return OkStatus();
@@ -293,7 +214,6 @@ class CpuBackend final : public Backend {
   }
   Status SelectTopK(const float* score, int64_t n, int64_t k, int64_t visible, int64_t offset,
                     int32_t* out) override {
-    EPD_CHECK_OPERANDS("SelectTopK", {{"score", score}, {"out", out}});
     if (k < 0 || k > n) return Bad("SelectTopK", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     SelectTopKRow(score, n, k, visible, offset, out);
     return OkStatus();
@@ -309,8 +229,6 @@ class CpuBackend final : public Backend {
 
   Status IndexerScoresRows(const float* q, const float* w, int heads, const float* keys, int64_t n,
                            int64_t dim, int64_t rows, const int64_t* valid, float* score) override {
-    EPD_CHECK_OPERANDS("IndexerScoresRows",
-                       {{"q", q}, {"w", w}, {"keys", keys}, {"valid", valid}, {"score", score}});
     if (heads < 0 || n < 0 || dim < 0 || rows < 0)
       return Bad("IndexerScoresRows", "negative shape");
     for (int64_t r = 0; r < rows; ++r) {
@@ -319,7 +237,6 @@ class CpuBackend final : public Backend {
                    absl::StrCat("row ", r, " scores ", valid[r], " keys, not in [0, ", n, "]"));
       }
     }
-    ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
       float* sr = score + r * n;
       cpu::IndexerScores(q + r * heads * dim, w + r * heads, heads, keys, valid[r], dim, sr);
@@ -331,12 +248,6 @@ class CpuBackend final : public Backend {
                             const uint8_t* const* const* tables, const int64_t* rows_per_page,
                             const int64_t* valid, int64_t n, int64_t dim, int64_t rows,
                             float* score) override {
-    EPD_CHECK_OPERANDS("IndexerScoresPaged", {{"q", q},
-                                              {"w", w},
-                                              {"tables", tables},
-                                              {"rows_per_page", rows_per_page},
-                                              {"valid", valid},
-                                              {"score", score}});
     if (heads < 0 || n < 0 || dim < 0 || rows < 0)
       return Bad("IndexerScoresPaged", "negative shape");
     for (int64_t r = 0; r < rows; ++r) {
@@ -352,7 +263,6 @@ class CpuBackend final : public Backend {
         return s;
       }
     }
-    ScopedScalarKernels s(!options_.simd);
     // Keys unpacked a chunk at a time (about 2048 keys, a multiple of 8: cache-resident), each
     // scored as IndexerScores scores it (a key's score does not depend on the others).
     const int64_t chunk = std::min<int64_t>(2048, n);
@@ -372,8 +282,6 @@ class CpuBackend final : public Backend {
   Status CandidateMaskRows(const float* score, int64_t rows, int64_t n, int64_t bs,
                            const int64_t* visible, const int64_t* cols, int64_t keep_blocks,
                            uint8_t* mask) override {
-    EPD_CHECK_OPERANDS("CandidateMaskRows",
-                       {{"score", score}, {"visible", visible}, {"cols", cols}, {"mask", mask}});
     if (bs <= 0 || n < 0 || rows < 0) return Bad("CandidateMaskRows", "block size must be > 0");
     for (int64_t r = 0; r < rows && cols != nullptr; ++r) {
       if (cols[r] < 0 || cols[r] > n) {
@@ -391,8 +299,6 @@ class CpuBackend final : public Backend {
   Status SelectTopKRows(const float* score, int64_t rows, int64_t n, int64_t k,
                         const int64_t* visible, int64_t offset, const uint8_t* mask,
                         int64_t mask_cols, int32_t* out) override {
-    EPD_CHECK_OPERANDS("SelectTopKRows",
-                       {{"score", score}, {"visible", visible}, {"mask", mask}, {"out", out}});
     if (rows < 0 || n < 0) return Bad("SelectTopKRows", "negative shape");
     if (k < 0 || k > n) return Bad("SelectTopKRows", absl::StrCat("k ", k, " not in [0, ", n, "]"));
     std::vector<float> row(static_cast<size_t>(n));
@@ -413,28 +319,20 @@ class CpuBackend final : public Backend {
   Status HcMixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                  const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                  float norm_eps, float* pre, float* post, float* comb) override {
-    return Mixes("HcMixes", rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
-                 pre, post, comb, /*torch_vector_exp=*/true);
+    return Mixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                 comb, /*torch_vector_exp=*/true);
   }
   Status HcMixesSingleToken(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                             const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                             float norm_eps, float* pre, float* post, float* comb) override {
-    return Mixes("HcMixesSingleToken", rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps,
-                 norm_eps, pre, post, comb, /*torch_vector_exp=*/false);
+    return Mixes(rows, h, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps, pre, post,
+                 comb, /*torch_vector_exp=*/false);
   }
-  // HcMixes and HcMixesSingleToken (op): the sigmoids with torch's vectorized exp or glibc's.
-  Status Mixes(const char* op, int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
+  // HcMixes and HcMixesSingleToken: the sigmoids with torch's vectorized exp or glibc's.
+  Status Mixes(int64_t rows, const float* h, int hc, int64_t dim, const float* fn,
                const float* scale, const float* base, int sinkhorn_iters, float hc_eps,
                float norm_eps, float* pre, float* post, float* comb, bool torch_vector_exp) {
-    EPD_CHECK_OPERANDS(op, {{"h", h},
-                            {"fn", fn},
-                            {"scale", scale},
-                            {"base", base},
-                            {"pre", pre},
-                            {"post", post},
-                            {"comb", comb}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcMixes", "shape");
-    ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
       cpu::HcMixes(h + r * hc * dim, hc, dim, fn, scale, base, sinkhorn_iters, hc_eps, norm_eps,
                    pre + r * hc, post + r * hc, comb + r * hc * hc, torch_vector_exp);
@@ -443,19 +341,14 @@ class CpuBackend final : public Backend {
   }
   Status HcPre(int64_t rows, const float* h, int hc, int64_t dim, const float* pre,
                float* y) override {
-    EPD_CHECK_OPERANDS("HcPre", {{"h", h}, {"pre", pre}, {"y", y}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPre", "shape");
-    ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r)
       cpu::HcPre(h + r * hc * dim, hc, dim, pre + r * hc, y + r * dim);
     return OkStatus();
   }
   Status HcPost(int64_t rows, const float* y, const float* res, int hc, int64_t dim,
                 const float* post, const float* comb, float* out) override {
-    EPD_CHECK_OPERANDS("HcPost",
-                       {{"y", y}, {"res", res}, {"post", post}, {"comb", comb}, {"out", out}});
     if (rows < 0 || hc <= 0 || dim <= 0) return Bad("HcPost", "shape");
-    ScopedScalarKernels s(!options_.simd);
     for (int64_t r = 0; r < rows; ++r) {
       cpu::HcPost(y + r * dim, res + r * hc * dim, hc, dim, post + r * hc, comb + r * hc * hc,
                   out + r * hc * dim);
@@ -464,7 +357,6 @@ class CpuBackend final : public Backend {
   }
   Status HcMean(int64_t rows, const float* h, int hc, int64_t dim, float* y,
                 int64_t y_stride) override {
-    EPD_CHECK_OPERANDS("HcMean", {{"h", h}, {"y", y}});
     if (rows < 0 || hc <= 0 || dim < 0) return Bad("HcMean", "shape");
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t d = 0; d < dim; ++d) {
@@ -479,9 +371,6 @@ class CpuBackend final : public Backend {
   // ---- MoE ----
   Status MoeRoute(const float* z, int64_t rows, int n_experts, const float* bias, int top_k,
                   float route_scale, int32_t* experts, float* weights, int32_t* ranked) override {
-    EPD_CHECK_OPERANDS(
-        "MoeRoute",
-        {{"z", z}, {"bias", bias}, {"experts", experts}, {"weights", weights}, {"ranked", ranked}});
     const int64_t E = n_experts, K = top_k;
     if (K < 1 || K > E) return Bad("MoeRoute", absl::StrCat("top_k ", K, " of ", E, " experts"));
     std::vector<float> s(E), biased(E);
@@ -517,12 +406,6 @@ class CpuBackend final : public Backend {
   Status MoeGroup(const int32_t* experts, const float* weights, int64_t rows, int n_experts,
                   int top_k, int n_shared, int64_t* starts, int64_t* src_rows, int64_t* slot_rows,
                   float* entry_weights) override {
-    EPD_CHECK_OPERANDS("MoeGroup", {{"experts", experts},
-                                    {"weights", weights},
-                                    {"starts", starts},
-                                    {"src_rows", src_rows},
-                                    {"slot_rows", slot_rows},
-                                    {"entry_weights", entry_weights}});
     const int64_t E = n_experts, K = top_k, NS = n_shared, slots = K + NS;
     if (rows < 0 || K < 1 || K > E || NS < 0)
       return Bad("MoeGroup", absl::StrCat("top_k ", K, " of ", E, " experts, ", NS, " shared"));
@@ -559,18 +442,13 @@ class CpuBackend final : public Backend {
   }
   Status GroupedLinearQuant(const float* x, int64_t rows, const int64_t* starts,
                             const QuantWeight* const* ws, int n_groups, float* y) override {
-    EPD_CHECK_OPERANDS("GroupedLinearQuant", {{"x", x}, {"starts", starts}, {"y", y}});
     if (rows < 0 || n_groups < 0) return Bad("GroupedLinearQuant", "negative shape");
     if (std::string why = WeightGroupProblem(ws, n_groups); !why.empty())
       return Bad("GroupedLinearQuant", why);
     if (std::string why = StartsProblem(starts, n_groups, rows); !why.empty())
       return Bad("GroupedLinearQuant", why);
-    ScopedScalarKernels s(!options_.simd);
     for (int g = 0; g < n_groups; ++g) {
       const QuantWeight& w = *ws[g];
-      EPD_CHECK_OPERANDS("GroupedLinearQuant",
-                         {{"w.codes", w.packed() ? w.codes.data() : nullptr},
-                          {"w.scale_codes", w.packed() ? w.scale_codes.data() : nullptr}});
       const int64_t at = starts[g], n = starts[g + 1] - at;
       if (n > 0) cpu::LinearQuant(x + at * w.in, n, w, y + at * w.out);
     }
@@ -578,11 +456,9 @@ class CpuBackend final : public Backend {
   }
   Status SwiGlu(const float* g, const float* u, int64_t rows, int64_t inter, float lim,
                 const float* row_weights, float* h) override {
-    EPD_CHECK_OPERANDS("SwiGlu", {{"g", g}, {"u", u}, {"row_weights", row_weights}, {"h", h}});
     // torch's F.silu: x / (1 + exp(-x)) with Sleef's exp (its vectorized path, which covers a
     // [rows, inter] tensor whenever inter % 16 == 0, as in every released and test model; the
     // rows are kept independent of each other for batch invariance).
-    ScopedScalarKernels s(!options_.simd);
     std::vector<float> e(inter);
     for (int64_t i = 0; i < rows; ++i) {
       for (int64_t j = 0; j < inter; ++j) e[j] = -std::min(g[i * inter + j], lim);
@@ -598,8 +474,6 @@ class CpuBackend final : public Backend {
   }
   Status CopyRows(const float* src, const int64_t* src_rows, float* dst, const int64_t* dst_rows,
                   int64_t n, int64_t dim) override {
-    EPD_CHECK_OPERANDS(
-        "CopyRows", {{"src", src}, {"src_rows", src_rows}, {"dst", dst}, {"dst_rows", dst_rows}});
     if (n < 0 || dim < 0) return Bad("CopyRows", "negative shape");
     for (int64_t i = 0; i < n; ++i) {
       const int64_t from = src_rows != nullptr ? src_rows[i] : i;
@@ -610,7 +484,6 @@ class CpuBackend final : public Backend {
     return OkStatus();
   }
   Status SumSlots(const float* ys, int64_t rows, int64_t slots, int64_t dim, float* out) override {
-    EPD_CHECK_OPERANDS("SumSlots", {{"ys", ys}, {"out", out}});
     std::vector<float> acc(dim);
     for (int64_t r = 0; r < rows; ++r) {
       std::fill(acc.begin(), acc.end(), 0.f);
@@ -626,9 +499,6 @@ class CpuBackend final : public Backend {
   // ---- Engram ----
   Status Fp8RowLookup(const uint8_t* table, const uint8_t* table_scale, int64_t dim,
                       const int64_t* ids, int64_t n, float* out) override {
-    EPD_CHECK_OPERANDS(
-        "Fp8RowLookup",
-        {{"table", table}, {"table_scale", table_scale}, {"ids", ids}, {"out", out}});
     if (dim % 32 != 0) return Bad("Fp8RowLookup", "dim must be a multiple of 32");
     for (int64_t r = 0; r < n; ++r) {
       const uint8_t* w = table + ids[r] * dim;
@@ -641,15 +511,11 @@ class CpuBackend final : public Backend {
   }
   Status EngramGate(float* h, const float* e, int64_t rows, int hc, int64_t D,
                     const float* q_weight, const float* k_weight, float norm_eps) override {
-    EPD_CHECK_OPERANDS("EngramGate",
-                       {{"h", h}, {"e", e}, {"q_weight", q_weight}, {"k_weight", k_weight}});
     return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/true);
   }
   Status EngramGateSingleToken(float* h, const float* e, int64_t rows, int hc, int64_t D,
                                const float* q_weight, const float* k_weight,
                                float norm_eps) override {
-    EPD_CHECK_OPERANDS("EngramGateSingleToken",
-                       {{"h", h}, {"e", e}, {"q_weight", q_weight}, {"k_weight", k_weight}});
     return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/false);
   }
   // The reference's torch expression, bit for bit: dot = (h * (qw * kw) * key).sum(-1) *
@@ -685,7 +551,6 @@ class CpuBackend final : public Backend {
   }
   Status Embed(PlainWeight table, int64_t dim, const int32_t* ids, int64_t rows, int hc,
                float* h) override {
-    EPD_CHECK_OPERANDS("Embed", {{"table", table.data}, {"ids", ids}, {"h", h}});
     if (std::string why = PlainWeightProblem(table); !why.empty()) return Bad("Embed", why);
     for (int64_t i = 0; i < rows && hc > 0; ++i) {
       const int64_t at = static_cast<int64_t>(ids[i]) * dim;
@@ -701,7 +566,6 @@ class CpuBackend final : public Backend {
   }
 
   Status QuantDequant(Qdq kind, float* x, int64_t rows, int64_t dim) override {
-    EPD_CHECK_OPERANDS("QuantDequant", {{"x", x}});
     for (int64_t r = 0; r < rows; ++r) {
       switch (kind) {
         case Qdq::kFp8Window:
@@ -721,7 +585,6 @@ class CpuBackend final : public Backend {
   // ---- Paged packed rows ----
   Status PackRows(RowCodec codec, const float* x, int64_t n, int64_t dim, uint8_t* const* pages,
                   int64_t rows_per_page, const int32_t* rows, int64_t first) override {
-    EPD_CHECK_OPERANDS("PackRows", {{"x", x}, {"pages", pages}, {"rows", rows}});
     if (Status s = PagedProblem("PackRows", codec, n, dim, pages, rows_per_page, rows, first,
                                 /*skip_negative=*/false);
         !s.ok()) {
@@ -736,7 +599,6 @@ class CpuBackend final : public Backend {
   }
   Status UnpackRows(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page, int64_t dim,
                     const int32_t* rows, int64_t first, int64_t n, float* out) override {
-    EPD_CHECK_OPERANDS("UnpackRows", {{"pages", pages}, {"rows", rows}, {"out", out}});
     if (Status s = PagedProblem("UnpackRows", codec, n, dim, pages, rows_per_page, rows, first,
                                 /*skip_negative=*/true);
         !s.ok()) {
@@ -749,9 +611,6 @@ class CpuBackend final : public Backend {
   Status GatherRows(RowCodec codec, const uint8_t* const* const* tables,
                     const int64_t* rows_per_page, int64_t per_table, int64_t dim,
                     const int32_t* rows, int64_t first, int64_t n, float* out) override {
-    EPD_CHECK_OPERANDS(
-        "GatherRows",
-        {{"tables", tables}, {"rows_per_page", rows_per_page}, {"rows", rows}, {"out", out}});
     if (per_table <= 0 || n < 0) return Bad("GatherRows", "non-positive rows per table");
     for (int64_t g = 0; g * per_table < n; ++g) {
       const int64_t m = std::min(per_table, n - g * per_table);
@@ -775,7 +634,6 @@ class CpuBackend final : public Backend {
 
   Status TopKSlots(const int32_t* topk, int64_t rows, int64_t k, int64_t base, bool per_slot,
                    int32_t* list, int64_t list_len, int64_t offset) override {
-    EPD_CHECK_OPERANDS("TopKSlots", {{"topk", topk}, {"list", list}});
     if (rows < 0 || k < 0 || offset < 0 || offset + k > list_len)
       return Bad("TopKSlots", absl::StrCat(k, " slots at ", offset, " in lists of ", list_len));
     for (int64_t r = 0; r < rows; ++r) {
@@ -792,7 +650,6 @@ class CpuBackend final : public Backend {
                       uint64_t* out) override {
     if (n < 0) return Bad("DigestBlocks", "negative block count");
     if (n == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("DigestBlocks", {{"blocks", blocks}, {"bytes", bytes}, {"out", out}});
     if (Status s = BlockLengthsProblem("DigestBlocks", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) out[i] = XXH3_64bits(blocks[i], static_cast<size_t>(bytes[i]));
     return OkStatus();
@@ -802,7 +659,6 @@ class CpuBackend final : public Backend {
                      int64_t n, int32_t* equal) override {
     if (n < 0) return Bad("BlocksEqual", "negative block count");
     if (n == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("BlocksEqual", {{"a", a}, {"b", b}, {"bytes", bytes}, {"equal", equal}});
     if (Status s = BlockLengthsProblem("BlocksEqual", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) {
       equal[i] = std::memcmp(a[i], b[i], static_cast<size_t>(bytes[i])) == 0 ? 1 : 0;
@@ -814,7 +670,6 @@ class CpuBackend final : public Backend {
                     int64_t n) override {
     if (n < 0) return Bad("CopyBlocks", "negative block count");
     if (n == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("CopyBlocks", {{"dst", dst}, {"src", src}, {"bytes", bytes}});
     if (Status s = BlockLengthsProblem("CopyBlocks", bytes, n); !s.ok()) return s;
     for (int64_t i = 0; i < n; ++i) {
       if (bytes[i] > 0) std::memcpy(dst[i], src[i], static_cast<size_t>(bytes[i]));
@@ -823,7 +678,6 @@ class CpuBackend final : public Backend {
   }
 
   Status Argmax(const float* x, int64_t rows, int64_t n, int32_t* out) override {
-    EPD_CHECK_OPERANDS("Argmax", {{"x", x}, {"out", out}});
     if (n <= 0) return Bad("Argmax", "empty rows");
     for (int64_t r = 0; r < rows; ++r) {
       const float* xr = x + r * n;
@@ -836,9 +690,9 @@ class CpuBackend final : public Backend {
                       const double* u, int32_t* out, float* probs_out) override {
     if (rows < 0) return Bad("SampleLogits", "negative rows");
     if (n <= 0) return Bad("SampleLogits", "empty rows");
-    if (const char* why = sampling::ParamsProblem(p); why != nullptr) return Bad("SampleLogits", why);
+    if (const char* why = sampling::ParamsProblem(p); why != nullptr)
+      return Bad("SampleLogits", why);
     if (rows == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("SampleLogits", {{"x", x}, {"u", u}, {"out", out}});
     for (int64_t r = 0; r < rows; ++r) {
       if (!(u[r] >= 0.0 && u[r] < 1.0))
         return Bad("SampleLogits", absl::StrCat("uniform ", r, " (", u[r], ") is outside [0, 1)"));
@@ -857,8 +711,6 @@ class CpuBackend final : public Backend {
                       const double* u, int32_t* out, int32_t* chosen) override {
     if (k < 0) return Bad("VerifyDrafts", "negative draft count");
     if (n <= 0) return Bad("VerifyDrafts", "empty rows");
-    EPD_CHECK_OPERANDS("VerifyDrafts", {{"p", p}, {"u", u}, {"out", out}});
-    if (k > 0) EPD_CHECK_OPERANDS("VerifyDrafts", {{"q", q}, {"drafts", drafts}});
     for (int64_t i = 0; i <= k; ++i) {
       if (!(u[i] >= 0.0 && u[i] < 1.0))
         return Bad("VerifyDrafts", absl::StrCat("uniform ", i, " (", u[i], ") is outside [0, 1)"));
@@ -871,7 +723,6 @@ class CpuBackend final : public Backend {
     out[0] = v.accepted;
     out[1] = v.token;
     if (chosen != nullptr) {
-      EPD_CHECK_OPERANDS("VerifyDrafts", {{"chosen", chosen}});
       for (int64_t r = 0; r <= k; ++r) chosen[r] = r != v.accepted && r < k ? drafts[r] : v.token;
     }
     return OkStatus();
@@ -884,8 +735,6 @@ class CpuBackend final : public Backend {
     if (top < 0 || top > n)
       return Bad("TopLogprobs", absl::StrCat("top ", top, " is outside [0, ", n, "]"));
     if (rows == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("TopLogprobs", {{"x", x}, {"chosen", chosen}, {"chosen_lp", chosen_lp}});
-    if (top > 0) EPD_CHECK_OPERANDS("TopLogprobs", {{"top_ids", top_ids}, {"top_lp", top_lp}});
     for (int64_t r = 0; r < rows; ++r) {
       if (chosen[r] < 0 || chosen[r] >= n)
         return Bad("TopLogprobs", absl::StrCat("chosen token ", chosen[r], " of row ", r,
@@ -910,11 +759,10 @@ class CpuBackend final : public Backend {
     if (entries < 0 || total < 0) return Bad("PenalizeLogits", "negative sizes");
     if (!(repetition > 0.f)) return Bad("PenalizeLogits", "the repetition penalty must be > 0");
     if (entries == 0) return OkStatus();
-    EPD_CHECK_OPERANDS("PenalizeLogits", {{"x", x}, {"at", at}, {"counts", counts}});
     for (int64_t i = 0; i < entries; ++i) {
       if (at[i] < 0 || at[i] >= total)
-        return Bad("PenalizeLogits", absl::StrCat("entry ", i, " at ", at[i],
-                                                  " is outside the ", total, " logits"));
+        return Bad("PenalizeLogits",
+                   absl::StrCat("entry ", i, " at ", at[i], " is outside the ", total, " logits"));
     }
     for (int64_t i = 0; i < entries; ++i)
       x[at[i]] = Penalized(x[at[i]], counts[i], repetition, frequency, presence);
@@ -922,11 +770,10 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  // PackRows / UnpackRows argument checks; with check_operands, also every page a listed row
-  // lies in (the page addresses the table holds).
-  Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
-                      const uint8_t* const* pages, int64_t rows_per_page, const int32_t* rows,
-                      int64_t first, bool skip_negative) {
+  // PackRows / UnpackRows argument checks.
+  static Status PagedProblem(const char* op, RowCodec codec, int64_t n, int64_t dim,
+                             const uint8_t* const* pages, int64_t rows_per_page,
+                             const int32_t* rows, int64_t first, bool skip_negative) {
     if (std::string why = RowCodecProblem(codec, dim); !why.empty()) return Bad(op, why);
     if (n < 0 || rows_per_page <= 0) return Bad(op, "negative rows or non-positive page size");
     for (int64_t i = 0; i < n; ++i) {
@@ -935,14 +782,10 @@ class CpuBackend final : public Backend {
       if (r < 0) return Bad(op, absl::StrCat("negative row ", r, " at ", i));
       const uint8_t* page = pages[r / rows_per_page];
       if (page == nullptr) return Bad(op, absl::StrCat("row ", r, " is on a null page"));
-      if (allocations_ != nullptr && !allocations_->Contains(page)) {
-        return absl::InternalError(absl::StrCat("cpu backend: ", op, ": the page of row ", r,
-                                                " is not memory of this backend"));
-      }
     }
     return OkStatus();
   }
-  // UnpackRows' work once its operands are checked: out[i, :] = row (rows ? rows[i] : i) + first
+  // UnpackRows' work once its arguments are checked: out[i, :] = row (rows ? rows[i] : i) + first
   // of the paged stream, a negative row skipped (a top-k's -1: out row i stays as it is).
   static void UnpackListed(RowCodec codec, const uint8_t* const* pages, int64_t rows_per_page,
                            int64_t dim, const int32_t* rows, int64_t first, int64_t n, float* out) {
@@ -954,39 +797,16 @@ class CpuBackend final : public Backend {
                         out + i * dim);
     }
   }
-  // A page table of a multi-stream op: backend memory (checked like an operand).
-  Status TableProblem(const char* op, const uint8_t* const* table) {
+  // A page table of a multi-stream op.
+  static Status TableProblem(const char* op, const uint8_t* const* table) {
     if (table == nullptr) return Bad(op, "a null page table");
-    if (allocations_ != nullptr && !allocations_->Contains(table)) {
-      return absl::InternalError(
-          absl::StrCat("cpu backend: ", op, ": a page table is not memory of this backend"));
-    }
     return OkStatus();
   }
-  Status CheckOperands(const char* op,
-                       std::initializer_list<std::pair<const char*, const void*>> operands) {
-    if (options_.op_calls != nullptr) ++(*options_.op_calls)[op];
-    if (allocations_ == nullptr) return OkStatus();
-    for (const auto& [name, p] : operands) {
-      if (p != nullptr && !allocations_->Contains(p)) {
-        return absl::InternalError(absl::StrCat("cpu backend: ", op, ": operand ", name,
-                                                " is not memory of this backend"));
-      }
-    }
-    return OkStatus();
-  }
-
-  CpuBackendOptions options_;
-  std::shared_ptr<Allocations> allocations_;  // check_operands only
 };
 
 }  // namespace
 }  // namespace epd::kernels::cpu
 
 namespace epd::kernels {
-std::unique_ptr<Backend> MakeCpuBackend(CpuBackendOptions options) {
-  if (!options.graphs) return std::make_unique<cpu::CpuBackend>(options);
-  std::map<std::string, int64_t>* op_calls = std::exchange(options.op_calls, nullptr);
-  return cpu::MakeRecordingBackend(std::make_unique<cpu::CpuBackend>(options), op_calls);
-}
+std::unique_ptr<Backend> MakeCpuBackend() { return std::make_unique<cpu::CpuBackend>(); }
 }  // namespace epd::kernels

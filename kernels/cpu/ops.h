@@ -40,9 +40,9 @@ void IndexerScores(const float* q, const float* w, int heads, const float* keys,
 // the same fp32 operations in the same order as the scalar code (lanes are independent sums,
 // products are rounded before they are added), so every result is bit-identical. One switch
 // decides which code runs: a call takes the SIMD paths where the CPU has them unless the calling
-// thread is inside a ScopedScalarKernels(true) (other threads are unaffected). A backend made with
-// CpuBackendOptions{.simd = false} holds one around each of its ops; tests comparing the two
-// paths hold one around their direct calls of these functions.
+// thread is inside a ScopedScalarKernels(true) (other threads are unaffected). The tests' CPU
+// backend with simd = false (tests/testing/test_cpu_backend.h) holds one around each of its ops;
+// tests comparing the two paths hold one around their direct calls of these functions.
 bool SimdEnabled();  // whether the calling thread's calls take the SIMD paths
 // Forces the scalar code on this thread while alive (when `scalar`); restores the previous
 // setting.

@@ -56,6 +56,15 @@ absl::Status CudaDeviceLost(const Backend& backend);
 // waited for, and its device time (between the events) and host time (the call, the wait
 // included) are added to its name's entry; a graph launch is one "LaunchGraph" entry. The waits
 // serialize host and device, so the sum exceeds a step's time; the shares are the point.
+//
+// Why it is in the production backend although only a benchmark and a test call it (issue 48): it
+// is a diagnostic, the way an operator profiles a GPU build (cuda_model_bench's PROFILE lines),
+// and it costs nothing while off (one relaxed atomic load per op in Run, no event, no wait). It
+// cannot live outside the backend without exposing its internals: the timing brackets each op's
+// launches on the backend's own stream 0 (a cudaStream_t this CUDA-free header does not show),
+// inside the one Run every op goes through, after the wait for another thread's capture and never
+// during one; a wrapper Backend would time the call, not the device work, and would need the
+// stream and the capture state.
 struct CudaOpTime {
   std::string op;
   int64_t calls = 0;

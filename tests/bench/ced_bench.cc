@@ -36,6 +36,7 @@
 #include "model/nano/nano_generator.h"
 #include "model/stages.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace {
 
@@ -249,7 +250,7 @@ int main(int argc, char** argv) {
     model_dir = tmp->path() + "/nano";
     Must(GenerateNanoModel(model_dir), "generate nano");
   }
-  auto backend = epd::kernels::MakeCpuBackend({.simd = !scalar});
+  auto backend = epd::testing::MakeTestCpuBackend({.simd = !scalar});
   auto model = Must(Model::Load(model_dir, *backend), "load");
   ModelOptions unq;
   unq.unquantized_kv = true;

@@ -19,6 +19,7 @@
 #include "model/stages.h"
 #include "nlohmann/json.hpp"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace {
 
@@ -46,7 +47,7 @@ int main(int argc, char** argv) {
       dir = argv[i];
     }
   }
-  auto backend = epd::kernels::MakeCpuBackend({.simd = !scalar});
+  auto backend = epd::testing::MakeTestCpuBackend({.simd = !scalar});
   auto cfg = LoadModelConfig(dir + "/config.json");
   if (!cfg.ok()) {
     std::fprintf(stderr, "%s\n", std::string(cfg.status().message()).c_str());

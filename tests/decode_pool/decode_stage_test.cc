@@ -14,13 +14,14 @@
 #include "decode_pool/dspark/verifier.h"
 #include "gtest/gtest.h"
 #include "kernels/backend.h"
-#include "transfer/transfer_error.h"
 #include "model/model.h"
 #include "model/sampling.h"
 #include "model/sequence_state.h"
 #include "model/stages.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/subprocess.h"
+#include "tests/testing/test_cpu_backend.h"
+#include "transfer/transfer_error.h"
 
 namespace epd::decode_pool {
 namespace {
@@ -287,7 +288,7 @@ TEST_F(DecodeStageDSparkTest, TokensFromTheBackendEqualTheHostsAndDownloadNoLogi
       // A model of its own for each run (its KV pool's sealed blocks would serve the next run).
       int64_t bytes = 0;
       auto backend =
-          kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &bytes});
+          testing::MakeTestCpuBackend({.report_device_memory = true, .download_bytes = &bytes});
       auto m = model::Model::Load(model_dir(), *backend);
       ASSERT_TRUE(m.ok()) << m.status();
       DecodeStage stage(**m, {.dspark = dspark, .fixed_k = dspark ? 3 : -1,

@@ -40,6 +40,7 @@
 #include "kernels/rope.h"
 #include "kernels/sampling_math.h"
 #include "kernels/torch_math.h"
+#include "tests/testing/test_cpu_backend.h"
 
 #if defined(EPD_PARITY_CUDA)
 #include "kernels/cuda/cuda_backend.h"
@@ -2506,7 +2507,7 @@ PARITY_CASE(LaunchGraph) {
   // The two inputs route differently somewhere (the launches are not one result twice).
   EXPECT_NE(got[1][1].out, got[1][2].out);
   // A graph is its backend's only.
-  auto other = MakeCpuBackend(CpuBackendOptions{.graphs = true});
+  auto other = testing::MakeTestCpuBackend({.graphs = true});
   ASSERT_TRUE(other->BeginCapture().ok());
   auto foreign = other->EndCapture();
   ASSERT_TRUE(foreign.ok());
@@ -2528,7 +2529,7 @@ TEST(BackendParityTable, EveryOpOfTheInterfaceHasACase) {
 // The comparison itself can fail: a one-ulp difference under an exact tolerance, a two-bf16-ulp
 // difference under a one-bf16-ulp tolerance, and a changed index are all reported.
 TEST(BackendParityTable, TheComparisonCatchesADifference) {
-  auto ref = MakeCpuBackend(CpuBackendOptions{.simd = false});
+  auto ref = testing::MakeTestCpuBackend({.simd = false});
   Side a(*ref, "a"), b(*ref, "b");
   std::mt19937 rng(1);
   Env gpu_like{a, b, rng, /*cand_is_cpu=*/false};
@@ -2600,7 +2601,7 @@ TEST(BackendParityTable, OpListMatchesTheDeclarationsOfBackendH) {
 class BackendParity : public ::testing::TestWithParam<std::string_view> {
  protected:
   void SetUp() override {
-    ref_ = MakeCpuBackend(CpuBackendOptions{.simd = false});
+    ref_ = testing::MakeTestCpuBackend({.simd = false});
 #if defined(EPD_PARITY_CUDA)
     auto cuda = MakeCudaBackend(0);
     if (!cuda.ok()) {
@@ -2609,7 +2610,7 @@ class BackendParity : public ::testing::TestWithParam<std::string_view> {
     cand_ = std::move(*cuda);
     cand_is_cpu_ = false;
 #else
-    cand_ = MakeCpuBackend(CpuBackendOptions{.simd = true, .graphs = true});
+    cand_ = testing::MakeTestCpuBackend({.simd = true, .graphs = true});
     cand_is_cpu_ = true;
 #endif
   }

@@ -1,16 +1,17 @@
-// The G1 block pool over the device (HBM) arena: byte-exact round trips, LRU eviction that demotes
+// The G1 hot tier over the device (HBM) arena: byte-exact round trips, LRU eviction that demotes
 // the evicted block's bytes, and a referenced block never evicted — the same properties the host
-// arena has (tests/kvstore/g1_block_pool_test.cc). On a machine without a GPU the arena must refuse
+// arena has (tests/kvstore/g1_hot_tier_test.cc). On a machine without a GPU the arena must refuse
 // with FailedPrecondition naming the cause (callers fall back to the host arena); the pool checks
 // skip there, saying so.
+#include "tests/gpu/kvstore_device_arena.h"
+
 #include <gtest/gtest.h>
 
 #include <map>
 #include <string>
 
 #include "kernels/cuda/cuda_device.h"
-#include "kvstore/cuda/device_arena.h"
-#include "kvstore/g1_block_pool.h"
+#include "kvstore/g1_hot_tier.h"
 #include "tests/kvstore/test_util.h"
 
 namespace epd::kvstore {
@@ -69,8 +70,8 @@ TEST(DeviceArenaTest, G1PoolOnHbmEvictsLruDemotesBytesAndKeepsReferencedBlocks) 
   prometheus::Registry registry;
   KvMetrics metrics{registry};
   std::map<BlockHash, std::string> demoted;
-  G1BlockPool pool(std::move(*arena), metrics,
-                   [&](const BlockHash& k, std::string bytes) { demoted[k] = std::move(bytes); });
+  G1HotTier pool(std::move(*arena), metrics,
+                 [&](const BlockHash& k, std::string bytes) { demoted[k] = std::move(bytes); });
   ASSERT_TRUE(pool.Put(Key(1), Bytes(Payload(1, 900))).ok());
   ASSERT_TRUE(pool.Put(Key(2), Bytes(Payload(2, 800))).ok());
   auto held = pool.Acquire(Key(2));  // block 2 is referenced: it must survive

@@ -5,7 +5,8 @@
 # backend's kernels). Fails naming each call that would: a synchronous copy or memset, a
 # device-wide synchronize, or a kernel launch without an explicit stream.
 file(GLOB sources ${ROOT}/kernels/cuda/*.cu ${ROOT}/kernels/cuda/*.cc ${ROOT}/kernels/cuda/*.h
-     ${ROOT}/kernels/cuda/*.cuh ${ROOT}/kvstore/cuda/*.cc ${ROOT}/kvstore/cuda/*.h)
+     ${ROOT}/kernels/cuda/*.cuh ${ROOT}/tests/gpu/kvstore_device_arena.cc
+     ${ROOT}/tests/gpu/kvstore_device_arena.h)
 if(NOT sources)
   message(FATAL_ERROR "no CUDA sources under ${ROOT}")
 endif()

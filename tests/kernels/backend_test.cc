@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kernels/cpu/ops.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::kernels {
 namespace {
@@ -114,7 +115,7 @@ TEST(BackendSimdTest, ScalarSwitchIsPerThreadAndPerBackend) {
   EXPECT_TRUE(other_thread_simd);  // another thread keeps its own setting
   EXPECT_TRUE(cpu::SimdEnabled());
   // A scalar backend gives the same bits as the SIMD one.
-  auto simd = MakeCpuBackend(), scalar = MakeCpuBackend({.simd = false});
+  auto simd = MakeCpuBackend(), scalar = testing::MakeTestCpuBackend({.simd = false});
   const int64_t out = 16, in = 64;
   std::vector<float> x(3 * in), w(out * in), y1(3 * out), y2(3 * out);
   for (size_t i = 0; i < x.size(); ++i) x[i] = std::sin(static_cast<float>(i));

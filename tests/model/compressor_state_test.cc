@@ -20,6 +20,7 @@
 #include "model/model.h"
 #include "tests/testing/backend_buffer.h"
 #include "tests/testing/golden_model.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -38,7 +39,8 @@ std::vector<float> Slot(const std::vector<float>& a, int64_t slot, int64_t dim) 
 }
 
 TEST(CompressorTailTest, FreshValuesCopyOnWriteAndHostBytesOnADevicePool) {
-  auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto checked =
+      testing::MakeTestCpuBackend({.report_device_memory = true, .check_operands = true});
   auto pool = std::make_shared<KvPool>(0, 0, checked.get());
   ASSERT_FALSE(pool->host_memory());
   const int ratio = 4;
@@ -117,7 +119,8 @@ TEST(CompressorTailTest, AFullPoolFailsTheWriteAndLeavesTheTail) {
 }
 
 TEST(CompressorLogTest, RunsGathersLookupsAndReuse) {
-  auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto checked =
+      testing::MakeTestCpuBackend({.report_device_memory = true, .check_operands = true});
   const int64_t dim = 16;
   const std::vector<float> kv = Rows(10, dim, 5), score = Rows(10, dim, 6);
   kernels::Buffer kv_dev = OnBackend(*checked, kv), score_dev = OnBackend(*checked, score);
@@ -186,13 +189,13 @@ TEST(CompressorLogTest, ItKeepsTheRecentRowsAndTheTailBeforeEachCutBlock) {
 // The model's compressors on a device pool (a CPU backend labelled as a device, refusing host
 // operands): the same tails, logs and logits as on a host pool, and a decode step downloads no
 // compressor row (before, each ratio > 1 source downloaded the step's kv and score rows). Counted
-// with CpuBackendOptions::op_calls; each golden set.
+// with the test backend's op_calls (tests/testing/test_cpu_backend.h); each golden set.
 class CompressorModelTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(CompressorModelTest, ADecodeStepsCompressorsStayOnTheBackend) {
-  auto plain = kernels::MakeCpuBackend({});
+  auto plain = kernels::MakeCpuBackend();
   std::map<std::string, int64_t> calls;
-  auto dev = kernels::MakeCpuBackend(
+  auto dev = testing::MakeTestCpuBackend(
       {.report_device_memory = true, .check_operands = true, .op_calls = &calls});
   auto host_model = testing::LoadGoldenModel(*plain, GetParam());
   auto dev_model = testing::LoadGoldenModel(*dev, GetParam(), {}, /*weights_in_backend=*/true);

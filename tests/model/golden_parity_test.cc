@@ -17,6 +17,7 @@
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
 #include "tests/testing/module_teacher_forcing.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -65,7 +66,8 @@ TEST_P(GoldenParityTest, ModuleTeacherForcing) {
 // outputs in backend memory that the model must not read as host memory (every op's operands
 // checked), through a device-labelled CPU backend.
 TEST_P(GoldenParityTest, ModuleTeacherForcingInDeviceLabelledMemory) {
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto backend =
+      testing::MakeTestCpuBackend({.report_device_memory = true, .check_operands = true});
   auto m = testing::LoadGoldenModel(*backend, set_, {}, /*weights_in_backend=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
   testing::ExpectModulesMatchGolden(**m, set_, prompt_);

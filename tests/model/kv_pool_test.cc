@@ -22,6 +22,7 @@
 #include "model/sequence_state.h"
 #include "tests/testing/backend_buffer.h"
 #include "tests/testing/nano_model.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -418,7 +419,7 @@ TEST(SwaRingTest, FullPoolFailsTheWriteAndLeavesTheRing) {
 // host pool gives.
 TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
   std::map<std::string, int64_t> calls;
-  auto checked = kernels::MakeCpuBackend(
+  auto checked = testing::MakeTestCpuBackend(
       {.report_device_memory = true, .check_operands = true, .op_calls = &calls});
   auto host = std::make_shared<KvPool>();
   auto dev = std::make_shared<KvPool>(0, 0, checked.get());
@@ -524,10 +525,10 @@ TEST(KvPoolTest, ADevicePoolKeepsItsRowsInBackendMemoryAndReadsAsAHostPool) {
 TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
   std::map<std::string, int64_t> calls;
   int64_t down = 0;
-  auto checked = kernels::MakeCpuBackend({.report_device_memory = true,
-                                          .check_operands = true,
-                                          .op_calls = &calls,
-                                          .download_bytes = &down});
+  auto checked = testing::MakeTestCpuBackend({.report_device_memory = true,
+                                              .check_operands = true,
+                                              .op_calls = &calls,
+                                              .download_bytes = &down});
   auto pool = std::make_shared<KvPool>(0, 0, checked.get());
   const int64_t dim = 128;
   const std::vector<float> x = KeyRows(16, dim, 4), y = KeyRows(16, dim, 9);
@@ -589,10 +590,10 @@ TEST(KvPoolTest, ADevicePoolSealsItsBlocksWithoutReadingThem) {
 TEST(KvPoolTest, ReadBlocksAndWriteBlocksMoveRangesThroughOneStagingBuffer) {
   std::map<std::string, int64_t> calls;
   int64_t down = 0;
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true,
-                                          .check_operands = true,
-                                          .op_calls = &calls,
-                                          .download_bytes = &down});
+  auto backend = testing::MakeTestCpuBackend({.report_device_memory = true,
+                                              .check_operands = true,
+                                              .op_calls = &calls,
+                                              .download_bytes = &down});
   KvPool pool(0, 0, backend.get());
   const int64_t block = int64_t{3} << 20;  // 3 MiB blocks; 7 ranges of ~3 MiB: 2 fills
   std::vector<KvPool::Block> blocks(7);
@@ -638,7 +639,7 @@ TEST(KvPoolTest, ReadBlocksAndWriteBlocksMoveRangesThroughOneStagingBuffer) {
 // the seal's. The rows read back as sent.
 TEST(KvPoolTest, AReceivedHandOffsCallsDoNotGrowWithItsBlocks) {
   std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend(
+  auto backend = testing::MakeTestCpuBackend(
       {.report_device_memory = true, .check_operands = true, .op_calls = &calls});
   auto pool = std::make_shared<KvPool>(0, 0, backend.get());
   const int64_t dim = 128;
@@ -665,7 +666,7 @@ TEST(KvPoolTest, AReceivedHandOffsCallsDoNotGrowWithItsBlocks) {
 // Seal on a device pool takes the caller's comparison: equal shares the registered block, unequal
 // (a hash collision) or no comparison at all (the bytes were not read) keeps the caller's block.
 TEST(KvPoolTest, ADevicePoolSharesABlockOnlyOnTheCallersComparison) {
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto backend = testing::MakeTestCpuBackend({.report_device_memory = true});
   KvPool pool(0, 0, backend.get());
   KvPool::Block x, y;
   ASSERT_TRUE(pool.Allocate(256, &x).ok());
@@ -692,12 +693,13 @@ TEST(KvPoolTest, TheDefaultCapacityComesFromTheBackendsMemory) {
   auto host = kernels::MakeCpuBackend();
   EXPECT_EQ(DefaultKvPoolCapacity(*host, 256 << 20), host_quarter);
   const int64_t free = int64_t{100} << 30, reserve = int64_t{256} << 20;
-  auto device = kernels::MakeCpuBackend({.report_device_memory = true, .free_memory_bytes = free});
+  auto device =
+      testing::MakeTestCpuBackend({.report_device_memory = true, .free_memory_bytes = free});
   EXPECT_EQ(DefaultKvPoolCapacity(*device, reserve), (free - reserve) / 10 * 9);
   auto nearly_full =
-      kernels::MakeCpuBackend({.report_device_memory = true, .free_memory_bytes = 1000});
+      testing::MakeTestCpuBackend({.report_device_memory = true, .free_memory_bytes = 1000});
   EXPECT_EQ(DefaultKvPoolCapacity(*nearly_full, reserve), 1);  // bounded, never 0 (unbounded)
-  auto unknown = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto unknown = testing::MakeTestCpuBackend({.report_device_memory = true});
   EXPECT_EQ(DefaultKvPoolCapacity(*unknown, reserve), host_quarter);
 }
 

@@ -2,7 +2,7 @@
 // calls a prefill makes per layer must not grow with the prompt's rows for the ops that the model
 // batches over rows (the mHC steps, the linears, the indexer's scores / candidate masks / top-k,
 // the MoE's routing, grouping and grouped GEMMs, the compressor's pooling, the attention):
-// counted on the CPU backend (CpuBackendOptions::op_calls) for prompts of two lengths. A decode
+// counted on the CPU backend (TestCpuBackendOptions::op_calls) for prompts of two lengths. A decode
 // step runs the weights once for its batch, and its top-k does not cross to the host (the
 // Uploads and Downloads counted beside the ops).
 #include <gtest/gtest.h>
@@ -28,6 +28,7 @@
 #include "model/sequence_state.h"
 #include "model/stages.h"
 #include "tests/testing/golden_model.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -40,7 +41,7 @@ std::map<std::string, int64_t> CountOps(const std::string& set,
                                         const std::function<void(Model&)>& setup,
                                         const std::function<void(Model&)>& measured) {
   std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend({.op_calls = &calls});
+  auto backend = testing::MakeTestCpuBackend({.op_calls = &calls});
   auto m = testing::LoadGoldenModel(*backend, set);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
@@ -184,7 +185,7 @@ TEST_P(OpCountTest, ADecodeStepsTopKStaysOnTheBackend) {
   };
   auto run = [&](int64_t device_list_rows) {
     Run r;
-    auto backend = kernels::MakeCpuBackend({.op_calls = &r.calls});
+    auto backend = testing::MakeTestCpuBackend({.op_calls = &r.calls});
     auto m = testing::LoadGoldenModel(*backend, GetParam(),
                                       ModelOptions{.device_list_rows = device_list_rows});
     EXPECT_TRUE(m.ok()) << m.status();
@@ -242,7 +243,7 @@ TEST_P(OpCountTest, APrefillsTopKStaysOnADeviceBackend) {
   auto run = [&](bool device, int64_t whole_source_bytes) {
     Run r;
     auto backend =
-        kernels::MakeCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
+        testing::MakeTestCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
     auto m = testing::LoadGoldenModel(
         *backend, GetParam(), ModelOptions{.whole_source_bytes = whole_source_bytes}, device);
     EXPECT_TRUE(m.ok()) << m.status();
@@ -301,7 +302,7 @@ TEST_P(OpCountTest, AGreedySequencesTokensComeFromTheBackend) {
   auto run = [&](bool argmax) {
     Run r;
     auto backend =
-        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+        testing::MakeTestCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
     auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return r;
@@ -420,7 +421,7 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
   auto run = [&](bool sample, SampleRequest* bad, bool verify = false) {
     Run r;
     auto backend =
-        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+        testing::MakeTestCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
     auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return r;
@@ -564,7 +565,7 @@ TEST_P(OpCountTest, ASampledSequencesTokensComeFromTheBackend) {
 // distributions of one draft for two, a draft outside the vocabulary, no distributions, drafts
 // that are not the rows after the first, a uniform short.
 TEST_P(OpCountTest, AVerificationItCannotMakeIsRefusedBeforeTheStep) {
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto backend = testing::MakeTestCpuBackend({.report_device_memory = true});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
   const int64_t V = (*m)->config().vocab_size;
@@ -629,7 +630,7 @@ TEST_P(OpCountTest, ALogprobsSequencesLogprobsComeFromTheBackend) {
   auto run = [&](bool on_backend) {
     Run r;
     auto backend =
-        kernels::MakeCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
+        testing::MakeTestCpuBackend({.report_device_memory = true, .download_bytes = &r.bytes});
     auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return r;
@@ -704,7 +705,7 @@ TEST_P(OpCountTest, ALogprobsSequencesLogprobsComeFromTheBackend) {
 TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
   std::map<std::string, int64_t> calls;
   int64_t down_bytes = 0;
-  auto backend = kernels::MakeCpuBackend(
+  auto backend = testing::MakeTestCpuBackend(
       {.report_device_memory = true, .op_calls = &calls, .download_bytes = &down_bytes});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
@@ -796,8 +797,8 @@ TEST_P(OpCountTest, ABlockBoundaryStepSealsItsBlocksWithOneDownload) {
 // reads equals, bit for bit, the DSpark input a host-memory run of the same steps keeps.
 TEST_P(OpCountTest, ABatchedStepsDSparkInputsStayOnTheBackend) {
   std::map<std::string, int64_t> calls;
-  auto dev = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
-  auto plain = kernels::MakeCpuBackend({});
+  auto dev = testing::MakeTestCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto plain = kernels::MakeCpuBackend();
   auto m = testing::LoadGoldenModel(*dev, GetParam(), ModelOptions{}, /*device=*/true);
   auto h = testing::LoadGoldenModel(*plain, GetParam());
   ASSERT_TRUE(m.ok() && h.ok());
@@ -871,7 +872,7 @@ TEST_P(OpCountTest, ABatchedStepsDSparkInputsStayOnTheBackend) {
 // every ring, and the logits of the next step.
 TEST_P(OpCountTest, AVerificationStepsCheckpointAndRollbackStayOnTheBackend) {
   std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto backend = testing::MakeTestCpuBackend({.report_device_memory = true, .op_calls = &calls});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
   std::vector<int32_t> prompt(150);
@@ -915,7 +916,7 @@ TEST_P(OpCountTest, AVerificationStepsCheckpointAndRollbackStayOnTheBackend) {
 // only gives the same ids and confidences.
 TEST_P(OpCountTest, ADraftPassDownloadsOnlyAtItsEnd) {
   std::map<std::string, int64_t> calls;
-  auto backend = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto backend = testing::MakeTestCpuBackend({.report_device_memory = true, .op_calls = &calls});
   auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, /*device=*/true);
   ASSERT_TRUE(m.ok()) << m.status();
   if ((*m)->config().n_mtp_layers == 0) GTEST_SKIP() << "no DSpark stages in this set";
@@ -1033,7 +1034,8 @@ TEST_P(OpCountTest, APrefixCutsReadsDoNotGrowWithItsBlocks) {
   };
   auto run = [&](bool device, int64_t tokens) {
     Run r;
-    auto backend = kernels::MakeCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
+    auto backend =
+        testing::MakeTestCpuBackend({.report_device_memory = device, .op_calls = &r.calls});
     auto m = testing::LoadGoldenModel(*backend, GetParam(), ModelOptions{}, device);
     EXPECT_TRUE(m.ok()) << m.status();
     if (!m.ok()) return r;

@@ -1,5 +1,5 @@
 // Issue 12, step 5: the forward hands its backend only backend memory. On a CPU backend with
-// CpuBackendOptions::check_operands every op fails unless each pointer it gets lies in memory
+// TestCpuBackendOptions::check_operands every op fails unless each pointer it gets lies in memory
 // that backend allocated; the whole serving surface of the model (prefill, decode, multi-token
 // verification, the staged encoder / decoder replay / batched decode, DSpark drafts, the Markov
 // bias) runs on it, with report_device_memory (so the KV pool's slabs are that backend's memory,
@@ -18,6 +18,7 @@
 #include "tests/testing/golden_model.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/serving_surface.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -25,7 +26,7 @@ namespace {
 using testing::BitEqual;
 
 TEST(OperandCheckTest, AHostPointerIsRejectedNamingTheOpAndTheOperand) {
-  auto b = kernels::MakeCpuBackend({.check_operands = true});
+  auto b = testing::MakeTestCpuBackend({.check_operands = true});
   auto x = b->Allocate(4 * sizeof(float));
   auto w = b->Allocate(8 * sizeof(float));
   auto y = b->Allocate(2 * sizeof(float));
@@ -64,7 +65,8 @@ TEST_P(OperandMemoryTest, TheForwardGivesItsBackendOnlyBackendMemory) {
   // Device labels (report_device_memory): the weights are all copied in (a host backend reads
   // the Engram tables from the checkpoint's mapping, which is not backend memory), and the KV
   // pool lives in the backend's memory.
-  auto checked = kernels::MakeCpuBackend({.report_device_memory = true, .check_operands = true});
+  auto checked =
+      testing::MakeTestCpuBackend({.report_device_memory = true, .check_operands = true});
   auto m = testing::LoadModelInto(*checked, GetParam());
   ASSERT_TRUE(m.ok()) << m.status();
   auto got = testing::RunServingSurface(**m);

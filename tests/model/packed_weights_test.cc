@@ -2,7 +2,7 @@
 // the kernels dequantize them on the fly. The linears give the same bits as on the decoded
 // weights (SIMD and scalar), and the weights' resident bytes stay close to the checkpoint's bytes
 // on the golden checkpoint and on the nano model (goal <= 1.1). Every weight lives in the
-// backend's memory: on a backend that reports device memory (CpuBackendOptions::
+// backend's memory: on a backend that reports device memory (TestCpuBackendOptions::
 // report_device_memory, host bytes underneath) every piece is in a backend buffer, none is read
 // from the checkpoint's mapping, and the forward's results do not change.
 #include <gtest/gtest.h>
@@ -20,6 +20,7 @@
 #include "model/weights.h"
 #include "tests/testing/golden_model.h"
 #include "tests/testing/nano_model.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -61,7 +62,7 @@ std::pair<QuantWeight, QuantWeight> RandomWeight(kernels::Backend& b, WeightForm
 }
 
 TEST(PackedWeightsTest, LinearQuantOnPackedEqualsDecodedBitForBit) {
-  auto simd = kernels::MakeCpuBackend(), scalar = kernels::MakeCpuBackend({.simd = false});
+  auto simd = kernels::MakeCpuBackend(), scalar = testing::MakeTestCpuBackend({.simd = false});
   std::mt19937 rng(5);
   std::normal_distribution<float> nd(0.f, 1.f);
   for (WeightFormat f : {WeightFormat::kFp8E4M3, WeightFormat::kFp4E2M1}) {
@@ -189,7 +190,7 @@ TEST_F(PackedNanoTest, EveryWeightLivesInTheBackendsMemory) {
       ASSERT_TRUE(t.ok()) << t.status();
       mapped.push_back({t->data, t->data + t->bytes});
     }
-    auto backend = kernels::MakeCpuBackend({.report_device_memory = device});
+    auto backend = testing::MakeTestCpuBackend({.report_device_memory = device});
     auto w = ModelWeights::Load(*cfg, shared, backend.get());
     ASSERT_TRUE(w.ok()) << w.status();
     int pieces = 0, in_place = 0;
@@ -219,7 +220,7 @@ TEST_F(PackedNanoTest, EveryWeightLivesInTheBackendsMemory) {
 
 TEST_F(PackedNanoTest, ADeviceMemoryBackendGivesTheSameLogitsAndDrafts) {
   auto host = kernels::MakeCpuBackend();
-  auto dev = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto dev = testing::MakeTestCpuBackend({.report_device_memory = true});
   auto a = Model::Load(model_dir(), *host);
   auto b = Model::Load(model_dir(), *dev);
   ASSERT_TRUE(a.ok()) << a.status();

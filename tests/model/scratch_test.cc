@@ -14,6 +14,7 @@
 #include "model/model.h"
 #include "model/stages.h"
 #include "tests/testing/nano_model.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -48,7 +49,7 @@ TEST(ScratchPoolTest, BuffersAreReusedBySizeClassUpToTheCap) {
 // 16-byte aligned and with its own values; an empty part still has an address in the allocation.
 TEST(ScratchTest, CopyAllUploadsSeveralArraysOnce) {
   std::map<std::string, int64_t> calls;
-  auto b = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto b = testing::MakeTestCpuBackend({.report_device_memory = true, .op_calls = &calls});
   Scratch s(*b);
   const std::vector<int32_t> rows = {5, -1, 7};
   const std::vector<const uint8_t*> tables = {nullptr, reinterpret_cast<const uint8_t*>(&rows)};
@@ -76,7 +77,7 @@ TEST(ScratchTest, CopyAllUploadsSeveralArraysOnce) {
 // whose sizes give another layout are refused, and nothing is written.
 TEST(ScratchTest, UploadPackedFillsACallersPackedArrayOnceOrRefusesAnotherLayout) {
   std::map<std::string, int64_t> calls;
-  auto b = kernels::MakeCpuBackend({.report_device_memory = true, .op_calls = &calls});
+  auto b = testing::MakeTestCpuBackend({.report_device_memory = true, .op_calls = &calls});
   Scratch s(*b);
   const std::vector<int32_t> ids = {3, 4, 5};
   const std::vector<int64_t> positions = {10, 11, 12}, none;
@@ -99,7 +100,7 @@ TEST(ScratchTest, UploadPackedFillsACallersPackedArrayOnceOrRefusesAnotherLayout
 TEST(ScratchTest, CopiesReachOwnAndParentArraysOnlyAndStageOnADevice) {
   for (const bool device : {false, true}) {
     SCOPED_TRACE(device ? "device memory (staged)" : "host memory (in place)");
-    auto b = kernels::MakeCpuBackend({.report_device_memory = device});
+    auto b = testing::MakeTestCpuBackend({.report_device_memory = device});
     ScratchPool pool(*b, 1 << 20);
     Scratch outer(*b, &pool);
     auto a = outer.Copy(std::vector<float>{1, 2, 3, 4});

@@ -1,6 +1,6 @@
 // Issue 12: the decode step graphs (model/step_graph.h; docs/cuda.md, "Decode step graphs"). A
 // batched decode step runs the row-independent parts of each layer as recorded segments; on the
-// CPU backend with CpuBackendOptions::graphs the segments are recorded as closures and launched
+// CPU backend with TestCpuBackendOptions::graphs the segments are recorded as closures and launched
 // as a CUDA graph would be: the same pointers and scalars every launch, only the memory they
 // point at changes. So a segment that bakes in something of its step (a host upload, a position,
 // a pointer that moves) gives different bits than the op-by-op step, which these tests compare
@@ -22,6 +22,7 @@
 #include "tests/testing/golden_model.h"
 #include "tests/testing/nano_model.h"
 #include "tests/testing/step_schedule.h"
+#include "tests/testing/test_cpu_backend.h"
 
 namespace epd::model {
 namespace {
@@ -30,11 +31,11 @@ using testing::BitEqual;
 using testing::DefaultStepSchedule;
 using testing::StepsRun;
 
-StepsRun RunSteps(const std::string& set, kernels::CpuBackendOptions backend_options,
+StepsRun RunSteps(const std::string& set, testing::TestCpuBackendOptions backend_options,
                   ModelOptions model_options = {}, std::vector<int> prompts = {40, 63, 86}) {
   std::map<std::string, int64_t> calls;
   backend_options.op_calls = &calls;
-  auto backend = kernels::MakeCpuBackend(backend_options);
+  auto backend = testing::MakeTestCpuBackend(backend_options);
   auto m = testing::LoadModelInto(*backend, set, model_options);
   EXPECT_TRUE(m.ok()) << m.status();
   if (!m.ok()) return {};
@@ -94,7 +95,7 @@ TEST_P(StepGraphTest, GraphStepsOnADeviceLabelledBackendGiveTheSameBits) {
 // A launched step makes n_layers + 1 launches in place of most of its op calls: what it still
 // calls itself is each sequence's attention and the logits' processing.
 TEST_P(StepGraphTest, ALaunchedStepCallsOnlyTheAttentionItself) {
-  // Counted by the same backend (the recording one counts each call once), op by op.
+  // Counted by the same backend (a test backend counts each call once), op by op.
   const StepsRun plain = RunSteps(GetParam(), {.graphs = true}, ModelOptions{.step_graphs = false});
   const StepsRun graphs = RunSteps(GetParam(), {.graphs = true});
   ASSERT_EQ(graphs.calls.size(), DefaultStepSchedule().size());
@@ -156,7 +157,7 @@ TEST_P(StepGraphTest, SharedAttentionGivesEachSequencesOwnCallsBits) {
 // sees the window as it was and keeps its own rows. Each step gives each copy the logits it
 // gets alone, and so do the steps after.
 TEST_P(StepGraphTest, CopiesOfASequenceInOneStepKeepTheirOwnRings) {
-  auto backend = kernels::MakeCpuBackend({});
+  auto backend = kernels::MakeCpuBackend();
   auto m = testing::LoadModelInto(*backend, GetParam(), {});
   ASSERT_TRUE(m.ok()) << m.status();
   const Model& model = **m;
@@ -210,10 +211,10 @@ INSTANTIATE_TEST_SUITE_P(Models, StepGraphTest,
                            return n;
                          });
 
-// ---- The CPU backend's recording (CpuBackendOptions::graphs) ----
+// ---- The test CPU backend's recording (TestCpuBackendOptions::graphs) ----
 
 TEST(GraphRecordingTest, ALaunchRunsTheRecordedOpsOnTheMemorysContentsThen) {
-  auto b = kernels::MakeCpuBackend({.graphs = true});
+  auto b = testing::MakeTestCpuBackend({.graphs = true});
   ASSERT_TRUE(b->supports_graphs());
   auto x = b->Allocate(4 * sizeof(float));
   auto y = b->Allocate(4 * sizeof(float));
@@ -248,7 +249,7 @@ TEST(GraphRecordingTest, ALaunchRunsTheRecordedOpsOnTheMemorysContentsThen) {
   ASSERT_TRUE(b->Download(*x, 0, 16, back.data()).ok());
   EXPECT_EQ(back, (std::vector<float>{2.f, 2.f, 2.f, 2.f}));
   // A graph of another backend, and ends without a beginning, are refused.
-  auto other = kernels::MakeCpuBackend({.graphs = true});
+  auto other = testing::MakeTestCpuBackend({.graphs = true});
   EXPECT_EQ(other->LaunchGraph(**g).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(b->EndCapture().status().code(), absl::StatusCode::kFailedPrecondition);
   // Without the option, the CPU backend records nothing.
@@ -259,7 +260,7 @@ TEST(GraphRecordingTest, ALaunchRunsTheRecordedOpsOnTheMemorysContentsThen) {
 
 // A recorded op's checks that read operand contents run at launch and fail it, naming the op.
 TEST(GraphRecordingTest, AnOpThatFailsAtLaunchFailsTheLaunch) {
-  auto b = kernels::MakeCpuBackend({.graphs = true});
+  auto b = testing::MakeTestCpuBackend({.graphs = true});
   auto x = b->Allocate(4 * sizeof(float));
   auto rows = b->Allocate(sizeof(int64_t));
   ASSERT_TRUE(x.ok() && rows.ok());

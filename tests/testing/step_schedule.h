@@ -41,8 +41,8 @@ struct StepsRun {
 };
 
 // Runs `schedule` on three sequences of `model` (prompts of `prompts` tokens). `calls`
-// (optional: the backend's CpuBackendOptions::op_calls) is cleared before each step and kept per
-// step in StepsRun::calls.
+// (optional: the backend's TestCpuBackendOptions::op_calls) is cleared before each step and kept
+// per step in StepsRun::calls.
 inline StepsRun RunStepSchedule(const model::Model& model, const Schedule& schedule,
                                 std::map<std::string, int64_t>* calls = nullptr,
                                 std::vector<int> prompts = {40, 63, 86}) {

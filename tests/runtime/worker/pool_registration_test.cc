@@ -15,11 +15,12 @@
 
 #include "common/clock.h"
 #include "kernels/format.h"
+#include "model/kv_pool.h"
+#include "prometheus/registry.h"
+#include "tests/testing/test_cpu_backend.h"
 #include "transfer/manifest.h"
 #include "transfer/transfer_engine.h"
 #include "transfer/ucx_wire.h"
-#include "model/kv_pool.h"
-#include "prometheus/registry.h"
 
 namespace epd::worker {
 namespace {
@@ -163,7 +164,7 @@ TEST_P(PoolRegistrationTest, SlabsRegisteredOnceAndBlocksSentFromThem) {
 // A pool in a device backend's memory (a CPU backend labelled as one): its slabs are not handed
 // to the wire (no CUDA transport), nor counted as failures.
 TEST_P(PoolRegistrationTest, DeviceSlabsAreNotRegistered) {
-  auto device = kernels::MakeCpuBackend({.report_device_memory = true});
+  auto device = testing::MakeTestCpuBackend({.report_device_memory = true});
   const int64_t dim = 128;
   auto pool = std::make_shared<KvPool>(0, 0, device.get(), 4 * 32 * kf::PackedIndexKeyBytes(dim));
   PoolRegistration reg(pool, *tx_);

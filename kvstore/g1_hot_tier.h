@@ -1,6 +1,9 @@
 #pragma once
 
-// G1: a worker's paged block pool (DESIGN §5). Each block is one arena page holding a packed
+// G1HotTier: the kvstore daemon's hot tier (DESIGN §5's G1, in front of G3; kvstore.h), not the
+// worker's KV pool (model/kv_pool.h, KvPool: the paged blocks a worker's forward reads and
+// writes). It holds published blocks by key for any worker of the node to get; a worker's blocks
+// reach it only through the kvstore client. Each block is one arena page holding a packed
 // global-KV block or SWA ring (opaque bytes, length <= the page size). Blocks are ref-counted
 // (BlockRef) and can be pinned; only published blocks with no refs and no pins sit on the LRU
 // list, and only they are evicted. An evicted block is handed to the demote callback (normally
@@ -42,20 +45,20 @@ struct G1Config {
   uint32_t num_blocks() const { return static_cast<uint32_t>(capacity_bytes / block_bytes); }
 };
 
-class G1BlockPool {
+class G1HotTier {
  public:
   // Called, outside the pool lock, with each evicted block's key and bytes.
   using DemoteFn = std::function<void(const BlockHash& key, std::string bytes)>;
 
   // `arena` fixes the page size and count; `metrics` must outlive the pool.
-  G1BlockPool(std::unique_ptr<BlockArena> arena, KvMetrics& metrics, DemoteFn demote = nullptr);
+  G1HotTier(std::unique_ptr<BlockArena> arena, KvMetrics& metrics, DemoteFn demote = nullptr);
   // Convenience: a host arena sized by `config`.
-  static absl::StatusOr<std::unique_ptr<G1BlockPool>> CreateHost(const G1Config& config,
-                                                                 KvMetrics& metrics,
-                                                                 DemoteFn demote = nullptr);
-  ~G1BlockPool();
-  G1BlockPool(const G1BlockPool&) = delete;
-  G1BlockPool& operator=(const G1BlockPool&) = delete;
+  static absl::StatusOr<std::unique_ptr<G1HotTier>> CreateHost(const G1Config& config,
+                                                               KvMetrics& metrics,
+                                                               DemoteFn demote = nullptr);
+  ~G1HotTier();
+  G1HotTier(const G1HotTier&) = delete;
+  G1HotTier& operator=(const G1HotTier&) = delete;
 
   // A reference to a published block: while it lives the block is never evicted. Move-only.
   class BlockRef {
@@ -71,8 +74,8 @@ class G1BlockPool {
     void Release();
 
    private:
-    friend class G1BlockPool;
-    G1BlockPool* pool_ = nullptr;
+    friend class G1HotTier;
+    G1HotTier* pool_ = nullptr;
     uint32_t index_ = 0;
     size_t length_ = 0;
   };
@@ -92,8 +95,8 @@ class G1BlockPool {
     absl::Status Commit();
 
    private:
-    friend class G1BlockPool;
-    G1BlockPool* pool_ = nullptr;
+    friend class G1HotTier;
+    G1HotTier* pool_ = nullptr;
     uint32_t index_ = 0;
     size_t length_ = 0;
     BlockHash key_{};

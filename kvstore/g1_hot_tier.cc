@@ -1,4 +1,4 @@
-#include "kvstore/g1_block_pool.h"
+#include "kvstore/g1_hot_tier.h"
 
 #include <utility>
 
@@ -20,7 +20,7 @@ absl::Status G1Config::Validate() const {
   return absl::OkStatus();
 }
 
-G1BlockPool::G1BlockPool(std::unique_ptr<BlockArena> arena, KvMetrics& metrics, DemoteFn demote)
+G1HotTier::G1HotTier(std::unique_ptr<BlockArena> arena, KvMetrics& metrics, DemoteFn demote)
     : arena_(std::move(arena)),
       metrics_(metrics.tier(Tier::kG1)),
       all_metrics_(metrics),
@@ -33,20 +33,20 @@ G1BlockPool::G1BlockPool(std::unique_ptr<BlockArena> arena, KvMetrics& metrics, 
   UpdateGaugesLocked();
 }
 
-G1BlockPool::~G1BlockPool() = default;
+G1HotTier::~G1HotTier() = default;
 
-absl::StatusOr<std::unique_ptr<G1BlockPool>> G1BlockPool::CreateHost(const G1Config& config,
-                                                                     KvMetrics& metrics,
-                                                                     DemoteFn demote) {
+absl::StatusOr<std::unique_ptr<G1HotTier>> G1HotTier::CreateHost(const G1Config& config,
+                                                                 KvMetrics& metrics,
+                                                                 DemoteFn demote) {
   if (auto s = config.Validate(); !s.ok()) return s;
   auto arena = MakeHostArena(config.block_bytes, config.num_blocks());
   if (!arena.ok()) return arena.status();
-  return std::make_unique<G1BlockPool>(std::move(*arena), metrics, std::move(demote));
+  return std::make_unique<G1HotTier>(std::move(*arena), metrics, std::move(demote));
 }
 
 // ---- BlockRef / Reservation ----
 
-G1BlockPool::BlockRef& G1BlockPool::BlockRef::operator=(BlockRef&& other) noexcept {
+G1HotTier::BlockRef& G1HotTier::BlockRef::operator=(BlockRef&& other) noexcept {
   if (this != &other) {
     Release();
     pool_ = std::exchange(other.pool_, nullptr);
@@ -56,15 +56,15 @@ G1BlockPool::BlockRef& G1BlockPool::BlockRef::operator=(BlockRef&& other) noexce
   return *this;
 }
 
-void* G1BlockPool::BlockRef::address() const {
+void* G1HotTier::BlockRef::address() const {
   return pool_ == nullptr ? nullptr : pool_->arena_->BlockAddress(index_);
 }
 
-void G1BlockPool::BlockRef::Release() {
+void G1HotTier::BlockRef::Release() {
   if (pool_ != nullptr) std::exchange(pool_, nullptr)->Unref(index_);
 }
 
-G1BlockPool::Reservation& G1BlockPool::Reservation::operator=(Reservation&& other) noexcept {
+G1HotTier::Reservation& G1HotTier::Reservation::operator=(Reservation&& other) noexcept {
   if (this != &other) {
     if (pool_ != nullptr) pool_->CancelReservation(index_);
     pool_ = std::exchange(other.pool_, nullptr);
@@ -75,22 +75,22 @@ G1BlockPool::Reservation& G1BlockPool::Reservation::operator=(Reservation&& othe
   return *this;
 }
 
-G1BlockPool::Reservation::~Reservation() {
+G1HotTier::Reservation::~Reservation() {
   if (pool_ != nullptr) pool_->CancelReservation(index_);
 }
 
-void* G1BlockPool::Reservation::address() const {
+void* G1HotTier::Reservation::address() const {
   return pool_ == nullptr ? nullptr : pool_->arena_->BlockAddress(index_);
 }
 
-absl::Status G1BlockPool::Reservation::Commit() {
+absl::Status G1HotTier::Reservation::Commit() {
   if (pool_ == nullptr) return absl::FailedPreconditionError("G1 reservation already consumed");
   return std::exchange(pool_, nullptr)->CommitReservation(index_, key_);
 }
 
 // ---- pool ----
 
-absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& key, size_t length) {
+absl::StatusOr<G1HotTier::Reservation> G1HotTier::Reserve(const BlockHash& key, size_t length) {
   if (length > arena_->block_bytes()) {
     all_metrics_.CountBadRequest("value_size");
     return absl::InvalidArgumentError(absl::StrCat("G1 value of ", length,
@@ -139,7 +139,7 @@ absl::StatusOr<G1BlockPool::Reservation> G1BlockPool::Reserve(const BlockHash& k
   return r;
 }
 
-absl::Status G1BlockPool::CommitReservation(uint32_t index, const BlockHash& key) {
+absl::Status G1HotTier::CommitReservation(uint32_t index, const BlockHash& key) {
   absl::MutexLock lock(&mu_);
   if (index_.contains(key)) {
     FreeSlotLocked(index);  // a concurrent writer won; its content is the same by construction
@@ -157,14 +157,14 @@ absl::Status G1BlockPool::CommitReservation(uint32_t index, const BlockHash& key
   return absl::OkStatus();
 }
 
-void G1BlockPool::CancelReservation(uint32_t index) {
+void G1HotTier::CancelReservation(uint32_t index) {
   absl::MutexLock lock(&mu_);
   FreeSlotLocked(index);
   UpdateGaugesLocked();
 }
 
-absl::Status G1BlockPool::Put(const BlockHash& key, std::span<const uint8_t> bytes,
-                              std::optional<ValueChecksum> known) {
+absl::Status G1HotTier::Put(const BlockHash& key, std::span<const uint8_t> bytes,
+                            std::optional<ValueChecksum> known) {
   if (Contains(key)) return absl::OkStatus();
   auto r = Reserve(key, bytes.size());
   if (!r.ok()) return r.status();
@@ -177,7 +177,7 @@ absl::Status G1BlockPool::Put(const BlockHash& key, std::span<const uint8_t> byt
   return r->Commit();
 }
 
-std::optional<G1BlockPool::BlockRef> G1BlockPool::Acquire(const BlockHash& key) {
+std::optional<G1HotTier::BlockRef> G1HotTier::Acquire(const BlockHash& key) {
   absl::MutexLock lock(&mu_);
   metrics_.lookups->Increment();
   auto it = index_.find(key);
@@ -194,9 +194,9 @@ std::optional<G1BlockPool::BlockRef> G1BlockPool::Acquire(const BlockHash& key) 
   return ref;
 }
 
-std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const ValueDest& dest,
-                                                 bool* in_dest,
-                                                 std::optional<ValueChecksum>* checksum) {
+std::optional<std::string> G1HotTier::ReadInto(const BlockHash& key, const ValueDest& dest,
+                                               bool* in_dest,
+                                               std::optional<ValueChecksum>* checksum) {
   *in_dest = false;
   if (checksum != nullptr) checksum->reset();
   if (!dest) return Read(key);
@@ -226,7 +226,7 @@ std::optional<std::string> G1BlockPool::ReadInto(const BlockHash& key, const Val
   return std::string();
 }
 
-std::optional<std::string> G1BlockPool::Read(const BlockHash& key) {
+std::optional<std::string> G1HotTier::Read(const BlockHash& key) {
   metrics_.gets->Increment();
   auto ref = Acquire(key);
   if (!ref.has_value()) {
@@ -241,19 +241,19 @@ std::optional<std::string> G1BlockPool::Read(const BlockHash& key) {
   return out;
 }
 
-bool G1BlockPool::Lookup(const BlockHash& key) {
+bool G1HotTier::Lookup(const BlockHash& key) {
   metrics_.lookups->Increment();
   const bool hit = Contains(key);
   if (hit) metrics_.hits->Increment();
   return hit;
 }
 
-bool G1BlockPool::Contains(const BlockHash& key) const {
+bool G1HotTier::Contains(const BlockHash& key) const {
   absl::MutexLock lock(&mu_);
   return index_.contains(key);
 }
 
-bool G1BlockPool::Pin(const BlockHash& key) {
+bool G1HotTier::Pin(const BlockHash& key) {
   absl::MutexLock lock(&mu_);
   auto it = index_.find(key);
   if (it == index_.end()) return false;
@@ -263,7 +263,7 @@ bool G1BlockPool::Pin(const BlockHash& key) {
   return true;
 }
 
-bool G1BlockPool::Unpin(const BlockHash& key) {
+bool G1HotTier::Unpin(const BlockHash& key) {
   absl::MutexLock lock(&mu_);
   auto it = index_.find(key);
   if (it == index_.end() || slots_[it->second].pins == 0) return false;
@@ -273,7 +273,7 @@ bool G1BlockPool::Unpin(const BlockHash& key) {
   return true;
 }
 
-bool G1BlockPool::Erase(const BlockHash& key) {
+bool G1HotTier::Erase(const BlockHash& key) {
   absl::MutexLock lock(&mu_);
   auto it = index_.find(key);
   if (it == index_.end()) return false;
@@ -285,7 +285,7 @@ bool G1BlockPool::Erase(const BlockHash& key) {
   return true;
 }
 
-void G1BlockPool::Unref(uint32_t index) {
+void G1HotTier::Unref(uint32_t index) {
   absl::MutexLock lock(&mu_);
   Slot& s = slots_[index];
   if (s.refs > 0) --s.refs;
@@ -293,7 +293,7 @@ void G1BlockPool::Unref(uint32_t index) {
   UpdateGaugesLocked();
 }
 
-G1BlockPool::Stats G1BlockPool::stats() const {
+G1HotTier::Stats G1HotTier::stats() const {
   absl::MutexLock lock(&mu_);
   Stats st;
   st.entries = index_.size();
@@ -304,7 +304,7 @@ G1BlockPool::Stats G1BlockPool::stats() const {
   return st;
 }
 
-void G1BlockPool::UpdateLruLocked(uint32_t index) {
+void G1HotTier::UpdateLruLocked(uint32_t index) {
   Slot& s = slots_[index];
   if (s.on_lru) {
     lru_.erase(s.lru_it);
@@ -317,7 +317,7 @@ void G1BlockPool::UpdateLruLocked(uint32_t index) {
   }
 }
 
-void G1BlockPool::FreeSlotLocked(uint32_t index) {
+void G1HotTier::FreeSlotLocked(uint32_t index) {
   Slot& s = slots_[index];
   if (s.on_lru) lru_.erase(s.lru_it);
   if (s.published) published_bytes_ -= s.length;
@@ -325,7 +325,7 @@ void G1BlockPool::FreeSlotLocked(uint32_t index) {
   free_.push_back(index);
 }
 
-void G1BlockPool::UpdateGaugesLocked() {
+void G1HotTier::UpdateGaugesLocked() {
   metrics_.bytes->Set(static_cast<double>(published_bytes_));
   metrics_.entries->Set(static_cast<double>(index_.size()));
   metrics_.capacity_bytes->Set(static_cast<double>(slots_.size() * arena_->block_bytes()));

@@ -1,6 +1,6 @@
-// G1 block pool: two-phase writes, LRU eviction of unreferenced blocks only, demotion of evicted
-// blocks, pinning, and concurrent use.
-#include "kvstore/g1_block_pool.h"
+// G1 hot tier (the kvstore daemon's G1): two-phase writes, LRU eviction of unreferenced blocks
+// only, demotion of evicted blocks, pinning, and concurrent use.
+#include "kvstore/g1_hot_tier.h"
 
 #include <gtest/gtest.h>
 
@@ -29,7 +29,7 @@ struct Fixture {
     G1Config c;
     c.block_bytes = kBlock;
     c.capacity_bytes = kBlock * blocks;
-    pool = *G1BlockPool::CreateHost(c, metrics, [this](const BlockHash& k, std::string bytes) {
+    pool = *G1HotTier::CreateHost(c, metrics, [this](const BlockHash& k, std::string bytes) {
       std::lock_guard<std::mutex> lock(mu);
       demoted[k] = std::move(bytes);
     });
@@ -38,10 +38,10 @@ struct Fixture {
   KvMetrics metrics{registry};
   std::mutex mu;
   std::map<BlockHash, std::string> demoted;
-  std::unique_ptr<G1BlockPool> pool;
+  std::unique_ptr<G1HotTier> pool;
 };
 
-TEST(G1BlockPoolTest, PutReadRoundTripsAndRejectsOversizedValues) {
+TEST(G1HotTierTest, PutReadRoundTripsAndRejectsOversizedValues) {
   Fixture f(4);
   const std::string v = Payload(1, 700);
   ASSERT_TRUE(f.pool->Put(Key(1), Bytes(v)).ok());
@@ -59,7 +59,7 @@ TEST(G1BlockPoolTest, PutReadRoundTripsAndRejectsOversizedValues) {
 // (the daemon passes it to the client, which checks its copy against it): a page that changed
 // after the put no longer matches, where a checksum of the copy would have matched it. A block
 // filled through a Reservation (a DMA into the page) has no stored checksum.
-TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMatchesIt) {
+TEST(G1HotTierTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMatchesIt) {
   Fixture f(4);
   const std::string v = Payload(7, 900);
   ASSERT_TRUE(f.pool->Put(Key(1), Bytes(v)).ok());
@@ -108,7 +108,7 @@ TEST(G1BlockPoolTest, PutKeepsTheChecksumOfTheBytesPutAndAChangedPageNoLongerMat
   EXPECT_EQ(checksum->value, common::Xxh3_64(Bytes(copy), 77));
 }
 
-TEST(G1BlockPoolTest, ReservationIsInvisibleUntilCommitAndFreedIfAbandoned) {
+TEST(G1HotTierTest, ReservationIsInvisibleUntilCommitAndFreedIfAbandoned) {
   Fixture f(2);
   {
     auto r = f.pool->Reserve(Key(1), 100);
@@ -128,7 +128,7 @@ TEST(G1BlockPoolTest, ReservationIsInvisibleUntilCommitAndFreedIfAbandoned) {
   EXPECT_FALSE(f.pool->Contains(Key(2)));
 }
 
-TEST(G1BlockPoolTest, EvictsLeastRecentlyUsedAndDemotesIt) {
+TEST(G1HotTierTest, EvictsLeastRecentlyUsedAndDemotesIt) {
   Fixture f(3);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(f.pool->Put(Key(i), Bytes(Payload(i, 500))).ok());
   ASSERT_TRUE(f.pool->Read(Key(0)).has_value());  // 0 becomes most recent; 1 is now LRU
@@ -142,7 +142,7 @@ TEST(G1BlockPoolTest, EvictsLeastRecentlyUsedAndDemotesIt) {
   EXPECT_EQ(MetricValue(f.registry, "epd_kv_demotions_total", {{"tier", "g1"}}), 1);
 }
 
-TEST(G1BlockPoolTest, NeverEvictsReferencedOrPinnedBlocks) {
+TEST(G1HotTierTest, NeverEvictsReferencedOrPinnedBlocks) {
   Fixture f(3);
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(f.pool->Put(Key(i), Bytes(Payload(i, 64))).ok());
   auto ref0 = f.pool->Acquire(Key(0));  // oldest, but referenced
@@ -170,7 +170,7 @@ TEST(G1BlockPoolTest, NeverEvictsReferencedOrPinnedBlocks) {
   EXPECT_TRUE(f.pool->Erase(Key(29)));
 }
 
-TEST(G1BlockPoolTest, ConcurrentWritersAndReadersSeeOnlyWholeValues) {
+TEST(G1HotTierTest, ConcurrentWritersAndReadersSeeOnlyWholeValues) {
   Fixture f(16);
   std::atomic<int> bad{0};
   std::vector<std::thread> threads;

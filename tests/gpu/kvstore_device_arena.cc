@@ -1,4 +1,4 @@
-#include "kvstore/cuda/device_arena.h"
+#include "tests/gpu/kvstore_device_arena.h"
 
 #include <cuda_runtime_api.h>
 
