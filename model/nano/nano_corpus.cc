@@ -127,7 +127,7 @@ class Model:
 
 SELECT name, count(*) FROM users WHERE age > 30 GROUP BY name ORDER BY count(*) DESC LIMIT 10;
 $ cmake -S . -B build && cmake --build build -j2 && ctest --output-on-failure
-$ git add tokenizer/tokenizer.cc && git commit -m "model: tokenizer"
+$ git add model/tokenizer.cc && git commit -m "model: tokenizer"
 
 Markdown:
 # Title
