@@ -718,8 +718,7 @@ absl::Status Model::IndexQueries(Scratch& ws, int l, const float* x, const float
                            static_cast<int>(ihd - c.rope_head_dim), positions, false));
   RETURN_IF_ERROR(backend_.QuantDequant(kernels::Backend::Qdq::kFp4Index, qi, rows * nI, ihd));
   RETURN_IF_ERROR(backend_.LinearBf16(x, rows, A.idx_weights_proj.plain(), nI, c.dim, w));
-  const float wscale = static_cast<float>(std::pow(static_cast<double>(ihd), -0.5) *
-                                          std::pow(static_cast<double>(nI), -0.5));
+  const float wscale = c.index_weight_scale();  // bf16(c), as the reference
   return backend_.ScaleRoundBf16(w, rows * nI, wscale);
 }
 

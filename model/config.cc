@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "kernels/format.h"
 #include "nlohmann/json.hpp"
 
 namespace epd::model {
@@ -364,6 +365,12 @@ absl::Status ModelConfig::Validate() const {
     }
   }
   return absl::OkStatus();
+}
+
+float ModelConfig::index_weight_scale() const {
+  const double c = std::pow(static_cast<double>(index_head_dim), -0.5) *
+                   std::pow(static_cast<double>(index_n_heads), -0.5);
+  return kernels::format::RoundBf16(static_cast<float>(c));
 }
 
 std::vector<LayerRole> ModelConfig::Roles() const {

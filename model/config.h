@@ -122,6 +122,10 @@ struct ModelConfig {
   // Total layers with attention state: n_layers + n_mtp_layers.
   int total_layers() const { return n_layers + n_mtp_layers; }
   int nope_head_dim() const { return head_dim - rope_head_dim; }
+  // The indexer's weight scale c = index_head_dim^-0.5 * index_n_heads^-0.5 as the reference
+  // applies it: a Python float multiplying a bf16 tensor, which torch rounds to bf16 first
+  // (double -> float -> bf16), so bf16(c), not fp32(c); they differ when c is not a power of two.
+  float index_weight_scale() const;
 
   // Returns OK or InvalidArgument naming the first bad or missing field.
   [[nodiscard]] absl::Status Validate() const;

@@ -519,7 +519,8 @@ class CpuBackend final : public Backend {
     return Engram(h, e, rows, hc, D, q_weight, k_weight, norm_eps, /*torch_vector_exp=*/false);
   }
   // The reference's torch expression, bit for bit: dot = (h * (qw * kw) * key).sum(-1) *
-  // rsqrt(mean(h^2) + eps) * rsqrt(mean(key^2) + eps) * fp32(dim^-0.5) (torch's sum order),
+  // (rsqrt(mean(h^2) + eps) * rsqrt(mean(key^2) + eps)) * fp32(dim^-0.5) (torch's sum order; the
+  // two rsqrts multiplied first),
   // gate = sigmoid(sign(dot) * sqrt(max(|dot|, 1e-6))), h = bf16(h + gate * value).
   static Status Engram(float* h, const float* e, int64_t rows, int hc_, int64_t D,
                        const float* q_weight, const float* k_weight, float norm_eps,
@@ -538,7 +539,8 @@ class CpuBackend final : public Backend {
         for (int64_t d = 0; d < D; ++d) prod[d] = hj[d] * (qw[d] * kw[d]) * key[d];
         const float rh = 1.f / std::sqrt(cpu::TorchMeanSquare(hj, D) + norm_eps);
         const float rk = 1.f / std::sqrt(cpu::TorchMeanSquare(key, D) + norm_eps);
-        const float dot = cpu::TorchSum(prod.data(), D) * rh * rk * inv_sqrt_d;
+        // rstd = rh * rk is formed first (the reference's expression), then S * rstd.
+        const float dot = cpu::TorchSum(prod.data(), D) * (rh * rk) * inv_sqrt_d;
         const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
         const float x = sg * std::sqrt(std::max(std::fabs(dot), 1e-6f));
         // torch.sigmoid: Sleef's exp on its vectorized path (prompts), glibc's on its scalar

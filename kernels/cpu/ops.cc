@@ -44,19 +44,6 @@ const CpuFeatures& Features() {
 thread_local bool t_scalar = false;
 inline bool UseSimd() { return !t_scalar && Features().avx2; }
 
-// Dot product with 8 independent fp32 lanes (vectorisable); used where the reference's own
-// accumulation order is unspecified (plain bf16/fp32 matmuls).
-inline float Dot8(const float* a, const float* b, int64_t n) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  }
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
 // The reference's plain matmuls, in their summation order (kernels/torch_math.h, shared with the
 // CUDA kernels): fp32 in index order (DotSeq), bf16 in oneDNN's pairwise order (DotDp).
 using torch_math::DotDp;
@@ -148,9 +135,10 @@ EPD_AVX2 void DecodeRowsAvx(const QuantWeight& w, int64_t o, int64_t n, float* o
 #endif
 
 // LinearQuant's outputs o_begin .. out-1 of the quantized rows q [rows, in] / s [rows, nb], one
-// output at a time: y[r, o] = bf16(sum over blocks b in order of Dot8(q_r, w_o) over block b *
-// s[r, b] * the weight's scale of block b). A packed weight row is decoded into wdec [in] first
-// (by DecodeRowsAvx when `avx`: the same values).
+// output at a time: y[r, o] = bf16(sum over blocks b in order of DotSeq(q_r, w_o) over block b *
+// s[r, b] * the weight's scale of block b). The block sum is the reference's: fp32, in K order
+// from +0 (MODEL.md; golden set d is sensitive to it). A packed weight row is decoded into wdec
+// [in] first (by DecodeRowsAvx when `avx`: the same values).
 void QuantOutputs(const float* q, const float* s, int64_t rows, const QuantWeight& w,
                   const float* scales, int64_t o_begin, [[maybe_unused]] bool avx, float* wdec,
                   float* y) {
@@ -172,9 +160,9 @@ void QuantOutputs(const float* q, const float* s, int64_t rows, const QuantWeigh
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         const int64_t b0 = b * 32;
-        // Products of E4M3/E2M1 values are exact, and so are these block sums for the
-        // magnitudes involved; the lanes only make the loop vectorisable.
-        acc += Dot8(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
+        // Products of E4M3/E2M1 values are exact; their sum is not always (a small product
+        // next to large ones loses low bits), so the order is the reference's.
+        acc += DotSeq(qr + b0, wr + b0, std::min<int64_t>(32, k - b0)) * s[r * nb + b] *
                ws[b0 / w.block_cols];
       }
       y[r * w.out + o] = RoundBf16(acc);
@@ -183,33 +171,6 @@ void QuantOutputs(const float* q, const float* s, int64_t rows, const QuantWeigh
 }
 
 #ifdef EPD_AVX2_PATH
-// [v0..v7] -> [tree(v0), ..., tree(v7)] with tree(v) = ((v0+v1)+(v2+v3))+((v4+v5)+(v6+v7)), the
-// lane combination of Dot8.
-EPD_AVX2 inline __m256 Tree8(__m256 v0, __m256 v1, __m256 v2, __m256 v3, __m256 v4, __m256 v5,
-                             __m256 v6, __m256 v7) {
-  const __m256 u0 = _mm256_hadd_ps(_mm256_hadd_ps(v0, v1), _mm256_hadd_ps(v2, v3));
-  const __m256 u1 = _mm256_hadd_ps(_mm256_hadd_ps(v4, v5), _mm256_hadd_ps(v6, v7));
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// Dot8(x, w + k*ldw, n8) for k = 0..7 (n8 a multiple of 8), in one vector.
-EPD_AVX2 inline __m256 Dot8x8(const float* x, const float* w, int64_t ldw, int64_t n8) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-  for (int64_t i = 0; i < n8; i += 8) {
-    const __m256 xv = _mm256_loadu_ps(x + i);
-    const float* wi = w + i;
-    a0 = _mm256_add_ps(a0, _mm256_mul_ps(xv, _mm256_loadu_ps(wi)));
-    a1 = _mm256_add_ps(a1, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + ldw)));
-    a2 = _mm256_add_ps(a2, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 2 * ldw)));
-    a3 = _mm256_add_ps(a3, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 3 * ldw)));
-    a4 = _mm256_add_ps(a4, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 4 * ldw)));
-    a5 = _mm256_add_ps(a5, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 5 * ldw)));
-    a6 = _mm256_add_ps(a6, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 6 * ldw)));
-    a7 = _mm256_add_ps(a7, _mm256_mul_ps(xv, _mm256_loadu_ps(wi + 7 * ldw)));
-  }
-  return Tree8(a0, a1, a2, a3, a4, a5, a6, a7);
-}
-
 // A plain weight's elements as fp32: fp32 values as they are, bf16 bits widened (exactly).
 inline float Widen(float v) { return v; }
 inline float Widen(uint16_t b) { return Bf16BitsToF32(b); }
@@ -372,23 +333,84 @@ EPD_AVX2 void QuantizeFp8RowAvx(const float* x, int64_t k, float* q, float* scal
   }
 }
 
+// wt[i * 8 + j] = w[j * k + i] for the 8 rows of w [8, k] (k % 8 == 0), 8x8 tiles transposed in
+// registers.
+EPD_AVX2 inline void Transpose8Rows(const float* w, int64_t k, float* wt) {
+  for (int64_t i = 0; i < k; i += 8) {
+    const __m256 r0 = _mm256_loadu_ps(w + i), r1 = _mm256_loadu_ps(w + k + i),
+                 r2 = _mm256_loadu_ps(w + 2 * k + i), r3 = _mm256_loadu_ps(w + 3 * k + i),
+                 r4 = _mm256_loadu_ps(w + 4 * k + i), r5 = _mm256_loadu_ps(w + 5 * k + i),
+                 r6 = _mm256_loadu_ps(w + 6 * k + i), r7 = _mm256_loadu_ps(w + 7 * k + i);
+    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    float* o = wt + i * 8;
+    _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
+    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
+    _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
+    _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
+    _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
+    _mm256_storeu_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
+    _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
+    _mm256_storeu_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+  }
+}
+
+// Rows r .. r+NR-1 of LinearQuant's 8 outputs at o (AVX2 lanes = the outputs): each quantization
+// block's dot in K order from +0 (lane j walks output j's elements in order: the transposed
+// weight group wt[i * 8 + j]), times the row's act scale and the outputs' weight scales, added to
+// the running sum in block order; the NR rows interleave to hide the adds' latency. The same
+// operations as QuantOutputs' scalar loop, lane for lane.
+template <int NR>
+EPD_AVX2 inline void QuantRowsAvx(const float* q, const float* s, int64_t r, int64_t k,
+                                  int64_t nb, const float* wt, const float* wsT, float* y,
+                                  int64_t ldy) {
+  __m256 acc[NR];
+  for (int j = 0; j < NR; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 d[NR];
+    for (int j = 0; j < NR; ++j) d[j] = _mm256_setzero_ps();
+    const float* wb = wt + b * 32 * 8;
+    for (int i = 0; i < 32; ++i) {
+      const __m256 wv = _mm256_loadu_ps(wb + i * 8);
+      for (int j = 0; j < NR; ++j)
+        d[j] = _mm256_add_ps(d[j], _mm256_mul_ps(_mm256_set1_ps(q[(r + j) * k + b * 32 + i]), wv));
+    }
+    const __m256 wsv = _mm256_loadu_ps(wsT + b * 8);
+    for (int j = 0; j < NR; ++j)
+      acc[j] = _mm256_add_ps(
+          acc[j], _mm256_mul_ps(_mm256_mul_ps(d[j], _mm256_set1_ps(s[(r + j) * nb + b])), wsv));
+  }
+  alignas(32) float res[8];
+  for (int j = 0; j < NR; ++j) {
+    _mm256_store_ps(res, acc[j]);
+    for (int o = 0; o < 8; ++o) y[(r + j) * ldy + o] = RoundBf16(res[o]);
+  }
+}
+
 // LinearQuant for in % 32 == 0: rows quantized first, then 8 outputs at a time for every row
-// (the weight group stays in cache), the same per-output operations. Packed weights: the group's
-// 8 rows are decoded to their element values first (exact), then the same loops run.
+// (the weight group stays in cache), the same per-output operations as the scalar code. The
+// group's 8 weight rows are decoded to their element values (packed weights, exact) and
+// transposed once into wt, so that each lane's block dot runs in K order.
 EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w, float* y) {
   const int64_t k = w.in, nb = k / 32, scols = w.scale_cols(), o8 = w.out / 8 * 8;
-  thread_local std::vector<float> q, s, wsT, wdec, sdec;
+  thread_local std::vector<float> q, s, wsT, wdec, sdec, wt;
   thread_local std::vector<int64_t> bcol;
   bcol.resize(nb);
   for (int64_t b = 0; b < nb; ++b) bcol[b] = b * 32 / w.block_cols;
   q.resize(rows * k);
   s.resize(rows * nb);
   wsT.resize(nb * 8);
+  wt.resize(k * 8);
   const float* scales = w.packed() ? DecodeScales(w, sdec) : w.scales.data();
-  if (w.packed()) wdec.resize(8 * k);
+  wdec.resize(8 * k);
   for (int64_t r = 0; r < rows; ++r)
     QuantizeFp8RowAvx(x + r * k, k, q.data() + r * k, s.data() + r * nb);
-  alignas(32) float res[8];
   for (int64_t o = 0; o < o8; o += 8) {
     if (w.block_rows % 8 == 0) {  // the 8 outputs share one scale row
       const float* wsr = scales + (o / w.block_rows) * scols;
@@ -408,19 +430,12 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
     } else {
       wr = w.values.data() + o * k;
     }
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = q.data() + r * k;
-      const float* sr = s.data() + r * nb;
-      __m256 acc = _mm256_setzero_ps();
-      for (int64_t b = 0; b < nb; ++b) {
-        const __m256 d = Dot8x8(qr + b * 32, wr + b * 32, k, 32);
-        acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d, _mm256_set1_ps(sr[b])),
-                                               _mm256_loadu_ps(wsT.data() + b * 8)));
-      }
-      _mm256_store_ps(res, acc);
-      float* yr = y + r * w.out + o;
-      for (int j = 0; j < 8; ++j) yr[j] = RoundBf16(res[j]);
-    }
+    Transpose8Rows(wr, k, wt.data());
+    int64_t r = 0;
+    for (; r + 4 <= rows; r += 4)
+      QuantRowsAvx<4>(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
+    for (; r < rows; ++r)
+      QuantRowsAvx<1>(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
   }
   QuantOutputs(q.data(), s.data(), rows, w, scales, o8, /*avx=*/true, wdec.data(), y);
 }
@@ -600,7 +615,7 @@ namespace {
 // P.V update) per instruction.
 EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
   const int hd = a.head_dim;
-  std::vector<float> num(hd), p(64);
+  std::vector<float> num(hd), cs(hd), p(64);
   const float* rows[64];
   int js[64];
   alignas(32) float d8[8];
@@ -632,20 +647,23 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
         for (int k = 0; k < nv; ++k) cmax = std::max(cmax, p[js[k]]);
         const float m_new = std::max(m, cmax);
         const float alpha = TorchExp(m - m_new);
-        const __m256 av = _mm256_set1_ps(alpha);
-        for (int d = 0; d < hd; d += 8)
-          _mm256_storeu_ps(num.data() + d, _mm256_mul_ps(_mm256_loadu_ps(num.data() + d), av));
         for (int64_t j = 0; j < n; ++j) p[j] -= m_new;  // -1 entries: -inf - m_new = -inf -> 0
         TorchExpN(p.data(), p.data(), n);
+        std::fill(cs.begin(), cs.end(), 0.f);
         for (int k = 0; k < nv; ++k) {
           const __m256 pb = _mm256_set1_ps(RoundBf16(p[js[k]]));
           const float* kr = rows[k];
           for (int d = 0; d < hd; d += 8) {
-            _mm256_storeu_ps(num.data() + d,
-                             _mm256_add_ps(_mm256_loadu_ps(num.data() + d),
+            _mm256_storeu_ps(cs.data() + d,
+                             _mm256_add_ps(_mm256_loadu_ps(cs.data() + d),
                                            _mm256_mul_ps(pb, _mm256_loadu_ps(kr + d))));
           }
         }
+        const __m256 av = _mm256_set1_ps(alpha);
+        for (int d = 0; d < hd; d += 8)
+          _mm256_storeu_ps(num.data() + d,
+                           _mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(num.data() + d), av),
+                                         _mm256_loadu_ps(cs.data() + d)));
         den = den * alpha + TorchChunkSum(p.data(), n);
         m = m_new;
       }
@@ -660,14 +678,15 @@ EPD_AVX2 void SparseAttentionAvx(const SparseAttentionArgs& a) {
 // The reference kernel (MODEL.md §3 step 8), per row and head, over the list in 64-entry chunks:
 // scores s = DotSeq(q, k) * scale (-1 entries: -inf); m' = max(m, chunk max); alpha = exp(m -
 // m'); p = exp(s - m') (0 for -1 entries); den = den * alpha + TorchChunkSum(p) (the chunk's
-// probabilities summed first, in torch's order); num = num * alpha, then num += bf16(p_j) * k_j
-// entry by entry in list order; finally den += exp(sink - m), out = bf16(num / den).
+// probabilities summed first, in torch's order); the chunk's numerator cs = sum of bf16(p_j) * k_j
+// in list order from +0, then num = num * alpha + cs (the reference forms the chunk's sum first);
+// finally den += exp(sink - m), out = bf16(num / den).
 void SparseAttention(const SparseAttentionArgs& a) {
 #ifdef EPD_AVX2_PATH
   if (UseSimd() && a.head_dim % 8 == 0) return SparseAttentionAvx(a);
 #endif
   const int hd = a.head_dim;
-  std::vector<float> num(hd), p(64);
+  std::vector<float> num(hd), cs(hd), p(64);
   for (int64_t r = 0; r < a.rows; ++r) {
     const int32_t* idx = a.idx + r * a.list_len;
     for (int h = 0; h < a.heads; ++h) {
@@ -689,7 +708,7 @@ void SparseAttention(const SparseAttentionArgs& a) {
         }
         const float m_new = std::max(m, cmax);
         const float alpha = TorchExp(m - m_new);
-        for (int d = 0; d < hd; ++d) num[d] *= alpha;
+        std::fill(cs.begin(), cs.end(), 0.f);
         for (int64_t j = 0; j < n; ++j) {
           const int32_t t = idx[c0 + j];
           if (t < 0) {
@@ -699,8 +718,9 @@ void SparseAttention(const SparseAttentionArgs& a) {
           p[j] = TorchExp(p[j] - m_new);
           const float pb = RoundBf16(p[j]);
           const float* k = KvRow(a, t);
-          for (int d = 0; d < hd; ++d) num[d] += pb * k[d];
+          for (int d = 0; d < hd; ++d) cs[d] += pb * k[d];
         }
+        for (int d = 0; d < hd; ++d) num[d] = num[d] * alpha + cs[d];
         den = den * alpha + TorchChunkSum(p.data(), n);
         m = m_new;
       }

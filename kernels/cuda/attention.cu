@@ -54,8 +54,8 @@ __device__ __forceinline__ void LoadKvTile(const AttentionArgs& a, const int32_t
 //    in index order across the tiles.
 // 2. thread g: cmax, m_new, alpha = TorchExp(m - m_new); threads (g, j): e_j = TorchExp(p_j -
 //    m_new) (0 for a skipped entry) and its bf16; thread g: den = den * alpha + TorchSum(e_0..).
-// 3. for each of a head's dims: num[d] = num[d] * alpha, then += bf16(e_j) * kv_t[d] in entry
-//    order.
+// 3. for each of a head's dims: the chunk's sum cs = bf16(e_j) * kv_t[d] added in entry order
+//    from +0, then num[d] = num[d] * alpha + cs (the reference forms the chunk's sum first).
 // Finally den += TorchExp(sink - m) and out = bf16(num / den). Online softmax starts from
 // m = -1e30. Dynamic shared memory: q and num of the block's heads ([G][head_dim] each), then the
 // tile ([64][td + 1]: padded rows, so the threads of a dot read different banks).
@@ -135,12 +135,12 @@ __global__ void __launch_bounds__(kAttnThreads)
       for (int e = tid; e < gh * nd; e += nt) {
         const int gg = e / nd, dl = e % nd;
         float* nm = num + gg * hd + d0 + dl;
-        float acc = *nm * alpha_s[gg];
+        float cs = 0.f;  // the chunk's sum first, then onto the rescaled numerator
         for (int jj = 0; jj < n; ++jj) {
           if (tj[jj] < 0) continue;
-          acc += pb[gg][jj] * tile[jj * stride + dl];
+          cs += pb[gg][jj] * tile[jj * stride + dl];
         }
-        *nm = acc;
+        *nm = *nm * alpha_s[gg] + cs;
       }
     }
   }

@@ -50,22 +50,11 @@ __device__ __forceinline__ float SinF(float x) {
   return static_cast<float>(sin(static_cast<double>(x)));
 }
 
-// The lane combination of the CPU's Dot8: ((l0+l1)+(l2+l3))+((l4+l5)+(l6+l7)).
-__device__ __forceinline__ float Tree8(const float* l) {
-  return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
-}
-
-// Dot8(a, b, n) of kernels/cpu/ops.cc for one thread (n: a quantization block, at most 32): 8
-// lanes over i = j mod 8 in order, the tree, then the tail in order.
-__device__ __forceinline__ float Dot8(const float* a, const float* b, int n) {
-  const int n8 = n / 8 * 8;
-  float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-  for (int i = 0; i < n8; i += 8) {
-#pragma unroll
-    for (int j = 0; j < 8; ++j) l[j] += a[i + j] * b[i + j];
-  }
-  float d = Tree8(l);
-  for (int i = n8; i < n; ++i) d += a[i] * b[i];
+// The dot of one quantization block (n <= 32) as the reference sums it and ops.cc QuantOutputs
+// does: fp32, in K order from +0 (every product exact, every addition rounded).
+__device__ __forceinline__ float BlockDot(const float* a, const float* b, int n) {
+  float d = 0.f;
+  for (int i = 0; i < n; ++i) d += a[i] * b[i];
   return d;
 }
 

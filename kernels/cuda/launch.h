@@ -30,7 +30,7 @@ struct GemmWeight {
 // FP8 activation quantization (format::QuantizeFp8Row per row): q [rows, k], scales [rows, nb].
 cudaError_t QuantizeFp8Rows(const float* x, int64_t rows, int64_t k, float* q, float* scales,
                             cudaStream_t stream);
-// LinearQuant's GEMM on quantized rows: y[r, o] = bf16(sum_b Dot8(q_r, w_o)_b * s[r, b] *
+// LinearQuant's GEMM on quantized rows: y[r, o] = bf16(sum_b BlockDot(q_r, w_o)_b * s[r, b] *
 // wscale[o / block_rows, b*32 / block_cols]). `scale_codes` (E8M0 bytes) or `scale_values`
 // (floats), one of them non-null. At most 8 rows (a decode step) take skinny tiles: a warp per
 // output reading its row's codes in coalesced 16-byte loads. `terms` (GemmQuantTermsBytes of device

@@ -1,6 +1,6 @@
 // The linears of CudaBackend: FP8 activation quantization, the block-scaled FP8/FP4 GEMM of
 // LinearQuant and the plain GEMM of LinearBf16/LinearF32 (and HcMixes' projection).
-// Mirrors kernels/cpu/ops.cc (LinearQuant, Dot8), kernels/torch_math.h (DotDp, DotSeq) and
+// Mirrors kernels/cpu/ops.cc (LinearQuant's K-order block dots), kernels/torch_math.h (DotDp, DotSeq) and
 // kernels/format.cc (QuantizeFp8Row): every output is computed by one thread in the reference's
 // order, so results do not depend on the tile, the batch or the launch.
 #include "kernels/cuda/common.cuh"
@@ -112,7 +112,7 @@ __device__ __forceinline__ void StageChunk(const float* x, const float* act_scal
 
 // One tile of kTileR rows x kTileO outputs; K in chunks of 32 through shared memory. Thread t owns
 // output t % 64 for rows (t / 64) * 4 .. +3.
-// kQuant: the chunk is one quantization block: its Dot8 is finished per chunk and added as
+// kQuant: the chunk is one quantization block: its BlockDot is finished per chunk and added as
 //   acc += d * act_scale * weight_scale (ops.cc LinearQuant).
 // !kQuant: one running sum per output over the whole row, chunk after chunk (ops.cc LinearBf16 /
 //   LinearF32, kernels/torch_math.h): bf16 in DotDp's pairwise order (per pair the odd element
@@ -146,7 +146,7 @@ __device__ __forceinline__ void GemmTile(const float* x, const float* act_scale,
       const int rl = rg * kRowsPerThread + rr;
       if (r0 + rl >= rows) break;  // a tile's missing rows (a decode step's) cost nothing
       if (kQuant) {
-        acc[rr] += Dot8(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];  // this block's (n <= 32)
+        acc[rr] += BlockDot(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];  // this block's (n <= 32)
       } else if (bf16) {
         // DotDp's pairs; chunks are even, so only K's last odd element stands alone.
         acc[rr] = torch_math::DotDpFrom(xs[rl], ws[ol], 0, n, acc[rr]);
@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(kThreads)
 // LinearQuant of at most kTileR rows (a decode step): GemmKernel<true> would run ceil(out / 64)
 // blocks, each walking all of K, too few to fill the GPU (wq_a: 20 blocks for 160 K blocks). Here
 // the K blocks are spread over the grid's y, kSplitChunks per block: each block computes, per
-// quantization block b, the term Dot8_b * act_scale * weight_scale exactly as GemmTile<true> (same
-// loads, same Dot8, same products) and stores it; GemmSumTermsKernel then adds each output's terms
+// quantization block b, the term BlockDot_b * act_scale * weight_scale exactly as GemmTile<true> (same
+// loads, same BlockDot, same products) and stores it; GemmSumTermsKernel then adds each output's terms
 // in block order from +0, as GemmTile's running acc does. Bit-identical to GemmKernel<true>
 // (-fmad=false: no contraction of the product into the add).
 constexpr int kSplitChunks = 4;
@@ -213,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int rr = 0; rr < kRowsPerThread; ++rr) {
       const int rl = rg * kRowsPerThread + rr;
       if (rl >= rows || o >= w.out) continue;
-      terms[(b * rows + rl) * w.out + o] = Dot8(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];
+      terms[(b * rows + rl) * w.out + o] = BlockDot(xs[rl], ws[ol], n) * xsc[rl] * wsc[ol];
     }
     __syncthreads();
   }
@@ -234,7 +234,7 @@ __global__ void GemmSumTermsKernel(const float* terms, int64_t nb, int64_t n, fl
 // 32 lanes read 32 consecutive quantization blocks of that output's row (1 KiB of FP8 codes, 512 B
 // of FP4, in 16-byte loads: coalesced). The block's 8 warps share the rows' activations of those
 // blocks through shared memory. Lane L computes block b's term for every row exactly as GemmTile
-// does (the same Dot8: 8 lanes over i mod 8 in order, Tree8, the tail in order; then
+// does (the same BlockDot: the block's products added in K order from +0; then
 // d * act_scale * weight_scale); the terms go through shared memory and lane r adds row r's terms
 // in block order onto its running sum from +0, as GemmTile's acc does: bit-identical (-fmad=false).
 constexpr int kSkinnyRows = 8, kSkinnyWarps = kThreads / 32, kPassBlocks = 32;
@@ -349,22 +349,13 @@ __device__ __forceinline__ void SkinnyTile(const float* x, const float* act_scal
       xsc[r][b] = b < np ? act_scale[r * nb + p0 + b] : 0.f;
     }
     __syncthreads();
-    const int n8 = n / 8 * 8;
 #pragma unroll 1
     for (int r = 0; r < rt; ++r) {
       const float* xr = &xs[r][lane * kXsStride];
-      float l[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int i = 0; i < kChunk; i += 8) {
-        if (i < n8) {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) l[j] += xr[i + j] * wv[i + j];
-        }
-      }
-      float d = Tree8(l);
+      float d = 0.f;  // BlockDot: K order from +0
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) {
-        if (i >= n8 && i < n) d += xr[i] * wv[i];
+        if (i < n) d += xr[i] * wv[i];
       }
       ts[warp][r][lane] = n > 0 ? d * xsc[r][lane] * wsc : 0.f;
     }

@@ -231,7 +231,8 @@ __global__ void EngramGateKernel(float* h, const float* e, int hc, int64_t D, co
   }
   __syncthreads();
   if (threadIdx.x == 0) {
-    const float dot = TorchSumOf(D, EngramProd{hj, qw, kw, key}) * rnorm[0] * rnorm[1] * inv_sqrt_d;
+    const float dot =
+        TorchSumOf(D, EngramProd{hj, qw, kw, key}) * (rnorm[0] * rnorm[1]) * inv_sqrt_d;
     const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
     gate_s = Sigmoid(sg * sqrtf(StdMax(fabsf(dot), 1e-6f)), vector_exp);
   }

@@ -5,11 +5,14 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <random>
 #include <thread>
 #include <vector>
 
+#include "kernels/cpu/numerics.h"
 #include "kernels/cpu/ops.h"
 #include "tests/testing/test_cpu_backend.h"
 
@@ -124,6 +127,66 @@ TEST(BackendSimdTest, ScalarSwitchIsPerThreadAndPerBackend) {
   ASSERT_TRUE(scalar->LinearF32(x.data(), 3, w.data(), out, in, y2.data()).ok());
   EXPECT_EQ(std::memcmp(y1.data(), y2.data(), y1.size() * 4), 0);
   EXPECT_TRUE(cpu::SimdEnabled());  // the scalar backend restored the thread's setting
+}
+
+
+// The reference's Engram gate: dot = S * (rh * rk) * dim^-0.5, the two rsqrts multiplied first
+// (MODEL.md; golden set d). Rows are drawn until stream 0's fp32 gate differs between that order
+// and the old one, (S * rh) * rk; the row's value is then set to about -h0 / gate, so that
+// h0 + gate * value nearly cancels and the gate's last bit shows in the bf16 output. The backend
+// must give the expression written out below bit for bit, and the old order must not.
+TEST(BackendOpsTest, EngramGateMultipliesTheNormsFirst) {
+  auto b = MakeCpuBackend();
+  const int hc = 4;
+  const int64_t D = 128, rows = 32;
+  const float inv_sqrt_d = static_cast<float>(std::pow(static_cast<double>(D), -0.5));
+  std::mt19937 rng(5);
+  std::normal_distribution<float> nd(0.f, 1.f);
+  auto bf16 = [&](float scale) { return cpu::RoundBf16(nd(rng) * scale); };
+  std::vector<float> h(rows * hc * D), e(rows * (hc + 1) * D), qw(hc * D), kw(hc * D), prod(D);
+  for (float& v : qw) v = bf16(1.f);
+  for (float& v : kw) v = bf16(1.f);
+  // The gate of stream j of a row (h_j, key_j), in the new or the old order.
+  auto gate = [&](const float* hj, const float* key, int j, bool old_order) {
+    for (int64_t d = 0; d < D; ++d) prod[d] = hj[d] * (qw[j * D + d] * kw[j * D + d]) * key[d];
+    const float rh = 1.f / std::sqrt(cpu::TorchMeanSquare(hj, D) + 1e-20f);
+    const float rk = 1.f / std::sqrt(cpu::TorchMeanSquare(key, D) + 1e-20f);
+    const float sum = cpu::TorchSum(prod.data(), D);
+    const float dot = (old_order ? sum * rh * rk : sum * (rh * rk)) * inv_sqrt_d;
+    const float sg = dot > 0.f ? 1.f : (dot < 0.f ? -1.f : 0.f);
+    const float x = sg * std::sqrt(std::max(std::fabs(dot), 1e-6f));
+    return 1.f / (1.f + cpu::TorchExp(-x));
+  };
+  int tries = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* hr = h.data() + r * hc * D;
+    float* er = e.data() + r * (hc + 1) * D;
+    float g0 = 0.f;
+    do {
+      ASSERT_LT(++tries, 100000) << "no order-sensitive row found";
+      for (int64_t i = 0; i < hc * D; ++i) hr[i] = bf16(1.f);
+      for (int64_t i = 0; i < hc * D; ++i) er[i] = bf16(1.f);
+      g0 = gate(hr, er, 0, false);
+    } while (g0 == gate(hr, er, 0, true));
+    for (int64_t d = 0; d < D; ++d) er[hc * D + d] = cpu::RoundBf16(-hr[d] / g0);
+  }
+  auto expected = [&](bool old_order) {
+    std::vector<float> out = h;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* value = e.data() + (r * (hc + 1) + hc) * D;
+      for (int j = 0; j < hc; ++j) {
+        float* hj = out.data() + (r * hc + j) * D;
+        const float g = gate(hj, e.data() + (r * (hc + 1) + j) * D, j, old_order);
+        for (int64_t d = 0; d < D; ++d) hj[d] = cpu::RoundBf16(hj[d] + g * value[d]);
+      }
+    }
+    return out;
+  };
+  const std::vector<float> want = expected(false), old = expected(true);
+  ASSERT_NE(want, old) << "no output of this data is sensitive to the order";
+  std::vector<float> got = h;
+  ASSERT_TRUE(b->EngramGate(got.data(), e.data(), rows, hc, D, qw.data(), kw.data(), 1e-20f).ok());
+  EXPECT_EQ(got, want);
 }
 
 }  // namespace

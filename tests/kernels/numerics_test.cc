@@ -273,5 +273,81 @@ TEST(SparseAttentionTest, SinkOnlyInDenominatorAndSkips) {
   EXPECT_EQ(out[1], RoundBf16(4.f / den));
 }
 
+
+// The reference sums each 32-element block of an FP8/FP4 GEMM in K order in fp32 (MODEL.md; golden
+// set d). Block products here: 256*16 = 4096, 16*1 = 16, then thirty of 2^-12, each half an fp32
+// ulp of 4112 (ties to even: lost). In K order the block is 4112, times the act scale 2^-4 = 257,
+// a bf16 midpoint that rounds to even: 256. Summed in 8 interleaved lanes combined pairwise (the
+// old order), the small products survive in the other lanes: 4112 + 7 * 2^-10, bf16 258.
+TEST(LinearQuantTest, BlockSumsInKOrder) {
+  QuantWeight w;
+  w.out = 8;  // 8 outputs: the SIMD path's lanes
+  w.in = 32;
+  std::vector<float> crafted(32, 0x1p-8f);
+  crafted[0] = 16.f;
+  crafted[1] = 1.f;
+  std::vector<float> wv = RandomBf16(8 * 32, 11, 1.f);
+  for (float& f : wv) f = RoundE4M3(f);
+  std::copy(crafted.begin(), crafted.end(), wv.begin() + 3 * 32);
+  w.values = wv;
+  w.scales = {1.f};
+  std::vector<float> x = RandomBf16(5 * 32, 12, 1.f);
+  for (int r : {1, 4})  // row 1: the 4-row SIMD group; row 4: a row alone
+    std::copy(crafted.begin(), crafted.end(), x.begin() + r * 32);
+  for (bool scalar : {false, true}) {
+    ScopedScalarKernels mode(scalar);
+    std::vector<float> y(5 * 8);
+    LinearQuant(x.data(), 5, w, y.data());
+    EXPECT_EQ(y[1 * 8 + 3], 256.f) << "scalar " << scalar;
+    EXPECT_EQ(y[4 * 8 + 3], 256.f) << "scalar " << scalar;
+    // Every other output: the K-order sum written out.
+    std::vector<float> q(32);
+    float sc;
+    for (int r = 0; r < 5; ++r) {
+      QuantizeFp8Row(x.data() + r * 32, 32, q.data(), &sc);
+      for (int o = 0; o < 8; ++o) {
+        float d = 0.f;
+        for (int i = 0; i < 32; ++i) d += q[i] * wv[o * 32 + i];
+        EXPECT_EQ(y[r * 8 + o], RoundBf16(0.f + d * sc * 1.f)) << r << " " << o;
+      }
+    }
+  }
+}
+
+// The reference forms each 64-entry chunk's numerator sum_j bf16(p_j) kv_j first (fp32, in list
+// order from +0) and adds it to the rescaled numerator: num = num * alpha + chunk_sum. q = 0, so
+// every p is 1 and the denominator is exactly 128 (sink -inf). Dim 0: chunk 1 sums to 257; chunk
+// 2 holds 64 x 2^-16 = 2^-10, so the numerator is 257 + 2^-10 and the output bf16(2.0078125 +
+// 2^-17) = 2.015625. Added one entry at a time (the old order) each 2^-16 is half an ulp of 257
+// and lost: bf16(257 / 128), a midpoint, rounds to 2.
+TEST(SparseAttentionTest, ChunkNumeratorIsSummedBeforeTheRescale) {
+  const int hd = 8;
+  std::vector<float> q(hd, 0.f), kv(128 * hd, 0.f), out(hd);
+  kv[0] = 256.f;
+  kv[1 * hd] = 1.f;
+  for (int t = 64; t < 128; ++t) kv[t * hd] = 0x1p-16f;
+  for (int t = 0; t < 128; ++t) kv[t * hd + 1] = 1.f;  // dim 1: 128 / 128 = 1
+  std::vector<int32_t> idx(128);
+  for (int t = 0; t < 128; ++t) idx[t] = t;
+  const float sink = -INFINITY;
+  SparseAttentionArgs a;
+  a.q = q.data();
+  a.kv = kv.data();
+  a.sink = &sink;
+  a.idx = idx.data();
+  a.rows = 1;
+  a.heads = 1;
+  a.head_dim = hd;
+  a.list_len = 128;
+  a.scale = 1.f;
+  a.out = out.data();
+  for (bool scalar : {false, true}) {
+    ScopedScalarKernels mode(scalar);
+    SparseAttention(a);
+    EXPECT_EQ(out[0], 2.015625f) << "scalar " << scalar;
+    EXPECT_EQ(out[1], 1.f) << "scalar " << scalar;
+  }
+}
+
 }  // namespace
 }  // namespace epd::kernels::cpu

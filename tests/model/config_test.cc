@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
+
 #include <fstream>
 #include <sstream>
 
@@ -126,6 +128,22 @@ TEST(ConfigTest, BrokenConfigsNameTheField) {
       },
       "weight_block_size");
   EXPECT_FALSE(ParseModelConfig("{not json").ok());
+}
+
+
+// The indexer's weight scale is bf16(c) (torch rounds the Python scalar to the bf16 tensor's
+// dtype): with 6 heads c = 128^-0.5 * 6^-0.5 = 0.0360843..., fp32 0x3d13cd3a, bf16 0x3d14 =
+// 0.0361328125; with 8 heads c = 2^-5 either way.
+TEST(ConfigTest, IndexWeightScaleIsBf16OfTheScalar) {
+  ModelConfig c;
+  c.index_head_dim = 128;
+  c.index_n_heads = 6;
+  EXPECT_EQ(c.index_weight_scale(), 0.0361328125f);
+  EXPECT_NE(c.index_weight_scale(), static_cast<float>(std::pow(128.0, -0.5) * std::pow(6.0, -0.5)));
+  c.index_n_heads = 8;
+  EXPECT_EQ(c.index_weight_scale(), 0x1p-5f);
+  c.index_n_heads = 64;  // the release config: 128^-0.5 * 64^-0.5 = 2^-6.5, not a power of two
+  EXPECT_EQ(c.index_weight_scale(), 0.01104736328125f);
 }
 
 }  // namespace
