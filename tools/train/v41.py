@@ -546,7 +546,11 @@ class V41(nn.Module):
         for lid in range(c.L):
             lp = f"layers.{lid}."
             if lid in c.engram_layers:
+                if debug is not None:
+                    debug[f"engram_in_layer{lid}"] = h
                 h = self.engram(lid, h, engram_rows[lid])
+                if debug is not None:
+                    debug[f"engram_out_layer{lid}"] = h
             if lid in c.targets:
                 taps.append(self.R(h.mean(2)))
             aP, aQ, aC = self.mixes(h, lp + "hc_attn")
@@ -565,6 +569,8 @@ class V41(nn.Module):
             h = self.hc_post(yf, h, fQ, fC)
             pre = fP
         x = self.rmsnorm(self.hc_pre(h, pre), "norm.weight")
+        if debug is not None:
+            debug["final_norm"] = x
         logits = x @ self.w("head.weight").t()
         hidden = torch.cat(taps, dim=-1) if taps else None
         return logits, hidden
