@@ -111,7 +111,7 @@ def module_check(gs, m):
     out = {}
     S = gs.P
     pos = torch.arange(S)
-    tables = (v41.rope_tables(c, 0, pos), v41.rope_tables(c, 1, pos))
+    tables = (v41.rope_tables(c, 0, pos, ref=True), v41.rope_tables(c, 1, pos, ref=True))
     shared = {}
     with torch.no_grad():
         for lid in c.engram_layers:
