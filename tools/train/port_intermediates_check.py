@@ -16,7 +16,8 @@ Two comparisons per set (rel_rms = sqrt(mean((x - g)^2)) / sqrt(mean(g^2)) over 
           different accumulation order (manifest.json -> tolerance), not by module precision.
 
 Exits 1 when a figure is outside its bound (the LIMITS below; see the comments there for where
-each comes from), 77 when torch is not importable (ctest: skipped).
+each comes from), 77 when torch is not importable (ctest: skipped). --exact demands bit-exactness
+of every compared file (what this machine gives: Debian torch 1.13.1, AVX2 kernels).
 """
 
 import argparse
@@ -38,16 +39,23 @@ sys.path.insert(0, HERE)
 import ckpt  # noqa: E402
 import v41  # noqa: E402
 
-# Bounds (rel_rms). Module level: measured figures of the port with the reference's orders are
-# listed in the report of issue 55 / tools/train/README.md; each bound is a small multiple of the
-# largest measured figure over sets a, c, d, and well under what one wrong convention gives.
-# Free-running: 2x the set's own envelope of a valid different accumulation order (manifest), per
-# layer for attn_in / ffn_in where the manifest has per-layer figures, else for the logits.
+# Bounds (rel_rms). Measured with the reference's orders (issue 55) on sets a, c, d with Debian's
+# torch 1.13.1 (AVX2 kernels, generic BLAS): every module output, every free-running intermediate
+# and the logits are bit-exact (rel_rms 0, top-k rows all equal). Before the orders were followed,
+# module teacher forcing gave attention rel_rms 1.5e-3 .. 4.0e-2 per layer (MoE and Engram were
+# already exact) and the free-running logits 0.052 .. 0.060.
+# Module level: 1e-4, i.e. a few isolated 1-ulp bf16 flips (one flipped element of a [P, 128]
+# file is ~2e-5), which a torch build with another exp/sum vector path could produce, but 15x
+# under the smallest figure of a wrong order. Top-k rows: >= 0.99 equal (the old orders: 0.959).
+# Free-running: a flip anywhere is re-quantized and grows, so there the bound is 2x the set's own
+# envelope of a valid different accumulation order (manifest.json), per layer for attn_in / ffn_in
+# (floored at 1e-3, the README's recommendation for the first layers), and for the logits.
 LIMITS = {
-    "module_attn_out": 3e-3,     # README "recommended checks": attention <= 3e-3
-    "module_ffn_out": 1e-3,      # README: MoE <= 1e-3
-    "module_engram_delta": 1e-3,  # README: Engram delta <= 1e-3
+    "module_attn_out": 1e-4,
+    "module_ffn_out": 1e-4,
+    "module_engram_delta": 1e-4,
     "module_logits": 1e-5,       # fp32 head on the golden final norm
+    "module_topk_rows_equal": 0.99,
     "free_factor": 2.0,          # x the manifest's free-running envelope
     "free_argmax_agree": 0.9,
 }
@@ -85,7 +93,11 @@ class GoldenSet:
                                   np.float32).reshape(P, -1)
         files = self.manifest["files"]
         self.debug = {}
+        self.topk = {}
         for key, meta in files.items():
+            if key.startswith("debug/topk_idxs_layer") and key.endswith("_prefill.bin"):
+                lid = int(key[len("debug/topk_idxs_layer"):-len("_prefill.bin")])
+                self.topk[lid] = np.fromfile(os.path.join(gdir, key), np.int32).reshape(meta["shape"])
             if not key.startswith("debug/") or "bfloat16" not in meta.get("dtype", ""):
                 continue
             name = key[len("debug/"):-len(".bin")]
@@ -122,6 +134,12 @@ def module_check(gs, m):
             lp = f"layers.{lid}."
             ya = m.attention(lid, t(gs.debug[f"attn_in_layer{lid}"]), lp + "attn.", shared, tables)
             out[f"attn_out{lid}"] = rel_rms(ya[0].numpy(), gs.debug[f"attn_out_layer{lid}"])
+            if lid in c.index_sources and lid in gs.topk:
+                # the reference's list: ascending, invisible -> -1, offset by the prefill length
+                idx, perm = torch.sort(shared["sel_idx"][0], dim=-1)
+                ok = shared["sel_valid"][0].gather(-1, perm)
+                mine = torch.where(ok, idx + S, torch.full_like(idx, -1)).numpy()
+                out[f"topk{lid}"] = float((mine == gs.topk[lid]).all(-1).mean())
             yf = m.moe(t(gs.debug[f"ffn_in_layer{lid}"]), lp + "ffn.", c.n_exp, c.topk_exp)
             out[f"ffn_out{lid}"] = rel_rms(yf[0].numpy(), gs.debug[f"ffn_out_layer{lid}"])
         lg = t(gs.debug["final_norm"])[0] @ m.w("head.weight").t()
@@ -144,7 +162,7 @@ def fmt(vals):
     return " ".join(f"{v:.1e}" if v else "0" for v in vals)
 
 
-def check(gdir, verbose=True):
+def check(gdir, exact=False):
     t0 = time.time()
     gs = GoldenSet(gdir)
     c = gs.cfg
@@ -165,6 +183,11 @@ def check(gdir, verbose=True):
     print(f"    engram delta {fmt([mod[f'engram_delta{l}'] for l in c.engram_layers])}"
           f"   (layers {c.engram_layers})")
     print(f"    head logits  {fmt([mod['logits']])}")
+    tk = sorted(int(k[4:]) for k in mod if k.startswith("topk"))
+    print("    top-k rows equal " + " ".join(f"L{l} {mod[f'topk{l}']:.4f}" for l in tk))
+    for l in tk:
+        if mod[f"topk{l}"] < LIMITS["module_topk_rows_equal"]:
+            fails.append(f"module top-k rows equal, layer {l}: {mod[f'topk{l}']:.4f}")
     for l in range(c.L):
         bound(f"module attn_out layer {l}", mod[f"attn_out{l}"], LIMITS["module_attn_out"])
         bound(f"module ffn_out layer {l}", mod[f"ffn_out{l}"], LIMITS["module_ffn_out"])
@@ -192,6 +215,12 @@ def check(gdir, verbose=True):
     bound("free logits", free["logits"], f * el["rel_rms"])
     if free["argmax_agree"] < LIMITS["free_argmax_agree"]:
         fails.append(f"free argmax agreement {free['argmax_agree']:.4f} < {LIMITS['free_argmax_agree']}")
+    figs = [v for k, v in mod.items() if not k.startswith("topk")]
+    figs += [v for k, v in free.items() if k != "argmax_agree"]
+    n_exact = sum(v == 0 for v in figs)
+    print(f"  bit-exact: {n_exact} of {len(figs)} compared outputs")
+    if exact and n_exact != len(figs):
+        fails.append(f"--exact: {len(figs) - n_exact} outputs differ")
     for x in fails:
         print(f"  FAIL: {x}")
     print(f"  {gs.name}: {'ok' if not fails else 'FAIL'} ({time.time() - t0:.1f} s)")
@@ -202,6 +231,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("sets", nargs="*", help="golden set directories (default: every set in --sets-dir)")
     ap.add_argument("--sets-dir", default=os.path.join(ROOT, "tests/data/golden"))
+    ap.add_argument("--exact", action="store_true", help="fail unless every output is bit-exact")
     a = ap.parse_args()
     torch.set_num_threads(1)
     dirs = a.sets or sorted(os.path.join(a.sets_dir, s) for s in os.listdir(a.sets_dir)
@@ -209,7 +239,7 @@ def main():
     if not dirs:
         print("no golden sets found")
         sys.exit(1)
-    ok = all([check(d) for d in dirs])
+    ok = all([check(d, a.exact) for d in dirs])
     print("OK" if ok else "FAIL: the port is outside the bounds above")
     sys.exit(0 if ok else 1)
 

@@ -460,7 +460,15 @@ class V41(nn.Module):
         p = torch.sigmoid(m[..., :hc] * s[0] + b[:hc]) + c.hc_eps
         q = 2 * torch.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
         cm = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-        cm = torch.softmax(cm, dim=-1) + c.hc_eps
+        if self.numerics == "ref":
+            # the reference's softmax: exp(x - max) / (sum in index order), not x * (1 / sum)
+            e = torch.exp(cm - cm.amax(-1, keepdim=True))
+            tot = e[..., 0:1]
+            for j in range(1, hc):
+                tot = tot + e[..., j:j + 1]
+            cm = e / tot + c.hc_eps
+        else:
+            cm = torch.softmax(cm, dim=-1) + c.hc_eps
         cm = cm / (cm.sum(-2, keepdim=True) + c.hc_eps)
         for _ in range(c.sinkhorn - 1):
             cm = cm / (cm.sum(-1, keepdim=True) + c.hc_eps)
@@ -472,6 +480,11 @@ class V41(nn.Module):
 
     def hc_post(self, y, res, post, comb):
         # out[k] = post[k]*y + sum_j comb[j,k]*res[j]
+        if self.numerics == "ref":  # the reference forms the sum over j first
+            acc = torch.zeros_like(res)
+            for j in range(res.shape[-2]):
+                acc = acc + comb[..., j, :].unsqueeze(-1) * res[..., j, :].unsqueeze(-2)
+            return bf16(post.unsqueeze(-1) * y.unsqueeze(-2) + acc)
         out = post.unsqueeze(-1) * y.unsqueeze(-2)
         for j in range(res.shape[-2]):
             out = out + comb[..., j, :].unsqueeze(-1) * res[..., j, :].unsqueeze(-2)
