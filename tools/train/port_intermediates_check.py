@@ -44,18 +44,25 @@ import v41  # noqa: E402
 # and the logits are bit-exact (rel_rms 0, top-k rows all equal). Before the orders were followed,
 # module teacher forcing gave attention rel_rms 1.5e-3 .. 4.0e-2 per layer (MoE and Engram were
 # already exact) and the free-running logits 0.052 .. 0.060.
-# Module level: 1e-4, i.e. a few isolated 1-ulp bf16 flips (one flipped element of a [P, 128]
-# file is ~2e-5), which a torch build with another exp/sum vector path could produce, but 15x
-# under the smallest figure of a wrong order. Top-k rows: >= 0.99 equal (the old orders: 0.959).
+# Module level: bit-exact (0) under torch 1.13, the reference's own torch version, whose CPU exp,
+# sum and sigmoid kernels the port shares with it. This is what makes a misreading show: summing an
+# FP8 block in 8 interleaved lanes instead of K order changes one element of set d's layer-0 MoE
+# output (module rel_rms 1.2e-05) and moves the free-running logits by 0.023, still inside the
+# envelope below. Under another torch version the module bound is 1e-4 (a few isolated 1-ulp bf16
+# flips from other exp/sum vector paths; one flipped element of a [P, 128] file is ~2e-5), which
+# still catches every wrong order of issue 55 but the FP8 block order (attention: 8.6e-4 and more).
+# Top-k rows: all equal (another torch: >= 0.99; the old orders gave 0.959 on set d).
 # Free-running: a flip anywhere is re-quantized and grows, so there the bound is 2x the set's own
 # envelope of a valid different accumulation order (manifest.json), per layer for attn_in / ffn_in
 # (floored at 1e-3, the README's recommendation for the first layers), and for the logits.
+SAME_TORCH = torch.__version__.startswith("1.13.")
+MODULE = 0.0 if SAME_TORCH else 1e-4
 LIMITS = {
-    "module_attn_out": 1e-4,
-    "module_ffn_out": 1e-4,
-    "module_engram_delta": 1e-4,
-    "module_logits": 1e-5,       # fp32 head on the golden final norm
-    "module_topk_rows_equal": 0.99,
+    "module_attn_out": MODULE,
+    "module_ffn_out": MODULE,
+    "module_engram_delta": MODULE,
+    "module_logits": MODULE,     # fp32 head on the golden final norm
+    "module_topk_rows_equal": 1.0 if SAME_TORCH else 0.99,
     "free_factor": 2.0,          # x the manifest's free-running envelope
     "free_argmax_agree": 0.9,
 }
@@ -234,6 +241,8 @@ def main():
     ap.add_argument("--exact", action="store_true", help="fail unless every output is bit-exact")
     a = ap.parse_args()
     torch.set_num_threads(1)
+    print(f"torch {torch.__version__}: module outputs must be "
+          + ("bit-exact" if SAME_TORCH else f"within rel_rms {MODULE:g} (not the reference's torch 1.13)"))
     dirs = a.sets or sorted(os.path.join(a.sets_dir, s) for s in os.listdir(a.sets_dir)
                             if os.path.exists(os.path.join(a.sets_dir, s, "debug", "engram_hash_ids.bin")))
     if not dirs:
