@@ -12,7 +12,10 @@ before w2, SwiGLU clamps and a shared expert, Engram hashing (rows precomputed b
 Numerics modes (`numerics=`):
   "ref"   emulates the reference: bf16 rounding of activations and GEMM outputs, FP8 activation
           quantization before FP8/FP4 GEMMs, FP8 window KV, FP4 compressed KV and index keys,
-          bf16 attention probabilities. Used to check the module against the golden logits.
+          bf16 attention probabilities, and the reference's summation orders (FP8/FP4 block
+          GEMMs, the 64-chunk online-softmax sparse attention, plain matmuls, mHC, Engram,
+          indexer; issue 55): bit-exact with the golden sets under torch 1.13
+          (port_intermediates_check.py). Slow (Python loops over K); checks only.
   "train" float32 everywhere; weights (FP8 32x32 / FP4 1x32) and KV (FP8 window, FP4
           compressed) are fake-quantized with a straight-through estimator, so the exported
           quantized checkpoint computes what was trained.
