@@ -3,7 +3,7 @@
 The golden sets hold logits computed by the official inference code on tiny random checkpoints;
 agreement within the golden envelope shows that tools/train/v41.py is the real architecture.
 
-  python3 tools/train/golden_check.py [tests/data/golden/v41-tiny-a ...]
+  python3 tools/train/golden_check.py [tests/data/golden/v41-tiny-a ...]   (default: every set)
 
 Prints rel_rms / argmax agreement per set and mode; exits 1 when the "ref" mode falls outside
 the envelope (rel_rms <= 2x the valid-alternative-accumulation figure, argmax agreement >= 0.9).
@@ -61,8 +61,9 @@ def main():
     torch.set_num_threads(1)
     here = os.path.dirname(os.path.abspath(__file__))
     root = os.path.dirname(os.path.dirname(here))
-    dirs = sys.argv[1:] or [os.path.join(root, "tests/data/golden", s)
-                            for s in ("v41-tiny-a", "v41-tiny-c")]
+    gd = os.path.join(root, "tests/data/golden")
+    dirs = sys.argv[1:] or sorted(os.path.join(gd, s) for s in os.listdir(gd)
+                                  if os.path.exists(os.path.join(gd, s, "model.safetensors")))
     ok = all([check(d) for d in dirs])
     print("OK" if ok else "FAIL: outside the golden envelope")
     sys.exit(0 if ok else 1)

@@ -12,7 +12,10 @@ before w2, SwiGLU clamps and a shared expert, Engram hashing (rows precomputed b
 Numerics modes (`numerics=`):
   "ref"   emulates the reference: bf16 rounding of activations and GEMM outputs, FP8 activation
           quantization before FP8/FP4 GEMMs, FP8 window KV, FP4 compressed KV and index keys,
-          bf16 attention probabilities. Used to check the module against the golden logits.
+          bf16 attention probabilities, and the reference's summation orders (FP8/FP4 block
+          GEMMs, the 64-chunk online-softmax sparse attention, plain matmuls, mHC, Engram,
+          indexer; issue 55): bit-exact with the golden sets under torch 1.13
+          (port_intermediates_check.py). Slow (Python loops over K); checks only.
   "train" float32 everywhere; weights (FP8 32x32 / FP4 1x32) and KV (FP8 window, FP4
           compressed) are fake-quantized with a straight-through estimator, so the exported
           quantized checkpoint computes what was trained.
@@ -159,6 +162,88 @@ def w_fp4(w):
     return (_round_e2m1((b / s).clamp(-6, 6)) * s).reshape(O, I)
 
 
+def _dot_order(K, pairs):
+    """K indices in index order, or in oneDNN's bf16 pair order (1, 0, 3, 2, ...; an odd last
+    element last)."""
+    if not pairs:
+        return list(range(K))
+    return [k ^ 1 if (k ^ 1) < K else k for k in range(K)]
+
+
+def matmul_ordered(x, w, pairs=False):
+    """x [..., K] @ w [O, K]^T in fp32 with every dot summed from 0 in a fixed order, each
+    addition rounded: the reference's plain matmuls (torch 1.13 on the CPU): fp32 ones in index
+    order (reference BLAS sgemm), bf16 ones (pairs=True) in oneDNN's vdpbf16ps order. The products
+    are exact for bf16 inputs. A Python loop over K of [N, O] ops, for "ref" numerics only."""
+    shp = x.shape
+    K = shp[-1]
+    xf = x.reshape(-1, K).t().contiguous()  # [K, N]
+    wt = w.t().contiguous()  # [K, O]
+    out = torch.zeros(xf.shape[1], wt.shape[1], dtype=torch.float32)
+    for k in _dot_order(K, pairs):
+        out.add_(xf[k].unsqueeze(1) * wt[k].unsqueeze(0))
+    return out.view(*shp[:-1], wt.shape[1])
+
+
+def gemm_block_k_order(x, w, block=32):
+    """x [..., K] @ w[O, K]^T in the reference's order (the FP8/FP4 block GEMM): per K block of 32,
+    ((0 + x0 w0) + x1 w1) + ... + x31 w31 with every addition rounded to fp32, then the blocks'
+    terms added in fp32 in K order from 0. x and w hold dequantized values with power-of-two
+    block scales (constant over a K block for each row of x and of w), so summing the dequantized
+    products is the same as scaling the code dot products: every step is exact up to the same
+    fp32 roundings. A Python loop over K of [N, O] tensor ops: slow but only used by "ref"."""
+    shp = x.shape
+    K = shp[-1]
+    xf = x.reshape(-1, K).t().contiguous()  # [K, N]
+    wt = w.t().contiguous()  # [K, O]
+    out = torch.zeros(xf.shape[1], wt.shape[1], dtype=torch.float32)
+    for k0 in range(0, K, block):
+        acc = torch.zeros_like(out)
+        for k in range(k0, min(k0 + block, K)):
+            acc.add_(xf[k].unsqueeze(1) * wt[k].unsqueeze(0))
+        out.add_(acc)
+    return out.view(*shp[:-1], wt.shape[1])
+
+
+def sparse_attention_ref(q, keys, valid, sink, scale, chunk=64):
+    """The reference's sparse attention kernel, in its order.
+
+    q [B, S, H, hd]; keys [B, S, L, hd] each row's index list (window part then compressed part;
+    K and V are the same vector), valid [B, S, L] (False = a -1 entry); sink [H]. Scores q.k
+    summed in dim order in fp32, times fp32(scale); the list in chunks of `chunk` with an online
+    softmax: running max from -1e30, p = exp(s - max), den = den * alpha + the chunk's sum of p,
+    num = num * alpha + (the chunk's sum_j bf16(p_j) kv_j, formed in list order from 0); then
+    den += exp(sink - max), out = bf16(num / den). Returns [B, S, H, hd]."""
+    B, S, H, hd = q.shape
+    L = keys.shape[2]
+    qt = q.permute(3, 0, 1, 2).unsqueeze(-1).contiguous()  # [hd, B, S, H, 1]
+    kt = keys.permute(3, 0, 1, 2).unsqueeze(3).contiguous()  # [hd, B, S, 1, L]
+    s = torch.zeros(B, S, H, L, dtype=torch.float32)
+    for d in range(hd):
+        s = s + qt[d] * kt[d]
+    s = s * torch.tensor(scale, dtype=torch.float32)
+    s = s.masked_fill(~valid.unsqueeze(2), float("-inf"))
+    m = torch.full((B, S, H), -1e30, dtype=torch.float32)
+    den = torch.zeros(B, S, H, dtype=torch.float32)
+    num = torch.zeros(B, S, H, hd, dtype=torch.float32)
+    vk = keys.unsqueeze(2)  # [B, S, 1, L, hd]
+    for c0 in range(0, L, chunk):
+        c1 = min(c0 + chunk, L)
+        sc = s[..., c0:c1].contiguous()
+        m_new = torch.maximum(m, sc.amax(-1))
+        alpha = torch.exp(m - m_new)
+        p = torch.exp(sc - m_new.unsqueeze(-1))
+        den = den * alpha + p.sum(-1)
+        pb = bf16(p)
+        cs = torch.zeros_like(num)
+        for j in range(c1 - c0):
+            cs = cs + pb[..., j].unsqueeze(-1) * vk[:, :, :, c0 + j]
+        num = num * alpha.unsqueeze(-1) + cs
+        m = m_new
+    den = den + torch.exp(sink.view(1, 1, H) - m)
+    return bf16(num / den.unsqueeze(-1))
+
+
 def ste(x, q):
     return x + (q - x).detach()
 
@@ -174,8 +259,64 @@ def stable_topk_mask(score, k):
     return mask, order
 
 
-def rope_tables(cfg, ratio, positions):
+_LIBM = None
+
+
+def _libm():
+    global _LIBM
+    if _LIBM is None:
+        import ctypes
+        import ctypes.util
+        lib = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6")
+        for f in ("powf", "cosf", "sinf"):
+            getattr(lib, f).restype = ctypes.c_float
+        lib.powf.argtypes = (ctypes.c_float, ctypes.c_float)
+        lib.cosf.argtypes = lib.sinf.argtypes = (ctypes.c_float,)
+        _LIBM = lib
+    return _LIBM
+
+
+def _f32(v):
+    return float(np.float32(v))
+
+
+def rope_tables_ref(cfg, ratio, positions):
+    """The reference's tables, in its fp32 arithmetic (precompute_freqs_cis): freq_i =
+    1 / powf(base, fp32(2i) / rd); YaRN: ramp = (i - low) / (high - low) clamped, smooth = 1 - ramp,
+    freq = freq / factor * (1 - smooth) + freq * smooth; angle = fp32(pos * freq); cos/sin by
+    glibc's cosf/sinf (torch.polar). Used by "ref" numerics."""
+    m = _libm()
+    n = cfg.rd // 2
+    base = cfg.theta if ratio == 0 else cfg.ctheta
+    f = np.float32
+    freq = [f(1.0) / f(m.powf(base, _f32(f(2 * i) / f(cfg.rd)))) for i in range(n)]
+    if ratio != 0:
+        def corr(r):
+            return cfg.rd * math.log(cfg.orig_len / (r * 2 * math.pi)) / (2 * math.log(base))
+
+        low = max(math.floor(corr(cfg.beta_fast)), 0.0)
+        high = min(math.ceil(corr(cfg.beta_slow)), float(cfg.rd - 1))
+        if low == high:
+            high += 0.001
+        for i in range(n):
+            ramp = min(max((f(i) - f(low)) / f(high - low), f(0)), f(1))
+            smooth = f(1) - ramp
+            freq[i] = freq[i] / f(cfg.yarn_factor) * (f(1) - smooth) + freq[i] * smooth
+    ps = [int(p) for p in positions]
+    cos = np.empty((len(ps), n), np.float32)
+    sin = np.empty((len(ps), n), np.float32)
+    for a, p in enumerate(ps):
+        for i in range(n):
+            ang = _f32(f(p) * freq[i])
+            cos[a, i] = m.cosf(ang)
+            sin[a, i] = m.sinf(ang)
+    return torch.from_numpy(cos), torch.from_numpy(sin)
+
+
+def rope_tables(cfg, ratio, positions, ref=False):
     """cos, sin [len(positions), rd/2] for the layer kind (MODEL.md §3 step 4)."""
+    if ref:
+        return rope_tables_ref(cfg, ratio, positions)
     n = cfg.rd // 2
     i = torch.arange(n, dtype=torch.float64)
     if ratio == 0:
@@ -274,13 +415,23 @@ class V41(nn.Module):
         return bf16(x) if self.numerics == "ref" else x
 
     def qlinear(self, x, name):
-        """FP8/FP4 linear: act quant per 32 (ref), fp32 GEMM, bf16 out (ref)."""
+        """FP8/FP4 linear: act quant per 32 (ref), fp32 GEMM, bf16 out (ref).
+
+        "ref" sums as the reference's block GEMM does (gemm_block_k_order)."""
         if self.numerics == "ref":
-            x = act_fp8(x)
+            return bf16(gemm_block_k_order(act_fp8(x), self.w(name)))
         return self.R(x @ self.w(name).t())
 
     def bf16_linear(self, x, name):
+        if self.numerics == "ref":
+            return bf16(matmul_ordered(bf16(x), self.w(name), pairs=True))
         return self.R(self.R(x) @ self.w(name).t())
+
+    def f32_linear(self, x, w):
+        """A plain fp32 matmul (mHC mixes, compressor ratio 2, MoE gate, LM head)."""
+        if self.numerics == "ref":
+            return matmul_ordered(x, w)
+        return x @ w.t()
 
     def rmsnorm(self, x, name):
         y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.eps)
@@ -306,13 +457,21 @@ class V41(nn.Module):
         c = self.cfg
         hc = c.hc
         hf = h.flatten(-2)
-        m = (hf @ self.w(pre + "_fn").t()) * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.eps)
+        m = self.f32_linear(hf, self.w(pre + "_fn")) * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + c.eps)
         s = self.w(pre + "_scale")
         b = self.w(pre + "_base")
         p = torch.sigmoid(m[..., :hc] * s[0] + b[:hc]) + c.hc_eps
         q = 2 * torch.sigmoid(m[..., hc:2 * hc] * s[1] + b[hc:2 * hc])
         cm = (m[..., 2 * hc:] * s[2] + b[2 * hc:]).reshape(*m.shape[:-1], hc, hc)
-        cm = torch.softmax(cm, dim=-1) + c.hc_eps
+        if self.numerics == "ref":
+            # the reference's softmax: exp(x - max) / (sum in index order), not x * (1 / sum)
+            e = torch.exp(cm - cm.amax(-1, keepdim=True))
+            tot = e[..., 0:1]
+            for j in range(1, hc):
+                tot = tot + e[..., j:j + 1]
+            cm = e / tot + c.hc_eps
+        else:
+            cm = torch.softmax(cm, dim=-1) + c.hc_eps
         cm = cm / (cm.sum(-2, keepdim=True) + c.hc_eps)
         for _ in range(c.sinkhorn - 1):
             cm = cm / (cm.sum(-1, keepdim=True) + c.hc_eps)
@@ -324,6 +483,11 @@ class V41(nn.Module):
 
     def hc_post(self, y, res, post, comb):
         # out[k] = post[k]*y + sum_j comb[j,k]*res[j]
+        if self.numerics == "ref":  # the reference forms the sum over j first
+            acc = torch.zeros_like(res)
+            for j in range(res.shape[-2]):
+                acc = acc + comb[..., j, :].unsqueeze(-1) * res[..., j, :].unsqueeze(-2)
+            return bf16(post.unsqueeze(-1) * y.unsqueeze(-2) + acc)
         out = post.unsqueeze(-1) * y.unsqueeze(-2)
         for j in range(res.shape[-2]):
             out = out + comb[..., j, :].unsqueeze(-1) * res[..., j, :].unsqueeze(-2)
@@ -342,6 +506,9 @@ class V41(nn.Module):
         kv = self.rmsnorm(self.qlinear(x, pre + "wkv.weight"), pre + "kv_norm.weight")
         kv = self.kv_fp8(self.R(apply_rope(kv, cos, sin, c.rd)))
         scale = c.hd ** -0.5
+        if self.numerics == "ref":
+            o = self._attention_ref(lid, x, q, qr, kv, pre, shared, tables)
+            return self._attention_out(o, pre, cos, sin)
         # window part [B, H, S, S]
         qh = q.permute(0, 2, 1, 3).reshape(B, c.H * S, c.hd)
         sw = torch.bmm(qh, kv.transpose(1, 2)).view(B, c.H, S, S) * scale
@@ -378,14 +545,51 @@ class V41(nn.Module):
         if gathered is not None:
             pc = p[..., S:].permute(0, 2, 1, 3)  # [B, S, H, k]
             o = o + torch.matmul(pc, gathered).permute(0, 2, 1, 3)
-        o = (o / den).permute(0, 2, 1, 3)
-        o = self.R(o)
+        o = self.R((o / den).permute(0, 2, 1, 3))
+        return self._attention_out(o, pre, cos, sin)
+
+    def _attention_ref(self, lid, x, q, qr, kv, pre, shared, tables):
+        """"ref" numerics: the reference's index list and sparse attention kernel."""
+        c = self.cfg
+        B, S, _ = x.shape
+        W = c.window
+        pos = torch.arange(S)
+        # window part of row i: positions max(0, i-W+1) .. +W-1, entries > i are -1
+        wpos = (pos - (W - 1)).clamp_min(0)[:, None] + torch.arange(W)[None, :]  # [S, W]
+        keys = [kv[:, wpos.clamp_max(S - 1)]]  # [B, S, W, hd]
+        valid = [(wpos <= pos[:, None]).unsqueeze(0).expand(B, S, W)]
+        if c.ratios[lid] > 0:
+            if lid in c.kv_sources:
+                self._compress(lid, x, pre, shared, tables)
+            if lid in c.index_sources:
+                self._index(lid, x, qr, pre, shared, tables)
+            ckv = shared["ckv"]
+            idx, ok = shared["sel_idx"], shared["sel_valid"]  # [B, S, k]
+            if idx.shape[-1] > 0:
+                # the reference's top-k list is sorted ascending, invisible entries -1 in place
+                idx, perm = torch.sort(idx, dim=-1)
+                ok = ok.gather(-1, perm)
+                Tp = ckv.shape[1]
+                flat = (idx + (torch.arange(B) * Tp).view(B, 1, 1)).reshape(-1)
+                keys.append(ckv.reshape(B * Tp, c.hd)[flat].view(B, S, -1, c.hd))
+                valid.append(ok)
+        return sparse_attention_ref(q, torch.cat(keys, 2), torch.cat(valid, 2),
+                                    self.w(pre + "attn_sink"), c.hd ** -0.5)
+
+    def _attention_out(self, o, pre, cos, sin):
+        """o [B, S, H, hd] (bf16) -> inverse RoPE, grouped wo_a, wo_b."""
+        c = self.cfg
+        B, S = o.shape[:2]
         o = self.R(apply_rope(o, cos, sin, c.rd, inverse=True))
         og = o.reshape(B, S, c.G, c.H * c.hd // c.G)
         wo_a = self.w(pre + "wo_a.weight").view(c.G, c.ol, c.H * c.hd // c.G)
         if self.numerics == "ref":
             wo_a = bf16(wo_a)
-        y = torch.bmm(og.permute(2, 0, 1, 3).reshape(c.G, B * S, -1), wo_a.transpose(1, 2))
+        if self.numerics == "ref":
+            y = torch.stack([matmul_ordered(og[:, :, g], wo_a[g], pairs=True).view(B * S, c.ol)
+                             for g in range(c.G)])
+        else:
+            y = torch.bmm(og.permute(2, 0, 1, 3).reshape(c.G, B * S, -1), wo_a.transpose(1, 2))
         y = self.R(y.view(c.G, B, S, c.ol).permute(1, 2, 0, 3)).reshape(B, S, c.G * c.ol)
         return self.qlinear(y, pre + "wo_b.weight")
 
@@ -399,14 +603,14 @@ class V41(nn.Module):
             lat = self.bf16_linear(x, cp + "wkv.weight")
         else:
             xx = x[:, :T * ratio]
-            kv = xx @ self.w(cp + "wkv.weight").t()
-            g = xx @ self.w(cp + "wgate.weight").t()
+            kv = self.f32_linear(xx, self.w(cp + "wkv.weight"))
+            g = self.f32_linear(xx, self.w(cp + "wgate.weight"))
             kv = kv.view(B, T, ratio, -1)
             g = torch.softmax(g.view(B, T, ratio, -1), dim=2)
             lat = self.R((kv * g).sum(2))
         lat = self.rmsnorm(lat, cp + "norm.weight")
         gpos = torch.arange(T) * ratio
-        cos, sin = rope_tables(c, ratio, gpos)
+        cos, sin = rope_tables(c, ratio, gpos, ref=self.numerics == "ref")
         ik = self.rmsnorm(self.bf16_linear(lat, pre + "indexer.wk.weight"), pre + "indexer.k_norm.weight")
         ik = self.kv_fp4(self.R(apply_rope(ik, cos, sin, c.rd)), index=True)
         ckv = self.kv_fp4(self.R(apply_rope(lat, cos, sin, c.rd)), index=False)
@@ -434,17 +638,24 @@ class V41(nn.Module):
             if self.numerics == "ref":
                 qi = self.R(fp4_index(qi))
             wts = self.bf16_linear(x, ip + "weights_proj.weight")
-            wts = self.R(wts * (c.idx_hd ** -0.5 * c.idx_heads ** -0.5))
-            s = torch.bmm(qi.reshape(B, S * c.idx_heads, c.idx_hd), ik.transpose(1, 2))
-            s = self.R(s.view(B, S, c.idx_heads, -1))
-            s = self.R(torch.relu(s) * wts.unsqueeze(-1))
+            cw = c.idx_hd ** -0.5 * c.idx_heads ** -0.5
             if self.numerics == "ref":
-                # bf16 sum over heads in order
-                acc = s[:, :, 0]
-                for h in range(1, c.idx_heads):
-                    acc = bf16(acc + s[:, :, h])
-                score = acc
+                # torch (CPU) rounds a Python scalar to bf16 before it multiplies a bf16 tensor
+                cw = float(torch.tensor(cw, dtype=torch.float32).to(torch.bfloat16))
+            wts = self.R(wts * cw)
+            if self.numerics == "ref":
+                # q.k a bf16 matmul (oneDNN's pair order), bf16; the heads' terms summed in fp32
+                # in head order from 0, then bf16
+                s = torch.stack([matmul_ordered(qi[b], ik[b], pairs=True) for b in range(B)])
+                s = bf16(torch.relu(bf16(s)) * wts.unsqueeze(-1))  # [B, S, heads, T']
+                acc = torch.zeros_like(s[:, :, 0])
+                for h in range(c.idx_heads):
+                    acc = acc + s[:, :, h]
+                score = bf16(acc)
             else:
+                s = torch.bmm(qi.reshape(B, S * c.idx_heads, c.idx_hd), ik.transpose(1, 2))
+                s = self.R(s.view(B, S, c.idx_heads, -1))
+                s = self.R(torch.relu(s) * wts.unsqueeze(-1))
                 score = s.sum(2)
             score = score.masked_fill(~vis, float("-inf"))
             if lid == c.cand_source:
@@ -478,7 +689,7 @@ class V41(nn.Module):
         c = self.cfg
         B, S, D = x.shape
         xf = x.reshape(-1, D)
-        logits = xf @ self.w(pre + "gate.weight").t()
+        logits = self.f32_linear(xf, self.w(pre + "gate.weight"))
         sc = torch.sqrt(F.softplus(logits))
         bias = self.w(pre + "gate.bias").detach()
         _, idx = stable_topk_mask((sc + bias).detach(), topk)
@@ -523,8 +734,13 @@ class V41(nn.Module):
         val = e[..., c.hc * c.D:]
         qk = self.w(pre + "q_weight") * self.w(pre + "k_weight")  # [hc, D]
         dot = (h * qk * key).sum(-1)
-        dot = dot * torch.rsqrt(h.pow(2).mean(-1) + c.eps) * torch.rsqrt(key.pow(2).mean(-1) + c.eps)
-        dot = dot / math.sqrt(c.D)
+        if self.numerics == "ref":
+            # the reference multiplies the two rsqrts first, then by fp32(D^-0.5)
+            rstd = torch.rsqrt(h.pow(2).mean(-1) + c.eps) * torch.rsqrt(key.pow(2).mean(-1) + c.eps)
+            dot = dot * rstd * c.D ** -0.5
+        else:
+            dot = dot * torch.rsqrt(h.pow(2).mean(-1) + c.eps) * torch.rsqrt(key.pow(2).mean(-1) + c.eps)
+            dot = dot / math.sqrt(c.D)
         g = torch.sigmoid(torch.sign(dot) * torch.sqrt(dot.abs().clamp_min(1e-6)))
         return self.R(h + g.unsqueeze(-1) * val.unsqueeze(-2))
 
@@ -536,7 +752,8 @@ class V41(nn.Module):
         c = self.cfg
         B, S = ids.shape
         pos = torch.arange(S)
-        tables = (rope_tables(c, 0, pos), rope_tables(c, 1, pos))
+        ref = self.numerics == "ref"
+        tables = (rope_tables(c, 0, pos, ref), rope_tables(c, 1, pos, ref))
         emb = self.w("embed.weight")[ids]
         h = emb.unsqueeze(2).expand(B, S, c.hc, c.D).contiguous()
         pre = torch.zeros(B, S, c.hc)
@@ -546,7 +763,11 @@ class V41(nn.Module):
         for lid in range(c.L):
             lp = f"layers.{lid}."
             if lid in c.engram_layers:
+                if debug is not None:
+                    debug[f"engram_in_layer{lid}"] = h
                 h = self.engram(lid, h, engram_rows[lid])
+                if debug is not None:
+                    debug[f"engram_out_layer{lid}"] = h
             if lid in c.targets:
                 taps.append(self.R(h.mean(2)))
             aP, aQ, aC = self.mixes(h, lp + "hc_attn")
@@ -565,7 +786,9 @@ class V41(nn.Module):
             h = self.hc_post(yf, h, fQ, fC)
             pre = fP
         x = self.rmsnorm(self.hc_pre(h, pre), "norm.weight")
-        logits = x @ self.w("head.weight").t()
+        if debug is not None:
+            debug["final_norm"] = x
+        logits = self.f32_linear(x, self.w("head.weight"))
         hidden = torch.cat(taps, dim=-1) if taps else None
         return logits, hidden
 
