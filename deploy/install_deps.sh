@@ -14,6 +14,12 @@ PACKAGES=(
   prometheus curl iproute2 nodejs npm
   clang libclang-rt-14-dev openssl libssl-dev
 )
+# --test (deploy/test.sh): also what only the tests need. python3-torch runs the PyTorch port's
+# checks against the golden sets (tools/train; ctest train_port_intermediates_test,
+# train_tool_torch_test), which skip without it.
+if [ "${1:-}" = "--test" ]; then
+  PACKAGES+=(python3-torch python3-numpy)
+fi
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

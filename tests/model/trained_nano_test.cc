@@ -1,6 +1,6 @@
 // The committed trained demo model (models/epd-nano; tools/train/, docs/demo.md): it loads, has
-// the documented hash, its logits agree with the PyTorch training module (stored reference
-// logits, tests/data/trained_nano_parity/, so no torch is needed), and its greedy answer to the
+// the documented hash, its logits equal the PyTorch training module's bit for bit (stored
+// reference logits, tests/data/trained_nano_parity/, so no torch is needed), and its greedy answer to the
 // README's prompt is made of dictionary words, a check the random nano model fails.
 #include <gtest/gtest.h>
 
@@ -142,7 +142,12 @@ TEST(TrainedNanoTest, LogitsMatchTheTorchReference) {
     }
     // Golden envelope (tests/data/golden/*/manifest.json): a valid different accumulation order
     // of the reference gives rel_rms 0.054 on the 8-layer tiny model; this model has 12 layers.
-    EXPECT_LT(std::sqrt(num / den), 0.107) << "prompt " << k << " (" << ids.size() << " tokens)";
+    std::printf("prompt %zu (%zu tokens): logits rel_rms %.3g\n", k, ids.size(),
+                std::sqrt(num / den));
+    // The PyTorch module's "ref" numerics follow the reference's summation orders as the engine
+    // does (issue 55; tools/train/v41.py): the same bits.
+    EXPECT_EQ(std::memcmp(r->logits.data(), g, V * sizeof(float)), 0)
+        << "prompt " << k << " (" << ids.size() << " tokens): rel_rms " << std::sqrt(num / den);
     std::vector<float> sorted(g, g + V);
     std::sort(sorted.begin(), sorted.end(), std::greater<float>());
     const auto top = [](const float* v, int64_t n) { return std::max_element(v, v + n) - v; };
