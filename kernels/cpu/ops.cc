@@ -180,29 +180,37 @@ EPD_AVX2 inline __m256 Load8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+// The 8x8 transpose of rows r0..r7 (8 floats each) into c: c[i] = element i of the 8 rows.
+EPD_AVX2 inline void Transpose8x8(__m256 r0, __m256 r1, __m256 r2, __m256 r3, __m256 r4, __m256 r5,
+                                  __m256 r6, __m256 r7, __m256 c[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
+               t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
+               t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
+               t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
+  const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
+               u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
+               u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
+               u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  c[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+  c[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+  c[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+  c[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+  c[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+  c[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+  c[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+  c[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
 // Lane j = DotSeq (dp = false) or DotDp (dp = true) of x and rows[j], n % 8 == 0: 8x8 tiles are
 // transposed so that lane j walks row j's elements in the dot's order. W: float or bf16 bits.
 template <typename W>
 EPD_AVX2 inline __m256 DotOrdered8(const float* x, const W* const* rows, int64_t n, bool dp) {
   __m256 acc = _mm256_setzero_ps();
   for (int64_t d = 0; d < n; d += 8) {
-    const __m256 r0 = Load8(rows[0] + d), r1 = Load8(rows[1] + d), r2 = Load8(rows[2] + d),
-                 r3 = Load8(rows[3] + d), r4 = Load8(rows[4] + d), r5 = Load8(rows[5] + d),
-                 r6 = Load8(rows[6] + d), r7 = Load8(rows[7] + d);
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
-                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
-                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
     // c[i]: element d+i of the 8 rows.
-    const __m256 c[8] = {
-        _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-        _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-        _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-        _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31)};
+    __m256 c[8];
+    Transpose8x8(Load8(rows[0] + d), Load8(rows[1] + d), Load8(rows[2] + d), Load8(rows[3] + d),
+                 Load8(rows[4] + d), Load8(rows[5] + d), Load8(rows[6] + d), Load8(rows[7] + d), c);
     for (int i = 0; i < 8; ++i) {
       const int e = dp ? (i ^ 1) : i;
       acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(x[d + e]), c[e]));
@@ -336,28 +344,13 @@ EPD_AVX2 void QuantizeFp8RowAvx(const float* x, int64_t k, float* q, float* scal
 // wt[i * 8 + j] = w[j * k + i] for the 8 rows of w [8, k] (k % 8 == 0), 8x8 tiles transposed in
 // registers.
 EPD_AVX2 inline void Transpose8Rows(const float* w, int64_t k, float* wt) {
+  __m256 c[8];
   for (int64_t i = 0; i < k; i += 8) {
-    const __m256 r0 = _mm256_loadu_ps(w + i), r1 = _mm256_loadu_ps(w + k + i),
-                 r2 = _mm256_loadu_ps(w + 2 * k + i), r3 = _mm256_loadu_ps(w + 3 * k + i),
-                 r4 = _mm256_loadu_ps(w + 4 * k + i), r5 = _mm256_loadu_ps(w + 5 * k + i),
-                 r6 = _mm256_loadu_ps(w + 6 * k + i), r7 = _mm256_loadu_ps(w + 7 * k + i);
-    const __m256 t0 = _mm256_unpacklo_ps(r0, r1), t1 = _mm256_unpackhi_ps(r0, r1),
-                 t2 = _mm256_unpacklo_ps(r2, r3), t3 = _mm256_unpackhi_ps(r2, r3),
-                 t4 = _mm256_unpacklo_ps(r4, r5), t5 = _mm256_unpackhi_ps(r4, r5),
-                 t6 = _mm256_unpacklo_ps(r6, r7), t7 = _mm256_unpackhi_ps(r6, r7);
-    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE),
-                 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE),
-                 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE),
-                 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-    float* o = wt + i * 8;
-    _mm256_storeu_ps(o, _mm256_permute2f128_ps(u0, u4, 0x20));
-    _mm256_storeu_ps(o + 8, _mm256_permute2f128_ps(u1, u5, 0x20));
-    _mm256_storeu_ps(o + 16, _mm256_permute2f128_ps(u2, u6, 0x20));
-    _mm256_storeu_ps(o + 24, _mm256_permute2f128_ps(u3, u7, 0x20));
-    _mm256_storeu_ps(o + 32, _mm256_permute2f128_ps(u0, u4, 0x31));
-    _mm256_storeu_ps(o + 40, _mm256_permute2f128_ps(u1, u5, 0x31));
-    _mm256_storeu_ps(o + 48, _mm256_permute2f128_ps(u2, u6, 0x31));
-    _mm256_storeu_ps(o + 56, _mm256_permute2f128_ps(u3, u7, 0x31));
+    Transpose8x8(_mm256_loadu_ps(w + i), _mm256_loadu_ps(w + k + i),
+                 _mm256_loadu_ps(w + 2 * k + i), _mm256_loadu_ps(w + 3 * k + i),
+                 _mm256_loadu_ps(w + 4 * k + i), _mm256_loadu_ps(w + 5 * k + i),
+                 _mm256_loadu_ps(w + 6 * k + i), _mm256_loadu_ps(w + 7 * k + i), c);
+    for (int j = 0; j < 8; ++j) _mm256_storeu_ps(wt + (i + j) * 8, c[j]);
   }
 }
 

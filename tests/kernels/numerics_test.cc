@@ -250,23 +250,30 @@ TEST(HcMixesTest, CombIsDoublyStochastic) {
   }
 }
 
+// SparseAttention's arguments for one row and one head of q.size() dims, scale 1.
+SparseAttentionArgs OneHeadArgs(const std::vector<float>& q, const std::vector<float>& kv,
+                                const std::vector<int32_t>& idx, const float* sink,
+                                std::vector<float>& out) {
+  SparseAttentionArgs a;
+  a.q = q.data();
+  a.kv = kv.data();
+  a.sink = sink;
+  a.idx = idx.data();
+  a.rows = 1;
+  a.heads = 1;
+  a.head_dim = static_cast<int>(q.size());
+  a.list_len = static_cast<int64_t>(idx.size());
+  a.scale = 1.f;
+  a.out = out.data();
+  return a;
+}
+
 TEST(SparseAttentionTest, SinkOnlyInDenominatorAndSkips) {
   // One head, dim 2, two KV rows; idx lists row 1 and a skipped entry.
   std::vector<float> q = {1.f, 0.f}, kv = {5.f, 5.f, 2.f, 4.f}, out(2);
   std::vector<int32_t> idx = {1, -1};
   float sink = 0.f;
-  SparseAttentionArgs a;
-  a.q = q.data();
-  a.kv = kv.data();
-  a.sink = &sink;
-  a.idx = idx.data();
-  a.rows = 1;
-  a.heads = 1;
-  a.head_dim = 2;
-  a.list_len = 2;
-  a.scale = 1.f;
-  a.out = out.data();
-  SparseAttention(a);
+  SparseAttention(OneHeadArgs(q, kv, idx, &sink, out));
   // p = exp(2 - 2) = 1; den = 1 + exp(0 - 2).
   const float den = 1.f + std::exp(-2.f);
   EXPECT_EQ(out[0], RoundBf16(2.f / den));
@@ -330,17 +337,7 @@ TEST(SparseAttentionTest, ChunkNumeratorIsSummedBeforeTheRescale) {
   std::vector<int32_t> idx(128);
   for (int t = 0; t < 128; ++t) idx[t] = t;
   const float sink = -INFINITY;
-  SparseAttentionArgs a;
-  a.q = q.data();
-  a.kv = kv.data();
-  a.sink = &sink;
-  a.idx = idx.data();
-  a.rows = 1;
-  a.heads = 1;
-  a.head_dim = hd;
-  a.list_len = 128;
-  a.scale = 1.f;
-  a.out = out.data();
+  const SparseAttentionArgs a = OneHeadArgs(q, kv, idx, &sink, out);
   for (bool scalar : {false, true}) {
     ScopedScalarKernels mode(scalar);
     SparseAttention(a);
