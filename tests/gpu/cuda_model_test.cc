@@ -86,7 +86,8 @@ TEST_P(CudaModelTest, StagedExecutionEqualsMonolithicOnTheGpu) {
   if (!cuda.ok()) GTEST_SKIP() << "skipped: no GPU (" << cuda.status().message() << ")";
   auto gpu = testing::LoadGoldenModel(**cuda, GetParam(), {}, /*weights_in_backend=*/true);
   ASSERT_TRUE(gpu.ok()) << gpu.status();
-  const std::vector<int32_t> prompt = testing::GoldenPrompt(GetParam());
+  const std::vector<int32_t> prompt =
+      testing::ExtendedPrompt(testing::GoldenPrompt(GetParam()), 301);
   testing::ExpectChunkedPrefillEqualsMonolithic(**gpu, prompt);
   testing::ExpectMultiTokenDecodeEqualsSequentialDecode(**gpu, prompt);
 }

@@ -26,8 +26,10 @@ class BoundedReferenceTest : public testing::GoldenModelTest {
   void SetUp() override {
     ASSERT_NO_FATAL_FAILURE(GoldenModelTest::SetUp());
     kTail = DecoderTailRows(model_->config());  // window + DSpark block, as the encoder pool
+    // The cases below need 262 tokens (p = 128 plus a full decoder tail before P - 1).
+    prompt_ = testing::ExtendedPrompt(prompt_, 301);
     P = static_cast<int64_t>(prompt_.size());
-    ASSERT_GE(P, 258) << "the cases below need a prompt of at least 258 tokens";
+    ASSERT_GE(P, 262);
   }
   int64_t kTail = 0, P = 0;
   std::span<const int32_t> Prompt(int64_t n) const {

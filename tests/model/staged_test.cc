@@ -16,11 +16,12 @@ INSTANTIATE_TEST_SUITE_P(Sets, StagedTest, ::testing::ValuesIn(testing::GoldenSe
                          testing::GoldenSetName);
 
 TEST_P(StagedTest, ChunkedPrefillEqualsMonolithic) {
-  testing::ExpectChunkedPrefillEqualsMonolithic(*model_, prompt_);
+  testing::ExpectChunkedPrefillEqualsMonolithic(*model_, testing::ExtendedPrompt(prompt_, 301));
 }
 
 TEST_P(StagedTest, MultiTokenDecodeEqualsSequentialDecode) {
-  testing::ExpectMultiTokenDecodeEqualsSequentialDecode(*model_, prompt_);
+  testing::ExpectMultiTokenDecodeEqualsSequentialDecode(*model_,
+                                                        testing::ExtendedPrompt(prompt_, 301));
 }
 
 }  // namespace

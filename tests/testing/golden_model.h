@@ -148,6 +148,15 @@ inline std::vector<int32_t> GoldenPrompt(const std::string& set = kDefaultGolden
       .get<std::vector<int32_t>>();
 }
 
+// `prompt` (a set's prompt, BOS first) continued with its own tokens after the BOS, cyclically, to
+// at least n tokens: for tests that compare two paths of the same model (staged vs monolithic) and
+// need a longer prompt than a set has (set d: 221 tokens), not the reference's outputs.
+inline std::vector<int32_t> ExtendedPrompt(std::vector<int32_t> prompt, size_t n) {
+  const size_t base = prompt.size();
+  for (size_t i = 0; prompt.size() < n && base > 1; ++i) prompt.push_back(prompt[1 + i % (base - 1)]);
+  return prompt;
+}
+
 // What a test needs to know about a set, from its manifest.
 struct GoldenSet {
   std::string name;
