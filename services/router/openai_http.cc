@@ -304,6 +304,9 @@ absl::Status ParseResponseFormat(const json& body, GenerateSpec* spec) {
                  "response_format.json_schema", "missing_required_parameter");
     }
     c = {{"type", "json_schema"}, {"schema", (*js)["schema"]}};
+    // strict false (OpenAI: the schema is guidance, not enforced): the grammar still enforces
+    // what it supports and ignores the keywords it does not, instead of refusing them.
+    if (const json* strict = Field(*js, "strict"); strict && *strict == false) c["strict"] = false;
   } else {
     return Bad("'response_format.type' must be text, json_object or json_schema",
                "response_format", "unsupported_value");
