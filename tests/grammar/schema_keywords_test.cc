@@ -362,6 +362,23 @@ TEST(SchemaKeywordsTest, ZodBoundsRefuseKnownBad) {
                                                    "\"step\":0.250")));
 }
 
+// Verbatim z.toJSONSchema output of zod 4.6 (tests/clients/package-lock.json) for z.email(),
+// z.uuid(), z.iso.date(), z.iso.datetime(), .int() and z.record(z.string(), z.number()).
+const json kZod46 = json::parse(R"({"$schema":"https://json-schema.org/draft/2020-12/schema","type":"object","properties":{"name":{"type":"string","minLength":1,"maxLength":12},"age":{"type":"integer","minimum":0,"maximum":150},"ratio":{"type":"number","exclusiveMinimum":0,"exclusiveMaximum":1},"email":{"type":"string","format":"email","pattern":"^(?:[A-Za-z0-9_'+\\-]+\\.)*[A-Za-z0-9_'+\\-]*[A-Za-z0-9_+-]@(?:[A-Za-z0-9][A-Za-z0-9\\-]*\\.)+[A-Za-z]{2,}$"},"id":{"type":"string","format":"uuid","pattern":"^([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}|00000000-0000-0000-0000-000000000000|ffffffff-ffff-ffff-ffff-ffffffffffff)$"},"nickname":{"anyOf":[{"type":"string","maxLength":5},{"type":"null"}]},"when":{"type":"string","format":"date","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))$"},"at":{"type":"string","format":"date-time","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))T(?:(?:[01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(?:\\.\\d+)?(?:Z))$"},"n":{"type":"integer","minimum":-9007199254740991,"maximum":9007199254740991},"rec":{"type":"object","propertyNames":{"type":"string"},"additionalProperties":{"type":"number"}},"opt":{"type":"string"}},"required":["name","age","ratio","email","id","nickname","when","at","n","rec"],"additionalProperties":false})");
+
+TEST(SchemaKeywordsTest, Zod46OutputRandomWalksValidate) {
+  RandomWalks(kZod46, 30, 500, 7);
+  auto g = MustCompile(kZod46);
+  ASSERT_NE(g, nullptr);
+  const std::string good =
+      R"({"name":"A","age":1,"ratio":0.5,"email":"a@b.co","id":"ffffffff-ffff-ffff-ffff-ffffffffffff",)"
+      R"("nickname":"x","when":"2024-02-29","at":"2023-12-31T23:59:59.123Z","n":-1,"rec":{}})";
+  EXPECT_TRUE(Accepts(g, good));
+  std::string bad = good;
+  bad.replace(bad.find("2024-02-29"), 10, "2023-02-29");  // not a leap year
+  EXPECT_FALSE(Accepts(g, bad));
+}
+
 // z.lazy recursion as zod v4 writes it: a $defs entry referring to itself.
 const json kZodTree = json::parse(R"({
   "$schema": "https://json-schema.org/draft/2020-12/schema",
