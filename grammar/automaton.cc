@@ -17,7 +17,10 @@ namespace {
 
 using ByteSet = std::bitset<256>;
 constexpr int64_t kInfDist = INT64_MAX / 4;
-constexpr size_t kMaxNfaStates = 200000;
+constexpr size_t kMaxNfaStates = 50000;
+constexpr int kMaxGroupDepth = 64;
+// Subset construction work (NFA states visited over all closures): bounds compile time.
+constexpr size_t kMaxDeterminizeWork = 20000000;
 constexpr int kMaxRepeat = 1000;
 
 // Regex syntax tree.
@@ -146,6 +149,10 @@ class Parser {
         Fail("quantified anchor or lookahead");
         return atom;
       }
+      if (atom.kind == Re::kRep) {
+        Fail("nested quantifier");
+        return atom;
+      }
       if (More() && Peek() == '?') ++i_;  // lazy: the same language
       atom = Rep(std::move(atom), min, max);
     }
@@ -222,6 +229,14 @@ class Parser {
   }
 
   Re Group() {
+    if (++depth_ > kMaxGroupDepth) {
+      Fail(absl::StrCat("groups nested deeper than ", kMaxGroupDepth));
+      return Re{};
+    }
+    struct Leave {
+      int* d;
+      ~Leave() { --*d; }
+    } leave{&depth_};
     Re::Kind kind = Re::kCat;
     bool neg = false;
     if (i_ < p_.size() && Peek() == '?') {
@@ -424,6 +439,7 @@ class Parser {
 
   std::string_view p_;
   size_t i_ = 0;
+  int depth_ = 0;
   absl::Status err_;
 };
 
@@ -459,6 +475,7 @@ struct Nfa {
         const int s = New();
         int cur = s;
         for (const Re& k : r.kids) {
+          if (overflow) break;
           auto [ks, ke] = Emit(k);
           states[static_cast<size_t>(cur)].eps.push_back(ks);
           cur = ke;
@@ -477,7 +494,7 @@ struct Nfa {
       case Re::kRep: {
         const int s = New();
         int cur = s;
-        for (int k = 0; k < r.min; ++k) {
+        for (int k = 0; k < r.min && !overflow; ++k) {
           auto [ks, ke] = Emit(r.kids[0]);
           states[static_cast<size_t>(cur)].eps.push_back(ks);
           cur = ke;
@@ -491,7 +508,7 @@ struct Nfa {
           return {s, e};
         }
         const int e = New();
-        for (int k = r.min; k < r.max; ++k) {
+        for (int k = r.min; k < r.max && !overflow; ++k) {
           auto [ks, ke] = Emit(r.kids[0]);
           states[static_cast<size_t>(cur)].eps.push_back(ks);
           states[static_cast<size_t>(cur)].eps.push_back(e);
@@ -515,6 +532,7 @@ absl::StatusOr<WideDfa> Determinize(const Re& r, size_t max_states) {
     return absl::InvalidArgumentError(
         absl::StrCat("pattern expands to more than ", kMaxNfaStates, " automaton states"));
   }
+  size_t work = 0;
   auto closure = [&](std::vector<int> set) {
     std::vector<char> seen(nfa.states.size(), 0);
     std::vector<int> stack = set, out;
@@ -523,6 +541,7 @@ absl::StatusOr<WideDfa> Determinize(const Re& r, size_t max_states) {
       const int s = stack.back();
       stack.pop_back();
       out.push_back(s);
+      ++work;
       for (int t : nfa.states[static_cast<size_t>(s)].eps) {
         if (!seen[static_cast<size_t>(t)]) {
           seen[static_cast<size_t>(t)] = 1;
@@ -555,6 +574,9 @@ absl::StatusOr<WideDfa> Determinize(const Re& r, size_t max_states) {
     if (d.size() > max_states) {
       return absl::InvalidArgumentError(
           absl::StrCat("pattern compiles to more than ", max_states, " states"));
+    }
+    if (work > kMaxDeterminizeWork) {
+      return absl::InvalidArgumentError("pattern is too complex to compile");
     }
     const std::vector<int> cur = pending[k];
     std::array<std::vector<int>, 256> targets;

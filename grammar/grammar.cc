@@ -412,6 +412,10 @@ class Builder {
       return Automaton(NodeKind::kText, AnyText(), path, min, max);  // a character counter
     }
     if (min > 0 || max >= 0) {
+      if (std::max(min, max) > static_cast<int64_t>(kMaxStates)) {
+        return Invalid(path, absl::StrCat("minLength / maxLength above ", kMaxStates,
+                                          " together with a pattern or format"));
+      }
       if (auto st = intersect(LengthDfa(min, max)); !st.ok()) return Invalid(path, std::string(st.message()));
     }
     return Automaton(NodeKind::kText, *text, path);
@@ -689,7 +693,9 @@ class Builder {
       case NodeKind::kArray: {
         int64_t t = SatAdd(Len(n.open), Len(n.close));
         if (n.min_items > 0) {
-          for (int k = 0; k < n.min_items; ++k) t = SatAdd(t, SatAdd(Len(n.item), k ? Len(n.sep) : 0));
+          const int64_t per = SatAdd(Len(n.item), Len(n.sep));
+          if (per >= kInf / n.min_items) return kInf;
+          t = SatAdd(t, n.min_items * per - Len(n.sep));
         }
         return t;
       }
