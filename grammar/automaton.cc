@@ -107,9 +107,8 @@ class Parser {
  private:
   void Fail(std::string_view why) {
     if (err_.ok()) {
-      err_ = absl::InvalidArgumentError(
-          absl::StrCat("pattern '", std::string(p_), "': ", std::string(why), " (at offset ", i_,
-                       ")"));
+      err_ = absl::InvalidArgumentError(absl::StrCat(
+          "pattern '", std::string(p_), "': ", std::string(why), " (at offset ", i_, ")"));
     }
   }
   bool More() const { return i_ < p_.size() && err_.ok(); }
@@ -527,7 +526,8 @@ struct Nfa {
 
 absl::StatusOr<WideDfa> Determinize(const Re& r, size_t max_states) {
   Nfa nfa;
-  auto [start, accept] = nfa.Emit(r);
+  const auto fragment = nfa.Emit(r);
+  const int start = fragment.first, accept = fragment.second;
   if (nfa.overflow) {
     return absl::InvalidArgumentError(
         absl::StrCat("pattern expands to more than ", kMaxNfaStates, " automaton states"));
@@ -686,7 +686,8 @@ WideDfa AnyText() {
   }
   for (int c = 0xF1; c <= 0xF3; ++c) d.next[0][static_cast<size_t>(c)] = 3;
   for (int k = 1; k < 4; ++k) {
-    for (int c = 0x80; c <= 0xBF; ++c) d.next[static_cast<size_t>(k)][static_cast<size_t>(c)] = k - 1;
+    for (int c = 0x80; c <= 0xBF; ++c)
+      d.next[static_cast<size_t>(k)][static_cast<size_t>(c)] = k - 1;
   }
   return d;
 }
@@ -728,16 +729,16 @@ WideDfa WordsDfa(const std::vector<std::string>& words) {
   return d;
 }
 
-absl::StatusOr<WideDfa> MultipleOfDfa(const std::string& int_digits,
-                                      const std::string& frac_digits, size_t max_states) {
+absl::StatusOr<WideDfa> MultipleOfDfa(const std::string& int_digits, const std::string& frac_digits,
+                                      size_t max_states) {
   std::string digits = int_digits + frac_digits;
   digits.erase(0, std::min(digits.find_first_not_of('0'), digits.size()));
   if (digits.empty()) return absl::InvalidArgumentError("multipleOf must be above 0");
   const int s = static_cast<int>(frac_digits.size());
   if (digits.size() > 7 || std::stoll(digits) * (s + 4) > static_cast<long long>(max_states)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("multipleOf ", int_digits, frac_digits.empty() ? "" : ".", frac_digits,
-                     " needs more than ", max_states, " states"));
+    return absl::InvalidArgumentError(absl::StrCat("multipleOf ", int_digits,
+                                                   frac_digits.empty() ? "" : ".", frac_digits,
+                                                   " needs more than ", max_states, " states"));
   }
   const int64_t p = std::stoll(digits);
   auto scaled_zero = [&](int64_t r, int shift) {
@@ -913,7 +914,8 @@ Dfa Finalize(const WideDfa& w, bool json_string) {
   out.nclasses = static_cast<int32_t>(columns.size());
   out.next.assign(m * columns.size(), -1);
   for (size_t k = 0; k < m; ++k) {
-    for (size_t cl = 0; cl < columns.size(); ++cl) out.next[k * columns.size() + cl] = columns[cl][k];
+    for (size_t cl = 0; cl < columns.size(); ++cl)
+      out.next[k * columns.size() + cl] = columns[cl][k];
   }
   out.accept.resize(m);
   out.dist.resize(m);
@@ -1016,9 +1018,12 @@ FracSet Frac(const std::string& af, bool aex, bool has_lo, const std::string& bf
   std::vector<std::string> alts;
   auto follow = [&](int d, const FracSet& sub) {
     const std::string dg(1, static_cast<char>('0' + d));
-    if (sub.nonempty && sub.empty_ok) alts.push_back(absl::StrCat(dg, "(?:", *sub.nonempty, ")?"));
-    else if (sub.nonempty) alts.push_back(dg + *sub.nonempty);
-    else if (sub.empty_ok) alts.push_back(dg);
+    if (sub.nonempty && sub.empty_ok)
+      alts.push_back(absl::StrCat(dg, "(?:", *sub.nonempty, ")?"));
+    else if (sub.nonempty)
+      alts.push_back(dg + *sub.nonempty);
+    else if (sub.empty_ok)
+      alts.push_back(dg);
   };
   if (lo0 + 1 <= hi0 - 1) alts.push_back(DigitClass(lo0 + 1, hi0 - 1) + "[0-9]*");
   if (has_lo && has_hi && lo0 == hi0) {
@@ -1052,10 +1057,12 @@ std::optional<std::string> NonNeg(const DecBound& lo, const DecBound& hi, bool i
   if (hi.present && lo.ip == hi.ip) {
     add(lo.ip, Frac(lo.fp, lo.exclusive, true, hi.fp, hi.exclusive, true));
   } else {
-    if (static_cast<int>(lo.ip.size()) <= k) add(lo.ip, Frac(lo.fp, lo.exclusive, true, "", false, false));
+    if (static_cast<int>(lo.ip.size()) <= k)
+      add(lo.ip, Frac(lo.fp, lo.exclusive, true, "", false, false));
     const std::string mid_hi = hi.present ? (hi.ip == "0" ? "" : DecInt(hi.ip)) : "";
     if (!hi.present || hi.ip != "0") {
-      if (auto mid = IntRange(IncInt(lo.ip), mid_hi, k); mid && (hi.present ? !mid_hi.empty() : true)) {
+      if (auto mid = IntRange(IncInt(lo.ip), mid_hi, k);
+          mid && (hi.present ? !mid_hi.empty() : true)) {
         alts.push_back(*mid + "(?:\\.[0-9]+)?");
       }
     }

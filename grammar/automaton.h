@@ -65,8 +65,8 @@ WideDfa LengthDfa(int64_t min, int64_t max);
 WideDfa WordsDfa(const std::vector<std::string>& words);
 // Decimal numbers (syntax checked elsewhere) that are multiples of the decimal `m` (> 0), given
 // as integer digits and fraction digits; InvalidArgument when its automaton is too big.
-absl::StatusOr<WideDfa> MultipleOfDfa(const std::string& int_digits,
-                                      const std::string& frac_digits, size_t max_states);
+absl::StatusOr<WideDfa> MultipleOfDfa(const std::string& int_digits, const std::string& frac_digits,
+                                      size_t max_states);
 absl::StatusOr<WideDfa> Product(const WideDfa& a, const WideDfa& b, ProductOp op,
                                 size_t max_states);
 // Prunes, numbers from the start, computes dist and byte classes. `json_string`: the bytes are

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <climits>
-#include <nlohmann/json.hpp>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -246,14 +246,31 @@ class Builder {
     }
     if (!s.is_object()) return Invalid(path, "a schema must be an object");
     // Keywords that constrain the value (compiled) and annotations (ignored).
-    static const std::set<std::string> kKnown = {
-        "type",      "properties",       "required",         "additionalProperties",
-        "items",     "minItems",         "maxItems",         "enum",
-        "const",     "anyOf",            "oneOf",            "allOf",
-        "$ref",      "$defs",            "definitions",      "nullable",
-        "minLength", "maxLength",        "pattern",          "format",
-        "minimum",   "maximum",          "exclusiveMinimum", "exclusiveMaximum",
-        "multipleOf"};
+    static const std::set<std::string> kKnown = {"type",
+                                                 "properties",
+                                                 "required",
+                                                 "additionalProperties",
+                                                 "items",
+                                                 "minItems",
+                                                 "maxItems",
+                                                 "enum",
+                                                 "const",
+                                                 "anyOf",
+                                                 "oneOf",
+                                                 "allOf",
+                                                 "$ref",
+                                                 "$defs",
+                                                 "definitions",
+                                                 "nullable",
+                                                 "minLength",
+                                                 "maxLength",
+                                                 "pattern",
+                                                 "format",
+                                                 "minimum",
+                                                 "maximum",
+                                                 "exclusiveMinimum",
+                                                 "exclusiveMaximum",
+                                                 "multipleOf"};
     for (auto it = s.begin(); it != s.end(); ++it) {
       if (it.key() == "propertyNames" && it.value() == ojson{{"type", "string"}}) continue;
       if (!kKnown.contains(it.key()) && !kAnnotations.contains(it.key()) && !lenient_)
@@ -394,7 +411,8 @@ class Builder {
       const std::string format = s["format"].is_string() ? s["format"].get<std::string>() : "";
       const char* re = FormatRegex(format);
       if (re != nullptr) {
-        if (auto st = intersect(CompileRegex(re, kMaxStates)); !st.ok()) return Invalid(path, std::string(st.message()));
+        if (auto st = intersect(CompileRegex(re, kMaxStates)); !st.ok())
+          return Invalid(path, std::string(st.message()));
       } else if (!lenient_) {
         return Unsupported(absl::StrCat("format' '", format), path);
       }
@@ -403,8 +421,9 @@ class Builder {
       if (!s["pattern"].is_string()) return Invalid(path + ".pattern", "must be a string");
       absl::Status st = intersect(CompileRegex(s["pattern"].get<std::string>(), kMaxStates));
       if (!st.ok() && !lenient_) {
-        return absl::InvalidArgumentError(absl::StrCat("unsupported JSON schema keyword 'pattern' at ",
-                                                       path, ": ", std::string(st.message())));
+        return absl::InvalidArgumentError(
+            absl::StrCat("unsupported JSON schema keyword 'pattern' at ", path, ": ",
+                         std::string(st.message())));
       }
     }
     if (!text) {
@@ -416,7 +435,8 @@ class Builder {
         return Invalid(path, absl::StrCat("minLength / maxLength above ", kMaxStates,
                                           " together with a pattern or format"));
       }
-      if (auto st = intersect(LengthDfa(min, max)); !st.ok()) return Invalid(path, std::string(st.message()));
+      if (auto st = intersect(LengthDfa(min, max)); !st.ok())
+        return Invalid(path, std::string(st.message()));
     }
     return Automaton(NodeKind::kText, *text, path);
   }
@@ -434,7 +454,8 @@ class Builder {
          R"(^[A-Za-z0-9_+-]+(?:\.[A-Za-z0-9_+-]+)*@(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)+[A-Za-z]{2,24}$)"},
         {"hostname",
          R"(^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*$)"},
-        {"uuid", R"(^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)"},
+        {"uuid",
+         R"(^[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}$)"},
         {"ipv4",
          R"(^(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)$)"},
         // Full and "::"-compressed forms (no embedded IPv4).
@@ -470,13 +491,14 @@ class Builder {
     for (const char* k : {"minimum", "exclusiveMinimum", "maximum", "exclusiveMaximum"}) {
       if (!s.contains(k)) continue;
       const bool exclusive = std::string_view(k).starts_with("exclusive");
-      const bool lower = std::string_view(k) == "minimum" || std::string_view(k) == "exclusiveMinimum";
+      const bool lower =
+          std::string_view(k) == "minimum" || std::string_view(k) == "exclusiveMinimum";
       if (exclusive && s[k].is_boolean()) continue;  // draft 4: applies to minimum / maximum
       DecBound b;
       if (auto st = parse(k, &b); !st.ok()) return st;
-      b.exclusive = exclusive ||
-                    (s.contains(absl::StrCat("exclusive", lower ? "Minimum" : "Maximum")) &&
-                     s[absl::StrCat("exclusive", lower ? "Minimum" : "Maximum")] == true);
+      b.exclusive =
+          exclusive || (s.contains(absl::StrCat("exclusive", lower ? "Minimum" : "Maximum")) &&
+                        s[absl::StrCat("exclusive", lower ? "Minimum" : "Maximum")] == true);
       tighter(lower ? &lo : &hi, b, lower);
     }
     return std::make_pair(lo, hi);
@@ -554,7 +576,8 @@ class Builder {
           n.min_len = 2;
           return Add(std::move(n));
         }
-        if (!lenient_) return Unsupported("additionalProperties (as a schema, beside properties)", path);
+        if (!lenient_)
+          return Unsupported("additionalProperties (as a schema, beside properties)", path);
       } else if (s.contains("additionalProperties") && !s["additionalProperties"].is_boolean()) {
         return Invalid(path + ".additionalProperties", "must be a boolean or a schema");
       }
@@ -616,9 +639,8 @@ class Builder {
       ojson params = t.value("parameters", ojson::object());
       if (!params.is_object()) return Invalid(path, "must be an object");
       for (auto it = params.begin(); it != params.end(); ++it) {
-        static const std::set<std::string> kTop = {"type", "properties", "required",
-                                                   "additionalProperties", "$defs",
-                                                   "definitions"};
+        static const std::set<std::string> kTop = {
+            "type", "properties", "required", "additionalProperties", "$defs", "definitions"};
         if (!kTop.contains(it.key()) && !kAnnotations.contains(it.key()) && !lenient_)
           return Unsupported(it.key(), path);
       }
@@ -709,12 +731,65 @@ class Builder {
           absl::StrCat("the constraint compiles to more than ", kMaxNodes, " grammar nodes"));
     }
     SettleMinLen();
+    if (LeftRecursive()) {
+      return absl::InvalidArgumentError(
+          "invalid JSON schema: a $ref loop reaches itself before any output (e.g. "
+          "{\"anyOf\":[{\"$ref\":\"#\"},...]})");
+    }
     if (Len(root) >= kInf) {
-      return absl::InvalidArgumentError("invalid JSON schema: it admits no finite value "
-                                        "(a required property refers back to itself)");
+      return absl::InvalidArgumentError(
+          "invalid JSON schema: it admits no finite value "
+          "(a required property refers back to itself)");
     }
     g_->root_ = root;
     return std::shared_ptr<const Grammar>(g_);
+  }
+
+  // A cycle of nodes entered without consuming a byte ($ref loops through anyOf / forwarding
+  // nodes) would send the matcher round forever: found by a depth-first search over the edges
+  // to what may come first.
+  bool LeftRecursive() const {
+    const size_t n = g_->nodes_.size();
+    std::vector<uint8_t> color(n, 0);           // 0 new, 1 on the path, 2 done
+    std::vector<std::pair<int, size_t>> stack;  // node, next edge
+    auto firsts = [&](int id) {
+      const Node& x = g_->nodes_[static_cast<size_t>(id)];
+      std::vector<int> out;
+      if (x.kind == NodeKind::kAnyOf) out = x.children;
+      if (x.kind == NodeKind::kSequence) {
+        for (int c : x.children) {
+          out.push_back(c);
+          if (Len(c) > 0) break;
+        }
+      }
+      if (x.kind == NodeKind::kArray && x.open < 0 && x.item >= 0) out.push_back(x.item);
+      return out;
+    };
+    for (size_t start = 0; start < n; ++start) {
+      if (color[start]) continue;
+      std::vector<std::vector<int>> edges;
+      stack.push_back({static_cast<int>(start), 0});
+      edges.push_back(firsts(static_cast<int>(start)));
+      color[start] = 1;
+      while (!stack.empty()) {
+        auto& [node, next] = stack.back();
+        if (next < edges.back().size()) {
+          const int c = edges.back()[next++];
+          if (c < 0) continue;
+          if (color[static_cast<size_t>(c)] == 1) return true;
+          if (color[static_cast<size_t>(c)] == 0) {
+            color[static_cast<size_t>(c)] = 1;
+            stack.push_back({c, 0});
+            edges.push_back(firsts(c));
+          }
+        } else {
+          color[static_cast<size_t>(node)] = 2;
+          stack.pop_back();
+          edges.pop_back();
+        }
+      }
+    }
+    return false;
   }
 
   void set_lenient(bool v) { lenient_ = v; }
@@ -727,11 +802,26 @@ class Builder {
   static constexpr size_t kMaxTotalStates = 200000;  // all the grammar's automata
   static constexpr size_t kMaxNodes = 100000;
   static constexpr int kBoundedIntDigits = 20;  // integer digits on an unbounded side
-  static inline const std::set<std::string> kAnnotations = {
-      "title",       "description", "default",          "examples",        "$schema",
-      "$id",         "$comment",    "$anchor",          "readOnly",        "writeOnly",
-      "deprecated",  "strict",      "contentEncoding",  "contentMediaType", "discriminator",
-      "example",     "externalDocs", "xml",             "propertyOrdering", "$vocabulary"};
+  static inline const std::set<std::string> kAnnotations = {"title",
+                                                            "description",
+                                                            "default",
+                                                            "examples",
+                                                            "$schema",
+                                                            "$id",
+                                                            "$comment",
+                                                            "$anchor",
+                                                            "readOnly",
+                                                            "writeOnly",
+                                                            "deprecated",
+                                                            "strict",
+                                                            "contentEncoding",
+                                                            "contentMediaType",
+                                                            "discriminator",
+                                                            "example",
+                                                            "externalDocs",
+                                                            "xml",
+                                                            "propertyOrdering",
+                                                            "$vocabulary"};
 
   // Inclusive integer bound from a decimal one (ceil for lower, floor for upper).
   static DecBound IntegerBound(DecBound b, bool lower) {
@@ -792,8 +882,8 @@ class Builder {
   int any_ = -1, any_object_ = -1;
   int depth_ = 0;  // Schema calls on the stack
   bool lenient_ = false;
-  const ojson* root_ = nullptr;        // the document $ref pointers resolve in
-  std::map<std::string, int> refs_;    // $ref target -> its (forwarding) node
+  const ojson* root_ = nullptr;      // the document $ref pointers resolve in
+  std::map<std::string, int> refs_;  // $ref target -> its (forwarding) node
   size_t total_states_ = 0;
 };
 

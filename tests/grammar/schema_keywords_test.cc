@@ -158,8 +158,8 @@ class Validator {
       if (s.contains("maxLength") && Chars(str) > s["maxLength"].get<size_t>())
         return path + ": maxLength";
       if (s.contains("pattern") &&
-          !std::regex_search(str, std::regex(s["pattern"].get<std::string>(),
-                                             std::regex::ECMAScript)))
+          !std::regex_search(str,
+                             std::regex(s["pattern"].get<std::string>(), std::regex::ECMAScript)))
         return path + ": pattern " + str;
       if (s.contains("format") && !ValidFormat(s["format"], str)) return path + ": format " + str;
     }
@@ -227,8 +227,8 @@ std::string NonFiniteNumber(const std::string& text) {
       in_string = true;
     } else if (c == '-' || isdigit(static_cast<unsigned char>(c))) {
       size_t j = i;
-      while (j < text.size() && std::string_view("+-0123456789.eE").find(text[j]) !=
-                                    std::string_view::npos)
+      while (j < text.size() &&
+             std::string_view("+-0123456789.eE").find(text[j]) != std::string_view::npos)
         ++j;
       const std::string tok = text.substr(i, j - i);
       if (!std::isfinite(std::strtod(tok.c_str(), nullptr))) return tok;
@@ -242,9 +242,10 @@ std::string NonFiniteNumber(const std::string& text) {
 std::vector<std::string> Vocab() {
   std::vector<std::string> vocab;
   for (int b = 1; b < 256; ++b) vocab.push_back(std::string(1, static_cast<char>(b)));
-  for (const char* piece : {"{\"", "\":", "\",\"", "name", "age", "true", "null", "12", "\"}",
-                            "]}", "abc", "\\n", "é", "0.", "99", "-1", "@x.io", "2024-", "e9",
-                            "1e400", "ffff", "::", "T12", "\\u00", "..", "http://"})
+  for (const char* piece :
+       {"{\"", "\":",   "\",\"", "name", "age", "true",  "null", "12",     "\"}",
+        "]}",  "abc",   "\\n",   "é",    "0.",  "99",    "-1",   "@x.io",  "2024-",
+        "e9",  "1e400", "ffff",  "::",   "T12", "\\u00", "..",   "http://"})
     vocab.push_back(piece);
   vocab.push_back("");  // EOS
   return vocab;
@@ -330,41 +331,42 @@ TEST(SchemaKeywordsTest, ZodBoundsRefuseKnownBad) {
     t.replace(at, from.size(), to);
     EXPECT_FALSE(Accepts(g, t)) << t;
   };
-  bad(R"("name":"Ann")", R"("name":"")");                         // minLength
-  bad(R"("name":"Ann")", R"("name":"abcdefghijklm")");            // maxLength
-  bad(R"("age":150)", R"("age":151)");                            // maximum
-  bad(R"("age":150)", R"("age":-1)");                             // minimum
-  bad(R"("age":150)", R"("age":1e2)");                            // integer, no exponent
-  bad(R"("score":-1.5)", R"("score":-1.51)");                     // decimal minimum
-  bad(R"("score":-1.5)", R"("score":2.2500001)");                 // decimal maximum
-  bad(R"("ratio":0.999)", R"("ratio":0)");                        // exclusiveMinimum
-  bad(R"("ratio":0.999)", R"("ratio":1)");                        // exclusiveMaximum
-  bad(R"("ratio":0.999)", R"("ratio":0.000)");                    // still 0
-  bad(R"("email":"a.b@x.io")", R"("email":".a@x.io")");           // (?!\.)
-  bad(R"("email":"a.b@x.io")", R"("email":"a..b@x.io")");         // (?!.*\.\.)
-  bad(R"("email":"a.b@x.io")", R"("email":"a@x")");               // TLD
-  bad(R"(-426614174000)", R"(-42661417400)");                     // uuid length
-  bad(R"(12d3-a456)", R"(92d3-a456)");                            // uuid version digit
-  bad(R"("nickname":null)", R"("nickname":"abcdef")");            // nullable maxLength
-  bad(R"("role":"user")", R"("role":"root")");                    // enum
-  bad(R"(["ab","cde"])", R"([])");                                // minItems
-  bad(R"(["ab","cde"])", R"(["ab","cde","ab","ab"])");            // maxItems
-  bad(R"(["ab","cde"])", R"(["a"])");                             // items minLength
+  bad(R"("name":"Ann")", R"("name":"")");                  // minLength
+  bad(R"("name":"Ann")", R"("name":"abcdefghijklm")");     // maxLength
+  bad(R"("age":150)", R"("age":151)");                     // maximum
+  bad(R"("age":150)", R"("age":-1)");                      // minimum
+  bad(R"("age":150)", R"("age":1e2)");                     // integer, no exponent
+  bad(R"("score":-1.5)", R"("score":-1.51)");              // decimal minimum
+  bad(R"("score":-1.5)", R"("score":2.2500001)");          // decimal maximum
+  bad(R"("ratio":0.999)", R"("ratio":0)");                 // exclusiveMinimum
+  bad(R"("ratio":0.999)", R"("ratio":1)");                 // exclusiveMaximum
+  bad(R"("ratio":0.999)", R"("ratio":0.000)");             // still 0
+  bad(R"("email":"a.b@x.io")", R"("email":".a@x.io")");    // (?!\.)
+  bad(R"("email":"a.b@x.io")", R"("email":"a..b@x.io")");  // (?!.*\.\.)
+  bad(R"("email":"a.b@x.io")", R"("email":"a@x")");        // TLD
+  bad(R"(-426614174000)", R"(-42661417400)");              // uuid length
+  bad(R"(12d3-a456)", R"(92d3-a456)");                     // uuid version digit
+  bad(R"("nickname":null)", R"("nickname":"abcdef")");     // nullable maxLength
+  bad(R"("role":"user")", R"("role":"root")");             // enum
+  bad(R"(["ab","cde"])", R"([])");                         // minItems
+  bad(R"(["ab","cde"])", R"(["ab","cde","ab","ab"])");     // maxItems
+  bad(R"(["ab","cde"])", R"(["a"])");                      // items minLength
   bad(R"("safe":-9007199254740991)", R"("safe":-9007199254740992)");
-  bad(R"("step":9.75)", R"("step":9.8)");                         // multipleOf 0.25
-  bad(R"("step":9.75)", R"("step":10.25)");                       // maximum
-  bad(R"("count":0)", R"("count":-7)");                           // exclusiveMinimum -3
-  bad(R"("count":0)", R"("count":8)");                            // multipleOf 7
-  bad(R"("code":"AB-123")", R"("code":"Ab-123")");                // pattern
-  bad(R"("code":"AB-123")", R"("code":"AB-12345")");              // pattern
-  bad(R"("age":150)", R"("age":0150)");                           // leading zero
-  EXPECT_TRUE(Accepts(g, std::string(good).replace(good.find("\"step\":9.75"), 11,
-                                                   "\"step\":0.250")));
+  bad(R"("step":9.75)", R"("step":9.8)");             // multipleOf 0.25
+  bad(R"("step":9.75)", R"("step":10.25)");           // maximum
+  bad(R"("count":0)", R"("count":-7)");               // exclusiveMinimum -3
+  bad(R"("count":0)", R"("count":8)");                // multipleOf 7
+  bad(R"("code":"AB-123")", R"("code":"Ab-123")");    // pattern
+  bad(R"("code":"AB-123")", R"("code":"AB-12345")");  // pattern
+  bad(R"("age":150)", R"("age":0150)");               // leading zero
+  EXPECT_TRUE(
+      Accepts(g, std::string(good).replace(good.find("\"step\":9.75"), 11, "\"step\":0.250")));
 }
 
 // Verbatim z.toJSONSchema output of zod 4.6 (tests/clients/package-lock.json) for z.email(),
 // z.uuid(), z.iso.date(), z.iso.datetime(), .int() and z.record(z.string(), z.number()).
-const json kZod46 = json::parse(R"({"$schema":"https://json-schema.org/draft/2020-12/schema","type":"object","properties":{"name":{"type":"string","minLength":1,"maxLength":12},"age":{"type":"integer","minimum":0,"maximum":150},"ratio":{"type":"number","exclusiveMinimum":0,"exclusiveMaximum":1},"email":{"type":"string","format":"email","pattern":"^(?:[A-Za-z0-9_'+\\-]+\\.)*[A-Za-z0-9_'+\\-]*[A-Za-z0-9_+-]@(?:[A-Za-z0-9][A-Za-z0-9\\-]*\\.)+[A-Za-z]{2,}$"},"id":{"type":"string","format":"uuid","pattern":"^([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}|00000000-0000-0000-0000-000000000000|ffffffff-ffff-ffff-ffff-ffffffffffff)$"},"nickname":{"anyOf":[{"type":"string","maxLength":5},{"type":"null"}]},"when":{"type":"string","format":"date","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))$"},"at":{"type":"string","format":"date-time","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))T(?:(?:[01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(?:\\.\\d+)?(?:Z))$"},"n":{"type":"integer","minimum":-9007199254740991,"maximum":9007199254740991},"rec":{"type":"object","propertyNames":{"type":"string"},"additionalProperties":{"type":"number"}},"opt":{"type":"string"}},"required":["name","age","ratio","email","id","nickname","when","at","n","rec"],"additionalProperties":false})");
+const json kZod46 = json::parse(
+    R"({"$schema":"https://json-schema.org/draft/2020-12/schema","type":"object","properties":{"name":{"type":"string","minLength":1,"maxLength":12},"age":{"type":"integer","minimum":0,"maximum":150},"ratio":{"type":"number","exclusiveMinimum":0,"exclusiveMaximum":1},"email":{"type":"string","format":"email","pattern":"^(?:[A-Za-z0-9_'+\\-]+\\.)*[A-Za-z0-9_'+\\-]*[A-Za-z0-9_+-]@(?:[A-Za-z0-9][A-Za-z0-9\\-]*\\.)+[A-Za-z]{2,}$"},"id":{"type":"string","format":"uuid","pattern":"^([0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[1-8][0-9a-fA-F]{3}-[89abAB][0-9a-fA-F]{3}-[0-9a-fA-F]{12}|00000000-0000-0000-0000-000000000000|ffffffff-ffff-ffff-ffff-ffffffffffff)$"},"nickname":{"anyOf":[{"type":"string","maxLength":5},{"type":"null"}]},"when":{"type":"string","format":"date","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))$"},"at":{"type":"string","format":"date-time","pattern":"^(?:(?:\\d\\d[2468][048]|\\d\\d[13579][26]|\\d\\d0[48]|[02468][048]00|[13579][26]00)-02-29|\\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\\d|30)|(?:02)-(?:0[1-9]|1\\d|2[0-8])))T(?:(?:[01]\\d|2[0-3]):[0-5]\\d:[0-5]\\d(?:\\.\\d+)?(?:Z))$"},"n":{"type":"integer","minimum":-9007199254740991,"maximum":9007199254740991},"rec":{"type":"object","propertyNames":{"type":"string"},"additionalProperties":{"type":"number"}},"opt":{"type":"string"}},"required":["name","age","ratio","email","id","nickname","when","at","n","rec"],"additionalProperties":false})");
 
 TEST(SchemaKeywordsTest, Zod46OutputRandomWalksValidate) {
   RandomWalks(kZod46, 30, 500, 7);
@@ -404,15 +406,26 @@ TEST(SchemaKeywordsTest, RefRecursionRandomWalksValidate) {
   EXPECT_TRUE(Accepts(g, R"({"value":1,"children":[{"value":2,"children":[]}]})"));
   EXPECT_FALSE(Accepts(g, R"({"value":1,"children":[{"value":0,"children":[]}]})"));
   EXPECT_FALSE(Accepts(g, R"({"value":1,"children":[{"value":2}]})"));
-  EXPECT_EQ(Matcher(g).MinRemaining(), static_cast<int64_t>(std::string(R"({"value":1,"children":[]})").size()));
+  EXPECT_EQ(Matcher(g).MinRemaining(),
+            static_cast<int64_t>(std::string(R"({"value":1,"children":[]})").size()));
   // A required self-reference admits no finite value: refused, not a hang.
-  auto loop = Compile(json{{"type", "json_schema"},
-                           {"schema",
-                            {{"type", "object"},
-                             {"properties", {{"x", {{"$ref", "#"}}}}},
-                             {"required", {"x"}}}}}
-                          .dump());
+  auto loop = Compile(
+      json{{"type", "json_schema"},
+           {"schema",
+            {{"type", "object"}, {"properties", {{"x", {{"$ref", "#"}}}}}, {"required", {"x"}}}}}
+          .dump());
   EXPECT_FALSE(loop.ok());
+  // $ref loops that reach themselves before any byte are refused, not an endless matcher.
+  for (const char* s :
+       {R"({"$ref":"#"})", R"({"anyOf":[{"$ref":"#"},{"type":"null"}]})",
+        R"({"$defs":{"a":{"$ref":"#/$defs/b"},"b":{"$ref":"#/$defs/a"}},"$ref":"#/$defs/a"})"}) {
+    auto r = Compile(json{{"type", "json_schema"}, {"schema", json::parse(s)}}.dump());
+    EXPECT_FALSE(r.ok()) << s;
+  }
+  // Recursion through a nullable is fine: it consumes '[' first.
+  auto list = MustCompile(json::parse(
+      R"({"anyOf":[{"type":"null"},{"type":"array","items":{"$ref":"#"},"maxItems":2}]})"));
+  EXPECT_TRUE(Accepts(list, "[[null,[]],null]"));
 }
 
 // LangChain's withStructuredOutput (zod v3 through zod-to-json-schema, draft-07): descriptions,
@@ -502,7 +515,8 @@ TEST(SchemaKeywordsTest, NumbersAreFiniteDoubles) {
                {"additionalProperties", false}},
               40, 300, 5);
   // Draft-4 boolean exclusiveMinimum, and integer bounds given as fractions.
-  auto d4 = MustCompile({{"type", "integer"}, {"minimum", 2.5}, {"maximum", 5}, {"exclusiveMaximum", true}});
+  auto d4 = MustCompile(
+      {{"type", "integer"}, {"minimum", 2.5}, {"maximum", 5}, {"exclusiveMaximum", true}});
   EXPECT_FALSE(Accepts(d4, "2"));
   EXPECT_TRUE(Accepts(d4, "3"));
   EXPECT_TRUE(Accepts(d4, "4"));
@@ -519,25 +533,25 @@ TEST(SchemaKeywordsTest, PatternSubsetAndRefusals) {
   EXPECT_FALSE(Accepts(pat("ab"), R"("xxayy")"));
   EXPECT_TRUE(Accepts(pat("^a(b|c)*d?$"), R"("abccbd")"));
   EXPECT_FALSE(Accepts(pat("^a(b|c)*d?$"), R"("abx")"));
-  EXPECT_TRUE(Accepts(pat(R"(^[^"\\]{2}$)"), R"("é!")"));  // negated class: non-ASCII too
+  EXPECT_TRUE(Accepts(pat(R"(^[^"\\]{2}$)"), R"("é!")"));        // negated class: non-ASCII too
   EXPECT_TRUE(Accepts(pat(R"(^\w+\s\d{2,}$)"), R"("ab\t12")"));  // escaped tab matches \s
   EXPECT_TRUE(Accepts(pat(R"(^(?<y>\d{4})-\x41\u00e9$)"), "\"2024-A\xC3\xA9\""));
   for (const char* bad : {R"((a)\1)", "(?<=a)b", "a(?=b)", R"(\bword)", R"(\p{L})", "[é]", "(a"}) {
-    auto g = Compile(json{{"type", "json_schema"},
-                          {"schema", {{"type", "string"}, {"pattern", bad}}}}
-                         .dump());
+    auto g = Compile(
+        json{{"type", "json_schema"}, {"schema", {{"type", "string"}, {"pattern", bad}}}}.dump());
     EXPECT_FALSE(g.ok()) << bad;
     if (!g.ok()) {
       EXPECT_NE(g.status().message().find("'pattern'"), std::string::npos) << g.status();
     }
   }
   // strict false: what the subset lacks is ignored (best effort) instead of refused.
-  auto lenient = MustCompile(
-      {{"type", "object"},
-       {"properties", {{"a", {{"type", "string"}, {"pattern", "(?<=x)y"}, {"not", {{"const", 1}}}}}}},
-       {"required", {"a"}},
-       {"additionalProperties", false}},
-      false);
+  auto lenient =
+      MustCompile({{"type", "object"},
+                   {"properties",
+                    {{"a", {{"type", "string"}, {"pattern", "(?<=x)y"}, {"not", {{"const", 1}}}}}}},
+                   {"required", {"a"}},
+                   {"additionalProperties", false}},
+                  false);
   EXPECT_TRUE(Accepts(lenient, R"({"a":"zz"})"));
 }
 
@@ -549,9 +563,9 @@ TEST(SchemaKeywordsTest, SizeLimitsAreNamedRefusals) {
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("more than 1000"), std::string::npos) << e.status();
   // (a|b)*a(a|b){14}: the DFA needs 2^15 states.
-  auto p = Compile(
-      json{{"type", "json_schema"}, {"schema", {{"type", "string"}, {"pattern", "^[ab]*a[ab]{14}$"}}}}
-          .dump());
+  auto p = Compile(json{{"type", "json_schema"},
+                        {"schema", {{"type", "string"}, {"pattern", "^[ab]*a[ab]{14}$"}}}}
+                       .dump());
   ASSERT_FALSE(p.ok());
   EXPECT_NE(p.status().message().find("states"), std::string::npos) << p.status();
   json many = {{"type", "object"}, {"properties", json::object()}};
