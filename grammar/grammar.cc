@@ -308,7 +308,15 @@ class Builder {
                        absl::StrCat("has ", e.size(), " values, more than ", kMaxEnum));
       }
       std::vector<std::string> words;
-      for (const auto& v : e) words.push_back(v.dump());
+      size_t bytes = 0;
+      for (const auto& v : e) {
+        words.push_back(v.dump());
+        bytes += words.back().size();
+      }
+      if (bytes > kMaxStates) {  // one automaton state per byte at most
+        return Invalid(path + ".enum",
+                       absl::StrCat("its values take more than ", kMaxStates, " bytes"));
+      }
       return Automaton(NodeKind::kBytes, WordsDfa(words), path + ".enum");
     }
     for (const char* key : {"anyOf", "oneOf"}) {

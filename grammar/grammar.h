@@ -99,8 +99,8 @@ class Grammar {
 // (title, description, default, examples, $schema, $id, $comment, readOnly, ...) are ignored.
 // Any other keyword is InvalidArgument naming it and where it is ("unsupported JSON schema
 // keyword 'not' at $.properties.id"). Every number the grammar admits parses to a finite double.
-// Limits (InvalidArgument beyond them): enum 1000 values, 20000 states per automaton, 200000
-// automaton states and 100000 nodes per grammar.
+// Limits (InvalidArgument beyond them): enum 1000 values (20000 bytes), 20000 states per
+// automaton, 200000 automaton states and 100000 nodes per grammar.
 absl::StatusOr<std::shared_ptr<const Grammar>> Compile(std::string_view constraint_json);
 
 // Compiled grammars by constraint text (bounded; the oldest entry goes first). Thread-safe.
