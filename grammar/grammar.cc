@@ -644,6 +644,9 @@ class Builder {
       if (!t.is_object() || !t.contains("name") || !t["name"].is_string())
         return absl::InvalidArgumentError(absl::StrCat("tools[", i, "] has no name"));
       const std::string name = t["name"].get<std::string>();
+      if (t.contains("strict") && !t["strict"].is_boolean())
+        return absl::InvalidArgumentError(absl::StrCat("tools[", i, "].strict must be a boolean"));
+      lenient_ = top_lenient_ || t.value("strict", ojson(true)) == false;
       ojson params = t.value("parameters", ojson::object());
       if (!params.is_object()) return Invalid(path, "must be an object");
       for (auto it = params.begin(); it != params.end(); ++it) {
@@ -800,7 +803,7 @@ class Builder {
     return false;
   }
 
-  void set_lenient(bool v) { lenient_ = v; }
+  void set_lenient(bool v) { lenient_ = top_lenient_ = v; }
   void set_root(const ojson* r) { root_ = r; }
 
  private:
@@ -888,8 +891,9 @@ class Builder {
 
   std::shared_ptr<Grammar> g_;
   int any_ = -1, any_object_ = -1;
-  int depth_ = 0;  // Schema calls on the stack
-  bool lenient_ = false;
+  int depth_ = 0;                    // Schema calls on the stack
+  bool lenient_ = false;             // keywords outside the subset are ignored (strict false)
+  bool top_lenient_ = false;         // the constraint's own "strict": false
   const ojson* root_ = nullptr;      // the document $ref pointers resolve in
   std::map<std::string, int> refs_;  // $ref target -> its (forwarding) node
   size_t total_states_ = 0;

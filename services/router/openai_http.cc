@@ -655,8 +655,13 @@ absl::StatusOr<std::string> ToolCallConstraint(const json& tools, const std::str
     }
     const std::string name = t["function"]["name"].get<std::string>();
     if (!only.empty() && name != only) continue;
-    list.push_back({{"name", name},
-                    {"parameters", t["function"].value("parameters", json::object())}});
+    json entry = {{"name", name},
+                  {"parameters", t["function"].value("parameters", json::object())}};
+    // function.strict false: best effort, as for response_format (docs/api.md).
+    if (t["function"].contains("strict") && t["function"]["strict"] == false) {
+      entry["strict"] = false;
+    }
+    list.push_back(std::move(entry));
   }
   if (list.empty()) {
     return Bad(only.empty() ? "no tool to call"

@@ -553,6 +553,23 @@ TEST(SchemaKeywordsTest, PatternSubsetAndRefusals) {
                    {"additionalProperties", false}},
                   false);
   EXPECT_TRUE(Accepts(lenient, R"({"a":"zz"})"));
+  // The same per tool: function.strict false.
+  const json params = {{"type", "object"},
+                       {"properties", {{"n", {{"type", "integer"}, {"not", {{"const", 1}}}}}}}};
+  EXPECT_FALSE(
+      Compile(
+          json{{"type", "tool_calls"}, {"tools", {{{"name", "f"}, {"parameters", params}}}}}.dump())
+          .ok());
+  EXPECT_TRUE(Compile(json{{"type", "tool_calls"},
+                           {"tools", {{{"name", "f"}, {"parameters", params}, {"strict", false}}}}}
+                          .dump())
+                  .ok());
+  // Enum text is bounded too (20000 bytes).
+  json long_enum = json::array();
+  for (int i = 0; i < 30; ++i)
+    long_enum.push_back(std::string(1000, static_cast<char>('a' + i % 26)) + std::to_string(i));
+  EXPECT_FALSE(
+      Compile(json{{"type", "json_schema"}, {"schema", {{"enum", long_enum}}}}.dump()).ok());
 }
 
 // Issue 53: a huge schema is a compile-time refusal, not a stalled batch.
