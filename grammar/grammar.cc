@@ -450,12 +450,15 @@ class Builder {
   }
 
   static const char* FormatRegex(const std::string& format) {
-    static const std::map<std::string, const char*> kFormats = {
-        {"date-time",
-         R"(^\d{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])T(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,9})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)$)"},
-        {"date", R"(^\d{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12]\d|3[01])$)"},
-        {"time",
-         R"(^(?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,9})?(?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d)?$)"},
+    // Calendar dates, leap years included (zod's date pattern); RFC 3339 times and offsets.
+    static const std::string kDate =
+        R"((?:(?:\d\d[2468][048]|\d\d[13579][26]|\d\d0[48]|[02468][048]00|[13579][26]00)-02-29|\d{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12]\d|3[01])|(?:0[469]|11)-(?:0[1-9]|[12]\d|30)|02-(?:0[1-9]|1\d|2[0-8]))))";
+    static const std::string kTime = R"((?:[01]\d|2[0-3]):[0-5]\d:[0-5]\d(?:\.\d{1,9})?)";
+    static const std::string kOffset = R"((?:Z|[+-](?:[01]\d|2[0-3]):[0-5]\d))";
+    static const std::map<std::string, std::string> kFormats = {
+        {"date-time", absl::StrCat("^", kDate, "T", kTime, kOffset, "$")},
+        {"date", absl::StrCat("^", kDate, "$")},
+        {"time", absl::StrCat("^", kTime, kOffset, "?$")},
         {"duration",
          R"(^P(?:\d{1,9}Y)?(?:\d{1,9}M)?(?:\d{1,9}W)?(?:\d{1,9}D)?(?:T(?:\d{1,9}H)?(?:\d{1,9}M)?(?:\d{1,9}(?:\.\d{1,9})?S)?)?$)"},
         {"email",
@@ -473,7 +476,7 @@ class Builder {
          R"(^[A-Za-z][A-Za-z0-9+.-]*://[A-Za-z0-9._~%!$&'()*+,;=:@-]+(?:/[A-Za-z0-9._~%!$&'()*+,;=:@/-]*)?(?:\?[A-Za-z0-9._~%!$&'()*+,;=:@/?-]*)?(?:#[A-Za-z0-9._~%!$&'()*+,;=:@/?-]*)?$)"},
     };
     auto it = kFormats.find(format);
-    return it == kFormats.end() ? nullptr : it->second;
+    return it == kFormats.end() ? nullptr : it->second.c_str();
   }
 
   // minimum / maximum / exclusive* (numbers or, draft 4, booleans) as one lower and one upper

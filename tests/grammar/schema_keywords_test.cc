@@ -54,8 +54,12 @@ bool ValidDate(const std::string& s) {
   if (s.size() != 10 || !Digits(s, 0, 4) || s[4] != '-' || !Digits(s, 5, 2) || s[7] != '-' ||
       !Digits(s, 8, 2))
     return false;
-  const int m = std::stoi(s.substr(5, 2)), d = std::stoi(s.substr(8, 2));
-  return m >= 1 && m <= 12 && d >= 1 && d <= 31;
+  const int y = std::stoi(s.substr(0, 4)), m = std::stoi(s.substr(5, 2)),
+            d = std::stoi(s.substr(8, 2));
+  if (m < 1 || m > 12 || d < 1) return false;
+  const bool leap = (y % 4 == 0 && y % 100 != 0) || y % 400 == 0;
+  const int days[] = {31, leap ? 29 : 28, 31, 30, 31, 30, 31, 31, 30, 31, 30, 31};
+  return d <= days[m - 1];
 }
 
 bool ValidTime(const std::string& s) {  // HH:MM:SS[.frac](Z|±HH:MM)?
@@ -484,6 +488,11 @@ TEST(SchemaKeywordsTest, FormatsAcceptAndRefuse) {
   EXPECT_FALSE(Accepts(fmt("date-time"), R"("2024-13-01T00:00:00Z")"));
   EXPECT_TRUE(Accepts(fmt("date"), R"("1999-12-31")"));
   EXPECT_FALSE(Accepts(fmt("date"), R"("1999-12-32")"));
+  EXPECT_FALSE(Accepts(fmt("date"), R"("1999-04-31")"));
+  EXPECT_FALSE(Accepts(fmt("date"), R"("1900-02-29")"));
+  EXPECT_TRUE(Accepts(fmt("date"), R"("2000-02-29")"));
+  EXPECT_TRUE(Accepts(fmt("time"), R"("08:30:00")"));
+  EXPECT_FALSE(Accepts(fmt("time"), R"("24:00:00")"));
   EXPECT_TRUE(Accepts(fmt("ipv4"), R"("255.0.10.1")"));
   EXPECT_FALSE(Accepts(fmt("ipv4"), R"("256.0.10.1")"));
   EXPECT_TRUE(Accepts(fmt("ipv6"), R"("fe80::1")"));
