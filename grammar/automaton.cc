@@ -44,28 +44,102 @@ Re Rep(Re r, int min, int max) {
   return Re{.kind = Re::kRep, .kids = {std::move(r)}, .min = min, .max = max};
 }
 
-// One character: an ASCII byte in `ascii` or (when `non_ascii`) any multi-byte UTF-8 character
-// of the forms the grammar's strings allow (no E0 / ED / F0 / F4 leads).
-Re Char(const ByteSet& ascii, bool non_ascii) {
-  std::vector<Re> alts = {Set(ascii)};
-  if (non_ascii) {
-    const Re cont = Range(0x80, 0xBF);
-    alts.push_back(Cat({Range(0xC2, 0xDF), cont}));
-    ByteSet e3;
-    for (int c = 0xE1; c <= 0xEC; ++c) e3.set(static_cast<size_t>(c));
-    e3.set(0xEE);
-    e3.set(0xEF);
-    alts.push_back(Cat({Set(e3), cont, cont}));
-    alts.push_back(Cat({Range(0xF1, 0xF3), cont, cont, cont}));
+// Non-ASCII code point ranges (inclusive, >= 0x80).
+using Ranges = std::vector<std::pair<uint32_t, uint32_t>>;
+constexpr uint32_t kMaxCp = 0x10FFFF;
+
+uint32_t Utf8Len(uint32_t cp) { return cp < 0x80 ? 1 : cp < 0x800 ? 2 : cp < 0x10000 ? 3 : 4; }
+
+std::vector<uint8_t> Encode(uint32_t cp) {
+  const uint32_t n = Utf8Len(cp);
+  if (n == 1) return {static_cast<uint8_t>(cp)};
+  std::vector<uint8_t> out(n);
+  for (uint32_t k = n - 1; k > 0; --k) {
+    out[k] = static_cast<uint8_t>(0x80 | (cp & 0x3F));
+    cp >>= 6;
   }
+  static const uint8_t kLead[] = {0, 0, 0xC0, 0xE0, 0xF0};
+  out[0] = static_cast<uint8_t>(kLead[n] | cp);
+  return out;
+}
+
+// The UTF-8 byte-range sequences for code points lo..hi (no surrogates), as in RE2 / Rust's
+// utf8-ranges: split at encoding lengths, then until only the lead byte's range is partial.
+void Utf8Sequences(uint32_t lo, uint32_t hi, std::vector<Re>* out) {
+  if (lo > hi) return;
+  if (lo <= 0xDFFF && hi >= 0xD800) {
+    if (lo < 0xD800) Utf8Sequences(lo, 0xD7FF, out);
+    if (hi > 0xDFFF) Utf8Sequences(0xE000, hi, out);
+    return;
+  }
+  for (uint32_t b : {0x7Fu, 0x7FFu, 0xFFFFu}) {
+    if (lo <= b && hi > b) {
+      Utf8Sequences(lo, b, out);
+      Utf8Sequences(b + 1, hi, out);
+      return;
+    }
+  }
+  const uint32_t n = Utf8Len(lo);
+  for (uint32_t k = 1; k < n; ++k) {
+    const uint32_t m = (1u << (6 * k)) - 1;
+    if ((lo & ~m) != (hi & ~m)) {
+      if ((lo & m) != 0) {
+        Utf8Sequences(lo, lo | m, out);
+        Utf8Sequences((lo | m) + 1, hi, out);
+        return;
+      }
+      if ((hi & m) != m) {
+        Utf8Sequences(lo, (hi & ~m) - 1, out);
+        Utf8Sequences(hi & ~m, hi, out);
+        return;
+      }
+    }
+  }
+  const std::vector<uint8_t> a = Encode(lo), b = Encode(hi);
+  std::vector<Re> bytes;
+  for (size_t k = 0; k < a.size(); ++k) bytes.push_back(Range(a[k], b[k]));
+  out->push_back(bytes.size() == 1 ? bytes[0] : Cat(std::move(bytes)));
+}
+
+// One character: an ASCII byte in `ascii` or a code point in `wide` (the grammar's strings
+// then drop the characters they never write: CompileRegex intersects with AnyText).
+Re Char(const ByteSet& ascii, const Ranges& wide) {
+  std::vector<Re> alts = {Set(ascii)};
+  for (const auto& [lo, hi] : wide) Utf8Sequences(lo, hi, &alts);
   return Alt(std::move(alts));
 }
+const Ranges kAllWide = {{0x80, kMaxCp}};
+
+// [0x80, kMaxCp] minus `r`.
+Ranges Complement(Ranges r) {
+  std::sort(r.begin(), r.end());
+  Ranges out;
+  uint32_t next = 0x80;
+  for (const auto& [lo, hi] : r) {
+    if (lo > next) out.push_back({next, lo - 1});
+    next = std::max(next, hi + 1);
+  }
+  if (next <= kMaxCp) out.push_back({next, kMaxCp});
+  return out;
+}
+
 ByteSet AsciiAll() {
   ByteSet s;
   for (int c = 0; c < 128; ++c) s.set(static_cast<size_t>(c));
   return s;
 }
-Re AnyChar() { return Char(AsciiAll(), true); }
+Re AnyChar() { return Char(AsciiAll(), kAllWide); }
+
+// The code point at the start of `s` (valid UTF-8 from the JSON text), its length in *n.
+uint32_t DecodeUtf8(std::string_view s, size_t* n) {
+  const uint8_t c = static_cast<uint8_t>(s[0]);
+  const size_t len = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+  uint32_t cp = len == 1 ? c : c & (0x3F >> (len - 1));
+  for (size_t k = 1; k < len && k < s.size(); ++k)
+    cp = (cp << 6) | (static_cast<uint8_t>(s[k]) & 0x3F);
+  *n = std::min(len, s.size());
+  return cp;
+}
 
 std::string Utf8(uint32_t cp) {
   std::string out;
@@ -199,7 +273,7 @@ class Parser {
         ByteSet a = AsciiAll();
         a.reset('\n');
         a.reset('\r');
-        return Char(a, true);
+        return Char(a, Complement({{0x2028, 0x2029}}));  // JavaScript's line terminators
       }
       case '[':
         return Class();
@@ -211,7 +285,7 @@ class Parser {
         std::string lit;
         if (!Escape(false, &set, &neg, &lit)) return Re{};
         if (!lit.empty()) return Bytes(lit);
-        return neg ? Char(AsciiAll() & ~set, true) : Set(set);
+        return neg ? Char(AsciiAll() & ~set, kAllWide) : Set(set);
       }
       case '*':
       case '+':
@@ -374,51 +448,51 @@ class Parser {
       ++i_;
     }
     ByteSet set;
-    bool first = true;
+    Ranges wide;
+    auto add = [&](uint32_t lo, uint32_t hi) {
+      for (uint32_t x = lo; x <= std::min(hi, 0x7Fu); ++x) set.set(x);
+      if (hi >= 0x80) wide.push_back({std::max(lo, 0x80u), hi});
+    };
     while (true) {
       if (i_ >= p_.size()) {
         Fail("missing ']'");
         return Re{};
       }
-      if (Peek() == ']' && !first) break;
-      if (Peek() == ']' && first) break;  // [] : empty class
-      first = false;
+      if (Peek() == ']') break;  // (first: [] is the empty class, as in JavaScript)
       // One member: a char (or escape), maybe the start of a range.
-      int lo = -1;
+      int64_t lo = -1;
       if (!Member(&set, &lo)) return Re{};
       if (lo >= 0 && i_ + 1 < p_.size() && Peek() == '-' && p_[i_ + 1] != ']') {
         ++i_;
-        int hi = -1;
+        int64_t hi = -1;
         ByteSet dummy;
         if (!Member(&dummy, &hi)) return Re{};
         if (hi < 0 || hi < lo) {
           Fail("bad class range");
           return Re{};
         }
-        for (int x = lo; x <= hi; ++x) set.set(static_cast<size_t>(x));
+        add(static_cast<uint32_t>(lo), static_cast<uint32_t>(hi));
       } else if (lo >= 0) {
-        set.set(static_cast<size_t>(lo));
+        add(static_cast<uint32_t>(lo), static_cast<uint32_t>(lo));
       }
     }
     ++i_;  // ']'
-    if (negated) return Char(AsciiAll() & ~set, true);
-    return Set(set);
+    if (negated) return Char(AsciiAll() & ~set, Complement(wide));
+    return Char(set, wide);
   }
 
-  // A class member: a single ASCII char (*single) or a class escape merged into `set`.
-  bool Member(ByteSet* set, int* single) {
-    const char c = p_[i_++];
-    if (c == '\\') {
+  // A class member: a single character (*single, its code point) or a class escape merged into
+  // `set`.
+  bool Member(ByteSet* set, int64_t* single) {
+    if (p_[i_] == '\\') {
+      ++i_;
       ByteSet s;
       bool neg = false;
       std::string lit;
       if (!Escape(true, &s, &neg, &lit)) return false;
       if (!lit.empty()) {
-        if (lit.size() != 1) {
-          Fail("non-ASCII character in a class is not supported");
-          return false;
-        }
-        *single = static_cast<uint8_t>(lit[0]);
+        size_t n = 0;
+        *single = DecodeUtf8(lit, &n);
         return true;
       }
       if (neg) {
@@ -428,11 +502,9 @@ class Parser {
       *set |= s;
       return true;
     }
-    if (static_cast<uint8_t>(c) >= 0x80) {
-      Fail("non-ASCII character in a class is not supported");
-      return false;
-    }
-    *single = static_cast<uint8_t>(c);
+    size_t n = 0;
+    *single = DecodeUtf8(p_.substr(i_), &n);
+    i_ += n;
     return true;
   }
 

@@ -5,13 +5,13 @@
 // `enum`, compiled to deterministic automata over bytes that the matcher steps one byte at a time.
 //
 // Regex subset (ECMA-262 syntax as JSON Schema uses it): literals (UTF-8 included), `.`, classes
-// `[...]` / `[^...]` with ranges (ASCII members; a negated class and `.` also match any non-ASCII
-// character), escapes \d \D \w \W \s \S \t \n \r \f \v \xHH \uHHHH (BMP) and escaped
-// punctuation, groups `(...)` `(?:...)` `(?<name>...)`, alternation, quantifiers * + ? {n} {n,}
-// {n,m} (lazy forms are the same language), anchors ^ and $ at the start / end of a top-level
-// alternative, and lookahead (?=...) / (?!...) right after a leading ^ (as zod's email pattern
-// uses). Backreferences, lookbehind, other lookaheads, \b, \p{...} are refused by name. Without
-// ^ / $ the pattern matches anywhere (JSON Schema semantics).
+// `[...]` / `[^...]` with ranges (any code points, as UTF-8 byte sequences), escapes \d \D \w \W \s
+// \S \t \n \r \f \v \xHH \uHHHH (BMP) and escaped punctuation, groups `(...)` `(?:...)`
+// `(?<name>...)`, alternation, quantifiers * + ? {n} {n,} {n,m} (lazy forms are the same language),
+// anchors ^ and $ at the start / end of a top-level alternative, and lookahead (?=...) / (?!...)
+// right after a leading ^ (as zod's email pattern uses). Backreferences, lookbehind, other
+// lookaheads, \b, \p{...} are refused by name. Without ^ / $ the pattern matches anywhere (JSON
+// Schema semantics).
 #include <array>
 #include <cstdint>
 #include <string>

@@ -117,6 +117,21 @@ bool ValidFormat(const std::string& format, const std::string& s) {
   return true;
 }
 
+// UTF-8 to code points, so that std::wregex sees characters, not bytes.
+std::wstring Wide(const std::string& s) {
+  std::wstring out;
+  for (size_t i = 0; i < s.size();) {
+    const unsigned char c = static_cast<unsigned char>(s[i]);
+    const size_t n = c < 0x80 ? 1 : c < 0xE0 ? 2 : c < 0xF0 ? 3 : 4;
+    uint32_t cp = n == 1 ? c : c & (0x3F >> (n - 1));
+    for (size_t k = 1; k < n && i + k < s.size(); ++k)
+      cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+    out.push_back(static_cast<wchar_t>(cp));
+    i += n;
+  }
+  return out;
+}
+
 class Validator {
  public:
   explicit Validator(const json& root) : root_(root) {}
@@ -162,8 +177,8 @@ class Validator {
       if (s.contains("maxLength") && Chars(str) > s["maxLength"].get<size_t>())
         return path + ": maxLength";
       if (s.contains("pattern") &&
-          !std::regex_search(str,
-                             std::regex(s["pattern"].get<std::string>(), std::regex::ECMAScript)))
+          !std::regex_search(Wide(str), std::wregex(Wide(s["pattern"].get<std::string>()),
+                                                    std::regex::ECMAScript)))
         return path + ": pattern " + str;
       if (s.contains("format") && !ValidFormat(s["format"], str)) return path + ": format " + str;
     }
@@ -545,7 +560,15 @@ TEST(SchemaKeywordsTest, PatternSubsetAndRefusals) {
   EXPECT_TRUE(Accepts(pat(R"(^[^"\\]{2}$)"), R"("é!")"));        // negated class: non-ASCII too
   EXPECT_TRUE(Accepts(pat(R"(^\w+\s\d{2,}$)"), R"("ab\t12")"));  // escaped tab matches \s
   EXPECT_TRUE(Accepts(pat(R"(^(?<y>\d{4})-\x41\u00e9$)"), "\"2024-A\xC3\xA9\""));
-  for (const char* bad : {R"((a)\1)", "(?<=a)b", "a(?=b)", R"(\bword)", R"(\p{L})", "[é]", "(a"}) {
+  // Non-ASCII classes: code point ranges as UTF-8 byte sequences.
+  EXPECT_TRUE(Accepts(pat("^[À-ÿ]+$"), R"("Çé")"));
+  EXPECT_FALSE(Accepts(pat("^[À-ÿ]+$"), R"("Ça")"));
+  EXPECT_TRUE(Accepts(pat("^[^a-zé]$"), R"("ü")"));
+  EXPECT_FALSE(Accepts(pat("^[^a-zé]$"), R"("é")"));
+  EXPECT_TRUE(Accepts(pat(R"(^[\u4e00-\u9fff]{2}$)"), R"("中文")"));
+  EXPECT_FALSE(Accepts(pat(R"(^[\u4e00-\u9fff]{2}$)"), R"("中a")"));
+  RandomWalks({{"type", "string"}, {"pattern", "^[a-zÀ-ÿ\u4e00-\u9fff]{1,6}$"}}, 20, 40, 8);
+  for (const char* bad : {R"((a)\1)", "(?<=a)b", "a(?=b)", R"(\bword)", R"(\p{L})", "(a", "a**"}) {
     auto g = Compile(
         json{{"type", "json_schema"}, {"schema", {{"type", "string"}, {"pattern", bad}}}}.dump());
     EXPECT_FALSE(g.ok()) << bad;
