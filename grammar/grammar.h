@@ -5,8 +5,9 @@
 // a named function, in the model's DSML tool-call format), a byte-level matcher over it, and the
 // per-step token mask over the tokenizer's vocabulary.
 //
-// The grammar is a small tree of nodes (literals, JSON strings, numbers, objects, arrays, anyOf,
-// sequences, free text up to a terminator). The matcher keeps a set of alternative stacks of
+// The grammar is a small graph of nodes (literals, JSON strings, numbers, objects, arrays, anyOf,
+// sequences, free text up to a terminator, and byte automata (automaton.h) for constrained
+// strings, bounded numbers and enums; $ref recursion makes it cyclic). The matcher keeps a set of alternative stacks of
 // frames (anyOf and the choice of the next key fork them; bytes that do not fit kill a stack), so
 // a prefix is valid iff some stack survives. The output is compact JSON (no whitespace).
 //
