@@ -7,9 +7,10 @@
 //
 // The grammar is a small graph of nodes (literals, JSON strings, numbers, objects, arrays, anyOf,
 // sequences, free text up to a terminator, and byte automata (automaton.h) for constrained
-// strings, bounded numbers and enums; $ref recursion makes it cyclic). The matcher keeps a set of alternative stacks of
-// frames (anyOf and the choice of the next key fork them; bytes that do not fit kill a stack), so
-// a prefix is valid iff some stack survives. The output is compact JSON (no whitespace).
+// strings, bounded numbers and enums; $ref recursion makes it cyclic). The matcher keeps a set
+// of alternative stacks of frames (anyOf and the choice of the next key fork them; bytes that do
+// not fit kill a stack), so a prefix is valid iff some stack survives. The output is compact JSON
+// (no whitespace).
 //
 // Termination: the mask also keeps the output completable within the tokens left: a token is
 // allowed only if the shortest completion after it (in bytes; every single byte is a token of a
