@@ -5,10 +5,12 @@
 // a named function, in the model's DSML tool-call format), a byte-level matcher over it, and the
 // per-step token mask over the tokenizer's vocabulary.
 //
-// The grammar is a small tree of nodes (literals, JSON strings, numbers, objects, arrays, anyOf,
-// sequences, free text up to a terminator). The matcher keeps a set of alternative stacks of
-// frames (anyOf and the choice of the next key fork them; bytes that do not fit kill a stack), so
-// a prefix is valid iff some stack survives. The output is compact JSON (no whitespace).
+// The grammar is a small graph of nodes (literals, JSON strings, numbers, objects, arrays, anyOf,
+// sequences, free text up to a terminator, and byte automata (automaton.h) for constrained
+// strings, bounded numbers and enums; $ref recursion makes it cyclic). The matcher keeps a set
+// of alternative stacks of frames (anyOf and the choice of the next key fork them; bytes that do
+// not fit kill a stack), so a prefix is valid iff some stack survives. The output is compact JSON
+// (no whitespace).
 //
 // Termination: the mask also keeps the output completable within the tokens left: a token is
 // allowed only if the shortest completion after it (in bytes; every single byte is a token of a
@@ -25,6 +27,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "grammar/automaton.h"
 
 namespace epd::grammar {
 
@@ -37,7 +40,9 @@ enum class NodeKind {
   kArray,
   kAnyOf,
   kSequence,
-  kUntil
+  kUntil,
+  kText,  // a JSON string whose decoded bytes a Dfa accepts (pattern / format / length)
+  kBytes  // bytes a Dfa accepts, ending where the Dfa cannot go on (bounded numbers, enum)
 };
 
 struct Node {
@@ -59,6 +64,10 @@ struct Node {
   int min_items = 0, max_items = -1;
   std::vector<int> children;  // kAnyOf alternatives / kSequence parts
   int64_t min_len = 0;        // bytes of the shortest complete match
+  // kText / kBytes: the automaton (Grammar::dfa). kText with a plain-text automaton may also
+  // count characters (min_chars / max_chars, -1 = unbounded) instead of a product automaton.
+  int dfa = -1;
+  int64_t min_chars = 0, max_chars = -1;
 };
 
 class Grammar {
@@ -66,10 +75,12 @@ class Grammar {
   const Node& node(int i) const { return nodes_[static_cast<size_t>(i)]; }
   int root() const { return root_; }
   size_t size() const { return nodes_.size(); }
+  const Dfa& dfa(int i) const { return dfas_[static_cast<size_t>(i)]; }
 
  private:
   friend class Builder;
   std::vector<Node> nodes_;
+  std::vector<Dfa> dfas_;
   int root_ = -1;
 };
 
@@ -79,11 +90,19 @@ class Grammar {
 //   {"type":"tool_calls","tools":[{"name":...,"parameters":{...}}],"parallel":bool}
 //                                                 a DSML tool-call block calling those tools
 //   optional "thinking": true                     free text up to </think> first
-// Schema subset: type object (properties, required, additionalProperties false), array (items,
-// minItems, maxItems), string, number, integer, boolean, null, enum, const, anyOf; type lists;
-// annotation keywords (title, description, default, examples, $schema, strict) are ignored.
+//   optional "strict": false                      best effort: keywords outside the subset
+//                                                 are ignored instead of refused
+// Schema subset (docs/api.md lists it): types and type lists, properties / required /
+// additionalProperties (false or true), items / minItems / maxItems, enum / const, anyOf /
+// oneOf (as anyOf) / allOf of one schema, $ref into the document ($defs, definitions, recursion
+// included), nullable, string minLength / maxLength / pattern (automaton.h's regex subset) /
+// format (date-time, date, time, duration, email, hostname, uuid, ipv4, ipv6, uri), number and
+// integer minimum / maximum / exclusiveMinimum / exclusiveMaximum / multipleOf; annotations
+// (title, description, default, examples, $schema, $id, $comment, readOnly, ...) are ignored.
 // Any other keyword is InvalidArgument naming it and where it is ("unsupported JSON schema
-// keyword 'pattern' at $.properties.id").
+// keyword 'not' at $.properties.id"). Every number the grammar admits parses to a finite double.
+// Limits (InvalidArgument beyond them): enum 1000 values (20000 bytes), 20000 states per
+// automaton, 200000 automaton states and 100000 nodes per grammar.
 absl::StatusOr<std::shared_ptr<const Grammar>> Compile(std::string_view constraint_json);
 
 // Compiled grammars by constraint text (bounded; the oldest entry goes first). Thread-safe.

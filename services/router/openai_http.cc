@@ -304,6 +304,9 @@ absl::Status ParseResponseFormat(const json& body, GenerateSpec* spec) {
                  "response_format.json_schema", "missing_required_parameter");
     }
     c = {{"type", "json_schema"}, {"schema", (*js)["schema"]}};
+    // strict false (OpenAI: the schema is guidance, not enforced): the grammar still enforces
+    // what it supports and ignores the keywords it does not, instead of refusing them.
+    if (const json* strict = Field(*js, "strict"); strict && *strict == false) c["strict"] = false;
   } else {
     return Bad("'response_format.type' must be text, json_object or json_schema",
                "response_format", "unsupported_value");
@@ -652,8 +655,13 @@ absl::StatusOr<std::string> ToolCallConstraint(const json& tools, const std::str
     }
     const std::string name = t["function"]["name"].get<std::string>();
     if (!only.empty() && name != only) continue;
-    list.push_back({{"name", name},
-                    {"parameters", t["function"].value("parameters", json::object())}});
+    json entry = {{"name", name},
+                  {"parameters", t["function"].value("parameters", json::object())}};
+    // function.strict false: best effort, as for response_format (docs/api.md).
+    if (t["function"].contains("strict") && t["function"]["strict"] == false) {
+      entry["strict"] = false;
+    }
+    list.push_back(std::move(entry));
   }
   if (list.empty()) {
     return Bad(only.empty() ? "no tool to call"

@@ -85,7 +85,9 @@ TEST_F(OpenAiApiTest, OfficialSdkModelsLogprobsStructuredOutputAndToolChoice) {
   if (!NodeReady()) GTEST_SKIP() << "node or tests/clients/node_modules missing";
   // models.retrieve + logprobs (openai_features_test.mjs), then structured output and forced
   // tool calls validated with ajv (openai_structured_test.mjs).
-  for (const char* script : {"openai_features_test.mjs", "openai_structured_test.mjs"}) {
+  // agents_structured_test.mjs: the Vercel AI SDK and LangChain with zod schemas (issue 54).
+  for (const char* script :
+       {"openai_features_test.mjs", "openai_structured_test.mjs", "agents_structured_test.mjs"}) {
     int rc = 0;
     const std::string out = RunNode(script, on, off, &rc);
     std::printf("--- %s\n%s", script, out.c_str());
