@@ -89,7 +89,7 @@ class TransferErrorMetric {
 };
 
 struct BulkEndpointOptions {
-  std::string cluster_token = "epd-dev";  // must equal the clients'
+  std::string cluster_token;  // the cluster secret (the clients' must equal it; docs/security.md)
   std::string net_devices;                // UCX_NET_DEVICES; empty = environment
   bool listener = false;                  // UCX listener (TCP) instead of worker address (shm)
   std::string listen_ip = "127.0.0.1";

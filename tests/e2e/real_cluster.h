@@ -205,6 +205,15 @@ class RealCluster {
   // The kvstore's metrics port (0 without a store).
   int kv_metrics() const { return kv_.metrics; }
   void KillKvStore() { kv_.proc.Signal(SIGKILL); }
+  // The kvstore's gRPC port (0 without a store).
+  int kv_grpc() const { return kv_.grpc; }
+  // Every process of the cluster, kvstore and router first.
+  std::vector<const Subprocess*> processes() const {
+    std::vector<const Subprocess*> out = {&router_.proc};
+    if (kv_.grpc > 0) out.insert(out.begin(), &kv_.proc);
+    for (const auto& p : owned_) out.push_back(&p->proc);
+    return out;
+  }
 
   // Every process's log, labelled.
   std::string Logs() {

@@ -221,7 +221,7 @@ TEST_F(EngineTest, HandshakeRefusesOtherClusterTokenWithoutLoggingIt) {
   Make({}, "fp", "secret-b");
   auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
   ASSERT_FALSE(peer.ok());
-  EXPECT_THAT(peer.status().message(), HasSubstr("cluster_token differs"));
+  EXPECT_THAT(peer.status().message(), HasSubstr("could not prove the cluster secret"));
   EXPECT_THAT(peer.status().message(), ::testing::Not(HasSubstr("secret-b")));
 }
 
@@ -344,8 +344,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         FaultCase{"drop_data", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kData, 3),
                   absl::StatusCode::kDeadlineExceeded, "has 0 of"},
-        // Control message 0 is the hello, 1 the offer: a dropped offer is never claimed.
-        FaultCase{"drop_offer", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kControl, 1),
+        // Control message 0 is the hello, 1 the handshake proof, 2 the offer: a dropped offer is
+        // never claimed.
+        FaultCase{"drop_offer", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kControl, 2),
                   absl::StatusCode::kDeadlineExceeded, "while expecting"},
         FaultCase{"delay_past_deadline",
                   Plan(FaultPlan::Action::kDelay, FaultPlan::Target::kData, 0, absl::Seconds(600)),
