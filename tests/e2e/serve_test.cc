@@ -98,7 +98,9 @@ TEST(ServeTest, EpdServeAnswersCurlAndTheOfficialOpenAiClient) {
     const std::string secret = EnvironOf(router_pid, "EPD_CLUSTER_SECRET");
     EXPECT_EQ(secret.size(), 64u) << "epd serve generates a 32-byte secret for its children";
     for (const std::string& cmdline : AllCommandLines()) {
-      if (!secret.empty()) EXPECT_EQ(cmdline.find(secret), std::string::npos) << cmdline;
+      if (!secret.empty()) {
+        EXPECT_EQ(cmdline.find(secret), std::string::npos) << cmdline;
+      }
       EXPECT_EQ(cmdline.find("node-key"), std::string::npos) << cmdline;
     }
     // What the processes write is their owner's only (umask 077).
