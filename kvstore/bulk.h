@@ -2,7 +2,7 @@
 
 // The UCX bulk path of epd-kvstore (docs/kvstore.md "Bulk path"). gRPC stays the control plane;
 // the value bytes move through the project's transfer engine (transfer/: KvTransport over
-// UCX, one-segment manifests with an xxHash3 checksum, the cluster-token handshake).
+// UCX, one-segment manifests with an xxHash3 checksum, the cluster-secret handshake).
 //
 //  put: client Send(offer, request id R, n bytes) -> Put rpc {bulk: R, n} -> the daemon
 //       Receive()s R into a private engine buffer, the engine checks length and checksum, the

@@ -21,6 +21,7 @@
 #include "runtime/grpc_auth.h"
 #include "tests/e2e/real_cluster.h"
 #include "tests/testing/nano_model.h"
+#include "tests/testing/subprocess.h"
 #include "transfer/ucx_wire.h"
 #include "transfer/wire.h"
 
@@ -318,6 +319,23 @@ TEST_F(OutsiderE2ETest, EveryInternalPlaneRefusesAStrangerAndTheSecretNeverCross
   EXPECT_EQ(g.ids.size(), 4u);
   const std::string logs = c.Logs();
   EXPECT_EQ(logs.find(Secret()), std::string::npos) << "a log holds the secret";
+}
+
+// No built-in secret: a binary started without one (or with a short one) refuses to start and
+// says how to give one.
+TEST(OutsiderTest, ABinaryWithoutAClusterSecretRefusesToStart) {
+  testing::TempDir dir;
+  for (const std::string& secret : {std::string(), std::string("short")}) {
+    testing::Subprocess kv = testing::Subprocess::Start(
+        {testing::BinaryPath("epd-kvstore"), "--data-dir", dir.File("kv"), "--grpc-port", "0",
+         "--metrics-port", "0"},
+        dir.File("kv.log"), {{"EPD_CLUSTER_SECRET", secret}});
+    const std::optional<int> rc = kv.Wait(std::chrono::seconds(20));
+    ASSERT_TRUE(rc.has_value()) << kv.ReadLog();
+    EXPECT_NE(*rc, 0);
+    EXPECT_NE(kv.ReadLog().find("--cluster-secret-file"), std::string::npos) << kv.ReadLog();
+    EXPECT_NE(kv.ReadLog().find("$EPD_CLUSTER_SECRET"), std::string::npos) << kv.ReadLog();
+  }
 }
 
 }  // namespace
