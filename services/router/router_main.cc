@@ -300,8 +300,11 @@ int main(int argc, char** argv) {
   if (!hport.ok()) return Fail(hport.status());
   runtime.metrics_server().SetHealth([&core] {
     bool serving = false;
-    // Liveness stays healthy without workers; readiness is the HTTP port's /health.
-    return epd::runtime::HealthReport{true, r::RouterHealthJson(core, &serving)};
+    r::RouterHealthJson(core, &serving);
+    // Liveness stays healthy without workers; readiness is the HTTP port's /health. The metrics
+    // port checks no key, so it says only live/ready: the workers' addresses and load are on the
+    // HTTP port's /health, behind the API key (docs/security.md).
+    return epd::runtime::HealthReport{true, serving ? "{\"serving\":true}" : "{\"serving\":false}"};
   });
   runtime.PublishPort("grpc", *gport);
   if (grpc_server.worker_port() > 0) runtime.PublishPort("worker_grpc", grpc_server.worker_port());
