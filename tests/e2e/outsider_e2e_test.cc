@@ -12,6 +12,7 @@
 #include <deque>
 #include <mutex>
 #include <string>
+#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "common/cluster_secret.h"
@@ -335,6 +336,34 @@ TEST(OutsiderTest, ABinaryWithoutAClusterSecretRefusesToStart) {
     EXPECT_NE(*rc, 0);
     EXPECT_NE(kv.ReadLog().find("--cluster-secret-file"), std::string::npos) << kv.ReadLog();
     EXPECT_NE(kv.ReadLog().find("$EPD_CLUSTER_SECRET"), std::string::npos) << kv.ReadLog();
+  }
+}
+
+// The router owns request identity (docs/security.md): a client's gRPC request_id is only a
+// label, so two requests that run at once through encoder -> prefill -> decode with the same one
+// (hand-offs, worker jobs and cancels are keyed by the internal id) each get their own output,
+// the one each gets alone.
+TEST_F(OutsiderE2ETest, TwoConcurrentRequestsWithTheSameGrpcRequestIdEachGetTheirOwnOutput) {
+  testing::RealCluster c({.model_dir = testing::NanoModelDirTest::model_dir()});
+  ASSERT_GT(c.grpc_port(), 0);
+  const std::vector<int32_t> pa = Prompt(300, 3), pb = Prompt(280, 4);
+  const testing::Generation want_a = Generate(c.grpc_port(), pa, 24);
+  const testing::Generation want_b = Generate(c.grpc_port(), pb, 24);
+  ASSERT_TRUE(want_a.status.ok()) << want_a.status.error_message() << c.Logs();
+  ASSERT_TRUE(want_b.status.ok()) << want_b.status.error_message();
+  ASSERT_NE(want_a.ids, want_b.ids);
+  for (int round = 0; round < 2; ++round) {
+    testing::Generation a, b;
+    testing::GenerateOptions o;
+    o.request_id = "same-id";
+    std::thread ta([&] { a = Generate(c.grpc_port(), pa, 24, o); });
+    std::thread tb([&] { b = Generate(c.grpc_port(), pb, 24, o); });
+    ta.join();
+    tb.join();
+    EXPECT_TRUE(a.status.ok()) << a.status.error_message() << c.Logs();
+    EXPECT_TRUE(b.status.ok()) << b.status.error_message();
+    EXPECT_EQ(a.ids, want_a.ids) << "round " << round;
+    EXPECT_EQ(b.ids, want_b.ids) << "round " << round;
   }
 }
 

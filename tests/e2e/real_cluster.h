@@ -249,6 +249,8 @@ struct GenerateOptions {
   std::chrono::seconds deadline{60};
   // Runs once, after the first chunk that carries tokens (e.g. to signal a worker mid-stream).
   std::function<void()> on_first;
+  // The client's request_id (a label: the router makes its own internal id). Empty: none.
+  std::string request_id;
 };
 
 // One Generate RPC for model "epd-nano" to the router's gRPC `port`, read to the end.
@@ -264,6 +266,7 @@ inline Generation Generate(int port, const std::vector<int32_t>& prompt, int max
   req.mutable_sampling()->set_temperature(options.temperature);
   if (options.seed) req.mutable_sampling()->set_seed(*options.seed);
   req.mutable_sampling()->set_max_tokens(max_tokens);
+  if (!options.request_id.empty()) req.set_request_id(options.request_id);
   auto reader = stub->Generate(&ctx, req);
   Generation g;
   epd::v1::GenerateResponse m;

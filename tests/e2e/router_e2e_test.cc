@@ -569,8 +569,9 @@ TEST(RouterE2ETest, AMissingApiKeyGets401BeforeTheBodyIsRead) {
   EXPECT_FALSE(health.contains("pools")) << health.dump();
 }
 
-// The router owns request identity: a client's gRPC request_id is only a label, so two requests
-// running at once with the same one each get their own output (and their own worker jobs).
+// The router owns request identity: a client's gRPC request_id is only a label, echoed as given
+// on each of two requests that run at once with it (fake workers: the collision of hand-offs that
+// real workers would show is OutsiderE2ETest.TwoConcurrentRequestsWithTheSameGrpcRequestId...).
 TEST(RouterE2ETest, TwoConcurrentGrpcRequestsWithTheSameRequestIdEachGetTheirOwnOutput) {
   RouterCluster c;
   ASSERT_NE(c.AddWorker("decode", "d0", {"--token-interval-ms", "40"}), nullptr);
