@@ -207,6 +207,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
+    set_str("api_key_file", "--api-key-file", &o->api_key_file);
     set_str("dspark", "--dspark", &o->dspark);
     set_str("device", "--device", &o->device);
     set_str("step_graphs", "--step-graphs", &o->step_graphs);

@@ -72,7 +72,7 @@ struct ServeOptions {
 void AddServeFlags(CLI::App& app, ServeOptions* options);
 
 // Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
-// encoders, prefills, decodes, context_length, swa_ttl_minutes, global_ttl_hours, api_key,
+// encoders, prefills, decodes, context_length, swa_ttl_minutes, global_ttl_hours, api_key, api_key_file,
 // dspark, dspark_k, device, tls_cert, tls_key); flags given on the command line win.
 absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
 
