@@ -1,5 +1,7 @@
 #include "kvstore/bulk.h"
 
+#include "common/cluster_secret.h"
+
 #include <spdlog/spdlog.h>
 #include <xxhash.h>
 
@@ -106,7 +108,11 @@ absl::StatusOr<std::unique_ptr<KvBulkEndpoint>> KvBulkEndpoint::Create(
   }
   transfer::EngineOptions eo;
   eo.config_fingerprint = kBulkFingerprint;
-  eo.cluster_token = options.cluster_token;
+  eo.cluster_token =
+      options.cluster_token.empty() ? common::ClusterSecretFromEnv() : options.cluster_token;
+  if (eo.cluster_token.empty())
+    return absl::FailedPreconditionError(
+        "kvstore bulk endpoint: no cluster secret (--cluster-secret-file or $EPD_CLUSTER_SECRET)");
   eo.node_name = "epd-kvstore";
   eo.pool_bytes = kBulkPoolBytes;
   // Puts: an offer is received as soon as it arrives (usually before its Put rpc), bounded by

@@ -2,7 +2,7 @@
 
 // The UCX bulk path of epd-kvstore (docs/kvstore.md "Bulk path"). gRPC stays the control plane;
 // the value bytes move through the project's transfer engine (transfer/: KvTransport over
-// UCX, one-segment manifests with an xxHash3 checksum, the cluster-token handshake).
+// UCX, one-segment manifests with an xxHash3 checksum, the cluster-secret handshake).
 //
 //  put: client Send(offer, request id R, n bytes) -> Put rpc {bulk: R, n} -> the daemon
 //       Receive()s R into a private engine buffer, the engine checks length and checksum, the
@@ -89,7 +89,7 @@ class TransferErrorMetric {
 };
 
 struct BulkEndpointOptions {
-  std::string cluster_token = "epd-dev";  // must equal the clients'
+  std::string cluster_token;  // the cluster secret (the clients' must equal it; docs/security.md)
   std::string net_devices;                // UCX_NET_DEVICES; empty = environment
   bool listener = false;                  // UCX listener (TCP) instead of worker address (shm)
   std::string listen_ip = "127.0.0.1";

@@ -1,5 +1,8 @@
 #include "kvstore/kvstore_client.h"
 
+#include "common/cluster_secret.h"
+#include "runtime/grpc_auth.h"
+
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -279,10 +282,7 @@ class KvStoreClient::Impl {
     transfer::EngineOptions eo;
     eo.config_fingerprint = kBulkFingerprint;
     eo.cluster_token = options_.cluster_token;
-    if (eo.cluster_token.empty()) {
-      const char* t = std::getenv("EPD_CLUSTER_TOKEN");
-      eo.cluster_token = t != nullptr ? t : "epd-dev";
-    }
+    if (eo.cluster_token.empty()) eo.cluster_token = common::ClusterSecretFromEnv();
     eo.node_name = "kvstore-client";
     eo.pool_bytes = kBulkPoolBytes;
     // A fault-injecting client gets an engine of its own; the others share one per process.
@@ -334,7 +334,12 @@ std::unique_ptr<KvStoreClient> KvStoreClient::Create(const std::string& target,
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(options.max_message_bytes);
   args.SetMaxSendMessageSize(options.max_message_bytes);
-  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  // Every call proves the cluster secret (runtime/grpc_auth.h); the UCX handshake too.
+  if (options.cluster_token.empty()) options.cluster_token = common::ClusterSecretFromEnv();
+  if (options.cluster_token.empty())
+    spdlog::error("kvstore client: no cluster secret (--cluster-secret-file or "
+                  "$EPD_CLUSTER_SECRET); the daemon will refuse every call");
+  auto channel = runtime::CreateClusterChannel(target, options.cluster_token, args);
   // Start connecting now, so the first call (the router's has a 200 ms deadline) does not pay
   // for the TCP + HTTP/2 handshake.
   channel->GetState(/*try_to_connect=*/true);

@@ -62,8 +62,8 @@ struct KvClientOptions {
   // or when the daemon cannot map it. Default: on
   bool shared_memory = true;
   uint64_t bulk_min_bytes = 64 << 10;  // kUcx: smaller values stay inline. Default: 64 KiB
-  // kUcx: the transfer handshake's shared secret (must equal the daemon's --cluster-token).
-  // Empty = $EPD_CLUSTER_TOKEN, else "epd-dev".
+  // The cluster secret: every gRPC call and the UCX handshake prove it (docs/security.md).
+  // Empty = the environment's (common/cluster_secret.h); no default.
   std::string cluster_token;
   std::string ucx_net_devices;  // kUcx: UCX_NET_DEVICES; empty = environment
   // kUcx against a daemon started with --ucx-listener: the IP this client's UCX listener binds

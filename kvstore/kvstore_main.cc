@@ -60,9 +60,6 @@ int main(int argc, char** argv) {
   epd::kvstore::BulkEndpointOptions bulk_options;
   app.add_option("--bulk", bulk, "Bulk value path: ucx (UCX endpoint, advertised by Hello) or off")
       ->check(CLI::IsMember({"ucx", "off"}));
-  app.add_option("--cluster-token", bulk_options.cluster_token,
-                 "Shared secret of the UCX transfer handshake (default: $EPD_CLUSTER_TOKEN or "
-                 "epd-dev)");
   app.add_option("--ucx-net-devices", bulk_options.net_devices,
                  "UCX_NET_DEVICES of the bulk endpoint (default: environment)");
   app.add_flag("--ucx-listener", bulk_options.listener,
@@ -76,9 +73,6 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"none", "corrupt", "truncate", "delay"}));
   CLI11_PARSE(app, argc, argv);
   signal(SIGPIPE, SIG_IGN);
-  if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
-      t != nullptr && app.count("--cluster-token") == 0)
-    bulk_options.cluster_token = t;
   bulk_options.deadline = absl::Milliseconds(bulk_deadline_ms);
   bulk_options.listen_ip = runtime_options.host;
   if (debug_bulk_fault != "none") {
@@ -102,6 +96,9 @@ int main(int argc, char** argv) {
     std::cerr << "epd-kvstore: " << s.message() << "\n";
     return 1;
   }
+  // The UCX handshake and every gRPC call prove the cluster secret (docs/security.md).
+  bulk_options.cluster_token = runtime.cluster_secret();
+  service_options.cluster_secret = runtime.cluster_secret();
   auto store =
       epd::kvstore::KvStore::Open(config, epd::common::SystemClock::Get(), runtime.registry());
   if (!store.ok()) {

@@ -1,5 +1,7 @@
 #include "kvstore/kvstore_service.h"
 
+#include "common/cluster_secret.h"
+
 #include <grpcpp/grpcpp.h>
 
 #include <algorithm>
@@ -88,6 +90,8 @@ Tier FromProto(v1::Tier tier) {
 KvStoreServiceImpl::KvStoreServiceImpl(KvStore& store, KvServiceOptions options)
     : store_(store),
       options_(options),
+      auth_(options.cluster_secret.empty() ? common::ClusterSecretFromEnv()
+                                           : options.cluster_secret),
       host_id_(HostId()),
       segments_(std::make_unique<PeerSegmentCache>(
           /*max_entries=*/64, std::chrono::milliseconds(500),
@@ -95,8 +99,9 @@ KvStoreServiceImpl::KvStoreServiceImpl(KvStore& store, KvServiceOptions options)
 
 KvStoreServiceImpl::~KvStoreServiceImpl() = default;
 
-grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequest*,
+grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext* ctx, const v1::HelloRequest*,
                                        v1::HelloResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Hello"); !a.ok()) return a;
   if (options_.bulk != nullptr) {
     resp->set_transfer_address(options_.bulk->address());
     resp->set_transfer_fingerprint(kBulkFingerprint);
@@ -106,8 +111,9 @@ grpc::Status KvStoreServiceImpl::Hello(grpc::ServerContext*, const v1::HelloRequ
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::Lookup(grpc::ServerContext*, const v1::LookupRequest* req,
+grpc::Status KvStoreServiceImpl::Lookup(grpc::ServerContext* ctx, const v1::LookupRequest* req,
                                         v1::LookupResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Lookup"); !a.ok()) return a;
   std::vector<BlockHash> hashes;
   hashes.reserve(req->chain_hashes_size());
   for (const std::string& h : req->chain_hashes()) {
@@ -125,8 +131,9 @@ grpc::Status KvStoreServiceImpl::Lookup(grpc::ServerContext*, const v1::LookupRe
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext*, const v1::GetRequest* req,
+grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext* ctx, const v1::GetRequest* req,
                                      v1::GetResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Get"); !a.ok()) return a;
   // A bulk get has the store copy the hit straight into an engine buffer (no intermediate string),
   // which then goes to the client as it is.
   const bool bulk = req->has_bulk() && options_.bulk != nullptr;
@@ -172,8 +179,9 @@ grpc::Status KvStoreServiceImpl::Get(grpc::ServerContext*, const v1::GetRequest*
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext*, const v1::PutRequest* req,
+grpc::Status KvStoreServiceImpl::Put(grpc::ServerContext* ctx, const v1::PutRequest* req,
                                      v1::PutResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Put"); !a.ok()) return a;
   prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
   in_flight.Increment();
   std::unique_ptr<transfer::TransferBuffer> bulk_bytes;
@@ -222,8 +230,9 @@ std::shared_ptr<MappedPeerSegment> KvStoreServiceImpl::MapSegment(const v1::ShmS
   return *std::move(seg);
 }
 
-grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchGetRequest* req,
+grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext* ctx, const v1::BatchGetRequest* req,
                                           v1::BatchGetResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/BatchGet"); !a.ok()) return a;
   store_.metrics().batch_calls(false).Increment();
   store_.metrics().batch_keys(false).Increment(req->keys_size());
   const Tier tier = FromProto(req->tier());
@@ -288,8 +297,9 @@ grpc::Status KvStoreServiceImpl::BatchGet(grpc::ServerContext*, const v1::BatchG
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext*, const v1::BatchPutRequest* req,
+grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext* ctx, const v1::BatchPutRequest* req,
                                           v1::BatchPutResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/BatchPut"); !a.ok()) return a;
   store_.metrics().batch_calls(true).Increment();
   store_.metrics().batch_keys(true).Increment(req->items_size());
   prometheus::Gauge& in_flight = store_.metrics().puts_in_flight();
@@ -340,16 +350,18 @@ grpc::Status KvStoreServiceImpl::BatchPut(grpc::ServerContext*, const v1::BatchP
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::Pin(grpc::ServerContext*, const v1::PinRequest* req,
+grpc::Status KvStoreServiceImpl::Pin(grpc::ServerContext* ctx, const v1::PinRequest* req,
                                      v1::PinResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Pin"); !a.ok()) return a;
   auto r = store_.Pin(req->key(), req->pin());
   if (!r.ok()) return ToGrpc(r.status());
   resp->set_found(*r);
   return grpc::Status::OK;
 }
 
-grpc::Status KvStoreServiceImpl::Stats(grpc::ServerContext*, const v1::StatsRequest*,
+grpc::Status KvStoreServiceImpl::Stats(grpc::ServerContext* ctx, const v1::StatsRequest*,
                                        v1::StatsResponse* resp) {
+  if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.KvStore/Stats"); !a.ok()) return a;
   for (const TierStats& t : store_.Stats()) {
     auto* out = resp->add_tiers();
     out->set_tier(ToProto(t.tier));
@@ -367,6 +379,11 @@ absl::StatusOr<std::unique_ptr<KvStoreServer>> KvStoreServer::Start(KvStore& sto
                                                                     int port,
                                                                     KvServiceOptions options,
                                                                     int max_message_bytes) {
+  if (options.cluster_secret.empty()) {
+    auto secret = common::LoadClusterSecret();
+    if (!secret.ok()) return absl::FailedPreconditionError(absl::StrCat("kvstore: ", secret.status().message()));
+    options.cluster_secret = *secret;
+  }
   std::unique_ptr<KvStoreServer> server(new KvStoreServer());
   server->service_ = std::make_unique<KvStoreServiceImpl>(store, options);
   grpc::ServerBuilder builder;

@@ -10,6 +10,7 @@
 #include "absl/status/statusor.h"
 #include "epd/v1/kvstore.grpc.pb.h"
 #include "kvstore/kvstore.h"
+#include "runtime/grpc_auth.h"
 
 namespace grpc {
 class Server;
@@ -27,6 +28,9 @@ struct KvServiceOptions {
   int debug_put_delay_ms = 0;
   // The UCX bulk endpoint (must outlive the service); null = inline only.
   KvBulkEndpoint* bulk = nullptr;
+  // The cluster secret every call must prove (runtime/grpc_auth.h). Empty: the environment's
+  // (common/cluster_secret.h); none there either: Start fails.
+  std::string cluster_secret;
 };
 
 v1::Tier ToProto(Tier tier);
@@ -59,6 +63,7 @@ class KvStoreServiceImpl final : public v1::KvStore::Service {
 
   KvStore& store_;
   KvServiceOptions options_;
+  runtime::ClusterAuthChecker auth_;
   std::string host_id_;
   std::unique_ptr<PeerSegmentCache> segments_;
 };

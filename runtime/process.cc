@@ -4,9 +4,12 @@
 #include <chrono>
 #include <fstream>
 
+#include <sys/stat.h>
+
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "common/cluster_secret.h"
 #include "prometheus/gauge.h"
 #include "runtime/logging.h"
 #include "runtime/shutdown.h"
@@ -21,6 +24,9 @@ void AddRuntimeFlags(CLI::App& app, RuntimeOptions* o) {
       ->check(CLI::IsMember({"trace", "debug", "info", "warn", "error", "off"}));
   app.add_option("--drain-timeout-ms", o->drain_timeout_ms, "Time to finish work after SIGTERM");
   app.add_option("--port-file", o->port_file, "Write the bound ports here as JSON");
+  app.add_option("--cluster-secret-file", o->cluster_secret_file,
+                 "File holding the cluster secret every internal plane authenticates with "
+                 "(default: $EPD_CLUSTER_SECRET_FILE, $EPD_CLUSTER_SECRET; docs/security.md)");
 }
 
 ProcessRuntime::ProcessRuntime(std::string process_name, RuntimeOptions options)
@@ -32,6 +38,14 @@ ProcessRuntime::ProcessRuntime(std::string process_name, RuntimeOptions options)
 ProcessRuntime::~ProcessRuntime() { metrics_->Stop(); }
 
 absl::Status ProcessRuntime::Start() {
+  umask(077);
+  auto secret = common::LoadClusterSecret(options_.cluster_secret_file);
+  if (!secret.ok()) return secret.status();
+  cluster_secret_ = std::move(*secret);
+  // The libraries of this process that find the secret in the environment (the kvstore client,
+  // the router's worker client) see the one a --cluster-secret-file named. The environment of a
+  // process is readable by its owner only (/proc/PID/environ is 0400), never on a command line.
+  setenv("EPD_CLUSTER_SECRET", cluster_secret_.c_str(), 1);
   if (auto s = InitLogging(name_, options_.log_level); !s.ok()) return s;
   InstallShutdownHandlers();
   prometheus::BuildGauge()

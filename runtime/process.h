@@ -21,9 +21,13 @@ struct RuntimeOptions {
   std::string log_level = "info";  // Default: info
   int drain_timeout_ms = 10000;    // Default: 10 s to finish running work after SIGTERM
   std::string port_file;           // Default: none. If set, the bound ports are written here
+  // The cluster secret's file (common/cluster_secret.h, docs/security.md). Default: none, then
+  // $EPD_CLUSTER_SECRET_FILE, $EPD_CLUSTER_SECRET, $EPD_CLUSTER_TOKEN; none of them: Start fails.
+  std::string cluster_secret_file;
 };
 
-// Registers --host, --metrics-port, --log-level, --drain-timeout-ms, --port-file on `app`.
+// Registers --host, --metrics-port, --log-level, --drain-timeout-ms, --port-file,
+// --cluster-secret-file on `app`.
 void AddRuntimeFlags(CLI::App& app, RuntimeOptions* options);
 
 // Owns the registry and the metrics endpoint of one process. Not copyable; one per process.
@@ -32,8 +36,12 @@ class ProcessRuntime {
   ProcessRuntime(std::string process_name, RuntimeOptions options);
   ~ProcessRuntime();
 
-  // Initialises logging, installs SIGTERM/SIGINT handlers, starts /metrics and /health.
+  // Sets umask 077 (the files and sockets the process makes are its owner's only), loads the
+  // cluster secret (an error naming --cluster-secret-file / $EPD_CLUSTER_SECRET without one),
+  // initialises logging, installs SIGTERM/SIGINT handlers, starts /metrics and /health.
   absl::Status Start();
+  // The cluster secret (after Start). Never log it.
+  const std::string& cluster_secret() const { return cluster_secret_; }
 
   prometheus::Registry& registry() { return *registry_; }
   std::shared_ptr<prometheus::Registry> shared_registry() { return registry_; }
@@ -50,6 +58,7 @@ class ProcessRuntime {
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<MetricsServer> metrics_;
   std::string ports_json_;
+  std::string cluster_secret_;
 };
 
 }  // namespace epd::runtime

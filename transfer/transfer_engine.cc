@@ -15,6 +15,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "common/cluster_secret.h"
 #include "common/hash.h"
 #define XXH_INLINE_ALL
 #include <xxhash.h>
@@ -27,7 +28,16 @@
 namespace epd::transfer {
 
 // 2: checksums computed while the bytes move (TransferOffer.checksums_follow + TransferSeal).
-constexpr uint32_t kProtocolVersion = 2;
+// 3: the mutual HMAC handshake (the secret no longer travels in TransferHello).
+constexpr uint32_t kProtocolVersion = 3;
+constexpr size_t kNonceBytes = 32;
+
+// What each side's proof covers (proto/epd/v1/transfer.proto, docs/security.md): the role keeps a
+// reflected proof from passing as the other side's; both nonces make each proof single-use.
+std::string HandshakeTranscript(absl::string_view role, absl::string_view nonce_c,
+                                absl::string_view nonce_s, absl::string_view fingerprint) {
+  return absl::StrCat("epd-transfer-v3\n", role, "\n", nonce_c, nonce_s, fingerprint);
+}
 // The checksum threads hash at most this many bytes per step (then look at the transfer again).
 constexpr uint64_t kHashStep = 1ull << 20;
 
@@ -277,7 +287,10 @@ struct TransferEngine::Peer {
   int64_t pid = 0;         // nonzero when the peer runs on this host (same host id)
   int64_t pid_start = 0;   // that process's start ticks, from the first liveness probe
   int64_t refused_ns = 0;  // inbound handshake refused at (real monotonic ns)
+  int64_t hello_ns = 0;    // inbound: our challenge sent at (real monotonic ns)
   bool outbound = false;
+  bool awaiting_proof = false;  // inbound: challenge sent, the connecting side's proof not yet in
+  std::string nonce_c, nonce_s;  // the handshake's nonces (connecting side, accepting side)
   State state = State::kHandshaking;
   std::string error;
   TransportKind kind = TransportKind::kLoopback;
@@ -444,10 +457,11 @@ absl::StatusOr<PeerId> TransferEngine::Connect(absl::string_view address, absl::
   p->id = *peer;
   p->outbound = true;
   p->kind = wire_->PeerKind(*peer);
+  p->nonce_c = common::RandomBytes(kNonceBytes);
   epd::v1::TransferControl hello;
   hello.mutable_hello()->set_protocol_version(kProtocolVersion);
   hello.mutable_hello()->set_config_fingerprint(options_.config_fingerprint);
-  hello.mutable_hello()->set_cluster_token(options_.cluster_token);
+  hello.mutable_hello()->set_nonce(p->nonce_c);
   hello.mutable_hello()->set_node_name(options_.node_name);
   hello.mutable_hello()->set_pid(getpid());
   hello.mutable_hello()->set_host_id(HostId());
@@ -954,12 +968,42 @@ void TransferEngine::OnControl(PeerId peer, std::string bytes) {
       HandleHello(peer, msg.hello());
       return;
     case epd::v1::TransferControl::kHelloReply:
-      if (p->state == Peer::State::kHandshaking) {
-        p->state = msg.hello_reply().accepted() ? Peer::State::kReady : Peer::State::kRefused;
-        if (!msg.hello_reply().host_id().empty() && msg.hello_reply().host_id() == HostId() &&
-            msg.hello_reply().pid() != getpid())
-          p->pid = msg.hello_reply().pid();
-        p->error = msg.hello_reply().error();
+      if (p->state == Peer::State::kHandshaking && p->outbound && p->nonce_s.empty()) {
+        const auto& r = msg.hello_reply();
+        if (!r.accepted()) {
+          p->state = Peer::State::kRefused;
+          p->error = r.error();
+        } else if (r.nonce().size() != kNonceBytes ||
+                   !common::ConstantTimeEquals(
+                       r.proof(), common::HmacSha256(options_.cluster_token,
+                                                     HandshakeTranscript("server", p->nonce_c,
+                                                                         r.nonce(),
+                                                                         options_.config_fingerprint)))) {
+          // The accepting side does not know the cluster secret: it learns nothing from us.
+          p->state = Peer::State::kRefused;
+          p->error = "the peer could not prove the cluster secret (values not logged)";
+          metrics_->AddHandshakeRefused("cluster_secret");
+        } else {
+          p->nonce_s = r.nonce();
+          if (!r.host_id().empty() && r.host_id() == HostId() && r.pid() != getpid())
+            p->pid = r.pid();
+          epd::v1::TransferControl proof;
+          proof.mutable_hello_proof()->set_proof(common::HmacSha256(
+              options_.cluster_token, HandshakeTranscript("client", p->nonce_c, p->nonce_s,
+                                                          options_.config_fingerprint)));
+          SendControl(peer, proof);
+          return;  // kHandshaking until TransferHelloDone
+        }
+        cv_.notify_all();
+      }
+      return;
+    case epd::v1::TransferControl::kHelloProof:
+      HandleHelloProof(peer, msg.hello_proof());
+      return;
+    case epd::v1::TransferControl::kHelloDone:
+      if (p->state == Peer::State::kHandshaking && p->outbound && !p->nonce_s.empty()) {
+        p->state = msg.hello_done().accepted() ? Peer::State::kReady : Peer::State::kRefused;
+        p->error = msg.hello_done().error();
         cv_.notify_all();
       }
       return;
@@ -1004,19 +1048,30 @@ void TransferEngine::HandleHello(PeerId peer, const epd::v1::TransferHello& hell
     error = absl::StrCat("config_fingerprint differs (ours ", options_.config_fingerprint,
                          ", theirs ", hello.config_fingerprint(), ")");
     reason = "config_fingerprint";
-  } else if (hello.cluster_token() != options_.cluster_token) {
-    error = "cluster_token differs (values not logged)";
-    reason = "cluster_token";
+  } else if (hello.nonce().size() != kNonceBytes) {
+    error = "nonce missing or of the wrong size";
+    reason = "cluster_secret";
+  } else if (p.outbound || p.state != Peer::State::kHandshaking || p.awaiting_proof) {
+    error = "a second hello on one connection";
+    reason = "cluster_secret";
   }
-  if (!hello.host_id().empty() && hello.host_id() == HostId() && hello.pid() != getpid())
-    p.pid = hello.pid();
   epd::v1::TransferControl reply;
   reply.mutable_hello_reply()->set_accepted(error.empty());
   reply.mutable_hello_reply()->set_error(error);
   reply.mutable_hello_reply()->set_pid(getpid());
   reply.mutable_hello_reply()->set_host_id(HostId());
   if (error.empty()) {
-    p.state = Peer::State::kReady;
+    // Our challenge and our proof; the connection is only ready once theirs checks out.
+    if (!hello.host_id().empty() && hello.host_id() == HostId() && hello.pid() != getpid())
+      p.pid = hello.pid();
+    p.nonce_c = hello.nonce();
+    p.nonce_s = common::RandomBytes(kNonceBytes);
+    p.awaiting_proof = true;
+    p.hello_ns = common::SystemClock::Get().NowMonoNs();
+    reply.mutable_hello_reply()->set_nonce(p.nonce_s);
+    reply.mutable_hello_reply()->set_proof(common::HmacSha256(
+        options_.cluster_token,
+        HandshakeTranscript("server", p.nonce_c, p.nonce_s, options_.config_fingerprint)));
     SendControl(peer, reply);
     return;
   }
@@ -1029,6 +1084,33 @@ void TransferEngine::HandleHello(PeerId peer, const epd::v1::TransferHello& hell
   // The refused side closes the connection once it has read the reason; Tick closes it here if
   // it does not within a few seconds.
   SendControl(peer, reply);
+}
+
+void TransferEngine::HandleHelloProof(PeerId peer, const epd::v1::TransferHelloProof& proof) {
+  Peer& p = *peers_[peer];
+  epd::v1::TransferControl done;
+  if (p.awaiting_proof && p.state == Peer::State::kHandshaking &&
+      common::ConstantTimeEquals(
+          proof.proof(), common::HmacSha256(options_.cluster_token,
+                                            HandshakeTranscript("client", p.nonce_c, p.nonce_s,
+                                                                options_.config_fingerprint)))) {
+    p.awaiting_proof = false;
+    p.state = Peer::State::kReady;
+    done.mutable_hello_done()->set_accepted(true);
+    SendControl(peer, done);
+    return;
+  }
+  // A wrong secret, a proof replayed from another handshake (other nonces), or a proof out of turn.
+  const std::string error = "cluster secret proof refused (values not logged)";
+  p.awaiting_proof = false;
+  p.state = Peer::State::kRefused;
+  p.error = error;
+  p.refused_ns = common::SystemClock::Get().NowMonoNs();
+  metrics_->AddHandshakeRefused("cluster_secret");
+  spdlog::warn("transfer: refusing connection (peer {}): {}", peer, error);
+  done.mutable_hello_done()->set_accepted(false);
+  done.mutable_hello_done()->set_error(error);
+  SendControl(peer, done);
 }
 
 void TransferEngine::HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer) {
@@ -1796,6 +1878,11 @@ std::vector<TransferEngine::LivenessProbe> TransferEngine::DueLivenessProbes() {
         real_now - p->refused_ns > 3'000'000'000) {
       p->refused_ns = 0;
       wire_->ClosePeer(id, absl::FailedPreconditionError("handshake refused: " + p->error));
+    }
+    // A connection that took our challenge and never answered it (a stranger holding it open).
+    if (p->awaiting_proof && p->hello_ns > 0 && real_now - p->hello_ns > 10'000'000'000) {
+      p->hello_ns = 0;
+      wire_->ClosePeer(id, absl::PermissionDeniedError("no handshake proof within 10 s"));
     }
     if (p->pid > 0 && p->state == Peer::State::kReady) {
       probes.push_back({.id = id, .pid = p->pid, .start_ticks = p->pid_start});

@@ -25,7 +25,9 @@ namespace epd::transfer {
 
 struct EngineOptions {
   std::string config_fingerprint;     // must match the peer's (handshake)
-  std::string cluster_token;          // must match the peer's (handshake); never logged
+  // The cluster secret (common/cluster_secret.h): both sides of a connection prove they know it
+  // (HMAC challenge-response, docs/security.md); it never crosses the wire and is never logged.
+  std::string cluster_token;
   std::string node_name = "epd";      // for logs. Default: "epd"
   uint64_t chunk_bytes = 4ull << 20;  // data chunk size. Default: 4 MiB
   // After a transfer ends with wire operations still in flight, wait this long for them to finish
@@ -164,6 +166,7 @@ class TransferEngine final : public KvTransport, private WireHandler {
 
   // All below: mu_ held.
   void HandleHello(PeerId peer, const epd::v1::TransferHello& hello);
+  void HandleHelloProof(PeerId peer, const epd::v1::TransferHelloProof& proof);
   void HandleOffer(PeerId peer, const epd::v1::TransferOffer& offer);
   void HandleClaim(PeerId peer, const epd::v1::TransferClaim& claim);
   void HandleEnd(PeerId peer, const epd::v1::TransferEnd& end);

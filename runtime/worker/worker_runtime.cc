@@ -27,6 +27,7 @@
 #include "model/fingerprint.h"
 #include "model/kv_pool.h"
 #include "model/model.h"
+#include "runtime/grpc_auth.h"
 #include "runtime/process.h"
 #include "runtime/shutdown.h"
 #include "runtime/worker/pool_registration.h"
@@ -64,8 +65,8 @@ void ExitIfDeviceLost(const kernels::Backend& backend, const std::string& label)
 class ControlService final : public epd::v1::WorkerControl::Service {
  public:
   ControlService(JobHandler& handler, const kernels::Backend& backend, const std::string& pool,
-                 prometheus::Registry& reg)
-      : handler_(handler), backend_(backend), pool_(pool) {
+                 prometheus::Registry& reg, const std::string& cluster_secret)
+      : handler_(handler), backend_(backend), pool_(pool), auth_(cluster_secret) {
     queue_ = &prometheus::BuildGauge()
                   .Name("epd_queue_depth")
                   .Help("Jobs received and not finished, per pool")
@@ -81,6 +82,8 @@ class ControlService final : public epd::v1::WorkerControl::Service {
 
   grpc::Status Submit(grpc::ServerContext* ctx, const epd::v1::Job* job,
                       grpc::ServerWriter<epd::v1::SubmitResponse>* writer) override {
+    // Only the router (a holder of the cluster secret) may submit work (docs/security.md).
+    if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.WorkerControl/Submit"); !a.ok()) return a;
     ExitIfDeviceLost(backend_, pool_);
     if (draining_.load()) {
       outcomes_["rejected"]->Increment();
@@ -136,8 +139,9 @@ class ControlService final : public epd::v1::WorkerControl::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Cancel(grpc::ServerContext*, const epd::v1::CancelRequest* req,
+  grpc::Status Cancel(grpc::ServerContext* ctx, const epd::v1::CancelRequest* req,
                       epd::v1::CancelResponse* resp) override {
+    if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.WorkerControl/Cancel"); !a.ok()) return a;
     std::lock_guard<std::mutex> lock(mu_);
     auto it = cancel_.find(req->request_id());
     resp->set_found(it != cancel_.end());
@@ -159,6 +163,7 @@ class ControlService final : public epd::v1::WorkerControl::Service {
   JobHandler& handler_;
   const kernels::Backend& backend_;  // the model's
   const std::string pool_;
+  runtime::ClusterAuthChecker auth_;
   prometheus::Gauge* queue_;
   std::map<std::string, prometheus::Counter*> outcomes_;
   std::atomic<bool> draining_{false};
@@ -228,7 +233,8 @@ class MemoryGauges {
 // The flags every worker takes (a pool adds its own through its FlagAdder).
 struct WorkerFlags {
   runtime::RuntimeOptions runtime;
-  std::string router, kvstore, model_dir, worker_id, cluster_token = "epd-dev", net_devices;
+  std::string router, kvstore, model_dir, worker_id, net_devices;
+  std::string cluster_token;  // the cluster secret, from runtime.Start (never a flag)
   std::string advertise, kvstore_bulk = "ucx";
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
   int handoff_deadline_ms = 30000;
@@ -258,9 +264,6 @@ void AddWorkerFlags(CLI::App& app, WorkerFlags* f) {
   app.add_option("--model", f->model_dir, "Model directory (config.json + safetensors)")
       ->required();
   app.add_option("--worker-id", f->worker_id, "Worker id (default: <pool>-<pid>)");
-  app.add_option(
-      "--cluster-token", f->cluster_token,
-      "Shared secret of the transfer handshake (default: $EPD_CLUSTER_TOKEN or epd-dev)");
   app.add_option("--ucx-net-devices", f->net_devices, "UCX_NET_DEVICES (default: environment)");
   app.add_option("--handoff-deadline-ms", f->handoff_deadline_ms, "Deadline of one hand-off");
   app.add_option("--dspark", f->dspark,
@@ -306,13 +309,9 @@ std::unique_ptr<kernels::Backend> OpenBackend(const std::string& label, const st
   return std::move(*made);
 }
 
-// The cluster token ($EPD_CLUSTER_TOKEN unless --cluster-token), the worker id (default
-// <pool>-<pid>) and the address the router dials (default --host); false (said on stderr) when
+// The worker id (default <pool>-<pid>) and the address the router dials (default --host); false (said on stderr) when
 // --host is a wildcard and no --advertise-address is given.
-bool ResolveIdentity(const CLI::App& app, const std::string& label, WorkerFlags* f) {
-  if (const char* t = std::getenv("EPD_CLUSTER_TOKEN");
-      t != nullptr && app.count("--cluster-token") == 0)
-    f->cluster_token = t;
+bool ResolveIdentity(const CLI::App& /*app*/, const std::string& label, WorkerFlags* f) {
   if (f->worker_id.empty()) f->worker_id = label + "-" + std::to_string(getpid());
   if (f->advertise.empty()) {
     if (f->runtime.host == "0.0.0.0" || f->runtime.host == "::") {
@@ -415,7 +414,7 @@ class RouterLink {
         worker_id_(f.worker_id),
         fingerprint_(fingerprint),
         stub_(epd::v1::WorkerRegistry::NewStub(
-            grpc::CreateChannel(f.router, grpc::InsecureChannelCredentials()))),
+            runtime::CreateClusterChannel(f.router, f.cluster_token))),
         reg_(std::move(reg)),
         service_(service) {}
 
@@ -568,9 +567,10 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
 
   runtime::ProcessRuntime runtime("epd-" + label, f.runtime);
   if (auto s = runtime.Start(); !s.ok()) {
-    std::cerr << s.message() << "\n";
+    std::cerr << "epd-" << label << ": " << s.message() << "\n";
     return 1;
   }
+  f.cluster_token = runtime.cluster_secret();
   spdlog::info("epd-{}: the model runs on {} (backend {})", label, device_spec.ToString(),
                backend->Name());
   auto model = model::Model::Load(f.model_dir, *backend,
@@ -605,7 +605,7 @@ int RunWorkerMain(int argc, char** argv, epd::v1::Pool pool, const HandlerFactor
     spdlog::error("epd-{}: {}", label, std::string(handler.status().message()));
     return 1;
   }
-  ControlService service(**handler, *backend, label, runtime.registry());
+  ControlService service(**handler, *backend, label, runtime.registry(), f.cluster_token);
   MemoryGauges memory(runtime.registry(), (*model)->kv_pool());
   int port = 0;
   std::unique_ptr<grpc::Server> server = StartControlServer(f.runtime.host, &service, &port);

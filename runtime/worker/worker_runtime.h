@@ -49,7 +49,7 @@ struct WorkerSetup {
   uint64_t kvstore_bulk_min_bytes = 64 << 10;
   std::string advertise_address;  // --advertise-address (else --host)
   std::string ucx_net_devices;    // --ucx-net-devices (empty: environment)
-  std::string cluster_token;      // --cluster-token / $EPD_CLUSTER_TOKEN
+  std::string cluster_token;      // the cluster secret (docs/security.md)
   bool dspark = true;  // --dspark on|off: DSpark state in hand-offs, draft + verify in decode
   prometheus::Registry* registry = nullptr;
   prometheus::Gauge* batch_size = nullptr;  // epd_batch_size{pool}

@@ -2,6 +2,7 @@
 
 #include <signal.h>
 #include <stdlib.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -20,6 +21,7 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "common/cluster_secret.h"
 #include "kernels/device/device.h"
 #include "runtime/child_process.h"
 #include "runtime/shutdown.h"
@@ -205,6 +207,7 @@ absl::Status ApplyServeConfigFile(const CLI::App& app, ServeOptions* o) {
     set_int("swa_ttl_minutes", "--swa-ttl-minutes", &o->swa_ttl_minutes);
     set_int("global_ttl_hours", "--global-ttl-hours", &o->global_ttl_hours);
     set_str("api_key", "--api-key", &o->api_key);
+    set_str("api_key_file", "--api-key-file", &o->api_key_file);
     set_str("dspark", "--dspark", &o->dspark);
     set_str("device", "--device", &o->device);
     set_str("step_graphs", "--step-graphs", &o->step_graphs);
@@ -243,7 +246,16 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
   app.add_option("--decodes", o->decodes, "Decode workers (default 1)")->check(CLI::Range(1, 64));
   app.add_option("--swa-ttl-minutes", o->swa_ttl_minutes, "SWA pool TTL in minutes (default 10)");
   app.add_option("--global-ttl-hours", o->global_ttl_hours, "Global KV TTL in hours (default 72)");
-  app.add_option("--api-key", o->api_key, "Require this Bearer key on the HTTP API");
+  app.add_option("--api-key", o->api_key,
+                 "Require this Bearer key on the HTTP API (visible in this process's command "
+                 "line: prefer --api-key-file or $EPD_API_KEY)");
+  app.add_option("--api-key-file", o->api_key_file,
+                 "Require the Bearer key held in this file on the HTTP API (default: "
+                 "$EPD_API_KEY; never passed on a child's command line)");
+  app.add_option("--cluster-secret-file", o->cluster_secret_file,
+                 "The cluster secret every internal plane authenticates with (default: "
+                 "$EPD_CLUSTER_SECRET_FILE, $EPD_CLUSTER_SECRET, else a fresh random one; "
+                 "passed to the children through their environment; docs/security.md)");
   app.add_option("--config", o->config_file, "JSON file with the same keys (flags win)");
   app.add_option("--log-level", o->log_level, "Log level of the children (info)");
   app.add_option("--dspark", o->dspark, "DSpark speculative decoding on|off (default on)")
@@ -299,19 +311,6 @@ void AddServeFlags(CLI::App& app, ServeOptions* o) {
 }
 
 namespace {
-// A fresh shared secret for the workers' transfer handshake, unless the operator set one.
-std::string RandomClusterToken() {
-  std::ifstream urandom("/dev/urandom", std::ios::binary);
-  unsigned char bytes[16] = {};
-  urandom.read(reinterpret_cast<char*>(bytes), sizeof(bytes));
-  static const char* kHex = "0123456789abcdef";
-  std::string out;
-  for (unsigned char b : bytes) {
-    out.push_back(kHex[b >> 4]);
-    out.push_back(kHex[b & 15]);
-  }
-  return out;
-}
 
 // The options (the ports filled in once the router took them), the workers' devices, binaries
 // and network namespace, and the components started so far: what the steps of RunServe share.
@@ -489,7 +488,8 @@ bool StartRouter(Launcher& launch) {
                                           std::to_string(o.migration_limit),
                                           "--context-length",
                                           std::to_string(o.context_length)};
-  if (!o.api_key.empty()) router_argv.insert(router_argv.end(), {"--api-key", o.api_key});
+  // The key reaches the router through its environment ($EPD_API_KEY, set by RunServe), never
+  // its command line (docs/security.md).
   launch.tls = !o.tls_cert.empty() || !o.tls_key.empty();
   if (launch.tls) {
     // The public ports speak TLS; the workers register on a plaintext port of their own.
@@ -743,9 +743,45 @@ int RunServe(ServeOptions o) {
   // Everything runs on one host: keep UCX on loopback (shared memory is negotiated between
   // workers) unless the operator chose devices.
   if (o.host == "127.0.0.1" || o.host == "localhost") setenv("UCX_NET_DEVICES", "lo", 0);
-  // Workers authenticate each other's transfers with a cluster token; the children inherit it
-  // through the environment (not argv, which every local user can read).
-  setenv("EPD_CLUSTER_TOKEN", RandomClusterToken().c_str(), /*overwrite=*/0);
+  // Every file and socket the launcher and its children make is the owner's only.
+  umask(077);
+  // The cluster secret every internal plane authenticates with (docs/security.md): the
+  // operator's, or a fresh one. The children inherit it through the environment (readable by
+  // this user only, /proc/PID/environ is 0400), never argv (which every local user can read).
+  {
+    auto secret = common::LoadClusterSecret(o.cluster_secret_file);
+    auto set = [](const char* name) {
+      const char* v = std::getenv(name);
+      return v != nullptr && *v != '\0';
+    };
+    const bool given = !o.cluster_secret_file.empty() || set("EPD_CLUSTER_SECRET") ||
+                       set("EPD_CLUSTER_SECRET_FILE") || set("EPD_CLUSTER_TOKEN");
+    if (!secret.ok() && given) {
+      std::cerr << "epd serve: " << secret.status().message() << "\n";
+      return 1;
+    }
+    setenv("EPD_CLUSTER_SECRET", (secret.ok() ? *secret : common::NewClusterSecret()).c_str(), 1);
+    unsetenv("EPD_CLUSTER_SECRET_FILE");
+    unsetenv("EPD_CLUSTER_TOKEN");
+  }
+  // The API key: from --api-key-file, --api-key or $EPD_API_KEY; to the router by environment.
+  if (!o.api_key_file.empty()) {
+    std::ifstream in(o.api_key_file, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    o.api_key = ss.str();
+    while (!o.api_key.empty() && (o.api_key.back() == '\n' || o.api_key.back() == '\r'))
+      o.api_key.pop_back();
+    if (!in || o.api_key.empty()) {
+      std::cerr << "epd serve: --api-key-file " << o.api_key_file << ": cannot read a key\n";
+      return 1;
+    }
+  }
+  if (!o.api_key.empty()) {
+    setenv("EPD_API_KEY", o.api_key.c_str(), 1);
+  } else if (const char* k = std::getenv("EPD_API_KEY"); k != nullptr) {
+    o.api_key = k;
+  }
   if (!MakeDataDirs(o) || !ChooseModel(o, launch.bin) || !ParseWorkerNetns(launch) ||
       !ChooseWorkerBinaries(launch)) {
     return 1;

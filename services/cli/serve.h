@@ -31,7 +31,9 @@ struct ServeOptions {
   int decodes = 1;
   int swa_ttl_minutes = 10;        // Default: 10 minutes for the host-DRAM SWA pool
   int global_ttl_hours = 72;       // Default: 72 hours for global KV on SSD
-  std::string api_key;             // Default: none (no auth)
+  std::string api_key;             // Default: none (no auth). Reaches the router by its environment
+  std::string api_key_file;        // Default: none. The API key from a file (or $EPD_API_KEY)
+  std::string cluster_secret_file; // Default: none: $EPD_CLUSTER_SECRET[_FILE], else a fresh one
   std::string config_file;         // Optional JSON file with the same keys (flags win)
   std::string log_level = "info";
   std::string dspark = "on";       // Default: on. DSpark speculative decoding in every worker
@@ -70,7 +72,7 @@ struct ServeOptions {
 void AddServeFlags(CLI::App& app, ServeOptions* options);
 
 // Fills options from --config (a JSON object with keys model, data_dir, http_port, grpc_port,
-// encoders, prefills, decodes, context_length, swa_ttl_minutes, global_ttl_hours, api_key,
+// encoders, prefills, decodes, context_length, swa_ttl_minutes, global_ttl_hours, api_key, api_key_file,
 // dspark, dspark_k, device, tls_cert, tls_key); flags given on the command line win.
 absl::Status ApplyServeConfigFile(const CLI::App& serve_command, ServeOptions* options);
 

@@ -10,11 +10,13 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "common/cluster_secret.h"
 #include "epd/v1/inference.grpc.pb.h"
 #include "epd/v1/worker.grpc.pb.h"
 #include "services/router/openai_http.h"
 #include "services/router/request_validator.h"
 #include "services/router/utf8.h"
+#include "runtime/grpc_auth.h"
 
 namespace epd::services::router {
 namespace {
@@ -134,7 +136,11 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     if (auto s = Authorize(ctx); !s.ok()) return s;
     auto spec = SpecFromProto(*req);
     if (!spec.ok()) return Reject(ctx, spec.status());
-    spec->request_id = req->request_id().empty() ? NewId() : req->request_id();
+    // The router owns request identity: the internal id is always its own (unique, unguessable);
+    // the client's request_id is only a label echoed in the responses, so two requests with
+    // the same one do not share hand-offs, cancels or output (docs/security.md).
+    spec->request_id = NewId();
+    const std::string label = req->request_id().empty() ? spec->request_id : req->request_id();
     auto prepared = core_.Prepare(std::move(*spec));
     if (!prepared.ok()) return Reject(ctx, prepared.status());
     std::optional<AdmissionQueue::Ticket> ticket;
@@ -178,7 +184,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
       grpc::ServerContext* ctx_;
       grpc::ServerWriter<epd::v1::GenerateResponse>* w_;
       std::string id_;
-    } observer(ctx, writer, prepared->spec.request_id);
+    } observer(ctx, writer, label);
 
     auto out = core_.Run(*prepared, &observer);
     if (!out.ok()) return ToGrpc(out.status(), ctx);
@@ -186,7 +192,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     for (size_t i = 0; i < out->choices.size(); ++i) {
       const Choice& ch = out->choices[i];
       epd::v1::GenerateResponse last;
-      last.set_request_id(prepared->spec.request_id);
+      last.set_request_id(label);
       last.set_index(static_cast<int32_t>(i));
       last.set_finish_reason(ch.finish_reason);
       if (i + 1 == out->choices.size()) {
@@ -249,10 +255,7 @@ class InferenceImpl final : public epd::v1::Inference::Service {
     return ToGrpc(s, ctx);
   }
 
-  static std::string NewId() {
-    thread_local std::mt19937_64 rng{std::random_device{}()};
-    return absl::StrCat("gen-", absl::Hex(rng(), absl::kZeroPad16));
-  }
+  static std::string NewId() { return absl::StrCat("gen-", common::ToHex(common::RandomBytes(16))); }
 
   RouterCore& core_;
   std::string api_key_;
@@ -261,10 +264,13 @@ class InferenceImpl final : public epd::v1::Inference::Service {
 
 class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
  public:
-  explicit RegistryImpl(RouterCore& core) : core_(core) {}
+  // Only holders of the cluster secret may register or heartbeat (docs/security.md): a stranger
+  // registering under a worker's id would receive users' prompts.
+  explicit RegistryImpl(RouterCore& core) : core_(core), auth_(common::ClusterSecretFromEnv()) {}
 
-  grpc::Status Register(grpc::ServerContext*, const epd::v1::RegisterRequest* req,
+  grpc::Status Register(grpc::ServerContext* ctx, const epd::v1::RegisterRequest* req,
                         epd::v1::RegisterResponse* resp) override {
+    if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.WorkerRegistry/Register"); !a.ok()) return a;
     const auto pool = FromProto(req->pool());
     Registry& reg = core_.registry();
     resp->set_heartbeat_interval_ms(reg.options().heartbeat_interval_ms);
@@ -287,8 +293,9 @@ class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const epd::v1::HeartbeatRequest* req,
+  grpc::Status Heartbeat(grpc::ServerContext* ctx, const epd::v1::HeartbeatRequest* req,
                          epd::v1::HeartbeatResponse* resp) override {
+    if (grpc::Status a = auth_.Check(*ctx, "/epd.v1.WorkerRegistry/Heartbeat"); !a.ok()) return a;
     resp->set_known(core_.registry().Heartbeat(req->worker_id(), req->config_fingerprint(),
                                                LoadFromProto(req->load()), req->draining()));
     return grpc::Status::OK;
@@ -296,6 +303,7 @@ class RegistryImpl final : public epd::v1::WorkerRegistry::Service {
 
  private:
   RouterCore& core_;
+  runtime::ClusterAuthChecker auth_;
 };
 
 }  // namespace

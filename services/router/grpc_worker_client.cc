@@ -6,7 +6,9 @@
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
+#include "common/cluster_secret.h"
 #include "epd/v1/worker.grpc.pb.h"
+#include "runtime/grpc_auth.h"
 #include "services/router/dispatch.h"
 
 namespace epd::services::router {
@@ -93,11 +95,13 @@ class GrpcWorkerClient final : public WorkerClient {
       grpc::ChannelArguments args;
       args.SetMaxReceiveMessageSize(64 << 20);
       args.SetMaxSendMessageSize(64 << 20);
-      ch = grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+      // Every Submit and Cancel proves the cluster secret (docs/security.md).
+      ch = runtime::CreateClusterChannel(address, secret_, args);
     }
     return ch;
   }
 
+  const std::string secret_ = common::ClusterSecretFromEnv();
   std::mutex mu_;
   std::map<std::string, std::shared_ptr<grpc::Channel>> channels_;
 };

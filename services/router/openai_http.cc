@@ -1,5 +1,7 @@
 #include "services/router/openai_http.h"
 
+#include "common/cluster_secret.h"
+
 #include <httplib.h>
 #include <spdlog/spdlog.h>
 
@@ -70,11 +72,10 @@ void SendError(httplib::Response& res, const absl::Status& s) {
   res.set_content(Dump(ErrorJson(s)), "application/json");
 }
 
+// The router owns request identity (docs/security.md): 128 bits from the CSPRNG, unique and
+// unguessable (a worker's Cancel and hand-offs are keyed by it).
 std::string NewRequestId(const char* prefix) {
-  thread_local std::mt19937_64 rng{std::random_device{}()};
-  char buf[17];
-  snprintf(buf, sizeof(buf), "%016llx", static_cast<unsigned long long>(rng()));
-  return absl::StrCat(prefix, buf);
+  return absl::StrCat(prefix, common::ToHex(common::RandomBytes(16)));
 }
 
 int64_t UnixSeconds() {
@@ -981,9 +982,30 @@ httplib::Server::Handler MethodNotAllowed(RouterCore& core, std::string allow) {
 }  // namespace
 
 void OpenAiHttpServer::Routes() {
-  server_->Get("/health", [this](const httplib::Request&, httplib::Response& res) {
+  // The API key before the body (docs/security.md): httplib runs the pre-routing handler once a
+  // request's headers are in and before it reads the body, so a caller without the key gets its
+  // 401 without making the router read (and hold) up to the 64 MiB payload limit. The connection
+  // is closed after the 401: the unread body must not be parsed as the next request.
+  server_->set_pre_routing_handler([this](const httplib::Request& req, httplib::Response& res) {
+    if (options_.api_key.empty() || req.path.rfind("/v1/", 0) != 0 ||
+        Authorized(core_, options_.api_key, req, res))
+      return httplib::Server::HandlerResponse::Unhandled;
+    res.set_header("Connection", "close");
+    return httplib::Server::HandlerResponse::Handled;
+  });
+  server_->Get("/health", [this](const httplib::Request& req, httplib::Response& res) {
     bool serving = false;
-    const std::string body = RouterHealthJson(core_, &serving);
+    std::string body = RouterHealthJson(core_, &serving);
+    // Without the API key (when there is one) only live/ready: the workers' addresses, the
+    // fingerprint and the load are for the operator (docs/security.md).
+    if (!options_.api_key.empty()) {
+      const std::string header = req.get_header_value("Authorization");
+      const std::string_view prefix = "Bearer ";
+      const bool has_key =
+          header.size() > prefix.size() && header.compare(0, prefix.size(), prefix) == 0 &&
+          ConstantTimeEquals(std::string_view(header).substr(prefix.size()), options_.api_key);
+      if (!has_key) body = json{{"live", true}, {"serving", serving}}.dump();
+    }
     res.status = serving ? 200 : 503;
     res.set_content(body, "application/json");
   });

@@ -7,6 +7,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <iostream>
 #include <memory>
 #include <thread>
@@ -48,7 +50,7 @@ struct RouterFlags {
   r::RegistryOptions registry_options;
   r::SchedulerOptions scheduler_options;
   r::HttpOptions http_options;
-  std::string model_dir, kvstore_address;
+  std::string model_dir, kvstore_address, api_key_file;
   int kv_block_tokens = 64;
   r::AdmissionOptions admission_options;
   r::GrpcTlsOptions grpc_tls;
@@ -84,7 +86,10 @@ void AddFlags(CLI::App& app, RouterFlags& f) {
                  "mid-generation (0 = never; docs/router.md)")
       ->capture_default_str();
   app.add_option("--api-key", f.http_options.api_key,
-                 "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none)");
+                 "Require 'Authorization: Bearer <key>' (default: $EPD_API_KEY, else none; "
+                 "visible in the command line: prefer --api-key-file or $EPD_API_KEY)");
+  app.add_option("--api-key-file", f.api_key_file,
+                 "Require the Bearer key held in this file (docs/security.md)");
   app.add_option("--http-threads", f.http_options.threads, "HTTP connection threads")
       ->capture_default_str();
   app.add_option("--max-running-requests", f.admission_options.max_running,
@@ -247,6 +252,19 @@ int main(int argc, char** argv) {
   RouterFlags f;
   AddFlags(app, f);
   CLI11_PARSE(app, argc, argv);
+  if (!f.api_key_file.empty()) {
+    std::ifstream in(f.api_key_file, std::ios::binary);
+    std::stringstream ss;
+    ss << in.rdbuf();
+    f.http_options.api_key = ss.str();
+    while (!f.http_options.api_key.empty() &&
+           (f.http_options.api_key.back() == '\n' || f.http_options.api_key.back() == '\r'))
+      f.http_options.api_key.pop_back();
+    if (!in || f.http_options.api_key.empty()) {
+      std::cerr << "epd-router: --api-key-file " << f.api_key_file << ": cannot read a key\n";
+      return 1;
+    }
+  }
   if (f.http_options.api_key.empty()) {
     if (const char* k = std::getenv("EPD_API_KEY")) f.http_options.api_key = k;
   }
@@ -282,8 +300,11 @@ int main(int argc, char** argv) {
   if (!hport.ok()) return Fail(hport.status());
   runtime.metrics_server().SetHealth([&core] {
     bool serving = false;
-    // Liveness stays healthy without workers; readiness is the HTTP port's /health.
-    return epd::runtime::HealthReport{true, r::RouterHealthJson(core, &serving)};
+    r::RouterHealthJson(core, &serving);
+    // Liveness stays healthy without workers; readiness is the HTTP port's /health. The metrics
+    // port checks no key, so it says only live/ready: the workers' addresses and load are on the
+    // HTTP port's /health, behind the API key (docs/security.md).
+    return epd::runtime::HealthReport{true, serving ? "{\"serving\":true}" : "{\"serving\":false}"};
   });
   runtime.PublishPort("grpc", *gport);
   if (grpc_server.worker_port() > 0) runtime.PublishPort("worker_grpc", grpc_server.worker_port());

@@ -144,8 +144,10 @@ for (const overlay of overlays) {
       assert.ok(pdb, `${pool}: no PDB`);
       assert.ok(labelsMatch(pdb.spec.selector, pod.metadata.labels));
       // Secrets, never literals.
-      const token = c.env.find((e) => e.name === "EPD_CLUSTER_TOKEN");
-      assert.ok(token?.valueFrom?.secretKeyRef, `${pool}: cluster token from a Secret`);
+      const token = c.env.find((e) => e.name === "EPD_CLUSTER_SECRET");
+      assert.ok(token?.valueFrom?.secretKeyRef, `${pool}: cluster secret from a Secret`);
+      assert.ok(!(c.args ?? []).some((a) => /cluster-(token|secret)=|api-key=/.test(a)),
+                `${pool}: no secret on the command line`);
       // The model runs on the pod's GPU in the gpu overlay, on the CPU elsewhere.
       const device = expandArg(objs, c, argValue(c.args, "--device"));
       if (overlay === "gpu") {
@@ -160,6 +162,13 @@ for (const overlay of overlays) {
     assert.ok(find(objs, "Service", "epd-router"));
     const key = router.spec.template.spec.containers[0].env.find((e) => e.name === "EPD_API_KEY");
     assert.ok(key?.valueFrom?.secretKeyRef, "router: API key from a Secret");
+    // The router proves the cluster secret to the workers and the kvstore, and checks theirs.
+    for (const name of ["epd-router", "epd-kvstore"]) {
+      const obj = find(objs, "Deployment", name) ?? find(objs, "StatefulSet", name);
+      const secret = obj.spec.template.spec.containers[0].env.find(
+        (e) => e.name === "EPD_CLUSTER_SECRET");
+      assert.ok(secret?.valueFrom?.secretKeyRef, `${name}: cluster secret from a Secret`);
+    }
     assert.ok(router.spec.template.spec.containers[0].readinessProbe);
   });
 

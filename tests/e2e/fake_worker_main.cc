@@ -18,6 +18,7 @@
 #include "epd/v1/worker.grpc.pb.h"
 #include "prometheus/counter.h"
 #include "prometheus/gauge.h"
+#include "runtime/grpc_auth.h"
 #include "runtime/process.h"
 #include "runtime/shutdown.h"
 
@@ -187,7 +188,7 @@ int main(int argc, char** argv) {
   }
   runtime.PublishPort("grpc", port);
 
-  auto channel = grpc::CreateChannel(o.router, grpc::InsecureChannelCredentials());
+  auto channel = epd::runtime::CreateClusterChannel(o.router, runtime.cluster_secret());
   auto stub = epd::v1::WorkerRegistry::NewStub(channel);
   epd::v1::RegisterRequest reg;
   reg.set_pool(ParsePool(o.pool));

@@ -205,6 +205,15 @@ class RealCluster {
   // The kvstore's metrics port (0 without a store).
   int kv_metrics() const { return kv_.metrics; }
   void KillKvStore() { kv_.proc.Signal(SIGKILL); }
+  // The kvstore's gRPC port (0 without a store).
+  int kv_grpc() const { return kv_.grpc; }
+  // Every process of the cluster, kvstore and router first.
+  std::vector<const Subprocess*> processes() const {
+    std::vector<const Subprocess*> out = {&router_.proc};
+    if (kv_.grpc > 0) out.insert(out.begin(), &kv_.proc);
+    for (const auto& p : owned_) out.push_back(&p->proc);
+    return out;
+  }
 
   // Every process's log, labelled.
   std::string Logs() {
@@ -240,6 +249,8 @@ struct GenerateOptions {
   std::chrono::seconds deadline{60};
   // Runs once, after the first chunk that carries tokens (e.g. to signal a worker mid-stream).
   std::function<void()> on_first;
+  // The client's request_id (a label: the router makes its own internal id). Empty: none.
+  std::string request_id;
 };
 
 // One Generate RPC for model "epd-nano" to the router's gRPC `port`, read to the end.
@@ -255,6 +266,7 @@ inline Generation Generate(int port, const std::vector<int32_t>& prompt, int max
   req.mutable_sampling()->set_temperature(options.temperature);
   if (options.seed) req.mutable_sampling()->set_seed(*options.seed);
   req.mutable_sampling()->set_max_tokens(max_tokens);
+  if (!options.request_id.empty()) req.set_request_id(options.request_id);
   auto reader = stub->Generate(&ctx, req);
   Generation g;
   epd::v1::GenerateResponse m;

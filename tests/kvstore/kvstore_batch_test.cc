@@ -20,6 +20,8 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "common/cluster_secret.h"
+#include "runtime/grpc_auth.h"
 #include "epd/v1/kvstore.grpc.pb.h"
 #include "kvstore/kvstore.h"
 #include "kvstore/kvstore_client.h"
@@ -206,7 +208,7 @@ TEST(KvStoreBatchTest, AForgedSegmentIsRefusedByNameAndTheValuesComeInline) {
   ASSERT_TRUE(d.client->Put(Tier::kG3, keys[0], v0).ok());
   ASSERT_TRUE(d.client->Put(Tier::kG3, keys[1], v1).ok());
 
-  auto channel = grpc::CreateChannel(d.target(), grpc::InsecureChannelCredentials());
+  auto channel = runtime::CreateClusterChannel(d.target(), common::ClusterSecretFromEnv());
   auto stub = v1::KvStore::NewStub(channel);
   struct Case {
     int pid, fd;

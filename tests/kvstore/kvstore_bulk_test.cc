@@ -17,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/clock.h"
+#include "common/cluster_secret.h"
 #include "kvstore/bulk.h"
 #include "kvstore/kvstore_client.h"
 #include "transfer/fault_wire.h"
@@ -266,15 +267,16 @@ TEST(KvStoreBulkTest, DaemonWithoutBulkEndpointServesUcxClientsInline) {
 TEST(KvStoreBulkTest, WrongClusterTokenIsRefusedWithTheCause) {
   TempDir dir;
   Daemon d;
-  ASSERT_NO_FATAL_FAILURE(
-      StartDaemon(dir, dir.File("data"), "run", &d, {"--cluster-token", "secret-a"}));
+  // The daemon has the test binary's secret ($EPD_CLUSTER_SECRET, tests/testing/test_main.cc).
+  ASSERT_NO_FATAL_FAILURE(StartDaemon(dir, dir.File("data"), "run", &d));
   KvClientOptions o = Bulk();
-  o.cluster_token = "secret-b";
+  o.cluster_token = "secret-b-of-another-cluster";
   auto client = KvStoreClient::Create(d.target(), o);
   absl::Status s = client->Put(Tier::kG3, AsBytes(Key(1)), Value(1));
   ASSERT_FALSE(s.ok());
-  EXPECT_TRUE(absl::StrContains(s.message(), "cluster_token differs")) << s;
-  o.cluster_token = "secret-a";
+  EXPECT_TRUE(absl::StrContains(s.message(), "cluster authentication failed")) << s;
+  EXPECT_FALSE(absl::StrContains(s.message(), "secret-b")) << s;
+  o.cluster_token = "";  // the environment's
   auto good = KvStoreClient::Create(d.target(), o);
   EXPECT_TRUE(good->Put(Tier::kG3, AsBytes(Key(1)), Value(1)).ok());
 }
@@ -466,8 +468,7 @@ TEST(KvStoreBulkTest, TheClientsEngineAndItsMetricsAreTheOwningProcesss) {
   prometheus::Registry engine_registry;
   transfer::EngineOptions eo;
   eo.config_fingerprint = kBulkFingerprint;
-  const char* token = std::getenv("EPD_CLUSTER_TOKEN");
-  eo.cluster_token = token != nullptr ? token : "epd-dev";
+  eo.cluster_token = common::ClusterSecretFromEnv();
   eo.node_name = "test-process";
   auto engine = transfer::TransferEngine::Create(transfer::MakeUcxWire(transfer::UcxOptions{}), eo,
                                                  engine_registry, common::SystemClock::Get());

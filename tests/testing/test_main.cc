@@ -5,8 +5,16 @@
 // kill the test binary: Debian's cpp-httplib 0.11.4 sends without MSG_NOSIGNAL. A handler, not
 // SIG_IGN, because an ignored signal stays ignored across exec and the processes a test starts
 // (workers, shell pipelines) must keep the default.
+//
+// It also gives the binary a cluster secret ($EPD_CLUSTER_SECRET, random per run) when none is set,
+// so the in-process servers and clients and the processes a test starts (which inherit it) are one
+// cluster (docs/security.md); the tests that play a stranger use another secret on purpose.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <stdlib.h>
+
+#include <cstdio>
+#include <random>
 
 namespace {
 void OnSigpipe(int) {}  // nothing: the write that raised it fails with EPIPE
@@ -18,6 +26,13 @@ int main(int argc, char** argv) {
   sa.sa_flags = SA_RESTART;
   sigemptyset(&sa.sa_mask);
   sigaction(SIGPIPE, &sa, nullptr);
+  if (getenv("EPD_CLUSTER_SECRET") == nullptr && getenv("EPD_CLUSTER_SECRET_FILE") == nullptr &&
+      getenv("EPD_CLUSTER_TOKEN") == nullptr) {
+    std::random_device rd;
+    char secret[33];
+    for (int i = 0; i < 4; ++i) std::snprintf(secret + 8 * i, 9, "%08x", rd());
+    setenv("EPD_CLUSTER_SECRET", secret, 1);
+  }
   testing::InitGoogleTest(&argc, argv);
   return RUN_ALL_TESTS();
 }

@@ -4,6 +4,8 @@
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <mutex>
+
 #include <cstring>
 #include <span>
 #include <thread>
@@ -217,11 +219,78 @@ TEST_F(EngineTest, HandshakeRefusesOtherFingerprint) {
       1);
 }
 
+// Every control message either side sends, appended to `log` (the wire is the loopback one).
+class RecordingWire final : public Wire {
+ public:
+  RecordingWire(std::unique_ptr<Wire> inner, std::string* log, std::mutex* mu)
+      : inner_(std::move(inner)), log_(log), mu_(mu) {}
+  absl::Status Start(WireHandler* handler) override { return inner_->Start(handler); }
+  void Stop() override { inner_->Stop(); }
+  TransportCapabilities Capabilities() const override { return inner_->Capabilities(); }
+  std::string LocalAddress() const override { return inner_->LocalAddress(); }
+  absl::StatusOr<PeerId> Connect(absl::string_view a, absl::Duration t) override {
+    return inner_->Connect(a, t);
+  }
+  TransportKind PeerKind(PeerId peer) const override { return inner_->PeerKind(peer); }
+  void SendControl(PeerId peer, std::string bytes, Done done) override {
+    {
+      std::lock_guard<std::mutex> lock(*mu_);
+      log_->append(bytes);
+    }
+    inner_->SendControl(peer, std::move(bytes), std::move(done));
+  }
+  void SendData(PeerId peer, const DataHeader& h, const uint8_t* data, uint64_t n, uint64_t mem,
+                Done done) override {
+    inner_->SendData(peer, h, data, n, mem, std::move(done));
+  }
+  void ClosePeer(PeerId peer, absl::Status why, bool dead) override {
+    inner_->ClosePeer(peer, std::move(why), dead);
+  }
+  absl::StatusOr<uint64_t> Register(void* addr, uint64_t length) override {
+    return inner_->Register(addr, length);
+  }
+  void Deregister(uint64_t handle) override { inner_->Deregister(handle); }
+
+ private:
+  std::unique_ptr<Wire> inner_;
+  std::string* log_;
+  std::mutex* mu_;
+};
+
+// The mutual handshake (docs/security.md): both sides prove the secret and neither sends it, with
+// the same secret (accepted) and with different ones (refused).
+TEST_F(EngineTest, TheHandshakeNeverSendsTheSecret) {
+  const std::string secret = "a-secret-that-must-never-be-on-the-wire-0123";
+  for (const std::string& rx_secret : {secret, std::string("another-cluster-secret-4567890")}) {
+    auto net = MakeLoopbackNetwork();
+    std::string log;
+    std::mutex mu;
+    EngineOptions o;
+    o.config_fingerprint = "fp";
+    o.cluster_token = secret;
+    auto tx = TransferEngine::Create(
+        std::make_unique<RecordingWire>(MakeLoopbackWire(net, "tx"), &log, &mu), o, registry_,
+        clock_);
+    ASSERT_TRUE(tx.ok()) << tx.status();
+    o.cluster_token = rx_secret;
+    auto rx = TransferEngine::Create(
+        std::make_unique<RecordingWire>(MakeLoopbackWire(net, "rx"), &log, &mu), o, registry_,
+        clock_);
+    ASSERT_TRUE(rx.ok()) << rx.status();
+    auto peer = (*tx)->Connect((*rx)->LocalAddress(), absl::Seconds(5));
+    EXPECT_EQ(peer.ok(), rx_secret == secret) << peer.status();
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_FALSE(log.empty());
+    EXPECT_EQ(log.find(secret), std::string::npos);
+    EXPECT_EQ(log.find(rx_secret), std::string::npos);
+  }
+}
+
 TEST_F(EngineTest, HandshakeRefusesOtherClusterTokenWithoutLoggingIt) {
   Make({}, "fp", "secret-b");
   auto peer = tx_->Connect(rx_->LocalAddress(), absl::Seconds(5));
   ASSERT_FALSE(peer.ok());
-  EXPECT_THAT(peer.status().message(), HasSubstr("cluster_token differs"));
+  EXPECT_THAT(peer.status().message(), HasSubstr("could not prove the cluster secret"));
   EXPECT_THAT(peer.status().message(), ::testing::Not(HasSubstr("secret-b")));
 }
 
@@ -344,8 +413,9 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(
         FaultCase{"drop_data", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kData, 3),
                   absl::StatusCode::kDeadlineExceeded, "has 0 of"},
-        // Control message 0 is the hello, 1 the offer: a dropped offer is never claimed.
-        FaultCase{"drop_offer", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kControl, 1),
+        // Control message 0 is the hello, 1 the handshake proof, 2 the offer: a dropped offer is
+        // never claimed.
+        FaultCase{"drop_offer", Plan(FaultPlan::Action::kDrop, FaultPlan::Target::kControl, 2),
                   absl::StatusCode::kDeadlineExceeded, "while expecting"},
         FaultCase{"delay_past_deadline",
                   Plan(FaultPlan::Action::kDelay, FaultPlan::Target::kData, 0, absl::Seconds(600)),
