@@ -386,25 +386,26 @@ EPD_AVX2 inline void QuantRowsAvx(const float* q, const float* s, int64_t r, int
   }
 }
 
-// QuantRowsAvx<1> for a row alone (decode): four blocks' dots run as four independent chains (each
-// still in K order from +0), then join the running sum in block order: the same operations, a
-// quarter of the add latency.
+// QuantRowsAvx<1> for a row alone (decode): C blocks' dots run as C independent chains (each
+// still in K order from +0), then join the running sum in block order: the same operations, 1/C of
+// the add latency (8 chains keep AVX2's two adders busy).
+template <int C>
 EPD_AVX2 inline void QuantRowAvx(const float* q, const float* s, int64_t r, int64_t k, int64_t nb,
                                  const float* wt, const float* wsT, float* y, int64_t ldy) {
   const float* xr = q + r * k;
   const float* sr = s + r * nb;
   __m256 acc = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 4 <= nb; b += 4) {
-    __m256 d[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                   _mm256_setzero_ps()};
+  for (; b + C <= nb; b += C) {
+    __m256 d[C];
+    for (int j = 0; j < C; ++j) d[j] = _mm256_setzero_ps();
     const float* wb = wt + b * 32 * 8;
     for (int i = 0; i < 32; ++i) {
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < C; ++j)
         d[j] = _mm256_add_ps(d[j], _mm256_mul_ps(_mm256_set1_ps(xr[(b + j) * 32 + i]),
                                                  _mm256_loadu_ps(wb + (j * 32 + i) * 8)));
     }
-    for (int j = 0; j < 4; ++j)
+    for (int j = 0; j < C; ++j)
       acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_mul_ps(d[j], _mm256_set1_ps(sr[b + j])),
                                              _mm256_loadu_ps(wsT + (b + j) * 8)));
   }
@@ -462,8 +463,13 @@ EPD_AVX2 void LinearQuantAvx(const float* x, int64_t rows, const QuantWeight& w,
     int64_t r = 0;
     for (; r + 4 <= rows; r += 4)
       QuantRowsAvx<4>(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
-    for (; r < rows; ++r)
-      QuantRowAvx(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
+    for (; r < rows; ++r) {
+      if (nb >= 8) {
+        QuantRowAvx<8>(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
+      } else {
+        QuantRowAvx<4>(q.data(), s.data(), r, k, nb, wt.data(), wsT.data(), y + o, w.out);
+      }
+    }
   }
   QuantOutputs(q.data(), s.data(), rows, w, scales, o8, /*avx=*/true, wdec.data(), y);
 }
