@@ -21,6 +21,11 @@ import OpenAI from 'openai';
 
 const SEEDS = Number(process.env.EPD_AGENT_SEEDS ?? 6);
 const MAX_TOKENS = 400;
+// LangChain refuses a response whose finish_reason is 'length' ("Could not parse response content
+// as the length limit was reached") although the grammar keeps it complete and valid. Person has
+// fields of unbounded length (a plain number's fraction digits, the email's local part), and the
+// random nano model can fill them until the budget closes the object, so LangChain gets room.
+const LANGCHAIN_MAX_TOKENS = 2000;
 const model = 'epd-nano';
 const prompt = 'Describe a person as JSON';
 
@@ -89,7 +94,7 @@ async function aiSdk(baseURL, label) {
 async function langChain(baseURL, method, seeds, label, schema) {
   const results = await Promise.all(Array.from({ length: seeds }, (_, seed) => {
     const llm = new ChatOpenAI({
-      model, apiKey: 'none', configuration: { baseURL }, temperature: 1, maxTokens: MAX_TOKENS,
+      model, apiKey: 'none', configuration: { baseURL }, temperature: 1, maxTokens: LANGCHAIN_MAX_TOKENS,
       maxRetries: 0, modelKwargs: { seed: 100 + seed },
     });
     return llm.withStructuredOutput(schema, { name: 'answer', method, strict: true, includeRaw: true })
