@@ -104,6 +104,61 @@ for (const overlay of overlays) {
     }
   });
 
+  // Issue 53: every pod hardened, memory-limited and behind a NetworkPolicy that leaves only the
+  // router's public HTTP port open to the world.
+  test(`${overlay}: every pod runs non-root, read-only, without capabilities, memory-limited`, () => {
+    const objs = render(overlay);
+    const workloads = objs.filter((o) => ["Deployment", "StatefulSet", "DaemonSet", "Job"].includes(o.kind));
+    assert.ok(workloads.length >= 5, `${workloads.length} workloads`);
+    for (const w of workloads) {
+      const spec = w.spec.template.spec;
+      const where = `${w.kind}/${w.metadata.name}`;
+      assert.equal(spec.securityContext?.runAsNonRoot, true, `${where}: runAsNonRoot`);
+      assert.ok(spec.securityContext?.runAsUser > 0, `${where}: runAsUser`);
+      assert.equal(spec.securityContext?.seccompProfile?.type, "RuntimeDefault", `${where}: seccomp`);
+      for (const c of [...spec.containers, ...(spec.initContainers ?? [])]) {
+        const sc = c.securityContext ?? {};
+        assert.equal(sc.readOnlyRootFilesystem, true, `${where}/${c.name}: readOnlyRootFilesystem`);
+        assert.equal(sc.allowPrivilegeEscalation, false, `${where}/${c.name}: allowPrivilegeEscalation`);
+        assert.deepEqual(sc.capabilities?.drop, ["ALL"], `${where}/${c.name}: capabilities`);
+      }
+      for (const c of spec.containers) {
+        assert.ok(c.resources?.limits?.memory, `${where}/${c.name}: a memory limit`);
+        assert.ok((c.volumeMounts ?? []).some((m) => m.mountPath === "/tmp"), `${where}: a writable /tmp`);
+      }
+    }
+  });
+
+  test(`${overlay}: only the router's HTTP port is open outside the release`, () => {
+    const objs = render(overlay);
+    const policies = objs.filter((o) => o.kind === "NetworkPolicy");
+    const podsOf = (name) => objs.find((o) => o.metadata.name === name && o.spec?.template)
+      .spec.template.metadata.labels;
+    const selects = (p, labels) => {
+      const sel = p.spec.podSelector;
+      return Object.entries(sel.matchLabels ?? {}).every(([k, v]) => labels[k] === v) &&
+        (sel.matchExpressions ?? []).every((e) => e.operator === "In" && e.values.includes(labels[e.key]));
+    };
+    // A rule admits outsiders when it has no `from` or a `from` that is not limited to the
+    // release's own pods (an ipBlock, or a namespaceSelector without a port restriction).
+    const openPorts = (labels) => {
+      const ports = [];
+      for (const p of policies.filter((q) => selects(q, labels))) {
+        assert.ok(p.spec.policyTypes.includes("Ingress"));
+        for (const rule of p.spec.ingress ?? []) {
+          const outside = !rule.from || rule.from.some((f) => f.ipBlock || (f.namespaceSelector && !rule.ports));
+          if (outside) ports.push(...(rule.ports ?? [{ port: "ALL" }]).map((x) => x.port));
+        }
+      }
+      return ports;
+    };
+    for (const name of ["epd-router", "epd-kvstore", ...POOLS.map((p) => `epd-${p}`)]) {
+      const labels = podsOf(name);
+      assert.ok(policies.some((p) => selects(p, labels)), `${name}: no NetworkPolicy selects it`);
+      assert.deepEqual(openPorts(labels), name === "epd-router" ? ["http"] : [], `${name}: open ports`);
+    }
+  });
+
   test(`${overlay}: each pool is its own Deployment with probes, drain, HPA and PDB`, () => {
     const objs = render(overlay);
     const adapter = find(objs, "ConfigMap", "epd-prometheus-adapter");
