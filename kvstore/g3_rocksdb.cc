@@ -2,7 +2,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <chrono>
+#include <sys/statvfs.h>
+
 #include <cstring>
+#include <filesystem>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +16,7 @@
 #include "rocksdb/db.h"
 #include "rocksdb/options.h"
 #include "rocksdb/slice.h"
+#include "rocksdb/sst_file_manager.h"
 #include "rocksdb/table.h"
 #include "rocksdb/write_batch.h"
 
@@ -57,6 +62,14 @@ class TtlFilter final : public rocksdb::CompactionFilter {
   bool meta_;
 };
 
+// Wall-clock (steady) milliseconds: the resume throttle follows real time, not the store's
+// (possibly fake) TTL clock.
+int64_t SteadyMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 absl::Status FromRocks(const rocksdb::Status& s, std::string_view what) {
   if (s.ok()) return absl::OkStatus();
   return absl::InternalError(absl::StrCat("G3 RocksDB ", std::string(what), ": ", s.ToString()));
@@ -90,6 +103,9 @@ absl::StatusOr<std::unique_ptr<G3RocksStore>> G3RocksStore::Open(const G3Config&
   store->meta_filter_ = std::make_unique<TtlFilter>(clock, config.ttl_ms, true);
 
   rocksdb::DBOptions db_options;
+  // The SstFileManager tracks the DB's disk use and lets RocksDB recover by itself from a full
+  // disk once space returns (Put also resumes it: ResumeIfFull).
+  db_options.sst_file_manager.reset(rocksdb::NewSstFileManager(rocksdb::Env::Default()));
   db_options.create_if_missing = true;
   db_options.create_missing_column_families = true;
   db_options.IncreaseParallelism(2);
@@ -103,11 +119,23 @@ absl::StatusOr<std::unique_ptr<G3RocksStore>> G3RocksStore::Open(const G3Config&
       {rocksdb::kDefaultColumnFamilyName, value_options}, {kMetaCf, meta_options}};
   std::vector<rocksdb::ColumnFamilyHandle*> handles;
   rocksdb::DB* raw = nullptr;
-  if (auto s = FromRocks(rocksdb::DB::Open(db_options, config.path, cfs, &handles, &raw),
-                         absl::StrCat("open ", config.path));
-      !s.ok()) {
-    return s;
+  rocksdb::Status opened = rocksdb::DB::Open(db_options, config.path, cfs, &handles, &raw);
+  if (opened.IsCorruption()) {
+    // A cache: move the broken directory aside (kept for inspection) and start empty.
+    const std::string aside = absl::StrCat(config.path, ".corrupt-", clock.NowUnixMs());
+    std::error_code ec;
+    std::filesystem::rename(config.path, aside, ec);
+    if (ec) {
+      return absl::InternalError(absl::StrCat("G3 RocksDB open ", config.path, ": ",
+                                              opened.ToString(), "; moving it aside to ", aside,
+                                              " failed: ", ec.message()));
+    }
+    spdlog::error("G3: {} is corrupt ({}); moved it aside to {} and created an empty store",
+                  config.path, opened.ToString(), aside);
+    handles.clear();
+    opened = rocksdb::DB::Open(db_options, config.path, cfs, &handles, &raw);
   }
+  if (auto s = FromRocks(opened, absl::StrCat("open ", config.path)); !s.ok()) return s;
   store->db_.reset(raw);
   // The default CF handle from Open must be destroyed like any other; keep the DB's own.
   store->value_cf_ = raw->DefaultColumnFamily();
@@ -162,10 +190,9 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
   if (auto s = FromRocks(batch.Put(meta_cf_, key_slice, meta), "batch"); !s.ok()) return s;
   rocksdb::WriteOptions wo;
   wo.sync = config_.sync_writes;
-  if (auto s = FromRocks(db_->Write(wo, &batch), "put"); !s.ok()) {
-    all_metrics_.CountBadRequest("internal");
-    return s;
-  }
+  if (auto s = CheckFreeSpace(value.size() + sizeof(header) + meta.size()); !s.ok()) return s;
+  if (auto s = ResumeIfFull(); !s.ok()) return s;
+  if (const rocksdb::Status w = db_->Write(wo, &batch); !w.ok()) return NoteWriteFailure(w, "put");
   metrics_.puts->Increment();
   metrics_.put_bytes->Increment(static_cast<double>(value.size()));
   std::vector<BlockHash> victims;
@@ -190,6 +217,77 @@ absl::Status G3RocksStore::Put(const BlockHash& key, std::span<const uint8_t> va
     metrics_.evictions->Increment(static_cast<double>(victims.size()));
   }
   return absl::OkStatus();
+}
+
+absl::Status G3RocksStore::NoteWriteFailure(const rocksdb::Status& s, const char* what) {
+  if (!s.IsNoSpace()) {
+    all_metrics_.CountBadRequest("internal");
+    return FromRocks(s, what);
+  }
+  all_metrics_.CountBadRequest("no_space");
+  {
+    absl::MutexLock lock(&full_mu_);
+    if (!disk_full_) {
+      spdlog::error("G3: the disk of {} is full ({}); refusing puts, serving gets", config_.path,
+                    s.ToString());
+    }
+    disk_full_ = true;
+    last_resume_ms_ = SteadyMs();
+  }
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "G3 ", what, " refused: the disk of the store is full (", s.ToString(),
+      "); gets are still served, puts resume when space returns"));
+}
+
+absl::Status G3RocksStore::ResumeIfFull() {
+  absl::MutexLock lock(&full_mu_);
+  if (!disk_full_) return absl::OkStatus();
+  // No write reaches a database stopped by a full disk (RocksDB asserts on a write after a failed
+  // WAL append). RocksDB's SstFileManager starts resuming it once space returns; DB::Resume here,
+  // at most once a second, says when it is done (Busy while that recovery runs) or does it.
+  const int64_t now = SteadyMs();
+  if (now - last_resume_ms_ >= 1000) {
+    last_resume_ms_ = now;
+    if (db_->Resume().ok()) {
+      disk_full_ = false;
+      spdlog::info("G3: {} accepts puts again (space returned)", config_.path);
+      return absl::OkStatus();
+    }
+  }
+  all_metrics_.CountBadRequest("no_space");
+  return absl::ResourceExhaustedError(
+      "G3 put refused: the disk of the store is full; gets are still served");
+}
+
+absl::Status G3RocksStore::CheckFreeSpace(uint64_t bytes) {
+  struct statvfs fs {};
+  if (statvfs(config_.path.c_str(), &fs) != 0) return absl::OkStatus();  // unknown: let RocksDB try
+  const uint64_t free_bytes = static_cast<uint64_t>(fs.f_bavail) * fs.f_frsize;
+  const bool low = free_bytes < config_.min_free_bytes + bytes;
+  absl::MutexLock lock(&full_mu_);
+  if (!low) {
+    if (disk_full_ && db_->Resume().ok()) {
+      disk_full_ = false;
+      spdlog::info("G3: {} accepts puts again ({} bytes free)", config_.path, free_bytes);
+    }
+    return absl::OkStatus();
+  }
+  if (!disk_full_) {
+    spdlog::error("G3: the disk of {} is nearly full ({} bytes free, {} kept in reserve); refusing "
+                  "puts, serving gets",
+                  config_.path, free_bytes, config_.min_free_bytes);
+  }
+  disk_full_ = true;
+  last_resume_ms_ = SteadyMs();
+  all_metrics_.CountBadRequest("no_space");
+  return absl::ResourceExhaustedError(absl::StrCat(
+      "G3 put refused: the disk of the store is nearly full (", free_bytes, " bytes free, ",
+      config_.min_free_bytes, " kept in reserve); gets are still served"));
+}
+
+bool G3RocksStore::disk_full() const {
+  absl::MutexLock lock(&full_mu_);
+  return disk_full_;
 }
 
 G3RocksStore::GetResult G3RocksStore::Get(const BlockHash& key, const ValueDest& dest) {

@@ -36,6 +36,7 @@ namespace rocksdb {
 class DB;
 class ColumnFamilyHandle;
 class CompactionFilter;
+class Status;
 }  // namespace rocksdb
 
 namespace epd::kvstore {
@@ -46,6 +47,9 @@ struct G3Config {
   uint64_t capacity_bytes = 100ull << 30;  // Default: 100 GiB of stored values
   bool sync_writes = false;  // Default: off (WAL survives a process crash; on = power loss too)
   uint64_t max_value_bytes = 256ull << 20;  // Default: 256 MiB per value
+  // Puts are refused while the filesystem would keep less than this free after the value
+  // (statvfs), so RocksDB itself never meets a full disk. Default: 256 MiB.
+  uint64_t min_free_bytes = 256ull << 20;
   absl::Status Validate() const;
 };
 
@@ -53,7 +57,9 @@ struct G3Config {
 
 class G3RocksStore {
  public:
-  // Opens (or creates) the DB and rebuilds the index. `clock` and `metrics` must outlive it.
+  // Opens (or creates) the DB and rebuilds the index. `clock` and `metrics` must outlive it. A
+  // directory RocksDB reports corrupt is moved aside (renamed `<path>.corrupt-<unix ms>`, kept for
+  // inspection) and a fresh store is created in its place: the tier is a cache.
   static absl::StatusOr<std::unique_ptr<G3RocksStore>> Open(const G3Config& config,
                                                             const common::Clock& clock,
                                                             KvMetrics& metrics);
@@ -62,7 +68,14 @@ class G3RocksStore {
   G3RocksStore& operator=(const G3RocksStore&) = delete;
 
   // Stores `value` under `key` (replacing it; the TTL restarts). Returns once the WAL has it.
+  // A (nearly) full disk: ResourceExhausted, counted (epd_kv_bad_requests_total{reason=
+  // "no_space"}), and the store keeps serving gets. Puts are refused before RocksDB sees them
+  // while less than min_free_bytes would stay free, and go through again once space returns.
+  // Should RocksDB itself still meet a full disk, later puts are refused without touching the
+  // database until a DB::Resume (tried at most once a second) succeeds.
   absl::Status Put(const BlockHash& key, std::span<const uint8_t> value);
+  // Whether the last write found the disk full (and no resume has succeeded since).
+  bool disk_full() const;
 
   struct GetResult {
     std::string value;                      // the payload on a hit (empty when in_dest)
@@ -132,6 +145,14 @@ class G3RocksStore {
     return G3Expired(write_ms, now_ms, config_.ttl_ms);
   }
 
+  // A put that found the disk full: ResourceExhausted; remembers it for ResumeIfFull.
+  absl::Status NoteWriteFailure(const rocksdb::Status& s, const char* what);
+  // After a full disk: OK once DB::Resume (at most once a second) succeeds, else
+  // ResourceExhausted without a write.
+  absl::Status ResumeIfFull();
+  // ResourceExhausted while the filesystem would keep less than min_free_bytes after `bytes`.
+  absl::Status CheckFreeSpace(uint64_t bytes);
+
   const G3Config config_;
   const common::Clock& clock_;
   KvMetrics::TierMetrics& metrics_;
@@ -146,6 +167,10 @@ class G3RocksStore {
   absl::flat_hash_map<BlockHash, Meta> index_ ABSL_GUARDED_BY(mu_);
   std::set<std::pair<int64_t, BlockHash>> by_time_ ABSL_GUARDED_BY(mu_);
   uint64_t bytes_ ABSL_GUARDED_BY(mu_) = 0;
+
+  mutable absl::Mutex full_mu_;
+  bool disk_full_ ABSL_GUARDED_BY(full_mu_) = false;
+  int64_t last_resume_ms_ ABSL_GUARDED_BY(full_mu_) = 0;
 };
 
 }  // namespace epd::kvstore

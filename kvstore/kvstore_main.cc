@@ -48,6 +48,9 @@ int main(int argc, char** argv) {
   app.add_option("--block-bytes", config.g1.block_bytes,
                  "G1 page size in bytes (default 56960 = 64 tokens x 890 B)")
       ->check(CLI::PositiveNumber);
+  app.add_option("--min-free-bytes", config.g3.min_free_bytes,
+                 "G3 refuses puts (and keeps serving gets) while its filesystem would keep less "
+                 "than this free (default 256 MiB)");
   app.add_flag("--sync-writes", config.g3.sync_writes,
                "fsync the RocksDB WAL on every put (survives power loss, slower)");
   app.add_option("--sweep-interval-s", sweep_interval_s, "Seconds between TTL/capacity sweeps")

@@ -601,7 +601,7 @@ void PrintReady(const Launcher& launch, const std::string& targets_path) {
 // Supervise: a process that exits is restarted after a backoff (doubling from
 // --restart-backoff-ms up to 16x, reset once it stayed up a whole window); more than
 // --max-restarts restarts of one process within --restart-window-s park it for a window (a
-// worker) or stop everything (the kvstore, the router). A restarted process is polled on each
+// worker, or the kvstore: a cache the workers serve without) or stop everything (the router). A restarted process is polled on each
 // pass until it is up (PollStart), so one slow start delays no other restart.
 class Supervisor {
  public:
@@ -615,8 +615,8 @@ class Supervisor {
         window_(std::chrono::seconds(o.restart_window_s)),
         backoff_min_(std::chrono::milliseconds(o.restart_backoff_ms)) {}
 
-  // Passes every 100 ms until shutdown is asked; the exit code (1 when the kvstore or the router
-  // ran out of restarts).
+  // Passes every 100 ms until shutdown is asked; the exit code (1 when the router ran out of
+  // restarts).
   int Run() {
     while (!runtime::WaitForShutdown(std::chrono::milliseconds(100))) {
       const auto now = Clock::now();
@@ -649,8 +649,9 @@ class Supervisor {
     }
     // (A worker back from a park always gets its one try, even with --max-restarts 0.)
     if (!c.parked && static_cast<int>(c.recent_restarts.size()) >= o_.max_restarts) {
-      if (c.pool.empty()) {
-        // Nothing serves without the kvstore or the router.
+      if (c.pool.empty() && c.name != "epd-kvstore") {
+        // Nothing serves without the router. (The kvstore is a cache: the workers serve without
+        // it, so it is parked like a worker.)
         std::cerr << "epd serve: " << c.name << " was restarted " << o_.max_restarts
                   << " times within " << o_.restart_window_s << " s; giving up and stopping. See "
                   << c.log_path << "\n";
@@ -712,9 +713,13 @@ class Supervisor {
           return other->pool == c.pool && !other->down;
         }));
     std::cerr << "epd serve: " << c.name << " was restarted " << o_.max_restarts << " times within "
-              << o_.restart_window_s << " s; parking it for " << o_.restart_window_s << " s ("
-              << running << " " << c.pool << " worker(s) still running). See " << c.log_path
-              << "\n";
+              << o_.restart_window_s << " s; parking it for " << o_.restart_window_s << " s (";
+    if (c.pool.empty()) {
+      std::cerr << "serving without the KV store meanwhile: no prefix reuse";
+    } else {
+      std::cerr << running << " " << c.pool << " worker(s) still running";
+    }
+    std::cerr << "). See " << c.log_path << "\n";
     c.parked = true;
     c.recent_restarts.clear();
     c.restart_at = now + window_;

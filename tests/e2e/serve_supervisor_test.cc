@@ -329,6 +329,40 @@ TEST(ServeSupervisorTest, AWorkerPastItsRestartBudgetIsParkedButTheRouterStopsEv
   EXPECT_TRUE(c.WaitNoChildren(std::chrono::seconds(30))) << c.ClusterPids().size();
 }
 
+// The kvstore is a cache: past its restart budget it is parked like a worker, not a reason to stop
+// everything, and the cluster keeps answering without it (issue 53: optional state degrades).
+TEST(ServeSupervisorTest, AKvstorePastItsRestartBudgetIsParkedAndTheClusterKeepsServing) {
+  constexpr int kWindowS = 30;
+  ServeCluster c({"--max-restarts", "1", "--restart-window-s", std::to_string(kWindowS)});
+  ASSERT_TRUE(c.WaitReady()) << c.Logs();
+  pid_t kv = c.Pid("epd-kvstore");
+  ASSERT_GT(kv, 0);
+  kill(kv, SIGKILL);
+  ASSERT_TRUE(c.WaitBack("epd-kvstore", kv, "grpc")) << c.Logs();
+  kv = c.Pid("epd-kvstore");
+  kill(kv, SIGKILL);
+  auto logged = [&](const std::string& what) {
+    return c.serve().ReadLog().find(what) != std::string::npos;
+  };
+  const std::string parked = "epd-kvstore was restarted 1 times within " +
+                             std::to_string(kWindowS) + " s; parking it for " +
+                             std::to_string(kWindowS) +
+                             " s (serving without the KV store meanwhile: no prefix reuse)";
+  for (int i = 0; i < 200 && !logged(parked); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(logged(parked)) << c.Logs();
+  EXPECT_TRUE(c.serve().running());
+  // Requests are answered with the kvstore down.
+  for (int i = 0; i < 2; ++i) {
+    Generation g = Generate(c.grpc_port(), Prompt(100, 4), 4);
+    ASSERT_TRUE(g.status.ok()) << g.status.error_message() << c.Logs();
+    EXPECT_FALSE(g.ids.empty());
+  }
+  EXPECT_TRUE(c.serve().running());
+  EXPECT_FALSE(logged("giving up and stopping")) << c.Logs();
+}
+
 // A restart whose process hangs while starting (a wedged GPU, a model load that never ends) holds
 // up no other restart: the supervisor polls starting processes instead of waiting for each. Here
 // the decode worker is a script (--worker-binary) that runs the real one the first time and hangs

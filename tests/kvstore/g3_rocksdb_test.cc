@@ -1,13 +1,18 @@
 // G3 RocksDB tier against a real RocksDB in a temp dir: persistence across reopen, TTL from the
 // stored write time (FakeClock) on read, sweep and compaction, capacity eviction, and corruption
-// of stored bytes (raw overwrite and on-disk SST byte flips) reported as a counted miss.
+// of stored bytes (raw overwrite and on-disk SST byte flips) reported as a counted miss; a corrupt
+// directory moved aside, and a full disk (a size-limited tmpfs, when the test may mount one) that
+// refuses puts, keeps serving gets and recovers when space returns.
 #include "kvstore/g3_rocksdb.h"
 
 #include <gtest/gtest.h>
+#include <sys/mount.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <thread>
 
 #include "rocksdb/db.h"
 #include "tests/kvstore/test_util.h"
@@ -171,6 +176,88 @@ TEST_F(G3Test, BytesFlippedInTheSstFileOnDiskAreAMissNotServed) {
   EXPECT_TRUE(r.value.empty());
   EXPECT_EQ(Metric("epd_kv_checksum_failures_total", {{"tier", "g3"}}), 1);
   EXPECT_EQ(Metric("epd_kv_misses_total", {{"tier", "g3"}, {"reason", "checksum"}}), 1);
+}
+
+
+// A directory RocksDB reports corrupt (its MANIFEST overwritten) is moved aside, kept, and the
+// store starts empty and works: the tier is a cache, so a damaged disk costs hits, not service.
+TEST_F(G3Test, ACorruptDirectoryIsMovedAsideAndTheStoreStartsEmpty) {
+  Open();
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(store_->Put(Key(i), Bytes(Payload(i, kValue))).ok());
+  store_.reset();
+  int manifests = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir_.File("g3"))) {
+    if (e.path().filename().string().rfind("MANIFEST-", 0) != 0) continue;
+    std::ofstream(e.path(), std::ios::binary | std::ios::trunc) << std::string(4096, '\x5a');
+    ++manifests;
+  }
+  ASSERT_GT(manifests, 0);
+  Open();
+  EXPECT_EQ(store_->stats().entries, 0u);
+  int aside = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir_.path())) {
+    aside += e.path().filename().string().rfind("g3.corrupt-", 0) == 0;
+  }
+  EXPECT_EQ(aside, 1);
+  ASSERT_TRUE(store_->Put(Key(7), Bytes(Payload(7, kValue))).ok());
+  EXPECT_EQ(store_->Get(Key(7)).value, Payload(7, kValue));
+}
+
+// A nearly full disk (a 24 MiB tmpfs, 16 MiB of it taken by a filler file, 2 MiB kept in reserve):
+// puts are refused with ResourceExhausted and counted before RocksDB meets the full disk, every
+// stored value is still served, and once the filler is deleted puts go through again. Needs
+// CAP_SYS_ADMIN for the mount (skipped otherwise).
+TEST_F(G3Test, AFullDiskRefusesPutsServesGetsAndRecoversWhenSpaceReturns) {
+  const std::string mnt = dir_.File("small");
+  std::filesystem::create_directories(mnt);
+  if (mount("tmpfs", mnt.c_str(), "tmpfs", 0, "size=24m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string at;
+    ~Unmount() { umount2(at.c_str(), MNT_DETACH); }
+  } unmount{mnt};
+  const std::string filler = mnt + "/filler";
+  std::ofstream(filler, std::ios::binary) << std::string(16u << 20, 'f');
+  G3Config c;
+  c.path = mnt + "/g3";
+  c.min_free_bytes = 2u << 20;
+  auto opened = G3RocksStore::Open(c, clock_, metrics_);
+  ASSERT_TRUE(opened.ok()) << opened.status();
+  store_ = std::move(*opened);
+  constexpr size_t kBig = 1u << 20;
+  int stored = 0;
+  absl::Status refused;
+  for (int i = 0; i < 64 && refused.ok(); ++i) {
+    refused = store_->Put(Key(i), Bytes(Payload(i, kBig)));
+    stored += refused.ok();
+  }
+  ASSERT_EQ(refused.code(), absl::StatusCode::kResourceExhausted) << refused;
+  EXPECT_NE(refused.message().find("full"), std::string_view::npos) << refused;
+  ASSERT_GT(stored, 0);
+  EXPECT_TRUE(store_->disk_full());
+  EXPECT_GE(Metric("epd_kv_bad_requests_total", {{"reason", "no_space"}}), 1);
+  // Gets are served while puts are refused.
+  for (int i = 0; i < stored; ++i) {
+    auto r = store_->Get(Key(i));
+    ASSERT_EQ(r.miss, MissReason::kNone) << i;
+    EXPECT_TRUE(r.value == Payload(i, kBig)) << i;  // (not EXPECT_EQ: no megabyte dumps)
+  }
+  EXPECT_EQ(store_->Put(Key(100), Bytes(Payload(100, kBig))).code(),
+            absl::StatusCode::kResourceExhausted);
+  // Space returns: puts go through again.
+  std::filesystem::remove(filler);
+  absl::Status again;
+  for (int i = 0; i < 150; ++i) {
+    again = store_->Put(Key(100), Bytes(Payload(100, kBig)));
+    if (again.ok()) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  EXPECT_TRUE(again.ok()) << again;
+  EXPECT_FALSE(store_->disk_full());
+  EXPECT_TRUE(store_->Get(Key(100)).value == Payload(100, kBig));
+  EXPECT_TRUE(store_->Get(Key(0)).value == Payload(0, kBig));
+  store_.reset();  // closed before the tmpfs goes
 }
 
 }  // namespace
