@@ -204,6 +204,11 @@ class Builder {
   int AnyObject() {
     if (any_object_ >= 0) return any_object_;
     const int value = AnyValue();
+    any_object_ = MapObject(value);
+    return any_object_;
+  }
+  // An object with any string keys, each value matching node `value`.
+  int MapObject(int value) {
     Node n;
     n.kind = NodeKind::kObject;
     n.open = Literal("{");
@@ -214,8 +219,7 @@ class Builder {
     n.colon = Literal(":");
     n.value = value;
     n.min_len = 2;
-    any_object_ = Add(std::move(n));
-    return any_object_;
+    return Add(std::move(n));
   }
 
   absl::Status Unsupported(std::string_view keyword, const std::string& path) {
@@ -575,17 +579,7 @@ class Builder {
         if (!s.contains("properties")) {  // a map (zod's record): any keys, one value schema
           auto value = Schema(s["additionalProperties"], path + ".additionalProperties");
           if (!value.ok()) return value.status();
-          Node n;
-          n.kind = NodeKind::kObject;
-          n.open = Literal("{");
-          n.close = Literal("}");
-          n.sep = Literal(",");
-          n.free_keys = true;
-          n.key = Leaf(NodeKind::kString, 2);
-          n.colon = Literal(":");
-          n.value = *value;
-          n.min_len = 2;
-          return Add(std::move(n));
+          return MapObject(*value);
         }
         if (!lenient_)
           return Unsupported("additionalProperties (as a schema, beside properties)", path);
