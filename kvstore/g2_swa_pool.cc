@@ -6,14 +6,15 @@
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "common/memory_limit.h"
 
 namespace epd::kvstore {
 
 uint64_t DefaultSwaCapacityBytes() {
-  const long pages = sysconf(_SC_PHYS_PAGES);
-  const long page_size = sysconf(_SC_PAGESIZE);
-  if (pages <= 0 || page_size <= 0) return 1ull << 30;  // 1 GiB when the OS will not say
-  return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size) / 10;
+  // A tenth of the memory this process may use (the cgroup's limit, if lower than the host's).
+  const int64_t usable = common::UsableMemoryBytes();
+  if (usable <= 0) return 1ull << 30;  // 1 GiB when the OS will not say
+  return static_cast<uint64_t>(usable) / 10;
 }
 
 absl::Status G2Config::Validate() const {

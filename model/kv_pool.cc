@@ -12,6 +12,7 @@
 
 #include "absl/hash/hash.h"
 #include "absl/strings/str_cat.h"
+#include "common/memory_limit.h"
 #include "common/status_macros.h"
 #include "kernels/format.h"
 
@@ -46,9 +47,10 @@ int64_t DefaultKvPoolCapacity(const kernels::Backend& backend, int64_t reserve_b
     const int64_t free = backend.free_memory_bytes();
     if (free > 0) return std::max<int64_t>(1, (free - reserve_bytes) / 10 * 9);
   }
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  if (pages <= 0 || page <= 0) return int64_t{8} << 30;
-  return static_cast<int64_t>(pages) * page / 4;
+  // A quarter of the memory this process may use (the cgroup's limit, if lower than the host's).
+  const int64_t usable = common::UsableMemoryBytes();
+  if (usable <= 0) return int64_t{8} << 30;
+  return usable / 4;
 }
 
 // ---------------------------------------------------------------- KvPool

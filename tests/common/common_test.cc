@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <sstream>
 
 #include "common/clock.h"
 #include "common/fingerprint.h"
 #include "common/hash.h"
+#include "common/memory_limit.h"
 #include "common/status_macros.h"
 
 namespace epd::common {
@@ -64,6 +69,31 @@ TEST(StatusMacrosTest, PropagateErrors) {
   auto s = UseHalf(3, &v);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   EXPECT_EQ(s.message(), "odd");
+}
+
+
+// Default sizes come from the memory the process may use: a cgroup limit's text parsed as the
+// kernel writes it (v2 "max", v1's page-rounded 2^63 for no limit), and the usable figure never
+// above the host's memory nor above this process's cgroup limit when it has one.
+TEST(MemoryLimitTest, CgroupLimitsAreParsedAndCapTheHostsMemory) {
+  EXPECT_EQ(ParseCgroupLimit("max\n"), std::nullopt);
+  EXPECT_EQ(ParseCgroupLimit("4294967296\n"), int64_t{4} << 30);
+  EXPECT_EQ(ParseCgroupLimit("9223372036854771712\n"), std::nullopt);  // v1: no limit
+  EXPECT_EQ(ParseCgroupLimit(""), std::nullopt);
+  EXPECT_EQ(ParseCgroupLimit("12x"), std::nullopt);
+  EXPECT_EQ(ParseCgroupLimit("-5"), std::nullopt);
+  const int64_t host = static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE);
+  const int64_t usable = UsableMemoryBytes();
+  EXPECT_GT(usable, 0);
+  EXPECT_LE(usable, host);
+  std::ifstream v2("/sys/fs/cgroup/memory.max");
+  if (v2) {
+    std::stringstream ss;
+    ss << v2.rdbuf();
+    if (auto limit = ParseCgroupLimit(ss.str())) {
+      EXPECT_LE(usable, *limit);
+    }
+  }
 }
 
 }  // namespace

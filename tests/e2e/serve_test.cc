@@ -21,6 +21,7 @@
 #include <string>
 #include <thread>
 
+#include "common/memory_limit.h"
 #include "httplib.h"
 #include "nlohmann/json.hpp"
 #include "tests/e2e/serve_cluster.h"
@@ -233,8 +234,7 @@ TEST(ServeTest, DecodeWorkersOnOneHostSplitItsDefaultKvPool) {
   ServeCluster cluster({"--decodes", "2"});
   Subprocess& serve = cluster.serve();
   ASSERT_TRUE(cluster.WaitReady()) << cluster.Logs();
-  const int64_t quarter =
-      static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 4;  // one worker's
+  const int64_t quarter = epd::common::UsableMemoryBytes() / 4;  // one worker's (cgroup-aware)
   for (const char* name : {"epd-decode-0", "epd-decode-1"}) {
     const auto port = cluster.Published(name, "metrics");
     ASSERT_TRUE(port.has_value()) << name;

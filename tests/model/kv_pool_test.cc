@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/memory_limit.h"
 #include "kernels/backend.h"
 #include "kernels/format.h"
 #include "model/model.h"
@@ -688,8 +689,7 @@ TEST(KvPoolTest, ADevicePoolSharesABlockOnlyOnTheCallersComparison) {
 // A worker's default pool capacity: from the device's free memory on a device backend (less the
 // scratch reserve and a tenth), else a quarter of the host's memory.
 TEST(KvPoolTest, TheDefaultCapacityComesFromTheBackendsMemory) {
-  const int64_t host_quarter =
-      static_cast<int64_t>(sysconf(_SC_PHYS_PAGES)) * sysconf(_SC_PAGE_SIZE) / 4;
+  const int64_t host_quarter = common::UsableMemoryBytes() / 4;  // the host's, or the cgroup's
   auto host = kernels::MakeCpuBackend();
   EXPECT_EQ(DefaultKvPoolCapacity(*host, 256 << 20), host_quarter);
   const int64_t free = int64_t{100} << 30, reserve = int64_t{256} << 20;
